@@ -1,0 +1,43 @@
+// dp/error.h — the exception types every dp entry point throws.
+// A library throws (it never aborts the embedding process); destructors never throw.
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace dp {
+
+// Base of every error dp raises. The message is complete on its own: it names the device,
+// the request or the file involved, so a caller can print e.what() and exit.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A device allocation that would exceed the device's capacity (sim) or that the driver refused (cuda).
+class OutOfMemory : public Error {
+ public:
+  OutOfMemory(int device, std::size_t requested, std::size_t in_use, std::size_t capacity);
+  int device() const noexcept { return device_; }
+  std::size_t requested() const noexcept { return requested_; }
+
+ private:
+  int device_;
+  std::size_t requested_;
+};
+
+// An operation touched memory that does not live on the device of the stream it runs on
+// (a real GPU faults or reads garbage; the simulator refuses it before it runs).
+class DeviceMismatch : public Error {
+ public:
+  using Error::Error;
+};
+
+// A bad argument or configuration (shape, size, device index, option value).
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace dp

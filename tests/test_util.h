@@ -1,0 +1,73 @@
+// test_util.h — shared helpers: runtimes per backend (skipping without a GPU), host<->device vectors.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dp/device.h"
+
+namespace dp::test {
+
+// A runtime of the named backend, or nullptr after GTEST_SKIP when that backend cannot run here.
+inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int sim_devices = 2) {
+  if (backend == "cuda" && Runtime::cuda_device_count() == 0) return nullptr;
+  RuntimeOptions options;
+  options.backend = backend;
+  options.sim_devices = sim_devices;
+  return Runtime::create(options);
+}
+
+#define DP_RUNTIME_OR_SKIP(var, backend, ...)                                                  \
+  auto var = ::dp::test::runtime_or_skip(backend, ##__VA_ARGS__);                              \
+  if (!var) GTEST_SKIP() << "no CUDA device: " << (::dp::Runtime::cuda_compiled()              \
+                                                       ? "cudaGetDeviceCount found no usable GPU" \
+                                                       : "dp was built without the cuda backend")
+
+template <class T>
+DeviceBuffer upload(Device& device, const Stream& stream, const std::vector<T>& host) {
+  DeviceBuffer buffer = device.allocate(host.size() * sizeof(T));
+  stream.copy(buffer.data(), host.data(), buffer.size());
+  return buffer;
+}
+
+template <class T>
+std::vector<T> download(const Stream& stream, const DeviceBuffer& buffer) {
+  std::vector<T> host(buffer.size() / sizeof(T));
+  stream.copy(host.data(), buffer.data(), buffer.size());  // pageable destination: returns when written
+  return host;
+}
+
+inline std::vector<float> random_vector(std::size_t n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+// |got - want| <= atol + rtol*|want| everywhere; reports the first mismatching indices.
+inline ::testing::AssertionResult all_close(const std::vector<float>& got, const std::vector<float>& want,
+                                            double rtol, double atol) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "size " << got.size() << " != " << want.size();
+  int shown = 0;
+  std::size_t bad = 0;
+  std::string detail;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double diff = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(diff <= atol + rtol * std::fabs(static_cast<double>(want[i])))) {
+      ++bad;
+      if (shown++ < 5)
+        detail += " [" + std::to_string(i) + "] got " + std::to_string(got[i]) + " want " + std::to_string(want[i]);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << got.size() << " elements differ:" << detail;
+}
+
+}  // namespace dp::test
