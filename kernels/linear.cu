@@ -1,0 +1,1 @@
+// linear.cu (being written)

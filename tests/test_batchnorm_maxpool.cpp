@@ -1,0 +1,2 @@
+// test_batchnorm_maxpool.cpp (being written)
+#include <gtest/gtest.h>

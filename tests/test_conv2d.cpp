@@ -1,0 +1,2 @@
+// test_conv2d.cpp (being written)
+#include <gtest/gtest.h>

@@ -1,0 +1,2 @@
+// test_loss_optimizer.cpp (being written)
+#include <gtest/gtest.h>
