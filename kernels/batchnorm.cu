@@ -1,2 +1,126 @@
-// batchnorm.cu — launchers for kernels/batchnorm.h (being written).
+// batchnorm.cu — launchers for kernels/batchnorm.h: two split reductions for the batch statistics
+// (mean, then centred moments), one for the backward sums, elementwise passes for y and dx.
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "dp/error.h"
 #include "kernels/batchnorm.h"
+#include "kernels/launch.h"
+
+namespace dp::kernels {
+namespace {
+
+std::string describe(const BatchNormShape& s) {
+  return "(N=" + std::to_string(s.n) + ", C=" + std::to_string(s.c) + ", H=" + std::to_string(s.h) +
+         ", W=" + std::to_string(s.w) + ")";
+}
+
+void check_shape(const char* name, const BatchNormShape& s) {
+  if (s.n < 0 || s.c < 0 || s.h < 0 || s.w < 0)
+    throw InvalidArgument(std::string(name) + ": negative extent in shape " + describe(s));
+}
+
+// Training statistics need two values per channel (see batchnorm.h), and the backward parks its
+// two sums per channel in dx (BnStoreGradSums), which needs them too.
+void check_training_count(const char* name, const BatchNormShape& s) {
+  check_shape(name, s);
+  const index_t count = static_cast<index_t>(s.n) * s.h * s.w;
+  if (s.c > 0 && count < 2)
+    throw InvalidArgument(std::string(name) + ": expected more than 1 value per channel when training, got shape " +
+                          describe(s));
+}
+
+// A null pointer would fail the sim's operand check as "not device memory" and fault on cuda;
+// name it instead.
+using NamedPointers = std::initializer_list<std::pair<const char*, const void*>>;
+void check_present(const char* name, NamedPointers pointers) {
+  for (const auto& [what, ptr] : pointers)
+    if (ptr == nullptr) throw InvalidArgument(std::string(name) + ": " + what + " is null");
+}
+
+}  // namespace
+
+void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                             const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+                             float* running_var, std::int64_t* num_batches_tracked) {
+  const char* name = "batchnorm_forward_train";
+  check_training_count(name, shape);
+  check_present(name, {{"x", x},
+                       {"gamma", gamma},
+                       {"beta", beta},
+                       {"y", y},
+                       {"save_mean", save_mean},
+                       {"save_invstd", save_invstd},
+                       {"running_mean", running_mean},
+                       {"running_var", running_var},
+                       {"num_batches_tracked", num_batches_tracked}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+
+  launch_row_reduce<float>(stream, "batchnorm_mean", c, count, BnChannelValue{at, x},
+                           BnStoreMean{save_mean, 1.0f / static_cast<float>(count)},
+                           {operand(x, total), operand(save_mean, c)});
+  launch_row_reduce<SumPair>(stream, "batchnorm_variance", c, count, BnCenteredMoments{at, x, save_mean},
+                             BnStoreVariance{save_mean, save_invstd, running_mean, running_var,
+                                             static_cast<float>(count), shape.eps, shape.momentum},
+                             {operand(x, total), operand(save_mean, c), operand(save_invstd, c),
+                              operand(running_mean, c), operand(running_var, c)});
+  launch(stream, "batchnorm_normalize", total, BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+         {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
+          operand(y, total)});
+  launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
+}
+
+void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                            const float* beta, const float* running_mean, const float* running_var, float* y) {
+  const char* name = "batchnorm_forward_eval";
+  check_shape(name, shape);
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t total = static_cast<index_t>(shape.n) * c * plane;
+  if (total == 0) return;
+  check_present(name, {{"x", x},
+                       {"gamma", gamma},
+                       {"beta", beta},
+                       {"running_mean", running_mean},
+                       {"running_var", running_var},
+                       {"y", y}});
+  launch(stream, "batchnorm_forward_eval", total,
+         BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
+         {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
+          operand(y, total)});
+}
+
+void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                        const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
+                        float* dbeta) {
+  const char* name = "batchnorm_backward";
+  check_training_count(name, shape);
+  check_present(name, {{"x", x},
+                       {"gamma", gamma},
+                       {"save_mean", save_mean},
+                       {"save_invstd", save_invstd},
+                       {"dy", dy},
+                       {"dgamma", dgamma},
+                       {"dbeta", dbeta}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+
+  launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
+                             BnGradTerms{at, x, dy, save_mean, save_invstd}, BnStoreGradSums{at, dgamma, dbeta, dx},
+                             {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
+                              operand(dgamma, c), operand(dbeta, c), operand(dx, dx ? total : 0)});
+  if (dx == nullptr) return;
+  const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
+  // Order matters: every other element reads the parked sums before their slots are overwritten.
+  launch(stream, "batchnorm_backward_dx", total, BnInputGrad{at, term, dx},
+         {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
+          operand(dx, total)});
+  launch(stream, "batchnorm_backward_dx_slots", c, BnInputGradSlots{at, term, dx},
+         {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
+          operand(dx, total)});
+}
+
+}  // namespace dp::kernels

@@ -1,2 +1,513 @@
-// test_batchnorm_maxpool.cpp (being written)
+// test_batchnorm_maxpool.cpp — BatchNorm2d and MaxPool2d against plain host loops (in double) and
+// finite differences, on every backend; expected edge-case values were taken from torch 1.13 (CPU).
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "dp/device.h"
+#include "dp/error.h"
+#include "kernels/batchnorm.h"
+#include "kernels/maxpool.h"
+#include "test_util.h"
+
+namespace dp {
+namespace {
+
+using kernels::BatchNormShape;
+using kernels::MaxPoolShape;
+using test::all_close;
+using test::download;
+using test::random_vector;
+using test::upload;
+
+class LayerTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    runtime_ = test::runtime_or_skip(GetParam(), 2);
+    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
+    // Device 1, not 0: catches code that silently assumes the first device.
+    device_ = &runtime_->device(1);
+    stream_ = device_->create_stream();
+  }
+  template <class T>
+  DeviceBuffer up(const std::vector<T>& host) {
+    return upload(*device_, stream_, host);
+  }
+  template <class T>
+  std::vector<T> down(const DeviceBuffer& buffer) {
+    return download<T>(stream_, buffer);
+  }
+  std::unique_ptr<Runtime> runtime_;
+  Device* device_ = nullptr;
+  Stream stream_;
+};
+class BatchNormTest : public LayerTest {};
+class MaxPoolTest : public LayerTest {};
+
+INSTANTIATE_TEST_SUITE_P(Backends, BatchNormTest, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Backends, MaxPoolTest, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
+
+// ------------------------------------------------------------------------------------------------
+// BatchNorm2d host reference, in double
+
+std::size_t bn_size(const BatchNormShape& s) { return static_cast<std::size_t>(s.n) * s.c * s.h * s.w; }
+std::size_t bn_count(const BatchNormShape& s) { return static_cast<std::size_t>(s.n) * s.h * s.w; }
+
+// Flat NCHW indices of channel c's values.
+std::vector<std::size_t> channel_indices(const BatchNormShape& s, int c) {
+  std::vector<std::size_t> out;
+  const std::size_t plane = static_cast<std::size_t>(s.h) * s.w;
+  for (int n = 0; n < s.n; ++n)
+    for (std::size_t k = 0; k < plane; ++k) out.push_back((static_cast<std::size_t>(n) * s.c + c) * plane + k);
+  return out;
+}
+
+struct BnReference {
+  std::vector<double> mean, var;  // batch mean and biased variance per channel
+  std::vector<double> y;
+};
+
+BnReference bn_reference(const BatchNormShape& s, const std::vector<float>& x, const std::vector<float>& gamma,
+                         const std::vector<float>& beta) {
+  BnReference r{std::vector<double>(s.c), std::vector<double>(s.c), std::vector<double>(x.size())};
+  const double m = static_cast<double>(bn_count(s));
+  for (int c = 0; c < s.c; ++c) {
+    const auto idx = channel_indices(s, c);
+    for (auto i : idx) r.mean[c] += x[i];
+    r.mean[c] /= m;
+    for (auto i : idx) r.var[c] += (x[i] - r.mean[c]) * (x[i] - r.mean[c]);
+    r.var[c] /= m;
+    for (auto i : idx) r.y[i] = (x[i] - r.mean[c]) / std::sqrt(r.var[c] + s.eps) * gamma[c] + beta[c];
+  }
+  return r;
+}
+
+struct BnGradReference {
+  std::vector<double> dx, dgamma, dbeta;
+};
+
+BnGradReference bn_grad_reference(const BatchNormShape& s, const std::vector<float>& x, const std::vector<float>& gamma,
+                                  const std::vector<float>& dy) {
+  const BnReference f = bn_reference(s, x, gamma, std::vector<float>(s.c, 0.0f));
+  BnGradReference g{std::vector<double>(x.size()), std::vector<double>(s.c), std::vector<double>(s.c)};
+  const double m = static_cast<double>(bn_count(s));
+  for (int c = 0; c < s.c; ++c) {
+    const auto idx = channel_indices(s, c);
+    const double invstd = 1.0 / std::sqrt(f.var[c] + s.eps);
+    for (auto i : idx) {
+      g.dbeta[c] += dy[i];
+      g.dgamma[c] += dy[i] * (x[i] - f.mean[c]) * invstd;
+    }
+    for (auto i : idx) {
+      const double xhat = (x[i] - f.mean[c]) * invstd;
+      g.dx[i] = gamma[c] * invstd / m * (m * dy[i] - g.dbeta[c] - xhat * g.dgamma[c]);
+    }
+  }
+  return g;
+}
+
+// Every buffer one BatchNorm2d layer needs on the device, in PyTorch's initial state.
+struct BnBuffers {
+  BnBuffers(Device& device, const Stream& stream, const BatchNormShape& s, const std::vector<float>& gamma_h,
+            const std::vector<float>& beta_h)
+      : gamma(upload(device, stream, gamma_h)),
+        beta(upload(device, stream, beta_h)),
+        y(device.allocate(bn_size(s) * sizeof(float))),
+        save_mean(device.allocate(s.c * sizeof(float))),
+        save_invstd(device.allocate(s.c * sizeof(float))),
+        running_mean(upload(device, stream, std::vector<float>(s.c, 0.0f))),
+        running_var(upload(device, stream, std::vector<float>(s.c, 1.0f))),
+        tracked(upload(device, stream, std::vector<std::int64_t>{0})) {}
+  void train(const Stream& stream, const BatchNormShape& s, const DeviceBuffer& x) {
+    kernels::batchnorm_forward_train(stream, s, x.as<float>(), gamma.as<float>(), beta.as<float>(), y.as<float>(),
+                                     save_mean.as<float>(), save_invstd.as<float>(), running_mean.as<float>(),
+                                     running_var.as<float>(), tracked.as<std::int64_t>());
+  }
+  DeviceBuffer gamma, beta, y, save_mean, save_invstd, running_mean, running_var, tracked;
+};
+
+// Inputs with a per-channel offset and scale, so that the statistics are not those of a standard
+// normal and the variance has a mean to cancel (offset 3 against spread ~1).
+std::vector<float> bn_input(const BatchNormShape& s, unsigned seed) {
+  std::vector<float> x = random_vector(bn_size(s), seed);
+  for (int c = 0; c < s.c; ++c)
+    for (auto i : channel_indices(s, c)) x[i] = 3.0f + 0.5f * static_cast<float>(c) + (1.0f + 0.25f * c) * x[i];
+  return x;
+}
+
+// Shapes: a single sample, the brief's 3-channel 5x5, a one-pixel plane (each channel's first two
+// values lie in different samples), an odd one, and a large MNIST-like one (6272 values a channel).
+const BatchNormShape kBnShapes[] = {{1, 3, 5, 5}, {4, 3, 1, 1}, {3, 5, 3, 7}, {8, 2, 28, 28}};
+
+TEST_P(BatchNormTest, TrainingForwardBackwardRunningStatsAndEval) {
+  unsigned seed = 100;
+  for (const BatchNormShape& s : kBnShapes) {
+    SCOPED_TRACE(::testing::Message() << "shape " << s.n << "x" << s.c << "x" << s.h << "x" << s.w);
+    const auto gamma = random_vector(s.c, ++seed, 0.5f, 1.5f), beta = random_vector(s.c, ++seed);
+    BnBuffers bn(*device_, stream_, s, gamma, beta);
+    const auto x1 = bn_input(s, ++seed), x2 = bn_input(s, ++seed);
+    DeviceBuffer x1_dev = up(x1), x2_dev = up(x2);
+    bn.train(stream_, s, x1_dev);
+    bn.train(stream_, s, x2_dev);
+
+    // y and the saved statistics of the second call. fp32 sums of M <= 6272 values |x| <= 5,
+    // split over 256 lanes, lose ~1e-6 relative; y = xhat*gamma + beta is O(1): 1e-5 + 1e-4 rel.
+    const BnReference r1 = bn_reference(s, x1, gamma, beta), r2 = bn_reference(s, x2, gamma, beta);
+    EXPECT_TRUE(all_close(down<float>(bn.y), to_float(r2.y), 1e-4, 1e-5));
+    EXPECT_TRUE(all_close(down<float>(bn.save_mean), to_float(r2.mean), 1e-5, 1e-6));
+    std::vector<double> invstd(s.c);
+    for (int c = 0; c < s.c; ++c) invstd[c] = 1.0 / std::sqrt(r2.var[c] + s.eps);
+    EXPECT_TRUE(all_close(down<float>(bn.save_invstd), to_float(invstd), 1e-4, 0.0));
+
+    // Running statistics after two momentum steps from (0, 1); running_var takes the unbiased variance.
+    const double m = static_cast<double>(bn_count(s)), mo = s.momentum;
+    std::vector<double> rm(s.c), rv(s.c);
+    for (int c = 0; c < s.c; ++c) {
+      rm[c] = (1 - mo) * ((1 - mo) * 0.0 + mo * r1.mean[c]) + mo * r2.mean[c];
+      rv[c] = (1 - mo) * ((1 - mo) * 1.0 + mo * r1.var[c] * m / (m - 1)) + mo * r2.var[c] * m / (m - 1);
+    }
+    EXPECT_TRUE(all_close(down<float>(bn.running_mean), to_float(rm), 1e-5, 1e-6));
+    EXPECT_TRUE(all_close(down<float>(bn.running_var), to_float(rv), 1e-4, 1e-6));
+    EXPECT_EQ(down<std::int64_t>(bn.tracked), std::vector<std::int64_t>{2});
+
+    // Backward of the second call, accumulating into nonzero grads. dgamma/dbeta are sums of M
+    // terms |dy*xhat| <~ 2: fp32 error ~ sqrt(M)*eps*2 per lane tree, far under 1e-4 + 1e-4 rel.
+    const auto dy = random_vector(bn_size(s), ++seed);
+    const std::vector<float> g0(s.c, 0.25f), b0(s.c, -0.5f);
+    DeviceBuffer ddy = up(dy), dgamma = up(g0), dbeta = up(b0), dx = device_->allocate(bn_size(s) * sizeof(float));
+    kernels::batchnorm_backward(stream_, s, x2_dev.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
+                                bn.save_invstd.as<float>(), ddy.as<float>(), dx.as<float>(), dgamma.as<float>(),
+                                dbeta.as<float>());
+    BnGradReference g = bn_grad_reference(s, x2, gamma, dy);
+    for (int c = 0; c < s.c; ++c) {
+      g.dgamma[c] += g0[c];
+      g.dbeta[c] += b0[c];
+    }
+    EXPECT_TRUE(all_close(down<float>(dx), to_float(g.dx), 1e-4, 1e-5));
+    EXPECT_TRUE(all_close(down<float>(dgamma), to_float(g.dgamma), 1e-4, 1e-4));
+    EXPECT_TRUE(all_close(down<float>(dbeta), to_float(g.dbeta), 1e-4, 1e-4));
+
+    // Eval: the running statistics just checked, applied to a fresh input.
+    const auto x3 = bn_input(s, ++seed);
+    DeviceBuffer x3_dev = up(x3), y3 = device_->allocate(bn_size(s) * sizeof(float));
+    kernels::batchnorm_forward_eval(stream_, s, x3_dev.as<float>(), bn.gamma.as<float>(), bn.beta.as<float>(),
+                                    bn.running_mean.as<float>(), bn.running_var.as<float>(), y3.as<float>());
+    const auto rm_dev = down<float>(bn.running_mean), rv_dev = down<float>(bn.running_var);
+    std::vector<double> want(x3.size());
+    for (int c = 0; c < s.c; ++c)
+      for (auto i : channel_indices(s, c))
+        want[i] = (x3[i] - rm_dev[c]) / std::sqrt(static_cast<double>(rv_dev[c]) + s.eps) * gamma[c] + beta[c];
+    // Two momentum steps leave the running stats near (0.6, 0.9), far from the batch's: |y| ~ 3..6.
+    EXPECT_TRUE(all_close(down<float>(y3), to_float(want), 1e-5, 1e-5));
+  }
+}
+
+// Central differences of L = sum(y * r) against the backward with dy = r, through the kernels'
+// own fp32 forward. Step 3e-3: y is rounded to ~1e-7 relative, so over 24 terms L carries ~1e-6
+// of noise, /(2h) ~ 2e-4; the O(h^2) truncation with invstd ~ 1 and M = 12 is of the same order.
+// Tolerance 2e-3 + 1e-2 relative leaves a margin of ~5 over both, yet misses any wrong term
+// (each is O(0.1..1)). dbeta is linear in L: its differences are exact up to the rounding noise.
+TEST_P(BatchNormTest, GradientsMatchFiniteDifferences) {
+  const BatchNormShape s{2, 3, 2, 3};
+  const auto x = bn_input(s, 7), gamma = random_vector(s.c, 8, 0.5f, 1.5f), beta = random_vector(s.c, 9);
+  const auto r = random_vector(bn_size(s), 10);
+  BnBuffers bn(*device_, stream_, s, gamma, beta);
+  auto loss = [&](const std::vector<float>& xv, const std::vector<float>& gv, const std::vector<float>& bv) {
+    DeviceBuffer xv_dev = up(xv), dg = up(gv), db = up(bv);
+    kernels::batchnorm_forward_train(stream_, s, xv_dev.as<float>(), dg.as<float>(), db.as<float>(), bn.y.as<float>(),
+                                     bn.save_mean.as<float>(), bn.save_invstd.as<float>(), bn.running_mean.as<float>(),
+                                     bn.running_var.as<float>(), bn.tracked.as<std::int64_t>());
+    const auto y = down<float>(bn.y);
+    double l = 0.0;
+    for (std::size_t i = 0; i < y.size(); ++i) l += static_cast<double>(y[i]) * r[i];
+    return l;
+  };
+  // Central difference along one coordinate of v; the step is the float actually stored.
+  const float h = 3e-3f;
+  auto central = [&](std::vector<float> v, std::size_t i, auto&& eval) {
+    const float base = v[i];
+    v[i] = base + h;
+    const double up_loss = eval(v), up_at = v[i];
+    v[i] = base - h;
+    const double down_loss = eval(v), down_at = v[i];
+    return (up_loss - down_loss) / (up_at - down_at);
+  };
+
+  // Analytic gradients: forward once more at x (sets the saved statistics), backward with dy = r.
+  loss(x, gamma, beta);
+  DeviceBuffer x_dev = up(x), dr = up(r), dgamma = up(std::vector<float>(s.c, 0.0f)),
+               dbeta = up(std::vector<float>(s.c, 0.0f)), dx = device_->allocate(bn_size(s) * sizeof(float));
+  kernels::batchnorm_backward(stream_, s, x_dev.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
+                              bn.save_invstd.as<float>(), dr.as<float>(), dx.as<float>(), dgamma.as<float>(),
+                              dbeta.as<float>());
+  const auto gx = down<float>(dx), gg = down<float>(dgamma), gb = down<float>(dbeta);
+
+  std::vector<double> fx(x.size()), fg(s.c), fb(s.c);
+  for (std::size_t i = 0; i < x.size(); ++i)
+    fx[i] = central(x, i, [&](const std::vector<float>& v) { return loss(v, gamma, beta); });
+  for (int c = 0; c < s.c; ++c) {
+    fg[c] = central(gamma, c, [&](const std::vector<float>& v) { return loss(x, v, beta); });
+    fb[c] = central(beta, c, [&](const std::vector<float>& v) { return loss(x, gamma, v); });
+  }
+  EXPECT_TRUE(all_close(gx, to_float(fx), 1e-2, 2e-3));
+  EXPECT_TRUE(all_close(gg, to_float(fg), 1e-2, 2e-3));
+  EXPECT_TRUE(all_close(gb, to_float(fb), 1e-2, 2e-3));
+}
+
+// PyTorch accumulates .grad: a second backward adds the same sums again (exactly: 0 + s + s = 2s),
+// while dx is overwritten with the same values. Without dx, only the parameter grads move.
+TEST_P(BatchNormTest, BackwardAccumulatesParameterGradients) {
+  const BatchNormShape s{4, 3, 6, 5};
+  const auto x = bn_input(s, 20), gamma = random_vector(s.c, 21, 0.5f, 1.5f), dy = random_vector(bn_size(s), 22);
+  BnBuffers bn(*device_, stream_, s, gamma, std::vector<float>(s.c, 0.0f));
+  DeviceBuffer x_dev = up(x), ddy = up(dy), dgamma = up(std::vector<float>(s.c, 0.0f)),
+               dbeta = up(std::vector<float>(s.c, 0.0f)), dx = device_->allocate(bn_size(s) * sizeof(float));
+  bn.train(stream_, s, x_dev);
+  auto backward = [&](float* dx_or_null) {
+    kernels::batchnorm_backward(stream_, s, x_dev.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
+                                bn.save_invstd.as<float>(), ddy.as<float>(), dx_or_null, dgamma.as<float>(),
+                                dbeta.as<float>());
+  };
+  backward(dx.as<float>());
+  const auto g1 = down<float>(dgamma), b1 = down<float>(dbeta), dx_first = down<float>(dx);
+  backward(dx.as<float>());
+  std::vector<float> g2 = g1, b2 = b1;
+  for (auto& v : g2) v *= 2.0f;
+  for (auto& v : b2) v *= 2.0f;
+  EXPECT_EQ(down<float>(dgamma), g2);
+  EXPECT_EQ(down<float>(dbeta), b2);
+  EXPECT_EQ(down<float>(dx), dx_first);
+  backward(nullptr);
+  for (int c = 0; c < s.c; ++c) {
+    g2[c] += g1[c];
+    b2[c] += b1[c];
+  }
+  EXPECT_EQ(down<float>(dgamma), g2);
+  EXPECT_EQ(down<float>(dbeta), b2);
+}
+
+// One value per channel cannot be trained on (torch.nn.BatchNorm2d raises the same); operands
+// of another device are refused before anything runs.
+TEST_P(BatchNormTest, RejectsSingleValueChannelsAndForeignOperands) {
+  const BatchNormShape one{1, 2, 1, 1};
+  BnBuffers bn(*device_, stream_, one, {1.0f, 1.0f}, {0.0f, 0.0f});
+  DeviceBuffer x = up(std::vector<float>{1.0f, 2.0f});
+  EXPECT_THROW(bn.train(stream_, one, x), InvalidArgument);
+  EXPECT_EQ(down<std::int64_t>(bn.tracked), std::vector<std::int64_t>{0});
+
+  if (GetParam() != "sim") return;
+  const BatchNormShape s{2, 2, 2, 2};
+  BnBuffers local(*device_, stream_, s, {1.0f, 1.0f}, {0.0f, 0.0f});
+  DeviceBuffer other = runtime_->device(0).allocate(bn_size(s) * sizeof(float));
+  EXPECT_THROW(local.train(stream_, s, other), DeviceMismatch);
+  DeviceBuffer mine = up(std::vector<float>(bn_size(s), 1.0f)), dx = device_->allocate(bn_size(s) * sizeof(float)),
+               dgamma = up(std::vector<float>(s.c, 0.0f)), dbeta = up(std::vector<float>(s.c, 0.0f));
+  EXPECT_THROW(kernels::batchnorm_backward(stream_, s, mine.as<float>(), local.gamma.as<float>(),
+                                           local.save_mean.as<float>(), local.save_invstd.as<float>(),
+                                           other.as<float>(), dx.as<float>(), dgamma.as<float>(), dbeta.as<float>()),
+               DeviceMismatch);
+  EXPECT_EQ(down<float>(dgamma), std::vector<float>(s.c, 0.0f));  // refused before it ran
+  EXPECT_THROW(
+      kernels::batchnorm_forward_eval(stream_, s, mine.as<float>(), local.gamma.as<float>(), local.beta.as<float>(),
+                                      local.running_mean.as<float>(), local.running_var.as<float>(), other.as<float>()),
+      DeviceMismatch);
+}
+
+// ------------------------------------------------------------------------------------------------
+// MaxPool2d host reference: every window position, padding as -inf, PyTorch's `v > max || isnan(v)`.
+
+std::size_t pool_in(const MaxPoolShape& s) { return static_cast<std::size_t>(s.n) * s.c * s.h * s.w; }
+std::size_t pool_out(const MaxPoolShape& s) { return static_cast<std::size_t>(s.n) * s.c * s.h_out() * s.w_out(); }
+
+struct PoolReference {
+  std::vector<float> y;
+  std::vector<std::int32_t> argmax;
+};
+
+PoolReference pool_reference(const MaxPoolShape& s, const std::vector<float>& x) {
+  PoolReference r{std::vector<float>(pool_out(s)), std::vector<std::int32_t>(pool_out(s))};
+  const int ho = s.h_out(), wo = s.w_out();
+  std::size_t o = 0;
+  for (int nc = 0; nc < s.n * s.c; ++nc)
+    for (int oh = 0; oh < ho; ++oh)
+      for (int ow = 0; ow < wo; ++ow, ++o) {
+        float best = -std::numeric_limits<float>::infinity();
+        int at = -1;
+        for (int kh = 0; kh < s.kernel; ++kh)
+          for (int kw = 0; kw < s.kernel; ++kw) {
+            const int ih = oh * s.stride - s.pad + kh, iw = ow * s.stride - s.pad + kw;
+            if (ih < 0 || ih >= s.h || iw < 0 || iw >= s.w) continue;  // padding: -inf, never chosen
+            const float v = x[static_cast<std::size_t>(nc) * s.h * s.w + ih * s.w + iw];
+            if (at < 0 || v > best || std::isnan(v)) {
+              best = v;
+              at = ih * s.w + iw;
+            }
+          }
+        r.y[o] = best;
+        r.argmax[o] = at;
+      }
+  return r;
+}
+
+// The scatter PyTorch's CPU backward does, output by output in row-major order: the same order in
+// which the kernel's gather meets each input's contributions, so the sums agree bit for bit.
+std::vector<float> pool_grad_reference(const MaxPoolShape& s, const std::vector<std::int32_t>& argmax,
+                                       const std::vector<float>& dy) {
+  std::vector<float> dx(pool_in(s), 0.0f);
+  const std::size_t plane_out = static_cast<std::size_t>(s.h_out()) * s.w_out();
+  for (std::size_t o = 0; o < dy.size(); ++o)
+    dx[o / plane_out * s.h * s.w + static_cast<std::size_t>(argmax[o])] += dy[o];
+  return dx;
+}
+
+// Shapes: MNIST 28x28 with 2x2/2; odd 7x5 (the last row and column are dropped); overlapping
+// 3x3/2 pad 1 on even and odd sizes; stride 1 (every input in up to 9 windows); a whole-plane window.
+const MaxPoolShape kPoolShapes[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 28, 28, 3, 2, 1},
+                                    {1, 2, 7, 5, 3, 2, 1},   {1, 2, 6, 7, 3, 1, 1}, {2, 1, 4, 3, 3, 3, 0}};
+
+TEST_P(MaxPoolTest, ForwardAndBackwardMatchHostLoops) {
+  unsigned seed = 200;
+  for (const MaxPoolShape& s : kPoolShapes) {
+    SCOPED_TRACE(::testing::Message() << "shape " << s.n << "x" << s.c << "x" << s.h << "x" << s.w << " k" << s.kernel
+                                      << " s" << s.stride << " p" << s.pad);
+    // Values on a coarse grid: many exact ties, which must resolve as PyTorch resolves them.
+    std::vector<float> x = random_vector(pool_in(s), ++seed);
+    for (auto& v : x) v = std::round(v * 4.0f) / 4.0f;
+    const auto dy = random_vector(pool_out(s), ++seed);
+    DeviceBuffer x_dev = up(x), ddy = up(dy), y = device_->allocate(pool_out(s) * sizeof(float)),
+                 argmax = device_->allocate(pool_out(s) * sizeof(std::int32_t)),
+                 dx = up(std::vector<float>(pool_in(s), 99.0f));  // overwritten, not accumulated
+    kernels::maxpool_forward(stream_, s, x_dev.as<float>(), y.as<float>(), argmax.as<std::int32_t>());
+    kernels::maxpool_backward(stream_, s, argmax.as<std::int32_t>(), ddy.as<float>(), dx.as<float>());
+    const PoolReference r = pool_reference(s, x);
+    EXPECT_EQ(down<float>(y), r.y);
+    EXPECT_EQ(down<std::int32_t>(argmax), r.argmax);
+    EXPECT_EQ(down<float>(dx), pool_grad_reference(s, r.argmax, dy));
+  }
+}
+
+// Expected values from torch.nn.functional.max_pool2d(..., return_indices=True), torch 1.13 CPU.
+TEST_P(MaxPoolTest, TiesNanAndInfinityFollowPyTorch) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    MaxPoolShape shape;
+    std::vector<float> x;
+    std::vector<std::int32_t> argmax;
+  };
+  const Case cases[] = {
+      {{1, 1, 2, 2, 2, 2, 0}, {1, 5, 5, 2}, {1}},                             // equal maxima: the first in scan order
+      {{1, 1, 2, 2, 2, 2, 0}, {1, nan, 3, 2}, {1}},                           // NaN wins over larger values
+      {{1, 1, 2, 2, 2, 2, 0}, {nan, 1, nan, 2}, {2}},                         // ... and a later NaN over an earlier one
+      {{1, 1, 2, 3, 3, 2, 1}, {-inf, -inf, -inf, -inf, -inf, -inf}, {0, 1}},  // all -inf: first real element
+      {{1, 1, 2, 3, 3, 2, 1}, {3, 3, 3, 3, 3, 3}, {0, 1}},                    // padding never beats a real value
+  };
+  for (const Case& k : cases) {
+    DeviceBuffer x = up(k.x), y = device_->allocate(k.argmax.size() * sizeof(float)),
+                 argmax = device_->allocate(k.argmax.size() * sizeof(std::int32_t));
+    kernels::maxpool_forward(stream_, k.shape, x.as<float>(), y.as<float>(), argmax.as<std::int32_t>());
+    const auto got = down<std::int32_t>(argmax);
+    EXPECT_EQ(got, k.argmax);
+    const auto yv = down<float>(y);
+    for (std::size_t o = 0; o < yv.size(); ++o) {
+      const float want = k.x[static_cast<std::size_t>(k.argmax[o])];
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(yv[o])) << o;
+      } else {
+        EXPECT_EQ(yv[o], want) << o;
+      }
+    }
+  }
+}
+
+// 3x3 stride 2 pad 1 over a 5x5 plane of zeros but one 10 at (1,1): that input is the maximum of
+// four overlapping windows and gathers all four gradients; the other windows pick their first
+// real element (ties). The expected dx is torch's x.grad for dy = 1..9.
+TEST_P(MaxPoolTest, OverlappingWindowsSumTheirGradients) {
+  const MaxPoolShape s{1, 1, 5, 5, 3, 2, 1};
+  std::vector<float> x(25, 0.0f);
+  x[1 * 5 + 1] = 10.0f;
+  std::vector<float> dy(9);
+  std::iota(dy.begin(), dy.end(), 1.0f);
+  DeviceBuffer x_dev = up(x), ddy = up(dy), y = device_->allocate(9 * sizeof(float)),
+               argmax = device_->allocate(9 * sizeof(std::int32_t)), dx = device_->allocate(25 * sizeof(float));
+  kernels::maxpool_forward(stream_, s, x_dev.as<float>(), y.as<float>(), argmax.as<std::int32_t>());
+  kernels::maxpool_backward(stream_, s, argmax.as<std::int32_t>(), ddy.as<float>(), dx.as<float>());
+  const std::vector<float> want = {0, 0,  0, 3, 0,  //
+                                   0, 12, 0, 6, 0,  //
+                                   0, 0,  0, 0, 0,  //
+                                   7, 8,  0, 9, 0,  //
+                                   0, 0,  0, 0, 0};
+  EXPECT_EQ(down<float>(dx), want);
+}
+
+// Central differences of L = sum(y * r). Inputs are a shuffled grid 0.05 apart, so a step of 1e-3
+// never changes which input a window picks: L is linear there, the difference quotient exact up
+// to rounding of L (~1e-7 relative over ~100 terms, /2e-3 => ~1e-5). Tolerance 1e-4 absolute.
+// Overlapping windows (3x3 stride 2 pad 1) make some inputs the maximum of several outputs.
+TEST_P(MaxPoolTest, GradientMatchesFiniteDifferences) {
+  const MaxPoolShape s{1, 2, 7, 6, 3, 2, 1};
+  std::vector<float> x(pool_in(s));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 0.05f * static_cast<float>(i) - 1.0f;
+  std::shuffle(x.begin(), x.end(), std::mt19937(30));
+  const auto r = random_vector(pool_out(s), 31);
+  DeviceBuffer y = device_->allocate(pool_out(s) * sizeof(float)),
+               argmax = device_->allocate(pool_out(s) * sizeof(std::int32_t));
+  auto loss = [&](const std::vector<float>& xv) {
+    DeviceBuffer xv_dev = up(xv);
+    kernels::maxpool_forward(stream_, s, xv_dev.as<float>(), y.as<float>(), argmax.as<std::int32_t>());
+    const auto yv = down<float>(y);
+    double l = 0.0;
+    for (std::size_t o = 0; o < yv.size(); ++o) l += static_cast<double>(yv[o]) * r[o];
+    return l;
+  };
+  std::vector<double> fd(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    std::vector<float> v = x;
+    v[i] = x[i] + 1e-3f;
+    const double up_loss = loss(v), up_at = v[i];
+    v[i] = x[i] - 1e-3f;
+    const double down_loss = loss(v), down_at = v[i];
+    fd[i] = (up_loss - down_loss) / (up_at - down_at);
+  }
+  loss(x);
+  DeviceBuffer dr = up(r), dx = device_->allocate(pool_in(s) * sizeof(float));
+  kernels::maxpool_backward(stream_, s, argmax.as<std::int32_t>(), dr.as<float>(), dx.as<float>());
+  const auto got = down<float>(dx);
+  EXPECT_TRUE(all_close(got, to_float(fd), 0.0, 1e-4));
+  // Some input must have been picked by more than one window, or the check above proves less.
+  const auto am = down<std::int32_t>(argmax);
+  std::vector<int> picks(pool_in(s), 0);
+  for (std::size_t o = 0; o < am.size(); ++o) ++picks[o / (s.h_out() * s.w_out()) * s.h * s.w + am[o]];
+  EXPECT_GT(*std::max_element(picks.begin(), picks.end()), 1);
+}
+
+TEST_P(MaxPoolTest, RejectsBadShapesAndForeignOperands) {
+  DeviceBuffer x = up(std::vector<float>(16, 1.0f)), y = device_->allocate(16 * sizeof(float)),
+               argmax = device_->allocate(16 * sizeof(std::int32_t));
+  for (const MaxPoolShape& bad : {MaxPoolShape{1, 1, 4, 4, 3, 1, 2},   // pad > kernel/2
+                                  MaxPoolShape{1, 1, 4, 4, 0, 1, 0},   // empty kernel
+                                  MaxPoolShape{1, 1, 4, 4, 2, 0, 0},   // zero stride
+                                  MaxPoolShape{1, 1, 2, 4, 5, 1, 1}})  // window larger than padded input
+    EXPECT_THROW(kernels::maxpool_forward(stream_, bad, x.as<float>(), y.as<float>(), argmax.as<std::int32_t>()),
+                 InvalidArgument);
+  if (GetParam() != "sim") return;
+  const MaxPoolShape s{1, 1, 4, 4, 2, 2, 0};
+  DeviceBuffer other = runtime_->device(0).allocate(16 * sizeof(float));
+  EXPECT_THROW(kernels::maxpool_forward(stream_, s, other.as<float>(), y.as<float>(), argmax.as<std::int32_t>()),
+               DeviceMismatch);
+  EXPECT_THROW(kernels::maxpool_backward(stream_, s, argmax.as<std::int32_t>(), y.as<float>(), other.as<float>()),
+               DeviceMismatch);
+}
+
+}  // namespace
+}  // namespace dp

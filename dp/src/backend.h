@@ -69,7 +69,7 @@ class StreamImpl {
   virtual void check_access(const void* ptr, std::size_t bytes, const char* op) = 0;
 
   // sim only: run a kernel body on the stream thread. cuda launches kernels natively instead.
-  virtual void enqueue_kernel(const char* name, std::function<void()> body) = 0;
+  virtual void enqueue_kernel(const char* name, std::function<void()> body, WorkKind kind = WorkKind::kernel) = 0;
   // cuda only: the cudaStream_t (nullptr on sim).
   virtual void* native_handle() = 0;
   // cuda only: number of multiprocessors of the stream's device (launch grid sizing); sim: 1.

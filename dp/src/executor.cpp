@@ -18,11 +18,11 @@ SerialExecutor::~SerialExecutor() {
   if (thread_.joinable()) thread_.join();
 }
 
-std::uint64_t SerialExecutor::post(Task task) {
+std::uint64_t SerialExecutor::post(Task task, Task after) {
   std::uint64_t ticket;
   {
     std::lock_guard lock(mutex_);
-    queue_.push_back(std::move(task));
+    queue_.emplace_back(std::move(task), std::move(after));
     ticket = ++submitted_;
   }
   work_cv_.notify_one();
@@ -70,12 +70,13 @@ void SerialExecutor::loop(Task on_start) {
     }
   }
   for (;;) {
-    Task task;
+    Task task, after;
     {
       std::unique_lock lock(mutex_);
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping and drained
-      task = std::move(queue_.front());
+      task = std::move(queue_.front().first);
+      after = std::move(queue_.front().second);
       queue_.pop_front();
     }
     try {
@@ -86,8 +87,11 @@ void SerialExecutor::loop(Task on_start) {
     }
     task = nullptr;  // release captures before announcing completion
     {
+      // `after` (an event's completion) runs in the same critical section as the count, so a
+      // host that sees either one also sees the other.
       std::lock_guard lock(mutex_);
       ++completed_;
+      if (after) after();
     }
     done_cv_.notify_all();
   }

@@ -23,8 +23,9 @@ class SerialExecutor {
   SerialExecutor(const SerialExecutor&) = delete;
   SerialExecutor& operator=(const SerialExecutor&) = delete;
 
-  // Returns the ticket of the task: it has run once completed() >= ticket.
-  std::uint64_t post(Task task);
+  // Returns the ticket of the task: it has run once completed() >= ticket. `after` runs with the
+  // completion count, under the executor's lock: it must be short and must not call back into it.
+  std::uint64_t post(Task task, Task after = {});
   std::uint64_t completed() const;
   std::uint64_t submitted() const;
   void wait_for(std::uint64_t ticket) const;  // blocks until the task with that ticket has run
@@ -42,7 +43,7 @@ class SerialExecutor {
   mutable std::mutex mutex_;
   mutable std::condition_variable work_cv_;
   mutable std::condition_variable done_cv_;
-  std::deque<Task> queue_;
+  std::deque<std::pair<Task, Task>> queue_;
   std::uint64_t submitted_ = 0;
   std::uint64_t completed_ = 0;
   bool stopping_ = false;

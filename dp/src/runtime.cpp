@@ -154,6 +154,16 @@ std::uint64_t Runtime::bytes_received(int device) const {
   return total;
 }
 void Runtime::reset_link_traffic() { impl_->reset_link_traffic(); }
+void Runtime::set_profiling(bool on) { impl_->set_profiling(on); }
+std::vector<TraceSpan> Runtime::take_trace() {
+  static const char* kinds[] = {"kernel", "gemm", "copy", "collective", "host", "sync"};
+  std::vector<TraceSpan> out;
+  for (auto& stream : impl_->take_spans())
+    for (auto& span : stream.spans)
+      out.push_back(TraceSpan{stream.device, stream.stream_id, span.name, kinds[static_cast<int>(span.kind)],
+                              span.start_ns, span.end_ns});
+  return out;
+}
 
 namespace detail {
 

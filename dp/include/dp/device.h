@@ -139,6 +139,16 @@ struct LinkTraffic {
   std::uint64_t copies = 0;
 };
 
+// One piece of stream work, recorded while profiling is on (sim: every task of every stream).
+struct TraceSpan {
+  int device = 0;
+  int stream = 0;  // runtime-wide stream id
+  std::string name;  // kernel or operation name, e.g. "gemm", "copy", "all_reduce"
+  std::string kind;  // kernel, gemm, copy, collective, host, sync
+  std::int64_t start_ns = 0;  // steady clock
+  std::int64_t end_ns = 0;
+};
+
 // Owns the devices of one backend. Create one per process (cuda) or as many as you like (sim).
 class Runtime {
  public:
@@ -164,6 +174,11 @@ class Runtime {
   std::uint64_t bytes_sent(int device) const;      // to other devices
   std::uint64_t bytes_received(int device) const;  // from other devices
   void reset_link_traffic();
+
+  // Records a span for every piece of stream work from now on (sim backend), for traces and
+  // busy-time accounting; take_trace() returns and clears what was recorded.
+  void set_profiling(bool on);
+  std::vector<TraceSpan> take_trace();
 
   detail::RuntimeImpl& impl() const { return *impl_; }
 

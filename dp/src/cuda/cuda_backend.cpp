@@ -99,7 +99,7 @@ class CudaStream final : public StreamImpl {
   }
   void gemm(const GemmArgs& g) override;
   void check_access(const void*, std::size_t, const char*) override {}  // the GPU faults on its own
-  void enqueue_kernel(const char* name, std::function<void()>) override {
+  void enqueue_kernel(const char* name, std::function<void()>, WorkKind) override {
     throw Error(fmt::format("kernel '{}' has no CUDA build; it was compiled without nvcc", name));
   }
   void* native_handle() override { return stream_; }

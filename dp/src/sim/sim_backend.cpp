@@ -161,7 +161,7 @@ class SimStream final : public StreamImpl {
       throw DeviceMismatch(fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(),
                                        device_));
     const std::uint64_t generation = sim_event->begin_record();
-    post("record", WorkKind::sync, [sim_event, generation] { sim_event->complete(generation); });
+    post("record", WorkKind::sync, [] {}, [sim_event, generation] { sim_event->complete(generation); });
   }
 
   void wait(EventImpl& event) override {
@@ -215,8 +215,8 @@ class SimStream final : public StreamImpl {
                                        op, ptr, bytes, device_));
   }
 
-  void enqueue_kernel(const char* name, std::function<void()> body) override {
-    post(name, WorkKind::kernel, std::move(body));
+  void enqueue_kernel(const char* name, std::function<void()> body, WorkKind kind) override {
+    post(name, kind, std::move(body));
   }
   void* native_handle() override { return nullptr; }
   int multiprocessor_count() const override { return 1; }
@@ -232,17 +232,19 @@ class SimStream final : public StreamImpl {
   }
 
   template <class F>
-  std::uint64_t post(const char* name, WorkKind kind, F&& fn) {
+  std::uint64_t post(const char* name, WorkKind kind, F&& fn, SerialExecutor::Task after = {}) {
     rethrow_sticky_error();
-    return executor_.post([this, name, kind, fn = std::forward<F>(fn)]() mutable {
-      if (!runtime_.profiling()) {
-        fn();
-        return;
-      }
-      const std::int64_t start = now_ns();
-      fn();
-      runtime_.add_span(device_, id_, Span{name, kind, start, now_ns()});
-    });
+    return executor_.post(
+        [this, name, kind, fn = std::forward<F>(fn)]() mutable {
+          if (!runtime_.profiling()) {
+            fn();
+            return;
+          }
+          const std::int64_t start = now_ns();
+          fn();
+          runtime_.add_span(device_, id_, Span{name, kind, start, now_ns()});
+        },
+        std::move(after));
   }
 
   // A task that threw poisons the stream, as a failed kernel poisons a CUDA context.

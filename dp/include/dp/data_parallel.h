@@ -1,0 +1,72 @@
+// dp/data_parallel.h — torch.nn.DataParallel semantics on persistent per-device workers:
+// each step broadcasts parameters and buffers from device_ids[0], scatters the batch with
+// torch.chunk rules, runs forward on every used device, gathers the outputs on output_device,
+// computes the loss there, scatters the output gradient back, runs backward, reduce-adds the
+// gradients onto device_ids[0] and steps the one optimizer there.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "dp/device_group.h"
+#include "dp/loss.h"
+#include "dp/model.h"
+#include "dp/optim.h"
+
+namespace dp {
+
+struct DataParallelOptions {
+  std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
+  std::optional<int> output_device;             // default: device_ids[0]; must be one of device_ids
+};
+
+// torch.chunk(batch, devices): chunks of ceil(batch/devices), the last one smaller, and fewer
+// chunks than devices when the batch is small (only that many devices run).
+std::vector<int> chunk_sizes(int batch, int devices);
+
+class DataParallel {
+ public:
+  // `module` lives on device_ids[0] (the source): it holds the master parameters and buffers,
+  // and the optimizer steps it. Throws InvalidArgument on a bad configuration.
+  DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options = {});
+  ~DataParallel();
+
+  // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
+  // int64 targets; returns the mean cross-entropy loss over the batch.
+  float train_step(const float* inputs, const std::int64_t* targets, int batch);
+
+  // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
+  std::vector<float> forward(const float* inputs, int batch);
+
+  Model& module() const { return module_; }
+  Sgd& optimizer() { return optimizer_; }
+  const std::vector<int>& device_ids() const { return group_.device_ids(); }
+  int output_device() const { return output_device_; }
+  int source_device() const { return group_.device_ids()[0]; }
+  // Chunk sizes of the last step, in device_ids order (its length = devices used).
+  const std::vector<int>& last_chunks() const { return chunks_; }
+
+ private:
+  struct Replica;
+  void broadcast_and_forward(const float* inputs, int batch, Mode mode);
+  void gather_outputs();
+
+  Runtime& runtime_;
+  Model& module_;
+  DeviceGroup group_;
+  int output_device_;
+  int output_rank_;
+  Sgd optimizer_;
+  std::unique_ptr<CrossEntropyLoss> loss_;  // on the output device
+  std::vector<std::unique_ptr<Replica>> replicas_;  // by rank; rank 0 wraps `module`
+  std::vector<int> chunks_;
+  std::vector<int> offsets_;  // first sample of each chunk
+  int batch_ = 0;
+  Event params_ready_, grad_output_ready_;
+  DeviceBuffer gathered_, targets_, grad_output_;  // on the output device
+  std::size_t gathered_capacity_ = 0;
+};
+
+}  // namespace dp

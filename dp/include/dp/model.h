@@ -1,0 +1,65 @@
+// dp/model.h — what the engine sees of a model. DP and DDP work only through this interface, so a
+// user's own hand-written model is as good as the reference MLP and ConvNet in models/.
+// Contract: all parameters of a replica live in ONE contiguous float buffer and all gradients in
+// another with the same layout (bucketed all-reduce and broadcast work on slices of them);
+// buffers (BatchNorm running stats, num_batches_tracked) live apart, in one byte buffer.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/device.h"
+#include "dp/tensor.h"
+
+namespace dp {
+
+enum class Mode { train, eval };
+
+// Backward calls this once per layer that has parameters, in reverse layer order, right after
+// that layer's gradient work has been enqueued on the stream: gradients in
+// [offset, offset + count) of the flat gradient buffer are final once that work completes.
+using GradientsReady = std::function<void(std::size_t offset, std::size_t count)>;
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  virtual std::string name() const = 0;
+  virtual Device& device() const = 0;
+
+  // Flat buffers (device memory). Parameter order = PyTorch's model.parameters() order.
+  virtual float* params_flat() const = 0;
+  virtual float* grads_flat() const = 0;
+  virtual std::size_t param_count() const = 0;
+  virtual void* buffers_flat() const = 0;  // may be null when there are no buffers
+  virtual std::size_t buffers_bytes() const = 0;
+
+  // Named views into those buffers, with PyTorch state-dict names.
+  virtual std::vector<TensorRef> parameters() const = 0;
+  virtual std::vector<TensorRef> gradients() const = 0;  // same names and layout as parameters()
+  virtual std::vector<TensorRef> buffers() const = 0;
+
+  // Per-sample input shape, e.g. {1, 28, 28}, and number of output features (logits).
+  virtual std::vector<std::int64_t> input_shape() const = 0;
+  virtual int output_features() const = 0;
+
+  // Enqueues the forward pass on `stream` for `batch` samples at `input` (device memory, batch x
+  // input_shape). Returns the (batch, output_features) output, valid until the next forward.
+  // In train mode, layers keep what backward needs and BatchNorm updates its running stats.
+  virtual const float* forward(const Stream& stream, const float* input, int batch, Mode mode) = 0;
+
+  // Enqueues the backward pass of the last train-mode forward, given dL/doutput. Parameter
+  // gradients are ACCUMULATED into grads_flat (as PyTorch accumulates .grad); call zero_grad first.
+  virtual void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready = {}) = 0;
+
+  virtual void zero_grad(const Stream& stream) = 0;
+
+  // The same architecture on another device, with its own buffers (values uninitialised: the
+  // engine broadcasts them).
+  virtual std::unique_ptr<Model> replicate(Device& device) const = 0;
+};
+
+}  // namespace dp

@@ -1,0 +1,11 @@
+// nccl_stub.cpp — builds without the cuda backend have no NCCL communicator.
+#include "../sim/sim_collectives.h"
+#include "dp/error.h"
+
+namespace dp::detail {
+
+std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup&) {
+  throw Error("NCCL communicator requested, but dp was built without the cuda backend");
+}
+
+}  // namespace dp::detail

@@ -1,0 +1,220 @@
+// data_parallel.cpp — the DataParallel step as phases fanned out to the device workers. Every
+// cross-device dependency is an event recorded in an earlier phase, so a wait never refers to a
+// record that has not been issued, and a failing device cannot leave the others blocked.
+#include "dp/data_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "dp/error.h"
+#include "kernels/ops.h"
+
+namespace dp {
+
+std::vector<int> chunk_sizes(int batch, int devices) {
+  if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
+  if (devices < 1) throw InvalidArgument("no devices to scatter over");
+  const int chunk = (batch + devices - 1) / devices;
+  std::vector<int> sizes;
+  for (int start = 0; start < batch; start += chunk) sizes.push_back(std::min(chunk, batch - start));
+  return sizes;
+}
+
+struct DataParallel::Replica {
+  Model* model = nullptr;
+  std::unique_ptr<Model> owned;  // replicas on devices other than the source
+  Stream stream;
+  Event forward_done, backward_done;
+  DeviceBuffer inputs, grad_output, grad_staging;  // grad_staging: on the SOURCE, for this replica
+  const float* output = nullptr;
+};
+
+namespace {
+
+std::vector<int> resolve_ids(Runtime& runtime, const DataParallelOptions& options) {
+  if (options.device_ids) return *options.device_ids;  // an explicit empty list is an error, as in PyTorch
+  std::vector<int> all(static_cast<std::size_t>(runtime.device_count()));
+  for (int i = 0; i < runtime.device_count(); ++i) all[static_cast<std::size_t>(i)] = i;
+  return all;
+}
+
+std::size_t per_sample(const Model& model) {
+  std::size_t n = 1;
+  for (auto d : model.input_shape()) n *= static_cast<std::size_t>(d);
+  return n;
+}
+
+void grow(DeviceBuffer& buffer, Device& device, std::size_t bytes) {
+  if (buffer.size() < bytes) buffer = device.allocate(bytes);
+}
+
+}  // namespace
+
+DataParallel::DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options)
+    : runtime_(runtime),
+      module_(module),
+      group_(runtime, resolve_ids(runtime, options)),
+      output_device_(options.output_device.value_or(group_.device_ids()[0])),
+      output_rank_(-1),
+      optimizer_(module.device(), module.param_count(), sgd) {
+  const auto& ids = group_.device_ids();
+  const auto it = std::find(ids.begin(), ids.end(), output_device_);
+  if (it == ids.end())
+    throw InvalidArgument(fmt::format("output_device {} is not one of device_ids [{}]", output_device_,
+                                      fmt::join(ids, ", ")));
+  output_rank_ = static_cast<int>(it - ids.begin());
+  loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_));
+  if (module.device().index() != ids[0])
+    throw InvalidArgument(fmt::format("module must have its parameters and buffers on device_ids[0] (device {}) "
+                                      "but they are on device {}",
+                                      ids[0], module.device().index()));
+  Device& source = group_.device(0);
+  for (int rank = 0; rank < group_.size(); ++rank) {
+    auto replica = std::make_unique<Replica>();
+    Device& device = group_.device(rank);
+    if (rank == 0) {
+      replica->model = &module_;
+    } else {
+      replica->owned = module_.replicate(device);
+      replica->model = replica->owned.get();
+      replica->grad_staging = source.allocate(module_.param_count() * sizeof(float));
+    }
+    replica->stream = device.create_stream();
+    replica->forward_done = device.create_event();
+    replica->backward_done = device.create_event();
+    replicas_.push_back(std::move(replica));
+  }
+  params_ready_ = source.create_event();
+  grad_output_ready_ = group_.device(output_rank_).create_event();
+}
+
+DataParallel::~DataParallel() {
+  // Streams may still run work that uses our buffers: finish it before they are freed.
+  for (auto& replica : replicas_) {
+    try {
+      replica->stream.synchronize();
+    } catch (...) {
+    }
+  }
+}
+
+void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mode) {
+  chunks_ = chunk_sizes(batch, group_.size());
+  batch_ = batch;
+  offsets_.assign(chunks_.size(), 0);
+  for (std::size_t i = 1; i < chunks_.size(); ++i) offsets_[i] = offsets_[i - 1] + chunks_[i - 1];
+  const int used = static_cast<int>(chunks_.size());
+  const std::size_t sample_floats = per_sample(module_);
+
+  // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
+  group_.run_on(0, [&] { replicas_[0]->stream.record(params_ready_); });
+
+  // Phase 2, every used device: receive the broadcast, take its chunk, forward.
+  group_.run(
+      [&](int rank) {
+        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+        Device& device = group_.device(rank);
+        if (rank != 0) {
+          r.stream.wait(params_ready_);
+          r.stream.copy(r.model->params_flat(), module_.params_flat(), module_.param_count() * sizeof(float));
+          if (module_.buffers_bytes())
+            r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
+        }
+        const int rows = chunks_[static_cast<std::size_t>(rank)];
+        const std::size_t bytes = static_cast<std::size_t>(rows) * sample_floats * sizeof(float);
+        grow(r.inputs, device, bytes);
+        r.stream.copy(r.inputs.data(), inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats,
+                      bytes);
+        r.output = r.model->forward(r.stream, r.inputs.as<float>(), rows, mode);
+        r.stream.record(r.forward_done);
+      },
+      used);
+}
+
+void DataParallel::gather_outputs() {
+  const int used = static_cast<int>(chunks_.size());
+  const std::size_t classes = static_cast<std::size_t>(module_.output_features());
+  Device& out_device = group_.device(output_rank_);
+  grow(gathered_, out_device, static_cast<std::size_t>(batch_) * classes * sizeof(float));
+  Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+  for (int rank = 0; rank < used; ++rank) {
+    const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+    if (rank != output_rank_) out.stream.wait(r.forward_done);
+    out.stream.copy(gathered_.as<float>() + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes,
+                    r.output, static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * classes * sizeof(float));
+  }
+}
+
+float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
+  broadcast_and_forward(inputs, batch, Mode::train);
+  const int used = static_cast<int>(chunks_.size());
+  const int classes = module_.output_features();
+  const std::size_t classes_z = static_cast<std::size_t>(classes);
+  const float* loss_value = nullptr;
+
+  // Phase 3, output device: gather, loss over the whole batch, its gradient.
+  group_.run_on(output_rank_, [&] {
+    Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+    Device& device = group_.device(output_rank_);
+    gather_outputs();
+    grow(targets_, device, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
+    grow(grad_output_, device, static_cast<std::size_t>(batch) * classes_z * sizeof(float));
+    out.stream.copy(targets_.data(), targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
+    loss_value = loss_->forward(out.stream, gathered_.as<float>(), targets_.as<std::int64_t>(), batch, classes);
+    loss_->backward(out.stream, gathered_.as<float>(), targets_.as<std::int64_t>(), batch, classes,
+                   grad_output_.as<float>(), batch);
+    out.stream.record(grad_output_ready_);
+  });
+
+  // Phase 4, every used device: its slice of the output gradient, backward.
+  group_.run(
+      [&](int rank) {
+        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+        const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
+        const float* slice = grad_output_.as<float>() + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes_z;
+        const float* dy = slice;
+        if (rank != output_rank_) {
+          r.stream.wait(grad_output_ready_);
+          grow(r.grad_output, group_.device(rank), rows * classes_z * sizeof(float));
+          r.stream.copy(r.grad_output.data(), slice, rows * classes_z * sizeof(float));
+          dy = r.grad_output.as<float>();
+        }
+        r.model->zero_grad(r.stream);
+        r.model->backward(r.stream, dy);
+        r.stream.record(r.backward_done);
+      },
+      used);
+
+  // Phase 5, source: reduce-add the replicas' gradients (source first, then device_ids order,
+  // as torch.cuda.comm.reduce_add sums), then the optimizer step.
+  group_.run_on(0, [&] {
+    Replica& source = *replicas_[0];
+    const std::size_t n = module_.param_count();
+    for (int rank = 1; rank < used; ++rank) {
+      Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+      source.stream.wait(r.backward_done);
+      source.stream.copy(r.grad_staging.data(), r.model->grads_flat(), n * sizeof(float));
+      kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
+                    module_.grads_flat());
+    }
+    optimizer_.step(source.stream, module_.params_flat(), module_.grads_flat());
+  });
+
+  float host_loss = 0.0f;
+  replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(&host_loss, loss_value, sizeof(float));
+  return host_loss;
+}
+
+std::vector<float> DataParallel::forward(const float* inputs, int batch) {
+  broadcast_and_forward(inputs, batch, Mode::eval);
+  std::vector<float> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(module_.output_features()));
+  group_.run_on(output_rank_, [&] {
+    gather_outputs();
+    replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(out.data(), gathered_.data(),
+                                                                   out.size() * sizeof(float));
+  });
+  return out;
+}
+
+}  // namespace dp

@@ -1,0 +1,30 @@
+// loss.cpp — CrossEntropyLoss: scratch management around the loss kernels.
+#include "dp/loss.h"
+
+#include <fmt/format.h>
+
+#include "dp/error.h"
+#include "kernels/loss.h"
+
+namespace dp {
+
+const float* CrossEntropyLoss::forward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
+                                       int classes) {
+  if (n < 1 || classes < 1)
+    throw InvalidArgument(fmt::format("cross entropy over {} rows of {} classes", n, classes));
+  if (static_cast<std::size_t>(n) > capacity_ || per_sample_.device() != stream.device()) {
+    per_sample_ = device_.allocate(static_cast<std::size_t>(n) * sizeof(float));
+    capacity_ = static_cast<std::size_t>(n);
+  }
+  if (!loss_) loss_ = device_.allocate(sizeof(float));
+  kernels::cross_entropy_forward(stream, n, classes, logits, targets, per_sample_.as<float>(), loss_.as<float>());
+  return loss_.as<float>();
+}
+
+void CrossEntropyLoss::backward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
+                                int classes, float* dlogits, int mean_over, float dloss) {
+  if (n < 1 || mean_over < n) throw InvalidArgument(fmt::format("cross entropy backward: {} rows of {}", n, mean_over));
+  kernels::cross_entropy_backward(stream, n, classes, logits, targets, dloss, mean_over, dlogits);
+}
+
+}  // namespace dp

@@ -1,0 +1,16 @@
+// dp/models/mlp.h — the reference MLP: Flatten -> fc1 Linear(784, h1) -> ReLU -> ... -> fcK Linear(h_last, 10),
+// with PyTorch's parameter names (fc1.weight, fc1.bias, ...) and default initialisation.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dp/model.h"
+
+namespace dp::models {
+
+// hidden = sizes of the hidden layers ({256, 256} by default); inputs are (N, 1, 28, 28).
+std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden = {256, 256}, std::uint64_t seed = 0);
+
+}  // namespace dp::models

@@ -1,0 +1,143 @@
+// test_collectives.cpp — the sim ring communicator with small whole numbers, so every sum is exact
+// (nccl-tests style): every N, sizes not divisible by N and smaller than N, and its traffic.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include "dp/collectives.h"
+#include "dp/device_group.h"
+#include "dp/error.h"
+#include "test_util.h"
+
+namespace dp {
+namespace {
+
+struct Fixture {
+  std::unique_ptr<Runtime> runtime;
+  std::unique_ptr<DeviceGroup> group;
+  std::unique_ptr<Communicator> comm;
+  std::vector<Stream> streams;
+  explicit Fixture(int n) {
+    RuntimeOptions options;
+    options.backend = "sim";
+    options.sim_devices = n;
+    runtime = Runtime::create(options);
+    std::vector<int> ids(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = n - 1 - i;  // ranks != device indices
+    group = std::make_unique<DeviceGroup>(*runtime, ids);
+    comm = Communicator::create(*group);
+    for (int r = 0; r < n; ++r) streams.push_back(group->device(r).create_stream());
+  }
+};
+
+float value(int rank, std::size_t i) { return static_cast<float>((rank + 1) * static_cast<int>(i % 7 + 1)); }
+
+TEST(Collectives, AllReduceIsExactForEveryWorldSizeAndLength) {
+  for (int n = 1; n <= 4; ++n) {
+    for (std::size_t count : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{7}, std::size_t{1000},
+                              std::size_t{1001}}) {
+      SCOPED_TRACE(fmt::format("N={} count={}", n, count));
+      Fixture f(n);
+      std::vector<DeviceBuffer> data;
+      for (int r = 0; r < n; ++r) {
+        std::vector<float> host(count);
+        for (std::size_t i = 0; i < count; ++i) host[i] = value(r, i);
+        data.push_back(test::upload(f.group->device(r), f.streams[static_cast<std::size_t>(r)], host));
+      }
+      f.runtime->reset_link_traffic();
+      f.group->run([&](int r) {
+        f.comm->all_reduce(r, f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)].as<float>(),
+                           count, ReduceOp::sum);
+      });
+      std::vector<float> want(count);
+      for (std::size_t i = 0; i < count; ++i) want[i] = static_cast<float>(n * (n + 1) / 2 * static_cast<int>(i % 7 + 1));
+      for (int r = 0; r < n; ++r)
+        EXPECT_EQ(test::download<float>(f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]), want)
+            << "rank " << r;
+      // Ring traffic: each rank sends (N-1) chunks in reduce-scatter and (N-1) in all-gather,
+      // i.e. 2(N-1)/N of the buffer when N divides it; every chunk of floor boundaries in general.
+      std::uint64_t total = 0;
+      for (int r = 0; r < n; ++r) total += f.runtime->bytes_sent(f.group->device_ids()[static_cast<std::size_t>(r)]);
+      EXPECT_EQ(total, 2u * static_cast<std::uint64_t>(n - 1) * count * sizeof(float));
+      if (count % static_cast<std::size_t>(n) == 0) {
+        for (int r = 0; r < n; ++r) {
+          const int device = f.group->device_ids()[static_cast<std::size_t>(r)];
+          EXPECT_EQ(f.runtime->bytes_sent(device), 2u * (n - 1) * count / n * sizeof(float)) << "rank " << r;
+          EXPECT_EQ(f.runtime->bytes_received(device), 2u * (n - 1) * count / n * sizeof(float)) << "rank " << r;
+        }
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllReduceAverage) {
+  Fixture f(3);
+  std::vector<DeviceBuffer> data;
+  for (int r = 0; r < 3; ++r)
+    data.push_back(test::upload(f.group->device(r), f.streams[static_cast<std::size_t>(r)], std::vector<float>(10, static_cast<float>(r + 1))));
+  f.group->run([&](int r) {
+    f.comm->all_reduce(r, f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)].as<float>(), 10,
+                       ReduceOp::avg);
+  });
+  for (int r = 0; r < 3; ++r)
+    EXPECT_EQ(test::download<float>(f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]),
+              std::vector<float>(10, 6.0f * (1.0f / 3.0f)));
+}
+
+TEST(Collectives, BroadcastReduceAllGather) {
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE(fmt::format("N={}", n));
+    Fixture f(n);
+    const int root = n - 1;
+    const std::size_t count = 5;
+    std::vector<DeviceBuffer> a, b, send, recv;
+    for (int r = 0; r < n; ++r) {
+      std::vector<float> host(count);
+      for (std::size_t i = 0; i < count; ++i) host[i] = value(r, i);
+      const Stream& s = f.streams[static_cast<std::size_t>(r)];
+      a.push_back(test::upload(f.group->device(r), s, host));
+      b.push_back(test::upload(f.group->device(r), s, host));
+      send.push_back(test::upload(f.group->device(r), s, host));
+      recv.push_back(f.group->device(r).allocate(count * static_cast<std::size_t>(n) * sizeof(float)));
+    }
+    f.group->run([&](int r) {
+      const Stream& s = f.streams[static_cast<std::size_t>(r)];
+      f.comm->broadcast(r, s, a[static_cast<std::size_t>(r)].data(), count * sizeof(float), root);
+      f.comm->reduce(r, s, b[static_cast<std::size_t>(r)].as<float>(), count, root);
+      f.comm->all_gather(r, s, send[static_cast<std::size_t>(r)].as<float>(), recv[static_cast<std::size_t>(r)].as<float>(),
+                         count);
+    });
+    for (int r = 0; r < n; ++r) {
+      const Stream& s = f.streams[static_cast<std::size_t>(r)];
+      std::vector<float> root_values(count), sums(count), own(count), gathered;
+      for (std::size_t i = 0; i < count; ++i) {
+        root_values[i] = value(root, i);
+        sums[i] = static_cast<float>(n * (n + 1) / 2 * static_cast<int>(i % 7 + 1));
+        own[i] = value(r, i);
+      }
+      for (int q = 0; q < n; ++q)
+        for (std::size_t i = 0; i < count; ++i) gathered.push_back(value(q, i));
+      EXPECT_EQ(test::download<float>(s, a[static_cast<std::size_t>(r)]), root_values) << "broadcast, rank " << r;
+      EXPECT_EQ(test::download<float>(s, b[static_cast<std::size_t>(r)]), r == root ? sums : own) << "reduce, rank " << r;
+      EXPECT_EQ(test::download<float>(s, recv[static_cast<std::size_t>(r)]), gathered) << "all_gather, rank " << r;
+    }
+  }
+}
+
+TEST(Collectives, WrongDeviceAndAbort) {
+  Fixture f(2);
+  DeviceBuffer on_rank1 = f.group->device(1).allocate(16);
+  EXPECT_THROW(f.comm->all_reduce(0, f.streams[0], on_rank1.as<float>(), 4, ReduceOp::sum), DeviceMismatch);
+  EXPECT_THROW(f.comm->all_reduce(0, f.streams[1], on_rank1.as<float>(), 4, ReduceOp::sum), DeviceMismatch)
+      << "stream of another rank";
+  // Rank 0 enters a collective rank 1 never joins: its stream waits, as a GPU would, until abort.
+  DeviceBuffer on_rank0 = f.group->device(0).allocate(16);
+  f.comm->all_reduce(0, f.streams[0], on_rank0.as<float>(), 4, ReduceOp::sum);
+  EXPECT_FALSE(f.streams[0].query());
+  f.comm->abort();
+  EXPECT_THROW(f.streams[0].synchronize(), Error);
+  EXPECT_THROW(f.comm->all_reduce(1, f.streams[1], on_rank1.as<float>(), 4, ReduceOp::sum), Error);
+}
+
+}  // namespace
+}  // namespace dp
