@@ -1,7 +1,7 @@
 // conv2d.cu — launchers for kernels/conv2d.h: the shared im2col + one-GEMM-per-pass path that every
 // backend runs, and the dispatch to cuDNN on cuda streams.
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <string>
 
@@ -99,10 +99,10 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
   require(workspace, op, "workspace");  // on every path, so code that runs on cuda runs on sim too
   // Every operand up front, not only per launch: a foreign pointer must throw before any pass is
   // enqueued, or an earlier pass would already have written y (or accumulated into dweight).
-  check_operands(stream.impl(), op,
-                 {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
-                  operand(y, y_count(shape)),
-                  operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
+  check_operands(
+      stream.impl(), op,
+      {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
+       operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return;
   if (cudnn_path(stream)) {
     cuda::cudnn_conv2d_forward(stream.impl(), shape, x, weight, bias, y);
@@ -130,11 +130,11 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   require(dy, op, "dy");
   require(dweight, op, "dweight");
   require(workspace, op, "workspace");
-  check_operands(stream.impl(), op,
-                 {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(dy, y_count(shape)),
-                  operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)),
-                  operand(dbias, dbias ? shape.c_out : 0),
-                  operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
+  check_operands(
+      stream.impl(), op,
+      {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(dy, y_count(shape)),
+       operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)), operand(dbias, dbias ? shape.c_out : 0),
+       operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return;  // empty batch: dx is empty and the accumulated gradients gain nothing
   if (cudnn_path(stream)) {
     cuda::cudnn_conv2d_backward(stream.impl(), shape, x, weight, dy, dx, dweight, dbias);
@@ -153,7 +153,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
          {operand(x, x_count(shape)), operand(col, col_count(shape))});
   gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, 1.0f, dweight, t);  // += dy . col^T
-  if (dbias) row_sum(stream, shape.c_out, p, mat, dbias, 1.0f);                        // split over lanes
+  if (dbias) row_sum(stream, shape.c_out, p, mat, dbias, 1.0f);                          // split over lanes
   if (dx == nullptr) return;
   // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
   gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);

@@ -82,8 +82,8 @@ struct FastDivmod {
 struct ConvGeometry {
   Conv2dShape s;
   int h_out = 0, w_out = 0;
-  int hw = 0;    // H_out * W_out
-  int cols = 0;  // P = N * hw
+  int hw = 0;        // H_out * W_out
+  int cols = 0;      // P = N * hw
   int segments = 0;  // kPermuteSegment-float segments per run of hw
   FastDivmod by_n, by_w, by_h, by_c_in, by_c_out, by_kw, by_kh, by_stride, by_h_out, by_segments;
 };
@@ -107,7 +107,7 @@ struct Im2col {
     // Outputs [lo, hi) read inside the row; those before and after read the zero padding.
     int lo = 0, hi = 0;
     if (ih >= 0 && ih < g.s.h) {
-      const int first = g.s.pad - kj;          // ow * stride must be >= first ...
+      const int first = g.s.pad - kj;             // ow * stride must be >= first ...
       const int last = g.s.w - 1 + g.s.pad - kj;  // ... and <= last
       lo = first > 0 ? g.by_stride.div(first + g.s.stride - 1) : 0;
       hi = last >= 0 ? g.by_stride.div(last) + 1 : 0;

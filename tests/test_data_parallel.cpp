@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <fmt/format.h>
 #include <set>
 #include <thread>
@@ -274,6 +275,29 @@ TEST(DataParallel, TrafficCountersEqualTheAnalyticValues) {
   // The source sends and receives the most: DP's imbalance.
   EXPECT_GT(rt->bytes_received(1), rt->bytes_received(0));
   EXPECT_GT(rt->bytes_sent(1), rt->bytes_sent(0));
+}
+
+TEST(DataParallel, PhaseTimesAreRecordedWhenAskedFor) {
+  auto rt = sim(2);
+  auto model = models::make_convnet(rt->device(0), 4);
+  DataParallelOptions options;
+  options.time_phases = true;
+  DataParallel dp(*rt, *model, SgdOptions{0.01f}, options);
+  const Batch b = make_batch(16, 3);
+  const auto t0 = std::chrono::steady_clock::now();
+  dp.train_step(b.x.data(), b.y.data(), 16);
+  const auto phases = dp.last_phases();
+  const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // Forward and backward of a ConvNet chunk do real work; no phase can exceed the whole step.
+  EXPECT_GT(phases.forward, 0.0);
+  EXPECT_GT(phases.backward, 0.0);
+  for (double t : {phases.broadcast, phases.scatter, phases.forward, phases.gather, phases.loss, phases.backward,
+                   phases.reduce, phases.update}) {
+    EXPECT_GE(t, 0.0);
+    EXPECT_LE(t, wall);
+  }
+  DataParallel untimed(*rt, *model, SgdOptions{0.01f});
+  EXPECT_THROW(untimed.last_phases(), InvalidArgument);
 }
 
 TEST(DataParallel, EvalForwardEqualsTheModule) {

@@ -26,6 +26,7 @@ struct DataParallel::Replica {
   std::unique_ptr<Model> owned;  // replicas on devices other than the source
   Stream stream;
   Event forward_done, backward_done;
+  Event step_start, broadcast_done, scatter_done, backward_start;  // phase timing only
   DeviceBuffer inputs, grad_output, grad_staging;  // grad_staging: on the SOURCE, for this replica
   const float* output = nullptr;
 };
@@ -83,10 +84,49 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const SgdOptions& sg
     replica->stream = device.create_stream();
     replica->forward_done = device.create_event();
     replica->backward_done = device.create_event();
+    replica->step_start = device.create_event();
+    replica->broadcast_done = device.create_event();
+    replica->scatter_done = device.create_event();
+    replica->backward_start = device.create_event();
     replicas_.push_back(std::move(replica));
   }
   params_ready_ = source.create_event();
-  grad_output_ready_ = group_.device(output_rank_).create_event();
+  Device& out = group_.device(output_rank_);
+  grad_output_ready_ = out.create_event();
+  time_phases_ = options.time_phases;
+  gather_start_ = out.create_event();
+  gather_end_ = out.create_event();
+  loss_end_ = out.create_event();
+  reduce_start_ = source.create_event();
+  reduce_end_ = source.create_event();
+  update_end_ = source.create_event();
+}
+
+namespace {
+void mark(bool on, const Stream& stream, const Event& event) {
+  if (on) stream.record(event);
+}
+}  // namespace
+
+DataParallelPhases DataParallel::last_phases() const {
+  if (!time_phases_) throw InvalidArgument("DataParallel::last_phases needs DataParallelOptions::time_phases");
+  DataParallelPhases p;
+  update_end_.synchronize();
+  loss_end_.synchronize();
+  const int used = static_cast<int>(chunks_.size());
+  for (int rank = 0; rank < used; ++rank) {
+    const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+    r.backward_done.synchronize();
+    p.broadcast = std::max(p.broadcast, Event::elapsed_ms(r.step_start, r.broadcast_done));
+    p.scatter = std::max(p.scatter, Event::elapsed_ms(r.broadcast_done, r.scatter_done));
+    p.forward = std::max(p.forward, Event::elapsed_ms(r.scatter_done, r.forward_done));
+    p.backward = std::max(p.backward, Event::elapsed_ms(r.backward_start, r.backward_done));
+  }
+  p.gather = Event::elapsed_ms(gather_start_, gather_end_);
+  p.loss = Event::elapsed_ms(gather_end_, loss_end_);
+  p.reduce = Event::elapsed_ms(reduce_start_, reduce_end_);
+  p.update = Event::elapsed_ms(reduce_end_, update_end_);
+  return p;
 }
 
 DataParallel::~DataParallel() {
@@ -115,17 +155,20 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
       [&](int rank) {
         Replica& r = *replicas_[static_cast<std::size_t>(rank)];
         Device& device = group_.device(rank);
+        mark(time_phases_, r.stream, r.step_start);
         if (rank != 0) {
           r.stream.wait(params_ready_);
           r.stream.copy(r.model->params_flat(), module_.params_flat(), module_.param_count() * sizeof(float));
           if (module_.buffers_bytes())
             r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
         }
+        mark(time_phases_, r.stream, r.broadcast_done);
         const int rows = chunks_[static_cast<std::size_t>(rank)];
         const std::size_t bytes = static_cast<std::size_t>(rows) * sample_floats * sizeof(float);
         grow(r.inputs, device, bytes);
         r.stream.copy(r.inputs.data(), inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats,
                       bytes);
+        mark(time_phases_, r.stream, r.scatter_done);
         r.output = r.model->forward(r.stream, r.inputs.as<float>(), rows, mode);
         r.stream.record(r.forward_done);
       },
@@ -138,12 +181,14 @@ void DataParallel::gather_outputs() {
   Device& out_device = group_.device(output_rank_);
   grow(gathered_, out_device, static_cast<std::size_t>(batch_) * classes * sizeof(float));
   Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+  mark(time_phases_, out.stream, gather_start_);
   for (int rank = 0; rank < used; ++rank) {
     const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
     if (rank != output_rank_) out.stream.wait(r.forward_done);
     out.stream.copy(gathered_.as<float>() + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes,
                     r.output, static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * classes * sizeof(float));
   }
+  mark(time_phases_, out.stream, gather_end_);
 }
 
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
@@ -165,6 +210,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
     loss_->backward(out.stream, gathered_.as<float>(), targets_.as<std::int64_t>(), batch, classes,
                    grad_output_.as<float>(), batch);
     out.stream.record(grad_output_ready_);
+    mark(time_phases_, out.stream, loss_end_);
   });
 
   // Phase 4, every used device: its slice of the output gradient, backward.
@@ -180,6 +226,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
           r.stream.copy(r.grad_output.data(), slice, rows * classes_z * sizeof(float));
           dy = r.grad_output.as<float>();
         }
+        mark(time_phases_, r.stream, r.backward_start);
         r.model->zero_grad(r.stream);
         r.model->backward(r.stream, dy);
         r.stream.record(r.backward_done);
@@ -191,6 +238,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
   group_.run_on(0, [&] {
     Replica& source = *replicas_[0];
     const std::size_t n = module_.param_count();
+    mark(time_phases_, source.stream, reduce_start_);
     for (int rank = 1; rank < used; ++rank) {
       Replica& r = *replicas_[static_cast<std::size_t>(rank)];
       source.stream.wait(r.backward_done);
@@ -198,7 +246,9 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
       kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
                     module_.grads_flat());
     }
+    mark(time_phases_, source.stream, reduce_end_);
     optimizer_.step(source.stream, module_.params_flat(), module_.grads_flat());
+    mark(time_phases_, source.stream, update_end_);
   });
 
   float host_loss = 0.0f;

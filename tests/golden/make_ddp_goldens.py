@@ -32,7 +32,6 @@ import sys
 import tempfile
 from collections import OrderedDict
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -20,6 +20,14 @@ namespace dp {
 struct DataParallelOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
   std::optional<int> output_device;             // default: device_ids[0]; must be one of device_ids
+  // Record events at phase boundaries so last_phases() can report where a step's time went.
+  bool time_phases = false;
+};
+
+// Where one DataParallel step spent its time, in ms. Per-device phases report the slowest device;
+// gather and reduce include the wait for the slowest device (DP's load imbalance shows there).
+struct DataParallelPhases {
+  double broadcast = 0, scatter = 0, forward = 0, gather = 0, loss = 0, backward = 0, reduce = 0, update = 0;
 };
 
 // torch.chunk(batch, devices): chunks of ceil(batch/devices), the last one smaller, and fewer
@@ -47,6 +55,8 @@ class DataParallel {
   int source_device() const { return group_.device_ids()[0]; }
   // Chunk sizes of the last step, in device_ids order (its length = devices used).
   const std::vector<int>& last_chunks() const { return chunks_; }
+  // Phase times of the last train_step (needs options.time_phases; waits for the step to finish).
+  DataParallelPhases last_phases() const;
 
  private:
   struct Replica;
@@ -64,7 +74,9 @@ class DataParallel {
   std::vector<int> chunks_;
   std::vector<int> offsets_;  // first sample of each chunk
   int batch_ = 0;
+  bool time_phases_ = false;
   Event params_ready_, grad_output_ready_;
+  Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   DeviceBuffer gathered_, targets_, grad_output_;  // on the output device
   std::size_t gathered_capacity_ = 0;
 };

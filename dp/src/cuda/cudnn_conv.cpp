@@ -1,5 +1,7 @@
 // cudnn_conv.cpp — the cuDNN convolution path of cuda streams (cuDNN v9 legacy API), host code only.
 // One handle per device shared by its streams under a mutex (as cuBLAS is), a plan per shape.
+#include "cudnn_conv.h"
+
 #include <cudnn.h>
 
 #include <algorithm>
@@ -12,7 +14,6 @@
 
 #include "check.h"
 #include "check_cudnn.h"
-#include "cudnn_conv.h"
 
 namespace dp::cuda {
 namespace {
@@ -88,8 +89,8 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const kernels::Conv2dShape
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s.n, s.c_in, s.h, s.w));
   DP_CUDA_CHECK(cudnnSetFilter4dDescriptor(p.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, s.c_out, s.c_in, s.kh, s.kw));
   // PyTorch's Conv2d is a cross-correlation (the kernel is not flipped).
-  DP_CUDA_CHECK(cudnnSetConvolution2dDescriptor(p.conv, s.pad, s.pad, s.stride, s.stride, 1, 1,
-                                                CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+  DP_CUDA_CHECK(cudnnSetConvolution2dDescriptor(p.conv, s.pad, s.pad, s.stride, s.stride, 1, 1, CUDNN_CROSS_CORRELATION,
+                                                CUDNN_DATA_FLOAT));
   // FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
   DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv, CUDNN_FMA_MATH));
   int n = 0, c = 0, h = 0, w = 0;
@@ -105,8 +106,8 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const kernels::Conv2dShape
   // Heuristics, not cudnnFind*: finding times every algorithm on the stream, allocating as it goes.
   int count = 0;
   cudnnConvolutionFwdAlgoPerf_t fwd[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-  DP_CUDA_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, p.x, p.w, p.conv, p.y,
-                                                       CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, fwd));
+  DP_CUDA_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, p.x, p.w, p.conv, p.y, CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+                                                       &count, fwd));
   p.fwd = pick(fwd, count, false, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM);
   DP_CUDA_CHECK(cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv, p.y, p.fwd, &p.fwd_bytes));
 
@@ -121,8 +122,8 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const kernels::Conv2dShape
   DP_CUDA_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, p.x, p.y, p.conv, p.w,
                                                               CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &count, filter));
   p.bwd_filter = pick(filter, count, true, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
-  DP_CUDA_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, p.x, p.y, p.conv, p.w, p.bwd_filter,
-                                                               &p.bwd_filter_bytes));
+  DP_CUDA_CHECK(
+      cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, p.x, p.y, p.conv, p.w, p.bwd_filter, &p.bwd_filter_bytes));
   return plan;
 }
 
@@ -207,8 +208,8 @@ void cudnn_conv2d_backward(detail::StreamImpl& stream, const kernels::Conv2dShap
     const float one = 1.0f, zero = 0.0f;
     const Workspace scratch(std::max(dx ? p.bwd_data_bytes : 0, p.bwd_filter_bytes), cuda_stream);
     if (dx)  // overwritten
-      DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv, p.bwd_data,
-                                                 scratch.data(), scratch.bytes(), &zero, p.x, dx));
+      DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv, p.bwd_data, scratch.data(),
+                                                 scratch.bytes(), &zero, p.x, dx));
     // beta = 1: gradients accumulate, as PyTorch's .grad does.
     DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
                                                  scratch.bytes(), &one, p.w, dweight));
