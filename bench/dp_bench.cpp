@@ -1,1 +1,700 @@
-int main() { return 0; }
+// dp_bench.cpp — the project's main job: DP vs DDP throughput and per-device load imbalance.
+//
+// For each model (MLP 784-256-256-10, ConvNet) it runs `single` (one device, the per-device batch),
+// `dp` (DataParallel over N devices, global batch N x per-device batch) and `ddp`
+// (DistributedDataParallel, N ranks x per-device batch): warm-up steps, then measured steps on
+// synthetic inputs and labels generated once. It reports samples/s, step time (median, p90),
+// scaling efficiency against `single`, and per device: busy time (union of the device's kernel /
+// gemm / copy / collective spans over the measured window), device-to-device bytes sent and
+// received per step, peak memory; the max/mean imbalance of each; DP's phase times; and, from the
+// GEMM spans and the models' analytic GEMM FLOPs, the GEMM rate each device reached.
+//
+// Busy time and GEMM rates come from Runtime::take_trace(), which only the sim backend records so
+// far: on cuda they are reported as null / "n/a" (everything else — throughput, step times,
+// traffic counters, peak memory, DP phases via events — works there as written).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dp/data_parallel.h"
+#include "dp/ddp.h"
+#include "dp/device.h"
+#include "dp/error.h"
+#include "dp/model.h"
+#include "dp/models/convnet.h"
+#include "dp/models/mlp.h"
+#include "dp/trainer.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr int kDefaultSimDevices = 4;
+constexpr int kMaxSimDevices = 64;
+const std::vector<std::string> kModels = {"mlp", "convnet"};
+const std::vector<std::string> kModes = {"single", "dp", "ddp"};
+// Span kinds that count as the device doing work (sync = event record/wait, host = host callbacks).
+const std::set<std::string> kBusyKinds = {"kernel", "gemm", "copy", "collective"};
+
+// A bad command line: printed as "dp_bench: <message>" with exit code 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Options {
+  std::string backend = "auto";
+  std::optional<int> devices;
+  std::string models = "mlp,convnet";
+  std::string modes = "single,dp,ddp";
+  int batch = 64;
+  int steps = 20;
+  int warmup = 5;
+  double bucket_cap_mb = 25.0;
+  std::string json_path;
+  std::string trace_path;
+  std::uint64_t seed = 1;
+};
+
+// "a,b,,c" -> {"a","b","c"}, each checked against `known`, duplicates dropped (first one kept).
+std::vector<std::string> parse_list(const std::string& text, const std::vector<std::string>& known, const char* flag) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item.empty()) continue;
+    if (std::find(known.begin(), known.end(), item) == known.end())
+      throw UsageError(fmt::format("{}: unknown value '{}' (expected a comma list of {})", flag, item,
+                                   fmt::join(known, ", ")));
+    if (std::find(out.begin(), out.end(), item) == out.end()) out.push_back(item);
+  }
+  if (out.empty()) throw UsageError(fmt::format("{}: empty list (expected a comma list of {})", flag, fmt::join(known, ", ")));
+  return out;
+}
+
+void validate(const Options& o) {
+  if (o.backend != "auto" && o.backend != "cuda" && o.backend != "sim")
+    throw UsageError(fmt::format("--backend: unknown backend '{}' (expected auto, cuda or sim)", o.backend));
+  if (o.devices && *o.devices < 1) throw UsageError(fmt::format("--devices must be at least 1, got {}", *o.devices));
+  if (o.batch < 1) throw UsageError(fmt::format("--batch-size must be at least 1, got {}", o.batch));
+  if (o.steps < 1) throw UsageError(fmt::format("--steps must be at least 1, got {}", o.steps));
+  if (o.warmup < 0) throw UsageError(fmt::format("--warmup must be at least 0, got {}", o.warmup));
+  if (!(o.bucket_cap_mb > 0.0) || !std::isfinite(o.bucket_cap_mb))
+    throw UsageError(fmt::format("--bucket-cap-mb must be a positive number, got {}", o.bucket_cap_mb));
+}
+
+// The runtime the options ask for, checking the device count against what the backend has.
+std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
+  std::string backend = o.backend;
+  const int gpus = backend == "sim" ? 0 : dp::Runtime::cuda_device_count();
+  if (backend == "auto") backend = gpus > 0 ? "cuda" : "sim";
+  dp::RuntimeOptions options;
+  options.backend = backend;
+  if (backend == "cuda") {
+    if (gpus == 0)
+      throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no usable CUDA device is visible"
+                                                    : "--backend cuda: dp was built without the cuda backend");
+    devices = o.devices.value_or(gpus);
+    if (devices > gpus)
+      throw UsageError(fmt::format("--devices {}: only {} CUDA device(s) are visible", devices, gpus));
+  } else {
+    devices = o.devices.value_or(kDefaultSimDevices);
+    if (devices > kMaxSimDevices)
+      throw UsageError(fmt::format("--devices {}: the sim backend simulates at most {} devices", devices,
+                                   kMaxSimDevices));
+    options.sim_devices = devices;
+  }
+  auto runtime = dp::Runtime::create(options);
+  if (devices > runtime->device_count())
+    throw UsageError(fmt::format("--devices {}: the {} backend has only {} device(s)", devices,
+                                 dp::to_string(runtime->backend()), runtime->device_count()));
+  return runtime;
+}
+
+std::unique_ptr<dp::Model> make_model(const std::string& name, dp::Device& device, std::uint64_t seed) {
+  if (name == "mlp") return dp::models::make_mlp(device, {256, 256}, seed);
+  return dp::models::make_convnet(device, seed);
+}
+
+// GEMM FLOPs per sample of one training step (forward, weight gradients, input gradients of every
+// layer but the first: the engine skips the first layer's dx, as PyTorch does). The forward GEMM
+// of each layer has `macs` multiply-accumulates per sample; its two backward GEMMs have as many.
+double gemm_flops_per_sample(const std::string& model) {
+  std::vector<double> macs;
+  if (model == "mlp") macs = {784.0 * 256, 256.0 * 256, 256.0 * 10};
+  else macs = {16.0 * 25 * 28 * 28, 32.0 * 16 * 25 * 14 * 14, 7.0 * 7 * 32 * 10};  // im2col GEMMs, fc
+  double sum = 0;
+  for (double m : macs) sum += m;
+  return 2.0 * (3.0 * sum - macs.front());
+}
+
+// Synthetic data, generated once for the largest global batch: pixels in [0, 1), labels 0..9.
+struct Data {
+  std::vector<float> inputs;
+  std::vector<std::int64_t> labels;
+  std::size_t sample_floats = 0;
+};
+
+Data make_data(int samples, std::size_t sample_floats, std::uint64_t seed) {
+  Data d;
+  d.sample_floats = sample_floats;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> pixel(0.0f, 1.0f);
+  std::uniform_int_distribution<int> label(0, 9);
+  d.inputs.resize(static_cast<std::size_t>(samples) * sample_floats);
+  for (float& x : d.inputs) x = pixel(rng);
+  d.labels.resize(static_cast<std::size_t>(samples));
+  for (auto& y : d.labels) y = label(rng);
+  return d;
+}
+
+struct PerDevice {
+  int device = 0;
+  std::optional<double> busy_pct;  // null on cuda (no spans recorded)
+  std::optional<double> gemm_ms_per_step;
+  std::optional<double> gemm_gflops;
+  double bytes_sent = 0, bytes_received = 0;  // device-to-device, per step
+  std::uint64_t peak_bytes = 0;
+  int samples_per_step = 0;
+};
+
+struct Run {
+  std::string model, mode;
+  std::vector<int> device_ids;
+  int batch_per_device = 0, global_batch = 0;
+  std::size_t param_count = 0, buffers_bytes = 0;
+  std::vector<double> step_ms;
+  double wall_ms = 0, samples_per_s = 0, median = 0, p90 = 0, mean = 0;
+  std::optional<double> scaling_efficiency;
+  std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
+  std::vector<PerDevice> per_device;
+  float loss_first = 0, loss_last = 0;
+  // For the trace: the measured window, its step boundaries and its spans.
+  std::int64_t t0 = 0, t1 = 0;
+  std::vector<std::int64_t> step_starts;
+  std::vector<dp::TraceSpan> spans;
+  double trace_offset_ms = 0;
+};
+
+double percentile(std::vector<double> v, double q) {  // nearest rank
+  std::sort(v.begin(), v.end());
+  const auto rank = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size())));
+  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// max / mean; 1 when every value is 0 (nothing to be imbalanced about).
+double imbalance(const std::vector<double>& v) {
+  if (v.empty()) return 1.0;
+  double sum = 0, max = v.front();
+  for (double x : v) {
+    sum += x;
+    max = std::max(max, x);
+  }
+  const double mean = sum / static_cast<double>(v.size());
+  return mean > 0 ? max / mean : 1.0;
+}
+
+// Length of the union of [start, end) intervals clipped to [lo, hi).
+std::int64_t union_ns(std::vector<std::pair<std::int64_t, std::int64_t>> spans, std::int64_t lo, std::int64_t hi) {
+  for (auto& [s, e] : spans) {
+    s = std::clamp(s, lo, hi);
+    e = std::clamp(e, lo, hi);
+  }
+  std::sort(spans.begin(), spans.end());
+  std::int64_t total = 0, cur_s = 0, cur_e = 0;
+  bool open = false;
+  for (const auto& [s, e] : spans) {
+    if (e <= s) continue;
+    if (open && s <= cur_e) {
+      cur_e = std::max(cur_e, e);
+      continue;
+    }
+    if (open) total += cur_e - cur_s;
+    cur_s = s;
+    cur_e = e;
+    open = true;
+  }
+  if (open) total += cur_e - cur_s;
+  return total;
+}
+
+void synchronize(dp::Runtime& rt, const std::vector<int>& devices) {
+  for (int d : devices) rt.device(d).synchronize();
+}
+
+// Warm-up, then the measured steps with profiling on and the counters reset; fills the timing,
+// traffic, memory and span fields of `run`. `step` runs one training step and returns its loss;
+// `after_step` runs once each measured step has finished (DP reads its phase times there).
+void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<float()>& step,
+             const std::function<void()>& after_step = {}) {
+  const std::vector<int>& used = run.device_ids;
+  for (int i = 0; i < o.warmup; ++i) {
+    step();
+    synchronize(rt, used);
+  }
+  synchronize(rt, used);
+  rt.reset_link_traffic();
+  for (int d : used) rt.device(d).reset_peak_memory();
+  rt.take_trace();
+  rt.set_profiling(true);
+  run.t0 = now_ns();
+  for (int i = 0; i < o.steps; ++i) {
+    const std::int64_t start = now_ns();
+    run.step_starts.push_back(start);
+    const float loss = step();
+    synchronize(rt, used);  // a step ends when every device has finished it
+    const std::int64_t end = now_ns();
+    run.step_ms.push_back(static_cast<double>(end - start) / 1e6);
+    if (i == 0) run.loss_first = loss;
+    run.loss_last = loss;
+    run.t1 = end;
+    if (after_step) after_step();
+  }
+  rt.set_profiling(false);
+  run.spans = rt.take_trace();
+
+  run.wall_ms = static_cast<double>(run.t1 - run.t0) / 1e6;
+  run.samples_per_s = static_cast<double>(run.global_batch) * o.steps / (run.wall_ms / 1e3);
+  run.median = median(run.step_ms);
+  run.p90 = percentile(run.step_ms, 0.9);
+  double sum = 0;
+  for (double t : run.step_ms) sum += t;
+  run.mean = sum / static_cast<double>(run.step_ms.size());
+
+  const bool have_spans = rt.backend() == dp::Backend::sim;  // cuda records no spans yet
+  const double flops_per_sample = gemm_flops_per_sample(run.model);
+  for (std::size_t i = 0; i < used.size(); ++i) {
+    const int d = used[i];
+    PerDevice pd;
+    pd.device = d;
+    pd.bytes_sent = static_cast<double>(rt.bytes_sent(d)) / o.steps;
+    pd.bytes_received = static_cast<double>(rt.bytes_received(d)) / o.steps;
+    pd.peak_bytes = rt.device(d).memory().peak;
+    if (pd.samples_per_step == 0) pd.samples_per_step = run.batch_per_device;
+    if (have_spans) {
+      std::vector<std::pair<std::int64_t, std::int64_t>> busy, gemm;
+      for (const auto& s : run.spans) {
+        if (s.device != d) continue;
+        if (kBusyKinds.count(s.kind)) busy.emplace_back(s.start_ns, s.end_ns);
+        if (s.kind == "gemm") gemm.emplace_back(s.start_ns, s.end_ns);
+      }
+      pd.busy_pct = 100.0 * static_cast<double>(union_ns(busy, run.t0, run.t1)) / static_cast<double>(run.t1 - run.t0);
+      const double gemm_ns = static_cast<double>(union_ns(gemm, run.t0, run.t1));
+      pd.gemm_ms_per_step = gemm_ns / 1e6 / o.steps;
+      if (gemm_ns > 0) pd.gemm_gflops = flops_per_sample * pd.samples_per_step * o.steps / gemm_ns;
+    }
+    run.per_device.push_back(pd);
+  }
+}
+
+// Devices 0..devices-1; device 0 holds the model (DP's source and output device, DDP's rank 0).
+Run new_run(const std::string& model, const std::string& mode, int devices, int batch_per_device, int global_batch) {
+  Run run;
+  run.model = model;
+  run.mode = mode;
+  for (int d = 0; d < devices; ++d) run.device_ids.push_back(d);
+  run.batch_per_device = batch_per_device;
+  run.global_batch = global_batch;
+  return run;
+}
+
+Run bench_single(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data) {
+  Run run = new_run(model_name, "single", 1, o.batch, o.batch);
+  auto model = make_model(model_name, rt.device(0), o.seed);
+  run.param_count = model->param_count();
+  run.buffers_bytes = model->buffers_bytes();
+  dp::SingleDeviceTrainer trainer(*model, dp::SgdOptions{0.01f, 0.9f});
+  measure(rt, o, run, [&] { return trainer.step(data.inputs.data(), data.labels.data(), o.batch); });
+  return run;
+}
+
+Run bench_dp(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data, int devices) {
+  Run run = new_run(model_name, "dp", devices, o.batch, o.batch * devices);
+  auto model = make_model(model_name, rt.device(0), o.seed);
+  run.param_count = model->param_count();
+  run.buffers_bytes = model->buffers_bytes();
+  dp::DataParallelOptions options;
+  options.device_ids = run.device_ids;
+  options.output_device = 0;
+  options.time_phases = true;
+  dp::DataParallel parallel(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
+  dp::DataParallelPhases sum;
+  int timed = 0;
+  measure(
+      rt, o, run, [&] { return parallel.train_step(data.inputs.data(), data.labels.data(), run.global_batch); },
+      [&] {
+        const auto p = parallel.last_phases();
+        sum.broadcast += p.broadcast, sum.scatter += p.scatter, sum.forward += p.forward, sum.gather += p.gather;
+        sum.loss += p.loss, sum.backward += p.backward, sum.reduce += p.reduce, sum.update += p.update;
+        ++timed;
+      });
+  const double n = timed;
+  run.phases = dp::DataParallelPhases{sum.broadcast / n, sum.scatter / n, sum.forward / n, sum.gather / n,
+                                      sum.loss / n,      sum.backward / n, sum.reduce / n,  sum.update / n};
+  // torch.chunk rules: with a small global batch some devices get fewer rows (or none).
+  const auto& chunks = parallel.last_chunks();
+  for (std::size_t i = 0; i < run.per_device.size(); ++i) {
+    auto& pd = run.per_device[i];
+    pd.samples_per_step = i < chunks.size() ? chunks[i] : 0;
+    if (pd.gemm_gflops && pd.samples_per_step != run.batch_per_device)
+      pd.gemm_gflops = *pd.gemm_gflops * pd.samples_per_step / run.batch_per_device;
+  }
+  return run;
+}
+
+Run bench_ddp(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data, int devices) {
+  Run run = new_run(model_name, "ddp", devices, o.batch, o.batch * devices);
+  auto model = make_model(model_name, rt.device(0), o.seed);
+  run.param_count = model->param_count();
+  run.buffers_bytes = model->buffers_bytes();
+  dp::DdpOptions options;
+  options.device_ids = run.device_ids;
+  options.bucket_cap_mb = o.bucket_cap_mb;
+  dp::DistributedDataParallel ddp(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
+  std::vector<dp::RankBatch> batches;
+  for (int r = 0; r < devices; ++r) {
+    const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(o.batch);
+    batches.push_back(dp::RankBatch{data.inputs.data() + row * data.sample_floats, data.labels.data() + row, o.batch});
+  }
+  measure(rt, o, run, [&] { return ddp.train_step(batches); });
+  return run;
+}
+
+// ---------------------------------------------------------------------------------------------
+// output
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+template <class F>
+std::vector<double> column(const Run& run, F f) {
+  std::vector<double> v;
+  for (const auto& pd : run.per_device) v.push_back(f(pd));
+  return v;
+}
+
+std::optional<double> busy_imbalance(const Run& run) {
+  std::vector<double> v;
+  for (const auto& pd : run.per_device) {
+    if (!pd.busy_pct) return std::nullopt;
+    v.push_back(*pd.busy_pct);
+  }
+  return imbalance(v);
+}
+
+std::optional<double> busy_mean(const Run& run) {
+  double sum = 0;
+  for (const auto& pd : run.per_device) {
+    if (!pd.busy_pct) return std::nullopt;
+    sum += *pd.busy_pct;
+  }
+  return sum / static_cast<double>(run.per_device.size());
+}
+
+std::string opt(const std::optional<double>& v, const char* format) {
+  return v ? fmt::format(fmt::runtime(format), *v) : std::string("n/a");
+}
+
+void print_tables(const std::vector<Run>& runs, const std::string& backend) {
+  fmt::print("\n{:<8} {:<6} {:>3} {:>6} {:>11} {:>9} {:>9} {:>7} {:>7} {:>5} {:>11} {:>11} {:>5} {:>11} {:>5}\n",
+             "model", "mode", "dev", "batch", "samples/s", "step ms", "p90 ms", "scaling", "busy %", "imb", "sent/step",
+             "recv/step", "imb", "peak mem", "imb");
+  for (const Run& r : runs) {
+    const auto sent = column(r, [](const PerDevice& p) { return p.bytes_sent; });
+    const auto recv = column(r, [](const PerDevice& p) { return p.bytes_received; });
+    const auto peak = column(r, [](const PerDevice& p) { return static_cast<double>(p.peak_bytes); });
+    fmt::print("{:<8} {:<6} {:>3} {:>6} {:>11.1f} {:>9.2f} {:>9.2f} {:>7} {:>7} {:>5} {:>11} {:>11} {:>5.2f} {:>11} {:>5.2f}\n",
+               r.model, r.mode, r.device_ids.size(), r.global_batch, r.samples_per_s, r.median, r.p90,
+               opt(r.scaling_efficiency, "{:.2f}"), opt(busy_mean(r), "{:.1f}"), opt(busy_imbalance(r), "{:.2f}"),
+               human_bytes(*std::max_element(sent.begin(), sent.end())),
+               human_bytes(*std::max_element(recv.begin(), recv.end())),
+               imbalance(column(r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received; })),
+               human_bytes(*std::max_element(peak.begin(), peak.end())), imbalance(peak));
+  }
+  fmt::print("  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
+             "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
+             "  sent/recv = the busiest device's device-to-device bytes per step; imb = max/mean over devices\n",
+             backend == "cuda" ? " (n/a on cuda: it records no spans yet)" : "");
+
+  fmt::print("\nper device\n{:<8} {:<6} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>11}\n", "model", "mode", "device",
+             "busy %", "gemm ms", "gemm GF/s", "sent/step", "recv/step", "peak mem");
+  for (const Run& r : runs)
+    for (const auto& pd : r.per_device)
+      fmt::print("{:<8} {:<6} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>11}\n", r.model, r.mode, pd.device,
+                 opt(pd.busy_pct, "{:.1f}"), opt(pd.gemm_ms_per_step, "{:.2f}"), opt(pd.gemm_gflops, "{:.1f}"),
+                 human_bytes(pd.bytes_sent), human_bytes(pd.bytes_received), human_bytes(static_cast<double>(pd.peak_bytes)));
+  fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
+
+  bool any_dp = false;
+  for (const Run& r : runs) any_dp = any_dp || r.phases.has_value();
+  if (!any_dp) return;
+  fmt::print("\nDP phases, ms per step (mean over measured steps; per-device phases: the slowest device)\n"
+             "{:<8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8}\n",
+             "model", "broadcast", "scatter", "forward", "gather", "loss", "backward", "reduce", "update", "step");
+  for (const Run& r : runs) {
+    if (!r.phases) continue;
+    const auto& p = *r.phases;
+    fmt::print("{:<8} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f}\n", r.model,
+               p.broadcast, p.scatter, p.forward, p.gather, p.loss, p.backward, p.reduce, p.update, r.mean);
+  }
+}
+
+json optional_json(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); }
+
+// Exact integers where the per-step value is one (it is: every step moves the same bytes).
+json bytes_json(double v) {
+  if (v >= 0 && v == std::floor(v) && v < 9.0e15) return json(static_cast<std::uint64_t>(v));
+  return json(v);
+}
+
+json run_json(const Run& r) {
+  json j;
+  j["model"] = r.model;
+  j["mode"] = r.mode;
+  j["devices"] = r.device_ids.size();
+  j["device_ids"] = r.device_ids;
+  j["batch_per_device"] = r.batch_per_device;
+  j["global_batch"] = r.global_batch;
+  j["param_count"] = r.param_count;
+  j["buffers_bytes"] = r.buffers_bytes;
+  j["steps"] = r.step_ms.size();
+  j["samples_per_s"] = r.samples_per_s;
+  j["wall_ms"] = r.wall_ms;
+  j["step_ms"] = r.step_ms;
+  j["step_ms_median"] = r.median;
+  j["step_ms_p90"] = r.p90;
+  j["step_ms_mean"] = r.mean;
+  j["scaling_efficiency"] = optional_json(r.scaling_efficiency);
+  j["loss_first"] = r.loss_first;
+  j["loss_last"] = r.loss_last;
+  j["gemm_flops_per_sample"] = gemm_flops_per_sample(r.model);
+  json phases = json::object();
+  if (r.phases) {
+    const auto& p = *r.phases;
+    phases = {{"broadcast", p.broadcast}, {"scatter", p.scatter}, {"forward", p.forward}, {"gather", p.gather},
+              {"loss", p.loss},           {"backward", p.backward}, {"reduce", p.reduce},  {"update", p.update}};
+  }
+  j["phases_ms"] = phases;
+  json per = json::array();
+  for (const auto& pd : r.per_device)
+    per.push_back({{"device", pd.device},
+                   {"busy_pct", optional_json(pd.busy_pct)},
+                   {"gemm_ms_per_step", optional_json(pd.gemm_ms_per_step)},
+                   {"gemm_gflops", optional_json(pd.gemm_gflops)},
+                   {"samples_per_step", pd.samples_per_step},
+                   {"bytes_sent", bytes_json(pd.bytes_sent)},
+                   {"bytes_received", bytes_json(pd.bytes_received)},
+                   {"peak_bytes", pd.peak_bytes}});
+  j["per_device"] = per;
+  j["busy_pct_mean"] = optional_json(busy_mean(r));
+  j["imbalance"] = {
+      {"busy_pct", optional_json(busy_imbalance(r))},
+      {"bytes_sent", imbalance(column(r, [](const PerDevice& p) { return p.bytes_sent; }))},
+      {"bytes_received", imbalance(column(r, [](const PerDevice& p) { return p.bytes_received; }))},
+      {"peak_bytes", imbalance(column(r, [](const PerDevice& p) { return static_cast<double>(p.peak_bytes); }))}};
+  j["trace_offset_ms"] = r.trace_offset_ms;
+  return j;
+}
+
+// Chrome / Perfetto Trace Event Format. Runs are laid end to end in time (each run's measured
+// window, then a gap), pid = device, tid = the runtime-wide stream id — each run makes its own
+// streams, so a stream's track holds one run; every event's args name the run and the step.
+// Event record/wait spans (kind "sync") are left out: a stream waiting is idle, and the gap shows it.
+json trace_json(std::vector<Run>& runs) {
+  json events = json::array();
+  std::map<int, std::set<int>> tracks;  // device -> streams that did work
+  std::int64_t cursor = 0;
+  double first_ts = -1;
+  json spans = json::array();
+  for (Run& run : runs) {
+    run.trace_offset_ms = static_cast<double>(cursor) / 1e6;
+    const std::string label = fmt::format("{} {}", run.model, run.mode);
+    for (const auto& s : run.spans) {
+      if (s.kind == "sync") continue;
+      const std::int64_t start = std::clamp(s.start_ns, run.t0, run.t1), end = std::clamp(s.end_ns, start, run.t1);
+      const auto step = std::upper_bound(run.step_starts.begin(), run.step_starts.end(), s.start_ns) -
+                        run.step_starts.begin() - 1;
+      const double ts = static_cast<double>(cursor + (start - run.t0)) / 1e3;
+      if (first_ts < 0 || ts < first_ts) first_ts = ts;
+      spans.push_back({{"ph", "X"},
+                       {"name", s.name},
+                       {"cat", s.kind},
+                       {"pid", s.device},
+                       {"tid", s.stream},
+                       {"ts", ts},
+                       {"dur", static_cast<double>(end - start) / 1e3},
+                       {"args", {{"run", label}, {"step", std::max<std::ptrdiff_t>(step, 0)}}}});
+      tracks[s.device].insert(s.stream);
+    }
+    const std::int64_t window = run.t1 - run.t0;
+    cursor += window + std::max<std::int64_t>(1'000'000, window / 10);
+  }
+  if (first_ts < 0) first_ts = 0;
+  for (auto& [device, streams] : tracks) {
+    events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", device}, {"tid", 0},
+                      {"args", {{"name", fmt::format("device {}", device)}}}});
+    events.push_back({{"ph", "M"}, {"name", "process_sort_index"}, {"pid", device}, {"tid", 0},
+                      {"args", {{"sort_index", device}}}});
+    for (int stream : streams) {
+      events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", device}, {"tid", stream},
+                        {"args", {{"name", fmt::format("stream {}", stream)}}}});
+      events.push_back({{"ph", "M"}, {"name", "thread_sort_index"}, {"pid", device}, {"tid", stream},
+                        {"args", {{"sort_index", stream}}}});
+    }
+  }
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const json& a, const json& b) { return a["ts"].get<double>() < b["ts"].get<double>(); });
+  for (auto& e : spans) {
+    e["ts"] = std::max(0.0, e["ts"].get<double>() - first_ts);
+    events.push_back(std::move(e));
+  }
+  return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+void write_file(const std::string& path, const json& j, const char* what) {
+  std::ofstream out(path);
+  if (!out) throw dp::Error(fmt::format("cannot write the {} file '{}'", what, path));
+  out << j.dump(1) << '\n';
+  if (!out.flush()) throw dp::Error(fmt::format("cannot write the {} file '{}'", what, path));
+}
+
+int run_bench(const Options& o) {
+  validate(o);
+  const auto models = parse_list(o.models, kModels, "--models");
+  const auto modes = parse_list(o.modes, kModes, "--modes");
+  // Fail on an unwritable output before spending minutes on the runs.
+  for (const auto* path : {&o.json_path, &o.trace_path})
+    if (!path->empty() && !std::ofstream(*path, std::ios::app))
+      throw UsageError(fmt::format("cannot write '{}'", *path));
+
+  int devices = 0;
+  auto rt = make_runtime(o, devices);
+  const std::string backend(dp::to_string(rt->backend()));
+  std::vector<std::string> names;
+  for (int d = 0; d < devices; ++d) names.push_back(rt->device(d).name());
+  fmt::print("dp_bench: backend {}, {} device(s) [{}], batch {} per device, {} warm-up + {} measured steps, "
+             "bucket cap {} MiB\n",
+             backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb);
+  std::fflush(stdout);
+
+  const Data data = make_data(o.batch * devices, 784, o.seed);
+  std::vector<Run> runs;
+  for (const auto& model : models) {
+    for (const auto& mode : modes) {
+      if (mode == "single") runs.push_back(bench_single(*rt, o, model, data));
+      else if (mode == "dp") runs.push_back(bench_dp(*rt, o, model, data, devices));
+      else runs.push_back(bench_ddp(*rt, o, model, data, devices));
+      const Run& r = runs.back();
+      fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
+                 r.median);
+      std::fflush(stdout);
+    }
+  }
+  for (Run& r : runs) {
+    for (const Run& s : runs)
+      if (s.model == r.model && s.mode == "single" && s.samples_per_s > 0)
+        r.scaling_efficiency = r.samples_per_s / (static_cast<double>(r.device_ids.size()) * s.samples_per_s);
+  }
+  // Lay out the trace first: it assigns each run's offset, which the JSON reports.
+  const json trace = trace_json(runs);
+  print_tables(runs, backend);
+
+  if (!o.trace_path.empty()) {
+    write_file(o.trace_path, trace, "trace");
+    fmt::print("\ntrace: {} (open in https://ui.perfetto.dev or chrome://tracing; runs laid end to end:", o.trace_path);
+    for (const Run& r : runs) fmt::print(" {} {} at {:.1f} ms;", r.model, r.mode, r.trace_offset_ms);
+    fmt::print(")\n");
+    if (rt->backend() == dp::Backend::cuda) fmt::print("  (the cuda backend records no spans yet: the trace is empty)\n");
+  }
+  if (!o.json_path.empty()) {
+    json j;
+    j["backend"] = backend;
+    j["devices"] = devices;
+    j["device_names"] = names;
+    j["batch_per_device"] = o.batch;
+    j["steps"] = o.steps;
+    j["warmup"] = o.warmup;
+    j["bucket_cap_mb"] = o.bucket_cap_mb;
+    j["seed"] = o.seed;
+    j["busy_time_available"] = rt->backend() == dp::Backend::sim;
+    json rj = json::array();
+    for (const Run& r : runs) rj.push_back(run_json(r));
+    j["runs"] = rj;
+    write_file(o.json_path, j, "JSON");
+    fmt::print("json: {}\n", o.json_path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dp_bench: DP vs DDP throughput and per-device imbalance (single, dp, ddp for each model)"};
+  Options o;
+  int devices = 0;
+  auto* devices_opt = app.add_option("--devices", devices,
+                                     "devices to use (default: every visible GPU, or 4 simulated devices)");
+  app.add_option("--backend", o.backend, "auto (cuda when a GPU is visible, else sim), cuda or sim")
+      ->capture_default_str();
+  app.add_option("--models", o.models, "comma list of mlp, convnet")->capture_default_str();
+  app.add_option("--modes", o.modes, "comma list of single, dp, ddp")->capture_default_str();
+  app.add_option("--batch-size", o.batch, "batch per device (dp's global batch = devices x this)")
+      ->capture_default_str();
+  app.add_option("--steps", o.steps, "measured steps per run")->capture_default_str();
+  app.add_option("--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap, MiB")->capture_default_str();
+  app.add_option("--json", o.json_path, "write every figure as JSON to this file");
+  app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace of the measured steps to this file");
+  app.add_option("--seed", o.seed, "seed of the synthetic data and the models' initialisation")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);  // help: 0 on stdout; a parse error: its message on stderr and exit code != 0
+  }
+  if (devices_opt->count() > 0) o.devices = devices;
+  try {
+    return run_bench(o);
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "dp_bench: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dp_bench: error: {}\n", e.what());
+    return 1;
+  }
+}

@@ -1,12 +1,15 @@
-// microbench.cpp — GEMM throughput per device (alone and all devices at once) and device-to-device
-// copy bandwidth, on whatever backend is available. The shapes are the reference models' GEMMs.
+// microbench.cpp — GEMM throughput per device (alone and all devices at once), device-to-device
+// copy bandwidth, and all-reduce over dp::Communicator reported the way nccl-tests does (time,
+// algbw, busbw), on whatever backend is available. The shapes are the reference models' GEMMs.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include <chrono>
 #include <vector>
 
+#include "dp/collectives.h"
 #include "dp/device.h"
+#include "dp/device_group.h"
 #include "dp/error.h"
 #include "kernels/ops.h"
 
@@ -47,6 +50,55 @@ double run_gemms(dp::Runtime& rt, const std::vector<int>& devices, const Shape& 
   return seconds_since(t0);
 }
 
+// nccl-tests' all_reduce_perf, out of place replaced by in place: for each size, every rank
+// enqueues `iters` all-reduces (sum, float) on its own stream from its own worker thread, then all
+// streams are synchronised. time = wall / iters; algbw = bytes / time; busbw = algbw * 2(N-1)/N,
+// the bytes each rank's busiest link carries in a ring, comparable with the link bandwidth.
+void run_all_reduce(dp::Runtime& rt, int devices, std::size_t min_bytes, std::size_t max_bytes, int iters) {
+  std::vector<int> ids(static_cast<std::size_t>(devices));
+  for (int i = 0; i < devices; ++i) ids[static_cast<std::size_t>(i)] = i;
+  dp::DeviceGroup group(rt, ids);
+  auto comm = dp::Communicator::create(group);
+  std::vector<dp::Stream> streams;
+  std::vector<dp::DeviceBuffer> buffers;
+  for (int r = 0; r < devices; ++r) {
+    streams.push_back(group.device(r).create_stream());
+    buffers.push_back(group.device(r).allocate(max_bytes));
+    dp::kernels::fill(streams.back(), buffers.back().as<float>(), static_cast<dp::kernels::index_t>(max_bytes / 4), 1.0f);
+  }
+  auto all_reduce = [&](std::size_t count, int times) {
+    group.run([&](int r) {
+      for (int i = 0; i < times; ++i)
+        comm->all_reduce(r, streams[static_cast<std::size_t>(r)], buffers[static_cast<std::size_t>(r)].as<float>(),
+                         count, dp::ReduceOp::sum);
+    });
+    for (auto& s : streams) s.synchronize();
+  };
+  // Correctness once: every element of ones summed over N ranks is N on every rank.
+  all_reduce(max_bytes / 4, 1);
+  bool ok = true;
+  for (int r = 0; r < devices; ++r) {
+    float first = 0, last = 0;
+    const float* data = buffers[static_cast<std::size_t>(r)].as<float>();
+    streams[static_cast<std::size_t>(r)].copy(&first, data, sizeof(float));
+    streams[static_cast<std::size_t>(r)].copy(&last, data + max_bytes / 4 - 1, sizeof(float));
+    ok = ok && first == static_cast<float>(devices) && last == static_cast<float>(devices);
+  }
+  const double bus_factor = 2.0 * (devices - 1) / devices;
+  fmt::print("\nall-reduce (sum, float32, in place) over {} devices, {} iterations per size; check: {}\n", devices,
+             iters, ok ? "ok" : "WRONG");
+  fmt::print("{:>12} {:>12} {:>12} {:>12} {:>12}\n", "size (B)", "count", "time (us)", "algbw GB/s", "busbw GB/s");
+  for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+    const std::size_t count = bytes / 4;
+    all_reduce(count, 2);  // warm-up: staging buffers, peers meeting
+    const auto t0 = std::chrono::steady_clock::now();
+    all_reduce(count, iters);
+    const double seconds = seconds_since(t0) / iters;
+    const double algbw = static_cast<double>(bytes) / seconds / 1e9;
+    fmt::print("{:>12} {:>12} {:>12.1f} {:>12.3f} {:>12.3f}\n", bytes, count, seconds * 1e6, algbw, algbw * bus_factor);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -54,10 +106,16 @@ int main(int argc, char** argv) {
   std::string backend = "auto";
   int devices = 2, reps = 50;
   std::size_t copy_mib = 64;
+  std::size_t ar_min_bytes = 4096, ar_max_mib = 64;
+  int ar_iters = 10;
   app.add_option("--backend", backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
   app.add_option("--devices", devices, "devices to use (sim: how many to simulate)")->check(CLI::Range(1, 64));
   app.add_option("--reps", reps, "GEMMs per measurement")->check(CLI::Range(1, 100000));
   app.add_option("--copy-mib", copy_mib, "bytes per copy, MiB")->check(CLI::Range(1, 4096));
+  app.add_option("--allreduce-min-bytes", ar_min_bytes, "smallest all-reduce, bytes (sizes grow x4)")
+      ->check(CLI::Range(std::size_t{4}, std::size_t{1} << 32));
+  app.add_option("--allreduce-max-mib", ar_max_mib, "largest all-reduce, MiB")->check(CLI::Range(1, 4096));
+  app.add_option("--allreduce-iters", ar_iters, "all-reduces per size")->check(CLI::Range(1, 100000));
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -98,6 +156,7 @@ int main(int argc, char** argv) {
       fmt::print("\ncopy device 0 -> 1: {} x {} MiB in {:.1f} ms = {:.2f} GB/s (link counter: {} bytes)\n", copies,
                  copy_mib, dt * 1e3, copies * static_cast<double>(bytes) / dt / 1e9,
                  rt->link_traffic(0, 1).bytes);
+      run_all_reduce(*rt, devices, ar_min_bytes / 4 * 4, ar_max_mib << 20, ar_iters);
     }
   } catch (const dp::Error& e) {
     fmt::print(stderr, "dp_microbench: {}\n", e.what());

@@ -1,1 +1,360 @@
+// test_bench.cpp — dp_bench driven as a user drives it (the real binary, DP_BENCH_BIN) on simulated
+// devices, with a small configuration. Asserts only machine-independent figures exactly: the
+// device-to-device bytes per step of DP and DDP against their analytic values, the balance of DDP
+// and the imbalance of DP's source, the shape of the JSON and of the Chrome/Perfetto trace, and
+// clear errors on bad flags. Times and rates are only checked to be positive: no timed assertions.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <unistd.h>
+
+#include "dp/ddp.h"
+#include "dp/device.h"
+#include "dp/models/convnet.h"
+#include "dp/models/mlp.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// A fresh directory for one test's outputs, removed afterwards.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name)
+      : path_(fs::temp_directory_path() / fmt::format("dp_bench_test_{}_{}", ::getpid(), name)) {
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  fs::path operator/(const std::string& file) const { return path_ / file; }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+struct Result {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+// Runs dp_bench with `args` (already shell-quoted where needed), capturing stdout and stderr.
+Result run_bench(const TempDir& dir, const std::string& args) {
+  const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  const std::string command =
+      fmt::format("'{}' {} >'{}' 2>'{}'", DP_BENCH_BIN, args, out.string(), err.string());
+  const int status = std::system(command.c_str());
+  Result r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  r.out = read_file(out);
+  r.err = read_file(err);
+  return r;
+}
+
+const json& find_run(const json& report, const std::string& model, const std::string& mode) {
+  for (const auto& run : report.at("runs"))
+    if (run.at("model") == model && run.at("mode") == mode) return run;
+  ADD_FAILURE() << "no run " << model << " " << mode;
+  static const json empty = json::object();
+  return empty;
+}
+
+std::uint64_t u64(const json& j) { return j.get<std::uint64_t>(); }
+
+// The models' sizes from the public API, checked against the architecture written out by hand.
+struct ModelSizes {
+  std::uint64_t param_bytes = 0, buffers_bytes = 0;
+  std::vector<dp::GradBucket> buckets;  // DDP's buckets with the default caps
+};
+ModelSizes sizes_of(const std::string& model) {
+  auto rt = dp::Runtime::create({.backend = "sim", .sim_devices = 1});
+  auto m = model == "mlp" ? dp::models::make_mlp(rt->device(0), {256, 256}) : dp::models::make_convnet(rt->device(0));
+  ModelSizes s;
+  s.param_bytes = m->param_count() * sizeof(float);
+  s.buffers_bytes = m->buffers_bytes();
+  s.buckets = dp::assign_buckets(m->parameters(), 1.0, 25.0);
+  return s;
+}
+
+TEST(Bench, ModelSizesMatchTheArchitectures) {
+  const auto mlp = sizes_of("mlp"), convnet = sizes_of("convnet");
+  EXPECT_EQ(mlp.param_bytes, 4u * (784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10));
+  EXPECT_EQ(mlp.buffers_bytes, 0u);
+  // conv1 + bn1 (weight, bias) + conv2 + bn2 + fc
+  EXPECT_EQ(convnet.param_bytes, 4u * (16 * 25 + 16 + 16 + 16 + 32 * 16 * 25 + 32 + 32 + 32 + 1568 * 10 + 10));
+  // per BatchNorm2d(C): running_mean and running_var (C floats each) and num_batches_tracked (int64)
+  EXPECT_EQ(convnet.buffers_bytes, (2u * 16 * 4 + 8) + (2u * 32 * 4 + 8));
+}
+
+// Bytes each rank receives (and sends) per ring all-reduce of the buckets: the ring moves every
+// chunk but the rank's own in reduce-scatter and every chunk but its right neighbour's in
+// all-gather, i.e. exactly 2(N-1)/N of the bucket when N divides it (always, for N = 2).
+std::uint64_t ring_bytes(const std::vector<dp::GradBucket>& buckets, std::uint64_t n) {
+  std::uint64_t total = 0;
+  for (const auto& b : buckets) {
+    EXPECT_TRUE(n == 2 || b.count % n == 0) << "bucket of " << b.count << " floats is not divisible by " << n;
+    total += 2 * (n - 1) * b.count / n * sizeof(float);
+  }
+  return total;
+}
+
+TEST(Bench, TwoSimDevicesAllModelsAndModes) {
+  TempDir dir("two");
+  const auto json_path = dir / "bench.json", trace_path = dir / "trace.json";
+  const int batch = 8, steps = 2;
+  const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,convnet --modes single,dp,ddp "
+                                              "--batch-size {} --steps {} --warmup 1 --json '{}' --trace '{}'",
+                                              batch, steps, json_path.string(), trace_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  // The human table names every run.
+  for (const char* word : {"samples/s", "mlp", "convnet", "single", "ddp", "DP phases", "busy %"})
+    EXPECT_NE(r.out.find(word), std::string::npos) << word << "\n" << r.out;
+
+  const json report = json::parse(read_file(json_path));
+  EXPECT_EQ(report.at("backend"), "sim");
+  EXPECT_EQ(report.at("devices"), 2);
+  ASSERT_EQ(report.at("runs").size(), 6u);
+
+  for (const auto& run : report.at("runs")) {
+    SCOPED_TRACE(fmt::format("{} {}", run.at("model").get<std::string>(), run.at("mode").get<std::string>()));
+    const bool single = run.at("mode") == "single";
+    const int devices = single ? 1 : 2;
+    EXPECT_EQ(run.at("devices"), devices);
+    EXPECT_EQ(run.at("batch_per_device"), batch);
+    EXPECT_EQ(run.at("global_batch"), batch * devices);
+    EXPECT_EQ(run.at("steps"), steps);
+    EXPECT_GT(run.at("samples_per_s").get<double>(), 0.0);
+    EXPECT_GT(run.at("step_ms_median").get<double>(), 0.0);
+    EXPECT_GE(run.at("step_ms_p90").get<double>(), run.at("step_ms_median").get<double>());
+    EXPECT_GT(run.at("scaling_efficiency").get<double>(), 0.0);
+    if (single) {
+      EXPECT_EQ(run.at("scaling_efficiency").get<double>(), 1.0);
+    }
+    ASSERT_EQ(run.at("per_device").size(), static_cast<std::size_t>(devices));
+    for (int d = 0; d < devices; ++d) {
+      const json& pd = run.at("per_device").at(static_cast<std::size_t>(d));
+      EXPECT_EQ(pd.at("device"), d);
+      const double busy = pd.at("busy_pct").get<double>();  // recorded on sim
+      EXPECT_GT(busy, 0.0);
+      EXPECT_LE(busy, 100.0);
+      EXPECT_GT(u64(pd.at("peak_bytes")), 0u);
+      EXPECT_GT(pd.at("gemm_gflops").get<double>(), 0.0);
+    }
+    for (const char* key : {"busy_pct", "bytes_sent", "bytes_received", "peak_bytes"})
+      EXPECT_GE(run.at("imbalance").at(key).get<double>(), 1.0) << key;
+    if (single) {
+      EXPECT_EQ(u64(run.at("per_device")[0].at("bytes_sent")), 0u);
+      EXPECT_EQ(u64(run.at("per_device")[0].at("bytes_received")), 0u);
+    }
+    const json& phases = run.at("phases_ms");
+    if (run.at("mode") == "dp") {
+      for (const char* key : {"broadcast", "scatter", "forward", "gather", "loss", "backward", "reduce", "update"})
+        EXPECT_GE(phases.at(key).get<double>(), 0.0) << key;
+      EXPECT_GT(phases.at("forward").get<double>(), 0.0);
+      EXPECT_GT(phases.at("backward").get<double>(), 0.0);
+    } else {
+      EXPECT_TRUE(phases.empty());
+    }
+  }
+
+  for (const std::string model : {"mlp", "convnet"}) {
+    SCOPED_TRACE(model);
+    const ModelSizes size = sizes_of(model);
+    const std::uint64_t params = size.param_bytes, buffers = size.buffers_bytes;
+    const std::uint64_t out_rows = batch * 10 * sizeof(float);  // device 1's chunk of logits
+
+    // DP, source = output device = 0. Per step the source sends parameters and buffers (broadcast)
+    // and the output-gradient rows (scatter) to device 1, and receives its gradients (reduce) and
+    // its output rows (gather). Inputs are host -> device traffic, not counted here.
+    const json& dp_run = find_run(report, model, "dp");
+    EXPECT_EQ(u64(dp_run.at("param_count")) * 4, params);
+    EXPECT_EQ(u64(dp_run.at("buffers_bytes")), buffers);
+    const json& src = dp_run.at("per_device")[0];
+    const json& other = dp_run.at("per_device")[1];
+    EXPECT_EQ(u64(src.at("bytes_sent")), params + buffers + out_rows);
+    EXPECT_EQ(u64(src.at("bytes_received")), params + out_rows);
+    EXPECT_EQ(u64(other.at("bytes_sent")), params + out_rows);
+    EXPECT_EQ(u64(other.at("bytes_received")), params + buffers + out_rows);
+    // The source holds the master copy, the optimizer state and the gathered outputs.
+    EXPECT_GT(u64(src.at("peak_bytes")), u64(other.at("peak_bytes")));
+    EXPECT_GT(dp_run.at("imbalance").at("peak_bytes").get<double>(), 1.0);
+
+    // DDP, 2 ranks: each sends and receives 2(N-1)/N = 1 x the gradient bytes per step for the
+    // all-reduce, plus the buffer broadcast rank 0 -> rank 1 before each forward.
+    const json& ddp_run = find_run(report, model, "ddp");
+    const std::uint64_t ring = ring_bytes(size.buckets, 2);
+    EXPECT_EQ(ring, params);
+    const json& r0 = ddp_run.at("per_device")[0];
+    const json& r1 = ddp_run.at("per_device")[1];
+    EXPECT_EQ(u64(r0.at("bytes_sent")), ring + buffers);
+    EXPECT_EQ(u64(r0.at("bytes_received")), ring);
+    EXPECT_EQ(u64(r1.at("bytes_sent")), ring);
+    EXPECT_EQ(u64(r1.at("bytes_received")), ring + buffers);
+    // Balanced: every rank holds the same replica, optimizer and buckets.
+    EXPECT_EQ(u64(r0.at("peak_bytes")), u64(r1.at("peak_bytes")));
+    EXPECT_EQ(ddp_run.at("imbalance").at("peak_bytes").get<double>(), 1.0);
+    if (buffers == 0) {
+      EXPECT_EQ(ddp_run.at("imbalance").at("bytes_sent").get<double>(), 1.0);
+    }
+  }
+
+  // ---- the trace: Trace Event Format, one track per device stream that did work
+  const json trace = json::parse(read_file(trace_path));
+  ASSERT_TRUE(trace.is_object());
+  ASSERT_TRUE(trace.at("traceEvents").is_array());
+  std::map<int, std::string> process_names;
+  std::map<std::pair<int, int>, std::string> thread_names;
+  std::map<std::pair<int, int>, int> events_per_track;
+  std::map<int, int> pid_of_tid;
+  // Per run: its tracks, and its time window (runs are laid end to end and must not overlap).
+  std::map<std::string, std::set<std::pair<int, int>>> run_tracks;
+  std::map<std::string, std::pair<double, double>> run_window;
+  const std::set<std::string> kinds = {"kernel", "gemm", "copy", "collective", "host"};
+  for (const auto& e : trace.at("traceEvents")) {
+    const std::string ph = e.at("ph");
+    const int pid = e.at("pid"), tid = e.at("tid");
+    if (ph == "M") {
+      if (e.at("name") == "process_name") {
+        EXPECT_TRUE(process_names.emplace(pid, e.at("args").at("name")).second) << "process " << pid << " named twice";
+      } else if (e.at("name") == "thread_name") {
+        EXPECT_TRUE(thread_names.emplace(std::pair{pid, tid}, e.at("args").at("name")).second)
+            << "thread " << pid << "/" << tid << " named twice";
+      }
+      continue;
+    }
+    ASSERT_EQ(ph, "X") << e.dump();
+    EXPECT_TRUE(e.at("name").is_string());
+    EXPECT_TRUE(kinds.count(e.at("cat").get<std::string>())) << e.dump();
+    const double ts = e.at("ts"), dur = e.at("dur");
+    EXPECT_GE(ts, 0.0);
+    EXPECT_GE(dur, 0.0);
+    ++events_per_track[{pid, tid}];
+    const auto [it, inserted] = pid_of_tid.emplace(tid, pid);
+    EXPECT_EQ(it->second, pid) << "stream " << tid << " appears on two devices";
+    const std::string run = e.at("args").at("run");
+    run_tracks[run].insert({pid, tid});
+    auto [w, first] = run_window.emplace(run, std::pair{ts, ts + dur});
+    if (!first) w->second = {std::min(w->second.first, ts), std::max(w->second.second, ts + dur)};
+  }
+  EXPECT_EQ(process_names, (std::map<int, std::string>{{0, "device 0"}, {1, "device 1"}}));
+  ASSERT_EQ(thread_names.size(), events_per_track.size()) << "exactly one named track per stream that did work";
+  for (const auto& [track, count] : events_per_track) {
+    ASSERT_TRUE(thread_names.count(track)) << "events on an unnamed track " << track.first << "/" << track.second;
+    EXPECT_EQ(thread_names.at(track), fmt::format("stream {}", track.second));
+    EXPECT_GT(count, 0);
+  }
+  // Which devices each run's work landed on, and that no stream is shared between runs.
+  ASSERT_EQ(run_tracks.size(), 6u);
+  std::set<std::pair<int, int>> seen;
+  for (const auto& [run, tracks] : run_tracks) {
+    std::set<int> pids;
+    for (const auto& t : tracks) {
+      pids.insert(t.first);
+      EXPECT_TRUE(seen.insert(t).second) << run << ": stream " << t.second << " also used by another run";
+    }
+    const bool single = run.find("single") != std::string::npos;
+    const std::set<int> expected = single ? std::set<int>{0} : std::set<int>{0, 1};
+    EXPECT_EQ(pids, expected) << run;
+    if (run.find("ddp") != std::string::npos) {
+      EXPECT_EQ(tracks.size(), 4u) << run << ": a compute and a communication stream per device";
+    }
+  }
+  // Runs do not overlap in the trace: in the order they ran, each starts after the previous ended.
+  const std::vector<std::string> order = {"mlp single",     "mlp dp",      "mlp ddp",
+                                          "convnet single", "convnet dp",  "convnet ddp"};
+  for (std::size_t i = 1; i < order.size(); ++i)
+    EXPECT_LT(run_window.at(order[i - 1]).second, run_window.at(order[i]).first) << order[i - 1] << " / " << order[i];
+  EXPECT_EQ(run_window.at(order[0]).first, 0.0) << "timestamps are relative to the first span";
+}
+
+TEST(Bench, ThreeSimDevicesShowDpSourceImbalanceAndBalancedDdp) {
+  TempDir dir("three");
+  const auto json_path = dir / "bench.json";
+  const int batch = 4;
+  const Result r = run_bench(dir, fmt::format("--backend sim --devices 3 --models mlp --modes dp,ddp --batch-size {} "
+                                              "--steps 1 --warmup 1 --json '{}'",
+                                              batch, json_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json report = json::parse(read_file(json_path));
+  ASSERT_EQ(report.at("runs").size(), 2u);
+  const ModelSizes size = sizes_of("mlp");
+  const std::uint64_t params = size.param_bytes, out_rows = batch * 10 * sizeof(float);
+
+  // DP: the source broadcasts to and reduces from each of the 2 other devices.
+  const json& dp_run = find_run(report, "mlp", "dp");
+  EXPECT_TRUE(dp_run.at("scaling_efficiency").is_null()) << "no single run to compare with";
+  const json& per = dp_run.at("per_device");
+  EXPECT_EQ(u64(per[0].at("bytes_sent")), 2 * (params + out_rows));
+  EXPECT_EQ(u64(per[0].at("bytes_received")), 2 * (params + out_rows));
+  for (int d = 1; d < 3; ++d) {
+    EXPECT_EQ(u64(per[d].at("bytes_sent")), params + out_rows);
+    EXPECT_EQ(u64(per[d].at("bytes_received")), params + out_rows);
+  }
+  EXPECT_NEAR(dp_run.at("imbalance").at("bytes_sent").get<double>(), 1.5, 1e-12);  // 2x / (4x / 3)
+  EXPECT_NEAR(dp_run.at("imbalance").at("bytes_received").get<double>(), 1.5, 1e-12);
+
+  // DDP: every rank sends and receives 2(N-1)/N of the gradient bytes — 4/3 x with 3 ranks.
+  const json& ddp_run = find_run(report, "mlp", "ddp");
+  const std::uint64_t ring = ring_bytes(size.buckets, 3);
+  EXPECT_EQ(3 * ring, 4 * params);
+  for (int d = 0; d < 3; ++d) {
+    EXPECT_EQ(u64(ddp_run.at("per_device")[d].at("bytes_sent")), ring);
+    EXPECT_EQ(u64(ddp_run.at("per_device")[d].at("bytes_received")), ring);
+  }
+  EXPECT_EQ(ddp_run.at("imbalance").at("bytes_sent").get<double>(), 1.0);
+  EXPECT_EQ(ddp_run.at("imbalance").at("bytes_received").get<double>(), 1.0);
+}
+
+TEST(Bench, BadFlagsAreClearErrors) {
+  TempDir dir("bad");
+  struct Case {
+    std::string args, message;
+  };
+  std::vector<Case> cases = {
+      {"--backend sim --devices 0", "--devices must be at least 1"},
+      {"--backend sim --devices 65", "--devices 65"},
+      {"--backend sim --devices abc", "--devices"},
+      {"--backend sim --models mlp,resnet", "unknown value 'resnet'"},
+      {"--backend sim --models ,", "--models: empty list"},
+      {"--backend sim --modes single,fsdp", "unknown value 'fsdp'"},
+      {"--backend sim --batch-size 0", "--batch-size must be at least 1"},
+      {"--backend sim --steps 0", "--steps must be at least 1"},
+      {"--backend sim --warmup -1", "--warmup must be at least 0"},
+      {"--backend sim --bucket-cap-mb 0", "--bucket-cap-mb must be a positive number"},
+      {"--backend tpu", "unknown backend 'tpu'"},
+      {"--backend sim --no-such-flag", "no-such-flag"},
+      {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
+  };
+  if (dp::Runtime::cuda_device_count() == 0) cases.push_back({"--backend cuda", "--backend cuda"});
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.args);
+    const Result r = run_bench(dir, c.args);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << "stderr: " << r.err;
+    EXPECT_EQ(r.out.find("samples/s"), std::string::npos) << "nothing was benchmarked";
+  }
+  const Result help = run_bench(dir, "--help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("--bucket-cap-mb"), std::string::npos);
+}
+
+}  // namespace

@@ -247,6 +247,45 @@ const std::vector<std::pair<Conv2dShape, bool>> kShapes = {
     {{2, 16, 14, 14, 32, 5, 5, 1, 2}, true},
 };
 
+// The index maps divide by multiply-high and shift; they must agree with / and % for every
+// non-negative int numerator: exhaustively for small values, then at the edges and at random.
+TEST(Conv2dFastDivmod, MatchesIntegerDivision) {
+  std::mt19937 gen(3);
+  std::uniform_int_distribution<int> any(0, std::numeric_limits<int>::max());
+  std::vector<int> divisors = {1,
+                               2,
+                               3,
+                               5,
+                               7,
+                               14,
+                               25,
+                               28,
+                               196,
+                               784,
+                               12544,
+                               50176,
+                               65535,
+                               65536,
+                               65537,
+                               (1 << 30) - 1,
+                               1 << 30,
+                               (1 << 30) + 1,
+                               std::numeric_limits<int>::max()};
+  for (int k = 0; k < 50; ++k) divisors.push_back(any(gen) >> (k % 31));
+  for (int d : divisors) {
+    if (d <= 0) continue;
+    const kernels::FastDivmod by(d);
+    std::vector<int> numerators = {0, d - 1, d, std::numeric_limits<int>::max(), std::numeric_limits<int>::max() - 1};
+    for (int n = 0; n < 2000; ++n) numerators.push_back(n);
+    for (int k = 0; k < 2000; ++k) numerators.push_back(any(gen));
+    for (int n : numerators) {
+      int r = -1;
+      const int q = by.divmod(n, r);
+      ASSERT_TRUE(q == n / d && r == n % d) << n << " / " << d << ": got " << q << " r " << r;
+    }
+  }
+}
+
 class Conv2dTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {

@@ -139,6 +139,7 @@ TEST(DataParallel, MlpEqualsSingleDeviceOnTheGlobalBatch) {
       // Logits are per-row identical (same GEMM per row); the loss is a mean over the same rows.
       EXPECT_NEAR(dp_loss, ref_loss, 1e-6f * std::fabs(ref_loss));
     }
+    dp.synchronize();
     Stream s = rt->device(0).create_stream(), rs = single_rt->device(0).create_stream();
     // Gradients differ only in summation order (per-chunk partial sums added on the source vs one
     // GEMM over the batch): ~1e-7 relative per step, compounded over 4 momentum steps at lr 0.05.
@@ -226,6 +227,7 @@ TEST_P(ConvNetDataParallel, MatchesPerChunkSemanticsExactly) {
     // The same kernels on the same chunk shapes, the same summation order: bit-identical.
     EXPECT_EQ(got, want);
   }
+  dp.synchronize();
   Stream s = model->device().create_stream(), rs = ref_rt->device(0).create_stream();
   const auto got = state_dict(*model, s), want = state_dict(*master, rs);
   for (const auto& name : want.order) {

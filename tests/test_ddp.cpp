@@ -109,6 +109,7 @@ TEST(Ddp, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
     }
     // Gradients differ in summation order only (per-rank GEMMs, pre-division by N, ring sum):
     // ~1e-7 relative per step, compounded over 4 momentum steps.
+    ddp.synchronize();
     for (int r = 0; r < world; ++r)
       EXPECT_TRUE(test::all_close(params_of(ddp.replica(r)), params_of(*reference), 1e-5, 1e-6)) << "rank " << r;
   }
@@ -141,6 +142,7 @@ TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
       }
   SingleDeviceTrainer single(*reference, sgd);
   single.step(x.data(), y.data(), world * per_rank * micro);
+  ddp.synchronize();
   for (int r = 0; r < world; ++r)
     EXPECT_TRUE(test::all_close(params_of(ddp.replica(r)), params_of(*reference), 1e-5, 1e-6)) << "rank " << r;
   EXPECT_NO_THROW(ddp.check_replicas_identical());
@@ -228,6 +230,7 @@ TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
   const Data data = make_data(3 * 4 * 2, 6);
   for (int step = 0; step < 2; ++step) EXPECT_NO_THROW(ddp.train_step(shards(data, step * 12, 3, 4)));
   // Corrupt one weight of rank 2: the debug check must name it.
+  ddp.synchronize();
   Stream s = rt->device(2).create_stream();
   const float bad = 123.0f;
   s.copy(ddp.replica(2).params_flat() + 5, &bad, sizeof(float));
@@ -348,6 +351,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
       EXPECT_TRUE(test::all_close(g.to_f32(), want, 1e-4, 1e-5 * scale + 1e-6)) << key;
     }
   };
+  ddp.synchronize();
   check(state_dict(ddp.replica(0), s), "final.", true);
   for (int r = 1; r < world; ++r) {
     Stream rs = rt->device(r).create_stream();

@@ -26,7 +26,8 @@ struct DataParallel::Replica {
   std::unique_ptr<Model> owned;  // replicas on devices other than the source
   Stream stream;
   Event forward_done, backward_done;
-  Event step_start, broadcast_done, scatter_done, backward_start;  // phase timing only
+  Event broadcast_done;                             // this replica has read the source's state
+  Event step_start, scatter_done, backward_start;  // phase timing only
   DeviceBuffer inputs, grad_output, grad_staging;  // grad_staging: on the SOURCE, for this replica
   const float* output = nullptr;
 };
@@ -150,11 +151,10 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
   // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
   group_.run_on(0, [&] { replicas_[0]->stream.record(params_ready_); });
 
-  // Phase 2, every used device: receive the broadcast, take its chunk, forward.
+  // Phase 2, every used replica: receive the broadcast of parameters and buffers.
   group_.run(
       [&](int rank) {
         Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-        Device& device = group_.device(rank);
         mark(time_phases_, r.stream, r.step_start);
         if (rank != 0) {
           r.stream.wait(params_ready_);
@@ -162,7 +162,18 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
           if (module_.buffers_bytes())
             r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
         }
-        mark(time_phases_, r.stream, r.broadcast_done);
+        r.stream.record(r.broadcast_done);
+      },
+      used);
+
+  // Phase 3, every used device: take its chunk, forward. The source first waits until every
+  // replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
+  group_.run(
+      [&](int rank) {
+        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+        Device& device = group_.device(rank);
+        if (rank == 0)
+          for (int other = 1; other < used; ++other) r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
         const int rows = chunks_[static_cast<std::size_t>(rank)];
         const std::size_t bytes = static_cast<std::size_t>(rows) * sample_floats * sizeof(float);
         grow(r.inputs, device, bytes);
@@ -198,7 +209,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
   const std::size_t classes_z = static_cast<std::size_t>(classes);
   const float* loss_value = nullptr;
 
-  // Phase 3, output device: gather, loss over the whole batch, its gradient.
+  // Phase 4, output device: gather, loss over the whole batch, its gradient.
   group_.run_on(output_rank_, [&] {
     Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
     Device& device = group_.device(output_rank_);
@@ -213,7 +224,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
     mark(time_phases_, out.stream, loss_end_);
   });
 
-  // Phase 4, every used device: its slice of the output gradient, backward.
+  // Phase 5, every used device: its slice of the output gradient, backward.
   group_.run(
       [&](int rank) {
         Replica& r = *replicas_[static_cast<std::size_t>(rank)];
@@ -233,7 +244,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
       },
       used);
 
-  // Phase 5, source: reduce-add the replicas' gradients (source first, then device_ids order,
+  // Phase 6, source: reduce-add the replicas' gradients (source first, then device_ids order,
   // as torch.cuda.comm.reduce_add sums), then the optimizer step.
   group_.run_on(0, [&] {
     Replica& source = *replicas_[0];
@@ -254,6 +265,10 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
   float host_loss = 0.0f;
   replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(&host_loss, loss_value, sizeof(float));
   return host_loss;
+}
+
+void DataParallel::synchronize() {
+  group_.run([&](int rank) { replicas_[static_cast<std::size_t>(rank)]->stream.synchronize(); });
 }
 
 std::vector<float> DataParallel::forward(const float* inputs, int batch) {

@@ -226,6 +226,13 @@ float DistributedDataParallel::train_step(const std::vector<RankBatch>& batches)
   return loss;
 }
 
+void DistributedDataParallel::synchronize() {
+  group_.run([&](int r) {
+    ranks_[static_cast<std::size_t>(r)]->compute.synchronize();
+    ranks_[static_cast<std::size_t>(r)]->comm.synchronize();
+  });
+}
+
 void DistributedDataParallel::check_replicas_identical() {
   const std::size_t n = ranks_[0]->model->param_count();
   std::vector<std::vector<float>> values(ranks_.size(), std::vector<float>(n));

@@ -48,6 +48,10 @@ class DataParallel {
   // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
   std::vector<float> forward(const float* inputs, int batch);
 
+  // train_step returns once the loss is known; the optimizer update may still run on the source.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize();
+
   Model& module() const { return module_; }
   Sgd& optimizer() { return optimizer_; }
   const std::vector<int>& device_ids() const { return group_.device_ids(); }

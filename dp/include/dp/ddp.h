@@ -70,6 +70,10 @@ class DistributedDataParallel {
   float forward_backward(const std::vector<RankBatch>& batches, float loss_scale = 1.0f);
   void step();
 
+  // Steps return once the loss is known; the optimizer update may still run on the devices.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize();
+
   // While alive, backward accumulates locally without communication (torch's ddp.no_sync()).
   class NoSync {
    public:

@@ -37,7 +37,8 @@ class Model {
   virtual void* buffers_flat() const = 0;  // may be null when there are no buffers
   virtual std::size_t buffers_bytes() const = 0;
 
-  // Named views into those buffers, with PyTorch state-dict names.
+  // Named views into those buffers, with PyTorch state-dict names. They are device memory written
+  // by stream work: read them on the stream that trains the model, or after the engine's synchronize().
   virtual std::vector<TensorRef> parameters() const = 0;
   virtual std::vector<TensorRef> gradients() const = 0;  // same names and layout as parameters()
   virtual std::vector<TensorRef> buffers() const = 0;

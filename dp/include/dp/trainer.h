@@ -23,6 +23,9 @@ class SingleDeviceTrainer {
   // Eval-mode forward of host inputs; returns the logits on the host.
   std::vector<float> predict(const float* inputs, int batch);
 
+  // step() already waits for its own work; this is for work enqueued on stream() by the caller.
+  void synchronize() { stream_.synchronize(); }
+
   Model& model() { return model_; }
   Sgd& optimizer() { return optimizer_; }
   const Stream& stream() const { return stream_; }
