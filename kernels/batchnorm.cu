@@ -21,8 +21,7 @@ void check_shape(const char* name, const BatchNormShape& s) {
     throw InvalidArgument(std::string(name) + ": negative extent in shape " + describe(s));
 }
 
-// Training statistics need two values per channel (see batchnorm.h), and the backward parks its
-// two sums per channel in dx (BnStoreGradSums), which needs them too.
+// Training statistics need two values per channel (see batchnorm.h): one value has no variance.
 void check_training_count(const char* name, const BatchNormShape& s) {
   check_shape(name, s);
   const index_t count = static_cast<index_t>(s.n) * s.h * s.w;
@@ -94,7 +93,7 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
 
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
-                        float* dbeta) {
+                        float* dbeta, float* grad_sums) {
   const char* name = "batchnorm_backward";
   check_training_count(name, shape);
   check_present(name, {{"x", x},
@@ -103,24 +102,21 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
                        {"save_invstd", save_invstd},
                        {"dy", dy},
                        {"dgamma", dgamma},
-                       {"dbeta", dbeta}});
+                       {"dbeta", dbeta},
+                       {"grad_sums", grad_sums}});
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
   const ChannelElement at{c, plane};
 
   launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
-                             BnGradTerms{at, x, dy, save_mean, save_invstd}, BnStoreGradSums{at, dgamma, dbeta, dx},
+                             BnGradTerms{at, x, dy, save_mean, save_invstd}, BnStoreGradSums{c, dgamma, dbeta, grad_sums},
                              {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
-                              operand(dgamma, c), operand(dbeta, c), operand(dx, dx ? total : 0)});
+                              operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
   if (dx == nullptr) return;
   const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
-  // Order matters: every other element reads the parked sums before their slots are overwritten.
-  launch(stream, "batchnorm_backward_dx", total, BnInputGrad{at, term, dx},
+  launch(stream, "batchnorm_backward_dx", total, BnInputGrad{at, term, grad_sums, dx},
          {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
-          operand(dx, total)});
-  launch(stream, "batchnorm_backward_dx_slots", c, BnInputGradSlots{at, term, dx},
-         {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
-          operand(dx, total)});
+          operand(grad_sums, 2 * c), operand(dx, total)});
 }
 
 }  // namespace dp::kernels

@@ -32,10 +32,11 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
                             const float* beta, const float* running_mean, const float* running_var, float* y);
 
 // Training backward: dx overwritten (skipped when null); dgamma += sum(dy*xhat), dbeta += sum(dy).
-// Needs N*H*W >= 2, as the training forward does.
+// grad_sums: scratch of 2*C floats for this call's per-channel sums (dx needs them, not the
+// accumulated dgamma/dbeta). Needs N*H*W >= 2, as the training forward does.
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
-                        float* dbeta);
+                        float* dbeta, float* grad_sums);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -147,21 +148,18 @@ struct BnGradTerms {
     return SumPair{g, g * (x[i] - mean[c]) * invstd[c]};
   }
 };
-// dbeta += a, dgamma += b (PyTorch accumulates .grad). The dx pass needs this call's sums, not the
-// accumulated ones, and the kernels get no scratch memory: they are parked in dx itself, in the
-// slots of channel c's elements j = 0 and 1, which BnInputGradSlots overwrites last.
+// dbeta += a, dgamma += b (PyTorch accumulates .grad); this call's sums are also kept in
+// grad_sums (sum(dy) at [c], sum(dy*xhat) at [C + c]) for the dx pass.
 struct BnStoreGradSums {
-  ChannelElement at;
+  index_t channels;
   float* dgamma;
   float* dbeta;
-  float* dx;  // null: no input gradient wanted
+  float* grad_sums;
   DP_HD void operator()(index_t c, SumPair s) const {
     dbeta[c] += s.a;
     dgamma[c] += s.b;
-    if (dx != nullptr) {
-      dx[at(c, 0)] = s.a;
-      dx[at(c, 1)] = s.b;
-    }
+    grad_sums[c] = s.a;
+    grad_sums[channels + c] = s.b;
   }
 };
 
@@ -179,29 +177,14 @@ struct BnInputGradTerm {
     return gamma[c] * invstd[c] * (dy[i] - sum_dy * inv_count - xhat * (sum_dy_xhat * inv_count));
   }
 };
-// Every element but the two sum slots of its channel (those are read here, so not written yet).
 struct BnInputGrad {
   ChannelElement at;
   BnInputGradTerm term;
+  const float* grad_sums;
   float* dx;
   DP_HD void operator()(index_t i) const {
-    const index_t whole = at.channels * at.plane;
-    const index_t n = i / whole, c = (i / at.plane) % at.channels;
-    const index_t j = n * at.plane + i % at.plane;  // position within the channel
-    if (j < 2) return;
-    dx[i] = term(c, i, dx[at(c, 0)], dx[at(c, 1)]);
-  }
-};
-// One thread per channel: reads both sums, then overwrites their slots with their gradients.
-struct BnInputGradSlots {
-  ChannelElement at;
-  BnInputGradTerm term;
-  float* dx;
-  DP_HD void operator()(index_t c) const {
-    const index_t i0 = at(c, 0), i1 = at(c, 1);
-    const float sum_dy = dx[i0], sum_dy_xhat = dx[i1];
-    dx[i0] = term(c, i0, sum_dy, sum_dy_xhat);
-    dx[i1] = term(c, i1, sum_dy, sum_dy_xhat);
+    const index_t c = (i / at.plane) % at.channels;
+    dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
   }
 };
 

@@ -115,20 +115,21 @@ class BatchNorm2d final : public Layer {
       kernels::batchnorm_forward_eval(ctx.stream, s, x, param(0), param(1), buffer<float>(0), buffer<float>(1), y);
       return;
     }
-    float* saved = saved_.ensure(ctx.device, 2 * static_cast<std::size_t>(channels_));
+    float* saved = saved_.ensure(ctx.device, 4 * static_cast<std::size_t>(channels_));
     kernels::batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
                                      buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
-    float* saved = saved_.ensure(ctx.device, 2 * static_cast<std::size_t>(channels_));
-    kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1));
+    float* saved = saved_.ensure(ctx.device, 4 * static_cast<std::size_t>(channels_));
+    kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
+                                saved + 2 * channels_);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
 
  private:
   int channels_;
-  Scratch<float> saved_;  // batch mean, then invstd
+  Scratch<float> saved_;  // batch mean, invstd, then the backward's two sums per channel
 };
 
 class Relu final : public Layer {

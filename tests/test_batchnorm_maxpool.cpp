@@ -127,13 +127,15 @@ struct BnBuffers {
         save_invstd(device.allocate(s.c * sizeof(float))),
         running_mean(upload(device, stream, std::vector<float>(s.c, 0.0f))),
         running_var(upload(device, stream, std::vector<float>(s.c, 1.0f))),
-        tracked(upload(device, stream, std::vector<std::int64_t>{0})) {}
+        tracked(upload(device, stream, std::vector<std::int64_t>{0})),
+        grad_sums(device.allocate(2 * s.c * sizeof(float))) {}
   void train(const Stream& stream, const BatchNormShape& s, const DeviceBuffer& x) {
     kernels::batchnorm_forward_train(stream, s, x.as<float>(), gamma.as<float>(), beta.as<float>(), y.as<float>(),
                                      save_mean.as<float>(), save_invstd.as<float>(), running_mean.as<float>(),
                                      running_var.as<float>(), tracked.as<std::int64_t>());
   }
   DeviceBuffer gamma, beta, y, save_mean, save_invstd, running_mean, running_var, tracked;
+  DeviceBuffer grad_sums;  // backward scratch, 2*C
 };
 
 // Inputs with a per-channel offset and scale, so that the statistics are not those of a standard
@@ -187,7 +189,7 @@ TEST_P(BatchNormTest, TrainingForwardBackwardRunningStatsAndEval) {
     DeviceBuffer ddy = up(dy), dgamma = up(g0), dbeta = up(b0), dx = device_->allocate(bn_size(s) * sizeof(float));
     kernels::batchnorm_backward(stream_, s, x2_dev.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
                                 bn.save_invstd.as<float>(), ddy.as<float>(), dx.as<float>(), dgamma.as<float>(),
-                                dbeta.as<float>());
+                                dbeta.as<float>(), bn.grad_sums.as<float>());
     BnGradReference g = bn_grad_reference(s, x2, gamma, dy);
     for (int c = 0; c < s.c; ++c) {
       g.dgamma[c] += g0[c];
@@ -249,7 +251,7 @@ TEST_P(BatchNormTest, GradientsMatchFiniteDifferences) {
                dbeta = up(std::vector<float>(s.c, 0.0f)), dx = device_->allocate(bn_size(s) * sizeof(float));
   kernels::batchnorm_backward(stream_, s, x_dev.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
                               bn.save_invstd.as<float>(), dr.as<float>(), dx.as<float>(), dgamma.as<float>(),
-                              dbeta.as<float>());
+                              dbeta.as<float>(), bn.grad_sums.as<float>());
   const auto gx = down<float>(dx), gg = down<float>(dgamma), gb = down<float>(dbeta);
 
   std::vector<double> fx(x.size()), fg(s.c), fb(s.c);
@@ -276,7 +278,7 @@ TEST_P(BatchNormTest, BackwardAccumulatesParameterGradients) {
   auto backward = [&](float* dx_or_null) {
     kernels::batchnorm_backward(stream_, s, x_dev.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
                                 bn.save_invstd.as<float>(), ddy.as<float>(), dx_or_null, dgamma.as<float>(),
-                                dbeta.as<float>());
+                                dbeta.as<float>(), bn.grad_sums.as<float>());
   };
   backward(dx.as<float>());
   const auto g1 = down<float>(dgamma), b1 = down<float>(dbeta), dx_first = down<float>(dx);
@@ -314,7 +316,8 @@ TEST_P(BatchNormTest, RejectsSingleValueChannelsAndForeignOperands) {
                dgamma = up(std::vector<float>(s.c, 0.0f)), dbeta = up(std::vector<float>(s.c, 0.0f));
   EXPECT_THROW(kernels::batchnorm_backward(stream_, s, mine.as<float>(), local.gamma.as<float>(),
                                            local.save_mean.as<float>(), local.save_invstd.as<float>(),
-                                           other.as<float>(), dx.as<float>(), dgamma.as<float>(), dbeta.as<float>()),
+                                           other.as<float>(), dx.as<float>(), dgamma.as<float>(), dbeta.as<float>(),
+                                           local.grad_sums.as<float>()),
                DeviceMismatch);
   EXPECT_EQ(down<float>(dgamma), std::vector<float>(s.c, 0.0f));  // refused before it ran
   EXPECT_THROW(

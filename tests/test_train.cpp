@@ -271,3 +271,34 @@ TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {
 }
 
 }  // namespace
+
+namespace {
+
+std::vector<double> learning_rates(const std::string& output) {
+  std::vector<double> out;
+  const std::regex line(R"( lr ([0-9.eE+-]+))");
+  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it)
+    out.push_back(std::stod((*it)[1].str()));
+  return out;
+}
+
+TEST_F(TrainTest, LinearScalingAndWarmup) {
+  // --scale-lr: target = lr x devices; warm-up from the unscaled lr (Goyal et al.).
+  const Result scaled = run("--mode dp --backend sim --devices 2 --synthetic 64 --batch-size 8 --steps 6 --lr 0.1 "
+                            "--scale-lr --warmup-steps 4 --log-every 1");
+  ASSERT_EQ(scaled.code, 0) << scaled.output;
+  const auto a = learning_rates(scaled.output);
+  ASSERT_EQ(a.size(), 6u);
+  const double want_a[] = {0.1, 0.125, 0.15, 0.175, 0.2, 0.2};
+  for (std::size_t i = 0; i < 6; ++i) EXPECT_NEAR(a[i], want_a[i], 1e-6) << "step " << i;
+  // Without scaling: from target / W up to the target.
+  const Result plain = run("--mode ddp --backend sim --devices 2 --synthetic 64 --batch-size 8 --steps 5 --lr 0.1 "
+                           "--warmup-steps 4 --log-every 1");
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  const auto b = learning_rates(plain.output);
+  ASSERT_EQ(b.size(), 5u);
+  const double want_b[] = {0.025, 0.04375, 0.0625, 0.08125, 0.1};
+  for (std::size_t i = 0; i < 5; ++i) EXPECT_NEAR(b[i], want_b[i], 1e-6) << "step " << i;
+}
+
+}  // namespace
