@@ -72,6 +72,7 @@ struct Options {
   int steps = 20;
   int warmup = 5;
   double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
   std::string json_path;
   std::string trace_path;
   std::uint64_t seed = 1;
@@ -104,6 +105,8 @@ void validate(const Options& o) {
   if (o.warmup < 0) throw UsageError(fmt::format("--warmup must be at least 0, got {}", o.warmup));
   if (!(o.bucket_cap_mb > 0.0) || !std::isfinite(o.bucket_cap_mb))
     throw UsageError(fmt::format("--bucket-cap-mb must be a positive number, got {}", o.bucket_cap_mb));
+  if (!(o.first_bucket_mb > 0.0) || !std::isfinite(o.first_bucket_mb))
+    throw UsageError(fmt::format("--first-bucket-mb must be a positive number, got {}", o.first_bucket_mb));
 }
 
 // The runtime the options ask for, checking the device count against what the backend has.
@@ -190,6 +193,7 @@ struct Run {
   double wall_ms = 0, samples_per_s = 0, median = 0, p90 = 0, mean = 0;
   std::optional<double> scaling_efficiency;
   std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
+  std::optional<std::size_t> buckets;             // ddp only: gradient buckets (all-reduces per step)
   std::vector<PerDevice> per_device;
   float loss_first = 0, loss_last = 0;
   // For the trace: the measured window, its step boundaries and its spans.
@@ -379,7 +383,9 @@ Run bench_ddp(dp::Runtime& rt, const Options& o, const std::string& model_name, 
   dp::DdpOptions options;
   options.device_ids = run.device_ids;
   options.bucket_cap_mb = o.bucket_cap_mb;
+  options.first_bucket_mb = o.first_bucket_mb;
   dp::DistributedDataParallel ddp(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
+  run.buckets = ddp.buckets().size();
   std::vector<dp::RankBatch> batches;
   for (int r = 0; r < devices; ++r) {
     const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(o.batch);
@@ -511,6 +517,7 @@ json run_json(const Run& r) {
               {"loss", p.loss},           {"backward", p.backward}, {"reduce", p.reduce},  {"update", p.update}};
   }
   j["phases_ms"] = phases;
+  j["ddp_buckets"] = r.buckets ? json(*r.buckets) : json(nullptr);
   json per = json::array();
   for (const auto& pd : r.per_device)
     per.push_back({{"device", pd.device},
@@ -609,8 +616,8 @@ int run_bench(const Options& o) {
   std::vector<std::string> names;
   for (int d = 0; d < devices; ++d) names.push_back(rt->device(d).name());
   fmt::print("dp_bench: backend {}, {} device(s) [{}], batch {} per device, {} warm-up + {} measured steps, "
-             "bucket cap {} MiB\n",
-             backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb);
+             "DDP buckets {} MiB (first {} MiB)\n",
+             backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
 
   const Data data = make_data(o.batch * devices, 784, o.seed);
@@ -651,6 +658,7 @@ int run_bench(const Options& o) {
     j["steps"] = o.steps;
     j["warmup"] = o.warmup;
     j["bucket_cap_mb"] = o.bucket_cap_mb;
+    j["first_bucket_mb"] = o.first_bucket_mb;
     j["seed"] = o.seed;
     j["busy_time_available"] = rt->backend() == dp::Backend::sim;
     json rj = json::array();
@@ -679,6 +687,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "measured steps per run")->capture_default_str();
   app.add_option("--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap, MiB")->capture_default_str();
+  app.add_option("--first-bucket-mb", o.first_bucket_mb,
+                 "DDP first bucket cap, MiB (both models fit in torch's default 1 MiB: lower it to see "
+                 "all-reduce overlap backward)")
+      ->capture_default_str();
   app.add_option("--json", o.json_path, "write every figure as JSON to this file");
   app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace of the measured steps to this file");
   app.add_option("--seed", o.seed, "seed of the synthetic data and the models' initialisation")->capture_default_str();

@@ -26,15 +26,8 @@ using test::download;
 using test::random_vector;
 using test::upload;
 
-class LayerTest : public ::testing::TestWithParam<std::string> {
+class LayerTest : public test::BackendTest {
  protected:
-  void SetUp() override {
-    runtime_ = test::runtime_or_skip(GetParam(), 2);
-    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
-    // Device 1, not 0: catches code that silently assumes the first device.
-    device_ = &runtime_->device(1);
-    stream_ = device_->create_stream();
-  }
   template <class T>
   DeviceBuffer up(const std::vector<T>& host) {
     return upload(*device_, stream_, host);
@@ -43,9 +36,6 @@ class LayerTest : public ::testing::TestWithParam<std::string> {
   std::vector<T> down(const DeviceBuffer& buffer) {
     return download<T>(stream_, buffer);
   }
-  std::unique_ptr<Runtime> runtime_;
-  Device* device_ = nullptr;
-  Stream stream_;
 };
 class BatchNormTest : public LayerTest {};
 class MaxPoolTest : public LayerTest {};

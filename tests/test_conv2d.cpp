@@ -286,16 +286,8 @@ TEST(Conv2dFastDivmod, MatchesIntegerDivision) {
   }
 }
 
-class Conv2dTest : public ::testing::TestWithParam<std::string> {
+class Conv2dTest : public test::BackendTest {
  protected:
-  void SetUp() override {
-    runtime_ = test::runtime_or_skip(GetParam(), 2);
-    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
-    // The last device, not 0 (device 1 of the two simulated ones): catches code that silently
-    // assumes the first device, yet still runs on a one-GPU machine.
-    device_ = &runtime_->device(runtime_->device_count() - 1);
-    stream_ = device_->create_stream();
-  }
   // Why the cuDNN tests cannot run here, or null. (GTEST_SKIP only returns from the function it
   // is in, so the test body skips itself.)
   const char* no_cudnn() const {
@@ -303,9 +295,6 @@ class Conv2dTest : public ::testing::TestWithParam<std::string> {
     if (!kernels::conv_cudnn_enabled()) return "dp was built without cuDNN";
     return nullptr;
   }
-  std::unique_ptr<Runtime> runtime_;
-  Device* device_ = nullptr;
-  Stream stream_;
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, Conv2dTest, ::testing::Values("sim", "cuda"),

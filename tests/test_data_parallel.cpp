@@ -24,13 +24,6 @@
 namespace dp {
 namespace {
 
-std::unique_ptr<Runtime> sim(int devices) {
-  RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = devices;
-  return Runtime::create(options);
-}
-
 std::vector<float> host_floats(const Stream& s, const float* p, std::size_t n) {
   std::vector<float> out(n);
   s.copy(out.data(), p, n * sizeof(float));
@@ -51,7 +44,7 @@ Batch make_batch(int batch, unsigned seed) {
 // device group
 
 TEST(DeviceGroup, RunsEachRankOnItsPersistentWorker) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   DeviceGroup group(*rt, {2, 0, 1});
   std::vector<std::thread::id> first(3), second(3);
   group.run([&](int rank) { first[static_cast<std::size_t>(rank)] = std::this_thread::get_id(); });
@@ -62,7 +55,7 @@ TEST(DeviceGroup, RunsEachRankOnItsPersistentWorker) {
 }
 
 TEST(DeviceGroup, AFailureNamesTheDeviceAndLeavesTheGroupUsable) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   DeviceGroup group(*rt, {0, 1, 2});
   std::atomic<int> finished{0};
   try {
@@ -94,7 +87,7 @@ TEST(DeviceGroup, AFailureNamesTheDeviceAndLeavesTheGroupUsable) {
 }
 
 TEST(DeviceGroup, RejectsBadDeviceLists) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   EXPECT_THROW(DeviceGroup(*rt, {}), InvalidArgument);
   try {
     DeviceGroup(*rt, {1, 1});
@@ -126,8 +119,8 @@ TEST(DataParallel, MlpEqualsSingleDeviceOnTheGlobalBatch) {
   const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
   for (int devices = 1; devices <= 4; ++devices) {
     SCOPED_TRACE(fmt::format("{} devices", devices));
-    auto rt = sim(devices);
-    auto single_rt = sim(1);
+    auto rt = test::sim_runtime(devices);
+    auto single_rt = test::sim_runtime(1);
     auto model = models::make_mlp(rt->device(0), {64, 32}, 5);
     auto reference = models::make_mlp(single_rt->device(0), {64, 32}, 5);
     DataParallel dp(*rt, *model, sgd);
@@ -208,8 +201,8 @@ class ConvNetDataParallel : public ::testing::TestWithParam<DpCase> {};
 TEST_P(ConvNetDataParallel, MatchesPerChunkSemanticsExactly) {
   const DpCase& c = GetParam();
   const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
-  auto rt = sim(c.devices);
-  auto ref_rt = sim(1);
+  auto rt = test::sim_runtime(c.devices);
+  auto ref_rt = test::sim_runtime(1);
   auto model = models::make_convnet(rt->device(c.device_ids[0]), 9);
   auto master = models::make_convnet(ref_rt->device(0), 9);
   DataParallelOptions options;
@@ -251,7 +244,7 @@ INSTANTIATE_TEST_SUITE_P(
 // traffic
 
 TEST(DataParallel, TrafficCountersEqualTheAnalyticValues) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   auto model = models::make_convnet(rt->device(1), 2);
   DataParallelOptions options;
   options.device_ids = std::vector<int>{1, 2, 0};
@@ -280,7 +273,7 @@ TEST(DataParallel, TrafficCountersEqualTheAnalyticValues) {
 }
 
 TEST(DataParallel, PhaseTimesAreRecordedWhenAskedFor) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   auto model = models::make_convnet(rt->device(0), 4);
   DataParallelOptions options;
   options.time_phases = true;
@@ -303,7 +296,7 @@ TEST(DataParallel, PhaseTimesAreRecordedWhenAskedFor) {
 }
 
 TEST(DataParallel, EvalForwardEqualsTheModule) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   auto model = models::make_convnet(rt->device(0), 4);
   DataParallel dp(*rt, *model, SgdOptions{});
   const Batch b = make_batch(9, 3);
@@ -315,7 +308,7 @@ TEST(DataParallel, EvalForwardEqualsTheModule) {
 }
 
 TEST(DataParallel, BadConfigurationIsAClearError) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   auto model = models::make_mlp(rt->device(0), {8});
   auto expect_error = [&](DataParallelOptions options, const std::string& text) {
     try {

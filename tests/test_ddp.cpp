@@ -22,13 +22,6 @@
 namespace dp {
 namespace {
 
-std::unique_ptr<Runtime> sim(int devices) {
-  RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = devices;
-  return Runtime::create(options);
-}
-
 std::vector<float> params_of(const Model& m) {
   Stream s = m.device().create_stream();
   std::vector<float> out(m.param_count());
@@ -57,7 +50,7 @@ std::vector<RankBatch> shards(const Data& d, int first, int world, int per_rank)
 }
 
 TEST(Ddp, BucketAssignmentMatchesTorch) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   auto mlp = models::make_mlp(rt->device(0), {256, 256});
   // Values from torch 1.13: dist._compute_bucket_assignment_by_size(reversed params, limits,
   // tensor_indices=reversed(range(6))), i.e. the buckets DDP rebuilds after its first iteration.
@@ -89,7 +82,7 @@ TEST(Ddp, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
   const Data data = make_data(4 * 5 * 8, 3);
   for (int world = 1; world <= 4; ++world) {
     SCOPED_TRACE(fmt::format("world {}", world));
-    auto rt = sim(world), single_rt = sim(1);
+    auto rt = test::sim_runtime(world), single_rt = test::sim_runtime(1);
     auto model = models::make_mlp(rt->device(0), {64, 32}, 5);
     auto reference = models::make_mlp(single_rt->device(0), {64, 32}, 5);
     DdpOptions options;
@@ -119,7 +112,7 @@ TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
   const SgdOptions sgd{0.05f, 0.9f, 0.0f, false};
   const int world = 2, per_rank = 4, micro = 3;
   const Data data = make_data(world * per_rank * micro, 8);
-  auto rt = sim(world), single_rt = sim(1);
+  auto rt = test::sim_runtime(world), single_rt = test::sim_runtime(1);
   auto model = models::make_mlp(rt->device(0), {32}, 2);
   auto reference = models::make_mlp(single_rt->device(0), {32}, 2);
   DistributedDataParallel ddp(*rt, *model, sgd);
@@ -188,7 +181,7 @@ class SlowRestOfBackward final : public Model {
 };
 
 TEST(Ddp, FirstBucketAllReduceOverlapsBackward) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   SlowRestOfBackward model(models::make_mlp(rt->device(0), {256, 256}, 1));
   DdpOptions options;
   options.first_bucket_mb = 1024.0 / (1 << 20);
@@ -222,7 +215,7 @@ TEST(Ddp, FirstBucketAllReduceOverlapsBackward) {
 }
 
 TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   auto model = models::make_convnet(rt->device(0), 3);
   DdpOptions options;
   options.check_replicas = true;
@@ -245,7 +238,7 @@ TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
 }
 
 TEST(Ddp, BadConfigurationIsAClearError) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   auto model = models::make_mlp(rt->device(1), {8});
   EXPECT_THROW(DistributedDataParallel(*rt, *model, SgdOptions{}), InvalidArgument) << "module not on rank 0";
   DdpOptions options;
@@ -280,7 +273,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   const auto golden = safetensors::read(golden_path(name));
   const int world = std::stoi(golden.metadata.at("world_size"));
   const int steps = std::stoi(golden.metadata.at("steps"));
-  auto rt = sim(world);
+  auto rt = test::sim_runtime(world);
   std::unique_ptr<Model> model;
   if (golden.metadata.at("model") == "convnet") {
     model = models::make_convnet(rt->device(0), 1);

@@ -18,19 +18,7 @@ using test::download;
 using test::random_vector;
 using test::upload;
 
-class KernelTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    runtime_ = test::runtime_or_skip(GetParam(), 2);
-    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
-    // Device 1, not 0: catches code that silently assumes the first device.
-    device_ = &runtime_->device(1);
-    stream_ = device_->create_stream();
-  }
-  std::unique_ptr<Runtime> runtime_;
-  Device* device_ = nullptr;
-  Stream stream_;
-};
+class KernelTest : public test::BackendTest {};
 
 INSTANTIATE_TEST_SUITE_P(Backends, KernelTest, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });

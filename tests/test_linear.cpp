@@ -19,19 +19,9 @@ using test::download;
 using test::random_vector;
 using test::upload;
 
-class LinearTest : public ::testing::TestWithParam<std::string> {
+class LinearTest : public test::BackendTest {
  protected:
-  void SetUp() override {
-    runtime_ = test::runtime_or_skip(GetParam(), 2);
-    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
-    device_ = &runtime_->device(1);  // not 0: catches code that assumes the first device
-    stream_ = device_->create_stream();
-  }
   DeviceBuffer filled(std::size_t n, float value) { return upload(*device_, stream_, std::vector<float>(n, value)); }
-
-  std::unique_ptr<Runtime> runtime_;
-  Device* device_ = nullptr;
-  Stream stream_;
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearTest, ::testing::Values("sim", "cuda"),

@@ -28,17 +28,8 @@ using test::download;
 using test::random_vector;
 using test::upload;
 
-class LossOptimizerTest : public ::testing::TestWithParam<std::string> {
+class LossOptimizerTest : public test::BackendTest {
  protected:
-  void SetUp() override {
-    runtime_ = test::runtime_or_skip(GetParam(), 2);
-    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
-    device_ = &runtime_->device(1);  // not 0: catches code that assumes the first device
-    stream_ = device_->create_stream();
-  }
-  std::unique_ptr<Runtime> runtime_;
-  Device* device_ = nullptr;
-  Stream stream_;
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, LossOptimizerTest, ::testing::Values("sim", "cuda"),

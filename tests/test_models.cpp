@@ -28,13 +28,6 @@ std::string golden_path(const std::string& name) {
   return std::string(dir ? dir : "tests/golden") + "/" + name + ".safetensors";
 }
 
-std::unique_ptr<Runtime> sim_runtime(int devices = 1) {
-  RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = devices;
-  return Runtime::create(options);
-}
-
 std::vector<int> parse_hidden(const std::string& text) {
   std::vector<int> out;
   std::size_t pos = 0;
@@ -73,7 +66,7 @@ class GoldenParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
   const auto golden = safetensors::read(golden_path(GetParam()));
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   Device& device = rt->device(0);
   auto model = model_for(golden, device);
   Stream stream = device.create_stream();
@@ -138,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(PyTorch, GoldenParity,
                          [](const auto& info) { return info.param; });
 
 TEST(Models, PyTorchParameterNamesAndShapes) {
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   auto convnet = models::make_convnet(rt->device(0));
   std::vector<std::string> names;
   for (const auto& p : convnet->parameters()) names.push_back(p.name);
@@ -168,7 +161,7 @@ TEST(Models, PyTorchParameterNamesAndShapes) {
 }
 
 TEST(Models, DefaultInitIsPyTorchsUniformBounds) {
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   auto model = models::make_convnet(rt->device(0), 7);
   Stream stream = rt->device(0).create_stream();
   for (const auto& p : model->parameters()) {
@@ -253,13 +246,13 @@ void finite_difference_check(Model& model, int batch, unsigned seed, double rtol
 }
 
 TEST(Models, MlpFiniteDifferenceGradients) {
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   auto model = models::make_mlp(rt->device(0), {32, 17}, 3);
   finite_difference_check(*model, 5, 11, 2e-2);
 }
 
 TEST(Models, ConvNetFiniteDifferenceGradients) {
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   auto model = models::make_convnet(rt->device(0), 3);
   // rtol 6e-2, looser than the MLP's: BatchNorm couples every position of a channel, so one conv
   // weight moves thousands of ReLU / max-pool inputs, and the many small slope switches inside
@@ -305,21 +298,21 @@ double train_and_report(Model& model, int steps, int batch, float lr) {
 }
 
 TEST(Models, MlpLearnsSyntheticSet) {
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   auto model = models::make_mlp(rt->device(0), {64}, 1);
   const double ratio = train_and_report(*model, 200, 32, 0.02f);
   EXPECT_LT(ratio, 0.1) << "mean loss of the last 10 steps over the first 10";
 }
 
 TEST(Models, ConvNetLearnsSyntheticSet) {
-  auto rt = sim_runtime();
+  auto rt = test::sim_runtime(1);
   auto model = models::make_convnet(rt->device(0), 1);
   const double ratio = train_and_report(*model, 100, 16, 0.02f);
   EXPECT_LT(ratio, 0.2) << "mean loss of the last 10 steps over the first 10";
 }
 
 TEST(Models, BadInputsAreClearErrors) {
-  auto rt = sim_runtime(2);
+  auto rt = test::sim_runtime(2);
   auto model = models::make_mlp(rt->device(0), {8});
   Stream s0 = rt->device(0).create_stream(), s1 = rt->device(1).create_stream();
   DeviceBuffer input = rt->device(0).allocate(784 * sizeof(float));

@@ -17,16 +17,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::unique_ptr<Runtime> sim(int devices, std::size_t capacity = std::size_t{1} << 30) {
-  RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = devices;
-  options.sim_capacity_bytes = capacity;
-  return Runtime::create(options);
-}
-
 TEST(Runtime, CreatesRequestedSimDevices) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   EXPECT_EQ(rt->backend(), Backend::sim);
   ASSERT_EQ(rt->device_count(), 3);
   for (int i = 0; i < 3; ++i) {
@@ -47,7 +39,7 @@ TEST(Runtime, RejectsBadConfiguration) {
   options.backend = "sim";
   options.sim_devices = 0;
   EXPECT_THROW(Runtime::create(options), InvalidArgument);
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   try {
     rt->device(2);
     FAIL() << "device 2 of 2 accepted";
@@ -71,7 +63,7 @@ TEST(Runtime, CudaWithoutGpuIsAClearError) {
 }
 
 TEST(Memory, CountsCurrentAndPeakPerDevice) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   Device& d0 = rt->device(0);
   {
     DeviceBuffer a = d0.allocate(1000);
@@ -93,7 +85,7 @@ TEST(Memory, CountsCurrentAndPeakPerDevice) {
 }
 
 TEST(Memory, OutOfMemoryIsTypedAndNamesDeviceAndRequest) {
-  auto rt = sim(2, 4096);
+  auto rt = test::sim_runtime(2, 4096);
   DeviceBuffer a = rt->device(1).allocate(4000);
   try {
     rt->device(1).allocate(200);
@@ -111,7 +103,7 @@ TEST(Memory, OutOfMemoryIsTypedAndNamesDeviceAndRequest) {
 }
 
 TEST(Memory, KernelOnAnotherDevicesMemoryThrows) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   DeviceBuffer on1 = rt->device(1).allocate(64 * sizeof(float));
   Stream s0 = rt->device(0).create_stream();
   try {
@@ -125,7 +117,7 @@ TEST(Memory, KernelOnAnotherDevicesMemoryThrows) {
   EXPECT_THROW(kernels::fill(s0, host.data(), 64, 1.0f), DeviceMismatch) << "host pointer used as device memory";
   DeviceBuffer on0 = rt->device(0).allocate(64 * sizeof(float));
   EXPECT_THROW(kernels::fill(s0, on0.as<float>(), 65, 1.0f), DeviceMismatch) << "range past the allocation";
-  auto other = sim(2);
+  auto other = test::sim_runtime(2);
   DeviceBuffer foreign = other->device(0).allocate(64 * sizeof(float));
   EXPECT_THROW(kernels::fill(s0, foreign.as<float>(), 64, 1.0f), DeviceMismatch) << "another runtime's memory";
 }
@@ -133,7 +125,7 @@ TEST(Memory, KernelOnAnotherDevicesMemoryThrows) {
 // If the streams ran one after the other, the first task would wait for the second forever
 // (here: until its timeout) and the flag would stay false.
 TEST(Streams, TwoStreamsOfOneDeviceRunConcurrently) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   Stream a = rt->device(0).create_stream();
   Stream b = rt->device(0).create_stream();
   std::atomic<bool> b_ran{false};
@@ -151,7 +143,7 @@ TEST(Streams, TwoStreamsOfOneDeviceRunConcurrently) {
 
 // The producer is slow; without the event wait the consumer reads before the write.
 TEST(Streams, EventWaitOrdersStreamsAcrossDevices) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   Stream producer = rt->device(0).create_stream();
   Stream consumer = rt->device(1).create_stream();
   Event written = rt->device(0).create_event();
@@ -170,7 +162,7 @@ TEST(Streams, EventWaitOrdersStreamsAcrossDevices) {
 }
 
 TEST(Streams, WaitCapturesTheLatestRecordOnly) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   Stream a = rt->device(0).create_stream();
   Stream b = rt->device(0).create_stream();
   Event e = rt->device(0).create_event();
@@ -193,7 +185,7 @@ TEST(Streams, WaitCapturesTheLatestRecordOnly) {
 }
 
 TEST(Streams, EventTimingAndQuery) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   Stream s = rt->device(0).create_stream();
   Event start = rt->device(0).create_event(), stop = rt->device(0).create_event();
   EXPECT_TRUE(stop.query()) << "a never-recorded event counts as complete";
@@ -206,7 +198,7 @@ TEST(Streams, EventTimingAndQuery) {
 }
 
 TEST(Streams, FailedWorkPoisonsTheStreamLikeAStickyError) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   Stream s = rt->device(0).create_stream();
   s.launch_host_func([] { throw Error("boom in stream work"); });
   try {
@@ -219,7 +211,7 @@ TEST(Streams, FailedWorkPoisonsTheStreamLikeAStickyError) {
 }
 
 TEST(Copies, AllDirectionsAndLinkCounters) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   const std::size_t n = 1000, bytes = n * sizeof(float);
   std::vector<float> host = test::random_vector(n, 1);
   Stream s0 = rt->device(0).create_stream(), s2 = rt->device(2).create_stream();
@@ -248,7 +240,7 @@ TEST(Copies, AllDirectionsAndLinkCounters) {
 }
 
 TEST(Copies, PageableSourceIsStagedPinnedIsAsync) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   Stream s = rt->device(0).create_stream();
   DeviceBuffer d = rt->device(0).allocate(sizeof(int));
   std::atomic<bool> release{false};
@@ -266,7 +258,7 @@ TEST(Copies, PageableSourceIsStagedPinnedIsAsync) {
 }
 
 TEST(Copies, CopyMustBeIssuedOnAnEndpointsStream) {
-  auto rt = sim(3);
+  auto rt = test::sim_runtime(3);
   DeviceBuffer a = rt->device(0).allocate(64), b = rt->device(1).allocate(64);
   Stream s2 = rt->device(2).create_stream();
   EXPECT_THROW(s2.copy(b.data(), a.data(), 64), DeviceMismatch);
@@ -275,7 +267,7 @@ TEST(Copies, CopyMustBeIssuedOnAnEndpointsStream) {
 }
 
 TEST(Device, SubmitRunsOnOnePersistentWorker) {
-  auto rt = sim(2);
+  auto rt = test::sim_runtime(2);
   std::thread::id first, second;
   rt->device(1).submit([&] { first = std::this_thread::get_id(); }).get();
   rt->device(1).submit([&] { second = std::this_thread::get_id(); }).get();
@@ -287,7 +279,7 @@ TEST(Device, SubmitRunsOnOnePersistentWorker) {
 }
 
 TEST(Device, FreeWaitsForQueuedWork) {
-  auto rt = sim(1);
+  auto rt = test::sim_runtime(1);
   Stream s = rt->device(0).create_stream();
   std::atomic<bool> ran{false};
   {

@@ -28,6 +28,31 @@ inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int 
                                                        ? "cudaGetDeviceCount found no usable GPU" \
                                                        : "dp was built without the cuda backend")
 
+inline std::unique_ptr<Runtime> sim_runtime(int devices, std::size_t capacity = std::size_t{1} << 30) {
+  RuntimeOptions options;
+  options.backend = "sim";
+  options.sim_devices = devices;
+  options.sim_capacity_bytes = capacity;
+  return Runtime::create(options);
+}
+
+// One test body per backend (Caffe's typed tests): instantiate with Values("sim", "cuda"); the
+// cuda instances skip with the reason where no GPU is usable.
+class BackendTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    runtime_ = runtime_or_skip(GetParam(), 2);
+    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
+    // The last device, not 0 (device 1 of the two simulated ones): catches code that silently
+    // assumes the first device, yet still runs on a one-GPU machine.
+    device_ = &runtime_->device(runtime_->device_count() - 1);
+    stream_ = device_->create_stream();
+  }
+  std::unique_ptr<Runtime> runtime_;
+  Device* device_ = nullptr;
+  Stream stream_;
+};
+
 template <class T>
 DeviceBuffer upload(Device& device, const Stream& stream, const std::vector<T>& host) {
   DeviceBuffer buffer = device.allocate(host.size() * sizeof(T));

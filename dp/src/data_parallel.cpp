@@ -34,13 +34,6 @@ struct DataParallel::Replica {
 
 namespace {
 
-std::vector<int> resolve_ids(Runtime& runtime, const DataParallelOptions& options) {
-  if (options.device_ids) return *options.device_ids;  // an explicit empty list is an error, as in PyTorch
-  std::vector<int> all(static_cast<std::size_t>(runtime.device_count()));
-  for (int i = 0; i < runtime.device_count(); ++i) all[static_cast<std::size_t>(i)] = i;
-  return all;
-}
-
 std::size_t per_sample(const Model& model) {
   std::size_t n = 1;
   for (auto d : model.input_shape()) n *= static_cast<std::size_t>(d);
@@ -56,7 +49,7 @@ void grow(DeviceBuffer& buffer, Device& device, std::size_t bytes) {
 DataParallel::DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options)
     : runtime_(runtime),
       module_(module),
-      group_(runtime, resolve_ids(runtime, options)),
+      group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),  // [] is an error, as in PyTorch
       output_device_(options.output_device.value_or(group_.device_ids()[0])),
       output_rank_(-1),
       optimizer_(module.device(), module.param_count(), sgd) {

@@ -54,13 +54,6 @@ struct DistributedDataParallel::Rank {
 
 namespace {
 
-std::vector<int> resolve_ids(Runtime& runtime, const DdpOptions& options) {
-  if (options.device_ids) return *options.device_ids;
-  std::vector<int> all(static_cast<std::size_t>(runtime.device_count()));
-  for (int i = 0; i < runtime.device_count(); ++i) all[static_cast<std::size_t>(i)] = i;
-  return all;
-}
-
 void grow(DeviceBuffer& buffer, Device& device, std::size_t bytes) {
   if (buffer.size() < bytes) buffer = device.allocate(bytes);
 }
@@ -69,7 +62,7 @@ void grow(DeviceBuffer& buffer, Device& device, std::size_t bytes) {
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd,
                                                  DdpOptions options)
-    : runtime_(runtime), group_(runtime, resolve_ids(runtime, options)), options_(std::move(options)) {
+    : runtime_(runtime), group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))), options_(std::move(options)) {
   if (module.device().index() != group_.device_ids()[0])
     throw InvalidArgument(fmt::format("module must be on device_ids[0] (device {}) but is on device {}",
                                       group_.device_ids()[0], module.device().index()));

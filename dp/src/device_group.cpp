@@ -57,6 +57,12 @@ void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std
 
 }  // namespace
 
+std::vector<int> DeviceGroup::all_devices(const Runtime& runtime) {
+  std::vector<int> ids(static_cast<std::size_t>(runtime.device_count()));
+  for (int i = 0; i < runtime.device_count(); ++i) ids[static_cast<std::size_t>(i)] = i;
+  return ids;
+}
+
 void DeviceGroup::run(const std::function<void(int rank)>& task, int count) const {
   if (count < 0 || count > size()) count = size();
   std::vector<std::pair<int, std::future<void>>> done;

@@ -32,6 +32,9 @@ class DeviceGroup {
   // non-empty, without duplicates, and exist. Throws InvalidArgument naming the problem.
   DeviceGroup(Runtime& runtime, std::vector<int> device_ids);
 
+  // The ids to use when the caller named none (PyTorch's device_ids=None): every device, in order.
+  static std::vector<int> all_devices(const Runtime& runtime);
+
   int size() const { return static_cast<int>(device_ids_.size()); }
   const std::vector<int>& device_ids() const { return device_ids_; }
   Device& device(int rank) const { return runtime_.device(device_ids_.at(static_cast<std::size_t>(rank))); }
