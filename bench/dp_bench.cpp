@@ -12,10 +12,10 @@
 // Busy time and GEMM rates come from Runtime::take_trace(), which only the sim backend records so
 // far: on cuda they are reported as null / "n/a" (everything else — throughput, step times,
 // traffic counters, peak memory, DP phases via events — works there as written).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -88,11 +88,12 @@ std::vector<std::string> parse_list(const std::string& text, const std::vector<s
     item.erase(item.find_last_not_of(" \t") + 1);
     if (item.empty()) continue;
     if (std::find(known.begin(), known.end(), item) == known.end())
-      throw UsageError(fmt::format("{}: unknown value '{}' (expected a comma list of {})", flag, item,
-                                   fmt::join(known, ", ")));
+      throw UsageError(
+          fmt::format("{}: unknown value '{}' (expected a comma list of {})", flag, item, fmt::join(known, ", ")));
     if (std::find(out.begin(), out.end(), item) == out.end()) out.push_back(item);
   }
-  if (out.empty()) throw UsageError(fmt::format("{}: empty list (expected a comma list of {})", flag, fmt::join(known, ", ")));
+  if (out.empty())
+    throw UsageError(fmt::format("{}: empty list (expected a comma list of {})", flag, fmt::join(known, ", ")));
   return out;
 }
 
@@ -126,8 +127,8 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
   } else {
     devices = o.devices.value_or(kDefaultSimDevices);
     if (devices > kMaxSimDevices)
-      throw UsageError(fmt::format("--devices {}: the sim backend simulates at most {} devices", devices,
-                                   kMaxSimDevices));
+      throw UsageError(
+          fmt::format("--devices {}: the sim backend simulates at most {} devices", devices, kMaxSimDevices));
     options.sim_devices = devices;
   }
   auto runtime = dp::Runtime::create(options);
@@ -147,8 +148,10 @@ std::unique_ptr<dp::Model> make_model(const std::string& name, dp::Device& devic
 // of each layer has `macs` multiply-accumulates per sample; its two backward GEMMs have as many.
 double gemm_flops_per_sample(const std::string& model) {
   std::vector<double> macs;
-  if (model == "mlp") macs = {784.0 * 256, 256.0 * 256, 256.0 * 10};
-  else macs = {16.0 * 25 * 28 * 28, 32.0 * 16 * 25 * 14 * 14, 7.0 * 7 * 32 * 10};  // im2col GEMMs, fc
+  if (model == "mlp")
+    macs = {784.0 * 256, 256.0 * 256, 256.0 * 10};
+  else
+    macs = {16.0 * 25 * 28 * 28, 32.0 * 16 * 25 * 14 * 14, 7.0 * 7 * 32 * 10};  // im2col GEMMs, fc
   double sum = 0;
   for (double m : macs) sum += m;
   return 2.0 * (3.0 * sum - macs.front());
@@ -193,7 +196,7 @@ struct Run {
   double wall_ms = 0, samples_per_s = 0, median = 0, p90 = 0, mean = 0;
   std::optional<double> scaling_efficiency;
   std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
-  std::optional<std::size_t> buckets;             // ddp only: gradient buckets (all-reduces per step)
+  std::optional<std::size_t> buckets;            // ddp only: gradient buckets (all-reduces per step)
   std::vector<PerDevice> per_device;
   float loss_first = 0, loss_last = 0;
   // For the trace: the measured window, its step boundaries and its spans.
@@ -294,7 +297,9 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   for (double t : run.step_ms) sum += t;
   run.mean = sum / static_cast<double>(run.step_ms.size());
 
-  const bool have_spans = rt.backend() == dp::Backend::sim;  // cuda records no spans yet
+  // Busy time and GEMM time need the stream spans, which only the sim backend records so far: on
+  // cuda they stay null ("n/a"). Revisit when the cuda backend records spans (CUPTI / events).
+  const bool have_spans = rt.backend() == dp::Backend::sim;
   const double flops_per_sample = gemm_flops_per_sample(run.model);
   for (std::size_t i = 0; i < used.size(); ++i) {
     const int d = used[i];
@@ -303,7 +308,7 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
     pd.bytes_sent = static_cast<double>(rt.bytes_sent(d)) / o.steps;
     pd.bytes_received = static_cast<double>(rt.bytes_received(d)) / o.steps;
     pd.peak_bytes = rt.device(d).memory().peak;
-    if (pd.samples_per_step == 0) pd.samples_per_step = run.batch_per_device;
+    pd.samples_per_step = run.batch_per_device;  // dp corrects it from its chunks
     if (have_spans) {
       std::vector<std::pair<std::int64_t, std::int64_t>> busy, gemm;
       for (const auto& s : run.spans) {
@@ -362,7 +367,7 @@ Run bench_dp(dp::Runtime& rt, const Options& o, const std::string& model_name, c
         ++timed;
       });
   const double n = timed;
-  run.phases = dp::DataParallelPhases{sum.broadcast / n, sum.scatter / n, sum.forward / n, sum.gather / n,
+  run.phases = dp::DataParallelPhases{sum.broadcast / n, sum.scatter / n,  sum.forward / n, sum.gather / n,
                                       sum.loss / n,      sum.backward / n, sum.reduce / n,  sum.update / n};
   // torch.chunk rules: with a small global batch some devices get fewer rows (or none).
   const auto& chunks = parallel.last_chunks();
@@ -445,18 +450,21 @@ void print_tables(const std::vector<Run>& runs, const std::string& backend) {
     const auto sent = column(r, [](const PerDevice& p) { return p.bytes_sent; });
     const auto recv = column(r, [](const PerDevice& p) { return p.bytes_received; });
     const auto peak = column(r, [](const PerDevice& p) { return static_cast<double>(p.peak_bytes); });
-    fmt::print("{:<8} {:<6} {:>3} {:>6} {:>11.1f} {:>9.2f} {:>9.2f} {:>7} {:>7} {:>5} {:>11} {:>11} {:>5.2f} {:>11} {:>5.2f}\n",
-               r.model, r.mode, r.device_ids.size(), r.global_batch, r.samples_per_s, r.median, r.p90,
-               opt(r.scaling_efficiency, "{:.2f}"), opt(busy_mean(r), "{:.1f}"), opt(busy_imbalance(r), "{:.2f}"),
-               human_bytes(*std::max_element(sent.begin(), sent.end())),
-               human_bytes(*std::max_element(recv.begin(), recv.end())),
-               imbalance(column(r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received; })),
-               human_bytes(*std::max_element(peak.begin(), peak.end())), imbalance(peak));
+    fmt::print(
+        "{:<8} {:<6} {:>3} {:>6} {:>11.1f} {:>9.2f} {:>9.2f} {:>7} {:>7} {:>5} {:>11} {:>11} {:>5.2f} {:>11} "
+        "{:>5.2f}\n",
+        r.model, r.mode, r.device_ids.size(), r.global_batch, r.samples_per_s, r.median, r.p90,
+        opt(r.scaling_efficiency, "{:.2f}"), opt(busy_mean(r), "{:.1f}"), opt(busy_imbalance(r), "{:.2f}"),
+        human_bytes(*std::max_element(sent.begin(), sent.end())),
+        human_bytes(*std::max_element(recv.begin(), recv.end())),
+        imbalance(column(r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received; })),
+        human_bytes(*std::max_element(peak.begin(), peak.end())), imbalance(peak));
   }
-  fmt::print("  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
-             "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
-             "  sent/recv = the busiest device's device-to-device bytes per step; imb = max/mean over devices\n",
-             backend == "cuda" ? " (n/a on cuda: it records no spans yet)" : "");
+  fmt::print(
+      "  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
+      "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
+      "  sent/recv = the busiest device's device-to-device bytes per step; imb = max/mean over devices\n",
+      backend == "cuda" ? " (n/a on cuda: it records no spans yet)" : "");
 
   fmt::print("\nper device\n{:<8} {:<6} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>11}\n", "model", "mode", "device",
              "busy %", "gemm ms", "gemm GF/s", "sent/step", "recv/step", "peak mem");
@@ -464,15 +472,17 @@ void print_tables(const std::vector<Run>& runs, const std::string& backend) {
     for (const auto& pd : r.per_device)
       fmt::print("{:<8} {:<6} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>11}\n", r.model, r.mode, pd.device,
                  opt(pd.busy_pct, "{:.1f}"), opt(pd.gemm_ms_per_step, "{:.2f}"), opt(pd.gemm_gflops, "{:.1f}"),
-                 human_bytes(pd.bytes_sent), human_bytes(pd.bytes_received), human_bytes(static_cast<double>(pd.peak_bytes)));
+                 human_bytes(pd.bytes_sent), human_bytes(pd.bytes_received),
+                 human_bytes(static_cast<double>(pd.peak_bytes)));
   fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
 
   bool any_dp = false;
   for (const Run& r : runs) any_dp = any_dp || r.phases.has_value();
   if (!any_dp) return;
-  fmt::print("\nDP phases, ms per step (mean over measured steps; per-device phases: the slowest device)\n"
-             "{:<8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8}\n",
-             "model", "broadcast", "scatter", "forward", "gather", "loss", "backward", "reduce", "update", "step");
+  fmt::print(
+      "\nDP phases, ms per step (mean over measured steps; per-device phases: the slowest device)\n"
+      "{:<8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8}\n",
+      "model", "broadcast", "scatter", "forward", "gather", "loss", "backward", "reduce", "update", "step");
   for (const Run& r : runs) {
     if (!r.phases) continue;
     const auto& p = *r.phases;
@@ -513,8 +523,8 @@ json run_json(const Run& r) {
   json phases = json::object();
   if (r.phases) {
     const auto& p = *r.phases;
-    phases = {{"broadcast", p.broadcast}, {"scatter", p.scatter}, {"forward", p.forward}, {"gather", p.gather},
-              {"loss", p.loss},           {"backward", p.backward}, {"reduce", p.reduce},  {"update", p.update}};
+    phases = {{"broadcast", p.broadcast}, {"scatter", p.scatter},   {"forward", p.forward}, {"gather", p.gather},
+              {"loss", p.loss},           {"backward", p.backward}, {"reduce", p.reduce},   {"update", p.update}};
   }
   j["phases_ms"] = phases;
   j["ddp_buckets"] = r.buckets ? json(*r.buckets) : json(nullptr);
@@ -555,8 +565,8 @@ json trace_json(std::vector<Run>& runs) {
     for (const auto& s : run.spans) {
       if (s.kind == "sync") continue;
       const std::int64_t start = std::clamp(s.start_ns, run.t0, run.t1), end = std::clamp(s.end_ns, start, run.t1);
-      const auto step = std::upper_bound(run.step_starts.begin(), run.step_starts.end(), s.start_ns) -
-                        run.step_starts.begin() - 1;
+      const auto step =
+          std::upper_bound(run.step_starts.begin(), run.step_starts.end(), s.start_ns) - run.step_starts.begin() - 1;
       const double ts = static_cast<double>(cursor + (start - run.t0)) / 1e3;
       if (first_ts < 0 || ts < first_ts) first_ts = ts;
       spans.push_back({{"ph", "X"},
@@ -574,14 +584,23 @@ json trace_json(std::vector<Run>& runs) {
   }
   if (first_ts < 0) first_ts = 0;
   for (auto& [device, streams] : tracks) {
-    events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", device}, {"tid", 0},
+    events.push_back({{"ph", "M"},
+                      {"name", "process_name"},
+                      {"pid", device},
+                      {"tid", 0},
                       {"args", {{"name", fmt::format("device {}", device)}}}});
-    events.push_back({{"ph", "M"}, {"name", "process_sort_index"}, {"pid", device}, {"tid", 0},
-                      {"args", {{"sort_index", device}}}});
+    events.push_back(
+        {{"ph", "M"}, {"name", "process_sort_index"}, {"pid", device}, {"tid", 0}, {"args", {{"sort_index", device}}}});
     for (int stream : streams) {
-      events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", device}, {"tid", stream},
+      events.push_back({{"ph", "M"},
+                        {"name", "thread_name"},
+                        {"pid", device},
+                        {"tid", stream},
                         {"args", {{"name", fmt::format("stream {}", stream)}}}});
-      events.push_back({{"ph", "M"}, {"name", "thread_sort_index"}, {"pid", device}, {"tid", stream},
+      events.push_back({{"ph", "M"},
+                        {"name", "thread_sort_index"},
+                        {"pid", device},
+                        {"tid", stream},
                         {"args", {{"sort_index", stream}}}});
     }
   }
@@ -594,10 +613,18 @@ json trace_json(std::vector<Run>& runs) {
   return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
+// The report indented; the trace (thousands of events) one event per line.
 void write_file(const std::string& path, const json& j, const char* what) {
   std::ofstream out(path);
   if (!out) throw dp::Error(fmt::format("cannot write the {} file '{}'", what, path));
-  out << j.dump(1) << '\n';
+  if (j.contains("traceEvents")) {
+    out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+    const auto& events = j.at("traceEvents");
+    for (std::size_t i = 0; i < events.size(); ++i) out << events[i].dump() << (i + 1 < events.size() ? ",\n" : "\n");
+    out << "]}\n";
+  } else {
+    out << j.dump(1) << '\n';
+  }
   if (!out.flush()) throw dp::Error(fmt::format("cannot write the {} file '{}'", what, path));
 }
 
@@ -615,18 +642,22 @@ int run_bench(const Options& o) {
   const std::string backend(dp::to_string(rt->backend()));
   std::vector<std::string> names;
   for (int d = 0; d < devices; ++d) names.push_back(rt->device(d).name());
-  fmt::print("dp_bench: backend {}, {} device(s) [{}], batch {} per device, {} warm-up + {} measured steps, "
-             "DDP buckets {} MiB (first {} MiB)\n",
-             backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
+  fmt::print(
+      "dp_bench: backend {}, {} device(s) [{}], batch {} per device, {} warm-up + {} measured steps, "
+      "DDP buckets {} MiB (first {} MiB)\n",
+      backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
 
   const Data data = make_data(o.batch * devices, 784, o.seed);
   std::vector<Run> runs;
   for (const auto& model : models) {
     for (const auto& mode : modes) {
-      if (mode == "single") runs.push_back(bench_single(*rt, o, model, data));
-      else if (mode == "dp") runs.push_back(bench_dp(*rt, o, model, data, devices));
-      else runs.push_back(bench_ddp(*rt, o, model, data, devices));
+      if (mode == "single")
+        runs.push_back(bench_single(*rt, o, model, data));
+      else if (mode == "dp")
+        runs.push_back(bench_dp(*rt, o, model, data, devices));
+      else
+        runs.push_back(bench_ddp(*rt, o, model, data, devices));
       const Run& r = runs.back();
       fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
                  r.median);
@@ -647,7 +678,8 @@ int run_bench(const Options& o) {
     fmt::print("\ntrace: {} (open in https://ui.perfetto.dev or chrome://tracing; runs laid end to end:", o.trace_path);
     for (const Run& r : runs) fmt::print(" {} {} at {:.1f} ms;", r.model, r.mode, r.trace_offset_ms);
     fmt::print(")\n");
-    if (rt->backend() == dp::Backend::cuda) fmt::print("  (the cuda backend records no spans yet: the trace is empty)\n");
+    if (rt->backend() == dp::Backend::cuda)
+      fmt::print("  (the cuda backend records no spans yet: the trace is empty)\n");
   }
   if (!o.json_path.empty()) {
     json j;
@@ -676,8 +708,8 @@ int main(int argc, char** argv) {
   CLI::App app{"dp_bench: DP vs DDP throughput and per-device imbalance (single, dp, ddp for each model)"};
   Options o;
   int devices = 0;
-  auto* devices_opt = app.add_option("--devices", devices,
-                                     "devices to use (default: every visible GPU, or 4 simulated devices)");
+  auto* devices_opt =
+      app.add_option("--devices", devices, "devices to use (default: every visible GPU, or 4 simulated devices)");
   app.add_option("--backend", o.backend, "auto (cuda when a GPU is visible, else sim), cuda or sim")
       ->capture_default_str();
   app.add_option("--models", o.models, "comma list of mlp, convnet")->capture_default_str();

@@ -64,7 +64,8 @@ void run_all_reduce(dp::Runtime& rt, int devices, std::size_t min_bytes, std::si
   for (int r = 0; r < devices; ++r) {
     streams.push_back(group.device(r).create_stream());
     buffers.push_back(group.device(r).allocate(max_bytes));
-    dp::kernels::fill(streams.back(), buffers.back().as<float>(), static_cast<dp::kernels::index_t>(max_bytes / 4), 1.0f);
+    dp::kernels::fill(streams.back(), buffers.back().as<float>(), static_cast<dp::kernels::index_t>(max_bytes / 4),
+                      1.0f);
   }
   auto all_reduce = [&](std::size_t count, int times) {
     group.run([&](int r) {

@@ -3,19 +3,19 @@
 // device-to-device bytes per step of DP and DDP against their analytic values, the balance of DDP
 // and the imbalance of DP's source, the shape of the JSON and of the Chrome/Perfetto trace, and
 // clear errors on bad flags. Times and rates are only checked to be positive: no timed assertions.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 
 #include "dp/ddp.h"
 #include "dp/device.h"
@@ -60,8 +60,7 @@ struct Result {
 // Runs dp_bench with `args` (already shell-quoted where needed), capturing stdout and stderr.
 Result run_bench(const TempDir& dir, const std::string& args) {
   const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  const std::string command =
-      fmt::format("'{}' {} >'{}' 2>'{}'", DP_BENCH_BIN, args, out.string(), err.string());
+  const std::string command = fmt::format("'{}' {} >'{}' 2>'{}'", DP_BENCH_BIN, args, out.string(), err.string());
   const int status = std::system(command.c_str());
   Result r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
@@ -279,8 +278,8 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
     }
   }
   // Runs do not overlap in the trace: in the order they ran, each starts after the previous ended.
-  const std::vector<std::string> order = {"mlp single",     "mlp dp",      "mlp ddp",
-                                          "convnet single", "convnet dp",  "convnet ddp"};
+  const std::vector<std::string> order = {"mlp single",     "mlp dp",     "mlp ddp",
+                                          "convnet single", "convnet dp", "convnet ddp"};
   for (std::size_t i = 1; i < order.size(); ++i)
     EXPECT_LT(run_window.at(order[i - 1]).second, run_window.at(order[i]).first) << order[i - 1] << " / " << order[i];
   EXPECT_EQ(run_window.at(order[0]).first, 0.0) << "timestamps are relative to the first span";
