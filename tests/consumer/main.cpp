@@ -1,21 +1,25 @@
-// A user's program: two simulated devices, a buffer on each, a host -> device -> device -> host trip.
+// A user's program, built against an installed dp with find_package(dp): the README's example,
+// on simulated devices, plus a host -> device -> device -> host trip.
+#include <dp/checkpoint.h>
+#include <dp/data_parallel.h>
+#include <dp/ddp.h>
 #include <dp/device.h>
 #include <dp/error.h>
+#include <dp/models/convnet.h>
 
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
 int main() {
-  dp::RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = 2;
-  auto runtime = dp::Runtime::create(options);
+  auto runtime = dp::Runtime::create({.backend = "sim", .sim_devices = 3});
+
+  // Copies and link accounting.
   std::vector<float> host(1000), back(1000, 0.0f);
   for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(i);
   auto a = runtime->device(0).allocate(host.size() * sizeof(float));
   auto b = runtime->device(1).allocate(host.size() * sizeof(float));
-  dp::Stream s0 = runtime->device(0).create_stream();
-  dp::Stream s1 = runtime->device(1).create_stream();
+  dp::Stream s0 = runtime->device(0).create_stream(), s1 = runtime->device(1).create_stream();
   s0.copy(a.data(), host.data(), a.size());
   dp::Event ready = runtime->device(0).create_event();
   s0.record(ready);
@@ -23,10 +27,40 @@ int main() {
   s1.copy(b.data(), a.data(), a.size());
   s1.copy(back.data(), b.data(), b.size());
   if (back != host || runtime->link_traffic(0, 1).bytes != a.size()) {
-    std::puts("consumer: FAILED");
+    std::puts("consumer: copy FAILED");
     return 1;
   }
-  std::printf("consumer: ok (%llu bytes over link 0->1)\n",
-              static_cast<unsigned long long>(runtime->link_traffic(0, 1).bytes));
+
+  // The README's training example.
+  const int batch = 12;
+  std::vector<float> images(static_cast<std::size_t>(batch) * 784);
+  std::vector<std::int64_t> labels(batch);
+  for (std::size_t i = 0; i < images.size(); ++i) images[i] = static_cast<float>((i * 37) % 256) / 255.0f;
+  for (int i = 0; i < batch; ++i) labels[static_cast<std::size_t>(i)] = i % 10;
+  auto model = dp::models::make_convnet(runtime->device(0), 0);
+  dp::SgdOptions sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-4f};
+  dp::DataParallel dp_engine(*runtime, *model, sgd, {.device_ids = std::vector{0, 1, 2}, .output_device = 2});
+  float loss = dp_engine.train_step(images.data(), labels.data(), batch);
+
+  auto module = dp::models::make_convnet(runtime->device(0), 0);
+  dp::DistributedDataParallel ddp(*runtime, *module, sgd, {.bucket_cap_mb = 25});
+  std::vector<dp::RankBatch> shards;
+  for (int r = 0; r < ddp.world_size(); ++r)
+    shards.push_back({images.data() + r * 4 * 784, labels.data() + r * 4, 4});
+  loss += ddp.train_step(shards);
+  {
+    auto guard = ddp.no_sync();
+    ddp.forward_backward(shards, 0.5f);
+  }
+  ddp.forward_backward(shards, 0.5f);
+  ddp.step();
+  ddp.synchronize();
+  dp::Stream stream = runtime->device(0).create_stream();
+  const auto state = dp::state_dict(ddp.replica(0), stream);
+  if (!std::isfinite(loss) || !state.has("layer1.1.running_var")) {
+    std::puts("consumer: training FAILED");
+    return 1;
+  }
+  std::printf("consumer: ok (loss %.4f, %zu tensors in the state dict)\n", loss, state.tensors.size());
   return 0;
 }
