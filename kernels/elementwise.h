@@ -46,7 +46,11 @@ struct ReluBackward {
   const float* y;  // the forward output (or input: same sign test)
   const float* dy;
   float* dx;
-  DP_HD void operator()(index_t i) const { dx[i] = y[i] > 0.0f ? dy[i] : 0.0f; }
+  // dy is read unconditionally so the host compiler can vectorise the select.
+  DP_HD void operator()(index_t i) const {
+    const float g = dy[i];
+    dx[i] = y[i] > 0.0f ? g : 0.0f;
+  }
 };
 
 // Row-wise sum of a (rows, cols) row-major matrix: map(row, col) = x[row*cols + col].

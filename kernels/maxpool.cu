@@ -5,6 +5,7 @@
 
 #include "dp/error.h"
 #include "kernels/launch.h"
+#include "kernels/elementwise.h"
 #include "kernels/maxpool.h"
 
 namespace dp::kernels {
@@ -45,6 +46,14 @@ void maxpool_backward(const Stream& stream, const MaxPoolShape& shape, const std
   check_shape("maxpool_backward", shape);
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
+  if (shape.stride >= shape.kernel) {
+    // Windows do not overlap: every input is chosen by at most one output, so zeroing dx and
+    // scattering one value per output is race-free, and 4x less work than the general gather.
+    launch(stream, "maxpool_backward_zero", in, Fill{dx, 0.0f}, {operand(dx, in)});
+    launch(stream, "maxpool_backward", out, MaxPoolScatterBackward{shape, argmax, dy, dx},
+           {operand(argmax, out), operand(dy, out), operand(dx, in)});
+    return;
+  }
   launch(stream, "maxpool_backward", in, MaxPoolBackward{shape, argmax, dy, dx},
          {operand(argmax, out), operand(dy, out), operand(dx, in)});
 }

@@ -99,4 +99,19 @@ struct MaxPoolBackward {
   }
 };
 
+// Non-overlapping windows (stride >= kernel): output i hands its gradient to the one input it
+// chose; dx was zeroed first. `0.0f +` turns a -0 gradient into +0, as PyTorch's scatter-add into
+// a zeroed gradient does, so both backward forms give identical bits.
+struct MaxPoolScatterBackward {
+  MaxPoolShape s;
+  const std::int32_t* argmax;
+  const float* dy;
+  float* dx;
+  DP_HD void operator()(index_t i) const {
+    const index_t plane_out = static_cast<index_t>(s.h_out()) * s.w_out();
+    const index_t nc = i / plane_out;
+    dx[nc * s.h * s.w + argmax[i]] = 0.0f + dy[i];
+  }
+};
+
 }  // namespace dp::kernels
