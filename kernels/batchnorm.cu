@@ -66,7 +66,8 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
                                              static_cast<float>(count), shape.eps, shape.momentum},
                              {operand(x, total), operand(save_mean, c), operand(save_invstd, c),
                               operand(running_mean, c), operand(running_var, c)});
-  launch(stream, "batchnorm_normalize", total, BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+  launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
+            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
          {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
           operand(y, total)});
   launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
@@ -85,7 +86,7 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
                        {"running_mean", running_mean},
                        {"running_var", running_var},
                        {"y", y}});
-  launch(stream, "batchnorm_forward_eval", total,
+  launch_2d(stream, "batchnorm_forward_eval", static_cast<index_t>(shape.n) * c, plane,
          BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
          {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
           operand(y, total)});
@@ -114,7 +115,7 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
                               operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
   if (dx == nullptr) return;
   const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
-  launch(stream, "batchnorm_backward_dx", total, BnInputGrad{at, term, grad_sums, dx},
+  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane, BnInputGrad{at, term, grad_sums, dx},
          {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
           operand(grad_sums, 2 * c), operand(dx, total)});
 }

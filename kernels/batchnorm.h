@@ -107,8 +107,9 @@ struct BnNormalize {
   const float* gamma;
   const float* beta;
   float* y;
-  DP_HD void operator()(index_t i) const {
-    const index_t c = (i / plane) % channels;
+  // plane_index = n*C + c: one (n, c) plane of H*W elements, j within it (launch_2d).
+  DP_HD void operator()(index_t plane_index, index_t j) const {
+    const index_t c = plane_index % channels, i = plane_index * plane + j;
     y[i] = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
   }
 };
@@ -123,8 +124,8 @@ struct BnNormalizeEval {
   const float* gamma;
   const float* beta;
   float* y;
-  DP_HD void operator()(index_t i) const {
-    const index_t c = (i / plane) % channels;
+  DP_HD void operator()(index_t plane_index, index_t j) const {
+    const index_t c = plane_index % channels, i = plane_index * plane + j;
     y[i] = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
   }
 };
@@ -182,8 +183,8 @@ struct BnInputGrad {
   BnInputGradTerm term;
   const float* grad_sums;
   float* dx;
-  DP_HD void operator()(index_t i) const {
-    const index_t c = (i / at.plane) % at.channels;
+  DP_HD void operator()(index_t plane_index, index_t j) const {
+    const index_t c = plane_index % at.channels, i = plane_index * at.plane + j;
     dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
   }
 };

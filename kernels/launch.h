@@ -55,6 +55,18 @@ struct HostLoop {
   }
 };
 
+// sim: a nested loop, so per-row index work (which channel, which plane) is hoisted out of the
+// inner loop, and the inner loop can vectorise.
+template <class F>
+struct HostLoop2d {
+  index_t rows, cols;
+  F f;
+  void operator()() const {
+    for (index_t row = 0; row < rows; ++row)
+      for (index_t col = 0; col < cols; ++col) f(row, col);
+  }
+};
+
 template <class T, class Map, class Finalize>
 struct HostRowReduce {
   index_t rows, cols;
@@ -87,6 +99,13 @@ template <class F>
 __global__ void grid_stride_kernel(index_t n, F f) {
   const index_t stride = static_cast<index_t>(blockDim.x) * gridDim.x;
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+}
+
+template <class F>
+__global__ void grid_stride_kernel_2d(index_t rows, index_t cols, F f) {
+  const index_t total = rows * cols, stride = static_cast<index_t>(blockDim.x) * gridDim.x;
+  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride)
+    f(i / cols, i % cols);
 }
 
 // One block per row: each thread folds a strided slice of the row, then the block combines.
@@ -126,6 +145,32 @@ void launch(const Stream& stream, const char* name, index_t n, const F& f, std::
   DP_CUDA_CHECK(cudaGetLastError());
 #else
   s.enqueue_kernel(name, {});  // throws: this launch site was not compiled by nvcc
+#endif
+}
+
+// f(row, col) for row in [0, rows), col in [0, cols): the same work as launch() over rows*cols
+// elements, for functors that need the row (a channel, a plane) of each element.
+template <class F>
+void launch_2d(const Stream& stream, const char* name, index_t rows, index_t cols, const F& f,
+               std::initializer_list<Operand> operands) {
+  if (rows < 0 || cols < 0)
+    throw InvalidArgument(std::string(name) + ": negative extent " + std::to_string(rows) + "x" + std::to_string(cols));
+  detail::StreamImpl& s = stream.impl();
+  check_operands(s, name, operands);
+  if (rows == 0 || cols == 0) return;
+  if (s.backend() == Backend::sim) {
+    s.enqueue_kernel(name, HostLoop2d<F>{rows, cols, f});
+    return;
+  }
+#if defined(__CUDACC__)
+  constexpr int block = 256;
+  const index_t grid =
+      std::min<index_t>(ceil_div(rows * cols, block), static_cast<index_t>(s.multiprocessor_count()) * 32);
+  grid_stride_kernel_2d<<<static_cast<unsigned>(grid), block, 0, static_cast<cudaStream_t>(s.native_handle())>>>(
+      rows, cols, f);
+  DP_CUDA_CHECK(cudaGetLastError());
+#else
+  s.enqueue_kernel(name, {});
 #endif
 }
 

@@ -37,7 +37,7 @@ void maxpool_forward(const Stream& stream, const MaxPoolShape& shape, const floa
   check_shape("maxpool_forward", shape);
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
-  launch(stream, "maxpool_forward", out, MaxPoolForward{shape, x, y, argmax},
+  launch_2d(stream, "maxpool_forward", planes * shape.h_out(), shape.w_out(), MaxPoolForward{shape, x, y, argmax},
          {operand(x, in), operand(y, out), operand(argmax, out)});
 }
 

@@ -43,11 +43,11 @@ struct MaxPoolForward {
   const float* x;
   float* y;
   std::int32_t* argmax;
-  DP_HD void operator()(index_t i) const {
+  // row = (n*C + c)*H_out + oh, one row of outputs (launch_2d): the divisions happen once per row.
+  DP_HD void operator()(index_t row, index_t col) const {
     const int ho = s.h_out(), wo = s.w_out();
-    const index_t plane_out = static_cast<index_t>(ho) * wo;
-    const index_t nc = i / plane_out;
-    const int oh = static_cast<int>((i - nc * plane_out) / wo), ow = static_cast<int>(i % wo);
+    const index_t nc = row / ho, i = row * wo + col;
+    const int oh = static_cast<int>(row - nc * ho), ow = static_cast<int>(col);
     const float* in = x + nc * s.h * s.w;
     int h0 = oh * s.stride - s.pad, w0 = ow * s.stride - s.pad;
     const int h1 = h0 + s.kernel < s.h ? h0 + s.kernel : s.h, w1 = w0 + s.kernel < s.w ? w0 + s.kernel : s.w;
