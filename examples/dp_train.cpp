@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -114,6 +115,9 @@ int run(Options o) {
   }
   const bool want_cuda = o.backend == "cuda" || (o.backend == "auto" && dp::Runtime::cuda_device_count() > 0);
   const int available = want_cuda ? dp::Runtime::cuda_device_count() : 64;
+  if (want_cuda && available == 0)
+    throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no CUDA device is visible"
+                                                  : "--backend cuda: this build of dp has no cuda backend");
   int count = o.devices.value_or(o.mode == "single" ? 1 : (want_cuda ? available : 2));
   if (ids.empty()) {
     for (int i = 0; i < count; ++i) ids.push_back(i);
@@ -127,20 +131,49 @@ int run(Options o) {
   if (o.output_device && std::find(ids.begin(), ids.end(), *o.output_device) == ids.end())
     throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, shape_of(ids)));
 
-  // ---- data
-  dp::Dataset data = !o.data.empty() ? dp::load_mnist(o.data) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed);
+  // ---- data and checkpoints: a bad file is the user's input, so UsageError (exit 2)
+  auto as_usage_error = [](auto&& load) {
+    try {
+      return load();
+    } catch (const UsageError&) {
+      throw;
+    } catch (const dp::Error& e) {
+      throw UsageError(e.what());
+    }
+  };
+  dp::Dataset data = as_usage_error([&] {
+    return !o.data.empty() ? dp::load_mnist(o.data) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed);
+  });
 
   // ---- checkpoint to resume (validated before the runtime spins up)
   std::optional<dp::safetensors::File> resume;
   long start_step = 0;
   std::int64_t sgd_steps = 0;
   if (!o.resume.empty()) {
-    resume = dp::safetensors::read(o.resume);
+    resume = as_usage_error([&] { return dp::safetensors::read(o.resume); });
     const auto& meta = resume->metadata;
     if (!meta.count("dp.step")) throw UsageError(fmt::format("--resume {}: not a dp_train checkpoint (no training state)", o.resume));
-    start_step = std::stol(meta.at("dp.step"));
-    sgd_steps = std::stoll(meta.at("dp.sgd_steps"));
-    const std::uint64_t seed = std::stoull(meta.at("dp.seed"));
+    // Every number is range-checked: a checkpoint is input like any other.
+    auto number = [&](const char* key, long long lo, long long hi) {
+      const auto it = meta.find(key);
+      if (it == meta.end()) throw UsageError(fmt::format("--resume {}: metadata '{}' is missing", o.resume, key));
+      try {
+        std::size_t used = 0;
+        const long long value = std::stoll(it->second, &used);
+        if (used == it->second.size() && value >= lo && value <= hi) return value;
+      } catch (const std::exception&) {
+      }
+      throw UsageError(fmt::format("--resume {}: metadata '{}' = '{}' is not a number in [{}, {}]", o.resume, key,
+                                   it->second, lo, hi));
+    };
+    start_step = static_cast<long>(number("dp.step", 0, 1LL << 40));
+    sgd_steps = number("dp.sgd_steps", 0, 1LL << 40);
+    const auto seed = static_cast<std::uint64_t>(number("dp.seed", 0, std::numeric_limits<long long>::max()));
+    if (meta.count("dp.model") && meta.at("dp.model") != o.model)
+      throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, meta.at("dp.model"), o.model));
+    if (meta.count("dp.mode") && meta.at("dp.mode") != o.mode)
+      fmt::print("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
+                 meta.at("dp.mode"), o.mode);
     if (seed != o.seed) fmt::print("note: resuming with the checkpoint's seed {} (not {})\n", seed, o.seed);
     o.seed = seed;
   }
@@ -152,8 +185,11 @@ int run(Options o) {
   dp::Device& source = runtime->device(ids[0]);
   auto model = o.model == "convnet" ? dp::models::make_convnet(source, o.seed) : dp::models::make_mlp(source, hidden, o.seed);
   dp::Stream host_io = source.create_stream();
-  if (!o.init.empty()) dp::load_state_dict(*model, host_io, dp::safetensors::read(o.init));
-  if (resume) dp::load_state_dict(*model, host_io, *resume);
+  as_usage_error([&] {
+    if (!o.init.empty()) dp::load_state_dict(*model, host_io, dp::safetensors::read(o.init));
+    if (resume) dp::load_state_dict(*model, host_io, *resume);
+    return 0;
+  });
 
   const int world = static_cast<int>(ids.size());
   dp::SgdOptions sgd{lr_at(o, world, start_step), o.momentum, o.weight_decay, o.nesterov};
@@ -169,6 +205,8 @@ int run(Options o) {
              ddp_mode ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
 
   // ---- engines
+  // Declared before the engines so that it outlives them: their streams read its pinned batches.
+  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
   std::unique_ptr<dp::SingleDeviceTrainer> single;
   std::unique_ptr<dp::DataParallel> data_parallel;
   std::unique_ptr<dp::DistributedDataParallel> ddp;
@@ -228,7 +266,6 @@ int run(Options o) {
     return std::vector<std::int64_t>(order.begin() + static_cast<std::ptrdiff_t>(begin), order.begin() + static_cast<std::ptrdiff_t>(end));
   };
   const int loaders_count = ddp_mode ? world : 1;
-  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
   for (int rank = 0; rank < loaders_count; ++rank) {
     std::vector<std::vector<std::int64_t>> plan;
     for (long s = start_step; s < start_step + total_steps; ++s) {
@@ -344,7 +381,12 @@ int main(int argc, char** argv) {
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
   app.add_option("--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
   app.add_flag("--log-batches", o.log_batches, "print the sample indices of every batch (per rank)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);  // prints help, or the message naming the flag
+    return code == 0 ? 0 : 2;      // every bad command line is exit code 2, as bad files are
+  }
   try {
     return run(o);
   } catch (const UsageError& e) {

@@ -141,6 +141,7 @@ void launch(const Stream& stream, const char* name, index_t n, const F& f, std::
   constexpr int block = 256;
   // Enough blocks to fill every SM several times over; the grid-stride loop covers the rest.
   const index_t grid = std::min<index_t>(ceil_div(n, block), static_cast<index_t>(s.multiprocessor_count()) * 32);
+  s.make_current();
   grid_stride_kernel<<<static_cast<unsigned>(grid), block, 0, static_cast<cudaStream_t>(s.native_handle())>>>(n, f);
   DP_CUDA_CHECK(cudaGetLastError());
 #else
@@ -166,6 +167,7 @@ void launch_2d(const Stream& stream, const char* name, index_t rows, index_t col
   constexpr int block = 256;
   const index_t grid =
       std::min<index_t>(ceil_div(rows * cols, block), static_cast<index_t>(s.multiprocessor_count()) * 32);
+  s.make_current();
   grid_stride_kernel_2d<<<static_cast<unsigned>(grid), block, 0, static_cast<cudaStream_t>(s.native_handle())>>>(
       rows, cols, f);
   DP_CUDA_CHECK(cudaGetLastError());
@@ -191,6 +193,7 @@ void launch_row_reduce(const Stream& stream, const char* name, index_t rows, ind
   }
 #if defined(__CUDACC__)
   const index_t grid = std::min<index_t>(rows, static_cast<index_t>(s.multiprocessor_count()) * 16);
+  s.make_current();
   row_reduce_kernel<T><<<static_cast<unsigned>(grid), kReduceLanes, 0,
                          static_cast<cudaStream_t>(s.native_handle())>>>(rows, cols, map, finalize);
   DP_CUDA_CHECK(cudaGetLastError());

@@ -237,6 +237,27 @@ TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
   }
 }
 
+// A rank that fails mid-step (here: a label outside the classes) must not leave its peers waiting
+// in a collective: the step throws an error naming the device. Small buckets: several
+// collectives are in flight when it happens.
+TEST(Ddp, AFailingRankDoesNotDeadlockItsPeers) {
+  auto rt = test::sim_runtime(2);
+  auto model = models::make_mlp(rt->device(0), {256, 256}, 1);
+  DdpOptions options;
+  options.first_bucket_mb = 0.1;
+  options.bucket_cap_mb = 0.1;
+  DistributedDataParallel ddp(*rt, *model, SgdOptions{0.01f}, options);
+  Data data = make_data(16, 2);
+  data.y[12] = 10;  // rank 1's batch (rows 8..15)
+  try {
+    ddp.train_step(shards(data, 0, 2, 8));
+    FAIL() << "the bad label was accepted";
+  } catch (const WorkerError& e) {
+    EXPECT_EQ(e.device(), 1) << e.what();
+    EXPECT_NE(std::string(e.what()).find("target 10"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Ddp, BadConfigurationIsAClearError) {
   auto rt = test::sim_runtime(2);
   auto model = models::make_mlp(rt->device(1), {8});

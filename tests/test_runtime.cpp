@@ -184,6 +184,40 @@ TEST(Streams, WaitCapturesTheLatestRecordOnly) {
   EXPECT_TRUE(e.query());
 }
 
+// cudaStreamWaitEvent waits for the record it captured, even when a later record of the same
+// event (on a faster stream) completes first.
+TEST(Streams, AWaitIsNotReleasedByALaterRecordOnAnotherStream) {
+  auto rt = test::sim_runtime(1);
+  Stream slow = rt->device(0).create_stream(), fast = rt->device(0).create_stream(),
+         waiter = rt->device(0).create_stream();
+  Event e = rt->device(0).create_event();
+  int value = 0;
+  int observed = -1;
+  slow.launch_host_func([&] {
+    std::this_thread::sleep_for(50ms);
+    value = 7;
+  });
+  slow.record(e);
+  waiter.wait(e);  // captures the slow record
+  fast.record(e);  // completes at once
+  waiter.launch_host_func([&] { observed = value; });
+  waiter.synchronize();
+  EXPECT_EQ(observed, 7);
+  slow.synchronize();
+}
+
+TEST(Streams, RecordOnAPoisonedStreamLeavesTheEventUsable) {
+  auto rt = test::sim_runtime(1);
+  Stream bad = rt->device(0).create_stream(), other = rt->device(0).create_stream();
+  Event e = rt->device(0).create_event();
+  bad.launch_host_func([] { throw Error("kernel failed"); });
+  EXPECT_THROW(bad.synchronize(), Error);
+  EXPECT_THROW(bad.record(e), Error);
+  EXPECT_TRUE(e.query()) << "a refused record must not leave the event pending forever";
+  other.wait(e);
+  EXPECT_NO_THROW(other.synchronize());
+}
+
 TEST(Streams, EventTimingAndQuery) {
   auto rt = test::sim_runtime(1);
   Stream s = rt->device(0).create_stream();

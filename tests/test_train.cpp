@@ -83,14 +83,14 @@ class TrainTest : public ::testing::Test {
       std::ofstream(guard) << "previous checkpoint";
     }
     const Result r = run(args + " --save " + guard);
-    EXPECT_NE(r.code, 0) << args << "\n" << r.output;
+    EXPECT_EQ(r.code, 2) << "bad input exits with 2: " << args << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << "expected '" << message << "' in:\n" << r.output;
     std::ifstream in(guard);
     std::stringstream content;
     content << in.rdbuf();
     EXPECT_EQ(content.str(), "previous checkpoint") << "the existing file was touched by: " << args;
     for (const auto& entry : fs::directory_iterator(dir_))
-      EXPECT_EQ(entry.path().filename().string().find(".tmp"), std::string::npos) << "temporary left behind";
+      EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
   }
 
   fs::path dir_;
@@ -240,6 +240,14 @@ TEST_F(TrainTest, BadCheckpointsAreRefused) {
   expect_refused(base + path("cut.safetensors"), "cut.safetensors");
   expect_refused("--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --resume " + path("missing.safetensors"),
                  "checkpoint has no tensor 'fc2.bias'");
+  // Training state is input too: every number is range-checked, the model kind must match.
+  const std::string resume = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --resume ";
+  expect_refused(resume + variant("negative.safetensors", [](auto& f) { f.metadata["dp.step"] = "-3"; }),
+                 "metadata 'dp.step' = '-3' is not a number");
+  expect_refused(resume + variant("nostate.safetensors", [](auto& f) { f.metadata.erase("dp.sgd_steps"); }),
+                 "metadata 'dp.sgd_steps' is missing");
+  expect_refused("--model convnet --backend sim --synthetic 16 --batch-size 8 --steps 1 --resume " + path("good.safetensors"),
+                 "the checkpoint is a mlp, not a convnet");
 }
 
 TEST_F(TrainTest, BadFlagsAreRefused) {
@@ -249,6 +257,7 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend sim --batch-size 0 --steps 1", "--batch-size 0: must be at least 1");
   expect_refused("--backend sim --mode dp --devices 65 --steps 1", "at most 64 devices");
   expect_refused("--backend cuda --steps 1", "CUDA");
+  expect_refused("--backend cuda --mode ddp --steps 1", "--backend cuda:");
   expect_refused("--backend sim --mode dp --devices 2 --output-device 3 --steps 1", "--output-device 3 is not among the devices [0,1]");
   expect_refused("--backend sim --mode dp --device-ids 0,1,0 --steps 1", "device 0 appears twice");
   expect_refused("--backend sim --hidden 12,x --steps 1", "--hidden '12,x': 'x' is not an integer");

@@ -74,6 +74,9 @@ class StreamImpl {
   virtual void* native_handle() = 0;
   // cuda only: number of multiprocessors of the stream's device (launch grid sizing); sim: 1.
   virtual int multiprocessor_count() const = 0;
+  // cuda: makes the stream's device current on the calling thread (a kernel launch into a stream
+  // of another device fails); sim: nothing to do.
+  virtual void make_current() = 0;
 };
 
 class DeviceImpl {

@@ -87,7 +87,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     ranks_.push_back(std::move(rank));
   }
   broadcast_from_rank0(true, true);
-  for (auto& rank : ranks_) rank->model->zero_grad(rank->compute);
+  zero_grad();  // on each rank's worker: its device is the current one there
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -144,13 +144,17 @@ float DistributedDataParallel::forward_backward(const std::vector<RankBatch>& ba
   if (static_cast<int>(batches.size()) != group_.size())
     throw InvalidArgument(fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(),
                                       group_.size()));
-  for (std::size_t r = 0; r < batches.size(); ++r)
+  for (std::size_t r = 0; r < batches.size(); ++r) {
     if (batches[r].size < 1)
       throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
+    if (!batches[r].inputs || !batches[r].targets)
+      throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
+  }
   if (options_.broadcast_buffers) broadcast_from_rank0(false, true);
   const bool sync = sync_;
   try {
     group_.run([&](int r) {
+     try {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
       Model& m = *rank.model;
       Device& device = group_.device(r);
@@ -191,6 +195,11 @@ float DistributedDataParallel::forward_backward(const std::vector<RankBatch>& ba
         rank.compute.wait(rank.comm_done);
       }
       rank.compute.copy(rank.host_loss.data(), loss, sizeof(float));
+     } catch (...) {
+      // At once, not after the other ranks' tasks: they may be waiting on this rank's collectives.
+      comm_->abort();
+      throw;
+     }
     });
     // Only now wait for the streams: had a rank failed above, its peers' collectives would never
     // complete, and the abort below must come first.

@@ -1,6 +1,8 @@
 // safetensors.cpp — the safetensors format with strict validation and atomic writes.
 #include "dp/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,6 +62,9 @@ void File::add(const std::string& name, Tensor tensor) {
 }
 
 File read(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw Error(fmt::format("{}: {}", path, std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("{}: cannot open ({})", path, std::strerror(errno)));
   in.seekg(0, std::ios::end);
@@ -68,6 +73,7 @@ File read(const std::string& path) {
   if (file_size < 8) throw Error(fmt::format("{}: truncated: {} bytes, no safetensors header", path, file_size));
   unsigned char len_bytes[8];
   in.read(reinterpret_cast<char*>(len_bytes), 8);
+  if (!in) throw Error(fmt::format("{}: cannot read the header length", path));
   std::uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   if (header_len > kMaxHeader || header_len > file_size - 8)
@@ -106,8 +112,17 @@ File read(const std::string& path) {
       const auto offsets = entry.at("data_offsets").get<std::vector<std::uint64_t>>();
       const std::size_t elem = dtype_bytes(t.dtype);
       if (elem == 0) throw Error(fmt::format("unknown dtype '{}'", t.dtype));
-      for (auto d : t.shape)
+      std::uint64_t elements = 1;
+      for (auto d : t.shape) {
         if (d < 0) throw Error("negative dimension");
+        // Overflow-checked: a forged shape must not wrap around to match the byte count.
+        if (d != 0 && elements > data_size / static_cast<std::uint64_t>(d)) {
+          elements = data_size + 1;
+          break;
+        }
+        elements *= static_cast<std::uint64_t>(d);
+      }
+      if (elements * elem > data_size) throw Error(fmt::format("shape needs more than the {}-byte data section", data_size));
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw Error(fmt::format("data_offsets out of the {}-byte data section (file truncated?)", data_size));
       if (offsets[1] - offsets[0] != t.numel() * elem)
@@ -148,33 +163,52 @@ void write(const std::string& path, const File& file) {
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
 
-  // Temporary file beside the target, then rename: readers see the old file or the new one.
+  // A fresh temporary file beside the target (mkstemp: never an existing file or a symlink),
+  // flushed to disk, then renamed over the target, and the directory flushed: after a crash the
+  // target is the old file or the new one, never a torn or empty one.
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  const std::string temp = (dir / fmt::format(".{}.tmp.{}", target.filename().string(), ::getpid())).string();
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error(fmt::format("{}: cannot create temporary file {} ({})", path, temp, std::strerror(errno)));
-    unsigned char len_bytes[8];
-    std::uint64_t len = text.size();
-    for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
-    out.write(reinterpret_cast<const char*>(len_bytes), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& name : file.order) {
-      const Tensor& t = file.at(name);
-      out.write(reinterpret_cast<const char*>(t.data.data()), static_cast<std::streamsize>(t.data.size()));
+  std::string temp = (dir / fmt::format(".{}.XXXXXX", target.filename().string())).string();
+  const int fd = ::mkstemp(temp.data());
+  if (fd < 0) throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
+  auto fail = [&](const char* what) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(temp.c_str());
+    throw Error(fmt::format("{}: {} failed ({})", path, what, std::strerror(error)));
+  };
+  auto write_all = [&](const void* data, std::size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ssize_t n = ::write(fd, p, bytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail("write");
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
     }
-    out.flush();
-    if (!out) {
-      std::remove(temp.c_str());
-      throw Error(fmt::format("{}: write failed ({})", path, std::strerror(errno)));
-    }
+  };
+  unsigned char len_bytes[8];
+  const std::uint64_t len = text.size();
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
+  write_all(len_bytes, 8);
+  write_all(text.data(), text.size());
+  for (const auto& name : file.order) write_all(file.at(name).data.data(), file.at(name).data.size());
+  if (::fchmod(fd, 0644) != 0) fail("chmod");
+  if (::fsync(fd) != 0) fail("fsync");
+  if (::close(fd) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    throw Error(fmt::format("{}: close failed ({})", path, std::strerror(error)));
   }
-  std::error_code ec;
-  std::filesystem::rename(temp, target, ec);
-  if (ec) {
-    std::remove(temp.c_str());
-    throw Error(fmt::format("{}: cannot replace: {}", path, ec.message()));
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    throw Error(fmt::format("{}: cannot replace ({})", path, std::strerror(error)));
+  }
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);  // best effort: some file systems refuse fsync on directories
+    ::close(dir_fd);
   }
 }
 

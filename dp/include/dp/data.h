@@ -65,7 +65,7 @@ struct HostBatch {
 };
 
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
-// A batch returned by next() stays valid until next() is called `depth` more times.
+// A batch returned by next() stays valid until the following call to next().
 class BatchLoader {
  public:
   // `batches`: the sample indices of each batch, in consumption order.

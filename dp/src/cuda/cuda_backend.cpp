@@ -22,7 +22,7 @@ namespace dp::detail {
 namespace {
 
 // Makes `device` current on the calling thread if it is not (cheap: a thread-local read).
-void make_current(int device) {
+void make_device_current(int device) {
   int current = -1;
   DP_CUDA_CHECK(cudaGetDevice(&current));
   if (current != device) DP_CUDA_CHECK(cudaSetDevice(device));
@@ -33,7 +33,7 @@ class CudaRuntime;
 class CudaEvent final : public EventImpl {
  public:
   explicit CudaEvent(int device) : device_(device) {
-    make_current(device);
+    make_device_current(device);
     DP_CUDA_CHECK(cudaEventCreate(&event_));
   }
   ~CudaEvent() override {
@@ -104,6 +104,7 @@ class CudaStream final : public StreamImpl {
   }
   void* native_handle() override { return stream_; }
   int multiprocessor_count() const override { return sm_count_; }
+  void make_current() override { detail::make_device_current(index_); }
 
  private:
   CudaRuntime& runtime_;
@@ -142,7 +143,7 @@ class CudaDevice final : public DeviceImpl {
   Backend backend() const override { return Backend::cuda; }
   std::string name() const override { return name_; }
   void* allocate(std::size_t bytes) override {
-    make_current(index_);
+    make_device_current(index_);
     void* ptr = nullptr;
     const cudaError_t status = cudaMalloc(&ptr, bytes);
     if (status == cudaErrorMemoryAllocation) {
@@ -165,7 +166,7 @@ class CudaDevice final : public DeviceImpl {
   std::shared_ptr<StreamImpl> create_stream() override;
   std::shared_ptr<EventImpl> create_event() override { return std::make_shared<CudaEvent>(index_); }
   void synchronize() override {
-    make_current(index_);
+    make_device_current(index_);
     DP_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::future<void> submit(std::function<void()> task) override {
@@ -222,7 +223,7 @@ class CudaRuntime final : public RuntimeImpl {
 
 CudaStream::CudaStream(CudaRuntime& runtime, CudaDevice& device, int index)
     : runtime_(runtime), device_(device), index_(index), sm_count_(device.sm_count()) {
-  make_current(index);
+  make_device_current(index);
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 
@@ -241,7 +242,7 @@ int location_of(const void* ptr) {
 void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
   const int src_loc = location_of(src), dst_loc = location_of(dst);
   runtime_.count_copy(src_loc, dst_loc, bytes);
-  make_current(index_);
+  make_device_current(index_);
   if (src_loc != kHost && dst_loc != kHost && src_loc != dst_loc)
     DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_loc, src, src_loc, bytes, stream_));
   else
@@ -251,7 +252,7 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
 void CudaStream::gemm(const GemmArgs& g) {
   // cuBLAS is column-major: row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T,
   // so swap the operands and the m/n extents; leading dimensions stay as they are.
-  make_current(index_);
+  make_device_current(index_);
   device_.with_cublas(stream_, [&](cublasHandle_t handle) {
     DP_CUDA_CHECK(cublasSgemm(handle, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                               g.n, g.m, g.k, &g.alpha, g.b, g.ldb, g.a, g.lda, &g.beta, g.c, g.ldc));

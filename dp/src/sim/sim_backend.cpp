@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <map>
+#include <set>
 #include <shared_mutex>
 #include <vector>
 
@@ -79,26 +80,30 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
     std::lock_guard lock(mutex_);
     return ++recorded_;
   }
+  // Records may complete out of order when one event is recorded on several streams; a waiter
+  // for record g must see g itself complete (as with cudaStreamWaitEvent), not a later one.
   void complete(std::uint64_t generation) {
     {
       std::lock_guard lock(mutex_);
-      if (generation > completed_) completed_ = generation;
+      done_.insert(generation);
+      while (done_.count(completed_ + 1)) done_.erase(++completed_);
       time_ns_ = now_ns();
     }
     cv_.notify_all();
   }
+  bool is_done(std::uint64_t generation) const { return generation <= completed_ || done_.count(generation) != 0; }
   std::uint64_t latest_record() const {
     std::lock_guard lock(mutex_);
     return recorded_;
   }
   void wait_until(std::uint64_t generation) {
     std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return completed_ >= generation; });
+    cv_.wait(lock, [&] { return is_done(generation); });
   }
 
   bool query() override {
     std::lock_guard lock(mutex_);
-    return completed_ >= recorded_;
+    return recorded_ == 0 || is_done(recorded_);
   }
   void synchronize() override { wait_until(latest_record()); }
   double elapsed_ms_since(EventImpl& start) override {
@@ -121,7 +126,8 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::uint64_t recorded_ = 0;
-  std::uint64_t completed_ = 0;
+  std::uint64_t completed_ = 0;    // every generation <= this one has completed
+  std::set<std::uint64_t> done_;   // completed generations above completed_
   std::int64_t time_ns_ = 0;
 };
 
@@ -138,10 +144,8 @@ class SimRuntime final : public RuntimeImpl {
     AllocationRegistry::instance().add(ptr, bytes, {this, kHost});
     return ptr;
   }
-  void free_pinned(void* ptr) noexcept override {
-    AllocationRegistry::instance().remove(ptr);
-    std::free(ptr);
-  }
+  // cudaFreeHost waits for the device work that may still copy from or to the buffer.
+  void free_pinned(void* ptr) noexcept override;
 };
 
 class SimStream final : public StreamImpl {
@@ -160,6 +164,7 @@ class SimStream final : public StreamImpl {
     if (sim_event->device() != device_)
       throw DeviceMismatch(fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(),
                                        device_));
+    rethrow_sticky_error();  // before taking a generation that a refused post could never complete
     const std::uint64_t generation = sim_event->begin_record();
     post("record", WorkKind::sync, [] {}, [sim_event, generation] { sim_event->complete(generation); });
   }
@@ -220,6 +225,7 @@ class SimStream final : public StreamImpl {
   }
   void* native_handle() override { return nullptr; }
   int multiprocessor_count() const override { return 1; }
+  void make_current() override {}
 
   void drain() { executor_.wait_idle(); }
 
@@ -307,8 +313,17 @@ class SimDevice final : public DeviceImpl {
   }
   std::shared_ptr<EventImpl> create_event() override { return std::make_shared<SimEvent>(index_); }
 
+  // Waits for every stream even when one has failed, then reports the first failure.
   void synchronize() override {
-    for (auto& stream : live_streams()) stream->synchronize();
+    std::exception_ptr first;
+    for (auto& stream : live_streams()) {
+      try {
+        stream->synchronize();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
   }
 
   std::future<void> submit(std::function<void()> task) override {
@@ -316,6 +331,13 @@ class SimDevice final : public DeviceImpl {
     auto future = packaged->get_future();
     worker_.post([packaged] { (*packaged)(); });
     return future;
+  }
+
+  void synchronize_noexcept() noexcept {
+    try {
+      for (auto& stream : live_streams()) stream->drain();
+    } catch (...) {
+    }
   }
 
  private:
@@ -326,13 +348,6 @@ class SimDevice final : public DeviceImpl {
       if (auto s = weak.lock()) out.push_back(std::move(s));
     return out;
   }
-  void synchronize_noexcept() noexcept {
-    try {
-      for (auto& stream : live_streams()) stream->drain();
-    } catch (...) {
-    }
-  }
-
   SimRuntime& runtime_;
   int index_;
   MemoryCounter memory_;
@@ -371,6 +386,12 @@ void SimStream::copy(void* dst, const void* src, std::size_t bytes) {
   }
   // ... and writes a pageable destination before returning.
   if (dst_pageable) synchronize();
+}
+
+void SimRuntime::free_pinned(void* ptr) noexcept {
+  for (int i = 0; i < device_count(); ++i) static_cast<SimDevice&>(device(i).impl()).synchronize_noexcept();
+  AllocationRegistry::instance().remove(ptr);
+  std::free(ptr);
 }
 
 SimRuntime::SimRuntime(const RuntimeOptions& options) : RuntimeImpl(options.sim_devices) {

@@ -37,6 +37,17 @@ class SimCommunicator final : public Communicator {
   explicit SimCommunicator(const DeviceGroup& group) : group_(group), calls_made_(group.size(), 0) {
     staging_.resize(static_cast<std::size_t>(group.size()));
   }
+  ~SimCommunicator() override {
+    // Tasks of this communicator may still sit in the ranks' streams: fail them rather than let
+    // them wait for peers that will never come, then let them run before the state they use dies.
+    abort();
+    for (int r = 0; r < size(); ++r) {
+      try {
+        group_.device(r).synchronize();
+      } catch (...) {
+      }
+    }
+  }
 
   int size() const override { return group_.size(); }
 
@@ -151,9 +162,13 @@ class SimCommunicator final : public Communicator {
 
   // Receiver-side scratch, grown on the calling worker (allocation is device-memory accounting).
   float* staging_for(int rank, std::size_t floats) {
+    std::lock_guard lock(staging_mutex_);
     auto& buffer = staging_[static_cast<std::size_t>(rank)];
     if (buffer.size() < std::max<std::size_t>(floats, 1) * sizeof(float)) {
-      // The stream may still use the old scratch: the device frees it only once idle.
+      // Queued collectives may still use the old scratch, and freeing device memory waits for the
+      // device to be idle -- which a collective waiting for its peers is not: keep it until the
+      // communicator dies. (Growth happens a handful of times, up to the largest bucket.)
+      retired_.push_back(std::move(buffer));
       buffer = group_.device(rank).allocate(std::max<std::size_t>(floats, 1) * sizeof(float));
     }
     return buffer.as<float>();
@@ -223,6 +238,8 @@ class SimCommunicator final : public Communicator {
   std::vector<std::uint64_t> calls_made_;
   std::map<std::uint64_t, std::unique_ptr<Round>> rounds_;
   std::vector<DeviceBuffer> staging_;
+  std::vector<DeviceBuffer> retired_;
+  std::mutex staging_mutex_;
 };
 
 }  // namespace
