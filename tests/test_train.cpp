@@ -256,7 +256,7 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend tpu", "--backend");
   expect_refused("--backend sim --batch-size 0 --steps 1", "--batch-size 0: must be at least 1");
   expect_refused("--backend sim --mode dp --devices 65 --steps 1", "at most 64 devices");
-  expect_refused("--backend cuda --steps 1", "CUDA");
+  expect_refused("--backend cuda --steps 1", "--backend cuda:");
   expect_refused("--backend cuda --mode ddp --steps 1", "--backend cuda:");
   expect_refused("--backend sim --mode dp --devices 2 --output-device 3 --steps 1", "--output-device 3 is not among the devices [0,1]");
   expect_refused("--backend sim --mode dp --device-ids 0,1,0 --steps 1", "device 0 appears twice");
