@@ -290,18 +290,13 @@ TEST(Ddp, BadConfigurationIsAClearError) {
 namespace dp {
 namespace {
 
-std::string golden_path(const std::string& name) {
-  const char* dir = std::getenv("DP_GOLDEN_DIR");
-  return std::string(dir ? dir : "tests/golden") + "/" + name + ".safetensors";
-}
-
 // torch DistributedDataParallel over gloo (tests/golden/make_ddp_goldens.py): DistributedSampler
 // shards with the padded tail, per-rank BN statistics, rank 0's buffers, an uneven last batch.
 class DdpGolden : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
 
 TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   const auto& [name, broadcast_buffers] = GetParam();
-  const auto golden = safetensors::read(golden_path(name));
+  const auto golden = safetensors::read(test::golden_path(name));
   const int world = std::stoi(golden.metadata.at("world_size"));
   const int steps = std::stoi(golden.metadata.at("steps"));
   auto rt = test::sim_runtime(world);

@@ -7,14 +7,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <random>
 
 #include "dp/device.h"
 #include "dp/error.h"
+#include "dp/safetensors.h"
 #include "kernels/loss.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
@@ -355,56 +353,22 @@ TEST_P(LossOptimizerTest, SgdRejectsInvalidOptions) {
 // The golden files of tests/golden: PyTorch's own SGD (CPU, fp32) from `init` with the stored
 // gradients must be reproduced bit for bit, momentum buffers after every step and final parameters,
 // all parameters of the model in one flat buffer as the engine keeps them.
-struct Safetensors {
-  nlohmann::json header;
-  std::vector<char> data;
-  std::vector<float> f32(const std::string& name) const {
-    const auto& entry = header.at(name);
-    EXPECT_EQ(entry.at("dtype"), "F32") << name;
-    const auto begin = entry.at("data_offsets")[0].get<std::size_t>();
-    const auto end = entry.at("data_offsets")[1].get<std::size_t>();
-    std::vector<float> v((end - begin) / sizeof(float));
-    std::memcpy(v.data(), data.data() + begin, end - begin);
-    return v;
-  }
-};
-Safetensors read_safetensors(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + path.string());
-  std::uint64_t header_bytes = 0;
-  in.read(reinterpret_cast<char*>(&header_bytes), sizeof header_bytes);  // little-endian host
-  std::string header(header_bytes, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_bytes));
-  Safetensors file;
-  file.header = nlohmann::json::parse(header);
-  file.data.assign(std::istreambuf_iterator<char>(in), {});
-  return file;
-}
-
-std::filesystem::path golden_dir() {
-  if (const char* dir = std::getenv("DP_GOLDEN_DIR")) return dir;  // set by ctest
-  return std::filesystem::path(__FILE__).parent_path() / "golden";
-}
-
 TEST_P(LossOptimizerTest, SgdMatchesPyTorchGoldensBitForBit) {
   for (const char* name : {"mlp_b7", "mlp_b7_nesterov", "convnet_b7"}) {
-    const Safetensors file = read_safetensors(golden_dir() / (std::string(name) + ".safetensors"));
-    const auto& meta = file.header.at("__metadata__");
-    const kernels::SgdOptions options{
-        std::stof(meta.at("lr").get<std::string>()), std::stof(meta.at("momentum").get<std::string>()),
-        std::stof(meta.at("weight_decay").get<std::string>()), meta.at("nesterov") == "1"};
-    const int steps = std::stoi(meta.at("steps").get<std::string>());
+    const auto file = safetensors::read(test::golden_path(name));
+    const auto& meta = file.metadata;
+    const kernels::SgdOptions options{std::stof(meta.at("lr")), std::stof(meta.at("momentum")),
+                                      std::stof(meta.at("weight_decay")), meta.at("nesterov") == "1"};
+    const int steps = std::stoi(meta.at("steps"));
     // Parameters are the tensors with a gradient, in file order; flattened one after another.
-    std::vector<std::pair<std::size_t, std::string>> ordered;
-    for (const auto& [key, entry] : file.header.items())
-      if (key.rfind("step0.grad.", 0) == 0)
-        ordered.emplace_back(entry.at("data_offsets")[0].get<std::size_t>(), key.substr(11));
-    std::sort(ordered.begin(), ordered.end());
+    std::vector<std::string> ordered;
+    for (const auto& key : file.order)
+      if (key.rfind("step0.grad.", 0) == 0) ordered.push_back(key.substr(11));
     ASSERT_FALSE(ordered.empty()) << name;
     const auto flat = [&](const std::string& prefix) {
       std::vector<float> out;
-      for (const auto& [offset, param] : ordered) {
-        const auto v = file.f32(prefix + param);
+      for (const auto& param : ordered) {
+        const auto v = file.at(prefix + param).to_f32();
         out.insert(out.end(), v.begin(), v.end());
       }
       return out;

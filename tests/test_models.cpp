@@ -23,11 +23,6 @@
 namespace dp {
 namespace {
 
-std::string golden_path(const std::string& name) {
-  const char* dir = std::getenv("DP_GOLDEN_DIR");
-  return std::string(dir ? dir : "tests/golden") + "/" + name + ".safetensors";
-}
-
 std::vector<int> parse_hidden(const std::string& text) {
   std::vector<int> out;
   std::size_t pos = 0;
@@ -65,7 +60,7 @@ std::vector<float> to_host(const Stream& stream, const float* device_ptr, std::s
 class GoldenParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
-  const auto golden = safetensors::read(golden_path(GetParam()));
+  const auto golden = safetensors::read(test::golden_path(GetParam()));
   auto rt = test::sim_runtime(1);
   Device& device = rt->device(0);
   auto model = model_for(golden, device);

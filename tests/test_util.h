@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -27,6 +28,13 @@ inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int 
   if (!var) GTEST_SKIP() << "no CUDA device: " << (::dp::Runtime::cuda_compiled()              \
                                                        ? "cudaGetDeviceCount found no usable GPU" \
                                                        : "dp was built without the cuda backend")
+
+// tests/golden/<name>.safetensors: ctest sets DP_GOLDEN_DIR; a test binary run by hand finds the
+// source tree's copy.
+inline std::string golden_path(const std::string& name) {
+  const char* dir = std::getenv("DP_GOLDEN_DIR");
+  return std::string(dir ? dir : DP_SOURCE_GOLDEN_DIR) + "/" + name + ".safetensors";
+}
 
 inline std::unique_ptr<Runtime> sim_runtime(int devices, std::size_t capacity = std::size_t{1} << 30) {
   RuntimeOptions options;

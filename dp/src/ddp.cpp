@@ -150,8 +150,11 @@ float DistributedDataParallel::forward_backward(const std::vector<RankBatch>& ba
     if (!batches[r].inputs || !batches[r].targets)
       throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
   }
-  if (options_.broadcast_buffers) broadcast_from_rank0(false, true);
+  // torch 1.13: buffers are broadcast before a forward unless the previous forward ran inside
+  // no_sync (require_forward_param_sync).
+  if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
   const bool sync = sync_;
+  require_forward_param_sync_ = sync;
   try {
     group_.run([&](int r) {
      try {

@@ -106,6 +106,7 @@ class DistributedDataParallel {
   std::vector<GradBucket> buckets_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   bool sync_ = true;
+  bool require_forward_param_sync_ = true;
 };
 
 }  // namespace dp
