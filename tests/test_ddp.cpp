@@ -190,6 +190,29 @@ class SlowRestOfBackward final : public Model {
   std::unique_ptr<Model> inner_;
 };
 
+// torch 1.13 broadcasts buffers before a forward only if the previous forward synchronised
+// (require_forward_param_sync): counted on the 0 -> 1 link of two ranks.
+TEST(Ddp, BufferBroadcastIsSkippedAfterANoSyncForward) {
+  auto rt = test::sim_runtime(2);
+  auto model = models::make_convnet(rt->device(0), 1);
+  DistributedDataParallel ddp(*rt, *model, SgdOptions{0.01f});
+  const std::uint64_t buffers = model->buffers_bytes(), grads = model->param_count() * sizeof(float);
+  const Data data = make_data(8, 3);
+  rt->reset_link_traffic();
+  ddp.zero_grad();
+  {
+    auto guard = ddp.no_sync();
+    ddp.forward_backward(shards(data, 0, 2, 4));  // broadcast (the first forward syncs), no all-reduce
+  }
+  EXPECT_EQ(rt->link_traffic(0, 1).bytes, buffers);
+  ddp.forward_backward(shards(data, 0, 2, 4));  // no broadcast after a no_sync forward; all-reduce
+  // A two-rank ring all-reduce sends half the buffer in reduce-scatter and half in all-gather.
+  EXPECT_EQ(rt->link_traffic(0, 1).bytes, buffers + grads);
+  ddp.step();
+  ddp.train_step(shards(data, 0, 2, 4));  // synchronised again: broadcast + all-reduce
+  EXPECT_EQ(rt->link_traffic(0, 1).bytes, 2 * buffers + 2 * grads);
+}
+
 TEST(Ddp, FirstBucketAllReduceOverlapsBackward) {
   auto rt = test::sim_runtime(2);
   SlowRestOfBackward model(models::make_mlp(rt->device(0), {256, 256}, 1));

@@ -55,6 +55,17 @@ class SimCommunicator final : public Communicator {
     check(rank, stream, data, count * sizeof(float), "all_reduce");
     const int n = size();
     float* staging = staging_for(rank, (count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n));
+    // Counted when issued, like copies: this rank receives every chunk but its own once in
+    // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
+    const auto chunk_bytes = [count, n](int c) {
+      return (count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n) -
+              count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n)) * sizeof(float);
+    };
+    const int left = (rank + n - 1) % n;
+    for (int s = 0; s < n - 1; ++s) {
+      count_receive(left, rank, chunk_bytes(((rank - 1 - s) % n + n) % n));
+      count_receive(left, rank, chunk_bytes(((rank - s) % n + n) % n));
+    }
     enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging}, [this, count, op, n](int r, Round& round) {
       const int left = (r + n - 1) % n;
       auto chunk = [&](int c) {
@@ -89,6 +100,7 @@ class SimCommunicator final : public Communicator {
     check(rank, stream, data, bytes, "broadcast");
     check_root(root);
     const int n = size();
+    if (rank != root) count_receive((rank + n - 1) % n, rank, bytes);  // the chain: from the previous rank
     enqueue(rank, stream, "broadcast", RankCall{data, nullptr, nullptr}, [this, bytes, root, n](int r, Round& round) {
       // A chain from the root: at step s, rank root+s+1 copies from rank root+s.
       for (int s = 0; s < n - 1; ++s) {
@@ -106,6 +118,7 @@ class SimCommunicator final : public Communicator {
     check_root(root);
     const int n = size();
     float* staging = rank == root ? staging_for(rank, count) : nullptr;
+    if (rank != root) count_receive(rank, root, count * sizeof(float));  // the root reads every buffer
     enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging}, [this, count, root, n](int r, Round& round) {
       // The root receives every other rank's buffer in rank order and adds it (its own first).
       if (r == root) {
@@ -125,6 +138,7 @@ class SimCommunicator final : public Communicator {
     check(rank, stream, send, count * sizeof(float), "all_gather send");
     check(rank, stream, recv, count * static_cast<std::size_t>(size()) * sizeof(float), "all_gather recv");
     const int n = size();
+    for (int s = 0; s < n - 1; ++s) count_receive((rank + n - 1) % n, rank, count * sizeof(float));
     enqueue(rank, stream, "all_gather", RankCall{recv, send, nullptr}, [this, count, n](int r, Round& round) {
       const int left = (r + n - 1) % n;
       float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
@@ -174,12 +188,14 @@ class SimCommunicator final : public Communicator {
     return buffer.as<float>();
   }
 
-  // A counted device-to-device copy performed by the receiver's stream.
-  void receive(int from_rank, int to_rank, void* dst, const void* src, std::size_t bytes) {
+  // A device-to-device copy performed by the receiver's stream (counted when the call was issued).
+  static void receive(int, int, void* dst, const void* src, std::size_t bytes) {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void count_receive(int from_rank, int to_rank, std::size_t bytes) {
     if (bytes == 0) return;
     group_.runtime().impl().count_copy(group_.device_ids()[static_cast<std::size_t>(from_rank)],
                                        group_.device_ids()[static_cast<std::size_t>(to_rank)], bytes);
-    std::memcpy(dst, src, bytes);
   }
 
   void enqueue(int rank, const Stream& stream, const char* name, RankCall call, Body body) {
