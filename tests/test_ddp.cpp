@@ -305,6 +305,9 @@ TEST(Ddp, BadConfigurationIsAClearError) {
   auto zero = shards(data, 0, 2, 2);
   zero[1].size = 0;
   EXPECT_THROW(ddp.train_step(zero), InvalidArgument) << "batch 0";
+  auto null = shards(data, 0, 2, 2);
+  null[0].inputs = nullptr;
+  EXPECT_THROW(ddp.train_step(null), InvalidArgument) << "null inputs";
 }
 
 }  // namespace
