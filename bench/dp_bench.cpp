@@ -336,11 +336,17 @@ Run new_run(const std::string& model, const std::string& mode, int devices, int 
   return run;
 }
 
-Run bench_single(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data) {
-  Run run = new_run(model_name, "single", 1, o.batch, o.batch);
-  auto model = make_model(model_name, rt.device(0), o.seed);
+// The run's model on device 0, its sizes recorded in the run.
+std::unique_ptr<dp::Model> model_for(Run& run, dp::Runtime& rt, const Options& o) {
+  auto model = make_model(run.model, rt.device(0), o.seed);
   run.param_count = model->param_count();
   run.buffers_bytes = model->buffers_bytes();
+  return model;
+}
+
+Run bench_single(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data) {
+  Run run = new_run(model_name, "single", 1, o.batch, o.batch);
+  auto model = model_for(run, rt, o);
   dp::SingleDeviceTrainer trainer(*model, dp::SgdOptions{0.01f, 0.9f});
   measure(rt, o, run, [&] { return trainer.step(data.inputs.data(), data.labels.data(), o.batch); });
   return run;
@@ -348,9 +354,7 @@ Run bench_single(dp::Runtime& rt, const Options& o, const std::string& model_nam
 
 Run bench_dp(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data, int devices) {
   Run run = new_run(model_name, "dp", devices, o.batch, o.batch * devices);
-  auto model = make_model(model_name, rt.device(0), o.seed);
-  run.param_count = model->param_count();
-  run.buffers_bytes = model->buffers_bytes();
+  auto model = model_for(run, rt, o);
   dp::DataParallelOptions options;
   options.device_ids = run.device_ids;
   options.output_device = 0;
@@ -382,9 +386,7 @@ Run bench_dp(dp::Runtime& rt, const Options& o, const std::string& model_name, c
 
 Run bench_ddp(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data, int devices) {
   Run run = new_run(model_name, "ddp", devices, o.batch, o.batch * devices);
-  auto model = make_model(model_name, rt.device(0), o.seed);
-  run.param_count = model->param_count();
-  run.buffers_bytes = model->buffers_bytes();
+  auto model = model_for(run, rt, o);
   dp::DdpOptions options;
   options.device_ids = run.device_ids;
   options.bucket_cap_mb = o.bucket_cap_mb;

@@ -96,12 +96,11 @@ int run(Options o) {
   if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
   if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
-  for (const std::string* path : {&o.save}) {
-    if (path->empty()) continue;
-    const std::filesystem::path p(*path);
+  if (!o.save.empty()) {
+    const std::filesystem::path p(o.save);
     const auto dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-    if (!std::filesystem::is_directory(dir)) throw UsageError(fmt::format("--save {}: directory {} does not exist", *path, dir.string()));
-    if (std::filesystem::is_directory(p)) throw UsageError(fmt::format("--save {}: is a directory", *path));
+    if (!std::filesystem::is_directory(dir)) throw UsageError(fmt::format("--save {}: directory {} does not exist", o.save, dir.string()));
+    if (std::filesystem::is_directory(p)) throw UsageError(fmt::format("--save {}: is a directory", o.save));
   }
 
   std::vector<int> ids;
@@ -249,27 +248,21 @@ int run(Options o) {
   }
 
   // ---- the data order: per step, the sample indices of each rank's batch
-  auto batch_indices = [&](long step, int rank) {
-    const long epoch = step / batches_per_epoch, k = step % batches_per_epoch;
-    std::vector<std::int64_t> order;
-    if (ddp_mode) {
-      dp::DistributedSampler sampler(data.size(), world, rank, !o.no_shuffle, o.seed);
-      sampler.set_epoch(epoch);
-      order = sampler.indices();
-    } else {
-      dp::DistributedSampler sampler(data.size(), 1, 0, !o.no_shuffle, o.seed);
-      sampler.set_epoch(epoch);
-      order = sampler.indices();
-    }
-    const std::size_t begin = static_cast<std::size_t>(k) * static_cast<std::size_t>(o.batch_size);
-    const std::size_t end = std::min(order.size(), begin + static_cast<std::size_t>(o.batch_size));
-    return std::vector<std::int64_t>(order.begin() + static_cast<std::ptrdiff_t>(begin), order.begin() + static_cast<std::ptrdiff_t>(end));
-  };
   const int loaders_count = ddp_mode ? world : 1;
   for (int rank = 0; rank < loaders_count; ++rank) {
+    // single and dp read the whole data set in order (one replica); ddp ranks read their shards.
+    dp::DistributedSampler sampler(data.size(), loaders_count, rank, !o.no_shuffle, o.seed);
+    std::vector<std::int64_t> order;  // this epoch's indices, rebuilt only when the epoch changes
     std::vector<std::vector<std::int64_t>> plan;
     for (long s = start_step; s < start_step + total_steps; ++s) {
-      plan.push_back(batch_indices(s, rank));
+      const long epoch = s / batches_per_epoch, k = s % batches_per_epoch;
+      if (order.empty() || sampler.epoch() != epoch) {
+        sampler.set_epoch(epoch);
+        order = sampler.indices();
+      }
+      const std::size_t begin = static_cast<std::size_t>(k) * static_cast<std::size_t>(o.batch_size);
+      const std::size_t end = std::min(order.size(), begin + static_cast<std::size_t>(o.batch_size));
+      plan.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(begin), order.begin() + static_cast<std::ptrdiff_t>(end));
       if (o.log_batches) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(plan.back(), " "));
     }
     loaders.push_back(std::make_unique<dp::BatchLoader>(*runtime, data, std::move(plan)));

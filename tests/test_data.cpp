@@ -7,6 +7,7 @@
 
 #include "dp/data.h"
 #include "dp/error.h"
+#include "test_util.h"
 
 namespace dp {
 namespace {
@@ -57,10 +58,7 @@ TEST(SyntheticData, IsDeterministicAndValid) {
 }
 
 TEST(BatchLoader, DeliversEveryBatchInOrderFromPinnedMemory) {
-  RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = 1;
-  auto rt = Runtime::create(options);
+  auto rt = test::sim_runtime(1);
   const Dataset data = make_synthetic(50, 9);
   std::vector<std::vector<std::int64_t>> plan;
   for (int k = 0; k < 20; ++k) plan.push_back({k % 50, (k * 7) % 50, (k * 13 + 1) % 50});
@@ -85,10 +83,7 @@ TEST(BatchLoader, DeliversEveryBatchInOrderFromPinnedMemory) {
 }
 
 TEST(BatchLoader, StopsCleanlyWhenDroppedEarly) {
-  RuntimeOptions options;
-  options.backend = "sim";
-  options.sim_devices = 1;
-  auto rt = Runtime::create(options);
+  auto rt = test::sim_runtime(1);
   const Dataset data = make_synthetic(10, 1);
   std::vector<std::vector<std::int64_t>> plan(100, std::vector<std::int64_t>{1, 2, 3});
   BatchLoader loader(*rt, data, plan, 3);

@@ -8,9 +8,12 @@
 #include <algorithm>
 
 #include "dp/error.h"
+#include "grow.h"
 #include "kernels/ops.h"
 
 namespace dp {
+
+using detail::grow;
 
 std::vector<int> chunk_sizes(int batch, int devices) {
   if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
@@ -38,10 +41,6 @@ std::size_t per_sample(const Model& model) {
   std::size_t n = 1;
   for (auto d : model.input_shape()) n *= static_cast<std::size_t>(d);
   return n;
-}
-
-void grow(DeviceBuffer& buffer, Device& device, std::size_t bytes) {
-  if (buffer.size() < bytes) buffer = device.allocate(bytes);
 }
 
 }  // namespace

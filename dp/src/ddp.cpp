@@ -6,9 +6,12 @@
 #include <fmt/format.h>
 
 #include "dp/error.h"
+#include "grow.h"
 #include "kernels/ops.h"
 
 namespace dp {
+
+using detail::grow;
 
 std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters, double first_bucket_mb,
                                        double bucket_cap_mb) {
@@ -53,10 +56,6 @@ struct DistributedDataParallel::Rank {
 };
 
 namespace {
-
-void grow(DeviceBuffer& buffer, Device& device, std::size_t bytes) {
-  if (buffer.size() < bytes) buffer = device.allocate(bytes);
-}
 
 }  // namespace
 

@@ -79,14 +79,14 @@ class SimCommunicator final : public Communicator {
       // Reduce-scatter: after step s, rank r holds the sum of s+2 contributions to chunk r-1-s.
       for (int s = 0; s < n - 1; ++s) {
         const auto [begin, end] = chunk(((r - 1 - s) % n + n) % n);
-        receive(left, r, stage, theirs + begin, (end - begin) * sizeof(float));
+        receive(stage, theirs + begin, (end - begin) * sizeof(float));
         for (std::size_t i = begin; i < end; ++i) mine[i] += stage[i - begin];
         step_barrier(round);
       }
       // All-gather: pass the finished chunks around the ring.
       for (int s = 0; s < n - 1; ++s) {
         const auto [begin, end] = chunk(((r - s) % n + n) % n);
-        receive(left, r, mine + begin, theirs + begin, (end - begin) * sizeof(float));
+        receive(mine + begin, theirs + begin, (end - begin) * sizeof(float));
         step_barrier(round);
       }
       if (op == ReduceOp::avg) {
@@ -106,7 +106,7 @@ class SimCommunicator final : public Communicator {
       for (int s = 0; s < n - 1; ++s) {
         const int receiver = (root + s + 1) % n, sender = (root + s) % n;
         if (r == receiver)
-          receive(sender, r, round.calls[static_cast<std::size_t>(r)].data,
+          receive(round.calls[static_cast<std::size_t>(r)].data,
                   round.calls[static_cast<std::size_t>(sender)].data, bytes);
         step_barrier(round);
       }
@@ -126,7 +126,7 @@ class SimCommunicator final : public Communicator {
         float* stage = round.calls[static_cast<std::size_t>(r)].staging;
         for (int other = 0; other < n; ++other) {
           if (other == root) continue;
-          receive(other, r, stage, round.calls[static_cast<std::size_t>(other)].data, count * sizeof(float));
+          receive(stage, round.calls[static_cast<std::size_t>(other)].data, count * sizeof(float));
           for (std::size_t i = 0; i < count; ++i) mine[i] += stage[i];
         }
       }
@@ -148,7 +148,7 @@ class SimCommunicator final : public Communicator {
       step_barrier(round);
       for (int s = 0; s < n - 1; ++s) {
         const std::size_t block = static_cast<std::size_t>(((r - 1 - s) % n + n) % n) * count;
-        receive(left, r, mine + block, theirs + block, count * sizeof(float));
+        receive(mine + block, theirs + block, count * sizeof(float));
         step_barrier(round);
       }
     });
@@ -189,7 +189,7 @@ class SimCommunicator final : public Communicator {
   }
 
   // A device-to-device copy performed by the receiver's stream (counted when the call was issued).
-  static void receive(int, int, void* dst, const void* src, std::size_t bytes) {
+  static void receive(void* dst, const void* src, std::size_t bytes) {
     if (bytes) std::memcpy(dst, src, bytes);
   }
   void count_receive(int from_rank, int to_rank, std::size_t bytes) {
