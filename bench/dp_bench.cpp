@@ -35,11 +35,12 @@
 #include "dp/data_parallel.h"
 #include "dp/ddp.h"
 #include "dp/device.h"
+#include "dp/engine.h"
 #include "dp/error.h"
 #include "dp/model.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
-#include "dp/trainer.h"
+#include "dp/trace.h"
 
 namespace {
 
@@ -49,8 +50,6 @@ constexpr int kDefaultSimDevices = 4;
 constexpr int kMaxSimDevices = 64;
 const std::vector<std::string> kModels = {"mlp", "convnet"};
 const std::vector<std::string> kModes = {"single", "dp", "ddp"};
-// Span kinds that count as the device doing work (sync = event record/wait, host = host callbacks).
-const std::set<std::string> kBusyKinds = {"kernel", "gemm", "copy", "collective"};
 
 // A bad command line: printed as "dp_bench: <message>" with exit code 2.
 class UsageError : public std::runtime_error {
@@ -313,8 +312,8 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
       std::vector<std::pair<std::int64_t, std::int64_t>> busy, gemm;
       for (const auto& s : run.spans) {
         if (s.device != d) continue;
-        if (kBusyKinds.count(s.kind)) busy.emplace_back(s.start_ns, s.end_ns);
-        if (s.kind == "gemm") gemm.emplace_back(s.start_ns, s.end_ns);
+        if (dp::is_busy(s.kind)) busy.emplace_back(s.start_ns, s.end_ns);
+        if (s.kind == dp::SpanKind::gemm) gemm.emplace_back(s.start_ns, s.end_ns);
       }
       pd.busy_pct = 100.0 * static_cast<double>(union_ns(busy, run.t0, run.t1)) / static_cast<double>(run.t1 - run.t0);
       const double gemm_ns = static_cast<double>(union_ns(gemm, run.t0, run.t1));
@@ -325,80 +324,65 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   }
 }
 
-// Devices 0..devices-1; device 0 holds the model (DP's source and output device, DDP's rank 0).
-Run new_run(const std::string& model, const std::string& mode, int devices, int batch_per_device, int global_batch) {
+// One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
+// source and output device, DDP's rank 0), picked once as an Engine and driven through it.
+Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode,
+          const Data& data, int devices) {
+  const dp::EngineKind kind = dp::parse_engine_kind(mode);
+  const int used = kind == dp::EngineKind::single ? 1 : devices;
   Run run;
-  run.model = model;
+  run.model = model_name;
   run.mode = mode;
-  for (int d = 0; d < devices; ++d) run.device_ids.push_back(d);
-  run.batch_per_device = batch_per_device;
-  run.global_batch = global_batch;
-  return run;
-}
-
-// The run's model on device 0, its sizes recorded in the run.
-std::unique_ptr<dp::Model> model_for(Run& run, dp::Runtime& rt, const Options& o) {
-  auto model = make_model(run.model, rt.device(0), o.seed);
+  for (int d = 0; d < used; ++d) run.device_ids.push_back(d);
+  run.batch_per_device = o.batch;
+  run.global_batch = o.batch * used;
+  auto model = make_model(model_name, rt.device(0), o.seed);
   run.param_count = model->param_count();
   run.buffers_bytes = model->buffers_bytes();
-  return model;
-}
 
-Run bench_single(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data) {
-  Run run = new_run(model_name, "single", 1, o.batch, o.batch);
-  auto model = model_for(run, rt, o);
-  dp::SingleDeviceTrainer trainer(*model, dp::SgdOptions{0.01f, 0.9f});
-  measure(rt, o, run, [&] { return trainer.step(data.inputs.data(), data.labels.data(), o.batch); });
-  return run;
-}
-
-Run bench_dp(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data, int devices) {
-  Run run = new_run(model_name, "dp", devices, o.batch, o.batch * devices);
-  auto model = model_for(run, rt, o);
-  dp::DataParallelOptions options;
+  dp::EngineOptions options;
+  options.kind = kind;
   options.device_ids = run.device_ids;
-  options.output_device = 0;
-  options.time_phases = true;
-  dp::DataParallel parallel(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
+  options.output_device = kind == dp::EngineKind::dp ? std::optional<int>(0) : std::nullopt;
+  options.time_phases = kind == dp::EngineKind::dp;
+  options.bucket_cap_mb = o.bucket_cap_mb;
+  options.first_bucket_mb = o.first_bucket_mb;
+  auto engine = dp::make_engine(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
+
+  // The global batch as the engine takes it: whole (single, DP) or one shard per rank (DDP).
+  const int pieces = engine->batches_per_step(), piece = run.global_batch / pieces;
+  std::vector<dp::Batch> batches;
+  for (int i = 0; i < pieces; ++i) {
+    const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(piece);
+    batches.push_back(dp::Batch{data.inputs.data() + row * data.sample_floats, data.labels.data() + row, piece});
+  }
+
+  // DataParallel also reports where its step time goes, and how it chunked the batch.
+  auto* parallel = dynamic_cast<dp::DataParallel*>(engine.get());
   dp::DataParallelPhases sum;
   int timed = 0;
-  measure(
-      rt, o, run, [&] { return parallel.train_step(data.inputs.data(), data.labels.data(), run.global_batch); },
-      [&] {
-        const auto p = parallel.last_phases();
-        sum.broadcast += p.broadcast, sum.scatter += p.scatter, sum.forward += p.forward, sum.gather += p.gather;
-        sum.loss += p.loss, sum.backward += p.backward, sum.reduce += p.reduce, sum.update += p.update;
-        ++timed;
-      });
+  std::function<void()> after_step;
+  if (parallel)
+    after_step = [&] {
+      const auto p = parallel->last_phases();
+      sum.broadcast += p.broadcast, sum.scatter += p.scatter, sum.forward += p.forward, sum.gather += p.gather;
+      sum.loss += p.loss, sum.backward += p.backward, sum.reduce += p.reduce, sum.update += p.update;
+      ++timed;
+    };
+  measure(rt, o, run, [&] { return engine->train_step(batches); }, after_step);
+  if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
+  if (!parallel) return run;
   const double n = timed;
   run.phases = dp::DataParallelPhases{sum.broadcast / n, sum.scatter / n,  sum.forward / n, sum.gather / n,
                                       sum.loss / n,      sum.backward / n, sum.reduce / n,  sum.update / n};
   // torch.chunk rules: with a small global batch some devices get fewer rows (or none).
-  const auto& chunks = parallel.last_chunks();
+  const auto& chunks = parallel->last_chunks();
   for (std::size_t i = 0; i < run.per_device.size(); ++i) {
     auto& pd = run.per_device[i];
     pd.samples_per_step = i < chunks.size() ? chunks[i] : 0;
     if (pd.gemm_gflops && pd.samples_per_step != run.batch_per_device)
       pd.gemm_gflops = *pd.gemm_gflops * pd.samples_per_step / run.batch_per_device;
   }
-  return run;
-}
-
-Run bench_ddp(dp::Runtime& rt, const Options& o, const std::string& model_name, const Data& data, int devices) {
-  Run run = new_run(model_name, "ddp", devices, o.batch, o.batch * devices);
-  auto model = model_for(run, rt, o);
-  dp::DdpOptions options;
-  options.device_ids = run.device_ids;
-  options.bucket_cap_mb = o.bucket_cap_mb;
-  options.first_bucket_mb = o.first_bucket_mb;
-  dp::DistributedDataParallel ddp(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
-  run.buckets = ddp.buckets().size();
-  std::vector<dp::RankBatch> batches;
-  for (int r = 0; r < devices; ++r) {
-    const std::size_t row = static_cast<std::size_t>(r) * static_cast<std::size_t>(o.batch);
-    batches.push_back(dp::RankBatch{data.inputs.data() + row * data.sample_floats, data.labels.data() + row, o.batch});
-  }
-  measure(rt, o, run, [&] { return ddp.train_step(batches); });
   return run;
 }
 
@@ -565,7 +549,7 @@ json trace_json(std::vector<Run>& runs) {
     run.trace_offset_ms = static_cast<double>(cursor) / 1e6;
     const std::string label = fmt::format("{} {}", run.model, run.mode);
     for (const auto& s : run.spans) {
-      if (s.kind == "sync") continue;
+      if (s.kind == dp::SpanKind::sync) continue;
       const std::int64_t start = std::clamp(s.start_ns, run.t0, run.t1), end = std::clamp(s.end_ns, start, run.t1);
       const auto step =
           std::upper_bound(run.step_starts.begin(), run.step_starts.end(), s.start_ns) - run.step_starts.begin() - 1;
@@ -573,7 +557,7 @@ json trace_json(std::vector<Run>& runs) {
       if (first_ts < 0 || ts < first_ts) first_ts = ts;
       spans.push_back({{"ph", "X"},
                        {"name", s.name},
-                       {"cat", s.kind},
+                       {"cat", dp::to_string(s.kind)},
                        {"pid", s.device},
                        {"tid", s.stream},
                        {"ts", ts},
@@ -654,12 +638,7 @@ int run_bench(const Options& o) {
   std::vector<Run> runs;
   for (const auto& model : models) {
     for (const auto& mode : modes) {
-      if (mode == "single")
-        runs.push_back(bench_single(*rt, o, model, data));
-      else if (mode == "dp")
-        runs.push_back(bench_dp(*rt, o, model, data, devices));
-      else
-        runs.push_back(bench_ddp(*rt, o, model, data, devices));
+      runs.push_back(bench(*rt, o, model, mode, data, devices));
       const Run& r = runs.back();
       fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
                  r.median);

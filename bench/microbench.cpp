@@ -11,7 +11,7 @@
 #include "dp/device.h"
 #include "dp/device_group.h"
 #include "dp/error.h"
-#include "kernels/ops.h"
+#include "dp/kernels/ops.h"
 
 namespace {
 

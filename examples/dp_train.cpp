@@ -15,14 +15,13 @@
 
 #include "dp/checkpoint.h"
 #include "dp/data.h"
-#include "dp/data_parallel.h"
-#include "dp/ddp.h"
 #include "dp/device.h"
+#include "dp/engine.h"
 #include "dp/error.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/safetensors.h"
-#include "dp/trainer.h"
+#include "dp/training_state.h"
 
 namespace {
 
@@ -82,7 +81,7 @@ float lr_at(const Options& o, int world, long step) {
   return start + (target - start) * static_cast<float>(step) / static_cast<float>(o.warmup_steps);
 }
 
-std::string shape_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
+std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
 int run(Options o) {
   // ---- validate everything before any work, so bad input never leaves a file behind
@@ -128,7 +127,7 @@ int run(Options o) {
                                  ids.size(), highest, available));
   if (!want_cuda && highest >= 64) throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", highest));
   if (o.output_device && std::find(ids.begin(), ids.end(), *o.output_device) == ids.end())
-    throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, shape_of(ids)));
+    throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(ids)));
 
   // ---- data and checkpoints: a bad file is the user's input, so UsageError (exit 2)
   auto as_usage_error = [](auto&& load) {
@@ -145,36 +144,20 @@ int run(Options o) {
   });
 
   // ---- checkpoint to resume (validated before the runtime spins up)
-  std::optional<dp::safetensors::File> resume;
+  std::optional<dp::TrainingState> resume;
   long start_step = 0;
-  std::int64_t sgd_steps = 0;
   if (!o.resume.empty()) {
-    resume = as_usage_error([&] { return dp::safetensors::read(o.resume); });
-    const auto& meta = resume->metadata;
-    if (!meta.count("dp.step")) throw UsageError(fmt::format("--resume {}: not a dp_train checkpoint (no training state)", o.resume));
-    // Every number is range-checked: a checkpoint is input like any other.
-    auto number = [&](const char* key, long long lo, long long hi) {
-      const auto it = meta.find(key);
-      if (it == meta.end()) throw UsageError(fmt::format("--resume {}: metadata '{}' is missing", o.resume, key));
-      try {
-        std::size_t used = 0;
-        const long long value = std::stoll(it->second, &used);
-        if (used == it->second.size() && value >= lo && value <= hi) return value;
-      } catch (const std::exception&) {
-      }
-      throw UsageError(fmt::format("--resume {}: metadata '{}' = '{}' is not a number in [{}, {}]", o.resume, key,
-                                   it->second, lo, hi));
-    };
-    start_step = static_cast<long>(number("dp.step", 0, 1LL << 40));
-    sgd_steps = number("dp.sgd_steps", 0, 1LL << 40);
-    const auto seed = static_cast<std::uint64_t>(number("dp.seed", 0, std::numeric_limits<long long>::max()));
-    if (meta.count("dp.model") && meta.at("dp.model") != o.model)
-      throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, meta.at("dp.model"), o.model));
-    if (meta.count("dp.mode") && meta.at("dp.mode") != o.mode)
+    resume = as_usage_error([&] { return dp::TrainingState::read(o.resume); });
+    const dp::TrainingProgress& progress = resume->progress();
+    start_step = static_cast<long>(progress.step);
+    const auto& tags = progress.tags;
+    if (tags.count("model") && tags.at("model") != o.model)
+      throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
+    if (tags.count("mode") && tags.at("mode") != o.mode)
       fmt::print("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
-                 meta.at("dp.mode"), o.mode);
-    if (seed != o.seed) fmt::print("note: resuming with the checkpoint's seed {} (not {})\n", seed, o.seed);
-    o.seed = seed;
+                 tags.at("mode"), o.mode);
+    if (progress.seed != o.seed) fmt::print("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
+    o.seed = progress.seed;
   }
 
   dp::RuntimeOptions runtime_options;
@@ -183,75 +166,40 @@ int run(Options o) {
   auto runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = runtime->device(ids[0]);
   auto model = o.model == "convnet" ? dp::models::make_convnet(source, o.seed) : dp::models::make_mlp(source, hidden, o.seed);
-  dp::Stream host_io = source.create_stream();
   as_usage_error([&] {
-    if (!o.init.empty()) dp::load_state_dict(*model, host_io, dp::safetensors::read(o.init));
-    if (resume) dp::load_state_dict(*model, host_io, *resume);
+    if (!o.init.empty()) dp::load_state_dict(*model, source.create_stream(), dp::safetensors::read(o.init));
+    if (resume) resume->load_model(*model);  // before the engine: DDP broadcasts rank 0's values
     return 0;
   });
 
+  // ---- the engine, picked once: everything below runs through dp::Engine
   const int world = static_cast<int>(ids.size());
-  dp::SgdOptions sgd{lr_at(o, world, start_step), o.momentum, o.weight_decay, o.nesterov};
-  const bool ddp_mode = o.mode == "ddp", dp_mode = o.mode == "dp";
-  const int global_batch = ddp_mode ? o.batch_size * world : o.batch_size;
-  const std::size_t per_rank_samples =
-      ddp_mode ? dp::DistributedSampler(data.size(), world, 0, false, 0).num_samples() : data.size();
+  const dp::SgdOptions sgd{lr_at(o, world, start_step), o.momentum, o.weight_decay, o.nesterov};
+  dp::EngineOptions engine_options;
+  engine_options.kind = dp::parse_engine_kind(o.mode);
+  engine_options.device_ids = ids;
+  engine_options.output_device = o.output_device;
+  // Declared before the engine so that they outlive it: its streams read their pinned batches.
+  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
+  const auto engine = dp::make_engine(*runtime, *model, sgd, engine_options);
+  if (resume) as_usage_error([&] {
+      resume->load_optimizers(*model, engine->optimizers());
+      return 0;
+    });
+  // single and dp read the whole data set in order (one replica); ddp ranks read their shards.
+  const int shards = engine->batches_per_step();
+  const int global_batch = o.batch_size * shards;
+  const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
   const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
   fmt::print("dp_train: {} {} on {} device(s) [{}] ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
-             o.model, o.mode, world, shape_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
-             ddp_mode ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
-
-  // ---- engines
-  // Declared before the engines so that it outlives them: their streams read its pinned batches.
-  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
-  std::unique_ptr<dp::SingleDeviceTrainer> single;
-  std::unique_ptr<dp::DataParallel> data_parallel;
-  std::unique_ptr<dp::DistributedDataParallel> ddp;
-  std::vector<dp::Sgd*> optimizers;
-  if (dp_mode) {
-    dp::DataParallelOptions options;
-    options.device_ids = ids;
-    options.output_device = o.output_device;
-    data_parallel = std::make_unique<dp::DataParallel>(*runtime, *model, sgd, options);
-    optimizers.push_back(&data_parallel->optimizer());
-  } else if (ddp_mode) {
-    dp::DdpOptions options;
-    options.device_ids = ids;
-    ddp = std::make_unique<dp::DistributedDataParallel>(*runtime, *model, sgd, options);
-    for (int r = 0; r < world; ++r) optimizers.push_back(&ddp->optimizer(r));
-  } else {
-    single = std::make_unique<dp::SingleDeviceTrainer>(*model, sgd);
-    optimizers.push_back(&single->optimizer());
-  }
-  if (resume) {
-    // Every rank's optimizer has the same state (identical gradients every step).
-    for (std::size_t rank = 0; rank < optimizers.size(); ++rank) {
-      dp::Sgd* opt = optimizers[rank];
-      opt->set_steps(sgd_steps);
-      if (!opt->momentum_flat()) continue;
-      for (const dp::TensorRef& p : model->parameters()) {
-        const std::string key = "optimizer.momentum." + p.name;
-        if (!resume->has(key))
-          throw UsageError(fmt::format("--resume {}: no momentum buffer '{}' (saved without momentum?)", o.resume, key));
-        const auto values = resume->at(key).to_f32();
-        if (values.size() != p.numel())
-          throw UsageError(fmt::format("--resume {}: momentum buffer '{}' has {} values, expected {}", o.resume, key,
-                                       values.size(), p.numel()));
-        // Each optimizer's momentum lives on its rank's device.
-        dp::Stream s = runtime->device(ids[rank]).create_stream();
-        s.copy(opt->momentum_flat() + p.offset, values.data(), values.size() * sizeof(float));
-        s.synchronize();
-      }
-    }
-  }
+             o.model, o.mode, world, ids_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
+             shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
 
   // ---- the data order: per step, the sample indices of each rank's batch
-  const int loaders_count = ddp_mode ? world : 1;
-  for (int rank = 0; rank < loaders_count; ++rank) {
-    // single and dp read the whole data set in order (one replica); ddp ranks read their shards.
-    dp::DistributedSampler sampler(data.size(), loaders_count, rank, !o.no_shuffle, o.seed);
+  for (int rank = 0; rank < shards; ++rank) {
+    dp::DistributedSampler sampler(data.size(), shards, rank, !o.no_shuffle, o.seed);
     std::vector<std::int64_t> order;  // this epoch's indices, rebuilt only when the epoch changes
     std::vector<std::vector<std::int64_t>> plan;
     for (long s = start_step; s < start_step + total_steps; ++s) {
@@ -276,21 +224,14 @@ int run(Options o) {
   float loss = 0.0f;
   for (long s = start_step; s < start_step + total_steps; ++s) {
     const float lr = lr_at(o, world, s);
-    for (dp::Sgd* opt : optimizers) opt->set_lr(lr);
+    engine->set_lr(lr);
+    std::vector<dp::Batch> batches;
     long samples = 0;
-    if (ddp_mode) {
-      std::vector<dp::RankBatch> batches;
-      for (auto& loader : loaders) {
-        const dp::HostBatch b = loader->next();
-        batches.push_back(dp::RankBatch{b.inputs, b.targets, b.size});
-        samples += b.size;
-      }
-      loss = ddp->train_step(batches);
-    } else {
-      const dp::HostBatch b = loaders[0]->next();
-      samples = b.size;
-      loss = dp_mode ? data_parallel->train_step(b.inputs, b.targets, b.size) : single->step(b.inputs, b.targets, b.size);
+    for (auto& loader : loaders) {
+      batches.push_back(loader->next());
+      samples += batches.back().size;
     }
+    loss = engine->train_step(batches);
     const long epoch = s / batches_per_epoch;
     if (!std::isfinite(loss)) {
       fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss, s, epoch,
@@ -318,27 +259,14 @@ int run(Options o) {
   fmt::print("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", total_steps, seconds, loss);
 
   // ---- save: the source / rank-0 state, plus what resuming needs
-  if (data_parallel) data_parallel->synchronize();
-  if (ddp) ddp->synchronize();
+  engine->synchronize();
   if (!o.save.empty()) {
-    dp::safetensors::File file = dp::state_dict(*model, host_io);
-    dp::Sgd& opt = *optimizers[0];
-    if (opt.momentum_flat()) {
-      for (const dp::TensorRef& p : model->parameters()) {
-        std::vector<float> values(p.numel());
-        host_io.copy(values.data(), opt.momentum_flat() + p.offset, values.size() * sizeof(float));
-        file.add("optimizer.momentum." + p.name, dp::safetensors::make_f32(p.shape, values.data()));
-      }
-    }
-    file.metadata["dp.format"] = "1";
-    file.metadata["dp.step"] = std::to_string(start_step + total_steps);
-    file.metadata["dp.sgd_steps"] = std::to_string(opt.steps());
-    file.metadata["dp.epoch"] = std::to_string((start_step + total_steps) / batches_per_epoch);
-    file.metadata["dp.seed"] = std::to_string(o.seed);
-    file.metadata["dp.model"] = o.model;
-    file.metadata["dp.hidden"] = o.model == "mlp" ? o.hidden : "";
-    file.metadata["dp.mode"] = o.mode;
-    dp::safetensors::write(o.save, file);
+    dp::TrainingProgress progress;
+    progress.step = start_step + total_steps;
+    progress.epoch = (start_step + total_steps) / batches_per_epoch;
+    progress.seed = o.seed;
+    progress.tags = {{"model", o.model}, {"hidden", o.model == "mlp" ? o.hidden : ""}, {"mode", o.mode}};
+    dp::TrainingState::save(o.save, engine->model(), *engine->optimizers().front(), progress);
     fmt::print("dp_train: saved {}\n", o.save);
   }
   return 0;

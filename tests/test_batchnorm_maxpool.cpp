@@ -12,8 +12,8 @@
 
 #include "dp/device.h"
 #include "dp/error.h"
-#include "kernels/batchnorm.h"
-#include "kernels/maxpool.h"
+#include "dp/kernels/batchnorm.h"
+#include "dp/kernels/maxpool.h"
 #include "test_util.h"
 
 namespace dp {

@@ -12,7 +12,7 @@
 
 #include "dp/device.h"
 #include "dp/error.h"
-#include "kernels/conv2d.h"
+#include "dp/kernels/conv2d.h"
 #include "test_util.h"
 
 namespace dp {

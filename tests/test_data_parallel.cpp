@@ -18,7 +18,7 @@
 #include "dp/models/mlp.h"
 #include "dp/optim.h"
 #include "dp/trainer.h"
-#include "kernels/ops.h"
+#include "dp/kernels/ops.h"
 #include "test_util.h"
 
 namespace dp {

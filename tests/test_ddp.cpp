@@ -238,7 +238,7 @@ TEST(Ddp, FirstBucketAllReduceOverlapsBackward) {
         if (first_all_reduce < 0 || span.start_ns < first_all_reduce) first_all_reduce = span.start_ns;
       }
       // The backward's last GEMM is fc1's weight gradient: it ends backward on the compute stream.
-      if (span.kind == "gemm") last_gemm_end = std::max(last_gemm_end, span.end_ns);
+      if (span.kind == SpanKind::gemm) last_gemm_end = std::max(last_gemm_end, span.end_ns);
     }
     EXPECT_EQ(all_reduces, 3) << "one all-reduce per bucket on device " << device;
     ASSERT_GE(first_all_reduce, 0);

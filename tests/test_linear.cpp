@@ -8,7 +8,7 @@
 
 #include "dp/device.h"
 #include "dp/error.h"
-#include "kernels/linear.h"
+#include "dp/kernels/linear.h"
 #include "test_util.h"
 
 namespace dp {

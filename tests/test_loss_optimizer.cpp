@@ -13,9 +13,9 @@
 #include "dp/device.h"
 #include "dp/error.h"
 #include "dp/safetensors.h"
-#include "kernels/loss.h"
-#include "kernels/ops.h"
-#include "kernels/optimizer.h"
+#include "dp/kernels/loss.h"
+#include "dp/kernels/ops.h"
+#include "dp/kernels/optimizer.h"
 #include "test_util.h"
 
 namespace dp {

@@ -9,7 +9,7 @@
 
 #include "dp/device.h"
 #include "dp/error.h"
-#include "kernels/ops.h"
+#include "dp/kernels/ops.h"
 #include "test_util.h"
 
 namespace dp {

@@ -1,0 +1,102 @@
+// dp/data_parallel.h — torch.nn.DataParallel semantics on persistent per-device workers:
+// each step broadcasts parameters and buffers from device_ids[0], scatters the batch with
+// torch.chunk rules, runs forward on every used device, gathers the outputs on output_device,
+// computes the loss there, scatters the output gradient back, runs backward, reduce-adds the
+// gradients onto device_ids[0] and steps the one optimizer there.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "dp/batch.h"
+#include "dp/device_group.h"
+#include "dp/engine.h"
+#include "dp/loss.h"
+#include "dp/model.h"
+#include "dp/optim.h"
+#include "dp/scratch.h"
+
+namespace dp {
+
+namespace engines {
+class Replicas;
+}
+
+struct DataParallelOptions {
+  std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
+  std::optional<int> output_device;             // default: device_ids[0]; must be one of device_ids
+  // Record events at phase boundaries so last_phases() can report where a step's time went.
+  bool time_phases = false;
+};
+
+// Where one DataParallel step spent its time, in ms. Per-device phases report the slowest device;
+// gather and reduce include the wait for the slowest device (DP's load imbalance shows there).
+struct DataParallelPhases {
+  double broadcast = 0, scatter = 0, forward = 0, gather = 0, loss = 0, backward = 0, reduce = 0, update = 0;
+};
+
+// torch.chunk(batch, devices): chunks of ceil(batch/devices), the last one smaller, and fewer
+// chunks than devices when the batch is small (only that many devices run).
+std::vector<int> chunk_sizes(int batch, int devices);
+
+class DataParallel final : public Engine {
+ public:
+  // `module` lives on device_ids[0] (the source): it holds the master parameters and buffers,
+  // and the optimizer steps it. Throws InvalidArgument on a bad configuration.
+  DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options = {});
+  ~DataParallel() override;
+
+  // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
+  // int64 targets; returns the mean cross-entropy loss over the batch.
+  float train_step(const float* inputs, const std::int64_t* targets, int batch);
+
+  // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
+  std::vector<float> forward(const float* inputs, int batch);
+
+  // Engine: one global batch per step, scattered over the devices.
+  EngineKind kind() const override { return EngineKind::dp; }
+  const std::vector<int>& device_ids() const override { return group_.device_ids(); }
+  int batches_per_step() const override { return 1; }
+  float train_step(std::span<const Batch> batches) override;
+  std::vector<float> predict(std::span<const Batch> batches) override;
+  // train_step returns once the loss is known; the optimizer update may still run on the source.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize() override;
+  Model& model() const override { return module_; }
+  std::vector<Sgd*> optimizers() override { return {&optimizer_}; }
+
+  Model& module() const { return module_; }
+  Sgd& optimizer() { return optimizer_; }
+  int output_device() const { return output_device_; }
+  int source_device() const { return group_.device_ids()[0]; }
+  // Chunk sizes of the last step, in device_ids order (its length = devices used).
+  const std::vector<int>& last_chunks() const { return chunks_; }
+  // Phase times of the last train_step (needs options.time_phases; waits for the step to finish).
+  DataParallelPhases last_phases() const;
+
+ private:
+  struct Replica;
+  void broadcast_and_forward(const float* inputs, int batch, Mode mode);
+  void gather_outputs();
+
+  Model& module_;
+  DeviceGroup group_;
+  int output_device_;
+  int output_rank_;
+  Sgd optimizer_;
+  std::unique_ptr<CrossEntropyLoss> loss_;  // on the output device
+  std::unique_ptr<engines::Replicas> models_;       // by rank; rank 0 is `module`
+  std::vector<std::unique_ptr<Replica>> replicas_;  // by rank: streams, events, staging
+  std::vector<int> chunks_;
+  std::vector<int> offsets_;  // first sample of each chunk
+  int batch_ = 0;
+  bool time_phases_ = false;
+  Event params_ready_, grad_output_ready_;
+  Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
+  Scratch gathered_, targets_, grad_output_;  // on the output device
+};
+
+}  // namespace dp

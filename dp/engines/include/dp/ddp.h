@@ -1,0 +1,112 @@
+// dp/ddp.h — torch.nn.parallel.DistributedDataParallel semantics in one process: one persistent
+// replica and optimizer per device, parameters and buffers broadcast from rank 0 at construction,
+// buffers broadcast before every forward (broadcast_buffers), gradients averaged by bucketed
+// all-reduce launched on a communication stream as soon as each bucket's gradients are ready,
+// overlapping the rest of backward; the optimizers wait for all buckets.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dp/batch.h"
+#include "dp/collectives.h"
+#include "dp/device_group.h"
+#include "dp/engine.h"
+#include "dp/loss.h"
+#include "dp/model.h"
+#include "dp/optim.h"
+#include "dp/reducer.h"
+
+namespace dp {
+
+namespace engines {
+class Replicas;
+}
+
+struct DdpOptions {
+  std::optional<std::vector<int>> device_ids;  // unset: every device; rank = position
+  double bucket_cap_mb = 25.0;                 // MiB, as torch's bucket_cap_mb
+  double first_bucket_mb = 1.0;                // torch's _DEFAULT_FIRST_BUCKET_BYTES
+  bool broadcast_buffers = true;
+  // Debug: after every step, verify that all replicas' parameters are bitwise identical.
+  bool check_replicas = false;
+};
+
+// One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.
+using RankBatch = Batch;
+
+class DistributedDataParallel final : public Engine {
+ public:
+  // `module` lives on device_ids[0] and becomes rank 0's replica; its values are broadcast.
+  DistributedDataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DdpOptions options = {});
+  ~DistributedDataParallel() override;
+
+  int world_size() const { return group_.size(); }
+  const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
+  Model& replica(int rank) const;
+  Sgd& optimizer(int rank) const;
+
+  // Engine: one batch per rank. train_step = zero_grad + forward_backward + step; the loss is
+  // averaged over ranks (each rank's loss is the mean over its own batch). predict: each rank's
+  // eval-mode forward of its batch, after the buffer broadcast a forward does.
+  EngineKind kind() const override { return EngineKind::ddp; }
+  const std::vector<int>& device_ids() const override { return group_.device_ids(); }
+  int batches_per_step() const override { return group_.size(); }
+  float train_step(std::span<const Batch> batches) override;
+  std::vector<float> predict(std::span<const Batch> batches) override;
+  // Steps return once the loss is known; the optimizer update may still run on the devices.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize() override;
+  Model& model() const override { return replica(0); }
+  std::vector<Sgd*> optimizers() override;
+
+  // The pieces, for gradient accumulation: gradients of loss * loss_scale are accumulated; they are
+  // averaged across ranks unless inside a no_sync() scope.
+  void zero_grad();
+  float forward_backward(std::span<const Batch> batches, float loss_scale = 1.0f);
+  void step();
+
+  // While alive, backward accumulates locally without communication (torch's ddp.no_sync()).
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp) { ddp.sync_ = false; }
+    ~NoSync() {
+      if (ddp_) ddp_->sync_ = true;
+    }
+    NoSync(NoSync&& other) noexcept : ddp_(other.ddp_) { other.ddp_ = nullptr; }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    DistributedDataParallel* ddp_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  // Throws Error naming the first parameter and rank whose values differ from rank 0's.
+  void check_replicas_identical();
+
+ private:
+  struct Rank;
+  void broadcast_from_rank0(bool parameters, bool buffers);
+  // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
+  // may be waiting in its collectives) and rethrows.
+  void run_ranks(const std::function<void(int rank)>& task);
+  void check_batches(std::span<const Batch> batches, bool need_targets) const;
+
+  DeviceGroup group_;
+  DdpOptions options_;
+  std::unique_ptr<engines::Replicas> replicas_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Reducer> reducer_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  bool sync_ = true;
+  bool require_forward_param_sync_ = true;
+};
+
+}  // namespace dp

@@ -1,0 +1,73 @@
+// dp/engine.h — one interface over the three ways dp trains a model: on one device
+// (SingleDeviceTrainer), DataParallel and DistributedDataParallel. A program picks its engine once
+// (make_engine) and runs every step, evaluation and checkpoint through this interface.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "dp/batch.h"
+#include "dp/device.h"
+#include "dp/model.h"
+#include "dp/optim.h"
+
+namespace dp {
+
+enum class EngineKind { single, dp, ddp };
+
+// "single", "dp", "ddp".
+std::string_view to_string(EngineKind kind);
+// The inverse of to_string; throws InvalidArgument naming the value otherwise.
+EngineKind parse_engine_kind(std::string_view name);
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual EngineKind kind() const = 0;
+  // The devices the engine drives, in rank order (single: the model's device).
+  virtual const std::vector<int>& device_ids() const = 0;
+  // Host batches one step takes: 1 for single and DP (the global batch, which DP scatters), one
+  // per rank for DDP (each rank's shard, as its DistributedSampler gives it).
+  virtual int batches_per_step() const = 0;
+
+  // One training step (zero_grad, forward, loss, backward, optimizer step) over
+  // batches_per_step() batches; returns the mean cross-entropy loss (DDP: averaged over ranks).
+  virtual float train_step(std::span<const Batch> batches) = 0;
+  // Eval-mode forward (BatchNorm uses its running statistics) over batches_per_step() batches;
+  // returns the logits of every sample, batch after batch, as (samples, outputs) floats.
+  virtual std::vector<float> predict(std::span<const Batch> batches) = 0;
+  // Steps return once the loss is known; the optimizer update may still run on the devices.
+  // Call this before reading parameters or optimizer state from another stream.
+  virtual void synchronize() = 0;
+
+  // What a checkpoint holds: the model whose parameters and buffers are the run's result (single:
+  // the model; DP: the source module; DDP: rank 0's replica), and every optimizer in rank order
+  // (one for single and DP; DDP's all have the same state, as their gradients are identical).
+  virtual Model& model() const = 0;
+  virtual std::vector<Sgd*> optimizers() = 0;
+
+  // Sets the learning rate of every optimizer (schedules, warm-up).
+  void set_lr(float lr);
+};
+
+struct EngineOptions {
+  EngineKind kind = EngineKind::single;
+  // Devices in rank order; unset: every device of the runtime (single: the model's device).
+  std::optional<std::vector<int>> device_ids;
+  std::optional<int> output_device;  // dp: gathers outputs, computes the loss (default device_ids[0])
+  bool time_phases = false;          // dp: record phase times (DataParallel::last_phases)
+  double bucket_cap_mb = 25.0;       // ddp: gradient bucket cap, MiB
+  double first_bucket_mb = 1.0;      // ddp: the first bucket's cap, MiB
+  bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
+};
+
+// `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws
+// InvalidArgument for options that do not apply to the kind (an output device for ddp, ...).
+std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const SgdOptions& sgd,
+                                    const EngineOptions& options);
+
+}  // namespace dp

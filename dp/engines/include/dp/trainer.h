@@ -1,0 +1,58 @@
+// dp/trainer.h — one training step on ONE device: copy in, forward, loss, backward, SGD.
+// The `single` engine of dp_train and dp_bench, and the baseline DP and DDP are compared with.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "dp/device.h"
+#include "dp/engine.h"
+#include "dp/loss.h"
+#include "dp/model.h"
+#include "dp/optim.h"
+#include "dp/scratch.h"
+
+namespace dp {
+
+namespace engines {
+class StagedBatch;
+}
+
+class SingleDeviceTrainer final : public Engine {
+ public:
+  SingleDeviceTrainer(Model& model, const SgdOptions& options);
+  ~SingleDeviceTrainer() override;
+
+  // Host inputs (batch x model.input_shape() floats) and int64 targets; returns the batch's mean
+  // loss (waits for the step to finish).
+  float step(const float* inputs, const std::int64_t* targets, int batch);
+
+  // Eval-mode forward of host inputs; returns the logits on the host.
+  std::vector<float> predict(const float* inputs, int batch);
+
+  // Engine: one batch per step.
+  EngineKind kind() const override { return EngineKind::single; }
+  const std::vector<int>& device_ids() const override { return device_ids_; }
+  int batches_per_step() const override { return 1; }
+  float train_step(std::span<const Batch> batches) override;
+  std::vector<float> predict(std::span<const Batch> batches) override;
+  // step() already waits for its own work; this is for work enqueued on stream() by the caller.
+  void synchronize() override { stream_.synchronize(); }
+  Model& model() const override { return model_; }
+  std::vector<Sgd*> optimizers() override { return {&optimizer_}; }
+
+  Sgd& optimizer() { return optimizer_; }
+  const Stream& stream() const { return stream_; }
+
+ private:
+  Model& model_;
+  std::vector<int> device_ids_;
+  Sgd optimizer_;
+  CrossEntropyLoss loss_;
+  Stream stream_;
+  std::unique_ptr<engines::StagedBatch> batch_;
+  Scratch grad_output_;
+};
+
+}  // namespace dp

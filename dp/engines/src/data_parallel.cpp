@@ -1,0 +1,268 @@
+// data_parallel.cpp — the DataParallel step as phases fanned out to the device workers. Every
+// cross-device dependency is an event recorded in an earlier phase, so a wait never refers to a
+// record that has not been issued, and a failing device cannot leave the others blocked.
+#include "dp/data_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common.h"
+#include "dp/error.h"
+#include "dp/kernels/ops.h"
+
+namespace dp {
+
+std::vector<int> chunk_sizes(int batch, int devices) {
+  if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
+  if (devices < 1) throw InvalidArgument("no devices to scatter over");
+  const int chunk = (batch + devices - 1) / devices;
+  std::vector<int> sizes;
+  for (int start = 0; start < batch; start += chunk) sizes.push_back(std::min(chunk, batch - start));
+  return sizes;
+}
+
+struct DataParallel::Replica {
+  Model* model = nullptr;
+  Stream stream;
+  Event forward_done, backward_done;
+  Event broadcast_done;                             // this replica has read the source's state
+  Event step_start, scatter_done, backward_start;  // phase timing only
+  engines::StagedBatch inputs;
+  Scratch grad_output;
+  DeviceBuffer grad_staging;  // on the SOURCE, for this replica's gradients
+  const float* output = nullptr;
+};
+
+DataParallel::DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options)
+    : module_(module),
+      group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),  // [] is an error, as in PyTorch
+      output_device_(options.output_device.value_or(group_.device_ids()[0])),
+      output_rank_(-1),
+      optimizer_(module.device(), module.param_count(), sgd) {
+  const auto& ids = group_.device_ids();
+  const auto it = std::find(ids.begin(), ids.end(), output_device_);
+  if (it == ids.end())
+    throw InvalidArgument(fmt::format("output_device {} is not one of device_ids [{}]", output_device_,
+                                      fmt::join(ids, ", ")));
+  output_rank_ = static_cast<int>(it - ids.begin());
+  loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_));
+  models_ = std::make_unique<engines::Replicas>(module, group_);
+  Device& source = group_.device(0);
+  for (int rank = 0; rank < group_.size(); ++rank) {
+    auto replica = std::make_unique<Replica>();
+    Device& device = group_.device(rank);
+    replica->model = &(*models_)[rank];
+    if (rank != 0) replica->grad_staging = source.allocate(module_.param_count() * sizeof(float));
+    replica->stream = device.create_stream();
+    replica->forward_done = device.create_event();
+    replica->backward_done = device.create_event();
+    replica->step_start = device.create_event();
+    replica->broadcast_done = device.create_event();
+    replica->scatter_done = device.create_event();
+    replica->backward_start = device.create_event();
+    replicas_.push_back(std::move(replica));
+  }
+  params_ready_ = source.create_event();
+  Device& out = group_.device(output_rank_);
+  grad_output_ready_ = out.create_event();
+  time_phases_ = options.time_phases;
+  gather_start_ = out.create_event();
+  gather_end_ = out.create_event();
+  loss_end_ = out.create_event();
+  reduce_start_ = source.create_event();
+  reduce_end_ = source.create_event();
+  update_end_ = source.create_event();
+}
+
+namespace {
+void mark(bool on, const Stream& stream, const Event& event) {
+  if (on) stream.record(event);
+}
+}  // namespace
+
+DataParallelPhases DataParallel::last_phases() const {
+  if (!time_phases_) throw InvalidArgument("DataParallel::last_phases needs DataParallelOptions::time_phases");
+  DataParallelPhases p;
+  update_end_.synchronize();
+  loss_end_.synchronize();
+  const int used = static_cast<int>(chunks_.size());
+  for (int rank = 0; rank < used; ++rank) {
+    const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+    r.backward_done.synchronize();
+    p.broadcast = std::max(p.broadcast, Event::elapsed_ms(r.step_start, r.broadcast_done));
+    p.scatter = std::max(p.scatter, Event::elapsed_ms(r.broadcast_done, r.scatter_done));
+    p.forward = std::max(p.forward, Event::elapsed_ms(r.scatter_done, r.forward_done));
+    p.backward = std::max(p.backward, Event::elapsed_ms(r.backward_start, r.backward_done));
+  }
+  p.gather = Event::elapsed_ms(gather_start_, gather_end_);
+  p.loss = Event::elapsed_ms(gather_end_, loss_end_);
+  p.reduce = Event::elapsed_ms(reduce_start_, reduce_end_);
+  p.update = Event::elapsed_ms(reduce_end_, update_end_);
+  return p;
+}
+
+DataParallel::~DataParallel() {
+  // Streams may still run work that uses our buffers: finish it before they are freed.
+  for (auto& replica : replicas_) {
+    try {
+      replica->stream.synchronize();
+    } catch (...) {
+    }
+  }
+}
+
+void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mode) {
+  chunks_ = chunk_sizes(batch, group_.size());
+  batch_ = batch;
+  offsets_.assign(chunks_.size(), 0);
+  for (std::size_t i = 1; i < chunks_.size(); ++i) offsets_[i] = offsets_[i - 1] + chunks_[i - 1];
+  const int used = static_cast<int>(chunks_.size());
+  const std::size_t sample_floats = engines::sample_floats(module_);
+
+  // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
+  group_.run_on(0, [&] { replicas_[0]->stream.record(params_ready_); });
+
+  // Phase 2, every used replica: receive the broadcast of parameters and buffers.
+  group_.run(
+      [&](int rank) {
+        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+        mark(time_phases_, r.stream, r.step_start);
+        if (rank != 0) {
+          r.stream.wait(params_ready_);
+          r.stream.copy(r.model->params_flat(), module_.params_flat(), module_.param_count() * sizeof(float));
+          if (module_.buffers_bytes())
+            r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
+        }
+        r.stream.record(r.broadcast_done);
+      },
+      used);
+
+  // Phase 3, every used device: take its chunk, forward. The source first waits until every
+  // replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
+  group_.run(
+      [&](int rank) {
+        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+        Device& device = group_.device(rank);
+        if (rank == 0)
+          for (int other = 1; other < used; ++other) r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
+        const int rows = chunks_[static_cast<std::size_t>(rank)];
+        const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
+        r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
+        mark(time_phases_, r.stream, r.scatter_done);
+        r.output = r.model->forward(r.stream, r.inputs.inputs(), rows, mode);
+        r.stream.record(r.forward_done);
+      },
+      used);
+}
+
+void DataParallel::gather_outputs() {
+  const int used = static_cast<int>(chunks_.size());
+  const std::size_t classes = static_cast<std::size_t>(module_.output_features());
+  Device& out_device = group_.device(output_rank_);
+  float* gathered = gathered_.get<float>(out_device, static_cast<std::size_t>(batch_) * classes);
+  Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+  mark(time_phases_, out.stream, gather_start_);
+  for (int rank = 0; rank < used; ++rank) {
+    const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+    if (rank != output_rank_) out.stream.wait(r.forward_done);
+    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes,
+                    r.output, static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * classes * sizeof(float));
+  }
+  mark(time_phases_, out.stream, gather_end_);
+}
+
+float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
+  broadcast_and_forward(inputs, batch, Mode::train);
+  const int used = static_cast<int>(chunks_.size());
+  const int classes = module_.output_features();
+  const std::size_t classes_z = static_cast<std::size_t>(classes);
+  const float* loss_value = nullptr;
+
+  // Phase 4, output device: gather, loss over the whole batch, its gradient.
+  group_.run_on(output_rank_, [&] {
+    Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+    Device& device = group_.device(output_rank_);
+    gather_outputs();
+    auto* device_targets = targets_.get<std::int64_t>(device, static_cast<std::size_t>(batch));
+    float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
+    const auto* gathered = static_cast<const float*>(gathered_.data());
+    out.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
+    loss_value = loss_->forward(out.stream, gathered, device_targets, batch, classes);
+    loss_->backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
+    out.stream.record(grad_output_ready_);
+    mark(time_phases_, out.stream, loss_end_);
+  });
+
+  // Phase 5, every used device: its slice of the output gradient, backward.
+  group_.run(
+      [&](int rank) {
+        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+        const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
+        const float* slice = static_cast<const float*>(grad_output_.data()) +
+                             static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes_z;
+        const float* dy = slice;
+        if (rank != output_rank_) {
+          r.stream.wait(grad_output_ready_);
+          float* local = r.grad_output.get<float>(group_.device(rank), rows * classes_z);
+          r.stream.copy(local, slice, rows * classes_z * sizeof(float));
+          dy = local;
+        }
+        mark(time_phases_, r.stream, r.backward_start);
+        r.model->zero_grad(r.stream);
+        r.model->backward(r.stream, dy);
+        r.stream.record(r.backward_done);
+      },
+      used);
+
+  // Phase 6, source: reduce-add the replicas' gradients (source first, then device_ids order,
+  // as torch.cuda.comm.reduce_add sums), then the optimizer step.
+  group_.run_on(0, [&] {
+    Replica& source = *replicas_[0];
+    const std::size_t n = module_.param_count();
+    mark(time_phases_, source.stream, reduce_start_);
+    for (int rank = 1; rank < used; ++rank) {
+      Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+      source.stream.wait(r.backward_done);
+      source.stream.copy(r.grad_staging.data(), r.model->grads_flat(), n * sizeof(float));
+      kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
+                    module_.grads_flat());
+    }
+    mark(time_phases_, source.stream, reduce_end_);
+    optimizer_.step(source.stream, module_.params_flat(), module_.grads_flat());
+    mark(time_phases_, source.stream, update_end_);
+  });
+
+  float host_loss = 0.0f;
+  replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(&host_loss, loss_value, sizeof(float));
+  return host_loss;
+}
+
+void DataParallel::synchronize() {
+  group_.run([&](int rank) { replicas_[static_cast<std::size_t>(rank)]->stream.synchronize(); });
+}
+
+std::vector<float> DataParallel::forward(const float* inputs, int batch) {
+  broadcast_and_forward(inputs, batch, Mode::eval);
+  std::vector<float> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(module_.output_features()));
+  group_.run_on(output_rank_, [&] {
+    gather_outputs();
+    replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(out.data(), gathered_.data(),
+                                                                   out.size() * sizeof(float));
+  });
+  return out;
+}
+
+float DataParallel::train_step(std::span<const Batch> batches) {
+  engines::expect_batches(batches.size(), 1, "DataParallel");
+  if (!batches[0].inputs || !batches[0].targets) throw InvalidArgument("DataParallel step: null inputs or targets");
+  return train_step(batches[0].inputs, batches[0].targets, batches[0].size);
+}
+
+std::vector<float> DataParallel::predict(std::span<const Batch> batches) {
+  engines::expect_batches(batches.size(), 1, "DataParallel");
+  if (!batches[0].inputs) throw InvalidArgument("DataParallel forward: null inputs");
+  return forward(batches[0].inputs, batches[0].size);
+}
+
+}  // namespace dp

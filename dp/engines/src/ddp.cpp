@@ -1,0 +1,210 @@
+// ddp.cpp — DistributedDataParallel: per-rank replicas and optimizers on persistent workers; the
+// Reducer all-reduces gradient buckets on a communication stream, launched from the backward's
+// gradients-ready callback.
+#include "dp/ddp.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "common.h"
+#include "dp/error.h"
+
+namespace dp {
+
+struct DistributedDataParallel::Rank {
+  Model* model = nullptr;
+  std::unique_ptr<Sgd> optimizer;
+  std::unique_ptr<CrossEntropyLoss> loss;
+  Stream compute;
+  engines::StagedBatch batch;
+  Scratch grad_output;
+  PinnedBuffer host_loss;  // pinned: the copy is asynchronous, the worker never blocks on peers
+};
+
+
+DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd,
+                                                 DdpOptions options)
+    : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))), options_(std::move(options)) {
+  replicas_ = std::make_unique<engines::Replicas>(module, group_);
+  comm_ = Communicator::create(group_);
+  reducer_ = std::make_unique<Reducer>(
+      *comm_, group_, assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb));
+  for (int r = 0; r < group_.size(); ++r) {
+    auto rank = std::make_unique<Rank>();
+    Device& device = group_.device(r);
+    rank->model = &(*replicas_)[r];
+    rank->optimizer = std::make_unique<Sgd>(device, module.param_count(), sgd);
+    rank->loss = std::make_unique<CrossEntropyLoss>(device);
+    rank->compute = device.create_stream();
+    rank->host_loss = runtime.allocate_pinned(sizeof(float));
+    ranks_.push_back(std::move(rank));
+  }
+  broadcast_from_rank0(true, true);
+  zero_grad();  // on each rank's worker: its device is the current one there
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  for (auto& rank : ranks_) {
+    try {
+      rank->compute.synchronize();
+    } catch (...) {  // a destructor never throws; the failure was reported by the step
+    }
+  }
+}
+
+Model& DistributedDataParallel::replica(int rank) const { return *ranks_.at(static_cast<std::size_t>(rank))->model; }
+Sgd& DistributedDataParallel::optimizer(int rank) const { return *ranks_.at(static_cast<std::size_t>(rank))->optimizer; }
+
+std::vector<Sgd*> DistributedDataParallel::optimizers() {
+  std::vector<Sgd*> out;
+  for (const auto& rank : ranks_) out.push_back(rank->optimizer.get());
+  return out;
+}
+
+void DistributedDataParallel::run_ranks(const std::function<void(int rank)>& task) {
+  try {
+    group_.run([&](int r) {
+      try {
+        task(r);
+      } catch (...) {
+        // At once, not after the other ranks' tasks: they may be waiting on this rank's collectives.
+        comm_->abort();
+        throw;
+      }
+    });
+  } catch (...) {
+    comm_->abort();
+    throw;
+  }
+}
+
+void DistributedDataParallel::broadcast_from_rank0(bool parameters, bool buffers) {
+  run_ranks([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    Model& m = *rank.model;
+    // On the compute stream: ordered after the forward that last touched the buffers.
+    if (parameters) comm_->broadcast(r, rank.compute, m.params_flat(), m.param_count() * sizeof(float), 0);
+    if (buffers && m.buffers_bytes()) comm_->broadcast(r, rank.compute, m.buffers_flat(), m.buffers_bytes(), 0);
+  });
+}
+
+void DistributedDataParallel::zero_grad() {
+  group_.run([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    rank.model->zero_grad(rank.compute);
+  });
+}
+
+void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool need_targets) const {
+  if (static_cast<int>(batches.size()) != group_.size())
+    throw InvalidArgument(fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(),
+                                      group_.size()));
+  for (std::size_t r = 0; r < batches.size(); ++r) {
+    if (batches[r].size < 1)
+      throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
+    if (!batches[r].inputs || (need_targets && !batches[r].targets))
+      throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
+  }
+}
+
+float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {
+  check_batches(batches, true);
+  // torch 1.13: buffers are broadcast before a forward unless the previous forward ran inside
+  // no_sync (require_forward_param_sync).
+  if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
+  const bool sync = sync_;
+  require_forward_param_sync_ = sync;
+  run_ranks([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    Model& m = *rank.model;
+    Device& device = group_.device(r);
+    const Batch& batch = batches[static_cast<std::size_t>(r)];
+    const int classes = m.output_features();
+    rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
+    float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
+    const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
+    const float* loss = rank.loss->forward(rank.compute, logits, rank.batch.targets(), batch.size, classes);
+    rank.loss->backward(rank.compute, logits, rank.batch.targets(), batch.size, classes, grad_output, batch.size,
+                        loss_scale);
+    GradientsReady on_ready;
+    if (sync) {
+      reducer_->prepare(r, rank.compute, m.grads_flat());
+      on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
+    }
+    m.backward(rank.compute, grad_output, on_ready);
+    if (sync) reducer_->finish(r);
+    rank.compute.copy(rank.host_loss.data(), loss, sizeof(float));
+  });
+  // Only now wait for the streams: had a rank failed above, its peers' collectives would never
+  // complete, and the abort in run_ranks must come first.
+  run_ranks([&](int r) { ranks_[static_cast<std::size_t>(r)]->compute.synchronize(); });
+  float total = 0.0f;
+  for (auto& rank : ranks_) total += *rank->host_loss.as<float>();
+  return total / static_cast<float>(group_.size());
+}
+
+void DistributedDataParallel::step() {
+  group_.run([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
+  });
+  if (options_.check_replicas) check_replicas_identical();
+}
+
+float DistributedDataParallel::train_step(std::span<const Batch> batches) {
+  zero_grad();
+  const float loss = forward_backward(batches);
+  step();
+  return loss;
+}
+
+std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batches) {
+  check_batches(batches, false);  // before any rank runs: a failing rank aborts the communicator
+  // As torch's DDP forward: buffers (BatchNorm running statistics) come from rank 0 first.
+  if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
+  const auto classes = static_cast<std::size_t>(ranks_[0]->model->output_features());
+  std::vector<std::size_t> offsets(batches.size() + 1, 0);
+  for (std::size_t r = 0; r < batches.size(); ++r)
+    offsets[r + 1] = offsets[r] + static_cast<std::size_t>(std::max(batches[r].size, 0)) * classes;
+  std::vector<float> out(offsets.back());
+  run_ranks([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    const Batch& batch = batches[static_cast<std::size_t>(r)];
+    rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size},
+                     engines::sample_floats(*rank.model));
+    const float* logits = rank.model->forward(rank.compute, rank.batch.inputs(), batch.size, Mode::eval);
+    // Pageable destination: the copy returns once written.
+    rank.compute.copy(out.data() + offsets[static_cast<std::size_t>(r)], logits,
+                      static_cast<std::size_t>(batch.size) * classes * sizeof(float));
+  });
+  return out;
+}
+
+void DistributedDataParallel::synchronize() {
+  group_.run([&](int r) {
+    ranks_[static_cast<std::size_t>(r)]->compute.synchronize();
+    reducer_->synchronize(r);
+  });
+}
+
+void DistributedDataParallel::check_replicas_identical() {
+  const std::size_t n = ranks_[0]->model->param_count();
+  std::vector<std::vector<float>> values(ranks_.size(), std::vector<float>(n));
+  group_.run([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    rank.compute.copy(values[static_cast<std::size_t>(r)].data(), rank.model->params_flat(), n * sizeof(float));
+  });
+  for (std::size_t r = 1; r < ranks_.size(); ++r) {
+    if (std::memcmp(values[0].data(), values[r].data(), n * sizeof(float)) == 0) continue;
+    for (const TensorRef& p : ranks_[0]->model->parameters())
+      for (std::size_t i = 0; i < p.numel(); ++i)
+        if (std::memcmp(&values[0][p.offset + i], &values[r][p.offset + i], sizeof(float)) != 0)
+          throw Error(fmt::format("DDP replicas diverged: '{}'[{}] is {} on rank 0 (device {}) but {} on rank {} "
+                                  "(device {})",
+                                  p.name, i, values[0][p.offset + i], group_.device_ids()[0], values[r][p.offset + i],
+                                  r, group_.device_ids()[r]));
+  }
+}
+
+}  // namespace dp

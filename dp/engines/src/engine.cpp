@@ -1,0 +1,94 @@
+// engine.cpp — the Engine interface's shared pieces, make_engine, and the engines' common helpers.
+#include "dp/engine.h"
+
+#include <fmt/format.h>
+
+#include "common.h"
+#include "dp/data_parallel.h"
+#include "dp/ddp.h"
+#include "dp/error.h"
+#include "dp/shape.h"
+#include "dp/trainer.h"
+
+namespace dp {
+
+std::string_view to_string(EngineKind kind) {
+  switch (kind) {
+    case EngineKind::single: return "single";
+    case EngineKind::dp: return "dp";
+    case EngineKind::ddp: return "ddp";
+  }
+  return "unknown";
+}
+
+EngineKind parse_engine_kind(std::string_view name) {
+  for (EngineKind kind : {EngineKind::single, EngineKind::dp, EngineKind::ddp})
+    if (name == to_string(kind)) return kind;
+  throw InvalidArgument(fmt::format("unknown engine '{}' (expected single, dp or ddp)", name));
+}
+
+void Engine::set_lr(float lr) {
+  for (Sgd* optimizer : optimizers()) optimizer->set_lr(lr);
+}
+
+std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const SgdOptions& sgd,
+                                    const EngineOptions& options) {
+  if (options.output_device && options.kind != EngineKind::dp)
+    throw InvalidArgument(fmt::format("output_device applies to dp, not {}", to_string(options.kind)));
+  switch (options.kind) {
+    case EngineKind::single:
+      if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
+        throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
+                                          model.device().index(), fmt::join(*options.device_ids, ", ")));
+      return std::make_unique<SingleDeviceTrainer>(model, sgd);
+    case EngineKind::dp: {
+      DataParallelOptions dp_options;
+      dp_options.device_ids = options.device_ids;
+      dp_options.output_device = options.output_device;
+      dp_options.time_phases = options.time_phases;
+      return std::make_unique<DataParallel>(runtime, model, sgd, dp_options);
+    }
+    case EngineKind::ddp: {
+      DdpOptions ddp_options;
+      ddp_options.device_ids = options.device_ids;
+      ddp_options.bucket_cap_mb = options.bucket_cap_mb;
+      ddp_options.first_bucket_mb = options.first_bucket_mb;
+      ddp_options.broadcast_buffers = options.broadcast_buffers;
+      return std::make_unique<DistributedDataParallel>(runtime, model, sgd, ddp_options);
+    }
+  }
+  throw InvalidArgument("unknown engine kind");
+}
+
+namespace engines {
+
+std::size_t sample_floats(const Model& model) { return numel(model.input_shape()); }
+
+Replicas::Replicas(Model& module, const DeviceGroup& group) : module_(module) {
+  const int source = group.device_ids()[0];
+  if (module.device().index() != source)
+    throw InvalidArgument(fmt::format("module must have its parameters and buffers on device_ids[0] (device {}) "
+                                      "but they are on device {}",
+                                      source, module.device().index()));
+  owned_.resize(static_cast<std::size_t>(group.size()));
+  for (int rank = 1; rank < group.size(); ++rank)
+    owned_[static_cast<std::size_t>(rank)] = module.replicate(group.device(rank));
+}
+
+void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample) {
+  if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
+  if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
+  const auto samples = static_cast<std::size_t>(batch.size);
+  stream.copy(inputs_.get<float>(device, samples * floats_per_sample), batch.inputs,
+              samples * floats_per_sample * sizeof(float));
+  if (batch.targets)
+    stream.copy(targets_.get<std::int64_t>(device, samples), batch.targets, samples * sizeof(std::int64_t));
+}
+
+void expect_batches(std::size_t got, int expected, const char* engine) {
+  if (got != static_cast<std::size_t>(expected))
+    throw InvalidArgument(fmt::format("{} step needs {} batch(es), got {}", engine, expected, got));
+}
+
+}  // namespace engines
+}  // namespace dp

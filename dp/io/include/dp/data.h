@@ -1,0 +1,94 @@
+// dp/data.h — training data: MNIST IDX files (validated), a learnable synthetic set, PyTorch's
+// DistributedSampler index rules, and a loader that prepares the next batches in a background
+// thread into pinned staging buffers so devices do not wait for the host.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dp/batch.h"
+#include "dp/device.h"
+
+namespace dp {
+
+struct Dataset {
+  int rows = 28, cols = 28;
+  std::vector<std::uint8_t> pixels;  // N x rows x cols
+  std::vector<std::int64_t> labels;  // N, in [0, 10)
+  std::size_t size() const { return labels.size(); }
+  std::size_t sample_pixels() const { return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols); }
+};
+
+// Reads DIR/train-images-idx3-ubyte and DIR/train-labels-idx1-ubyte (big-endian IDX, magic 0x803 /
+// 0x801). Throws dp::Error naming the file and the problem: missing, truncated, wrong magic,
+// images not 28x28, counts that differ, a label >= 10.
+Dataset load_mnist(const std::string& dir);
+
+// `samples` images of 10 classes: each class a fixed random pattern of strokes plus per-sample
+// noise, so a model can learn it quickly. Deterministic in `seed`.
+Dataset make_synthetic(std::size_t samples, std::uint64_t seed);
+
+// torch.utils.data.DistributedSampler(num_replicas, rank, shuffle, seed, drop_last=False):
+// num_samples = ceil(N / R); the index list (a permutation seeded with seed + epoch when shuffling,
+// identical on all ranks) is padded by repeating its head to R * num_samples, and rank r takes
+// indices[r::R]. With R = 1 and no shuffle it is simply 0..N-1 (the order single and DP use).
+class DistributedSampler {
+ public:
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, bool shuffle, std::uint64_t seed);
+  void set_epoch(std::int64_t epoch) { epoch_ = epoch; }
+  std::int64_t epoch() const { return epoch_; }
+  std::size_t num_samples() const { return num_samples_; }
+  std::vector<std::int64_t> indices() const;
+
+ private:
+  std::size_t size_;
+  int replicas_, rank_;
+  bool shuffle_;
+  std::uint64_t seed_;
+  std::int64_t epoch_ = 0;
+  std::size_t num_samples_;
+};
+
+// The permutation of [0, n) used for shuffling (seeded; the same on every platform).
+std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed);
+
+// One batch ready on the host: pixels / 255 as float32 (size x rows x cols) and int64 labels,
+// in pinned memory (copies to a device are asynchronous).
+using HostBatch = Batch;
+
+// Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
+// A batch returned by next() stays valid until the following call to next().
+class BatchLoader {
+ public:
+  // `batches`: the sample indices of each batch, in consumption order.
+  BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches, int depth = 2);
+  ~BatchLoader();
+  BatchLoader(const BatchLoader&) = delete;
+  BatchLoader& operator=(const BatchLoader&) = delete;
+
+  std::size_t count() const { return batches_.size(); }
+  HostBatch next();  // throws once all batches were consumed
+
+ private:
+  struct Slot {
+    PinnedBuffer inputs, targets;
+    int size = 0;
+  };
+  void produce();
+
+  const Dataset& data_;
+  std::vector<std::vector<std::int64_t>> batches_;
+  std::vector<Slot> slots_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::size_t produced_ = 0, consumed_ = 0;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace dp

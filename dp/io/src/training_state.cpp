@@ -1,0 +1,106 @@
+// training_state.cpp — a run's resumable state as one safetensors file (dp/training_state.h).
+#include "dp/training_state.h"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <vector>
+
+#include "dp/checkpoint.h"
+#include "dp/error.h"
+
+namespace dp {
+namespace {
+
+constexpr const char* kMomentumPrefix = "optimizer.momentum.";
+constexpr long long kMaxCount = 1LL << 40;  // steps and epochs: far beyond any run, far below overflow
+
+// Metadata `key` of `file` as an integer in [lo, hi]; Error naming `path` and the key otherwise.
+long long number(const std::string& path, const safetensors::File& file, const std::string& key, long long lo,
+                 long long hi) {
+  const auto it = file.metadata.find(key);
+  if (it == file.metadata.end()) throw Error(fmt::format("{}: metadata '{}' is missing", path, key));
+  try {
+    std::size_t used = 0;
+    const long long value = std::stoll(it->second, &used);
+    if (used == it->second.size() && value >= lo && value <= hi) return value;
+  } catch (const std::exception&) {
+  }
+  throw Error(fmt::format("{}: metadata '{}' = '{}' is not a number in [{}, {}]", path, key, it->second, lo, hi));
+}
+
+}  // namespace
+
+void TrainingState::save(const std::string& path, const Model& model, const Sgd& optimizer,
+                         const TrainingProgress& progress) {
+  const Stream model_stream = model.device().create_stream();
+  safetensors::File file = state_dict(model, model_stream);
+  if (optimizer.momentum_flat()) {
+    const Stream stream = optimizer.device().create_stream();
+    for (const TensorRef& p : model.parameters()) {
+      std::vector<float> values(p.numel());
+      stream.copy(values.data(), optimizer.momentum_flat() + p.offset, values.size() * sizeof(float));
+      file.add(fmt::format("{}{}", kMomentumPrefix, p.name), safetensors::make_f32(p.shape, values.data()));
+    }
+  }
+  file.metadata["dp.format"] = std::to_string(1);  // not = "1": GCC 12 -Wrestrict false positive
+  file.metadata["dp.step"] = std::to_string(progress.step);
+  file.metadata["dp.sgd_steps"] = std::to_string(optimizer.steps());
+  file.metadata["dp.epoch"] = std::to_string(progress.epoch);
+  file.metadata["dp.seed"] = std::to_string(progress.seed);
+  for (const auto& [key, value] : progress.tags) file.metadata[fmt::format("dp.{}", key)] = value;
+  safetensors::write(path, file);
+}
+
+TrainingState TrainingState::read(const std::string& path) {
+  TrainingState state;
+  state.path_ = path;
+  state.file_ = safetensors::read(path);
+  const safetensors::File& file = state.file_;
+  if (!file.metadata.count("dp.step"))
+    throw Error(fmt::format("{}: not a training checkpoint (no training state)", path));
+  state.progress_.step = number(path, file, "dp.step", 0, kMaxCount);
+  state.optimizer_steps_ = number(path, file, "dp.sgd_steps", 0, kMaxCount);
+  state.progress_.seed =
+      static_cast<std::uint64_t>(number(path, file, "dp.seed", 0, std::numeric_limits<long long>::max()));
+  if (file.metadata.count("dp.epoch")) state.progress_.epoch = number(path, file, "dp.epoch", 0, kMaxCount);
+  for (const auto& [key, value] : file.metadata)
+    if (key.rfind("dp.", 0) == 0 && key != "dp.format" && key != "dp.step" && key != "dp.sgd_steps" &&
+        key != "dp.epoch" && key != "dp.seed")
+      state.progress_.tags[key.substr(3)] = value;
+  return state;
+}
+
+void TrainingState::load_model(Model& model) const {
+  const Stream stream = model.device().create_stream();
+  load_state_dict(model, stream, file_);
+}
+
+void TrainingState::load_optimizers(const Model& model, std::span<Sgd* const> optimizers) const {
+  // Validate everything first, so a bad file leaves every optimizer untouched.
+  std::vector<std::pair<const TensorRef, std::vector<float>>> momentum;
+  const bool with_momentum = !optimizers.empty() && optimizers.front()->momentum_flat() != nullptr;
+  if (with_momentum) {
+    for (const TensorRef& p : model.parameters()) {
+      const std::string key = fmt::format("{}{}", kMomentumPrefix, p.name);
+      if (!file_.has(key))
+        throw Error(fmt::format("{}: no momentum buffer '{}' (saved without momentum?)", path_, key));
+      const safetensors::Tensor& t = file_.at(key);
+      if (t.dtype != "F32" || t.numel() != p.numel())
+        throw Error(fmt::format("{}: momentum buffer '{}' has {} {} values, expected {} F32", path_, key, t.numel(),
+                                t.dtype, p.numel()));
+      momentum.emplace_back(p, t.to_f32());
+    }
+  }
+  for (Sgd* optimizer : optimizers) {
+    optimizer->set_steps(optimizer_steps_);
+    if (!optimizer->momentum_flat()) continue;
+    // Each optimizer's momentum lives on its own rank's device.
+    const Stream stream = optimizer->device().create_stream();
+    for (const auto& [p, values] : momentum)
+      stream.copy(optimizer->momentum_flat() + p.offset, values.data(), values.size() * sizeof(float));
+    stream.synchronize();
+  }
+}
+
+}  // namespace dp

@@ -1,0 +1,29 @@
+// dp/loss.h — CrossEntropyLoss (mean over the batch, stable log-softmax), on the device.
+#pragma once
+
+#include <cstdint>
+
+#include "dp/device.h"
+#include "dp/scratch.h"
+
+namespace dp {
+
+class CrossEntropyLoss {
+ public:
+  explicit CrossEntropyLoss(Device& device) : device_(device) {}
+
+  // Enqueues the mean loss of `n` rows of `classes` logits; returns a device pointer to one float,
+  // valid until the next forward. Targets are int64 class indices in device memory.
+  const float* forward(const Stream& stream, const float* logits, const std::int64_t* targets, int n, int classes);
+
+  // dlogits = dloss * d(mean over `mean_over` rows)/dlogits for these n rows (mean_over = n for a
+  // plain batch; DP passes the global batch when it splits the gradient across devices).
+  void backward(const Stream& stream, const float* logits, const std::int64_t* targets, int n, int classes,
+                float* dlogits, int mean_over, float dloss = 1.0f);
+
+ private:
+  Device& device_;
+  Scratch per_sample_, loss_;
+};
+
+}  // namespace dp

@@ -1,0 +1,27 @@
+// loss.cpp — CrossEntropyLoss: scratch management around the loss kernels.
+#include "dp/loss.h"
+
+#include <fmt/format.h>
+
+#include "dp/error.h"
+#include "dp/kernels/loss.h"
+
+namespace dp {
+
+const float* CrossEntropyLoss::forward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
+                                       int classes) {
+  if (n < 1 || classes < 1)
+    throw InvalidArgument(fmt::format("cross entropy over {} rows of {} classes", n, classes));
+  float* loss = loss_.get<float>(device_, 1);
+  kernels::cross_entropy_forward(stream, n, classes, logits, targets, per_sample_.get<float>(device_, static_cast<std::size_t>(n)),
+                                 loss);
+  return loss;
+}
+
+void CrossEntropyLoss::backward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
+                                int classes, float* dlogits, int mean_over, float dloss) {
+  if (n < 1 || mean_over < n) throw InvalidArgument(fmt::format("cross entropy backward: {} rows of {}", n, mean_over));
+  kernels::cross_entropy_backward(stream, n, classes, logits, targets, dloss, mean_over, dlogits);
+}
+
+}  // namespace dp

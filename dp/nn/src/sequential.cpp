@@ -1,0 +1,175 @@
+// sequential.cpp — flat-buffer packing, PyTorch-default init, the layer-chain forward/backward.
+#include "dp/nn/sequential.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "dp/error.h"
+#include "dp/kernels/ops.h"
+#include "dp/shape.h"
+
+namespace dp::nn {
+namespace {
+
+constexpr std::size_t kBufferAlignment = 8;  // int64 buffers sit beside float ones
+
+// U[lo, hi) from the top 24 bits: the same floats on every platform and standard library.
+float uniform(std::mt19937_64& rng, float lo, float hi) {
+  const float u = static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f);
+  return lo + (hi - lo) * u;
+}
+
+}  // namespace
+
+SequentialModel::SequentialModel(std::string name, Device& device, std::vector<std::unique_ptr<Layer>> layers,
+                                 std::vector<std::int64_t> input_shape)
+    : name_(std::move(name)), device_(device), layers_(std::move(layers)), input_shape_(std::move(input_shape)) {
+  for (auto& layer : layers_) {
+    for (auto& p : layer->params()) {
+      p.offset = param_count_;
+      param_count_ += numel(p.shape);
+    }
+    for (auto& b : layer->buffers()) {
+      buffers_bytes_ = (buffers_bytes_ + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+      b.offset = buffers_bytes_;
+      buffers_bytes_ += numel(b.shape) * dtype_size(b.dtype);
+    }
+  }
+  params_ = device_.allocate(param_count_ * sizeof(float));
+  grads_ = device_.allocate(param_count_ * sizeof(float));
+  buffers_ = device_.allocate(buffers_bytes_);
+  for (auto& layer : layers_)
+    layer->bind(params_.as<float>(), grads_.as<float>(), static_cast<std::byte*>(buffers_.data()));
+  // Output features from a one-sample shape walk (also validates the chain).
+  ActShape shape = input_act_shape(1);
+  for (auto& layer : layers_) shape = layer->output_shape(shape);
+  output_features_ = static_cast<int>(shape.per_sample());
+  activations_.resize(layers_.size() + 1);
+  activation_grads_.resize(layers_.size() + 1);
+}
+
+ActShape SequentialModel::input_act_shape(int batch) const {
+  return ActShape{batch, static_cast<int>(input_shape_.at(0)), input_shape_.size() > 1 ? static_cast<int>(input_shape_[1]) : 1,
+                  input_shape_.size() > 2 ? static_cast<int>(input_shape_[2]) : 1};
+}
+
+void SequentialModel::initialize(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> params(param_count_);
+  std::vector<std::byte> buffers(buffers_bytes_);
+  for (auto& layer : layers_) {
+    for (const auto& p : layer->params()) {
+      const std::size_t n = numel(p.shape);
+      float* out = params.data() + p.offset;
+      // kaiming_uniform_(a=sqrt(5)): gain sqrt(2/(1+5)), bound gain*sqrt(3/fan_in) = 1/sqrt(fan_in);
+      // the bias bound is the same 1/sqrt(fan_in).
+      const float bound = p.fan_in > 0 ? 1.0f / std::sqrt(static_cast<float>(p.fan_in)) : 0.0f;
+      for (std::size_t i = 0; i < n; ++i) {
+        switch (p.init) {
+          case Init::kaiming_uniform:
+          case Init::fan_in_uniform: out[i] = uniform(rng, -bound, bound); break;
+          case Init::ones: out[i] = 1.0f; break;
+          case Init::zeros: out[i] = 0.0f; break;
+        }
+      }
+    }
+    for (const auto& b : layer->buffers()) {
+      const std::size_t n = numel(b.shape);
+      if (b.dtype == DType::i64) {
+        std::memset(buffers.data() + b.offset, 0, n * sizeof(std::int64_t));  // num_batches_tracked
+      } else {
+        const float value = b.init == Init::ones ? 1.0f : 0.0f;
+        for (std::size_t i = 0; i < n; ++i) std::memcpy(buffers.data() + b.offset + i * sizeof(float), &value, sizeof(float));
+      }
+    }
+  }
+  Stream stream = device_.create_stream();
+  stream.copy(params_.data(), params.data(), params_.size());
+  if (buffers_bytes_) stream.copy(buffers_.data(), buffers.data(), buffers_bytes_);
+  kernels::fill(stream, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
+  stream.synchronize();
+}
+
+std::vector<TensorRef> SequentialModel::views(bool gradients) const {
+  std::vector<TensorRef> out;
+  float* base = gradients ? grads_.as<float>() : params_.as<float>();
+  for (const auto& layer : layers_)
+    for (const auto& p : layer->params())
+      out.push_back(TensorRef{layer->name() + "." + p.name, DType::f32, p.shape, base + p.offset, device_.index(),
+                              p.offset});
+  return out;
+}
+
+std::vector<TensorRef> SequentialModel::buffers() const {
+  std::vector<TensorRef> out;
+  auto* base = static_cast<std::byte*>(buffers_.data());
+  for (const auto& layer : layers_)
+    for (const auto& b : layer->buffers())
+      out.push_back(TensorRef{layer->name() + "." + b.name, b.dtype, b.shape, base + b.offset, device_.index(), b.offset});
+  return out;
+}
+
+const float* SequentialModel::forward(const Stream& stream, const float* input, int batch, Mode mode) {
+  if (batch < 1) throw InvalidArgument(fmt::format("{}: batch size must be at least 1, got {}", name_, batch));
+  if (stream.device() != device_.index())
+    throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
+                                     device_.index(), stream.device()));
+  const std::size_t count = layers_.size();
+  shapes_.assign(count + 1, {});
+  outputs_.assign(count + 1, nullptr);
+  shapes_[0] = input_act_shape(batch);
+  outputs_[0] = input;
+  for (std::size_t i = 0; i < count; ++i) {
+    shapes_[i + 1] = layers_[i]->output_shape(shapes_[i]);
+    if (layers_[i]->is_view()) {
+      outputs_[i + 1] = outputs_[i];
+      continue;
+    }
+    float* y = activations_[i + 1].get<float>(device_, static_cast<std::size_t>(shapes_[i + 1].numel()));
+    layers_[i]->forward(LayerContext{stream, device_, shapes_[i], mode}, outputs_[i], y);
+    outputs_[i + 1] = y;
+  }
+  train_forward_done_ = mode == Mode::train;
+  return outputs_[count];
+}
+
+void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
+  if (!train_forward_done_) throw InvalidArgument(fmt::format("{}: backward without a train-mode forward", name_));
+  const std::size_t count = layers_.size();
+  // The first layer that computes anything needs no input gradient: nothing upstream uses it.
+  std::size_t first_compute = 0;
+  while (first_compute < count && layers_[first_compute]->is_view()) ++first_compute;
+  const float* dy = grad_output;
+  for (std::size_t i = count; i-- > 0;) {
+    Layer& layer = *layers_[i];
+    if (layer.is_view()) continue;  // same memory, same gradient
+    float* dx = nullptr;
+    if (i > first_compute) {
+      // activation_grads_[i] holds dL/d(input of layer i); it grows with the batch.
+      dx = activation_grads_[i].get<float>(device_, static_cast<std::size_t>(shapes_[i].numel()));
+    }
+    layer.backward(LayerContext{stream, device_, shapes_[i], Mode::train}, outputs_[i], outputs_[i + 1], dy, dx);
+    if (on_ready && !layer.params().empty()) {
+      const auto& params = layer.params();
+      const std::size_t begin = params.front().offset;
+      const auto& last = params.back();
+      on_ready(begin, last.offset + numel(last.shape) - begin);
+    }
+    dy = dx;
+  }
+}
+
+void SequentialModel::zero_grad(const Stream& stream) {
+  kernels::fill(stream, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
+}
+
+std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
+  std::vector<std::unique_ptr<Layer>> layers;
+  for (const auto& layer : layers_) layers.push_back(layer->clone());
+  return std::make_unique<SequentialModel>(name_, device, std::move(layers), input_shape_);
+}
+
+}  // namespace dp::nn

@@ -1,0 +1,295 @@
+// cuda_backend.cpp — real GPUs (host-side code only, so the host compiler builds it). Thin by
+// design: a worker thread per device that makes the device current once, non-blocking streams,
+// events, cudaMemcpyAsync with link accounting, and the device's cuBLAS and cuDNN handles, which
+// kernels borrow through kernel_api::with_library. Nothing here runs on machines without a GPU;
+// tests that need it GTEST_SKIP there.
+#include <fmt/format.h>
+
+#include <mutex>
+
+#include "backend.h"
+#include "dp/runtime/cuda_status.h"
+#include "executor.h"
+
+namespace dp::detail {
+namespace {
+
+// Makes `device` current on the calling thread if it is not (cheap: a thread-local read).
+void make_device_current(int device) {
+  int current = -1;
+  DP_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) DP_CUDA_CHECK(cudaSetDevice(device));
+}
+
+class CudaRuntime;
+
+class CudaEvent final : public EventImpl {
+ public:
+  explicit CudaEvent(int device) : device_(device) {
+    make_device_current(device);
+    DP_CUDA_CHECK(cudaEventCreate(&event_));
+  }
+  ~CudaEvent() override {
+    if (event_) cudaEventDestroy(event_);  // never throws from a destructor
+  }
+  int device() const override { return device_; }
+  bool query() override {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    DP_CUDA_CHECK(status);
+    return true;
+  }
+  void synchronize() override { DP_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  double elapsed_ms_since(EventImpl& start) override {
+    float ms = 0.0f;
+    DP_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<CudaEvent&>(start).event_, event_));
+    return ms;
+  }
+  cudaEvent_t handle() const { return event_; }
+
+ private:
+  int device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaDevice;
+
+class CudaStream final : public StreamImpl {
+ public:
+  CudaStream(CudaRuntime& runtime, CudaDevice& device, int index);
+  ~CudaStream() override {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  int device() const override { return index_; }
+  Backend backend() const override { return Backend::cuda; }
+  void record(EventImpl& event) override {
+    if (event.device() != index_)
+      throw DeviceMismatch(fmt::format("event of device {} recorded on a stream of device {}", event.device(), index_));
+    DP_CUDA_CHECK(cudaEventRecord(static_cast<CudaEvent&>(event).handle(), stream_));
+  }
+  void wait(EventImpl& event) override {
+    DP_CUDA_CHECK(cudaStreamWaitEvent(stream_, static_cast<CudaEvent&>(event).handle(), 0));
+  }
+  bool query() override {
+    const cudaError_t status = cudaStreamQuery(stream_);
+    if (status == cudaErrorNotReady) return false;
+    DP_CUDA_CHECK(status);
+    return true;
+  }
+  void synchronize() override { DP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void copy(void* dst, const void* src, std::size_t bytes) override;
+  void launch_host_func(std::function<void()> fn) override {
+    auto* heap = new std::function<void()>(std::move(fn));
+    const cudaError_t status = cudaLaunchHostFunc(
+        stream_,
+        [](void* data) {
+          std::unique_ptr<std::function<void()>> f(static_cast<std::function<void()>*>(data));
+          (*f)();
+        },
+        heap);
+    if (status != cudaSuccess) delete heap;
+    DP_CUDA_CHECK(status);
+  }
+  void check_access(const void*, std::size_t, const char*) override {}  // the GPU faults on its own
+  void enqueue_kernel(const char* name, std::function<void()>, SpanKind) override {
+    throw Error(fmt::format("kernel '{}' has no CUDA build; it was compiled without nvcc", name));
+  }
+  void* native_handle() override { return stream_; }
+  int multiprocessor_count() const override { return sm_count_; }
+  void make_current() override { detail::make_device_current(index_); }
+  void with_library(kernel_api::Library library,
+                    const std::function<void(kernel_api::LibraryCall&)>& fn) override;
+
+ private:
+  CudaRuntime& runtime_;
+  CudaDevice& device_;
+  int index_;
+  int sm_count_ = 1;
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaDevice final : public DeviceImpl {
+ public:
+  CudaDevice(CudaRuntime& runtime, int index)
+      : runtime_(runtime), index_(index), memory_(0), worker_(fmt::format("cuda{}.worker", index), [index] {
+          DP_CUDA_CHECK(cudaSetDevice(index));
+        }) {
+    // Handle and properties are created on the worker thread, which owns them.
+    submit([this] {
+      cudaDeviceProp prop{};
+      DP_CUDA_CHECK(cudaGetDeviceProperties(&prop, index_));
+      name_ = fmt::format("cuda:{} ({})", index_, prop.name);
+      sm_count_ = prop.multiProcessorCount;
+      std::size_t free_bytes = 0, total_bytes = 0;
+      DP_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+      memory_.set_capacity(total_bytes);
+      DP_CUDA_CHECK(cublasCreate(&cublas_));
+      // Exact fp32 (no TF32) so GPU results match the host results within fp32 rounding.
+      DP_CUDA_CHECK(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
+    }).get();
+  }
+  ~CudaDevice() override {
+    // On the worker that created them; what kernels cached for a library (cuDNN plans) goes first.
+    auto done = submit([this] {
+      for (Lent& lent : lent_) lent.cache.reset();
+      if (cudnn_) cudnnDestroy(cudnn_);
+      if (cublas_) cublasDestroy(cublas_);
+    });
+    done.wait();
+  }
+  Backend backend() const override { return Backend::cuda; }
+  std::string name() const override { return name_; }
+  void* allocate(std::size_t bytes) override {
+    make_device_current(index_);
+    void* ptr = nullptr;
+    const cudaError_t status = cudaMalloc(&ptr, bytes);
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // clear the non-sticky error
+      const auto stats = memory_.stats();
+      throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
+    }
+    DP_CUDA_CHECK(status);
+    memory_.reserve(bytes);  // accounting only: the driver already granted it
+    return ptr;
+  }
+  void free(void* ptr, std::size_t bytes) noexcept override {
+    try {
+      make_device_current(index_);
+    } catch (...) {  // never throws: cudaFree below reports nothing either
+    }
+    cudaFree(ptr);
+    memory_.release(bytes);
+  }
+  MemoryStats memory() const override { return memory_.stats(); }
+  void reset_peak_memory() override { memory_.reset_peak(); }
+  std::shared_ptr<StreamImpl> create_stream() override;
+  std::shared_ptr<EventImpl> create_event() override { return std::make_shared<CudaEvent>(index_); }
+  void synchronize() override {
+    make_device_current(index_);
+    DP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  std::future<void> submit(std::function<void()> task) override {
+    auto packaged = std::make_shared<std::packaged_task<void()>>(std::move(task));
+    auto future = packaged->get_future();
+    worker_.post([packaged] { (*packaged)(); });
+    return future;
+  }
+  int sm_count() const { return sm_count_; }
+  // Library handles are not safe for concurrent use; the streams of one device take turns.
+  void with_library(kernel_api::Library library, cudaStream_t stream,
+                    const std::function<void(kernel_api::LibraryCall&)>& fn) {
+    make_device_current(index_);
+    Lent& lent = lent_[static_cast<std::size_t>(library)];
+    std::lock_guard lock(lent.mutex);
+    void* handle = nullptr;
+    if (library == kernel_api::Library::cublas) {
+      DP_CUDA_CHECK(cublasSetStream(cublas_, stream));
+      handle = cublas_;
+    } else {
+      if (!cudnn_) DP_CUDA_CHECK(cudnnCreate(&cudnn_));  // on first use: it loads cuDNN's kernels
+      DP_CUDA_CHECK(cudnnSetStream(cudnn_, stream));
+      handle = cudnn_;
+    }
+    kernel_api::LibraryCall call{handle, lent.cache};
+    fn(call);
+  }
+
+ private:
+  CudaRuntime& runtime_;
+  int index_;
+  std::string name_;
+  int sm_count_ = 1;
+  MemoryCounter memory_;
+  struct Lent {
+    std::mutex mutex;
+    std::shared_ptr<void> cache;
+  };
+  Lent lent_[2];  // by kernel_api::Library
+  cublasHandle_t cublas_ = nullptr;
+  cudnnHandle_t cudnn_ = nullptr;
+  SerialExecutor worker_;
+};
+
+class CudaRuntime final : public RuntimeImpl {
+ public:
+  explicit CudaRuntime(int count) : RuntimeImpl(count) {
+    for (int i = 0; i < count; ++i) add_device(std::make_unique<CudaDevice>(*this, i));
+    // Peer access where the topology allows it: peer copies then go over NVLink/PCIe directly.
+    for (int i = 0; i < count; ++i)
+      for (int j = 0; j < count; ++j) {
+        if (i == j) continue;
+        int can = 0;
+        DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, i, j));
+        if (!can) continue;
+        DP_CUDA_CHECK(cudaSetDevice(i));
+        const cudaError_t status = cudaDeviceEnablePeerAccess(j, 0);
+        if (status == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+        else DP_CUDA_CHECK(status);
+      }
+  }
+  Backend backend() const override { return Backend::cuda; }
+  void* allocate_pinned(std::size_t bytes) override {
+    void* ptr = nullptr;
+    DP_CUDA_CHECK(cudaMallocHost(&ptr, bytes));
+    return ptr;
+  }
+  void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
+};
+
+CudaStream::CudaStream(CudaRuntime& runtime, CudaDevice& device, int index)
+    : runtime_(runtime), device_(device), index_(index), sm_count_(device.sm_count()) {
+  make_device_current(index);
+  DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+std::shared_ptr<StreamImpl> CudaDevice::create_stream() {
+  return std::make_shared<CudaStream>(runtime_, *this, index_);
+}
+
+// Where a pointer lives: a device index, or kHost for pinned and pageable host memory.
+int location_of(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device
+                                                                                              : kHost;
+}
+
+void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
+  const int src_loc = location_of(src), dst_loc = location_of(dst);
+  runtime_.count_copy(src_loc, dst_loc, bytes);
+  make_device_current(index_);
+  if (src_loc != kHost && dst_loc != kHost && src_loc != dst_loc)
+    DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_loc, src, src_loc, bytes, stream_));
+  else
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+}
+
+void CudaStream::with_library(kernel_api::Library library,
+                              const std::function<void(kernel_api::LibraryCall&)>& fn) {
+  device_.with_library(library, stream_, fn);
+}
+
+}  // namespace
+
+int cuda_device_count_impl() {
+  int count = 0;
+  // Any error (no driver, driver too old for this toolkit) means "no GPU".
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+bool cuda_compiled_impl() { return true; }
+
+std::unique_ptr<RuntimeImpl> make_cuda_runtime(const RuntimeOptions&) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0)
+    throw Error(fmt::format("cuda backend: no CUDA device is visible ({})",
+                            status != cudaSuccess ? cudaGetErrorString(status) : "device count is 0"));
+  return std::make_unique<CudaRuntime>(count);
+}
+
+}  // namespace dp::detail

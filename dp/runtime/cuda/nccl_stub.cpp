@@ -1,0 +1,10 @@
+// nccl_stub.cpp — builds without the cuda backend have no NCCL communicator.
+#include "backend.h"
+
+namespace dp::detail {
+
+std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup&) {
+  throw Error("NCCL communicator requested, but dp was built without the cuda backend");
+}
+
+}  // namespace dp::detail

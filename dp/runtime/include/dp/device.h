@@ -1,0 +1,178 @@
+// dp/device.h — devices, streams, events and copies behind one interface, two backends.
+// `cuda` drives real GPUs; `sim` runs N isolated simulated devices on host threads, faithfully
+// enough that a missing event wait is a real data race and a cross-device pointer a real error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dp/memory.h"
+#include "dp/trace.h"
+
+namespace dp {
+
+enum class Backend { sim, cuda };
+
+// "sim", "cuda"; parse also accepts "auto" (cuda when a GPU is visible, else sim).
+std::string_view to_string(Backend backend);
+
+namespace detail {
+class RuntimeImpl;
+class DeviceImpl;
+class StreamImpl;
+class EventImpl;
+struct Access;  // the runtime's own way in (backends, kernel_api); not part of the API
+}  // namespace detail
+
+class Device;
+class Stream;
+
+// Marks the point in a stream's work at which it was recorded. Another stream (of any device)
+// can wait on it; the host can query or block on it. Copyable handle; copies share the event.
+class Event {
+ public:
+  Event() = default;
+  bool valid() const noexcept { return impl_ != nullptr; }
+  // True once all work captured by the latest record() has completed (true if never recorded).
+  bool query() const;
+  // Blocks the calling host thread until query() is true.
+  void synchronize() const;
+  // Milliseconds between two completed events of the same device.
+  static double elapsed_ms(const Event& start, const Event& end);
+
+ private:
+  friend class Device;
+  friend struct detail::Access;
+  explicit Event(std::shared_ptr<detail::EventImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<detail::EventImpl> impl_;
+};
+
+// An in-order queue of device work. Work enqueued on one stream runs in order; two streams run
+// concurrently unless ordered with events. Copyable handle; copies share the stream.
+class Stream {
+ public:
+  Stream() = default;
+  bool valid() const noexcept { return impl_ != nullptr; }
+  int device() const;
+  Backend backend() const;
+
+  void record(const Event& event) const;
+  // Later work on this stream starts only after the work captured by `event` completed.
+  void wait(const Event& event) const;
+  bool query() const;        // all enqueued work done
+  void synchronize() const;  // block the host until all enqueued work is done
+
+  // Asynchronous copy of `bytes` between any two of: this stream's device, another device,
+  // pinned host memory, pageable host memory. As with cudaMemcpyAsync, a pageable source is
+  // consumed before the call returns and a pageable destination is written before it returns.
+  // Device-to-device traffic is counted per (src, dst) link in the runtime.
+  void copy(void* dst, const void* src, std::size_t bytes) const;
+  // Runs `fn` on the host in stream order (cudaLaunchHostFunc). `fn` must not use dp streams.
+  void launch_host_func(std::function<void()> fn) const;
+
+ private:
+  friend class Device;
+  friend struct detail::Access;
+  explicit Stream(std::shared_ptr<detail::StreamImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<detail::StreamImpl> impl_;
+};
+
+struct MemoryStats {
+  std::size_t in_use = 0;    // bytes currently allocated
+  std::size_t peak = 0;      // high-water mark of in_use since creation or reset_peak()
+  std::size_t capacity = 0;  // bytes the device can hold
+  std::size_t allocations = 0;
+};
+
+class Device {
+ public:
+  int index() const noexcept { return index_; }
+  Backend backend() const;
+  std::string name() const;
+
+  // Device memory, owned by the returned buffer. Throws OutOfMemory naming the device.
+  DeviceBuffer allocate(std::size_t bytes);
+  MemoryStats memory() const;
+  void reset_peak_memory();
+
+  Stream create_stream();
+  Event create_event();
+  // Blocks until all streams of this device are idle.
+  void synchronize();
+
+  // Runs `task` on this device's persistent worker thread (on cuda it has made this device
+  // current once, at start). Exceptions come back through the future.
+  std::future<void> submit(std::function<void()> task);
+
+ private:
+  friend class detail::RuntimeImpl;
+  friend struct detail::Access;
+  Device(int index, std::unique_ptr<detail::DeviceImpl> impl);
+  int index_;
+  std::unique_ptr<detail::DeviceImpl> impl_;
+
+ public:
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+};
+
+struct RuntimeOptions {
+  // "auto" picks cuda when a GPU is visible, else sim.
+  std::string backend = "auto";
+  // sim only: number of simulated devices and each one's memory capacity.
+  int sim_devices = 2;
+  std::size_t sim_capacity_bytes = std::size_t{16} << 30;
+};
+
+// Byte and copy counts of one directed link; `kHost` stands for host memory.
+inline constexpr int kHost = -1;
+struct LinkTraffic {
+  std::uint64_t bytes = 0;
+  std::uint64_t copies = 0;
+};
+
+// Owns the devices of one backend. Create one per process (cuda) or as many as you like (sim).
+class Runtime {
+ public:
+  static std::unique_ptr<Runtime> create(const RuntimeOptions& options = {});
+  // Number of usable GPUs; 0 when the driver is missing or refuses (any error means "no GPU").
+  static int cuda_device_count();
+  // Whether this build of dp contains the cuda backend.
+  static bool cuda_compiled();
+
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  Backend backend() const;
+  int device_count() const;
+  Device& device(int index);  // throws InvalidArgument naming the index and the count
+
+  // Pinned (page-locked) host memory: copies to and from it are truly asynchronous.
+  PinnedBuffer allocate_pinned(std::size_t bytes);
+
+  // Traffic enqueued so far on the directed link src -> dst (device index or kHost).
+  LinkTraffic link_traffic(int src, int dst) const;
+  std::uint64_t bytes_sent(int device) const;      // to other devices
+  std::uint64_t bytes_received(int device) const;  // from other devices
+  void reset_link_traffic();
+
+  // Records a span for every piece of stream work from now on (sim backend), for traces and
+  // busy-time accounting; take_trace() returns and clears what was recorded.
+  void set_profiling(bool on);
+  std::vector<TraceSpan> take_trace();
+
+ private:
+  friend struct detail::Access;
+  explicit Runtime(std::unique_ptr<detail::RuntimeImpl> impl);
+  std::unique_ptr<detail::RuntimeImpl> impl_;
+};
+
+}  // namespace dp

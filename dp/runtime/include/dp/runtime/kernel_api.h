@@ -1,0 +1,96 @@
+// dp/runtime/kernel_api.h — everything kernel code needs from the runtime, and nothing more: operand
+// checks, host-side execution on a simulated stream, the native stream and the device's library
+// handles on cuda, and the one check macro for CUDA library calls. Kernels reach streams only
+// through these functions; the backends' internals stay private to the runtime.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+
+#include "dp/device.h"
+#include "dp/error.h"
+#include "dp/trace.h"
+
+// Kernel arithmetic is written once and compiled by nvcc for the GPU and by the host compiler
+// for the simulator.
+#if defined(__CUDACC__)
+#define DP_HD __host__ __device__
+#else
+#define DP_HD
+#endif
+
+namespace dp::kernel_api {
+
+// A memory range a kernel reads or writes.
+struct Operand {
+  const void* ptr;
+  std::size_t bytes;
+};
+template <class T>
+Operand operand(const T* ptr, std::int64_t count) {
+  return Operand{ptr, static_cast<std::size_t>(count) * sizeof(T)};
+}
+
+// Throws DeviceMismatch naming `op` unless every non-empty operand lies inside one allocation of the
+// stream's device. The sim checks every operand (a GPU would fault or read garbage); cuda trusts
+// the hardware.
+void check_operands(const Stream& stream, const char* op, std::initializer_list<Operand> operands);
+
+// Throws InvalidArgument naming `op` for a negative extent.
+void check_extents(const char* op, std::int64_t rows, std::int64_t cols = 0);
+
+// sim: runs `body` on the stream's thread in stream order, traced as `kind`; an exception it throws
+// fails the stream, as a faulting kernel poisons a CUDA context. cuda: throws (kernels launch
+// natively there; reaching this means the launch site was not compiled by nvcc).
+void enqueue_host(const Stream& stream, const char* name, std::function<void()> body,
+                  SpanKind kind = SpanKind::kernel);
+
+// cuda: the cudaStream_t of `stream`; sim: nullptr.
+void* native_handle(const Stream& stream);
+// cuda: multiprocessors of the stream's device (launch grid sizing); sim: 1.
+int multiprocessor_count(const Stream& stream);
+// cuda: makes the stream's device current on the calling thread, as a launch into a stream of
+// another device fails; sim: nothing to do.
+void make_current(const Stream& stream);
+
+// The per-device handles of the CUDA libraries, owned by the runtime and freed with the device.
+enum class Library { cublas, cudnn };
+
+// A library handle lent to one call: `handle` is bound to the stream (cublasSetStream /
+// cudnnSetStream) and held exclusively (handles are not safe for concurrent use, so the streams of
+// one device take turns). `cache` is the caller's per-device state for that library (cuDNN plans):
+// empty at first, destroyed with the device, before the handle.
+struct LibraryCall {
+  void* handle;
+  std::shared_ptr<void>& cache;
+};
+// cuda only: runs fn with the stream's device current and its `library` handle; sim: throws.
+void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn);
+
+}  // namespace dp::kernel_api
+
+namespace dp::cuda {
+
+// Throws dp::Error carrying file:line, the call as written and the library's error string.
+[[noreturn]] void throw_call_error(const char* library, int code, const char* message, const char* call,
+                                   const char* file, int line);
+
+// Specialised for each CUDA library's status type in dp/runtime/cuda_status.h (cudart, cuBLAS,
+// cuDNN, NCCL), which only code built against the CUDA toolkit includes.
+template <class Status>
+struct StatusTraits;
+
+template <class Status>
+void check(Status status, const char* call, const char* file, int line) {
+  using Traits = StatusTraits<Status>;
+  if (status != Traits::success)
+    throw_call_error(Traits::library, static_cast<int>(status), Traits::message(status), call, file, line);
+}
+
+}  // namespace dp::cuda
+
+// The one macro every CUDA / cuBLAS / cuDNN / NCCL call goes through.
+#define DP_CUDA_CHECK(call) ::dp::cuda::check((call), #call, __FILE__, __LINE__)

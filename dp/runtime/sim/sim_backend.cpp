@@ -1,0 +1,395 @@
+// sim_backend.cpp — N simulated devices on the host.
+// Faithful where it matters for engine correctness: memory is owned per device and every
+// operand is checked against the stream's device; a stream is an in-order queue run by its own
+// thread, so two streams really overlap and a missing event wait is a real data race.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fmt/format.h>
+#include <map>
+#include <set>
+#include <shared_mutex>
+#include <vector>
+
+#include "backend.h"
+#include "executor.h"
+
+namespace dp::detail {
+namespace {
+
+class SimRuntime;
+
+// Which runtime and device (or pinned host memory: kHost) each simulated allocation belongs to.
+// Process-wide because a pointer may be handed to the wrong runtime as well as the wrong device.
+class AllocationRegistry {
+ public:
+  struct Owner {
+    const SimRuntime* runtime = nullptr;
+    int device = kHost;
+  };
+  static AllocationRegistry& instance() {
+    static AllocationRegistry registry;
+    return registry;
+  }
+  void add(const void* base, std::size_t bytes, Owner owner) {
+    std::unique_lock lock(mutex_);
+    blocks_[reinterpret_cast<std::uintptr_t>(base)] = Block{bytes, owner};
+  }
+  void remove(const void* base) {
+    std::unique_lock lock(mutex_);
+    blocks_.erase(reinterpret_cast<std::uintptr_t>(base));
+  }
+  // The owner of the block containing all of [ptr, ptr+bytes); nullopt-like {nullptr} for host memory.
+  // `partial` is set when the range starts inside a block but runs past its end.
+  Owner find(const void* ptr, std::size_t bytes, bool& partial) const {
+    std::shared_lock lock(mutex_);
+    partial = false;
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    auto it = blocks_.upper_bound(p);
+    if (it == blocks_.begin()) return {};
+    --it;
+    if (p >= it->first + it->second.bytes) return {};
+    if (p + bytes > it->first + it->second.bytes) partial = true;
+    return it->second.owner;
+  }
+
+ private:
+  struct Block {
+    std::size_t bytes;
+    Owner owner;
+  };
+  mutable std::shared_mutex mutex_;
+  std::map<std::uintptr_t, Block> blocks_;
+};
+
+constexpr std::size_t kAlignment = 256;  // cudaMalloc's alignment guarantee
+
+void* aligned_host_alloc(std::size_t bytes) {
+  return std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+}
+
+class SimEvent final : public EventImpl, public std::enable_shared_from_this<SimEvent> {
+ public:
+  explicit SimEvent(int device) : device_(device) {}
+  int device() const override { return device_; }
+
+  // Called by SimStream::record: returns the generation that completing this record reaches.
+  std::uint64_t begin_record() {
+    std::lock_guard lock(mutex_);
+    return ++recorded_;
+  }
+  // Records may complete out of order when one event is recorded on several streams; a waiter
+  // for record g must see g itself complete (as with cudaStreamWaitEvent), not a later one.
+  void complete(std::uint64_t generation) {
+    {
+      std::lock_guard lock(mutex_);
+      done_.insert(generation);
+      while (done_.count(completed_ + 1)) done_.erase(++completed_);
+      time_ns_ = now_ns();
+    }
+    cv_.notify_all();
+  }
+  bool is_done(std::uint64_t generation) const { return generation <= completed_ || done_.count(generation) != 0; }
+  std::uint64_t latest_record() const {
+    std::lock_guard lock(mutex_);
+    return recorded_;
+  }
+  void wait_until(std::uint64_t generation) {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return is_done(generation); });
+  }
+
+  bool query() override {
+    std::lock_guard lock(mutex_);
+    return recorded_ == 0 || is_done(recorded_);
+  }
+  void synchronize() override { wait_until(latest_record()); }
+  double elapsed_ms_since(EventImpl& start) override {
+    auto& begin = static_cast<SimEvent&>(start);
+    if (!query() || !begin.query() || recorded_at_least_once() == false || !begin.recorded_at_least_once())
+      throw InvalidArgument("Event::elapsed_ms: both events must be recorded and completed");
+    return static_cast<double>(time() - begin.time()) / 1e6;
+  }
+
+ private:
+  bool recorded_at_least_once() const {
+    std::lock_guard lock(mutex_);
+    return recorded_ > 0;
+  }
+  std::int64_t time() const {
+    std::lock_guard lock(mutex_);
+    return time_ns_;
+  }
+  int device_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::uint64_t recorded_ = 0;
+  std::uint64_t completed_ = 0;    // every generation <= this one has completed
+  std::set<std::uint64_t> done_;   // completed generations above completed_
+  std::int64_t time_ns_ = 0;
+};
+
+class SimDevice;
+
+class SimRuntime final : public RuntimeImpl {
+ public:
+  explicit SimRuntime(const RuntimeOptions& options);
+  ~SimRuntime() override;
+  Backend backend() const override { return Backend::sim; }
+  void* allocate_pinned(std::size_t bytes) override {
+    void* ptr = aligned_host_alloc(bytes);
+    if (!ptr) throw OutOfMemory(kHost, bytes, 0, 0);
+    AllocationRegistry::instance().add(ptr, bytes, {this, kHost});
+    return ptr;
+  }
+  // cudaFreeHost waits for the device work that may still copy from or to the buffer.
+  void free_pinned(void* ptr) noexcept override;
+};
+
+class SimStream final : public StreamImpl {
+ public:
+  SimStream(SimRuntime& runtime, int device)
+      : runtime_(runtime),
+        device_(device),
+        id_(runtime.next_stream_id()),
+        executor_(fmt::format("sim{}.stream{}", device, id_)) {}
+
+  int device() const override { return device_; }
+  Backend backend() const override { return Backend::sim; }
+
+  void record(EventImpl& event) override {
+    auto sim_event = static_cast<SimEvent&>(event).shared_from_this();
+    if (sim_event->device() != device_)
+      throw DeviceMismatch(fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(),
+                                       device_));
+    rethrow_sticky_error();  // before taking a generation that a refused post could never complete
+    const std::uint64_t generation = sim_event->begin_record();
+    post("record", SpanKind::sync, [] {}, [sim_event, generation] { sim_event->complete(generation); });
+  }
+
+  void wait(EventImpl& event) override {
+    auto sim_event = static_cast<SimEvent&>(event).shared_from_this();
+    // Captures the latest record now, as cudaStreamWaitEvent does; later records do not matter.
+    const std::uint64_t generation = sim_event->latest_record();
+    if (generation == 0) return;
+    post("wait", SpanKind::sync, [sim_event, generation] { sim_event->wait_until(generation); });
+  }
+
+  bool query() override {
+    rethrow_sticky_error();
+    return executor_.completed() == executor_.submitted();
+  }
+  void synchronize() override {
+    executor_.wait_idle();
+    rethrow_sticky_error();
+  }
+
+  void copy(void* dst, const void* src, std::size_t bytes) override;
+
+  void launch_host_func(std::function<void()> fn) override { post("host_func", SpanKind::host, std::move(fn)); }
+
+  void check_access(const void* ptr, std::size_t bytes, const char* op) override {
+    bool partial = false;
+    const auto owner = AllocationRegistry::instance().find(ptr, bytes, partial);
+    if (owner.runtime == nullptr)
+      throw DeviceMismatch(fmt::format("{}: operand {} is not device memory (stream on device {})", op, ptr, device_));
+    if (owner.runtime != &runtime_)
+      throw DeviceMismatch(fmt::format("{}: operand {} belongs to another runtime (stream on device {})", op, ptr,
+                                       device_));
+    if (owner.device != device_)
+      throw DeviceMismatch(fmt::format("{}: operand {} lives on {} but the stream is on device {}", op, ptr,
+                                       owner.device == kHost ? std::string("pinned host memory")
+                                                             : fmt::format("device {}", owner.device),
+                                       device_));
+    if (partial)
+      throw DeviceMismatch(fmt::format("{}: operand {} (+{} bytes) runs past the end of its allocation on device {}",
+                                       op, ptr, bytes, device_));
+  }
+
+  void enqueue_kernel(const char* name, std::function<void()> body, SpanKind kind) override {
+    post(name, kind, std::move(body));
+  }
+  void* native_handle() override { return nullptr; }
+  int multiprocessor_count() const override { return 1; }
+  void make_current() override {}
+  void with_library(kernel_api::Library, const std::function<void(kernel_api::LibraryCall&)>&) override {
+    throw Error(fmt::format("sim device {}: CUDA library handles exist on cuda devices only", device_));
+  }
+
+  void drain() { executor_.wait_idle(); }
+
+ private:
+  template <class F>
+  std::uint64_t post(const char* name, SpanKind kind, F&& fn, SerialExecutor::Task after = {}) {
+    rethrow_sticky_error();
+    return executor_.post(
+        [this, name, kind, fn = std::forward<F>(fn)]() mutable {
+          if (!runtime_.profiling()) {
+            fn();
+            return;
+          }
+          const std::int64_t start = now_ns();
+          fn();
+          runtime_.add_span(device_, id_, Span{name, kind, start, now_ns()});
+        },
+        std::move(after));
+  }
+
+  // A task that threw poisons the stream, as a failed kernel poisons a CUDA context.
+  void rethrow_sticky_error() {
+    if (executor_.has_error()) {
+      std::exception_ptr error = executor_.take_error();
+      sticky_ = error;
+    }
+    if (sticky_) std::rethrow_exception(sticky_);
+  }
+
+  SimRuntime& runtime_;
+  int device_;
+  int id_;
+  std::exception_ptr sticky_;
+  SerialExecutor executor_;  // last: joins (draining queued work) before the members above die
+};
+
+class SimDevice final : public DeviceImpl {
+ public:
+  SimDevice(SimRuntime& runtime, int index, std::size_t capacity)
+      : runtime_(runtime), index_(index), memory_(capacity), worker_(fmt::format("sim{}.worker", index)) {}
+
+  Backend backend() const override { return Backend::sim; }
+  std::string name() const override { return fmt::format("sim:{}", index_); }
+
+  void* allocate(std::size_t bytes) override {
+    if (!memory_.reserve(bytes)) {
+      const auto stats = memory_.stats();
+      throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
+    }
+    void* ptr = aligned_host_alloc(bytes);
+    if (!ptr) {
+      memory_.release(bytes);
+      const auto stats = memory_.stats();
+      throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
+    }
+    AllocationRegistry::instance().add(ptr, bytes, {&runtime_, index_});
+    return ptr;
+  }
+
+  void free(void* ptr, std::size_t bytes) noexcept override {
+    // cudaFree waits for the device to be idle; so does the simulator, so freeing memory a
+    // queued kernel still uses is not a use-after-free.
+    synchronize_noexcept();
+    AllocationRegistry::instance().remove(ptr);
+    std::free(ptr);
+    memory_.release(bytes);
+  }
+
+  MemoryStats memory() const override { return memory_.stats(); }
+  void reset_peak_memory() override { memory_.reset_peak(); }
+
+  std::shared_ptr<StreamImpl> create_stream() override {
+    auto stream = std::make_shared<SimStream>(runtime_, index_);
+    std::lock_guard lock(streams_mutex_);
+    std::erase_if(streams_, [](const std::weak_ptr<SimStream>& s) { return s.expired(); });
+    streams_.push_back(stream);
+    return stream;
+  }
+  std::shared_ptr<EventImpl> create_event() override { return std::make_shared<SimEvent>(index_); }
+
+  // Waits for every stream even when one has failed, then reports the first failure.
+  void synchronize() override {
+    std::exception_ptr first;
+    for (auto& stream : live_streams()) {
+      try {
+        stream->synchronize();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  std::future<void> submit(std::function<void()> task) override {
+    auto packaged = std::make_shared<std::packaged_task<void()>>(std::move(task));
+    auto future = packaged->get_future();
+    worker_.post([packaged] { (*packaged)(); });
+    return future;
+  }
+
+  void synchronize_noexcept() noexcept {
+    try {
+      for (auto& stream : live_streams()) stream->drain();
+    } catch (...) {
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<SimStream>> live_streams() {
+    std::vector<std::shared_ptr<SimStream>> out;
+    std::lock_guard lock(streams_mutex_);
+    for (auto& weak : streams_)
+      if (auto s = weak.lock()) out.push_back(std::move(s));
+    return out;
+  }
+  SimRuntime& runtime_;
+  int index_;
+  MemoryCounter memory_;
+  std::mutex streams_mutex_;
+  std::vector<std::weak_ptr<SimStream>> streams_;
+  SerialExecutor worker_;
+};
+
+void SimStream::copy(void* dst, const void* src, std::size_t bytes) {
+  bool src_partial = false, dst_partial = false;
+  const auto src_owner = AllocationRegistry::instance().find(src, bytes, src_partial);
+  const auto dst_owner = AllocationRegistry::instance().find(dst, bytes, dst_partial);
+  for (const auto* owner : {&src_owner, &dst_owner})
+    if (owner->runtime != nullptr && owner->runtime != &runtime_)
+      throw DeviceMismatch("copy: an operand belongs to another runtime");
+  if (src_partial || dst_partial)
+    throw DeviceMismatch(fmt::format("copy of {} bytes runs past the end of its {} allocation", bytes,
+                                     src_partial ? "source" : "destination"));
+  const bool src_pageable = src_owner.runtime == nullptr, dst_pageable = dst_owner.runtime == nullptr;
+  const int src_loc = src_pageable ? kHost : src_owner.device;
+  const int dst_loc = dst_pageable ? kHost : dst_owner.device;
+  // A copy touching device memory must be issued on a stream of one of its devices.
+  if (src_loc != device_ && dst_loc != device_ && (src_loc != kHost || dst_loc != kHost))
+    throw DeviceMismatch(fmt::format("copy from {} to {} issued on a stream of device {}",
+                                     src_loc == kHost ? std::string("host") : fmt::format("device {}", src_loc),
+                                     dst_loc == kHost ? std::string("host") : fmt::format("device {}", dst_loc),
+                                     device_));
+  runtime_.count_copy(src_loc, dst_loc, bytes);
+  if (src_pageable) {
+    // cudaMemcpyAsync stages a pageable source before returning: the caller may reuse it at once.
+    auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src),
+                                                               static_cast<const unsigned char*>(src) + bytes);
+    post("copy", SpanKind::copy, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+  } else {
+    post("copy", SpanKind::copy, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  }
+  // ... and writes a pageable destination before returning.
+  if (dst_pageable) synchronize();
+}
+
+void SimRuntime::free_pinned(void* ptr) noexcept {
+  for (int i = 0; i < device_count(); ++i) static_cast<SimDevice&>(Access::device(device(i))).synchronize_noexcept();
+  AllocationRegistry::instance().remove(ptr);
+  std::free(ptr);
+}
+
+SimRuntime::SimRuntime(const RuntimeOptions& options) : RuntimeImpl(options.sim_devices) {
+  for (int i = 0; i < options.sim_devices; ++i)
+    add_device(std::make_unique<SimDevice>(*this, i, options.sim_capacity_bytes));
+}
+
+SimRuntime::~SimRuntime() = default;
+
+}  // namespace
+
+std::unique_ptr<RuntimeImpl> make_sim_runtime(const RuntimeOptions& options) {
+  if (options.sim_devices < 1 || options.sim_devices > 64)
+    throw InvalidArgument(fmt::format("sim backend: device count must be in [1, 64], got {}", options.sim_devices));
+  if (options.sim_capacity_bytes == 0) throw InvalidArgument("sim backend: device capacity must be > 0 bytes");
+  return std::make_unique<SimRuntime>(options);
+}
+
+}  // namespace dp::detail

@@ -1,0 +1,172 @@
+// backend.h — the internal interface each device backend (sim, cuda) implements. Private to the
+// runtime: public handles (Device, Stream, Event) forward to these, and kernels reach them only
+// through dp/runtime/kernel_api.h.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dp/collectives.h"
+#include "dp/device.h"
+#include "dp/error.h"
+#include "dp/runtime/kernel_api.h"
+#include "dp/trace.h"
+
+namespace dp::detail {
+
+struct Span {
+  std::string name;
+  SpanKind kind;
+  std::int64_t start_ns;  // steady clock
+  std::int64_t end_ns;
+};
+
+class EventImpl {
+ public:
+  virtual ~EventImpl() = default;
+  virtual int device() const = 0;
+  virtual bool query() = 0;
+  virtual void synchronize() = 0;
+  virtual double elapsed_ms_since(EventImpl& start) = 0;
+};
+
+class StreamImpl {
+ public:
+  virtual ~StreamImpl() = default;
+  virtual int device() const = 0;
+  virtual Backend backend() const = 0;
+  virtual void record(EventImpl& event) = 0;
+  virtual void wait(EventImpl& event) = 0;
+  virtual bool query() = 0;
+  virtual void synchronize() = 0;
+  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void launch_host_func(std::function<void()> fn) = 0;
+
+  // Throws DeviceMismatch unless [ptr, ptr+bytes) lies in memory of this stream's device.
+  // `op` names the operation for the message. The sim checks every operand; cuda trusts the GPU.
+  virtual void check_access(const void* ptr, std::size_t bytes, const char* op) = 0;
+
+  // sim only: run a kernel body on the stream thread. cuda launches kernels natively instead.
+  virtual void enqueue_kernel(const char* name, std::function<void()> body, SpanKind kind = SpanKind::kernel) = 0;
+  // cuda only: the cudaStream_t (nullptr on sim).
+  virtual void* native_handle() = 0;
+  // cuda only: number of multiprocessors of the stream's device (launch grid sizing); sim: 1.
+  virtual int multiprocessor_count() const = 0;
+  // cuda: makes the stream's device current on the calling thread (a kernel launch into a stream
+  // of another device fails); sim: nothing to do.
+  virtual void make_current() = 0;
+  // cuda only: kernel_api::with_library on this stream; sim: throws.
+  virtual void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) = 0;
+};
+
+class DeviceImpl {
+ public:
+  virtual ~DeviceImpl() = default;
+  virtual Backend backend() const = 0;
+  virtual std::string name() const = 0;
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void free(void* ptr, std::size_t bytes) noexcept = 0;
+  virtual MemoryStats memory() const = 0;
+  virtual void reset_peak_memory() = 0;
+  virtual std::shared_ptr<StreamImpl> create_stream() = 0;
+  virtual std::shared_ptr<EventImpl> create_event() = 0;
+  virtual void synchronize() = 0;
+  virtual std::future<void> submit(std::function<void()> task) = 0;
+
+  DeviceBuffer wrap(int device, void* data, std::size_t bytes) { return DeviceBuffer(this, device, data, bytes); }
+};
+
+// Accounting shared by both backends: per-device current/peak/capacity bytes.
+class MemoryCounter {
+ public:
+  explicit MemoryCounter(std::size_t capacity) : capacity_(capacity) {}
+  // Reserves `bytes`; returns false (and reserves nothing) when capacity would be exceeded.
+  bool reserve(std::size_t bytes);
+  void release(std::size_t bytes) noexcept;
+  MemoryStats stats() const;
+  void reset_peak();
+  std::size_t capacity() const { return capacity_; }
+  void set_capacity(std::size_t capacity) { capacity_ = capacity; }
+
+ private:
+  mutable std::mutex mutex_;
+  std::size_t capacity_;
+  std::size_t in_use_ = 0;
+  std::size_t peak_ = 0;
+  std::size_t allocations_ = 0;
+};
+
+class RuntimeImpl {
+ public:
+  explicit RuntimeImpl(int device_count);
+  virtual ~RuntimeImpl() = default;
+  virtual Backend backend() const = 0;
+  virtual void* allocate_pinned(std::size_t bytes) = 0;
+  virtual void free_pinned(void* ptr) noexcept = 0;
+
+  int device_count() const { return static_cast<int>(devices_.size()); }
+  Device& device(int index);
+  PinnedBuffer wrap_pinned(void* data, std::size_t bytes) { return PinnedBuffer(this, data, bytes); }
+
+  // Link accounting: src/dst are device indices or kHost.
+  void count_copy(int src, int dst, std::size_t bytes);
+  LinkTraffic link_traffic(int src, int dst) const;
+  void reset_link_traffic();
+
+  // Stream work spans, recorded while profiling is on (bench traces, overlap tests).
+  void set_profiling(bool on) { profiling_.store(on); }
+  bool profiling() const { return profiling_.load(std::memory_order_relaxed); }
+  void add_span(int device, int stream_id, Span span);
+  struct StreamSpans {
+    int device;
+    int stream_id;
+    std::vector<Span> spans;
+  };
+  std::vector<StreamSpans> take_spans();
+  int next_stream_id() { return stream_ids_.fetch_add(1); }
+
+ protected:
+  // Called by the backend's constructor once per device, in index order.
+  void add_device(std::unique_ptr<DeviceImpl> impl);
+
+ private:
+  std::size_t slot(int index) const;  // kHost -> last slot
+  int expected_devices_;
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> link_bytes_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> link_copies_;
+  std::atomic<bool> profiling_{false};
+  std::atomic<int> stream_ids_{0};
+  std::mutex spans_mutex_;
+  std::vector<StreamSpans> spans_;
+};
+
+std::int64_t now_ns();
+
+// The private side of the public handles, for the runtime's own code (backends, kernel_api).
+struct Access {
+  static StreamImpl& stream(const Stream& stream);  // throws InvalidArgument for an empty handle
+  static EventImpl& event(const Event& event);
+  static DeviceImpl& device(const Device& device) { return *device.impl_; }
+  static RuntimeImpl& runtime(const Runtime& runtime) { return *runtime.impl_; }
+};
+
+// Backend factories (cuda ones come from the cuda backend, or from its stub when not compiled).
+std::unique_ptr<RuntimeImpl> make_sim_runtime(const RuntimeOptions& options);
+std::unique_ptr<RuntimeImpl> make_cuda_runtime(const RuntimeOptions& options);
+int cuda_device_count_impl();
+bool cuda_compiled_impl();
+
+// Communicators (`group` must outlive them): the ring over counted copies (sim), NCCL (cuda builds;
+// elsewhere an error naming the missing backend).
+std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group);
+std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group);
+
+}  // namespace dp::detail

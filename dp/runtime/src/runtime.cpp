@@ -1,0 +1,261 @@
+// runtime.cpp — public handles forwarding to the backend, backend selection, shared accounting.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <utility>
+
+#include "backend.h"
+
+namespace dp {
+
+std::string_view to_string(Backend backend) { return backend == Backend::sim ? "sim" : "cuda"; }
+
+OutOfMemory::OutOfMemory(int device, std::size_t requested, std::size_t in_use, std::size_t capacity)
+    : Error(fmt::format("out of memory on device {}: requested {} bytes with {} of {} bytes in use", device,
+                        requested, in_use, capacity)),
+      device_(device),
+      requested_(requested) {}
+
+// ---- Event
+bool Event::query() const { return impl_ ? impl_->query() : true; }
+void Event::synchronize() const {
+  if (impl_) impl_->synchronize();
+}
+double Event::elapsed_ms(const Event& start, const Event& end) {
+  if (!start.impl_ || !end.impl_) throw InvalidArgument("Event::elapsed_ms: event not created");
+  if (start.impl_->device() != end.impl_->device())
+    throw InvalidArgument(fmt::format("Event::elapsed_ms: events of devices {} and {}", start.impl_->device(),
+                                      end.impl_->device()));
+  return end.impl_->elapsed_ms_since(*start.impl_);
+}
+
+// ---- Stream
+using detail::Access;
+
+int Stream::device() const { return Access::stream(*this).device(); }
+Backend Stream::backend() const { return Access::stream(*this).backend(); }
+void Stream::record(const Event& event) const { Access::stream(*this).record(Access::event(event)); }
+void Stream::wait(const Event& event) const { Access::stream(*this).wait(Access::event(event)); }
+bool Stream::query() const { return Access::stream(*this).query(); }
+void Stream::synchronize() const { Access::stream(*this).synchronize(); }
+void Stream::copy(void* dst, const void* src, std::size_t bytes) const {
+  if (bytes == 0) return;
+  if (!dst || !src) throw InvalidArgument("Stream::copy: null pointer");
+  Access::stream(*this).copy(dst, src, bytes);
+}
+void Stream::launch_host_func(std::function<void()> fn) const {
+  Access::stream(*this).launch_host_func(std::move(fn));
+}
+
+// ---- Device
+Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl) : index_(index), impl_(std::move(impl)) {}
+Device::~Device() = default;
+Backend Device::backend() const { return impl_->backend(); }
+std::string Device::name() const { return impl_->name(); }
+DeviceBuffer Device::allocate(std::size_t bytes) {
+  if (bytes == 0) return {};
+  return impl_->wrap(index_, impl_->allocate(bytes), bytes);
+}
+MemoryStats Device::memory() const { return impl_->memory(); }
+void Device::reset_peak_memory() { impl_->reset_peak_memory(); }
+Stream Device::create_stream() { return Stream(impl_->create_stream()); }
+Event Device::create_event() { return Event(impl_->create_event()); }
+void Device::synchronize() { impl_->synchronize(); }
+std::future<void> Device::submit(std::function<void()> task) { return impl_->submit(std::move(task)); }
+
+// ---- buffers
+DeviceBuffer::~DeviceBuffer() { reset(); }
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : owner_(std::exchange(other.owner_, nullptr)),
+      device_(std::exchange(other.device_, -1)),
+      data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)) {}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    reset();
+    owner_ = std::exchange(other.owner_, nullptr);
+    device_ = std::exchange(other.device_, -1);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+void DeviceBuffer::reset() noexcept {
+  if (data_ && owner_) owner_->free(data_, bytes_);
+  owner_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+  device_ = -1;
+}
+
+PinnedBuffer::~PinnedBuffer() { reset(); }
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : owner_(std::exchange(other.owner_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)) {}
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    reset();
+    owner_ = std::exchange(other.owner_, nullptr);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+void PinnedBuffer::reset() noexcept {
+  if (data_ && owner_) owner_->free_pinned(data_);
+  owner_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+// ---- Runtime
+Runtime::Runtime(std::unique_ptr<detail::RuntimeImpl> impl) : impl_(std::move(impl)) {}
+Runtime::~Runtime() = default;
+
+int Runtime::cuda_device_count() { return detail::cuda_device_count_impl(); }
+bool Runtime::cuda_compiled() { return detail::cuda_compiled_impl(); }
+
+std::unique_ptr<Runtime> Runtime::create(const RuntimeOptions& options) {
+  const std::string& name = options.backend;
+  if (name == "sim") return std::unique_ptr<Runtime>(new Runtime(detail::make_sim_runtime(options)));
+  if (name == "cuda") return std::unique_ptr<Runtime>(new Runtime(detail::make_cuda_runtime(options)));
+  if (name == "auto") {
+    if (cuda_device_count() > 0) return std::unique_ptr<Runtime>(new Runtime(detail::make_cuda_runtime(options)));
+    return std::unique_ptr<Runtime>(new Runtime(detail::make_sim_runtime(options)));
+  }
+  throw InvalidArgument(fmt::format("unknown backend '{}' (expected auto, cuda or sim)", name));
+}
+
+Backend Runtime::backend() const { return impl_->backend(); }
+int Runtime::device_count() const { return impl_->device_count(); }
+Device& Runtime::device(int index) { return impl_->device(index); }
+PinnedBuffer Runtime::allocate_pinned(std::size_t bytes) {
+  if (bytes == 0) return {};
+  return impl_->wrap_pinned(impl_->allocate_pinned(bytes), bytes);
+}
+LinkTraffic Runtime::link_traffic(int src, int dst) const { return impl_->link_traffic(src, dst); }
+std::uint64_t Runtime::bytes_sent(int device) const {
+  std::uint64_t total = 0;
+  for (int d = 0; d < device_count(); ++d)
+    if (d != device) total += impl_->link_traffic(device, d).bytes;
+  return total;
+}
+std::uint64_t Runtime::bytes_received(int device) const {
+  std::uint64_t total = 0;
+  for (int d = 0; d < device_count(); ++d)
+    if (d != device) total += impl_->link_traffic(d, device).bytes;
+  return total;
+}
+void Runtime::reset_link_traffic() { impl_->reset_link_traffic(); }
+void Runtime::set_profiling(bool on) { impl_->set_profiling(on); }
+std::vector<TraceSpan> Runtime::take_trace() {
+  std::vector<TraceSpan> out;
+  for (auto& stream : impl_->take_spans())
+    for (auto& span : stream.spans)
+      out.push_back(TraceSpan{stream.device, stream.stream_id, std::move(span.name), span.kind, span.start_ns,
+                              span.end_ns});
+  return out;
+}
+
+namespace detail {
+
+StreamImpl& Access::stream(const Stream& stream) {
+  if (!stream.impl_) throw InvalidArgument("use of an empty dp::Stream (create it with Device::create_stream)");
+  return *stream.impl_;
+}
+EventImpl& Access::event(const Event& event) {
+  if (!event.impl_) throw InvalidArgument("use of an empty dp::Event (create it with Device::create_event)");
+  return *event.impl_;
+}
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+bool MemoryCounter::reserve(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  if (bytes > capacity_ - in_use_) return false;
+  in_use_ += bytes;
+  ++allocations_;
+  if (in_use_ > peak_) peak_ = in_use_;
+  return true;
+}
+void MemoryCounter::release(std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  in_use_ -= bytes;
+  --allocations_;
+}
+MemoryStats MemoryCounter::stats() const {
+  std::lock_guard lock(mutex_);
+  return MemoryStats{in_use_, peak_, capacity_, allocations_};
+}
+void MemoryCounter::reset_peak() {
+  std::lock_guard lock(mutex_);
+  peak_ = in_use_;
+}
+
+RuntimeImpl::RuntimeImpl(int device_count) : expected_devices_(device_count) {
+  const std::size_t slots = static_cast<std::size_t>(device_count + 1) * static_cast<std::size_t>(device_count + 1);
+  link_bytes_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
+  link_copies_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
+  reset_link_traffic();
+}
+
+void RuntimeImpl::add_device(std::unique_ptr<DeviceImpl> impl) {
+  const int index = device_count();
+  devices_.push_back(std::unique_ptr<Device>(new Device(index, std::move(impl))));
+}
+
+Device& RuntimeImpl::device(int index) {
+  if (index < 0 || index >= device_count())
+    throw InvalidArgument(fmt::format("device {} does not exist: the {} backend has {} device(s)", index,
+                                      dp::to_string(backend()), device_count()));
+  return *devices_[static_cast<std::size_t>(index)];
+}
+
+std::size_t RuntimeImpl::slot(int index) const {
+  if (index == kHost) return static_cast<std::size_t>(expected_devices_);
+  if (index < 0 || index >= expected_devices_)
+    throw InvalidArgument(fmt::format("link endpoint {} is not a device of this runtime", index));
+  return static_cast<std::size_t>(index);
+}
+
+void RuntimeImpl::count_copy(int src, int dst, std::size_t bytes) {
+  const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 1) + slot(dst);
+  link_bytes_[i].fetch_add(bytes, std::memory_order_relaxed);
+  link_copies_[i].fetch_add(1, std::memory_order_relaxed);
+}
+
+LinkTraffic RuntimeImpl::link_traffic(int src, int dst) const {
+  const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 1) + slot(dst);
+  return LinkTraffic{link_bytes_[i].load(), link_copies_[i].load()};
+}
+
+void RuntimeImpl::reset_link_traffic() {
+  const std::size_t slots = static_cast<std::size_t>(expected_devices_ + 1) * static_cast<std::size_t>(expected_devices_ + 1);
+  for (std::size_t i = 0; i < slots; ++i) {
+    link_bytes_[i].store(0);
+    link_copies_[i].store(0);
+  }
+}
+
+void RuntimeImpl::add_span(int device, int stream_id, Span span) {
+  std::lock_guard lock(spans_mutex_);
+  for (auto& s : spans_) {
+    if (s.stream_id == stream_id) {
+      s.spans.push_back(std::move(span));
+      return;
+    }
+  }
+  spans_.push_back(StreamSpans{device, stream_id, {std::move(span)}});
+}
+
+std::vector<RuntimeImpl::StreamSpans> RuntimeImpl::take_spans() {
+  std::lock_guard lock(spans_mutex_);
+  return std::exchange(spans_, {});
+}
+
+}  // namespace detail
+}  // namespace dp

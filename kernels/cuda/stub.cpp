@@ -1,0 +1,19 @@
+// stub.cpp — builds without the cuda backend have no cuBLAS or cuDNN path (sim streams never ask).
+#include "dp/error.h"
+#include "library_calls.h"
+
+namespace dp::kernels::library {
+
+void cublas_gemm(const Stream&, const GemmArgs&) {
+  throw Error("cuBLAS GEMM requested, but dp was built without the cuda backend");
+}
+bool cudnn_available() { return false; }
+void cudnn_conv2d_forward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*) {
+  throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
+}
+void cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*, float*,
+                           float*) {
+  throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
+}
+
+}  // namespace dp::kernels::library

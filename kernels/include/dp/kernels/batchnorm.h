@@ -1,0 +1,192 @@
+// batchnorm.h — BatchNorm2d (PyTorch semantics: eps, momentum 0.1, biased batch variance for
+// normalisation, unbiased for running_var, num_batches_tracked int64) over NCHW input.
+// Per-channel reductions over N*H*W are split (launch_row_reduce), never one serial thread each.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dp/device.h"
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+struct BatchNormShape {
+  int n = 0, c = 0, h = 0, w = 0;
+  float eps = 1e-5f;
+  float momentum = 0.1f;
+};
+
+// Training forward: normalises with batch statistics, writes save_mean / save_invstd (C) for the
+// backward, and updates running_mean / running_var (C) with momentum (running_var from the
+// unbiased variance) and num_batches_tracked (one int64) += 1.
+// Needs N*H*W >= 2: like torch.nn.BatchNorm2d ("Expected more than 1 value per channel when
+// training") it throws InvalidArgument for one value per channel, where the unbiased variance
+// would be 0/0 (aten's native_batch_norm, below the module check, writes NaN into running_var).
+void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                             const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+                             float* running_var, std::int64_t* num_batches_tracked);
+
+// Eval forward: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
+void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                            const float* beta, const float* running_mean, const float* running_var, float* y);
+
+// Training backward: dx overwritten (skipped when null); dgamma += sum(dy*xhat), dbeta += sum(dy).
+// grad_sums: scratch of 2*C floats for this call's per-channel sums (dx needs them, not the
+// accumulated dgamma/dbeta). Needs N*H*W >= 2, as the training forward does.
+void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                        const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
+                        float* dbeta, float* grad_sums);
+
+// ------------------------------------------------------------------------------------------------
+// functors
+
+// Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.
+struct ChannelElement {
+  index_t channels, plane;  // C, H*W
+  DP_HD index_t operator()(index_t channel, index_t j) const {
+    const index_t n = j / plane;
+    return (n * channels + channel) * plane + (j - n * plane);
+  }
+};
+
+// Two sums reduced in one pass (launch_row_reduce's T): value-initialised to zeros.
+struct SumPair {
+  float a, b;
+  DP_HD SumPair operator+(const SumPair& o) const { return SumPair{a + o.a, b + o.b}; }
+};
+
+// Pass 1 of the batch statistics: sum of x per channel.
+struct BnChannelValue {
+  ChannelElement at;
+  const float* x;
+  DP_HD float operator()(index_t c, index_t j) const { return x[at(c, j)]; }
+};
+struct BnStoreMean {
+  float* mean;
+  float inv_count;  // 1/M
+  DP_HD void operator()(index_t c, float sum) const { mean[c] = sum * inv_count; }
+};
+
+// Pass 2: deviations from the pass-1 mean, summed plain (a) and squared (b). Squared deviations
+// avoid E[x^2]-E[x]^2 cancellation; the plain sum corrects for the rounding of the mean itself
+// (the "corrected two-pass" variance: sum d^2 - (sum d)^2 / M).
+struct BnCenteredMoments {
+  ChannelElement at;
+  const float* x;
+  const float* mean;
+  DP_HD SumPair operator()(index_t c, index_t j) const {
+    const float d = x[at(c, j)] - mean[c];
+    return SumPair{d, d * d};
+  }
+};
+// Finishes the statistics of channel c: invstd for this batch and the momentum update of the
+// running statistics (unbiased variance, M/(M-1), as PyTorch). One thread per channel runs it.
+struct BnStoreVariance {
+  const float* mean;
+  float* invstd;
+  float* running_mean;
+  float* running_var;
+  float count;  // M as a float
+  float eps, momentum;
+  DP_HD void operator()(index_t c, SumPair s) const {
+    float centered = s.b - s.a * s.a / count;  // sum of squared deviations from the exact mean
+    if (centered < 0.0f) centered = 0.0f;      // rounding can push a constant channel below 0
+    invstd[c] = 1.0f / sqrtf(centered / count + eps);
+    running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean[c];
+    running_var[c] = (1.0f - momentum) * running_var[c] + momentum * (centered / (count - 1.0f));
+  }
+};
+
+// y = (x - mean) * invstd * gamma + beta, channel of element i taken from the NCHW index.
+struct BnNormalize {
+  index_t channels, plane;
+  const float* x;
+  const float* mean;
+  const float* invstd;
+  const float* gamma;
+  const float* beta;
+  float* y;
+  // plane_index = n*C + c: one (n, c) plane of H*W elements, j within it (launch_2d).
+  DP_HD void operator()(index_t plane_index, index_t j) const {
+    const index_t c = plane_index % channels, i = plane_index * plane + j;
+    y[i] = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
+  }
+};
+
+// Eval: the running statistics, invstd recomputed per element (cheaper than another launch).
+struct BnNormalizeEval {
+  index_t channels, plane;
+  float eps;
+  const float* x;
+  const float* running_mean;
+  const float* running_var;
+  const float* gamma;
+  const float* beta;
+  float* y;
+  DP_HD void operator()(index_t plane_index, index_t j) const {
+    const index_t c = plane_index % channels, i = plane_index * plane + j;
+    y[i] = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
+  }
+};
+
+// A single-element launch: the counter lives on the device, like PyTorch's buffer.
+struct BnCountBatch {
+  std::int64_t* count;
+  DP_HD void operator()(index_t) const { *count += 1; }
+};
+
+// Backward sums per channel: a = sum(dy), b = sum(dy * xhat).
+struct BnGradTerms {
+  ChannelElement at;
+  const float* x;
+  const float* dy;
+  const float* mean;
+  const float* invstd;
+  DP_HD SumPair operator()(index_t c, index_t j) const {
+    const index_t i = at(c, j);
+    const float g = dy[i];
+    return SumPair{g, g * (x[i] - mean[c]) * invstd[c]};
+  }
+};
+// dbeta += a, dgamma += b (PyTorch accumulates .grad); this call's sums are also kept in
+// grad_sums (sum(dy) at [c], sum(dy*xhat) at [C + c]) for the dx pass.
+struct BnStoreGradSums {
+  index_t channels;
+  float* dgamma;
+  float* dbeta;
+  float* grad_sums;
+  DP_HD void operator()(index_t c, SumPair s) const {
+    dbeta[c] += s.a;
+    dgamma[c] += s.b;
+    grad_sums[c] = s.a;
+    grad_sums[channels + c] = s.b;
+  }
+};
+
+// dx = gamma*invstd/M * (M*dy - sum(dy) - xhat*sum(dy*xhat)), written with the sums divided by M
+// first so no term grows with M.
+struct BnInputGradTerm {
+  const float* x;
+  const float* dy;
+  const float* gamma;
+  const float* mean;
+  const float* invstd;
+  float inv_count;  // 1/M
+  DP_HD float operator()(index_t c, index_t i, float sum_dy, float sum_dy_xhat) const {
+    const float xhat = (x[i] - mean[c]) * invstd[c];
+    return gamma[c] * invstd[c] * (dy[i] - sum_dy * inv_count - xhat * (sum_dy_xhat * inv_count));
+  }
+};
+struct BnInputGrad {
+  ChannelElement at;
+  BnInputGradTerm term;
+  const float* grad_sums;
+  float* dx;
+  DP_HD void operator()(index_t plane_index, index_t j) const {
+    const index_t c = plane_index % at.channels, i = plane_index * at.plane + j;
+    dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
+  }
+};
+
+}  // namespace dp::kernels

@@ -1,0 +1,213 @@
+// conv2d.h — Conv2d forward/backward (PyTorch semantics: weight (C_out, C_in, KH, KW), bias (C_out),
+// any stride and zero padding, NCHW row-major). Shared path: im2col/col2im + GEMM, which both
+// backends run; on cuda a cuDNN path is the default when available (set_conv_cudnn(false) turns it off).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dp/device.h"
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+struct Conv2dShape {
+  int n = 0, c_in = 0, h = 0, w = 0;  // input  (N, C_in, H, W)
+  int c_out = 0, kh = 0, kw = 0;      // weight (C_out, C_in, KH, KW)
+  int stride = 1, pad = 0;
+  DP_HD int h_out() const { return (h + 2 * pad - kh) / stride + 1; }
+  DP_HD int w_out() const { return (w + 2 * pad - kw) / stride + 1; }
+};
+
+// Floats of scratch the caller provides to conv2d_forward / conv2d_backward for this shape.
+std::size_t conv2d_workspace_floats(const Conv2dShape& shape);
+
+// y (N, C_out, H_out, W_out) = conv(x, weight) + bias. bias may be null.
+void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                    const float* bias, float* y, float* workspace);
+
+// Given dy (N, C_out, H_out, W_out): dx = dL/dx (overwritten; skipped when dx is null),
+// dweight += dL/dweight, dbias += dL/dbias (accumulated, as PyTorch accumulates .grad; dbias may be null).
+void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace);
+
+// Whether conv2d_* use cuDNN on cuda streams (default: true when dp was built with cuDNN).
+// The sim backend always runs the shared im2col path.
+void set_conv_cudnn(bool enabled);
+bool conv_cudnn_enabled();
+
+// ------------------------------------------------------------------------------------------------
+// Arithmetic of the shared path, written once for host and device.
+//
+// The whole batch is lowered at once so that each pass is ONE large GEMM rather than N small
+// ones: with P = N*H_out*W_out output pixels and T = C_in*KH*KW taps,
+//   col (T, P):  column p = (n, oh, ow) holds the receptive field of output pixel p, row t = (c, ki, kj);
+//   mat (C_out, P): the GEMM-side layout of y / dy, i.e. NCHW with N moved next to H*W.
+// Indices are int: the shared path requires every tensor, col included, below 2^31 elements.
+
+// Division by a divisor fixed at launch, as a multiply-high and a shift (Granlund-Montgomery
+// round-up method, as CUTLASS's FastDivmod). The index maps below split each element index
+// several times; hardware integer division is a long instruction sequence on GPUs and costs
+// tens of cycles on CPUs, where it made im2col many times slower than the GEMM it feeds.
+// Exact for 0 <= n < 2^31 and 1 <= d < 2^31: m = ceil(2^p / d) with p = 31 + ceil(log2 d)
+// overshoots 2^p / d by less than 2^(p-31) / d, which n < 2^31 keeps below one quotient step.
+struct FastDivmod {
+  int divisor = 1;
+  std::uint32_t multiplier = 0;  // unused when divisor == 1
+  unsigned shift = 0;
+
+  FastDivmod() = default;
+  explicit FastDivmod(int d) : divisor(d) {
+    if (d == 1) return;
+    unsigned log2 = 0;
+    while ((std::uint64_t{1} << log2) < static_cast<std::uint64_t>(d)) ++log2;
+    const unsigned p = 31 + log2;
+    multiplier = static_cast<std::uint32_t>(((std::uint64_t{1} << p) + static_cast<std::uint64_t>(d) - 1) /
+                                            static_cast<std::uint64_t>(d));
+    shift = p - 32;
+  }
+  DP_HD int div(int n) const {
+    if (divisor == 1) return n;
+    return static_cast<int>(((static_cast<std::uint64_t>(n) * multiplier) >> 32) >> shift);
+  }
+  // quotient and remainder
+  DP_HD int divmod(int n, int& remainder) const {
+    const int q = div(n);
+    remainder = n - q * divisor;
+    return q;
+  }
+};
+
+// Extents derived from a Conv2dShape, precomputed once per launch instead of once per element.
+struct ConvGeometry {
+  Conv2dShape s;
+  int h_out = 0, w_out = 0;
+  int hw = 0;        // H_out * W_out
+  int cols = 0;      // P = N * hw
+  int segments = 0;  // kPermuteSegment-float segments per run of hw
+  FastDivmod by_n, by_w, by_h, by_c_in, by_c_out, by_kw, by_kh, by_stride, by_h_out, by_segments;
+};
+
+// col[t, p] = x[n, c, oh*stride - pad + ki, ow*stride - pad + kj]; taps in the zero padding are 0.
+// One call per row (t, n, oh) of W_out outputs, which are contiguous in col: rows = T*N*H_out
+// (358k for the reference model's conv2 at batch 64) is parallelism enough for a GPU, and the
+// index arithmetic is paid once per row, so the host loop is a strided copy rather than five
+// divisions per element (which made im2col, not the GEMM, the sim's bottleneck).
+struct Im2col {
+  ConvGeometry g;
+  const float* x;
+  float* col;
+  DP_HD void operator()(index_t row) const {
+    int oh, n;
+    const int t = g.by_n.divmod(g.by_h_out.divmod(static_cast<int>(row), oh), n);
+    int kj, ki;
+    const int c = g.by_kh.divmod(g.by_kw.divmod(t, kj), ki);
+    float* out = col + static_cast<index_t>(row) * g.w_out;  // = col + t*P + n*hw + oh*W_out
+    const int ih = oh * g.s.stride - g.s.pad + ki;
+    // Outputs [lo, hi) read inside the row; those before and after read the zero padding.
+    int lo = 0, hi = 0;
+    if (ih >= 0 && ih < g.s.h) {
+      const int first = g.s.pad - kj;             // ow * stride must be >= first ...
+      const int last = g.s.w - 1 + g.s.pad - kj;  // ... and <= last
+      lo = first > 0 ? g.by_stride.div(first + g.s.stride - 1) : 0;
+      hi = last >= 0 ? g.by_stride.div(last) + 1 : 0;
+      hi = hi < g.w_out ? hi : g.w_out;
+      lo = lo < hi ? lo : hi;
+    }
+    for (int ow = 0; ow < lo; ++ow) out[ow] = 0.0f;
+    if (lo < hi) {
+      const float* in = x + ((n * g.s.c_in + c) * g.s.h + ih) * g.s.w;
+      const int shift = kj - g.s.pad;  // iw = ow * stride + shift
+      if (g.s.stride == 1)             // a plain copy the host compiler vectorises
+        for (int ow = lo; ow < hi; ++ow) out[ow] = in[ow + shift];
+      else
+        for (int ow = lo; ow < hi; ++ow) out[ow] = in[ow * g.s.stride + shift];
+    }
+    for (int ow = hi; ow < g.w_out; ++ow) out[ow] = 0.0f;
+  }
+};
+
+// The taps k in [0, K) of one dimension that read input position i: k = i + pad - o*stride for an
+// output position o in [0, out), i.e. k in [first, last] stepping by stride, o = o_first - step.
+struct TapRange {
+  int first = 0, last = -1, o_first = 0;
+  DP_HD TapRange(int i, int pad, int k_size, int out, int stride, const FastDivmod& by_stride) {
+    const int reach = i + pad;  // k + o*stride
+    // Lowest tap: at least 0 and at least reach - (out-1)*stride, raised to reach's residue.
+    int lo = reach - (out - 1) * stride;
+    lo = lo > 0 ? lo : 0;
+    int up;
+    by_stride.divmod(reach - lo, up);
+    if (up != 0) lo += up;
+    first = lo;
+    last = reach < k_size - 1 ? reach : k_size - 1;
+    o_first = by_stride.div(reach - lo);
+  }
+};
+
+// dx[n, c, ih, iw] = sum of dcol over every (tap, output pixel) that read x[n, c, ih, iw]. A gather:
+// each thread owns one input element and writes it once, so no atomics and a fixed summation
+// order (ki, then kj ascending). The tap ranges are computed up front, so the loops hold no tests.
+struct Col2im {
+  ConvGeometry g;
+  const float* dcol;
+  float* dx;
+  DP_HD void operator()(index_t i) const {
+    int iw, ih, c;
+    const int n = g.by_c_in.divmod(g.by_h.divmod(g.by_w.divmod(static_cast<int>(i), iw), ih), c);
+    const TapRange rh(ih, g.s.pad, g.s.kh, g.h_out, g.s.stride, g.by_stride);
+    const TapRange rw(iw, g.s.pad, g.s.kw, g.w_out, g.s.stride, g.by_stride);
+    const float* sample = dcol + n * g.hw;  // column block of sample n
+    float sum = 0.0f;
+    for (int ki = rh.first, oh = rh.o_first; ki <= rh.last; ki += g.s.stride, --oh) {
+      const float* row = sample + ((c * g.s.kh + ki) * g.s.kw) * g.cols + oh * g.w_out;
+      for (int kj = rw.first, ow = rw.o_first; kj <= rw.last; kj += g.s.stride, --ow) sum += row[kj * g.cols + ow];
+    }
+    dx[i] = sum;
+  }
+};
+
+// The permutes between mat and NCHW move runs of hw contiguous floats. One call moves a segment
+// of up to kPermuteSegment of them: a plain copy loop on the host (a per-element call pays two
+// divisions per float and ran ~20x slower than the copy), while segments keep N*C_out*hw/32
+// calls (25k for the reference model's conv1 at batch 64) to spread over the GPU.
+constexpr int kPermuteSegment = 32;
+
+// y (N, C_out, hw) = mat (C_out, N*hw) + bias[c] (bias may be null). For N = 1 the layouts agree
+// and mat may be y itself: each element is read and written by the same call.
+// Call k: segment k % segments of the y row (n, c) = k / segments.
+struct MatToNchwBias {
+  ConvGeometry g;
+  const float* mat;
+  const float* bias;
+  float* y;
+  DP_HD void operator()(index_t k) const {
+    int seg, c;
+    const int row = g.by_segments.divmod(static_cast<int>(k), seg);
+    const int n = g.by_c_out.divmod(row, c);
+    const int q0 = seg * kPermuteSegment, q1 = q0 + kPermuteSegment < g.hw ? q0 + kPermuteSegment : g.hw;
+    const float b = bias ? bias[c] : 0.0f;
+    const float* src = mat + c * g.cols + n * g.hw;
+    float* dst = y + row * g.hw;
+    for (int q = q0; q < q1; ++q) dst[q] = src[q] + b;
+  }
+};
+
+// mat (C_out, N*hw) = dy (N, C_out, hw). Call k: segment k % segments of the run (c, n) = k / segments,
+// in mat's order, so consecutive calls write consecutive memory.
+struct NchwToMat {
+  ConvGeometry g;
+  const float* dy;
+  float* mat;
+  DP_HD void operator()(index_t k) const {
+    int seg, n;
+    const int run = g.by_segments.divmod(static_cast<int>(k), seg);
+    const int c = g.by_n.divmod(run, n);
+    const int q0 = seg * kPermuteSegment, q1 = q0 + kPermuteSegment < g.hw ? q0 + kPermuteSegment : g.hw;
+    const float* src = dy + (n * g.s.c_out + c) * g.hw;
+    float* dst = mat + run * g.hw;  // = mat + c*cols + n*hw
+    for (int q = q0; q < q1; ++q) dst[q] = src[q];
+  }
+};
+
+}  // namespace dp::kernels

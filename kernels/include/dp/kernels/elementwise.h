@@ -1,0 +1,75 @@
+// elementwise.h — per-element arithmetic, written once for host and device.
+// Each functor holds raw pointers of one device and computes element i.
+#pragma once
+
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+struct Fill {
+  float* x;
+  float value;
+  DP_HD void operator()(index_t i) const { x[i] = value; }
+};
+
+// y = alpha * x + y
+struct Axpy {
+  float alpha;
+  const float* x;
+  float* y;
+  DP_HD void operator()(index_t i) const { y[i] = alpha * x[i] + y[i]; }
+};
+
+// x = alpha * x
+struct Scale {
+  float alpha;
+  float* x;
+  DP_HD void operator()(index_t i) const { x[i] = alpha * x[i]; }
+};
+
+// out = a + b
+struct Add {
+  const float* a;
+  const float* b;
+  float* out;
+  DP_HD void operator()(index_t i) const { out[i] = a[i] + b[i]; }
+};
+
+struct ReluForward {
+  const float* x;
+  float* y;
+  DP_HD void operator()(index_t i) const { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
+};
+
+// PyTorch's threshold_backward: the gradient at exactly 0 is 0.
+struct ReluBackward {
+  const float* y;  // the forward output (or input: same sign test)
+  const float* dy;
+  float* dx;
+  // dy is read unconditionally so the host compiler can vectorise the select.
+  DP_HD void operator()(index_t i) const {
+    const float g = dy[i];
+    dx[i] = y[i] > 0.0f ? g : 0.0f;
+  }
+};
+
+// Row-wise sum of a (rows, cols) row-major matrix: map(row, col) = x[row*cols + col].
+struct RowElement {
+  const float* x;
+  index_t cols;
+  DP_HD float operator()(index_t row, index_t col) const { return x[row * cols + col]; }
+};
+// Column-wise sum of a (rows, cols) matrix seen as reductions over rows for each column.
+struct ColumnElement {
+  const float* x;
+  index_t cols;
+  DP_HD float operator()(index_t col, index_t row) const { return x[row * cols + col]; }
+};
+// out[row] = beta * out[row] + sum   (beta = 0 overwrites, 1 accumulates gradients)
+struct StoreSum {
+  float* out;
+  float beta;
+  DP_HD void operator()(index_t row, float sum) const { out[row] = beta == 0.0f ? sum : beta * out[row] + sum; }
+};
+
+}  // namespace dp::kernels

@@ -1,0 +1,33 @@
+// linear.h — nn.Linear forward and backward: y = x·W^T + b with W (out, in), PyTorch's layout.
+// The products are kernels::gemm (cuBLAS / OpenBLAS); only the bias broadcast is a kernel here.
+#pragma once
+
+#include "dp/device.h"
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+// y (n, out) = x (n, in) · weight (out, in)^T + bias (out). bias may be null (no bias term).
+void linear_forward(const Stream& stream, int n, int in, int out, const float* x, const float* weight,
+                    const float* bias, float* y);
+
+// Gradients of linear_forward given dy (n, out). dweight and dbias accumulate (+=), as autograd
+// accumulates into .grad; dx is overwritten. dx null: not computed (the first layer's input needs
+// no gradient); dbias null: the layer has no bias.
+//   dx = dy · W,  dW += dy^T · x,  db += sum over the batch of dy.
+void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
+                     float* dx, float* dweight, float* dbias);
+
+// ------------------------------------------------------------------------------------------------
+// functors
+
+// y[r, c] = bias[c]: the gemm then adds x·W^T onto it (beta = 1), which is how PyTorch's addmm
+// composes the bias, so the one rounding of the sum happens in the same place.
+struct BroadcastBias {
+  const float* bias;
+  index_t out;
+  float* y;
+  DP_HD void operator()(index_t i) const { y[i] = bias[i % out]; }
+};
+
+}  // namespace dp::kernels

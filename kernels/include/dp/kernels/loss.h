@@ -1,0 +1,100 @@
+// loss.h — CrossEntropyLoss (mean over the batch, log-softmax computed stably: max-shifted
+// log-sum-exp) forward and backward, for logits (N, C) and int64 targets (N).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dp/device.h"
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+// loss[0] = mean_i (logsumexp(logits_i) - logits_i[target_i]); per_sample (N) is scratch and
+// receives each sample's term. n = 0 gives NaN, as PyTorch's mean over nothing does.
+// Targets outside [0, C): a kernel cannot throw, so that sample's term, and so the loss, is NaN
+// (never an out-of-bounds read). sim also checks the targets on the stream, after the kernels
+// (they are device memory, readable only in stream order): the stream fails with
+// dp::InvalidArgument naming the target and the sample, sticky like a failed kernel, raised by the
+// next synchronize / copy / launch on that stream. cuda reports nothing beyond the NaN.
+void cross_entropy_forward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
+                           float* per_sample, float* loss);
+
+// dlogits (N, C) = (softmax(logits) - onehot(target)) * scale, where scale = dloss / N
+// (pass the number of samples the mean runs over as `mean_over`, normally n).
+// Invalid targets as in the forward: that sample's row is NaN, and the sim stream fails.
+void cross_entropy_backward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
+                            float dloss, int mean_over, float* dlogits);
+
+// ------------------------------------------------------------------------------------------------
+// functors: one thread per sample; a row of C (10 for the models here) is too short to split.
+
+// Row maximum, subtracted before exp so logits of any magnitude (1e4 and beyond) cannot overflow.
+DP_HD inline float row_max(const float* x, int classes) {
+  float m = x[0];
+  for (int c = 1; c < classes; ++c) m = fmaxf(m, x[c]);
+  return m;
+}
+
+// sum_c exp(x_c - max): in [1, C], so its log is well conditioned.
+DP_HD inline float shifted_exp_sum(const float* x, int classes, float max) {
+  float s = 0.0f;
+  for (int c = 0; c < classes; ++c) s += expf(x[c] - max);
+  return s;
+}
+
+// per_sample[i] = logsumexp(x_i) - x_i[t] = log(sum) - (x_i[t] - max). Subtracting the logits first
+// keeps the error relative to the term itself: (max + log(sum)) - x_i[t] would round at the
+// magnitude of the logits (1e-3 at 1e4) and then cancel.
+struct CrossEntropyRow {
+  const float* logits;
+  const std::int64_t* targets;
+  int classes;
+  float* per_sample;
+  DP_HD void operator()(index_t i) const {
+    const float* x = logits + i * classes;
+    const std::int64_t t = targets[i];
+    if (t < 0 || t >= classes) {
+      per_sample[i] = NAN;  // never index out of bounds; sim also reports it (see cross_entropy_forward)
+      return;
+    }
+    const float m = row_max(x, classes);
+    per_sample[i] = logf(shifted_exp_sum(x, classes, m)) - (x[t] - m);
+  }
+};
+
+// Mean of the per-sample terms as one row reduction: map(0, i) = per_sample[i].
+struct PerSampleTerm {
+  const float* per_sample;
+  DP_HD float operator()(index_t, index_t i) const { return per_sample[i]; }
+};
+// Divides rather than multiplying by 1/n, as PyTorch's mean reduction does.
+struct StoreMean {
+  float* out;
+  float count;
+  DP_HD void operator()(index_t, float sum) const { out[0] = sum / count; }
+};
+
+// dlogits_i = (softmax(x_i) - onehot(t)) * scale, softmax recomputed from the logits (C is small,
+// so this is cheaper than storing it in the forward).
+struct CrossEntropyBackwardRow {
+  const float* logits;
+  const std::int64_t* targets;
+  int classes;
+  float scale;
+  float* dlogits;
+  DP_HD void operator()(index_t i) const {
+    const float* x = logits + i * classes;
+    float* dx = dlogits + i * classes;
+    const std::int64_t t = targets[i];
+    if (t < 0 || t >= classes) {
+      for (int c = 0; c < classes; ++c) dx[c] = NAN;
+      return;
+    }
+    const float m = row_max(x, classes);
+    const float s = shifted_exp_sum(x, classes, m);
+    for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? 1.0f : 0.0f)) * scale;
+  }
+};
+
+}  // namespace dp::kernels

@@ -1,0 +1,117 @@
+// maxpool.h — MaxPool2d (PyTorch semantics: any kernel/stride/padding, padding = -inf, first maximum
+// in window scan order wins, NaN propagates) with an argmax-based backward.
+#pragma once
+
+#include <cstdint>
+
+#include "dp/device.h"
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+struct MaxPoolShape {
+  int n = 0, c = 0, h = 0, w = 0;
+  int kernel = 2, stride = 2, pad = 0;
+  DP_HD int h_out() const { return (h + 2 * pad - kernel) / stride + 1; }
+  DP_HD int w_out() const { return (w + 2 * pad - kernel) / stride + 1; }
+};
+
+// y (N, C, H_out, W_out); argmax holds, per output, the flat index h*W + w of the chosen input
+// within its (n, c) plane. As torch.nn.MaxPool2d (floor mode, dilation 1): kernel, stride >= 1,
+// 0 <= pad <= kernel/2 and H + 2*pad >= kernel (likewise W), else InvalidArgument.
+// NaN: PyTorch's test is `val > max || isnan(val)`, so a window holding NaN yields NaN and the
+// argmax of its LAST NaN in scan order (a later NaN replaces an earlier one).
+void maxpool_forward(const Stream& stream, const MaxPoolShape& shape, const float* x, float* y, std::int32_t* argmax);
+
+// dx (N, C, H, W) overwritten: each input receives the sum of dy over the outputs that chose it
+// (a gather per input, so overlapping windows need no atomics).
+void maxpool_backward(const Stream& stream, const MaxPoolShape& shape, const std::int32_t* argmax, const float* dy,
+                      float* dx);
+
+// ------------------------------------------------------------------------------------------------
+// functors
+
+// Written as a self-comparison rather than isnan: one spelling for host and device compilers
+// (dp builds without fast-math, so it is not folded away).
+DP_HD inline bool is_nan(float v) { return v != v; }
+
+// Output element i = ((n*C + c)*H_out + oh)*W_out + ow scans its window clipped to the input:
+// padding never wins, exactly as -inf never beats PyTorch's -inf start (which also leaves an
+// all -inf window pointing at its first real element, as here).
+struct MaxPoolForward {
+  MaxPoolShape s;
+  const float* x;
+  float* y;
+  std::int32_t* argmax;
+  // row = (n*C + c)*H_out + oh, one row of outputs (launch_2d): the divisions happen once per row.
+  DP_HD void operator()(index_t row, index_t col) const {
+    const int ho = s.h_out(), wo = s.w_out();
+    const index_t nc = row / ho, i = row * wo + col;
+    const int oh = static_cast<int>(row - nc * ho), ow = static_cast<int>(col);
+    const float* in = x + nc * s.h * s.w;
+    int h0 = oh * s.stride - s.pad, w0 = ow * s.stride - s.pad;
+    const int h1 = h0 + s.kernel < s.h ? h0 + s.kernel : s.h, w1 = w0 + s.kernel < s.w ? w0 + s.kernel : s.w;
+    if (h0 < 0) h0 = 0;
+    if (w0 < 0) w0 = 0;
+    int best = h0 * s.w + w0;
+    float best_value = in[best];
+    for (int ih = h0; ih < h1; ++ih)
+      for (int iw = w0; iw < w1; ++iw) {
+        const int at = ih * s.w + iw;
+        const float v = in[at];
+        if (v > best_value || is_nan(v)) {  // strict: the first of equal maxima stays
+          best_value = v;
+          best = at;
+        }
+      }
+    y[i] = best_value;
+    argmax[i] = best;
+  }
+};
+
+// Input element i = ((n*C + c)*H + ih)*W + iw sums dy over the outputs whose window covers it and
+// chose it. Windows covering row ih: oh*stride - pad <= ih <= oh*stride - pad + kernel - 1.
+struct MaxPoolBackward {
+  MaxPoolShape s;
+  const std::int32_t* argmax;
+  const float* dy;
+  float* dx;
+  DP_HD void operator()(index_t i) const {
+    const int ho = s.h_out(), wo = s.w_out();
+    const index_t plane = static_cast<index_t>(s.h) * s.w;
+    const index_t nc = i / plane;
+    const int at = static_cast<int>(i - nc * plane);
+    const int ih = at / s.w, iw = at % s.w;
+    // First covering window: ceil((ih + pad - kernel + 1) / stride), clamped at 0 (done before
+    // dividing: integer division truncates toward zero for negatives).
+    const int h_lo = ih + s.pad - s.kernel + 1, w_lo = iw + s.pad - s.kernel + 1;
+    const int oh0 = h_lo <= 0 ? 0 : (h_lo + s.stride - 1) / s.stride;
+    const int ow0 = w_lo <= 0 ? 0 : (w_lo + s.stride - 1) / s.stride;
+    const int oh1 = (ih + s.pad) / s.stride + 1 < ho ? (ih + s.pad) / s.stride + 1 : ho;
+    const int ow1 = (iw + s.pad) / s.stride + 1 < wo ? (iw + s.pad) / s.stride + 1 : wo;
+    const std::int32_t* chosen = argmax + nc * ho * wo;
+    const float* grad = dy + nc * ho * wo;
+    float sum = 0.0f;
+    for (int oh = oh0; oh < oh1; ++oh)  // row-major over outputs: PyTorch's accumulation order
+      for (int ow = ow0; ow < ow1; ++ow)
+        if (chosen[oh * wo + ow] == at) sum += grad[oh * wo + ow];
+    dx[i] = sum;
+  }
+};
+
+// Non-overlapping windows (stride >= kernel): output i hands its gradient to the one input it
+// chose; dx was zeroed first. `0.0f +` turns a -0 gradient into +0, as PyTorch's scatter-add into
+// a zeroed gradient does, so both backward forms give identical bits.
+struct MaxPoolScatterBackward {
+  MaxPoolShape s;
+  const std::int32_t* argmax;
+  const float* dy;
+  float* dx;
+  DP_HD void operator()(index_t i) const {
+    const index_t plane_out = static_cast<index_t>(s.h_out()) * s.w_out();
+    const index_t nc = i / plane_out;
+    dx[nc * s.h * s.w + argmax[i]] = 0.0f + dy[i];
+  }
+};
+
+}  // namespace dp::kernels

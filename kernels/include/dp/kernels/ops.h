@@ -1,0 +1,28 @@
+// ops.h — the kernel entry points the engine and models call. Non-template, so callers compile
+// with the host compiler; the launches inside are compiled by nvcc when the cuda backend exists.
+// Every pointer must be memory of the stream's device (checked on sim). Sizes are element counts.
+#pragma once
+
+#include "dp/device.h"
+#include "dp/kernels/platform.h"
+
+namespace dp::kernels {
+
+void fill(const Stream& stream, float* x, index_t n, float value);
+void axpy(const Stream& stream, index_t n, float alpha, const float* x, float* y);  // y += alpha*x
+void scale(const Stream& stream, index_t n, float alpha, float* x);                 // x *= alpha
+void add(const Stream& stream, index_t n, const float* a, const float* b, float* out);
+void relu_forward(const Stream& stream, index_t n, const float* x, float* y);
+void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx);
+
+// out[r] = beta*out[r] + sum_c x[r, c] for a (rows, cols) row-major x.
+void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);
+// out[c] = beta*out[c] + sum_r x[r, c]   (bias gradients: sum over the batch)
+void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);
+
+// Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op = transpose when trans_*.
+// lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim.
+void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+          const float* b, int ldb, float beta, float* c, int ldc);
+
+}  // namespace dp::kernels

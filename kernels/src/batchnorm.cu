@@ -1,0 +1,89 @@
+// batchnorm.cu — launchers for kernels/batchnorm.h: two split reductions for the batch statistics
+// (mean, then centred moments), one for the backward sums, elementwise passes for y and dx.
+#include "checks.h"
+#include "dp/kernels/batchnorm.h"
+#include "dp/kernels/launch.h"
+
+namespace dp::kernels {
+
+void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                             const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+                             float* running_var, std::int64_t* num_batches_tracked) {
+  const char* name = "batchnorm_forward_train";
+  checks::batchnorm(name, shape, true);
+  checks::present(name, {{"x", x},
+                       {"gamma", gamma},
+                       {"beta", beta},
+                       {"y", y},
+                       {"save_mean", save_mean},
+                       {"save_invstd", save_invstd},
+                       {"running_mean", running_mean},
+                       {"running_var", running_var},
+                       {"num_batches_tracked", num_batches_tracked}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+
+  launch_row_reduce<float>(stream, "batchnorm_mean", c, count, BnChannelValue{at, x},
+                           BnStoreMean{save_mean, 1.0f / static_cast<float>(count)},
+                           {operand(x, total), operand(save_mean, c)});
+  launch_row_reduce<SumPair>(stream, "batchnorm_variance", c, count, BnCenteredMoments{at, x, save_mean},
+                             BnStoreVariance{save_mean, save_invstd, running_mean, running_var,
+                                             static_cast<float>(count), shape.eps, shape.momentum},
+                             {operand(x, total), operand(save_mean, c), operand(save_invstd, c),
+                              operand(running_mean, c), operand(running_var, c)});
+  launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
+            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+         {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
+          operand(y, total)});
+  launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
+}
+
+void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                            const float* beta, const float* running_mean, const float* running_var, float* y) {
+  const char* name = "batchnorm_forward_eval";
+  checks::batchnorm(name, shape, false);
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t total = static_cast<index_t>(shape.n) * c * plane;
+  if (total == 0) return;
+  checks::present(name, {{"x", x},
+                       {"gamma", gamma},
+                       {"beta", beta},
+                       {"running_mean", running_mean},
+                       {"running_var", running_var},
+                       {"y", y}});
+  launch_2d(stream, "batchnorm_forward_eval", static_cast<index_t>(shape.n) * c, plane,
+         BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
+         {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
+          operand(y, total)});
+}
+
+void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                        const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
+                        float* dbeta, float* grad_sums) {
+  const char* name = "batchnorm_backward";
+  checks::batchnorm(name, shape, true);
+  checks::present(name, {{"x", x},
+                       {"gamma", gamma},
+                       {"save_mean", save_mean},
+                       {"save_invstd", save_invstd},
+                       {"dy", dy},
+                       {"dgamma", dgamma},
+                       {"dbeta", dbeta},
+                       {"grad_sums", grad_sums}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+
+  launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
+                             BnGradTerms{at, x, dy, save_mean, save_invstd}, BnStoreGradSums{c, dgamma, dbeta, grad_sums},
+                             {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
+                              operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
+  if (dx == nullptr) return;
+  const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
+  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane, BnInputGrad{at, term, grad_sums, dx},
+         {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
+          operand(grad_sums, 2 * c), operand(dx, total)});
+}
+
+}  // namespace dp::kernels

@@ -1,0 +1,100 @@
+// checks.cpp — argument checks of the launchers (see checks.h), with their messages.
+#include "checks.h"
+
+#include <fmt/format.h>
+
+#include <climits>
+#include <cmath>
+#include <limits>
+
+#include "dp/error.h"
+#include "dp/kernels/optimizer.h"
+#include "dp/shape.h"
+
+namespace dp::kernels {
+
+namespace {
+
+std::string describe(const Conv2dShape& s) {
+  const std::int64_t x[] = {s.n, s.c_in, s.h, s.w}, weight[] = {s.c_out, s.c_in, s.kh, s.kw};
+  return fmt::format("x {}, weight {}, stride {}, pad {}", format_shape(x), format_shape(weight), s.stride, s.pad);
+}
+std::string describe(const BatchNormShape& s) { return format_dims({{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}}); }
+std::string describe(const MaxPoolShape& s) {
+  return format_dims({{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}, {"kernel", s.kernel}, {"stride", s.stride},
+                      {"pad", s.pad}});
+}
+
+}  // namespace
+
+void validate(const SgdOptions& o) {
+  // torch.optim.SGD's constructor checks, with the same meaning; `!(x >= 0)` also rejects NaN, and
+  // the learning rate must be finite.
+  if (!(o.lr >= 0.0f) || !std::isfinite(o.lr)) throw InvalidArgument(fmt::format("SGD: invalid learning rate {}", o.lr));
+  if (!(o.momentum >= 0.0f)) throw InvalidArgument(fmt::format("SGD: invalid momentum {}", o.momentum));
+  if (!(o.weight_decay >= 0.0f)) throw InvalidArgument(fmt::format("SGD: invalid weight_decay {}", o.weight_decay));
+  if (o.nesterov && o.momentum == 0.0f)
+    throw InvalidArgument("SGD: nesterov momentum requires a momentum > 0 (and zero dampening)");
+}
+
+namespace checks {
+
+void present(const char* op, NamedPointers pointers) {
+  for (const auto& [what, ptr] : pointers)
+    if (ptr == nullptr) throw InvalidArgument(fmt::format("{}: {} is null", op, what));
+}
+
+void conv2d(const char* op, const Conv2dShape& s) {
+  auto fail = [&](const char* why) { throw InvalidArgument(fmt::format("{}: {} for {}", op, why, describe(s))); };
+  if (s.n < 0 || s.c_in <= 0 || s.h <= 0 || s.w <= 0 || s.c_out <= 0 || s.kh <= 0 || s.kw <= 0)
+    fail("non-positive extent");
+  if (s.stride <= 0 || s.pad < 0) fail("stride must be >= 1 and padding >= 0");
+  if (s.h + 2 * s.pad < s.kh || s.w + 2 * s.pad < s.kw) fail("kernel larger than the padded input");
+}
+
+void conv2d_int_range(const char* op, const Conv2dShape& s, std::int64_t largest_elements) {
+  if (largest_elements > INT_MAX)
+    throw InvalidArgument(fmt::format(
+        "{}: im2col path needs every tensor below 2^31 elements (col has {}) for {}; use a smaller batch", op,
+        largest_elements, describe(s)));
+}
+
+void batchnorm(const char* op, const BatchNormShape& s, bool training) {
+  if (s.n < 0 || s.c < 0 || s.h < 0 || s.w < 0)
+    throw InvalidArgument(fmt::format("{}: negative extent in shape {}", op, describe(s)));
+  if (training && s.c > 0 && static_cast<std::int64_t>(s.n) * s.h * s.w < 2)
+    throw InvalidArgument(
+        fmt::format("{}: expected more than 1 value per channel when training, got shape {}", op, describe(s)));
+}
+
+void maxpool(const char* op, const MaxPoolShape& s) {
+  auto fail = [&](const char* why) { throw InvalidArgument(fmt::format("{}: {} in shape {}", op, why, describe(s))); };
+  if (s.n < 0 || s.c < 0 || s.h < 0 || s.w < 0) fail("negative extent");
+  if (s.kernel < 1 || s.stride < 1) fail("kernel and stride must be positive");
+  if (s.pad < 0 || s.pad > s.kernel / 2) fail("pad must be in [0, kernel/2]");
+  if (s.h + 2 * s.pad < s.kernel || s.w + 2 * s.pad < s.kernel) fail("output size is too small");
+  if (static_cast<std::int64_t>(s.h) * s.w > std::numeric_limits<std::int32_t>::max()) fail("plane too large for argmax");
+}
+
+void linear(const char* op, int n, int in, int out) {
+  if (n < 0 || in < 0 || out < 0)
+    throw InvalidArgument(fmt::format("{}: negative extent n={} in={} out={}", op, n, in, out));
+}
+
+void cross_entropy(const char* op, int n, int classes, int mean_over) {
+  if (n < 0 || classes <= 0)
+    throw InvalidArgument(fmt::format("{}: need n >= 0 and classes > 0, got n={} classes={}", op, n, classes));
+  if (mean_over <= 0) throw InvalidArgument(fmt::format("{}: mean_over must be > 0, got {}", op, mean_over));
+}
+
+void bad_target(const char* op, std::int64_t target, std::int64_t sample, int classes) {
+  throw InvalidArgument(fmt::format("{}: target {} of sample {} is outside [0, {})", op, target, sample, classes));
+}
+
+void sgd_buffer(std::int64_t n, float momentum, const float* buffer) {
+  if (momentum != 0.0f && buffer == nullptr && n > 0)
+    throw InvalidArgument(fmt::format("sgd_step: momentum {} needs a momentum buffer", momentum));
+}
+
+}  // namespace checks
+}  // namespace dp::kernels

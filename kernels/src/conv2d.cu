@@ -1,0 +1,133 @@
+// conv2d.cu — launchers for kernels/conv2d.h: the shared im2col + one-GEMM-per-pass path that every
+// backend runs, and the dispatch to cuDNN on cuda streams.
+#include <algorithm>
+#include <atomic>
+
+#include "checks.h"
+#include "dp/kernels/conv2d.h"
+#include "dp/kernels/launch.h"
+#include "dp/kernels/ops.h"
+#include "library_calls.h"
+
+namespace dp::kernels {
+namespace {
+
+std::atomic<bool> use_cudnn{true};
+
+index_t taps(const Conv2dShape& s) { return static_cast<index_t>(s.c_in) * s.kh * s.kw; }
+index_t pixels(const Conv2dShape& s) { return static_cast<index_t>(s.n) * s.h_out() * s.w_out(); }  // P
+index_t x_count(const Conv2dShape& s) { return static_cast<index_t>(s.n) * s.c_in * s.h * s.w; }
+index_t w_count(const Conv2dShape& s) { return static_cast<index_t>(s.c_out) * taps(s); }
+index_t y_count(const Conv2dShape& s) { return static_cast<index_t>(s.c_out) * pixels(s); }
+index_t col_count(const Conv2dShape& s) { return taps(s) * pixels(s); }
+index_t im2col_rows(const Conv2dShape& s) { return taps(s) * s.n * s.h_out(); }  // of W_out each
+index_t permute_calls(const ConvGeometry& g) { return static_cast<index_t>(g.s.n) * g.s.c_out * g.segments; }
+
+// The shared path indexes with int (and int GEMM extents): every tensor must stay below 2^31
+// elements, col (8 GiB at that size) being the largest for any practical shape.
+ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
+  checks::conv2d_int_range(op, s, std::max({x_count(s), y_count(s), col_count(s)}));
+  ConvGeometry g;
+  g.s = s;
+  g.h_out = s.h_out();
+  g.w_out = s.w_out();
+  g.hw = g.h_out * g.w_out;
+  g.cols = s.n * g.hw;
+  g.by_n = FastDivmod(std::max(s.n, 1));
+  g.by_w = FastDivmod(s.w);
+  g.by_h = FastDivmod(s.h);
+  g.by_c_in = FastDivmod(s.c_in);
+  g.by_c_out = FastDivmod(s.c_out);
+  g.by_kw = FastDivmod(s.kw);
+  g.by_kh = FastDivmod(s.kh);
+  g.by_stride = FastDivmod(s.stride);
+  g.by_h_out = FastDivmod(g.h_out);
+  g.segments = static_cast<int>(ceil_div(g.hw, kPermuteSegment));
+  g.by_segments = FastDivmod(g.segments);
+  return g;
+}
+
+bool cudnn_path(const Stream& stream) { return stream.backend() == Backend::cuda && conv_cudnn_enabled(); }
+
+}  // namespace
+
+void set_conv_cudnn(bool enabled) { use_cudnn.store(enabled); }
+
+bool conv_cudnn_enabled() {
+  static const bool available = library::cudnn_available();
+  return available && use_cudnn.load();
+}
+
+// col (T, P) followed by mat (C_out, P). The backward reuses col for dcol once dweight has read it.
+std::size_t conv2d_workspace_floats(const Conv2dShape& shape) {
+  checks::conv2d("conv2d_workspace_floats", shape);
+  return static_cast<std::size_t>((taps(shape) + shape.c_out) * pixels(shape));
+}
+
+void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                    const float* bias, float* y, float* workspace) {
+  const char* op = "conv2d_forward";
+  checks::conv2d(op, shape);
+  // workspace on every path, so code that runs on cuda runs on sim too
+  checks::present(op, {{"x", x}, {"weight", weight}, {"y", y}, {"workspace", workspace}});
+  // Every operand up front, not only per launch: a foreign pointer must throw before any pass is
+  // enqueued, or an earlier pass would already have written y (or accumulated into dweight).
+  check_operands(
+      stream, op,
+      {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
+       operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
+  if (shape.n == 0) return;
+  if (cudnn_path(stream)) {
+    library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y);
+    return;
+  }
+  const ConvGeometry g = shared_geometry(shape, op);
+  const int t = static_cast<int>(taps(shape)), p = g.cols;
+  float* col = workspace;
+  // N = 1: mat (C_out, hw) already is NCHW, so the GEMM writes y and only the bias remains.
+  float* mat = shape.n == 1 ? y : workspace + col_count(shape);
+  launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
+         {operand(x, x_count(shape)), operand(col, col_count(shape))});
+  gemm(stream, false, false, shape.c_out, p, t, 1.0f, weight, t, col, p, 0.0f, mat, p);  // W (C_out, T) . col
+  if (shape.n > 1 || bias)
+    launch(stream, "conv2d_to_nchw_bias", permute_calls(g), MatToNchwBias{g, mat, bias, y},
+           {operand(mat, y_count(shape)), operand(bias, bias ? shape.c_out : 0), operand(y, y_count(shape))});
+}
+
+void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace) {
+  const char* op = "conv2d_backward";
+  checks::conv2d(op, shape);
+  checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}, {"workspace", workspace}});
+  check_operands(
+      stream, op,
+      {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(dy, y_count(shape)),
+       operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)), operand(dbias, dbias ? shape.c_out : 0),
+       operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
+  if (shape.n == 0) return;  // empty batch: dx is empty and the accumulated gradients gain nothing
+  if (cudnn_path(stream)) {
+    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight, dbias);
+    return;
+  }
+  const ConvGeometry g = shared_geometry(shape, op);
+  const int t = static_cast<int>(taps(shape)), p = g.cols;
+  float* col = workspace;
+  const float* mat = dy;  // N = 1: dy (1, C_out, hw) already is mat (C_out, hw)
+  if (shape.n > 1) {
+    float* permuted = workspace + col_count(shape);
+    launch(stream, "conv2d_to_mat", permute_calls(g), NchwToMat{g, dy, permuted},
+           {operand(dy, y_count(shape)), operand(permuted, y_count(shape))});
+    mat = permuted;
+  }
+  launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
+         {operand(x, x_count(shape)), operand(col, col_count(shape))});
+  gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, 1.0f, dweight, t);  // += dy . col^T
+  if (dbias) row_sum(stream, shape.c_out, p, mat, dbias, 1.0f);                          // split over lanes
+  if (dx == nullptr) return;
+  // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
+  gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);
+  launch(stream, "conv2d_col2im", x_count(shape), Col2im{g, col, dx},
+         {operand(col, col_count(shape)), operand(dx, x_count(shape))});
+}
+
+}  // namespace dp::kernels

@@ -1,0 +1,42 @@
+// elementwise.cu — launchers for the elementwise and row-reduction kernels.
+#include "dp/kernels/elementwise.h"
+#include "dp/kernels/launch.h"
+#include "dp/kernels/ops.h"
+
+namespace dp::kernels {
+
+void fill(const Stream& stream, float* x, index_t n, float value) {
+  launch(stream, "fill", n, Fill{x, value}, {operand(x, n)});
+}
+
+void axpy(const Stream& stream, index_t n, float alpha, const float* x, float* y) {
+  launch(stream, "axpy", n, Axpy{alpha, x, y}, {operand(x, n), operand(y, n)});
+}
+
+void scale(const Stream& stream, index_t n, float alpha, float* x) {
+  launch(stream, "scale", n, Scale{alpha, x}, {operand(x, n)});
+}
+
+void add(const Stream& stream, index_t n, const float* a, const float* b, float* out) {
+  launch(stream, "add", n, Add{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
+}
+
+void relu_forward(const Stream& stream, index_t n, const float* x, float* y) {
+  launch(stream, "relu_forward", n, ReluForward{x, y}, {operand(x, n), operand(y, n)});
+}
+
+void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx) {
+  launch(stream, "relu_backward", n, ReluBackward{y, dy, dx}, {operand(y, n), operand(dy, n), operand(dx, n)});
+}
+
+void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta) {
+  launch_row_reduce<float>(stream, "row_sum", rows, cols, RowElement{x, cols}, StoreSum{out, beta},
+                           {operand(x, rows * cols), operand(out, rows)});
+}
+
+void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta) {
+  launch_row_reduce<float>(stream, "column_sum", cols, rows, ColumnElement{x, cols}, StoreSum{out, beta},
+                           {operand(x, rows * cols), operand(out, cols)});
+}
+
+}  // namespace dp::kernels

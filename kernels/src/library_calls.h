@@ -1,0 +1,34 @@
+// library_calls.h — what the launchers call in the kernels' cuda backend folder: cuBLAS GEMM and the
+// cuDNN convolutions. No CUDA types here, so every launcher compiles with any compiler; builds
+// without the cuda backend link cuda/stub.cpp instead, where cudnn_available() is false.
+#pragma once
+
+#include "dp/device.h"
+#include "dp/kernels/conv2d.h"
+
+namespace dp::kernels::library {
+
+// Row-major C(m,n) = alpha * op(A)(m,k) * op(B)(k,n) + beta * C, validated by kernels::gemm.
+struct GemmArgs {
+  bool trans_a = false;
+  bool trans_b = false;
+  int m = 0, n = 0, k = 0;
+  float alpha = 1.0f;
+  const float* a = nullptr;
+  int lda = 0;
+  const float* b = nullptr;
+  int ldb = 0;
+  float beta = 0.0f;
+  float* c = nullptr;
+  int ldc = 0;
+};
+
+void cublas_gemm(const Stream& stream, const GemmArgs& args);
+
+bool cudnn_available();
+void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                          const float* bias, float* y);
+void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                           const float* dy, float* dx, float* dweight, float* dbias);
+
+}  // namespace dp::kernels::library

@@ -1,0 +1,40 @@
+// linear.cu — launchers for kernels/linear.h: three GEMMs, a bias broadcast and a column sum.
+// Row-major throughout; gemm's trans flags express the transposes without copying.
+#include <algorithm>
+
+#include "checks.h"
+#include "dp/kernels/launch.h"
+#include "dp/kernels/linear.h"
+#include "dp/kernels/ops.h"
+
+namespace dp::kernels {
+
+void linear_forward(const Stream& stream, int n, int in, int out, const float* x, const float* weight,
+                    const float* bias, float* y) {
+  checks::linear("linear_forward", n, in, out);
+  const index_t y_elements = static_cast<index_t>(n) * out;
+  float beta = 0.0f;
+  if (bias != nullptr) {
+    launch(stream, "linear_bias", y_elements, BroadcastBias{bias, out, y},
+           {operand(bias, out), operand(y, y_elements)});
+    beta = 1.0f;
+  }
+  // y (n, out) = x (n, in) · W^T: W is stored (out, in), so op(B) = transpose with ldb = in.
+  // Leading dimensions are at least 1 even for an empty extent, as BLAS requires.
+  gemm(stream, false, true, n, out, in, 1.0f, x, std::max(in, 1), weight, std::max(in, 1), beta, y, std::max(out, 1));
+}
+
+void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
+                     float* dx, float* dweight, float* dbias) {
+  checks::linear("linear_backward", n, in, out);
+  checks::present("linear_backward", {{"dweight", dweight}});
+  const int ld_in = std::max(in, 1), ld_out = std::max(out, 1);
+  // dW (out, in) += dy^T (out, n) · x (n, in)
+  gemm(stream, true, false, out, in, n, 1.0f, dy, ld_out, x, ld_in, 1.0f, dweight, ld_in);
+  // db (out) += column sums of dy (n, out)
+  if (dbias != nullptr) column_sum(stream, n, out, dy, dbias, 1.0f);
+  // dx (n, in) = dy (n, out) · W (out, in)
+  if (dx != nullptr) gemm(stream, false, false, n, in, out, 1.0f, dy, ld_out, weight, ld_in, 0.0f, dx, ld_in);
+}
+
+}  // namespace dp::kernels

@@ -1,0 +1,2 @@
+// models sit below the engines.
+#include "dp/trainer.h"

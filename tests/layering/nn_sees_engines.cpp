@@ -1,0 +1,2 @@
+// nn sits below the engines.
+#include "dp/engine.h"

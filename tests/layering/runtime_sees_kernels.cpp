@@ -1,0 +1,2 @@
+// the runtime sits below the kernels.
+#include "dp/kernels/ops.h"
