@@ -12,14 +12,13 @@
 // Busy time and GEMM rates come from Runtime::take_trace(), which only the sim backend records so
 // far: on cuda they are reported as null / "n/a" (everything else — throughput, step times,
 // traffic counters, peak memory, DP phases via events — works there as written).
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -326,8 +325,8 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
 
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
 // source and output device, DDP's rank 0), picked once as an Engine and driven through it.
-Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode,
-          const Data& data, int devices) {
+Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
+          int devices) {
   const dp::EngineKind kind = dp::parse_engine_kind(mode);
   const int used = kind == dp::EngineKind::single ? 1 : devices;
   Run run;
@@ -369,7 +368,8 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
       sum.loss += p.loss, sum.backward += p.backward, sum.reduce += p.reduce, sum.update += p.update;
       ++timed;
     };
-  measure(rt, o, run, [&] { return engine->train_step(batches); }, after_step);
+  measure(
+      rt, o, run, [&] { return engine->train_step(batches); }, after_step);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
   if (!parallel) return run;
   const double n = timed;

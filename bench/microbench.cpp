@@ -2,9 +2,8 @@
 // copy bandwidth, and all-reduce over dp::Communicator reported the way nccl-tests does (time,
 // algbw, busbw), on whatever backend is available. The shapes are the reference models' GEMMs.
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
-
 #include <chrono>
+#include <fmt/format.h>
 #include <vector>
 
 #include "dp/collectives.h"
@@ -155,8 +154,7 @@ int main(int argc, char** argv) {
       s.synchronize();
       const double dt = seconds_since(t0);
       fmt::print("\ncopy device 0 -> 1: {} x {} MiB in {:.1f} ms = {:.2f} GB/s (link counter: {} bytes)\n", copies,
-                 copy_mib, dt * 1e3, copies * static_cast<double>(bytes) / dt / 1e9,
-                 rt->link_traffic(0, 1).bytes);
+                 copy_mib, dt * 1e3, copies * static_cast<double>(bytes) / dt / 1e9, rt->link_traffic(0, 1).bytes);
       run_all_reduce(*rt, devices, ar_min_bytes / 4 * 4, ar_max_mib << 20, ar_iters);
     }
   } catch (const dp::Error& e) {

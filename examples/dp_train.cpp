@@ -2,16 +2,15 @@
 // DistributedDataParallel, on GPUs or simulated devices; saves and resumes checkpoints.
 // It is also the embedding example: it uses only dp's public headers, as a user's program would.
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fmt/format.h>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <set>
+#include <unistd.h>
 
 #include "dp/checkpoint.h"
 #include "dp/data.h"
@@ -98,7 +97,8 @@ int run(Options o) {
   if (!o.save.empty()) {
     const std::filesystem::path p(o.save);
     const auto dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-    if (!std::filesystem::is_directory(dir)) throw UsageError(fmt::format("--save {}: directory {} does not exist", o.save, dir.string()));
+    if (!std::filesystem::is_directory(dir))
+      throw UsageError(fmt::format("--save {}: directory {} does not exist", o.save, dir.string()));
     if (std::filesystem::is_directory(p)) throw UsageError(fmt::format("--save {}: is a directory", o.save));
   }
 
@@ -108,7 +108,8 @@ int run(Options o) {
     std::set<int> seen;
     for (int id : ids) {
       if (id < 0) throw UsageError(fmt::format("--device-ids {}: device {} is negative", o.device_ids, id));
-      if (!seen.insert(id).second) throw UsageError(fmt::format("--device-ids {}: device {} appears twice", o.device_ids, id));
+      if (!seen.insert(id).second)
+        throw UsageError(fmt::format("--device-ids {}: device {} appears twice", o.device_ids, id));
     }
   }
   const bool want_cuda = o.backend == "cuda" || (o.backend == "auto" && dp::Runtime::cuda_device_count() > 0);
@@ -125,7 +126,8 @@ int run(Options o) {
   if (want_cuda && highest >= available)
     throw UsageError(fmt::format("{} device(s) requested (up to device {}), but only {} CUDA device(s) are available",
                                  ids.size(), highest, available));
-  if (!want_cuda && highest >= 64) throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", highest));
+  if (!want_cuda && highest >= 64)
+    throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", highest));
   if (o.output_device && std::find(ids.begin(), ids.end(), *o.output_device) == ids.end())
     throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(ids)));
 
@@ -152,11 +154,13 @@ int run(Options o) {
     start_step = static_cast<long>(progress.step);
     const auto& tags = progress.tags;
     if (tags.count("model") && tags.at("model") != o.model)
-      throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
+      throw UsageError(
+          fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
     if (tags.count("mode") && tags.at("mode") != o.mode)
       fmt::print("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
                  tags.at("mode"), o.mode);
-    if (progress.seed != o.seed) fmt::print("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
+    if (progress.seed != o.seed)
+      fmt::print("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
     o.seed = progress.seed;
   }
 
@@ -165,7 +169,8 @@ int run(Options o) {
   runtime_options.sim_devices = highest + 1;
   auto runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = runtime->device(ids[0]);
-  auto model = o.model == "convnet" ? dp::models::make_convnet(source, o.seed) : dp::models::make_mlp(source, hidden, o.seed);
+  auto model =
+      o.model == "convnet" ? dp::models::make_convnet(source, o.seed) : dp::models::make_mlp(source, hidden, o.seed);
   as_usage_error([&] {
     if (!o.init.empty()) dp::load_state_dict(*model, source.create_stream(), dp::safetensors::read(o.init));
     if (resume) resume->load_model(*model);  // before the engine: DDP broadcasts rank 0's values
@@ -182,7 +187,8 @@ int run(Options o) {
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
   const auto engine = dp::make_engine(*runtime, *model, sgd, engine_options);
-  if (resume) as_usage_error([&] {
+  if (resume)
+    as_usage_error([&] {
       resume->load_optimizers(*model, engine->optimizers());
       return 0;
     });
@@ -193,9 +199,10 @@ int run(Options o) {
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
   const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
-  fmt::print("dp_train: {} {} on {} device(s) [{}] ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
-             o.model, o.mode, world, ids_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
-             shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
+  fmt::print(
+      "dp_train: {} {} on {} device(s) [{}] ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
+      o.model, o.mode, world, ids_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
+      shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
 
   // ---- the data order: per step, the sample indices of each rank's batch
   for (int rank = 0; rank < shards; ++rank) {
@@ -210,7 +217,8 @@ int run(Options o) {
       }
       const std::size_t begin = static_cast<std::size_t>(k) * static_cast<std::size_t>(o.batch_size);
       const std::size_t end = std::min(order.size(), begin + static_cast<std::size_t>(o.batch_size));
-      plan.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(begin), order.begin() + static_cast<std::ptrdiff_t>(end));
+      plan.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(begin),
+                        order.begin() + static_cast<std::ptrdiff_t>(end));
       if (o.log_batches) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(plan.back(), " "));
     }
     loaders.push_back(std::make_unique<dp::BatchLoader>(*runtime, data, std::move(plan)));
@@ -242,8 +250,10 @@ int run(Options o) {
     const bool last = s + 1 == start_step + total_steps;
     if ((s + 1) % o.log_every == 0 || last) {
       const auto now = std::chrono::steady_clock::now();
-      const double rate = static_cast<double>(samples_since_log) / std::max(1e-9, std::chrono::duration<double>(now - last_log).count());
-      const std::string line = fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch, loss, lr, rate);
+      const double rate = static_cast<double>(samples_since_log) /
+                          std::max(1e-9, std::chrono::duration<double>(now - last_log).count());
+      const std::string line =
+          fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch, loss, lr, rate);
       if (terminal) {
         fmt::print("\r{}", line);
         if (last) fmt::print("\n");
@@ -285,7 +295,9 @@ int main(int argc, char** argv) {
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
   app.add_option("--output-device", o.output_device, "dp: the device that gathers outputs and computes the loss");
   auto* data = app.add_option("--data", o.data, "directory with train-images-idx3-ubyte and train-labels-idx1-ubyte");
-  app.add_option("--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")->excludes(data)->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
+  app.add_option("--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
+      ->excludes(data)
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
   app.add_option("--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
   auto* epochs = app.add_option("--epochs", o.epochs, "full passes over the data (default 1)");
   app.add_option("--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);

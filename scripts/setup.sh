@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 build_dir=${1:-build}
 shift || true
 
-packages=(cmake ninja-build g++ pkg-config ccache libgtest-dev libopenblas-dev libfmt-dev nlohmann-json3-dev libcli11-dev)
+packages=(cmake ninja-build g++ pkg-config ccache clang-format libgtest-dev libopenblas-dev libfmt-dev nlohmann-json3-dev
+          libcli11-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The test command: builds dp (cuda backend too when nvcc is present) and runs every test, then
-# builds the sim backend under ThreadSanitizer and under AddressSanitizer+UBSan and runs the sim
-# tests there. GPU tests skip with a reason on machines without a GPU.
+# The test command: builds dp (cuda backend too when nvcc is present) and runs every test, checks
+# the formatting, then builds the sim backend under ThreadSanitizer and under AddressSanitizer+UBSan
+# and runs the sim tests there. GPU tests skip with a reason on machines without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 
 scripts/setup.sh build -DCMAKE_BUILD_TYPE=Release
+scripts/check_format.sh
 ctest --test-dir build --output-on-failure -j "$jobs"
 
 # Sanitizers run the sim backend (no nvcc: host-only objects are what they can instrument).

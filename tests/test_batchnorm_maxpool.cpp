@@ -1,10 +1,9 @@
 // test_batchnorm_maxpool.cpp — BatchNorm2d and MaxPool2d against plain host loops (in double) and
 // finite differences, on every backend; expected edge-case values were taken from torch 1.13 (CPU).
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <gtest/gtest.h>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -304,11 +303,11 @@ TEST_P(BatchNormTest, RejectsSingleValueChannelsAndForeignOperands) {
   EXPECT_THROW(local.train(stream_, s, other), DeviceMismatch);
   DeviceBuffer mine = up(std::vector<float>(bn_size(s), 1.0f)), dx = device_->allocate(bn_size(s) * sizeof(float)),
                dgamma = up(std::vector<float>(s.c, 0.0f)), dbeta = up(std::vector<float>(s.c, 0.0f));
-  EXPECT_THROW(kernels::batchnorm_backward(stream_, s, mine.as<float>(), local.gamma.as<float>(),
-                                           local.save_mean.as<float>(), local.save_invstd.as<float>(),
-                                           other.as<float>(), dx.as<float>(), dgamma.as<float>(), dbeta.as<float>(),
-                                           local.grad_sums.as<float>()),
-               DeviceMismatch);
+  EXPECT_THROW(
+      kernels::batchnorm_backward(stream_, s, mine.as<float>(), local.gamma.as<float>(), local.save_mean.as<float>(),
+                                  local.save_invstd.as<float>(), other.as<float>(), dx.as<float>(), dgamma.as<float>(),
+                                  dbeta.as<float>(), local.grad_sums.as<float>()),
+      DeviceMismatch);
   EXPECT_EQ(down<float>(dgamma), std::vector<float>(s.c, 0.0f));  // refused before it ran
   EXPECT_THROW(
       kernels::batchnorm_forward_eval(stream_, s, mine.as<float>(), local.gamma.as<float>(), local.beta.as<float>(),

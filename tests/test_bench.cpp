@@ -3,19 +3,18 @@
 // device-to-device bytes per step of DP and DDP against their analytic values, the balance of DDP
 // and the imbalance of DP's source, the shape of the JSON and of the Chrome/Perfetto trace, and
 // clear errors on bad flags. Times and rates are only checked to be positive: no timed assertions.
-#include <fmt/format.h>
-#include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
+#include <gtest/gtest.h>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "dp/ddp.h"
 #include "dp/device.h"

@@ -1,9 +1,8 @@
 // test_collectives.cpp — collectives with small whole numbers, so every sum is exact (nccl-tests
 // style): every N, sizes not divisible by N and smaller than N; on sim also the ring's traffic.
 // The same bodies run on NCCL where there are GPUs (up to as many ranks as GPUs), else skip.
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include "dp/collectives.h"
 #include "dp/device_group.h"
@@ -49,8 +48,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, Collectives, ::testing::Values("sim", "cuda")
 TEST_P(Collectives, AllReduceIsExactForEveryWorldSizeAndLength) {
   DP_SKIP_WITHOUT_DEVICES();
   for (int n = 1; n <= max_world(); ++n) {
-    for (std::size_t count : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{7}, std::size_t{1000},
-                              std::size_t{1001}}) {
+    for (std::size_t count :
+         {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{7}, std::size_t{1000}, std::size_t{1001}}) {
       SCOPED_TRACE(fmt::format("N={} count={}", n, count));
       Fixture f(GetParam(), n);
       std::vector<DeviceBuffer> data;
@@ -65,9 +64,11 @@ TEST_P(Collectives, AllReduceIsExactForEveryWorldSizeAndLength) {
                            count, ReduceOp::sum);
       });
       std::vector<float> want(count);
-      for (std::size_t i = 0; i < count; ++i) want[i] = static_cast<float>(n * (n + 1) / 2 * static_cast<int>(i % 7 + 1));
+      for (std::size_t i = 0; i < count; ++i)
+        want[i] = static_cast<float>(n * (n + 1) / 2 * static_cast<int>(i % 7 + 1));
       for (int r = 0; r < n; ++r)
-        EXPECT_EQ(test::download<float>(f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]), want)
+        EXPECT_EQ(test::download<float>(f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]),
+                  want)
             << "rank " << r;
       if (!counts_traffic()) continue;
       // Ring traffic: each rank sends (N-1) chunks in reduce-scatter and (N-1) in all-gather,
@@ -101,8 +102,9 @@ TEST_P(Collectives, AllReduceAverage) {
   // The sim sums then scales by 1/N; NCCL may pre-multiply each input instead: 2 ulp, as in nccl-tests.
   const float want = static_cast<float>(n * (n + 1) / 2) * (1.0f / static_cast<float>(n));
   for (int r = 0; r < n; ++r)
-    EXPECT_TRUE(test::all_close(test::download<float>(f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]),
-                                std::vector<float>(10, want), 2.5e-7, 0.0));
+    EXPECT_TRUE(test::all_close(
+        test::download<float>(f.streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]),
+        std::vector<float>(10, want), 2.5e-7, 0.0));
 }
 
 TEST_P(Collectives, BroadcastReduceAllGather) {
@@ -126,8 +128,8 @@ TEST_P(Collectives, BroadcastReduceAllGather) {
       const Stream& s = f.streams[static_cast<std::size_t>(r)];
       f.comm->broadcast(r, s, a[static_cast<std::size_t>(r)].data(), count * sizeof(float), root);
       f.comm->reduce(r, s, b[static_cast<std::size_t>(r)].as<float>(), count, root);
-      f.comm->all_gather(r, s, send[static_cast<std::size_t>(r)].as<float>(), recv[static_cast<std::size_t>(r)].as<float>(),
-                         count);
+      f.comm->all_gather(r, s, send[static_cast<std::size_t>(r)].as<float>(),
+                         recv[static_cast<std::size_t>(r)].as<float>(), count);
     });
     for (int r = 0; r < n; ++r) {
       const Stream& s = f.streams[static_cast<std::size_t>(r)];
@@ -140,7 +142,8 @@ TEST_P(Collectives, BroadcastReduceAllGather) {
       for (int q = 0; q < n; ++q)
         for (std::size_t i = 0; i < count; ++i) gathered.push_back(value(q, i));
       EXPECT_EQ(test::download<float>(s, a[static_cast<std::size_t>(r)]), root_values) << "broadcast, rank " << r;
-      EXPECT_EQ(test::download<float>(s, b[static_cast<std::size_t>(r)]), r == root ? sums : own) << "reduce, rank " << r;
+      EXPECT_EQ(test::download<float>(s, b[static_cast<std::size_t>(r)]), r == root ? sums : own)
+          << "reduce, rank " << r;
       EXPECT_EQ(test::download<float>(s, recv[static_cast<std::size_t>(r)]), gathered) << "all_gather, rank " << r;
     }
   }

@@ -1,9 +1,8 @@
 // test_conv2d.cpp — Conv2d forward/backward on every backend against a direct convolution in double,
 // finite differences, gradient accumulation, operand checks; on cuda also cuDNN vs the im2col path.
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cmath>
+#include <gtest/gtest.h>
 #include <limits>
 #include <random>
 #include <string>

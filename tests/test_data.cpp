@@ -1,7 +1,6 @@
 // test_data.cpp — DistributedSampler's index rules, the seeded permutation, the synthetic set and
 // the background loader (its producer thread runs under ThreadSanitizer in CI).
 #include <gtest/gtest.h>
-
 #include <numeric>
 #include <set>
 
@@ -73,7 +72,8 @@ TEST(BatchLoader, DeliversEveryBatchInOrderFromPinnedMemory) {
       const auto index = static_cast<std::size_t>(plan[k][static_cast<std::size_t>(i)]);
       EXPECT_EQ(batch.targets[i], data.labels[index]);
       for (std::size_t p = 0; p < 784; p += 97)
-        EXPECT_EQ(batch.inputs[static_cast<std::size_t>(i) * 784 + p], static_cast<float>(data.pixels[index * 784 + p]) / 255.0f);
+        EXPECT_EQ(batch.inputs[static_cast<std::size_t>(i) * 784 + p],
+                  static_cast<float>(data.pixels[index * 784 + p]) / 255.0f);
     }
     // Pinned staging: the copy to the device is asynchronous, finished before the next batch.
     stream.copy(on_device.data(), batch.inputs, static_cast<std::size_t>(batch.size) * 784 * sizeof(float));

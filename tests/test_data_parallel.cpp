@@ -1,11 +1,10 @@
 // test_data_parallel.cpp — the device group and DataParallel on 1-4 simulated devices: equality
 // with single-device training (MLP), with the per-chunk semantics of torch.nn.DataParallel
 // computed by a reference made of single-device pieces (ConvNet), exact traffic counters, errors.
-#include <gtest/gtest.h>
-
 #include <atomic>
 #include <chrono>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <set>
 #include <thread>
 
@@ -13,12 +12,12 @@
 #include "dp/data_parallel.h"
 #include "dp/device_group.h"
 #include "dp/error.h"
+#include "dp/kernels/ops.h"
 #include "dp/loss.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/optim.h"
 #include "dp/trainer.h"
-#include "dp/kernels/ops.h"
 #include "test_util.h"
 
 namespace dp {
@@ -241,15 +240,15 @@ TEST_P(ConvNetDataParallel, MatchesPerChunkSemanticsExactly) {
   EXPECT_EQ(tracked[0], static_cast<std::int64_t>(c.batches.size())) << "only the source replica's update persists";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Configurations, ConvNetDataParallel,
-    ::testing::Values(DpCase{3, {0, 1, 2}, 0, {37, 37, 12}}, DpCase{4, {0, 1, 2, 3}, 0, {2, 5}},
-                      DpCase{3, {0, 1, 2}, 2, {37, 20}}, DpCase{3, {2, 0, 1}, 1, {37, 9}},
-                      DpCase{1, {0}, 0, {7, 7}}),
-    [](const auto& info) {
-      const DpCase& c = info.param;
-      return fmt::format("devices{}_ids{}_out{}", c.devices, fmt::join(c.device_ids, ""), c.output_device);
-    });
+INSTANTIATE_TEST_SUITE_P(Configurations, ConvNetDataParallel,
+                         ::testing::Values(DpCase{3, {0, 1, 2}, 0, {37, 37, 12}}, DpCase{4, {0, 1, 2, 3}, 0, {2, 5}},
+                                           DpCase{3, {0, 1, 2}, 2, {37, 20}}, DpCase{3, {2, 0, 1}, 1, {37, 9}},
+                                           DpCase{1, {0}, 0, {7, 7}}),
+                         [](const auto& info) {
+                           const DpCase& c = info.param;
+                           return fmt::format("devices{}_ids{}_out{}", c.devices, fmt::join(c.device_ids, ""),
+                                              c.output_device);
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // traffic

@@ -1,12 +1,11 @@
 // test_ddp.cpp — DistributedDataParallel on 1-4 simulated devices: bucket assignment as torch does
 // it, equality with single-device training on the concatenated batch, no_sync accumulation,
 // overlap of the first bucket's all-reduce with backward, identical replicas, PyTorch gloo goldens.
-#include <gtest/gtest.h>
-
 #include <algorithm>
-#include <cstdlib>
 #include <chrono>
+#include <cstdlib>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <thread>
 #include <utility>
 
@@ -105,8 +104,8 @@ TEST_P(DdpOnBackend, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
     for (int step = 0; step < 4; ++step) {
       const int first = step * world * per_rank;
       const float ddp_loss = ddp.train_step(shards(data, first, world, per_rank));
-      const float ref_loss = single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first,
-                                         world * per_rank);
+      const float ref_loss =
+          single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, world * per_rank);
       // The mean of per-rank means over equal shards is the global mean, up to fp32 rounding.
       EXPECT_NEAR(ddp_loss, ref_loss, (sim ? 2e-6f : 1e-5f) * std::fabs(ref_loss));
     }
@@ -129,7 +128,8 @@ TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
   ddp.zero_grad();
   {
     auto guard = ddp.no_sync();
-    for (int k = 0; k < micro - 1; ++k) ddp.forward_backward(shards(data, k * world * per_rank, world, per_rank), 1.0f / micro);
+    for (int k = 0; k < micro - 1; ++k)
+      ddp.forward_backward(shards(data, k * world * per_rank, world, per_rank), 1.0f / micro);
   }
   ddp.forward_backward(shards(data, (micro - 1) * world * per_rank, world, per_rank), 1.0f / micro);
   ddp.step();
@@ -363,13 +363,16 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
     for (int r = 0; r < world; ++r) {
       const auto n = static_cast<std::size_t>(sizes[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)]);
       for (std::size_t i = 0; i < n; ++i) {
-        const auto index = static_cast<std::size_t>(indices[static_cast<std::size_t>(r)][cursor[static_cast<std::size_t>(r)] + i]);
-        xs[static_cast<std::size_t>(r)].insert(xs[static_cast<std::size_t>(r)].end(), x.begin() + static_cast<std::ptrdiff_t>(index * 784),
+        const auto index =
+            static_cast<std::size_t>(indices[static_cast<std::size_t>(r)][cursor[static_cast<std::size_t>(r)] + i]);
+        xs[static_cast<std::size_t>(r)].insert(xs[static_cast<std::size_t>(r)].end(),
+                                               x.begin() + static_cast<std::ptrdiff_t>(index * 784),
                                                x.begin() + static_cast<std::ptrdiff_t>((index + 1) * 784));
         ys[static_cast<std::size_t>(r)].push_back(y[index]);
       }
       cursor[static_cast<std::size_t>(r)] += n;
-      batches.push_back(RankBatch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(), static_cast<int>(n)});
+      batches.push_back(RankBatch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(),
+                                  static_cast<int>(n)});
     }
     const float loss = ddp.train_step(batches);
     const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
@@ -383,8 +386,8 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
       const auto& g = got.at(tensor_name);
       const std::string key = prefix + tensor_name;
       if (!golden.has(key)) continue;
-      const bool is_buffer = tensor_name.find("running_") != std::string::npos ||
-                             tensor_name.find("num_batches") != std::string::npos;
+      const bool is_buffer =
+          tensor_name.find("running_") != std::string::npos || tensor_name.find("num_batches") != std::string::npos;
       if (is_buffer && !buffers_too) continue;
       if (g.dtype == "I64") {
         EXPECT_EQ(g.to_i64(), golden.at(key).to_i64()) << key;

@@ -2,7 +2,6 @@
 // the sim runs the same __host__ __device__ functors; the cuda instances compare the GPU with the
 // host result and skip with a reason where there is no GPU.
 #include <gtest/gtest.h>
-
 #include <tuple>
 
 #include "dp/device.h"
@@ -82,12 +81,12 @@ TEST_P(KernelTest, RowAndColumnSums) {
       }
     // fp32 sums of n terms in |x| <= 1 differ from the double sum by <= ~ n*eps*mean|x| in
     // the worst case; split accumulation keeps it near sqrt(n)*eps. 1e-4 absolute covers n=7e4.
-    EXPECT_TRUE(all_close(download<float>(stream_, rs), std::vector<float>(want_rows.begin(), want_rows.end()), 1e-5,
-                          1e-4))
+    EXPECT_TRUE(
+        all_close(download<float>(stream_, rs), std::vector<float>(want_rows.begin(), want_rows.end()), 1e-5, 1e-4))
         << rows << "x" << cols;
     if (cols) {
-      EXPECT_TRUE(all_close(download<float>(stream_, cs), std::vector<float>(want_cols.begin(), want_cols.end()),
-                            1e-5, 1e-5))
+      EXPECT_TRUE(
+          all_close(download<float>(stream_, cs), std::vector<float>(want_cols.begin(), want_cols.end()), 1e-5, 1e-5))
           << rows << "x" << cols;
     }
   }
@@ -136,9 +135,9 @@ TEST_P(KernelTest, GemmAllTransposesOddSizesAndStrides) {
 
 TEST_P(KernelTest, GemmRejectsBadLeadingDimensionsAndForeignOperands) {
   DeviceBuffer a = device_->allocate(16 * sizeof(float));
-  EXPECT_THROW(kernels::gemm(stream_, false, false, 4, 4, 4, 1.0f, a.as<float>(), 3, a.as<float>(), 4, 0.0f,
-                             a.as<float>(), 4),
-               InvalidArgument);
+  EXPECT_THROW(
+      kernels::gemm(stream_, false, false, 4, 4, 4, 1.0f, a.as<float>(), 3, a.as<float>(), 4, 0.0f, a.as<float>(), 4),
+      InvalidArgument);
   if (GetParam() == "sim") {
     DeviceBuffer other = runtime_->device(0).allocate(16 * sizeof(float));
     EXPECT_THROW(kernels::gemm(stream_, false, false, 4, 4, 4, 1.0f, a.as<float>(), 4, other.as<float>(), 4, 0.0f,

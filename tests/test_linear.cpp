@@ -1,8 +1,7 @@
 // test_linear.cpp — nn.Linear forward and backward against double host loops and finite
 // differences, on every backend: gradient accumulation (+=), optional dx and bias.
-#include <gtest/gtest.h>
-
 #include <cmath>
+#include <gtest/gtest.h>
 #include <limits>
 #include <tuple>
 

@@ -1,21 +1,20 @@
 // test_loss_optimizer.cpp — CrossEntropyLoss against double host loops and finite differences, and
 // SGD against torch.optim.SGD's formula (exact fp32 equality) and the PyTorch golden files.
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <gtest/gtest.h>
 #include <map>
 #include <random>
 
 #include "dp/device.h"
 #include "dp/error.h"
-#include "dp/safetensors.h"
 #include "dp/kernels/loss.h"
 #include "dp/kernels/ops.h"
 #include "dp/kernels/optimizer.h"
+#include "dp/safetensors.h"
 #include "test_util.h"
 
 namespace dp {

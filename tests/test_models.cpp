@@ -1,12 +1,11 @@
 // test_models.cpp — the reference models against PyTorch goldens (tests/golden, written by
 // tests/golden/make_goldens.py), whole-model finite-difference gradient checks, and training that
 // visibly learns on a small synthetic set. All on the sim backend.
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <random>
 
 #include "dp/checkpoint.h"
@@ -142,8 +141,8 @@ TEST(Models, PyTorchParameterNamesAndShapes) {
   auto mlp = models::make_mlp(rt->device(0), {256, 256});
   names.clear();
   for (const auto& p : mlp->parameters()) names.push_back(p.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight",
-                                             "fc3.bias"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"}));
   EXPECT_EQ(mlp->parameters()[0].shape, (std::vector<std::int64_t>{256, 784}));
   EXPECT_EQ(mlp->param_count(), 784u * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
   EXPECT_TRUE(mlp->buffers().empty());
@@ -198,7 +197,8 @@ void finite_difference_check(Model& model, int batch, unsigned seed, double rtol
   DeviceBuffer dlogits = device.allocate(static_cast<std::size_t>(batch) * 10 * sizeof(float));
   auto loss_at = [&] {
     const float* logits = model.forward(stream, input.as<float>(), batch, Mode::train);
-    return static_cast<double>(to_host(stream, loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10), 1)[0]);
+    return static_cast<double>(
+        to_host(stream, loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10), 1)[0]);
   };
   const float* logits = model.forward(stream, input.as<float>(), batch, Mode::train);
   loss.backward(stream, logits, target.as<std::int64_t>(), batch, 10, dlogits.as<float>(), batch);
@@ -271,7 +271,8 @@ SyntheticSet synthetic(int samples, unsigned seed) {
   for (int i = 0; i < samples; ++i) {
     const int label = static_cast<int>(gen() % 10);
     set.labels.push_back(label);
-    for (int j = 0; j < 784; ++j) set.images.push_back(std::clamp(prototypes[label * 784 + j] + noise(gen), 0.0f, 1.0f));
+    for (int j = 0; j < 784; ++j)
+      set.images.push_back(std::clamp(prototypes[label * 784 + j] + noise(gen), 0.0f, 1.0f));
   }
   return set;
 }
@@ -283,8 +284,8 @@ double train_and_report(Model& model, int steps, int batch, float lr) {
   const int window = 10;
   for (int step = 0; step < steps; ++step) {
     const int start = (step * batch) % (512 - batch);
-    const float l = trainer.step(data.images.data() + static_cast<std::size_t>(start) * 784,
-                                 data.labels.data() + start, batch);
+    const float l =
+        trainer.step(data.images.data() + static_cast<std::size_t>(start) * 784, data.labels.data() + start, batch);
     EXPECT_TRUE(std::isfinite(l));
     if (step < window) first += l / window;
     if (step >= steps - window) last += l / window;

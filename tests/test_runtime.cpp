@@ -1,10 +1,9 @@
 // test_runtime.cpp — the device runtime: memory accounting and isolation, stream concurrency and
 // event ordering on the simulator, copies and their link counters, workers, errors.
-#include <gtest/gtest.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <gtest/gtest.h>
 #include <thread>
 
 #include "dp/device.h"

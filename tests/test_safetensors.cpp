@@ -1,11 +1,10 @@
 // test_safetensors.cpp — the checkpoint file format: round trip, and every malformed file refused
 // with a message naming it (truncated, forged sizes, overlapping data, not a file).
-#include <gtest/gtest.h>
-#include <unistd.h>
-
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "dp/error.h"
 #include "dp/safetensors.h"
@@ -64,20 +63,20 @@ TEST_F(SafetensorsTest, RoundTripKeepsOrderDtypesAndMetadata) {
 TEST_F(SafetensorsTest, MalformedFilesAreRefused) {
   expect_refused(path("absent.safetensors"), "no such file");
   expect_refused(dir_.string(), "not a regular file");
-  {
-    std::ofstream(path("short")) << "abc";
-  }
+  { std::ofstream(path("short")) << "abc"; }
   expect_refused(path("short"), "truncated");
   EXPECT_TRUE(safetensors::read(raw("empty", "{}", 0)).order.empty()) << "an empty header is a valid, empty file";
   expect_refused(raw("cut", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
                  "shape needs more than the 8-byte data section");
-  expect_refused(raw("offsets", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8), "out of the 8-byte data");
+  expect_refused(raw("offsets", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8),
+                 "out of the 8-byte data");
   expect_refused(raw("size", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}})", 8), "8 bytes for dtype F32");
   // A forged shape whose element count overflows 64 bits must not wrap around to match the bytes.
   expect_refused(raw("forged", R"({"w":{"dtype":"F32","shape":[3,6148914691236517206],"data_offsets":[0,8]}})", 8),
                  "shape needs more than");
-  expect_refused(raw("overlap", R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                                R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+  expect_refused(raw("overlap",
+                     R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                     R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
                      12),
                  "overlap");
   expect_refused(raw("dtype", R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 1), "unknown dtype");

@@ -1,17 +1,16 @@
 // test_train.cpp — drives the real dp_train binary end to end on simulated devices: training
 // that learns in every mode, PyTorch's exact data order, bit-exact resume, and every bad input
 // refused with a message, a non-zero exit and no output file created or overwritten.
-#include <gtest/gtest.h>
-#include <sys/wait.h>
-
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <gtest/gtest.h>
 #include <regex>
 #include <sstream>
+#include <sys/wait.h>
 
 #include "dp/safetensors.h"
 
@@ -39,8 +38,8 @@ Result run(const std::string& args) {
 class TrainTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           fmt::format("dp_train_test_{}_{}", ::getpid(), ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / fmt::format("dp_train_test_{}_{}", ::getpid(),
+                                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -79,9 +78,7 @@ class TrainTest : public ::testing::Test {
   // Asserts a refused run: exit != 0, `message` in the output, and `guard` (if any) untouched.
   void expect_refused(const std::string& args, const std::string& message) {
     const std::string guard = path("existing.safetensors");
-    {
-      std::ofstream(guard) << "previous checkpoint";
-    }
+    { std::ofstream(guard) << "previous checkpoint"; }
     const Result r = run(args + " --save " + guard);
     EXPECT_EQ(r.code, 2) << "bad input exits with 2: " << args << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << "expected '" << message << "' in:\n" << r.output;
@@ -106,16 +103,18 @@ std::vector<double> losses(const std::string& output) {
 
 TEST_F(TrainTest, LossFallsInEveryMode) {
   for (const std::string mode : {"single", "dp", "ddp"}) {
-    const Result r = run(fmt::format("--model mlp --hidden 64 --mode {} --backend sim --devices 2 --synthetic 256 "
-                                     "--batch-size 32 --steps 40 --lr 0.05 --log-every 5",
-                                     mode));
+    const Result r =
+        run(fmt::format("--model mlp --hidden 64 --mode {} --backend sim --devices 2 --synthetic 256 "
+                        "--batch-size 32 --steps 40 --lr 0.05 --log-every 5",
+                        mode));
     ASSERT_EQ(r.code, 0) << r.output;
     const auto l = losses(r.output);
     ASSERT_GE(l.size(), 4u) << r.output;
     EXPECT_LT(l.back(), 0.25 * l.front()) << mode << ":\n" << r.output;
   }
-  const Result conv = run("--model convnet --mode dp --backend sim --device-ids 1,0 --output-device 1 --synthetic 128 "
-                          "--batch-size 16 --steps 16 --lr 0.02 --log-every 4");
+  const Result conv =
+      run("--model convnet --mode dp --backend sim --device-ids 1,0 --output-device 1 --synthetic 128 "
+          "--batch-size 16 --steps 16 --lr 0.02 --log-every 4");
   ASSERT_EQ(conv.code, 0) << conv.output;
   const auto l = losses(conv.output);
   EXPECT_LT(l.back(), 0.5 * l.front()) << conv.output;
@@ -138,17 +137,19 @@ TEST_F(TrainTest, NoShuffleOrderIsPyTorchs) {
   // single and DP: DataLoader(shuffle=False, drop_last=False): [0,B), [B,2B), ..., a short last
   // batch, then the next epoch starts over.
   for (const std::string mode : {"single", "dp"}) {
-    const Result r = run(fmt::format("--mode {} --backend sim --devices 3 --synthetic 10 --batch-size 4 --steps 4 "
-                                     "--no-shuffle --log-batches",
-                                     mode));
+    const Result r =
+        run(fmt::format("--mode {} --backend sim --devices 3 --synthetic 10 --batch-size 4 --steps 4 "
+                        "--no-shuffle --log-batches",
+                        mode));
     ASSERT_EQ(r.code, 0) << r.output;
     const auto got = batches_by_rank(r.output);
     EXPECT_EQ(got.at("0"), (std::vector<std::vector<int>>{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9}, {0, 1, 2, 3}})) << mode;
   }
   // DDP: DistributedSampler: 10 samples over 3 ranks -> 4 each, padded with sample 0 and 1;
   // rank r takes indices[r::3]; per-rank batches of 3, the last one short.
-  const Result r = run("--mode ddp --backend sim --devices 3 --synthetic 10 --batch-size 3 --steps 3 --no-shuffle "
-                       "--log-batches");
+  const Result r =
+      run("--mode ddp --backend sim --devices 3 --synthetic 10 --batch-size 3 --steps 3 --no-shuffle "
+          "--log-batches");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto got = batches_by_rank(r.output);
   EXPECT_EQ(got.at("0"), (std::vector<std::vector<int>>{{0, 3, 6}, {9}, {0, 3, 6}}));
@@ -165,13 +166,15 @@ TEST_F(TrainTest, NoShuffleOrderIsPyTorchs) {
 TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
   for (const std::string mode : {"single", "dp", "ddp"}) {
     SCOPED_TRACE(mode);
-    const std::string common = fmt::format("--model convnet --mode {} --backend sim --devices 2 --synthetic 48 "
-                                           "--batch-size 10 --lr 0.02 --momentum 0.9 --weight-decay 1e-4 --warmup-steps 4",
-                                           mode);
+    const std::string common = fmt::format(
+        "--model convnet --mode {} --backend sim --devices 2 --synthetic 48 "
+        "--batch-size 10 --lr 0.02 --momentum 0.9 --weight-decay 1e-4 --warmup-steps 4",
+        mode);
     ASSERT_EQ(run(common + " --steps 6 --save " + path("straight.safetensors")).code, 0);
     const Result first = run(common + " --steps 3 --save " + path("half.safetensors"));
     ASSERT_EQ(first.code, 0) << first.output;
-    const Result second = run(common + " --steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
+    const Result second =
+        run(common + " --steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
     ASSERT_EQ(second.code, 0) << second.output;
     const auto a = dp::safetensors::read(path("straight.safetensors"));
     const auto b = dp::safetensors::read(path("resumed.safetensors"));
@@ -211,7 +214,9 @@ TEST_F(TrainTest, BadDataIsRefused) {
 }
 
 TEST_F(TrainTest, BadCheckpointsAreRefused) {
-  ASSERT_EQ(run("--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --save " + path("good.safetensors")).code, 0);
+  ASSERT_EQ(
+      run("--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --save " + path("good.safetensors")).code,
+      0);
   const auto good = dp::safetensors::read(path("good.safetensors"));
   auto variant = [&](const std::string& name, auto&& edit) {
     dp::safetensors::File f = good;
@@ -220,17 +225,22 @@ TEST_F(TrainTest, BadCheckpointsAreRefused) {
     return path(name);
   };
   const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --init ";
-  expect_refused(base + variant("missing.safetensors", [](auto& f) {
-                   f.tensors.erase("fc2.bias");
-                   f.order.erase(std::find(f.order.begin(), f.order.end(), "fc2.bias"));
-                 }),
+  expect_refused(base + variant("missing.safetensors",
+                                [](auto& f) {
+                                  f.tensors.erase("fc2.bias");
+                                  f.order.erase(std::find(f.order.begin(), f.order.end(), "fc2.bias"));
+                                }),
                  "checkpoint has no tensor 'fc2.bias'");
-  expect_refused(base + variant("shape.safetensors", [](auto& f) { f.tensors["fc1.bias"].shape = {4, 4}; }),
+  expect_refused(base + variant("shape.safetensors",
+                                [](auto& f) {
+                                  f.tensors["fc1.bias"].shape = {4, 4};
+                                }),
                  "'fc1.bias' has shape [4, 4], the model expects [16]");
-  expect_refused(base + variant("dtype.safetensors", [](auto& f) {
-                   auto& t = f.tensors["fc1.bias"];
-                   t.dtype = "I32";
-                 }),
+  expect_refused(base + variant("dtype.safetensors",
+                                [](auto& f) {
+                                  auto& t = f.tensors["fc1.bias"];
+                                  t.dtype = "I32";
+                                }),
                  "'fc1.bias' has dtype I32, the model expects F32");
   {
     std::ifstream in(path("good.safetensors"), std::ios::binary);
@@ -238,16 +248,18 @@ TEST_F(TrainTest, BadCheckpointsAreRefused) {
     std::ofstream(path("cut.safetensors"), std::ios::binary) << bytes.substr(0, bytes.size() / 2);
   }
   expect_refused(base + path("cut.safetensors"), "cut.safetensors");
-  expect_refused("--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --resume " + path("missing.safetensors"),
-                 "checkpoint has no tensor 'fc2.bias'");
+  expect_refused(
+      "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --resume " + path("missing.safetensors"),
+      "checkpoint has no tensor 'fc2.bias'");
   // Training state is input too: every number is range-checked, the model kind must match.
   const std::string resume = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --resume ";
   expect_refused(resume + variant("negative.safetensors", [](auto& f) { f.metadata["dp.step"] = "-3"; }),
                  "metadata 'dp.step' = '-3' is not a number");
   expect_refused(resume + variant("nostate.safetensors", [](auto& f) { f.metadata.erase("dp.sgd_steps"); }),
                  "metadata 'dp.sgd_steps' is missing");
-  expect_refused("--model convnet --backend sim --synthetic 16 --batch-size 8 --steps 1 --resume " + path("good.safetensors"),
-                 "the checkpoint is a mlp, not a convnet");
+  expect_refused(
+      "--model convnet --backend sim --synthetic 16 --batch-size 8 --steps 1 --resume " + path("good.safetensors"),
+      "the checkpoint is a mlp, not a convnet");
 }
 
 TEST_F(TrainTest, BadFlagsAreRefused) {
@@ -258,7 +270,8 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend sim --mode dp --devices 65 --steps 1", "at most 64 devices");
   expect_refused("--backend cuda --steps 1", "--backend cuda:");
   expect_refused("--backend cuda --mode ddp --steps 1", "--backend cuda:");
-  expect_refused("--backend sim --mode dp --devices 2 --output-device 3 --steps 1", "--output-device 3 is not among the devices [0,1]");
+  expect_refused("--backend sim --mode dp --devices 2 --output-device 3 --steps 1",
+                 "--output-device 3 is not among the devices [0,1]");
   expect_refused("--backend sim --mode dp --device-ids 0,1,0 --steps 1", "device 0 appears twice");
   expect_refused("--backend sim --hidden 12,x --steps 1", "--hidden '12,x': 'x' is not an integer");
   expect_refused("--backend sim --steps 1 --epochs 1", "excludes");
@@ -270,7 +283,8 @@ TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {
   const auto before = fs::last_write_time(guard);
   std::ifstream in(guard, std::ios::binary);
   const std::string original((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const Result r = run("--backend sim --synthetic 32 --batch-size 8 --steps 20 --lr 1e30 --resume " + guard + " --save " + guard);
+  const Result r =
+      run("--backend sim --synthetic 32 --batch-size 8 --steps 20 --lr 1e30 --resume " + guard + " --save " + guard);
   EXPECT_EQ(r.code, 3) << r.output;
   EXPECT_NE(r.output.find("loss is"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("was not written"), std::string::npos) << r.output;
@@ -293,16 +307,18 @@ std::vector<double> learning_rates(const std::string& output) {
 
 TEST_F(TrainTest, LinearScalingAndWarmup) {
   // --scale-lr: target = lr x devices; warm-up from the unscaled lr (Goyal et al.).
-  const Result scaled = run("--mode dp --backend sim --devices 2 --synthetic 64 --batch-size 8 --steps 6 --lr 0.1 "
-                            "--scale-lr --warmup-steps 4 --log-every 1");
+  const Result scaled =
+      run("--mode dp --backend sim --devices 2 --synthetic 64 --batch-size 8 --steps 6 --lr 0.1 "
+          "--scale-lr --warmup-steps 4 --log-every 1");
   ASSERT_EQ(scaled.code, 0) << scaled.output;
   const auto a = learning_rates(scaled.output);
   ASSERT_EQ(a.size(), 6u);
   const double want_a[] = {0.1, 0.125, 0.15, 0.175, 0.2, 0.2};
   for (std::size_t i = 0; i < 6; ++i) EXPECT_NEAR(a[i], want_a[i], 1e-6) << "step " << i;
   // Without scaling: from target / W up to the target.
-  const Result plain = run("--mode ddp --backend sim --devices 2 --synthetic 64 --batch-size 8 --steps 5 --lr 0.1 "
-                           "--warmup-steps 4 --log-every 1");
+  const Result plain =
+      run("--mode ddp --backend sim --devices 2 --synthetic 64 --batch-size 8 --steps 5 --lr 0.1 "
+          "--warmup-steps 4 --log-every 1");
   ASSERT_EQ(plain.code, 0) << plain.output;
   const auto b = learning_rates(plain.output);
   ASSERT_EQ(b.size(), 5u);

@@ -1,10 +1,9 @@
 // test_util.h — shared helpers: runtimes per backend (skipping without a GPU), host<->device vectors.
 #pragma once
 
-#include <gtest/gtest.h>
-
 #include <cmath>
 #include <cstdlib>
+#include <gtest/gtest.h>
 #include <memory>
 #include <random>
 #include <string>
@@ -23,11 +22,12 @@ inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int 
   return Runtime::create(options);
 }
 
-#define DP_RUNTIME_OR_SKIP(var, backend, ...)                                                  \
-  auto var = ::dp::test::runtime_or_skip(backend, ##__VA_ARGS__);                              \
-  if (!var) GTEST_SKIP() << "no CUDA device: " << (::dp::Runtime::cuda_compiled()              \
-                                                       ? "cudaGetDeviceCount found no usable GPU" \
-                                                       : "dp was built without the cuda backend")
+#define DP_RUNTIME_OR_SKIP(var, backend, ...)                                                \
+  auto var = ::dp::test::runtime_or_skip(backend, ##__VA_ARGS__);                            \
+  if (!var)                                                                                  \
+  GTEST_SKIP() << "no CUDA device: "                                                         \
+               << (::dp::Runtime::cuda_compiled() ? "cudaGetDeviceCount found no usable GPU" \
+                                                  : "dp was built without the cuda backend")
 
 // tests/golden/<name>.safetensors: ctest sets DP_GOLDEN_DIR; a test binary run by hand finds the
 // source tree's copy.
@@ -84,10 +84,9 @@ inline std::vector<float> random_vector(std::size_t n, unsigned seed, float lo =
 }
 
 // |got - want| <= atol + rtol*|want| everywhere; reports the first mismatching indices.
-inline ::testing::AssertionResult all_close(const std::vector<float>& got, const std::vector<float>& want,
-                                            double rtol, double atol) {
-  if (got.size() != want.size())
-    return ::testing::AssertionFailure() << "size " << got.size() << " != " << want.size();
+inline ::testing::AssertionResult all_close(const std::vector<float>& got, const std::vector<float>& want, double rtol,
+                                            double atol) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " != " << want.size();
   int shown = 0;
   std::size_t bad = 0;
   std::string detail;

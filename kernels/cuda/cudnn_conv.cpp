@@ -1,12 +1,11 @@
 // cudnn_conv.cpp — the cuDNN convolution path of cuda streams (cuDNN v9 legacy API), host code only.
 // The device's cuDNN handle is the runtime's (lent under its lock); the plans per shape are cached
 // beside it and destroyed with the device.
-#include <cudnn.h>
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cudnn.h>
+#include <fmt/format.h>
 #include <map>
 #include <memory>
 
@@ -163,8 +162,8 @@ bool cudnn_available() {
   return cudnnGetVersion() / 10000 == CUDNN_MAJOR;
 }
 
-void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x,
-                          const float* weight, const float* bias, float* y) {
+void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                          const float* bias, float* y) {
   with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, cudaStream_t cuda_stream) {
     const float one = 1.0f, zero = 0.0f;
     const Workspace scratch(p.fwd_bytes, cuda_stream);
@@ -174,8 +173,8 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
   });
 }
 
-void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x,
-                           const float* weight, const float* dy, float* dx, float* dweight, float* dbias) {
+void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                           const float* dy, float* dx, float* dweight, float* dbias) {
   with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, cudaStream_t cuda_stream) {
     const float one = 1.0f, zero = 0.0f;
     const Workspace scratch(std::max(dx ? p.bwd_data_bytes : 0, p.bwd_filter_bytes), cuda_stream);

@@ -1,4 +1,4 @@
-// batchnorm.cu — launchers for kernels/batchnorm.h: two split reductions for the batch statistics
+// batchnorm.cu — launchers for dp/kernels/batchnorm.h: two split reductions for the batch statistics
 // (mean, then centred moments), one for the backward sums, elementwise passes for y and dx.
 #include "checks.h"
 #include "dp/kernels/batchnorm.h"
@@ -12,14 +12,14 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
   const char* name = "batchnorm_forward_train";
   checks::batchnorm(name, shape, true);
   checks::present(name, {{"x", x},
-                       {"gamma", gamma},
-                       {"beta", beta},
-                       {"y", y},
-                       {"save_mean", save_mean},
-                       {"save_invstd", save_invstd},
-                       {"running_mean", running_mean},
-                       {"running_var", running_var},
-                       {"num_batches_tracked", num_batches_tracked}});
+                         {"gamma", gamma},
+                         {"beta", beta},
+                         {"y", y},
+                         {"save_mean", save_mean},
+                         {"save_invstd", save_invstd},
+                         {"running_mean", running_mean},
+                         {"running_var", running_var},
+                         {"num_batches_tracked", num_batches_tracked}});
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
   const ChannelElement at{c, plane};
@@ -34,8 +34,8 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
                               operand(running_mean, c), operand(running_var, c)});
   launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
             BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
-         {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
-          operand(y, total)});
+            {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
+             operand(y, total)});
   launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
 }
 
@@ -47,15 +47,15 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
   const index_t total = static_cast<index_t>(shape.n) * c * plane;
   if (total == 0) return;
   checks::present(name, {{"x", x},
-                       {"gamma", gamma},
-                       {"beta", beta},
-                       {"running_mean", running_mean},
-                       {"running_var", running_var},
-                       {"y", y}});
+                         {"gamma", gamma},
+                         {"beta", beta},
+                         {"running_mean", running_mean},
+                         {"running_var", running_var},
+                         {"y", y}});
   launch_2d(stream, "batchnorm_forward_eval", static_cast<index_t>(shape.n) * c, plane,
-         BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
-         {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
-          operand(y, total)});
+            BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
+            {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
+             operand(y, total)});
 }
 
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
@@ -64,26 +64,28 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
   const char* name = "batchnorm_backward";
   checks::batchnorm(name, shape, true);
   checks::present(name, {{"x", x},
-                       {"gamma", gamma},
-                       {"save_mean", save_mean},
-                       {"save_invstd", save_invstd},
-                       {"dy", dy},
-                       {"dgamma", dgamma},
-                       {"dbeta", dbeta},
-                       {"grad_sums", grad_sums}});
+                         {"gamma", gamma},
+                         {"save_mean", save_mean},
+                         {"save_invstd", save_invstd},
+                         {"dy", dy},
+                         {"dgamma", dgamma},
+                         {"dbeta", dbeta},
+                         {"grad_sums", grad_sums}});
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
   const ChannelElement at{c, plane};
 
   launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
-                             BnGradTerms{at, x, dy, save_mean, save_invstd}, BnStoreGradSums{c, dgamma, dbeta, grad_sums},
+                             BnGradTerms{at, x, dy, save_mean, save_invstd},
+                             BnStoreGradSums{c, dgamma, dbeta, grad_sums},
                              {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
                               operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
   if (dx == nullptr) return;
   const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
-  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane, BnInputGrad{at, term, grad_sums, dx},
-         {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
-          operand(grad_sums, 2 * c), operand(dx, total)});
+  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane,
+            BnInputGrad{at, term, grad_sums, dx},
+            {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
+             operand(grad_sums, 2 * c), operand(dx, total)});
 }
 
 }  // namespace dp::kernels

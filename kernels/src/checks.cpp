@@ -1,10 +1,9 @@
 // checks.cpp — argument checks of the launchers (see checks.h), with their messages.
 #include "checks.h"
 
-#include <fmt/format.h>
-
 #include <climits>
 #include <cmath>
+#include <fmt/format.h>
 #include <limits>
 
 #include "dp/error.h"
@@ -21,8 +20,8 @@ std::string describe(const Conv2dShape& s) {
 }
 std::string describe(const BatchNormShape& s) { return format_dims({{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}}); }
 std::string describe(const MaxPoolShape& s) {
-  return format_dims({{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}, {"kernel", s.kernel}, {"stride", s.stride},
-                      {"pad", s.pad}});
+  return format_dims(
+      {{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}, {"kernel", s.kernel}, {"stride", s.stride}, {"pad", s.pad}});
 }
 
 }  // namespace
@@ -30,7 +29,8 @@ std::string describe(const MaxPoolShape& s) {
 void validate(const SgdOptions& o) {
   // torch.optim.SGD's constructor checks, with the same meaning; `!(x >= 0)` also rejects NaN, and
   // the learning rate must be finite.
-  if (!(o.lr >= 0.0f) || !std::isfinite(o.lr)) throw InvalidArgument(fmt::format("SGD: invalid learning rate {}", o.lr));
+  if (!(o.lr >= 0.0f) || !std::isfinite(o.lr))
+    throw InvalidArgument(fmt::format("SGD: invalid learning rate {}", o.lr));
   if (!(o.momentum >= 0.0f)) throw InvalidArgument(fmt::format("SGD: invalid momentum {}", o.momentum));
   if (!(o.weight_decay >= 0.0f)) throw InvalidArgument(fmt::format("SGD: invalid weight_decay {}", o.weight_decay));
   if (o.nesterov && o.momentum == 0.0f)
@@ -54,9 +54,9 @@ void conv2d(const char* op, const Conv2dShape& s) {
 
 void conv2d_int_range(const char* op, const Conv2dShape& s, std::int64_t largest_elements) {
   if (largest_elements > INT_MAX)
-    throw InvalidArgument(fmt::format(
-        "{}: im2col path needs every tensor below 2^31 elements (col has {}) for {}; use a smaller batch", op,
-        largest_elements, describe(s)));
+    throw InvalidArgument(
+        fmt::format("{}: im2col path needs every tensor below 2^31 elements (col has {}) for {}; use a smaller batch",
+                    op, largest_elements, describe(s)));
 }
 
 void batchnorm(const char* op, const BatchNormShape& s, bool training) {
@@ -73,7 +73,8 @@ void maxpool(const char* op, const MaxPoolShape& s) {
   if (s.kernel < 1 || s.stride < 1) fail("kernel and stride must be positive");
   if (s.pad < 0 || s.pad > s.kernel / 2) fail("pad must be in [0, kernel/2]");
   if (s.h + 2 * s.pad < s.kernel || s.w + 2 * s.pad < s.kernel) fail("output size is too small");
-  if (static_cast<std::int64_t>(s.h) * s.w > std::numeric_limits<std::int32_t>::max()) fail("plane too large for argmax");
+  if (static_cast<std::int64_t>(s.h) * s.w > std::numeric_limits<std::int32_t>::max())
+    fail("plane too large for argmax");
 }
 
 void linear(const char* op, int n, int in, int out) {

@@ -1,4 +1,4 @@
-// conv2d.cu — launchers for kernels/conv2d.h: the shared im2col + one-GEMM-per-pass path that every
+// conv2d.cu — launchers for dp/kernels/conv2d.h: the shared im2col + one-GEMM-per-pass path that every
 // backend runs, and the dispatch to cuDNN on cuda streams.
 #include <algorithm>
 #include <atomic>

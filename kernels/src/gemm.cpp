@@ -1,9 +1,8 @@
 // gemm.cpp — validates a row-major GEMM, checks its operands, and runs it: OpenBLAS on the stream's
 // thread (sim), cuBLAS (cuda).
+#include <algorithm>
 #include <cblas.h>
 #include <fmt/format.h>
-
-#include <algorithm>
 #include <mutex>
 
 #include "dp/error.h"
@@ -28,11 +27,13 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
   if (m < 0 || n < 0 || k < 0) throw InvalidArgument(fmt::format("gemm: negative extent m={} n={} k={}", m, n, k));
   const int a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
   if (lda < std::max(1, a_cols) || ldb < std::max(1, b_cols) || ldc < std::max(1, n))
-    throw InvalidArgument(fmt::format("gemm: leading dimension too small (lda={} needs {}, ldb={} needs {}, ldc={} needs {})",
-                                      lda, a_cols, ldb, b_cols, ldc, n));
+    throw InvalidArgument(
+        fmt::format("gemm: leading dimension too small (lda={} needs {}, ldb={} needs {}, ldc={} needs {})", lda,
+                    a_cols, ldb, b_cols, ldc, n));
   if (m == 0 || n == 0) return;
-  kernel_api::check_operands(stream, "gemm", {matrix(a, trans_a ? k : m, a_cols, lda),
-                                              matrix(b, trans_b ? n : k, b_cols, ldb), matrix(c, m, n, ldc)});
+  kernel_api::check_operands(
+      stream, "gemm",
+      {matrix(a, trans_a ? k : m, a_cols, lda), matrix(b, trans_b ? n : k, b_cols, ldb), matrix(c, m, n, ldc)});
   const library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc};
   if (stream.backend() == Backend::cuda) {
     library::cublas_gemm(stream, g);

@@ -1,4 +1,4 @@
-// linear.cu — launchers for kernels/linear.h: three GEMMs, a bias broadcast and a column sum.
+// linear.cu — launchers for dp/kernels/linear.h: three GEMMs, a bias broadcast and a column sum.
 // Row-major throughout; gemm's trans flags express the transposes without copying.
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-// loss.cu — launchers for kernels/loss.h: one thread per sample, then a split reduction for the mean.
+// loss.cu — launchers for dp/kernels/loss.h: one thread per sample, then a split reduction for the mean.
 // On sim, invalid targets are also reported as an error by the stream (see CheckTargets).
 #include "checks.h"
 #include "dp/kernels/launch.h"
@@ -25,7 +25,8 @@ struct CheckTargets {
 
 // Queued last; the launches before it have checked the targets operand.
 void check_targets_on_sim(const Stream& stream, const char* op, int n, int classes, const std::int64_t* targets) {
-  if (stream.backend() == Backend::sim && n > 0) kernel_api::enqueue_host(stream, op, CheckTargets{op, targets, n, classes});
+  if (stream.backend() == Backend::sim && n > 0)
+    kernel_api::enqueue_host(stream, op, CheckTargets{op, targets, n, classes});
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
-// maxpool.cu — launchers for kernels/maxpool.h: one thread per output forward, one thread per
+// maxpool.cu — launchers for dp/kernels/maxpool.h: one thread per output forward, one thread per
 // input backward (a gather over the windows covering it).
 #include "checks.h"
-#include "dp/kernels/launch.h"
 #include "dp/kernels/elementwise.h"
+#include "dp/kernels/launch.h"
 #include "dp/kernels/maxpool.h"
 
 namespace dp::kernels {
@@ -12,7 +12,7 @@ void maxpool_forward(const Stream& stream, const MaxPoolShape& shape, const floa
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
   launch_2d(stream, "maxpool_forward", planes * shape.h_out(), shape.w_out(), MaxPoolForward{shape, x, y, argmax},
-         {operand(x, in), operand(y, out), operand(argmax, out)});
+            {operand(x, in), operand(y, out), operand(argmax, out)});
 }
 
 void maxpool_backward(const Stream& stream, const MaxPoolShape& shape, const std::int32_t* argmax, const float* dy,

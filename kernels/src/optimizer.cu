@@ -1,4 +1,4 @@
-// optimizer.cu — launcher for kernels/optimizer.h: one elementwise launch over every parameter
+// optimizer.cu — launcher for dp/kernels/optimizer.h: one elementwise launch over every parameter
 // of the model, which the engine keeps in one flat buffer (as it does their gradients and buffers).
 #include "checks.h"
 #include "dp/kernels/launch.h"

@@ -23,7 +23,8 @@ std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden, 
     ++index;
   }
   layers.push_back(make_linear(fmt::format("fc{}", index), in, 10));
-  auto model = std::make_unique<SequentialModel>("mlp", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
+  auto model =
+      std::make_unique<SequentialModel>("mlp", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
   model->initialize(seed);
   return model;
 }

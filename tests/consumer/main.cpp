@@ -1,14 +1,16 @@
 // A user's program, built against an installed dp with find_package(dp): the README's example,
 // on simulated devices, plus a host -> device -> device -> host trip.
+#include <cmath>
+#include <cstdio>
 #include <dp/checkpoint.h>
 #include <dp/data_parallel.h>
 #include <dp/ddp.h>
 #include <dp/device.h>
+#include <dp/engine.h>
 #include <dp/error.h>
 #include <dp/models/convnet.h>
-
-#include <cmath>
-#include <cstdio>
+#include <dp/training_state.h>
+#include <filesystem>
 #include <vector>
 
 int main() {
@@ -45,8 +47,7 @@ int main() {
   auto module = dp::models::make_convnet(runtime->device(0), 0);
   dp::DistributedDataParallel ddp(*runtime, *module, sgd, {.bucket_cap_mb = 25});
   std::vector<dp::RankBatch> shards;
-  for (int r = 0; r < ddp.world_size(); ++r)
-    shards.push_back({images.data() + r * 4 * 784, labels.data() + r * 4, 4});
+  for (int r = 0; r < ddp.world_size(); ++r) shards.push_back({images.data() + r * 4 * 784, labels.data() + r * 4, 4});
   loss += ddp.train_step(shards);
   {
     auto guard = ddp.no_sync();
@@ -59,6 +60,27 @@ int main() {
   const auto state = dp::state_dict(ddp.replica(0), stream);
   if (!std::isfinite(loss) || !state.has("layer1.1.running_var")) {
     std::puts("consumer: training FAILED");
+    return 1;
+  }
+
+  // The README's Engine example: the same step through the one interface, then its training state.
+  auto engine_model = dp::models::make_convnet(runtime->device(0), 0);
+  auto engine =
+      dp::make_engine(*runtime, *engine_model, sgd, {.kind = dp::EngineKind::ddp, .device_ids = std::vector{0, 1}});
+  std::vector<dp::Batch> batches;
+  for (int r = 0; r < engine->batches_per_step(); ++r)
+    batches.push_back({images.data() + r * 6 * 784, labels.data() + r * 6, 6});
+  engine->set_lr(0.05f);
+  const float step_loss = engine->train_step(batches);
+  const std::vector<float> logits = engine->predict(batches);
+  engine->synchronize();
+  const std::string path = (std::filesystem::temp_directory_path() / "dp_consumer_run.safetensors").string();
+  dp::TrainingState::save(path, engine->model(), *engine->optimizers()[0], {.step = 1});
+  const auto resumed = dp::TrainingState::read(path);
+  std::filesystem::remove(path);
+  if (!std::isfinite(step_loss) || logits.size() != 12u * 10u || resumed.progress().step != 1 ||
+      resumed.optimizer_steps() != 1) {
+    std::puts("consumer: engine FAILED");
     return 1;
   }
   std::printf("consumer: ok (loss %.4f, %zu tensors in the state dict)\n", loss, state.tensors.size());

@@ -3,9 +3,8 @@
 // record that has not been issued, and a failing device cannot leave the others blocked.
 #include "dp/data_parallel.h"
 
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <fmt/format.h>
 
 #include "common.h"
 #include "dp/error.h"
@@ -26,7 +25,7 @@ struct DataParallel::Replica {
   Model* model = nullptr;
   Stream stream;
   Event forward_done, backward_done;
-  Event broadcast_done;                             // this replica has read the source's state
+  Event broadcast_done;                            // this replica has read the source's state
   Event step_start, scatter_done, backward_start;  // phase timing only
   engines::StagedBatch inputs;
   Scratch grad_output;
@@ -43,8 +42,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const SgdOptions& sg
   const auto& ids = group_.device_ids();
   const auto it = std::find(ids.begin(), ids.end(), output_device_);
   if (it == ids.end())
-    throw InvalidArgument(fmt::format("output_device {} is not one of device_ids [{}]", output_device_,
-                                      fmt::join(ids, ", ")));
+    throw InvalidArgument(
+        fmt::format("output_device {} is not one of device_ids [{}]", output_device_, fmt::join(ids, ", ")));
   output_rank_ = static_cast<int>(it - ids.begin());
   loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_));
   models_ = std::make_unique<engines::Replicas>(module, group_);
@@ -145,9 +144,11 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
         Replica& r = *replicas_[static_cast<std::size_t>(rank)];
         Device& device = group_.device(rank);
         if (rank == 0)
-          for (int other = 1; other < used; ++other) r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
+          for (int other = 1; other < used; ++other)
+            r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
         const int rows = chunks_[static_cast<std::size_t>(rank)];
-        const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
+        const float* chunk =
+            inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
         r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
         mark(time_phases_, r.stream, r.scatter_done);
         r.output = r.model->forward(r.stream, r.inputs.inputs(), rows, mode);
@@ -166,8 +167,8 @@ void DataParallel::gather_outputs() {
   for (int rank = 0; rank < used; ++rank) {
     const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
     if (rank != output_rank_) out.stream.wait(r.forward_done);
-    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes,
-                    r.output, static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * classes * sizeof(float));
+    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes, r.output,
+                    static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * classes * sizeof(float));
   }
   mark(time_phases_, out.stream, gather_end_);
 }

@@ -3,9 +3,8 @@
 // gradients-ready callback.
 #include "dp/ddp.h"
 
-#include <fmt/format.h>
-
 #include <cstring>
+#include <fmt/format.h>
 
 #include "common.h"
 #include "dp/error.h"
@@ -21,7 +20,6 @@ struct DistributedDataParallel::Rank {
   Scratch grad_output;
   PinnedBuffer host_loss;  // pinned: the copy is asynchronous, the worker never blocks on peers
 };
-
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd,
                                                  DdpOptions options)
@@ -54,7 +52,9 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 Model& DistributedDataParallel::replica(int rank) const { return *ranks_.at(static_cast<std::size_t>(rank))->model; }
-Sgd& DistributedDataParallel::optimizer(int rank) const { return *ranks_.at(static_cast<std::size_t>(rank))->optimizer; }
+Sgd& DistributedDataParallel::optimizer(int rank) const {
+  return *ranks_.at(static_cast<std::size_t>(rank))->optimizer;
+}
 
 std::vector<Sgd*> DistributedDataParallel::optimizers() {
   std::vector<Sgd*> out;
@@ -98,8 +98,8 @@ void DistributedDataParallel::zero_grad() {
 
 void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool need_targets) const {
   if (static_cast<int>(batches.size()) != group_.size())
-    throw InvalidArgument(fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(),
-                                      group_.size()));
+    throw InvalidArgument(
+        fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(), group_.size()));
   for (std::size_t r = 0; r < batches.size(); ++r) {
     if (batches[r].size < 1)
       throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
@@ -200,10 +200,11 @@ void DistributedDataParallel::check_replicas_identical() {
     for (const TensorRef& p : ranks_[0]->model->parameters())
       for (std::size_t i = 0; i < p.numel(); ++i)
         if (std::memcmp(&values[0][p.offset + i], &values[r][p.offset + i], sizeof(float)) != 0)
-          throw Error(fmt::format("DDP replicas diverged: '{}'[{}] is {} on rank 0 (device {}) but {} on rank {} "
-                                  "(device {})",
-                                  p.name, i, values[0][p.offset + i], group_.device_ids()[0], values[r][p.offset + i],
-                                  r, group_.device_ids()[r]));
+          throw Error(
+              fmt::format("DDP replicas diverged: '{}'[{}] is {} on rank 0 (device {}) but {} on rank {} "
+                          "(device {})",
+                          p.name, i, values[0][p.offset + i], group_.device_ids()[0], values[r][p.offset + i], r,
+                          group_.device_ids()[r]));
   }
 }
 

@@ -1,9 +1,8 @@
 // reducer.cpp — bucket bookkeeping and the bucketed all-reduce of DDP's gradients.
 #include "dp/reducer.h"
 
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <fmt/format.h>
 
 #include "dp/error.h"
 #include "dp/kernels/ops.h"
@@ -13,8 +12,8 @@ namespace dp {
 std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters, double first_bucket_mb,
                                        double bucket_cap_mb) {
   if (!(bucket_cap_mb > 0.0) || !(first_bucket_mb > 0.0))
-    throw InvalidArgument(fmt::format("bucket caps must be > 0 MiB (bucket_cap_mb {}, first bucket {})",
-                                      bucket_cap_mb, first_bucket_mb));
+    throw InvalidArgument(
+        fmt::format("bucket caps must be > 0 MiB (bucket_cap_mb {}, first bucket {})", bucket_cap_mb, first_bucket_mb));
   std::vector<GradBucket> buckets;
   GradBucket current;
   std::size_t bytes = 0;

@@ -19,7 +19,7 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const SgdOptions& options
 SingleDeviceTrainer::~SingleDeviceTrainer() {
   try {
     stream_.synchronize();  // the staged batch and scratch die with us
-  } catch (...) {  // a destructor never throws; the failure was reported by the step
+  } catch (...) {           // a destructor never throws; the failure was reported by the step
   }
 }
 

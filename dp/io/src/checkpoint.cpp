@@ -34,7 +34,7 @@ void load_state_dict(Model& model, const Stream& stream, const safetensors::File
   const auto views = state_views(model);
   for (const TensorRef& view : views) {
     const std::string plain = prefix + view.name, wrapped = prefix + "module." + view.name;
-    const safetensors::Tensor* t = file.has(plain) ? &file.tensors.at(plain)
+    const safetensors::Tensor* t = file.has(plain)     ? &file.tensors.at(plain)
                                    : file.has(wrapped) ? &file.tensors.at(wrapped)
                                                        : nullptr;
     if (!t) throw Error(fmt::format("checkpoint has no tensor '{}'", plain));
@@ -42,8 +42,8 @@ void load_state_dict(Model& model, const Stream& stream, const safetensors::File
       throw Error(fmt::format("checkpoint tensor '{}' has dtype {}, the model expects {}", plain, t->dtype,
                               dtype_name(view.dtype)));
     if (t->shape != view.shape)
-      throw Error(fmt::format("checkpoint tensor '{}' has shape {}, the model expects {}", plain, format_shape(t->shape),
-                              format_shape(view.shape)));
+      throw Error(fmt::format("checkpoint tensor '{}' has shape {}, the model expects {}", plain,
+                              format_shape(t->shape), format_shape(view.shape)));
     plan.emplace_back(&view, t);
   }
   for (auto& [view, t] : plan) stream.copy(view->data, t->data.data(), view->bytes());

@@ -31,7 +31,8 @@ Dataset load_mnist(const std::string& dir) {
   const std::string labels_path = dir + "/train-labels-idx1-ubyte";
   const auto images = read_file(images_path);
   const auto labels = read_file(labels_path);
-  if (images.size() < 16) throw Error(fmt::format("{}: truncated: {} bytes, an IDX3 header needs 16", images_path, images.size()));
+  if (images.size() < 16)
+    throw Error(fmt::format("{}: truncated: {} bytes, an IDX3 header needs 16", images_path, images.size()));
   if (big_endian(images, 0) != 0x803)
     throw Error(fmt::format("{}: wrong magic 0x{:08x} (expected 0x00000803, unsigned byte images of 3 dimensions)",
                             images_path, big_endian(images, 0)));
@@ -42,7 +43,8 @@ Dataset load_mnist(const std::string& dir) {
   if (images.size() != want)
     throw Error(fmt::format("{}: {} bytes but the header promises {} images of {}x{} ({} bytes){}", images_path,
                             images.size(), count, rows, cols, want, images.size() < want ? ": truncated" : ""));
-  if (labels.size() < 8) throw Error(fmt::format("{}: truncated: {} bytes, an IDX1 header needs 8", labels_path, labels.size()));
+  if (labels.size() < 8)
+    throw Error(fmt::format("{}: truncated: {} bytes, an IDX1 header needs 8", labels_path, labels.size()));
   if (big_endian(labels, 0) != 0x801)
     throw Error(fmt::format("{}: wrong magic 0x{:08x} (expected 0x00000801, unsigned byte labels)", labels_path,
                             big_endian(labels, 0)));
@@ -58,7 +60,8 @@ Dataset load_mnist(const std::string& dir) {
   data.labels.resize(count);
   for (std::uint32_t i = 0; i < count; ++i) {
     const std::uint8_t label = labels[8 + i];
-    if (label >= 10) throw Error(fmt::format("{}: label {} of sample {} is not a class in [0, 10)", labels_path, label, i));
+    if (label >= 10)
+      throw Error(fmt::format("{}: label {} of sample {} is not a class in [0, 10)", labels_path, label, i));
     data.labels[i] = label;
   }
   return data;
@@ -72,10 +75,12 @@ Dataset make_synthetic(std::size_t samples, std::uint64_t seed) {
   for (int c = 0; c < 10; ++c)
     for (int stroke = 0; stroke < 4; ++stroke) {
       const bool horizontal = (rng() & 1) != 0;
-      const int line = 4 + static_cast<int>(rng() % 20), from = static_cast<int>(rng() % 10), length = 8 + static_cast<int>(rng() % 10);
+      const int line = 4 + static_cast<int>(rng() % 20), from = static_cast<int>(rng() % 10),
+                length = 8 + static_cast<int>(rng() % 10);
       for (int k = 0; k < length && from + k < 28; ++k) {
         const int r = horizontal ? line : from + k, col = horizontal ? from + k : line;
-        patterns[static_cast<std::size_t>(c) * 784 + static_cast<std::size_t>(r) * 28 + static_cast<std::size_t>(col)] = 255;
+        patterns[static_cast<std::size_t>(c) * 784 + static_cast<std::size_t>(r) * 28 + static_cast<std::size_t>(col)] =
+            255;
       }
     }
   Dataset data;
@@ -130,7 +135,8 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
   return mine;
 }
 
-BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches, int depth)
+BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches,
+                         int depth)
     : data_(data), batches_(std::move(batches)) {
   if (depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
   std::size_t largest = 1;

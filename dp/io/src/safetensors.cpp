@@ -1,17 +1,16 @@
 // safetensors.cpp — the safetensors format with strict validation and atomic writes.
 #include "dp/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "dp/error.h"
 #include "dp/shape.h"
@@ -20,9 +19,9 @@ namespace dp::safetensors {
 namespace {
 
 std::size_t dtype_bytes(const std::string& dtype) {
-  static const std::map<std::string, std::size_t> sizes = {{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2},
-                                                            {"I64", 8}, {"I32", 4}, {"I16", 2}, {"I8", 1},
-                                                            {"U8", 1},  {"BOOL", 1}, {"U16", 2}, {"U32", 4}, {"U64", 8}};
+  static const std::map<std::string, std::size_t> sizes = {{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
+                                                           {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},   {"BOOL", 1},
+                                                           {"U16", 2}, {"U32", 4}, {"U64", 8}};
   auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -119,12 +118,13 @@ File read(const std::string& path) {
         }
         elements *= static_cast<std::uint64_t>(d);
       }
-      if (elements * elem > data_size) throw Error(fmt::format("shape needs more than the {}-byte data section", data_size));
+      if (elements * elem > data_size)
+        throw Error(fmt::format("shape needs more than the {}-byte data section", data_size));
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw Error(fmt::format("data_offsets out of the {}-byte data section (file truncated?)", data_size));
       if (offsets[1] - offsets[0] != t.numel() * elem)
-        throw Error(fmt::format("{} bytes for dtype {} and shape of {} elements", offsets[1] - offsets[0], t.dtype,
-                                t.numel()));
+        throw Error(
+            fmt::format("{} bytes for dtype {} and shape of {} elements", offsets[1] - offsets[0], t.dtype, t.numel()));
       t.data.assign(data.begin() + static_cast<std::ptrdiff_t>(offsets[0]),
                     data.begin() + static_cast<std::ptrdiff_t>(offsets[1]));
       file.tensors[name] = std::move(t);
@@ -138,7 +138,8 @@ File read(const std::string& path) {
   }
   std::sort(ranges.begin(), ranges.end());
   for (std::size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second) throw Error(fmt::format("{}: tensors overlap in the data section", path));
+    if (ranges[i].first < ranges[i - 1].second)
+      throw Error(fmt::format("{}: tensors overlap in the data section", path));
   std::sort(by_offset.begin(), by_offset.end());
   for (auto& [offset, name] : by_offset) file.order.push_back(name);
   return file;
@@ -167,7 +168,8 @@ void write(const std::string& path, const File& file) {
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   std::string temp = (dir / fmt::format(".{}.XXXXXX", target.filename().string())).string();
   const int fd = ::mkstemp(temp.data());
-  if (fd < 0) throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
+  if (fd < 0)
+    throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
   auto fail = [&](const char* what) {
     const int error = errno;
     ::close(fd);

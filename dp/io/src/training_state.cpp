@@ -2,7 +2,6 @@
 #include "dp/training_state.h"
 
 #include <fmt/format.h>
-
 #include <limits>
 #include <vector>
 

@@ -4,12 +4,12 @@
 #include <fmt/format.h>
 
 #include "dp/error.h"
-#include "dp/scratch.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
 #include "dp/kernels/linear.h"
 #include "dp/kernels/maxpool.h"
 #include "dp/kernels/ops.h"
+#include "dp/scratch.h"
 
 namespace dp::nn {
 namespace {

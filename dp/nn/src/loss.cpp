@@ -10,11 +10,10 @@ namespace dp {
 
 const float* CrossEntropyLoss::forward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
                                        int classes) {
-  if (n < 1 || classes < 1)
-    throw InvalidArgument(fmt::format("cross entropy over {} rows of {} classes", n, classes));
+  if (n < 1 || classes < 1) throw InvalidArgument(fmt::format("cross entropy over {} rows of {} classes", n, classes));
   float* loss = loss_.get<float>(device_, 1);
-  kernels::cross_entropy_forward(stream, n, classes, logits, targets, per_sample_.get<float>(device_, static_cast<std::size_t>(n)),
-                                 loss);
+  kernels::cross_entropy_forward(stream, n, classes, logits, targets,
+                                 per_sample_.get<float>(device_, static_cast<std::size_t>(n)), loss);
   return loss;
 }
 

@@ -1,10 +1,9 @@
 // sequential.cpp — flat-buffer packing, PyTorch-default init, the layer-chain forward/backward.
 #include "dp/nn/sequential.h"
 
-#include <fmt/format.h>
-
 #include <cmath>
 #include <cstring>
+#include <fmt/format.h>
 #include <random>
 
 #include "dp/error.h"
@@ -52,7 +51,8 @@ SequentialModel::SequentialModel(std::string name, Device& device, std::vector<s
 }
 
 ActShape SequentialModel::input_act_shape(int batch) const {
-  return ActShape{batch, static_cast<int>(input_shape_.at(0)), input_shape_.size() > 1 ? static_cast<int>(input_shape_[1]) : 1,
+  return ActShape{batch, static_cast<int>(input_shape_.at(0)),
+                  input_shape_.size() > 1 ? static_cast<int>(input_shape_[1]) : 1,
                   input_shape_.size() > 2 ? static_cast<int>(input_shape_[2]) : 1};
 }
 
@@ -82,7 +82,8 @@ void SequentialModel::initialize(std::uint64_t seed) {
         std::memset(buffers.data() + b.offset, 0, n * sizeof(std::int64_t));  // num_batches_tracked
       } else {
         const float value = b.init == Init::ones ? 1.0f : 0.0f;
-        for (std::size_t i = 0; i < n; ++i) std::memcpy(buffers.data() + b.offset + i * sizeof(float), &value, sizeof(float));
+        for (std::size_t i = 0; i < n; ++i)
+          std::memcpy(buffers.data() + b.offset + i * sizeof(float), &value, sizeof(float));
       }
     }
   }
@@ -98,8 +99,8 @@ std::vector<TensorRef> SequentialModel::views(bool gradients) const {
   float* base = gradients ? grads_.as<float>() : params_.as<float>();
   for (const auto& layer : layers_)
     for (const auto& p : layer->params())
-      out.push_back(TensorRef{layer->name() + "." + p.name, DType::f32, p.shape, base + p.offset, device_.index(),
-                              p.offset});
+      out.push_back(
+          TensorRef{layer->name() + "." + p.name, DType::f32, p.shape, base + p.offset, device_.index(), p.offset});
   return out;
 }
 
@@ -108,7 +109,8 @@ std::vector<TensorRef> SequentialModel::buffers() const {
   auto* base = static_cast<std::byte*>(buffers_.data());
   for (const auto& layer : layers_)
     for (const auto& b : layer->buffers())
-      out.push_back(TensorRef{layer->name() + "." + b.name, b.dtype, b.shape, base + b.offset, device_.index(), b.offset});
+      out.push_back(
+          TensorRef{layer->name() + "." + b.name, b.dtype, b.shape, base + b.offset, device_.index(), b.offset});
   return out;
 }
 

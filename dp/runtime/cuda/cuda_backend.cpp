@@ -4,7 +4,6 @@
 // kernels borrow through kernel_api::with_library. Nothing here runs on machines without a GPU;
 // tests that need it GTEST_SKIP there.
 #include <fmt/format.h>
-
 #include <mutex>
 
 #include "backend.h"
@@ -97,8 +96,7 @@ class CudaStream final : public StreamImpl {
   void* native_handle() override { return stream_; }
   int multiprocessor_count() const override { return sm_count_; }
   void make_current() override { detail::make_device_current(index_); }
-  void with_library(kernel_api::Library library,
-                    const std::function<void(kernel_api::LibraryCall&)>& fn) override;
+  void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) override;
 
  private:
   CudaRuntime& runtime_;
@@ -111,9 +109,10 @@ class CudaStream final : public StreamImpl {
 class CudaDevice final : public DeviceImpl {
  public:
   CudaDevice(CudaRuntime& runtime, int index)
-      : runtime_(runtime), index_(index), memory_(0), worker_(fmt::format("cuda{}.worker", index), [index] {
-          DP_CUDA_CHECK(cudaSetDevice(index));
-        }) {
+      : runtime_(runtime),
+        index_(index),
+        memory_(0),
+        worker_(fmt::format("cuda{}.worker", index), [index] { DP_CUDA_CHECK(cudaSetDevice(index)); }) {
     // Handle and properties are created on the worker thread, which owns them.
     submit([this] {
       cudaDeviceProp prop{};
@@ -223,8 +222,10 @@ class CudaRuntime final : public RuntimeImpl {
         if (!can) continue;
         DP_CUDA_CHECK(cudaSetDevice(i));
         const cudaError_t status = cudaDeviceEnablePeerAccess(j, 0);
-        if (status == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-        else DP_CUDA_CHECK(status);
+        if (status == cudaErrorPeerAccessAlreadyEnabled)
+          cudaGetLastError();
+        else
+          DP_CUDA_CHECK(status);
       }
   }
   Backend backend() const override { return Backend::cuda; }
@@ -251,7 +252,7 @@ int location_of(const void* ptr) {
   cudaPointerAttributes attributes{};
   DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device
-                                                                                              : kHost;
+                                                                                             : kHost;
 }
 
 void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
@@ -264,8 +265,7 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
     DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
 }
 
-void CudaStream::with_library(kernel_api::Library library,
-                              const std::function<void(kernel_api::LibraryCall&)>& fn) {
+void CudaStream::with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) {
   device_.with_library(library, stream_, fn);
 }
 

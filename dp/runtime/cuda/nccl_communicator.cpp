@@ -1,7 +1,6 @@
 // nccl_communicator.cpp — the cuda communicator: ncclCommInitAll creates one communicator per
 // device of the group; each rank's worker thread issues only on its own communicator and stream.
 #include <fmt/format.h>
-
 #include <vector>
 
 #include "backend.h"

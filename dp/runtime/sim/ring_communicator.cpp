@@ -2,10 +2,9 @@
 // stream; when the tasks of all ranks run, they meet (like NCCL kernels that wait for their peers)
 // and move data in ring steps, each step a counted device-to-device copy into the receiver's
 // staging memory followed by its reduction, with a barrier between steps.
-#include <fmt/format.h>
-
 #include <condition_variable>
 #include <cstring>
+#include <fmt/format.h>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -59,7 +58,8 @@ class RingCommunicator final : public Communicator {
     // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
     const auto chunk_bytes = [count, n](int c) {
       return (count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n) -
-              count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n)) * sizeof(float);
+              count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n)) *
+             sizeof(float);
     };
     const int left = (rank + n - 1) % n;
     for (int s = 0; s < n - 1; ++s) {
@@ -106,8 +106,8 @@ class RingCommunicator final : public Communicator {
       for (int s = 0; s < n - 1; ++s) {
         const int receiver = (root + s + 1) % n, sender = (root + s) % n;
         if (r == receiver)
-          receive(round.calls[static_cast<std::size_t>(r)].data,
-                  round.calls[static_cast<std::size_t>(sender)].data, bytes);
+          receive(round.calls[static_cast<std::size_t>(r)].data, round.calls[static_cast<std::size_t>(sender)].data,
+                  bytes);
         step_barrier(round);
       }
     });
@@ -189,8 +189,9 @@ class RingCommunicator final : public Communicator {
   }
   void count_receive(int from_rank, int to_rank, std::size_t bytes) {
     if (bytes == 0) return;
-    Access::runtime(group_.runtime()).count_copy(group_.device_ids()[static_cast<std::size_t>(from_rank)],
-                                       group_.device_ids()[static_cast<std::size_t>(to_rank)], bytes);
+    Access::runtime(group_.runtime())
+        .count_copy(group_.device_ids()[static_cast<std::size_t>(from_rank)],
+                    group_.device_ids()[static_cast<std::size_t>(to_rank)], bytes);
   }
 
   void enqueue(int rank, const Stream& stream, const char* name, RankCall call, Body body) {

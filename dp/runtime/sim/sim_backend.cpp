@@ -124,8 +124,8 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::uint64_t recorded_ = 0;
-  std::uint64_t completed_ = 0;    // every generation <= this one has completed
-  std::set<std::uint64_t> done_;   // completed generations above completed_
+  std::uint64_t completed_ = 0;   // every generation <= this one has completed
+  std::set<std::uint64_t> done_;  // completed generations above completed_
   std::int64_t time_ns_ = 0;
 };
 
@@ -160,11 +160,12 @@ class SimStream final : public StreamImpl {
   void record(EventImpl& event) override {
     auto sim_event = static_cast<SimEvent&>(event).shared_from_this();
     if (sim_event->device() != device_)
-      throw DeviceMismatch(fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(),
-                                       device_));
+      throw DeviceMismatch(
+          fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(), device_));
     rethrow_sticky_error();  // before taking a generation that a refused post could never complete
     const std::uint64_t generation = sim_event->begin_record();
-    post("record", SpanKind::sync, [] {}, [sim_event, generation] { sim_event->complete(generation); });
+    post(
+        "record", SpanKind::sync, [] {}, [sim_event, generation] { sim_event->complete(generation); });
   }
 
   void wait(EventImpl& event) override {
@@ -194,13 +195,12 @@ class SimStream final : public StreamImpl {
     if (owner.runtime == nullptr)
       throw DeviceMismatch(fmt::format("{}: operand {} is not device memory (stream on device {})", op, ptr, device_));
     if (owner.runtime != &runtime_)
-      throw DeviceMismatch(fmt::format("{}: operand {} belongs to another runtime (stream on device {})", op, ptr,
-                                       device_));
+      throw DeviceMismatch(
+          fmt::format("{}: operand {} belongs to another runtime (stream on device {})", op, ptr, device_));
     if (owner.device != device_)
-      throw DeviceMismatch(fmt::format("{}: operand {} lives on {} but the stream is on device {}", op, ptr,
-                                       owner.device == kHost ? std::string("pinned host memory")
-                                                             : fmt::format("device {}", owner.device),
-                                       device_));
+      throw DeviceMismatch(fmt::format(
+          "{}: operand {} lives on {} but the stream is on device {}", op, ptr,
+          owner.device == kHost ? std::string("pinned host memory") : fmt::format("device {}", owner.device), device_));
     if (partial)
       throw DeviceMismatch(fmt::format("{}: operand {} (+{} bytes) runs past the end of its allocation on device {}",
                                        op, ptr, bytes, device_));

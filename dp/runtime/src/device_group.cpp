@@ -2,14 +2,10 @@
 #include "dp/device_group.h"
 
 #include <fmt/format.h>
-
 #include <future>
 #include <set>
 
 namespace dp {
-
-WorkerError::WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices)
-    : Error(message), device_(device), cause_(std::move(cause)), failed_(failed_devices) {}
 
 DeviceGroup::DeviceGroup(Runtime& runtime, std::vector<int> device_ids)
     : runtime_(runtime), device_ids_(std::move(device_ids)) {

@@ -1,7 +1,6 @@
 // runtime.cpp — public handles forwarding to the backend, backend selection, shared accounting.
-#include <fmt/format.h>
-
 #include <chrono>
+#include <fmt/format.h>
 #include <utility>
 
 #include "backend.h"
@@ -11,10 +10,13 @@ namespace dp {
 std::string_view to_string(Backend backend) { return backend == Backend::sim ? "sim" : "cuda"; }
 
 OutOfMemory::OutOfMemory(int device, std::size_t requested, std::size_t in_use, std::size_t capacity)
-    : Error(fmt::format("out of memory on device {}: requested {} bytes with {} of {} bytes in use", device,
-                        requested, in_use, capacity)),
+    : Error(fmt::format("out of memory on device {}: requested {} bytes with {} of {} bytes in use", device, requested,
+                        in_use, capacity)),
       device_(device),
       requested_(requested) {}
+
+WorkerError::WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices)
+    : Error(message), device_(device), cause_(std::move(cause)), failed_(failed_devices) {}
 
 // ---- Event
 bool Event::query() const { return impl_ ? impl_->query() : true; }
@@ -24,8 +26,8 @@ void Event::synchronize() const {
 double Event::elapsed_ms(const Event& start, const Event& end) {
   if (!start.impl_ || !end.impl_) throw InvalidArgument("Event::elapsed_ms: event not created");
   if (start.impl_->device() != end.impl_->device())
-    throw InvalidArgument(fmt::format("Event::elapsed_ms: events of devices {} and {}", start.impl_->device(),
-                                      end.impl_->device()));
+    throw InvalidArgument(
+        fmt::format("Event::elapsed_ms: events of devices {} and {}", start.impl_->device(), end.impl_->device()));
   return end.impl_->elapsed_ms_since(*start.impl_);
 }
 
@@ -43,9 +45,7 @@ void Stream::copy(void* dst, const void* src, std::size_t bytes) const {
   if (!dst || !src) throw InvalidArgument("Stream::copy: null pointer");
   Access::stream(*this).copy(dst, src, bytes);
 }
-void Stream::launch_host_func(std::function<void()> fn) const {
-  Access::stream(*this).launch_host_func(std::move(fn));
-}
+void Stream::launch_host_func(std::function<void()> fn) const { Access::stream(*this).launch_host_func(std::move(fn)); }
 
 // ---- Device
 Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl) : index_(index), impl_(std::move(impl)) {}
@@ -153,8 +153,8 @@ std::vector<TraceSpan> Runtime::take_trace() {
   std::vector<TraceSpan> out;
   for (auto& stream : impl_->take_spans())
     for (auto& span : stream.spans)
-      out.push_back(TraceSpan{stream.device, stream.stream_id, std::move(span.name), span.kind, span.start_ns,
-                              span.end_ns});
+      out.push_back(
+          TraceSpan{stream.device, stream.stream_id, std::move(span.name), span.kind, span.start_ns, span.end_ns});
   return out;
 }
 
@@ -234,7 +234,8 @@ LinkTraffic RuntimeImpl::link_traffic(int src, int dst) const {
 }
 
 void RuntimeImpl::reset_link_traffic() {
-  const std::size_t slots = static_cast<std::size_t>(expected_devices_ + 1) * static_cast<std::size_t>(expected_devices_ + 1);
+  const std::size_t slots =
+      static_cast<std::size_t>(expected_devices_ + 1) * static_cast<std::size_t>(expected_devices_ + 1);
   for (std::size_t i = 0; i < slots; ++i) {
     link_bytes_[i].store(0);
     link_copies_[i].store(0);

@@ -27,7 +27,7 @@ class Replicas;
 
 struct DataParallelOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
-  std::optional<int> output_device;             // default: device_ids[0]; must be one of device_ids
+  std::optional<int> output_device;            // default: device_ids[0]; must be one of device_ids
   // Record events at phase boundaries so last_phases() can report where a step's time went.
   bool time_phases = false;
 };
@@ -87,7 +87,7 @@ class DataParallel final : public Engine {
   int output_device_;
   int output_rank_;
   Sgd optimizer_;
-  std::unique_ptr<CrossEntropyLoss> loss_;  // on the output device
+  std::unique_ptr<CrossEntropyLoss> loss_;          // on the output device
   std::unique_ptr<engines::Replicas> models_;       // by rank; rank 0 is `module`
   std::vector<std::unique_ptr<Replica>> replicas_;  // by rank: streams, events, staging
   std::vector<int> chunks_;

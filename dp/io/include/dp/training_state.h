@@ -29,8 +29,7 @@ class TrainingState {
   // Writes `model`'s parameters and buffers, `optimizer`'s momentum ("optimizer.momentum.<name>")
   // and step count, and `progress` to `path` (a temporary file renamed over it: an existing file
   // is either replaced whole or untouched). Waits for the devices' pending work on the way.
-  static void save(const std::string& path, const Model& model, const Sgd& optimizer,
-                   const TrainingProgress& progress);
+  static void save(const std::string& path, const Model& model, const Sgd& optimizer, const TrainingProgress& progress);
 
   // Reads `path` and its training metadata. Throws Error naming the file and the problem: not a
   // training checkpoint, a missing key, a number out of range.

@@ -27,7 +27,9 @@ struct TensorRef {
   std::size_t numel() const { return dp::numel(shape); }
   std::size_t bytes() const { return numel() * dtype_size(dtype); }
   template <class T>
-  T* as() const { return static_cast<T*>(data); }
+  T* as() const {
+    return static_cast<T*>(data);
+  }
 };
 
 }  // namespace dp

@@ -3,7 +3,6 @@
 // member comes back to the caller as one error naming the device.
 #pragma once
 
-#include <exception>
 #include <functional>
 #include <vector>
 
@@ -11,20 +10,6 @@
 #include "dp/error.h"
 
 namespace dp {
-
-// What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
-class WorkerError : public Error {
- public:
-  WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices);
-  int device() const noexcept { return device_; }
-  std::exception_ptr cause() const noexcept { return cause_; }
-  int failed_devices() const noexcept { return failed_; }
-
- private:
-  int device_;
-  std::exception_ptr cause_;
-  int failed_;
-};
 
 class DeviceGroup {
  public:

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -38,6 +39,20 @@ class DeviceMismatch : public Error {
 class InvalidArgument : public Error {
  public:
   using Error::Error;
+};
+
+// What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
+class WorkerError : public Error {
+ public:
+  WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices);
+  int device() const noexcept { return device_; }
+  std::exception_ptr cause() const noexcept { return cause_; }
+  int failed_devices() const noexcept { return failed_; }
+
+ private:
+  int device_;
+  std::exception_ptr cause_;
+  int failed_;
 };
 
 }  // namespace dp

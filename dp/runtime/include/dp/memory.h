@@ -24,7 +24,9 @@ class DeviceBuffer {
 
   void* data() const noexcept { return data_; }
   template <class T>
-  T* as() const noexcept { return static_cast<T*>(data_); }
+  T* as() const noexcept {
+    return static_cast<T*>(data_);
+  }
   std::size_t size() const noexcept { return bytes_; }
   int device() const noexcept { return device_; }
   explicit operator bool() const noexcept { return data_ != nullptr; }
@@ -51,14 +53,15 @@ class PinnedBuffer {
 
   void* data() const noexcept { return data_; }
   template <class T>
-  T* as() const noexcept { return static_cast<T*>(data_); }
+  T* as() const noexcept {
+    return static_cast<T*>(data_);
+  }
   std::size_t size() const noexcept { return bytes_; }
   void reset() noexcept;
 
  private:
   friend class detail::RuntimeImpl;
-  PinnedBuffer(detail::RuntimeImpl* owner, void* data, std::size_t bytes)
-      : owner_(owner), data_(data), bytes_(bytes) {}
+  PinnedBuffer(detail::RuntimeImpl* owner, void* data, std::size_t bytes) : owner_(owner), data_(data), bytes_(bytes) {}
   detail::RuntimeImpl* owner_ = nullptr;
   void* data_ = nullptr;
   std::size_t bytes_ = 0;

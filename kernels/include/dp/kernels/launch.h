@@ -174,11 +174,11 @@ void launch_row_reduce(const Stream& stream, const char* name, index_t rows, ind
     return;
   }
 #if defined(__CUDACC__)
-  const index_t grid =
-      std::min<index_t>(rows, static_cast<index_t>(kernel_api::multiprocessor_count(stream)) * 16);
+  const index_t grid = std::min<index_t>(rows, static_cast<index_t>(kernel_api::multiprocessor_count(stream)) * 16);
   kernel_api::make_current(stream);
-  row_reduce_kernel<T><<<static_cast<unsigned>(grid), kReduceLanes, 0,
-                         static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(rows, cols, map, finalize);
+  row_reduce_kernel<T>
+      <<<static_cast<unsigned>(grid), kReduceLanes, 0, static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(
+          rows, cols, map, finalize);
   DP_CUDA_CHECK(cudaGetLastError());
 #else
   kernel_api::enqueue_host(stream, name, {});

@@ -69,7 +69,9 @@ class Layer {
   float* param(std::size_t i) const { return params_flat_ + params_[i].offset; }
   float* grad(std::size_t i) const { return grads_flat_ + params_[i].offset; }
   template <class T>
-  T* buffer(std::size_t i) const { return reinterpret_cast<T*>(buffers_flat_ + buffers_[i].offset); }
+  T* buffer(std::size_t i) const {
+    return reinterpret_cast<T*>(buffers_flat_ + buffers_[i].offset);
+  }
 
   std::vector<TensorDecl> params_;
   std::vector<TensorDecl> buffers_;
@@ -82,7 +84,8 @@ class Layer {
 };
 
 std::unique_ptr<Layer> make_linear(std::string name, int in_features, int out_features);
-std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride, int pad);
+std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride,
+                                   int pad);
 std::unique_ptr<Layer> make_batchnorm2d(std::string name, int channels);
 std::unique_ptr<Layer> make_relu(std::string name);
 std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride);

@@ -45,8 +45,7 @@ void check_extents(const char* op, std::int64_t rows, std::int64_t cols = 0);
 // sim: runs `body` on the stream's thread in stream order, traced as `kind`; an exception it throws
 // fails the stream, as a faulting kernel poisons a CUDA context. cuda: throws (kernels launch
 // natively there; reaching this means the launch site was not compiled by nvcc).
-void enqueue_host(const Stream& stream, const char* name, std::function<void()> body,
-                  SpanKind kind = SpanKind::kernel);
+void enqueue_host(const Stream& stream, const char* name, std::function<void()> body, SpanKind kind = SpanKind::kernel);
 
 // cuda: the cudaStream_t of `stream`; sim: nullptr.
 void* native_handle(const Stream& stream);
