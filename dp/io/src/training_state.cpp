@@ -28,10 +28,33 @@ long long number(const std::string& path, const safetensors::File& file, const s
   throw Error(fmt::format("{}: metadata '{}' = '{}' is not a number in [{}, {}]", path, key, it->second, lo, hi));
 }
 
+// Metadata "dp.seed": any uint64_t, as TrainingProgress::seed (and dp_train --seed) allow.
+std::uint64_t seed(const std::string& path, const safetensors::File& file) {
+  const auto it = file.metadata.find("dp.seed");
+  if (it == file.metadata.end()) throw Error(fmt::format("{}: metadata 'dp.seed' is missing", path));
+  try {
+    std::size_t used = 0;
+    const unsigned long long value = std::stoull(it->second, &used);
+    if (used == it->second.size() && !it->second.empty() && it->second[0] != '-') return value;
+  } catch (const std::exception&) {
+  }
+  throw Error(fmt::format("{}: metadata 'dp.seed' = '{}' is not a number in [0, 2^64)", path, it->second));
+}
+
+// The keys of the training state itself, which a tag must not overwrite.
+bool reserved(const std::string& key) {
+  return key == "format" || key == "step" || key == "sgd_steps" || key == "epoch" || key == "seed";
+}
+
 }  // namespace
 
 void TrainingState::save(const std::string& path, const Model& model, const Sgd& optimizer,
                          const TrainingProgress& progress) {
+  for (const auto& [key, value] : progress.tags)
+    if (reserved(key)) throw InvalidArgument(fmt::format("training state tag '{}' would overwrite dp.{}", key, key));
+  // The state as the devices last left it: every stream of both devices finishes first.
+  model.device().synchronize();
+  optimizer.device().synchronize();
   const Stream model_stream = model.device().create_stream();
   safetensors::File file = state_dict(model, model_stream);
   if (optimizer.momentum_flat()) {
@@ -60,13 +83,10 @@ TrainingState TrainingState::read(const std::string& path) {
     throw Error(fmt::format("{}: not a training checkpoint (no training state)", path));
   state.progress_.step = number(path, file, "dp.step", 0, kMaxCount);
   state.optimizer_steps_ = number(path, file, "dp.sgd_steps", 0, kMaxCount);
-  state.progress_.seed =
-      static_cast<std::uint64_t>(number(path, file, "dp.seed", 0, std::numeric_limits<long long>::max()));
+  state.progress_.seed = seed(path, file);
   if (file.metadata.count("dp.epoch")) state.progress_.epoch = number(path, file, "dp.epoch", 0, kMaxCount);
   for (const auto& [key, value] : file.metadata)
-    if (key.rfind("dp.", 0) == 0 && key != "dp.format" && key != "dp.step" && key != "dp.sgd_steps" &&
-        key != "dp.epoch" && key != "dp.seed")
-      state.progress_.tags[key.substr(3)] = value;
+    if (key.rfind("dp.", 0) == 0 && !reserved(key.substr(3))) state.progress_.tags[key.substr(3)] = value;
   return state;
 }
 

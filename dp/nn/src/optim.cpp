@@ -11,6 +11,13 @@ Sgd::Sgd(Device& device, std::size_t param_count, const SgdOptions& options)
   if (options.momentum > 0.0f) momentum_ = device.allocate(param_count * sizeof(float));
 }
 
+void Sgd::set_lr(float lr) {
+  SgdOptions options = options_;
+  options.lr = lr;
+  kernels::validate(options);
+  options_ = options;
+}
+
 void Sgd::step(const Stream& stream, float* params, const float* grads) {
   kernels::sgd_step(stream, static_cast<kernels::index_t>(param_count_), options_, steps_ == 0, params, grads,
                     momentum_.as<float>());

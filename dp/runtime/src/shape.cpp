@@ -11,11 +11,16 @@
 namespace dp {
 
 std::size_t numel(std::span<const std::int64_t> shape) {
-  std::size_t n = 1;
+  bool empty = false;
   for (const std::int64_t d : shape) {
     if (d < 0) throw InvalidArgument(fmt::format("shape {} has a negative extent", format_shape(shape)));
+    empty = empty || d == 0;
+  }
+  if (empty) return 0;  // whatever the other extents, in any order
+  std::size_t n = 1;
+  for (const std::int64_t d : shape) {
     const auto extent = static_cast<std::size_t>(d);
-    if (extent != 0 && n > std::numeric_limits<std::size_t>::max() / extent)
+    if (n > std::numeric_limits<std::size_t>::max() / extent)
       throw InvalidArgument(fmt::format("shape {} has more elements than fit in 64 bits", format_shape(shape)));
     n *= extent;
   }

@@ -20,7 +20,7 @@ struct TrainingProgress {
   std::int64_t epoch = 0;  // the epoch that step belongs to
   std::uint64_t seed = 0;  // of the initialisation, data and shuffling
   // Free-form facts about the run a resume may want to check ("model", "mode", ...); stored as
-  // metadata "dp.<key>".
+  // metadata "dp.<key>". The state's own keys (format, step, sgd_steps, epoch, seed) are refused.
   std::map<std::string, std::string> tags;
 };
 
@@ -28,7 +28,8 @@ class TrainingState {
  public:
   // Writes `model`'s parameters and buffers, `optimizer`'s momentum ("optimizer.momentum.<name>")
   // and step count, and `progress` to `path` (a temporary file renamed over it: an existing file
-  // is either replaced whole or untouched). Waits for the devices' pending work on the way.
+  // is either replaced whole or untouched). Waits for all work on the model's and the optimizer's
+  // devices first, so the state saved is the one the last step left.
   static void save(const std::string& path, const Model& model, const Sgd& optimizer, const TrainingProgress& progress);
 
   // Reads `path` and its training metadata. Throws Error naming the file and the problem: not a

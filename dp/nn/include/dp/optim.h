@@ -24,7 +24,8 @@ class Sgd {
 
   Device& device() const { return device_; }
   const SgdOptions& options() const { return options_; }
-  void set_lr(float lr) { options_.lr = lr; }
+  // Validated as the constructor does (InvalidArgument for a negative, NaN or infinite lr).
+  void set_lr(float lr);
   std::int64_t steps() const { return steps_; }
   // Restoring a checkpoint: the momentum buffer is written by the caller, then the step count set.
   void set_steps(std::int64_t steps) { steps_ = steps; }
