@@ -2,12 +2,16 @@
 // DistributedDataParallel, on GPUs or simulated devices; saves and resumes checkpoints.
 // It is also the embedding example: it uses only dp's public headers, as a user's program would.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <fmt/format.h>
 #include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <unistd.h>
@@ -44,6 +48,10 @@ struct Options {
   std::string init, save, resume;
   long log_every = 10;
   bool log_batches = false;
+  std::optional<bool> eval;  // unset: evaluate when the data has a test split
+  bool eval_only = false;
+  std::string normalize;     // "MEAN,STD"
+  std::string metrics_json;  // JSON lines, one per logged step and per epoch
 };
 
 // A failure the user caused (bad flag value, bad file): message, exit code 2.
@@ -82,6 +90,92 @@ float lr_at(const Options& o, int world, long step) {
 
 std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
+// "MEAN,STD" (e.g. Fashion-MNIST's 0.2860,0.3530) for torchvision's Normalize.
+dp::Normalize parse_normalize(const std::string& text) {
+  const std::size_t comma = text.find(',');
+  try {
+    if (comma != std::string::npos && text.find(',', comma + 1) == std::string::npos) {
+      std::size_t used_mean = 0, used_std = 0;
+      const std::string mean_text = text.substr(0, comma), std_text = text.substr(comma + 1);
+      const float mean = std::stof(mean_text, &used_mean), std = std::stof(std_text, &used_std);
+      if (used_mean == mean_text.size() && used_std == std_text.size() && std::isfinite(mean) && std::isfinite(std) &&
+          std > 0.0f)
+        return dp::Normalize{mean, std};
+    }
+  } catch (const std::exception&) {
+  }
+  throw UsageError(fmt::format("--normalize '{}': expected MEAN,STD with a finite mean and a std > 0", text));
+}
+
+// "1m 05s", "42.0 s": durations for people.
+std::string duration_text(double seconds) {
+  if (seconds < 60) return fmt::format("{:.1f} s", seconds);
+  const auto whole = static_cast<long>(seconds + 0.5);
+  if (whole < 3600) return fmt::format("{}m {:02}s", whole / 60, whole % 60);
+  return fmt::format("{}h {:02}m", whole / 3600, (whole % 3600) / 60);
+}
+
+// --metrics-json: one JSON object per line, each written with a single write(2) to a file opened
+// for appending, so a crash leaves every line logged before it whole (at most the last one cut by a
+// full disk).
+class MetricsLog {
+ public:
+  // Truncates `path`, or appends to it when resuming (the earlier run's lines stay).
+  MetricsLog(const std::string& path, bool append) {
+    if (path.empty()) return;
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (append ? 0 : O_TRUNC), 0644);
+    if (fd_ < 0) throw UsageError(fmt::format("--metrics-json {}: cannot open ({})", path, std::strerror(errno)));
+    path_ = path;
+  }
+  ~MetricsLog() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+
+  void write(const nlohmann::json& record) {
+    if (fd_ < 0) return;
+    const std::string line = record.dump() + "\n";
+    if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
+      throw dp::Error(fmt::format("--metrics-json {}: write failed ({})", path_, std::strerror(errno)));
+  }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+// Test-set loss and accuracy through the engine: every sample exactly once (eval_shard: rank r of
+// the engine's batches_per_step() takes samples r, r + R, ...; no padding), in batches of
+// `batch_size` per rank; a rank whose shard ran out sends an empty batch.
+dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Dataset& test, int batch_size,
+                        dp::Normalize normalize) {
+  const int shards = engine.batches_per_step();
+  std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(shards));
+  std::size_t steps = 0;
+  for (int rank = 0; rank < shards; ++rank) {
+    const auto mine = dp::eval_shard(test.size(), shards, rank);
+    auto& plan = plans[static_cast<std::size_t>(rank)];
+    for (std::size_t begin = 0; begin < mine.size(); begin += static_cast<std::size_t>(batch_size))
+      plan.emplace_back(mine.begin() + static_cast<std::ptrdiff_t>(begin),
+                        mine.begin() + static_cast<std::ptrdiff_t>(
+                                           std::min(mine.size(), begin + static_cast<std::size_t>(batch_size))));
+    steps = std::max(steps, plan.size());
+  }
+  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
+  for (auto& plan : plans) {
+    plan.resize(steps);  // empty batches for the ranks whose shard is shorter
+    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, test, std::move(plan), 2, normalize));
+  }
+  dp::EvalTotals totals;
+  for (std::size_t k = 0; k < steps; ++k) {
+    std::vector<dp::Batch> batches;
+    for (auto& loader : loaders) batches.push_back(loader->next());
+    totals += engine.evaluate(batches);
+  }
+  return totals;
+}
+
 int run(Options o) {
   // ---- validate everything before any work, so bad input never leaves a file behind
   std::vector<int> hidden;
@@ -94,6 +188,12 @@ int run(Options o) {
   if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
   if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
+  const dp::Normalize normalize = o.normalize.empty() ? dp::Normalize{} : parse_normalize(o.normalize);
+  if (o.eval_only && o.init.empty() && o.resume.empty())
+    throw UsageError("--eval-only evaluates a checkpoint: give it with --init (or --resume)");
+  if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))
+    throw UsageError("--eval-only trains nothing: it takes no --steps, --epochs or --save");
+  if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
   if (!o.save.empty()) {
     const std::filesystem::path p(o.save);
     const auto dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
@@ -101,6 +201,8 @@ int run(Options o) {
       throw UsageError(fmt::format("--save {}: directory {} does not exist", o.save, dir.string()));
     if (std::filesystem::is_directory(p)) throw UsageError(fmt::format("--save {}: is a directory", o.save));
   }
+  // Opened now, so that a path it cannot write is refused before any work. A resumed run appends.
+  MetricsLog metrics(o.metrics_json, !o.resume.empty());
 
   std::vector<int> ids;
   if (!o.device_ids.empty()) {
@@ -141,9 +243,23 @@ int run(Options o) {
       throw UsageError(e.what());
     }
   };
-  dp::Dataset data = as_usage_error([&] {
-    return !o.data.empty() ? dp::load_mnist(o.data) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed);
-  });
+  // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
+  std::string data_dir;
+  if (!o.data.empty()) data_dir = as_usage_error([&] { return dp::find_data_dir(o.data); });
+  dp::Dataset data;
+  if (!o.eval_only)
+    data = as_usage_error([&] {
+      return !data_dir.empty() ? dp::load_mnist(data_dir) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed);
+    });
+  const bool test_split = !data_dir.empty() && dp::has_split(data_dir, dp::Split::test);
+  const bool eval = o.eval_only || o.eval.value_or(test_split);
+  if (eval && !test_split)
+    throw UsageError(
+        fmt::format("--eval{}: {} has no test split (t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, "
+                    "plain or .gz)",
+                    o.eval_only ? "-only" : "", data_dir.empty() ? "synthetic data" : data_dir));
+  std::optional<dp::Dataset> test;
+  if (eval) test = as_usage_error([&] { return dp::load_mnist(data_dir, dp::Split::test); });
 
   // ---- checkpoint to resume (validated before the runtime spins up)
   std::optional<dp::TrainingState> resume;
@@ -192,6 +308,22 @@ int run(Options o) {
       resume->load_optimizers(*model, engine->optimizers());
       return 0;
     });
+  if (o.eval_only) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const dp::EvalTotals totals = evaluate(*engine, *runtime, *test, o.batch_size, normalize);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fmt::print("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n",
+               o.init.empty() ? o.resume : o.init, totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(),
+               totals.correct, duration_text(seconds));
+    metrics.write({{"kind", "eval"},
+                   {"checkpoint", o.init.empty() ? o.resume : o.init},
+                   {"test_loss", totals.mean_loss()},
+                   {"test_accuracy", totals.accuracy()},
+                   {"test_correct", totals.correct},
+                   {"test_samples", totals.samples}});
+    return 0;
+  }
+
   // single and dp read the whole data set in order (one replica); ddp ranks read their shards.
   const int shards = engine->batches_per_step();
   const int global_batch = o.batch_size * shards;
@@ -221,15 +353,21 @@ int run(Options o) {
                         order.begin() + static_cast<std::ptrdiff_t>(end));
       if (o.log_batches) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(plan.back(), " "));
     }
-    loaders.push_back(std::make_unique<dp::BatchLoader>(*runtime, data, std::move(plan)));
+    loaders.push_back(std::make_unique<dp::BatchLoader>(*runtime, data, std::move(plan), 2, normalize));
   }
 
-  // ---- train
+  // ---- train: a line per --log-every steps, and after every epoch its train loss, the test loss
+  // and accuracy (--eval), throughput, elapsed time and the ETA
   const bool terminal = ::isatty(STDOUT_FILENO) != 0;
   const auto t0 = std::chrono::steady_clock::now();
-  auto last_log = t0;
+  auto last_log = t0, epoch_start = t0;
   long samples_since_log = 0;
   float loss = 0.0f;
+  double epoch_loss_sum = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
+  long epoch_samples = 0;
+  const auto since = [](std::chrono::steady_clock::time_point from) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
+  };
   for (long s = start_step; s < start_step + total_steps; ++s) {
     const float lr = lr_at(o, world, s);
     engine->set_lr(lr);
@@ -247,13 +385,22 @@ int run(Options o) {
       return 3;
     }
     samples_since_log += samples;
+    epoch_loss_sum += static_cast<double>(loss) * static_cast<double>(samples);
+    epoch_samples += samples;
     const bool last = s + 1 == start_step + total_steps;
     if ((s + 1) % o.log_every == 0 || last) {
       const auto now = std::chrono::steady_clock::now();
       const double rate = static_cast<double>(samples_since_log) /
                           std::max(1e-9, std::chrono::duration<double>(now - last_log).count());
-      const std::string line =
-          fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch, loss, lr, rate);
+      const std::string line = fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1,
+                                           epoch + 1, loss, lr, rate);
+      metrics.write({{"kind", "step"},
+                     {"step", s + 1},
+                     {"epoch", epoch + 1},
+                     {"loss", loss},
+                     {"lr", lr},
+                     {"samples_per_s", rate},
+                     {"elapsed_s", since(t0)}});
       if (terminal) {
         fmt::print("\r{}", line);
         if (last) fmt::print("\n");
@@ -263,6 +410,40 @@ int run(Options o) {
       }
       last_log = now;
       samples_since_log = 0;
+    }
+    // The end of an epoch (or of a run that stops inside one): its summary.
+    if ((s + 1) % batches_per_epoch == 0 || last) {
+      const double train_seconds = since(epoch_start);
+      std::optional<dp::EvalTotals> totals;
+      if (eval) totals = evaluate(*engine, *runtime, *test, o.batch_size, normalize);
+      const double done = static_cast<double>(s + 1 - start_step), elapsed = since(t0);
+      const double eta = elapsed / done * static_cast<double>(start_step + total_steps - (s + 1));
+      const double train_loss = epoch_loss_sum / static_cast<double>(std::max(epoch_samples, 1L));
+      const double rate = static_cast<double>(epoch_samples) / std::max(1e-9, train_seconds);
+      if (terminal) fmt::print("\r");
+      fmt::print("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
+                 (s + 1) % batches_per_epoch == 0 ? "" : " (partial)", train_loss,
+                 totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(),
+                                      100.0 * totals->accuracy())
+                        : "",
+                 rate, duration_text(elapsed), duration_text(eta));
+      std::fflush(stdout);
+      nlohmann::json record = {{"kind", "epoch"},
+                               {"epoch", epoch + 1},
+                               {"step", s + 1},
+                               {"complete", (s + 1) % batches_per_epoch == 0},
+                               {"train_loss", train_loss},
+                               {"samples_per_s", rate},
+                               {"elapsed_s", elapsed},
+                               {"eta_s", eta}};
+      record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
+      record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
+      if (totals) record["test_samples"] = totals->samples;
+      metrics.write(record);
+      epoch_loss_sum = 0.0;
+      epoch_samples = 0;
+      epoch_start = std::chrono::steady_clock::now();
+      last_log = epoch_start;  // the evaluation is not training time
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -294,7 +475,9 @@ int main(int argc, char** argv) {
   auto* devices = app.add_option("--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
   app.add_option("--output-device", o.output_device, "dp: the device that gathers outputs and computes the loss");
-  auto* data = app.add_option("--data", o.data, "directory with train-images-idx3-ubyte and train-labels-idx1-ubyte");
+  auto* data = app.add_option("--data", o.data,
+                              "directory with train-{images-idx3,labels-idx1}-ubyte (and t10k-* for --eval), plain "
+                              "or .gz; or an installed data set's name: fashion-mnist, mnist");
   app.add_option("--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
       ->excludes(data)
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
@@ -314,12 +497,21 @@ int main(int argc, char** argv) {
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
   app.add_option("--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
   app.add_flag("--log-batches", o.log_batches, "print the sample indices of every batch (per rank)");
+  bool eval_on = false, eval_off = false;
+  auto* eval = app.add_flag("--eval", eval_on,
+                            "after every epoch, test loss and accuracy over the whole test set (default: on when "
+                            "--data has t10k-* files)");
+  app.add_flag("--no-eval", eval_off, "no evaluation")->excludes(eval);
+  app.add_flag("--eval-only", o.eval_only, "evaluate the --init checkpoint on the test set, no training");
+  app.add_option("--normalize", o.normalize, "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530");
+  app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);  // prints help, or the message naming the flag
     return code == 0 ? 0 : 2;      // every bad command line is exit code 2, as bad files are
   }
+  if (eval_on || eval_off) o.eval = eval_on;
   try {
     return run(o);
   } catch (const UsageError& e) {

@@ -1,8 +1,13 @@
 // test_data.cpp — DistributedSampler's index rules, the seeded permutation, the synthetic set and
 // the background loader (its producer thread runs under ThreadSanitizer in CI).
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <gtest/gtest.h>
 #include <numeric>
 #include <set>
+#include <zlib.h>
 
 #include "dp/data.h"
 #include "dp/error.h"
@@ -89,6 +94,148 @@ TEST(BatchLoader, StopsCleanlyWhenDroppedEarly) {
   BatchLoader loader(*rt, data, plan, 3);
   EXPECT_EQ(loader.next().size, 3);
 }  // the producer is blocked on a full queue: the destructor must wake and join it
+
+TEST(BatchLoader, NormalizesAsTorchvision) {
+  auto rt = test::sim_runtime(1);
+  const Dataset data = make_synthetic(4, 2);
+  BatchLoader loader(*rt, data, {{0, 3}}, 2, Normalize{0.2860f, 0.3530f});
+  const HostBatch batch = loader.next();
+  for (std::size_t p = 0; p < 2 * 784; p += 13) {
+    const std::size_t index = p < 784 ? p : 3 * 784 + (p - 784);
+    // ToTensor, then Normalize: two fp32 roundings, the same ones torchvision makes.
+    const float want = (static_cast<float>(data.pixels[index]) / 255.0f - 0.2860f) / 0.3530f;
+    EXPECT_EQ(batch.inputs[p], want) << p;
+  }
+  EXPECT_THROW(BatchLoader(*rt, data, {{0}}, 2, Normalize{0.0f, 0.0f}), InvalidArgument);
+}
+
+TEST(EvalShard, CountsEverySampleOnceForAnyWorldSize) {
+  for (std::size_t size : {1u, 7u, 10u, 10000u})
+    for (int world = 1; world <= 5; ++world) {
+      std::vector<int> seen(size, 0);
+      for (int rank = 0; rank < world; ++rank)
+        for (auto i : eval_shard(size, world, rank)) ++seen[static_cast<std::size_t>(i)];
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<std::ptrdiff_t>(size)) << size << "/" << world;
+    }
+  EXPECT_EQ(eval_shard(10, 3, 1), (std::vector<std::int64_t>{1, 4, 7}));
+  EXPECT_EQ(eval_shard(2, 3, 2), (std::vector<std::int64_t>{}));  // no padding: this rank has nothing
+  EXPECT_THROW(eval_shard(10, 3, 3), InvalidArgument);
+}
+
+// IDX files written by the tests: plain, gzip-compressed (zlib), or damaged.
+class IdxFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("dp_idx_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  static std::string be32(std::uint32_t v) {
+    return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8), static_cast<char>(v)};
+  }
+  // The bytes of an images and a labels file of `count` samples.
+  static std::pair<std::string, std::string> idx(std::uint32_t count) {
+    std::string images = be32(0x803) + be32(count) + be32(28) + be32(28), labels = be32(0x801) + be32(count);
+    for (std::uint32_t i = 0; i < count * 784; ++i) images += static_cast<char>((i * 31 + i / 784) % 256);
+    for (std::uint32_t i = 0; i < count; ++i) labels += static_cast<char>((i * 3) % 10);
+    return {images, labels};
+  }
+  void write(const std::string& name, const std::string& bytes, bool gzip) {
+    const std::string path = (dir_ / name).string() + (gzip ? ".gz" : "");
+    if (!gzip) {
+      std::ofstream(path, std::ios::binary) << bytes;
+      return;
+    }
+    gzFile f = gzopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+    gzclose(f);
+  }
+  void write_split(const std::string& prefix, std::uint32_t count, bool gzip) {
+    const auto [images, labels] = idx(count);
+    write(prefix + "-images-idx3-ubyte", images, gzip);
+    write(prefix + "-labels-idx1-ubyte", labels, gzip);
+  }
+  std::string read_bytes(const std::string& name) {
+    std::ifstream in(dir_ / name, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+  std::string error_of(Split split = Split::train) {
+    try {
+      load_mnist(dir_.string(), split);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  }
+  std::filesystem::path dir_;
+};
+
+TEST_F(IdxFiles, GzipAndPlainGiveTheSameDataAndBothSplitsAreFound) {
+  write_split("train", 30, false);
+  write_split("t10k", 7, true);
+  EXPECT_TRUE(has_split(dir_.string(), Split::train));
+  EXPECT_TRUE(has_split(dir_.string(), Split::test));
+  const Dataset plain = load_mnist(dir_.string()), test = load_mnist(dir_.string(), Split::test);
+  EXPECT_EQ(plain.size(), 30u);
+  EXPECT_EQ(test.size(), 7u);
+  std::filesystem::remove(dir_ / "train-images-idx3-ubyte");
+  std::filesystem::remove(dir_ / "train-labels-idx1-ubyte");
+  write_split("train", 30, true);
+  const Dataset gz = load_mnist(dir_.string());
+  EXPECT_EQ(gz.pixels, plain.pixels);
+  EXPECT_EQ(gz.labels, plain.labels);
+  // The loader turns both into the same batches, bit for bit.
+  auto rt = test::sim_runtime(1);
+  BatchLoader a(*rt, plain, {{0, 29, 5}}), b(*rt, gz, {{0, 29, 5}});
+  const HostBatch x = a.next(), y = b.next();
+  EXPECT_EQ(std::memcmp(x.inputs, y.inputs, 3 * 784 * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(x.targets, y.targets, 3 * sizeof(std::int64_t)), 0);
+}
+
+TEST_F(IdxFiles, DamagedFilesAreRefusedNamingTheFile) {
+  write_split("train", 20, true);
+  const std::string gz = read_bytes("train-images-idx3-ubyte.gz");
+  // Cut short: the gzip stream ends inside the data.
+  std::ofstream(dir_ / "train-images-idx3-ubyte.gz", std::ios::binary) << gz.substr(0, gz.size() / 2);
+  EXPECT_NE(error_of().find("train-images-idx3-ubyte.gz: corrupt or truncated gzip stream"), std::string::npos)
+      << error_of();
+  // Corrupt: the deflate data garbled in the middle.
+  std::string garbled = gz;
+  for (std::size_t i = gz.size() / 3; i < gz.size() / 3 + 64; ++i) garbled[i] = static_cast<char>(~garbled[i]);
+  std::ofstream(dir_ / "train-images-idx3-ubyte.gz", std::ios::binary) << garbled;
+  EXPECT_NE(error_of().find("corrupt or truncated gzip stream"), std::string::npos) << error_of();
+  // Trailing data after what the header declares (plain file).
+  std::filesystem::remove(dir_ / "train-images-idx3-ubyte.gz");
+  write("train-images-idx3-ubyte", idx(20).first + "extra", false);
+  EXPECT_NE(error_of().find("trailing data"), std::string::npos) << error_of();
+  // Truncated plain data.
+  write("train-images-idx3-ubyte", idx(20).first.substr(0, 16 + 784 * 3), false);
+  EXPECT_NE(error_of().find("truncated"), std::string::npos) << error_of();
+  // Not a regular file: a directory where the images should be.
+  std::filesystem::remove(dir_ / "train-images-idx3-ubyte");
+  std::filesystem::create_directory(dir_ / "train-images-idx3-ubyte");
+  EXPECT_NE(error_of().find("train-images-idx3-ubyte: not a regular file"), std::string::npos) << error_of();
+  // Missing: neither the plain nor the .gz name.
+  EXPECT_NE(error_of(Split::test).find("t10k-images-idx3-ubyte: cannot open (no such file, nor "), std::string::npos)
+      << error_of(Split::test);
+  EXPECT_FALSE(has_split(dir_.string(), Split::test));
+}
+
+TEST(FindDataDir, DirectoriesAndPackageNames) {
+  EXPECT_EQ(find_data_dir(::testing::TempDir()), ::testing::TempDir());
+  try {
+    find_data_dir("no-such-data-set-xyz");
+    ADD_FAILURE() << "an unknown name was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/usr/share/datasets/no-such-data-set-xyz"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(find_data_dir("/no/such/dir"), "/no/such/dir");  // reading it then names the missing file
+  EXPECT_THROW(find_data_dir(""), Error);
+}
 
 }  // namespace
 }  // namespace dp

@@ -8,9 +8,11 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <sys/wait.h>
+#include <zlib.h>
 
 #include "dp/safetensors.h"
 
@@ -48,7 +50,8 @@ class TrainTest : public ::testing::Test {
 
   // A small MNIST-format data set: `count` images of rows x cols, labels i % 10.
   void write_idx(const std::string& subdir, std::uint32_t count, std::uint32_t rows = 28, std::uint32_t cols = 28,
-                 std::uint32_t image_magic = 0x803, int bad_label_at = -1, std::size_t truncate_images = 0) {
+                 std::uint32_t image_magic = 0x803, int bad_label_at = -1, std::size_t truncate_images = 0,
+                 const std::string& prefix = "train") {
     fs::create_directories(dir_ / subdir);
     auto be = [](std::ofstream& out, std::uint32_t v) {
       const unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
@@ -56,7 +59,7 @@ class TrainTest : public ::testing::Test {
       out.write(reinterpret_cast<const char*>(b), 4);
     };
     {
-      std::ofstream images(dir_ / subdir / "train-images-idx3-ubyte", std::ios::binary);
+      std::ofstream images(dir_ / subdir / (prefix + "-images-idx3-ubyte"), std::ios::binary);
       be(images, image_magic);
       be(images, count);
       be(images, rows);
@@ -66,7 +69,7 @@ class TrainTest : public ::testing::Test {
       pixels.resize(pixels.size() - truncate_images);
       images.write(pixels.data(), static_cast<std::streamsize>(pixels.size()));
     }
-    std::ofstream labels(dir_ / subdir / "train-labels-idx1-ubyte", std::ios::binary);
+    std::ofstream labels(dir_ / subdir / (prefix + "-labels-idx1-ubyte"), std::ios::binary);
     be(labels, 0x801);
     be(labels, count);
     for (std::uint32_t i = 0; i < count; ++i) {
@@ -324,6 +327,101 @@ TEST_F(TrainTest, LinearScalingAndWarmup) {
   ASSERT_EQ(b.size(), 5u);
   const double want_b[] = {0.025, 0.04375, 0.0625, 0.08125, 0.1};
   for (std::size_t i = 0; i < 5; ++i) EXPECT_NEAR(b[i], want_b[i], 1e-6) << "step " << i;
+}
+
+}  // namespace
+
+namespace {
+
+// gzip -c FILE > FILE.gz, then removes FILE (zlib writes what gzip would).
+void gzip_file(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  gzFile out = gzopen((file.string() + ".gz").c_str(), "wb");
+  ASSERT_NE(out, nullptr);
+  ASSERT_EQ(gzwrite(out, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+  gzclose(out);
+  fs::remove(file);
+}
+
+std::vector<nlohmann::json> json_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST_F(TrainTest, GzipDataTrainsExactlyAsPlain) {
+  write_idx("plain", 40);
+  write_idx("gz", 40);
+  gzip_file(dir_ / "gz" / "train-images-idx3-ubyte");
+  gzip_file(dir_ / "gz" / "train-labels-idx1-ubyte");
+  const std::string args = "--backend sim --mode ddp --devices 2 --batch-size 8 --steps 4 --log-every 1 --data ";
+  const Result plain = run(args + path("plain")), gz = run(args + path("gz"));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  ASSERT_EQ(gz.code, 0) << gz.output;
+  EXPECT_EQ(losses(gz.output), losses(plain.output)) << "the same batches give the same losses, bit for bit";
+  // A damaged stream is bad input: exit 2, naming the file.
+  std::ifstream in(dir_ / "gz" / "train-images-idx3-ubyte.gz", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::ofstream(dir_ / "gz" / "train-images-idx3-ubyte.gz", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  expect_refused(args + path("gz"), "train-images-idx3-ubyte.gz: corrupt or truncated gzip stream");
+}
+
+TEST_F(TrainTest, EvaluatesEveryTestSampleOnceAndEquallyInEveryMode) {
+  write_idx("data", 48);
+  write_idx("data", 10, 28, 28, 0x803, -1, 0, "t10k");  // 10 does not divide by 3 devices
+  const std::string data = " --backend sim --data " + path("data");
+  const Result trained = run("--model convnet --batch-size 8 --steps 6 --lr 0.02 --save " + path("ckpt.safetensors") +
+                             " --metrics-json " + path("train.jsonl") + data);
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  EXPECT_NE(trained.output.find("test acc"), std::string::npos) << "evaluation is on when there is a test split";
+  // The metrics: every logged step, then the epoch with its test figures.
+  const auto records = json_lines(path("train.jsonl"));
+  ASSERT_FALSE(records.empty());
+  EXPECT_EQ(records.front().at("kind"), "step");
+  const auto& epoch = records.back();
+  EXPECT_EQ(epoch.at("kind"), "epoch");
+  EXPECT_EQ(epoch.at("epoch"), 1);
+  EXPECT_EQ(epoch.at("test_samples"), 10);
+  for (const char* key : {"train_loss", "test_loss", "test_accuracy", "samples_per_s"})
+    EXPECT_TRUE(epoch.at(key).is_number()) << key;
+  EXPECT_GE(epoch.at("test_accuracy").get<double>(), 0.0);
+  EXPECT_LE(epoch.at("test_accuracy").get<double>(), 1.0);
+
+  // The checkpoint evaluated in every mode over 3 devices: the same samples, the same result.
+  const std::regex line(R"(on (\d+) test samples: test loss ([0-9.]+), test accuracy [0-9.]+% \((\d+) correct\))");
+  std::vector<std::smatch> found;
+  std::vector<std::string> outputs;
+  for (const std::string mode : {"single", "dp", "ddp"}) {
+    const Result r = run(fmt::format("--model convnet --mode {} --devices 3 --batch-size 2 --eval-only --init {}{}",
+                                     mode, path("ckpt.safetensors"), data));
+    ASSERT_EQ(r.code, 0) << r.output;
+    outputs.push_back(r.output);
+  }
+  std::vector<std::array<std::string, 3>> results;
+  for (const std::string& output : outputs) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(output, m, line)) << output;
+    results.push_back({m[1].str(), m[2].str(), m[3].str()});
+  }
+  for (const auto& r : results) {
+    EXPECT_EQ(r[0], "10") << "every test sample exactly once";
+    EXPECT_EQ(r[2], results[0][2]) << "the same samples correct in every mode";
+    EXPECT_NEAR(std::stod(r[1]), std::stod(results[0][1]), 1e-5) << "the same test loss";
+  }
+}
+
+TEST_F(TrainTest, EvaluationAndMetricsInputsAreChecked) {
+  write_idx("data", 16);
+  expect_refused("--backend sim --synthetic 16 --batch-size 8 --steps 1 --eval", "has no test split");
+  expect_refused("--backend sim --data " + path("data") + " --batch-size 8 --steps 1 --eval", "has no test split");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --normalize 0.5", "--normalize '0.5'");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --normalize 0.5,0", "a std > 0");
+  expect_refused("--backend sim --data " + path("data") + " --eval-only", "--eval-only evaluates a checkpoint");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --metrics-json " + path("no/such/dir/m.jsonl"),
+                 "--metrics-json");
+  expect_refused("--backend sim --data no-such-data-set-xyz --steps 1", "/usr/share/datasets/no-such-data-set-xyz");
 }
 
 }  // namespace

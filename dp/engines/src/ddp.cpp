@@ -96,14 +96,16 @@ void DistributedDataParallel::zero_grad() {
   });
 }
 
-void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool need_targets) const {
+void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool training) const {
   if (static_cast<int>(batches.size()) != group_.size())
     throw InvalidArgument(
         fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(), group_.size()));
   for (std::size_t r = 0; r < batches.size(); ++r) {
-    if (batches[r].size < 1)
+    // A forward may find one rank's evaluation shard exhausted; a training step needs every rank.
+    if (batches[r].size < (training ? 1 : 0))
       throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
-    if (!batches[r].inputs || (need_targets && !batches[r].targets))
+    if (batches[r].size == 0) continue;
+    if (!batches[r].inputs || (training && !batches[r].targets))
       throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
   }
 }
@@ -166,11 +168,12 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
   const auto classes = static_cast<std::size_t>(ranks_[0]->model->output_features());
   std::vector<std::size_t> offsets(batches.size() + 1, 0);
   for (std::size_t r = 0; r < batches.size(); ++r)
-    offsets[r + 1] = offsets[r] + static_cast<std::size_t>(std::max(batches[r].size, 0)) * classes;
+    offsets[r + 1] = offsets[r] + static_cast<std::size_t>(batches[r].size) * classes;
   std::vector<float> out(offsets.back());
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     const Batch& batch = batches[static_cast<std::size_t>(r)];
+    if (batch.size == 0) return;
     rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size},
                      engines::sample_floats(*rank.model));
     const float* logits = rank.model->forward(rank.compute, rank.batch.inputs(), batch.size, Mode::eval);

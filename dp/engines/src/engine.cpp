@@ -1,6 +1,7 @@
 // engine.cpp — the Engine interface's shared pieces, make_engine, and the engines' common helpers.
 #include "dp/engine.h"
 
+#include <cmath>
 #include <fmt/format.h>
 
 #include "common.h"
@@ -25,6 +26,39 @@ EngineKind parse_engine_kind(std::string_view name) {
   for (EngineKind kind : {EngineKind::single, EngineKind::dp, EngineKind::ddp})
     if (name == to_string(kind)) return kind;
   throw InvalidArgument(fmt::format("unknown engine '{}' (expected single, dp or ddp)", name));
+}
+
+EvalTotals& EvalTotals::operator+=(const EvalTotals& other) {
+  loss_sum += other.loss_sum;
+  correct += other.correct;
+  samples += other.samples;
+  return *this;
+}
+
+EvalTotals Engine::evaluate(std::span<const Batch> batches) {
+  for (const Batch& batch : batches)
+    if (batch.size > 0 && !batch.targets) throw InvalidArgument("evaluation batch without targets (null pointer)");
+  const std::vector<float> logits = predict(batches);
+  const auto classes = static_cast<std::size_t>(model().output_features());
+  EvalTotals totals;
+  std::size_t row = 0;
+  for (const Batch& batch : batches) {
+    for (int i = 0; i < batch.size; ++i, ++row) {
+      const float* x = logits.data() + row * classes;
+      const std::int64_t target = batch.targets[i];
+      if (target < 0 || static_cast<std::size_t>(target) >= classes)
+        throw InvalidArgument(fmt::format("evaluation target {} is outside [0, {})", target, classes));
+      std::size_t best = 0;
+      for (std::size_t c = 1; c < classes; ++c)
+        if (x[c] > x[best]) best = c;  // strict: the first of equal maxima wins
+      double sum = 0.0;
+      for (std::size_t c = 0; c < classes; ++c) sum += std::exp(static_cast<double>(x[c]) - x[best]);
+      totals.loss_sum += std::log(sum) + x[best] - x[target];
+      totals.correct += best == static_cast<std::size_t>(target) ? 1 : 0;
+      ++totals.samples;
+    }
+  }
+  return totals;
 }
 
 void Engine::set_lr(float lr) {

@@ -2,66 +2,158 @@
 #include "dp/data.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fmt/format.h>
-#include <fstream>
 #include <random>
+#include <zlib.h>
 
 #include "dp/error.h"
 
 namespace dp {
 namespace {
 
-std::vector<std::uint8_t> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot open ({})", path, std::strerror(errno)));
-  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+// One IDX file, plain or gzip-compressed (zlib reads either), read as a stream: nothing is read
+// beyond what the caller asks for, so a forged header cannot make us buffer a whole huge file.
+class IdxStream {
+ public:
+  explicit IdxStream(std::string path) : path_(std::move(path)) {
+    std::error_code ec;
+    // Regular files only: a directory, a FIFO or a device (a link to /dev/zero) would block, read
+    // forever or fail with a message naming no file.
+    if (!std::filesystem::is_regular_file(path_, ec)) throw Error(fmt::format("{}: not a regular file", path_));
+    file_ = gzopen(path_.c_str(), "rb");
+    if (!file_) throw Error(fmt::format("{}: cannot open ({})", path_, std::strerror(errno)));
+  }
+  ~IdxStream() { gzclose(file_); }
+  IdxStream(const IdxStream&) = delete;
+  IdxStream& operator=(const IdxStream&) = delete;
 
-std::uint32_t big_endian(const std::vector<std::uint8_t>& bytes, std::size_t at) {
-  return (std::uint32_t{bytes[at]} << 24) | (std::uint32_t{bytes[at + 1]} << 16) | (std::uint32_t{bytes[at + 2]} << 8) |
-         std::uint32_t{bytes[at + 3]};
+  const std::string& path() const { return path_; }
+
+  // Up to `bytes` more bytes; fewer only at the end of the data. Throws on a corrupt gzip stream.
+  std::size_t read(void* out, std::size_t bytes) {
+    std::size_t got = 0;
+    while (got < bytes) {
+      const auto chunk = static_cast<unsigned>(std::min<std::size_t>(bytes - got, std::size_t{1} << 30));
+      const int n = gzread(file_, static_cast<char*>(out) + got, chunk);
+      if (n < 0) fail();
+      if (n == 0) break;
+      got += static_cast<std::size_t>(n);
+    }
+    // A gzip stream cut short reads as a short read with an error set (Z_BUF_ERROR).
+    int code = Z_OK;
+    gzerror(file_, &code);
+    if (code != Z_OK && code != Z_STREAM_END) fail();
+    return got;
+  }
+
+  // The header: `words` big-endian 32-bit integers.
+  template <std::size_t N>
+  std::array<std::uint32_t, N> header(const char* kind) {
+    unsigned char bytes[4 * N];
+    const std::size_t got = read(bytes, sizeof bytes);
+    if (got < sizeof bytes)
+      throw Error(fmt::format("{}: truncated: {} bytes, an {} header needs {}", path_, got, kind, sizeof bytes));
+    std::array<std::uint32_t, N> words{};
+    for (std::size_t i = 0; i < N; ++i)
+      words[i] = (std::uint32_t{bytes[4 * i]} << 24) | (std::uint32_t{bytes[4 * i + 1]} << 16) |
+                 (std::uint32_t{bytes[4 * i + 2]} << 8) | std::uint32_t{bytes[4 * i + 3]};
+    return words;
+  }
+
+  // Exactly `bytes` of data and then the end of the file: grown as it arrives (memory follows what
+  // the file really holds, not what its header claims).
+  std::vector<std::uint8_t> body(std::uint64_t bytes, const std::string& what) {
+    std::vector<std::uint8_t> out;
+    constexpr std::uint64_t kChunk = 16u << 20;
+    while (out.size() < bytes) {
+      const std::size_t at = out.size();
+      const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, bytes - at));
+      out.resize(at + want);
+      const std::size_t got = read(out.data() + at, want);
+      if (got < want)
+        throw Error(fmt::format("{}: truncated: the header promises {} ({} bytes) but the data ends after {}", path_,
+                                what, bytes, at + got));
+    }
+    unsigned char extra = 0;
+    if (read(&extra, 1) != 0)
+      throw Error(fmt::format("{}: trailing data after the {} ({} bytes) the header declares", path_, what, bytes));
+    return out;
+  }
+
+ private:
+  [[noreturn]] void fail() {
+    int code = Z_OK;
+    const char* message = gzerror(file_, &code);
+    throw Error(fmt::format("{}: corrupt or truncated gzip stream ({})", path_,
+                            code == Z_ERRNO ? std::strerror(errno) : message));
+  }
+
+  std::string path_;
+  gzFile file_ = nullptr;
+};
+
+const char* prefix(Split split) { return split == Split::train ? "train" : "t10k"; }
+
+// DIR/name, or DIR/name.gz when only that exists; Error naming both when neither does.
+std::string idx_path(const std::string& dir, const std::string& name) {
+  const std::string plain = fmt::format("{}/{}", dir, name), gz = plain + ".gz";
+  std::error_code ec;
+  if (std::filesystem::exists(plain, ec)) return plain;
+  if (std::filesystem::exists(gz, ec)) return gz;
+  throw Error(fmt::format("{}: cannot open (no such file, nor {}.gz)", plain, name));
 }
 
 }  // namespace
 
-Dataset load_mnist(const std::string& dir) {
-  const std::string images_path = dir + "/train-images-idx3-ubyte";
-  const std::string labels_path = dir + "/train-labels-idx1-ubyte";
-  const auto images = read_file(images_path);
-  const auto labels = read_file(labels_path);
-  if (images.size() < 16)
-    throw Error(fmt::format("{}: truncated: {} bytes, an IDX3 header needs 16", images_path, images.size()));
-  if (big_endian(images, 0) != 0x803)
+std::string find_data_dir(const std::string& dir_or_name) {
+  if (dir_or_name.empty()) throw Error("--data: empty path (a directory, or a data set name such as fashion-mnist)");
+  std::error_code ec;
+  // A path is taken as given: if it is wrong, reading names the file that is missing.
+  if (dir_or_name.find('/') != std::string::npos || std::filesystem::is_directory(dir_or_name, ec)) return dir_or_name;
+  const std::string package = fmt::format("/usr/share/datasets/{}", dir_or_name);
+  if (std::filesystem::is_directory(package, ec)) return package;
+  throw Error(fmt::format("{}: no such directory, nor an installed data set {} (Debian: apt-get install dataset-{})",
+                          dir_or_name, package, dir_or_name));
+}
+
+bool has_split(const std::string& dir, Split split) {
+  std::error_code ec;
+  for (const char* kind : {"images-idx3-ubyte", "labels-idx1-ubyte"}) {
+    const std::string plain = fmt::format("{}/{}-{}", dir, prefix(split), kind);
+    if (!std::filesystem::exists(plain, ec) && !std::filesystem::exists(plain + ".gz", ec)) return false;
+  }
+  return true;
+}
+
+Dataset load_mnist(const std::string& dir, Split split) {
+  IdxStream images(idx_path(dir, fmt::format("{}-images-idx3-ubyte", prefix(split))));
+  IdxStream labels(idx_path(dir, fmt::format("{}-labels-idx1-ubyte", prefix(split))));
+  const auto [magic, count, rows, cols] = images.header<4>("IDX3");
+  if (magic != 0x803)
     throw Error(fmt::format("{}: wrong magic 0x{:08x} (expected 0x00000803, unsigned byte images of 3 dimensions)",
-                            images_path, big_endian(images, 0)));
-  const std::uint32_t count = big_endian(images, 4), rows = big_endian(images, 8), cols = big_endian(images, 12);
+                            images.path(), magic));
   if (rows != 28 || cols != 28)
-    throw Error(fmt::format("{}: images are {}x{}, the models need 28x28", images_path, rows, cols));
-  const std::uint64_t want = 16 + std::uint64_t{count} * rows * cols;
-  if (images.size() != want)
-    throw Error(fmt::format("{}: {} bytes but the header promises {} images of {}x{} ({} bytes){}", images_path,
-                            images.size(), count, rows, cols, want, images.size() < want ? ": truncated" : ""));
-  if (labels.size() < 8)
-    throw Error(fmt::format("{}: truncated: {} bytes, an IDX1 header needs 8", labels_path, labels.size()));
-  if (big_endian(labels, 0) != 0x801)
-    throw Error(fmt::format("{}: wrong magic 0x{:08x} (expected 0x00000801, unsigned byte labels)", labels_path,
-                            big_endian(labels, 0)));
-  const std::uint32_t label_count = big_endian(labels, 4);
-  if (labels.size() != 8 + std::uint64_t{label_count})
-    throw Error(fmt::format("{}: {} bytes but the header promises {} labels{}", labels_path, labels.size(), label_count,
-                            labels.size() < 8 + std::uint64_t{label_count} ? ": truncated" : ""));
+    throw Error(fmt::format("{}: images are {}x{}, the models need 28x28", images.path(), rows, cols));
+  const auto [label_magic, label_count] = labels.header<2>("IDX1");
+  if (label_magic != 0x801)
+    throw Error(fmt::format("{}: wrong magic 0x{:08x} (expected 0x00000801, unsigned byte labels)", labels.path(),
+                            label_magic));
   if (label_count != count)
-    throw Error(fmt::format("{} has {} images but {} has {} labels", images_path, count, labels_path, label_count));
-  if (count == 0) throw Error(fmt::format("{}: the data set is empty", images_path));
+    throw Error(fmt::format("{} has {} images but {} has {} labels", images.path(), count, labels.path(), label_count));
+  if (count == 0) throw Error(fmt::format("{}: the data set is empty", images.path()));
   Dataset data;
-  data.pixels.assign(images.begin() + 16, images.end());
+  data.pixels = images.body(std::uint64_t{count} * rows * cols, fmt::format("{} images of {}x{}", count, rows, cols));
+  const auto raw_labels = labels.body(count, fmt::format("{} labels", count));
   data.labels.resize(count);
   for (std::uint32_t i = 0; i < count; ++i) {
-    const std::uint8_t label = labels[8 + i];
+    const std::uint8_t label = raw_labels[i];
     if (label >= 10)
-      throw Error(fmt::format("{}: label {} of sample {} is not a class in [0, 10)", labels_path, label, i));
+      throw Error(fmt::format("{}: label {} of sample {} is not a class in [0, 10)", labels.path(), label, i));
     data.labels[i] = label;
   }
   return data;
@@ -96,6 +188,15 @@ Dataset make_synthetic(std::size_t samples, std::uint64_t seed) {
     }
   }
   return data;
+}
+
+std::vector<std::int64_t> eval_shard(std::size_t size, int replicas, int rank) {
+  if (replicas < 1 || rank < 0 || rank >= replicas)
+    throw InvalidArgument(fmt::format("eval_shard: rank {} of {} replicas", rank, replicas));
+  std::vector<std::int64_t> mine;
+  for (std::size_t i = static_cast<std::size_t>(rank); i < size; i += static_cast<std::size_t>(replicas))
+    mine.push_back(static_cast<std::int64_t>(i));
+  return mine;
 }
 
 std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed) {
@@ -136,8 +237,11 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
 }
 
 BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches,
-                         int depth)
-    : data_(data), batches_(std::move(batches)) {
+                         int depth, Normalize normalize)
+    : data_(data), batches_(std::move(batches)), normalize_(normalize) {
+  if (!(normalize.std > 0.0f) || !std::isfinite(normalize.std) || !std::isfinite(normalize.mean))
+    throw InvalidArgument(fmt::format("normalisation needs a finite mean and a std > 0, got mean {} std {}",
+                                      normalize.mean, normalize.std));
   if (depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
   std::size_t largest = 1;
   for (const auto& b : batches_) largest = std::max(largest, b.size());
@@ -176,7 +280,10 @@ void BatchLoader::produce() {
     for (std::size_t i = 0; i < indices.size(); ++i) {
       const auto index = static_cast<std::size_t>(indices[i]);
       const std::uint8_t* src = data_.pixels.data() + index * pixels;
-      for (std::size_t p = 0; p < pixels; ++p) inputs[i * pixels + p] = static_cast<float>(src[p]) / 255.0f;
+      // As torchvision: ToTensor divides by 255, Normalize subtracts and divides, each rounded in
+      // fp32 (mean 0, std 1 leave the quotient exactly as it is).
+      for (std::size_t p = 0; p < pixels; ++p)
+        inputs[i * pixels + p] = (static_cast<float>(src[p]) / 255.0f - normalize_.mean) / normalize_.std;
       targets[i] = data_.labels[index];
     }
     slot.size = static_cast<int>(indices.size());

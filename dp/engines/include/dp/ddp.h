@@ -97,7 +97,7 @@ class DistributedDataParallel final : public Engine {
   // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
   // may be waiting in its collectives) and rethrows.
   void run_ranks(const std::function<void(int rank)>& task);
-  void check_batches(std::span<const Batch> batches, bool need_targets) const;
+  void check_batches(std::span<const Batch> batches, bool training) const;
 
   DeviceGroup group_;
   DdpOptions options_;

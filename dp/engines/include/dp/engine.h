@@ -3,6 +3,7 @@
 // (make_engine) and runs every step, evaluation and checkpoint through this interface.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -17,6 +18,18 @@
 namespace dp {
 
 enum class EngineKind { single, dp, ddp };
+
+// Evaluation totals over some samples: summed cross-entropy, correct top-1 predictions, samples.
+// Totals of batches (and of ranks) add up; divide only at the end.
+struct EvalTotals {
+  double loss_sum = 0.0;
+  std::int64_t correct = 0;
+  std::int64_t samples = 0;
+
+  EvalTotals& operator+=(const EvalTotals& other);
+  double mean_loss() const { return samples ? loss_sum / static_cast<double>(samples) : 0.0; }
+  double accuracy() const { return samples ? static_cast<double>(correct) / static_cast<double>(samples) : 0.0; }
+};
 
 // "single", "dp", "ddp".
 std::string_view to_string(EngineKind kind);
@@ -38,8 +51,12 @@ class Engine {
   // batches_per_step() batches; returns the mean cross-entropy loss (DDP: averaged over ranks).
   virtual float train_step(std::span<const Batch> batches) = 0;
   // Eval-mode forward (BatchNorm uses its running statistics) over batches_per_step() batches;
-  // returns the logits of every sample, batch after batch, as (samples, outputs) floats.
+  // returns the logits of every sample, batch after batch, as (samples, outputs) floats. DDP: a
+  // rank's batch may be empty (an evaluation shard that ran out before the others).
   virtual std::vector<float> predict(std::span<const Batch> batches) = 0;
+  // predict(), then per sample its cross-entropy against the target (in double) and whether the
+  // arg-max logit (the first of equal maxima, as torch.argmax) is the target.
+  EvalTotals evaluate(std::span<const Batch> batches);
   // Steps return once the loss is known; the optimizer update may still run on the devices.
   // Call this before reading parameters or optimizer state from another stream.
   virtual void synchronize() = 0;

@@ -24,10 +24,24 @@ struct Dataset {
   std::size_t sample_pixels() const { return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols); }
 };
 
-// Reads DIR/train-images-idx3-ubyte and DIR/train-labels-idx1-ubyte (big-endian IDX, magic 0x803 /
-// 0x801). Throws dp::Error naming the file and the problem: missing, truncated, wrong magic,
-// images not 28x28, counts that differ, a label >= 10.
-Dataset load_mnist(const std::string& dir);
+// The two splits of an MNIST-format data set: `train` (files train-*) and `test` (files t10k-*).
+enum class Split { train, test };
+
+// Where the data set a --data argument names lives: a path as given (reading it names any missing
+// file), a directory in the working directory, or, for a bare name such as "fashion-mnist", the
+// Debian data set package's directory /usr/share/datasets/<name>. Throws Error naming what was
+// looked for when a bare name is neither.
+std::string find_data_dir(const std::string& dir_or_name);
+
+// Whether `dir` holds the image and label files of `split` (plain or .gz).
+bool has_split(const std::string& dir, Split split);
+
+// Reads DIR/<prefix>-images-idx3-ubyte and DIR/<prefix>-labels-idx1-ubyte (prefix train or t10k),
+// each plain or gzip-compressed (the same name + ".gz"), streamed: the header first, then exactly
+// the bytes it declares (big-endian IDX, magic 0x803 / 0x801). Throws dp::Error naming the file and
+// the problem: missing, not a regular file, truncated, trailing data, a corrupt gzip stream, wrong
+// magic, images not 28x28, counts that differ, a label >= 10.
+Dataset load_mnist(const std::string& dir, Split split = Split::train);
 
 // `samples` images of 10 classes: each class a fixed random pattern of strokes plus per-sample
 // noise, so a model can learn it quickly. Deterministic in `seed`.
@@ -57,6 +71,18 @@ class DistributedSampler {
 // The permutation of [0, n) used for shuffling (seeded; the same on every platform).
 std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed);
 
+// Evaluation's share of rank `rank` of `replicas`: indices rank, rank + replicas, ... below `size`.
+// Unlike DistributedSampler nothing is padded, so every sample is counted exactly once (ranks may
+// hold one sample more than others).
+std::vector<std::int64_t> eval_shard(std::size_t size, int replicas, int rank);
+
+// torchvision's ToTensor then Normalize((mean,), (std,)): x = (pixel / 255 - mean) / std in fp32.
+// The default leaves pixel / 255 as it is.
+struct Normalize {
+  float mean = 0.0f;
+  float std = 1.0f;
+};
+
 // One batch ready on the host: pixels / 255 as float32 (size x rows x cols) and int64 labels,
 // in pinned memory (copies to a device are asynchronous).
 using HostBatch = Batch;
@@ -66,7 +92,8 @@ using HostBatch = Batch;
 class BatchLoader {
  public:
   // `batches`: the sample indices of each batch, in consumption order.
-  BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches, int depth = 2);
+  BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches, int depth = 2,
+              Normalize normalize = {});
   ~BatchLoader();
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
@@ -83,6 +110,7 @@ class BatchLoader {
 
   const Dataset& data_;
   std::vector<std::vector<std::int64_t>> batches_;
+  Normalize normalize_;
   std::vector<Slot> slots_;
   std::mutex mutex_;
   std::condition_variable cv_;
