@@ -8,41 +8,16 @@ both count the same test samples correct (run with Debian's python3-torch, CPU):
 It prints the test loss, the accuracy and the number of correct samples; with --predictions FILE it also
 writes each sample's predicted class, one per line, for a sample-by-sample comparison.
 """
-import argparse, gzip, json, os, struct
+import argparse, gzip, json, os, struct, sys
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 
-class ConvNet(nn.Module):  # dp's reference ConvNet, with the same parameter names
-    def __init__(self):
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, 5, 1, 2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2, 2))
-        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, 1, 2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2, 2))
-        self.fc = nn.Linear(7 * 7 * 32, 10)
-
-    def forward(self, x):
-        x = self.layer2(self.layer1(x))
-        return self.fc(x.reshape(x.size(0), -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        dims = [784] + hidden + [10]
-        for i in range(len(dims) - 1):
-            setattr(self, f"fc{i+1}", nn.Linear(dims[i], dims[i + 1]))
-        self.n = len(dims) - 1
-
-    def forward(self, x):
-        x = x.reshape(x.size(0), -1)
-        for i in range(self.n):
-            x = getattr(self, f"fc{i+1}")(x)
-            if i + 1 < self.n:
-                x = F.relu(x)
-        return x
+# The reference models with dp's parameter names, as the golden files' script defines them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
+from make_goldens import MLP, ConvNet  # noqa: E402
 
 
 def load_safetensors(path):
