@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/atomic_file.h"
 #include "dp/data_parallel.h"
 #include "dp/ddp.h"
 #include "dp/device.h"
@@ -599,19 +599,19 @@ json trace_json(std::vector<Run>& runs) {
   return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
-// The report indented; the trace (thousands of events) one event per line.
-void write_file(const std::string& path, const json& j, const char* what) {
-  std::ofstream out(path);
-  if (!out) throw dp::Error(fmt::format("cannot write the {} file '{}'", what, path));
+// The report indented; the trace (thousands of events) one event per line. Written atomically: a
+// failed run or a full disk leaves the previous file (or none), never an empty or torn one.
+void write_file(const std::string& path, const json& j) {
+  std::string text;
   if (j.contains("traceEvents")) {
-    out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+    text = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
     const auto& events = j.at("traceEvents");
-    for (std::size_t i = 0; i < events.size(); ++i) out << events[i].dump() << (i + 1 < events.size() ? ",\n" : "\n");
-    out << "]}\n";
+    for (std::size_t i = 0; i < events.size(); ++i) text += events[i].dump() + (i + 1 < events.size() ? ",\n" : "\n");
+    text += "]}\n";
   } else {
-    out << j.dump(1) << '\n';
+    text = j.dump(1) + '\n';
   }
-  if (!out.flush()) throw dp::Error(fmt::format("cannot write the {} file '{}'", what, path));
+  dp::write_atomically(path, text);
 }
 
 int run_bench(const Options& o) {
@@ -619,9 +619,14 @@ int run_bench(const Options& o) {
   const auto models = parse_list(o.models, kModels, "--models");
   const auto modes = parse_list(o.modes, kModes, "--modes");
   // Fail on an unwritable output before spending minutes on the runs.
-  for (const auto* path : {&o.json_path, &o.trace_path})
-    if (!path->empty() && !std::ofstream(*path, std::ios::app))
-      throw UsageError(fmt::format("cannot write '{}'", *path));
+  for (const auto* path : {&o.json_path, &o.trace_path}) {
+    if (path->empty()) continue;
+    try {
+      dp::check_writable(*path);
+    } catch (const dp::Error& e) {
+      throw UsageError(fmt::format("cannot write {}", e.what()));
+    }
+  }
 
   int devices = 0;
   auto rt = make_runtime(o, devices);
@@ -655,7 +660,7 @@ int run_bench(const Options& o) {
   print_tables(runs, backend);
 
   if (!o.trace_path.empty()) {
-    write_file(o.trace_path, trace, "trace");
+    write_file(o.trace_path, trace);
     fmt::print("\ntrace: {} (open in https://ui.perfetto.dev or chrome://tracing; runs laid end to end:", o.trace_path);
     for (const Run& r : runs) fmt::print(" {} {} at {:.1f} ms;", r.model, r.mode, r.trace_offset_ms);
     fmt::print(")\n");
@@ -677,7 +682,7 @@ int run_bench(const Options& o) {
     json rj = json::array();
     for (const Run& r : runs) rj.push_back(run_json(r));
     j["runs"] = rj;
-    write_file(o.json_path, j, "JSON");
+    write_file(o.json_path, j);
     fmt::print("json: {}\n", o.json_path);
   }
   return 0;
@@ -710,7 +715,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);  // help: 0 on stdout; a parse error: its message on stderr and exit code != 0
+    // --help: 0, on stdout; a bad command line: its message on stderr and 2, as every bad input.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   if (devices_opt->count() > 0) o.devices = devices;
   try {

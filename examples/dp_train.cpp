@@ -16,6 +16,7 @@
 #include <set>
 #include <unistd.h>
 
+#include "dp/atomic_file.h"
 #include "dp/checkpoint.h"
 #include "dp/data.h"
 #include "dp/device.h"
@@ -194,12 +195,21 @@ int run(Options o) {
   if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))
     throw UsageError("--eval-only trains nothing: it takes no --steps, --epochs or --save");
   if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
+  // The optimizer's own checks (a NaN or infinite lr, nesterov without momentum, ...), now rather
+  // than after the data is loaded; --scale-lr multiplies the lr by up to the device count.
+  try {
+    dp::validate(dp::SgdOptions{o.lr * static_cast<float>(o.scale_lr ? o.devices.value_or(1) : 1), o.momentum,
+                                o.weight_decay, o.nesterov});
+  } catch (const dp::Error& e) {
+    throw UsageError(e.what());
+  }
+  // Where the checkpoint goes is checked before step 1, not discovered after the last one.
   if (!o.save.empty()) {
-    const std::filesystem::path p(o.save);
-    const auto dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-    if (!std::filesystem::is_directory(dir))
-      throw UsageError(fmt::format("--save {}: directory {} does not exist", o.save, dir.string()));
-    if (std::filesystem::is_directory(p)) throw UsageError(fmt::format("--save {}: is a directory", o.save));
+    try {
+      dp::check_writable(o.save);
+    } catch (const dp::Error& e) {
+      throw UsageError(fmt::format("--save {}", e.what()));
+    }
   }
   // Opened now, so that a path it cannot write is refused before any work. A resumed run appends.
   MetricsLog metrics(o.metrics_json, !o.resume.empty());
@@ -380,7 +390,7 @@ int run(Options o) {
     loss = engine->train_step(batches);
     const long epoch = s / batches_per_epoch;
     if (!std::isfinite(loss)) {
-      fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss, s, epoch,
+      fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss, s + 1, epoch + 1,
                  o.save.empty() ? "" : fmt::format(", {} was not written", o.save));
       return 3;
     }
@@ -466,13 +476,33 @@ int run(Options o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Integers in decimal only (CLI11 would read 0x10 as 16, and -1 into an unsigned seed), and
+  // numbers >= 0 named readably (CLI11's own bound is the 309-digit largest double).
+  const CLI::Validator decimal(
+      [](const std::string& text) {
+        const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+        return digits ? std::string() : fmt::format("'{}' is not a non-negative decimal integer", text);
+      },
+      "DECIMAL");
+  const CLI::Validator non_negative(
+      [](const std::string& text) {
+        try {
+          std::size_t used = 0;
+          const double value = std::stod(text, &used);
+          if (used == text.size() && value >= 0.0 && std::isfinite(value)) return std::string();
+        } catch (const std::exception&) {
+        }
+        return fmt::format("'{}' is not a finite number >= 0", text);
+      },
+      ">= 0");
   CLI::App app{"dp_train: train the reference MLP or ConvNet on one device, with DataParallel or with DDP"};
   Options o;
   app.add_option("--model", o.model, "mlp or convnet")->check(CLI::IsMember({"mlp", "convnet"}));
   app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
   app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
-  auto* devices = app.add_option("--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
+  auto* devices =
+      app.add_option("--devices", o.devices, "use devices 0..N-1")->check(decimal)->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
   app.add_option("--output-device", o.output_device, "dp: the device that gathers outputs and computes the loss");
   auto* data = app.add_option("--data", o.data,
@@ -484,13 +514,14 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
   auto* epochs = app.add_option("--epochs", o.epochs, "full passes over the data (default 1)");
   app.add_option("--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
-  app.add_option("--lr", o.lr, "learning rate")->check(CLI::NonNegativeNumber);
-  app.add_option("--momentum", o.momentum, "SGD momentum")->check(CLI::NonNegativeNumber);
-  app.add_option("--weight-decay", o.weight_decay, "SGD weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--lr", o.lr, "learning rate")->check(non_negative);
+  app.add_option("--momentum", o.momentum, "SGD momentum")->check(non_negative);
+  app.add_option("--weight-decay", o.weight_decay, "SGD weight decay")->check(non_negative);
   app.add_flag("--nesterov", o.nesterov, "Nesterov momentum");
   app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
-  app.add_option("--warmup-steps", o.warmup_steps, "linear lr warm-up steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--seed", o.seed, "seed of the initialisation, synthetic data and shuffling");
+  app.add_option("--warmup-steps", o.warmup_steps, "linear lr warm-up steps")->check(decimal);
+  app.add_option("--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)")
+      ->check(decimal);
   app.add_flag("--no-shuffle", o.no_shuffle, "visit the samples in order (PyTorch's order exactly)");
   app.add_option("--init", o.init, "load weights and buffers (safetensors) before training");
   app.add_option("--save", o.save, "write the final state (safetensors) here");
@@ -512,11 +543,22 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : 2;      // every bad command line is exit code 2, as bad files are
   }
   if (eval_on || eval_off) o.eval = eval_on;
+  // A file flag given an empty value names no file: refused rather than read as "not given".
+  for (const char* flag : {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize"}) {
+    const auto* option = app.get_option(flag);
+    if (option->count() > 0 && option->as<std::string>().empty()) {
+      fmt::print(stderr, "dp_train: error: {}: empty value\n", flag);
+      return 2;
+    }
+  }
   try {
     return run(o);
   } catch (const UsageError& e) {
     fmt::print(stderr, "dp_train: error: {}\n", e.what());
     return 2;
+  } catch (const dp::NonFiniteError& e) {
+    fmt::print(stderr, "dp_train: error: {}\n", e.what());
+    return 3;
   } catch (const std::exception& e) {
     fmt::print(stderr, "dp_train: error: {}\n", e.what());
     return 1;

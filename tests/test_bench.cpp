@@ -346,10 +346,15 @@ TEST(Bench, BadFlagsAreClearErrors) {
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);
     const Result r = run_bench(dir, c.args);
-    EXPECT_NE(r.exit_code, 0);
+    EXPECT_EQ(r.exit_code, 2) << "every bad command line exits with 2";
     EXPECT_NE(r.err.find(c.message), std::string::npos) << "stderr: " << r.err;
     EXPECT_EQ(r.out.find("samples/s"), std::string::npos) << "nothing was benchmarked";
   }
+  // A run that fails leaves no report behind (written atomically, at the end).
+  const std::string report = (dir / "report.json").string();
+  const Result failed = run_bench(dir, "--backend sim --devices 100 --json " + report);
+  EXPECT_EQ(failed.exit_code, 2);
+  EXPECT_FALSE(std::filesystem::exists(report)) << "no empty or partial --json file";
   const Result help = run_bench(dir, "--help");
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_NE(help.out.find("--bucket-cap-mb"), std::string::npos);

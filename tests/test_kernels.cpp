@@ -1,6 +1,7 @@
 // test_kernels.cpp — every Foundation kernel against a plain host loop, on every backend:
 // the sim runs the same __host__ __device__ functors; the cuda instances compare the GPU with the
 // host result and skip with a reason where there is no GPU.
+#include <cmath>
 #include <gtest/gtest.h>
 #include <tuple>
 
@@ -61,6 +62,23 @@ TEST_P(KernelTest, ReluForwardBackward) {
   }
   EXPECT_EQ(download<float>(stream_, y), want_y);
   EXPECT_EQ(download<float>(stream_, dx), want_dx);
+}
+
+// torch.relu keeps NaN (so divergence reaches the loss) and its backward passes the gradient at
+// NaN: torch 1.13 gives relu([nan, -1, 0, 2]) = [nan, 0, 0, 2] and grad [1, 0, 0, 1]; -0 -> +0.
+TEST_P(KernelTest, ReluPropagatesNaNAsPyTorch) {
+  const std::vector<float> x = {std::nanf(""), -1.0f, 0.0f, 2.0f, -0.0f}, dy(5, 1.0f);
+  DeviceBuffer dx_in = upload(*device_, stream_, x), ddy = upload(*device_, stream_, dy);
+  DeviceBuffer y = device_->allocate(5 * sizeof(float)), dx = device_->allocate(5 * sizeof(float));
+  kernels::relu_forward(stream_, 5, dx_in.as<float>(), y.as<float>());
+  kernels::relu_backward(stream_, 5, y.as<float>(), ddy.as<float>(), dx.as<float>());
+  const auto got_y = download<float>(stream_, y), got_dx = download<float>(stream_, dx);
+  EXPECT_TRUE(std::isnan(got_y[0]));
+  EXPECT_EQ(got_y[1], 0.0f);
+  EXPECT_EQ(got_y[2], 0.0f);
+  EXPECT_EQ(got_y[3], 2.0f);
+  EXPECT_FALSE(std::signbit(got_y[4])) << "relu(-0) is +0";
+  EXPECT_EQ(got_dx, (std::vector<float>{1.0f, 0.0f, 0.0f, 1.0f, 0.0f}));
 }
 
 // Rows long enough that one serial thread per output would be the slow path the split avoids.

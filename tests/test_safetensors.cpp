@@ -1,11 +1,14 @@
 // test_safetensors.cpp — the checkpoint file format: round trip, and every malformed file refused
 // with a message naming it (truncated, forged sizes, overlapping data, not a file).
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include "dp/atomic_file.h"
 #include "dp/error.h"
 #include "dp/safetensors.h"
 
@@ -81,6 +84,52 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefused) {
                  "overlap");
   expect_refused(raw("dtype", R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 1), "unknown dtype");
   expect_refused(raw("json", "{not json", 0), "not valid JSON");
+  // The data section is indexed entirely: trailing bytes (a file glued to another, 3 GiB of
+  // padding) and holes are refused, not read.
+  expect_refused(raw("trailing", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4 + 100),
+                 "100 bytes of trailing data");
+  expect_refused(raw("hole", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "a hole of 4 bytes");
+  // Shapes and offsets are integers: 10.0 is not a shape a lenient conversion may round.
+  expect_refused(raw("float_shape", R"({"w":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}})", 4),
+                 "shape holds 1.0, not an integer");
+  expect_refused(raw("fraction", R"({"w":{"dtype":"F32","shape":[10.7],"data_offsets":[0,40]}})", 40),
+                 "not an integer");
+  expect_refused(raw("float_offset", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}})", 4),
+                 "data_offsets holds 4.0");
+  expect_refused(raw("negative", R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4), "negative");
+}
+
+TEST_F(SafetensorsTest, WritesOnlyRegularFilesWithShortTemporaryNames) {
+  safetensors::File file;
+  const float v[2] = {1.0f, std::nanf("")};
+  file.add("x", safetensors::make_f32({2}, v));
+  EXPECT_EQ(file.at("x").first_non_finite(), 1u);
+  // A FIFO, a symbolic link or a directory is refused, and stays what it was.
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0644), 0);
+  EXPECT_THROW(safetensors::write(path("fifo"), file), Error);
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+  { std::ofstream(path("real")) << "precious"; }
+  fs::create_symlink(path("real"), path("link"));
+  EXPECT_THROW(safetensors::write(path("link"), file), Error);
+  EXPECT_TRUE(fs::is_symlink(path("link")));
+  std::ifstream real(path("real"));
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(real), {}), "precious");
+  fs::create_directory(path("dir.safetensors"));
+  EXPECT_THROW(safetensors::write(path("dir.safetensors"), file), Error);
+  EXPECT_THROW(check_writable(""), Error);
+  // A name of 250 characters, the longest most file systems take minus a little, still saves.
+  const std::string long_name = path(std::string(245, 'n') + ".st");
+  safetensors::write(long_name, file);
+  EXPECT_EQ(safetensors::read(long_name).at("x").to_f32().size(), 2u);
+  // Temporaries a killed earlier save left are removed by the next save of the same target only.
+  const std::string target = path("model.safetensors");
+  const std::string stale = (dir_ / (atomic_temp_prefix(target) + "AbC123")).string();
+  const std::string other = (dir_ / (atomic_temp_prefix(path("other.safetensors")) + "AbC123")).string();
+  { std::ofstream(stale) << "half a checkpoint"; }
+  { std::ofstream(other) << "another target's"; }
+  safetensors::write(target, file);
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(other));
 }
 
 TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFile) {

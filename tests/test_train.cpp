@@ -2,8 +2,10 @@
 // that learns in every mode, PyTorch's exact data order, bit-exact resume, and every bad input
 // refused with a message, a non-zero exit and no output file created or overwritten.
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
@@ -11,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <zlib.h>
 
@@ -422,6 +425,74 @@ TEST_F(TrainTest, EvaluationAndMetricsInputsAreChecked) {
   expect_refused("--backend sim --synthetic 16 --steps 1 --metrics-json " + path("no/such/dir/m.jsonl"),
                  "--metrics-json");
   expect_refused("--backend sim --data no-such-data-set-xyz --steps 1", "/usr/share/datasets/no-such-data-set-xyz");
+}
+
+}  // namespace
+
+namespace {
+
+TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
+  const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 ";
+  ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);
+  dp::safetensors::File poisoned = dp::safetensors::read(path("good.safetensors"));
+  auto& weight = poisoned.tensors.at("fc1.weight");
+  const float nan = std::nanf("");
+  std::memcpy(weight.data.data() + 3 * sizeof(float), &nan, sizeof(float));
+  dp::safetensors::write(path("nan_weight.safetensors"), poisoned);
+  expect_refused(base + "--init " + path("nan_weight.safetensors"), "'fc1.weight' holds a non-finite value");
+  dp::safetensors::File momentum = dp::safetensors::read(path("good.safetensors"));
+  std::memcpy(momentum.tensors.at("optimizer.momentum.fc2.bias").data.data(), &nan, sizeof(float));
+  dp::safetensors::write(path("nan_momentum.safetensors"), momentum);
+  expect_refused(base + "--resume " + path("nan_momentum.safetensors"),
+                 "momentum buffer 'optimizer.momentum.fc2.bias' holds a non-finite value");
+  // Divergence through ReLU (which keeps NaN, as torch.relu does) stops the run: exit 3, the
+  // checkpoint already there untouched.
+  { std::ofstream(path("kept.safetensors")) << "previous checkpoint"; }
+  const Result diverged =
+      run("--model convnet --backend sim --synthetic 64 --batch-size 16 --steps 10 --lr 1e30 "
+          "--save " +
+          path("kept.safetensors"));
+  EXPECT_EQ(diverged.code, 3) << diverged.output;
+  EXPECT_NE(diverged.output.find("was not written"), std::string::npos) << diverged.output;
+  std::ifstream kept(path("kept.safetensors"));
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "previous checkpoint");
+}
+
+TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
+  const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 ";
+  expect_refused(base + "--lr nan", "--lr: 'nan' is not a finite number >= 0");
+  expect_refused(base + "--lr 1e39", "invalid learning rate inf");
+  expect_refused(base + "--lr -1", "--lr: '-1' is not a finite number >= 0");
+  expect_refused(base + "--momentum nan", "--momentum: 'nan'");
+  expect_refused(base + "--weight-decay nan", "--weight-decay: 'nan'");
+  expect_refused(base + "--nesterov --momentum 0", "nesterov momentum requires a momentum > 0");
+  expect_refused(base + "--devices 0x10", "--devices: '0x10' is not a non-negative decimal integer");
+  expect_refused(base + "--seed -1", "--seed: '-1' is not a non-negative decimal integer");
+  expect_refused(base + "--init ''", "--init: empty value");
+  expect_refused(base + "--resume ''", "--resume: empty value");
+  expect_refused(base + "--metrics-json ''", "--metrics-json: empty value");
+  // Any uint64 seed trains and resumes.
+  ASSERT_EQ(run(base + "--seed 18446744073709551615 --save " + path("seed.safetensors")).code, 0);
+  EXPECT_EQ(run(base + "--resume " + path("seed.safetensors")).code, 0);
+}
+
+TEST_F(TrainTest, SaveTargetsMustBeRegularFilesInWritableDirectories) {
+  const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 --save ";
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0644), 0);
+  Result r = run(base + path("fifo"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is not a regular file"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_fifo(path("fifo"))) << "the FIFO is still a FIFO";
+  { std::ofstream(path("real")) << "precious"; }
+  fs::create_symlink(path("real"), path("link"));
+  r = run(base + path("link"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(fs::is_symlink(path("link")));
+  r = run(base + path("no/such/dir/x.safetensors"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
+  // Refused before step 1, not after the training it would throw away.
+  EXPECT_EQ(r.output.find("step(s) in"), std::string::npos) << r.output;
 }
 
 }  // namespace

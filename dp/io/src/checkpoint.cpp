@@ -41,6 +41,9 @@ void load_state_dict(Model& model, const Stream& stream, const safetensors::File
     if (t->dtype != dtype_name(view.dtype))
       throw Error(fmt::format("checkpoint tensor '{}' has dtype {}, the model expects {}", plain, t->dtype,
                               dtype_name(view.dtype)));
+    if (const std::size_t at = t->first_non_finite(); at != safetensors::Tensor::npos)
+      throw Error(fmt::format("checkpoint tensor '{}' holds a non-finite value ({}) at element {}", plain,
+                              t->to_f32()[at], at));
     if (t->shape != view.shape)
       throw Error(fmt::format("checkpoint tensor '{}' has shape {}, the model expects {}", plain,
                               format_shape(t->shape), format_shape(view.shape)));

@@ -2,16 +2,19 @@
 #include "dp/safetensors.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "dp/atomic_file.h"
 #include "dp/error.h"
 #include "dp/shape.h"
 
@@ -39,6 +42,16 @@ std::vector<float> Tensor::to_f32() const {
   return out;
 }
 
+std::size_t Tensor::first_non_finite() const {
+  if (dtype != "F32") return npos;
+  for (std::size_t i = 0; i < data.size() / sizeof(float); ++i) {
+    float v;
+    std::memcpy(&v, data.data() + i * sizeof(float), sizeof(float));
+    if (!std::isfinite(v)) return i;
+  }
+  return npos;
+}
+
 std::vector<std::int64_t> Tensor::to_i64() const {
   if (dtype != "I64") throw Error(fmt::format("tensor has dtype {}, expected I64", dtype));
   std::vector<std::int64_t> out(numel());
@@ -56,6 +69,24 @@ void File::add(const std::string& name, Tensor tensor) {
   if (!tensors.count(name)) order.push_back(name);
   tensors[name] = std::move(tensor);
 }
+
+namespace {
+
+// A JSON array of non-negative integers (shapes, offsets): 10.0 or "10" is a malformed header, not
+// a 10 that a lenient conversion would make of it.
+std::vector<std::uint64_t> integers(const nlohmann::json& value, const char* what) {
+  if (!value.is_array()) throw Error(fmt::format("{} is not an array", what));
+  std::vector<std::uint64_t> out;
+  for (const auto& item : value) {
+    if (!item.is_number_integer()) throw Error(fmt::format("{} holds {}, not an integer", what, item.dump()));
+    if (!item.is_number_unsigned() && item.get<std::int64_t>() < 0)
+      throw Error(fmt::format("{} holds the negative {}", what, item.dump()));
+    out.push_back(item.get<std::uint64_t>());
+  }
+  return out;
+}
+
+}  // namespace
 
 File read(const std::string& path) {
   std::error_code ec;
@@ -85,13 +116,15 @@ File read(const std::string& path) {
   }
   if (!json.is_object()) throw Error(fmt::format("{}: header is not a JSON object", path));
   const std::uint64_t data_size = file_size - 8 - header_len;
-  std::vector<std::byte> data(data_size);
-  in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data_size));
-  if (!in) throw Error(fmt::format("{}: read failed", path));
 
+  // The header first, checked against the file's size; only then the data, each tensor read
+  // straight into its own buffer.
   File file;
-  std::vector<std::pair<std::uint64_t, std::string>> by_offset;
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  struct Range {
+    std::uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Range> ranges;
   for (auto& [name, entry] : json.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) throw Error(fmt::format("{}: __metadata__ is not an object", path));
@@ -104,44 +137,57 @@ File read(const std::string& path) {
     try {
       Tensor t;
       t.dtype = entry.at("dtype").get<std::string>();
-      t.shape = entry.at("shape").get<std::vector<std::int64_t>>();
-      const auto offsets = entry.at("data_offsets").get<std::vector<std::uint64_t>>();
       const std::size_t elem = dtype_bytes(t.dtype);
       if (elem == 0) throw Error(fmt::format("unknown dtype '{}'", t.dtype));
       std::uint64_t elements = 1;
-      for (auto d : t.shape) {
-        if (d < 0) throw Error("negative dimension");
+      for (const std::uint64_t d : integers(entry.at("shape"), "shape")) {
         // Overflow-checked: a forged shape must not wrap around to match the byte count.
-        if (d != 0 && elements > data_size / static_cast<std::uint64_t>(d)) {
+        if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+          throw Error(fmt::format("dimension {} is out of range", d));
+        t.shape.push_back(static_cast<std::int64_t>(d));
+        if (d != 0 && elements > data_size / d)
           elements = data_size + 1;
-          break;
-        }
-        elements *= static_cast<std::uint64_t>(d);
+        else
+          elements *= d;
       }
-      if (elements * elem > data_size)
+      if (elements != 0 && elements * elem > data_size)
         throw Error(fmt::format("shape needs more than the {}-byte data section", data_size));
+      const auto offsets = integers(entry.at("data_offsets"), "data_offsets");
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw Error(fmt::format("data_offsets out of the {}-byte data section (file truncated?)", data_size));
       if (offsets[1] - offsets[0] != t.numel() * elem)
         throw Error(
             fmt::format("{} bytes for dtype {} and shape of {} elements", offsets[1] - offsets[0], t.dtype, t.numel()));
-      t.data.assign(data.begin() + static_cast<std::ptrdiff_t>(offsets[0]),
-                    data.begin() + static_cast<std::ptrdiff_t>(offsets[1]));
+      ranges.push_back(Range{offsets[0], offsets[1], name});
       file.tensors[name] = std::move(t);
-      by_offset.emplace_back(offsets[0], name);
-      ranges.emplace_back(offsets[0], offsets[1]);
     } catch (const nlohmann::json::exception& e) {
       throw Error(fmt::format("{}: tensor '{}': malformed entry: {}", path, name, e.what()));
     } catch (const Error& e) {
       throw Error(fmt::format("{}: tensor '{}': {}", path, name, e.what()));
     }
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (std::size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second)
-      throw Error(fmt::format("{}: tensors overlap in the data section", path));
-  std::sort(by_offset.begin(), by_offset.end());
-  for (auto& [offset, name] : by_offset) file.order.push_back(name);
+  // The format's rule: the data section is indexed entirely, without holes or overlaps, so bytes
+  // beyond the last tensor (a file padded or glued to another) are refused, not read.
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::uint64_t covered = 0;
+  for (const Range& r : ranges) {
+    if (r.begin < covered) throw Error(fmt::format("{}: tensors overlap in the data section", path));
+    if (r.begin > covered)
+      throw Error(fmt::format("{}: a hole of {} bytes before tensor '{}' in the data section", path, r.begin - covered,
+                              r.name));
+    covered = r.end;
+  }
+  if (covered != data_size)
+    throw Error(
+        fmt::format("{}: {} bytes of trailing data after the tensors ({} bytes)", path, data_size - covered, covered));
+  for (const Range& r : ranges) {
+    Tensor& t = file.tensors[r.name];
+    t.data.resize(r.end - r.begin);
+    in.seekg(static_cast<std::streamoff>(8 + header_len + r.begin));
+    in.read(reinterpret_cast<char*>(t.data.data()), static_cast<std::streamsize>(t.data.size()));
+    if (!in) throw Error(fmt::format("{}: read failed", path));
+    file.order.push_back(r.name);
+  }
   return file;
 }
 
@@ -161,54 +207,13 @@ void write(const std::string& path, const File& file) {
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
 
-  // A fresh temporary file beside the target (mkstemp: never an existing file or a symlink),
-  // flushed to disk, then renamed over the target, and the directory flushed: after a crash the
-  // target is the old file or the new one, never a torn or empty one.
-  const std::filesystem::path target(path);
-  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  std::string temp = (dir / fmt::format(".{}.XXXXXX", target.filename().string())).string();
-  const int fd = ::mkstemp(temp.data());
-  if (fd < 0)
-    throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
-  auto fail = [&](const char* what) {
-    const int error = errno;
-    ::close(fd);
-    ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: {} failed ({})", path, what, std::strerror(error)));
-  };
-  auto write_all = [&](const void* data, std::size_t bytes) {
-    const char* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      const ssize_t n = ::write(fd, p, bytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) fail("write");
-      p += n;
-      bytes -= static_cast<std::size_t>(n);
-    }
-  };
   unsigned char len_bytes[8];
   const std::uint64_t len = text.size();
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
-  write_all(len_bytes, 8);
-  write_all(text.data(), text.size());
-  for (const auto& name : file.order) write_all(file.at(name).data.data(), file.at(name).data.size());
-  if (::fchmod(fd, 0644) != 0) fail("chmod");
-  if (::fsync(fd) != 0) fail("fsync");
-  if (::close(fd) != 0) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: close failed ({})", path, std::strerror(error)));
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: cannot replace ({})", path, std::strerror(error)));
-  }
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);  // best effort: some file systems refuse fsync on directories
-    ::close(dir_fd);
-  }
+  std::vector<std::span<const std::byte>> pieces = {std::as_bytes(std::span(len_bytes)),
+                                                    std::as_bytes(std::span(text.data(), text.size()))};
+  for (const auto& name : file.order) pieces.push_back(std::span(file.at(name).data));
+  write_atomically(path, pieces);
 }
 
 Tensor make_f32(const std::vector<std::int64_t>& shape, const float* values) {

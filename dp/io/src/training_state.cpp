@@ -71,6 +71,11 @@ void TrainingState::save(const std::string& path, const Model& model, const Sgd&
   file.metadata["dp.epoch"] = std::to_string(progress.epoch);
   file.metadata["dp.seed"] = std::to_string(progress.seed);
   for (const auto& [key, value] : progress.tags) file.metadata[fmt::format("dp.{}", key)] = value;
+  // A diverged model is not a checkpoint: the file already there is worth more than NaNs.
+  for (const auto& [name, tensor] : file.tensors)
+    if (const std::size_t at = tensor.first_non_finite(); at != safetensors::Tensor::npos)
+      throw NonFiniteError(fmt::format("{}: not written: '{}' holds a non-finite value ({}) at element {}", path, name,
+                                       tensor.to_f32()[at], at));
   safetensors::write(path, file);
 }
 
@@ -108,6 +113,8 @@ void TrainingState::load_optimizers(const Model& model, std::span<Sgd* const> op
       if (t.dtype != "F32" || t.numel() != p.numel())
         throw Error(fmt::format("{}: momentum buffer '{}' has {} {} values, expected {} F32", path_, key, t.numel(),
                                 t.dtype, p.numel()));
+      if (const std::size_t at = t.first_non_finite(); at != safetensors::Tensor::npos)
+        throw Error(fmt::format("{}: momentum buffer '{}' holds a non-finite value at element {}", path_, key, at));
       momentum.emplace_back(p, t.to_f32());
     }
   }

@@ -18,6 +18,10 @@ struct Tensor {
   std::size_t numel() const;
   // Copies out as T after checking the dtype matches T (throws dp::Error otherwise).
   std::vector<float> to_f32() const;
+  // The index of the first NaN or infinity of an F32 tensor; npos when every value is finite (and
+  // for other dtypes, whose values cannot be).
+  std::size_t first_non_finite() const;
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
   std::vector<std::int64_t> to_i64() const;
 };
 
@@ -32,12 +36,14 @@ struct File {
   void add(const std::string& name, Tensor tensor);
 };
 
-// Throws dp::Error naming `path` and the problem: missing, truncated, bad header, overlapping or
-// out-of-range offsets, size not matching dtype x shape.
+// Throws dp::Error naming `path` and the problem: missing, not a regular file, truncated, bad
+// header (non-integer shapes or offsets included), overlapping or out-of-range offsets, holes or
+// trailing bytes in the data section, size not matching dtype x shape. Reads the header first and
+// then exactly the tensors it declares.
 File read(const std::string& path);
 
-// Writes `path` via a temporary file in the same directory and a rename, so an existing file is
-// either fully replaced or left untouched.
+// Writes `path` with dp::write_atomically (dp/atomic_file.h): an existing file is either fully
+// replaced or left untouched; a target that is not a regular file is refused.
 void write(const std::string& path, const File& file);
 
 Tensor make_f32(const std::vector<std::int64_t>& shape, const float* values);

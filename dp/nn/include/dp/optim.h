@@ -13,6 +13,7 @@ namespace dp {
 
 // lr, momentum, weight_decay, nesterov: defined and validated once, beside the update kernel.
 using SgdOptions = kernels::SgdOptions;
+using kernels::validate;  // dp::validate(options): what torch.optim.SGD (and Sgd) refuse
 
 class Sgd {
  public:

@@ -41,6 +41,13 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
+// A value that must be finite is NaN or infinite: a diverged model about to be saved, a checkpoint
+// holding NaN. Programs map it to "training diverged" (dp_train: exit code 3).
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
 // What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
 class WorkerError : public Error {
  public:

@@ -35,13 +35,16 @@ struct Add {
   DP_HD void operator()(index_t i) const { out[i] = a[i] + b[i]; }
 };
 
+// torch.relu: NaN stays NaN (`x > 0 ? x : 0` would launder it to 0, hiding a diverged model from
+// the loss), and -0 becomes +0.
 struct ReluForward {
   const float* x;
   float* y;
-  DP_HD void operator()(index_t i) const { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
+  DP_HD void operator()(index_t i) const { y[i] = x[i] <= 0.0f ? 0.0f : x[i]; }
 };
 
-// PyTorch's threshold_backward: the gradient at exactly 0 is 0.
+// PyTorch's threshold_backward(grad, result, 0): `result <= 0 ? 0 : grad`, so the gradient at
+// exactly 0 is 0 and at NaN passes through (as torch does).
 struct ReluBackward {
   const float* y;  // the forward output (or input: same sign test)
   const float* dy;
@@ -49,7 +52,7 @@ struct ReluBackward {
   // dy is read unconditionally so the host compiler can vectorise the select.
   DP_HD void operator()(index_t i) const {
     const float g = dy[i];
-    dx[i] = y[i] > 0.0f ? g : 0.0f;
+    dx[i] = y[i] <= 0.0f ? 0.0f : g;
   }
 };
 

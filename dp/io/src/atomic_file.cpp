@@ -1,0 +1,112 @@
+// atomic_file.cpp — temporary file, fsync, rename, directory fsync (dp/atomic_file.h).
+#include "dp/atomic_file.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "dp/error.h"
+
+namespace dp {
+namespace {
+
+// The directory `path` is written into.
+std::filesystem::path directory_of(const std::string& path) {
+  const std::filesystem::path target(path);
+  return target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+}
+
+// ".dp-<8 hex digits>-": the prefix of write_atomically's temporary files for the target `name` (FNV-1a of
+// the name, stable across builds), short enough that a name of any legal length still fits.
+std::string temp_prefix(const std::string& name) {
+  std::uint32_t hash = 2166136261u;
+  for (const unsigned char c : name) hash = (hash ^ c) * 16777619u;
+  return fmt::format(".dp-{:08x}-", hash);
+}
+
+}  // namespace
+
+void check_writable(const std::string& path) {
+  if (path.empty()) throw Error("empty path: a file name is needed");
+  std::error_code ec;
+  const auto status = std::filesystem::symlink_status(path, ec);
+  if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
+    throw Error(fmt::format("{}: exists and is not a regular file (a directory, device, FIFO or symbolic link): "
+                            "refusing to replace it",
+                            path));
+  const std::filesystem::path dir = directory_of(path);
+  if (!std::filesystem::is_directory(dir, ec)) throw Error(fmt::format("{}: directory {} does not exist", path, dir.string()));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw Error(fmt::format("{}: directory {} is not writable ({})", path, dir.string(), std::strerror(errno)));
+  if (std::filesystem::path(path).filename().string().size() > 255)
+    throw Error(fmt::format("{}: file name longer than 255 characters", path));
+}
+
+void write_atomically(const std::string& path, const std::vector<std::span<const std::byte>>& pieces) {
+  check_writable(path);
+  // A fresh temporary file beside the target (mkstemp: never an existing file or a symlink),
+  // flushed to disk, then renamed over the target, and the directory flushed: after a crash the
+  // target is the old file or the new one, never a torn or empty one.
+  const std::filesystem::path dir = directory_of(path);
+  const std::string prefix = temp_prefix(std::filesystem::path(path).filename().string());
+  // Temporary files a killed earlier save of this target left behind (one writer per target).
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() == prefix.size() + 6 && name.rfind(prefix, 0) == 0) std::filesystem::remove(entry.path(), ec);
+  }
+  std::string temp = (dir / (prefix + "XXXXXX")).string();
+  const int fd = ::mkstemp(temp.data());
+  if (fd < 0)
+    throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
+  auto fail = [&](const char* what) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(temp.c_str());
+    throw Error(fmt::format("{}: {} failed ({})", path, what, std::strerror(error)));
+  };
+  auto write_all = [&](const void* data, std::size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ssize_t n = ::write(fd, p, bytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail("write");
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
+    }
+  };
+  for (const auto& piece : pieces) write_all(piece.data(), piece.size());
+  if (::fchmod(fd, 0644) != 0) fail("chmod");
+  if (::fsync(fd) != 0) fail("fsync");
+  if (::close(fd) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    throw Error(fmt::format("{}: close failed ({})", path, std::strerror(error)));
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    throw Error(fmt::format("{}: cannot replace ({})", path, std::strerror(error)));
+  }
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);  // best effort: some file systems refuse fsync on directories
+    ::close(dir_fd);
+  }
+}
+
+
+std::string atomic_temp_prefix(const std::string& path) {
+  return temp_prefix(std::filesystem::path(path).filename().string());
+}
+
+void write_atomically(const std::string& path, const std::string& text) {
+  write_atomically(path, {std::as_bytes(std::span(text.data(), text.size()))});
+}
+
+}  // namespace dp
