@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -639,6 +640,17 @@ int run_bench(const Options& o) {
       backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
 
+  // The synthetic inputs of the largest global batch, generated once: refused (exit 2, with the
+  // figure) before anything is allocated when they cannot exist.
+  const std::uint64_t global = static_cast<std::uint64_t>(o.batch) * static_cast<std::uint64_t>(devices);
+  if (global > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
+    throw UsageError(fmt::format("--batch-size {} x {} devices: a global batch of {} samples is more than {}", o.batch,
+                                 devices, global, std::numeric_limits<int>::max()));
+  const std::uint64_t data_bytes = global * (784 * sizeof(float) + sizeof(std::int64_t));
+  if (const std::uint64_t host = dp::Runtime::host_memory_bytes(); host > 0 && data_bytes > host)
+    throw UsageError(fmt::format("--batch-size {}: the synthetic inputs alone need {:.1f} GiB, the host has {:.1f} GiB",
+                                 o.batch, static_cast<double>(data_bytes) / (1u << 30),
+                                 static_cast<double>(host) / (1u << 30)));
   const Data data = make_data(o.batch * devices, 784, o.seed);
   std::vector<Run> runs;
   for (const auto& model : models) {

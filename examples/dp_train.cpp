@@ -177,6 +177,61 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Data
   return totals;
 }
 
+// a * b, or UsageError naming `what` when it does not fit in 64 bits.
+std::uint64_t times(std::uint64_t a, std::uint64_t b, const char* what) {
+  std::uint64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) throw UsageError(fmt::format("{} does not fit in 64 bits", what));
+  return out;
+}
+std::uint64_t plus(std::uint64_t a, std::uint64_t b, const char* what) {
+  std::uint64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) throw UsageError(fmt::format("{} does not fit in 64 bits", what));
+  return out;
+}
+
+std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / (1u << 30)); }
+
+// Refuses (exit 2, with the figures) a run that cannot fit, before anything is allocated: what it
+// needs at the least — the model's parameters, gradients and momentum and the input batch on each
+// device, the synthetic data set and the pinned batches on the host — against the host's memory
+// and a simulated device's capacity. (The activations come on top; a run that passes this and
+// still does not fit fails with the device's out-of-memory error, also exit 2.)
+void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda) {
+  const std::uint64_t devices = ids.size(), batch = static_cast<std::uint64_t>(o.batch_size);
+  const std::uint64_t shards = o.mode == "ddp" ? devices : 1;
+  if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
+    throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
+                                 o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
+  std::uint64_t params = 29034;  // the ConvNet
+  if (o.model == "mlp") {
+    params = 0;
+    std::uint64_t in = 784;
+    for (const std::uint64_t out : hidden) {
+      params = plus(params, plus(times(in, out, "the MLP's size"), out, "the MLP's size"), "the MLP's size");
+      in = out;
+    }
+    params = plus(params, plus(times(in, 10, "the MLP's size"), 10, "the MLP's size"), "the MLP's size");
+  }
+  const std::uint64_t rows = o.mode == "dp" ? (batch + devices - 1) / devices : batch;  // per device
+  const std::uint64_t per_device = plus(times(times(params, 4, "the model"), o.momentum > 0 ? 3 : 2, "the model"),
+                                        times(rows, (784 + 10) * 4, "the batch"), "the device memory");
+  const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
+  std::uint64_t host =
+      plus(times(samples, 784 + 8, "the data set"),
+           times(times(3 * shards, batch, "the staging"), 784 * 4 + 8, "the staging"), "the host memory");
+  if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
+  const std::uint64_t host_memory = dp::Runtime::host_memory_bytes();
+  if (host_memory > 0 && host > host_memory)
+    throw UsageError(
+        fmt::format("this run needs at least {} of host memory ({} parameters, {} samples{}), the host "
+                    "has {}",
+                    gib(host), params, samples, cuda ? "" : ", the simulated devices' memory", gib(host_memory)));
+  const std::uint64_t capacity = dp::RuntimeOptions{}.sim_capacity_bytes;
+  if (!cuda && per_device > capacity)
+    throw UsageError(fmt::format("this run needs at least {} per device ({} parameters), a simulated device holds {}",
+                                 gib(per_device), params, gib(capacity)));
+}
+
 int run(Options o) {
   // ---- validate everything before any work, so bad input never leaves a file behind
   std::vector<int> hidden;
@@ -242,6 +297,9 @@ int run(Options o) {
     throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", highest));
   if (o.output_device && std::find(ids.begin(), ids.end(), *o.output_device) == ids.end())
     throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(ids)));
+
+  // ---- sizes: what the run needs at the least, in 64 bits, before anything is allocated
+  check_memory(o, hidden, ids, want_cuda);
 
   // ---- data and checkpoints: a bad file is the user's input, so UsageError (exit 2)
   auto as_usage_error = [](auto&& load) {
@@ -346,24 +404,32 @@ int run(Options o) {
       o.model, o.mode, world, ids_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
       shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
 
-  // ---- the data order: per step, the sample indices of each rank's batch
+  // ---- the data order: per step, the sample indices of each rank's batch, made by the rank's
+  // loader thread just before it fills the batch (constant memory, however many steps)
   for (int rank = 0; rank < shards; ++rank) {
-    dp::DistributedSampler sampler(data.size(), shards, rank, !o.no_shuffle, o.seed);
-    std::vector<std::int64_t> order;  // this epoch's indices, rebuilt only when the epoch changes
-    std::vector<std::vector<std::int64_t>> plan;
-    for (long s = start_step; s < start_step + total_steps; ++s) {
-      const long epoch = s / batches_per_epoch, k = s % batches_per_epoch;
-      if (order.empty() || sampler.epoch() != epoch) {
-        sampler.set_epoch(epoch);
-        order = sampler.indices();
+    struct Order {
+      dp::DistributedSampler sampler;
+      std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
+    };
+    auto order =
+        std::make_shared<Order>(Order{dp::DistributedSampler(data.size(), shards, rank, !o.no_shuffle, o.seed), {}});
+    const auto batch = static_cast<std::size_t>(o.batch_size);
+    const bool log = o.log_batches;
+    auto plan = [order, batch, log, rank, start_step, batches_per_epoch](std::size_t k) {
+      const long s = start_step + static_cast<long>(k), epoch = s / batches_per_epoch, in_epoch = s % batches_per_epoch;
+      if (order->indices.empty() || order->sampler.epoch() != epoch) {
+        order->sampler.set_epoch(epoch);
+        order->indices = order->sampler.indices();
       }
-      const std::size_t begin = static_cast<std::size_t>(k) * static_cast<std::size_t>(o.batch_size);
-      const std::size_t end = std::min(order.size(), begin + static_cast<std::size_t>(o.batch_size));
-      plan.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(begin),
-                        order.begin() + static_cast<std::ptrdiff_t>(end));
-      if (o.log_batches) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(plan.back(), " "));
-    }
-    loaders.push_back(std::make_unique<dp::BatchLoader>(*runtime, data, std::move(plan), 2, normalize));
+      const std::size_t begin = static_cast<std::size_t>(in_epoch) * batch;
+      const std::size_t end = std::min(order->indices.size(), begin + batch);
+      std::vector<std::int64_t> mine(order->indices.begin() + static_cast<std::ptrdiff_t>(begin),
+                                     order->indices.begin() + static_cast<std::ptrdiff_t>(end));
+      if (log) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(mine, " "));
+      return mine;
+    };
+    loaders.push_back(std::make_unique<dp::BatchLoader>(*runtime, data, static_cast<std::size_t>(total_steps), batch,
+                                                        plan, 2, normalize));
   }
 
   // ---- train: a line per --log-every steps, and after every epoch its train loss, the test loss
@@ -555,6 +621,10 @@ int main(int argc, char** argv) {
     return run(o);
   } catch (const UsageError& e) {
     fmt::print(stderr, "dp_train: error: {}\n", e.what());
+    return 2;
+  } catch (const dp::OutOfMemory& e) {
+    fmt::print(stderr, "dp_train: error: {}: the configuration does not fit (a smaller --batch-size or model)\n",
+               e.what());
     return 2;
   } catch (const dp::NonFiniteError& e) {
     fmt::print(stderr, "dp_train: error: {}\n", e.what());

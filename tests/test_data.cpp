@@ -1,6 +1,7 @@
 // test_data.cpp — DistributedSampler's index rules, the seeded permutation, the synthetic set and
 // the background loader (its producer thread runs under ThreadSanitizer in CI).
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -94,6 +95,27 @@ TEST(BatchLoader, StopsCleanlyWhenDroppedEarly) {
   BatchLoader loader(*rt, data, plan, 3);
   EXPECT_EQ(loader.next().size, 3);
 }  // the producer is blocked on a full queue: the destructor must wake and join it
+
+// A plan of 10^12 steps costs nothing up front: the loader asks for each batch just before it fills
+// it, never more than its depth ahead of the consumer.
+TEST(BatchLoader, AsksThePlanLazily) {
+  auto rt = test::sim_runtime(1);
+  const Dataset data = make_synthetic(10, 1);
+  std::atomic<std::size_t> asked{0};
+  BatchLoader loader(*rt, data, std::size_t{1'000'000'000'000}, 2, [&](std::size_t k) {
+    ++asked;
+    return std::vector<std::int64_t>{static_cast<std::int64_t>(k % 10), static_cast<std::int64_t>((k + 3) % 10)};
+  });
+  EXPECT_EQ(loader.count(), std::size_t{1'000'000'000'000});
+  for (int k = 0; k < 5; ++k) EXPECT_EQ(loader.next().targets[0], data.labels[static_cast<std::size_t>(k % 10)]);
+  EXPECT_LE(asked.load(), 5u + 2u) << "at most depth (2) batches ahead";
+  // A plan that breaks its promises fails next(), naming the batch.
+  BatchLoader bad(*rt, data, 2, 1, [](std::size_t k) { return std::vector<std::int64_t>(k + 1, 0); });
+  EXPECT_EQ(bad.next().size, 1);
+  EXPECT_THROW(bad.next(), InvalidArgument) << "2 samples where 1 was planned for";
+  BatchLoader outside(*rt, data, 1, 1, [](std::size_t) { return std::vector<std::int64_t>{10}; });
+  EXPECT_THROW(outside.next(), InvalidArgument) << "sample 10 of a 10-sample set";
+}
 
 TEST(BatchLoader, NormalizesAsTorchvision) {
   auto rt = test::sim_runtime(1);

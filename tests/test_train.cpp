@@ -471,6 +471,11 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--init ''", "--init: empty value");
   expect_refused(base + "--resume ''", "--resume: empty value");
   expect_refused(base + "--metrics-json ''", "--metrics-json: empty value");
+  // Sizes that cannot fit are refused with the figure, before anything is allocated.
+  expect_refused("--backend sim --synthetic 67108864 --steps 1", "GiB of host memory");
+  expect_refused("--backend sim --mode ddp --devices 2 --batch-size 1073741824 --synthetic 16 --steps 1",
+                 "a global batch of 2147483648 samples");
+  expect_refused("--backend sim --hidden 100000,100000,100000 --synthetic 16 --steps 1", "GiB of host memory");
   // Any uint64 seed trains and resumes.
   ASSERT_EQ(run(base + "--seed 18446744073709551615 --save " + path("seed.safetensors")).code, 0);
   EXPECT_EQ(run(base + "--resume " + path("seed.safetensors")).code, 0);

@@ -1,14 +1,13 @@
 // atomic_file.cpp — temporary file, fsync, rename, directory fsync (dp/atomic_file.h).
 #include "dp/atomic_file.h"
 
+#include <cerrno>
+#include <cstring>
 #include <fcntl.h>
+#include <filesystem>
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
 
 #include "dp/error.h"
 
@@ -36,11 +35,13 @@ void check_writable(const std::string& path) {
   std::error_code ec;
   const auto status = std::filesystem::symlink_status(path, ec);
   if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
-    throw Error(fmt::format("{}: exists and is not a regular file (a directory, device, FIFO or symbolic link): "
-                            "refusing to replace it",
-                            path));
+    throw Error(
+        fmt::format("{}: exists and is not a regular file (a directory, device, FIFO or symbolic link): "
+                    "refusing to replace it",
+                    path));
   const std::filesystem::path dir = directory_of(path);
-  if (!std::filesystem::is_directory(dir, ec)) throw Error(fmt::format("{}: directory {} does not exist", path, dir.string()));
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error(fmt::format("{}: directory {} does not exist", path, dir.string()));
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw Error(fmt::format("{}: directory {} is not writable ({})", path, dir.string(), std::strerror(errno)));
   if (std::filesystem::path(path).filename().string().size() > 255)
@@ -99,7 +100,6 @@ void write_atomically(const std::string& path, const std::vector<std::span<const
     ::close(dir_fd);
   }
 }
-
 
 std::string atomic_temp_prefix(const std::string& path) {
   return temp_prefix(std::filesystem::path(path).filename().string());

@@ -238,18 +238,36 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
 
 BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches,
                          int depth, Normalize normalize)
-    : data_(data), batches_(std::move(batches)), normalize_(normalize) {
+    : BatchLoader(Held::of(std::move(batches)), runtime, data, depth, normalize) {}
+
+BatchLoader::Held BatchLoader::Held::of(std::vector<std::vector<std::int64_t>> batches) {
+  Held held{batches.size(), 1, {}};
+  for (const auto& b : batches) held.max_batch = std::max(held.max_batch, b.size());
+  auto shared = std::make_shared<std::vector<std::vector<std::int64_t>>>(std::move(batches));
+  held.plan = [shared](std::size_t k) { return std::move((*shared)[k]); };  // each batch is asked for once
+  return held;
+}
+
+BatchLoader::BatchLoader(Held held, Runtime& runtime, const Dataset& data, int depth, Normalize normalize)
+    : BatchLoader(runtime, data, held.count, held.max_batch, std::move(held.plan), depth, normalize) {}
+
+BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::size_t count, std::size_t max_batch,
+                         BatchPlan plan, int depth, Normalize normalize)
+    : data_(data),
+      count_(count),
+      max_batch_(std::max<std::size_t>(max_batch, 1)),
+      plan_(std::move(plan)),
+      normalize_(normalize) {
   if (!(normalize.std > 0.0f) || !std::isfinite(normalize.std) || !std::isfinite(normalize.mean))
     throw InvalidArgument(fmt::format("normalisation needs a finite mean and a std > 0, got mean {} std {}",
                                       normalize.mean, normalize.std));
   if (depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
-  std::size_t largest = 1;
-  for (const auto& b : batches_) largest = std::max(largest, b.size());
+  if (!plan_) throw InvalidArgument("BatchLoader needs a plan");
   // depth + 1 slots: `depth` being filled or waiting, one held by the consumer.
   slots_.resize(static_cast<std::size_t>(depth) + 1);
   for (auto& slot : slots_) {
-    slot.inputs = runtime.allocate_pinned(largest * data_.sample_pixels() * sizeof(float));
-    slot.targets = runtime.allocate_pinned(largest * sizeof(std::int64_t));
+    slot.inputs = runtime.allocate_pinned(max_batch_ * data_.sample_pixels() * sizeof(float));
+    slot.targets = runtime.allocate_pinned(max_batch_ * sizeof(std::int64_t));
   }
   worker_ = std::thread([this] { produce(); });
 }
@@ -265,28 +283,41 @@ BatchLoader::~BatchLoader() {
 
 void BatchLoader::produce() {
   const std::size_t depth = slots_.size() - 1;
-  for (std::size_t k = 0; k < batches_.size(); ++k) {
+  for (std::size_t k = 0; k < count_; ++k) {
     {
       std::unique_lock lock(mutex_);
       // Slot k % (depth+1) is free once batch k-(depth+1) was handed out and the consumer moved on.
       cv_.wait(lock, [&] { return stop_ || k < consumed_ + depth; });
       if (stop_) return;
     }
-    Slot& slot = slots_[k % slots_.size()];
-    const auto& indices = batches_[k];
-    float* inputs = slot.inputs.as<float>();
-    std::int64_t* targets = slot.targets.as<std::int64_t>();
-    const std::size_t pixels = data_.sample_pixels();
-    for (std::size_t i = 0; i < indices.size(); ++i) {
-      const auto index = static_cast<std::size_t>(indices[i]);
-      const std::uint8_t* src = data_.pixels.data() + index * pixels;
-      // As torchvision: ToTensor divides by 255, Normalize subtracts and divides, each rounded in
-      // fp32 (mean 0, std 1 leave the quotient exactly as it is).
-      for (std::size_t p = 0; p < pixels; ++p)
-        inputs[i * pixels + p] = (static_cast<float>(src[p]) / 255.0f - normalize_.mean) / normalize_.std;
-      targets[i] = data_.labels[index];
+    try {
+      Slot& slot = slots_[k % slots_.size()];
+      const std::vector<std::int64_t> indices = plan_(k);
+      if (indices.size() > max_batch_)
+        throw InvalidArgument(fmt::format("BatchLoader: batch {} has {} samples, more than the {} planned for", k,
+                                          indices.size(), max_batch_));
+      float* inputs = slot.inputs.as<float>();
+      std::int64_t* targets = slot.targets.as<std::int64_t>();
+      const std::size_t pixels = data_.sample_pixels();
+      for (std::size_t i = 0; i < indices.size(); ++i) {
+        if (indices[i] < 0 || static_cast<std::size_t>(indices[i]) >= data_.size())
+          throw InvalidArgument(
+              fmt::format("BatchLoader: sample {} of batch {} is outside the {} samples", indices[i], k, data_.size()));
+        const auto index = static_cast<std::size_t>(indices[i]);
+        const std::uint8_t* src = data_.pixels.data() + index * pixels;
+        // As torchvision: ToTensor divides by 255, Normalize subtracts and divides, each rounded in
+        // fp32 (mean 0, std 1 leave the quotient exactly as it is).
+        for (std::size_t p = 0; p < pixels; ++p)
+          inputs[i * pixels + p] = (static_cast<float>(src[p]) / 255.0f - normalize_.mean) / normalize_.std;
+        targets[i] = data_.labels[index];
+      }
+      slot.size = static_cast<int>(indices.size());
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      error_ = std::current_exception();
+      cv_.notify_all();
+      return;
     }
-    slot.size = static_cast<int>(indices.size());
     {
       std::lock_guard lock(mutex_);
       ++produced_;
@@ -297,8 +328,9 @@ void BatchLoader::produce() {
 
 HostBatch BatchLoader::next() {
   std::unique_lock lock(mutex_);
-  if (consumed_ >= batches_.size()) throw Error("BatchLoader: all batches were consumed");
-  cv_.wait(lock, [&] { return produced_ > consumed_; });
+  if (consumed_ >= count_) throw Error("BatchLoader: all batches were consumed");
+  cv_.wait(lock, [&] { return produced_ > consumed_ || error_; });
+  if (produced_ <= consumed_) std::rethrow_exception(error_);
   const Slot& slot = slots_[consumed_ % slots_.size()];
   ++consumed_;
   cv_.notify_all();

@@ -1,6 +1,7 @@
 // runtime.cpp — public handles forwarding to the backend, backend selection, shared accounting.
 #include <chrono>
 #include <fmt/format.h>
+#include <unistd.h>
 #include <utility>
 
 #include "backend.h"
@@ -115,6 +116,10 @@ Runtime::~Runtime() = default;
 
 int Runtime::cuda_device_count() { return detail::cuda_device_count_impl(); }
 bool Runtime::cuda_compiled() { return detail::cuda_compiled_impl(); }
+std::uint64_t Runtime::host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
 
 std::unique_ptr<Runtime> Runtime::create(const RuntimeOptions& options) {
   const std::string& name = options.backend;

@@ -6,6 +6,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -89,28 +91,46 @@ using HostBatch = Batch;
 
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
 // A batch returned by next() stays valid until the following call to next().
+// The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
+// before it fills the batch: a plan of millions of steps takes no memory up front.
+using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
+
 class BatchLoader {
  public:
-  // `batches`: the sample indices of each batch, in consumption order.
+  // `count` batches of at most `max_batch` samples each (the pinned staging is sized for it; a larger
+  // batch, or an index outside `data`, fails next()).
+  BatchLoader(Runtime& runtime, const Dataset& data, std::size_t count, std::size_t max_batch, BatchPlan plan,
+              int depth = 2, Normalize normalize = {});
+  // A plan held in memory: `batches`, the sample indices of each batch in consumption order.
   BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches, int depth = 2,
               Normalize normalize = {});
   ~BatchLoader();
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
 
-  std::size_t count() const { return batches_.size(); }
-  HostBatch next();  // throws once all batches were consumed
+  std::size_t count() const { return count_; }
+  // Throws once all batches were consumed, or what making the batch threw (a bad plan).
+  HostBatch next();
 
  private:
   struct Slot {
     PinnedBuffer inputs, targets;
     int size = 0;
   };
+  // A plan held in memory, measured before it moves into the loader.
+  struct Held {
+    std::size_t count, max_batch;
+    BatchPlan plan;
+    static Held of(std::vector<std::vector<std::int64_t>> batches);
+  };
+  BatchLoader(Held held, Runtime& runtime, const Dataset& data, int depth, Normalize normalize);
   void produce();
 
   const Dataset& data_;
-  std::vector<std::vector<std::int64_t>> batches_;
+  std::size_t count_, max_batch_;
+  BatchPlan plan_;
   Normalize normalize_;
+  std::exception_ptr error_;  // what the producer failed with, for next() to throw
   std::vector<Slot> slots_;
   std::mutex mutex_;
   std::condition_variable cv_;

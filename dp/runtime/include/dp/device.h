@@ -146,6 +146,8 @@ class Runtime {
   static int cuda_device_count();
   // Whether this build of dp contains the cuda backend.
   static bool cuda_compiled();
+  // Physical memory of the host, in bytes (simulated devices live in it too).
+  static std::uint64_t host_memory_bytes();
 
   ~Runtime();
   Runtime(const Runtime&) = delete;
