@@ -444,7 +444,10 @@ TEST(TrainingState, EverySeedRoundTripsAndTagsCannotOverwriteTheState) {
   progress.seed = std::numeric_limits<std::uint64_t>::max();  // dp_train --seed takes any uint64
   const std::string path = dir.file("seed.safetensors");
   TrainingState::save(path, engine->model(), *engine->optimizers()[0], progress);
-  EXPECT_EQ(TrainingState::read(path).progress().seed, std::numeric_limits<std::uint64_t>::max());
+  const TrainingState state = TrainingState::read(path);
+  EXPECT_EQ(state.progress().seed, std::numeric_limits<std::uint64_t>::max());
+  // Saved before any step: the momentum is zeros (the first step sets it), never stale memory.
+  for (float v : state.file().at("optimizer.momentum.fc1.weight").to_f32()) ASSERT_EQ(v, 0.0f);
   for (const char* key : {"step", "sgd_steps", "epoch", "seed", "format"}) {
     TrainingProgress clash;
     clash.tags[key] = "7";
