@@ -226,6 +226,22 @@ TEST_P(LossOptimizerTest, CrossEntropyEmptyBatchIsNaN) {
   EXPECT_TRUE(std::isnan(download<float>(stream_, loss)[0]));
 }
 
+// A NaN logit makes the loss NaN, as torch's cross_entropy (1.13: F.cross_entropy([[nan, 1, 2]],
+// [1]) is nan): divergence must reach the loss, where dp_train's guard sees it.
+TEST_P(LossOptimizerTest, CrossEntropyOfANaNLogitIsNaN) {
+  std::vector<float> logits(2 * kClasses, 0.5f);
+  logits[kClasses + 3] = std::nanf("");
+  const std::vector<std::int64_t> targets = {1, 1};
+  DeviceBuffer dlogits_in = upload(*device_, stream_, logits), dtargets = upload(*device_, stream_, targets);
+  DeviceBuffer per_sample = device_->allocate(2 * sizeof(float)), loss = device_->allocate(sizeof(float));
+  kernels::cross_entropy_forward(stream_, 2, kClasses, dlogits_in.as<float>(), dtargets.as<std::int64_t>(),
+                                 per_sample.as<float>(), loss.as<float>());
+  const auto terms = download<float>(stream_, per_sample);
+  EXPECT_TRUE(std::isfinite(terms[0])) << "the clean sample's term";
+  EXPECT_TRUE(std::isnan(terms[1]));
+  EXPECT_TRUE(std::isnan(download<float>(stream_, loss)[0]));
+}
+
 // ------------------------------------------------------------------------------------------------
 // SGD
 

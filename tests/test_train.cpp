@@ -458,6 +458,32 @@ TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "previous checkpoint");
 }
 
+TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
+  // A link to /dev/zero would read forever, a FIFO block forever, /proc/self/mem fail mid-read:
+  // each is refused naming the file (exit 2).
+  write_idx("zero", 10);
+  fs::remove(dir_ / "zero" / "train-images-idx3-ubyte");
+  fs::create_symlink("/dev/zero", dir_ / "zero" / "train-images-idx3-ubyte");
+  expect_refused("--backend sim --batch-size 4 --steps 1 --data " + path("zero"),
+                 "train-images-idx3-ubyte: not a regular file");
+  write_idx("fifo", 10);
+  fs::remove(dir_ / "fifo" / "train-labels-idx1-ubyte");
+  ASSERT_EQ(::mkfifo((dir_ / "fifo" / "train-labels-idx1-ubyte").c_str(), 0644), 0);
+  expect_refused("--backend sim --batch-size 4 --steps 1 --data " + path("fifo"),
+                 "train-labels-idx1-ubyte: not a regular file");
+  write_idx("mem", 10);
+  fs::remove(dir_ / "mem" / "train-images-idx3-ubyte");
+  fs::create_symlink("/proc/self/mem", dir_ / "mem" / "train-images-idx3-ubyte");
+  expect_refused("--backend sim --batch-size 4 --steps 1 --data " + path("mem"), "train-images-idx3-ubyte");
+  // A momentum buffer of the wrong dtype on --resume names the file and the tensor.
+  const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 ";
+  ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);
+  dp::safetensors::File file = dp::safetensors::read(path("good.safetensors"));
+  file.tensors["optimizer.momentum.fc1.bias"].dtype = "I32";
+  dp::safetensors::write(path("i32.safetensors"), file);
+  expect_refused(base + "--resume " + path("i32.safetensors"), "momentum buffer 'optimizer.momentum.fc1.bias'");
+}
+
 TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 ";
   expect_refused(base + "--lr nan", "--lr: 'nan' is not a finite number >= 0");

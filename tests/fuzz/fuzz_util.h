@@ -2,13 +2,12 @@
 // from the fuzzer's bytes (the readers under test take paths, as dp_train gives them).
 #pragma once
 
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <unistd.h>
 
 namespace dp::fuzz {
 
@@ -23,8 +22,8 @@ inline const std::filesystem::path& scratch() {
 
 inline std::string write(const std::string& name, const std::uint8_t* data, std::size_t size) {
   const auto path = scratch() / name;
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(data),
-                                                                 static_cast<std::streamsize>(size));
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
   return path.string();
 }
 
