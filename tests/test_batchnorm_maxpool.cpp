@@ -208,6 +208,23 @@ TEST_P(BatchNormTest, TrainingForwardBackwardRunningStatsAndEval) {
 // of noise, /(2h) ~ 2e-4; the O(h^2) truncation with invstd ~ 1 and M = 12 is of the same order.
 // Tolerance 2e-3 + 1e-2 relative leaves a margin of ~5 over both, yet misses any wrong term
 // (each is O(0.1..1)). dbeta is linear in L: its differences are exact up to the rounding noise.
+// A NaN input poisons its channel, as in torch (1.13: BatchNorm2d on a batch with one NaN gives NaN
+// for that channel's outputs and running statistics), and leaves the other channels alone.
+TEST_P(BatchNormTest, ANaNInputPoisonsItsChannelOnly) {
+  const BatchNormShape s{2, 2, 3, 3};
+  std::vector<float> x = bn_input(s, 5);
+  x[channel_indices(s, 0)[4]] = std::nanf("");
+  DeviceBuffer dx_in = upload(*device_, stream_, x);
+  BnBuffers bn(*device_, stream_, s, {1.0f, 1.0f}, {0.0f, 0.0f});
+  bn.train(stream_, s, dx_in);
+  const auto y = download<float>(stream_, bn.y);
+  for (auto i : channel_indices(s, 0)) EXPECT_TRUE(std::isnan(y[i])) << i;
+  for (auto i : channel_indices(s, 1)) EXPECT_TRUE(std::isfinite(y[i])) << i;
+  const auto mean = download<float>(stream_, bn.running_mean), var = download<float>(stream_, bn.running_var);
+  EXPECT_TRUE(std::isnan(mean[0]) && std::isnan(var[0]));
+  EXPECT_TRUE(std::isfinite(mean[1]) && std::isfinite(var[1]));
+}
+
 TEST_P(BatchNormTest, GradientsMatchFiniteDifferences) {
   const BatchNormShape s{2, 3, 2, 3};
   const auto x = bn_input(s, 7), gamma = random_vector(s.c, 8, 0.5f, 1.5f), beta = random_vector(s.c, 9);

@@ -458,6 +458,28 @@ TEST(TrainingState, EverySeedRoundTripsAndTagsCannotOverwriteTheState) {
   EXPECT_FALSE(std::filesystem::exists(dir.file("clash.safetensors"))) << "nothing written for a refused save";
 }
 
+// A diverged model is never saved: NonFiniteError names the tensor, and the file there stays.
+TEST(TrainingState, ANonFiniteStateIsNotSaved) {
+  auto rt = test::sim_runtime(1);
+  const TempDir dir;
+  auto model = models::make_mlp(rt->device(0), {16}, 9);
+  auto engine = make_engine(*rt, *model, SgdOptions{0.05f, 0.9f}, options_for(EngineKind::single));
+  const std::string path = dir.file("kept.safetensors");
+  TrainingState::save(path, engine->model(), *engine->optimizers()[0], {});
+  const auto before = safetensors::read(path);
+  const float inf = std::numeric_limits<float>::infinity();
+  const Stream stream = rt->device(0).create_stream();
+  stream.copy(model->params_flat() + 5, &inf, sizeof(float));
+  stream.synchronize();
+  try {
+    TrainingState::save(path, engine->model(), *engine->optimizers()[0], {});
+    ADD_FAILURE() << "a non-finite state was saved";
+  } catch (const NonFiniteError& e) {
+    EXPECT_TRUE(mentions(e.what(), {path, "'fc1.weight'", "non-finite"})) << e.what();
+  }
+  EXPECT_EQ(safetensors::read(path).at("fc1.weight").data, before.at("fc1.weight").data) << "the old file stays";
+}
+
 TEST(TrainingState, RefusesWhatIsNotAUsableTrainingState) {
   auto rt = test::sim_runtime(1);
   const TempDir dir;

@@ -497,6 +497,10 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--init ''", "--init: empty value");
   expect_refused(base + "--resume ''", "--resume: empty value");
   expect_refused(base + "--metrics-json ''", "--metrics-json: empty value");
+  expect_refused("--backend sim --steps 1 --data ''", "--data: empty value");
+  const Result empty_save = run(base + "--save ''");
+  EXPECT_EQ(empty_save.code, 2) << empty_save.output;
+  EXPECT_NE(empty_save.output.find("--save: empty value"), std::string::npos) << empty_save.output;
   // Sizes that cannot fit are refused with the figure, before anything is allocated.
   expect_refused("--backend sim --synthetic 67108864 --steps 1", "GiB of host memory");
   expect_refused("--backend sim --mode ddp --devices 2 --batch-size 1073741824 --synthetic 16 --steps 1",
