@@ -22,6 +22,7 @@
 #include "dp/device.h"
 #include "dp/engine.h"
 #include "dp/error.h"
+#include "dp/lr_schedule.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/safetensors.h"
@@ -48,6 +49,10 @@ struct Options {
   std::uint64_t seed = 0;
   std::string init, save, resume;
   long log_every = 10;
+  std::string schedule = "none";
+  long step_size = 1;
+  double gamma = 0.1, eta_min = 0.0;
+  std::optional<long> t_max;
   bool log_batches = false;
   std::optional<bool> eval;  // unset: evaluate when the data has a test split
   bool eval_only = false;
@@ -82,11 +87,28 @@ std::vector<int> parse_int_list(const std::string& text, const char* flag) {
 
 // The learning rate of step s: linear scaling (--scale-lr, seed 003) and linear warm-up
 // (Goyal et al. 2017) from the unscaled lr, or from target/W without scaling, to the target at s = W.
-float lr_at(const Options& o, int world, long step) {
+// After the warm-up, `schedule` (--schedule, per optimizer step, counted from the warm-up's end)
+// takes the target down; none keeps it.
+float lr_at(const Options& o, int world, long step, const dp::LrSchedule& schedule) {
   const float target = o.scale_lr ? o.lr * static_cast<float>(world) : o.lr;
-  if (o.warmup_steps <= 0 || step >= o.warmup_steps) return target;
+  if (o.warmup_steps <= 0 || step >= o.warmup_steps)
+    return static_cast<float>(schedule.lr(target, step - std::max(0L, o.warmup_steps)));
   const float start = o.scale_lr ? o.lr : target / static_cast<float>(o.warmup_steps);
   return start + (target - start) * static_cast<float>(step) / static_cast<float>(o.warmup_steps);
+}
+
+// --schedule: none, step (StepLR: x --gamma every --step-size steps) or cosine (CosineAnnealingLR to
+// --eta-min over --t-max steps, by default the steps after the warm-up up to the run's last step).
+dp::LrSchedule make_schedule(const Options& o, long last_step) {
+  try {
+    if (o.schedule == "step") return dp::LrSchedule::step(o.step_size, o.gamma);
+    if (o.schedule == "cosine")
+      return dp::LrSchedule::cosine(o.t_max.value_or(std::max(1L, last_step - std::max(0L, o.warmup_steps))),
+                                    o.eta_min);
+    return dp::LrSchedule::constant();
+  } catch (const dp::Error& e) {
+    throw UsageError(fmt::format("--schedule {}: {}", o.schedule, e.what()));
+  }
 }
 
 std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
@@ -363,7 +385,10 @@ int run(Options o) {
 
   // ---- the engine, picked once: everything below runs through dp::Engine
   const int world = static_cast<int>(ids.size());
-  const dp::SgdOptions sgd{lr_at(o, world, start_step), o.momentum, o.weight_decay, o.nesterov};
+  // The schedule needs the run's length, known below; the optimizer starts at the warm-up's first lr
+  // and every step sets its own.
+  const dp::SgdOptions sgd{lr_at(o, world, start_step, dp::LrSchedule::constant()), o.momentum, o.weight_decay,
+                           o.nesterov};
   dp::EngineOptions engine_options;
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = ids;
@@ -399,6 +424,7 @@ int run(Options o) {
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
   const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
+  const dp::LrSchedule schedule = make_schedule(o, start_step + total_steps);
   fmt::print(
       "dp_train: {} {} on {} device(s) [{}] ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
       o.model, o.mode, world, ids_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
@@ -445,7 +471,7 @@ int run(Options o) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
   };
   for (long s = start_step; s < start_step + total_steps; ++s) {
-    const float lr = lr_at(o, world, s);
+    const float lr = lr_at(o, world, s, schedule);
     engine->set_lr(lr);
     std::vector<dp::Batch> batches;
     long samples = 0;
@@ -586,6 +612,13 @@ int main(int argc, char** argv) {
   app.add_flag("--nesterov", o.nesterov, "Nesterov momentum");
   app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
   app.add_option("--warmup-steps", o.warmup_steps, "linear lr warm-up steps")->check(decimal);
+  app.add_option("--schedule", o.schedule,
+                 "after the warm-up, per step: none, step (StepLR) or cosine (CosineAnnealingLR)")
+      ->check(CLI::IsMember({"none", "step", "cosine"}));
+  app.add_option("--step-size", o.step_size, "step: multiply the lr by --gamma every N steps")->check(decimal);
+  app.add_option("--gamma", o.gamma, "step: the factor (default 0.1)")->check(non_negative);
+  app.add_option("--t-max", o.t_max, "cosine: steps to anneal over (default: the rest of the run)")->check(decimal);
+  app.add_option("--eta-min", o.eta_min, "cosine: the lr at the end (default 0)")->check(non_negative);
   app.add_option("--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)")
       ->check(decimal);
   app.add_flag("--no-shuffle", o.no_shuffle, "visit the samples in order (PyTorch's order exactly)");

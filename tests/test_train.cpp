@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <zlib.h>
 
+#include "dp/lr_schedule.h"
 #include "dp/safetensors.h"
 
 namespace {
@@ -528,6 +529,39 @@ TEST_F(TrainTest, SaveTargetsMustBeRegularFilesInWritableDirectories) {
   EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
   // Refused before step 1, not after the training it would throw away.
   EXPECT_EQ(r.output.find("step(s) in"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<double> logged_lrs(const std::string& output) {
+  std::vector<double> out;
+  const std::regex line(R"( lr ([0-9.eE+-]+))");
+  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it)
+    out.push_back(std::stod((*it)[1].str()));
+  return out;
+}
+
+TEST_F(TrainTest, SchedulesFollowTheWarmUp) {
+  const std::string base = "--backend sim --synthetic 64 --batch-size 8 --lr 0.1 --log-every 1 ";
+  const Result step = run(base + "--steps 7 --schedule step --step-size 3 --gamma 0.5");
+  ASSERT_EQ(step.code, 0) << step.output;
+  const std::vector<double> want_step = {0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025};
+  const auto got_step = logged_lrs(step.output);
+  ASSERT_EQ(got_step.size(), want_step.size()) << step.output;
+  for (std::size_t i = 0; i < want_step.size(); ++i) EXPECT_NEAR(got_step[i], want_step[i], 1e-6) << i;
+  // Two warm-up steps, then cosine over the remaining 8 steps of the run (T_max = 10 - 2).
+  const Result cosine = run(base + "--steps 10 --schedule cosine --warmup-steps 2");
+  ASSERT_EQ(cosine.code, 0) << cosine.output;
+  const auto got = logged_lrs(cosine.output);
+  ASSERT_EQ(got.size(), 10u) << cosine.output;
+  EXPECT_NEAR(got[0], 0.05, 1e-6);
+  EXPECT_NEAR(got[1], 0.075, 1e-6);
+  const dp::LrSchedule annealing = dp::LrSchedule::cosine(8);
+  for (std::size_t s = 2; s < 10; ++s)
+    EXPECT_NEAR(got[s], static_cast<float>(annealing.lr(0.1, static_cast<std::int64_t>(s - 2))), 1e-6) << s;
+  expect_refused(base + "--steps 1 --schedule step --step-size 0", "StepLR: step_size must be >= 1");
 }
 
 }  // namespace
