@@ -58,6 +58,7 @@ struct Options {
   bool eval_only = false;
   std::string normalize;     // "MEAN,STD"
   std::string metrics_json;  // JSON lines, one per logged step and per epoch
+  std::string predictions;   // --eval-only: each test sample's predicted class, one per line
 };
 
 // A failure the user caused (bad flag value, bad file): message, exit code 2.
@@ -171,8 +172,9 @@ class MetricsLog {
 // Test-set loss and accuracy through the engine: every sample exactly once (eval_shard: rank r of
 // the engine's batches_per_step() takes samples r, r + R, ...; no padding), in batches of
 // `batch_size` per rank; a rank whose shard ran out sends an empty batch.
+// With `predictions`, it is resized to the test set and gets each sample's predicted class.
 dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Dataset& test, int batch_size,
-                        dp::Normalize normalize) {
+                        dp::Normalize normalize, std::vector<std::int32_t>* predictions = nullptr) {
   const int shards = engine.batches_per_step();
   std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(shards));
   std::size_t steps = 0;
@@ -185,16 +187,23 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Data
                                            std::min(mine.size(), begin + static_cast<std::size_t>(batch_size))));
     steps = std::max(steps, plan.size());
   }
+  for (auto& plan : plans) plan.resize(steps);  // empty batches for the ranks whose shard is shorter
+  const auto order = plans;                     // which sample each prediction belongs to
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
-  for (auto& plan : plans) {
-    plan.resize(steps);  // empty batches for the ranks whose shard is shorter
+  for (auto& plan : plans)
     loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, test, std::move(plan), 2, normalize));
-  }
+  if (predictions) predictions->assign(test.size(), -1);
   dp::EvalTotals totals;
+  std::vector<std::int32_t> classes;
   for (std::size_t k = 0; k < steps; ++k) {
     std::vector<dp::Batch> batches;
     for (auto& loader : loaders) batches.push_back(loader->next());
-    totals += engine.evaluate(batches);
+    classes.clear();
+    totals += engine.evaluate(batches, predictions ? &classes : nullptr);
+    if (!predictions) continue;
+    std::size_t at = 0;
+    for (const auto& plan : order)
+      for (const std::int64_t sample : plan[k]) (*predictions)[static_cast<std::size_t>(sample)] = classes[at++];
   }
   return totals;
 }
@@ -272,6 +281,14 @@ int run(Options o) {
   if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))
     throw UsageError("--eval-only trains nothing: it takes no --steps, --epochs or --save");
   if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
+  if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
+  if (!o.predictions.empty()) {
+    try {
+      dp::check_writable(o.predictions);
+    } catch (const dp::Error& e) {
+      throw UsageError(fmt::format("--predictions {}", e.what()));
+    }
+  }
   // The optimizer's own checks (a NaN or infinite lr, nesterov without momentum, ...), now rather
   // than after the data is loaded; --scale-lr multiplies the lr by up to the device count.
   try {
@@ -403,7 +420,14 @@ int run(Options o) {
     });
   if (o.eval_only) {
     const auto t0 = std::chrono::steady_clock::now();
-    const dp::EvalTotals totals = evaluate(*engine, *runtime, *test, o.batch_size, normalize);
+    std::vector<std::int32_t> predictions;
+    const dp::EvalTotals totals =
+        evaluate(*engine, *runtime, *test, o.batch_size, normalize, o.predictions.empty() ? nullptr : &predictions);
+    if (!o.predictions.empty()) {
+      std::string text;
+      for (const std::int32_t c : predictions) text += fmt::format("{}\n", c);
+      dp::write_atomically(o.predictions, text);
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fmt::print("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n",
                o.init.empty() ? o.resume : o.init, totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(),
@@ -634,6 +658,8 @@ int main(int argc, char** argv) {
   app.add_flag("--no-eval", eval_off, "no evaluation")->excludes(eval);
   app.add_flag("--eval-only", o.eval_only, "evaluate the --init checkpoint on the test set, no training");
   app.add_option("--normalize", o.normalize, "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530");
+  app.add_option("--predictions", o.predictions,
+                 "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
   app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");
   try {
     app.parse(argc, argv);

@@ -409,6 +409,20 @@ TEST_F(TrainTest, EvaluatesEveryTestSampleOnceAndEquallyInEveryMode) {
     ASSERT_TRUE(std::regex_search(output, m, line)) << output;
     results.push_back({m[1].str(), m[2].str(), m[3].str()});
   }
+  // Sample by sample: each mode predicts the same class for every test sample.
+  std::vector<std::string> predictions;
+  for (const std::string mode : {"single", "ddp"}) {
+    const std::string file = path("predictions_" + mode + ".txt");
+    const Result r =
+        run(fmt::format("--model convnet --mode {} --devices 3 --batch-size 2 --eval-only --init {} "
+                        "--predictions {}{}",
+                        mode, path("ckpt.safetensors"), file, data));
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(file);
+    predictions.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  EXPECT_EQ(std::count(predictions[0].begin(), predictions[0].end(), '\n'), 10);
+  EXPECT_EQ(predictions[1], predictions[0]);
   for (const auto& r : results) {
     EXPECT_EQ(r[0], "10") << "every test sample exactly once";
     EXPECT_EQ(r[2], results[0][2]) << "the same samples correct in every mode";

@@ -35,7 +35,7 @@ EvalTotals& EvalTotals::operator+=(const EvalTotals& other) {
   return *this;
 }
 
-EvalTotals Engine::evaluate(std::span<const Batch> batches) {
+EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int32_t>* predictions) {
   for (const Batch& batch : batches)
     if (batch.size > 0 && !batch.targets) throw InvalidArgument("evaluation batch without targets (null pointer)");
   const std::vector<float> logits = predict(batches);
@@ -55,6 +55,7 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches) {
       for (std::size_t c = 0; c < classes; ++c) sum += std::exp(static_cast<double>(x[c]) - x[best]);
       totals.loss_sum += std::log(sum) + x[best] - x[target];
       totals.correct += best == static_cast<std::size_t>(target) ? 1 : 0;
+      if (predictions) predictions->push_back(static_cast<std::int32_t>(best));
       ++totals.samples;
     }
   }

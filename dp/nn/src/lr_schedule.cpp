@@ -2,9 +2,8 @@
 // quotient rounded where Python rounds it), so the values match torch's bit for bit.
 #include "dp/lr_schedule.h"
 
-#include <fmt/format.h>
-
 #include <cmath>
+#include <fmt/format.h>
 #include <numbers>
 
 #include "dp/error.h"
@@ -29,9 +28,8 @@ LrSchedule LrSchedule::cosine(std::int64_t t_max, double eta_min) {
     throw InvalidArgument(fmt::format("CosineAnnealingLR: invalid eta_min {}", eta_min));
   return LrSchedule([=](double base, std::int64_t t) {
     // eta_min + (base_lr - eta_min) * (1 + math.cos(math.pi * t / T_max)) / 2
-    return eta_min + (base - eta_min) * (1.0 + std::cos(std::numbers::pi * static_cast<double>(t) /
-                                                        static_cast<double>(t_max))) /
-                         2.0;
+    return eta_min + (base - eta_min) *
+                         (1.0 + std::cos(std::numbers::pi * static_cast<double>(t) / static_cast<double>(t_max))) / 2.0;
   });
 }
 
@@ -56,13 +54,13 @@ LrSchedule LrSchedule::sequential(std::vector<LrSchedule> schedules, std::vector
   for (std::size_t i = 0; i < milestones.size(); ++i)
     if (milestones[i] < 1 || (i > 0 && milestones[i] <= milestones[i - 1]))
       throw InvalidArgument("SequentialLR: milestones must be >= 1 and increasing");
-  return LrSchedule([schedules = std::move(schedules), milestones = std::move(milestones)](double base,
-                                                                                            std::int64_t t) {
-    // bisect_right(milestones, t): the schedule whose span holds t; its own t starts at the milestone.
-    std::size_t i = 0;
-    while (i < milestones.size() && milestones[i] <= t) ++i;
-    return schedules[i].lr(base, i == 0 ? t : t - milestones[i - 1]);
-  });
+  return LrSchedule(
+      [schedules = std::move(schedules), milestones = std::move(milestones)](double base, std::int64_t t) {
+        // bisect_right(milestones, t): the schedule whose span holds t; its own t starts at the milestone.
+        std::size_t i = 0;
+        while (i < milestones.size() && milestones[i] <= t) ++i;
+        return schedules[i].lr(base, i == 0 ? t : t - milestones[i - 1]);
+      });
 }
 
 double LrSchedule::lr(double base_lr, std::int64_t t) const {

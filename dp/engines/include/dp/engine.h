@@ -55,8 +55,9 @@ class Engine {
   // rank's batch may be empty (an evaluation shard that ran out before the others).
   virtual std::vector<float> predict(std::span<const Batch> batches) = 0;
   // predict(), then per sample its cross-entropy against the target (in double) and whether the
-  // arg-max logit (the first of equal maxima, as torch.argmax) is the target.
-  EvalTotals evaluate(std::span<const Batch> batches);
+  // arg-max logit (the first of equal maxima, as torch.argmax) is the target. With `predictions`,
+  // each sample's arg-max class is appended there, batch after batch.
+  EvalTotals evaluate(std::span<const Batch> batches, std::vector<std::int32_t>* predictions = nullptr);
   // Steps return once the loss is known; the optimizer update may still run on the devices.
   // Call this before reading parameters or optimizer state from another stream.
   virtual void synchronize() = 0;
