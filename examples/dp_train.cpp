@@ -669,7 +669,8 @@ int main(int argc, char** argv) {
   }
   if (eval_on || eval_off) o.eval = eval_on;
   // A file flag given an empty value names no file: refused rather than read as "not given".
-  for (const char* flag : {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize"}) {
+  for (const char* flag :
+       {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize", "--predictions"}) {
     const auto* option = app.get_option(flag);
     if (option->count() > 0 && option->as<std::string>().empty()) {
       fmt::print(stderr, "dp_train: error: {}: empty value\n", flag);
