@@ -549,26 +549,18 @@ TEST_F(TrainTest, SaveTargetsMustBeRegularFilesInWritableDirectories) {
 
 namespace {
 
-std::vector<double> logged_lrs(const std::string& output) {
-  std::vector<double> out;
-  const std::regex line(R"( lr ([0-9.eE+-]+))");
-  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it)
-    out.push_back(std::stod((*it)[1].str()));
-  return out;
-}
-
 TEST_F(TrainTest, SchedulesFollowTheWarmUp) {
   const std::string base = "--backend sim --synthetic 64 --batch-size 8 --lr 0.1 --log-every 1 ";
   const Result step = run(base + "--steps 7 --schedule step --step-size 3 --gamma 0.5");
   ASSERT_EQ(step.code, 0) << step.output;
   const std::vector<double> want_step = {0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025};
-  const auto got_step = logged_lrs(step.output);
+  const auto got_step = learning_rates(step.output);
   ASSERT_EQ(got_step.size(), want_step.size()) << step.output;
   for (std::size_t i = 0; i < want_step.size(); ++i) EXPECT_NEAR(got_step[i], want_step[i], 1e-6) << i;
   // Two warm-up steps, then cosine over the remaining 8 steps of the run (T_max = 10 - 2).
   const Result cosine = run(base + "--steps 10 --schedule cosine --warmup-steps 2");
   ASSERT_EQ(cosine.code, 0) << cosine.output;
-  const auto got = logged_lrs(cosine.output);
+  const auto got = learning_rates(cosine.output);
   ASSERT_EQ(got.size(), 10u) << cosine.output;
   EXPECT_NEAR(got[0], 0.05, 1e-6);
   EXPECT_NEAR(got[1], 0.075, 1e-6);
