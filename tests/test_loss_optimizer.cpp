@@ -5,8 +5,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "dp/device.h"
@@ -401,6 +403,59 @@ TEST_P(LossOptimizerTest, SgdMatchesPyTorchGoldensBitForBit) {
     }
     EXPECT_TRUE(all_close(download<float>(stream_, params), flat("final."), 0.0, 0.0)) << name;
   }
+}
+
+}  // namespace
+}  // namespace dp
+
+namespace dp {
+namespace {
+
+// Distance in units in the last place between two floats of the same sign (0 = the same bits).
+std::int64_t ulps(float a, float b) {
+  std::int32_t ia, ib;
+  std::memcpy(&ia, &a, 4);
+  std::memcpy(&ib, &b, 4);
+  return std::llabs(static_cast<std::int64_t>(ia) - ib);
+}
+
+// torch.optim.AdamW, 4 steps on 1027 values, for two sets of hyper-parameters
+// (tests/golden/make_adamw_goldens.py): parameters and both moments after every step.
+TEST_P(LossOptimizerTest, AdamWMatchesPyTorchGoldens) {
+  const auto golden = safetensors::read(test::golden_path("adamw"));
+  for (const std::string name : {"defaults", "aggressive"}) {
+    const auto h = nlohmann::json::parse(golden.metadata.at(name));
+    const kernels::AdamWOptions options{h.at("lr"), h.at("beta1"), h.at("beta2"), h.at("eps"), h.at("weight_decay")};
+    const auto init = golden.at(name + ".init").to_f32();
+    const auto n = static_cast<kernels::index_t>(init.size());
+    DeviceBuffer params = upload(*device_, stream_, init);
+    DeviceBuffer m = upload(*device_, stream_, std::vector<float>(init.size(), 0.0f));
+    DeviceBuffer v = upload(*device_, stream_, std::vector<float>(init.size(), 0.0f));
+    for (int step = 0; step < 4; ++step) {
+      const auto key = [&](const char* what) { return fmt::format("{}.{}.{}", name, what, step); };
+      DeviceBuffer grads = upload(*device_, stream_, golden.at(key("grad")).to_f32());
+      kernels::adamw_step(stream_, n, options, step + 1, params.as<float>(), grads.as<float>(), m.as<float>(),
+                          v.as<float>());
+      for (const auto& [what, buffer] :
+           {std::pair{"param", &params}, std::pair{"exp_avg", &m}, std::pair{"exp_avg_sq", &v}}) {
+        const auto got = download<float>(stream_, *buffer), want = golden.at(key(what)).to_f32();
+        std::int64_t worst = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, ulps(got[i], want[i]));
+        EXPECT_EQ(worst, 0) << name << " " << what << " after step " << step + 1 << ": " << worst << " ulp";
+      }
+    }
+  }
+}
+
+TEST_P(LossOptimizerTest, AdamWRejectsWhatTorchRejects) {
+  DeviceBuffer buf = device_->allocate(16 * sizeof(float));
+  float* x = buf.as<float>();
+  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.lr = -1.0}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.beta1 = 1.0}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.beta2 = -0.1}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.eps = std::nan("")}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.weight_decay = -1.0}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(kernels::adamw_step(stream_, 4, {}, 0, x, x, x, x), InvalidArgument) << "steps count from 1";
 }
 
 }  // namespace

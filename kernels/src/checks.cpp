@@ -37,7 +37,24 @@ void validate(const SgdOptions& o) {
     throw InvalidArgument("SGD: nesterov momentum requires a momentum > 0 (and zero dampening)");
 }
 
+void validate(const AdamWOptions& o) {
+  // torch.optim.AdamW's constructor checks, NaN and infinity refused too.
+  const auto finite_at_least_0 = [](double v) { return std::isfinite(v) && v >= 0.0; };
+  if (!finite_at_least_0(o.lr)) throw InvalidArgument(fmt::format("AdamW: invalid learning rate {}", o.lr));
+  if (!finite_at_least_0(o.eps)) throw InvalidArgument(fmt::format("AdamW: invalid epsilon value {}", o.eps));
+  if (!(o.beta1 >= 0.0 && o.beta1 < 1.0))
+    throw InvalidArgument(fmt::format("AdamW: invalid beta parameter at index 0: {}", o.beta1));
+  if (!(o.beta2 >= 0.0 && o.beta2 < 1.0))
+    throw InvalidArgument(fmt::format("AdamW: invalid beta parameter at index 1: {}", o.beta2));
+  if (!finite_at_least_0(o.weight_decay))
+    throw InvalidArgument(fmt::format("AdamW: invalid weight_decay value {}", o.weight_decay));
+}
+
 namespace checks {
+
+void adamw_step(std::int64_t step) {
+  if (step < 1) throw InvalidArgument(fmt::format("adamw_step: step must be >= 1 (the first is 1), got {}", step));
+}
 
 void present(const char* op, NamedPointers pointers) {
   for (const auto& [what, ptr] : pointers)

@@ -40,4 +40,7 @@ void cross_entropy(const char* op, int n, int classes, int mean_over = 1);
 // momentum != 0 needs a momentum buffer of the n parameters.
 void sgd_buffer(std::int64_t n, float momentum, const float* buffer);
 
+// AdamW's step counts from 1.
+void adamw_step(std::int64_t step);
+
 }  // namespace dp::kernels::checks
