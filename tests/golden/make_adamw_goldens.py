@@ -8,10 +8,10 @@ Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_adamw_golden
 """
 import json
 import os
-import struct
 
-import numpy as np
 import torch
+
+from make_goldens import encode_safetensors  # the one safetensors writer of the golden scripts
 
 N, STEPS = 1027, 4
 CASES = {
@@ -29,7 +29,7 @@ def main():
         param = torch.nn.Parameter(init.clone())
         opt = torch.optim.AdamW([param], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
                                 weight_decay=h["weight_decay"], foreach=False)
-        tensors[f"{name}.init"] = init
+        tensors[f"{name}.init"] = init.clone()
         for step in range(STEPS):
             grad = torch.randn(N, generator=gen) * (0.5 + step)
             param.grad = grad.clone()
@@ -40,17 +40,9 @@ def main():
             tensors[f"{name}.exp_avg.{step}"] = state["exp_avg"].clone()
             tensors[f"{name}.exp_avg_sq.{step}"] = state["exp_avg_sq"].clone()
         meta[name] = json.dumps(h)
-    header, blobs, offset = {"__metadata__": meta}, [], 0
-    for key, t in tensors.items():
-        data = t.detach().numpy().astype(np.float32).tobytes()
-        header[key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw.safetensors")
     with open(out, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+        f.write(encode_safetensors(tensors, meta))
     print(f"wrote {out} (torch {torch.__version__})")
 
 

@@ -7,11 +7,11 @@ Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_lr_goldens.p
 """
 import json
 import os
-import struct
 
-import numpy as np
 import torch
 from torch.optim import lr_scheduler as S
+
+from make_goldens import encode_safetensors  # the one safetensors writer of the golden scripts
 
 
 def closed_form(make, base, t):
@@ -42,20 +42,13 @@ CASES = {
 
 
 def main():
-    header, blobs, offset, meta = {}, [], 0, {}
+    tensors, meta = {}, {}
     for name, (params, steps, lr) in CASES.items():
-        values = np.array([lr(params["base"], t) for t in range(steps)], dtype=np.float32)
-        data = values.tobytes()
-        header[name] = {"dtype": "F32", "shape": [steps], "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+        tensors[name] = torch.tensor([lr(params["base"], t) for t in range(steps)], dtype=torch.float32)
         meta[name] = json.dumps(params)
-    header = {"__metadata__": meta, **header}
-    text = json.dumps(header).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lr_schedules.safetensors")
     with open(out, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+        f.write(encode_safetensors(tensors, meta))
     print(f"wrote {out} (torch {torch.__version__})")
 
 
