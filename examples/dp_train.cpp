@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <fcntl.h>
-#include <filesystem>
 #include <fmt/format.h>
 #include <limits>
 #include <memory>

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
+#include <optional>
 #include <random>
 #include <zlib.h>
 
@@ -99,13 +100,19 @@ class IdxStream {
 
 const char* prefix(Split split) { return split == Split::train ? "train" : "t10k"; }
 
-// DIR/name, or DIR/name.gz when only that exists; Error naming both when neither does.
-std::string idx_path(const std::string& dir, const std::string& name) {
+// DIR/name, or DIR/name.gz when only that exists; nullopt when neither does.
+std::optional<std::string> existing_idx(const std::string& dir, const std::string& name) {
   const std::string plain = fmt::format("{}/{}", dir, name), gz = plain + ".gz";
   std::error_code ec;
   if (std::filesystem::exists(plain, ec)) return plain;
   if (std::filesystem::exists(gz, ec)) return gz;
-  throw Error(fmt::format("{}: cannot open (no such file, nor {}.gz)", plain, name));
+  return std::nullopt;
+}
+
+// existing_idx, or Error naming both names.
+std::string idx_path(const std::string& dir, const std::string& name) {
+  if (auto path = existing_idx(dir, name)) return *path;
+  throw Error(fmt::format("{}/{}: cannot open (no such file, nor {}.gz)", dir, name, name));
 }
 
 }  // namespace
@@ -122,11 +129,8 @@ std::string find_data_dir(const std::string& dir_or_name) {
 }
 
 bool has_split(const std::string& dir, Split split) {
-  std::error_code ec;
-  for (const char* kind : {"images-idx3-ubyte", "labels-idx1-ubyte"}) {
-    const std::string plain = fmt::format("{}/{}-{}", dir, prefix(split), kind);
-    if (!std::filesystem::exists(plain, ec) && !std::filesystem::exists(plain + ".gz", ec)) return false;
-  }
+  for (const char* kind : {"images-idx3-ubyte", "labels-idx1-ubyte"})
+    if (!existing_idx(dir, fmt::format("{}-{}", prefix(split), kind))) return false;
   return true;
 }
 

@@ -1,18 +1,14 @@
-// safetensors.cpp — the safetensors format with strict validation and atomic writes.
+// safetensors.cpp — the safetensors format with strict validation; writes go through dp::write_atomically.
 #include "dp/safetensors.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
-#include <fcntl.h>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "dp/atomic_file.h"
 #include "dp/error.h"
