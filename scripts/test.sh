@@ -16,7 +16,7 @@ for san in thread "address,undefined"; do
   dir="build-san-${san%%,*}"
   scripts/setup.sh "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDP_ENABLE_CUDA=OFF -DDP_SANITIZE="$san" \
     -DDP_BUILD_BENCH=OFF
-  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
   ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
     ctest --test-dir "$dir" --output-on-failure -j "$jobs" -L sim
 done
