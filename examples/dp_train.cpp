@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <unistd.h>
+#include <variant>
 
 #include "dp/atomic_file.h"
 #include "dp/checkpoint.h"
@@ -42,7 +43,11 @@ struct Options {
   int batch_size = 64;
   std::optional<int> epochs;
   std::optional<long> steps;
-  float lr = 0.01f, momentum = 0.9f, weight_decay = 0.0f;
+  std::string optimizer = "sgd";
+  double lr = 0.01;  // in double, as Python's; each optimizer rounds it as torch's kernels do
+  float momentum = 0.9f;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   bool nesterov = false, scale_lr = false, no_shuffle = false;
   long warmup_steps = 0;
   std::uint64_t seed = 0;
@@ -88,13 +93,19 @@ std::vector<int> parse_int_list(const std::string& text, const char* flag) {
 // The learning rate of step s: linear scaling (--scale-lr, seed 003) and linear warm-up
 // (Goyal et al. 2017) from the unscaled lr, or from target/W without scaling, to the target at s = W.
 // After the warm-up, `schedule` (--schedule, per optimizer step, counted from the warm-up's end)
-// takes the target down; none keeps it.
-float lr_at(const Options& o, int world, long step, const dp::LrSchedule& schedule) {
-  const float target = o.scale_lr ? o.lr * static_cast<float>(world) : o.lr;
-  if (o.warmup_steps <= 0 || step >= o.warmup_steps)
-    return static_cast<float>(schedule.lr(target, step - std::max(0L, o.warmup_steps)));
-  const float start = o.scale_lr ? o.lr : target / static_cast<float>(o.warmup_steps);
-  return start + (target - start) * static_cast<float>(step) / static_cast<float>(o.warmup_steps);
+// takes the target down; none keeps it. In double, as a Python training loop computes it.
+double lr_at(const Options& o, int world, long step, const dp::LrSchedule& schedule) {
+  const double target = o.scale_lr ? o.lr * world : o.lr;
+  if (o.warmup_steps <= 0 || step >= o.warmup_steps) return schedule.lr(target, step - std::max(0L, o.warmup_steps));
+  const double start = o.scale_lr ? o.lr : target / static_cast<double>(o.warmup_steps);
+  return start + (target - start) * static_cast<double>(step) / static_cast<double>(o.warmup_steps);
+}
+
+// The optimizer of --optimizer at learning rate `lr` (SGD: --momentum, --nesterov; AdamW: --beta1,
+// --beta2, --eps; both: --weight-decay, which AdamW applies decoupled, as torch.optim.AdamW).
+dp::OptimizerOptions optimizer_options(const Options& o, double lr) {
+  if (o.optimizer == "adamw") return dp::AdamWOptions{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
+  return dp::SgdOptions{static_cast<float>(lr), o.momentum, static_cast<float>(o.weight_decay), o.nesterov};
 }
 
 // --schedule: none, step (StepLR: x --gamma every --step-size steps) or cosine (CosineAnnealingLR to
@@ -243,7 +254,11 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
     params = plus(params, plus(times(in, 10, "the MLP's size"), 10, "the MLP's size"), "the MLP's size");
   }
   const std::uint64_t rows = o.mode == "dp" ? (batch + devices - 1) / devices : batch;  // per device
-  const std::uint64_t per_device = plus(times(times(params, 4, "the model"), o.momentum > 0 ? 3 : 2, "the model"),
+  const std::uint64_t per_device = plus(times(times(params, 4, "the model"),
+                                              o.optimizer == "adamw" ? 4
+                                              : o.momentum > 0       ? 3
+                                                                     : 2,
+                                              "the model"),
                                         times(rows, (784 + 10) * 4, "the batch"), "the device memory");
   const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
   std::uint64_t host =
@@ -291,8 +306,8 @@ int run(Options o) {
   // The optimizer's own checks (a NaN or infinite lr, nesterov without momentum, ...), now rather
   // than after the data is loaded; --scale-lr multiplies the lr by up to the device count.
   try {
-    dp::validate(dp::SgdOptions{o.lr * static_cast<float>(o.scale_lr ? o.devices.value_or(1) : 1), o.momentum,
-                                o.weight_decay, o.nesterov});
+    std::visit([](const auto& options) { dp::validate(options); },
+               optimizer_options(o, o.lr * (o.scale_lr ? o.devices.value_or(1) : 1)));
   } catch (const dp::Error& e) {
     throw UsageError(e.what());
   }
@@ -403,15 +418,14 @@ int run(Options o) {
   const int world = static_cast<int>(ids.size());
   // The schedule needs the run's length, known below; the optimizer starts at the warm-up's first lr
   // and every step sets its own.
-  const dp::SgdOptions sgd{lr_at(o, world, start_step, dp::LrSchedule::constant()), o.momentum, o.weight_decay,
-                           o.nesterov};
+  const dp::OptimizerOptions optimizer = optimizer_options(o, lr_at(o, world, start_step, dp::LrSchedule::constant()));
   dp::EngineOptions engine_options;
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = ids;
   engine_options.output_device = o.output_device;
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
-  const auto engine = dp::make_engine(*runtime, *model, sgd, engine_options);
+  const auto engine = dp::make_engine(*runtime, *model, optimizer, engine_options);
   if (resume)
     as_usage_error([&] {
       resume->load_optimizers(*model, engine->optimizers());
@@ -494,7 +508,7 @@ int run(Options o) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
   };
   for (long s = start_step; s < start_step + total_steps; ++s) {
-    const float lr = lr_at(o, world, s, schedule);
+    const double lr = lr_at(o, world, s, schedule);
     engine->set_lr(lr);
     std::vector<dp::Batch> batches;
     long samples = 0;
@@ -629,10 +643,15 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
   auto* epochs = app.add_option("--epochs", o.epochs, "full passes over the data (default 1)");
   app.add_option("--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
+  app.add_option("--optimizer", o.optimizer, "sgd (torch.optim.SGD) or adamw (torch.optim.AdamW)")
+      ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--lr", o.lr, "learning rate")->check(non_negative);
-  app.add_option("--momentum", o.momentum, "SGD momentum")->check(non_negative);
-  app.add_option("--weight-decay", o.weight_decay, "SGD weight decay")->check(non_negative);
-  app.add_flag("--nesterov", o.nesterov, "Nesterov momentum");
+  app.add_option("--momentum", o.momentum, "sgd: momentum")->check(non_negative);
+  app.add_option("--weight-decay", o.weight_decay, "weight decay (adamw: decoupled, as torch)")->check(non_negative);
+  app.add_flag("--nesterov", o.nesterov, "sgd: Nesterov momentum");
+  app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)");
+  app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)");
+  app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)");
   app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
   app.add_option("--warmup-steps", o.warmup_steps, "linear lr warm-up steps")->check(decimal);
   app.add_option("--schedule", o.schedule,

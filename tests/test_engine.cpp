@@ -43,12 +43,20 @@ std::vector<float> params_of(const Model& m) {
   return out;
 }
 
-std::vector<float> momentum_of(const Sgd& optimizer) {
-  Stream s = optimizer.device().create_stream();
-  std::vector<float> out(optimizer.param_count());
-  s.copy(out.data(), optimizer.momentum_flat(), out.size() * sizeof(float));
-  return out;
+// An optimizer's state buffer `name` ("momentum", "exp_avg", ...) on the host.
+std::vector<float> state_of(const Optimizer& optimizer, const std::string& name) {
+  for (const Optimizer::StateBuffer& buffer : optimizer.state()) {
+    if (buffer.name != name) continue;
+    Stream s = optimizer.device().create_stream();
+    std::vector<float> out(optimizer.param_count());
+    s.copy(out.data(), buffer.data, out.size() * sizeof(float));
+    return out;
+  }
+  ADD_FAILURE() << optimizer.kind() << " has no state buffer " << name;
+  return {};
 }
+
+std::vector<float> momentum_of(const Optimizer& optimizer) { return state_of(optimizer, "momentum"); }
 
 // Host samples with pixels in [0, 1) and targets cycling through the classes; a seed per step
 // keeps every step's batch different (a repeated batch would hide a stale staging buffer).
@@ -167,9 +175,10 @@ TEST(Engine, SingleThroughTheInterfaceIsTheConcreteTrainerBitForBit) {
   EXPECT_EQ(engine->optimizers()[0]->steps(), 3);
 }
 
-TEST(Engine, DataParallelAndDdpThroughTheInterfaceEqualSingleOnTheGlobalBatch) {
+// DP and DDP through the interface, with `optimizer`, against single-device training on the
+// global batch.
+void expect_dp_and_ddp_equal_single(const OptimizerOptions& sgd) {
   auto rt = test::sim_runtime(2);
-  const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
   auto dp_model = models::make_mlp(rt->device(0), {16}, 4);
   auto ddp_model = models::make_mlp(rt->device(0), {16}, 4);
   auto reference = models::make_mlp(rt->device(0), {16}, 4);
@@ -195,6 +204,20 @@ TEST(Engine, DataParallelAndDdpThroughTheInterfaceEqualSingleOnTheGlobalBatch) {
   // Gradients differ in summation order only (per-chunk or per-rank partial sums).
   EXPECT_TRUE(test::all_close(params_of(*dp_model), params_of(*reference), 1e-5, 1e-6));
   EXPECT_TRUE(test::all_close(params_of(*ddp_model), params_of(*reference), 1e-5, 1e-6));
+  for (Engine* engine : {dp.get(), ddp.get()})
+    for (const Optimizer* optimizer : engine->optimizers()) {
+      EXPECT_EQ(optimizer->kind(), optimizer_kind(sgd));
+      EXPECT_EQ(optimizer->steps(), 3);
+    }
+}
+
+TEST(Engine, DataParallelAndDdpThroughTheInterfaceEqualSingleOnTheGlobalBatch) {
+  expect_dp_and_ddp_equal_single(SgdOptions{0.05f, 0.9f, 1e-3f, false});
+}
+
+// The engines take any optimizer: AdamW (per-rank state on DDP) as well as SGD.
+TEST(Engine, AdamWThroughEveryEngineEqualsSingle) {
+  expect_dp_and_ddp_equal_single(AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 1e-2});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -258,9 +281,9 @@ TEST(Engine, SetLrReachesEveryOptimizerAndTheNextStep) {
   auto ddp = make_engine(*rt, *model, SgdOptions{0.1f, 0.9f}, options_for(EngineKind::ddp));
   ddp->set_lr(0.025f);
   ASSERT_EQ(ddp->optimizers().size(), 2u);
-  for (const Sgd* optimizer : ddp->optimizers()) {
-    EXPECT_EQ(optimizer->options().lr, 0.025f);
-    EXPECT_EQ(optimizer->options().momentum, 0.9f);  // only the learning rate changes
+  for (const Optimizer* optimizer : ddp->optimizers()) {
+    EXPECT_EQ(optimizer->lr(), double{0.025f});  // SGD keeps it as the fp32 kernel takes it
+    EXPECT_EQ(dynamic_cast<const Sgd&>(*optimizer).options().momentum, 0.9f);  // only the learning rate changes
   }
 
   // The step uses it: at lr 0, p - 0 * g == p exactly, on every rank.
@@ -276,7 +299,7 @@ TEST(Engine, SetLrReachesEveryOptimizerAndTheNextStep) {
   // What the constructor refuses, set_lr refuses too, at once and on no rank.
   EXPECT_THROW(ddp->set_lr(-1.0f), InvalidArgument);
   EXPECT_THROW(ddp->set_lr(std::nanf("")), InvalidArgument);
-  for (const Sgd* optimizer : ddp->optimizers()) EXPECT_EQ(optimizer->options().lr, 0.0f);
+  for (const Optimizer* optimizer : ddp->optimizers()) EXPECT_EQ(optimizer->lr(), 0.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -407,6 +430,90 @@ TEST(TrainingState, ResumeIsBitExact) {
   EXPECT_EQ(resumed->optimizers()[0]->steps(), 3);
 }
 
+// AdamW's exp_avg, exp_avg_sq and step survive a save and load: the resumed run's next step
+// (whose bias correction depends on the step count) equals the uninterrupted one bit for bit, on
+// every DDP rank. Its state refuses to load into SGD, and SGD's into AdamW.
+TEST(TrainingState, AdamWResumeIsBitExactOnEveryRank) {
+  auto rt = test::sim_runtime(2);
+  const TempDir dir;
+  const std::string path = dir.file("adamw.safetensors");
+  const AdamWOptions adamw{2e-3, 0.8, 0.99, 1e-6, 0.05};
+  auto model = models::make_mlp(rt->device(0), {16}, 21);
+  auto engine = make_engine(*rt, *model, adamw, options_for(EngineKind::ddp));
+  const auto step = [](Engine& e, unsigned seed) {
+    const Data d = make_data(8, seed);
+    const std::array<Batch, 2> shards{d.rows(0, 4), d.rows(4, 4)};
+    return e.train_step(shards);
+  };
+  for (unsigned s = 0; s < 2; ++s) step(*engine, 90 + s);
+  engine->synchronize();
+  TrainingProgress progress;
+  progress.step = 2;
+  TrainingState::save(path, engine->model(), *engine->optimizers()[0], progress);
+  const TrainingState state = TrainingState::read(path);
+  EXPECT_EQ(state.optimizer_kind(), "adamw");
+  EXPECT_EQ(state.optimizer_steps(), 2);
+  EXPECT_TRUE(state.file().has("optimizer.exp_avg.fc1.weight"));
+  EXPECT_TRUE(state.file().has("optimizer.exp_avg_sq.fc2.bias"));
+
+  auto resumed_model = models::make_mlp(rt->device(0), {16}, 22);
+  state.load_model(*resumed_model);
+  auto resumed = make_engine(*rt, *resumed_model, adamw, options_for(EngineKind::ddp));
+  state.load_optimizers(*resumed_model, resumed->optimizers());
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(resumed->optimizers()[r]->steps(), 2);
+    EXPECT_EQ(state_of(*resumed->optimizers()[r], "exp_avg"), state_of(*engine->optimizers()[r], "exp_avg"));
+    EXPECT_EQ(state_of(*resumed->optimizers()[r], "exp_avg_sq"), state_of(*engine->optimizers()[r], "exp_avg_sq"));
+  }
+  EXPECT_EQ(step(*resumed, 92), step(*engine, 92));
+  resumed->synchronize();
+  engine->synchronize();
+  EXPECT_EQ(params_of(*resumed_model), params_of(*model));
+  EXPECT_EQ(params_of(static_cast<DistributedDataParallel&>(*resumed).replica(1)), params_of(*model));
+
+  // Another optimizer's state: refused, nothing written.
+  auto sgd_model = models::make_mlp(rt->device(0), {16}, 23);
+  auto sgd = make_engine(*rt, *sgd_model, SgdOptions{0.1f, 0.9f}, options_for(EngineKind::single));
+  try {
+    state.load_optimizers(*sgd_model, sgd->optimizers());
+    ADD_FAILURE() << "an AdamW state loaded into SGD";
+  } catch (const Error& e) {
+    EXPECT_TRUE(mentions(e.what(), {path, "adamw optimizer", "this run's optimizer is sgd"}));
+  }
+  EXPECT_EQ(sgd->optimizers()[0]->steps(), 0);
+  const std::string sgd_path = dir.file("sgd.safetensors");
+  train_and_save(*rt, SgdOptions{0.1f, 0.9f}, 1, sgd_path);
+  EXPECT_THROW(TrainingState::read(sgd_path).load_optimizers(*resumed_model, resumed->optimizers()), Error);
+  EXPECT_EQ(resumed->optimizers()[0]->steps(), 3);
+}
+
+// Files of format 1 (SGD only: "dp.sgd_steps", no "dp.optimizer") still resume.
+TEST(TrainingState, FormatOneFilesStillLoad) {
+  auto rt = test::sim_runtime(1);
+  const TempDir dir;
+  const std::string path = dir.file("v1.safetensors");
+  train_and_save(*rt, SgdOptions{0.05f, 0.9f}, 2, path);
+  safetensors::File file = safetensors::read(path);
+  file.metadata["dp.format"] = "1";
+  file.metadata["dp.sgd_steps"] = file.metadata.at("dp.optimizer_steps");
+  file.metadata.erase("dp.optimizer_steps");
+  file.metadata.erase("dp.optimizer");
+  safetensors::write(path, file);
+  const TrainingState state = TrainingState::read(path);
+  EXPECT_EQ(state.optimizer_kind(), "sgd");
+  EXPECT_EQ(state.optimizer_steps(), 2);
+  auto model = models::make_mlp(rt->device(0), {16}, 9);
+  auto engine = make_engine(*rt, *model, SgdOptions{0.05f, 0.9f}, options_for(EngineKind::single));
+  state.load_optimizers(*model, engine->optimizers());
+  EXPECT_EQ(engine->optimizers()[0]->steps(), 2);
+  std::vector<float> want(model->param_count());
+  for (const TensorRef& p : model->parameters()) {
+    const std::vector<float> values = file.at("optimizer.momentum." + p.name).to_f32();
+    std::copy(values.begin(), values.end(), want.begin() + static_cast<std::ptrdiff_t>(p.offset));
+  }
+  EXPECT_EQ(momentum_of(*engine->optimizers()[0]), want);
+}
+
 TEST(TrainingState, LoadOptimizersSetsEveryDdpRank) {
   auto rt = test::sim_runtime(2);
   const TempDir dir;
@@ -428,7 +535,7 @@ TEST(TrainingState, LoadOptimizersSetsEveryDdpRank) {
     std::copy(values.begin(), values.end(), want.begin() + static_cast<std::ptrdiff_t>(p.offset));
   }
   ASSERT_EQ(ddp->optimizers().size(), 2u);
-  for (const Sgd* optimizer : ddp->optimizers()) {
+  for (const Optimizer* optimizer : ddp->optimizers()) {
     SCOPED_TRACE(fmt::format("device {}", optimizer->device().index()));
     EXPECT_EQ(optimizer->steps(), 2);
     EXPECT_EQ(momentum_of(*optimizer), want);
@@ -448,7 +555,7 @@ TEST(TrainingState, EverySeedRoundTripsAndTagsCannotOverwriteTheState) {
   EXPECT_EQ(state.progress().seed, std::numeric_limits<std::uint64_t>::max());
   // Saved before any step: the momentum is zeros (the first step sets it), never stale memory.
   for (float v : state.file().at("optimizer.momentum.fc1.weight").to_f32()) ASSERT_EQ(v, 0.0f);
-  for (const char* key : {"step", "sgd_steps", "epoch", "seed", "format"}) {
+  for (const char* key : {"step", "optimizer", "optimizer_steps", "sgd_steps", "epoch", "seed", "format"}) {
     TrainingProgress clash;
     clash.tags[key] = "7";
     EXPECT_THROW(TrainingState::save(dir.file("clash.safetensors"), engine->model(), *engine->optimizers()[0], clash),
@@ -505,10 +612,10 @@ TEST(TrainingState, RefusesWhatIsNotAUsableTrainingState) {
   const std::string trailing_error = read_error(trailing, dir.file("trailing.safetensors"));
   EXPECT_TRUE(mentions(trailing_error, {"'dp.epoch' = '3x'", "is not a number"}));
 
-  safetensors::File no_sgd_steps = original;
-  no_sgd_steps.metadata.erase("dp.sgd_steps");
-  const std::string missing_error = read_error(no_sgd_steps, dir.file("missing.safetensors"));
-  EXPECT_TRUE(mentions(missing_error, {"'dp.sgd_steps'", "is missing"}));
+  safetensors::File no_optimizer_steps = original;
+  no_optimizer_steps.metadata.erase("dp.optimizer_steps");
+  const std::string missing_error = read_error(no_optimizer_steps, dir.file("missing.safetensors"));
+  EXPECT_TRUE(mentions(missing_error, {"'dp.optimizer_steps'", "is missing"}));
 
   // Saved without momentum, loaded into optimizers with momentum: refused before anything is
   // written, so the optimizer keeps its step count and buffer.

@@ -171,27 +171,32 @@ TEST_F(TrainTest, NoShuffleOrderIsPyTorchs) {
 }
 
 TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
-  for (const std::string mode : {"single", "dp", "ddp"}) {
-    SCOPED_TRACE(mode);
-    const std::string common = fmt::format(
-        "--model convnet --mode {} --backend sim --devices 2 --synthetic 48 "
-        "--batch-size 10 --lr 0.02 --momentum 0.9 --weight-decay 1e-4 --warmup-steps 4",
-        mode);
-    ASSERT_EQ(run(common + " --steps 6 --save " + path("straight.safetensors")).code, 0);
-    const Result first = run(common + " --steps 3 --save " + path("half.safetensors"));
-    ASSERT_EQ(first.code, 0) << first.output;
-    const Result second =
-        run(common + " --steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
-    ASSERT_EQ(second.code, 0) << second.output;
-    const auto a = dp::safetensors::read(path("straight.safetensors"));
-    const auto b = dp::safetensors::read(path("resumed.safetensors"));
-    ASSERT_EQ(a.order, b.order);
-    for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs after resume";
-    EXPECT_EQ(a.metadata.at("dp.step"), "6");
-    EXPECT_EQ(b.metadata.at("dp.step"), "6");
-    EXPECT_TRUE(a.has("optimizer.momentum.fc.weight"));
-    EXPECT_FALSE(a.has("module.fc.weight")) << "names carry no module. prefix";
-  }
+  // SGD with momentum, and AdamW with a cosine schedule (its state: exp_avg, exp_avg_sq, step).
+  const std::pair<std::string, std::string> optimizers[] = {
+      {"--lr 0.02 --momentum 0.9 --weight-decay 1e-4", "optimizer.momentum.fc.weight"},
+      {"--optimizer adamw --lr 0.002 --weight-decay 0.01 --schedule cosine", "optimizer.exp_avg_sq.fc.weight"}};
+  for (const auto& [optimizer, state_key] : optimizers)
+    for (const std::string mode : {"single", "dp", "ddp"}) {
+      SCOPED_TRACE(mode + " " + optimizer);
+      const std::string common = fmt::format(
+          "--model convnet --mode {} --backend sim --devices 2 --synthetic 48 "
+          "--batch-size 10 {} --warmup-steps 4",
+          mode, optimizer);
+      ASSERT_EQ(run(common + " --steps 6 --save " + path("straight.safetensors")).code, 0);
+      const Result first = run(common + " --steps 3 --save " + path("half.safetensors"));
+      ASSERT_EQ(first.code, 0) << first.output;
+      const Result second =
+          run(common + " --steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
+      ASSERT_EQ(second.code, 0) << second.output;
+      const auto a = dp::safetensors::read(path("straight.safetensors"));
+      const auto b = dp::safetensors::read(path("resumed.safetensors"));
+      ASSERT_EQ(a.order, b.order);
+      for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs after resume";
+      EXPECT_EQ(a.metadata.at("dp.step"), "6");
+      EXPECT_EQ(b.metadata.at("dp.step"), "6");
+      EXPECT_TRUE(a.has(state_key));
+      EXPECT_FALSE(a.has("module.fc.weight")) << "names carry no module. prefix";
+    }
 }
 
 TEST_F(TrainTest, InitAcceptsModulePrefixedNames) {
@@ -262,8 +267,8 @@ TEST_F(TrainTest, BadCheckpointsAreRefused) {
   const std::string resume = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --resume ";
   expect_refused(resume + variant("negative.safetensors", [](auto& f) { f.metadata["dp.step"] = "-3"; }),
                  "metadata 'dp.step' = '-3' is not a number");
-  expect_refused(resume + variant("nostate.safetensors", [](auto& f) { f.metadata.erase("dp.sgd_steps"); }),
-                 "metadata 'dp.sgd_steps' is missing");
+  expect_refused(resume + variant("nostate.safetensors", [](auto& f) { f.metadata.erase("dp.optimizer_steps"); }),
+                 "metadata 'dp.optimizer_steps' is missing");
   expect_refused(
       "--model convnet --backend sim --synthetic 16 --batch-size 8 --steps 1 --resume " + path("good.safetensors"),
       "the checkpoint is a mlp, not a convnet");

@@ -33,12 +33,13 @@ struct DataParallel::Replica {
   const float* output = nullptr;
 };
 
-DataParallel::DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options)
+DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                           DataParallelOptions options)
     : module_(module),
       group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),  // [] is an error, as in PyTorch
       output_device_(options.output_device.value_or(group_.device_ids()[0])),
       output_rank_(-1),
-      optimizer_(module.device(), module.param_count(), sgd) {
+      optimizer_(make_optimizer(module.device(), module.param_count(), optimizer)) {
   const auto& ids = group_.device_ids();
   const auto it = std::find(ids.begin(), ids.end(), output_device_);
   if (it == ids.end())
@@ -230,7 +231,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
                     module_.grads_flat());
     }
     mark(time_phases_, source.stream, reduce_end_);
-    optimizer_.step(source.stream, module_.params_flat(), module_.grads_flat());
+    optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
     mark(time_phases_, source.stream, update_end_);
   });
 

@@ -13,7 +13,7 @@ namespace dp {
 
 struct DistributedDataParallel::Rank {
   Model* model = nullptr;
-  std::unique_ptr<Sgd> optimizer;
+  std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<CrossEntropyLoss> loss;
   Stream compute;
   engines::StagedBatch batch;
@@ -21,7 +21,7 @@ struct DistributedDataParallel::Rank {
   PinnedBuffer host_loss;  // pinned: the copy is asynchronous, the worker never blocks on peers
 };
 
-DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd,
+DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
                                                  DdpOptions options)
     : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))), options_(std::move(options)) {
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
@@ -32,7 +32,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     auto rank = std::make_unique<Rank>();
     Device& device = group_.device(r);
     rank->model = &(*replicas_)[r];
-    rank->optimizer = std::make_unique<Sgd>(device, module.param_count(), sgd);
+    rank->optimizer = make_optimizer(device, module.param_count(), optimizer);
     rank->loss = std::make_unique<CrossEntropyLoss>(device);
     rank->compute = device.create_stream();
     rank->host_loss = runtime.allocate_pinned(sizeof(float));
@@ -52,12 +52,12 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 Model& DistributedDataParallel::replica(int rank) const { return *ranks_.at(static_cast<std::size_t>(rank))->model; }
-Sgd& DistributedDataParallel::optimizer(int rank) const {
+Optimizer& DistributedDataParallel::optimizer(int rank) const {
   return *ranks_.at(static_cast<std::size_t>(rank))->optimizer;
 }
 
-std::vector<Sgd*> DistributedDataParallel::optimizers() {
-  std::vector<Sgd*> out;
+std::vector<Optimizer*> DistributedDataParallel::optimizers() {
+  std::vector<Optimizer*> out;
   for (const auto& rank : ranks_) out.push_back(rank->optimizer.get());
   return out;
 }

@@ -62,11 +62,11 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int
   return totals;
 }
 
-void Engine::set_lr(float lr) {
-  for (Sgd* optimizer : optimizers()) optimizer->set_lr(lr);
+void Engine::set_lr(double lr) {
+  for (Optimizer* optimizer : optimizers()) optimizer->set_lr(lr);
 }
 
-std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const SgdOptions& sgd,
+std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options) {
   if (options.output_device && options.kind != EngineKind::dp)
     throw InvalidArgument(fmt::format("output_device applies to dp, not {}", to_string(options.kind)));
@@ -75,13 +75,13 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const SgdOpt
       if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
         throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
                                           model.device().index(), fmt::join(*options.device_ids, ", ")));
-      return std::make_unique<SingleDeviceTrainer>(model, sgd);
+      return std::make_unique<SingleDeviceTrainer>(model, optimizer);
     case EngineKind::dp: {
       DataParallelOptions dp_options;
       dp_options.device_ids = options.device_ids;
       dp_options.output_device = options.output_device;
       dp_options.time_phases = options.time_phases;
-      return std::make_unique<DataParallel>(runtime, model, sgd, dp_options);
+      return std::make_unique<DataParallel>(runtime, model, optimizer, dp_options);
     }
     case EngineKind::ddp: {
       DdpOptions ddp_options;
@@ -89,7 +89,7 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const SgdOpt
       ddp_options.bucket_cap_mb = options.bucket_cap_mb;
       ddp_options.first_bucket_mb = options.first_bucket_mb;
       ddp_options.broadcast_buffers = options.broadcast_buffers;
-      return std::make_unique<DistributedDataParallel>(runtime, model, sgd, ddp_options);
+      return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
     }
   }
   throw InvalidArgument("unknown engine kind");

@@ -8,10 +8,10 @@
 
 namespace dp {
 
-SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const SgdOptions& options)
+SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options)
     : model_(model),
       device_ids_{model.device().index()},
-      optimizer_(model.device(), model.param_count(), options),
+      optimizer_(make_optimizer(model.device(), model.param_count(), options)),
       loss_(model.device()),
       stream_(model.device().create_stream()),
       batch_(std::make_unique<engines::StagedBatch>()) {}
@@ -34,7 +34,7 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
   loss_.backward(stream_, logits, batch_->targets(), batch, classes, grad_output, batch);
   model_.zero_grad(stream_);
   model_.backward(stream_, grad_output);
-  optimizer_.step(stream_, model_.params_flat(), model_.grads_flat());
+  optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
   float host_loss = 0.0f;
   stream_.copy(&host_loss, loss, sizeof(float));  // pageable destination: waits for the step
   return host_loss;

@@ -11,7 +11,7 @@
 namespace dp {
 namespace {
 
-constexpr const char* kMomentumPrefix = "optimizer.momentum.";
+constexpr int kFormat = 2;                  // 2: optimizer kind and named state buffers; 1: SGD momentum only
 constexpr long long kMaxCount = 1LL << 40;  // steps and epochs: far beyond any run, far below overflow
 
 // Metadata `key` of `file` as an integer in [lo, hi]; Error naming `path` and the key otherwise.
@@ -43,12 +43,19 @@ std::uint64_t seed(const std::string& path, const safetensors::File& file) {
 
 // The keys of the training state itself, which a tag must not overwrite.
 bool reserved(const std::string& key) {
-  return key == "format" || key == "step" || key == "sgd_steps" || key == "epoch" || key == "seed";
+  return key == "format" || key == "step" || key == "optimizer" || key == "optimizer_steps" || key == "sgd_steps" ||
+         key == "epoch" || key == "seed";
+}
+
+// "optimizer.<state>.<parameter>": format 1 wrote SGD's momentum as "optimizer.momentum.<name>",
+// which this keeps, so those files still resume.
+std::string state_key(const std::string& state, const std::string& parameter) {
+  return fmt::format("optimizer.{}.{}", state, parameter);
 }
 
 }  // namespace
 
-void TrainingState::save(const std::string& path, const Model& model, const Sgd& optimizer,
+void TrainingState::save(const std::string& path, const Model& model, const Optimizer& optimizer,
                          const TrainingProgress& progress) {
   for (const auto& [key, value] : progress.tags)
     if (reserved(key)) throw InvalidArgument(fmt::format("training state tag '{}' would overwrite dp.{}", key, key));
@@ -57,17 +64,18 @@ void TrainingState::save(const std::string& path, const Model& model, const Sgd&
   optimizer.device().synchronize();
   const Stream model_stream = model.device().create_stream();
   safetensors::File file = state_dict(model, model_stream);
-  if (optimizer.momentum_flat()) {
-    const Stream stream = optimizer.device().create_stream();
+  const Stream stream = optimizer.device().create_stream();
+  for (const Optimizer::StateBuffer& buffer : optimizer.state()) {
     for (const TensorRef& p : model.parameters()) {
       std::vector<float> values(p.numel());
-      stream.copy(values.data(), optimizer.momentum_flat() + p.offset, values.size() * sizeof(float));
-      file.add(fmt::format("{}{}", kMomentumPrefix, p.name), safetensors::make_f32(p.shape, values.data()));
+      stream.copy(values.data(), buffer.data + p.offset, values.size() * sizeof(float));
+      file.add(state_key(buffer.name, p.name), safetensors::make_f32(p.shape, values.data()));
     }
   }
-  file.metadata["dp.format"] = std::to_string(1);  // not = "1": GCC 12 -Wrestrict false positive
+  file.metadata["dp.format"] = std::to_string(kFormat);
   file.metadata["dp.step"] = std::to_string(progress.step);
-  file.metadata["dp.sgd_steps"] = std::to_string(optimizer.steps());
+  file.metadata["dp.optimizer"] = std::string(optimizer.kind());
+  file.metadata["dp.optimizer_steps"] = std::to_string(optimizer.steps());
   file.metadata["dp.epoch"] = std::to_string(progress.epoch);
   file.metadata["dp.seed"] = std::to_string(progress.seed);
   for (const auto& [key, value] : progress.tags) file.metadata[fmt::format("dp.{}", key)] = value;
@@ -87,7 +95,15 @@ TrainingState TrainingState::read(const std::string& path) {
   if (!file.metadata.count("dp.step"))
     throw Error(fmt::format("{}: not a training checkpoint (no training state)", path));
   state.progress_.step = number(path, file, "dp.step", 0, kMaxCount);
-  state.optimizer_steps_ = number(path, file, "dp.sgd_steps", 0, kMaxCount);
+  // Format 1 (SGD only) counted "dp.sgd_steps".
+  const bool legacy = !file.metadata.count("dp.optimizer_steps") && file.metadata.count("dp.sgd_steps");
+  state.optimizer_steps_ = number(path, file, legacy ? "dp.sgd_steps" : "dp.optimizer_steps", 0, kMaxCount);
+  if (const auto it = file.metadata.find("dp.optimizer"); it != file.metadata.end()) {
+    if (it->second != "sgd" && it->second != "adamw")
+      throw Error(fmt::format("{}: metadata 'dp.optimizer' = '{}' is not an optimizer dp knows (sgd, adamw)", path,
+                              it->second));
+    state.optimizer_kind_ = it->second;
+  }
   state.progress_.seed = seed(path, file);
   if (file.metadata.count("dp.epoch")) state.progress_.epoch = number(path, file, "dp.epoch", 0, kMaxCount);
   for (const auto& [key, value] : file.metadata)
@@ -100,31 +116,42 @@ void TrainingState::load_model(Model& model) const {
   load_state_dict(model, stream, file_);
 }
 
-void TrainingState::load_optimizers(const Model& model, std::span<Sgd* const> optimizers) const {
-  // Validate everything first, so a bad file leaves every optimizer untouched.
-  std::vector<std::pair<const TensorRef, std::vector<float>>> momentum;
-  const bool with_momentum = !optimizers.empty() && optimizers.front()->momentum_flat() != nullptr;
-  if (with_momentum) {
-    for (const TensorRef& p : model.parameters()) {
-      const std::string key = fmt::format("{}{}", kMomentumPrefix, p.name);
+void TrainingState::load_optimizers(const Model& model, std::span<Optimizer* const> optimizers) const {
+  if (optimizers.empty()) return;
+  const Optimizer& first = *optimizers.front();
+  if (first.kind() != optimizer_kind_)
+    throw Error(fmt::format("{}: the state is of a {} optimizer; this run's optimizer is {}", path_, optimizer_kind_,
+                            first.kind()));
+  // Validate everything first, so a bad file leaves every optimizer untouched. Every optimizer of
+  // an engine has the same kind and options, so the first one's buffers name them all.
+  const std::vector<TensorRef> parameters = model.parameters();
+  std::vector<std::vector<float>> values;  // per state buffer, per parameter
+  for (const Optimizer::StateBuffer& buffer : first.state()) {
+    for (const TensorRef& p : parameters) {
+      const std::string key = state_key(buffer.name, p.name);
       if (!file_.has(key))
-        throw Error(fmt::format("{}: no momentum buffer '{}' (saved without momentum?)", path_, key));
+        throw Error(
+            fmt::format("{}: no {} buffer '{}' (saved with other optimizer options?)", path_, buffer.name, key));
       const safetensors::Tensor& t = file_.at(key);
       if (t.dtype != "F32" || t.numel() != p.numel())
-        throw Error(fmt::format("{}: momentum buffer '{}' has {} {} values, expected {} F32", path_, key, t.numel(),
-                                t.dtype, p.numel()));
+        throw Error(fmt::format("{}: {} buffer '{}' has {} {} values, expected {} F32", path_, buffer.name, key,
+                                t.numel(), t.dtype, p.numel()));
       if (const std::size_t at = t.first_non_finite(); at != safetensors::Tensor::npos)
-        throw Error(fmt::format("{}: momentum buffer '{}' holds a non-finite value at element {}", path_, key, at));
-      momentum.emplace_back(p, t.to_f32());
+        throw Error(
+            fmt::format("{}: {} buffer '{}' holds a non-finite value at element {}", path_, buffer.name, key, at));
+      values.push_back(t.to_f32());
     }
   }
-  for (Sgd* optimizer : optimizers) {
+  for (Optimizer* optimizer : optimizers) {
     optimizer->set_steps(optimizer_steps_);
-    if (!optimizer->momentum_flat()) continue;
-    // Each optimizer's momentum lives on its own rank's device.
+    // Each optimizer's state lives on its own rank's device.
     const Stream stream = optimizer->device().create_stream();
-    for (const auto& [p, values] : momentum)
-      stream.copy(optimizer->momentum_flat() + p.offset, values.data(), values.size() * sizeof(float));
+    auto host = values.begin();
+    for (const Optimizer::StateBuffer& buffer : optimizer->state())
+      for (const TensorRef& p : parameters) {
+        stream.copy(buffer.data + p.offset, host->data(), host->size() * sizeof(float));
+        ++host;
+      }
     stream.synchronize();
   }
 }

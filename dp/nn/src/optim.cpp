@@ -1,35 +1,91 @@
-// optim.cpp — Sgd: option checks, the momentum buffer, and the one-launch update.
+// optim.cpp — Sgd and AdamW: option checks, their state buffers, and the one-launch updates.
 #include "dp/optim.h"
 
 #include "dp/kernels/ops.h"
-#include "dp/kernels/optimizer.h"
 
 namespace dp {
+namespace {
 
-Sgd::Sgd(Device& device, std::size_t param_count, const SgdOptions& options)
-    : device_(device), options_(options), param_count_(param_count) {
-  kernels::validate(options);
-  if (options.momentum > 0.0f) {
-    momentum_ = device.allocate(param_count * sizeof(float));
-    // Zeros until the first step sets it (buf = g, as torch): a state saved before any step then
-    // holds zeros, not whatever the allocation held (which may well read as NaN).
-    const Stream stream = device.create_stream();
-    kernels::fill(stream, momentum_.as<float>(), static_cast<kernels::index_t>(param_count), 0.0f);
-    stream.synchronize();
-  }
+template <class... F>
+struct Overloaded : F... {
+  using F::operator()...;
+};
+
+}  // namespace
+
+DeviceBuffer Optimizer::zeroed_buffer() const {
+  DeviceBuffer buffer = device_.allocate(param_count_ * sizeof(float));
+  const Stream stream = device_.create_stream();
+  kernels::fill(stream, buffer.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
+  stream.synchronize();
+  return buffer;
 }
 
-void Sgd::set_lr(float lr) {
+Sgd::Sgd(Device& device, std::size_t param_count, const SgdOptions& options)
+    : Optimizer(device, param_count), options_(options) {
+  kernels::validate(options);
+  if (options.momentum > 0.0f) momentum_ = zeroed_buffer();
+}
+
+void Sgd::set_lr(double lr) {
   SgdOptions options = options_;
+  options.lr = static_cast<float>(lr);  // torch hands its Python float to the fp32 kernel the same way
+  kernels::validate(options);
+  options_ = options;
+}
+
+std::vector<Optimizer::StateBuffer> Sgd::state() const {
+  if (!momentum_flat()) return {};
+  return {{"momentum", momentum_flat()}};
+}
+
+void Sgd::step(const Stream& stream, float* params, const float* grads) {
+  kernels::sgd_step(stream, static_cast<kernels::index_t>(param_count()), options_, steps_ == 0, params, grads,
+                    momentum_.as<float>());
+  ++steps_;
+}
+
+AdamW::AdamW(Device& device, std::size_t param_count, const AdamWOptions& options)
+    : Optimizer(device, param_count), options_(options) {
+  kernels::validate(options);
+  exp_avg_ = zeroed_buffer();
+  exp_avg_sq_ = zeroed_buffer();
+}
+
+void AdamW::set_lr(double lr) {
+  AdamWOptions options = options_;
   options.lr = lr;
   kernels::validate(options);
   options_ = options;
 }
 
-void Sgd::step(const Stream& stream, float* params, const float* grads) {
-  kernels::sgd_step(stream, static_cast<kernels::index_t>(param_count_), options_, steps_ == 0, params, grads,
-                    momentum_.as<float>());
+std::vector<Optimizer::StateBuffer> AdamW::state() const {
+  return {{"exp_avg", exp_avg_.as<float>()}, {"exp_avg_sq", exp_avg_sq_.as<float>()}};
+}
+
+void AdamW::step(const Stream& stream, float* params, const float* grads) {
+  // torch increments state['step'] before the update: the first step's bias correction uses 1.
+  kernels::adamw_step(stream, static_cast<kernels::index_t>(param_count()), options_, steps_ + 1, params, grads,
+                      exp_avg_.as<float>(), exp_avg_sq_.as<float>());
   ++steps_;
+}
+
+std::unique_ptr<Optimizer> make_optimizer(Device& device, std::size_t param_count, const OptimizerOptions& options) {
+  return std::visit(Overloaded{[&](const SgdOptions& o) -> std::unique_ptr<Optimizer> {
+                                 return std::make_unique<Sgd>(device, param_count, o);
+                               },
+                               [&](const AdamWOptions& o) -> std::unique_ptr<Optimizer> {
+                                 return std::make_unique<AdamW>(device, param_count, o);
+                               }},
+                    options);
+}
+
+std::string_view optimizer_kind(const OptimizerOptions& options) {
+  return std::holds_alternative<SgdOptions>(options) ? "sgd" : "adamw";
+}
+
+double base_lr(const OptimizerOptions& options) {
+  return std::visit([](const auto& o) { return static_cast<double>(o.lr); }, options);
 }
 
 }  // namespace dp

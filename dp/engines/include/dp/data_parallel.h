@@ -46,7 +46,7 @@ class DataParallel final : public Engine {
  public:
   // `module` lives on device_ids[0] (the source): it holds the master parameters and buffers,
   // and the optimizer steps it. Throws InvalidArgument on a bad configuration.
-  DataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DataParallelOptions options = {});
+  DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DataParallelOptions options = {});
   ~DataParallel() override;
 
   // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
@@ -66,10 +66,10 @@ class DataParallel final : public Engine {
   // Call this before reading parameters from another stream (checkpoints, evaluation).
   void synchronize() override;
   Model& model() const override { return module_; }
-  std::vector<Sgd*> optimizers() override { return {&optimizer_}; }
+  std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
 
   Model& module() const { return module_; }
-  Sgd& optimizer() { return optimizer_; }
+  Optimizer& optimizer() { return *optimizer_; }
   int output_device() const { return output_device_; }
   int source_device() const { return group_.device_ids()[0]; }
   // Chunk sizes of the last step, in device_ids order (its length = devices used).
@@ -86,7 +86,7 @@ class DataParallel final : public Engine {
   DeviceGroup group_;
   int output_device_;
   int output_rank_;
-  Sgd optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<CrossEntropyLoss> loss_;          // on the output device
   std::unique_ptr<engines::Replicas> models_;       // by rank; rank 0 is `module`
   std::vector<std::unique_ptr<Replica>> replicas_;  // by rank: streams, events, staging

@@ -43,13 +43,13 @@ using RankBatch = Batch;
 class DistributedDataParallel final : public Engine {
  public:
   // `module` lives on device_ids[0] and becomes rank 0's replica; its values are broadcast.
-  DistributedDataParallel(Runtime& runtime, Model& module, const SgdOptions& sgd, DdpOptions options = {});
+  DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DdpOptions options = {});
   ~DistributedDataParallel() override;
 
   int world_size() const { return group_.size(); }
   const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
   Model& replica(int rank) const;
-  Sgd& optimizer(int rank) const;
+  Optimizer& optimizer(int rank) const;
 
   // Engine: one batch per rank. train_step = zero_grad + forward_backward + step; the loss is
   // averaged over ranks (each rank's loss is the mean over its own batch). predict: each rank's
@@ -63,7 +63,7 @@ class DistributedDataParallel final : public Engine {
   // Call this before reading parameters from another stream (checkpoints, evaluation).
   void synchronize() override;
   Model& model() const override { return replica(0); }
-  std::vector<Sgd*> optimizers() override;
+  std::vector<Optimizer*> optimizers() override;
 
   // The pieces, for gradient accumulation: gradients of loss * loss_scale are accumulated; they are
   // averaged across ranks unless inside a no_sync() scope.

@@ -1,6 +1,6 @@
 // dp/engine.h — one interface over the three ways dp trains a model: on one device
 // (SingleDeviceTrainer), DataParallel and DistributedDataParallel. A program picks its engine once
-// (make_engine) and runs every step, evaluation and checkpoint through this interface.
+// (make_engine) with the optimizer of its choice and runs every step, evaluation and checkpoint through this interface.
 #pragma once
 
 #include <cstdint>
@@ -66,10 +66,10 @@ class Engine {
   // the model; DP: the source module; DDP: rank 0's replica), and every optimizer in rank order
   // (one for single and DP; DDP's all have the same state, as their gradients are identical).
   virtual Model& model() const = 0;
-  virtual std::vector<Sgd*> optimizers() = 0;
+  virtual std::vector<Optimizer*> optimizers() = 0;
 
   // Sets the learning rate of every optimizer (schedules, warm-up).
-  void set_lr(float lr);
+  void set_lr(double lr);
 };
 
 struct EngineOptions {
@@ -85,7 +85,7 @@ struct EngineOptions {
 
 // `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws
 // InvalidArgument for options that do not apply to the kind (an output device for ddp, ...).
-std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const SgdOptions& sgd,
+std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options);
 
 }  // namespace dp

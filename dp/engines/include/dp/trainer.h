@@ -1,4 +1,4 @@
-// dp/trainer.h — one training step on ONE device: copy in, forward, loss, backward, SGD.
+// dp/trainer.h — one training step on ONE device: copy in, forward, loss, backward, optimizer step.
 // The `single` engine of dp_train and dp_bench, and the baseline DP and DDP are compared with.
 #pragma once
 
@@ -21,7 +21,7 @@ class StagedBatch;
 
 class SingleDeviceTrainer final : public Engine {
  public:
-  SingleDeviceTrainer(Model& model, const SgdOptions& options);
+  SingleDeviceTrainer(Model& model, const OptimizerOptions& options);
   ~SingleDeviceTrainer() override;
 
   // Host inputs (batch x model.input_shape() floats) and int64 targets; returns the batch's mean
@@ -40,15 +40,15 @@ class SingleDeviceTrainer final : public Engine {
   // step() already waits for its own work; this is for work enqueued on stream() by the caller.
   void synchronize() override { stream_.synchronize(); }
   Model& model() const override { return model_; }
-  std::vector<Sgd*> optimizers() override { return {&optimizer_}; }
+  std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
 
-  Sgd& optimizer() { return optimizer_; }
+  Optimizer& optimizer() { return *optimizer_; }
   const Stream& stream() const { return stream_; }
 
  private:
   Model& model_;
   std::vector<int> device_ids_;
-  Sgd optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   CrossEntropyLoss loss_;
   Stream stream_;
   std::unique_ptr<engines::StagedBatch> batch_;
