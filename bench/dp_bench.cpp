@@ -40,6 +40,7 @@
 #include "dp/model.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
 #include "dp/trace.h"
 
 namespace {
@@ -48,7 +49,7 @@ using json = nlohmann::json;
 
 constexpr int kDefaultSimDevices = 4;
 constexpr int kMaxSimDevices = 64;
-const std::vector<std::string> kModels = {"mlp", "convnet"};
+const std::vector<std::string> kModels = {"mlp", "convnet", "resnet8"};
 const std::vector<std::string> kModes = {"single", "dp", "ddp"};
 
 // A bad command line: printed as "dp_bench: <message>" with exit code 2.
@@ -66,6 +67,7 @@ struct Options {
   std::string backend = "auto";
   std::optional<int> devices;
   std::string models = "mlp,convnet";
+  std::string optimizer = "sgd";
   std::string modes = "single,dp,ddp";
   int batch = 64;
   int steps = 20;
@@ -139,6 +141,7 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
 
 std::unique_ptr<dp::Model> make_model(const std::string& name, dp::Device& device, std::uint64_t seed) {
   if (name == "mlp") return dp::models::make_mlp(device, {256, 256}, seed);
+  if (name == "resnet8") return dp::models::make_resnet8(device, seed);
   return dp::models::make_convnet(device, seed);
 }
 
@@ -149,6 +152,12 @@ double gemm_flops_per_sample(const std::string& model) {
   std::vector<double> macs;
   if (model == "mlp")
     macs = {784.0 * 256, 256.0 * 256, 256.0 * 10};
+  else if (model == "resnet8")  // stem; layer1 2x; layer2 conv1, conv2, downsample; layer3 likewise; fc
+    macs = {16.0 * 9 * 28 * 28,      16.0 * 16 * 9 * 28 * 28,
+            16.0 * 16 * 9 * 28 * 28, 32.0 * 16 * 9 * 14 * 14,
+            32.0 * 32 * 9 * 14 * 14, 32.0 * 16 * 14 * 14,
+            64.0 * 32 * 9 * 7 * 7,   64.0 * 64 * 9 * 7 * 7,
+            64.0 * 32 * 7 * 7,       64.0 * 10};
   else
     macs = {16.0 * 25 * 28 * 28, 32.0 * 16 * 25 * 14 * 14, 7.0 * 7 * 32 * 10};  // im2col GEMMs, fc
   double sum = 0;
@@ -347,7 +356,9 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   options.time_phases = kind == dp::EngineKind::dp;
   options.bucket_cap_mb = o.bucket_cap_mb;
   options.first_bucket_mb = o.first_bucket_mb;
-  auto engine = dp::make_engine(rt, *model, dp::SgdOptions{0.01f, 0.9f}, options);
+  const dp::OptimizerOptions optimizer = o.optimizer == "adamw" ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
+                                                                : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
+  auto engine = dp::make_engine(rt, *model, optimizer, options);
 
   // The global batch as the engine takes it: whole (single, DP) or one shard per rank (DDP).
   const int pieces = engine->batches_per_step(), piece = run.global_batch / pieces;
@@ -710,7 +721,10 @@ int main(int argc, char** argv) {
       app.add_option("--devices", devices, "devices to use (default: every visible GPU, or 4 simulated devices)");
   app.add_option("--backend", o.backend, "auto (cuda when a GPU is visible, else sim), cuda or sim")
       ->capture_default_str();
-  app.add_option("--models", o.models, "comma list of mlp, convnet")->capture_default_str();
+  app.add_option("--models", o.models, "comma list of mlp, convnet, resnet8")->capture_default_str();
+  app.add_option("--optimizer", o.optimizer, "sgd (lr 0.01, momentum 0.9) or adamw (lr 1e-3, torch's defaults)")
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str();
   app.add_option("--modes", o.modes, "comma list of single, dp, ddp")->capture_default_str();
   app.add_option("--batch-size", o.batch, "batch per device (dp's global batch = devices x this)")
       ->capture_default_str();

@@ -25,6 +25,7 @@
 #include "dp/lr_schedule.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
 #include "dp/safetensors.h"
 #include "dp/training_state.h"
 
@@ -33,6 +34,8 @@ namespace {
 struct Options {
   std::string model = "mlp";
   std::string hidden = "256,256";
+  double dropout = 0.0;
+  double label_smoothing = 0.0;
   std::string mode = "single";
   std::string backend = "auto";
   std::optional<int> devices;
@@ -243,7 +246,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
                                  o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
-  std::uint64_t params = 29034;  // the ConvNet
+  std::uint64_t params = o.model == "resnet8" ? 78042 : 29034;  // ResNet-8, the ConvNet
   if (o.model == "mlp") {
     params = 0;
     std::uint64_t in = 784;
@@ -285,6 +288,7 @@ int run(Options o) {
     for (int h : hidden)
       if (h < 1) throw UsageError(fmt::format("--hidden '{}': layer sizes must be >= 1", o.hidden));
   }
+  if (o.dropout > 0.0 && o.model != "mlp") throw UsageError("--dropout applies to --model mlp");
   if (o.batch_size < 1) throw UsageError(fmt::format("--batch-size {}: must be at least 1", o.batch_size));
   if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
   if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
@@ -406,8 +410,9 @@ int run(Options o) {
   runtime_options.sim_devices = highest + 1;
   auto runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = runtime->device(ids[0]);
-  auto model =
-      o.model == "convnet" ? dp::models::make_convnet(source, o.seed) : dp::models::make_mlp(source, hidden, o.seed);
+  auto model = o.model == "convnet"   ? dp::models::make_convnet(source, o.seed)
+               : o.model == "resnet8" ? dp::models::make_resnet8(source, o.seed)
+                                      : dp::models::make_mlp(source, hidden, o.seed, o.dropout);
   as_usage_error([&] {
     if (!o.init.empty()) dp::load_state_dict(*model, source.create_stream(), dp::safetensors::read(o.init));
     if (resume) resume->load_model(*model);  // before the engine: DDP broadcasts rank 0's values
@@ -422,6 +427,8 @@ int run(Options o) {
   dp::EngineOptions engine_options;
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = ids;
+  engine_options.label_smoothing = o.label_smoothing;
+  engine_options.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
@@ -626,7 +633,11 @@ int main(int argc, char** argv) {
       ">= 0");
   CLI::App app{"dp_train: train the reference MLP or ConvNet on one device, with DataParallel or with DDP"};
   Options o;
-  app.add_option("--model", o.model, "mlp or convnet")->check(CLI::IsMember({"mlp", "convnet"}));
+  app.add_option("--model", o.model, "mlp, convnet or resnet8")->check(CLI::IsMember({"mlp", "convnet", "resnet8"}));
+  app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU (default 0: none)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--label-smoothing", o.label_smoothing, "CrossEntropyLoss(label_smoothing=S), S in [0, 1]")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
   app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));

@@ -12,8 +12,10 @@
 #include "dp/device.h"
 #include "dp/error.h"
 #include "dp/loss.h"
+#include "dp/lr_schedule.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
 #include "dp/optim.h"
 #include "dp/safetensors.h"
 #include "dp/trainer.h"
@@ -334,3 +336,117 @@ TEST(Models, BadInputsAreClearErrors) {
 
 }  // namespace
 }  // namespace dp
+
+// ---------------------------------------------------------------------------------------------
+// ResNet-8: torchvision's names, PyTorch goldens (tests/golden/make_resnet_goldens.py) for SGD and
+// for AdamW + cosine schedule + label smoothing, finite differences through the residual blocks.
+
+TEST(ResNet8, ParametersAreTorchvisionsInTheirOrder) {
+  const auto golden = safetensors::read(test::golden_path("resnet8_sgd"));
+  auto rt = test::sim_runtime(1);
+  auto model = models::make_resnet8(rt->device(0), 1);
+  std::vector<std::string> want;  // named_parameters() order: the step-0 gradients were written in it
+  for (const auto& name : golden.order)
+    if (name.rfind("step0.grad.", 0) == 0) want.push_back(name.substr(11));
+  std::vector<std::string> got;
+  for (const TensorRef& p : model->parameters()) {
+    got.push_back(p.name);
+    EXPECT_EQ(p.shape, golden.at("init." + p.name).shape) << p.name;
+  }
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(want.front(), "conv1.weight");
+  EXPECT_NE(std::find(got.begin(), got.end(), "layer2.0.downsample.0.weight"), got.end());
+  for (const TensorRef& b : model->buffers()) EXPECT_TRUE(golden.has("init." + b.name)) << b.name;
+  EXPECT_EQ(model->param_count(), 78042u);
+}
+
+class ResNet8Golden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
+  const auto golden = safetensors::read(test::golden_path(GetParam()));
+  const auto& meta = golden.metadata;
+  auto rt = test::sim_runtime(1);
+  Device& device = rt->device(0);
+  auto model = models::make_resnet8(device, 1);
+  Stream stream = device.create_stream();
+  load_state_dict(*model, stream, golden, "init.");
+  const bool adamw = meta.at("optimizer") == "adamw";
+  std::unique_ptr<Optimizer> optimizer;
+  if (adamw) {
+    optimizer =
+        make_optimizer(device, model->param_count(),
+                       AdamWOptions{std::stod(meta.at("lr")), std::stod(meta.at("beta1")), std::stod(meta.at("beta2")),
+                                    std::stod(meta.at("eps")), std::stod(meta.at("weight_decay"))});
+  } else {
+    optimizer = make_optimizer(device, model->param_count(),
+                               SgdOptions{std::stof(meta.at("lr")), std::stof(meta.at("momentum")),
+                                          std::stof(meta.at("weight_decay")), false});
+  }
+  const LrSchedule schedule = adamw ? LrSchedule::cosine(std::stoll(meta.at("t_max"))) : LrSchedule::constant();
+  CrossEntropyLoss loss(device, std::stod(meta.at("label_smoothing")));
+  const int batch = std::stoi(meta.at("batch"));
+  DeviceBuffer input = device.allocate(static_cast<std::size_t>(batch) * 784 * sizeof(float));
+  DeviceBuffer target = device.allocate(static_cast<std::size_t>(batch) * sizeof(std::int64_t));
+  DeviceBuffer dlogits = device.allocate(static_cast<std::size_t>(batch) * 10 * sizeof(float));
+  for (int k = 0; k < std::stoi(meta.at("steps")); ++k) {
+    SCOPED_TRACE(fmt::format("step {}", k));
+    const std::string step = fmt::format("step{}.", k);
+    const double lr = schedule.lr(std::stod(meta.at("lr")), k);
+    EXPECT_EQ(static_cast<float>(lr), golden.at(step + "lr").to_f32()[0]);
+    optimizer->set_lr(lr);
+    const auto x = golden.at(step + "input").to_f32();
+    const auto y = golden.at(step + "target").to_i64();
+    stream.copy(input.data(), x.data(), input.size());
+    stream.copy(target.data(), y.data(), target.size());
+    const float* logits = model->forward(stream, input.as<float>(), batch, Mode::train);
+    EXPECT_TRUE(matches(to_host(stream, logits, batch * 10u), golden.at(step + "output").to_f32())) << "logits";
+    const float* device_loss = loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10);
+    EXPECT_TRUE(matches(to_host(stream, device_loss, 1), golden.at(step + "loss").to_f32())) << "loss";
+    loss.backward(stream, logits, target.as<std::int64_t>(), batch, 10, dlogits.as<float>(), batch);
+    model->zero_grad(stream);
+    model->backward(stream, dlogits.as<float>());
+    if (k == 0)
+      for (const TensorRef& g : model->gradients())
+        EXPECT_TRUE(matches(to_host(stream, g.as<float>(), g.numel()), golden.at(step + "grad." + g.name).to_f32()))
+            << "grad " << g.name;
+    optimizer->step(stream, model->params_flat(), model->grads_flat());
+  }
+  const auto state = state_dict(*model, stream);
+  for (const auto& name : state.order) {
+    const auto& got = state.at(name);
+    const auto& want = golden.at("final." + name);
+    if (got.dtype == "I64") {
+      EXPECT_EQ(got.to_i64(), want.to_i64()) << name;
+    } else {
+      EXPECT_TRUE(matches(got.to_f32(), want.to_f32())) << "final " << name;
+    }
+  }
+  const auto x0 = golden.at("step0.input").to_f32();
+  stream.copy(input.data(), x0.data(), input.size());
+  const float* eval = model->forward(stream, input.as<float>(), batch, Mode::eval);
+  EXPECT_TRUE(matches(to_host(stream, eval, batch * 10u), golden.at("eval.output").to_f32())) << "eval logits";
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, ResNet8Golden, ::testing::Values("resnet8_sgd", "resnet8_adamw_cosine"),
+                         [](const auto& info) { return info.param; });
+
+TEST(ResNet8, FiniteDifferenceGradients) {
+  auto rt = test::sim_runtime(1);
+  auto model = models::make_resnet8(rt->device(0), 3);
+  // As the ConvNet's: BatchNorm everywhere couples each weight to many ReLU kinks.
+  finite_difference_check(*model, 3, 13, 6e-2);
+}
+
+TEST(ResNet8, ReplicateKeepsTheTreeAndTheNames) {
+  auto rt = test::sim_runtime(2);
+  auto model = models::make_resnet8(rt->device(0), 4);
+  auto replica = model->replicate(rt->device(1));
+  const auto a = model->parameters(), b = replica->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].name, b[i].name);
+    EXPECT_EQ(a[i].offset, b[i].offset);
+    EXPECT_EQ(b[i].device, 1);
+  }
+  EXPECT_EQ(replica->buffers_bytes(), model->buffers_bytes());
+}

@@ -46,7 +46,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
     throw InvalidArgument(
         fmt::format("output_device {} is not one of device_ids [{}]", output_device_, fmt::join(ids, ", ")));
   output_rank_ = static_cast<int>(it - ids.begin());
-  loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_));
+  loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_), options.label_smoothing);
+  seed_ = options.seed;
   models_ = std::make_unique<engines::Replicas>(module, group_);
   Device& source = group_.device(0);
   for (int rank = 0; rank < group_.size(); ++rank) {
@@ -152,6 +153,10 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
             inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
         r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
         mark(time_phases_, r.stream, r.scatter_done);
+        // One seed for all replicas, each chunk at its samples' place in the batch: the masks of
+        // single-device training on the whole batch.
+        r.model->set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()),
+                                     static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
         r.output = r.model->forward(r.stream, r.inputs.inputs(), rows, mode);
         r.stream.record(r.forward_done);
       },

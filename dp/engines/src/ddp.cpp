@@ -18,7 +18,8 @@ struct DistributedDataParallel::Rank {
   Stream compute;
   engines::StagedBatch batch;
   Scratch grad_output;
-  PinnedBuffer host_loss;  // pinned: the copy is asynchronous, the worker never blocks on peers
+  std::uint64_t accumulated_samples = 0;  // forwarded since the last optimizer step
+  PinnedBuffer host_loss;                 // pinned: the copy is asynchronous, the worker never blocks on peers
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -33,7 +34,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     Device& device = group_.device(r);
     rank->model = &(*replicas_)[r];
     rank->optimizer = make_optimizer(device, module.param_count(), optimizer);
-    rank->loss = std::make_unique<CrossEntropyLoss>(device);
+    rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.label_smoothing);
     rank->compute = device.create_stream();
     rank->host_loss = runtime.allocate_pinned(sizeof(float));
     ranks_.push_back(std::move(rank));
@@ -125,6 +126,11 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
     const int classes = m.output_features();
     rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
     float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
+    // seed + rank, as each torch process seeds itself; forwards accumulated without a step (no_sync)
+    // continue the step's samples, as one larger batch would.
+    m.set_random_context({options_.seed + static_cast<std::uint64_t>(r),
+                          static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
+    rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
     const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
     const float* loss = rank.loss->forward(rank.compute, logits, rank.batch.targets(), batch.size, classes);
     rank.loss->backward(rank.compute, logits, rank.batch.targets(), batch.size, classes, grad_output, batch.size,
@@ -150,6 +156,7 @@ void DistributedDataParallel::step() {
   group_.run([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
+    rank.accumulated_samples = 0;
   });
   if (options_.check_replicas) check_replicas_identical();
 }

@@ -8,11 +8,12 @@
 
 namespace dp {
 
-SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options)
+SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step)
     : model_(model),
+      step_options_(step),
       device_ids_{model.device().index()},
       optimizer_(make_optimizer(model.device(), model.param_count(), options)),
-      loss_(model.device()),
+      loss_(model.device(), step.label_smoothing),
       stream_(model.device().create_stream()),
       batch_(std::make_unique<engines::StagedBatch>()) {}
 
@@ -29,6 +30,7 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
   batch_->stage(device, stream_, Batch{inputs, targets, batch}, engines::sample_floats(model_));
   const int classes = model_.output_features();
   float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
+  model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), 0});
   const float* logits = model_.forward(stream_, batch_->inputs(), batch, Mode::train);
   const float* loss = loss_.forward(stream_, logits, batch_->targets(), batch, classes);
   loss_.backward(stream_, logits, batch_->targets(), batch, classes, grad_output, batch);

@@ -1,11 +1,15 @@
-// layers.cpp — Linear, Conv2d, BatchNorm2d, ReLU, MaxPool2d, Flatten on top of the kernels.
+// layers.cpp — the layers and containers of dp/nn/layers.h on top of the kernels.
 #include "dp/nn/layers.h"
 
+#include <cmath>
 #include <fmt/format.h>
 
+#include "chain.h"
 #include "dp/error.h"
+#include "dp/kernels/avgpool.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
+#include "dp/kernels/dropout.h"
 #include "dp/kernels/linear.h"
 #include "dp/kernels/maxpool.h"
 #include "dp/kernels/ops.h"
@@ -39,11 +43,14 @@ class Linear final : public Layer {
 
 class Conv2d final : public Layer {
  public:
-  Conv2d(std::string name, int in, int out, int kernel, int stride, int pad)
+  Conv2d(std::string name, int in, int out, int kernel, int stride, int pad, bool bias)
       : Layer(std::move(name)), in_(in), out_(out), kernel_(kernel), stride_(stride), pad_(pad) {
+    if (in < 1 || out < 1 || kernel < 1 || stride < 1 || pad < 0)
+      throw InvalidArgument(fmt::format("{}: Conv2d({}, {}, kernel {}, stride {}, padding {}) is not a convolution",
+                                        this->name(), in, out, kernel, stride, pad));
     const std::int64_t fan_in = static_cast<std::int64_t>(in) * kernel * kernel;
     params_.push_back({"weight", DType::f32, {out, in, kernel, kernel}, Init::kaiming_uniform, fan_in});
-    params_.push_back({"bias", DType::f32, {out}, Init::fan_in_uniform, fan_in});
+    if (bias) params_.push_back({"bias", DType::f32, {out}, Init::fan_in_uniform, fan_in});
   }
   kernels::Conv2dShape shape(const ActShape& in) const {
     if (in.c != in_) throw InvalidArgument(fmt::format("{}: expects {} channels, got {}", name(), in_, in.c));
@@ -57,17 +64,19 @@ class Conv2d final : public Layer {
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
-    kernels::conv2d_forward(ctx.stream, s, x, param(0), param(1), y,
+    kernels::conv2d_forward(ctx.stream, s, x, param(0), has_bias() ? param(1) : nullptr, y,
                             workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s)));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
-    kernels::conv2d_backward(ctx.stream, s, x, param(0), dy, dx, grad(0), grad(1),
+    kernels::conv2d_backward(ctx.stream, s, x, param(0), dy, dx, grad(0), has_bias() ? grad(1) : nullptr,
                              workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s)));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Conv2d>(*this); }
 
  private:
+  bool has_bias() const { return params_.size() > 1; }
+
   int in_, out_, kernel_, stride_, pad_;
   Scratch workspace_;
 };
@@ -156,6 +165,183 @@ class MaxPool2d final : public Layer {
   Scratch argmax_;
 };
 
+class AvgPool2d final : public Layer {
+ public:
+  AvgPool2d(std::string name, int kernel, int stride, int pad)
+      : Layer(std::move(name)), kernel_(kernel), stride_(stride), pad_(pad) {}
+  kernels::AvgPoolShape shape(const ActShape& in) const {
+    return kernels::AvgPoolShape{in.n, in.c, in.h, in.w, kernel_, stride_, pad_};
+  }
+  ActShape output_shape(const ActShape& in) const override {
+    const auto s = shape(in);
+    if (s.h_out() < 1 || s.w_out() < 1)
+      throw InvalidArgument(fmt::format("{}: input {}x{} is smaller than the window", name(), in.h, in.w));
+    return ActShape{in.n, in.c, s.h_out(), s.w_out()};
+  }
+  void forward(const LayerContext& ctx, const float* x, float* y) override {
+    kernels::avgpool_forward(ctx.stream, shape(ctx.in), x, y);
+  }
+  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
+    if (dx) kernels::avgpool_backward(ctx.stream, shape(ctx.in), dy, dx);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<AvgPool2d>(*this); }
+
+ private:
+  int kernel_, stride_, pad_;
+};
+
+class GlobalAvgPool2d final : public Layer {
+ public:
+  using Layer::Layer;
+  ActShape output_shape(const ActShape& in) const override { return ActShape{in.n, in.c, 1, 1}; }
+  void forward(const LayerContext& ctx, const float* x, float* y) override {
+    kernels::global_avgpool_forward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, x, y);
+  }
+  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
+    if (dx) kernels::global_avgpool_backward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, dy, dx);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<GlobalAvgPool2d>(name()); }
+};
+
+// 32-bit FNV-1a of the layer's full name: Dropout's stream of random numbers, the same in every
+// replica and on every run, different for every Dropout of a model.
+std::uint32_t name_hash(const std::string& name) {
+  std::uint32_t h = 2166136261u;
+  for (const char c : name) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 16777619u;
+  }
+  return h;
+}
+
+class Dropout final : public Layer {
+ public:
+  Dropout(std::string name, double p) : Layer(std::move(name)), p_(p) {
+    if (!(p >= 0.0 && p <= 1.0))
+      throw InvalidArgument(
+          fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", this->name(), p));
+  }
+  ActShape output_shape(const ActShape& in) const override { return in; }
+  void forward(const LayerContext& ctx, const float* x, float* y) override {
+    if (ctx.mode == Mode::eval) {  // identity, as torch's eval mode
+      ctx.stream.copy(y, x, static_cast<std::size_t>(ctx.in.numel()) * sizeof(float));
+      return;
+    }
+    const auto [key, offset] = draw(ctx);
+    kernels::dropout_forward(ctx.stream, ctx.in.numel(), p_, key, offset, x, y);
+  }
+  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
+    if (!dx) return;
+    const auto [key, offset] = draw(ctx);
+    kernels::dropout_backward(ctx.stream, ctx.in.numel(), p_, key, offset, dy, dx);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(*this); }
+
+ private:
+  // The key of this step's masks and the index of this batch's first element in the step's batch.
+  std::pair<kernels::DropoutKey, std::uint64_t> draw(const LayerContext& ctx) const {
+    const RandomContext random = ctx.random ? *ctx.random : RandomContext{};
+    const kernels::DropoutKey key{random.seed, name_hash(name()), static_cast<std::uint32_t>(random.step)};
+    return {key, random.sample_offset * static_cast<std::uint64_t>(ctx.in.per_sample())};
+  }
+
+  double p_;
+};
+
+// torch.nn.Sequential as a layer (nested containers: torchvision's layer1 = Sequential(BasicBlock)).
+class SequentialLayer final : public Layer {
+ public:
+  SequentialLayer(std::string name, Layers children) : Layer(std::move(name)), chain_(std::move(children)) {
+    chain_.collect(params_, buffers_);
+    chain_.add_prefix(this->name());
+  }
+  SequentialLayer(const SequentialLayer&) = default;
+  void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) override {
+    Layer::bind(params_flat, grads_flat, buffers_flat);
+    std::size_t p = 0, b = 0;
+    chain_.bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
+  }
+  void add_prefix(const std::string& prefix) override {
+    Layer::add_prefix(prefix);
+    chain_.add_prefix(prefix);
+  }
+  ActShape output_shape(const ActShape& in) const override { return chain_.output_shape(in); }
+  bool is_view() const override { return chain_.is_identity(); }
+  void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
+  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
+    chain_.backward(ctx, dy, dx);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<SequentialLayer>(*this); }
+
+ private:
+  detail::Chain chain_;
+};
+
+// out = body(x) + shortcut(x), then ReLU. The sum is formed in `y`, and ReLU applied there in place;
+// backward recomputes nothing: ReLU's gradient needs only y.
+class Residual final : public Layer {
+ public:
+  Residual(std::string name, Layers body, Layers shortcut, bool relu_after)
+      : Layer(std::move(name)), body_(std::move(body)), shortcut_(std::move(shortcut)), relu_after_(relu_after) {
+    body_.collect(params_, buffers_);
+    shortcut_.collect(params_, buffers_);
+    body_.add_prefix(this->name());
+    shortcut_.add_prefix(this->name());
+  }
+  Residual(const Residual&) = default;
+  void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) override {
+    Layer::bind(params_flat, grads_flat, buffers_flat);
+    std::size_t p = 0, b = 0;
+    body_.bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
+    shortcut_.bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
+  }
+  void add_prefix(const std::string& prefix) override {
+    Layer::add_prefix(prefix);
+    body_.add_prefix(prefix);
+    shortcut_.add_prefix(prefix);
+  }
+  ActShape output_shape(const ActShape& in) const override {
+    const ActShape a = body_.output_shape(in), b = shortcut_.output_shape(in);
+    if (a.c != b.c || a.h != b.h || a.w != b.w)
+      throw InvalidArgument(fmt::format("{}: the body gives ({}, {}, {}) per sample but the shortcut ({}, {}, {})",
+                                        name(), a.c, a.h, a.w, b.c, b.h, b.w));
+    return a;
+  }
+  void forward(const LayerContext& ctx, const float* x, float* y) override {
+    const ActShape out = output_shape(ctx.in);
+    const auto n = static_cast<kernels::index_t>(out.numel());
+    const float* body = body_.forward(ctx, x, nullptr);
+    const float* shortcut = shortcut_.forward(ctx, x, nullptr);
+    kernels::add(ctx.stream, n, body, shortcut, y);
+    if (relu_after_) kernels::relu_forward(ctx.stream, n, y, y);
+  }
+  void backward(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx) override {
+    const ActShape out = output_shape(ctx.in);
+    const auto n = static_cast<kernels::index_t>(out.numel());
+    const float* dsum = dy;
+    if (relu_after_) {
+      float* g = dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
+      kernels::relu_backward(ctx.stream, n, y, dy, g);
+      dsum = g;
+    }
+    // The Add passes dsum to both branches; the input gradient is the sum of theirs.
+    body_.backward(ctx, dsum, dx);
+    if (shortcut_.is_identity()) {
+      if (dx) kernels::axpy(ctx.stream, static_cast<kernels::index_t>(ctx.in.numel()), 1.0f, dsum, dx);
+      return;
+    }
+    float* shortcut_dx = dx ? shortcut_dx_.get<float>(ctx.device, static_cast<std::size_t>(ctx.in.numel())) : nullptr;
+    shortcut_.backward(ctx, dsum, shortcut_dx);
+    if (dx) kernels::add(ctx.stream, static_cast<kernels::index_t>(ctx.in.numel()), dx, shortcut_dx, dx);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Residual>(*this); }
+
+ private:
+  detail::Chain body_, shortcut_;
+  bool relu_after_;
+  Scratch dsum_, shortcut_dx_;
+};
+
 class Flatten final : public Layer {
  public:
   using Layer::Layer;
@@ -173,9 +359,9 @@ class Flatten final : public Layer {
 std::unique_ptr<Layer> make_linear(std::string name, int in_features, int out_features) {
   return std::make_unique<Linear>(std::move(name), in_features, out_features);
 }
-std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride,
-                                   int pad) {
-  return std::make_unique<Conv2d>(std::move(name), in_channels, out_channels, kernel, stride, pad);
+std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride, int pad,
+                                   bool bias) {
+  return std::make_unique<Conv2d>(std::move(name), in_channels, out_channels, kernel, stride, pad, bias);
 }
 std::unique_ptr<Layer> make_batchnorm2d(std::string name, int channels) {
   return std::make_unique<BatchNorm2d>(std::move(name), channels);
@@ -185,5 +371,20 @@ std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride) 
   return std::make_unique<MaxPool2d>(std::move(name), kernel, stride);
 }
 std::unique_ptr<Layer> make_flatten(std::string name) { return std::make_unique<Flatten>(std::move(name)); }
+std::unique_ptr<Layer> make_avgpool2d(std::string name, int kernel, int stride, int pad) {
+  return std::make_unique<AvgPool2d>(std::move(name), kernel, stride, pad);
+}
+std::unique_ptr<Layer> make_global_avgpool2d(std::string name) {
+  return std::make_unique<GlobalAvgPool2d>(std::move(name));
+}
+std::unique_ptr<Layer> make_dropout(std::string name, double p) {
+  return std::make_unique<Dropout>(std::move(name), p);
+}
+std::unique_ptr<Layer> make_sequential(std::string name, Layers children) {
+  return std::make_unique<SequentialLayer>(std::move(name), std::move(children));
+}
+std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut, bool relu_after) {
+  return std::make_unique<Residual>(std::move(name), std::move(body), std::move(shortcut), relu_after);
+}
 
 }  // namespace dp::nn

@@ -5,7 +5,9 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <random>
+#include <set>
 
+#include "chain.h"
 #include "dp/error.h"
 #include "dp/kernels/ops.h"
 #include "dp/shape.h"
@@ -23,11 +25,19 @@ float uniform(std::mt19937_64& rng, float lo, float hi) {
 
 }  // namespace
 
-SequentialModel::SequentialModel(std::string name, Device& device, std::vector<std::unique_ptr<Layer>> layers,
-                                 std::vector<std::int64_t> input_shape)
-    : name_(std::move(name)), device_(device), layers_(std::move(layers)), input_shape_(std::move(input_shape)) {
-  for (auto& layer : layers_) {
+SequentialModel::SequentialModel(std::string name, Device& device, Layers layers, std::vector<std::int64_t> input_shape)
+    : name_(std::move(name)),
+      device_(device),
+      chain_(std::make_unique<detail::Chain>(std::move(layers))),
+      input_shape_(std::move(input_shape)) {
+  if (input_shape_.empty() || input_shape_.size() > 3)
+    throw InvalidArgument(
+        fmt::format("{}: input shape {} is not (C), (C, H) or (C, H, W)", name_, format_shape(input_shape_)));
+  std::set<std::string> names;
+  for (const auto& layer : chain_->layers()) {
     for (auto& p : layer->params()) {
+      if (!names.insert(layer->name() + "." + p.name).second)
+        throw InvalidArgument(fmt::format("{}: two parameters are named '{}.{}'", name_, layer->name(), p.name));
       p.offset = param_count_;
       param_count_ += numel(p.shape);
     }
@@ -37,18 +47,16 @@ SequentialModel::SequentialModel(std::string name, Device& device, std::vector<s
       buffers_bytes_ += numel(b.shape) * dtype_size(b.dtype);
     }
   }
+  // Output features from a one-sample shape walk (also validates the chain).
+  output_features_ = static_cast<int>(chain_->output_shape(input_act_shape(1)).per_sample());
   params_ = device_.allocate(param_count_ * sizeof(float));
   grads_ = device_.allocate(param_count_ * sizeof(float));
   buffers_ = device_.allocate(buffers_bytes_);
-  for (auto& layer : layers_)
+  for (const auto& layer : chain_->layers())
     layer->bind(params_.as<float>(), grads_.as<float>(), static_cast<std::byte*>(buffers_.data()));
-  // Output features from a one-sample shape walk (also validates the chain).
-  ActShape shape = input_act_shape(1);
-  for (auto& layer : layers_) shape = layer->output_shape(shape);
-  output_features_ = static_cast<int>(shape.per_sample());
-  activations_.resize(layers_.size() + 1);
-  activation_grads_.resize(layers_.size() + 1);
 }
+
+SequentialModel::~SequentialModel() = default;
 
 ActShape SequentialModel::input_act_shape(int batch) const {
   return ActShape{batch, static_cast<int>(input_shape_.at(0)),
@@ -60,7 +68,7 @@ void SequentialModel::initialize(std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<float> params(param_count_);
   std::vector<std::byte> buffers(buffers_bytes_);
-  for (auto& layer : layers_) {
+  for (const auto& layer : chain_->layers()) {
     for (const auto& p : layer->params()) {
       const std::size_t n = numel(p.shape);
       float* out = params.data() + p.offset;
@@ -97,7 +105,7 @@ void SequentialModel::initialize(std::uint64_t seed) {
 std::vector<TensorRef> SequentialModel::views(bool gradients) const {
   std::vector<TensorRef> out;
   float* base = gradients ? grads_.as<float>() : params_.as<float>();
-  for (const auto& layer : layers_)
+  for (const auto& layer : chain_->layers())
     for (const auto& p : layer->params())
       out.push_back(
           TensorRef{layer->name() + "." + p.name, DType::f32, p.shape, base + p.offset, device_.index(), p.offset});
@@ -107,7 +115,7 @@ std::vector<TensorRef> SequentialModel::views(bool gradients) const {
 std::vector<TensorRef> SequentialModel::buffers() const {
   std::vector<TensorRef> out;
   auto* base = static_cast<std::byte*>(buffers_.data());
-  for (const auto& layer : layers_)
+  for (const auto& layer : chain_->layers())
     for (const auto& b : layer->buffers())
       out.push_back(
           TensorRef{layer->name() + "." + b.name, b.dtype, b.shape, base + b.offset, device_.index(), b.offset});
@@ -119,48 +127,21 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
-  const std::size_t count = layers_.size();
-  shapes_.assign(count + 1, {});
-  outputs_.assign(count + 1, nullptr);
-  shapes_[0] = input_act_shape(batch);
-  outputs_[0] = input;
-  for (std::size_t i = 0; i < count; ++i) {
-    shapes_[i + 1] = layers_[i]->output_shape(shapes_[i]);
-    if (layers_[i]->is_view()) {
-      outputs_[i + 1] = outputs_[i];
-      continue;
-    }
-    float* y = activations_[i + 1].get<float>(device_, static_cast<std::size_t>(shapes_[i + 1].numel()));
-    layers_[i]->forward(LayerContext{stream, device_, shapes_[i], mode}, outputs_[i], y);
-    outputs_[i + 1] = y;
-  }
-  train_forward_done_ = mode == Mode::train;
-  return outputs_[count];
+  return chain_->forward(LayerContext{stream, device_, input_act_shape(batch), mode, &random_}, input, nullptr);
 }
 
 void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
-  if (!train_forward_done_) throw InvalidArgument(fmt::format("{}: backward without a train-mode forward", name_));
-  const std::size_t count = layers_.size();
-  // The first layer that computes anything needs no input gradient: nothing upstream uses it.
-  std::size_t first_compute = 0;
-  while (first_compute < count && layers_[first_compute]->is_view()) ++first_compute;
-  const float* dy = grad_output;
-  for (std::size_t i = count; i-- > 0;) {
-    Layer& layer = *layers_[i];
-    if (layer.is_view()) continue;  // same memory, same gradient
-    float* dx = nullptr;
-    if (i > first_compute) {
-      // activation_grads_[i] holds dL/d(input of layer i); it grows with the batch.
-      dx = activation_grads_[i].get<float>(device_, static_cast<std::size_t>(shapes_[i].numel()));
-    }
-    layer.backward(LayerContext{stream, device_, shapes_[i], Mode::train}, outputs_[i], outputs_[i + 1], dy, dx);
-    if (on_ready && !layer.params().empty()) {
+  try {
+    // The model's input needs no gradient (dx null): nothing upstream uses it.
+    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_}, grad_output, nullptr, [&](Layer& layer) {
+      if (!on_ready || layer.params().empty()) return;
       const auto& params = layer.params();
       const std::size_t begin = params.front().offset;
       const auto& last = params.back();
       on_ready(begin, last.offset + numel(last.shape) - begin);
-    }
-    dy = dx;
+    });
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("{}: {}", name_, e.what()));
   }
 }
 
@@ -169,8 +150,8 @@ void SequentialModel::zero_grad(const Stream& stream) {
 }
 
 std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
-  std::vector<std::unique_ptr<Layer>> layers;
-  for (const auto& layer : layers_) layers.push_back(layer->clone());
+  Layers layers;
+  for (const auto& layer : chain_->layers()) layers.push_back(layer->clone());
   return std::make_unique<SequentialModel>(name_, device, std::move(layers), input_shape_);
 }
 

@@ -25,7 +25,7 @@ namespace engines {
 class Replicas;
 }
 
-struct DataParallelOptions {
+struct DataParallelOptions : StepOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
   std::optional<int> output_device;            // default: device_ids[0]; must be one of device_ids
   // Record events at phase boundaries so last_phases() can report where a step's time went.
@@ -94,6 +94,7 @@ class DataParallel final : public Engine {
   std::vector<int> offsets_;  // first sample of each chunk
   int batch_ = 0;
   bool time_phases_ = false;
+  std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   Scratch gathered_, targets_, grad_output_;  // on the output device

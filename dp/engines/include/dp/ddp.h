@@ -28,7 +28,7 @@ namespace engines {
 class Replicas;
 }
 
-struct DdpOptions {
+struct DdpOptions : StepOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device; rank = position
   double bucket_cap_mb = 25.0;                 // MiB, as torch's bucket_cap_mb
   double first_bucket_mb = 1.0;                // torch's _DEFAULT_FIRST_BUCKET_BYTES

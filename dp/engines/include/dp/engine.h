@@ -19,6 +19,14 @@ namespace dp {
 
 enum class EngineKind { single, dp, ddp };
 
+// What a training step computes besides the optimizer's update, the same for every engine.
+struct StepOptions {
+  // CrossEntropyLoss(label_smoothing=...): targets (1 - s) * onehot + s / classes.
+  double label_smoothing = 0.0;
+  // What Dropout draws from (RandomContext): single and DP use it as is, DDP rank r uses seed + r.
+  std::uint64_t seed = 0;
+};
+
 // Evaluation totals over some samples: summed cross-entropy, correct top-1 predictions, samples.
 // Totals of batches (and of ranks) add up; divide only at the end.
 struct EvalTotals {
@@ -72,7 +80,7 @@ class Engine {
   void set_lr(double lr);
 };
 
-struct EngineOptions {
+struct EngineOptions : StepOptions {
   EngineKind kind = EngineKind::single;
   // Devices in rank order; unset: every device of the runtime (single: the model's device).
   std::optional<std::vector<int>> device_ids;

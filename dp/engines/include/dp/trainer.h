@@ -21,7 +21,7 @@ class StagedBatch;
 
 class SingleDeviceTrainer final : public Engine {
  public:
-  SingleDeviceTrainer(Model& model, const OptimizerOptions& options);
+  SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {});
   ~SingleDeviceTrainer() override;
 
   // Host inputs (batch x model.input_shape() floats) and int64 targets; returns the batch's mean
@@ -47,6 +47,7 @@ class SingleDeviceTrainer final : public Engine {
 
  private:
   Model& model_;
+  StepOptions step_options_;
   std::vector<int> device_ids_;
   std::unique_ptr<Optimizer> optimizer_;
   CrossEntropyLoss loss_;

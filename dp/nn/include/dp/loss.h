@@ -1,4 +1,5 @@
-// dp/loss.h — CrossEntropyLoss (mean over the batch, stable log-softmax), on the device.
+// dp/loss.h — CrossEntropyLoss (mean over the batch, stable log-softmax, optional label smoothing
+// with torch.nn.CrossEntropyLoss(label_smoothing=...)'s formula), on the device.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,10 @@ namespace dp {
 
 class CrossEntropyLoss {
  public:
-  explicit CrossEntropyLoss(Device& device) : device_(device) {}
+  // label_smoothing in [0, 1] (InvalidArgument otherwise): the target distribution is
+  // (1 - label_smoothing) * onehot + label_smoothing / classes.
+  explicit CrossEntropyLoss(Device& device, double label_smoothing = 0.0);
+  double label_smoothing() const { return label_smoothing_; }
 
   // Enqueues the mean loss of `n` rows of `classes` logits; returns a device pointer to one float,
   // valid until the next forward. Targets are int64 class indices in device memory.
@@ -23,6 +27,7 @@ class CrossEntropyLoss {
 
  private:
   Device& device_;
+  double label_smoothing_;  // in double, as torch takes it from Python
   Scratch per_sample_, loss_;
 };
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -22,6 +23,18 @@ enum class Mode { train, eval };
 // that layer's gradient work has been enqueued on the stream: gradients in
 // [offset, offset + count) of the flat gradient buffer are final once that work completes.
 using GradientsReady = std::function<void(std::size_t offset, std::size_t count)>;
+
+// What stochastic layers (Dropout) draw from. A mask element is a pure function of these, the
+// layer and the element's index, so a run is reproducible, resumes where it stopped (the step is in
+// the checkpoint) and draws the same bits on sim and cuda. The engines set it before every
+// training forward: single and DP use the run's seed (a DP chunk passes its first sample's
+// index, so DP draws exactly the masks of single-device training on the global batch); DDP rank r
+// uses seed + r, as each torch process seeds itself with seed + rank.
+struct RandomContext {
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;           // optimizer steps taken before this forward
+  std::uint64_t sample_offset = 0;  // index of the batch's first sample in the step's batch
+};
 
 class Model {
  public:
@@ -57,6 +70,10 @@ class Model {
   virtual void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready = {}) = 0;
 
   virtual void zero_grad(const Stream& stream) = 0;
+
+  // The randomness the next train-mode forwards draw from (see RandomContext); models without
+  // stochastic layers ignore it.
+  virtual void set_random_context(const RandomContext&) {}
 
   // The same architecture on another device, with its own buffers (values uninitialised: the
   // engine broadcasts them).

@@ -11,6 +11,8 @@
 namespace dp::models {
 
 // hidden = sizes of the hidden layers ({256, 256} by default); inputs are (N, 1, 28, 28).
-std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden = {256, 256}, std::uint64_t seed = 0);
+// dropout > 0 puts a Dropout(dropout) ("drop1", ...; no parameters) after each hidden ReLU.
+std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden = {256, 256}, std::uint64_t seed = 0,
+                                double dropout = 0.0);
 
 }  // namespace dp::models

@@ -1,7 +1,10 @@
-// dp/nn/layers.h — the layers models are made of, with PyTorch's semantics (Linear, Conv2d,
-// BatchNorm2d, ReLU, MaxPool2d, Flatten). A layer declares its parameters and buffers; the model
-// packs them into its flat buffers and binds pointers back; forward/backward enqueue kernels on
-// the stream they are given.
+// dp/nn/layers.h — the layers models are made of, with PyTorch's semantics and state-dict names:
+// Linear, Conv2d (optional bias), BatchNorm2d, ReLU, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d(1),
+// Flatten, Dropout, and the containers Sequential and Residual (two branches joined by an
+// element-wise Add, as a ResNet block's `out += identity`). A layer declares its parameters and
+// buffers; the model packs them into its flat buffers and binds pointers back; forward/backward
+// enqueue kernels on the stream they are given. Compose them and hand the list to
+// dp::nn::SequentialModel (dp/nn/sequential.h): the result is a dp::Model any engine trains.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +42,7 @@ struct LayerContext {
   Device& device;
   ActShape in;
   Mode mode;
+  const RandomContext* random = nullptr;  // train mode: what Dropout draws from
 };
 
 class Layer {
@@ -47,14 +51,20 @@ class Layer {
   virtual ~Layer() = default;
   const std::string& name() const { return name_; }
 
+  // Declarations relative to the layer ("weight"; a container's "conv1.weight"), in PyTorch's
+  // parameters() order. The model fills in their offsets, then binds.
   std::vector<TensorDecl>& params() { return params_; }
   std::vector<TensorDecl>& buffers() { return buffers_; }
-  // Called once the model has allocated its flat buffers.
-  void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) {
+  // Called once the model has allocated its flat buffers and set the offsets of params() and
+  // buffers(); a container passes the offsets on to its children.
+  virtual void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) {
     params_flat_ = params_flat;
     grads_flat_ = grads_flat;
     buffers_flat_ = buffers_flat;
   }
+  // A container puts its own name in front of its children's ("layer1.0" + "conv1"), so that
+  // messages and Dropout's stream of random numbers name the layer as the state dict does.
+  virtual void add_prefix(const std::string& prefix) { name_ = prefix + "." + name_; }
 
   virtual ActShape output_shape(const ActShape& in) const = 0;
   // Output aliases the input (Flatten): no buffer, no kernel.
@@ -83,12 +93,36 @@ class Layer {
   std::byte* buffers_flat_ = nullptr;
 };
 
+using Layers = std::vector<std::unique_ptr<Layer>>;
+
+// torch.nn.Linear(in_features, out_features).
 std::unique_ptr<Layer> make_linear(std::string name, int in_features, int out_features);
-std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride,
-                                   int pad);
+// torch.nn.Conv2d(in, out, kernel, stride, pad, bias): square kernel, dilation 1, groups 1.
+std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride, int pad,
+                                   bool bias = true);
+// torch.nn.BatchNorm2d(channels) (eps 1e-5, momentum 0.1, affine, running statistics).
 std::unique_ptr<Layer> make_batchnorm2d(std::string name, int channels);
 std::unique_ptr<Layer> make_relu(std::string name);
+// torch.nn.MaxPool2d(kernel, stride).
 std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride);
+// torch.nn.AvgPool2d(kernel, stride, pad) (ceil_mode False, count_include_pad True).
+std::unique_ptr<Layer> make_avgpool2d(std::string name, int kernel, int stride, int pad = 0);
+// torch.nn.AdaptiveAvgPool2d(1): the mean of every (sample, channel) plane, output (N, C, 1, 1).
+std::unique_ptr<Layer> make_global_avgpool2d(std::string name);
+// torch.nn.Flatten(): (N, C, H, W) -> (N, C*H*W), a view (no copy).
 std::unique_ptr<Layer> make_flatten(std::string name);
+// torch.nn.Dropout(p): in train mode zeroes each element with probability p and scales the rest by
+// 1/(1-p); identity in eval mode. The mask comes from Philox4x32-10 (Random123) keyed by the
+// model's RandomContext (seed, step), this layer's name and the element's index in the step's
+// batch: no mask is stored, backward draws it again.
+std::unique_ptr<Layer> make_dropout(std::string name, double p = 0.5);
+
+// torch.nn.Sequential: the children run in order; their names are relative ("0", "conv1"), the
+// state dict says "<name>.<child>.<parameter>".
+std::unique_ptr<Layer> make_sequential(std::string name, Layers children);
+// A residual block: out = body(x) + shortcut(x) (element-wise Add), then ReLU when `relu_after`,
+// as torchvision's BasicBlock. An empty shortcut is the identity. Parameters: the body's, then the
+// shortcut's, as torchvision registers conv1, bn1, conv2, bn2, then downsample.
+std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut = {}, bool relu_after = true);
 
 }  // namespace dp::nn

@@ -1,5 +1,11 @@
-// dp/nn/sequential.h — a Model made of a chain of layers, with the flat parameter / gradient /
-// buffer layout the engines rely on. The reference MLP and ConvNet are SequentialModels.
+// dp/nn/sequential.h — a Model made of a chain of layers (containers included: Sequential,
+// Residual), with the flat parameter / gradient / buffer layout the engines rely on. The reference
+// MLP, ConvNet and ResNet-8 are SequentialModels, and so is a user's own network:
+//   dp::nn::Layers layers;
+//   layers.push_back(dp::nn::make_conv2d("conv", 1, 8, 3, 1, 1));
+//   ...
+//   dp::nn::SequentialModel model("mine", device, std::move(layers), {1, 28, 28});
+//   model.initialize(seed);
 #pragma once
 
 #include <memory>
@@ -8,15 +14,20 @@
 
 #include "dp/model.h"
 #include "dp/nn/layers.h"
-#include "dp/scratch.h"
 
 namespace dp::nn {
+
+namespace detail {
+class Chain;
+}
 
 class SequentialModel final : public Model {
  public:
   // Allocates the flat buffers on `device`; values are set by initialize() or by the engine.
-  SequentialModel(std::string name, Device& device, std::vector<std::unique_ptr<Layer>> layers,
-                  std::vector<std::int64_t> input_shape);
+  // input_shape: per sample, (C), (C, H) or (C, H, W). Throws InvalidArgument when the layers do
+  // not fit it (a channel count, a window larger than its input) or two parameters share a name.
+  SequentialModel(std::string name, Device& device, Layers layers, std::vector<std::int64_t> input_shape);
+  ~SequentialModel() override;
 
   // PyTorch's default initialisation (kaiming-uniform a=sqrt(5) weights, bias ~ U(+-1/sqrt(fan_in)),
   // BatchNorm weight 1 / bias 0 / running stats 0 and 1), from dp's own RNG seeded with `seed`.
@@ -38,6 +49,7 @@ class SequentialModel final : public Model {
   const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override;
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
   void zero_grad(const Stream& stream) override;
+  void set_random_context(const RandomContext& random) override { random_ = random; }
   std::unique_ptr<Model> replicate(Device& device) const override;
 
  private:
@@ -46,18 +58,13 @@ class SequentialModel final : public Model {
 
   std::string name_;
   Device& device_;
-  std::vector<std::unique_ptr<Layer>> layers_;
+  std::unique_ptr<detail::Chain> chain_;
   std::vector<std::int64_t> input_shape_;
   int output_features_ = 0;
   std::size_t param_count_ = 0;
   std::size_t buffers_bytes_ = 0;
   DeviceBuffer params_, grads_, buffers_;
-
-  // Per forward: shapes and pointers at each layer boundary (index 0 = the input).
-  std::vector<ActShape> shapes_;
-  std::vector<const float*> outputs_;
-  std::vector<Scratch> activations_, activation_grads_;
-  bool train_forward_done_ = false;
+  RandomContext random_;
 };
 
 }  // namespace dp::nn
