@@ -103,6 +103,15 @@ void global_avgpool(const char* op, int n, int c, int hw) {
     throw InvalidArgument(fmt::format("{}: need n, c >= 0 and a non-empty plane, got n={} c={} hw={}", op, n, c, hw));
 }
 
+void dropout(const char* op, std::int64_t n, double p, std::int64_t element_offset) {
+  // `!(p >= 0 && p <= 1)` also rejects NaN.
+  if (!(p >= 0.0 && p <= 1.0))
+    throw InvalidArgument(fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", op, p));
+  if (n < 0 || element_offset < 0)
+    throw InvalidArgument(
+        fmt::format("{}: need n >= 0 and element_offset >= 0, got n={} element_offset={}", op, n, element_offset));
+}
+
 void linear(const char* op, int n, int in, int out) {
   if (n < 0 || in < 0 || out < 0)
     throw InvalidArgument(fmt::format("{}: negative extent n={} in={} out={}", op, n, in, out));

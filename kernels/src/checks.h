@@ -34,6 +34,9 @@ void maxpool(const char* op, const Pool2dShape& shape);
 // n, c >= 0 and a non-empty plane.
 void global_avgpool(const char* op, int n, int c, int hw);
 
+// p in [0, 1] (torch's check), n >= 0, element_offset >= 0.
+void dropout(const char* op, std::int64_t n, double p, std::int64_t element_offset);
+
 // Negative extents of a (n, in) -> (n, out) linear layer.
 void linear(const char* op, int n, int in, int out);
 
