@@ -123,6 +123,11 @@ void cross_entropy(const char* op, int n, int classes, int mean_over) {
   if (mean_over <= 0) throw InvalidArgument(fmt::format("{}: mean_over must be > 0, got {}", op, mean_over));
 }
 
+void label_smoothing(const char* op, double label_smoothing) {
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    throw InvalidArgument(fmt::format("{}: label_smoothing must be between 0.0 and 1.0, got {}", op, label_smoothing));
+}
+
 void bad_target(const char* op, std::int64_t target, std::int64_t sample, int classes) {
   throw InvalidArgument(fmt::format("{}: target {} of sample {} is outside [0, {})", op, target, sample, classes));
 }

@@ -42,6 +42,8 @@ void linear(const char* op, int n, int in, int out);
 
 // n >= 0 and classes > 0; mean_over > 0 (when given, backward).
 void cross_entropy(const char* op, int n, int classes, int mean_over = 1);
+// label_smoothing in [0, 1] (torch's check).
+void label_smoothing(const char* op, double label_smoothing);
 // A target outside [0, classes) (sim reports it from the stream, see loss.cu).
 [[noreturn]] void bad_target(const char* op, std::int64_t target, std::int64_t sample, int classes);
 
