@@ -19,7 +19,7 @@ std::string describe(const Conv2dShape& s) {
   return fmt::format("x {}, weight {}, stride {}, pad {}", format_shape(x), format_shape(weight), s.stride, s.pad);
 }
 std::string describe(const BatchNormShape& s) { return format_dims({{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}}); }
-std::string describe(const MaxPoolShape& s) {
+std::string describe(const Pool2dShape& s) {
   return format_dims(
       {{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}, {"kernel", s.kernel}, {"stride", s.stride}, {"pad", s.pad}});
 }
@@ -84,14 +84,32 @@ void batchnorm(const char* op, const BatchNormShape& s, bool training) {
         fmt::format("{}: expected more than 1 value per channel when training, got shape {}", op, describe(s)));
 }
 
-void maxpool(const char* op, const MaxPoolShape& s) {
+void pool2d(const char* op, const Pool2dShape& s) {
   auto fail = [&](const char* why) { throw InvalidArgument(fmt::format("{}: {} in shape {}", op, why, describe(s))); };
   if (s.n < 0 || s.c < 0 || s.h < 0 || s.w < 0) fail("negative extent");
   if (s.kernel < 1 || s.stride < 1) fail("kernel and stride must be positive");
   if (s.pad < 0 || s.pad > s.kernel / 2) fail("pad must be in [0, kernel/2]");
   if (s.h + 2 * s.pad < s.kernel || s.w + 2 * s.pad < s.kernel) fail("output size is too small");
+}
+
+void maxpool(const char* op, const Pool2dShape& s) {
+  pool2d(op, s);
   if (static_cast<std::int64_t>(s.h) * s.w > std::numeric_limits<std::int32_t>::max())
-    fail("plane too large for argmax");
+    throw InvalidArgument(fmt::format("{}: plane too large for argmax in shape {}", op, describe(s)));
+}
+
+void global_avgpool(const char* op, int n, int c, int hw) {
+  if (n < 0 || c < 0 || hw < 1)
+    throw InvalidArgument(fmt::format("{}: need n, c >= 0 and a non-empty plane, got n={} c={} hw={}", op, n, c, hw));
+}
+
+void dropout(const char* op, std::int64_t n, double p, std::int64_t element_offset) {
+  // `!(p >= 0 && p <= 1)` also rejects NaN.
+  if (!(p >= 0.0 && p <= 1.0))
+    throw InvalidArgument(fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", op, p));
+  if (n < 0 || element_offset < 0)
+    throw InvalidArgument(
+        fmt::format("{}: need n >= 0 and element_offset >= 0, got n={} element_offset={}", op, n, element_offset));
 }
 
 void linear(const char* op, int n, int in, int out) {
@@ -103,6 +121,11 @@ void cross_entropy(const char* op, int n, int classes, int mean_over) {
   if (n < 0 || classes <= 0)
     throw InvalidArgument(fmt::format("{}: need n >= 0 and classes > 0, got n={} classes={}", op, n, classes));
   if (mean_over <= 0) throw InvalidArgument(fmt::format("{}: mean_over must be > 0, got {}", op, mean_over));
+}
+
+void label_smoothing(const char* op, double label_smoothing) {
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    throw InvalidArgument(fmt::format("{}: label_smoothing must be between 0.0 and 1.0, got {}", op, label_smoothing));
 }
 
 void bad_target(const char* op, std::int64_t target, std::int64_t sample, int classes) {

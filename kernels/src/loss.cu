@@ -1,4 +1,5 @@
-// loss.cu — launchers for dp/kernels/loss.h: one thread per sample, then a split reduction for the mean.
+// loss.cu — launchers for dp/kernels/loss.h: one thread per sample, then a split reduction for the mean
+// (of the per-sample terms, or of torch's two label-smoothing terms as a pair).
 // On sim, invalid targets are also reported as an error by the stream (see CheckTargets).
 #include "checks.h"
 #include "dp/kernels/launch.h"
@@ -32,27 +33,45 @@ void check_targets_on_sim(const Stream& stream, const char* op, int n, int class
 }  // namespace
 
 void cross_entropy_forward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
-                           float* per_sample, float* loss) {
+                           float* per_sample, float* loss, double label_smoothing) {
   const char* op = "cross_entropy_forward";
   checks::cross_entropy(op, n, classes);
+  checks::label_smoothing(op, label_smoothing);
   const index_t elements = static_cast<index_t>(n) * classes;
   // All operands up front: a bad call queues nothing, not a kernel without its reduction.
   check_operands(stream, op,
                  {operand(logits, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1)});
-  launch(stream, op, n, CrossEntropyRow{logits, targets, classes, per_sample},
-         {operand(logits, elements), operand(targets, n), operand(per_sample, n)});
-  launch_row_reduce<float>(stream, "cross_entropy_mean", 1, n, PerSampleTerm{per_sample},
-                           StoreMean{loss, static_cast<float>(n)}, {operand(per_sample, n), operand(loss, 1)});
+  if (label_smoothing == 0.0) {
+    launch(stream, op, n, CrossEntropyRow{logits, targets, classes, per_sample},
+           {operand(logits, elements), operand(targets, n), operand(per_sample, n)});
+    launch_row_reduce<float>(stream, "cross_entropy_mean", 1, n, PerSampleTerm{per_sample},
+                             StoreMean{loss, static_cast<float>(n)}, {operand(per_sample, n), operand(loss, 1)});
+  } else {
+    // torch's factors: Python-double arithmetic, rounded to float when they meet a float tensor.
+    const float one_minus_eps = static_cast<float>(1.0 - label_smoothing);
+    const float eps_over_classes = static_cast<float>(label_smoothing / classes);
+    launch(stream, op, n,
+           SmoothedCrossEntropyRow{logits, targets, classes, one_minus_eps, eps_over_classes, per_sample},
+           {operand(logits, elements), operand(targets, n), operand(per_sample, n)});
+    launch_row_reduce<SmoothedTerms>(stream, "cross_entropy_mean", 1, n,
+                                     SmoothedTermsOfSample{logits, targets, classes},
+                                     StoreSmoothedMean{loss, static_cast<float>(n), one_minus_eps, eps_over_classes},
+                                     {operand(logits, elements), operand(targets, n), operand(loss, 1)});
+  }
   check_targets_on_sim(stream, op, n, classes, targets);
 }
 
 void cross_entropy_backward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
-                            float dloss, int mean_over, float* dlogits) {
+                            float dloss, int mean_over, float* dlogits, double label_smoothing) {
   const char* op = "cross_entropy_backward";
   checks::cross_entropy(op, n, classes, mean_over);
+  checks::label_smoothing(op, label_smoothing);
   const index_t elements = static_cast<index_t>(n) * classes;
+  // The target distribution's two values, in double then rounded once: exactly 1 and 0 when eps = 0.
+  const double off = label_smoothing / classes;
   launch(stream, op, n,
-         CrossEntropyBackwardRow{logits, targets, classes, dloss / static_cast<float>(mean_over), dlogits},
+         CrossEntropyBackwardRow{logits, targets, classes, dloss / static_cast<float>(mean_over),
+                                 static_cast<float>(1.0 - label_smoothing + off), static_cast<float>(off), dlogits},
          {operand(logits, elements), operand(targets, n), operand(dlogits, elements)});
   check_targets_on_sim(stream, op, n, classes, targets);
 }

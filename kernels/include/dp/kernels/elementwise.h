@@ -12,6 +12,13 @@ struct Fill {
   DP_HD void operator()(index_t i) const { x[i] = value; }
 };
 
+// y = x
+struct Copy {
+  const float* x;
+  float* y;
+  DP_HD void operator()(index_t i) const { y[i] = x[i]; }
+};
+
 // y = alpha * x + y
 struct Axpy {
   float alpha;

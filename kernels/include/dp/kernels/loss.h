@@ -1,5 +1,5 @@
 // loss.h — CrossEntropyLoss (mean over the batch, log-softmax computed stably: max-shifted
-// log-sum-exp) forward and backward, for logits (N, C) and int64 targets (N).
+// log-sum-exp, optional label smoothing) forward and backward, for logits (N, C) and int64 targets (N).
 #pragma once
 
 #include <cmath>
@@ -17,14 +17,24 @@ namespace dp::kernels {
 // (they are device memory, readable only in stream order): the stream fails with
 // dp::InvalidArgument naming the target and the sample, sticky like a failed kernel, raised by the
 // next synchronize / copy / launch on that stream. cuda reports nothing beyond the NaN.
+//
+// label_smoothing = eps in [0, 1] (else InvalidArgument) as torch.nn.functional.cross_entropy's:
+// the target distribution becomes (1 - eps)*onehot + eps/C, and
+//   loss[0] = (1 - eps) * mean_i nll_i + (mean_i smooth_i) * (eps / C),
+// nll_i = -log p_i[t_i], smooth_i = -sum_c log p_i[c], in torch 1.13's order
+// (cross_entropy_loss_label_smoothing, LossNLL.cpp): the two means apart, each a sum divided by N,
+// then combined with the factors 1 - eps and eps / C computed in double and rounded to float.
+// per_sample[i] then receives (1 - eps) * nll_i + smooth_i * (eps / C), torch's reduction='none'
+// term. eps = 0 is the plain loss above, bit for bit.
 void cross_entropy_forward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
-                           float* per_sample, float* loss);
+                           float* per_sample, float* loss, double label_smoothing = 0.0);
 
-// dlogits (N, C) = (softmax(logits) - onehot(target)) * scale, where scale = dloss / N
-// (pass the number of samples the mean runs over as `mean_over`, normally n).
+// dlogits (N, C) = (softmax(logits) - q) * scale, where scale = dloss / N (pass the number of
+// samples the mean runs over as `mean_over`, normally n) and q the target distribution:
+// onehot(target) without smoothing, (1 - eps)*onehot + eps/C with label_smoothing = eps.
 // Invalid targets as in the forward: that sample's row is NaN, and the sim stream fails.
 void cross_entropy_backward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
-                            float dloss, int mean_over, float* dlogits);
+                            float dloss, int mean_over, float* dlogits, double label_smoothing = 0.0);
 
 // ------------------------------------------------------------------------------------------------
 // functors: one thread per sample; a row of C (10 for the models here) is too short to split.
@@ -75,13 +85,64 @@ struct StoreMean {
   DP_HD void operator()(index_t, float sum) const { out[0] = sum / count; }
 };
 
-// dlogits_i = (softmax(x_i) - onehot(t)) * scale, softmax recomputed from the logits (C is small,
-// so this is cheaper than storing it in the forward).
+// Label smoothing: both of torch's per-sample terms, -log p_t and -sum_c log p_c, each -log p_c
+// written as CrossEntropyRow's term (so nll is that term's bits). Summed as a pair by one reduction.
+struct SmoothedTerms {
+  float nll = 0.0f, smooth = 0.0f;
+  DP_HD SmoothedTerms operator+(const SmoothedTerms& o) const { return {nll + o.nll, smooth + o.smooth}; }
+};
+DP_HD inline SmoothedTerms smoothed_terms(const float* x, int classes, std::int64_t t) {
+  if (t < 0 || t >= classes) return {NAN, NAN};
+  const float m = row_max(x, classes);
+  const float log_sum = logf(shifted_exp_sum(x, classes, m));
+  float smooth = 0.0f;
+  for (int c = 0; c < classes; ++c) smooth += log_sum - (x[c] - m);
+  return {log_sum - (x[t] - m), smooth};
+}
+
+// per_sample[i] = (1 - eps) * nll_i + smooth_i * (eps / C), as torch's reduction='none' combines them.
+struct SmoothedCrossEntropyRow {
+  const float* logits;
+  const std::int64_t* targets;
+  int classes;
+  float one_minus_eps, eps_over_classes;
+  float* per_sample;
+  DP_HD void operator()(index_t i) const {
+    const SmoothedTerms t = smoothed_terms(logits + i * classes, classes, targets[i]);
+    per_sample[i] = mul_unfused(one_minus_eps, t.nll) + mul_unfused(t.smooth, eps_over_classes);
+  }
+};
+
+// The reduction's map(0, i): sample i's pair, recomputed from the logits (C exps: cheaper than a
+// second N-float scratch for every caller).
+struct SmoothedTermsOfSample {
+  const float* logits;
+  const std::int64_t* targets;
+  int classes;
+  DP_HD SmoothedTerms operator()(index_t, index_t i) const {
+    return smoothed_terms(logits + i * classes, classes, targets[i]);
+  }
+};
+// torch: nll_mean = sum / N; smooth_mean = sum / N; (1 - eps) * nll_mean + smooth_mean * (eps / C),
+// each product a float multiplication of its own (never fused into the addition).
+struct StoreSmoothedMean {
+  float* out;
+  float count;
+  float one_minus_eps, eps_over_classes;
+  DP_HD void operator()(index_t, const SmoothedTerms& sum) const {
+    out[0] = mul_unfused(one_minus_eps, sum.nll / count) + mul_unfused(sum.smooth / count, eps_over_classes);
+  }
+};
+
+// dlogits_i = (softmax(x_i) - q) * scale, softmax recomputed from the logits (C is small, so this
+// is cheaper than storing it in the forward); q_c = target_on for c = t, else target_off (1 and 0
+// without label smoothing: the plain loss's bits).
 struct CrossEntropyBackwardRow {
   const float* logits;
   const std::int64_t* targets;
   int classes;
   float scale;
+  float target_on, target_off;
   float* dlogits;
   DP_HD void operator()(index_t i) const {
     const float* x = logits + i * classes;
@@ -93,7 +154,7 @@ struct CrossEntropyBackwardRow {
     }
     const float m = row_max(x, classes);
     const float s = shifted_exp_sum(x, classes, m);
-    for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? 1.0f : 0.0f)) * scale;
+    for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
   }
 };
 

@@ -6,15 +6,11 @@
 
 #include "dp/device.h"
 #include "dp/kernels/platform.h"
+#include "dp/kernels/pool_shape.h"
 
 namespace dp::kernels {
 
-struct MaxPoolShape {
-  int n = 0, c = 0, h = 0, w = 0;
-  int kernel = 2, stride = 2, pad = 0;
-  DP_HD int h_out() const { return (h + 2 * pad - kernel) / stride + 1; }
-  DP_HD int w_out() const { return (w + 2 * pad - kernel) / stride + 1; }
-};
+using MaxPoolShape = Pool2dShape;
 
 // y (N, C, H_out, W_out); argmax holds, per output, the flat index h*W + w of the chosen input
 // within its (n, c) plane. As torch.nn.MaxPool2d (floor mode, dilation 1): kernel, stride >= 1,
@@ -70,7 +66,7 @@ struct MaxPoolForward {
 };
 
 // Input element i = ((n*C + c)*H + ih)*W + iw sums dy over the outputs whose window covers it and
-// chose it. Windows covering row ih: oh*stride - pad <= ih <= oh*stride - pad + kernel - 1.
+// chose it.
 struct MaxPoolBackward {
   MaxPoolShape s;
   const std::int32_t* argmax;
@@ -82,18 +78,13 @@ struct MaxPoolBackward {
     const index_t nc = i / plane;
     const int at = static_cast<int>(i - nc * plane);
     const int ih = at / s.w, iw = at % s.w;
-    // First covering window: ceil((ih + pad - kernel + 1) / stride), clamped at 0 (done before
-    // dividing: integer division truncates toward zero for negatives).
-    const int h_lo = ih + s.pad - s.kernel + 1, w_lo = iw + s.pad - s.kernel + 1;
-    const int oh0 = h_lo <= 0 ? 0 : (h_lo + s.stride - 1) / s.stride;
-    const int ow0 = w_lo <= 0 ? 0 : (w_lo + s.stride - 1) / s.stride;
-    const int oh1 = (ih + s.pad) / s.stride + 1 < ho ? (ih + s.pad) / s.stride + 1 : ho;
-    const int ow1 = (iw + s.pad) / s.stride + 1 < wo ? (iw + s.pad) / s.stride + 1 : wo;
+    const WindowRange rows = covering_windows(ih, s.kernel, s.stride, s.pad, ho);
+    const WindowRange cols = covering_windows(iw, s.kernel, s.stride, s.pad, wo);
     const std::int32_t* chosen = argmax + nc * ho * wo;
     const float* grad = dy + nc * ho * wo;
     float sum = 0.0f;
-    for (int oh = oh0; oh < oh1; ++oh)  // row-major over outputs: PyTorch's accumulation order
-      for (int ow = ow0; ow < ow1; ++ow)
+    for (int oh = rows.first; oh < rows.last; ++oh)  // row-major over outputs: PyTorch's accumulation order
+      for (int ow = cols.first; ow < cols.last; ++ow)
         if (chosen[oh * wo + ow] == at) sum += grad[oh * wo + ow];
     dx[i] = sum;
   }

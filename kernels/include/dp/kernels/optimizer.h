@@ -48,17 +48,6 @@ void adamw_step(const Stream& stream, index_t n, const AdamWOptions& options, st
 // ------------------------------------------------------------------------------------------------
 // functors
 
-// a*b rounded to fp32 on its own. nvcc contracts a*b + c into one FMA by default; __fmul_rn is
-// never contracted. The host compiler does not contract: the build passes -ffp-contract=off for
-// all host code (it also passes -mfma, so fmaf below is one instruction rather than a libm call).
-DP_HD inline float mul_unfused(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
 // One element of torch's SGD step with torch's fp32 roundings, so results match it bit for bit:
 // ATen's x.add(y, alpha=a) is one fused multiply-add x + a*y (vec::fmadd on CPU; nvcc contracts
 // it on CUDA), while buf.mul_(momentum).add_(g) is two kernels, so two roundings.

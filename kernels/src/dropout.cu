@@ -1,0 +1,42 @@
+// dropout.cu — launchers for dp/kernels/dropout.h: one thread per block of four elements (one
+// Philox call each); the backward is the forward applied to the gradient.
+#include <cmath>
+
+#include "checks.h"
+#include "dp/kernels/dropout.h"
+#include "dp/kernels/elementwise.h"
+#include "dp/kernels/launch.h"
+
+namespace dp::kernels {
+namespace {
+
+void apply(const Stream& stream, const char* op, index_t n, double p, const DropoutKey& key, index_t element_offset,
+           const float* x, float* y) {
+  checks::dropout(op, n, p, element_offset);
+  if (p == 0.0) {  // torch returns the input itself: no draw, no rounding
+    launch(stream, op, n, Copy{x, y}, {operand(x, n), operand(y, n)});
+    return;
+  }
+  // ceil(p * 2^24) in [1, 2^24]; p = 1 gives 2^24, above every 24-bit draw: nothing is kept.
+  const auto threshold = static_cast<std::uint32_t>(std::ceil(p * 16777216.0));
+  // torch's noise.div_(1 - p): 1 - p in double, rounded to float, then a float division.
+  const float noise_kept = p < 1.0 ? 1.0f / static_cast<float>(1.0 - p) : 0.0f;
+  const auto first_block = static_cast<std::uint64_t>(element_offset / 4);
+  const index_t blocks = n == 0 ? 0 : (element_offset + n - 1) / 4 - element_offset / 4 + 1;
+  launch(stream, op, blocks, DropoutApply{key, threshold, noise_kept, element_offset, n, first_block, x, y},
+         {operand(x, n), operand(y, n)});
+}
+
+}  // namespace
+
+void dropout_forward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset,
+                     const float* x, float* y) {
+  apply(stream, "dropout_forward", n, p, key, element_offset, x, y);
+}
+
+void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset,
+                      const float* dy, float* dx) {
+  apply(stream, "dropout_backward", n, p, key, element_offset, dy, dx);
+}
+
+}  // namespace dp::kernels
