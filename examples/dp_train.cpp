@@ -246,7 +246,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
                                  o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
-  std::uint64_t params = o.model == "resnet8" ? 78042 : 29034;  // ResNet-8, the ConvNet
+  std::uint64_t params = o.model == "resnet8" ? 77754 : 29034;  // ResNet-8, the ConvNet
   if (o.model == "mlp") {
     params = 0;
     std::uint64_t in = 784;
@@ -427,8 +427,8 @@ int run(Options o) {
   dp::EngineOptions engine_options;
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = ids;
-  engine_options.label_smoothing = o.label_smoothing;
-  engine_options.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
+  engine_options.step.label_smoothing = o.label_smoothing;
+  engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;

@@ -16,6 +16,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
+#include "dp/nn/sequential.h"
 #include "dp/optim.h"
 #include "dp/safetensors.h"
 #include "dp/trainer.h"
@@ -337,6 +338,9 @@ TEST(Models, BadInputsAreClearErrors) {
 }  // namespace
 }  // namespace dp
 
+namespace dp {
+namespace {
+
 // ---------------------------------------------------------------------------------------------
 // ResNet-8: torchvision's names, PyTorch goldens (tests/golden/make_resnet_goldens.py) for SGD and
 // for AdamW + cosine schedule + label smoothing, finite differences through the residual blocks.
@@ -357,7 +361,31 @@ TEST(ResNet8, ParametersAreTorchvisionsInTheirOrder) {
   EXPECT_EQ(want.front(), "conv1.weight");
   EXPECT_NE(std::find(got.begin(), got.end(), "layer2.0.downsample.0.weight"), got.end());
   for (const TensorRef& b : model->buffers()) EXPECT_TRUE(golden.has("init." + b.name)) << b.name;
-  EXPECT_EQ(model->param_count(), 78042u);
+  EXPECT_EQ(model->param_count(), 77754u);
+}
+
+// AdamW's update is lr * m / (sqrt(v) + eps): for a weight whose gradients are a few ulps from zero
+// it is about +-lr whatever their size, so summation-order noise between torch's and dp's kernels
+// (the `matches` tolerance) can flip such a weight's step. Such weights are rare (about 1 in 10^4
+// here) and move by less than the learning rates summed; everything else must match as tightly as
+// with SGD. A wrong update would fail every element, not a few.
+::testing::AssertionResult matches_after_adamw(const std::vector<float>& got, const std::vector<float>& want,
+                                               double lr_sum) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "sizes differ";
+  float scale = 0.0f;
+  for (float v : want) scale = std::max(scale, std::fabs(v));
+  std::size_t flipped = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (d <= 1e-4 * std::fabs(want[i]) + 2e-5 * scale + 1e-7) continue;
+    if (d > lr_sum)
+      return ::testing::AssertionFailure()
+             << "[" << i << "] got " << got[i] << " want " << want[i] << ": more than the learning rates summed";
+    ++flipped;
+  }
+  if (flipped > got.size() / 1000 + 1)
+    return ::testing::AssertionFailure() << flipped << " of " << got.size() << " elements differ";
+  return ::testing::AssertionSuccess();
 }
 
 class ResNet8Golden : public ::testing::TestWithParam<std::string> {};
@@ -388,12 +416,14 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
   DeviceBuffer input = device.allocate(static_cast<std::size_t>(batch) * 784 * sizeof(float));
   DeviceBuffer target = device.allocate(static_cast<std::size_t>(batch) * sizeof(std::int64_t));
   DeviceBuffer dlogits = device.allocate(static_cast<std::size_t>(batch) * 10 * sizeof(float));
+  double lr_sum = 0.0;
   for (int k = 0; k < std::stoi(meta.at("steps")); ++k) {
     SCOPED_TRACE(fmt::format("step {}", k));
     const std::string step = fmt::format("step{}.", k);
     const double lr = schedule.lr(std::stod(meta.at("lr")), k);
     EXPECT_EQ(static_cast<float>(lr), golden.at(step + "lr").to_f32()[0]);
     optimizer->set_lr(lr);
+    lr_sum += lr;
     const auto x = golden.at(step + "input").to_f32();
     const auto y = golden.at(step + "target").to_i64();
     stream.copy(input.data(), x.data(), input.size());
@@ -405,10 +435,11 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
     loss.backward(stream, logits, target.as<std::int64_t>(), batch, 10, dlogits.as<float>(), batch);
     model->zero_grad(stream);
     model->backward(stream, dlogits.as<float>());
-    if (k == 0)
+    if (k == 0) {
       for (const TensorRef& g : model->gradients())
         EXPECT_TRUE(matches(to_host(stream, g.as<float>(), g.numel()), golden.at(step + "grad." + g.name).to_f32()))
             << "grad " << g.name;
+    }
     optimizer->step(stream, model->params_flat(), model->grads_flat());
   }
   const auto state = state_dict(*model, stream);
@@ -417,6 +448,8 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
     const auto& want = golden.at("final." + name);
     if (got.dtype == "I64") {
       EXPECT_EQ(got.to_i64(), want.to_i64()) << name;
+    } else if (adamw && name.find("running_") == std::string::npos) {
+      EXPECT_TRUE(matches_after_adamw(got.to_f32(), want.to_f32(), lr_sum)) << "final " << name;
     } else {
       EXPECT_TRUE(matches(got.to_f32(), want.to_f32())) << "final " << name;
     }
@@ -430,11 +463,51 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
 INSTANTIATE_TEST_SUITE_P(PyTorch, ResNet8Golden, ::testing::Values("resnet8_sgd", "resnet8_adamw_cosine"),
                          [](const auto& info) { return info.param; });
 
-TEST(ResNet8, FiniteDifferenceGradients) {
+// Every new layer and both containers in one model, without BatchNorm (whose coupling of every
+// position of a channel puts kinks within any eps; ResNet-8's gradients are pinned by the goldens
+// above): a stem, an identity residual block, a downsampling one with a 1x1 shortcut, nested in a
+// Sequential, AvgPool2d, the global pool, Dropout (its mask is fixed by the RandomContext, so the
+// loss is a deterministic function of the parameters) and a bias-free convolution.
+TEST(Containers, FiniteDifferenceGradients) {
   auto rt = test::sim_runtime(1);
-  auto model = models::make_resnet8(rt->device(0), 3);
-  // As the ConvNet's: BatchNorm everywhere couples each weight to many ReLU kinks.
-  finite_difference_check(*model, 3, 13, 6e-2);
+  using namespace nn;
+  Layers body1, body2, shortcut2, stage;
+  body1.push_back(make_conv2d("conv1", 4, 4, 3, 1, 1));
+  body1.push_back(make_relu("relu"));
+  body1.push_back(make_conv2d("conv2", 4, 4, 3, 1, 1, false));
+  body2.push_back(make_conv2d("conv1", 4, 6, 3, 2, 1));
+  body2.push_back(make_relu("relu"));
+  body2.push_back(make_conv2d("conv2", 6, 6, 3, 1, 1));
+  shortcut2.push_back(make_conv2d("downsample.0", 4, 6, 1, 2, 0, false));
+  stage.push_back(make_residual("0", std::move(body1)));
+  stage.push_back(make_residual("1", std::move(body2), std::move(shortcut2)));
+  Layers layers;
+  layers.push_back(make_conv2d("stem", 1, 4, 3, 2, 1));
+  layers.push_back(make_sequential("layer1", std::move(stage)));
+  layers.push_back(make_avgpool2d("pool", 3, 2, 1));
+  layers.push_back(make_global_avgpool2d("avgpool"));
+  layers.push_back(make_flatten("flatten"));
+  layers.push_back(make_dropout("drop", 0.25));
+  layers.push_back(make_linear("fc", 6, 10));
+  SequentialModel model("containers", rt->device(0), std::move(layers), {1, 28, 28});
+  model.initialize(5);
+  model.set_random_context({7, 3, 0});
+  std::vector<std::string> names;
+  for (const TensorRef& p : model.parameters()) names.push_back(p.name);
+  const std::vector<std::string> want = {"stem.weight",
+                                         "stem.bias",
+                                         "layer1.0.conv1.weight",
+                                         "layer1.0.conv1.bias",
+                                         "layer1.0.conv2.weight",
+                                         "layer1.1.conv1.weight",
+                                         "layer1.1.conv1.bias",
+                                         "layer1.1.conv2.weight",
+                                         "layer1.1.conv2.bias",
+                                         "layer1.1.downsample.0.weight",
+                                         "fc.weight",
+                                         "fc.bias"};
+  EXPECT_EQ(names, want);
+  finite_difference_check(model, 4, 14, 2e-2);
 }
 
 TEST(ResNet8, ReplicateKeepsTheTreeAndTheNames) {
@@ -450,3 +523,6 @@ TEST(ResNet8, ReplicateKeepsTheTreeAndTheNames) {
   }
   EXPECT_EQ(replica->buffers_bytes(), model->buffers_bytes());
 }
+
+}  // namespace
+}  // namespace dp

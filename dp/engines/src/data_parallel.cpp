@@ -46,8 +46,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
     throw InvalidArgument(
         fmt::format("output_device {} is not one of device_ids [{}]", output_device_, fmt::join(ids, ", ")));
   output_rank_ = static_cast<int>(it - ids.begin());
-  loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_), options.label_smoothing);
-  seed_ = options.seed;
+  loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_), options.step.label_smoothing);
+  seed_ = options.step.seed;
   models_ = std::make_unique<engines::Replicas>(module, group_);
   Device& source = group_.device(0);
   for (int rank = 0; rank < group_.size(); ++rank) {

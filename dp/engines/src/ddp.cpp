@@ -34,7 +34,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     Device& device = group_.device(r);
     rank->model = &(*replicas_)[r];
     rank->optimizer = make_optimizer(device, module.param_count(), optimizer);
-    rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.label_smoothing);
+    rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
     rank->compute = device.create_stream();
     rank->host_loss = runtime.allocate_pinned(sizeof(float));
     ranks_.push_back(std::move(rank));
@@ -128,7 +128,7 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
     float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
     // seed + rank, as each torch process seeds itself; forwards accumulated without a step (no_sync)
     // continue the step's samples, as one larger batch would.
-    m.set_random_context({options_.seed + static_cast<std::uint64_t>(r),
+    m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(r),
                           static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
     rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
     const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);

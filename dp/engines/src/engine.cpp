@@ -75,10 +75,10 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
       if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
         throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
                                           model.device().index(), fmt::join(*options.device_ids, ", ")));
-      return std::make_unique<SingleDeviceTrainer>(model, optimizer, static_cast<const StepOptions&>(options));
+      return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step);
     case EngineKind::dp: {
       DataParallelOptions dp_options;
-      static_cast<StepOptions&>(dp_options) = options;
+      dp_options.step = options.step;
       dp_options.device_ids = options.device_ids;
       dp_options.output_device = options.output_device;
       dp_options.time_phases = options.time_phases;
@@ -86,7 +86,7 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
     }
     case EngineKind::ddp: {
       DdpOptions ddp_options;
-      static_cast<StepOptions&>(ddp_options) = options;
+      ddp_options.step = options.step;
       ddp_options.device_ids = options.device_ids;
       ddp_options.bucket_cap_mb = options.bucket_cap_mb;
       ddp_options.first_bucket_mb = options.first_bucket_mb;

@@ -74,9 +74,9 @@ const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
       outputs_[i + 1] = outputs_[i];
       continue;
     }
-    float* out = i == last_compute && y ? y
-                                        : activations_[i + 1].get<float>(
-                                              ctx.device, static_cast<std::size_t>(shapes_[i + 1].numel()));
+    float* out = i == last_compute && y
+                     ? y
+                     : activations_[i + 1].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i + 1].numel()));
     layers_[i]->forward(LayerContext{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random}, outputs_[i], out);
     outputs_[i + 1] = out;
   }
@@ -96,9 +96,8 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
     if (layer.is_view()) continue;  // same memory, same gradient
     // The first computing child writes the chain's input gradient (the caller's dx, maybe null:
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
-    float* child_dx = i == first ? dx
-                                 : activation_grads_[i].get<float>(ctx.device,
-                                                                   static_cast<std::size_t>(shapes_[i].numel()));
+    float* child_dx =
+        i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
     layer.backward(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random}, outputs_[i],
                    outputs_[i + 1], dy, child_dx);
     if (after) after(layer);

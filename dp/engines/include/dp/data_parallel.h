@@ -25,11 +25,12 @@ namespace engines {
 class Replicas;
 }
 
-struct DataParallelOptions : StepOptions {
+struct DataParallelOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
   std::optional<int> output_device;            // default: device_ids[0]; must be one of device_ids
   // Record events at phase boundaries so last_phases() can report where a step's time went.
   bool time_phases = false;
+  StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from
 };
 
 // Where one DataParallel step spent its time, in ms. Per-device phases report the slowest device;

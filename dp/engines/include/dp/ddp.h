@@ -28,13 +28,14 @@ namespace engines {
 class Replicas;
 }
 
-struct DdpOptions : StepOptions {
+struct DdpOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device; rank = position
   double bucket_cap_mb = 25.0;                 // MiB, as torch's bucket_cap_mb
   double first_bucket_mb = 1.0;                // torch's _DEFAULT_FIRST_BUCKET_BYTES
   bool broadcast_buffers = true;
   // Debug: after every step, verify that all replicas' parameters are bitwise identical.
   bool check_replicas = false;
+  StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from (rank r: seed + r)
 };
 
 // One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.

@@ -80,7 +80,7 @@ class Engine {
   void set_lr(double lr);
 };
 
-struct EngineOptions : StepOptions {
+struct EngineOptions {
   EngineKind kind = EngineKind::single;
   // Devices in rank order; unset: every device of the runtime (single: the model's device).
   std::optional<std::vector<int>> device_ids;
@@ -89,6 +89,7 @@ struct EngineOptions : StepOptions {
   double bucket_cap_mb = 25.0;       // ddp: gradient bucket cap, MiB
   double first_bucket_mb = 1.0;      // ddp: the first bucket's cap, MiB
   bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
+  StepOptions step = {};             // loss and randomness, every kind
 };
 
 // `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws
