@@ -15,6 +15,7 @@
 #include "dp/kernels/ops.h"
 #include "dp/loss.h"
 #include "dp/models/convnet.h"
+#include "dp/models/resnet.h"
 #include "dp/models/mlp.h"
 #include "dp/optim.h"
 #include "dp/trainer.h"
@@ -157,7 +158,8 @@ TEST_P(DataParallelOnBackend, MlpEqualsSingleDeviceOnTheGlobalBatch) {
 // torch.nn.DataParallel, spelled out: chunk replicas with a copy of the master's parameters and
 // buffers, BN statistics per chunk, the loss over the gathered batch, gradients summed onto the
 // master (master first, then replicas in order), only the master's running stats kept.
-void reference_dp_step(Model& master, const std::vector<int>& chunks, const Batch& b, Sgd& sgd, float* loss_out) {
+void reference_dp_step(Model& master, const std::vector<int>& chunks, const Batch& b, Optimizer& sgd,
+                       float* loss_out) {
   Device& device = master.device();
   Stream s = device.create_stream();
   const int batch = static_cast<int>(b.y.size());
@@ -206,15 +208,15 @@ struct DpCase {
   std::vector<int> batches;
 };
 
-class ConvNetDataParallel : public ::testing::TestWithParam<DpCase> {};
+using ModelFactory = std::unique_ptr<Model> (*)(Device&, std::uint64_t);
 
-TEST_P(ConvNetDataParallel, MatchesPerChunkSemanticsExactly) {
-  const DpCase& c = GetParam();
+// DP of `make` (a model with BatchNorm) against the per-chunk reference, bit for bit.
+void expect_per_chunk_semantics(const DpCase& c, ModelFactory make, const std::string& bn_buffer) {
   const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
   auto rt = test::sim_runtime(c.devices);
   auto ref_rt = test::sim_runtime(1);
-  auto model = models::make_convnet(rt->device(c.device_ids[0]), 9);
-  auto master = models::make_convnet(ref_rt->device(0), 9);
+  auto model = make(rt->device(c.device_ids[0]), 9);
+  auto master = make(ref_rt->device(0), 9);
   DataParallelOptions options;
   options.device_ids = c.device_ids;
   options.output_device = c.output_device;
@@ -236,8 +238,24 @@ TEST_P(ConvNetDataParallel, MatchesPerChunkSemanticsExactly) {
   for (const auto& name : want.order) {
     EXPECT_EQ(got.at(name).data, want.at(name).data) << name << " differs";
   }
-  const auto tracked = got.at("layer1.1.num_batches_tracked").to_i64();
+  const auto tracked = got.at(bn_buffer).to_i64();
   EXPECT_EQ(tracked[0], static_cast<std::int64_t>(c.batches.size())) << "only the source replica's update persists";
+}
+
+class ConvNetDataParallel : public ::testing::TestWithParam<DpCase> {};
+
+TEST_P(ConvNetDataParallel, MatchesPerChunkSemanticsExactly) {
+  expect_per_chunk_semantics(
+      GetParam(), [](Device& d, std::uint64_t seed) { return models::make_convnet(d, seed); },
+      "layer1.1.num_batches_tracked");
+}
+
+// ResNet-8's residual blocks through DP: every BatchNorm (the blocks' and their downsample's) takes
+// per-chunk statistics, as torch.nn.DataParallel's replicas do.
+TEST(DataParallel, ResNet8MatchesPerChunkSemanticsExactly) {
+  expect_per_chunk_semantics(
+      DpCase{3, {0, 1, 2}, 1, {11, 7}}, [](Device& d, std::uint64_t seed) { return models::make_resnet8(d, seed); },
+      "layer2.0.downsample.1.num_batches_tracked");
 }
 
 INSTANTIATE_TEST_SUITE_P(Configurations, ConvNetDataParallel,

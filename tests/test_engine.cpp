@@ -221,6 +221,73 @@ TEST(Engine, AdamWThroughEveryEngineEqualsSingle) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dropout through the engines: masks from (seed, step, layer, sample), DDP rank r from seed + r
+
+EngineOptions dropout_options(EngineKind kind, std::uint64_t seed) {
+  EngineOptions options = options_for(kind);
+  options.step.seed = seed;
+  return options;
+}
+
+// DP scatters the batch, but each chunk draws at its samples' place in it: the masks, and so the
+// training, of one device on the whole batch (to the summation-order tolerance of the test above).
+TEST(Engine, DataParallelDrawsSingleDevicesDropoutMasks) {
+  auto rt = test::sim_runtime(2);
+  const SgdOptions sgd{0.05f, 0.9f};
+  auto dp_model = models::make_mlp(rt->device(0), {32, 16}, 4, 0.4);
+  auto reference = models::make_mlp(rt->device(0), {32, 16}, 4, 0.4);
+  auto other_seed = models::make_mlp(rt->device(0), {32, 16}, 4, 0.4);
+  auto dp = make_engine(*rt, *dp_model, sgd, dropout_options(EngineKind::dp, 11));
+  auto single = make_engine(*rt, *reference, sgd, dropout_options(EngineKind::single, 11));
+  auto other = make_engine(*rt, *other_seed, sgd, dropout_options(EngineKind::single, 12));
+  for (int step = 0; step < 3; ++step) {
+    const Data d = make_data(9, 30 + static_cast<unsigned>(step));  // chunks of 5 and 4
+    const Batch global = d.batch();
+    const float want = single->train_step({&global, 1});
+    EXPECT_NEAR(dp->train_step({&global, 1}), want, 1e-6f * std::fabs(want)) << "step " << step;
+    EXPECT_GT(std::fabs(other->train_step({&global, 1}) - want), 1e-4f) << "another seed, other masks";
+  }
+  dp->synchronize();
+  single->synchronize();
+  EXPECT_TRUE(test::all_close(params_of(*dp_model), params_of(*reference), 1e-5, 1e-6));
+}
+
+// DDP rank r draws from seed + r: with the same shard on both ranks, the DDP loss is the mean of
+// single-device losses at seeds s and s + 1, not the loss at s.
+TEST(Engine, DdpRankDrawsFromSeedPlusRank) {
+  auto rt = test::sim_runtime(2);
+  const SgdOptions sgd{0.0f};  // lr 0: every step sees the same parameters
+  auto ddp_model = models::make_mlp(rt->device(0), {32}, 6, 0.5);
+  auto at_s = models::make_mlp(rt->device(0), {32}, 6, 0.5);
+  auto at_s1 = models::make_mlp(rt->device(0), {32}, 6, 0.5);
+  auto ddp = make_engine(*rt, *ddp_model, sgd, dropout_options(EngineKind::ddp, 40));
+  auto single_s = make_engine(*rt, *at_s, sgd, dropout_options(EngineKind::single, 40));
+  auto single_s1 = make_engine(*rt, *at_s1, sgd, dropout_options(EngineKind::single, 41));
+  const Data d = make_data(6, 77);
+  const std::array<Batch, 2> same{d.batch(), d.batch()};
+  const Batch batch = d.batch();
+  for (int step = 0; step < 2; ++step) {
+    const float s = single_s->train_step({&batch, 1}), s1 = single_s1->train_step({&batch, 1});
+    EXPECT_GT(std::fabs(s - s1), 1e-4f) << "seeds s and s + 1 draw different masks";
+    EXPECT_NEAR(ddp->train_step(same), (s + s1) / 2.0f, 1e-6f * std::fabs(s)) << "step " << step;
+  }
+}
+
+// Eval mode is the identity: the logits of a model with Dropout equal those without it, every time.
+TEST(Engine, DropoutIsTheIdentityInEvaluation) {
+  auto rt = test::sim_runtime(1);
+  auto with = models::make_mlp(rt->device(0), {32}, 8, 0.5);
+  auto without = models::make_mlp(rt->device(0), {32}, 8);  // same parameters: Dropout has none
+  auto a = make_engine(*rt, *with, SgdOptions{}, options_for(EngineKind::single));
+  auto b = make_engine(*rt, *without, SgdOptions{}, options_for(EngineKind::single));
+  const Data d = make_data(5, 3);
+  const Batch batch = d.batch();
+  const std::vector<float> logits = a->predict({&batch, 1});
+  EXPECT_EQ(logits, b->predict({&batch, 1}));
+  EXPECT_EQ(logits, a->predict({&batch, 1}));
+}
+
+// ---------------------------------------------------------------------------------------------
 // predict
 
 TEST(Engine, SingleAndDataParallelPredictTheSameLogits) {

@@ -199,6 +199,30 @@ TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
     }
 }
 
+// Dropout's masks are a function of the seed and the step: a resumed run draws what the
+// uninterrupted one drew (single: the seed; ddp: seed + rank), and label smoothing is part of the
+// loss on both sides. (That other seeds draw other masks: test_engine.cpp.)
+TEST_F(TrainTest, DropoutResumesWithTheSameMasks) {
+  for (const std::string mode : {"single", "ddp"}) {
+    SCOPED_TRACE(mode);
+    const std::string common = fmt::format(
+        "--model mlp --hidden 32 --dropout 0.3 --label-smoothing 0.1 --mode {} --backend sim --devices 2 "
+        "--synthetic 40 --batch-size 8 --lr 0.05",
+        mode);
+    ASSERT_EQ(run(common + " --steps 6 --seed 5 --save " + path("straight.safetensors")).code, 0);
+    ASSERT_EQ(run(common + " --steps 3 --seed 5 --save " + path("half.safetensors")).code, 0);
+    const Result second = run(common + " --steps 3 --seed 5 --resume " + path("half.safetensors") + " --save " +
+                              path("resumed.safetensors"));
+    ASSERT_EQ(second.code, 0) << second.output;
+    const auto a = dp::safetensors::read(path("straight.safetensors"));
+    const auto b = dp::safetensors::read(path("resumed.safetensors"));
+    for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs after resume";
+  }
+  const Result refused = run("--model convnet --dropout 0.5 --backend sim --synthetic 8 --steps 1");
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.output.find("--dropout applies to --model mlp"), std::string::npos) << refused.output;
+}
+
 TEST_F(TrainTest, InitAcceptsModulePrefixedNames) {
   ASSERT_EQ(run("--backend sim --synthetic 16 --batch-size 8 --steps 1 --save " + path("a.safetensors")).code, 0);
   auto file = dp::safetensors::read(path("a.safetensors"));
