@@ -15,8 +15,8 @@
 #include "dp/kernels/ops.h"
 #include "dp/loss.h"
 #include "dp/models/convnet.h"
-#include "dp/models/resnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
 #include "dp/optim.h"
 #include "dp/trainer.h"
 #include "test_util.h"
@@ -158,8 +158,7 @@ TEST_P(DataParallelOnBackend, MlpEqualsSingleDeviceOnTheGlobalBatch) {
 // torch.nn.DataParallel, spelled out: chunk replicas with a copy of the master's parameters and
 // buffers, BN statistics per chunk, the loss over the gathered batch, gradients summed onto the
 // master (master first, then replicas in order), only the master's running stats kept.
-void reference_dp_step(Model& master, const std::vector<int>& chunks, const Batch& b, Optimizer& sgd,
-                       float* loss_out) {
+void reference_dp_step(Model& master, const std::vector<int>& chunks, const Batch& b, Optimizer& sgd, float* loss_out) {
   Device& device = master.device();
   Stream s = device.create_stream();
   const int batch = static_cast<int>(b.y.size());
