@@ -51,7 +51,8 @@ std::unique_ptr<dp::Model> make_net(dp::Device& device) {
   layers.push_back(make_residual("block", std::move(body)));  // identity shortcut, ReLU after the Add
   layers.push_back(make_avgpool2d("pool", 2, 2));
   layers.push_back(make_sequential("head", std::move(head)));
-  auto model = std::make_unique<SequentialModel>("net", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
+  auto model =
+      std::make_unique<SequentialModel>("net", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
   model->initialize(/*seed=*/1);
   return model;
 }
