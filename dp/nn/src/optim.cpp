@@ -10,6 +10,8 @@ template <class... F>
 struct Overloaded : F... {
   using F::operator()...;
 };
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;  // clang 14 (the fuzz build) has no aggregate deduction yet
 
 }  // namespace
 
