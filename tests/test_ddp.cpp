@@ -12,8 +12,11 @@
 #include "dp/checkpoint.h"
 #include "dp/ddp.h"
 #include "dp/error.h"
+#include "dp/kernels/ops.h"
+#include "dp/loss.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
 #include "dp/safetensors.h"
 #include "dp/trainer.h"
 #include "test_util.h"
@@ -288,6 +291,69 @@ TEST(Ddp, AFailingRankDoesNotDeadlockItsPeers) {
   } catch (const WorkerError& e) {
     EXPECT_EQ(e.device(), 1) << e.what();
     EXPECT_NE(std::string(e.what()).find("target 10"), std::string::npos) << e.what();
+  }
+}
+
+// ResNet-8 (BatchNorm in every block and shortcut) through DDP with 2 ranks, emulated with two
+// single-device replicas on one device: each rank normalizes with its own shard's statistics,
+// rank 0's buffers reach rank 1 before every forward (broadcast_buffers), the gradient is the
+// mean over ranks, every replica steps the same. Equal to summation order (the ring's).
+TEST(Ddp, ResNet8EqualsItsPerRankEmulation) {
+  auto rt = test::sim_runtime(2);
+  auto ref_rt = test::sim_runtime(1);
+  Device& ref = ref_rt->device(0);
+  const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
+  auto model = models::make_resnet8(rt->device(0), 5);
+  DdpOptions options;
+  options.check_replicas = true;
+  DistributedDataParallel ddp(*rt, *model, sgd, options);
+  auto rank0 = models::make_resnet8(ref, 5), rank1 = models::make_resnet8(ref, 5);
+  Sgd optimizer(ref, rank0->param_count(), sgd);
+  CrossEntropyLoss loss(ref);
+  Stream s = ref.create_stream();
+  const int per_rank = 6;
+  DeviceBuffer logits = ref.allocate(per_rank * 10 * sizeof(float)),
+               dlogits = ref.allocate(per_rank * 10 * sizeof(float));
+  DeviceBuffer x = ref.allocate(per_rank * 784 * sizeof(float)), y = ref.allocate(per_rank * sizeof(std::int64_t));
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(fmt::format("step {}", step));
+    const Data d = make_data(2 * per_rank, 60 + static_cast<unsigned>(step));
+    const float got = ddp.train_step(shards(d, 0, 2, per_rank));
+    // Rank 1 starts from rank 0's parameters (identical anyway) and buffers.
+    s.copy(rank1->params_flat(), rank0->params_flat(), rank0->param_count() * sizeof(float));
+    s.copy(rank1->buffers_flat(), rank0->buffers_flat(), rank0->buffers_bytes());
+    float losses[2];
+    Model* ranks[2] = {rank0.get(), rank1.get()};
+    for (int r = 0; r < 2; ++r) {
+      s.copy(x.data(), d.x.data() + static_cast<std::size_t>(r * per_rank) * 784, x.size());
+      s.copy(y.data(), d.y.data() + r * per_rank, y.size());
+      const float* out = ranks[r]->forward(s, x.as<float>(), per_rank, Mode::train);
+      s.copy(&losses[r], loss.forward(s, out, y.as<std::int64_t>(), per_rank, 10), sizeof(float));
+      loss.backward(s, out, y.as<std::int64_t>(), per_rank, 10, dlogits.as<float>(), per_rank);
+      ranks[r]->zero_grad(s);
+      ranks[r]->backward(s, dlogits.as<float>());
+    }
+    // The mean over ranks: each gradient scaled by 1/world, then summed (as DDP does before its SUM).
+    const auto n = static_cast<kernels::index_t>(rank0->param_count());
+    kernels::scale(s, n, 0.5f, rank0->grads_flat());
+    kernels::axpy(s, n, 0.5f, rank1->grads_flat(), rank0->grads_flat());
+    optimizer.step(s, rank0->params_flat(), rank0->grads_flat());
+    s.synchronize();
+    const float want = (losses[0] + losses[1]) / 2.0f;
+    EXPECT_NEAR(got, want, 1e-6f * std::fabs(want));
+  }
+  ddp.synchronize();
+  Stream ds = rt->device(0).create_stream();
+  const auto got = state_dict(ddp.replica(0), ds), want = state_dict(*rank0, s);
+  for (const auto& name : want.order) {
+    if (want.at(name).dtype == "I64") {
+      EXPECT_EQ(got.at(name).to_i64(), want.at(name).to_i64()) << name;
+      continue;
+    }
+    const auto w = want.at(name).to_f32();
+    float scale = 0.0f;
+    for (float v : w) scale = std::max(scale, std::fabs(v));
+    EXPECT_TRUE(test::all_close(got.at(name).to_f32(), w, 1e-5, 1e-6 * scale + 1e-7)) << name;
   }
 }
 
