@@ -395,6 +395,8 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   std::unique_ptr<Model> model;
   if (golden.metadata.at("model") == "convnet") {
     model = models::make_convnet(rt->device(0), 1);
+  } else if (golden.metadata.at("model") == "resnet8") {
+    model = models::make_resnet8(rt->device(0), 1);
   } else {
     std::vector<int> hidden;
     for (const char* p = golden.metadata.at("hidden").c_str(); *p;) {
@@ -474,13 +476,12 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(PyTorch, DdpGolden,
-                         ::testing::Values(std::tuple{std::string("ddp_convnet_w3"), true},
-                                           std::tuple{std::string("ddp_convnet_w3"), false},
-                                           std::tuple{std::string("ddp_mlp_w2"), true}),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + (std::get<1>(info.param) ? "_broadcast" : "_local");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    PyTorch, DdpGolden,
+    ::testing::Values(std::tuple{std::string("ddp_convnet_w3"), true}, std::tuple{std::string("ddp_convnet_w3"), false},
+                      std::tuple{std::string("ddp_mlp_w2"), true}, std::tuple{std::string("ddp_resnet8_w2"), true},
+                      std::tuple{std::string("ddp_resnet8_w2"), false}),
+    [](const auto& info) { return std::get<0>(info.param) + (std::get<1>(info.param) ? "_broadcast" : "_local"); });
 
 }  // namespace
 }  // namespace dp

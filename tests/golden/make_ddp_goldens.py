@@ -50,7 +50,31 @@ WEIGHT_DECAY = 1e-3
 CASES = OrderedDict([
     ("ddp_convnet_w3", ("convnet", None, 3, 20, 4, 3, 301)),
     ("ddp_mlp_w2",     ("mlp", [32, 17], 2, 13, 3, 4, 302)),
+    ("ddp_resnet8_w2", ("resnet8", None, 2, 14, 4, 3, 303)),
 ])
+
+
+def new_model(kind, hidden):
+    if kind == "resnet8":
+        from make_resnet_goldens import ResNet8  # torchvision's BasicBlock tree, written out
+        return ResNet8()
+    return mg.MLP(list(hidden)) if kind == "mlp" else mg.ConvNet()
+
+
+def build(kind, hidden, seed):
+    """make_goldens' recipe (torch.manual_seed(seed), BatchNorm values away from 1/0); ResNet-8 too."""
+    if kind != "resnet8":
+        return mg.build_model(kind, hidden, seed)
+    torch.manual_seed(seed)
+    m = new_model(kind, hidden)
+    with torch.no_grad():
+        for bn in (x for x in m.modules() if isinstance(x, nn.BatchNorm2d)):
+            c = bn.num_features
+            bn.running_mean.copy_(torch.randn(c) * 0.1)
+            bn.running_var.copy_(torch.rand(c) + 0.5)
+            bn.weight.copy_(torch.rand(c) + 0.5)
+            bn.bias.copy_(torch.randn(c) * 0.1)
+    return m
 
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -106,7 +130,7 @@ def _worker(rank, name, init_sd, X, Y, port, tmpdir):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
-    model = mg.MLP(list(hidden)) if kind == "mlp" else mg.ConvNet()
+    model = new_model(kind, hidden)
     model.load_state_dict(init_sd)
     model.train()
     ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
@@ -152,7 +176,7 @@ def run_ddp(name, init_sd, X, Y):
 
 def run_case(name):
     kind, hidden, world, n, batch, steps, seed = CASES[name]
-    model = mg.build_model(kind, hidden, seed)  # torch.manual_seed(seed) + make_goldens' BN recipe
+    model = build(kind, hidden, seed)  # torch.manual_seed(seed) + make_goldens' BN recipe
     init_sd = OrderedDict((k, mg.snap(v)) for k, v in model.state_dict().items())
     pixels, X, Y = make_data(n, seed)
     ranks = run_ddp(name, init_sd, X, Y)
@@ -261,7 +285,7 @@ def emulate(f, meta, exact=True):
                        for k, v in f.items() if k.startswith("init."))
     models = []
     for r in range(world):
-        m = mg.MLP(hidden) if kind == "mlp" else mg.ConvNet()
+        m = new_model(kind, hidden)
         m.load_state_dict(init)
         m.train()
         models.append(m)
