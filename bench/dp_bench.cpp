@@ -696,6 +696,7 @@ int run_bench(const Options& o) {
     j["devices"] = devices;
     j["device_names"] = names;
     j["batch_per_device"] = o.batch;
+    j["optimizer"] = o.optimizer;
     j["steps"] = o.steps;
     j["warmup"] = o.warmup;
     j["bucket_cap_mb"] = o.bucket_cap_mb;

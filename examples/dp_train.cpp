@@ -602,7 +602,11 @@ int run(Options o) {
     progress.step = start_step + total_steps;
     progress.epoch = (start_step + total_steps) / batches_per_epoch;
     progress.seed = o.seed;
-    progress.tags = {{"model", o.model}, {"hidden", o.model == "mlp" ? o.hidden : ""}, {"mode", o.mode}};
+    progress.tags = {{"model", o.model},
+                     {"hidden", o.model == "mlp" ? o.hidden : ""},
+                     {"mode", o.mode},
+                     {"dropout", fmt::format("{}", o.dropout)},
+                     {"label_smoothing", fmt::format("{}", o.label_smoothing)}};
     dp::TrainingState::save(o.save, engine->model(), *engine->optimizers().front(), progress);
     fmt::print("dp_train: saved {}\n", o.save);
   }
@@ -631,7 +635,7 @@ int main(int argc, char** argv) {
         return fmt::format("'{}' is not a finite number >= 0", text);
       },
       ">= 0");
-  CLI::App app{"dp_train: train the reference MLP or ConvNet on one device, with DataParallel or with DDP"};
+  CLI::App app{"dp_train: train the reference MLP, ConvNet or ResNet-8 on one device, with DataParallel or with DDP"};
   Options o;
   app.add_option("--model", o.model, "mlp, convnet or resnet8")->check(CLI::IsMember({"mlp", "convnet", "resnet8"}));
   app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU (default 0: none)")
@@ -656,9 +660,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
   app.add_option("--optimizer", o.optimizer, "sgd (torch.optim.SGD) or adamw (torch.optim.AdamW)")
       ->check(CLI::IsMember({"sgd", "adamw"}));
-  app.add_option("--lr", o.lr, "learning rate")->check(non_negative);
+  app.add_option("--lr", o.lr, "learning rate (default: sgd 0.01, adamw 1e-3)")->check(non_negative);
   app.add_option("--momentum", o.momentum, "sgd: momentum")->check(non_negative);
-  app.add_option("--weight-decay", o.weight_decay, "weight decay (adamw: decoupled, as torch)")->check(non_negative);
+  app.add_option("--weight-decay", o.weight_decay, "weight decay (default: sgd 0, adamw 1e-2, decoupled as torch's)")
+      ->check(non_negative);
   app.add_flag("--nesterov", o.nesterov, "sgd: Nesterov momentum");
   app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)");
   app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)");
@@ -697,6 +702,20 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : 2;      // every bad command line is exit code 2, as bad files are
   }
   if (eval_on || eval_off) o.eval = eval_on;
+  // Each optimizer's own flags, and torch's defaults for those not given (torch.optim.AdamW: lr 1e-3,
+  // weight_decay 1e-2).
+  const bool adamw = o.optimizer == "adamw";
+  const std::vector<std::string> other_optimizers_flags = adamw
+                                                              ? std::vector<std::string>{"--momentum", "--nesterov"}
+                                                              : std::vector<std::string>{"--beta1", "--beta2", "--eps"};
+  for (const std::string& flag : other_optimizers_flags) {
+    if (app.get_option(flag)->count() > 0) {
+      fmt::print(stderr, "dp_train: error: {} does not apply to --optimizer {}\n", flag, o.optimizer);
+      return 2;
+    }
+  }
+  if (adamw && app.get_option("--lr")->count() == 0) o.lr = 1e-3;
+  if (adamw && app.get_option("--weight-decay")->count() == 0) o.weight_decay = 1e-2;
   // A file flag given an empty value names no file: refused rather than read as "not given".
   for (const char* flag :
        {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize", "--predictions"}) {

@@ -545,7 +545,7 @@ TEST(TrainingState, AdamWResumeIsBitExactOnEveryRank) {
     state.load_optimizers(*sgd_model, sgd->optimizers());
     ADD_FAILURE() << "an AdamW state loaded into SGD";
   } catch (const Error& e) {
-    EXPECT_TRUE(mentions(e.what(), {path, "adamw optimizer", "this run's optimizer is sgd"}));
+    EXPECT_TRUE(mentions(e.what(), {path, "optimizer 'adamw'", "this run's optimizer is 'sgd'"}));
   }
   EXPECT_EQ(sgd->optimizers()[0]->steps(), 0);
   const std::string sgd_path = dir.file("sgd.safetensors");
@@ -678,6 +678,14 @@ TEST(TrainingState, RefusesWhatIsNotAUsableTrainingState) {
   trailing.metadata["dp.epoch"] = "3x";
   const std::string trailing_error = read_error(trailing, dir.file("trailing.safetensors"));
   EXPECT_TRUE(mentions(trailing_error, {"'dp.epoch' = '3x'", "is not a number"}));
+
+  // A newer format than this dp knows is refused, not half-read.
+  safetensors::File newer = original;
+  newer.metadata["dp.format"] = "3";
+  EXPECT_TRUE(mentions(read_error(newer, dir.file("newer.safetensors")), {"format 3 is newer"}));
+  safetensors::File no_kind = original;
+  no_kind.metadata.erase("dp.optimizer");
+  EXPECT_TRUE(mentions(read_error(no_kind, dir.file("nokind.safetensors")), {"'dp.optimizer' is missing"}));
 
   safetensors::File no_optimizer_steps = original;
   no_optimizer_steps.metadata.erase("dp.optimizer_steps");

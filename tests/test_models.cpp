@@ -524,6 +524,36 @@ TEST(Containers, FiniteDifferenceGradients) {
   finite_difference_check(model, 4, 14, 2e-2);
 }
 
+// What torch refuses is refused when the layer or model is made, naming it.
+TEST(Containers, BadWindowsAndDuplicateNamesAreRefused) {
+  auto rt = test::sim_runtime(1);
+  using namespace nn;
+  EXPECT_THROW(make_avgpool2d("pool", 3, 0), InvalidArgument) << "stride 0";
+  EXPECT_THROW(make_avgpool2d("pool", 3, 1, 2), InvalidArgument) << "padding above kernel/2";
+  EXPECT_THROW(make_maxpool2d("pool", 0, 1), InvalidArgument) << "kernel 0";
+  EXPECT_THROW(make_dropout("drop", 1.5), InvalidArgument);
+  EXPECT_THROW(make_conv2d("conv", 1, 4, 3, 0, 1), InvalidArgument) << "stride 0";
+  Layers small;
+  small.push_back(make_avgpool2d("pool", 3, 2));
+  try {
+    SequentialModel model("small", rt->device(0), std::move(small), {1, 2, 2});
+    ADD_FAILURE() << "a 3x3 window over a 2x2 input was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("pool: input 2x2 (padding 0) is smaller than the 3x3 window"),
+              std::string::npos)
+        << e.what();
+  }
+  Layers twins;
+  twins.push_back(make_relu("a"));
+  twins.push_back(make_dropout("a", 0.5));
+  try {
+    make_sequential("block", std::move(twins));
+    ADD_FAILURE() << "two children named 'a' were accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("named 'a'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ResNet8, ReplicateKeepsTheTreeAndTheNames) {
   auto rt = test::sim_runtime(2);
   auto model = models::make_resnet8(rt->device(0), 4);

@@ -311,6 +311,10 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend sim --mode dp --device-ids 0,1,0 --steps 1", "device 0 appears twice");
   expect_refused("--backend sim --hidden 12,x --steps 1", "--hidden '12,x': 'x' is not an integer");
   expect_refused("--backend sim --steps 1 --epochs 1", "excludes");
+  expect_refused("--backend sim --steps 1 --optimizer adamw --momentum 0.5",
+                 "--momentum does not apply to --optimizer adamw");
+  expect_refused("--backend sim --steps 1 --beta1 0.8", "--beta1 does not apply to --optimizer sgd");
+  expect_refused("--backend sim --steps 1 --optimizer adam", "--optimizer");
 }
 
 TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {
@@ -339,6 +343,15 @@ std::vector<double> learning_rates(const std::string& output) {
   for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it)
     out.push_back(std::stod((*it)[1].str()));
   return out;
+}
+
+// --optimizer adamw starts from torch.optim.AdamW's defaults (lr 1e-3) unless told otherwise.
+TEST_F(TrainTest, AdamWTakesTorchsDefaults) {
+  const Result r = run("--backend sim --synthetic 32 --batch-size 8 --steps 2 --optimizer adamw --log-every 1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto lrs = learning_rates(r.output);
+  ASSERT_EQ(lrs.size(), 2u);
+  EXPECT_EQ(lrs[0], 0.001);
 }
 
 TEST_F(TrainTest, LinearScalingAndWarmup) {

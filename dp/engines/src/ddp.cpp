@@ -94,6 +94,7 @@ void DistributedDataParallel::zero_grad() {
   group_.run([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     rank.model->zero_grad(rank.compute);
+    rank.accumulated_samples = 0;  // gradients thrown away: the next forward starts the step's samples
   });
 }
 

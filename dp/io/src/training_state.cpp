@@ -98,6 +98,11 @@ TrainingState TrainingState::read(const std::string& path) {
   // Format 1 (SGD only) counted "dp.sgd_steps".
   const bool legacy = !file.metadata.count("dp.optimizer_steps") && file.metadata.count("dp.sgd_steps");
   state.optimizer_steps_ = number(path, file, legacy ? "dp.sgd_steps" : "dp.optimizer_steps", 0, kMaxCount);
+  const long long format = file.metadata.count("dp.format") ? number(path, file, "dp.format", 1, kMaxCount) : 1;
+  if (format > kFormat)
+    throw Error(fmt::format("{}: training state format {} is newer than this dp reads ({})", path, format, kFormat));
+  if (format >= 2 && !file.metadata.count("dp.optimizer"))
+    throw Error(fmt::format("{}: metadata 'dp.optimizer' is missing", path));
   if (const auto it = file.metadata.find("dp.optimizer"); it != file.metadata.end()) {
     if (it->second != "sgd" && it->second != "adamw")
       throw Error(fmt::format("{}: metadata 'dp.optimizer' = '{}' is not an optimizer dp knows (sgd, adamw)", path,
@@ -120,8 +125,16 @@ void TrainingState::load_optimizers(const Model& model, std::span<Optimizer* con
   if (optimizers.empty()) return;
   const Optimizer& first = *optimizers.front();
   if (first.kind() != optimizer_kind_)
-    throw Error(fmt::format("{}: the state is of a {} optimizer; this run's optimizer is {}", path_, optimizer_kind_,
+    throw Error(fmt::format("{}: the state is of optimizer '{}'; this run's optimizer is '{}'", path_, optimizer_kind_,
                             first.kind()));
+  const auto names = [](const Optimizer& o) {
+    std::vector<std::string> out;
+    for (const Optimizer::StateBuffer& b : o.state()) out.push_back(b.name);
+    return out;
+  };
+  for (const Optimizer* o : optimizers)
+    if (o->kind() != first.kind() || names(*o) != names(first) || o->param_count() != first.param_count())
+      throw InvalidArgument("load_optimizers: the optimizers differ in kind, state or size");
   // Validate everything first, so a bad file leaves every optimizer untouched. Every optimizer of
   // an engine has the same kind and options, so the first one's buffers name them all.
   const std::vector<TensorRef> parameters = model.parameters();

@@ -2,14 +2,21 @@
 #include "chain.h"
 
 #include <fmt/format.h>
+#include <set>
 
 #include "dp/error.h"
 
 namespace dp::nn::detail {
 
 Chain::Chain(Layers layers) : layers_(std::move(layers)) {
-  for (const auto& layer : layers_)
+  // Names are state-dict keys and Dropout's stream of random numbers: two equal ones would merge
+  // two layers' parameters in a checkpoint or draw one mask twice.
+  std::set<std::string> names;
+  for (const auto& layer : layers_) {
     if (!layer) throw InvalidArgument("a layer list holds a null layer");
+    if (!names.insert(layer->name()).second)
+      throw InvalidArgument(fmt::format("two layers of one list are named '{}'", layer->name()));
+  }
 }
 
 Chain::Chain(const Chain& other) {

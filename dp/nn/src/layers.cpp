@@ -135,16 +135,34 @@ class Relu final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Relu>(name()); }
 };
 
+// torch's rules for a pooling window (kernel, stride >= 1, 0 <= pad <= kernel/2), checked when the
+// layer is made rather than at its first forward.
+void check_window(const std::string& name, int kernel, int stride, int pad) {
+  if (kernel < 1 || stride < 1 || pad < 0 || pad > kernel / 2)
+    throw InvalidArgument(
+        fmt::format("{}: pooling window {} with stride {} and padding {}: need kernel and stride "
+                    ">= 1 and 0 <= padding <= kernel/2",
+                    name, kernel, stride, pad));
+}
+
+// The window has to fit the padded input (H + 2*pad >= kernel), else torch refuses the shape.
+void check_fits(const std::string& name, const ActShape& in, int kernel, int pad) {
+  if (in.h + 2 * pad < kernel || in.w + 2 * pad < kernel)
+    throw InvalidArgument(fmt::format("{}: input {}x{} (padding {}) is smaller than the {}x{} window", name, in.h, in.w,
+                                      pad, kernel, kernel));
+}
+
 class MaxPool2d final : public Layer {
  public:
-  MaxPool2d(std::string name, int kernel, int stride) : Layer(std::move(name)), kernel_(kernel), stride_(stride) {}
+  MaxPool2d(std::string name, int kernel, int stride) : Layer(std::move(name)), kernel_(kernel), stride_(stride) {
+    check_window(this->name(), kernel, stride, 0);
+  }
   kernels::MaxPoolShape shape(const ActShape& in) const {
     return kernels::MaxPoolShape{in.n, in.c, in.h, in.w, kernel_, stride_, 0};
   }
   ActShape output_shape(const ActShape& in) const override {
+    check_fits(name(), in, kernel_, 0);
     const auto s = shape(in);
-    if (s.h_out() < 1 || s.w_out() < 1)
-      throw InvalidArgument(fmt::format("{}: input {}x{} is smaller than the window", name(), in.h, in.w));
     return ActShape{in.n, in.c, s.h_out(), s.w_out()};
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
@@ -168,14 +186,15 @@ class MaxPool2d final : public Layer {
 class AvgPool2d final : public Layer {
  public:
   AvgPool2d(std::string name, int kernel, int stride, int pad)
-      : Layer(std::move(name)), kernel_(kernel), stride_(stride), pad_(pad) {}
+      : Layer(std::move(name)), kernel_(kernel), stride_(stride), pad_(pad) {
+    check_window(this->name(), kernel, stride, pad);
+  }
   kernels::AvgPoolShape shape(const ActShape& in) const {
     return kernels::AvgPoolShape{in.n, in.c, in.h, in.w, kernel_, stride_, pad_};
   }
   ActShape output_shape(const ActShape& in) const override {
+    check_fits(name(), in, kernel_, pad_);
     const auto s = shape(in);
-    if (s.h_out() < 1 || s.w_out() < 1)
-      throw InvalidArgument(fmt::format("{}: input {}x{} is smaller than the window", name(), in.h, in.w));
     return ActShape{in.n, in.c, s.h_out(), s.w_out()};
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {

@@ -83,7 +83,9 @@ std::unique_ptr<Optimizer> make_optimizer(Device& device, std::size_t param_coun
 }
 
 std::string_view optimizer_kind(const OptimizerOptions& options) {
-  return std::holds_alternative<SgdOptions>(options) ? "sgd" : "adamw";
+  return std::visit(Overloaded{[](const SgdOptions&) { return std::string_view("sgd"); },
+                               [](const AdamWOptions&) { return std::string_view("adamw"); }},
+                    options);
 }
 
 double base_lr(const OptimizerOptions& options) {

@@ -62,7 +62,8 @@ class Engine {
   // returns the logits of every sample, batch after batch, as (samples, outputs) floats. DDP: a
   // rank's batch may be empty (an evaluation shard that ran out before the others).
   virtual std::vector<float> predict(std::span<const Batch> batches) = 0;
-  // predict(), then per sample its cross-entropy against the target (in double) and whether the
+  // predict(), then per sample its plain cross-entropy against the target (in double; no label
+  // smoothing, so test losses compare across runs) and whether the
   // arg-max logit (the first of equal maxima, as torch.argmax) is the target. With `predictions`,
   // each sample's arg-max class is appended there, batch after batch.
   EvalTotals evaluate(std::span<const Batch> batches, std::vector<std::int32_t>* predictions = nullptr);
