@@ -68,6 +68,7 @@ struct Options {
   std::optional<int> devices;
   std::string models = "mlp,convnet";
   std::string optimizer = "sgd";
+  bool sync_bn = false;
   std::string modes = "single,dp,ddp";
   int batch = 64;
   int steps = 20;
@@ -355,6 +356,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   options.output_device = kind == dp::EngineKind::dp ? std::optional<int>(0) : std::nullopt;
   options.time_phases = kind == dp::EngineKind::dp;
   options.bucket_cap_mb = o.bucket_cap_mb;
+  options.sync_batchnorm = o.sync_bn && kind == dp::EngineKind::ddp;
   options.first_bucket_mb = o.first_bucket_mb;
   const dp::OptimizerOptions optimizer = o.optimizer == "adamw" ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
                                                                 : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
@@ -700,6 +702,7 @@ int run_bench(const Options& o) {
     j["steps"] = o.steps;
     j["warmup"] = o.warmup;
     j["bucket_cap_mb"] = o.bucket_cap_mb;
+    j["sync_bn"] = o.sync_bn;
     j["first_bucket_mb"] = o.first_bucket_mb;
     j["seed"] = o.seed;
     j["busy_time_available"] = rt->backend() == dp::Backend::sim;
@@ -732,6 +735,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "measured steps per run")->capture_default_str();
   app.add_option("--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap, MiB")->capture_default_str();
+  app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm (BatchNorm statistics over all ranks' batches)");
   app.add_option("--first-bucket-mb", o.first_bucket_mb,
                  "DDP first bucket cap, MiB (both models fit in torch's default 1 MiB: lower it to see "
                  "all-reduce overlap backward)")

@@ -35,6 +35,7 @@ struct Options {
   std::string model = "mlp";
   std::string hidden = "256,256";
   double dropout = 0.0;
+  bool sync_bn = false;
   double label_smoothing = 0.0;
   std::string mode = "single";
   std::string backend = "auto";
@@ -289,6 +290,7 @@ int run(Options o) {
       if (h < 1) throw UsageError(fmt::format("--hidden '{}': layer sizes must be >= 1", o.hidden));
   }
   if (o.dropout > 0.0 && o.model != "mlp") throw UsageError("--dropout applies to --model mlp");
+  if (o.sync_bn && o.mode != "ddp") throw UsageError("--sync-bn applies to --mode ddp");
   if (o.batch_size < 1) throw UsageError(fmt::format("--batch-size {}: must be at least 1", o.batch_size));
   if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
   if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
@@ -427,6 +429,7 @@ int run(Options o) {
   dp::EngineOptions engine_options;
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = ids;
+  engine_options.sync_batchnorm = o.sync_bn;
   engine_options.step.label_smoothing = o.label_smoothing;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
@@ -640,6 +643,7 @@ int main(int argc, char** argv) {
   app.add_option("--model", o.model, "mlp, convnet or resnet8")->check(CLI::IsMember({"mlp", "convnet", "resnet8"}));
   app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU (default 0: none)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm, BatchNorm statistics over all ranks' batches");
   app.add_option("--label-smoothing", o.label_smoothing, "CrossEntropyLoss(label_smoothing=S), S in [0, 1]")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");

@@ -120,6 +120,78 @@ TEST_P(DdpOnBackend, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
   }
 }
 
+// SyncBatchNorm: with BatchNorm statistics over all ranks' batches, DDP over N ranks of b samples
+// trains exactly as one device on the N*b samples (PyTorch's definition) — BatchNorm's running
+// statistics included — up to summation order: the ConvNet and ResNet-8 (BatchNorm in every block
+// and shortcut), 1 to 3 ranks, several steps.
+struct SyncBnCase {
+  std::string model;
+  int world;
+};
+class SyncBatchNorm : public ::testing::TestWithParam<SyncBnCase> {};
+
+TEST_P(SyncBatchNorm, DdpEqualsOneDeviceOnTheConcatenatedBatch) {
+  const auto& [name, world] = GetParam();
+  auto make = [&](Device& device) {
+    return name == "convnet" ? models::make_convnet(device, 6) : models::make_resnet8(device, 6);
+  };
+  auto rt = test::sim_runtime(world);
+  auto ref_rt = test::sim_runtime(1);
+  const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
+  auto model = make(rt->device(0));
+  auto reference = make(ref_rt->device(0));
+  DdpOptions options;
+  options.sync_batchnorm = true;
+  options.check_replicas = true;
+  DistributedDataParallel ddp(*rt, *model, sgd, options);
+  SingleDeviceTrainer single(*reference, sgd);
+  const int per_rank = 4;
+  const Data data = make_data(3 * world * per_rank, 21);
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(fmt::format("step {}", step));
+    const int first = step * world * per_rank;
+    const float got = ddp.train_step(shards(data, first, world, per_rank));
+    const float want =
+        single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, world * per_rank);
+    EXPECT_NEAR(got, want, 1e-5f * std::fabs(want));
+  }
+  ddp.synchronize();
+  Stream rs = ref_rt->device(0).create_stream();
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    Stream s = rt->device(r).create_stream();
+    const auto got = state_dict(ddp.replica(r), s), want = state_dict(*reference, rs);
+    for (const auto& key : want.order) {
+      if (want.at(key).dtype == "I64") {
+        EXPECT_EQ(got.at(key).to_i64(), want.at(key).to_i64()) << key;
+        continue;
+      }
+      const auto w = want.at(key).to_f32();
+      float scale = 0.0f;
+      for (float v : w) scale = std::max(scale, std::fabs(v));
+      // Running statistics included: every rank holds the global ones, as torch's SyncBatchNorm.
+      EXPECT_TRUE(test::all_close(got.at(key).to_f32(), w, 1e-4, 1e-5 * scale + 1e-6)) << key;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, SyncBatchNorm,
+                         ::testing::Values(SyncBnCase{"convnet", 1}, SyncBnCase{"convnet", 2}, SyncBnCase{"convnet", 3},
+                                           SyncBnCase{"resnet8", 2}),
+                         [](const auto& info) { return fmt::format("{}_w{}", info.param.model, info.param.world); });
+
+// Without it, each rank normalises with its own batch: the same run differs from one device.
+TEST(SyncBatchNormOff, PerRankStatisticsDifferFromOneDevice) {
+  auto rt = test::sim_runtime(2);
+  auto ref_rt = test::sim_runtime(1);
+  auto model = models::make_convnet(rt->device(0), 6), reference = models::make_convnet(ref_rt->device(0), 6);
+  DistributedDataParallel ddp(*rt, *model, SgdOptions{0.05f});
+  SingleDeviceTrainer single(*reference, SgdOptions{0.05f});
+  const Data data = make_data(8, 21);
+  const float got = ddp.train_step(shards(data, 0, 2, 4));
+  EXPECT_GT(std::fabs(got - single.step(data.x.data(), data.y.data(), 8)), 1e-4f);
+}
+
 TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
   const SgdOptions sgd{0.05f, 0.9f, 0.0f, false};
   const int world = 2, per_rank = 4, micro = 3;

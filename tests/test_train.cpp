@@ -223,6 +223,25 @@ TEST_F(TrainTest, DropoutResumesWithTheSameMasks) {
   EXPECT_NE(refused.output.find("--dropout applies to --model mlp"), std::string::npos) << refused.output;
 }
 
+// --sync-bn: DDP over 2 ranks of 6 trains as one device on their 12 samples. With --no-shuffle,
+// DistributedSampler deals rank r the samples r, r+2, ..., so each step's two shards together are
+// exactly single's batch of 12: the loss of every step agrees (to the printed digits and summation
+// order). Refused outside ddp.
+TEST_F(TrainTest, SyncBatchNormTrainsAsOneDeviceOnTheGlobalBatch) {
+  const std::string common = " --model convnet --backend sim --synthetic 48 --steps 4 --no-shuffle --log-every 1";
+  const Result ddp = run("--mode ddp --sync-bn --devices 2 --batch-size 6" + common);
+  ASSERT_EQ(ddp.code, 0) << ddp.output;
+  const Result single = run("--mode single --batch-size 12" + common);
+  ASSERT_EQ(single.code, 0) << single.output;
+  const auto a = losses(ddp.output), b = losses(single.output);
+  ASSERT_GE(a.size(), 4u);
+  ASSERT_GE(b.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_NEAR(a[i], b[i], 1e-5 + 1e-5 * b[i]) << "step " << i;
+  const Result refused = run("--model convnet --mode dp --sync-bn --backend sim --devices 2 --synthetic 8 --steps 1");
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.output.find("--sync-bn applies to --mode ddp"), std::string::npos) << refused.output;
+}
+
 TEST_F(TrainTest, InitAcceptsModulePrefixedNames) {
   ASSERT_EQ(run("--backend sim --synthetic 16 --batch-size 8 --steps 1 --save " + path("a.safetensors")).code, 0);
   auto file = dp::safetensors::read(path("a.safetensors"));

@@ -2,6 +2,7 @@
 // (mean, then centred moments), one for the backward sums, elementwise passes for y and dx.
 #include "checks.h"
 #include "dp/kernels/batchnorm.h"
+#include "dp/kernels/elementwise.h"
 #include "dp/kernels/launch.h"
 
 namespace dp::kernels {
@@ -82,6 +83,81 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
                               operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
   if (dx == nullptr) return;
   const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
+  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane,
+            BnInputGrad{at, term, grad_sums, dx},
+            {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
+             operand(grad_sums, 2 * c), operand(dx, total)});
+}
+
+void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                                  const float* beta, float* y, float* save_mean, float* save_invstd,
+                                  float* running_mean, float* running_var, std::int64_t* num_batches_tracked,
+                                  float* scratch, index_t global_count, const AllReduceSum& all_reduce) {
+  const char* name = "sync_batchnorm_forward_train";
+  checks::batchnorm(name, shape, false);  // a replica may hold one value per channel; the union may not
+  checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
+  checks::present(name, {{"x", x},
+                         {"gamma", gamma},
+                         {"beta", beta},
+                         {"y", y},
+                         {"save_mean", save_mean},
+                         {"save_invstd", save_invstd},
+                         {"running_mean", running_mean},
+                         {"running_var", running_var},
+                         {"num_batches_tracked", num_batches_tracked},
+                         {"scratch", scratch}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+  const float m = static_cast<float>(global_count);
+
+  // Sums, summed over the replicas, times 1/M: the mean of the union, as one device would form it.
+  launch_row_reduce<float>(stream, "sync_batchnorm_sum", c, count, BnChannelValue{at, x}, BnStoreMean{save_mean, 1.0f},
+                           {operand(x, total), operand(save_mean, c)});
+  all_reduce(save_mean, static_cast<std::size_t>(c));
+  launch(stream, "sync_batchnorm_mean", c, Scale{1.0f / m, save_mean}, {operand(save_mean, c)});
+  launch_row_reduce<SumPair>(stream, "sync_batchnorm_moments", c, count, BnCenteredMoments{at, x, save_mean},
+                             BnStorePair{c, scratch},
+                             {operand(x, total), operand(save_mean, c), operand(scratch, 2 * c)});
+  all_reduce(scratch, 2 * static_cast<std::size_t>(c));
+  const BnStoreVariance store{save_mean, save_invstd, running_mean, running_var, m, shape.eps, shape.momentum};
+  launch(stream, "sync_batchnorm_variance", c, BnFinishVariance{store, c, scratch},
+         {operand(scratch, 2 * c), operand(save_mean, c), operand(save_invstd, c), operand(running_mean, c),
+          operand(running_var, c)});
+  launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
+            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+            {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
+             operand(y, total)});
+  launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
+}
+
+void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                             const float* save_mean, const float* save_invstd, const float* dy, float* dx,
+                             float* dgamma, float* dbeta, float* grad_sums, index_t global_count,
+                             const AllReduceSum& all_reduce) {
+  const char* name = "sync_batchnorm_backward";
+  checks::batchnorm(name, shape, false);
+  checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
+  checks::present(name, {{"x", x},
+                         {"gamma", gamma},
+                         {"save_mean", save_mean},
+                         {"save_invstd", save_invstd},
+                         {"dy", dy},
+                         {"dgamma", dgamma},
+                         {"dbeta", dbeta},
+                         {"grad_sums", grad_sums}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+  launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
+                             BnGradTerms{at, x, dy, save_mean, save_invstd},
+                             BnStoreGradSums{c, dgamma, dbeta, grad_sums},
+                             {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
+                              operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
+  // Every replica calls the all-reduce, needed or not: the others wait for it.
+  all_reduce(grad_sums, 2 * static_cast<std::size_t>(c));
+  if (dx == nullptr) return;
+  const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(global_count)};
   launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane,
             BnInputGrad{at, term, grad_sums, dx},
             {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),

@@ -84,6 +84,14 @@ void batchnorm(const char* op, const BatchNormShape& s, bool training) {
         fmt::format("{}: expected more than 1 value per channel when training, got shape {}", op, describe(s)));
 }
 
+void sync_batchnorm_count(const char* op, std::int64_t global_count, std::int64_t local_count) {
+  if (global_count < 2 || global_count < local_count || global_count > (std::int64_t{1} << 24))
+    throw InvalidArgument(
+        fmt::format("{}: {} values per channel over all replicas (this one has {}): need at least "
+                    "2, at least this replica's, and at most 2^24 (exact as a float)",
+                    op, global_count, local_count));
+}
+
 void pool2d(const char* op, const Pool2dShape& s) {
   auto fail = [&](const char* why) { throw InvalidArgument(fmt::format("{}: {} in shape {}", op, why, describe(s))); };
   if (s.n < 0 || s.c < 0 || s.h < 0 || s.w < 0) fail("negative extent");

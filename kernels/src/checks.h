@@ -25,6 +25,8 @@ void conv2d_int_range(const char* op, const Conv2dShape& shape, std::int64_t lar
 
 // Negative extents; in training (statistics), more than one value per channel.
 void batchnorm(const char* op, const BatchNormShape& shape, bool training);
+// SyncBatchNorm's count over all replicas.
+void sync_batchnorm_count(const char* op, std::int64_t global_count, std::int64_t local_count);
 
 // torch's pool2d_shape_check (MaxPool2d and AvgPool2d alike): non-negative extents, kernel and
 // stride >= 1, 0 <= pad <= kernel/2, a window that fits in the padded input.

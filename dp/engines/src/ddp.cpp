@@ -19,6 +19,7 @@ struct DistributedDataParallel::Rank {
   engines::StagedBatch batch;
   Scratch grad_output;
   std::uint64_t accumulated_samples = 0;  // forwarded since the last optimizer step
+  BatchNormSync bn_sync;                  // sync_batchnorm: this rank's view of the BN collective
   PinnedBuffer host_loss;                 // pinned: the copy is asynchronous, the worker never blocks on peers
 };
 
@@ -27,6 +28,10 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))), options_(std::move(options)) {
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
   comm_ = Communicator::create(group_);
+  // SyncBatchNorm's collectives run on the compute streams, the gradient buckets' on the
+  // communication streams: each kind gets its own communicator, so the two sequences never
+  // interleave on one (NCCL requires one order of collectives per communicator).
+  if (options_.sync_batchnorm) bn_comm_ = Communicator::create(group_);
   reducer_ = std::make_unique<Reducer>(
       *comm_, group_, assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb));
   for (int r = 0; r < group_.size(); ++r) {
@@ -36,6 +41,12 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     rank->optimizer = make_optimizer(device, module.param_count(), optimizer);
     rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
     rank->compute = device.create_stream();
+    if (bn_comm_) {
+      rank->bn_sync.all_reduce = [this, r](const Stream& stream, float* data, std::size_t count) {
+        bn_comm_->all_reduce(r, stream, data, count, ReduceOp::sum);
+      };
+      rank->model->set_batchnorm_sync(&rank->bn_sync);
+    }
     rank->host_loss = runtime.allocate_pinned(sizeof(float));
     ranks_.push_back(std::move(rank));
   }
@@ -70,14 +81,19 @@ void DistributedDataParallel::run_ranks(const std::function<void(int rank)>& tas
         task(r);
       } catch (...) {
         // At once, not after the other ranks' tasks: they may be waiting on this rank's collectives.
-        comm_->abort();
+        abort_communicators();
         throw;
       }
     });
   } catch (...) {
-    comm_->abort();
+    abort_communicators();
     throw;
   }
+}
+
+void DistributedDataParallel::abort_communicators() {
+  comm_->abort();
+  if (bn_comm_) bn_comm_->abort();
 }
 
 void DistributedDataParallel::broadcast_from_rank0(bool parameters, bool buffers) {
@@ -119,6 +135,9 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
   if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
   const bool sync = sync_;
   require_forward_param_sync_ = sync;
+  std::int64_t samples = 0;  // SyncBatchNorm normalises over all ranks' samples of this forward
+  for (const Batch& batch : batches) samples += batch.size;
+  for (auto& rank : ranks_) rank->bn_sync.global_samples = samples;
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Model& m = *rank.model;

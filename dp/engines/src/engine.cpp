@@ -68,6 +68,8 @@ void Engine::set_lr(double lr) {
 
 std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options) {
+  if (options.sync_batchnorm && options.kind != EngineKind::ddp)
+    throw InvalidArgument(fmt::format("sync_batchnorm applies to ddp, not {}", to_string(options.kind)));
   if (options.output_device && options.kind != EngineKind::dp)
     throw InvalidArgument(fmt::format("output_device applies to dp, not {}", to_string(options.kind)));
   switch (options.kind) {
@@ -91,6 +93,7 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
       ddp_options.bucket_cap_mb = options.bucket_cap_mb;
       ddp_options.first_bucket_mb = options.first_bucket_mb;
       ddp_options.broadcast_buffers = options.broadcast_buffers;
+      ddp_options.sync_batchnorm = options.sync_batchnorm;
       return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
     }
   }

@@ -84,7 +84,8 @@ const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
     float* out = i == last_compute && y
                      ? y
                      : activations_[i + 1].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i + 1].numel()));
-    layers_[i]->forward(LayerContext{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random}, outputs_[i], out);
+    layers_[i]->forward(LayerContext{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random, ctx.sync}, outputs_[i],
+                        out);
     outputs_[i + 1] = out;
   }
   train_forward_done_ = ctx.mode == Mode::train;
@@ -105,7 +106,7 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
     float* child_dx =
         i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
-    layer.backward(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random}, outputs_[i],
+    layer.backward(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync}, outputs_[i],
                    outputs_[i + 1], dy, child_dx);
     if (after) after(layer);
     dy = child_dx;

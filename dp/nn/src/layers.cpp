@@ -106,20 +106,39 @@ class BatchNorm2d final : public Layer {
       return;
     }
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
+    if (ctx.sync) {
+      kernels::sync_batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
+                                            buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2),
+                                            saved + 2 * channels_, global_count(ctx), all_reduce(ctx));
+      return;
+    }
     kernels::batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
                                      buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
+    if (ctx.sync) {
+      kernels::sync_batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
+                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx));
+      return;
+    }
     kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
                                 saved + 2 * channels_);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
 
  private:
+  // SyncBatchNorm: the values per channel over all replicas, and their all-reduce on this stream.
+  static kernels::index_t global_count(const LayerContext& ctx) {
+    return static_cast<kernels::index_t>(ctx.sync->global_samples) * ctx.in.h * ctx.in.w;
+  }
+  static kernels::AllReduceSum all_reduce(const LayerContext& ctx) {
+    return [&ctx](float* data, std::size_t count) { ctx.sync->all_reduce(ctx.stream, data, count); };
+  }
+
   int channels_;
-  Scratch saved_;  // batch mean, invstd, then the backward's two sums per channel
+  Scratch saved_;  // batch mean, invstd, then two sums per channel (the forward's moments, the backward's)
 };
 
 class Relu final : public Layer {

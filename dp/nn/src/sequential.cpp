@@ -127,19 +127,20 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
-  return chain_->forward(LayerContext{stream, device_, input_act_shape(batch), mode, &random_}, input, nullptr);
+  return chain_->forward(LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_}, input, nullptr);
 }
 
 void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
   try {
     // The model's input needs no gradient (dx null): nothing upstream uses it.
-    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_}, grad_output, nullptr, [&](Layer& layer) {
-      if (!on_ready || layer.params().empty()) return;
-      const auto& params = layer.params();
-      const std::size_t begin = params.front().offset;
-      const auto& last = params.back();
-      on_ready(begin, last.offset + numel(last.shape) - begin);
-    });
+    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_, sync_}, grad_output, nullptr,
+                     [&](Layer& layer) {
+                       if (!on_ready || layer.params().empty()) return;
+                       const auto& params = layer.params();
+                       const std::size_t begin = params.front().offset;
+                       const auto& last = params.back();
+                       on_ready(begin, last.offset + numel(last.shape) - begin);
+                     });
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(fmt::format("{}: {}", name_, e.what()));
   }

@@ -35,6 +35,9 @@ struct DdpOptions {
   bool broadcast_buffers = true;
   // Debug: after every step, verify that all replicas' parameters are bitwise identical.
   bool check_replicas = false;
+  // torch.nn.SyncBatchNorm.convert_sync_batchnorm: BatchNorm statistics over all ranks' batches
+  // (forward and backward), so N ranks of b samples train as one device on the N*b samples.
+  bool sync_batchnorm = false;
   StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from (rank r: seed + r)
 };
 
@@ -98,12 +101,14 @@ class DistributedDataParallel final : public Engine {
   // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
   // may be waiting in its collectives) and rethrows.
   void run_ranks(const std::function<void(int rank)>& task);
+  void abort_communicators();
   void check_batches(std::span<const Batch> batches, bool training) const;
 
   DeviceGroup group_;
   DdpOptions options_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only
   std::unique_ptr<Reducer> reducer_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   bool sync_ = true;

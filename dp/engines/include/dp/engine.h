@@ -90,6 +90,7 @@ struct EngineOptions {
   double bucket_cap_mb = 25.0;       // ddp: gradient bucket cap, MiB
   double first_bucket_mb = 1.0;      // ddp: the first bucket's cap, MiB
   bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
+  bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
   StepOptions step = {};             // loss and randomness, every kind
 };
 

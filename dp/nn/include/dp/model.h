@@ -37,6 +37,16 @@ struct RandomContext {
   std::uint64_t sample_offset = 0;  // index of the batch's first sample in the step's batch
 };
 
+// SyncBatchNorm (torch.nn.SyncBatchNorm under DDP): BatchNorm layers in train mode normalise with
+// the statistics of every replica's batch together. `all_reduce` enqueues an in-place sum over the
+// replicas on the stream it is given (every replica calls it in the same order: one call per
+// BatchNorm forward pass, two in its forward, one in its backward); `global_samples` is the step's
+// number of samples over all replicas.
+struct BatchNormSync {
+  std::function<void(const Stream& stream, float* data, std::size_t count)> all_reduce;
+  std::int64_t global_samples = 0;
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -75,6 +85,9 @@ class Model {
   // The randomness the next train-mode forwards draw from (see RandomContext); models without
   // stochastic layers ignore it.
   virtual void set_random_context(const RandomContext&) {}
+  // Until reset with null, train-mode forwards and backwards synchronise BatchNorm statistics
+  // through `sync` (owned by the caller, alive while set); models without BatchNorm ignore it.
+  virtual void set_batchnorm_sync(const BatchNormSync*) {}
 
   // The same architecture on another device, with its own buffers (values uninitialised: the
   // engine broadcasts them).

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 
 #include "dp/device.h"
 #include "dp/kernels/platform.h"
@@ -37,6 +38,24 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
                         float* dbeta, float* grad_sums);
+
+// SyncBatchNorm (torch.nn.SyncBatchNorm): the statistics are those of every replica's batch
+// together. `all_reduce(data, count)` enqueues an in-place sum of `count` floats over the replicas
+// on `stream` (every replica makes the same calls in the same order); `global_count` is the sum of
+// the replicas' N*H*W (>= 2). The forward reduces the per-channel sums (-> the global mean), then
+// the centred moments around it (-> global variance: invstd and the running statistics, unbiased
+// with the global count, as torch's batch_norm_gather_stats_with_counts); `scratch` holds 2*C floats.
+// The backward adds this replica's own sum(dy), sum(dy*xhat) to dbeta, dgamma (torch's SyncBatchNorm
+// leaves the averaging over replicas to DDP's gradient all-reduce) and computes dx from the summed ones.
+using AllReduceSum = std::function<void(float* data, std::size_t count)>;
+void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                                  const float* beta, float* y, float* save_mean, float* save_invstd,
+                                  float* running_mean, float* running_var, std::int64_t* num_batches_tracked,
+                                  float* scratch, index_t global_count, const AllReduceSum& all_reduce);
+void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                             const float* save_mean, const float* save_invstd, const float* dy, float* dx,
+                             float* dgamma, float* dbeta, float* grad_sums, index_t global_count,
+                             const AllReduceSum& all_reduce);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -96,6 +115,23 @@ struct BnStoreVariance {
     running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean[c];
     running_var[c] = (1.0f - momentum) * running_var[c] + momentum * (centered / (count - 1.0f));
   }
+};
+
+// SyncBatchNorm: a row reduction's pair kept for the all-reduce (a at [c], b at [C + c]), and the
+// variance finished from the summed pairs.
+struct BnStorePair {
+  index_t channels;
+  float* out;
+  DP_HD void operator()(index_t c, SumPair s) const {
+    out[c] = s.a;
+    out[channels + c] = s.b;
+  }
+};
+struct BnFinishVariance {
+  BnStoreVariance store;
+  index_t channels;
+  const float* sums;
+  DP_HD void operator()(index_t c) const { store(c, SumPair{sums[c], sums[channels + c]}); }
 };
 
 // y = (x - mean) * invstd * gamma + beta, channel of element i taken from the NCHW index.

@@ -43,6 +43,7 @@ struct LayerContext {
   ActShape in;
   Mode mode;
   const RandomContext* random = nullptr;  // train mode: what Dropout draws from
+  const BatchNormSync* sync = nullptr;    // train mode: SyncBatchNorm's replicas, when synchronised
 };
 
 class Layer {

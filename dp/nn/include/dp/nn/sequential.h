@@ -50,6 +50,7 @@ class SequentialModel final : public Model {
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
   void zero_grad(const Stream& stream) override;
   void set_random_context(const RandomContext& random) override { random_ = random; }
+  void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
   std::unique_ptr<Model> replicate(Device& device) const override;
 
  private:
@@ -65,6 +66,7 @@ class SequentialModel final : public Model {
   std::size_t buffers_bytes_ = 0;
   DeviceBuffer params_, grads_, buffers_;
   RandomContext random_;
+  const BatchNormSync* sync_ = nullptr;
 };
 
 }  // namespace dp::nn
