@@ -18,6 +18,7 @@
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
 #include "dp/safetensors.h"
+#include "dp/trace.h"
 #include "dp/trainer.h"
 #include "test_util.h"
 
@@ -190,6 +191,30 @@ TEST(SyncBatchNormOff, PerRankStatisticsDifferFromOneDevice) {
   const Data data = make_data(8, 21);
   const float got = ddp.train_step(shards(data, 0, 2, 4));
   EXPECT_GT(std::fabs(got - single.step(data.x.data(), data.y.data(), 8)), 1e-4f);
+}
+
+// DDP on one rank is the single-device step: bit for bit, and without a collective or a 1/N scale
+// in its trace (torch scales and all-reduces even then; there is nothing to gain from it).
+TEST(Ddp, OneRankIsTheSingleDeviceStepWithoutCollectives) {
+  auto rt = test::sim_runtime(1);
+  auto ref_rt = test::sim_runtime(1);
+  const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
+  auto model = models::make_convnet(rt->device(0), 3), reference = models::make_convnet(ref_rt->device(0), 3);
+  DistributedDataParallel ddp(*rt, *model, sgd);
+  SingleDeviceTrainer single(*reference, sgd);
+  const Data data = make_data(18, 4);
+  rt->set_profiling(true);
+  for (int step = 0; step < 3; ++step) {
+    const int first = step * 6;
+    const float got = ddp.train_step(shards(data, first, 1, 6));
+    EXPECT_EQ(got, single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, 6));
+  }
+  ddp.synchronize();
+  for (const TraceSpan& span : rt->take_trace()) {
+    EXPECT_NE(span.kind, SpanKind::collective) << span.name;
+    EXPECT_NE(span.name, "scale") << "the 1/N scale of the gradient buckets";
+  }
+  EXPECT_EQ(params_of(*model), params_of(*reference));
 }
 
 TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {

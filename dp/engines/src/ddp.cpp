@@ -97,6 +97,7 @@ void DistributedDataParallel::abort_communicators() {
 }
 
 void DistributedDataParallel::broadcast_from_rank0(bool parameters, bool buffers) {
+  if (group_.size() == 1) return;  // rank 0 already holds what it would broadcast to itself
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Model& m = *rank.model;
