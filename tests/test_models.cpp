@@ -554,6 +554,34 @@ TEST(Containers, BadWindowsAndDuplicateNamesAreRefused) {
   }
 }
 
+// The gradients-ready callback reaches inside the residual blocks: one call per layer with
+// parameters (19 in ResNet-8), each parameter covered exactly once, the fc first (DDP's first bucket
+// can leave while the blocks' backward runs).
+TEST(ResNet8, GradientsAreReportedPerLayerInsideTheBlocks) {
+  auto rt = test::sim_runtime(1);
+  Device& device = rt->device(0);
+  auto model = models::make_resnet8(device, 2);
+  Stream stream = device.create_stream();
+  const int batch = 2;
+  const auto x = test::random_vector(batch * 784u, 3, 0.0f, 1.0f);
+  DeviceBuffer input = test::upload(device, stream, x);
+  model->forward(stream, input.as<float>(), batch, Mode::train);
+  DeviceBuffer dy = test::upload(device, stream, test::random_vector(batch * 10u, 4));
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  model->zero_grad(stream);
+  model->backward(stream, dy.as<float>(),
+                  [&](std::size_t offset, std::size_t count) { ranges.emplace_back(offset, count); });
+  stream.synchronize();
+  EXPECT_EQ(ranges.size(), 19u);
+  std::vector<int> covered(model->param_count(), 0);
+  for (const auto& [offset, count] : ranges)
+    for (std::size_t i = offset; i < offset + count; ++i) ++covered.at(i);
+  EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), static_cast<std::ptrdiff_t>(model->param_count()));
+  const auto params = model->parameters();
+  ASSERT_FALSE(ranges.empty());
+  EXPECT_EQ(ranges.front().first, params[params.size() - 2].offset) << "fc.weight, fc.bias first";
+}
+
 TEST(ResNet8, ReplicateKeepsTheTreeAndTheNames) {
   auto rt = test::sim_runtime(2);
   auto model = models::make_resnet8(rt->device(0), 4);

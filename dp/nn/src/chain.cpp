@@ -106,9 +106,8 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
     float* child_dx =
         i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
-    layer.backward(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync}, outputs_[i],
-                   outputs_[i + 1], dy, child_dx);
-    if (after) after(layer);
+    layer.backward_reporting(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync},
+                             outputs_[i], outputs_[i + 1], dy, child_dx, after);
     dy = child_dx;
   }
 }

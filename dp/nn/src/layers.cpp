@@ -309,6 +309,10 @@ class SequentialLayer final : public Layer {
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
     chain_.backward(ctx, dy, dx);
   }
+  void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx,
+                          const std::function<void(Layer&)>& done) override {
+    chain_.backward(ctx, dy, dx, done);
+  }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<SequentialLayer>(*this); }
 
  private:
@@ -353,7 +357,11 @@ class Residual final : public Layer {
     kernels::add(ctx.stream, n, body, shortcut, y);
     if (relu_after_) kernels::relu_forward(ctx.stream, n, y, y);
   }
-  void backward(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx) override {
+  void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
+    backward_reporting(ctx, x, y, dy, dx, {});
+  }
+  void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
+                          const std::function<void(Layer&)>& done) override {
     const ActShape out = output_shape(ctx.in);
     const auto n = static_cast<kernels::index_t>(out.numel());
     const float* dsum = dy;
@@ -363,13 +371,13 @@ class Residual final : public Layer {
       dsum = g;
     }
     // The Add passes dsum to both branches; the input gradient is the sum of theirs.
-    body_.backward(ctx, dsum, dx);
+    body_.backward(ctx, dsum, dx, done);
     if (shortcut_.is_identity()) {
       if (dx) kernels::axpy(ctx.stream, static_cast<kernels::index_t>(ctx.in.numel()), 1.0f, dsum, dx);
       return;
     }
     float* shortcut_dx = dx ? shortcut_dx_.get<float>(ctx.device, static_cast<std::size_t>(ctx.in.numel())) : nullptr;
-    shortcut_.backward(ctx, dsum, shortcut_dx);
+    shortcut_.backward(ctx, dsum, shortcut_dx, done);
     if (dx) kernels::add(ctx.stream, static_cast<kernels::index_t>(ctx.in.numel()), dx, shortcut_dx, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Residual>(*this); }

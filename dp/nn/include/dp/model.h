@@ -20,8 +20,8 @@ namespace dp {
 enum class Mode { train, eval };
 
 // Backward calls this once per layer that has parameters, in reverse layer order, right after
-// that layer's gradient work has been enqueued on the stream (SequentialModel: once per top-level
-// layer; a container — Sequential, Residual — reports its whole range after its backward): gradients in
+// that layer's gradient work has been enqueued on the stream (SequentialModel: inside containers —
+// Sequential, Residual — per child layer, as the backward reaches it): gradients in
 // [offset, offset + count) of the flat gradient buffer are final once that work completes.
 using GradientsReady = std::function<void(std::size_t offset, std::size_t count)>;
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,6 +75,14 @@ class Layer {
   virtual void forward(const LayerContext& ctx, const float* x, float* y) = 0;
   // dx = dL/dx (skipped when null), parameter gradients accumulated.
   virtual void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) = 0;
+  // backward, then `done(layer)` for every layer whose parameter gradients are then enqueued: this
+  // layer itself, or a container's children one by one as its backward reaches them (so DDP can
+  // start a bucket's all-reduce inside a residual block, not after it).
+  virtual void backward_reporting(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx,
+                                  const std::function<void(Layer&)>& done) {
+    backward(ctx, x, y, dy, dx);
+    if (done) done(*this);
+  }
   virtual std::unique_ptr<Layer> clone() const = 0;
 
  protected:
