@@ -25,19 +25,8 @@ using test::download;
 using test::random_vector;
 using test::upload;
 
-class LayerTest : public test::BackendTest {
- protected:
-  template <class T>
-  DeviceBuffer up(const std::vector<T>& host) {
-    return upload(*device_, stream_, host);
-  }
-  template <class T>
-  std::vector<T> down(const DeviceBuffer& buffer) {
-    return download<T>(stream_, buffer);
-  }
-};
-class BatchNormTest : public LayerTest {};
-class MaxPoolTest : public LayerTest {};
+class BatchNormTest : public test::BackendTest {};
+class MaxPoolTest : public test::BackendTest {};
 
 INSTANTIATE_TEST_SUITE_P(Backends, BatchNormTest, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });

@@ -39,13 +39,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, LossOptimizerTest, ::testing::Values("sim", "
 
 constexpr int kClasses = 10;
 
-std::vector<std::int64_t> random_targets(int n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<std::int64_t> dist(0, kClasses - 1);
-  std::vector<std::int64_t> t(n);
-  for (auto& v : t) v = dist(gen);
-  return t;
-}
+std::vector<std::int64_t> random_targets(int n, unsigned seed) { return test::random_targets(n, kClasses, seed); }
 
 // The definition, in double: term_i = log(sum_c exp(x_ic)) - x_it (max-shifted so 1e4 logits fit
 // in double too), dlogits = (softmax - onehot) * scale.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fmt/format.h>
+#include <functional>
 #include <gtest/gtest.h>
 #include <random>
 
@@ -59,6 +60,67 @@ std::vector<float> to_host(const Stream& stream, const float* device_ptr, std::s
   return test::all_close(got, want, 1e-4, 2e-5 * scale + 1e-7);
 }
 
+// Replays a golden file's steps on `model` (loaded with its init.* state): per step, its input
+// and targets in, the logits and loss checked, the loss's gradient left in the model; then the
+// final state and the eval-mode logits of step 0's input. The optimizer step is the caller's.
+class GoldenReplay {
+ public:
+  GoldenReplay(const safetensors::File& golden, Model& model, CrossEntropyLoss& loss, const Stream& stream)
+      : golden_(golden),
+        model_(model),
+        loss_(loss),
+        stream_(stream),
+        batch_(std::stoi(golden.metadata.at("batch"))),
+        input_(model.device().allocate(static_cast<std::size_t>(batch_) * 784 * sizeof(float))),
+        target_(model.device().allocate(static_cast<std::size_t>(batch_) * sizeof(std::int64_t))),
+        dlogits_(model.device().allocate(static_cast<std::size_t>(batch_) * 10 * sizeof(float))) {}
+
+  void forward_backward(int k) {
+    const std::string step = fmt::format("step{}.", k);
+    const auto x = golden_.at(step + "input").to_f32();
+    const auto y = golden_.at(step + "target").to_i64();
+    stream_.copy(input_.data(), x.data(), input_.size());
+    stream_.copy(target_.data(), y.data(), target_.size());
+    const float* logits = model_.forward(stream_, input_.as<float>(), batch_, Mode::train);
+    EXPECT_TRUE(matches(to_host(stream_, logits, batch_ * 10u), golden_.at(step + "output").to_f32())) << "logits";
+    const float* device_loss = loss_.forward(stream_, logits, target_.as<std::int64_t>(), batch_, 10);
+    EXPECT_TRUE(matches(to_host(stream_, device_loss, 1), golden_.at(step + "loss").to_f32())) << "loss";
+    loss_.backward(stream_, logits, target_.as<std::int64_t>(), batch_, 10, dlogits_.as<float>(), batch_);
+    model_.zero_grad(stream_);
+    model_.backward(stream_, dlogits_.as<float>());
+  }
+
+  // final.* against the state dict: integers exactly, floats with `close(name, got, want)`.
+  void expect_final_state(const std::function<::testing::AssertionResult(const std::string&, const std::vector<float>&,
+                                                                         const std::vector<float>&)>& close) {
+    const auto state = state_dict(model_, stream_);
+    for (const auto& name : state.order) {
+      const auto& got = state.at(name);
+      const auto& want = golden_.at("final." + name);
+      if (got.dtype == "I64") {
+        EXPECT_EQ(got.to_i64(), want.to_i64()) << name;
+      } else {
+        EXPECT_TRUE(close(name, got.to_f32(), want.to_f32())) << "final " << name;
+      }
+    }
+  }
+
+  void expect_eval_logits() {
+    const auto x0 = golden_.at("step0.input").to_f32();
+    stream_.copy(input_.data(), x0.data(), input_.size());
+    const float* eval = model_.forward(stream_, input_.as<float>(), batch_, Mode::eval);
+    EXPECT_TRUE(matches(to_host(stream_, eval, batch_ * 10u), golden_.at("eval.output").to_f32())) << "eval logits";
+  }
+
+ private:
+  const safetensors::File& golden_;
+  Model& model_;
+  CrossEntropyLoss& loss_;
+  const Stream& stream_;
+  int batch_;
+  DeviceBuffer input_, target_, dlogits_;
+};
+
 class GoldenParity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
@@ -76,25 +138,11 @@ TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
   options.nesterov = golden.metadata.at("nesterov") == "1";
   Sgd sgd(device, model->param_count(), options);
   CrossEntropyLoss loss(device);
-
-  const int batch = std::stoi(golden.metadata.at("batch"));
-  DeviceBuffer input = device.allocate(static_cast<std::size_t>(batch) * 784 * sizeof(float));
-  DeviceBuffer target = device.allocate(static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-  DeviceBuffer dlogits = device.allocate(static_cast<std::size_t>(batch) * 10 * sizeof(float));
+  GoldenReplay replay(golden, *model, loss, stream);
   for (int k = 0; k < 3; ++k) {
     SCOPED_TRACE(fmt::format("step {}", k));
     const std::string step = fmt::format("step{}.", k);
-    const auto x = golden.at(step + "input").to_f32();
-    const auto y = golden.at(step + "target").to_i64();
-    stream.copy(input.data(), x.data(), input.size());
-    stream.copy(target.data(), y.data(), target.size());
-    const float* logits = model->forward(stream, input.as<float>(), batch, Mode::train);
-    EXPECT_TRUE(matches(to_host(stream, logits, batch * 10u), golden.at(step + "output").to_f32())) << "logits";
-    const float* device_loss = loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10);
-    EXPECT_TRUE(matches(to_host(stream, device_loss, 1), golden.at(step + "loss").to_f32())) << "loss";
-    loss.backward(stream, logits, target.as<std::int64_t>(), batch, 10, dlogits.as<float>(), batch);
-    model->zero_grad(stream);
-    model->backward(stream, dlogits.as<float>());
+    replay.forward_backward(k);
     for (const TensorRef& g : model->gradients()) {
       if (g.name.find("layer") == 0 && g.name.find(".0.bias") != std::string::npos) {
         // A conv bias followed by BatchNorm has a true gradient of 0; both sides hold rounding
@@ -107,20 +155,8 @@ TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
     }
     sgd.step(stream, model->params_flat(), model->grads_flat());
   }
-  const auto state = state_dict(*model, stream);
-  for (const auto& name : state.order) {
-    const auto& got = state.at(name);
-    const auto& want = golden.at("final." + name);
-    if (got.dtype == "I64") {
-      EXPECT_EQ(got.to_i64(), want.to_i64()) << name;
-    } else {
-      EXPECT_TRUE(matches(got.to_f32(), want.to_f32())) << "final " << name;
-    }
-  }
-  const auto x0 = golden.at("step0.input").to_f32();
-  stream.copy(input.data(), x0.data(), input.size());
-  const float* eval = model->forward(stream, input.as<float>(), batch, Mode::eval);
-  EXPECT_TRUE(matches(to_host(stream, eval, batch * 10u), golden.at("eval.output").to_f32())) << "eval logits";
+  replay.expect_final_state([](const std::string&, const auto& got, const auto& want) { return matches(got, want); });
+  replay.expect_eval_logits();
 }
 
 INSTANTIATE_TEST_SUITE_P(PyTorch, GoldenParity,
@@ -426,10 +462,7 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
   }
   const LrSchedule schedule = adamw ? LrSchedule::cosine(std::stoll(meta.at("t_max"))) : LrSchedule::constant();
   CrossEntropyLoss loss(device, std::stod(meta.at("label_smoothing")));
-  const int batch = std::stoi(meta.at("batch"));
-  DeviceBuffer input = device.allocate(static_cast<std::size_t>(batch) * 784 * sizeof(float));
-  DeviceBuffer target = device.allocate(static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-  DeviceBuffer dlogits = device.allocate(static_cast<std::size_t>(batch) * 10 * sizeof(float));
+  GoldenReplay replay(golden, *model, loss, stream);
   double lr_sum = 0.0;
   for (int k = 0; k < std::stoi(meta.at("steps")); ++k) {
     SCOPED_TRACE(fmt::format("step {}", k));
@@ -438,17 +471,7 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
     EXPECT_EQ(static_cast<float>(lr), golden.at(step + "lr").to_f32()[0]);
     optimizer->set_lr(lr);
     lr_sum += lr;
-    const auto x = golden.at(step + "input").to_f32();
-    const auto y = golden.at(step + "target").to_i64();
-    stream.copy(input.data(), x.data(), input.size());
-    stream.copy(target.data(), y.data(), target.size());
-    const float* logits = model->forward(stream, input.as<float>(), batch, Mode::train);
-    EXPECT_TRUE(matches(to_host(stream, logits, batch * 10u), golden.at(step + "output").to_f32())) << "logits";
-    const float* device_loss = loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10);
-    EXPECT_TRUE(matches(to_host(stream, device_loss, 1), golden.at(step + "loss").to_f32())) << "loss";
-    loss.backward(stream, logits, target.as<std::int64_t>(), batch, 10, dlogits.as<float>(), batch);
-    model->zero_grad(stream);
-    model->backward(stream, dlogits.as<float>());
+    replay.forward_backward(k);
     if (k == 0) {
       for (const TensorRef& g : model->gradients())
         EXPECT_TRUE(matches(to_host(stream, g.as<float>(), g.numel()), golden.at(step + "grad." + g.name).to_f32()))
@@ -456,22 +479,12 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
     }
     optimizer->step(stream, model->params_flat(), model->grads_flat());
   }
-  const auto state = state_dict(*model, stream);
-  for (const auto& name : state.order) {
-    const auto& got = state.at(name);
-    const auto& want = golden.at("final." + name);
-    if (got.dtype == "I64") {
-      EXPECT_EQ(got.to_i64(), want.to_i64()) << name;
-    } else if (adamw && name.find("running_") == std::string::npos) {
-      EXPECT_TRUE(matches_after_adamw(got.to_f32(), want.to_f32(), lr_sum)) << "final " << name;
-    } else {
-      EXPECT_TRUE(matches(got.to_f32(), want.to_f32())) << "final " << name;
-    }
-  }
-  const auto x0 = golden.at("step0.input").to_f32();
-  stream.copy(input.data(), x0.data(), input.size());
-  const float* eval = model->forward(stream, input.as<float>(), batch, Mode::eval);
-  EXPECT_TRUE(matches(to_host(stream, eval, batch * 10u), golden.at("eval.output").to_f32())) << "eval logits";
+  replay.expect_final_state([&](const std::string& name, const auto& got, const auto& want) {
+    // Running statistics are no optimizer's work: the tight tolerance holds for them.
+    return adamw && name.find("running_") == std::string::npos ? matches_after_adamw(got, want, lr_sum)
+                                                               : matches(got, want);
+  });
+  replay.expect_eval_logits();
 }
 
 INSTANTIATE_TEST_SUITE_P(PyTorch, ResNet8Golden, ::testing::Values("resnet8_sgd", "resnet8_adamw_cosine"),

@@ -31,21 +31,9 @@ using test::download;
 using test::random_vector;
 using test::upload;
 
-class KernelCase : public test::BackendTest {
- protected:
-  template <class T>
-  DeviceBuffer up(const std::vector<T>& host) {
-    return upload(*device_, stream_, host);
-  }
-  template <class T>
-  std::vector<T> down(const DeviceBuffer& buffer) {
-    return download<T>(stream_, buffer);
-  }
-  DeviceBuffer floats(std::size_t n) { return device_->allocate(n * sizeof(float)); }
-};
-class AvgPoolTest : public KernelCase {};
-class DropoutTest : public KernelCase {};
-class LabelSmoothingTest : public KernelCase {};
+class AvgPoolTest : public test::BackendTest {};
+class DropoutTest : public test::BackendTest {};
+class LabelSmoothingTest : public test::BackendTest {};
 
 INSTANTIATE_TEST_SUITE_P(Backends, AvgPoolTest, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
@@ -461,14 +449,6 @@ TEST_P(DropoutTest, RejectsBadProbabilityAndOffset) {
 // ------------------------------------------------------------------------------------------------
 // Cross-entropy with label smoothing
 
-std::vector<std::int64_t> random_targets(int n, int classes, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<std::int64_t> dist(0, classes - 1);
-  std::vector<std::int64_t> t(n);
-  for (auto& v : t) v = dist(gen);
-  return t;
-}
-
 // The definition in double: log p = x - max - log(sum exp(x - max)); term_i = (1 - eps)(-log p_t)
 // + (eps / C) sum_c (-log p_c); dlogits = (softmax - q) * scale with q = (1 - eps) onehot + eps / C.
 struct SmoothedReference {
@@ -524,7 +504,7 @@ TEST_P(LabelSmoothingTest, MatchesDoubleReference) {
       for (double eps : {0.1, 0.25, 1.0}) {
         SCOPED_TRACE(::testing::Message() << "classes=" << classes << " n=" << n << " eps=" << eps);
         const auto logits = random_vector(static_cast<std::size_t>(n) * classes, ++seed, -3.0f, 3.0f);
-        const auto targets = random_targets(n, classes, ++seed);
+        const auto targets = test::random_targets(n, classes, ++seed);
         LossBuffers b(*device_, stream_, logits, targets);
         b.forward(stream_, eps);
         const auto ref = smoothed_reference(logits, targets, classes, eps, 1.0 / n);
@@ -546,7 +526,7 @@ TEST_P(LabelSmoothingTest, MatchesDoubleReference) {
 TEST_P(LabelSmoothingTest, ZeroSmoothingIsThePlainLoss) {
   const int n = 9, classes = 10;
   const auto logits = random_vector(n * classes, 70, -4.0f, 4.0f);
-  const auto targets = random_targets(n, classes, 71);
+  const auto targets = test::random_targets(n, classes, 71);
   LossBuffers b(*device_, stream_, logits, targets);
   kernels::cross_entropy_forward(stream_, n, classes, b.logits.as<float>(), b.targets.as<std::int64_t>(),
                                  b.per_sample.as<float>(), b.loss.as<float>());
@@ -569,7 +549,7 @@ TEST_P(LabelSmoothingTest, GradientMatchesFiniteDifferences) {
   const int n = 3, classes = 10;
   const double smoothing = 0.2;
   const auto logits = random_vector(n * classes, 80, -2.0f, 2.0f);
-  const auto targets = random_targets(n, classes, 81);
+  const auto targets = test::random_targets(n, classes, 81);
   LossBuffers b(*device_, stream_, logits, targets);
   b.backward(stream_, smoothing, 1.0f, n);
   const auto grad = down<float>(b.dlogits);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <gtest/gtest.h>
 #include <memory>
@@ -44,23 +45,6 @@ inline std::unique_ptr<Runtime> sim_runtime(int devices, std::size_t capacity = 
   return Runtime::create(options);
 }
 
-// One test body per backend (Caffe's typed tests): instantiate with Values("sim", "cuda"); the
-// cuda instances skip with the reason where no GPU is usable.
-class BackendTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    runtime_ = runtime_or_skip(GetParam(), 2);
-    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
-    // The last device, not 0 (device 1 of the two simulated ones): catches code that silently
-    // assumes the first device, yet still runs on a one-GPU machine.
-    device_ = &runtime_->device(runtime_->device_count() - 1);
-    stream_ = device_->create_stream();
-  }
-  std::unique_ptr<Runtime> runtime_;
-  Device* device_ = nullptr;
-  Stream stream_;
-};
-
 template <class T>
 DeviceBuffer upload(Device& device, const Stream& stream, const std::vector<T>& host) {
   DeviceBuffer buffer = device.allocate(host.size() * sizeof(T));
@@ -75,12 +59,49 @@ std::vector<T> download(const Stream& stream, const DeviceBuffer& buffer) {
   return host;
 }
 
+// One test body per backend (Caffe's typed tests): instantiate with Values("sim", "cuda"); the
+// cuda instances skip with the reason where no GPU is usable.
+class BackendTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    runtime_ = runtime_or_skip(GetParam(), 2);
+    if (!runtime_) GTEST_SKIP() << "no CUDA device: the cuda backend cannot run on this machine";
+    // The last device, not 0 (device 1 of the two simulated ones): catches code that silently
+    // assumes the first device, yet still runs on a one-GPU machine.
+    device_ = &runtime_->device(runtime_->device_count() - 1);
+    stream_ = device_->create_stream();
+  }
+  // Host <-> the test's device, on its stream.
+  template <class T>
+  DeviceBuffer up(const std::vector<T>& host) {
+    return upload(*device_, stream_, host);
+  }
+  template <class T>
+  std::vector<T> down(const DeviceBuffer& buffer) {
+    return download<T>(stream_, buffer);
+  }
+  DeviceBuffer floats(std::size_t n) { return device_->allocate(n * sizeof(float)); }
+
+  std::unique_ptr<Runtime> runtime_;
+  Device* device_ = nullptr;
+  Stream stream_;
+};
+
 inline std::vector<float> random_vector(std::size_t n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);
   std::uniform_real_distribution<float> dist(lo, hi);
   std::vector<float> v(n);
   for (auto& x : v) x = dist(gen);
   return v;
+}
+
+// n class indices in [0, classes), uniformly drawn.
+inline std::vector<std::int64_t> random_targets(int n, int classes, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<std::int64_t> dist(0, classes - 1);
+  std::vector<std::int64_t> t(static_cast<std::size_t>(n));
+  for (auto& v : t) v = dist(gen);
+  return t;
 }
 
 // |got - want| <= atol + rtol*|want| everywhere; reports the first mismatching indices.

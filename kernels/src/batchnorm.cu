@@ -6,12 +6,12 @@
 #include "dp/kernels/launch.h"
 
 namespace dp::kernels {
+namespace {
 
-void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                             const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
-                             float* running_var, std::int64_t* num_batches_tracked) {
-  const char* name = "batchnorm_forward_train";
-  checks::batchnorm(name, shape, true);
+// The training forward's operands, plain and synchronised alike.
+void check_forward_operands(const char* name, const float* x, const float* gamma, const float* beta, const float* y,
+                            const float* save_mean, const float* save_invstd, const float* running_mean,
+                            const float* running_var, const std::int64_t* num_batches_tracked) {
   checks::present(name, {{"x", x},
                          {"gamma", gamma},
                          {"beta", beta},
@@ -21,6 +21,61 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
                          {"running_mean", running_mean},
                          {"running_var", running_var},
                          {"num_batches_tracked", num_batches_tracked}});
+}
+
+// Once the statistics are in save_mean / save_invstd: y, and num_batches_tracked += 1.
+void normalize_and_count(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                         const float* beta, float* y, const float* save_mean, const float* save_invstd,
+                         std::int64_t* num_batches_tracked) {
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t total = static_cast<index_t>(shape.n) * plane * c;
+  launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
+            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+            {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
+             operand(y, total)});
+  launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
+}
+
+// The backward of both: this replica's sums into dgamma, dbeta and grad_sums, then (SyncBatchNorm)
+// their sum over the replicas, then dx over `mean_count` values per channel.
+void backward(const char* name, const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+              const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma, float* dbeta,
+              float* grad_sums, index_t mean_count, const AllReduceSum* all_reduce) {
+  checks::present(name, {{"x", x},
+                         {"gamma", gamma},
+                         {"save_mean", save_mean},
+                         {"save_invstd", save_invstd},
+                         {"dy", dy},
+                         {"dgamma", dgamma},
+                         {"dbeta", dbeta},
+                         {"grad_sums", grad_sums}});
+  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
+  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
+  const ChannelElement at{c, plane};
+  launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
+                             BnGradTerms{at, x, dy, save_mean, save_invstd},
+                             BnStoreGradSums{c, dgamma, dbeta, grad_sums},
+                             {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
+                              operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
+  // Every replica calls the all-reduce, needed or not: the others wait for it.
+  if (all_reduce) (*all_reduce)(grad_sums, 2 * static_cast<std::size_t>(c));
+  if (dx == nullptr) return;
+  const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(mean_count)};
+  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane,
+            BnInputGrad{at, term, grad_sums, dx},
+            {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
+             operand(grad_sums, 2 * c), operand(dx, total)});
+}
+
+}  // namespace
+
+void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                             const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+                             float* running_var, std::int64_t* num_batches_tracked) {
+  const char* name = "batchnorm_forward_train";
+  checks::batchnorm(name, shape, true);
+  check_forward_operands(name, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
+                         num_batches_tracked);
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
   const ChannelElement at{c, plane};
@@ -33,11 +88,7 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
                                              static_cast<float>(count), shape.eps, shape.momentum},
                              {operand(x, total), operand(save_mean, c), operand(save_invstd, c),
                               operand(running_mean, c), operand(running_var, c)});
-  launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
-            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
-            {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
-             operand(y, total)});
-  launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
+  normalize_and_count(stream, shape, x, gamma, beta, y, save_mean, save_invstd, num_batches_tracked);
 }
 
 void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
@@ -64,29 +115,8 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
                         float* dbeta, float* grad_sums) {
   const char* name = "batchnorm_backward";
   checks::batchnorm(name, shape, true);
-  checks::present(name, {{"x", x},
-                         {"gamma", gamma},
-                         {"save_mean", save_mean},
-                         {"save_invstd", save_invstd},
-                         {"dy", dy},
-                         {"dgamma", dgamma},
-                         {"dbeta", dbeta},
-                         {"grad_sums", grad_sums}});
-  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
-  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
-  const ChannelElement at{c, plane};
-
-  launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
-                             BnGradTerms{at, x, dy, save_mean, save_invstd},
-                             BnStoreGradSums{c, dgamma, dbeta, grad_sums},
-                             {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
-                              operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
-  if (dx == nullptr) return;
-  const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(count)};
-  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane,
-            BnInputGrad{at, term, grad_sums, dx},
-            {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
-             operand(grad_sums, 2 * c), operand(dx, total)});
+  backward(name, stream, shape, x, gamma, save_mean, save_invstd, dy, dx, dgamma, dbeta, grad_sums,
+           static_cast<index_t>(shape.n) * shape.h * shape.w, nullptr);
 }
 
 void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
@@ -96,16 +126,9 @@ void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& sh
   const char* name = "sync_batchnorm_forward_train";
   checks::batchnorm(name, shape, false);  // a replica may hold one value per channel; the union may not
   checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
-  checks::present(name, {{"x", x},
-                         {"gamma", gamma},
-                         {"beta", beta},
-                         {"y", y},
-                         {"save_mean", save_mean},
-                         {"save_invstd", save_invstd},
-                         {"running_mean", running_mean},
-                         {"running_var", running_var},
-                         {"num_batches_tracked", num_batches_tracked},
-                         {"scratch", scratch}});
+  check_forward_operands(name, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
+                         num_batches_tracked);
+  checks::present(name, {{"scratch", scratch}});
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
   const ChannelElement at{c, plane};
@@ -124,11 +147,7 @@ void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& sh
   launch(stream, "sync_batchnorm_variance", c, BnFinishVariance{store, c, scratch},
          {operand(scratch, 2 * c), operand(save_mean, c), operand(save_invstd, c), operand(running_mean, c),
           operand(running_var, c)});
-  launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
-            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
-            {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
-             operand(y, total)});
-  launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
+  normalize_and_count(stream, shape, x, gamma, beta, y, save_mean, save_invstd, num_batches_tracked);
 }
 
 void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
@@ -138,30 +157,8 @@ void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, 
   const char* name = "sync_batchnorm_backward";
   checks::batchnorm(name, shape, false);
   checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
-  checks::present(name, {{"x", x},
-                         {"gamma", gamma},
-                         {"save_mean", save_mean},
-                         {"save_invstd", save_invstd},
-                         {"dy", dy},
-                         {"dgamma", dgamma},
-                         {"dbeta", dbeta},
-                         {"grad_sums", grad_sums}});
-  const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
-  const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
-  const ChannelElement at{c, plane};
-  launch_row_reduce<SumPair>(stream, "batchnorm_backward_sums", c, count,
-                             BnGradTerms{at, x, dy, save_mean, save_invstd},
-                             BnStoreGradSums{c, dgamma, dbeta, grad_sums},
-                             {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c),
-                              operand(dgamma, c), operand(dbeta, c), operand(grad_sums, 2 * c)});
-  // Every replica calls the all-reduce, needed or not: the others wait for it.
-  all_reduce(grad_sums, 2 * static_cast<std::size_t>(c));
-  if (dx == nullptr) return;
-  const BnInputGradTerm term{x, dy, gamma, save_mean, save_invstd, 1.0f / static_cast<float>(global_count)};
-  launch_2d(stream, "batchnorm_backward_dx", static_cast<index_t>(shape.n) * c, plane,
-            BnInputGrad{at, term, grad_sums, dx},
-            {operand(x, total), operand(dy, total), operand(gamma, c), operand(save_mean, c), operand(save_invstd, c),
-             operand(grad_sums, 2 * c), operand(dx, total)});
+  backward(name, stream, shape, x, gamma, save_mean, save_invstd, dy, dx, dgamma, dbeta, grad_sums, global_count,
+           &all_reduce);
 }
 
 }  // namespace dp::kernels

@@ -62,19 +62,9 @@ def new_model(kind, hidden):
 
 
 def build(kind, hidden, seed):
-    """make_goldens' recipe (torch.manual_seed(seed), BatchNorm values away from 1/0); ResNet-8 too."""
-    if kind != "resnet8":
-        return mg.build_model(kind, hidden, seed)
+    """make_goldens' recipe (torch.manual_seed(seed), BatchNorm values away from 1/0), any model."""
     torch.manual_seed(seed)
-    m = new_model(kind, hidden)
-    with torch.no_grad():
-        for bn in (x for x in m.modules() if isinstance(x, nn.BatchNorm2d)):
-            c = bn.num_features
-            bn.running_mean.copy_(torch.randn(c) * 0.1)
-            bn.running_var.copy_(torch.rand(c) + 0.5)
-            bn.weight.copy_(torch.rand(c) + 0.5)
-            bn.bias.copy_(torch.randn(c) * 0.1)
-    return m
+    return mg.randomize_batchnorm(new_model(kind, hidden))
 
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 

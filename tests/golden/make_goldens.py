@@ -76,19 +76,24 @@ CASES = OrderedDict([
 ])
 
 
-def build_model(kind, hidden, seed):
-    torch.manual_seed(seed)
-    if kind == "mlp":
-        return MLP(list(hidden))
-    m = ConvNet()
+def randomize_batchnorm(m):
+    """Every BatchNorm2d of `m`, in module order: statistics and affine values away from 0/1, drawn
+    from torch's global generator, so their gradients and the running updates are exercised."""
     with torch.no_grad():
-        for bn in (m.layer1[1], m.layer2[1]):
+        for bn in (x for x in m.modules() if isinstance(x, nn.BatchNorm2d)):
             c = bn.num_features
             bn.running_mean.copy_(torch.randn(c) * 0.1)
             bn.running_var.copy_(torch.rand(c) + 0.5)
             bn.weight.copy_(torch.rand(c) + 0.5)
             bn.bias.copy_(torch.randn(c) * 0.1)
     return m
+
+
+def build_model(kind, hidden, seed):
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP(list(hidden))
+    return randomize_batchnorm(ConvNet())
 
 
 def snap(t):

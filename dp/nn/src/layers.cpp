@@ -286,29 +286,44 @@ class Dropout final : public Layer {
   double p_;
 };
 
-// torch.nn.Sequential as a layer (nested containers: torchvision's layer1 = Sequential(BasicBlock)).
-class SequentialLayer final : public Layer {
+// A layer made of chains of layers: its declarations are its children's (in chain order, named
+// "<child>.<name>"), its name prefixes theirs, and binding passes their offsets on to them.
+class Container : public Layer {
  public:
-  SequentialLayer(std::string name, Layers children) : Layer(std::move(name)), chain_(std::move(children)) {
-    chain_.collect(params_, buffers_);
-    chain_.add_prefix(this->name());
-  }
-  SequentialLayer(const SequentialLayer&) = default;
   void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) override {
     Layer::bind(params_flat, grads_flat, buffers_flat);
     std::size_t p = 0, b = 0;
-    chain_.bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
+    for (detail::Chain* chain : chains()) chain->bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
   }
   void add_prefix(const std::string& prefix) override {
     Layer::add_prefix(prefix);
-    chain_.add_prefix(prefix);
+    for (detail::Chain* chain : chains()) chain->add_prefix(prefix);
   }
+  void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
+    backward_reporting(ctx, x, y, dy, dx, {});
+  }
+
+ protected:
+  using Layer::Layer;
+  // The chains, in parameter order; they are members of the derived class.
+  virtual std::vector<detail::Chain*> chains() = 0;
+  // Called by the derived constructor once its chains exist.
+  void adopt_children() {
+    for (detail::Chain* chain : chains()) chain->collect(params_, buffers_);
+    for (detail::Chain* chain : chains()) chain->add_prefix(name());
+  }
+};
+
+// torch.nn.Sequential as a layer (nested containers: torchvision's layer1 = Sequential(BasicBlock)).
+class SequentialLayer final : public Container {
+ public:
+  SequentialLayer(std::string name, Layers children) : Container(std::move(name)), chain_(std::move(children)) {
+    adopt_children();
+  }
+  SequentialLayer(const SequentialLayer&) = default;
   ActShape output_shape(const ActShape& in) const override { return chain_.output_shape(in); }
   bool is_view() const override { return chain_.is_identity(); }
   void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
-  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
-    chain_.backward(ctx, dy, dx);
-  }
   void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
     chain_.backward(ctx, dy, dx, done);
@@ -316,32 +331,20 @@ class SequentialLayer final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<SequentialLayer>(*this); }
 
  private:
+  std::vector<detail::Chain*> chains() override { return {&chain_}; }
+
   detail::Chain chain_;
 };
 
 // out = body(x) + shortcut(x), then ReLU. The sum is formed in `y`, and ReLU applied there in place;
 // backward recomputes nothing: ReLU's gradient needs only y.
-class Residual final : public Layer {
+class Residual final : public Container {
  public:
   Residual(std::string name, Layers body, Layers shortcut, bool relu_after)
-      : Layer(std::move(name)), body_(std::move(body)), shortcut_(std::move(shortcut)), relu_after_(relu_after) {
-    body_.collect(params_, buffers_);
-    shortcut_.collect(params_, buffers_);
-    body_.add_prefix(this->name());
-    shortcut_.add_prefix(this->name());
+      : Container(std::move(name)), body_(std::move(body)), shortcut_(std::move(shortcut)), relu_after_(relu_after) {
+    adopt_children();
   }
   Residual(const Residual&) = default;
-  void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) override {
-    Layer::bind(params_flat, grads_flat, buffers_flat);
-    std::size_t p = 0, b = 0;
-    body_.bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
-    shortcut_.bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
-  }
-  void add_prefix(const std::string& prefix) override {
-    Layer::add_prefix(prefix);
-    body_.add_prefix(prefix);
-    shortcut_.add_prefix(prefix);
-  }
   ActShape output_shape(const ActShape& in) const override {
     const ActShape a = body_.output_shape(in), b = shortcut_.output_shape(in);
     if (a.c != b.c || a.h != b.h || a.w != b.w)
@@ -356,9 +359,6 @@ class Residual final : public Layer {
     const float* shortcut = shortcut_.forward(ctx, x, nullptr);
     kernels::add(ctx.stream, n, body, shortcut, y);
     if (relu_after_) kernels::relu_forward(ctx.stream, n, y, y);
-  }
-  void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
-    backward_reporting(ctx, x, y, dy, dx, {});
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
@@ -383,6 +383,8 @@ class Residual final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Residual>(*this); }
 
  private:
+  std::vector<detail::Chain*> chains() override { return {&body_, &shortcut_}; }
+
   detail::Chain body_, shortcut_;
   bool relu_after_;
   Scratch dsum_, shortcut_dx_;
