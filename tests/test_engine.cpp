@@ -389,6 +389,18 @@ TEST(Engine, MakeEngineAndTrainStepRefuseWhatDoesNotApply) {
     }
   }
 
+  // Only DDP has SyncBatchNorm (it synchronises ranks).
+  for (EngineKind kind : {EngineKind::single, EngineKind::dp}) {
+    EngineOptions options = options_for(kind);
+    options.sync_batchnorm = true;
+    try {
+      make_engine(*rt, *model, sgd, options);
+      ADD_FAILURE() << "sync_batchnorm accepted for " << to_string(kind);
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(mentions(e.what(), {"sync_batchnorm applies to ddp", std::string(to_string(kind))}));
+    }
+  }
+
   // single runs on the model's device (0) and nowhere else.
   for (const std::vector<int>& ids : {std::vector<int>{1}, std::vector<int>{0, 1}}) {
     EngineOptions options = options_for(EngineKind::single);
@@ -552,6 +564,28 @@ TEST(TrainingState, AdamWResumeIsBitExactOnEveryRank) {
   train_and_save(*rt, SgdOptions{0.1f, 0.9f}, 1, sgd_path);
   EXPECT_THROW(TrainingState::read(sgd_path).load_optimizers(*resumed_model, resumed->optimizers()), Error);
   EXPECT_EQ(resumed->optimizers()[0]->steps(), 3);
+}
+
+// One state loads into an engine's optimizers only when they agree with each other (kind, state,
+// size); a mixed list is a caller's error, refused before anything is written.
+TEST(TrainingState, LoadOptimizersRefusesOptimizersThatDiffer) {
+  auto rt = test::sim_runtime(1);
+  const TempDir dir;
+  const std::string path = dir.file("run.safetensors");
+  train_and_save(*rt, SgdOptions{0.05f, 0.9f}, 1, path);
+  const TrainingState state = TrainingState::read(path);
+  auto model = models::make_mlp(rt->device(0), {16}, 9);
+  Sgd with_momentum(rt->device(0), model->param_count(), SgdOptions{0.05f, 0.9f});
+  Sgd without(rt->device(0), model->param_count(), SgdOptions{0.05f});
+  const std::array<Optimizer*, 2> mixed{&with_momentum, &without};
+  try {
+    state.load_optimizers(*model, mixed);
+    ADD_FAILURE() << "optimizers with and without momentum loaded one state";
+  } catch (const InvalidArgument& e) {
+    EXPECT_TRUE(mentions(e.what(), {"optimizers differ"}));
+  }
+  EXPECT_EQ(with_momentum.steps(), 0);
+  EXPECT_EQ(without.steps(), 0);
 }
 
 // Files of format 1 (SGD only: "dp.sgd_steps", no "dp.optimizer") still resume.

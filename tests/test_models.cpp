@@ -556,6 +556,28 @@ TEST(Containers, BadWindowsAndDuplicateNamesAreRefused) {
               std::string::npos)
         << e.what();
   }
+  EXPECT_THROW(CrossEntropyLoss(rt->device(0), 1.5), InvalidArgument) << "label smoothing above 1";
+  Layers with_null;
+  with_null.push_back(nullptr);
+  EXPECT_THROW(make_sequential("s", std::move(with_null)), InvalidArgument);
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{}, std::vector<std::int64_t>{1, 2, 3, 4}}) {
+    Layers one;
+    one.push_back(make_relu("relu"));
+    EXPECT_THROW(SequentialModel("bad", rt->device(0), std::move(one), shape), InvalidArgument) << shape.size();
+  }
+  // A residual whose branches disagree in shape (a stride-2 body, an identity shortcut).
+  Layers strided;
+  strided.push_back(make_conv2d("conv", 1, 1, 3, 2, 1));
+  Layers mismatch;
+  mismatch.push_back(make_residual("block", std::move(strided)));
+  try {
+    SequentialModel model("mismatch", rt->device(0), std::move(mismatch), {1, 8, 8});
+    ADD_FAILURE() << "a residual with mismatched branches was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("block: the body gives (1, 4, 4) per sample but the shortcut (1, 8, 8)"),
+              std::string::npos)
+        << e.what();
+  }
   Layers twins;
   twins.push_back(make_relu("a"));
   twins.push_back(make_dropout("a", 0.5));
