@@ -25,13 +25,15 @@ struct DistributedDataParallel::Rank {
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
                                                  DdpOptions options)
-    : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))), options_(std::move(options)) {
+    : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),
+      options_(std::move(options)),
+      processes_(options_.processes ? options_.processes : ProcessGroup::single()) {
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
-  comm_ = Communicator::create(group_);
+  comm_ = Communicator::create(group_, processes_);
   // SyncBatchNorm's collectives run on the compute streams, the gradient buckets' on the
   // communication streams: each kind gets its own communicator, so the two sequences never
   // interleave on one (NCCL requires one order of collectives per communicator).
-  if (options_.sync_batchnorm) bn_comm_ = Communicator::create(group_);
+  if (options_.sync_batchnorm) bn_comm_ = Communicator::create(group_, processes_);
   reducer_ = std::make_unique<Reducer>(
       *comm_, group_, assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb));
   for (int r = 0; r < group_.size(); ++r) {
@@ -62,6 +64,8 @@ DistributedDataParallel::~DistributedDataParallel() {
     }
   }
 }
+
+ProcessGroup& DistributedDataParallel::processes() const { return *processes_; }
 
 Model& DistributedDataParallel::replica(int rank) const { return *ranks_.at(static_cast<std::size_t>(rank))->model; }
 Optimizer& DistributedDataParallel::optimizer(int rank) const {
@@ -97,7 +101,7 @@ void DistributedDataParallel::abort_communicators() {
 }
 
 void DistributedDataParallel::broadcast_from_rank0(bool parameters, bool buffers) {
-  if (group_.size() == 1) return;  // rank 0 already holds what it would broadcast to itself
+  if (comm_->size() == 1) return;  // rank 0 already holds what it would broadcast to itself
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Model& m = *rank.model;
@@ -136,9 +140,14 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
   if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
   const bool sync = sync_;
   require_forward_param_sync_ = sync;
-  std::int64_t samples = 0;  // SyncBatchNorm normalises over all ranks' samples of this forward
-  for (const Batch& batch : batches) samples += batch.size;
-  for (auto& rank : ranks_) rank->bn_sync.global_samples = samples;
+  if (options_.sync_batchnorm) {
+    // SyncBatchNorm normalises over all ranks' samples of this forward, in every process.
+    std::int64_t local = 0;
+    for (const Batch& batch : batches) local += batch.size;
+    std::int64_t samples = 0;
+    for (const std::int64_t count : processes_->all_gather(local)) samples += count;
+    for (auto& rank : ranks_) rank->bn_sync.global_samples = samples;
+  }
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Model& m = *rank.model;
@@ -147,9 +156,9 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
     const int classes = m.output_features();
     rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
     float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
-    // seed + rank, as each torch process seeds itself; forwards accumulated without a step (no_sync)
+    // seed + global rank, as each torch process seeds itself; forwards accumulated without a step (no_sync)
     // continue the step's samples, as one larger batch would.
-    m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(r),
+    m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(comm_->first_rank() + r),
                           static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
     rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
     const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
@@ -168,9 +177,20 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
   // Only now wait for the streams: had a rank failed above, its peers' collectives would never
   // complete, and the abort in run_ranks must come first.
   run_ranks([&](int r) { ranks_[static_cast<std::size_t>(r)]->compute.synchronize(); });
+  // The mean over every global rank, summed in global rank order: each process (and one process
+  // with all the ranks) gets the same bits.
+  std::vector<float> local;
+  for (auto& rank : ranks_) local.push_back(*rank->host_loss.as<float>());
   float total = 0.0f;
-  for (auto& rank : ranks_) total += *rank->host_loss.as<float>();
-  return total / static_cast<float>(group_.size());
+  for (const float loss : processes_->all_gather(std::span<const float>(local))) total += loss;
+  return total / static_cast<float>(comm_->size());
+}
+
+EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
+  if (processes_->size() == 1) return local;
+  EvalTotals total;
+  for (const EvalTotals& totals : processes_->all_gather(local)) total += totals;
+  return total;
 }
 
 void DistributedDataParallel::step() {

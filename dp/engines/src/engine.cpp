@@ -59,7 +59,7 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int
       ++totals.samples;
     }
   }
-  return totals;
+  return reduce_totals(totals);
 }
 
 void Engine::set_lr(double lr) {
@@ -70,6 +70,11 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
                                     const EngineOptions& options) {
   if (options.sync_batchnorm && options.kind != EngineKind::ddp)
     throw InvalidArgument(fmt::format("sync_batchnorm applies to ddp, not {}", to_string(options.kind)));
+  if (options.processes && options.processes->size() > 1 && options.kind != EngineKind::ddp)
+    throw InvalidArgument(fmt::format(
+        "{} is single-process by definition, but this job has {} processes: use ddp across processes (or run "
+        "without mpirun)",
+        options.kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
   if (options.output_device && options.kind != EngineKind::dp)
     throw InvalidArgument(fmt::format("output_device applies to dp, not {}", to_string(options.kind)));
   switch (options.kind) {
@@ -94,6 +99,7 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
       ddp_options.first_bucket_mb = options.first_bucket_mb;
       ddp_options.broadcast_buffers = options.broadcast_buffers;
       ddp_options.sync_batchnorm = options.sync_batchnorm;
+      ddp_options.processes = options.processes;
       return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
     }
   }

@@ -94,13 +94,13 @@ void Reducer::launch_ready(int r) {
     const std::size_t b = rank.next_bucket++;
     // One rank: x * (1/1) and a sum over one rank leave every bit as it is, so neither runs (as
     // issue 11 asks: DDP on one device costs what one device costs).
-    if (group_.size() == 1) continue;
+    if (comm_.size() == 1) continue;
     const GradBucket& bucket = buckets_[b];
     rank.compute->record(rank.bucket_ready[b]);
     rank.comm.wait(rank.bucket_ready[b]);
     float* slice = rank.grads + bucket.offset;
     // torch divides while copying into the bucket (grad * (1/world_size) in fp32), then sums.
-    kernels::scale(rank.comm, static_cast<kernels::index_t>(bucket.count), 1.0f / static_cast<float>(group_.size()),
+    kernels::scale(rank.comm, static_cast<kernels::index_t>(bucket.count), 1.0f / static_cast<float>(comm_.size()),
                    slice);
     comm_.all_reduce(r, rank.comm, slice, bucket.count, ReduceOp::sum);
   }

@@ -1,5 +1,7 @@
-// nccl_communicator.cpp — the cuda communicator: ncclCommInitAll creates one communicator per
-// device of the group; each rank's worker thread issues only on its own communicator and stream.
+// nccl_communicator.cpp — the cuda communicator: one NCCL communicator per device of the group;
+// each rank's worker thread issues only on its own communicator and stream. In one process,
+// ncclCommInitAll; across processes, process 0 makes the unique id, the process group (MPI)
+// broadcasts it, and each process initialises its local ranks inside one NCCL group call.
 #include <fmt/format.h>
 #include <vector>
 
@@ -11,14 +13,38 @@ namespace {
 
 class NcclCommunicator final : public Communicator {
  public:
-  explicit NcclCommunicator(const DeviceGroup& group) : group_(group), comms_(static_cast<std::size_t>(group.size())) {
-    DP_CUDA_CHECK(ncclCommInitAll(comms_.data(), group.size(), group.device_ids().data()));
+  NcclCommunicator(const DeviceGroup& group, ProcessGroup& processes)
+      : group_(group),
+        comms_(static_cast<std::size_t>(group.size())),
+        world_(group.size() * processes.size()),
+        first_(group.size() * processes.rank()) {
+    if (processes.size() == 1) {
+      DP_CUDA_CHECK(ncclCommInitAll(comms_.data(), group.size(), group.device_ids().data()));
+      return;
+    }
+    const std::vector<int> sizes = processes.all_gather(group.size());
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      if (sizes[p] != group.size())
+        throw InvalidArgument(fmt::format(
+            "every process must drive the same number of GPUs: process {} has {}, process {} (host {}) has {}", p,
+            sizes[p], processes.rank(), processes.host(), group.size()));
+    ncclUniqueId id{};
+    if (processes.rank() == 0) DP_CUDA_CHECK(ncclGetUniqueId(&id));
+    processes.broadcast_bytes(&id, sizeof(id), 0);
+    DP_CUDA_CHECK(ncclGroupStart());
+    for (int r = 0; r < group.size(); ++r) {
+      DP_CUDA_CHECK(cudaSetDevice(group.device_ids()[static_cast<std::size_t>(r)]));
+      DP_CUDA_CHECK(ncclCommInitRank(&comms_[static_cast<std::size_t>(r)], world_, id, first_ + r));
+    }
+    DP_CUDA_CHECK(ncclGroupEnd());
   }
   ~NcclCommunicator() override {
     for (ncclComm_t comm : comms_)
       if (comm) ncclCommDestroy(comm);  // never throws from a destructor
   }
-  int size() const override { return group_.size(); }
+  int size() const override { return world_; }
+  int local_size() const override { return group_.size(); }
+  int first_rank() const override { return first_; }
 
   void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) override {
     DP_CUDA_CHECK(ncclAllReduce(data, data, count, ncclFloat32, op == ReduceOp::avg ? ncclAvg : ncclSum, comm(rank),
@@ -57,12 +83,14 @@ class NcclCommunicator final : public Communicator {
 
   const DeviceGroup& group_;
   std::vector<ncclComm_t> comms_;
+  int world_, first_;
 };
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group) {
-  return std::make_unique<NcclCommunicator>(group);
+std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group,
+                                                   std::shared_ptr<ProcessGroup> processes) {
+  return std::make_unique<NcclCommunicator>(group, *processes);
 }
 
 }  // namespace dp::detail

@@ -3,7 +3,7 @@
 
 namespace dp::detail {
 
-std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup&) {
+std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup&, std::shared_ptr<ProcessGroup>) {
   throw Error("NCCL communicator requested, but dp was built without the cuda backend");
 }
 

@@ -1,7 +1,10 @@
 // ring_communicator.cpp — collectives on simulated devices. Each call becomes a task on the rank's
-// stream; when the tasks of all ranks run, they meet (like NCCL kernels that wait for their peers)
-// and move data in ring steps, each step a counted device-to-device copy into the receiver's
-// staging memory followed by its reduction, with a barrier between steps.
+// stream; when the tasks of all local ranks run, they meet (like NCCL kernels that wait for their
+// peers) and move data in ring steps, each step a counted device-to-device copy into the
+// receiver's staging memory followed by its reduction, with a barrier between steps. The ring runs
+// over the global ranks of every process: where a neighbour lives in another process, the step's
+// copy is a message on the process group's channel instead, carrying the same bytes, so P
+// processes x K devices compute exactly what one process x P*K devices does.
 #include <condition_variable>
 #include <cstring>
 #include <fmt/format.h>
@@ -10,6 +13,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "channel.h"
 #include "dp/scratch.h"
 
 namespace dp::detail {
@@ -33,14 +37,25 @@ struct Round {
 
 class RingCommunicator final : public Communicator {
  public:
-  explicit RingCommunicator(const DeviceGroup& group) : group_(group), calls_made_(group.size(), 0) {
-    staging_.resize(static_cast<std::size_t>(group.size()));
+  RingCommunicator(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes)
+      : group_(group),
+        processes_(std::move(processes)),
+        local_(group.size()),
+        process_(processes_->rank()),
+        world_(group.size() * processes_->size()),
+        first_(processes_->rank() * group.size()),
+        calls_made_(group.size(), 0) {
+    staging_.resize(static_cast<std::size_t>(local_));
+    if (processes_->size() > 1) {
+      check_same_local_size(*processes_, local_);
+      channel_ = processes_->open_channel();
+    }
   }
   ~RingCommunicator() override {
     // Tasks of this communicator may still sit in the ranks' streams: fail them rather than let
     // them wait for peers that will never come, then let them run before the state they use dies.
     abort();
-    for (int r = 0; r < size(); ++r) {
+    for (int r = 0; r < local_; ++r) {
       try {
         group_.device(r).synchronize();
       } catch (...) {
@@ -48,87 +63,113 @@ class RingCommunicator final : public Communicator {
     }
   }
 
-  int size() const override { return group_.size(); }
+  int size() const override { return world_; }
+  int local_size() const override { return local_; }
+  int first_rank() const override { return first_; }
 
   void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) override {
     check(rank, stream, data, count * sizeof(float), "all_reduce");
-    const int n = size();
+    const int n = world_, g = first_ + rank;
     float* staging = staging_for(rank, (count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n));
+    const auto chunk = [count, n](int c) {
+      c = ((c % n) + n) % n;
+      return std::pair{count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n),
+                       count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n)};
+    };
+    const auto bytes_of = [](std::pair<std::size_t, std::size_t> range) {
+      return (range.second - range.first) * sizeof(float);
+    };
     // Counted when issued, like copies: this rank receives every chunk but its own once in
     // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
-    const auto chunk_bytes = [count, n](int c) {
-      return (count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n) -
-              count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n)) *
-             sizeof(float);
-    };
-    const int left = (rank + n - 1) % n;
     for (int s = 0; s < n - 1; ++s) {
-      count_receive(left, rank, chunk_bytes(((rank - 1 - s) % n + n) % n));
-      count_receive(left, rank, chunk_bytes(((rank - s) % n + n) % n));
+      count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
+      count_edge(g - 1, g, bytes_of(chunk(g - s)));
+      count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
+      count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
     }
-    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging}, [this, count, op, n](int r, Round& round) {
-      const int left = (r + n - 1) % n;
-      auto chunk = [&](int c) {
-        const std::size_t begin = count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n);
-        const std::size_t end = count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n);
-        return std::pair{begin, end};
-      };
-      float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
-      const float* theirs = static_cast<const float*>(round.calls[static_cast<std::size_t>(left)].data);
-      float* stage = round.calls[static_cast<std::size_t>(r)].staging;
-      // Reduce-scatter: after step s, rank r holds the sum of s+2 contributions to chunk r-1-s.
-      for (int s = 0; s < n - 1; ++s) {
-        const auto [begin, end] = chunk(((r - 1 - s) % n + n) % n);
-        receive(stage, theirs + begin, (end - begin) * sizeof(float));
-        for (std::size_t i = begin; i < end; ++i) mine[i] += stage[i - begin];
-        step_barrier(round);
-      }
-      // All-gather: pass the finished chunks around the ring.
-      for (int s = 0; s < n - 1; ++s) {
-        const auto [begin, end] = chunk(((r - s) % n + n) % n);
-        receive(mine + begin, theirs + begin, (end - begin) * sizeof(float));
-        step_barrier(round);
-      }
-      if (op == ReduceOp::avg) {
-        const float scale = 1.0f / static_cast<float>(n);
-        for (std::size_t i = 0; i < count; ++i) mine[i] *= scale;
-      }
-    });
+    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging},
+            [this, count, op, n, chunk](int r, Round& round, int tag) {
+              const int g = first_ + r;
+              float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
+              float* stage = round.calls[static_cast<std::size_t>(r)].staging;
+              // Reduce-scatter: after step s, rank g holds the sum of s+2 contributions to chunk g-1-s.
+              for (int s = 0; s < n - 1; ++s) {
+                const auto [begin, end] = chunk(g - 1 - s);
+                const auto [send_begin, send_end] = chunk(g - s);
+                transfer(round, r, stage, begin, (end - begin) * sizeof(float), mine + send_begin,
+                         (send_end - send_begin) * sizeof(float), tag, "all_reduce");
+                for (std::size_t i = begin; i < end; ++i) mine[i] += stage[i - begin];
+                step_barrier(round);
+              }
+              // All-gather: pass the finished chunks around the ring.
+              for (int s = 0; s < n - 1; ++s) {
+                const auto [begin, end] = chunk(g - s);
+                const auto [send_begin, send_end] = chunk(g + 1 - s);
+                transfer(round, r, mine + begin, begin, (end - begin) * sizeof(float), mine + send_begin,
+                         (send_end - send_begin) * sizeof(float), tag, "all_reduce");
+                step_barrier(round);
+              }
+              if (op == ReduceOp::avg) {
+                const float scale = 1.0f / static_cast<float>(n);
+                for (std::size_t i = 0; i < count; ++i) mine[i] *= scale;
+              }
+            });
   }
 
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
     check(rank, stream, data, bytes, "broadcast");
     check_root(root);
-    const int n = size();
-    if (rank != root) count_receive((rank + n - 1) % n, rank, bytes);  // the chain: from the previous rank
-    enqueue(rank, stream, "broadcast", RankCall{data, nullptr, nullptr}, [this, bytes, root, n](int r, Round& round) {
-      // A chain from the root: at step s, rank root+s+1 copies from rank root+s.
-      for (int s = 0; s < n - 1; ++s) {
-        const int receiver = (root + s + 1) % n, sender = (root + s) % n;
-        if (r == receiver)
-          receive(round.calls[static_cast<std::size_t>(r)].data, round.calls[static_cast<std::size_t>(sender)].data,
-                  bytes);
-        step_barrier(round);
-      }
-    });
+    const int n = world_, g = first_ + rank;
+    // The chain: rank root+s+1 receives from rank root+s.
+    if (g != root) count_edge(g - 1, g, bytes);
+    if ((g + 1) % n != root) count_edge(g, g + 1, 0, bytes);
+    enqueue(rank, stream, "broadcast", RankCall{data, nullptr, nullptr},
+            [this, bytes, root, n](int r, Round& round, int tag) {
+              const int g = first_ + r;
+              void* mine = round.calls[static_cast<std::size_t>(r)].data;
+              for (int s = 0; s < n - 1; ++s) {
+                const int receiver = (root + s + 1) % n, sender = (root + s) % n;
+                std::vector<detail::Channel::Message> sends, receives;
+                if (g == receiver) {
+                  if (is_local(sender))
+                    receive(mine, round.calls[static_cast<std::size_t>(sender - first_)].data, bytes);
+                  else
+                    receives.push_back({mine, bytes, process_of(sender), tag + sender % local_});
+                }
+                if (g == sender && !is_local(receiver))
+                  sends.push_back({mine, bytes, process_of(receiver), tag + g % local_});
+                exchange(sends, receives, "broadcast");
+                step_barrier(round);
+              }
+            });
   }
 
   void reduce(int rank, const Stream& stream, float* data, std::size_t count, int root) override {
     check(rank, stream, data, count * sizeof(float), "reduce");
     check_root(root);
-    const int n = size();
-    float* staging = rank == root ? staging_for(rank, count) : nullptr;
-    if (rank != root) count_receive(rank, root, count * sizeof(float));  // the root reads every buffer
-    enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging}, [this, count, root, n](int r, Round& round) {
+    const int g = first_ + rank;
+    float* staging = g == root ? staging_for(rank, count) : nullptr;
+    if (g != root) count_edge(g, root, count * sizeof(float), count * sizeof(float));  // the root reads every buffer
+    enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging}, [this, count, root](int r, Round& round, int tag) {
+      const int g = first_ + r;
+      float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
+      const std::size_t bytes = count * sizeof(float);
       // The root receives every other rank's buffer in rank order and adds it (its own first).
-      if (r == root) {
-        float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
+      if (g == root) {
         float* stage = round.calls[static_cast<std::size_t>(r)].staging;
-        for (int other = 0; other < n; ++other) {
+        for (int other = 0; other < world_; ++other) {
           if (other == root) continue;
-          receive(stage, round.calls[static_cast<std::size_t>(other)].data, count * sizeof(float));
+          if (is_local(other)) {
+            receive(stage, round.calls[static_cast<std::size_t>(other - first_)].data, bytes);
+          } else {
+            const detail::Channel::Message message{stage, bytes, process_of(other), tag + other % local_};
+            exchange({}, std::span(&message, 1), "reduce");
+          }
           for (std::size_t i = 0; i < count; ++i) mine[i] += stage[i];
         }
+      } else if (!is_local(root)) {
+        const detail::Channel::Message message{mine, bytes, process_of(root), tag + g % local_};
+        exchange(std::span(&message, 1), {}, "reduce");
       }
       step_barrier(round);  // nobody reuses its buffer before the root has read it
     });
@@ -136,19 +177,21 @@ class RingCommunicator final : public Communicator {
 
   void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) override {
     check(rank, stream, send, count * sizeof(float), "all_gather send");
-    check(rank, stream, recv, count * static_cast<std::size_t>(size()) * sizeof(float), "all_gather recv");
-    const int n = size();
-    for (int s = 0; s < n - 1; ++s) count_receive((rank + n - 1) % n, rank, count * sizeof(float));
-    enqueue(rank, stream, "all_gather", RankCall{recv, send, nullptr}, [this, count, n](int r, Round& round) {
-      const int left = (r + n - 1) % n;
+    check(rank, stream, recv, count * static_cast<std::size_t>(world_) * sizeof(float), "all_gather recv");
+    const int n = world_, g = first_ + rank;
+    for (int s = 0; s < n - 1; ++s) {
+      count_edge(g - 1, g, count * sizeof(float));
+      count_edge(g, g + 1, 0, count * sizeof(float));
+    }
+    enqueue(rank, stream, "all_gather", RankCall{recv, send, nullptr}, [this, count, n](int r, Round& round, int tag) {
+      const int g = first_ + r;
       float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
-      const float* theirs = static_cast<const float*>(round.calls[static_cast<std::size_t>(left)].data);
-      std::memcpy(mine + static_cast<std::size_t>(r) * count, round.calls[static_cast<std::size_t>(r)].send,
-                  count * sizeof(float));
+      const auto block = [&](int b) { return static_cast<std::size_t>(((b % n) + n) % n) * count; };
+      std::memcpy(mine + block(g), round.calls[static_cast<std::size_t>(r)].send, count * sizeof(float));
       step_barrier(round);
       for (int s = 0; s < n - 1; ++s) {
-        const std::size_t block = static_cast<std::size_t>(((r - 1 - s) % n + n) % n) * count;
-        receive(mine + block, theirs + block, count * sizeof(float));
+        transfer(round, r, mine + block(g - 1 - s), block(g - 1 - s), count * sizeof(float), mine + block(g - s),
+                 count * sizeof(float), tag, "all_gather");
         step_barrier(round);
       }
     });
@@ -161,17 +204,32 @@ class RingCommunicator final : public Communicator {
   }
 
  private:
-  using Body = std::function<void(int rank, Round& round)>;
+  using Body = std::function<void(int rank, Round& round, int tag)>;
+
+  static void check_same_local_size(ProcessGroup& processes, int local) {
+    const std::vector<int> sizes = processes.all_gather(local);
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      if (sizes[p] != local)
+        throw InvalidArgument(fmt::format(
+            "every process must drive the same number of devices: process {} has {}, process {} (host {}) has {}", p,
+            sizes[p], processes.rank(), processes.host(), local));
+  }
+
+  bool is_local(int global) const { return global >= first_ && global < first_ + local_; }
+  int process_of(int global) const { return global / local_; }
+  int wrap(int global) const { return ((global % world_) + world_) % world_; }
 
   void check(int rank, const Stream& stream, const void* ptr, std::size_t bytes, const char* op) {
-    if (rank < 0 || rank >= size()) throw InvalidArgument(fmt::format("{}: rank {} of {}", op, rank, size()));
+    if (rank < 0 || rank >= local_)
+      throw InvalidArgument(fmt::format("{}: local rank {} of {}", op, rank, local_));
     if (stream.device() != group_.device_ids()[static_cast<std::size_t>(rank)])
       throw DeviceMismatch(fmt::format("{}: rank {} is device {} but the stream is on device {}", op, rank,
                                        group_.device_ids()[static_cast<std::size_t>(rank)], stream.device()));
     if (bytes) Access::stream(stream).check_access(ptr, bytes, op);
   }
   void check_root(int root) const {
-    if (root < 0 || root >= size()) throw InvalidArgument(fmt::format("collective root {} of {} ranks", root, size()));
+    if (root < 0 || root >= world_)
+      throw InvalidArgument(fmt::format("collective root {} of {} ranks", root, world_));
   }
 
   // Receiver-side scratch, grown on the calling worker (allocation is device-memory accounting).
@@ -187,11 +245,44 @@ class RingCommunicator final : public Communicator {
   static void receive(void* dst, const void* src, std::size_t bytes) {
     if (bytes) std::memcpy(dst, src, bytes);
   }
-  void count_receive(int from_rank, int to_rank, std::size_t bytes) {
-    if (bytes == 0) return;
-    Access::runtime(group_.runtime())
-        .count_copy(group_.device_ids()[static_cast<std::size_t>(from_rank)],
-                    group_.device_ids()[static_cast<std::size_t>(to_rank)], bytes);
+
+  // One ring step of rank r: receive `bytes` at offset `at` of the left neighbour's buffer into dst
+  // (a counted copy when it is local, a message when it lives in another process), and send
+  // `send_bytes` from `send` when the right neighbour lives in another process.
+  void transfer(Round& round, int r, void* dst, std::size_t at, std::size_t bytes, void* send, std::size_t send_bytes,
+                int tag, const char* op) {
+    const int g = first_ + r, left = wrap(g - 1), right = wrap(g + 1);
+    std::vector<detail::Channel::Message> sends, receives;
+    if (is_local(left)) {
+      const auto* theirs = static_cast<const float*>(round.calls[static_cast<std::size_t>(left - first_)].data);
+      receive(dst, theirs + at, bytes);
+    } else if (bytes) {
+      receives.push_back({dst, bytes, process_of(left), tag + left % local_});
+    }
+    if (!is_local(right) && send_bytes) sends.push_back({send, send_bytes, process_of(right), tag + g % local_});
+    exchange(sends, receives, op);
+  }
+
+  void exchange(std::span<const detail::Channel::Message> sends, std::span<const detail::Channel::Message> receives,
+                const char* op) {
+    if (sends.empty() && receives.empty()) return;
+    channel_->exchange(sends, receives, [this] { return aborted(); }, op);
+  }
+  bool aborted() {
+    std::lock_guard lock(mutex_);
+    return aborted_;
+  }
+
+  // Traffic of the directed edge from -> to (global ranks), counted on this process's side:
+  // `received` bytes arriving at a local `to`, `sent` bytes leaving a local `from` for another
+  // process (the network). Local-to-local edges count once, as the receiver's copy.
+  void count_edge(int from, int to, std::size_t received, std::size_t sent = 0) {
+    from = wrap(from);
+    to = wrap(to);
+    auto& runtime = Access::runtime(group_.runtime());
+    const auto device = [this](int global) { return group_.device_ids()[static_cast<std::size_t>(global - first_)]; };
+    if (received && is_local(to)) runtime.count_copy(is_local(from) ? device(from) : kNetwork, device(to), received);
+    if (sent && is_local(from) && !is_local(to)) runtime.count_copy(device(from), kNetwork, sent);
   }
 
   void enqueue(int rank, const Stream& stream, const char* name, RankCall call, Body body) {
@@ -201,27 +292,33 @@ class RingCommunicator final : public Communicator {
       if (aborted_) throw Error(fmt::format("{}: communicator was aborted", name));
       id = calls_made_[static_cast<std::size_t>(rank)]++;
     }
-    auto task = [this, id, rank, call, body = std::move(body), name] {
+    // Every rank makes the same calls in the same order: the call's index tags its messages, one
+    // tag per sending rank (tag + the sender's local index), as several threads of one process
+    // may send to one peer at once, in no fixed order (reduce).
+    const int tag = channel_ ? static_cast<int>(id % (static_cast<std::uint64_t>(channel_->max_tag() + 1) /
+                                                      static_cast<std::uint64_t>(local_))) *
+                                   local_
+                             : 0;
+    auto task = [this, id, rank, call, body = std::move(body), name, tag] {
       Round& round = join(id, rank, call, name);
-      body(rank, round);
+      body(rank, round, tag);
       leave(id, round);
     };
     Access::stream(stream).enqueue_kernel(name, std::move(task), SpanKind::collective);
   }
-
   Round& join(std::uint64_t id, int rank, const RankCall& call, const char* name) {
     std::unique_lock lock(mutex_);
     auto& slot = rounds_[id];
     if (!slot) {
       slot = std::make_unique<Round>();
-      slot->calls.resize(static_cast<std::size_t>(size()));
-      slot->left = size();
+      slot->calls.resize(static_cast<std::size_t>(local_));
+      slot->left = local_;
     }
     Round& round = *slot;
     round.calls[static_cast<std::size_t>(rank)] = call;
     ++round.registered;
     round.cv.notify_all();
-    round.cv.wait(lock, [&] { return aborted_ || round.registered == size(); });
+    round.cv.wait(lock, [&] { return aborted_ || round.registered == local_; });
     if (aborted_) throw Error(fmt::format("{}: communicator aborted while rank {} waited for its peers", name, rank));
     return round;
   }
@@ -229,7 +326,7 @@ class RingCommunicator final : public Communicator {
   void step_barrier(Round& round) {
     std::unique_lock lock(mutex_);
     const std::uint64_t phase = round.phase;
-    if (++round.waiting == size()) {
+    if (++round.waiting == local_) {
       round.waiting = 0;
       ++round.phase;
       round.cv.notify_all();
@@ -245,6 +342,9 @@ class RingCommunicator final : public Communicator {
   }
 
   const DeviceGroup& group_;
+  std::shared_ptr<ProcessGroup> processes_;
+  const int local_, process_, world_, first_;  // local ranks, this process, global ranks, first global rank
+  std::unique_ptr<detail::Channel> channel_;   // other processes (none when alone)
   std::mutex mutex_;
   bool aborted_ = false;
   std::vector<std::uint64_t> calls_made_;
@@ -256,8 +356,9 @@ class RingCommunicator final : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group) {
-  return std::make_unique<RingCommunicator>(group);
+std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group,
+                                                   std::shared_ptr<ProcessGroup> processes) {
+  return std::make_unique<RingCommunicator>(group, std::move(processes));
 }
 
 }  // namespace dp::detail

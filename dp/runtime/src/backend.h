@@ -115,7 +115,7 @@ class RuntimeImpl {
   Device& device(int index);
   PinnedBuffer wrap_pinned(void* data, std::size_t bytes) { return PinnedBuffer(this, data, bytes); }
 
-  // Link accounting: src/dst are device indices or kHost.
+  // Link accounting: src/dst are device indices, kHost or kNetwork.
   void count_copy(int src, int dst, std::size_t bytes);
   LinkTraffic link_traffic(int src, int dst) const;
   void reset_link_traffic();
@@ -166,7 +166,7 @@ bool cuda_compiled_impl();
 
 // Communicators (`group` must outlive them): the ring over counted copies (sim), NCCL (cuda builds;
 // elsewhere an error naming the missing backend).
-std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group);
-std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group);
+std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes);
+std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes);
 
 }  // namespace dp::detail

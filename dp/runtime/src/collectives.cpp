@@ -5,9 +5,10 @@
 
 namespace dp {
 
-std::unique_ptr<Communicator> Communicator::create(const DeviceGroup& group) {
-  if (group.runtime().backend() == Backend::cuda) return detail::make_nccl_communicator(group);
-  return detail::make_ring_communicator(group);
+std::unique_ptr<Communicator> Communicator::create(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes) {
+  if (!processes) processes = ProcessGroup::single();
+  if (group.runtime().backend() == Backend::cuda) return detail::make_nccl_communicator(group, std::move(processes));
+  return detail::make_ring_communicator(group, std::move(processes));
 }
 
 }  // namespace dp

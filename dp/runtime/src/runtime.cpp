@@ -202,7 +202,7 @@ void MemoryCounter::reset_peak() {
 }
 
 RuntimeImpl::RuntimeImpl(int device_count) : expected_devices_(device_count) {
-  const std::size_t slots = static_cast<std::size_t>(device_count + 1) * static_cast<std::size_t>(device_count + 1);
+  const std::size_t slots = static_cast<std::size_t>(device_count + 2) * static_cast<std::size_t>(device_count + 2);
   link_bytes_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
   link_copies_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
   reset_link_traffic();
@@ -222,25 +222,26 @@ Device& RuntimeImpl::device(int index) {
 
 std::size_t RuntimeImpl::slot(int index) const {
   if (index == kHost) return static_cast<std::size_t>(expected_devices_);
+  if (index == kNetwork) return static_cast<std::size_t>(expected_devices_) + 1;
   if (index < 0 || index >= expected_devices_)
     throw InvalidArgument(fmt::format("link endpoint {} is not a device of this runtime", index));
   return static_cast<std::size_t>(index);
 }
 
 void RuntimeImpl::count_copy(int src, int dst, std::size_t bytes) {
-  const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 1) + slot(dst);
+  const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 2) + slot(dst);
   link_bytes_[i].fetch_add(bytes, std::memory_order_relaxed);
   link_copies_[i].fetch_add(1, std::memory_order_relaxed);
 }
 
 LinkTraffic RuntimeImpl::link_traffic(int src, int dst) const {
-  const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 1) + slot(dst);
+  const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 2) + slot(dst);
   return LinkTraffic{link_bytes_[i].load(), link_copies_[i].load()};
 }
 
 void RuntimeImpl::reset_link_traffic() {
   const std::size_t slots =
-      static_cast<std::size_t>(expected_devices_ + 1) * static_cast<std::size_t>(expected_devices_ + 1);
+      static_cast<std::size_t>(expected_devices_ + 2) * static_cast<std::size_t>(expected_devices_ + 2);
   for (std::size_t i = 0; i < slots; ++i) {
     link_bytes_[i].store(0);
     link_copies_[i].store(0);

@@ -1,5 +1,6 @@
-// dp/ddp.h — torch.nn.parallel.DistributedDataParallel semantics in one process: one persistent
-// replica and optimizer per device, parameters and buffers broadcast from rank 0 at construction,
+// dp/ddp.h — torch.nn.parallel.DistributedDataParallel semantics: one persistent replica and
+// optimizer per device of this process (and, with a ProcessGroup of several processes started by
+// mpirun, of every process: global rank = process rank x local devices + local rank), parameters and buffers broadcast from rank 0 at construction,
 // buffers broadcast before every forward (broadcast_buffers), gradients averaged by bucketed
 // all-reduce launched on a communication stream as soon as each bucket's gradients are ready,
 // overlapping the rest of backward; the optimizers wait for all buckets.
@@ -20,6 +21,7 @@
 #include "dp/loss.h"
 #include "dp/model.h"
 #include "dp/optim.h"
+#include "dp/process_group.h"
 #include "dp/reducer.h"
 
 namespace dp {
@@ -39,6 +41,9 @@ struct DdpOptions {
   // (forward and backward), so N ranks of b samples train as one device on the N*b samples.
   bool sync_batchnorm = false;
   StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from (rank r: seed + r)
+  // The processes of the job (ProcessGroup::from_environment() under mpirun); null: this one alone.
+  // Every process constructs its DDP with the same options and the same number of devices.
+  std::shared_ptr<ProcessGroup> processes;
 };
 
 // One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.
@@ -50,14 +55,18 @@ class DistributedDataParallel final : public Engine {
   DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DdpOptions options = {});
   ~DistributedDataParallel() override;
 
-  int world_size() const { return group_.size(); }
+  // Global ranks over every process; this process's local rank r is global rank first_rank() + r.
+  int world_size() const override { return comm_->size(); }
+  int first_rank() const override { return comm_->first_rank(); }
+  ProcessGroup& processes() const;
   const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
   Model& replica(int rank) const;
   Optimizer& optimizer(int rank) const;
 
-  // Engine: one batch per rank. train_step = zero_grad + forward_backward + step; the loss is
-  // averaged over ranks (each rank's loss is the mean over its own batch). predict: each rank's
-  // eval-mode forward of its batch, after the buffer broadcast a forward does.
+  // Engine: one batch per local rank. train_step = zero_grad + forward_backward + step; the loss is
+  // averaged over all global ranks (each rank's loss is the mean over its own batch), the same
+  // value on every process. predict: each local rank's eval-mode forward of its batch, after the
+  // buffer broadcast a forward does.
   EngineKind kind() const override { return EngineKind::ddp; }
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
   int batches_per_step() const override { return group_.size(); }
@@ -104,8 +113,10 @@ class DistributedDataParallel final : public Engine {
   void abort_communicators();
   void check_batches(std::span<const Batch> batches, bool training) const;
 
+  EvalTotals reduce_totals(const EvalTotals& local) override;
   DeviceGroup group_;
   DdpOptions options_;
+  std::shared_ptr<ProcessGroup> processes_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only

@@ -14,6 +14,7 @@
 #include "dp/device.h"
 #include "dp/model.h"
 #include "dp/optim.h"
+#include "dp/process_group.h"
 
 namespace dp {
 
@@ -52,8 +53,12 @@ class Engine {
   // The devices the engine drives, in rank order (single: the model's device).
   virtual const std::vector<int>& device_ids() const = 0;
   // Host batches one step takes: 1 for single and DP (the global batch, which DP scatters), one
-  // per rank for DDP (each rank's shard, as its DistributedSampler gives it).
+  // per local rank for DDP (each rank's shard, as its DistributedSampler gives it).
   virtual int batches_per_step() const = 0;
+  // The data's shards: DistributedSampler's num_replicas (DDP: the global ranks of every process)
+  // and the global rank of this process's first batch. single and DP: 1 and 0.
+  virtual int world_size() const { return 1; }
+  virtual int first_rank() const { return 0; }
 
   // One training step (zero_grad, forward, loss, backward, optimizer step) over
   // batches_per_step() batches; returns the mean cross-entropy loss (DDP: averaged over ranks).
@@ -65,7 +70,9 @@ class Engine {
   // predict(), then per sample its plain cross-entropy against the target (in double; no label
   // smoothing, so test losses compare across runs) and whether the
   // arg-max logit (the first of equal maxima, as torch.argmax) is the target. With `predictions`,
-  // each sample's arg-max class is appended there, batch after batch.
+  // each sample's arg-max class is appended there, batch after batch. DDP across processes: the
+  // totals of every process's batches (each process passes its own; every process gets the sum);
+  // predictions stay this process's.
   EvalTotals evaluate(std::span<const Batch> batches, std::vector<std::int32_t>* predictions = nullptr);
   // Steps return once the loss is known; the optimizer update may still run on the devices.
   // Call this before reading parameters or optimizer state from another stream.
@@ -79,6 +86,10 @@ class Engine {
 
   // Sets the learning rate of every optimizer (schedules, warm-up).
   void set_lr(double lr);
+
+ protected:
+  // evaluate()'s totals of this process's batches -> the totals of every process's.
+  virtual EvalTotals reduce_totals(const EvalTotals& local) { return local; }
 };
 
 struct EngineOptions {
@@ -92,6 +103,9 @@ struct EngineOptions {
   bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
   bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
   StepOptions step = {};             // loss and randomness, every kind
+  // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
+  // single and dp are single-process: a group of several processes is refused for them.
+  std::shared_ptr<ProcessGroup> processes;
 };
 
 // `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws

@@ -1,6 +1,9 @@
 // dp/collectives.h — collectives over the devices of a DeviceGroup, one interface for both
-// backends: NCCL on cuda (ncclCommInitAll, one communicator per device), a real ring over counted
-// device-to-device copies on sim (so a rank sends and receives 2(N-1)/N of a buffer per all-reduce).
+// backends: NCCL on cuda (one communicator per device), a real ring over counted device-to-device
+// copies on sim (so a rank sends and receives 2(N-1)/N of a buffer per all-reduce). With a
+// ProcessGroup of several processes, the ranks are those of every process (global rank = process
+// rank x devices per process + local rank): NCCL bootstraps through MPI, the sim ring passes its
+// steps between processes as MPI messages.
 #pragma once
 
 #include <cstddef>
@@ -8,10 +11,9 @@
 
 #include "dp/device.h"
 #include "dp/device_group.h"
+#include "dp/process_group.h"
 
 namespace dp {
-
-enum class ReduceOp { sum, avg };
 
 // NCCL semantics: every rank calls the same collectives in the same order, each from its own
 // worker thread, on a stream of its own device; calls are asynchronous for the host and complete
@@ -19,10 +21,19 @@ enum class ReduceOp { sum, avg };
 // turns such waits into errors.
 class Communicator {
  public:
-  static std::unique_ptr<Communicator> create(const DeviceGroup& group);
+  // `group` (this process's devices, local rank = position) must outlive the communicator.
+  // `processes` (default: this process alone): every process passes a group of the same size, and
+  // creates its communicators in the same order (creation is collective across processes).
+  static std::unique_ptr<Communicator> create(const DeviceGroup& group,
+                                              std::shared_ptr<ProcessGroup> processes = nullptr);
   virtual ~Communicator() = default;
 
+  // Global ranks: size() over all processes, local_size() of them here, local rank r is global
+  // rank first_rank() + r. The `rank` argument of every call is the caller's local rank; `root`
+  // is a global rank.
   virtual int size() const = 0;
+  virtual int local_size() const = 0;
+  virtual int first_rank() const = 0;
   // data (count floats on rank's device) = op over all ranks' data.
   virtual void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) = 0;
   // data (bytes on each rank's device) = root's data.

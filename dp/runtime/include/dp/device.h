@@ -131,8 +131,10 @@ struct RuntimeOptions {
   std::size_t sim_capacity_bytes = std::size_t{16} << 30;
 };
 
-// Byte and copy counts of one directed link; `kHost` stands for host memory.
+// Byte and copy counts of one directed link; `kHost` stands for host memory, `kNetwork` for the
+// devices of other processes (other nodes: traffic between processes).
 inline constexpr int kHost = -1;
+inline constexpr int kNetwork = -2;
 struct LinkTraffic {
   std::uint64_t bytes = 0;
   std::uint64_t copies = 0;
@@ -160,7 +162,7 @@ class Runtime {
   // Pinned (page-locked) host memory: copies to and from it are truly asynchronous.
   PinnedBuffer allocate_pinned(std::size_t bytes);
 
-  // Traffic enqueued so far on the directed link src -> dst (device index or kHost).
+  // Traffic enqueued so far on the directed link src -> dst (device index, kHost or kNetwork).
   LinkTraffic link_traffic(int src, int dst) const;
   std::uint64_t bytes_sent(int device) const;      // to other devices
   std::uint64_t bytes_received(int device) const;  // from other devices

@@ -1,0 +1,238 @@
+// mpi_process_group.cpp — the MPI world as a ProcessGroup. Every MPI call is nonblocking and
+// completed by polling under one mutex: any worker thread may exchange messages at any time
+// (the sim ring's transport runs on the streams' threads) while the main thread runs host
+// collectives, and no thread ever blocks inside MPI holding the lock another one needs to make
+// progress. Waits give up on abort or after the group's timeout, cancelling their receives.
+#include <mpi.h>
+
+#include <algorithm>
+#include <fmt/format.h>
+#include <mutex>
+#include <thread>
+
+#include "channel.h"
+#include "dp/error.h"
+#include "process_backend.h"
+
+namespace dp::detail {
+namespace {
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+void check(int code, std::string_view call) {
+  if (code != MPI_SUCCESS) throw Error(fmt::format("{} failed: {}", call, mpi_error_text(code)));
+}
+
+// MPI counts are ints: larger messages travel as several, in order (same peer, same tag).
+constexpr std::size_t kMaxPiece = std::size_t{1} << 30;
+
+class MpiWorld;
+
+class MpiChannel final : public Channel {
+ public:
+  MpiChannel(std::shared_ptr<MpiWorld> world, MPI_Comm comm, int max_tag);
+  ~MpiChannel() override;
+  int max_tag() const override { return max_tag_; }
+  void exchange(std::span<const Message> sends, std::span<const Message> receives,
+                const std::function<bool()>& aborted, std::string_view what) override;
+
+ private:
+  std::shared_ptr<MpiWorld> world_;
+  MPI_Comm comm_;
+  int max_tag_;
+};
+
+class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<MpiWorld> {
+ public:
+  MpiWorld() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) throw Error("MPI was initialised outside dp: use dp::ProcessGroup::mpi() to initialise it");
+    int provided = 0;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
+    // Calls are serialised by mutex_, so SERIALIZED is enough.
+    if (provided < MPI_THREAD_SERIALIZED) {
+      MPI_Finalize();
+      throw Error(fmt::format("MPI provides thread level {} (dp needs MPI_THREAD_SERIALIZED or more)", provided));
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    char name[MPI_MAX_PROCESSOR_NAME] = {};
+    int length = 0;
+    MPI_Get_processor_name(name, &length);
+    host_.assign(name, static_cast<std::size_t>(length));
+    int* upper = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &upper, &found);
+    max_tag_ = found && upper ? *upper : 32767;  // the standard's guaranteed minimum
+  }
+  ~MpiWorld() override {
+    MPI_Comm_free(&comm_);
+    MPI_Finalize();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& host() const override { return host_; }
+
+  void all_gather_bytes(const void* send, std::size_t bytes, void* recv) override {
+    if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+      throw InvalidArgument(fmt::format("all_gather of {} bytes per process is too large", bytes));
+    MPI_Request request;
+    {
+      std::lock_guard lock(mutex_);
+      check(MPI_Iallgather(send, static_cast<int>(bytes), MPI_BYTE, recv, static_cast<int>(bytes), MPI_BYTE, comm_,
+                           &request),
+            "MPI_Iallgather");
+    }
+    std::vector<MPI_Request> requests{request};
+    wait(requests, {}, nullptr, "all_gather between processes");
+  }
+
+  void broadcast_bytes(void* data, std::size_t bytes, int root) override {
+    if (root < 0 || root >= size_)
+      throw InvalidArgument(fmt::format("broadcast root {} is not a process of {}", root, size_));
+    if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+      throw InvalidArgument(fmt::format("broadcast of {} bytes is too large", bytes));
+    MPI_Request request;
+    {
+      std::lock_guard lock(mutex_);
+      check(MPI_Ibcast(data, static_cast<int>(bytes), MPI_BYTE, root, comm_, &request), "MPI_Ibcast");
+    }
+    std::vector<MPI_Request> requests{request};
+    wait(requests, {}, nullptr, "broadcast between processes");
+  }
+
+  [[noreturn]] void abort(int exit_code) override {
+    MPI_Abort(MPI_COMM_WORLD, exit_code);
+    std::_Exit(exit_code);  // MPI_Abort does not return; if it did, still end this process
+  }
+
+  std::unique_ptr<Channel> open_channel() override {
+    MPI_Comm comm;
+    MPI_Request request;
+    {
+      std::lock_guard lock(mutex_);
+      check(MPI_Comm_idup(comm_, &comm, &request), "MPI_Comm_idup");
+    }
+    std::vector<MPI_Request> requests{request};
+    wait(requests, {}, nullptr, "opening a channel between processes");
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    return std::make_unique<MpiChannel>(shared_from_this(), comm, max_tag_);
+  }
+
+  // Polls until every request completed. On abort or timeout, receives (is_receive[i]) are
+  // cancelled and completed so their buffers are no longer written, sends are released, and the
+  // wait throws naming `what`.
+  void wait(std::vector<MPI_Request>& requests, const std::vector<bool>& is_receive,
+            const std::function<bool()>* aborted, std::string_view what) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int spin = 0;; ++spin) {
+      int done = 0;
+      {
+        std::lock_guard lock(mutex_);
+        check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE),
+              "MPI_Testall");
+      }
+      if (done) return;
+      const bool stop = aborted && *aborted && (*aborted)();
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (stop || waited > timeout()) {
+        give_up(requests, is_receive);
+        if (stop) throw Error(fmt::format("{}: aborted while waiting for another process", what));
+        throw Error(fmt::format("{}: process {} (host {}) waited {} s for its peers (timeout; DP_TIMEOUT_S sets it)",
+                                what, rank_, host_, std::chrono::duration_cast<std::chrono::seconds>(waited).count()));
+      }
+      // Messages usually arrive within microseconds: spin briefly, then back off.
+      if (spin < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(spin < 1024 ? 20 : 500));
+    }
+  }
+
+  std::mutex& mutex() { return mutex_; }
+
+ private:
+  void give_up(std::vector<MPI_Request>& requests, const std::vector<bool>& is_receive) {
+    std::lock_guard lock(mutex_);
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      if (requests[i] == MPI_REQUEST_NULL) continue;
+      if (i < is_receive.size() && is_receive[i]) {
+        MPI_Cancel(&requests[i]);
+        MPI_Wait(&requests[i], MPI_STATUS_IGNORE);  // a cancelled receive completes locally
+      } else {
+        MPI_Request_free(&requests[i]);
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1, max_tag_ = 32767;
+  std::string host_;
+};
+
+MpiChannel::MpiChannel(std::shared_ptr<MpiWorld> world, MPI_Comm comm, int max_tag)
+    : world_(std::move(world)), comm_(comm), max_tag_(max_tag) {}
+
+MpiChannel::~MpiChannel() {
+  std::lock_guard lock(world_->mutex());
+  MPI_Comm_free(&comm_);
+}
+
+void MpiChannel::exchange(std::span<const Message> sends, std::span<const Message> receives,
+                          const std::function<bool()>& aborted, std::string_view what) {
+  std::vector<MPI_Request> requests;
+  std::vector<bool> is_receive;
+  const auto post = [&](const Message& m, bool receive) {
+    if (m.tag < 0 || m.tag > max_tag_) throw InvalidArgument(fmt::format("{}: tag {} out of range", what, m.tag));
+    auto* bytes = static_cast<unsigned char*>(m.data);
+    for (std::size_t done = 0; done < m.bytes || (m.bytes == 0 && done == 0);) {
+      const std::size_t piece = std::min(kMaxPiece, m.bytes - done);
+      MPI_Request request;
+      const int count = static_cast<int>(piece);
+      check(receive ? MPI_Irecv(bytes + done, count, MPI_BYTE, m.process, m.tag, comm_, &request)
+                    : MPI_Isend(bytes + done, count, MPI_BYTE, m.process, m.tag, comm_, &request),
+            receive ? "MPI_Irecv" : "MPI_Isend");
+      requests.push_back(request);
+      is_receive.push_back(receive);
+      done += piece;
+      if (m.bytes == 0) break;
+    }
+  };
+  {
+    std::lock_guard lock(world_->mutex());
+    for (const Message& m : receives) post(m, true);
+    for (const Message& m : sends) post(m, false);
+  }
+  world_->wait(requests, is_receive, &aborted, what);
+}
+
+std::mutex g_world_mutex;
+std::weak_ptr<MpiWorld> g_world;
+bool g_world_ended = false;
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> mpi_process_group() {
+  std::lock_guard lock(g_world_mutex);
+  if (auto world = g_world.lock()) return world;
+  if (g_world_ended) throw Error("the MPI process group was already finalised in this process (MPI starts once)");
+  auto world = std::make_shared<MpiWorld>();
+  g_world = world;
+  g_world_ended = true;  // once this one dies, MPI is finalised for good
+  return world;
+}
+
+bool mpi_compiled() { return true; }
+
+}  // namespace dp::detail

@@ -1,0 +1,100 @@
+// process_group.cpp — the one-process group, what every group shares (timeout, barrier,
+// reduce_value), and the choice between one process and the MPI world.
+#include "dp/process_group.h"
+
+#include <cstdlib>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "channel.h"
+#include "dp/error.h"
+#include "process_backend.h"
+
+namespace dp {
+namespace {
+
+std::chrono::milliseconds default_timeout() {
+  if (const char* text = std::getenv("DP_TIMEOUT_S"); text && *text) {
+    char* end = nullptr;
+    const double seconds = std::strtod(text, &end);
+    if (*end != '\0' || !(seconds > 0.0) || seconds > 1e9)
+      throw InvalidArgument(fmt::format("DP_TIMEOUT_S='{}' is not a positive number of seconds", text));
+    return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
+  }
+  return std::chrono::minutes(10);
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "unknown host";
+  return name;
+}
+
+// No peers: a channel would only ever talk to itself, which no communicator does.
+class NoChannel final : public detail::Channel {
+ public:
+  int max_tag() const override { return 0; }
+  void exchange(std::span<const Message> sends, std::span<const Message> receives, const std::function<bool()>&,
+                std::string_view what) override {
+    if (!sends.empty() || !receives.empty())
+      throw Error(fmt::format("{}: a one-process group has no other process to exchange with", what));
+  }
+};
+
+class SingleProcess final : public ProcessGroup {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const std::string& host() const override { return host_; }
+  void all_gather_bytes(const void* send, std::size_t bytes, void* recv) override {
+    if (bytes) std::memmove(recv, send, bytes);
+  }
+  void broadcast_bytes(void*, std::size_t, int root) override {
+    if (root != 0) throw InvalidArgument(fmt::format("broadcast root {} in a group of one process", root));
+  }
+  [[noreturn]] void abort(int exit_code) override { std::_Exit(exit_code); }
+  std::unique_ptr<detail::Channel> open_channel() override { return std::make_unique<NoChannel>(); }
+
+ private:
+  std::string host_ = host_name();
+};
+
+}  // namespace
+
+ProcessGroup::ProcessGroup() : timeout_(default_timeout()) {}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::single() { return std::make_shared<SingleProcess>(); }
+std::shared_ptr<ProcessGroup> ProcessGroup::mpi() { return detail::mpi_process_group(); }
+bool ProcessGroup::mpi_compiled() { return detail::mpi_compiled(); }
+
+std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
+  // What the launchers set in each process they start (Open MPI, PMIx, MPICH/Hydra).
+  for (const char* variable : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"}) {
+    if (std::getenv(variable)) {
+      if (!mpi_compiled())
+        throw Error(fmt::format("started by an MPI launcher ({} is set), but dp was built without MPI", variable));
+      return mpi();
+    }
+  }
+  return single();
+}
+
+void ProcessGroup::barrier() {
+  const char nothing = 0;
+  std::vector<char> all(static_cast<std::size_t>(size()));
+  all_gather_bytes(&nothing, 1, all.data());
+}
+
+double reduce_value(ProcessGroup& processes, std::span<const double> local, ReduceOp op) {
+  const std::vector<std::size_t> counts = processes.all_gather(local.size());
+  for (std::size_t p = 0; p < counts.size(); ++p)
+    if (counts[p] != local.size())
+      throw InvalidArgument(fmt::format("reduce_value: process {} has {} values, process {} has {}", p, counts[p],
+                                        processes.rank(), local.size()));
+  const std::vector<double> all = processes.all_gather(local);
+  double sum = 0.0;
+  for (const double value : all) sum += value;
+  return op == ReduceOp::avg && !all.empty() ? sum / static_cast<double>(all.size()) : sum;
+}
+
+}  // namespace dp
