@@ -23,6 +23,7 @@
 #include "dp/engine.h"
 #include "dp/error.h"
 #include "dp/lr_schedule.h"
+#include "dp/process_group.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
@@ -67,12 +68,111 @@ struct Options {
   std::string normalize;     // "MEAN,STD"
   std::string metrics_json;  // JSON lines, one per logged step and per epoch
   std::string predictions;   // --eval-only: each test sample's predicted class, one per line
+  long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
 };
 
 // A failure the user caused (bad flag value, bad file): message, exit code 2.
 struct UsageError : dp::Error {
   using dp::Error::Error;
 };
+
+// Under mpirun, how a failure on one process reaches the others. Before the engine exists (every
+// file read, every check) and again after the last collective, the healthy processes' next host
+// collective is agree(): a failing process joins it with its exit code, and every process exits
+// with that code. In between, its peers may be inside a collective of the step: a failing process
+// aborts the job (MPI_Abort) and mpirun ends every process within seconds. Decisions every process
+// takes alike (a non-finite global loss) need neither.
+struct Job {
+  std::shared_ptr<dp::ProcessGroup> processes;
+  bool agreement_next = true;
+  int local_ranks = 1;  // this process's devices (ddp), for "global ranks a-b" in messages
+  std::vector<int> ids;
+  bool primary() const { return !processes || processes->rank() == 0; }
+  bool several() const { return processes && processes->size() > 1; }
+  // "process 1 of 2 (global ranks 2-3, host node7)"
+  std::string where(int device = -1) const {
+    const int p = processes->rank(), first = p * local_ranks;
+    if (ids.empty()) return fmt::format("process {} of {} (host {})", p, processes->size(), processes->host());
+    for (std::size_t l = 0; l < ids.size(); ++l)
+      if (ids[l] == device)
+        return fmt::format("process {} of {} (global rank {}, device {}, host {})", p, processes->size(),
+                           first + static_cast<int>(l), device, processes->host());
+    return fmt::format("process {} of {} (global ranks {}-{}, host {})", p, processes->size(), first,
+                       first + local_ranks - 1, processes->host());
+  }
+};
+Job g_job;
+
+// Thrown where a peer's failure was agreed on: its code, nothing more to report.
+struct PeerFailed {
+  int code;
+};
+
+// Prints what failed (naming the process, host and global ranks under mpirun) and returns the exit
+// code: 2 bad input or configuration, 3 non-finite values, 1 anything else.
+int report(const std::exception_ptr& error) {
+  std::string where;
+  if (g_job.several()) {
+    int device = -1;  // a rank's worker failed: name that rank
+    try {
+      std::rethrow_exception(error);
+    } catch (const dp::WorkerError& e) {
+      device = e.device();
+    } catch (...) {
+    }
+    where = " on " + g_job.where(device);
+  }
+  const auto print = [&](const std::exception& e, const char* hint = "") {
+    fmt::print(stderr, "dp_train: error{}: {}{}\n", where, e.what(), hint);
+  };
+  try {
+    std::rethrow_exception(error);
+  } catch (const UsageError& e) {
+    print(e);
+    return 2;
+  } catch (const dp::OutOfMemory& e) {
+    print(e, ": the configuration does not fit (a smaller --batch-size or model)");
+    return 2;
+  } catch (const dp::NonFiniteError& e) {
+    print(e);
+    return 3;
+  } catch (const std::exception& e) {
+    print(e);
+    return 1;
+  } catch (...) {
+    fmt::print(stderr, "dp_train: error{}: unknown exception\n", where);
+    return 1;
+  }
+}
+
+// Every process's exit code so far; the first failing process's code (process order), 0 if none.
+int agree(int code) {
+  if (!g_job.several()) return code;
+  struct Status {
+    int code;
+    char host[64];
+  };
+  Status mine{code, {}};
+  std::snprintf(mine.host, sizeof(mine.host), "%s", g_job.processes->host().c_str());
+  const auto all = g_job.processes->all_gather(mine);
+  for (std::size_t p = 0; p < all.size(); ++p) {
+    if (all[p].code == 0) continue;
+    if (g_job.primary() && static_cast<int>(p) != g_job.processes->rank())
+      fmt::print(stderr, "dp_train: process {} (host {}) failed with exit code {}; every process stops\n", p,
+                 all[p].host, all[p].code);
+    return all[p].code;
+  }
+  return 0;
+}
+void agree_or_stop() {
+  if (const int code = agree(0); code != 0) throw PeerFailed{code};
+}
+
+// Standard output is process 0's (torch's "print on rank 0"); errors come from every process.
+template <class... Args>
+void say(fmt::format_string<Args...> format, Args&&... args) {
+  if (g_job.primary()) fmt::print(format, std::forward<Args>(args)...);
+}
 
 std::vector<int> parse_int_list(const std::string& text, const char* flag) {
   std::vector<int> out;
@@ -183,23 +283,25 @@ class MetricsLog {
   std::string path_;
 };
 
-// Test-set loss and accuracy through the engine: every sample exactly once (eval_shard: rank r of
-// the engine's batches_per_step() takes samples r, r + R, ...; no padding), in batches of
-// `batch_size` per rank; a rank whose shard ran out sends an empty batch.
+// Test-set loss and accuracy through the engine: every sample exactly once (eval_shard: global
+// rank r of the engine's world_size() R takes samples r, r + R, ...; no padding), in batches of
+// `batch_size` per rank; a rank whose shard ran out sends an empty batch. Across processes, each
+// evaluates its ranks' shards and the engine sums the totals.
 // With `predictions`, it is resized to the test set and gets each sample's predicted class.
 dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Dataset& test, int batch_size,
                         dp::Normalize normalize, std::vector<std::int32_t>* predictions = nullptr) {
-  const int shards = engine.batches_per_step();
-  std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(shards));
-  std::size_t steps = 0;
-  for (int rank = 0; rank < shards; ++rank) {
-    const auto mine = dp::eval_shard(test.size(), shards, rank);
-    auto& plan = plans[static_cast<std::size_t>(rank)];
+  const int shards = engine.world_size(), local = engine.batches_per_step();
+  std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(local));
+  // Global rank 0's shard is the longest: every process takes as many steps as it needs.
+  const std::size_t batch = static_cast<std::size_t>(batch_size);
+  const std::size_t steps = (dp::eval_shard(test.size(), shards, 0).size() + batch - 1) / batch;
+  for (int l = 0; l < local; ++l) {
+    const auto mine = dp::eval_shard(test.size(), shards, engine.first_rank() + l);
+    auto& plan = plans[static_cast<std::size_t>(l)];
     for (std::size_t begin = 0; begin < mine.size(); begin += static_cast<std::size_t>(batch_size))
       plan.emplace_back(mine.begin() + static_cast<std::ptrdiff_t>(begin),
                         mine.begin() + static_cast<std::ptrdiff_t>(
                                            std::min(mine.size(), begin + static_cast<std::size_t>(batch_size))));
-    steps = std::max(steps, plan.size());
   }
   for (auto& plan : plans) plan.resize(steps);  // empty batches for the ranks whose shard is shorter
   const auto order = plans;                     // which sample each prediction belongs to
@@ -241,9 +343,10 @@ std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_c
 // device, the synthetic data set and the pinned batches on the host — against the host's memory
 // and a simulated device's capacity. (The activations come on top; a run that passes this and
 // still does not fit fails with the device's out-of-memory error, also exit 2.)
-void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda) {
+void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
+                  int processes) {
   const std::uint64_t devices = ids.size(), batch = static_cast<std::uint64_t>(o.batch_size);
-  const std::uint64_t shards = o.mode == "ddp" ? devices : 1;
+  const std::uint64_t shards = o.mode == "ddp" ? devices * static_cast<std::uint64_t>(processes) : 1;
   if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
                                  o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
@@ -283,6 +386,14 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
 
 int run(Options o) {
   // ---- validate everything before any work, so bad input never leaves a file behind
+  dp::ProcessGroup& processes = *g_job.processes;
+  const bool primary = g_job.primary();
+  if (processes.size() > 1 && o.mode != "ddp")
+    throw UsageError(fmt::format(
+        "--mode {} is single-process, but mpirun started {} processes: use --mode ddp across processes", o.mode,
+        processes.size()));
+  if (processes.size() > 1 && !o.predictions.empty())
+    throw UsageError("--predictions writes one process's test-set order: run --eval-only without mpirun");
   std::vector<int> hidden;
   if (o.model == "mlp") {
     hidden = parse_int_list(o.hidden, "--hidden");
@@ -302,7 +413,7 @@ int run(Options o) {
     throw UsageError("--eval-only trains nothing: it takes no --steps, --epochs or --save");
   if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
   if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
-  if (!o.predictions.empty()) {
+  if (!o.predictions.empty() && primary) {
     try {
       dp::check_writable(o.predictions);
     } catch (const dp::Error& e) {
@@ -313,12 +424,13 @@ int run(Options o) {
   // than after the data is loaded; --scale-lr multiplies the lr by up to the device count.
   try {
     std::visit([](const auto& options) { dp::validate(options); },
-               optimizer_options(o, o.lr * (o.scale_lr ? o.devices.value_or(1) : 1)));
+               optimizer_options(o, o.lr * (o.scale_lr ? o.devices.value_or(1) * processes.size() : 1)));
   } catch (const dp::Error& e) {
     throw UsageError(e.what());
   }
-  // Where the checkpoint goes is checked before step 1, not discovered after the last one.
-  if (!o.save.empty()) {
+  // Where the checkpoint goes is checked before step 1, not discovered after the last one
+  // (by process 0, the one that writes it).
+  if (!o.save.empty() && primary) {
     try {
       dp::check_writable(o.save);
     } catch (const dp::Error& e) {
@@ -326,7 +438,7 @@ int run(Options o) {
     }
   }
   // Opened now, so that a path it cannot write is refused before any work. A resumed run appends.
-  MetricsLog metrics(o.metrics_json, !o.resume.empty());
+  MetricsLog metrics(primary ? o.metrics_json : std::string(), !o.resume.empty());
 
   std::vector<int> ids;
   if (!o.device_ids.empty()) {
@@ -358,7 +470,9 @@ int run(Options o) {
     throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(ids)));
 
   // ---- sizes: what the run needs at the least, in 64 bits, before anything is allocated
-  check_memory(o, hidden, ids, want_cuda);
+  check_memory(o, hidden, ids, want_cuda, processes.size());
+  g_job.ids = ids;
+  g_job.local_ranks = static_cast<int>(ids.size());
 
   // ---- data and checkpoints: a bad file is the user's input, so UsageError (exit 2)
   auto as_usage_error = [](auto&& load) {
@@ -400,10 +514,10 @@ int run(Options o) {
       throw UsageError(
           fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
     if (tags.count("mode") && tags.at("mode") != o.mode)
-      fmt::print("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
+      say("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
                  tags.at("mode"), o.mode);
     if (progress.seed != o.seed)
-      fmt::print("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
+      say("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
     o.seed = progress.seed;
   }
 
@@ -421,8 +535,13 @@ int run(Options o) {
     return 0;
   });
 
+  // ---- every process is ready (or all stop with the first failing one's exit code); from here on
+  // the processes meet in collectives
+  agree_or_stop();
+  g_job.agreement_next = false;
+
   // ---- the engine, picked once: everything below runs through dp::Engine
-  const int world = static_cast<int>(ids.size());
+  const int world = static_cast<int>(ids.size()) * (o.mode == "ddp" ? processes.size() : 1);
   // The schedule needs the run's length, known below; the optimizer starts at the warm-up's first lr
   // and every step sets its own.
   const dp::OptimizerOptions optimizer = optimizer_options(o, lr_at(o, world, start_step, dp::LrSchedule::constant()));
@@ -433,6 +552,7 @@ int run(Options o) {
   engine_options.step.label_smoothing = o.label_smoothing;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
+  engine_options.processes = g_job.processes;
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
   const auto engine = dp::make_engine(*runtime, *model, optimizer, engine_options);
@@ -446,13 +566,14 @@ int run(Options o) {
     std::vector<std::int32_t> predictions;
     const dp::EvalTotals totals =
         evaluate(*engine, *runtime, *test, o.batch_size, normalize, o.predictions.empty() ? nullptr : &predictions);
+    g_job.agreement_next = true;
     if (!o.predictions.empty()) {
       std::string text;
       for (const std::int32_t c : predictions) text += fmt::format("{}\n", c);
       dp::write_atomically(o.predictions, text);
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    fmt::print("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n",
+    say("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n",
                o.init.empty() ? o.resume : o.init, totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(),
                totals.correct, duration_text(seconds));
     metrics.write({{"kind", "eval"},
@@ -461,25 +582,29 @@ int run(Options o) {
                    {"test_accuracy", totals.accuracy()},
                    {"test_correct", totals.correct},
                    {"test_samples", totals.samples}});
+    agree_or_stop();
     return 0;
   }
 
-  // single and dp read the whole data set in order (one replica); ddp ranks read their shards.
-  const int shards = engine->batches_per_step();
+  // single and dp read the whole data set in order (one replica); ddp ranks read their shards: this
+  // process's ranks first_rank() .. first_rank() + batches_per_step() - 1 of world_size().
+  const int shards = engine->world_size();
   const int global_batch = o.batch_size * shards;
   const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
   const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
   const dp::LrSchedule schedule = make_schedule(o, start_step + total_steps);
-  fmt::print(
-      "dp_train: {} {} on {} device(s) [{}] ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
-      o.model, o.mode, world, ids_of(ids), dp::to_string(runtime->backend()), data.size(), global_batch,
+  say("dp_train: {} {} on {} device(s) [{}]{} ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
+      o.model, o.mode, world, ids_of(ids),
+      processes.size() > 1 ? fmt::format(" in each of {} processes", processes.size()) : "",
+      dp::to_string(runtime->backend()), data.size(), global_batch,
       shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
 
   // ---- the data order: per step, the sample indices of each rank's batch, made by the rank's
   // loader thread just before it fills the batch (constant memory, however many steps)
-  for (int rank = 0; rank < shards; ++rank) {
+  for (int local = 0; local < engine->batches_per_step(); ++local) {
+    const int rank = engine->first_rank() + local;
     struct Order {
       dp::DistributedSampler sampler;
       std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
@@ -507,7 +632,8 @@ int run(Options o) {
 
   // ---- train: a line per --log-every steps, and after every epoch its train loss, the test loss
   // and accuracy (--eval), throughput, elapsed time and the ETA
-  const bool terminal = ::isatty(STDOUT_FILENO) != 0;
+  // (mpirun forwards output through a pseudo-terminal: lines, not a progress line)
+  const bool terminal = ::isatty(STDOUT_FILENO) != 0 && !g_job.several();
   const auto t0 = std::chrono::steady_clock::now();
   auto last_log = t0, epoch_start = t0;
   long samples_since_log = 0;
@@ -526,10 +652,14 @@ int run(Options o) {
       batches.push_back(loader->next());
       samples += batches.back().size;
     }
+    samples *= shards / engine->batches_per_step();  // every rank's batch has this process's size
+    if (s + 1 == o.fail_at_step)
+      throw dp::Error(fmt::format("failing at step {} as asked (--debug-fail-at-step)", s + 1));
     loss = engine->train_step(batches);
     const long epoch = s / batches_per_epoch;
-    if (!std::isfinite(loss)) {
-      fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss, s + 1, epoch + 1,
+    if (!std::isfinite(loss)) {  // the loss of every rank: every process stops here
+      if (primary)
+        fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss, s + 1, epoch + 1,
                  o.save.empty() ? "" : fmt::format(", {} was not written", o.save));
       return 3;
     }
@@ -551,11 +681,11 @@ int run(Options o) {
                      {"samples_per_s", rate},
                      {"elapsed_s", since(t0)}});
       if (terminal) {
-        fmt::print("\r{}", line);
-        if (last) fmt::print("\n");
+        say("\r{}", line);
+        if (last) say("\n");
         std::fflush(stdout);
       } else {
-        fmt::print("{}\n", line);
+        say("{}\n", line);
       }
       last_log = now;
       samples_since_log = 0;
@@ -569,8 +699,8 @@ int run(Options o) {
       const double eta = elapsed / done * static_cast<double>(start_step + total_steps - (s + 1));
       const double train_loss = epoch_loss_sum / static_cast<double>(std::max(epoch_samples, 1L));
       const double rate = static_cast<double>(epoch_samples) / std::max(1e-9, train_seconds);
-      if (terminal) fmt::print("\r");
-      fmt::print("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
+      if (terminal) say("\r");
+      say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
                  (s + 1) % batches_per_epoch == 0 ? "" : " (partial)", train_loss,
                  totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(),
                                       100.0 * totals->accuracy())
@@ -596,11 +726,12 @@ int run(Options o) {
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", total_steps, seconds, loss);
+  say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", total_steps, seconds, loss);
 
-  // ---- save: the source / rank-0 state, plus what resuming needs
+  // ---- save: the source / rank-0 state, plus what resuming needs (process 0 writes it)
   engine->synchronize();
-  if (!o.save.empty()) {
+  g_job.agreement_next = true;
+  if (!o.save.empty() && primary) {
     dp::TrainingProgress progress;
     progress.step = start_step + total_steps;
     progress.epoch = (start_step + total_steps) / batches_per_epoch;
@@ -611,8 +742,9 @@ int run(Options o) {
                      {"dropout", fmt::format("{}", o.dropout)},
                      {"label_smoothing", fmt::format("{}", o.label_smoothing)}};
     dp::TrainingState::save(o.save, engine->model(), *engine->optimizers().front(), progress);
-    fmt::print("dp_train: saved {}\n", o.save);
+    say("dp_train: saved {}\n", o.save);
   }
+  agree_or_stop();
   return 0;
 }
 
@@ -698,6 +830,10 @@ int main(int argc, char** argv) {
   app.add_option("--normalize", o.normalize, "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530");
   app.add_option("--predictions", o.predictions,
                  "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
+  // Hidden (no group): the failure tests start one process of an mpirun job with it.
+  app.add_option("--debug-fail-at-step", o.fail_at_step, "testing: fail on this process at step N")
+      ->check(decimal)
+      ->group("");
   app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");
   try {
     app.parse(argc, argv);
@@ -730,19 +866,24 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    return run(o);
-  } catch (const UsageError& e) {
-    fmt::print(stderr, "dp_train: error: {}\n", e.what());
-    return 2;
-  } catch (const dp::OutOfMemory& e) {
-    fmt::print(stderr, "dp_train: error: {}: the configuration does not fit (a smaller --batch-size or model)\n",
-               e.what());
-    return 2;
-  } catch (const dp::NonFiniteError& e) {
-    fmt::print(stderr, "dp_train: error: {}\n", e.what());
-    return 3;
+    g_job.processes = dp::ProcessGroup::from_environment();
   } catch (const std::exception& e) {
     fmt::print(stderr, "dp_train: error: {}\n", e.what());
-    return 1;
+    return 2;
   }
+  int code = 0;
+  try {
+    code = run(o);
+  } catch (const PeerFailed& e) {
+    code = e.code;  // agreed with the others; the failing process said why
+  } catch (...) {
+    code = report(std::current_exception());
+    if (g_job.several()) {
+      // Peers may be inside a collective this process will never join: end the job now.
+      if (!g_job.agreement_next) g_job.processes->abort(code);
+      code = agree(code);
+    }
+  }
+  g_job.processes.reset();  // MPI_Finalize, when under mpirun
+  return code;
 }

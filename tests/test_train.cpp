@@ -19,27 +19,15 @@
 
 #include "dp/lr_schedule.h"
 #include "dp/safetensors.h"
+#include "test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
+using Result = dp::test::CommandResult;
 
-Result run(const std::string& args) {
-  const std::string command = std::string(DP_TRAIN_BIN) + " " + args + " 2>&1";
-  Result result;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return result;
-  std::array<char, 4096> buffer{};
-  while (std::fgets(buffer.data(), buffer.size(), pipe)) result.output += buffer.data();
-  const int status = pclose(pipe);
-  result.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
+Result run(const std::string& args) { return dp::test::run_command(std::string(DP_TRAIN_BIN) + " " + args); }
 
 class TrainTest : public ::testing::Test {
  protected:

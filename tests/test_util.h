@@ -1,18 +1,37 @@
 // test_util.h — shared helpers: runtimes per backend (skipping without a GPU), host<->device vectors.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <gtest/gtest.h>
 #include <memory>
 #include <random>
 #include <string>
+#include <sys/wait.h>
 #include <vector>
 
 #include "dp/device.h"
 
 namespace dp::test {
+
+// A shell command's exit code (-1 when it did not exit normally) and its stdout and stderr together.
+struct CommandResult {
+  int code = -1;
+  std::string output;
+};
+inline CommandResult run_command(const std::string& command) {
+  CommandResult result;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (!pipe) return result;
+  std::array<char, 4096> buffer{};
+  while (std::fgets(buffer.data(), buffer.size(), pipe)) result.output += buffer.data();
+  const int status = pclose(pipe);
+  result.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
 
 // A runtime of the named backend, or nullptr after GTEST_SKIP when that backend cannot run here.
 inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int sim_devices = 2) {

@@ -1,0 +1,156 @@
+// test_mpi_train.cpp — dp_train under mpirun, as a user runs it across nodes: 2 processes x 2
+// simulated devices must write, byte for byte, the checkpoint of 1 process x 4 devices (MLP and
+// ConvNet, with and without SyncBatchNorm, straight and resumed), evaluate the same test set, and
+// a failure on one process must stop every process with a message naming it — never a hang.
+#include <chrono>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <gtest/gtest.h>
+#include <regex>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dp::test::CommandResult;
+
+std::string slurp(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The training log without its timings: the lines that must match between the two launches.
+std::vector<std::string> step_lines(const std::string& output) {
+  std::vector<std::string> out;
+  const std::regex loss(R"(step +\d+ epoch +\d+ loss [0-9.]+|train loss [0-9.]+|test loss [0-9.]+ \| test acc [0-9.]+%)");
+  for (std::sregex_iterator it(output.begin(), output.end(), loss), end; it != end; ++it) out.push_back(it->str());
+  return out;
+}
+
+class MpiTrain : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / fmt::format("dp_mpi_train_{}_{}", ::getpid(),
+                                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  static CommandResult one_process(const std::string& args) {
+    return dp::test::run_command(fmt::format("{} {}", DP_TRAIN_BIN, args));
+  }
+  // mpirun -np 2: every process gets `args`, plus `extra` on the second one only (MPMD).
+  static CommandResult two_processes(const std::string& args, const std::string& extra = "") {
+    if (extra.empty()) return dp::test::run_command(fmt::format("{} -np 2 {} {}", DP_MPIRUN, DP_TRAIN_BIN, args));
+    return dp::test::run_command(
+        fmt::format("{} -np 1 {} {} : -np 1 {} {} {}", DP_MPIRUN, DP_TRAIN_BIN, args, DP_TRAIN_BIN, args, extra));
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
+  const std::string models[] = {"--model mlp --hidden 64,32 --dropout 0.2", "--model convnet",
+                                "--model convnet --sync-bn", "--model convnet --optimizer adamw --sync-bn"};
+  for (const std::string& model : models) {
+    SCOPED_TRACE(model);
+    const std::string common =
+        fmt::format("{} --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.02 --seed 7 --log-every 1 "
+                    "--warmup-steps 2",
+                    model);
+    const CommandResult one = one_process(common + " --devices 4 --steps 6 --save " + path("one.safetensors"));
+    ASSERT_EQ(one.code, 0) << one.output;
+    const CommandResult two = two_processes(common + " --devices 2 --steps 6 --save " + path("two.safetensors"));
+    ASSERT_EQ(two.code, 0) << two.output;
+    EXPECT_EQ(slurp(path("one.safetensors")), slurp(path("two.safetensors"))) << "checkpoint bytes differ";
+    EXPECT_EQ(step_lines(one.output), step_lines(two.output));
+    // 6 steps and 2 epoch summaries (5 steps of 24 samples make an epoch of 120), printed once.
+    EXPECT_EQ(step_lines(two.output).size(), 8u) << "process 0 alone prints:\n" << two.output;
+    // Resumed across processes from a checkpoint written across processes: the same bytes again.
+    const CommandResult half =
+        two_processes(common + " --devices 2 --steps 3 --save " + path("half.safetensors"));
+    ASSERT_EQ(half.code, 0) << half.output;
+    const CommandResult resumed = two_processes(common + " --devices 2 --steps 3 --resume " +
+                                                path("half.safetensors") + " --save " + path("resumed.safetensors"));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_EQ(slurp(path("one.safetensors")), slurp(path("resumed.safetensors"))) << "resumed checkpoint differs";
+  }
+}
+
+TEST_F(MpiTrain, EvaluationCountsEveryTestSampleOnceAcrossProcesses) {
+  // 13 test samples over 4 global ranks: shards of 4, 3, 3, 3; batches of 2.
+  const std::string data = path("data");
+  fs::create_directories(data);
+  const auto idx = [&](const std::string& prefix, std::uint32_t count) {
+    const auto be = [](std::ofstream& out, std::uint32_t v) {
+      const char b[4] = {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                         static_cast<char>(v)};
+      out.write(b, 4);
+    };
+    std::ofstream images(data + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
+    for (std::uint32_t v : {0x803u, count, 28u, 28u}) be(images, v);
+    for (std::uint32_t i = 0; i < count * 784; ++i) images.put(static_cast<char>((i * 37 + i / 784 * 11) % 256));
+    std::ofstream labels(data + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary);
+    for (std::uint32_t v : {0x801u, count}) be(labels, v);
+    for (std::uint32_t i = 0; i < count; ++i) labels.put(static_cast<char>(i % 10));
+  };
+  idx("train", 40);
+  idx("t10k", 13);
+  const std::string common = " --model convnet --mode ddp --backend sim --batch-size 2 --steps 4 --data " + data;
+  const CommandResult one = one_process(common + " --devices 4");
+  const CommandResult two = two_processes(common + " --devices 2");
+  ASSERT_EQ(one.code, 0) << one.output;
+  ASSERT_EQ(two.code, 0) << two.output;
+  EXPECT_EQ(step_lines(one.output), step_lines(two.output));
+  EXPECT_NE(two.output.find("test acc"), std::string::npos) << two.output;
+}
+
+TEST_F(MpiTrain, SingleProcessModesAreRefusedUnderMpirun) {
+  for (const std::string mode : {"single", "dp"}) {
+    const CommandResult r = two_processes("--mode " + mode + " --backend sim --synthetic 32 --steps 1");
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("is single-process, but mpirun started 2 processes"), std::string::npos) << r.output;
+  }
+}
+
+// A bad file on one node: found before any collective, agreed on, every process exits 2.
+TEST_F(MpiTrain, ABadFileOnOneProcessStopsEveryProcessWithItsExitCode) {
+  { std::ofstream(path("truncated.safetensors")) << "\x10\x00\x00\x00"; }
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r =
+      two_processes("--model convnet --mode ddp --backend sim --devices 2 --synthetic 64 --steps 2 --save " +
+                        path("out.safetensors"),
+                    "--init " + path("truncated.safetensors"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("error on process 1 of 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("process 1 (host "), std::string::npos) << "process 0 names the failing one:\n"
+                                                                    << r.output;
+  EXPECT_FALSE(fs::exists(path("out.safetensors")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// A process failing in the middle of training, while its peers wait in the step's collectives:
+// the job ends within seconds, non-zero, and the message names the failing ranks and host.
+TEST_F(MpiTrain, AFailingRankStopsEveryProcessWithinSeconds) {
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r =
+      two_processes("--model convnet --mode ddp --backend sim --devices 2 --synthetic 256 --batch-size 4 --steps "
+                    "1000 --save " +
+                        path("out.safetensors"),
+                    "--debug-fail-at-step 3");
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_LT(seconds, 30.0) << r.output;
+  EXPECT_NE(r.output.find("error on process 1 of 2 (global ranks 2-3, host "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("failing at step 3"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(path("out.safetensors")));
+}
+
+}  // namespace
