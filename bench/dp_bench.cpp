@@ -9,6 +9,11 @@
 // received per step, peak memory; the max/mean imbalance of each; DP's phase times; and, from the
 // GEMM spans and the models' analytic GEMM FLOPs, the GEMM rate each device reached.
 //
+// Under mpirun (one process per node, --devices K each), ddp runs over every process's devices and
+// process 0 gathers every device's figures, with the traffic split into intra-node (between the
+// devices of one process) and inter-node (between processes) bytes; single and dp are
+// single-process by definition and run on process 0 alone. Process 0 prints and writes the files.
+//
 // Busy time and GEMM rates come from Runtime::take_trace(), which only the sim backend records so
 // far: on cuda they are reported as null / "n/a" (everything else — throughput, step times,
 // traffic counters, peak memory, DP phases via events — works there as written).
@@ -41,6 +46,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
+#include "dp/process_group.h"
 #include "dp/trace.h"
 
 namespace {
@@ -188,17 +194,21 @@ Data make_data(int samples, std::size_t sample_floats, std::uint64_t seed) {
 
 struct PerDevice {
   int device = 0;
+  int process = 0;
+  std::string host;
   std::optional<double> busy_pct;  // null on cuda (no spans recorded)
   std::optional<double> gemm_ms_per_step;
   std::optional<double> gemm_gflops;
-  double bytes_sent = 0, bytes_received = 0;  // device-to-device, per step
+  double bytes_sent = 0, bytes_received = 0;  // device-to-device within the process (intra-node), per step
+  double net_sent = 0, net_received = 0;      // to and from other processes (inter-node), per step
   std::uint64_t peak_bytes = 0;
   int samples_per_step = 0;
 };
 
 struct Run {
   std::string model, mode;
-  std::vector<int> device_ids;
+  std::vector<int> device_ids;  // this process's
+  int devices = 0;              // every process's (ddp across processes), else device_ids.size()
   int batch_per_device = 0, global_batch = 0;
   std::size_t param_count = 0, buffers_bytes = 0;
   std::vector<double> step_ms;
@@ -271,13 +281,14 @@ void synchronize(dp::Runtime& rt, const std::vector<int>& devices) {
 // traffic, memory and span fields of `run`. `step` runs one training step and returns its loss;
 // `after_step` runs once each measured step has finished (DP reads its phase times there).
 void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<float()>& step,
-             const std::function<void()>& after_step = {}) {
+             const std::function<void()>& after_step = {}, dp::ProcessGroup* processes = nullptr) {
   const std::vector<int>& used = run.device_ids;
   for (int i = 0; i < o.warmup; ++i) {
     step();
     synchronize(rt, used);
   }
   synchronize(rt, used);
+  if (processes) processes->barrier();  // every process starts its measured window together
   rt.reset_link_traffic();
   for (int d : used) rt.device(d).reset_peak_memory();
   rt.take_trace();
@@ -314,8 +325,12 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
     const int d = used[i];
     PerDevice pd;
     pd.device = d;
+    pd.process = processes ? processes->rank() : 0;
+    pd.host = processes ? processes->host() : std::string();
     pd.bytes_sent = static_cast<double>(rt.bytes_sent(d)) / o.steps;
     pd.bytes_received = static_cast<double>(rt.bytes_received(d)) / o.steps;
+    pd.net_sent = static_cast<double>(rt.link_traffic(d, dp::kNetwork).bytes) / o.steps;
+    pd.net_received = static_cast<double>(rt.link_traffic(dp::kNetwork, d).bytes) / o.steps;
     pd.peak_bytes = rt.device(d).memory().peak;
     pd.samples_per_step = run.batch_per_device;  // dp corrects it from its chunks
     if (have_spans) {

@@ -29,6 +29,7 @@
 #include "dp/models/resnet.h"
 #include "dp/safetensors.h"
 #include "dp/training_state.h"
+#include "dp_job.h"
 
 namespace {
 
@@ -76,52 +77,12 @@ struct UsageError : dp::Error {
   using dp::Error::Error;
 };
 
-// Under mpirun, how a failure on one process reaches the others. Before the engine exists (every
-// file read, every check) and again after the last collective, the healthy processes' next host
-// collective is agree(): a failing process joins it with its exit code, and every process exits
-// with that code. In between, its peers may be inside a collective of the step: a failing process
-// aborts the job (MPI_Abort) and mpirun ends every process within seconds. Decisions every process
-// takes alike (a non-finite global loss) need neither.
-struct Job {
-  std::shared_ptr<dp::ProcessGroup> processes;
-  bool agreement_next = true;
-  int local_ranks = 1;  // this process's devices (ddp), for "global ranks a-b" in messages
-  std::vector<int> ids;
-  bool primary() const { return !processes || processes->rank() == 0; }
-  bool several() const { return processes && processes->size() > 1; }
-  // "process 1 of 2 (global ranks 2-3, host node7)"
-  std::string where(int device = -1) const {
-    const int p = processes->rank(), first = p * local_ranks;
-    if (ids.empty()) return fmt::format("process {} of {} (host {})", p, processes->size(), processes->host());
-    for (std::size_t l = 0; l < ids.size(); ++l)
-      if (ids[l] == device)
-        return fmt::format("process {} of {} (global rank {}, device {}, host {})", p, processes->size(),
-                           first + static_cast<int>(l), device, processes->host());
-    return fmt::format("process {} of {} (global ranks {}-{}, host {})", p, processes->size(), first,
-                       first + local_ranks - 1, processes->host());
-  }
-};
-Job g_job;
-
-// Thrown where a peer's failure was agreed on: its code, nothing more to report.
-struct PeerFailed {
-  int code;
-};
+dp::tools::Job g_job("dp_train");  // under mpirun: one process of the job (tools/dp_job.h)
 
 // Prints what failed (naming the process, host and global ranks under mpirun) and returns the exit
 // code: 2 bad input or configuration, 3 non-finite values, 1 anything else.
 int report(const std::exception_ptr& error) {
-  std::string where;
-  if (g_job.several()) {
-    int device = -1;  // a rank's worker failed: name that rank
-    try {
-      std::rethrow_exception(error);
-    } catch (const dp::WorkerError& e) {
-      device = e.device();
-    } catch (...) {
-    }
-    where = " on " + g_job.where(device);
-  }
+  const std::string where = g_job.where(error);
   const auto print = [&](const std::exception& e, const char* hint = "") {
     fmt::print(stderr, "dp_train: error{}: {}{}\n", where, e.what(), hint);
   };
@@ -145,28 +106,6 @@ int report(const std::exception_ptr& error) {
   }
 }
 
-// Every process's exit code so far; the first failing process's code (process order), 0 if none.
-int agree(int code) {
-  if (!g_job.several()) return code;
-  struct Status {
-    int code;
-    char host[64];
-  };
-  Status mine{code, {}};
-  std::snprintf(mine.host, sizeof(mine.host), "%s", g_job.processes->host().c_str());
-  const auto all = g_job.processes->all_gather(mine);
-  for (std::size_t p = 0; p < all.size(); ++p) {
-    if (all[p].code == 0) continue;
-    if (g_job.primary() && static_cast<int>(p) != g_job.processes->rank())
-      fmt::print(stderr, "dp_train: process {} (host {}) failed with exit code {}; every process stops\n", p,
-                 all[p].host, all[p].code);
-    return all[p].code;
-  }
-  return 0;
-}
-void agree_or_stop() {
-  if (const int code = agree(0); code != 0) throw PeerFailed{code};
-}
 
 // Standard output is process 0's (torch's "print on rank 0"); errors come from every process.
 template <class... Args>
@@ -386,7 +325,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
 
 int run(Options o) {
   // ---- validate everything before any work, so bad input never leaves a file behind
-  dp::ProcessGroup& processes = *g_job.processes;
+  dp::ProcessGroup& processes = *g_job.processes();
   const bool primary = g_job.primary();
   if (processes.size() > 1 && o.mode != "ddp")
     throw UsageError(fmt::format(
@@ -471,8 +410,7 @@ int run(Options o) {
 
   // ---- sizes: what the run needs at the least, in 64 bits, before anything is allocated
   check_memory(o, hidden, ids, want_cuda, processes.size());
-  g_job.ids = ids;
-  g_job.local_ranks = static_cast<int>(ids.size());
+  g_job.set_devices(ids);
 
   // ---- data and checkpoints: a bad file is the user's input, so UsageError (exit 2)
   auto as_usage_error = [](auto&& load) {
@@ -537,8 +475,8 @@ int run(Options o) {
 
   // ---- every process is ready (or all stop with the first failing one's exit code); from here on
   // the processes meet in collectives
-  agree_or_stop();
-  g_job.agreement_next = false;
+  g_job.agree_or_stop();
+  g_job.collectives_begin();
 
   // ---- the engine, picked once: everything below runs through dp::Engine
   const int world = static_cast<int>(ids.size()) * (o.mode == "ddp" ? processes.size() : 1);
@@ -552,7 +490,7 @@ int run(Options o) {
   engine_options.step.label_smoothing = o.label_smoothing;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
-  engine_options.processes = g_job.processes;
+  engine_options.processes = g_job.processes();
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
   const auto engine = dp::make_engine(*runtime, *model, optimizer, engine_options);
@@ -566,7 +504,7 @@ int run(Options o) {
     std::vector<std::int32_t> predictions;
     const dp::EvalTotals totals =
         evaluate(*engine, *runtime, *test, o.batch_size, normalize, o.predictions.empty() ? nullptr : &predictions);
-    g_job.agreement_next = true;
+    g_job.collectives_end();
     if (!o.predictions.empty()) {
       std::string text;
       for (const std::int32_t c : predictions) text += fmt::format("{}\n", c);
@@ -582,7 +520,7 @@ int run(Options o) {
                    {"test_accuracy", totals.accuracy()},
                    {"test_correct", totals.correct},
                    {"test_samples", totals.samples}});
-    agree_or_stop();
+    g_job.agree_or_stop();
     return 0;
   }
 
@@ -730,7 +668,7 @@ int run(Options o) {
 
   // ---- save: the source / rank-0 state, plus what resuming needs (process 0 writes it)
   engine->synchronize();
-  g_job.agreement_next = true;
+  g_job.collectives_end();
   if (!o.save.empty() && primary) {
     dp::TrainingProgress progress;
     progress.step = start_step + total_steps;
@@ -744,7 +682,7 @@ int run(Options o) {
     dp::TrainingState::save(o.save, engine->model(), *engine->optimizers().front(), progress);
     say("dp_train: saved {}\n", o.save);
   }
-  agree_or_stop();
+  g_job.agree_or_stop();
   return 0;
 }
 
@@ -866,7 +804,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    g_job.processes = dp::ProcessGroup::from_environment();
+    g_job.start();
   } catch (const std::exception& e) {
     fmt::print(stderr, "dp_train: error: {}\n", e.what());
     return 2;
@@ -874,16 +812,11 @@ int main(int argc, char** argv) {
   int code = 0;
   try {
     code = run(o);
-  } catch (const PeerFailed& e) {
+  } catch (const dp::tools::PeerFailed& e) {
     code = e.code;  // agreed with the others; the failing process said why
   } catch (...) {
-    code = report(std::current_exception());
-    if (g_job.several()) {
-      // Peers may be inside a collective this process will never join: end the job now.
-      if (!g_job.agreement_next) g_job.processes->abort(code);
-      code = agree(code);
-    }
+    code = g_job.failed(report(std::current_exception()));
   }
-  g_job.processes.reset();  // MPI_Finalize, when under mpirun
+  g_job.end();  // MPI_Finalize, when under mpirun
   return code;
 }

@@ -2,6 +2,7 @@
 // reduce_value), and the choice between one process and the MPI world.
 #include "dp/process_group.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -83,6 +84,19 @@ void ProcessGroup::barrier() {
   const char nothing = 0;
   std::vector<char> all(static_cast<std::size_t>(size()));
   all_gather_bytes(&nothing, 1, all.data());
+}
+
+std::optional<ProcessFailure> first_failure(ProcessGroup& processes, int exit_code) {
+  struct Status {
+    int exit_code;
+    char host[64];
+  };
+  Status mine{exit_code, {}};
+  std::snprintf(mine.host, sizeof(mine.host), "%s", processes.host().c_str());
+  const std::vector<Status> all = processes.all_gather(mine);
+  for (std::size_t p = 0; p < all.size(); ++p)
+    if (all[p].exit_code != 0) return ProcessFailure{static_cast<int>(p), all[p].exit_code, all[p].host};
+  return std::nullopt;
 }
 
 double reduce_value(ProcessGroup& processes, std::span<const double> local, ReduceOp op) {

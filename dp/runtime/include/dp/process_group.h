@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -89,6 +90,16 @@ class ProcessGroup {
  private:
   std::chrono::milliseconds timeout_;
 };
+
+// Failure agreement at a point every process reaches (before the first collective of a job, after
+// its last): each passes its exit code so far (0: fine); every process learns the first failing
+// process (in process order), so all can stop alike with its code instead of waiting for it.
+struct ProcessFailure {
+  int process = 0;
+  int exit_code = 0;
+  std::string host;
+};
+std::optional<ProcessFailure> first_failure(ProcessGroup& processes, int exit_code);
 
 // torch's reduce_value for logging: the sum (or mean) over every global rank of a value each rank
 // holds; `local` holds this process's ranks' values in local rank order, the same count on every
