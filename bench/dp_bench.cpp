@@ -48,6 +48,7 @@
 #include "dp/models/resnet.h"
 #include "dp/process_group.h"
 #include "dp/trace.h"
+#include "dp_job.h"
 
 namespace {
 
@@ -349,18 +350,67 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   }
 }
 
+// Every process's per-device figures, in process order, on every process.
+void gather_devices(Run& run, dp::ProcessGroup& processes) {
+  struct Wire {  // PerDevice as plain bytes; NaN for a figure that is not available
+    int device, process, samples;
+    double busy, gemm_ms, gemm_gflops, sent, received, net_sent, net_received;
+    std::uint64_t peak;
+    char host[64];
+  };
+  const double none = std::numeric_limits<double>::quiet_NaN();
+  std::vector<Wire> mine;
+  for (const PerDevice& pd : run.per_device) {
+    Wire w{pd.device,
+           pd.process,
+           pd.samples_per_step,
+           pd.busy_pct.value_or(none),
+           pd.gemm_ms_per_step.value_or(none),
+           pd.gemm_gflops.value_or(none),
+           pd.bytes_sent,
+           pd.bytes_received,
+           pd.net_sent,
+           pd.net_received,
+           pd.peak_bytes,
+           {}};
+    std::snprintf(w.host, sizeof(w.host), "%s", pd.host.c_str());
+    mine.push_back(w);
+  }
+  const auto value = [](double v) { return std::isnan(v) ? std::nullopt : std::optional<double>(v); };
+  run.per_device.clear();
+  for (const Wire& w : processes.all_gather(std::span<const Wire>(mine))) {
+    PerDevice pd;
+    pd.device = w.device;
+    pd.process = w.process;
+    pd.host = w.host;
+    pd.samples_per_step = w.samples;
+    pd.busy_pct = value(w.busy);
+    pd.gemm_ms_per_step = value(w.gemm_ms);
+    pd.gemm_gflops = value(w.gemm_gflops);
+    pd.bytes_sent = w.sent;
+    pd.bytes_received = w.received;
+    pd.net_sent = w.net_sent;
+    pd.net_received = w.net_received;
+    pd.peak_bytes = w.peak;
+    run.per_device.push_back(pd);
+  }
+}
+
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
 // source and output device, DDP's rank 0), picked once as an Engine and driven through it.
+// Under mpirun, ddp spans every process (`processes`), and every device's figures end up on all.
 Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
-          int devices) {
+          int devices, const std::shared_ptr<dp::ProcessGroup>& processes) {
   const dp::EngineKind kind = dp::parse_engine_kind(mode);
   const int used = kind == dp::EngineKind::single ? 1 : devices;
+  const bool across = kind == dp::EngineKind::ddp && processes->size() > 1;
   Run run;
   run.model = model_name;
   run.mode = mode;
   for (int d = 0; d < used; ++d) run.device_ids.push_back(d);
+  run.devices = used * (across ? processes->size() : 1);
   run.batch_per_device = o.batch;
-  run.global_batch = o.batch * used;
+  run.global_batch = o.batch * run.devices;
   auto model = make_model(model_name, rt.device(0), o.seed);
   run.param_count = model->param_count();
   run.buffers_bytes = model->buffers_bytes();
@@ -373,12 +423,14 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   options.bucket_cap_mb = o.bucket_cap_mb;
   options.sync_batchnorm = o.sync_bn && kind == dp::EngineKind::ddp;
   options.first_bucket_mb = o.first_bucket_mb;
+  if (across) options.processes = processes;
   const dp::OptimizerOptions optimizer = o.optimizer == "adamw" ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
                                                                 : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
   auto engine = dp::make_engine(rt, *model, optimizer, options);
 
-  // The global batch as the engine takes it: whole (single, DP) or one shard per rank (DDP).
-  const int pieces = engine->batches_per_step(), piece = run.global_batch / pieces;
+  // The global batch as the engine takes it: whole (single, DP) or one shard per rank (DDP: this
+  // process's ranks).
+  const int pieces = engine->batches_per_step(), piece = run.global_batch / engine->world_size();
   std::vector<dp::Batch> batches;
   for (int i = 0; i < pieces; ++i) {
     const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(piece);
@@ -398,7 +450,8 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
       ++timed;
     };
   measure(
-      rt, o, run, [&] { return engine->train_step(batches); }, after_step);
+      rt, o, run, [&] { return engine->train_step(batches); }, after_step, across ? processes.get() : nullptr);
+  if (across) gather_devices(run, *processes);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
   if (!parallel) return run;
   const double n = timed;
@@ -458,36 +511,42 @@ std::string opt(const std::optional<double>& v, const char* format) {
 }
 
 void print_tables(const std::vector<Run>& runs, const std::string& backend) {
-  fmt::print("\n{:<8} {:<6} {:>3} {:>6} {:>11} {:>9} {:>9} {:>7} {:>7} {:>5} {:>11} {:>11} {:>5} {:>11} {:>5}\n",
+  fmt::print("\n{:<8} {:<6} {:>3} {:>6} {:>11} {:>9} {:>9} {:>7} {:>7} {:>5} {:>11} {:>11} {:>11} {:>5} {:>11} {:>5}\n",
              "model", "mode", "dev", "batch", "samples/s", "step ms", "p90 ms", "scaling", "busy %", "imb", "sent/step",
-             "recv/step", "imb", "peak mem", "imb");
+             "recv/step", "net/step", "imb", "peak mem", "imb");
   for (const Run& r : runs) {
     const auto sent = column(r, [](const PerDevice& p) { return p.bytes_sent; });
     const auto recv = column(r, [](const PerDevice& p) { return p.bytes_received; });
     const auto peak = column(r, [](const PerDevice& p) { return static_cast<double>(p.peak_bytes); });
+    const auto net = column(r, [](const PerDevice& p) { return p.net_sent + p.net_received; });
     fmt::print(
-        "{:<8} {:<6} {:>3} {:>6} {:>11.1f} {:>9.2f} {:>9.2f} {:>7} {:>7} {:>5} {:>11} {:>11} {:>5.2f} {:>11} "
+        "{:<8} {:<6} {:>3} {:>6} {:>11.1f} {:>9.2f} {:>9.2f} {:>7} {:>7} {:>5} {:>11} {:>11} {:>11} {:>5.2f} {:>11} "
         "{:>5.2f}\n",
-        r.model, r.mode, r.device_ids.size(), r.global_batch, r.samples_per_s, r.median, r.p90,
+        r.model, r.mode, r.devices, r.global_batch, r.samples_per_s, r.median, r.p90,
         opt(r.scaling_efficiency, "{:.2f}"), opt(busy_mean(r), "{:.1f}"), opt(busy_imbalance(r), "{:.2f}"),
         human_bytes(*std::max_element(sent.begin(), sent.end())),
         human_bytes(*std::max_element(recv.begin(), recv.end())),
-        imbalance(column(r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received; })),
+        human_bytes(*std::max_element(net.begin(), net.end())),
+        imbalance(column(
+            r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received + p.net_sent + p.net_received; })),
         human_bytes(*std::max_element(peak.begin(), peak.end())), imbalance(peak));
   }
   fmt::print(
       "  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
       "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
-      "  sent/recv = the busiest device's device-to-device bytes per step; imb = max/mean over devices\n",
+      "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
+      "  from other processes (inter-node, under mpirun); imb = max/mean over devices\n",
       backend == "cuda" ? " (n/a on cuda: it records no spans yet)" : "");
 
-  fmt::print("\nper device\n{:<8} {:<6} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>11}\n", "model", "mode", "device",
-             "busy %", "gemm ms", "gemm GF/s", "sent/step", "recv/step", "peak mem");
+  fmt::print("\nper device\n{:<8} {:<6} {:>7} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>12} {:>12} {:>11}\n", "model",
+             "mode", "process", "device", "busy %", "gemm ms", "gemm GF/s", "sent/step", "recv/step", "net sent",
+             "net recv", "peak mem");
   for (const Run& r : runs)
     for (const auto& pd : r.per_device)
-      fmt::print("{:<8} {:<6} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>11}\n", r.model, r.mode, pd.device,
-                 opt(pd.busy_pct, "{:.1f}"), opt(pd.gemm_ms_per_step, "{:.2f}"), opt(pd.gemm_gflops, "{:.1f}"),
-                 human_bytes(pd.bytes_sent), human_bytes(pd.bytes_received),
+      fmt::print("{:<8} {:<6} {:>7} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>12} {:>12} {:>11}\n", r.model, r.mode,
+                 pd.process, pd.device, opt(pd.busy_pct, "{:.1f}"), opt(pd.gemm_ms_per_step, "{:.2f}"),
+                 opt(pd.gemm_gflops, "{:.1f}"), human_bytes(pd.bytes_sent), human_bytes(pd.bytes_received),
+                 human_bytes(pd.net_sent), human_bytes(pd.net_received),
                  human_bytes(static_cast<double>(pd.peak_bytes)));
   fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
 
@@ -518,7 +577,7 @@ json run_json(const Run& r) {
   json j;
   j["model"] = r.model;
   j["mode"] = r.mode;
-  j["devices"] = r.device_ids.size();
+  j["devices"] = r.devices;
   j["device_ids"] = r.device_ids;
   j["batch_per_device"] = r.batch_per_device;
   j["global_batch"] = r.global_batch;
@@ -546,6 +605,10 @@ json run_json(const Run& r) {
   json per = json::array();
   for (const auto& pd : r.per_device)
     per.push_back({{"device", pd.device},
+                   {"process", pd.process},
+                   {"host", pd.host},
+                   {"bytes_sent_inter_node", bytes_json(pd.net_sent)},
+                   {"bytes_received_inter_node", bytes_json(pd.net_received)},
                    {"busy_pct", optional_json(pd.busy_pct)},
                    {"gemm_ms_per_step", optional_json(pd.gemm_ms_per_step)},
                    {"gemm_gflops", optional_json(pd.gemm_gflops)},
@@ -643,13 +706,14 @@ void write_file(const std::string& path, const json& j) {
   dp::write_atomically(path, text);
 }
 
-int run_bench(const Options& o) {
+int run_bench(const Options& o, dp::tools::Job& job) {
+  const auto& processes = job.processes();
   validate(o);
   const auto models = parse_list(o.models, kModels, "--models");
   const auto modes = parse_list(o.modes, kModes, "--modes");
-  // Fail on an unwritable output before spending minutes on the runs.
+  // Fail on an unwritable output before spending minutes on the runs (process 0 writes them).
   for (const auto* path : {&o.json_path, &o.trace_path}) {
-    if (path->empty()) continue;
+    if (path->empty() || !job.primary()) continue;
     try {
       dp::check_writable(*path);
     } catch (const dp::Error& e) {
@@ -662,10 +726,17 @@ int run_bench(const Options& o) {
   const std::string backend(dp::to_string(rt->backend()));
   std::vector<std::string> names;
   for (int d = 0; d < devices; ++d) names.push_back(rt->device(d).name());
+  job.set_devices([&] {
+    std::vector<int> ids;
+    for (int d = 0; d < devices; ++d) ids.push_back(d);
+    return ids;
+  }());
   fmt::print(
-      "dp_bench: backend {}, {} device(s) [{}], batch {} per device, {} warm-up + {} measured steps, "
+      "dp_bench: backend {}, {} device(s) [{}]{}, batch {} per device, {} warm-up + {} measured steps, "
       "DDP buckets {} MiB (first {} MiB)\n",
-      backend, devices, fmt::join(names, ", "), o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
+      backend, devices, fmt::join(names, ", "),
+      job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", processes->size()) : "",
+      o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
 
   // The synthetic inputs of the largest global batch, generated once: refused (exit 2, with the
@@ -680,10 +751,15 @@ int run_bench(const Options& o) {
                                  o.batch, static_cast<double>(data_bytes) / (1u << 30),
                                  static_cast<double>(host) / (1u << 30)));
   const Data data = make_data(o.batch * devices, 784, o.seed);
+  // Every process is ready (or all stop with the first failing one's exit code).
+  job.agree_or_stop();
+  job.collectives_begin();
   std::vector<Run> runs;
   for (const auto& model : models) {
     for (const auto& mode : modes) {
-      runs.push_back(bench(*rt, o, model, mode, data, devices));
+      // single and dp are single-process by definition: process 0 runs them, the others wait.
+      if (mode != "ddp" && !job.primary()) continue;
+      runs.push_back(bench(*rt, o, model, mode, data, devices, processes));
       const Run& r = runs.back();
       fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
                  r.median);
@@ -693,8 +769,11 @@ int run_bench(const Options& o) {
   for (Run& r : runs) {
     for (const Run& s : runs)
       if (s.model == r.model && s.mode == "single" && s.samples_per_s > 0)
-        r.scaling_efficiency = r.samples_per_s / (static_cast<double>(r.device_ids.size()) * s.samples_per_s);
+        r.scaling_efficiency = r.samples_per_s / (static_cast<double>(r.devices) * s.samples_per_s);
   }
+  processes->barrier();  // process 0's single and dp runs are over
+  job.collectives_end();
+  if (!job.primary()) return job.agree(0);
   // Lay out the trace first: it assigns each run's offset, which the JSON reports.
   const json trace = trace_json(runs);
   print_tables(runs, backend);
@@ -706,11 +785,20 @@ int run_bench(const Options& o) {
     fmt::print(")\n");
     if (rt->backend() == dp::Backend::cuda)
       fmt::print("  (the cuda backend records no spans yet: the trace is empty)\n");
+    if (job.several()) fmt::print("  (the trace holds process 0's devices)\n");
   }
   if (!o.json_path.empty()) {
     json j;
     j["backend"] = backend;
-    j["devices"] = devices;
+    j["devices"] = devices;  // per process
+    j["processes"] = processes->size();
+    j["hosts"] = [&] {  // per process, from a run across all of them
+      std::vector<std::string> hosts;
+      for (const Run& r : runs)
+        for (const auto& pd : r.per_device)
+          if (pd.process == static_cast<int>(hosts.size())) hosts.push_back(pd.host);
+      return hosts;
+    }();
     j["device_names"] = names;
     j["batch_per_device"] = o.batch;
     j["optimizer"] = o.optimizer;
@@ -727,7 +815,7 @@ int run_bench(const Options& o) {
     write_file(o.json_path, j);
     fmt::print("json: {}\n", o.json_path);
   }
-  return 0;
+  return job.agree(0);
 }
 
 }  // namespace
@@ -765,13 +853,27 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   if (devices_opt->count() > 0) o.devices = devices;
+  dp::tools::Job job("dp_bench");
   try {
-    return run_bench(o);
-  } catch (const UsageError& e) {
+    job.start();
+  } catch (const std::exception& e) {
     fmt::print(stderr, "dp_bench: {}\n", e.what());
     return 2;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "dp_bench: error: {}\n", e.what());
-    return 1;
   }
+  // Standard output is process 0's: the others' tables would be partial copies of it.
+  if (!job.primary() && !std::freopen("/dev/null", "w", stdout)) return 1;
+  int code = 0;
+  try {
+    code = run_bench(o, job);
+  } catch (const dp::tools::PeerFailed& e) {
+    code = e.code;
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "dp_bench{}: {}\n", job.where(std::current_exception()), e.what());
+    code = job.failed(2);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dp_bench: error{}: {}\n", job.where(std::current_exception()), e.what());
+    code = job.failed(1);
+  }
+  job.end();
+  return code;
 }

@@ -23,10 +23,10 @@
 #include "dp/engine.h"
 #include "dp/error.h"
 #include "dp/lr_schedule.h"
-#include "dp/process_group.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
+#include "dp/process_group.h"
 #include "dp/safetensors.h"
 #include "dp/training_state.h"
 #include "dp_job.h"
@@ -105,7 +105,6 @@ int report(const std::exception_ptr& error) {
     return 1;
   }
 }
-
 
 // Standard output is process 0's (torch's "print on rank 0"); errors come from every process.
 template <class... Args>
@@ -328,9 +327,9 @@ int run(Options o) {
   dp::ProcessGroup& processes = *g_job.processes();
   const bool primary = g_job.primary();
   if (processes.size() > 1 && o.mode != "ddp")
-    throw UsageError(fmt::format(
-        "--mode {} is single-process, but mpirun started {} processes: use --mode ddp across processes", o.mode,
-        processes.size()));
+    throw UsageError(
+        fmt::format("--mode {} is single-process, but mpirun started {} processes: use --mode ddp across processes",
+                    o.mode, processes.size()));
   if (processes.size() > 1 && !o.predictions.empty())
     throw UsageError("--predictions writes one process's test-set order: run --eval-only without mpirun");
   std::vector<int> hidden;
@@ -453,9 +452,8 @@ int run(Options o) {
           fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
     if (tags.count("mode") && tags.at("mode") != o.mode)
       say("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
-                 tags.at("mode"), o.mode);
-    if (progress.seed != o.seed)
-      say("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
+          tags.at("mode"), o.mode);
+    if (progress.seed != o.seed) say("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
     o.seed = progress.seed;
   }
 
@@ -512,8 +510,8 @@ int run(Options o) {
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     say("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n",
-               o.init.empty() ? o.resume : o.init, totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(),
-               totals.correct, duration_text(seconds));
+        o.init.empty() ? o.resume : o.init, totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(),
+        totals.correct, duration_text(seconds));
     metrics.write({{"kind", "eval"},
                    {"checkpoint", o.init.empty() ? o.resume : o.init},
                    {"test_loss", totals.mean_loss()},
@@ -598,7 +596,7 @@ int run(Options o) {
     if (!std::isfinite(loss)) {  // the loss of every rank: every process stops here
       if (primary)
         fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss, s + 1, epoch + 1,
-                 o.save.empty() ? "" : fmt::format(", {} was not written", o.save));
+                   o.save.empty() ? "" : fmt::format(", {} was not written", o.save));
       return 3;
     }
     samples_since_log += samples;
@@ -639,11 +637,11 @@ int run(Options o) {
       const double rate = static_cast<double>(epoch_samples) / std::max(1e-9, train_seconds);
       if (terminal) say("\r");
       say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
-                 (s + 1) % batches_per_epoch == 0 ? "" : " (partial)", train_loss,
-                 totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(),
-                                      100.0 * totals->accuracy())
-                        : "",
-                 rate, duration_text(elapsed), duration_text(eta));
+          (s + 1) % batches_per_epoch == 0 ? "" : " (partial)", train_loss,
+          totals
+              ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(), 100.0 * totals->accuracy())
+              : "",
+          rate, duration_text(elapsed), duration_text(eta));
       std::fflush(stdout);
       nlohmann::json record = {{"kind", "epoch"},
                                {"epoch", epoch + 1},

@@ -9,9 +9,8 @@
 // seconds. Decisions every process takes alike (a non-finite global loss) need neither.
 #pragma once
 
-#include <fmt/format.h>
-
 #include <exception>
+#include <fmt/format.h>
 #include <memory>
 #include <string>
 #include <vector>

@@ -2,10 +2,9 @@
 // every result is compared, bit for bit, with what one process computes over 4 simulated devices
 // (the same ring, the same global ranks). Each process checks its own ranks; the exit code is the
 // worst over the processes, and only process 0 prints gtest's report.
-#include <gtest/gtest.h>
-
 #include <cstring>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include "dp/checkpoint.h"
 #include "dp/collectives.h"
@@ -140,7 +139,7 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
   const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
   DdpOptions options;
   options.sync_batchnorm = sync_bn;
-  options.step.seed = 5;  // the MLP's dropout: global rank g draws from seed + g
+  options.step.seed = 5;           // the MLP's dropout: global rank g draws from seed + g
   options.first_bucket_mb = 0.01;  // several buckets
   options.bucket_cap_mb = 0.05;
   DdpOptions ref_options = options;
@@ -185,7 +184,9 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
 
 INSTANTIATE_TEST_SUITE_P(Models, DdpAcrossProcesses,
                          ::testing::Values(DdpCase{"mlp", false}, DdpCase{"convnet", false}, DdpCase{"convnet", true}),
-                         [](const auto& info) { return fmt::format("{}{}", info.param.model, info.param.sync_bn ? "_syncbn" : ""); });
+                         [](const auto& info) {
+                           return fmt::format("{}{}", info.param.model, info.param.sync_bn ? "_syncbn" : "");
+                         });
 
 TEST(DdpAcrossProcesses, EveryProcessMustDriveTheSameNumberOfDevices) {
   auto rt = test::sim_runtime(2);

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 
@@ -27,7 +28,8 @@ std::string slurp(const fs::path& file) {
 // The training log without its timings: the lines that must match between the two launches.
 std::vector<std::string> step_lines(const std::string& output) {
   std::vector<std::string> out;
-  const std::regex loss(R"(step +\d+ epoch +\d+ loss [0-9.]+|train loss [0-9.]+|test loss [0-9.]+ \| test acc [0-9.]+%)");
+  const std::regex loss(
+      R"(step +\d+ epoch +\d+ loss [0-9.]+|train loss [0-9.]+|test loss [0-9.]+ \| test acc [0-9.]+%)");
   for (std::sregex_iterator it(output.begin(), output.end(), loss), end; it != end; ++it) out.push_back(it->str());
   return out;
 }
@@ -61,10 +63,10 @@ TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
                                 "--model convnet --sync-bn", "--model convnet --optimizer adamw --sync-bn"};
   for (const std::string& model : models) {
     SCOPED_TRACE(model);
-    const std::string common =
-        fmt::format("{} --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.02 --seed 7 --log-every 1 "
-                    "--warmup-steps 2",
-                    model);
+    const std::string common = fmt::format(
+        "{} --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.02 --seed 7 --log-every 1 "
+        "--warmup-steps 2",
+        model);
     const CommandResult one = one_process(common + " --devices 4 --steps 6 --save " + path("one.safetensors"));
     ASSERT_EQ(one.code, 0) << one.output;
     const CommandResult two = two_processes(common + " --devices 2 --steps 6 --save " + path("two.safetensors"));
@@ -74,11 +76,10 @@ TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
     // 6 steps and 2 epoch summaries (5 steps of 24 samples make an epoch of 120), printed once.
     EXPECT_EQ(step_lines(two.output).size(), 8u) << "process 0 alone prints:\n" << two.output;
     // Resumed across processes from a checkpoint written across processes: the same bytes again.
-    const CommandResult half =
-        two_processes(common + " --devices 2 --steps 3 --save " + path("half.safetensors"));
+    const CommandResult half = two_processes(common + " --devices 2 --steps 3 --save " + path("half.safetensors"));
     ASSERT_EQ(half.code, 0) << half.output;
-    const CommandResult resumed = two_processes(common + " --devices 2 --steps 3 --resume " +
-                                                path("half.safetensors") + " --save " + path("resumed.safetensors"));
+    const CommandResult resumed = two_processes(common + " --devices 2 --steps 3 --resume " + path("half.safetensors") +
+                                                " --save " + path("resumed.safetensors"));
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     EXPECT_EQ(slurp(path("one.safetensors")), slurp(path("resumed.safetensors"))) << "resumed checkpoint differs";
   }
@@ -124,14 +125,12 @@ TEST_F(MpiTrain, SingleProcessModesAreRefusedUnderMpirun) {
 TEST_F(MpiTrain, ABadFileOnOneProcessStopsEveryProcessWithItsExitCode) {
   { std::ofstream(path("truncated.safetensors")) << "\x10\x00\x00\x00"; }
   const auto start = std::chrono::steady_clock::now();
-  const CommandResult r =
-      two_processes("--model convnet --mode ddp --backend sim --devices 2 --synthetic 64 --steps 2 --save " +
-                        path("out.safetensors"),
-                    "--init " + path("truncated.safetensors"));
+  const CommandResult r = two_processes(
+      "--model convnet --mode ddp --backend sim --devices 2 --synthetic 64 --steps 2 --save " + path("out.safetensors"),
+      "--init " + path("truncated.safetensors"));
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("error on process 1 of 2"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("process 1 (host "), std::string::npos) << "process 0 names the failing one:\n"
-                                                                    << r.output;
+  EXPECT_NE(r.output.find("process 1 (host "), std::string::npos) << "process 0 names the failing one:\n" << r.output;
   EXPECT_FALSE(fs::exists(path("out.safetensors")));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
@@ -140,17 +139,51 @@ TEST_F(MpiTrain, ABadFileOnOneProcessStopsEveryProcessWithItsExitCode) {
 // the job ends within seconds, non-zero, and the message names the failing ranks and host.
 TEST_F(MpiTrain, AFailingRankStopsEveryProcessWithinSeconds) {
   const auto start = std::chrono::steady_clock::now();
-  const CommandResult r =
-      two_processes("--model convnet --mode ddp --backend sim --devices 2 --synthetic 256 --batch-size 4 --steps "
-                    "1000 --save " +
-                        path("out.safetensors"),
-                    "--debug-fail-at-step 3");
+  const CommandResult r = two_processes(
+      "--model convnet --mode ddp --backend sim --devices 2 --synthetic 256 --batch-size 4 --steps "
+      "1000 --save " +
+          path("out.safetensors"),
+      "--debug-fail-at-step 3");
   const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_LT(seconds, 30.0) << r.output;
   EXPECT_NE(r.output.find("error on process 1 of 2 (global ranks 2-3, host "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("failing at step 3"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(path("out.safetensors")));
+}
+
+// dp_bench across processes: ddp over all 4 ranks, every device's figures on process 0, the
+// traffic split into intra- and inter-node bytes; single runs on process 0 alone.
+TEST_F(MpiTrain, BenchGathersEveryProcesssDevices) {
+  const CommandResult r = dp::test::run_command(
+      fmt::format("{} -np 2 {} --backend sim --devices 2 --models mlp --modes single,ddp --steps 2 --warmup 1 "
+                  "--batch-size 8 --json {}",
+                  DP_MPIRUN, DP_BENCH_BIN, path("bench.json")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find("\nper device\n"), r.output.rfind("\nper device\n")) << "one table, process 0's:\n"
+                                                                               << r.output;
+  const auto report = nlohmann::json::parse(slurp(path("bench.json")));
+  EXPECT_EQ(report.at("processes"), 2);
+  EXPECT_EQ(report.at("hosts").size(), 2u);
+  for (const auto& run : report.at("runs")) {
+    SCOPED_TRACE(run.at("mode").get<std::string>());
+    const bool ddp = run.at("mode") == "ddp";
+    ASSERT_EQ(run.at("devices"), ddp ? 4 : 1);
+    EXPECT_EQ(run.at("global_batch"), ddp ? 32 : 8);
+    const auto& devices = run.at("per_device");
+    ASSERT_EQ(devices.size(), ddp ? 4u : 1u);
+    std::uint64_t net_sent = 0, net_received = 0, intra = 0;
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      EXPECT_EQ(devices[i].at("process"), static_cast<int>(i) / 2);
+      net_sent += devices[i].at("bytes_sent_inter_node").get<std::uint64_t>();
+      net_received += devices[i].at("bytes_received_inter_node").get<std::uint64_t>();
+      intra += devices[i].at("bytes_sent").get<std::uint64_t>();
+    }
+    // The ring over 4 ranks crosses between the processes twice: what one side sends, the other receives.
+    EXPECT_EQ(net_sent, net_received);
+    EXPECT_EQ(net_sent > 0, ddp);
+    EXPECT_EQ(intra > 0, ddp);
+  }
 }
 
 }  // namespace

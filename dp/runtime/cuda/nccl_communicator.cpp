@@ -89,7 +89,7 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group,
-                                                   std::shared_ptr<ProcessGroup> processes) {
+                                                     std::shared_ptr<ProcessGroup> processes) {
   return std::make_unique<NcclCommunicator>(group, *processes);
 }
 

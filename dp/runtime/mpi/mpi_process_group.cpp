@@ -3,10 +3,9 @@
 // (the sim ring's transport runs on the streams' threads) while the main thread runs host
 // collectives, and no thread ever blocks inside MPI holding the lock another one needs to make
 // progress. Waits give up on abort or after the group's timeout, cancelling their receives.
-#include <mpi.h>
-
 #include <algorithm>
 #include <fmt/format.h>
+#include <mpi.h>
 #include <mutex>
 #include <thread>
 
@@ -38,8 +37,8 @@ class MpiChannel final : public Channel {
   MpiChannel(std::shared_ptr<MpiWorld> world, MPI_Comm comm, int max_tag);
   ~MpiChannel() override;
   int max_tag() const override { return max_tag_; }
-  void exchange(std::span<const Message> sends, std::span<const Message> receives,
-                const std::function<bool()>& aborted, std::string_view what) override;
+  void exchange(std::span<const Message> sends, std::span<const Message> receives, const std::function<bool()>& aborted,
+                std::string_view what) override;
 
  private:
   std::shared_ptr<MpiWorld> world_;

@@ -150,29 +150,30 @@ class RingCommunicator final : public Communicator {
     const int g = first_ + rank;
     float* staging = g == root ? staging_for(rank, count) : nullptr;
     if (g != root) count_edge(g, root, count * sizeof(float), count * sizeof(float));  // the root reads every buffer
-    enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging}, [this, count, root](int r, Round& round, int tag) {
-      const int g = first_ + r;
-      float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
-      const std::size_t bytes = count * sizeof(float);
-      // The root receives every other rank's buffer in rank order and adds it (its own first).
-      if (g == root) {
-        float* stage = round.calls[static_cast<std::size_t>(r)].staging;
-        for (int other = 0; other < world_; ++other) {
-          if (other == root) continue;
-          if (is_local(other)) {
-            receive(stage, round.calls[static_cast<std::size_t>(other - first_)].data, bytes);
-          } else {
-            const detail::Channel::Message message{stage, bytes, process_of(other), tag + other % local_};
-            exchange({}, std::span(&message, 1), "reduce");
-          }
-          for (std::size_t i = 0; i < count; ++i) mine[i] += stage[i];
-        }
-      } else if (!is_local(root)) {
-        const detail::Channel::Message message{mine, bytes, process_of(root), tag + g % local_};
-        exchange(std::span(&message, 1), {}, "reduce");
-      }
-      step_barrier(round);  // nobody reuses its buffer before the root has read it
-    });
+    enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging},
+            [this, count, root](int r, Round& round, int tag) {
+              const int g = first_ + r;
+              float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
+              const std::size_t bytes = count * sizeof(float);
+              // The root receives every other rank's buffer in rank order and adds it (its own first).
+              if (g == root) {
+                float* stage = round.calls[static_cast<std::size_t>(r)].staging;
+                for (int other = 0; other < world_; ++other) {
+                  if (other == root) continue;
+                  if (is_local(other)) {
+                    receive(stage, round.calls[static_cast<std::size_t>(other - first_)].data, bytes);
+                  } else {
+                    const detail::Channel::Message message{stage, bytes, process_of(other), tag + other % local_};
+                    exchange({}, std::span(&message, 1), "reduce");
+                  }
+                  for (std::size_t i = 0; i < count; ++i) mine[i] += stage[i];
+                }
+              } else if (!is_local(root)) {
+                const detail::Channel::Message message{mine, bytes, process_of(root), tag + g % local_};
+                exchange(std::span(&message, 1), {}, "reduce");
+              }
+              step_barrier(round);  // nobody reuses its buffer before the root has read it
+            });
   }
 
   void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) override {
@@ -220,16 +221,14 @@ class RingCommunicator final : public Communicator {
   int wrap(int global) const { return ((global % world_) + world_) % world_; }
 
   void check(int rank, const Stream& stream, const void* ptr, std::size_t bytes, const char* op) {
-    if (rank < 0 || rank >= local_)
-      throw InvalidArgument(fmt::format("{}: local rank {} of {}", op, rank, local_));
+    if (rank < 0 || rank >= local_) throw InvalidArgument(fmt::format("{}: local rank {} of {}", op, rank, local_));
     if (stream.device() != group_.device_ids()[static_cast<std::size_t>(rank)])
       throw DeviceMismatch(fmt::format("{}: rank {} is device {} but the stream is on device {}", op, rank,
                                        group_.device_ids()[static_cast<std::size_t>(rank)], stream.device()));
     if (bytes) Access::stream(stream).check_access(ptr, bytes, op);
   }
   void check_root(int root) const {
-    if (root < 0 || root >= world_)
-      throw InvalidArgument(fmt::format("collective root {} of {} ranks", root, world_));
+    if (root < 0 || root >= world_) throw InvalidArgument(fmt::format("collective root {} of {} ranks", root, world_));
   }
 
   // Receiver-side scratch, grown on the calling worker (allocation is device-memory accounting).
@@ -266,7 +265,8 @@ class RingCommunicator final : public Communicator {
   void exchange(std::span<const detail::Channel::Message> sends, std::span<const detail::Channel::Message> receives,
                 const char* op) {
     if (sends.empty() && receives.empty()) return;
-    channel_->exchange(sends, receives, [this] { return aborted(); }, op);
+    channel_->exchange(
+        sends, receives, [this] { return aborted(); }, op);
   }
   bool aborted() {
     std::lock_guard lock(mutex_);
@@ -357,7 +357,7 @@ class RingCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group,
-                                                   std::shared_ptr<ProcessGroup> processes) {
+                                                     std::shared_ptr<ProcessGroup> processes) {
   return std::make_unique<RingCommunicator>(group, std::move(processes));
 }
 

@@ -1,9 +1,9 @@
 // dp/ddp.h — torch.nn.parallel.DistributedDataParallel semantics: one persistent replica and
 // optimizer per device of this process (and, with a ProcessGroup of several processes started by
-// mpirun, of every process: global rank = process rank x local devices + local rank), parameters and buffers broadcast from rank 0 at construction,
-// buffers broadcast before every forward (broadcast_buffers), gradients averaged by bucketed
-// all-reduce launched on a communication stream as soon as each bucket's gradients are ready,
-// overlapping the rest of backward; the optimizers wait for all buckets.
+// mpirun, of every process: global rank = process rank x local devices + local rank), parameters and buffers broadcast
+// from rank 0 at construction, buffers broadcast before every forward (broadcast_buffers), gradients averaged by
+// bucketed all-reduce launched on a communication stream as soon as each bucket's gradients are ready, overlapping the
+// rest of backward; the optimizers wait for all buckets.
 #pragma once
 
 #include <cstdint>
