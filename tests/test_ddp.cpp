@@ -20,6 +20,7 @@
 #include "dp/safetensors.h"
 #include "dp/trace.h"
 #include "dp/trainer.h"
+#include "sync_bn_golden.h"
 #include "test_util.h"
 
 namespace dp {
@@ -180,6 +181,16 @@ INSTANTIATE_TEST_SUITE_P(Models, SyncBatchNorm,
                          ::testing::Values(SyncBnCase{"convnet", 1}, SyncBnCase{"convnet", 2}, SyncBnCase{"convnet", 3},
                                            SyncBnCase{"resnet8", 2}),
                          [](const auto& info) { return fmt::format("{}_w{}", info.param.model, info.param.world); });
+
+// Against PyTorch: DDP with SyncBatchNorm over 1, 2 and 3 ranks of the golden's batch of 6 trains
+// as torch trains ResNet-8 on the whole batch.
+TEST(SyncBatchNorm, MatchesPyTorchOnTheWholeBatch) {
+  for (const int ranks : {1, 2, 3}) {
+    SCOPED_TRACE(fmt::format("{} ranks", ranks));
+    auto rt = test::sim_runtime(ranks);
+    test::expect_sync_bn_matches_torch(*rt, DeviceGroup::all_devices(*rt));
+  }
+}
 
 // Without it, each rank normalises with its own batch: the same run differs from one device.
 TEST(SyncBatchNormOff, PerRankStatisticsDifferFromOneDevice) {

@@ -13,6 +13,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/process_group.h"
+#include "sync_bn_golden.h"
 #include "test_util.h"
 
 namespace dp {
@@ -187,6 +188,16 @@ INSTANTIATE_TEST_SUITE_P(Models, DdpAcrossProcesses,
                          [](const auto& info) {
                            return fmt::format("{}{}", info.param.model, info.param.sync_bn ? "_syncbn" : "");
                          });
+
+// SyncBatchNorm across processes against PyTorch: 2 processes x 1 device, and 2 x 3 (6 ranks of one
+// sample each: every BatchNorm statistic is made of all processes' samples).
+TEST(SyncBatchNormAcrossProcesses, MatchesPyTorchOnTheWholeBatch) {
+  for (const int local : {1, 3}) {
+    SCOPED_TRACE(fmt::format("{} device(s) per process", local));
+    auto rt = test::sim_runtime(local);
+    test::expect_sync_bn_matches_torch(*rt, DeviceGroup::all_devices(*rt), g_world);
+  }
+}
 
 TEST(DdpAcrossProcesses, EveryProcessMustDriveTheSameNumberOfDevices) {
   auto rt = test::sim_runtime(2);
