@@ -577,6 +577,20 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   const Result empty_save = run(base + "--save ''");
   EXPECT_EQ(empty_save.code, 2) << empty_save.output;
   EXPECT_NE(empty_save.output.find("--save: empty value"), std::string::npos) << empty_save.output;
+  // Integers past their type are refused with the bound, never capped to it.
+  const std::string no_steps = "--backend sim --synthetic 16 --batch-size 8 ";
+  expect_refused(base + "--seed 18446744073709551616",
+                 "--seed: '18446744073709551616' is out of range (at most 18446744073709551615)");
+  expect_refused(no_steps + "--steps 99999999999999999999999",
+                 "--steps: '99999999999999999999999' is out of range (at most 9223372036854775807)");
+  expect_refused(base + "--warmup-steps 9223372036854775808",
+                 "--warmup-steps: '9223372036854775808' is out of range (at most 9223372036854775807)");
+  expect_refused(base + "--schedule cosine --t-max 99999999999999999999999",
+                 "--t-max: '99999999999999999999999' is out of range (at most 9223372036854775807)");
+  expect_refused(no_steps + "--epochs 2147483648", "--epochs: '2147483648' is out of range (at most 2147483647)");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --batch-size 2147483648",
+                 "--batch-size: '2147483648' is out of range (at most 2147483647)");
+  expect_refused(base + "--step-size 0x10", "--step-size: '0x10' is not a non-negative decimal integer");
   // Sizes that cannot fit are refused with the figure, before anything is allocated.
   expect_refused("--backend sim --synthetic 67108864 --steps 1", "GiB of host memory");
   expect_refused("--backend sim --mode ddp --devices 2 --batch-size 1073741824 --synthetic 16 --steps 1",
