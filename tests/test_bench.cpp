@@ -350,6 +350,7 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend tpu", "unknown backend 'tpu'"},
       {"--backend sim --no-such-flag", "no-such-flag"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
+      {"--backend sim --trace /proc/x.json", "cannot write /proc/x.json"},  // root passes access() there
       {"--backend sim --devices 2 --batch-size 1073741824", "a global batch of 2147483648 samples"},
       {"--backend sim --batch-size 100000000", "the synthetic inputs alone need"},
   };

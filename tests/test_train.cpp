@@ -618,6 +618,13 @@ TEST_F(TrainTest, SaveTargetsMustBeRegularFilesInWritableDirectories) {
   EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
   // Refused before step 1, not after the training it would throw away.
   EXPECT_EQ(r.output.find("step(s) in"), std::string::npos) << r.output;
+  // /proc and /sys pass access(W_OK) for root, but no file can be created there: refused before step 1.
+  for (const std::string target : {"/proc/x.safetensors", "/sys/x.safetensors"}) {
+    r = run(base + target);
+    EXPECT_EQ(r.code, 2) << target << "\n" << r.output;
+    EXPECT_NE(r.output.find("--save " + target + ": "), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step(s) in"), std::string::npos) << r.output;
+  }
 }
 
 }  // namespace
