@@ -473,6 +473,9 @@ int run(Options o) {
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
   const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
+  if (long end = 0; __builtin_add_overflow(start_step, total_steps, &end))
+    throw UsageError(fmt::format("{} step(s) from step {} of --resume {}: the run would end past step {}", total_steps,
+                                 start_step, o.resume, std::numeric_limits<long>::max()));
   const dp::LrSchedule schedule = make_schedule(o, start_step + total_steps);
   fmt::print(
       "dp_train: {} {} on {} device(s) [{}] ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
