@@ -48,6 +48,7 @@
 #include "dp/models/resnet.h"
 #include "dp/process_group.h"
 #include "dp/trace.h"
+#include "dp_cli.h"
 #include "dp_job.h"
 
 namespace {
@@ -824,8 +825,8 @@ int main(int argc, char** argv) {
   CLI::App app{"dp_bench: DP vs DDP throughput and per-device imbalance (single, dp, ddp for each model)"};
   Options o;
   int devices = 0;
-  auto* devices_opt =
-      app.add_option("--devices", devices, "devices to use (default: every visible GPU, or 4 simulated devices)");
+  auto* devices_opt = dp_cli::add_integer(app, "--devices", devices,
+                                          "devices to use (default: every visible GPU, or 4 simulated devices)");
   app.add_option("--backend", o.backend, "auto (cuda when a GPU is visible, else sim), cuda or sim")
       ->capture_default_str();
   app.add_option("--models", o.models, "comma list of mlp, convnet, resnet8")->capture_default_str();
@@ -833,10 +834,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"sgd", "adamw"}))
       ->capture_default_str();
   app.add_option("--modes", o.modes, "comma list of single, dp, ddp")->capture_default_str();
-  app.add_option("--batch-size", o.batch, "batch per device (dp's global batch = devices x this)")
+  dp_cli::add_integer(app, "--batch-size", o.batch, "batch per device (dp's global batch = devices x this)")
       ->capture_default_str();
-  app.add_option("--steps", o.steps, "measured steps per run")->capture_default_str();
-  app.add_option("--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
+  dp_cli::add_integer(app, "--steps", o.steps, "measured steps per run")->capture_default_str();
+  dp_cli::add_integer(app, "--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap, MiB")->capture_default_str();
   app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm (BatchNorm statistics over all ranks' batches)");
   app.add_option("--first-bucket-mb", o.first_bucket_mb,
@@ -845,7 +846,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--json", o.json_path, "write every figure as JSON to this file");
   app.add_option("--trace", o.trace_path, "write a Chrome/Perfetto trace of the measured steps to this file");
-  app.add_option("--seed", o.seed, "seed of the synthetic data and the models' initialisation")->capture_default_str();
+  dp_cli::add_integer(app, "--seed", o.seed, "seed of the synthetic data and the models' initialisation")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,6 +1,7 @@
 // dp_train — trains the reference MLP or ConvNet on one device, with DataParallel or with
 // DistributedDataParallel, on GPUs or simulated devices; saves and resumes checkpoints.
-// It is also the embedding example: it uses only dp's public headers, as a user's program would.
+// It is also the embedding example: of dp it uses only the public headers, as a user's program would
+// (and tools/: the command-line rules and the mpirun job protocol it shares with dp_bench).
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <chrono>
@@ -29,6 +30,7 @@
 #include "dp/process_group.h"
 #include "dp/safetensors.h"
 #include "dp/training_state.h"
+#include "dp_cli.h"
 #include "dp_job.h"
 
 namespace {
@@ -530,6 +532,9 @@ int run(Options o) {
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
   const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
+  if (long end = 0; __builtin_add_overflow(start_step, total_steps, &end))
+    throw UsageError(fmt::format("{} step(s) from step {} of --resume {}: the run would end past step {}", total_steps,
+                                 start_step, o.resume, std::numeric_limits<long>::max()));
   const dp::LrSchedule schedule = make_schedule(o, start_step + total_steps);
   say("dp_train: {} {} on {} device(s) [{}]{} ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
       o.model, o.mode, world, ids_of(ids),
@@ -687,14 +692,8 @@ int run(Options o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Integers in decimal only (CLI11 would read 0x10 as 16, and -1 into an unsigned seed), and
-  // numbers >= 0 named readably (CLI11's own bound is the 309-digit largest double).
-  const CLI::Validator decimal(
-      [](const std::string& text) {
-        const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
-        return digits ? std::string() : fmt::format("'{}' is not a non-negative decimal integer", text);
-      },
-      "DECIMAL");
+  // Integers in decimal only and within range (dp_cli::add_integer), and numbers >= 0 named
+  // readably (CLI11's own bound is the 309-digit largest double).
   const CLI::Validator non_negative(
       [](const std::string& text) {
         try {
@@ -717,19 +716,19 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
   app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
-  auto* devices =
-      app.add_option("--devices", o.devices, "use devices 0..N-1")->check(decimal)->check(CLI::Range(1, 1 << 20));
+  auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
-  app.add_option("--output-device", o.output_device, "dp: the device that gathers outputs and computes the loss");
+  dp_cli::add_integer(app, "--output-device", o.output_device,
+                      "dp: the device that gathers outputs and computes the loss");
   auto* data = app.add_option("--data", o.data,
                               "directory with train-{images-idx3,labels-idx1}-ubyte (and t10k-* for --eval), plain "
                               "or .gz; or an installed data set's name: fashion-mnist, mnist");
-  app.add_option("--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
+  dp_cli::add_integer(app, "--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
       ->excludes(data)
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
-  app.add_option("--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
-  auto* epochs = app.add_option("--epochs", o.epochs, "full passes over the data (default 1)");
-  app.add_option("--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
+  dp_cli::add_integer(app, "--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
+  auto* epochs = dp_cli::add_integer(app, "--epochs", o.epochs, "full passes over the data (default 1)");
+  dp_cli::add_integer(app, "--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
   app.add_option("--optimizer", o.optimizer, "sgd (torch.optim.SGD) or adamw (torch.optim.AdamW)")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--lr", o.lr, "learning rate (default: sgd 0.01, adamw 1e-3)")->check(non_negative);
@@ -741,21 +740,20 @@ int main(int argc, char** argv) {
   app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)");
   app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)");
   app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
-  app.add_option("--warmup-steps", o.warmup_steps, "linear lr warm-up steps")->check(decimal);
+  dp_cli::add_integer(app, "--warmup-steps", o.warmup_steps, "linear lr warm-up steps");
   app.add_option("--schedule", o.schedule,
                  "after the warm-up, per step: none, step (StepLR) or cosine (CosineAnnealingLR)")
       ->check(CLI::IsMember({"none", "step", "cosine"}));
-  app.add_option("--step-size", o.step_size, "step: multiply the lr by --gamma every N steps")->check(decimal);
+  dp_cli::add_integer(app, "--step-size", o.step_size, "step: multiply the lr by --gamma every N steps");
   app.add_option("--gamma", o.gamma, "step: the factor (default 0.1)")->check(non_negative);
-  app.add_option("--t-max", o.t_max, "cosine: steps to anneal over (default: the rest of the run)")->check(decimal);
+  dp_cli::add_integer(app, "--t-max", o.t_max, "cosine: steps to anneal over (default: the rest of the run)");
   app.add_option("--eta-min", o.eta_min, "cosine: the lr at the end (default 0)")->check(non_negative);
-  app.add_option("--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)")
-      ->check(decimal);
+  dp_cli::add_integer(app, "--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)");
   app.add_flag("--no-shuffle", o.no_shuffle, "visit the samples in order (PyTorch's order exactly)");
   app.add_option("--init", o.init, "load weights and buffers (safetensors) before training");
   app.add_option("--save", o.save, "write the final state (safetensors) here");
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
-  app.add_option("--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
+  dp_cli::add_integer(app, "--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
   app.add_flag("--log-batches", o.log_batches, "print the sample indices of every batch (per rank)");
   bool eval_on = false, eval_off = false;
   auto* eval = app.add_flag("--eval", eval_on,
@@ -767,8 +765,7 @@ int main(int argc, char** argv) {
   app.add_option("--predictions", o.predictions,
                  "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
   // Hidden (no group): the failure tests start one process of an mpirun job with it.
-  app.add_option("--debug-fail-at-step", o.fail_at_step, "testing: fail on this process at step N")
-      ->check(decimal)
+  dp_cli::add_integer(app, "--debug-fail-at-step", o.fail_at_step, "testing: fail on this process at step N")
       ->group("");
   app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");
   try {

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   mapfile -t files < <(git ls-files '*.h' '*.cpp' '*.cu')
 else
-  mapfile -t files < <(find dp kernels models bench examples tests -name '*.h' -o -name '*.cpp' -o -name '*.cu')
+  mapfile -t files < <(find dp kernels models bench examples tools tests -name '*.h' -o -name '*.cpp' -o -name '*.cu')
 fi
 if [ "${1:-}" = "--fix" ]; then
   clang-format -i "${files[@]}"

@@ -5,9 +5,8 @@
 // summation order — the same tolerance as the one-device golden test (test_models.cpp).
 #pragma once
 
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <fmt/format.h>
 #include <memory>
 
 #include "dp/checkpoint.h"
@@ -30,9 +29,10 @@ inline void expect_sync_bn_matches_torch(Runtime& rt, const std::vector<int>& de
   options.device_ids = devices;
   options.sync_batchnorm = true;
   options.processes = std::move(processes);
-  DistributedDataParallel ddp(rt, *model, SgdOptions{std::stof(meta.at("lr")), std::stof(meta.at("momentum")),
-                                                     std::stof(meta.at("weight_decay")), false},
-                              options);
+  DistributedDataParallel ddp(
+      rt, *model,
+      SgdOptions{std::stof(meta.at("lr")), std::stof(meta.at("momentum")), std::stof(meta.at("weight_decay")), false},
+      options);
   const int batch = std::stoi(meta.at("batch")), world = ddp.world_size(), per_rank = batch / world;
   ASSERT_EQ(per_rank * world, batch) << "the ranks must split the golden's batch evenly";
   const auto close = [](const std::vector<float>& got, const std::vector<float>& want) {

@@ -336,13 +336,25 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend sim --modes single,fsdp", "unknown value 'fsdp'"},
       {"--backend sim --batch-size 0", "--batch-size must be at least 1"},
       {"--backend sim --steps 0", "--steps must be at least 1"},
-      {"--backend sim --warmup -1", "--warmup must be at least 0"},
+      {"--backend sim --warmup -1", "--warmup: '-1' is not a non-negative decimal integer"},
+      // Integers are decimal and within their type: never read as hex, wrapped or capped.
+      {"--backend sim --devices 0x10", "--devices: '0x10' is not a non-negative decimal integer"},
+      {"--backend sim --seed -1", "--seed: '-1' is not a non-negative decimal integer"},
+      {"--backend sim --seed 18446744073709551616",
+       "--seed: '18446744073709551616' is out of range (at most 18446744073709551615)"},
+      {"--backend sim --steps 2147483648", "--steps: '2147483648' is out of range (at most 2147483647)"},
+      {"--backend sim --warmup 99999999999999999999", "--warmup: '99999999999999999999' is out of range"},
+      {"--backend sim --batch-size 2147483648", "--batch-size: '2147483648' is out of range (at most 2147483647)"},
+      {"--backend sim --devices 4294967297", "--devices: '4294967297' is out of range (at most 2147483647)"},
       {"--backend sim --bucket-cap-mb 0", "--bucket-cap-mb must be a positive number"},
       {"--backend tpu", "unknown backend 'tpu'"},
       {"--backend sim --no-such-flag", "no-such-flag"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
+      {"--backend sim --trace /proc/x.json", "cannot write /proc/x.json"},  // root passes access() there
       {"--backend sim --devices 2 --batch-size 1073741824", "a global batch of 2147483648 samples"},
       {"--backend sim --batch-size 100000000", "the synthetic inputs alone need"},
+      {"--backend sim --batch-size 2147483647", "a global batch of 8589934588 samples is more than 2147483647"},
+      {"--backend sim --devices 1 --batch-size 2147483647", "the synthetic inputs alone need 6288.0 GiB"},
   };
   if (dp::Runtime::cuda_device_count() == 0) cases.push_back({"--backend cuda", "--backend cuda"});
   for (const auto& c : cases) {
@@ -360,6 +372,36 @@ TEST(Bench, BadFlagsAreClearErrors) {
   const Result help = run_bench(dir, "--help");
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_NE(help.out.find("--bucket-cap-mb"), std::string::npos);
+}
+
+// A run that fails — refused up front, or after its outputs were checked — leaves no --json or
+// --trace file, not even an empty or partial one, and no temporary file; files that were there
+// keep their content.
+TEST(Bench, FailedRunsLeaveNoReportNorTrace) {
+  TempDir dir("failed");
+  const fs::path out = dir / "out";
+  fs::create_directories(out);
+  const std::string json_path = (out / "x.json").string(), trace_path = (out / "y.trace.json").string();
+  const std::string outputs = " --json " + json_path + " --trace " + trace_path;
+  for (const std::string args : {"--backend sim --devices 100", "--backend sim --batch-size 2147483647"}) {
+    SCOPED_TRACE(args);
+    Result r = run_bench(dir, args + outputs);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_FALSE(fs::exists(json_path));
+    EXPECT_FALSE(fs::exists(trace_path));
+    EXPECT_TRUE(fs::is_empty(out)) << "a temporary file was left in " << out;
+    { std::ofstream(json_path) << "previous report"; }
+    { std::ofstream(trace_path) << "previous trace"; }
+    r = run_bench(dir, args + outputs);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(read_file(json_path), "previous report");
+    EXPECT_EQ(read_file(trace_path), "previous trace");
+    std::size_t files = 0;
+    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(out)) ++files;
+    EXPECT_EQ(files, 2u) << "a temporary file was left in " << out;
+    fs::remove(json_path);
+    fs::remove(trace_path);
+  }
 }
 
 }  // namespace

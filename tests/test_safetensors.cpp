@@ -117,6 +117,8 @@ TEST_F(SafetensorsTest, WritesOnlyRegularFilesWithShortTemporaryNames) {
   fs::create_directory(path("dir.safetensors"));
   EXPECT_THROW(safetensors::write(path("dir.safetensors"), file), Error);
   EXPECT_THROW(check_writable(""), Error);
+  // Root passes access(W_OK) for /proc, but no file can be created there.
+  EXPECT_THROW(check_writable("/proc/x.safetensors"), Error);
   // A name of 250 characters, the longest most file systems take minus a little, still saves.
   const std::string long_name = path(std::string(245, 'n') + ".st");
   safetensors::write(long_name, file);

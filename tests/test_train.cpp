@@ -2,6 +2,7 @@
 // that learns in every mode, PyTorch's exact data order, bit-exact resume, and every bad input
 // refused with a message, a non-zero exit and no output file created or overwritten.
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -11,12 +12,18 @@
 #include <fstream>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <poll.h>
 #include <regex>
+#include <signal.h>
 #include <sstream>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
+#include <utility>
 #include <zlib.h>
 
+#include "dp/atomic_file.h"
 #include "dp/lr_schedule.h"
 #include "dp/safetensors.h"
 #include "test_util.h"
@@ -28,6 +35,50 @@ namespace fs = std::filesystem;
 using Result = dp::test::CommandResult;
 
 Result run(const std::string& args) { return dp::test::run_command(std::string(DP_TRAIN_BIN) + " " + args); }
+
+// Starts dp_train with `args`, reads its output until `until` appears or `seconds` pass, then kills
+// it: for runs that would go on (nearly) forever. Gives what it printed, whether `until` came, and
+// the process's peak resident memory.
+struct Started {
+  bool seen = false;
+  std::string output;
+  long max_rss_kib = 0;
+};
+Started start_then_kill(const std::string& args, const std::string& until, int seconds) {
+  const std::string command = "exec " + std::string(DP_TRAIN_BIN) + " " + args;
+  Started started;
+  int fds[2];
+  if (::pipe(fds) != 0) return started;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::dup2(fds[1], STDERR_FILENO);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  std::array<char, 4096> buffer{};
+  while (!started.seen) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    pollfd in{fds[0], POLLIN, 0};
+    if (left <= 0 || ::poll(&in, 1, static_cast<int>(left)) <= 0) break;
+    const ssize_t n = ::read(fds[0], buffer.data(), buffer.size());
+    if (n <= 0) break;  // it exited
+    started.output.append(buffer.data(), static_cast<std::size_t>(n));
+    started.seen = started.output.find(until) != std::string::npos;
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  rusage usage{};
+  ::wait4(pid, &status, 0, &usage);
+  ::close(fds[0]);
+  started.max_rss_kib = usage.ru_maxrss;
+  return started;
+}
 
 class TrainTest : public ::testing::Test {
  protected:
@@ -535,6 +586,12 @@ TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
   ASSERT_EQ(::mkfifo((dir_ / "fifo" / "train-labels-idx1-ubyte").c_str(), 0644), 0);
   expect_refused("--backend sim --batch-size 4 --steps 1 --data " + path("fifo"),
                  "train-labels-idx1-ubyte: not a regular file");
+  // A directory in the image file's place is not read as one (exit 2, naming it).
+  write_idx("dir", 10);
+  fs::remove(dir_ / "dir" / "train-images-idx3-ubyte");
+  fs::create_directory(dir_ / "dir" / "train-images-idx3-ubyte");
+  expect_refused("--backend sim --batch-size 4 --steps 1 --data " + path("dir"),
+                 "train-images-idx3-ubyte: not a regular file");
   write_idx("mem", 10);
   fs::remove(dir_ / "mem" / "train-images-idx3-ubyte");
   fs::create_symlink("/proc/self/mem", dir_ / "mem" / "train-images-idx3-ubyte");
@@ -565,6 +622,20 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   const Result empty_save = run(base + "--save ''");
   EXPECT_EQ(empty_save.code, 2) << empty_save.output;
   EXPECT_NE(empty_save.output.find("--save: empty value"), std::string::npos) << empty_save.output;
+  // Integers past their type are refused with the bound, never capped to it.
+  const std::string no_steps = "--backend sim --synthetic 16 --batch-size 8 ";
+  expect_refused(base + "--seed 18446744073709551616",
+                 "--seed: '18446744073709551616' is out of range (at most 18446744073709551615)");
+  expect_refused(no_steps + "--steps 99999999999999999999999",
+                 "--steps: '99999999999999999999999' is out of range (at most 9223372036854775807)");
+  expect_refused(base + "--warmup-steps 9223372036854775808",
+                 "--warmup-steps: '9223372036854775808' is out of range (at most 9223372036854775807)");
+  expect_refused(base + "--schedule cosine --t-max 99999999999999999999999",
+                 "--t-max: '99999999999999999999999' is out of range (at most 9223372036854775807)");
+  expect_refused(no_steps + "--epochs 2147483648", "--epochs: '2147483648' is out of range (at most 2147483647)");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --batch-size 2147483648",
+                 "--batch-size: '2147483648' is out of range (at most 2147483647)");
+  expect_refused(base + "--step-size 0x10", "--step-size: '0x10' is not a non-negative decimal integer");
   // Sizes that cannot fit are refused with the figure, before anything is allocated.
   expect_refused("--backend sim --synthetic 67108864 --steps 1", "GiB of host memory");
   expect_refused("--backend sim --mode ddp --devices 2 --batch-size 1073741824 --synthetic 16 --steps 1",
@@ -592,6 +663,55 @@ TEST_F(TrainTest, SaveTargetsMustBeRegularFilesInWritableDirectories) {
   EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
   // Refused before step 1, not after the training it would throw away.
   EXPECT_EQ(r.output.find("step(s) in"), std::string::npos) << r.output;
+  // A device node is refused and left a device node (as root the rename would replace /dev/null),
+  // and no temporary file is made beside it.
+  struct stat before {};
+  ASSERT_EQ(::stat("/dev/null", &before), 0);
+  r = run(base + "/dev/null");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("/dev/null: exists and is not a regular file"), std::string::npos) << r.output;
+  struct stat after {};
+  ASSERT_EQ(::stat("/dev/null", &after), 0);
+  EXPECT_TRUE(S_ISCHR(after.st_mode));
+  EXPECT_EQ(after.st_rdev, before.st_rdev);
+  EXPECT_EQ(after.st_ino, before.st_ino);
+  for (const auto& entry : fs::directory_iterator("/dev"))
+    EXPECT_NE(entry.path().filename().string().rfind(dp::atomic_temp_prefix("/dev/null"), 0), 0u) << entry.path();
+  // /proc and /sys pass access(W_OK) for root, but no file can be created there: refused before step 1.
+  for (const std::string target : {"/proc/x.safetensors", "/sys/x.safetensors"}) {
+    r = run(base + target);
+    EXPECT_EQ(r.code, 2) << target << "\n" << r.output;
+    EXPECT_NE(r.output.find("--save " + target + ": "), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step(s) in"), std::string::npos) << r.output;
+  }
+  // The longest file name (255 characters) saves: the temporary name is short whatever the target's.
+  const std::string longest = path(std::string(255 - std::strlen(".safetensors"), 'n') + ".safetensors");
+  r = run(base + longest);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(dp::safetensors::read(longest).tensors.count("fc1.weight"), 1u);
+  r = run(base + path(std::string(256, 'n')));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("file name longer than 255 characters"), std::string::npos) << r.output;
+}
+
+// The steps are generated as they are trained, not planned up front: the largest --steps and
+// --epochs start at once, in little memory, and would train on (so the test stops them).
+TEST_F(TrainTest, HugeStepAndEpochCountsStartAtOnceInLittleMemory) {
+  const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --log-every 1 ";
+  for (const auto& [flag, steps] :
+       {std::pair<std::string, std::string>{"--steps 9223372036854775807", "9223372036854775807 step(s)"},
+        {"--epochs 2147483647", "4294967294 step(s)"}}) {
+    // 400 steps (200 epochs of 2), then killed: nothing grew with the run's length or its steps.
+    const Started started = start_then_kill(base + flag, "epoch 200 |", 4);
+    EXPECT_TRUE(started.seen) << flag << ": 200 epochs did not finish within 4 s:\n" << started.output;
+    EXPECT_NE(started.output.find(steps), std::string::npos) << started.output;
+    EXPECT_NE(started.output.find("step      1 epoch   1 loss"), std::string::npos) << started.output;
+    EXPECT_LT(started.max_rss_kib, 256L * 1024) << flag << ": peak resident memory " << started.max_rss_kib << " KiB";
+  }
+  // Resumed at step 1, the largest --steps would end past the largest step: refused, not wrapped.
+  ASSERT_EQ(run(base + "--steps 1 --save " + path("one.safetensors")).code, 0);
+  expect_refused(base + "--steps 9223372036854775807 --resume " + path("one.safetensors"),
+                 "9223372036854775807 step(s) from step 1 of --resume");
 }
 
 }  // namespace

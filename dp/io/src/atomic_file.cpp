@@ -28,9 +28,8 @@ std::string temp_prefix(const std::string& name) {
   return fmt::format(".dp-{:08x}-", hash);
 }
 
-}  // namespace
-
-void check_writable(const std::string& path) {
+// What check_writable() can tell without creating a file.
+void check_target(const std::string& path) {
   if (path.empty()) throw Error("empty path: a file name is needed");
   std::error_code ec;
   const auto status = std::filesystem::symlink_status(path, ec);
@@ -48,8 +47,29 @@ void check_writable(const std::string& path) {
     throw Error(fmt::format("{}: file name longer than 255 characters", path));
 }
 
+// mkstemp beside `path` under its short temporary name: the open descriptor, the name in `temp`.
+int create_temp(const std::string& path, std::string& temp) {
+  const std::filesystem::path dir = directory_of(path);
+  temp = (dir / (temp_prefix(std::filesystem::path(path).filename().string()) + "XXXXXX")).string();
+  const int fd = ::mkstemp(temp.data());
+  if (fd < 0)
+    throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
+  return fd;
+}
+
+}  // namespace
+
+void check_writable(const std::string& path) {
+  check_target(path);
+  // access() does not settle it: root passes it for /proc and /sys, where no file can be created.
+  // So the temporary file the save will create is created, and removed, now.
+  std::string temp;
+  ::close(create_temp(path, temp));
+  ::unlink(temp.c_str());
+}
+
 void write_atomically(const std::string& path, const std::vector<std::span<const std::byte>>& pieces) {
-  check_writable(path);
+  check_target(path);
   // A fresh temporary file beside the target (mkstemp: never an existing file or a symlink),
   // flushed to disk, then renamed over the target, and the directory flushed: after a crash the
   // target is the old file or the new one, never a torn or empty one.
@@ -61,10 +81,8 @@ void write_atomically(const std::string& path, const std::vector<std::span<const
     const std::string name = entry.path().filename().string();
     if (name.size() == prefix.size() + 6 && name.rfind(prefix, 0) == 0) std::filesystem::remove(entry.path(), ec);
   }
-  std::string temp = (dir / (prefix + "XXXXXX")).string();
-  const int fd = ::mkstemp(temp.data());
-  if (fd < 0)
-    throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
+  std::string temp;
+  const int fd = create_temp(path, temp);
   auto fail = [&](const char* what) {
     const int error = errno;
     ::close(fd);

@@ -12,7 +12,9 @@ namespace dp {
 
 // Throws dp::Error unless write_atomically() can write `path`: not empty, absent or a regular file
 // (never a directory, device, FIFO or symbolic link, which the rename would replace with a regular
-// file), a name of at most 255 bytes, in a directory that exists and is writable.
+// file), a name of at most 255 bytes, in a directory that exists and is writable — for real: the
+// temporary file write_atomically() would create there is created and removed (root passes
+// access() for /proc and /sys, where no file can be created).
 void check_writable(const std::string& path);
 
 // Writes the pieces, in order, to a temporary file in `path`'s directory, flushes it to disk and
