@@ -156,6 +156,22 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
     const float want = ref.train_step(shards(data, row, 0, n, per_rank));
     EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << "step " << step << ": " << got << " vs " << want;
   }
+  // Gradient accumulation: a no_sync forward/backward, then a synchronised one, then the step.
+  {
+    const int row = 0;
+    {
+      auto local = ddp.no_sync();
+      auto ref_local = ref.no_sync();
+      ddp.forward_backward(shards(data, row, first(), kLocal, per_rank));
+      ref.forward_backward(shards(data, row, 0, n, per_rank));
+    }
+    const int next = n * per_rank;
+    const float got = ddp.forward_backward(shards(data, next, first(), kLocal, per_rank));
+    const float want = ref.forward_backward(shards(data, next, 0, n, per_rank));
+    EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << "accumulated step: " << got << " vs " << want;
+    ddp.step();
+    ref.step();
+  }
   // Evaluation totals are those of every process's batches.
   const EvalTotals got = ddp.evaluate(shards(data, 0, first(), kLocal, per_rank));
   const EvalTotals want = ref.evaluate(shards(data, 0, 0, n, per_rank));
@@ -197,6 +213,29 @@ TEST(SyncBatchNormAcrossProcesses, MatchesPyTorchOnTheWholeBatch) {
     auto rt = test::sim_runtime(local);
     test::expect_sync_bn_matches_torch(*rt, DeviceGroup::all_devices(*rt), g_world);
   }
+}
+
+// NCCL across processes: one GPU per process (process p drives GPU p), the unique id broadcast by
+// MPI. Needs as many GPUs on this machine as processes; skips otherwise (no GPU here).
+TEST(NcclAcrossProcesses, AllReduceAndBroadcastOverEveryProcess) {
+  if (Runtime::cuda_device_count() < world().size())
+    GTEST_SKIP() << "needs " << world().size() << " CUDA devices, found " << Runtime::cuda_device_count();
+  auto rt = Runtime::create({.backend = "cuda"});
+  DeviceGroup group(*rt, {world().rank()});
+  auto comm = Communicator::create(group, g_world);
+  ASSERT_EQ(comm->size(), world().size());
+  Device& device = group.device(0);
+  Stream s = device.create_stream();
+  const std::size_t count = 1000;
+  auto sum = test::upload(device, s, std::vector<float>(count, static_cast<float>(world().rank() + 1)));
+  auto root = test::upload(device, s, std::vector<float>(count, static_cast<float>(world().rank() * 10)));
+  group.run([&](int r) {
+    comm->all_reduce(r, s, sum.as<float>(), count, ReduceOp::sum);
+    comm->broadcast(r, s, root.data(), count * sizeof(float), world().size() - 1);
+  });
+  const float want = static_cast<float>(world().size() * (world().size() + 1) / 2);
+  EXPECT_EQ(test::download<float>(s, sum), std::vector<float>(count, want));
+  EXPECT_EQ(test::download<float>(s, root), std::vector<float>(count, static_cast<float>((world().size() - 1) * 10)));
 }
 
 TEST(DdpAcrossProcesses, EveryProcessMustDriveTheSameNumberOfDevices) {

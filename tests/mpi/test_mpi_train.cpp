@@ -29,7 +29,7 @@ std::string slurp(const fs::path& file) {
 std::vector<std::string> step_lines(const std::string& output) {
   std::vector<std::string> out;
   const std::regex loss(
-      R"(step +\d+ epoch +\d+ loss [0-9.]+|train loss [0-9.]+|test loss [0-9.]+ \| test acc [0-9.]+%)");
+      R"(step +\d+ epoch +\d+ loss [0-9.]+ lr [0-9.e+-]+|train loss [0-9.]+|test loss [0-9.]+ \| test acc [0-9.]+%)");
   for (std::sregex_iterator it(output.begin(), output.end(), loss), end; it != end; ++it) out.push_back(it->str());
   return out;
 }
@@ -64,7 +64,7 @@ TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   for (const std::string& model : models) {
     SCOPED_TRACE(model);
     const std::string common = fmt::format(
-        "{} --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.02 --seed 7 --log-every 1 "
+        "{} --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.005 --scale-lr --seed 7 --log-every 1 "
         "--warmup-steps 2",
         model);
     const CommandResult one = one_process(common + " --devices 4 --steps 6 --save " + path("one.safetensors"));
