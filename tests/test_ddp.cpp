@@ -9,6 +9,7 @@
 #include <thread>
 #include <utility>
 
+#include "ddp_data.h"
 #include "dp/checkpoint.h"
 #include "dp/ddp.h"
 #include "dp/error.h"
@@ -33,25 +34,9 @@ std::vector<float> params_of(const Model& m) {
   return out;
 }
 
-struct Data {
-  std::vector<float> x;
-  std::vector<std::int64_t> y;
-};
-Data make_data(int samples, unsigned seed) {
-  Data d{test::random_vector(static_cast<std::size_t>(samples) * 784, seed, 0.0f, 1.0f), {}};
-  for (int i = 0; i < samples; ++i) d.y.push_back((i * 7 + static_cast<int>(seed)) % 10);
-  return d;
-}
-
-// Rank r gets rows [r*b, (r+1)*b) of a global batch that starts at row `first`.
-std::vector<RankBatch> shards(const Data& d, int first, int world, int per_rank) {
-  std::vector<RankBatch> out;
-  for (int r = 0; r < world; ++r) {
-    const int row = first + r * per_rank;
-    out.push_back(RankBatch{d.x.data() + static_cast<std::size_t>(row) * 784, d.y.data() + row, per_rank});
-  }
-  return out;
-}
+using test::Data;
+using test::make_data;
+using test::shards;
 
 TEST(Ddp, BucketAssignmentMatchesTorch) {
   auto rt = test::sim_runtime(1);

@@ -27,6 +27,7 @@
 #include "dp/lr_schedule.h"
 #include "dp/safetensors.h"
 #include "test_util.h"
+#include "tool_test.h"
 
 namespace {
 
@@ -80,47 +81,8 @@ Started start_then_kill(const std::string& args, const std::string& until, int s
   return started;
 }
 
-class TrainTest : public ::testing::Test {
+class TrainTest : public dp::test::ToolTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / fmt::format("dp_train_test_{}_{}", ::getpid(),
-                                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  // A small MNIST-format data set: `count` images of rows x cols, labels i % 10.
-  void write_idx(const std::string& subdir, std::uint32_t count, std::uint32_t rows = 28, std::uint32_t cols = 28,
-                 std::uint32_t image_magic = 0x803, int bad_label_at = -1, std::size_t truncate_images = 0,
-                 const std::string& prefix = "train") {
-    fs::create_directories(dir_ / subdir);
-    auto be = [](std::ofstream& out, std::uint32_t v) {
-      const unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
-                                  static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};
-      out.write(reinterpret_cast<const char*>(b), 4);
-    };
-    {
-      std::ofstream images(dir_ / subdir / (prefix + "-images-idx3-ubyte"), std::ios::binary);
-      be(images, image_magic);
-      be(images, count);
-      be(images, rows);
-      be(images, cols);
-      std::string pixels(static_cast<std::size_t>(count) * rows * cols, '\0');
-      for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = static_cast<char>((i * 37 + i / 784 * 11) % 256);
-      pixels.resize(pixels.size() - truncate_images);
-      images.write(pixels.data(), static_cast<std::streamsize>(pixels.size()));
-    }
-    std::ofstream labels(dir_ / subdir / (prefix + "-labels-idx1-ubyte"), std::ios::binary);
-    be(labels, 0x801);
-    be(labels, count);
-    for (std::uint32_t i = 0; i < count; ++i) {
-      const char label = static_cast<char>(static_cast<int>(i) == bad_label_at ? 10 : i % 10);
-      labels.write(&label, 1);
-    }
-  }
-
   // Asserts a refused run: exit != 0, `message` in the output, and `guard` (if any) untouched.
   void expect_refused(const std::string& args, const std::string& message) {
     const std::string guard = path("existing.safetensors");
@@ -135,8 +97,6 @@ class TrainTest : public ::testing::Test {
     for (const auto& entry : fs::directory_iterator(dir_))
       EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
   }
-
-  fs::path dir_;
 };
 
 std::vector<double> losses(const std::string& output) {

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "ddp_data.h"
 #include "dp/checkpoint.h"
 #include "dp/collectives.h"
 #include "dp/ddp.h"
@@ -100,23 +101,12 @@ TEST(Ring, CollectivesAcrossProcessesEqualOneProcess) {
   EXPECT_GT(rt->link_traffic(0, 1).bytes, 0u);
 }
 
-struct Data {
-  std::vector<float> x;
-  std::vector<std::int64_t> y;
-};
-Data make_data(int samples, unsigned seed) {
-  Data d{test::random_vector(static_cast<std::size_t>(samples) * 784, seed, 0.0f, 1.0f), {}};
-  for (int i = 0; i < samples; ++i) d.y.push_back((i * 7 + static_cast<int>(seed)) % 10);
-  return d;
-}
-// Global rank g of a step gets rows [first_row + g*b, first_row + (g+1)*b).
-std::vector<Batch> shards(const Data& d, int first_row, int first_rank, int ranks, int per_rank) {
-  std::vector<Batch> out;
-  for (int r = 0; r < ranks; ++r) {
-    const int row = first_row + (first_rank + r) * per_rank;
-    out.push_back(Batch{d.x.data() + static_cast<std::size_t>(row) * 784, d.y.data() + row, per_rank});
-  }
-  return out;
+using test::Data;
+using test::make_data;
+
+// This process's ranks' shards (global ranks first() .. first() + kLocal - 1) of a step's batch.
+std::vector<Batch> local_shards(const Data& d, int first_row, int per_rank) {
+  return test::shards(d, first_row, kLocal, per_rank, first());
 }
 
 struct DdpCase {
@@ -152,8 +142,8 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
   const Data data = make_data(steps * n * per_rank, 4);
   for (int step = 0; step < steps; ++step) {
     const int row = step * n * per_rank;
-    const float got = ddp.train_step(shards(data, row, first(), kLocal, per_rank));
-    const float want = ref.train_step(shards(data, row, 0, n, per_rank));
+    const float got = ddp.train_step(local_shards(data, row, per_rank));
+    const float want = ref.train_step(test::shards(data, row, n, per_rank));
     EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << "step " << step << ": " << got << " vs " << want;
   }
   // Gradient accumulation: a no_sync forward/backward, then a synchronised one, then the step.
@@ -162,19 +152,19 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
     {
       auto local = ddp.no_sync();
       auto ref_local = ref.no_sync();
-      ddp.forward_backward(shards(data, row, first(), kLocal, per_rank));
-      ref.forward_backward(shards(data, row, 0, n, per_rank));
+      ddp.forward_backward(local_shards(data, row, per_rank));
+      ref.forward_backward(test::shards(data, row, n, per_rank));
     }
     const int next = n * per_rank;
-    const float got = ddp.forward_backward(shards(data, next, first(), kLocal, per_rank));
-    const float want = ref.forward_backward(shards(data, next, 0, n, per_rank));
+    const float got = ddp.forward_backward(local_shards(data, next, per_rank));
+    const float want = ref.forward_backward(test::shards(data, next, n, per_rank));
     EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << "accumulated step: " << got << " vs " << want;
     ddp.step();
     ref.step();
   }
   // Evaluation totals are those of every process's batches.
-  const EvalTotals got = ddp.evaluate(shards(data, 0, first(), kLocal, per_rank));
-  const EvalTotals want = ref.evaluate(shards(data, 0, 0, n, per_rank));
+  const EvalTotals got = ddp.evaluate(local_shards(data, 0, per_rank));
+  const EvalTotals want = ref.evaluate(test::shards(data, 0, n, per_rank));
   EXPECT_EQ(got.samples, want.samples);
   EXPECT_EQ(got.correct, want.correct);
   EXPECT_NEAR(got.loss_sum, want.loss_sum, 1e-9 * std::fabs(want.loss_sum));

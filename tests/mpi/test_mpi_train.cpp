@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "test_util.h"
+#include "tool_test.h"
 
 namespace {
 
@@ -34,17 +35,8 @@ std::vector<std::string> step_lines(const std::string& output) {
   return out;
 }
 
-class MpiTrain : public ::testing::Test {
+class MpiTrain : public dp::test::ToolTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / fmt::format("dp_mpi_train_{}_{}", ::getpid(),
-                                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
   static CommandResult one_process(const std::string& args) {
     return dp::test::run_command(fmt::format("{} {}", DP_TRAIN_BIN, args));
   }
@@ -54,8 +46,6 @@ class MpiTrain : public ::testing::Test {
     return dp::test::run_command(
         fmt::format("{} -np 1 {} {} : -np 1 {} {} {}", DP_MPIRUN, DP_TRAIN_BIN, args, DP_TRAIN_BIN, args, extra));
   }
-
-  fs::path dir_;
 };
 
 TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
@@ -87,23 +77,9 @@ TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
 
 TEST_F(MpiTrain, EvaluationCountsEveryTestSampleOnceAcrossProcesses) {
   // 13 test samples over 4 global ranks: shards of 4, 3, 3, 3; batches of 2.
+  write_idx("data", 40);
+  write_idx("data", 13, 28, 28, 0x803, -1, 0, "t10k");
   const std::string data = path("data");
-  fs::create_directories(data);
-  const auto idx = [&](const std::string& prefix, std::uint32_t count) {
-    const auto be = [](std::ofstream& out, std::uint32_t v) {
-      const char b[4] = {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
-                         static_cast<char>(v)};
-      out.write(b, 4);
-    };
-    std::ofstream images(data + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
-    for (std::uint32_t v : {0x803u, count, 28u, 28u}) be(images, v);
-    for (std::uint32_t i = 0; i < count * 784; ++i) images.put(static_cast<char>((i * 37 + i / 784 * 11) % 256));
-    std::ofstream labels(data + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary);
-    for (std::uint32_t v : {0x801u, count}) be(labels, v);
-    for (std::uint32_t i = 0; i < count; ++i) labels.put(static_cast<char>(i % 10));
-  };
-  idx("train", 40);
-  idx("t10k", 13);
   const std::string common = " --model convnet --mode ddp --backend sim --batch-size 2 --steps 4 --data " + data;
   const CommandResult one = one_process(common + " --devices 4");
   const CommandResult two = two_processes(common + " --devices 2");
