@@ -152,6 +152,46 @@ TEST_P(DataParallelOnBackend, MlpEqualsSingleDeviceOnTheGlobalBatch) {
   }
 }
 
+// On one device, DataParallel is the module's own step (torch calls the module directly): the
+// single-device trainer's results bit for bit — ConvNet with BatchNorm, the MLP with dropout —
+// and its phase times still come (the empty phases as two adjacent events).
+TEST(DataParallel, OnOneDeviceIsTheSingleDeviceStepBitForBit) {
+  auto rt = test::sim_runtime(1);
+  for (const std::string name : {"convnet", "mlp"}) {
+    SCOPED_TRACE(name);
+    const auto make = [&] {
+      return name == "convnet" ? models::make_convnet(rt->device(0), 3) : models::make_mlp(rt->device(0), {32}, 3, 0.3);
+    };
+    auto model = make();
+    auto reference = make();
+    const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
+    DataParallelOptions options;
+    options.time_phases = true;
+    options.step.seed = 11;
+    DataParallel dp(*rt, *model, sgd, options);
+    SingleDeviceTrainer single(*reference, sgd, StepOptions{0.0, 11});
+    for (int step = 0; step < 3; ++step) {
+      const Batch b = make_batch(9 + step, 40 + step);
+      const float got = dp.train_step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
+      const float want = single.step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
+      EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << got << " vs " << want;
+      EXPECT_NO_THROW(dp.last_phases());
+      EXPECT_EQ(dp.last_chunks(), std::vector<int>{static_cast<int>(b.y.size())});
+    }
+    dp.synchronize();
+    Stream s = rt->device(0).create_stream();
+    const auto a = host_floats(s, model->params_flat(), model->param_count());
+    const auto r = host_floats(s, reference->params_flat(), reference->param_count());
+    EXPECT_EQ(std::memcmp(a.data(), r.data(), a.size() * sizeof(float)), 0);
+    if (model->buffers_bytes()) {
+      std::vector<char> x(model->buffers_bytes()), y(model->buffers_bytes());
+      s.copy(x.data(), model->buffers_flat(), x.size());
+      s.copy(y.data(), reference->buffers_flat(), y.size());
+      EXPECT_EQ(x, y) << "running statistics";
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // ConvNet: DP == per-chunk semantics, computed with single-device pieces on one device
 

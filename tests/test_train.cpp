@@ -322,8 +322,12 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend tpu", "--backend");
   expect_refused("--backend sim --batch-size 0 --steps 1", "--batch-size 0: must be at least 1");
   expect_refused("--backend sim --mode dp --devices 65 --steps 1", "at most 64 devices");
-  expect_refused("--backend cuda --steps 1", "--backend cuda:");
-  expect_refused("--backend cuda --mode ddp --steps 1", "--backend cuda:");
+  if (dp::Runtime::cuda_device_count() == 0) {
+    expect_refused("--backend cuda --steps 1", "--backend cuda:");
+    expect_refused("--backend cuda --mode ddp --steps 1", "--backend cuda:");
+  } else {  // a machine with GPUs trains on them: refused only for devices it does not have
+    expect_refused("--backend cuda --mode ddp --devices 4096 --steps 1", "CUDA device(s) are available");
+  }
   expect_refused("--backend sim --mode dp --devices 2 --output-device 3 --steps 1",
                  "--output-device 3 is not among the devices [0,1]");
   expect_refused("--backend sim --mode dp --device-ids 0,1,0 --steps 1", "device 0 appears twice");
