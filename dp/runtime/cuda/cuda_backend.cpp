@@ -20,12 +20,34 @@ void make_device_current(int device) {
   if (current != device) DP_CUDA_CHECK(cudaSetDevice(device));
 }
 
+// `device` current for a scope, the caller's device restored after: for calls that may come from
+// any thread (allocation, events, streams, copies), which must leave the caller's current device
+// as they found it. (Kernel launches make the stream's device current on purpose: make_current.)
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    DP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device)
+      DP_CUDA_CHECK(cudaSetDevice(device));
+    else
+      previous_ = -1;  // nothing to restore
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);  // never throws from a destructor
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 class CudaRuntime;
 
 class CudaEvent final : public EventImpl {
  public:
   explicit CudaEvent(int device) : device_(device) {
-    make_device_current(device);
+    DeviceScope scope(device);
     DP_CUDA_CHECK(cudaEventCreate(&event_));
   }
   ~CudaEvent() override {
@@ -139,7 +161,7 @@ class CudaDevice final : public DeviceImpl {
   Backend backend() const override { return Backend::cuda; }
   std::string name() const override { return name_; }
   void* allocate(std::size_t bytes) override {
-    make_device_current(index_);
+    DeviceScope scope(index_);
     void* ptr = nullptr;
     const cudaError_t status = cudaMalloc(&ptr, bytes);
     if (status == cudaErrorMemoryAllocation) {
@@ -153,10 +175,10 @@ class CudaDevice final : public DeviceImpl {
   }
   void free(void* ptr, std::size_t bytes) noexcept override {
     try {
-      make_device_current(index_);
-    } catch (...) {  // never throws: cudaFree below reports nothing either
+      DeviceScope scope(index_);
+      cudaFree(ptr);
+    } catch (...) {  // never throws: cudaFree reports nothing either
     }
-    cudaFree(ptr);
     memory_.release(bytes);
   }
   MemoryStats memory() const override { return memory_.stats(); }
@@ -164,7 +186,7 @@ class CudaDevice final : public DeviceImpl {
   std::shared_ptr<StreamImpl> create_stream() override;
   std::shared_ptr<EventImpl> create_event() override { return std::make_shared<CudaEvent>(index_); }
   void synchronize() override {
-    make_device_current(index_);
+    DeviceScope scope(index_);
     DP_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::future<void> submit(std::function<void()> task) override {
@@ -239,7 +261,7 @@ class CudaRuntime final : public RuntimeImpl {
 
 CudaStream::CudaStream(CudaRuntime& runtime, CudaDevice& device, int index)
     : runtime_(runtime), device_(device), index_(index), sm_count_(device.sm_count()) {
-  make_device_current(index);
+  DeviceScope scope(index);
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 

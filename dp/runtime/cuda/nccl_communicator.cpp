@@ -2,6 +2,7 @@
 // each rank's worker thread issues only on its own communicator and stream. In one process,
 // ncclCommInitAll; across processes, process 0 makes the unique id, the process group (MPI)
 // broadcasts it, and each process initialises its local ranks inside one NCCL group call.
+#include <atomic>
 #include <fmt/format.h>
 #include <vector>
 
@@ -18,30 +19,15 @@ class NcclCommunicator final : public Communicator {
         comms_(static_cast<std::size_t>(group.size())),
         world_(group.size() * processes.size()),
         first_(group.size() * processes.rank()) {
-    if (processes.size() == 1) {
-      DP_CUDA_CHECK(ncclCommInitAll(comms_.data(), group.size(), group.device_ids().data()));
-      return;
-    }
-    const std::vector<int> sizes = processes.all_gather(group.size());
-    for (std::size_t p = 0; p < sizes.size(); ++p)
-      if (sizes[p] != group.size())
-        throw InvalidArgument(fmt::format(
-            "every process must drive the same number of GPUs: process {} has {}, process {} (host {}) has {}", p,
-            sizes[p], processes.rank(), processes.host(), group.size()));
-    ncclUniqueId id{};
-    if (processes.rank() == 0) DP_CUDA_CHECK(ncclGetUniqueId(&id));
-    processes.broadcast_bytes(&id, sizeof(id), 0);
-    DP_CUDA_CHECK(ncclGroupStart());
-    for (int r = 0; r < group.size(); ++r) {
-      DP_CUDA_CHECK(cudaSetDevice(group.device_ids()[static_cast<std::size_t>(r)]));
-      DP_CUDA_CHECK(ncclCommInitRank(&comms_[static_cast<std::size_t>(r)], world_, id, first_ + r));
-    }
-    DP_CUDA_CHECK(ncclGroupEnd());
+    std::vector<ncclComm_t> comms(static_cast<std::size_t>(group.size()), nullptr);
+    init(comms, processes);
+    for (std::size_t r = 0; r < comms.size(); ++r) comms_[r].store(comms[r]);
   }
   ~NcclCommunicator() override {
-    for (ncclComm_t comm : comms_)
-      if (comm) ncclCommDestroy(comm);  // never throws from a destructor
+    for (auto& slot : comms_)
+      if (ncclComm_t comm = slot.exchange(nullptr)) ncclCommDestroy(comm);  // never throws from a destructor
   }
+
   int size() const override { return world_; }
   int local_size() const override { return group_.size(); }
   int first_rank() const override { return first_; }
@@ -60,17 +46,40 @@ class NcclCommunicator final : public Communicator {
   void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) override {
     DP_CUDA_CHECK(ncclAllGather(send, recv, count, ncclFloat32, comm(rank), native(rank, stream)));
   }
+  // Any thread may abort while the ranks' workers issue collectives (a failing rank aborts at once):
+  // each communicator is taken out of its slot atomically, so it is aborted exactly once and a
+  // worker sees either it or null (then its collective fails with "aborted").
   void abort() override {
-    for (ncclComm_t& comm : comms_)
-      if (comm) {
-        ncclCommAbort(comm);
-        comm = nullptr;
-      }
+    for (auto& slot : comms_)
+      if (ncclComm_t comm = slot.exchange(nullptr)) ncclCommAbort(comm);
   }
 
  private:
+  void init(std::vector<ncclComm_t>& comms, ProcessGroup& processes) {
+    const auto& group = group_;
+    if (processes.size() == 1) {
+      DP_CUDA_CHECK(ncclCommInitAll(comms.data(), group.size(), group.device_ids().data()));
+      return;
+    }
+    const std::vector<int> sizes = processes.all_gather(group.size());
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      if (sizes[p] != group.size())
+        throw InvalidArgument(fmt::format(
+            "every process must drive the same number of GPUs: process {} has {}, process {} (host {}) has {}", p,
+            sizes[p], processes.rank(), processes.host(), group.size()));
+    ncclUniqueId id{};
+    if (processes.rank() == 0) DP_CUDA_CHECK(ncclGetUniqueId(&id));
+    processes.broadcast_bytes(&id, sizeof(id), 0);
+    DP_CUDA_CHECK(ncclGroupStart());
+    for (int r = 0; r < group.size(); ++r) {
+      DP_CUDA_CHECK(cudaSetDevice(group.device_ids()[static_cast<std::size_t>(r)]));
+      DP_CUDA_CHECK(ncclCommInitRank(&comms[static_cast<std::size_t>(r)], world_, id, first_ + r));
+    }
+    DP_CUDA_CHECK(ncclGroupEnd());
+  }
+
   ncclComm_t comm(int rank) const {
-    ncclComm_t c = comms_.at(static_cast<std::size_t>(rank));
+    ncclComm_t c = comms_.at(static_cast<std::size_t>(rank)).load();
     if (!c) throw Error(fmt::format("NCCL communicator of rank {} was aborted", rank));
     return c;
   }
@@ -82,7 +91,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   const DeviceGroup& group_;
-  std::vector<ncclComm_t> comms_;
+  std::vector<std::atomic<ncclComm_t>> comms_;
   int world_, first_;
 };
 
