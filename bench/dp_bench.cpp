@@ -205,6 +205,8 @@ struct PerDevice {
   double net_sent = 0, net_received = 0;      // to and from other processes (inter-node), per step
   std::uint64_t peak_bytes = 0;
   int samples_per_step = 0;
+  // What the host asked of the device per measured step (Runtime::counters).
+  double launches = 0, host_syncs = 0, allocations = 0, pageable_copies = 0, worker_submits = 0;
 };
 
 struct Run {
@@ -292,6 +294,7 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   synchronize(rt, used);
   if (processes) processes->barrier();  // every process starts its measured window together
   rt.reset_link_traffic();
+  rt.reset_counters();
   for (int d : used) rt.device(d).reset_peak_memory();
   rt.take_trace();
   rt.set_profiling(true);
@@ -334,6 +337,12 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
     pd.net_sent = static_cast<double>(rt.link_traffic(d, dp::kNetwork).bytes) / o.steps;
     pd.net_received = static_cast<double>(rt.link_traffic(dp::kNetwork, d).bytes) / o.steps;
     pd.peak_bytes = rt.device(d).memory().peak;
+    const dp::DeviceCounters counters = rt.counters(d);
+    pd.launches = static_cast<double>(counters.launches) / o.steps;
+    pd.host_syncs = static_cast<double>(counters.host_syncs) / o.steps;
+    pd.allocations = static_cast<double>(counters.allocations) / o.steps;
+    pd.pageable_copies = static_cast<double>(counters.pageable_copies) / o.steps;
+    pd.worker_submits = static_cast<double>(counters.worker_submits) / o.steps;
     pd.samples_per_step = run.batch_per_device;  // dp corrects it from its chunks
     if (have_spans) {
       std::vector<std::pair<std::int64_t, std::int64_t>> busy, gemm;
@@ -356,6 +365,7 @@ void gather_devices(Run& run, dp::ProcessGroup& processes) {
   struct Wire {  // PerDevice as plain bytes; NaN for a figure that is not available
     int device, process, samples;
     double busy, gemm_ms, gemm_gflops, sent, received, net_sent, net_received;
+    double launches, host_syncs, allocations, pageable_copies, worker_submits;
     std::uint64_t peak;
     char host[64];
   };
@@ -372,6 +382,11 @@ void gather_devices(Run& run, dp::ProcessGroup& processes) {
            pd.bytes_received,
            pd.net_sent,
            pd.net_received,
+           pd.launches,
+           pd.host_syncs,
+           pd.allocations,
+           pd.pageable_copies,
+           pd.worker_submits,
            pd.peak_bytes,
            {}};
     std::snprintf(w.host, sizeof(w.host), "%s", pd.host.c_str());
@@ -392,6 +407,11 @@ void gather_devices(Run& run, dp::ProcessGroup& processes) {
     pd.bytes_received = w.received;
     pd.net_sent = w.net_sent;
     pd.net_received = w.net_received;
+    pd.launches = w.launches;
+    pd.host_syncs = w.host_syncs;
+    pd.allocations = w.allocations;
+    pd.pageable_copies = w.pageable_copies;
+    pd.worker_submits = w.worker_submits;
     pd.peak_bytes = w.peak;
     run.per_device.push_back(pd);
   }
@@ -551,6 +571,23 @@ void print_tables(const std::vector<Run>& runs, const std::string& backend) {
                  human_bytes(static_cast<double>(pd.peak_bytes)));
   fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
 
+  fmt::print(
+      "\nhost work per step (summed over devices; submits: the busiest device)\n{:<8} {:<6} {:>9} {:>11} {:>12} {:>9} "
+      "{:>8}\n",
+      "model", "mode", "launches", "host syncs", "allocations", "pageable", "submits");
+  for (const Run& r : runs) {
+    double launches = 0, syncs = 0, allocations = 0, pageable = 0, submits = 0;
+    for (const auto& pd : r.per_device) {
+      launches += pd.launches;
+      syncs += pd.host_syncs;
+      allocations += pd.allocations;
+      pageable += pd.pageable_copies;
+      submits = std::max(submits, pd.worker_submits);
+    }
+    fmt::print("{:<8} {:<6} {:>9.1f} {:>11.1f} {:>12.1f} {:>9.1f} {:>8.1f}\n", r.model, r.mode, launches, syncs,
+               allocations, pageable, submits);
+  }
+
   bool any_dp = false;
   for (const Run& r : runs) any_dp = any_dp || r.phases.has_value();
   if (!any_dp) return;
@@ -616,8 +653,25 @@ json run_json(const Run& r) {
                    {"samples_per_step", pd.samples_per_step},
                    {"bytes_sent", bytes_json(pd.bytes_sent)},
                    {"bytes_received", bytes_json(pd.bytes_received)},
-                   {"peak_bytes", pd.peak_bytes}});
+                   {"peak_bytes", pd.peak_bytes},
+                   {"launches_per_step", pd.launches},
+                   {"host_syncs_per_step", pd.host_syncs},
+                   {"allocations_per_step", pd.allocations},
+                   {"pageable_copies_per_step", pd.pageable_copies},
+                   {"worker_submits_per_step", pd.worker_submits}});
   j["per_device"] = per;
+  // Summed over the devices (worker submissions: per device, above). No step is a replayed CUDA
+  // graph yet.
+  const auto total = [&](auto field) {
+    double sum = 0;
+    for (const auto& pd : r.per_device) sum += pd.*field;
+    return sum;
+  };
+  j["launches_per_step"] = total(&PerDevice::launches);
+  j["host_syncs_per_step"] = total(&PerDevice::host_syncs);
+  j["allocations_per_step"] = total(&PerDevice::allocations);
+  j["pageable_copies_per_step"] = total(&PerDevice::pageable_copies);
+  j["graphs"] = false;
   j["busy_pct_mean"] = optional_json(busy_mean(r));
   j["imbalance"] = {
       {"busy_pct", optional_json(busy_imbalance(r))},

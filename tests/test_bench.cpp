@@ -159,6 +159,16 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
     }
     for (const char* key : {"busy_pct", "bytes_sent", "bytes_received", "peak_bytes"})
       EXPECT_GE(run.at("imbalance").at(key).get<double>(), 1.0) << key;
+    // The host's work per steady-state step (Runtime::counters): no allocation once warm, the
+    // loss read back (a host sync), inputs from pageable host memory, kernels enqueued; DP and DDP
+    // hand work to every device's worker, single runs on the caller's thread. No CUDA graphs yet.
+    EXPECT_EQ(run.at("allocations_per_step").get<double>(), 0.0);
+    EXPECT_GE(run.at("host_syncs_per_step").get<double>(), 1.0);
+    EXPECT_GE(run.at("pageable_copies_per_step").get<double>(), 2.0);  // inputs and targets at least
+    EXPECT_GT(run.at("launches_per_step").get<double>(), 10.0);
+    EXPECT_EQ(run.at("graphs"), false);
+    for (const json& pd : run.at("per_device"))
+      EXPECT_EQ(pd.at("worker_submits_per_step").get<double>() > 0.0, !single);
     if (single) {
       EXPECT_EQ(u64(run.at("per_device")[0].at("bytes_sent")), 0u);
       EXPECT_EQ(u64(run.at("per_device")[0].at("bytes_received")), 0u);

@@ -325,5 +325,39 @@ TEST(Device, FreeWaitsForQueuedWork) {
   EXPECT_EQ(rt->device(0).memory().in_use, 0u);
 }
 
+// Runtime::counters: each kind of host work counted on the device it concerns (dp_bench reports
+// them per step: the costs issue 11's steady-state step must not have).
+TEST(Counters, CountLaunchesSyncsAllocationsPageableCopiesAndSubmits) {
+  auto rt = test::sim_runtime(2);
+  Device& d1 = rt->device(1);
+  Stream s = d1.create_stream();
+  DeviceBuffer buffer = d1.allocate(64 * sizeof(float));
+  PinnedBuffer pinned = rt->allocate_pinned(64 * sizeof(float));
+  std::vector<float> pageable(64, 1.0f);
+  rt->reset_counters();
+  kernels::fill(s, buffer.as<float>(), 64, 2.0f);              // 1 launch
+  s.copy(buffer.data(), pinned.data(), 64 * sizeof(float));    // pinned: neither
+  s.copy(buffer.data(), pageable.data(), 64 * sizeof(float));  // pageable source
+  s.copy(pageable.data(), buffer.data(), 64 * sizeof(float));  // pageable destination: waits
+  DeviceBuffer more = d1.allocate(16);                         // 1 allocation
+  d1.submit([] {}).get();                                      // 1 worker task
+  Event done = d1.create_event();
+  s.record(done);
+  done.synchronize();  // host syncs: event, stream, device
+  s.synchronize();
+  d1.synchronize();
+  const DeviceCounters c = rt->counters(1);
+  EXPECT_EQ(c.launches, 1u);
+  EXPECT_EQ(c.pageable_copies, 2u);
+  EXPECT_EQ(c.host_syncs, 4u);  // the copy into pageable memory, the event, the stream, the device
+  EXPECT_EQ(c.allocations, 1u);
+  EXPECT_EQ(c.worker_submits, 1u);
+  const DeviceCounters other = rt->counters(0);
+  EXPECT_EQ(other.launches + other.host_syncs + other.allocations + other.pageable_copies + other.worker_submits, 0u);
+  rt->reset_counters();
+  EXPECT_EQ(rt->counters(1).launches, 0u);
+  EXPECT_THROW(rt->counters(2), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace dp

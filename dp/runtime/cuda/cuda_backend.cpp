@@ -46,7 +46,7 @@ class CudaRuntime;
 
 class CudaEvent final : public EventImpl {
  public:
-  explicit CudaEvent(int device) : device_(device) {
+  CudaEvent(RuntimeImpl& runtime, int device) : runtime_(runtime), device_(device) {
     DeviceScope scope(device);
     DP_CUDA_CHECK(cudaEventCreate(&event_));
   }
@@ -60,7 +60,10 @@ class CudaEvent final : public EventImpl {
     DP_CUDA_CHECK(status);
     return true;
   }
-  void synchronize() override { DP_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  void synchronize() override {
+    runtime_.count(device_, Counter::host_syncs);
+    DP_CUDA_CHECK(cudaEventSynchronize(event_));
+  }
   double elapsed_ms_since(EventImpl& start) override {
     float ms = 0.0f;
     DP_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<CudaEvent&>(start).event_, event_));
@@ -69,6 +72,7 @@ class CudaEvent final : public EventImpl {
   cudaEvent_t handle() const { return event_; }
 
  private:
+  RuntimeImpl& runtime_;
   int device_;
   cudaEvent_t event_ = nullptr;
 };
@@ -97,7 +101,10 @@ class CudaStream final : public StreamImpl {
     DP_CUDA_CHECK(status);
     return true;
   }
-  void synchronize() override { DP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override {
+    count(Counter::host_syncs);
+    DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   void copy(void* dst, const void* src, std::size_t bytes) override;
   void launch_host_func(std::function<void()> fn) override {
     auto* heap = new std::function<void()>(std::move(fn));
@@ -119,6 +126,7 @@ class CudaStream final : public StreamImpl {
   int multiprocessor_count() const override { return sm_count_; }
   void make_current() override { detail::make_device_current(index_); }
   void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) override;
+  RuntimeImpl& runtime() const override;
 
  private:
   CudaRuntime& runtime_;
@@ -161,6 +169,7 @@ class CudaDevice final : public DeviceImpl {
   Backend backend() const override { return Backend::cuda; }
   std::string name() const override { return name_; }
   void* allocate(std::size_t bytes) override {
+    count(Counter::allocations);
     DeviceScope scope(index_);
     void* ptr = nullptr;
     const cudaError_t status = cudaMalloc(&ptr, bytes);
@@ -184,18 +193,21 @@ class CudaDevice final : public DeviceImpl {
   MemoryStats memory() const override { return memory_.stats(); }
   void reset_peak_memory() override { memory_.reset_peak(); }
   std::shared_ptr<StreamImpl> create_stream() override;
-  std::shared_ptr<EventImpl> create_event() override { return std::make_shared<CudaEvent>(index_); }
+  std::shared_ptr<EventImpl> create_event() override;
   void synchronize() override {
+    count(Counter::host_syncs);
     DeviceScope scope(index_);
     DP_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::future<void> submit(std::function<void()> task) override {
+    count(Counter::worker_submits);
     auto packaged = std::make_shared<std::packaged_task<void()>>(std::move(task));
     auto future = packaged->get_future();
     worker_.post([packaged] { (*packaged)(); });
     return future;
   }
   int sm_count() const { return sm_count_; }
+  void count(Counter counter);
   // Library handles are not safe for concurrent use; the streams of one device take turns.
   void with_library(kernel_api::Library library, cudaStream_t stream,
                     const std::function<void(kernel_api::LibraryCall&)>& fn) {
@@ -269,6 +281,13 @@ std::shared_ptr<StreamImpl> CudaDevice::create_stream() {
   return std::make_shared<CudaStream>(runtime_, *this, index_);
 }
 
+// Host memory the driver does not know (not cudaMallocHost'd nor registered): copies stage it.
+bool pageable(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+  return attributes.type == cudaMemoryTypeUnregistered;
+}
+
 // Where a pointer lives: a device index, or kHost for pinned and pageable host memory.
 int location_of(const void* ptr) {
   cudaPointerAttributes attributes{};
@@ -280,12 +299,20 @@ int location_of(const void* ptr) {
 void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
   const int src_loc = location_of(src), dst_loc = location_of(dst);
   runtime_.count_copy(src_loc, dst_loc, bytes);
-  make_device_current(index_);
+  const bool src_pageable = src_loc == kHost && pageable(src), dst_pageable = dst_loc == kHost && pageable(dst);
+  if (src_pageable || dst_pageable) count(Counter::pageable_copies);
+  // Into pageable memory cudaMemcpyAsync returns once the copy is done: the host waited.
+  if (dst_pageable) count(Counter::host_syncs);
+  DeviceScope scope(index_);
   if (src_loc != kHost && dst_loc != kHost && src_loc != dst_loc)
     DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_loc, src, src_loc, bytes, stream_));
   else
     DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
 }
+
+RuntimeImpl& CudaStream::runtime() const { return runtime_; }
+void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
+std::shared_ptr<EventImpl> CudaDevice::create_event() { return std::make_shared<CudaEvent>(runtime_, index_); }
 
 void CudaStream::with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) {
   device_.with_library(library, stream_, fn);

@@ -87,7 +87,9 @@ class NcclCommunicator final : public Communicator {
     if (stream.device() != group_.device_ids()[static_cast<std::size_t>(rank)])
       throw DeviceMismatch(fmt::format("collective for rank {} (device {}) issued on a stream of device {}", rank,
                                        group_.device_ids()[static_cast<std::size_t>(rank)], stream.device()));
-    return static_cast<cudaStream_t>(Access::stream(stream).native_handle());
+    StreamImpl& impl = Access::stream(stream);
+    impl.count(Counter::launches);  // every caller issues one collective on it
+    return static_cast<cudaStream_t>(impl.native_handle());
   }
 
   const DeviceGroup& group_;

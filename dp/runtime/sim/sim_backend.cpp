@@ -70,7 +70,7 @@ void* aligned_host_alloc(std::size_t bytes) {
 
 class SimEvent final : public EventImpl, public std::enable_shared_from_this<SimEvent> {
  public:
-  explicit SimEvent(int device) : device_(device) {}
+  SimEvent(RuntimeImpl& runtime, int device) : runtime_(runtime), device_(device) {}
   int device() const override { return device_; }
 
   // Called by SimStream::record: returns the generation that completing this record reaches.
@@ -103,7 +103,10 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
     std::lock_guard lock(mutex_);
     return recorded_ == 0 || is_done(recorded_);
   }
-  void synchronize() override { wait_until(latest_record()); }
+  void synchronize() override {
+    runtime_.count(device_, Counter::host_syncs);
+    wait_until(latest_record());
+  }
   double elapsed_ms_since(EventImpl& start) override {
     auto& begin = static_cast<SimEvent&>(start);
     if (!query() || !begin.query() || recorded_at_least_once() == false || !begin.recorded_at_least_once())
@@ -120,6 +123,7 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
     std::lock_guard lock(mutex_);
     return time_ns_;
   }
+  RuntimeImpl& runtime_;
   int device_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
@@ -181,6 +185,11 @@ class SimStream final : public StreamImpl {
     return executor_.completed() == executor_.submitted();
   }
   void synchronize() override {
+    count(Counter::host_syncs);
+    finish();
+  }
+  // synchronize() without counting: for a device's synchronize, which counts once for its streams.
+  void finish() {
     executor_.wait_idle();
     rethrow_sticky_error();
   }
@@ -207,6 +216,7 @@ class SimStream final : public StreamImpl {
   }
 
   void enqueue_kernel(const char* name, std::function<void()> body, SpanKind kind) override {
+    count(Counter::launches);
     post(name, kind, std::move(body));
   }
   void* native_handle() override { return nullptr; }
@@ -215,6 +225,7 @@ class SimStream final : public StreamImpl {
   void with_library(kernel_api::Library, const std::function<void(kernel_api::LibraryCall&)>&) override {
     throw Error(fmt::format("sim device {}: CUDA library handles exist on cuda devices only", device_));
   }
+  RuntimeImpl& runtime() const override { return runtime_; }
 
   void drain() { executor_.wait_idle(); }
 
@@ -260,6 +271,7 @@ class SimDevice final : public DeviceImpl {
   std::string name() const override { return fmt::format("sim:{}", index_); }
 
   void* allocate(std::size_t bytes) override {
+    runtime_.count(index_, Counter::allocations);
     if (!memory_.reserve(bytes)) {
       const auto stats = memory_.stats();
       throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
@@ -293,14 +305,15 @@ class SimDevice final : public DeviceImpl {
     streams_.push_back(stream);
     return stream;
   }
-  std::shared_ptr<EventImpl> create_event() override { return std::make_shared<SimEvent>(index_); }
+  std::shared_ptr<EventImpl> create_event() override { return std::make_shared<SimEvent>(runtime_, index_); }
 
   // Waits for every stream even when one has failed, then reports the first failure.
   void synchronize() override {
+    runtime_.count(index_, Counter::host_syncs);
     std::exception_ptr first;
     for (auto& stream : live_streams()) {
       try {
-        stream->synchronize();
+        stream->finish();
       } catch (...) {
         if (!first) first = std::current_exception();
       }
@@ -309,6 +322,7 @@ class SimDevice final : public DeviceImpl {
   }
 
   std::future<void> submit(std::function<void()> task) override {
+    runtime_.count(index_, Counter::worker_submits);
     auto packaged = std::make_shared<std::packaged_task<void()>>(std::move(task));
     auto future = packaged->get_future();
     worker_.post([packaged] { (*packaged)(); });
@@ -358,6 +372,7 @@ void SimStream::copy(void* dst, const void* src, std::size_t bytes) {
                                      dst_loc == kHost ? std::string("host") : fmt::format("device {}", dst_loc),
                                      device_));
   runtime_.count_copy(src_loc, dst_loc, bytes);
+  if (src_pageable || dst_pageable) count(Counter::pageable_copies);
   if (src_pageable) {
     // cudaMemcpyAsync stages a pageable source before returning: the caller may reuse it at once.
     auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src),

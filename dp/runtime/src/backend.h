@@ -21,6 +21,12 @@
 
 namespace dp::detail {
 
+class RuntimeImpl;
+
+// Runtime::counters, by kind.
+enum class Counter { launches, host_syncs, allocations, pageable_copies, worker_submits };
+inline constexpr int kCounters = 5;
+
 struct Span {
   std::string name;
   SpanKind kind;
@@ -64,6 +70,8 @@ class StreamImpl {
   virtual void make_current() = 0;
   // cuda only: kernel_api::with_library on this stream; sim: throws.
   virtual void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) = 0;
+  virtual RuntimeImpl& runtime() const = 0;
+  void count(Counter counter) const;  // on this stream's device
 };
 
 class DeviceImpl {
@@ -120,6 +128,14 @@ class RuntimeImpl {
   LinkTraffic link_traffic(int src, int dst) const;
   void reset_link_traffic();
 
+  // Work counters per device (Runtime::counters).
+  void count(int device, Counter counter) noexcept {
+    counters_[static_cast<std::size_t>(device) * kCounters + static_cast<std::size_t>(counter)].fetch_add(
+        1, std::memory_order_relaxed);
+  }
+  DeviceCounters counters(int device) const;
+  void reset_counters();
+
   // Stream work spans, recorded while profiling is on (bench traces, overlap tests).
   void set_profiling(bool on) { profiling_.store(on); }
   bool profiling() const { return profiling_.load(std::memory_order_relaxed); }
@@ -142,6 +158,7 @@ class RuntimeImpl {
   std::vector<std::unique_ptr<Device>> devices_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> link_bytes_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> link_copies_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> counters_;  // device x Counter
   std::atomic<bool> profiling_{false};
   std::atomic<int> stream_ids_{0};
   std::mutex spans_mutex_;

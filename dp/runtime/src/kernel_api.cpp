@@ -25,10 +25,16 @@ void enqueue_host(const Stream& stream, const char* name, std::function<void()> 
 
 void* native_handle(const Stream& stream) { return Access::stream(stream).native_handle(); }
 int multiprocessor_count(const Stream& stream) { return Access::stream(stream).multiprocessor_count(); }
-void make_current(const Stream& stream) { Access::stream(stream).make_current(); }
+void begin_launch(const Stream& stream) {
+  detail::StreamImpl& s = Access::stream(stream);
+  s.make_current();
+  s.count(detail::Counter::launches);
+}
 
 void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn) {
-  Access::stream(stream).with_library(library, fn);
+  detail::StreamImpl& s = Access::stream(stream);
+  s.count(detail::Counter::launches);  // one library call: a GEMM, a convolution
+  s.with_library(library, fn);
 }
 
 }  // namespace dp::kernel_api

@@ -153,6 +153,8 @@ std::uint64_t Runtime::bytes_received(int device) const {
   return total;
 }
 void Runtime::reset_link_traffic() { impl_->reset_link_traffic(); }
+DeviceCounters Runtime::counters(int device) const { return impl_->counters(device); }
+void Runtime::reset_counters() { impl_->reset_counters(); }
 void Runtime::set_profiling(bool on) { impl_->set_profiling(on); }
 std::vector<TraceSpan> Runtime::take_trace() {
   std::vector<TraceSpan> out;
@@ -205,7 +207,9 @@ RuntimeImpl::RuntimeImpl(int device_count) : expected_devices_(device_count) {
   const std::size_t slots = static_cast<std::size_t>(device_count + 2) * static_cast<std::size_t>(device_count + 2);
   link_bytes_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
   link_copies_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
+  counters_ = std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(device_count) * kCounters);
   reset_link_traffic();
+  reset_counters();
 }
 
 void RuntimeImpl::add_device(std::unique_ptr<DeviceImpl> impl) {
@@ -238,6 +242,23 @@ LinkTraffic RuntimeImpl::link_traffic(int src, int dst) const {
   const std::size_t i = slot(src) * static_cast<std::size_t>(expected_devices_ + 2) + slot(dst);
   return LinkTraffic{link_bytes_[i].load(), link_copies_[i].load()};
 }
+
+DeviceCounters RuntimeImpl::counters(int device) const {
+  if (device < 0 || device >= expected_devices_)
+    throw InvalidArgument(
+        fmt::format("counters of device {}: the runtime has {} device(s)", device, expected_devices_));
+  const auto at = [&](Counter c) {
+    return counters_[static_cast<std::size_t>(device) * kCounters + static_cast<std::size_t>(c)].load();
+  };
+  return DeviceCounters{at(Counter::launches), at(Counter::host_syncs), at(Counter::allocations),
+                        at(Counter::pageable_copies), at(Counter::worker_submits)};
+}
+
+void RuntimeImpl::reset_counters() {
+  for (std::size_t i = 0; i < static_cast<std::size_t>(expected_devices_) * kCounters; ++i) counters_[i].store(0);
+}
+
+void StreamImpl::count(Counter counter) const { runtime().count(device(), counter); }
 
 void RuntimeImpl::reset_link_traffic() {
   const std::size_t slots =

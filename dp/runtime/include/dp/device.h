@@ -140,6 +140,18 @@ struct LinkTraffic {
   std::uint64_t copies = 0;
 };
 
+// What the host asked of one device, counted the same way on both backends (dp_bench reports them
+// per step): the costs a steady-state step should not have (allocations, pageable copies, host
+// synchronisations) and the ones it should have few of (launches, worker submissions).
+struct DeviceCounters {
+  std::uint64_t launches = 0;         // kernels, library calls (GEMM, convolution) and collectives enqueued
+  std::uint64_t host_syncs = 0;       // the host waiting for the device: stream/event/device synchronize,
+                                      // and copies into pageable memory (they return once written)
+  std::uint64_t allocations = 0;      // device memory allocations
+  std::uint64_t pageable_copies = 0;  // copies with a pageable host side
+  std::uint64_t worker_submits = 0;   // tasks handed to the device's worker thread (Device::submit)
+};
+
 // Owns the devices of one backend. Create one per process (cuda) or as many as you like (sim).
 class Runtime {
  public:
@@ -167,6 +179,9 @@ class Runtime {
   std::uint64_t bytes_sent(int device) const;      // to other devices
   std::uint64_t bytes_received(int device) const;  // from other devices
   void reset_link_traffic();
+  // Work counters of a device since the runtime was made or reset_counters() last ran.
+  DeviceCounters counters(int device) const;
+  void reset_counters();
 
   // Records a span for every piece of stream work from now on (sim backend), for traces and
   // busy-time accounting; take_trace() returns and clears what was recorded.

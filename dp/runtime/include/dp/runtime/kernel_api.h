@@ -51,9 +51,10 @@ void enqueue_host(const Stream& stream, const char* name, std::function<void()> 
 void* native_handle(const Stream& stream);
 // cuda: multiprocessors of the stream's device (launch grid sizing); sim: 1.
 int multiprocessor_count(const Stream& stream);
-// cuda: makes the stream's device current on the calling thread, as a launch into a stream of
-// another device fails; sim: nothing to do.
-void make_current(const Stream& stream);
+// cuda, right before a native kernel launch into `stream`: makes its device current on the
+// calling thread (a launch into a stream of another device fails) and counts the launch
+// (Runtime::counters). sim counts in enqueue_host.
+void begin_launch(const Stream& stream);
 
 // The per-device handles of the CUDA libraries, owned by the runtime and freed with the device.
 enum class Library { cublas, cudnn };
