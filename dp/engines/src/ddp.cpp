@@ -21,6 +21,7 @@ struct DistributedDataParallel::Rank {
   std::uint64_t accumulated_samples = 0;  // forwarded since the last optimizer step
   BatchNormSync bn_sync;                  // sync_batchnorm: this rank's view of the BN collective
   PinnedBuffer host_loss;                 // pinned: the copy is asynchronous, the worker never blocks on peers
+  Event loss_ready;                       // host_loss written
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -50,6 +51,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
       rank->model->set_batchnorm_sync(&rank->bn_sync);
     }
     rank->host_loss = runtime.allocate_pinned(sizeof(float));
+    rank->loss_ready = device.create_event();
     ranks_.push_back(std::move(rank));
   }
   broadcast_from_rank0(true, true);
@@ -102,13 +104,15 @@ void DistributedDataParallel::abort_communicators() {
 
 void DistributedDataParallel::broadcast_from_rank0(bool parameters, bool buffers) {
   if (comm_->size() == 1) return;  // rank 0 already holds what it would broadcast to itself
-  run_ranks([&](int r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    Model& m = *rank.model;
-    // On the compute stream: ordered after the forward that last touched the buffers.
-    if (parameters) comm_->broadcast(r, rank.compute, m.params_flat(), m.param_count() * sizeof(float), 0);
-    if (buffers && m.buffers_bytes()) comm_->broadcast(r, rank.compute, m.buffers_flat(), m.buffers_bytes(), 0);
-  });
+  run_ranks([&](int r) { enqueue_broadcast(r, parameters, buffers); });
+}
+
+void DistributedDataParallel::enqueue_broadcast(int r, bool parameters, bool buffers) {
+  Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  Model& m = *rank.model;
+  // On the compute stream: ordered after the forward that last touched the buffers.
+  if (parameters) comm_->broadcast(r, rank.compute, m.params_flat(), m.param_count() * sizeof(float), 0);
+  if (buffers && m.buffers_bytes()) comm_->broadcast(r, rank.compute, m.buffers_flat(), m.buffers_bytes(), 0);
 }
 
 void DistributedDataParallel::zero_grad() {
@@ -133,11 +137,10 @@ void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool
   }
 }
 
-float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {
-  check_batches(batches, true);
+bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool& broadcast_buffers) {
   // torch 1.13: buffers are broadcast before a forward unless the previous forward ran inside
   // no_sync (require_forward_param_sync).
-  if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
+  broadcast_buffers = options_.broadcast_buffers && require_forward_param_sync_ && comm_->size() > 1;
   const bool sync = sync_;
   require_forward_param_sync_ = sync;
   if (options_.sync_batchnorm) {
@@ -148,35 +151,50 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
     for (const std::int64_t count : processes_->all_gather(local)) samples += count;
     for (auto& rank : ranks_) rank->bn_sync.global_samples = samples;
   }
-  run_ranks([&](int r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    Model& m = *rank.model;
-    Device& device = group_.device(r);
-    const Batch& batch = batches[static_cast<std::size_t>(r)];
-    const int classes = m.output_features();
-    rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
-    float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
-    // seed + global rank, as each torch process seeds itself; forwards accumulated without a step (no_sync)
-    // continue the step's samples, as one larger batch would.
-    m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(comm_->first_rank() + r),
-                          static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
-    rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
-    const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
-    const float* loss = rank.loss->forward(rank.compute, logits, rank.batch.targets(), batch.size, classes);
-    rank.loss->backward(rank.compute, logits, rank.batch.targets(), batch.size, classes, grad_output, batch.size,
-                        loss_scale);
-    GradientsReady on_ready;
-    if (sync) {
-      reducer_->prepare(r, rank.compute, m.grads_flat());
-      on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
-    }
-    m.backward(rank.compute, grad_output, on_ready);
-    if (sync) reducer_->finish(r);
-    rank.compute.copy(rank.host_loss.data(), loss, sizeof(float));
-  });
-  // Only now wait for the streams: had a rank failed above, its peers' collectives would never
-  // complete, and the abort in run_ranks must come first.
-  run_ranks([&](int r) { ranks_[static_cast<std::size_t>(r)]->compute.synchronize(); });
+  return sync;
+}
+
+void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync) {
+  Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  Model& m = *rank.model;
+  Device& device = group_.device(r);
+  const int classes = m.output_features();
+  rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
+  float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
+  // seed + global rank, as each torch process seeds itself; forwards accumulated without a step
+  // (no_sync) continue the step's samples, as one larger batch would.
+  m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(comm_->first_rank() + r),
+                        static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
+  rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
+  const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
+  const float* loss = rank.loss->forward(rank.compute, logits, rank.batch.targets(), batch.size, classes);
+  rank.loss->backward(rank.compute, logits, rank.batch.targets(), batch.size, classes, grad_output, batch.size,
+                      loss_scale);
+  GradientsReady on_ready;
+  if (sync) {
+    reducer_->prepare(r, rank.compute, m.grads_flat());
+    on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
+  }
+  m.backward(rank.compute, grad_output, on_ready);
+  if (sync) reducer_->finish(r);
+  rank.compute.copy(rank.host_loss.data(), loss, sizeof(float));
+  rank.compute.record(rank.loss_ready);
+}
+
+float DistributedDataParallel::wait_for_loss() {
+  // On this thread, not the workers': a step is one submission per device. Only after every rank
+  // has enqueued its work (run_ranks aborted the communicators had one failed: its peers'
+  // collectives would never complete otherwise).
+  try {
+    group_.for_each_on_caller([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      rank.loss_ready.synchronize();
+      (void)rank.compute.query();  // a failed kernel of this rank's step fails the step
+    });
+  } catch (...) {
+    abort_communicators();
+    throw;
+  }
   // The mean over every global rank, summed in global rank order: each process (and one process
   // with all the ranks) gets the same bits.
   std::vector<float> local;
@@ -184,6 +202,17 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
   float total = 0.0f;
   for (const float loss : processes_->all_gather(std::span<const float>(local))) total += loss;
   return total / static_cast<float>(comm_->size());
+}
+
+float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {
+  check_batches(batches, true);
+  bool broadcast = false;
+  const bool sync = begin_forward(batches, broadcast);
+  run_ranks([&](int r) {
+    if (broadcast) enqueue_broadcast(r, false, true);
+    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], loss_scale, sync);
+  });
+  return wait_for_loss();
 }
 
 EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
@@ -202,10 +231,23 @@ void DistributedDataParallel::step() {
   if (options_.check_replicas) check_replicas_identical();
 }
 
+// zero_grad + forward_backward + step as one submission per device: each rank enqueues its whole
+// step (the optimizer behind the loss's copy), and this thread waits for the losses only.
 float DistributedDataParallel::train_step(std::span<const Batch> batches) {
-  zero_grad();
-  const float loss = forward_backward(batches);
-  step();
+  check_batches(batches, true);
+  bool broadcast = false;
+  const bool sync = begin_forward(batches, broadcast);
+  run_ranks([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    if (broadcast) enqueue_broadcast(r, false, true);
+    rank.model->zero_grad(rank.compute);
+    rank.accumulated_samples = 0;
+    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], 1.0f, sync);
+    rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
+    rank.accumulated_samples = 0;
+  });
+  const float loss = wait_for_loss();
+  if (options_.check_replicas) check_replicas_identical();
   return loss;
 }
 

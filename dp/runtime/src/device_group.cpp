@@ -2,6 +2,7 @@
 #include "dp/device_group.h"
 
 #include <fmt/format.h>
+#include <functional>
 #include <future>
 #include <set>
 
@@ -21,13 +22,16 @@ DeviceGroup::DeviceGroup(Runtime& runtime, std::vector<int> device_ids)
 
 namespace {
 
-// Waits for every (rank, future) before reporting: the tasks borrow the caller's function.
-void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std::future<void>>>& done) {
+// Runs wait(k) for every k (the k-th of `ranks`), all of them, then throws WorkerError for the
+// first failing one.
+void collect(const std::vector<int>& device_ids, const std::vector<int>& ranks,
+             const std::function<void(std::size_t)>& wait) {
   int failed = 0, first_rank = -1;
   std::exception_ptr first;
-  for (auto& [rank, future] : done) {
+  for (std::size_t k = 0; k < ranks.size(); ++k) {
+    const int rank = ranks[k];
     try {
-      future.get();
+      wait(k);
     } catch (...) {
       if (failed++ == 0) {
         first = std::current_exception();
@@ -51,6 +55,13 @@ void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std
                     first, failed);
 }
 
+// Waits for every (rank, future) before reporting: the tasks borrow the caller's function.
+void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std::future<void>>>& done) {
+  std::vector<int> ranks;
+  for (const auto& entry : done) ranks.push_back(entry.first);
+  collect(device_ids, ranks, [&](std::size_t k) { done[k].second.get(); });
+}
+
 }  // namespace
 
 std::vector<int> DeviceGroup::all_devices(const Runtime& runtime) {
@@ -65,6 +76,12 @@ void DeviceGroup::run(const std::function<void(int rank)>& task, int count) cons
   done.reserve(static_cast<std::size_t>(count));
   for (int rank = 0; rank < count; ++rank) done.emplace_back(rank, device(rank).submit([&task, rank] { task(rank); }));
   wait_all(device_ids_, done);
+}
+
+void DeviceGroup::for_each_on_caller(const std::function<void(int rank)>& task) const {
+  std::vector<int> ranks(device_ids_.size());
+  for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r] = static_cast<int>(r);
+  collect(device_ids_, ranks, [&](std::size_t k) { task(ranks[k]); });
 }
 
 void DeviceGroup::run_on(int rank, const std::function<void()>& task) const {

@@ -107,6 +107,17 @@ class DistributedDataParallel final : public Engine {
  private:
   struct Rank;
   void broadcast_from_rank0(bool parameters, bool buffers);
+  // Rank r's share of broadcast_from_rank0, enqueued on its compute stream.
+  void enqueue_broadcast(int r, bool parameters, bool buffers);
+  // Before a forward, on the caller: whether buffers are broadcast first (torch 1.13: unless the
+  // previous forward ran inside no_sync), and SyncBatchNorm's global sample count. Returns whether
+  // this forward's backward all-reduces (not inside no_sync).
+  bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers);
+  // Rank r's forward, loss, backward (its buckets all-reduced when `sync`) and the loss's copy to
+  // pinned memory, enqueued on its compute stream; records its loss_ready event.
+  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync);
+  // On the caller: waits for every rank's loss and returns the mean over all global ranks.
+  float wait_for_loss();
   // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
   // may be waiting in its collectives) and rethrows.
   void run_ranks(const std::function<void(int rank)>& task);

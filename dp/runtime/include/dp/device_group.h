@@ -29,6 +29,9 @@ class DeviceGroup {
   // returns when all have finished. If any threw, throws WorkerError for the lowest failing rank
   // after every task has ended — no worker is left blocked, and the group stays usable.
   void run(const std::function<void(int rank)>& task, int count = -1) const;
+  // Runs task(rank) for every rank on the calling thread, in rank order (waiting for what the ranks
+  // enqueued, without a submission to their workers); failures are reported as run() reports them.
+  void for_each_on_caller(const std::function<void(int rank)>& task) const;
   // Runs task on one member's worker and waits for it.
   void run_on(int rank, const std::function<void()>& task) const;
 
