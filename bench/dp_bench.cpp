@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <functional>
@@ -372,23 +373,24 @@ void gather_devices(Run& run, dp::ProcessGroup& processes) {
   const double none = std::numeric_limits<double>::quiet_NaN();
   std::vector<Wire> mine;
   for (const PerDevice& pd : run.per_device) {
-    Wire w{pd.device,
-           pd.process,
-           pd.samples_per_step,
-           pd.busy_pct.value_or(none),
-           pd.gemm_ms_per_step.value_or(none),
-           pd.gemm_gflops.value_or(none),
-           pd.bytes_sent,
-           pd.bytes_received,
-           pd.net_sent,
-           pd.net_received,
-           pd.launches,
-           pd.host_syncs,
-           pd.allocations,
-           pd.pageable_copies,
-           pd.worker_submits,
-           pd.peak_bytes,
-           {}};
+    Wire w;
+    std::memset(&w, 0, sizeof(w));  // no uninitialised padding goes out
+    w.device = pd.device;
+    w.process = pd.process;
+    w.samples = pd.samples_per_step;
+    w.busy = pd.busy_pct.value_or(none);
+    w.gemm_ms = pd.gemm_ms_per_step.value_or(none);
+    w.gemm_gflops = pd.gemm_gflops.value_or(none);
+    w.sent = pd.bytes_sent;
+    w.received = pd.bytes_received;
+    w.net_sent = pd.net_sent;
+    w.net_received = pd.net_received;
+    w.launches = pd.launches;
+    w.host_syncs = pd.host_syncs;
+    w.allocations = pd.allocations;
+    w.pageable_copies = pd.pageable_copies;
+    w.worker_submits = pd.worker_submits;
+    w.peak = pd.peak_bytes;
     std::snprintf(w.host, sizeof(w.host), "%s", pd.host.c_str());
     mine.push_back(w);
   }
@@ -806,14 +808,26 @@ int run_bench(const Options& o, dp::tools::Job& job) {
                                  o.batch, static_cast<double>(data_bytes) / (1u << 30),
                                  static_cast<double>(host) / (1u << 30)));
   const Data data = make_data(o.batch * devices, 784, o.seed);
-  // Every process is ready (or all stop with the first failing one's exit code).
+  // Every process is ready (or all stop with the first failing one's exit code), with one
+  // configuration (each one's devices and flags: their runs meet in collectives).
   job.agree_or_stop();
+  job.agree_on_configuration({{"--backend", backend},
+                              {"--devices", fmt::format("{}", devices)},
+                              {"--models", fmt::format("{}", fmt::join(models, ","))},
+                              {"--modes", fmt::format("{}", fmt::join(modes, ","))},
+                              {"--batch-size", fmt::format("{}", o.batch)},
+                              {"--steps, --warmup", fmt::format("{} {}", o.steps, o.warmup)},
+                              {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
+                              {"--optimizer, --sync-bn", fmt::format("{} {}", o.optimizer, o.sync_bn)},
+                              {"--seed", fmt::format("{}", o.seed)}});
   job.collectives_begin();
   std::vector<Run> runs;
   for (const auto& model : models) {
     for (const auto& mode : modes) {
-      // single and dp are single-process by definition: process 0 runs them, the others wait.
+      // single and dp are single-process by definition: process 0 runs them, the others wait
+      // (without the collectives' timeout: those runs may take long) until all start ddp.
       if (mode != "ddp" && !job.primary()) continue;
+      if (mode == "ddp") job.agree_or_stop();
       runs.push_back(bench(*rt, o, model, mode, data, devices, processes));
       const Run& r = runs.back();
       fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
@@ -828,7 +842,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   }
   processes->barrier();  // process 0's single and dp runs are over
   job.collectives_end();
-  if (!job.primary()) return job.agree(0);
+  if (!job.primary()) return job.agree(0).value_or(0);
   // Lay out the trace first: it assigns each run's offset, which the JSON reports.
   const json trace = trace_json(runs);
   print_tables(runs, backend);
@@ -870,12 +884,12 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     write_file(o.json_path, j);
     fmt::print("json: {}\n", o.json_path);
   }
-  return job.agree(0);
+  return job.agree(0).value_or(0);
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int bench_main(int argc, char** argv, dp::tools::Job& job) {
   CLI::App app{"dp_bench: DP vs DDP throughput and per-device imbalance (single, dp, ddp for each model)"};
   Options o;
   int devices = 0;
@@ -906,16 +920,9 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help: 0, on stdout; a bad command line: its message on stderr and 2, as every bad input.
-    return app.exit(e) == 0 ? 0 : 2;
+    return app.exit(e) == 0 ? job.agree(dp::kStopWithoutError).value_or(0) : job.failed(2);
   }
   if (devices_opt->count() > 0) o.devices = devices;
-  dp::tools::Job job("dp_bench");
-  try {
-    job.start();
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "dp_bench: {}\n", e.what());
-    return 2;
-  }
   // Standard output is process 0's: the others' tables would be partial copies of it.
   if (!job.primary() && !std::freopen("/dev/null", "w", stdout)) return 1;
   int code = 0;
@@ -930,6 +937,20 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "dp_bench: error{}: {}\n", job.where(std::current_exception()), e.what());
     code = job.failed(1);
   }
+  return code;
+}
+
+int main(int argc, char** argv) {
+  // The job first: under mpirun every way out, a bad command line included, goes through the
+  // processes' agreement (an early exit would leave the others waiting for this one).
+  dp::tools::Job job("dp_bench");
+  try {
+    job.start();
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dp_bench: {}\n", e.what());
+    return 2;
+  }
+  const int code = bench_main(argc, argv, job);
   job.end();
   return code;
 }

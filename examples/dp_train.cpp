@@ -9,11 +9,13 @@
 #include <cstring>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <unistd.h>
 #include <variant>
 
@@ -324,6 +326,47 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
                                  gib(per_device), params, gib(capacity)));
 }
 
+// What every process of an mpirun job must agree on (tools/dp_job.h): everything that decides the
+// collectives a run makes or the numbers it trains — not which local devices (--device-ids), where
+// process 0 writes, nor the testing hook.
+std::vector<std::pair<std::string, std::string>> configuration(const Options& o, const std::vector<int>& ids, bool cuda,
+                                                               const dp::Dataset& data,
+                                                               const std::optional<dp::Dataset>& test) {
+  const auto file = [](const std::string& path) {
+    if (path.empty()) return std::string("none");
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    return fmt::format("{:016x}", dp::tools::fingerprint(bytes.str()));
+  };
+  const auto contents = [](const dp::Dataset& set) {
+    const std::string_view pixels(reinterpret_cast<const char*>(set.pixels.data()), set.pixels.size());
+    const std::string_view labels(reinterpret_cast<const char*>(set.labels.data()),
+                                  set.labels.size() * sizeof(std::int64_t));
+    return fmt::format("{} samples, {:016x}", set.size(),
+                       dp::tools::fingerprint(pixels) ^ (dp::tools::fingerprint(labels) << 1));
+  };
+  return {
+      {"--backend", cuda ? "cuda" : "sim"},
+      {"devices per process", fmt::format("{}", ids.size())},
+      {"--mode", o.mode},
+      {"--model", fmt::format("{} {} dropout {}", o.model, o.model == "mlp" ? o.hidden : "", o.dropout)},
+      {"--sync-bn", fmt::format("{}", o.sync_bn)},
+      {"--batch-size", fmt::format("{}", o.batch_size)},
+      {"--steps/--epochs", fmt::format("{} {}", o.steps.value_or(0), o.epochs.value_or(0))},
+      {"optimizer", fmt::format("{} lr {} momentum {} wd {} nesterov {} betas {} {} eps {} scale-lr {}", o.optimizer,
+                                o.lr, o.momentum, o.weight_decay, o.nesterov, o.beta1, o.beta2, o.eps, o.scale_lr)},
+      {"schedule", fmt::format("{} warm-up {} step {} gamma {} t-max {} eta-min {}", o.schedule, o.warmup_steps,
+                               o.step_size, o.gamma, o.t_max.value_or(0), o.eta_min)},
+      {"--label-smoothing", fmt::format("{}", o.label_smoothing)},
+      {"--seed, --no-shuffle", fmt::format("{} {}", o.seed, o.no_shuffle)},
+      {"--normalize", o.normalize},
+      {"evaluation", test ? "on, " + contents(*test) : "off"},
+      {"training data", o.eval_only ? "none" : contents(data)},
+      {"--init", file(o.init)},
+      {"--resume", file(o.resume)}};
+}
+
 int run(Options o) {
   // ---- validate everything before any work, so bad input never leaves a file behind
   dp::ProcessGroup& processes = *g_job.processes();
@@ -476,6 +519,7 @@ int run(Options o) {
   // ---- every process is ready (or all stop with the first failing one's exit code); from here on
   // the processes meet in collectives
   g_job.agree_or_stop();
+  g_job.agree_on_configuration(configuration(o, ids, want_cuda, data, test));
   g_job.collectives_begin();
 
   // ---- the engine, picked once: everything below runs through dp::Engine
@@ -691,7 +735,7 @@ int run(Options o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int train_main(int argc, char** argv) {
   // Integers in decimal only and within range (dp_cli::add_integer), and numbers >= 0 named
   // readably (CLI11's own bound is the 309-digit largest double).
   const CLI::Validator non_negative(
@@ -772,7 +816,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);  // prints help, or the message naming the flag
-    return code == 0 ? 0 : 2;      // every bad command line is exit code 2, as bad files are
+    // Every bad command line is exit code 2, as bad files are; --help stops without error.
+    return code == 0 ? g_job.agree(dp::kStopWithoutError).value_or(0) : g_job.failed(2);
   }
   if (eval_on || eval_off) o.eval = eval_on;
   // Each optimizer's own flags, and torch's defaults for those not given (torch.optim.AdamW: lr 1e-3,
@@ -784,7 +829,7 @@ int main(int argc, char** argv) {
   for (const std::string& flag : other_optimizers_flags) {
     if (app.get_option(flag)->count() > 0) {
       fmt::print(stderr, "dp_train: error: {} does not apply to --optimizer {}\n", flag, o.optimizer);
-      return 2;
+      return g_job.failed(2);
     }
   }
   if (adamw && app.get_option("--lr")->count() == 0) o.lr = 1e-3;
@@ -795,14 +840,8 @@ int main(int argc, char** argv) {
     const auto* option = app.get_option(flag);
     if (option->count() > 0 && option->as<std::string>().empty()) {
       fmt::print(stderr, "dp_train: error: {}: empty value\n", flag);
-      return 2;
+      return g_job.failed(2);
     }
-  }
-  try {
-    g_job.start();
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "dp_train: error: {}\n", e.what());
-    return 2;
   }
   int code = 0;
   try {
@@ -812,6 +851,19 @@ int main(int argc, char** argv) {
   } catch (...) {
     code = g_job.failed(report(std::current_exception()));
   }
+  return code;
+}
+
+int main(int argc, char** argv) {
+  // The job first: under mpirun every way out, a bad command line included, goes through the
+  // processes' agreement (an early exit would leave the others waiting for this one).
+  try {
+    g_job.start();
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dp_train: error: {}\n", e.what());
+    return 2;
+  }
+  const int code = train_main(argc, argv);
   g_job.end();  // MPI_Finalize, when under mpirun
   return code;
 }

@@ -109,6 +109,32 @@ std::vector<Batch> local_shards(const Data& d, int first_row, int per_rank) {
   return test::shards(d, first_row, kLocal, per_rank, first());
 }
 
+// Two collectives of one communicator in flight on two streams of each rank, across processes:
+// each rank's calls take turns, so the messages and staging of one never mix with the other's.
+TEST(Ring, CallsOnTwoStreamsOfOneRankDoNotInterfere) {
+  auto rt = test::sim_runtime(kLocal);
+  DeviceGroup group(*rt, {0, 1});
+  auto comm = Communicator::create(group, g_world);
+  const int n = global_ranks();
+  const std::size_t count = 1001;
+  const float want_x = static_cast<float>(n * (n + 1) / 2), want_y = 10.0f * want_x;
+  for (int repeat = 0; repeat < 20; ++repeat) {
+    group.run([&](int r) {
+      Device& device = group.device(r);
+      Stream a = device.create_stream(), b = device.create_stream();
+      const int g = first() + r;
+      auto x = test::upload(device, a, std::vector<float>(count, static_cast<float>(g + 1)));
+      auto y = test::upload(device, b, std::vector<float>(count, static_cast<float>(10 * (g + 1))));
+      a.synchronize();
+      b.synchronize();
+      comm->all_reduce(r, a, x.as<float>(), count, ReduceOp::sum);
+      comm->all_reduce(r, b, y.as<float>(), count, ReduceOp::sum);
+      EXPECT_EQ(test::download<float>(a, x), std::vector<float>(count, want_x)) << "global rank " << g;
+      EXPECT_EQ(test::download<float>(b, y), std::vector<float>(count, want_y)) << "global rank " << g;
+    });
+  }
+}
+
 struct DdpCase {
   std::string model;
   bool sync_bn;

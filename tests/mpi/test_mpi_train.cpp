@@ -40,6 +40,12 @@ class MpiTrain : public dp::test::ToolTest {
   static CommandResult one_process(const std::string& args) {
     return dp::test::run_command(fmt::format("{} {}", DP_TRAIN_BIN, args));
   }
+  // mpirun -np 2 (MPMD): process 0 gets `args` + `first`, process 1 `args` + `second`.
+  static CommandResult each_its_own(const std::string& args, const std::string& first, const std::string& second,
+                                    const std::string& environment = "") {
+    return dp::test::run_command(fmt::format("{} {} -np 1 {} {} {} : -np 1 {} {} {}", environment, DP_MPIRUN,
+                                             DP_TRAIN_BIN, args, first, DP_TRAIN_BIN, args, second));
+  }
   // mpirun -np 2: every process gets `args`, plus `extra` on the second one only (MPMD).
   static CommandResult two_processes(const std::string& args, const std::string& extra = "") {
     if (extra.empty()) return dp::test::run_command(fmt::format("{} -np 2 {} {}", DP_MPIRUN, DP_TRAIN_BIN, args));
@@ -109,6 +115,46 @@ TEST_F(MpiTrain, ABadFileOnOneProcessStopsEveryProcessWithItsExitCode) {
   EXPECT_NE(r.output.find("process 1 (host "), std::string::npos) << "process 0 names the failing one:\n" << r.output;
   EXPECT_FALSE(fs::exists(path("out.safetensors")));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// Processes started with different configurations would run different collectives (a hang) or
+// train different things (a silent divergence): refused before the first collective, exit 2 on
+// every process, naming what differs — also when one process is slower to get there than the
+// collectives' timeout (it is loading more data).
+TEST_F(MpiTrain, ProcessesMustRunOneConfiguration) {
+  const std::string common =
+      "--model mlp --hidden 16 --mode ddp --backend sim --batch-size 4 --save " + path("out.safetensors");
+  const std::string two = common + " --devices 2 --synthetic 64";
+  const CommandResult steps = each_its_own(two, "--steps 2", "--steps 3");
+  EXPECT_EQ(steps.code, 2) << steps.output;
+  EXPECT_NE(steps.output.find("do not run one configuration"), std::string::npos) << steps.output;
+  EXPECT_NE(steps.output.find("--steps/--epochs"), std::string::npos) << steps.output;
+
+  // A stale checkpoint on one node.
+  ASSERT_EQ(one_process(common + " --synthetic 64 --steps 1 --devices 4").code, 0);
+  fs::copy_file(path("out.safetensors"), path("step1.safetensors"));
+  ASSERT_EQ(one_process(common + " --synthetic 64 --steps 2 --devices 4").code, 0);
+  const CommandResult resume =
+      each_its_own(two + " --steps 1", "--resume " + path("out.safetensors"), "--resume " + path("step1.safetensors"));
+  EXPECT_EQ(resume.code, 2) << resume.output;
+  EXPECT_NE(resume.output.find("--resume"), std::string::npos) << resume.output;
+
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult data =
+      each_its_own(common + " --devices 2 --steps 1", "--synthetic 64", "--synthetic 300000", "DP_TIMEOUT_S=1");
+  EXPECT_EQ(data.code, 2) << data.output;
+  EXPECT_NE(data.output.find("training data"), std::string::npos) << data.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+}
+
+// --help (or a bad flag) on one process only ends every process at once.
+TEST_F(MpiTrain, AnEarlyExitOnOneProcessEndsEveryProcess) {
+  const std::string args = "--mode ddp --backend sim --devices 2 --synthetic 64 --steps 2";
+  const CommandResult help = two_processes(args, "--help");
+  EXPECT_EQ(help.code, 0) << help.output;
+  EXPECT_NE(help.output.find("process 1 (host "), std::string::npos) << help.output;
+  const CommandResult bad = two_processes(args, "--lr nan");
+  EXPECT_EQ(bad.code, 2) << bad.output;
 }
 
 // A process failing in the middle of training, while its peers wait in the step's collectives:

@@ -4,7 +4,9 @@
 // collectives, and no thread ever blocks inside MPI holding the lock another one needs to make
 // progress. Waits give up on abort or after the group's timeout, cancelling their receives.
 #include <algorithm>
+#include <cstring>
 #include <fmt/format.h>
+#include <functional>
 #include <mpi.h>
 #include <mutex>
 #include <thread>
@@ -82,18 +84,19 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   int size() const override { return size_; }
   const std::string& host() const override { return host_; }
 
+  // Host collectives work in buffers of their own: a collective that timed out cannot be taken
+  // back (MPI forbids freeing its request), so its buffers stay alive for a late peer to write,
+  // and the group refuses every later collective.
   void all_gather_bytes(const void* send, std::size_t bytes, void* recv) override {
     if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
       throw InvalidArgument(fmt::format("all_gather of {} bytes per process is too large", bytes));
-    MPI_Request request;
-    {
-      std::lock_guard lock(mutex_);
-      check(MPI_Iallgather(send, static_cast<int>(bytes), MPI_BYTE, recv, static_cast<int>(bytes), MPI_BYTE, comm_,
-                           &request),
-            "MPI_Iallgather");
-    }
-    std::vector<MPI_Request> requests{request};
-    wait(requests, {}, nullptr, "all_gather between processes");
+    auto buffers = std::make_shared<std::vector<unsigned char>>(bytes * (static_cast<std::size_t>(size_) + 1));
+    std::memcpy(buffers->data(), send, bytes);
+    collective("all_gather between processes", buffers, [&](MPI_Request* request) {
+      return MPI_Iallgather(buffers->data(), static_cast<int>(bytes), MPI_BYTE, buffers->data() + bytes,
+                            static_cast<int>(bytes), MPI_BYTE, comm_, request);
+    });
+    std::memcpy(recv, buffers->data() + bytes, bytes * static_cast<std::size_t>(size_));
   }
 
   void broadcast_bytes(void* data, std::size_t bytes, int root) override {
@@ -101,13 +104,12 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
       throw InvalidArgument(fmt::format("broadcast root {} is not a process of {}", root, size_));
     if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
       throw InvalidArgument(fmt::format("broadcast of {} bytes is too large", bytes));
-    MPI_Request request;
-    {
-      std::lock_guard lock(mutex_);
-      check(MPI_Ibcast(data, static_cast<int>(bytes), MPI_BYTE, root, comm_, &request), "MPI_Ibcast");
-    }
-    std::vector<MPI_Request> requests{request};
-    wait(requests, {}, nullptr, "broadcast between processes");
+    auto buffer = std::make_shared<std::vector<unsigned char>>(bytes);
+    std::memcpy(buffer->data(), data, bytes);
+    collective("broadcast between processes", buffer, [&](MPI_Request* request) {
+      return MPI_Ibcast(buffer->data(), static_cast<int>(bytes), MPI_BYTE, root, comm_, request);
+    });
+    std::memcpy(data, buffer->data(), bytes);
   }
 
   [[noreturn]] void abort(int exit_code) override {
@@ -116,36 +118,56 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   }
 
   std::unique_ptr<Channel> open_channel() override {
-    MPI_Comm comm;
+    auto comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+    collective("opening a channel between processes", comm,
+               [&](MPI_Request* request) { return MPI_Comm_idup(comm_, comm.get(), request); });
+    std::lock_guard lock(mutex_);
+    MPI_Comm_set_errhandler(*comm, MPI_ERRORS_RETURN);
+    return std::make_unique<MpiChannel>(shared_from_this(), *comm, max_tag_);
+  }
+
+  // Starts a nonblocking collective with `start` and waits for it. On a timeout the group is
+  // broken for good: the collective stays pending with `keep` (its buffers) alive.
+  void collective(std::string_view what, std::shared_ptr<void> keep, const std::function<int(MPI_Request*)>& start) {
     MPI_Request request;
     {
       std::lock_guard lock(mutex_);
-      check(MPI_Comm_idup(comm_, &comm, &request), "MPI_Comm_idup");
+      if (broken_) throw Error(fmt::format("{}: the process group is unusable after a collective timed out", what));
+      check(start(&request), what);
     }
     std::vector<MPI_Request> requests{request};
-    wait(requests, {}, nullptr, "opening a channel between processes");
-    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-    return std::make_unique<MpiChannel>(shared_from_this(), comm, max_tag_);
+    try {
+      wait(requests, {}, nullptr, what);
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      broken_ = true;
+      abandoned_.push_back(std::move(keep));
+      throw;
+    }
   }
 
-  // Polls until every request completed. On abort or timeout, receives (is_receive[i]) are
-  // cancelled and completed so their buffers are no longer written, sends are released, and the
-  // wait throws naming `what`.
+  // Polls until every request completed. On abort or timeout of point-to-point messages, receives
+  // (is_receive[i]) are cancelled and completed so their buffers are no longer written, sends are
+  // released, and the wait throws naming `what`. Collectives (is_receive empty) are left pending:
+  // MPI has no way to take one back (collective() keeps their buffers).
   void wait(std::vector<MPI_Request>& requests, const std::vector<bool>& is_receive,
             const std::function<bool()>* aborted, std::string_view what) {
     const auto start = std::chrono::steady_clock::now();
     for (int spin = 0;; ++spin) {
-      int done = 0;
+      int done = 0, code = MPI_SUCCESS;
       {
         std::lock_guard lock(mutex_);
-        check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE),
-              "MPI_Testall");
+        code = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+      }
+      if (code != MPI_SUCCESS) {
+        if (!is_receive.empty()) give_up(requests, is_receive);  // no buffer written after the throw
+        check(code, "MPI_Testall");
       }
       if (done) return;
       const bool stop = aborted && *aborted && (*aborted)();
       const auto waited = std::chrono::steady_clock::now() - start;
       if (stop || waited > timeout()) {
-        give_up(requests, is_receive);
+        if (!is_receive.empty()) give_up(requests, is_receive);
         if (stop) throw Error(fmt::format("{}: aborted while waiting for another process", what));
         throw Error(fmt::format("{}: process {} (host {}) waited {} s for its peers (timeout; DP_TIMEOUT_S sets it)",
                                 what, rank_, host_, std::chrono::duration_cast<std::chrono::seconds>(waited).count()));
@@ -175,6 +197,8 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   }
 
   std::mutex mutex_;
+  bool broken_ = false;                           // a host collective timed out
+  std::vector<std::shared_ptr<void>> abandoned_;  // its buffers, which a late peer may still write
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, max_tag_ = 32767;
   std::string host_;

@@ -44,7 +44,8 @@ class RingCommunicator final : public Communicator {
         process_(processes_->rank()),
         world_(group.size() * processes_->size()),
         first_(processes_->rank() * group.size()),
-        calls_made_(group.size(), 0) {
+        calls_made_(group.size(), 0),
+        turns_(group.size(), 0) {
     staging_.resize(static_cast<std::size_t>(local_));
     if (processes_->size() > 1) {
       check_same_local_size(*processes_, local_);
@@ -149,7 +150,12 @@ class RingCommunicator final : public Communicator {
     check_root(root);
     const int g = first_ + rank;
     float* staging = g == root ? staging_for(rank, count) : nullptr;
-    if (g != root) count_edge(g, root, count * sizeof(float), count * sizeof(float));  // the root reads every buffer
+    // The root reads every buffer: a local one as a device copy (counted here), a remote one as a
+    // message (counted by the root's side as it arrives, and by the sender's as it leaves).
+    if (g != root) count_edge(g, root, count * sizeof(float), count * sizeof(float));
+    if (g == root)
+      for (int other = 0; other < world_; ++other)
+        if (!is_local(other)) count_edge(other, root, count * sizeof(float));
     enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging},
             [this, count, root](int r, Round& round, int tag) {
               const int g = first_ + r;
@@ -202,6 +208,7 @@ class RingCommunicator final : public Communicator {
     std::lock_guard lock(mutex_);
     aborted_ = true;
     for (auto& [id, round] : rounds_) round->cv.notify_all();
+    turn_cv_.notify_all();
   }
 
  private:
@@ -295,19 +302,28 @@ class RingCommunicator final : public Communicator {
     // Every rank makes the same calls in the same order: the call's index tags its messages, one
     // tag per sending rank (tag + the sender's local index), as several threads of one process
     // may send to one peer at once, in no fixed order (reduce).
-    const int tag = channel_ ? static_cast<int>(id % (static_cast<std::uint64_t>(channel_->max_tag() + 1) /
-                                                      static_cast<std::uint64_t>(local_))) *
-                                   local_
-                             : 0;
+    const std::uint64_t tags =
+        channel_ ? (static_cast<std::uint64_t>(channel_->max_tag()) + 1) / static_cast<std::uint64_t>(local_) : 1;
+    const int tag = static_cast<int>(id % tags) * local_;
     auto task = [this, id, rank, call, body = std::move(body), name, tag] {
       Round& round = join(id, rank, call, name);
+      struct Leave {  // also when the body throws: the rank's next call gets its turn
+        RingCommunicator& comm;
+        std::uint64_t id;
+        Round& round;
+        int rank;
+        ~Leave() { comm.leave(id, round, rank); }
+      } leave{*this, id, round, rank};
       body(rank, round, tag);
-      leave(id, round);
     };
     Access::stream(stream).enqueue_kernel(name, std::move(task), SpanKind::collective);
   }
   Round& join(std::uint64_t id, int rank, const RankCall& call, const char* name) {
     std::unique_lock lock(mutex_);
+    // A rank's calls run one at a time, in the order it made them, whatever streams they were
+    // issued on (as NCCL's operations on one communicator): its staging memory and its messages'
+    // tags belong to one call at a time.
+    turn_cv_.wait(lock, [&] { return aborted_ || turns_[static_cast<std::size_t>(rank)] == id; });
     auto& slot = rounds_[id];
     if (!slot) {
       slot = std::make_unique<Round>();
@@ -336,9 +352,13 @@ class RingCommunicator final : public Communicator {
     if (aborted_) throw Error("collective aborted during a ring step");
   }
 
-  void leave(std::uint64_t id, Round& round) {
-    std::lock_guard lock(mutex_);
-    if (--round.left == 0) rounds_.erase(id);
+  void leave(std::uint64_t id, Round& round, int rank) {
+    {
+      std::lock_guard lock(mutex_);
+      ++turns_[static_cast<std::size_t>(rank)];
+      if (--round.left == 0) rounds_.erase(id);
+    }
+    turn_cv_.notify_all();
   }
 
   const DeviceGroup& group_;
@@ -348,6 +368,8 @@ class RingCommunicator final : public Communicator {
   std::mutex mutex_;
   bool aborted_ = false;
   std::vector<std::uint64_t> calls_made_;
+  std::vector<std::uint64_t> turns_;  // per rank: the call that runs next
+  std::condition_variable turn_cv_;
   std::map<std::uint64_t, std::unique_ptr<Round>> rounds_;
   std::vector<Scratch> staging_;
   std::vector<DeviceBuffer> retired_;

@@ -62,7 +62,7 @@ class SingleProcess final : public ProcessGroup {
 
 }  // namespace
 
-ProcessGroup::ProcessGroup() : timeout_(default_timeout()) {}
+ProcessGroup::ProcessGroup() : timeout_ms_(default_timeout().count()) {}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::single() { return std::make_shared<SingleProcess>(); }
 std::shared_ptr<ProcessGroup> ProcessGroup::mpi() { return detail::mpi_process_group(); }
@@ -91,7 +91,9 @@ std::optional<ProcessFailure> first_failure(ProcessGroup& processes, int exit_co
     int exit_code;
     char host[64];
   };
-  Status mine{exit_code, {}};
+  Status mine;
+  std::memset(&mine, 0, sizeof(mine));  // no uninitialised byte goes out
+  mine.exit_code = exit_code;
   std::snprintf(mine.host, sizeof(mine.host), "%s", processes.host().c_str());
   const std::vector<Status> all = processes.all_gather(mine);
   for (std::size_t p = 0; p < all.size(); ++p)

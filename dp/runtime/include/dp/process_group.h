@@ -7,8 +7,10 @@
 // global rank p * K + l; the world is size() * K ranks.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -76,8 +78,9 @@ class ProcessGroup {
 
   // How long a collective waits for another process before it fails (default 10 minutes, or
   // DP_TIMEOUT_S from the environment). A process that died without MPI_Abort is noticed by mpirun.
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  // After a host collective timed out the group refuses every later one (MPI cannot take it back).
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeout_ms_.load()); }
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ms_.store(timeout.count()); }
 
   // For the runtime's communicators: a point-to-point channel between the processes, separate
   // from every other channel's messages. Collective: every process opens its channels in the same
@@ -88,12 +91,14 @@ class ProcessGroup {
   ProcessGroup();
 
  private:
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::int64_t> timeout_ms_;  // read by the threads that wait for messages
 };
 
 // Failure agreement at a point every process reaches (before the first collective of a job, after
-// its last): each passes its exit code so far (0: fine); every process learns the first failing
-// process (in process order), so all can stop alike with its code instead of waiting for it.
+// its last): each passes its exit code so far (0: fine; kStopWithoutError: this process stops
+// without a failure, e.g. it printed --help); every process learns the first process (in process
+// order) that stops, so all stop alike instead of waiting for it.
+inline constexpr int kStopWithoutError = -1;
 struct ProcessFailure {
   int process = 0;
   int exit_code = 0;
