@@ -48,7 +48,7 @@ struct Reducer::Rank {
 };
 
 Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets)
-    : comm_(comm), group_(group), buckets_(std::move(buckets)) {
+    : comm_(comm), buckets_(std::move(buckets)) {
   for (int r = 0; r < group.size(); ++r) {
     auto rank = std::make_unique<Rank>();
     Device& device = group.device(r);

@@ -54,7 +54,6 @@ class Reducer {
   void launch_ready(int rank);
 
   Communicator& comm_;
-  const DeviceGroup& group_;
   std::vector<GradBucket> buckets_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
