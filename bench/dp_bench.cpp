@@ -300,10 +300,26 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   rt.take_trace();
   rt.set_profiling(true);
   run.t0 = now_ns();
+  // The host work counters cover the engine's steps only, not the synchronisation that times them.
+  std::vector<dp::DeviceCounters> engine_work(used.size());
+  const auto add_since = [&](const std::vector<dp::DeviceCounters>& before) {
+    for (std::size_t i = 0; i < used.size(); ++i) {
+      const dp::DeviceCounters now = rt.counters(used[i]);
+      auto& w = engine_work[i];
+      w.launches += now.launches - before[i].launches;
+      w.host_syncs += now.host_syncs - before[i].host_syncs;
+      w.allocations += now.allocations - before[i].allocations;
+      w.pageable_copies += now.pageable_copies - before[i].pageable_copies;
+      w.worker_submits += now.worker_submits - before[i].worker_submits;
+    }
+  };
   for (int i = 0; i < o.steps; ++i) {
     const std::int64_t start = now_ns();
     run.step_starts.push_back(start);
+    std::vector<dp::DeviceCounters> before;
+    for (int d : used) before.push_back(rt.counters(d));
     const float loss = step();
+    add_since(before);
     synchronize(rt, used);  // a step ends when every device has finished it
     const std::int64_t end = now_ns();
     run.step_ms.push_back(static_cast<double>(end - start) / 1e6);
@@ -338,7 +354,7 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
     pd.net_sent = static_cast<double>(rt.link_traffic(d, dp::kNetwork).bytes) / o.steps;
     pd.net_received = static_cast<double>(rt.link_traffic(dp::kNetwork, d).bytes) / o.steps;
     pd.peak_bytes = rt.device(d).memory().peak;
-    const dp::DeviceCounters counters = rt.counters(d);
+    const dp::DeviceCounters& counters = engine_work[i];
     pd.launches = static_cast<double>(counters.launches) / o.steps;
     pd.host_syncs = static_cast<double>(counters.host_syncs) / o.steps;
     pd.allocations = static_cast<double>(counters.allocations) / o.steps;
