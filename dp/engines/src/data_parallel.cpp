@@ -4,6 +4,7 @@
 #include "dp/data_parallel.h"
 
 #include <algorithm>
+#include <barrier>
 #include <fmt/format.h>
 
 #include "common.h"
@@ -113,54 +114,55 @@ DataParallel::~DataParallel() {
   }
 }
 
-void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mode) {
+void DataParallel::plan_chunks(int batch) {
   chunks_ = chunk_sizes(batch, group_.size());
   batch_ = batch;
   offsets_.assign(chunks_.size(), 0);
   for (std::size_t i = 1; i < chunks_.size(); ++i) offsets_[i] = offsets_[i - 1] + chunks_[i - 1];
+}
+
+// Phase 2, every used replica: receive the broadcast of parameters and buffers.
+void DataParallel::receive_broadcast(int rank) {
+  Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+  mark(time_phases_, r.stream, r.step_start);
+  if (rank != 0) {
+    r.stream.wait(params_ready_);
+    r.stream.copy(r.model->params_flat(), module_.params_flat(), module_.param_count() * sizeof(float));
+    if (module_.buffers_bytes())
+      r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
+  }
+  r.stream.record(r.broadcast_done);
+}
+
+// Phase 3, every used device: take its chunk, forward. The source first waits until every
+// replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
+void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode) {
   const int used = static_cast<int>(chunks_.size());
   const std::size_t sample_floats = engines::sample_floats(module_);
+  Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+  Device& device = group_.device(rank);
+  if (rank == 0)
+    for (int other = 1; other < used; ++other)
+      r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
+  const int rows = chunks_[static_cast<std::size_t>(rank)];
+  const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
+  r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
+  mark(time_phases_, r.stream, r.scatter_done);
+  // One seed for all replicas, each chunk at its samples' place in the batch: the masks of
+  // single-device training on the whole batch.
+  r.model->set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()),
+                               static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
+  r.output = r.model->forward(r.stream, r.inputs.inputs(), rows, mode);
+  r.stream.record(r.forward_done);
+}
 
+void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mode) {
+  plan_chunks(batch);
+  const int used = static_cast<int>(chunks_.size());
   // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
   group_.run_on(0, [&] { replicas_[0]->stream.record(params_ready_); });
-
-  // Phase 2, every used replica: receive the broadcast of parameters and buffers.
-  group_.run(
-      [&](int rank) {
-        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-        mark(time_phases_, r.stream, r.step_start);
-        if (rank != 0) {
-          r.stream.wait(params_ready_);
-          r.stream.copy(r.model->params_flat(), module_.params_flat(), module_.param_count() * sizeof(float));
-          if (module_.buffers_bytes())
-            r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
-        }
-        r.stream.record(r.broadcast_done);
-      },
-      used);
-
-  // Phase 3, every used device: take its chunk, forward. The source first waits until every
-  // replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
-  group_.run(
-      [&](int rank) {
-        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-        Device& device = group_.device(rank);
-        if (rank == 0)
-          for (int other = 1; other < used; ++other)
-            r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
-        const int rows = chunks_[static_cast<std::size_t>(rank)];
-        const float* chunk =
-            inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
-        r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
-        mark(time_phases_, r.stream, r.scatter_done);
-        // One seed for all replicas, each chunk at its samples' place in the batch: the masks of
-        // single-device training on the whole batch.
-        r.model->set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()),
-                                     static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
-        r.output = r.model->forward(r.stream, r.inputs.inputs(), rows, mode);
-        r.stream.record(r.forward_done);
-      },
-      used);
+  group_.run([&](int rank) { receive_broadcast(rank); }, used);
+  group_.run([&](int rank) { forward_chunk(rank, inputs, mode); }, used);
 }
 
 void DataParallel::gather_outputs() {
@@ -220,65 +222,89 @@ float DataParallel::train_step_on_one_device(const float* inputs, const std::int
 
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
   if (group_.size() == 1) return train_step_on_one_device(inputs, targets, batch);
-  broadcast_and_forward(inputs, batch, Mode::train);
+  plan_chunks(batch);
   const int used = static_cast<int>(chunks_.size());
   const int classes = module_.output_features();
   const std::size_t classes_z = static_cast<std::size_t>(classes);
   const float* loss_value = nullptr;
 
-  // Phase 4, output device: gather, loss over the whole batch, its gradient.
-  group_.run_on(output_rank_, [&] {
-    Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
-    Device& device = group_.device(output_rank_);
-    gather_outputs();
-    auto* device_targets = targets_.get<std::int64_t>(device, static_cast<std::size_t>(batch));
-    float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
-    const auto* gathered = static_cast<const float*>(gathered_.data());
-    out.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-    loss_value = loss_->forward(out.stream, gathered, device_targets, batch, classes);
-    loss_->backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
-    out.stream.record(grad_output_ready_);
-    mark(time_phases_, out.stream, loss_end_);
-  });
-
-  // Phase 5, every used device: its slice of the output gradient, backward.
+  // One submission per device and step: each device's worker runs its part of every phase, and a
+  // barrier between phases keeps the host order of the phases — every event a phase waits for was
+  // recorded in an earlier one (a wait issued before its record would not wait, as in CUDA). A
+  // worker that fails drops out of the barrier, so the others finish the step (which then fails).
+  const int participants = std::max(used, output_rank_ + 1);  // the output device may hold no chunk
+  std::barrier<> phase(participants);
   group_.run(
       [&](int rank) {
-        Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-        const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
-        const float* slice = static_cast<const float*>(grad_output_.data()) +
-                             static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes_z;
-        const float* dy = slice;
-        if (rank != output_rank_) {
-          r.stream.wait(grad_output_ready_);
-          float* local = r.grad_output.get<float>(group_.device(rank), rows * classes_z);
-          r.stream.copy(local, slice, rows * classes_z * sizeof(float));
-          dy = local;
-        }
-        mark(time_phases_, r.stream, r.backward_start);
-        r.model->zero_grad(r.stream);
-        r.model->backward(r.stream, dy);
-        r.stream.record(r.backward_done);
-      },
-      used);
+        const bool has_chunk = rank < used;
+        try {
+          // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
+          if (rank == 0) replicas_[0]->stream.record(params_ready_);
+          phase.arrive_and_wait();
+          if (has_chunk) receive_broadcast(rank);  // phase 2
+          phase.arrive_and_wait();
+          if (has_chunk) forward_chunk(rank, inputs, Mode::train);  // phase 3
+          phase.arrive_and_wait();
 
-  // Phase 6, source: reduce-add the replicas' gradients (source first, then device_ids order,
-  // as torch.cuda.comm.reduce_add sums), then the optimizer step.
-  group_.run_on(0, [&] {
-    Replica& source = *replicas_[0];
-    const std::size_t n = module_.param_count();
-    mark(time_phases_, source.stream, reduce_start_);
-    for (int rank = 1; rank < used; ++rank) {
-      Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-      source.stream.wait(r.backward_done);
-      source.stream.copy(r.grad_staging.data(), r.model->grads_flat(), n * sizeof(float));
-      kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
-                    module_.grads_flat());
-    }
-    mark(time_phases_, source.stream, reduce_end_);
-    optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
-    mark(time_phases_, source.stream, update_end_);
-  });
+          // Phase 4, output device: gather, loss over the whole batch, its gradient.
+          if (rank == output_rank_) {
+            Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+            Device& device = group_.device(output_rank_);
+            gather_outputs();
+            auto* device_targets = targets_.get<std::int64_t>(device, static_cast<std::size_t>(batch));
+            float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
+            const auto* gathered = static_cast<const float*>(gathered_.data());
+            out.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
+            loss_value = loss_->forward(out.stream, gathered, device_targets, batch, classes);
+            loss_->backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
+            out.stream.record(grad_output_ready_);
+            mark(time_phases_, out.stream, loss_end_);
+          }
+          phase.arrive_and_wait();
+
+          // Phase 5, every used device: its slice of the output gradient, backward.
+          if (has_chunk) {
+            Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+            const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
+            const float* slice = static_cast<const float*>(grad_output_.data()) +
+                                 static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes_z;
+            const float* dy = slice;
+            if (rank != output_rank_) {
+              r.stream.wait(grad_output_ready_);
+              float* local = r.grad_output.get<float>(group_.device(rank), rows * classes_z);
+              r.stream.copy(local, slice, rows * classes_z * sizeof(float));
+              dy = local;
+            }
+            mark(time_phases_, r.stream, r.backward_start);
+            r.model->zero_grad(r.stream);
+            r.model->backward(r.stream, dy);
+            r.stream.record(r.backward_done);
+          }
+          phase.arrive_and_wait();
+
+          // Phase 6, source: reduce-add the replicas' gradients (source first, then device_ids
+          // order, as torch.cuda.comm.reduce_add sums), then the optimizer step.
+          if (rank == 0) {
+            Replica& source = *replicas_[0];
+            const std::size_t n = module_.param_count();
+            mark(time_phases_, source.stream, reduce_start_);
+            for (int other = 1; other < used; ++other) {
+              Replica& r = *replicas_[static_cast<std::size_t>(other)];
+              source.stream.wait(r.backward_done);
+              source.stream.copy(r.grad_staging.data(), r.model->grads_flat(), n * sizeof(float));
+              kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
+                            module_.grads_flat());
+            }
+            mark(time_phases_, source.stream, reduce_end_);
+            optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
+            mark(time_phases_, source.stream, update_end_);
+          }
+        } catch (...) {
+          phase.arrive_and_drop();  // never blocks; the others go on without this worker
+          throw;
+        }
+      },
+      participants);
 
   float host_loss = 0.0f;
   replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(&host_loss, loss_value, sizeof(float));

@@ -80,6 +80,9 @@ class DataParallel final : public Engine {
 
  private:
   struct Replica;
+  void plan_chunks(int batch);
+  void receive_broadcast(int rank);
+  void forward_chunk(int rank, const float* inputs, Mode mode);
   void broadcast_and_forward(const float* inputs, int batch, Mode mode);
   void gather_outputs();
   // One device: the module's own step in one submission, as torch's DataParallel calls the module
