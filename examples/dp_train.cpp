@@ -519,7 +519,7 @@ int run(Options o) {
   // ---- every process is ready (or all stop with the first failing one's exit code); from here on
   // the processes meet in collectives
   g_job.agree_or_stop();
-  g_job.agree_on_configuration(configuration(o, ids, want_cuda, data, test));
+  if (g_job.several()) g_job.agree_on_configuration(configuration(o, ids, want_cuda, data, test));  // hashes the data
   g_job.collectives_begin();
 
   // ---- the engine, picked once: everything below runs through dp::Engine
