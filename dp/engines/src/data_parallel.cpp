@@ -70,6 +70,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   grad_output_ready_ = out.create_event();
   time_phases_ = options.time_phases;
   gather_start_ = out.create_event();
+  host_loss_ = out.allocate_pinned(sizeof(float));
+  loss_ready_ = out.create_event();
   gather_end_ = out.create_event();
   loss_end_ = out.create_event();
   reduce_start_ = source.create_event();
@@ -186,7 +188,6 @@ float DataParallel::train_step_on_one_device(const float* inputs, const std::int
   offsets_ = {0};
   batch_ = batch;
   const int classes = module_.output_features();
-  float host_loss = 0.0f;
   group_.run_on(0, [&] {
     Replica& r = *replicas_[0];
     Device& device = group_.device(0);
@@ -215,9 +216,11 @@ float DataParallel::train_step_on_one_device(const float* inputs, const std::int
     mark(time_phases_, r.stream, reduce_end_);
     optimizer_->step(r.stream, module_.params_flat(), module_.grads_flat());
     mark(time_phases_, r.stream, update_end_);
-    r.stream.copy(&host_loss, loss, sizeof(float));  // pageable: returns once the loss is there
+    r.stream.copy(host_loss_.data(), loss, sizeof(float));
+    r.stream.record(loss_ready_);
   });
-  return host_loss;
+  loss_ready_.synchronize();
+  return *host_loss_.as<float>();
 }
 
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
@@ -306,9 +309,12 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
       },
       participants);
 
-  float host_loss = 0.0f;
-  replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(&host_loss, loss_value, sizeof(float));
-  return host_loss;
+  // The loss only (the source's update may still run): pinned, then its event.
+  Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+  out.stream.copy(host_loss_.data(), loss_value, sizeof(float));
+  out.stream.record(loss_ready_);
+  loss_ready_.synchronize();
+  return *host_loss_.as<float>();
 }
 
 void DataParallel::synchronize() {

@@ -15,7 +15,9 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
       optimizer_(make_optimizer(model.device(), model.param_count(), options)),
       loss_(model.device(), step.label_smoothing),
       stream_(model.device().create_stream()),
-      batch_(std::make_unique<engines::StagedBatch>()) {}
+      batch_(std::make_unique<engines::StagedBatch>()),
+      host_loss_(model.device().allocate_pinned(sizeof(float))),
+      step_done_(model.device().create_event()) {}
 
 SingleDeviceTrainer::~SingleDeviceTrainer() {
   try {
@@ -37,9 +39,12 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
   model_.zero_grad(stream_);
   model_.backward(stream_, grad_output);
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
-  float host_loss = 0.0f;
-  stream_.copy(&host_loss, loss, sizeof(float));  // pageable destination: waits for the step
-  return host_loss;
+  // Into pinned memory, then one wait for the whole step (the optimizer included: step() returns
+  // a finished step).
+  stream_.copy(host_loss_.data(), loss, sizeof(float));
+  stream_.record(step_done_);
+  step_done_.synchronize();
+  return *host_loss_.as<float>();
 }
 
 std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) {

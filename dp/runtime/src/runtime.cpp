@@ -49,7 +49,8 @@ void Stream::copy(void* dst, const void* src, std::size_t bytes) const {
 void Stream::launch_host_func(std::function<void()> fn) const { Access::stream(*this).launch_host_func(std::move(fn)); }
 
 // ---- Device
-Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl) : index_(index), impl_(std::move(impl)) {}
+Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl, detail::RuntimeImpl& runtime)
+    : index_(index), runtime_(runtime), impl_(std::move(impl)) {}
 Device::~Device() = default;
 Backend Device::backend() const { return impl_->backend(); }
 std::string Device::name() const { return impl_->name(); }
@@ -139,6 +140,10 @@ PinnedBuffer Runtime::allocate_pinned(std::size_t bytes) {
   if (bytes == 0) return {};
   return impl_->wrap_pinned(impl_->allocate_pinned(bytes), bytes);
 }
+PinnedBuffer Device::allocate_pinned(std::size_t bytes) {
+  if (bytes == 0) return {};
+  return runtime_.wrap_pinned(runtime_.allocate_pinned(bytes), bytes);
+}
 LinkTraffic Runtime::link_traffic(int src, int dst) const { return impl_->link_traffic(src, dst); }
 std::uint64_t Runtime::bytes_sent(int device) const {
   std::uint64_t total = 0;
@@ -214,7 +219,7 @@ RuntimeImpl::RuntimeImpl(int device_count) : expected_devices_(device_count) {
 
 void RuntimeImpl::add_device(std::unique_ptr<DeviceImpl> impl) {
   const int index = device_count();
-  devices_.push_back(std::unique_ptr<Device>(new Device(index, std::move(impl))));
+  devices_.push_back(std::unique_ptr<Device>(new Device(index, std::move(impl), *this)));
 }
 
 Device& RuntimeImpl::device(int index) {

@@ -105,6 +105,8 @@ class DataParallel final : public Engine {
   Event params_ready_, grad_output_ready_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   Scratch gathered_, targets_, grad_output_;  // on the output device
+  PinnedBuffer host_loss_;                    // the step's loss, read back without a pageable copy
+  Event loss_ready_;                          // on the output device: host_loss_ written
 };
 
 }  // namespace dp

@@ -54,6 +54,8 @@ class SingleDeviceTrainer final : public Engine {
   Stream stream_;
   std::unique_ptr<engines::StagedBatch> batch_;
   Scratch grad_output_;
+  PinnedBuffer host_loss_;  // the step's loss, read back without a pageable copy
+  Event step_done_;
 };
 
 }  // namespace dp

@@ -98,6 +98,9 @@ class Device {
 
   // Device memory, owned by the returned buffer. Throws OutOfMemory naming the device.
   DeviceBuffer allocate(std::size_t bytes);
+  // Pinned host memory of this device's runtime (Runtime::allocate_pinned), for code that holds a
+  // device but not its runtime (an engine's loss read-back).
+  PinnedBuffer allocate_pinned(std::size_t bytes);
   MemoryStats memory() const;
   void reset_peak_memory();
 
@@ -113,8 +116,9 @@ class Device {
  private:
   friend class detail::RuntimeImpl;
   friend struct detail::Access;
-  Device(int index, std::unique_ptr<detail::DeviceImpl> impl);
+  Device(int index, std::unique_ptr<detail::DeviceImpl> impl, detail::RuntimeImpl& runtime);
   int index_;
+  detail::RuntimeImpl& runtime_;
   std::unique_ptr<detail::DeviceImpl> impl_;
 
  public:
