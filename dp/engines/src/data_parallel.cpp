@@ -183,48 +183,7 @@ void DataParallel::gather_outputs() {
   mark(time_phases_, out.stream, gather_end_);
 }
 
-float DataParallel::train_step_on_one_device(const float* inputs, const std::int64_t* targets, int batch) {
-  chunks_ = chunk_sizes(batch, 1);
-  offsets_ = {0};
-  batch_ = batch;
-  const int classes = module_.output_features();
-  group_.run_on(0, [&] {
-    Replica& r = *replicas_[0];
-    Device& device = group_.device(0);
-    // Nothing to broadcast, scatter, gather or reduce: those phases are empty (their events are
-    // recorded so last_phases() reports them as 0).
-    mark(time_phases_, r.stream, r.step_start);
-    r.stream.record(r.broadcast_done);
-    r.inputs.stage(device, r.stream, Batch{inputs, nullptr, batch}, engines::sample_floats(module_));
-    mark(time_phases_, r.stream, r.scatter_done);
-    module_.set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()), 0});
-    r.output = module_.forward(r.stream, r.inputs.inputs(), batch, Mode::train);
-    r.stream.record(r.forward_done);
-    mark(time_phases_, r.stream, gather_start_);
-    mark(time_phases_, r.stream, gather_end_);
-    auto* device_targets = targets_.get<std::int64_t>(device, static_cast<std::size_t>(batch));
-    float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
-    r.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-    const float* loss = loss_->forward(r.stream, r.output, device_targets, batch, classes);
-    loss_->backward(r.stream, r.output, device_targets, batch, classes, grad_output, batch);
-    mark(time_phases_, r.stream, loss_end_);
-    mark(time_phases_, r.stream, r.backward_start);
-    module_.zero_grad(r.stream);
-    module_.backward(r.stream, grad_output);
-    r.stream.record(r.backward_done);
-    mark(time_phases_, r.stream, reduce_start_);
-    mark(time_phases_, r.stream, reduce_end_);
-    optimizer_->step(r.stream, module_.params_flat(), module_.grads_flat());
-    mark(time_phases_, r.stream, update_end_);
-    r.stream.copy(host_loss_.data(), loss, sizeof(float));
-    r.stream.record(loss_ready_);
-  });
-  loss_ready_.synchronize();
-  return *host_loss_.as<float>();
-}
-
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
-  if (group_.size() == 1) return train_step_on_one_device(inputs, targets, batch);
   plan_chunks(batch);
   const int used = static_cast<int>(chunks_.size());
   const int classes = module_.output_features();
@@ -235,6 +194,8 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
   // barrier between phases keeps the host order of the phases — every event a phase waits for was
   // recorded in an earlier one (a wait issued before its record would not wait, as in CUDA). A
   // worker that fails drops out of the barrier, so the others finish the step (which then fails).
+  // On one device this is the module's own step in one submission (torch's DataParallel calls the
+  // module directly then): nothing to broadcast or reduce, and the same results bit for bit.
   const int participants = std::max(used, output_rank_ + 1);  // the output device may hold no chunk
   std::barrier<> phase(participants);
   group_.run(

@@ -116,11 +116,19 @@ void DistributedDataParallel::enqueue_broadcast(int r, bool parameters, bool buf
 }
 
 void DistributedDataParallel::zero_grad() {
-  group_.run([&](int r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    rank.model->zero_grad(rank.compute);
-    rank.accumulated_samples = 0;  // gradients thrown away: the next forward starts the step's samples
-  });
+  group_.run([&](int r) { enqueue_zero_grad(r); });
+}
+
+void DistributedDataParallel::enqueue_zero_grad(int r) {
+  Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  rank.model->zero_grad(rank.compute);
+  rank.accumulated_samples = 0;  // gradients thrown away: the next forward starts the step's samples
+}
+
+void DistributedDataParallel::enqueue_step(int r) {
+  Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
+  rank.accumulated_samples = 0;
 }
 
 void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool training) const {
@@ -223,11 +231,7 @@ EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
 }
 
 void DistributedDataParallel::step() {
-  group_.run([&](int r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
-    rank.accumulated_samples = 0;
-  });
+  group_.run([&](int r) { enqueue_step(r); });
   if (options_.check_replicas) check_replicas_identical();
 }
 
@@ -238,13 +242,10 @@ float DistributedDataParallel::train_step(std::span<const Batch> batches) {
   bool broadcast = false;
   const bool sync = begin_forward(batches, broadcast);
   run_ranks([&](int r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     if (broadcast) enqueue_broadcast(r, false, true);
-    rank.model->zero_grad(rank.compute);
-    rank.accumulated_samples = 0;
+    enqueue_zero_grad(r);
     enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], 1.0f, sync);
-    rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
-    rank.accumulated_samples = 0;
+    enqueue_step(r);
   });
   const float loss = wait_for_loss();
   if (options_.check_replicas) check_replicas_identical();

@@ -85,9 +85,6 @@ class DataParallel final : public Engine {
   void forward_chunk(int rank, const float* inputs, Mode mode);
   void broadcast_and_forward(const float* inputs, int batch, Mode mode);
   void gather_outputs();
-  // One device: the module's own step in one submission, as torch's DataParallel calls the module
-  // directly when device_ids has one entry (the phased step's results, bit for bit).
-  float train_step_on_one_device(const float* inputs, const std::int64_t* targets, int batch);
 
   Model& module_;
   DeviceGroup group_;

@@ -107,8 +107,10 @@ class DistributedDataParallel final : public Engine {
  private:
   struct Rank;
   void broadcast_from_rank0(bool parameters, bool buffers);
-  // Rank r's share of broadcast_from_rank0, enqueued on its compute stream.
+  // Rank r's share of broadcast_from_rank0, zero_grad and step, enqueued on its compute stream.
   void enqueue_broadcast(int r, bool parameters, bool buffers);
+  void enqueue_zero_grad(int r);
+  void enqueue_step(int r);
   // Before a forward, on the caller: whether buffers are broadcast first (torch 1.13: unless the
   // previous forward ran inside no_sync), and SyncBatchNorm's global sample count. Returns whether
   // this forward's backward all-reduces (not inside no_sync).
