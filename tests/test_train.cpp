@@ -569,6 +569,17 @@ TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
   expect_refused(base + "--resume " + path("i32.safetensors"), "momentum buffer 'optimizer.momentum.fc1.bias'");
 }
 
+// The collectives' timeout comes from the environment: a value that is no positive number of
+// seconds is refused before anything runs, naming the variable.
+TEST_F(TrainTest, ABadCollectiveTimeoutIsRefused) {
+  for (const char* value : {"abc", "0", "-5", "10s"}) {
+    const Result r = dp::test::run_command(fmt::format("DP_TIMEOUT_S={} {} --backend sim --synthetic 16 --steps 1",
+                                                       value, DP_TRAIN_BIN));
+    EXPECT_EQ(r.code, 2) << value << "\n" << r.output;
+    EXPECT_NE(r.output.find(fmt::format("DP_TIMEOUT_S='{}'", value)), std::string::npos) << r.output;
+  }
+}
+
 TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 ";
   expect_refused(base + "--lr nan", "--lr: 'nan' is not a finite number >= 0");
