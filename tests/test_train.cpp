@@ -573,8 +573,8 @@ TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
 // seconds is refused before anything runs, naming the variable.
 TEST_F(TrainTest, ABadCollectiveTimeoutIsRefused) {
   for (const char* value : {"abc", "0", "-5", "10s"}) {
-    const Result r = dp::test::run_command(fmt::format("DP_TIMEOUT_S={} {} --backend sim --synthetic 16 --steps 1",
-                                                       value, DP_TRAIN_BIN));
+    const Result r = dp::test::run_command(
+        fmt::format("DP_TIMEOUT_S={} {} --backend sim --synthetic 16 --steps 1", value, DP_TRAIN_BIN));
     EXPECT_EQ(r.code, 2) << value << "\n" << r.output;
     EXPECT_NE(r.output.find(fmt::format("DP_TIMEOUT_S='{}'", value)), std::string::npos) << r.output;
   }
