@@ -4,7 +4,9 @@
 // kernels borrow through kernel_api::with_library. Nothing here runs on machines without a GPU;
 // tests that need it GTEST_SKIP there.
 #include <fmt/format.h>
+#include <memory>
 #include <mutex>
+#include <vector>
 
 #include "backend.h"
 #include "dp/runtime/cuda_status.h"
@@ -79,6 +81,47 @@ class CudaEvent final : public EventImpl {
 
 class CudaDevice;
 
+// An instantiated graph (cudaGraphExec_t) and the host functions its host nodes call.
+class CudaGraph final : public GraphImpl {
+ public:
+  CudaGraph(RuntimeImpl& runtime, int device, cudaStream_t stream, cudaGraph_t graph,
+            std::vector<std::unique_ptr<std::function<void()>>> host_funcs)
+      : runtime_(runtime), device_(device), stream_(stream), graph_(graph), host_funcs_(std::move(host_funcs)) {
+    DeviceScope scope(device_);
+    const cudaError_t status = cudaGraphInstantiate(&exec_, graph_, 0);
+    if (status != cudaSuccess) {
+      cudaGraphDestroy(graph_);
+      DP_CUDA_CHECK(status);
+    }
+  }
+  ~CudaGraph() override {  // never throws
+    DeviceScope scope(device_);
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  void replay() override {
+    runtime_.count(device_, Counter::launches);  // one graph launch
+    DeviceScope scope(device_);
+    DP_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+  }
+  std::size_t nodes() const override {
+    std::size_t count = 0;
+    DP_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &count));
+    return count;
+  }
+
+ private:
+  RuntimeImpl& runtime_;
+  int device_;
+  cudaStream_t stream_;  // the capturing stream: the graph launches into it (the stream outlives
+                         // its uses: engines keep both)
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  std::vector<std::unique_ptr<std::function<void()>>> host_funcs_;
+};
+
 class CudaStream final : public StreamImpl {
  public:
   CudaStream(CudaRuntime& runtime, CudaDevice& device, int index);
@@ -107,6 +150,14 @@ class CudaStream final : public StreamImpl {
   }
   void copy(void* dst, const void* src, std::size_t bytes) override;
   void launch_host_func(std::function<void()> fn) override {
+    if (capturing()) {
+      // A captured host node runs at every replay with the same argument: the graph owns it.
+      captured_host_funcs_.push_back(std::make_unique<std::function<void()>>(std::move(fn)));
+      DP_CUDA_CHECK(cudaLaunchHostFunc(
+          stream_, [](void* data) { (*static_cast<std::function<void()>*>(data))(); },
+          captured_host_funcs_.back().get()));
+      return;
+    }
     auto* heap = new std::function<void()>(std::move(fn));
     const cudaError_t status = cudaLaunchHostFunc(
         stream_,
@@ -122,6 +173,21 @@ class CudaStream final : public StreamImpl {
   void enqueue_kernel(const char* name, std::function<void()>, SpanKind) override {
     throw Error(fmt::format("kernel '{}' has no CUDA build; it was compiled without nvcc", name));
   }
+  void enqueue_reissued(const char* name, std::function<std::function<void()>()>, SpanKind) override {
+    throw Error(fmt::format("'{}' is simulator work; cuda streams run native kernels", name));
+  }
+  // Thread-local mode: the calls CUDA forbids during a capture fail on the capturing thread; other
+  // threads (a data loader's allocations) are not affected.
+  void begin_capture() override {
+    DeviceScope scope(index_);
+    DP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  }
+  std::shared_ptr<GraphImpl> end_capture() override;
+  bool capturing() override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    DP_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
   void* native_handle() override { return stream_; }
   int multiprocessor_count() const override { return sm_count_; }
   void make_current() override { detail::make_device_current(index_); }
@@ -133,6 +199,7 @@ class CudaStream final : public StreamImpl {
   CudaDevice& device_;
   int index_;
   int sm_count_ = 1;
+  std::vector<std::unique_ptr<std::function<void()>>> captured_host_funcs_;  // for the graph being captured
   cudaStream_t stream_ = nullptr;
 };
 
@@ -311,6 +378,20 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
 }
 
 RuntimeImpl& CudaStream::runtime() const { return runtime_; }
+std::shared_ptr<GraphImpl> CudaStream::end_capture() {
+  DeviceScope scope(index_);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t status = cudaStreamEndCapture(stream_, &graph);
+  auto host_funcs = std::move(captured_host_funcs_);
+  captured_host_funcs_.clear();
+  if (status != cudaSuccess) {
+    if (graph) cudaGraphDestroy(graph);
+    throw CaptureError(fmt::format("stream capture on device {} failed: {} ({})", index_, cudaGetErrorName(status),
+                                   cudaGetErrorString(status)));
+  }
+  return std::make_shared<CudaGraph>(runtime(), index_, stream_, graph, std::move(host_funcs));
+}
+
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
 std::shared_ptr<EventImpl> CudaDevice::create_event() { return std::make_shared<CudaEvent>(runtime_, index_); }
 

@@ -82,13 +82,15 @@ class RingCommunicator final : public Communicator {
     };
     // Counted when issued, like copies: this rank receives every chunk but its own once in
     // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
-    for (int s = 0; s < n - 1; ++s) {
-      count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
-      count_edge(g - 1, g, bytes_of(chunk(g - s)));
-      count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
-      count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
-    }
-    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging},
+    const auto traffic = [this, n, g, chunk, bytes_of] {
+      for (int s = 0; s < n - 1; ++s) {
+        count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
+        count_edge(g - 1, g, bytes_of(chunk(g - s)));
+        count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
+        count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
+      }
+    };
+    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging}, traffic,
             [this, count, op, n, chunk](int r, Round& round, int tag) {
               const int g = first_ + r;
               float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
@@ -122,9 +124,11 @@ class RingCommunicator final : public Communicator {
     check_root(root);
     const int n = world_, g = first_ + rank;
     // The chain: rank root+s+1 receives from rank root+s.
-    if (g != root) count_edge(g - 1, g, bytes);
-    if ((g + 1) % n != root) count_edge(g, g + 1, 0, bytes);
-    enqueue(rank, stream, "broadcast", RankCall{data, nullptr, nullptr},
+    const auto traffic = [this, g, n, root, bytes] {
+      if (g != root) count_edge(g - 1, g, bytes);
+      if ((g + 1) % n != root) count_edge(g, g + 1, 0, bytes);
+    };
+    enqueue(rank, stream, "broadcast", RankCall{data, nullptr, nullptr}, traffic,
             [this, bytes, root, n](int r, Round& round, int tag) {
               const int g = first_ + r;
               void* mine = round.calls[static_cast<std::size_t>(r)].data;
@@ -152,11 +156,13 @@ class RingCommunicator final : public Communicator {
     float* staging = g == root ? staging_for(rank, count) : nullptr;
     // The root reads every buffer: a local one as a device copy (counted here), a remote one as a
     // message (counted by the root's side as it arrives, and by the sender's as it leaves).
-    if (g != root) count_edge(g, root, count * sizeof(float), count * sizeof(float));
-    if (g == root)
-      for (int other = 0; other < world_; ++other)
-        if (!is_local(other)) count_edge(other, root, count * sizeof(float));
-    enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging},
+    const auto traffic = [this, g, root, count] {
+      if (g != root) count_edge(g, root, count * sizeof(float), count * sizeof(float));
+      if (g == root)
+        for (int other = 0; other < world_; ++other)
+          if (!is_local(other)) count_edge(other, root, count * sizeof(float));
+    };
+    enqueue(rank, stream, "reduce", RankCall{data, nullptr, staging}, traffic,
             [this, count, root](int r, Round& round, int tag) {
               const int g = first_ + r;
               float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
@@ -186,11 +192,14 @@ class RingCommunicator final : public Communicator {
     check(rank, stream, send, count * sizeof(float), "all_gather send");
     check(rank, stream, recv, count * static_cast<std::size_t>(world_) * sizeof(float), "all_gather recv");
     const int n = world_, g = first_ + rank;
-    for (int s = 0; s < n - 1; ++s) {
-      count_edge(g - 1, g, count * sizeof(float));
-      count_edge(g, g + 1, 0, count * sizeof(float));
-    }
-    enqueue(rank, stream, "all_gather", RankCall{recv, send, nullptr}, [this, count, n](int r, Round& round, int tag) {
+    const auto traffic = [this, n, g, count] {
+      for (int s = 0; s < n - 1; ++s) {
+        count_edge(g - 1, g, count * sizeof(float));
+        count_edge(g, g + 1, 0, count * sizeof(float));
+      }
+    };
+    enqueue(rank, stream, "all_gather", RankCall{recv, send, nullptr}, traffic,
+            [this, count, n](int r, Round& round, int tag) {
       const int g = first_ + r;
       float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
       const auto block = [&](int b) { return static_cast<std::size_t>(((b % n) + n) % n) * count; };
@@ -292,31 +301,43 @@ class RingCommunicator final : public Communicator {
     if (sent && is_local(from) && !is_local(to)) runtime.count_copy(device(from), kNetwork, sent);
   }
 
-  void enqueue(int rank, const Stream& stream, const char* name, RankCall call, Body body) {
-    std::uint64_t id;
+  // Issues the call on the rank's stream. Its sequence number and its traffic belong to each
+  // execution, not to the host call: a graph that captured the call replays it as a new call of
+  // the rank (as a captured NCCL kernel is a new operation of its communicator at every launch).
+  void enqueue(int rank, const Stream& stream, const char* name, RankCall call, std::function<void()> traffic,
+               Body body) {
     {
       std::lock_guard lock(mutex_);
       if (aborted_) throw Error(fmt::format("{}: communicator was aborted", name));
-      id = calls_made_[static_cast<std::size_t>(rank)]++;
     }
-    // Every rank makes the same calls in the same order: the call's index tags its messages, one
-    // tag per sending rank (tag + the sender's local index), as several threads of one process
-    // may send to one peer at once, in no fixed order (reduce).
-    const std::uint64_t tags =
-        channel_ ? (static_cast<std::uint64_t>(channel_->max_tag()) + 1) / static_cast<std::uint64_t>(local_) : 1;
-    const int tag = static_cast<int>(id % tags) * local_;
-    auto task = [this, id, rank, call, body = std::move(body), name, tag] {
-      Round& round = join(id, rank, call, name);
-      struct Leave {  // also when the body throws: the rank's next call gets its turn
-        RingCommunicator& comm;
-        std::uint64_t id;
-        Round& round;
-        int rank;
-        ~Leave() { comm.leave(id, round, rank); }
-      } leave{*this, id, round, rank};
-      body(rank, round, tag);
+    auto issue = [this, rank, call, traffic = std::move(traffic), body = std::move(body),
+                  name]() -> std::function<void()> {
+      std::uint64_t id;
+      {
+        std::lock_guard lock(mutex_);
+        if (aborted_) throw Error(fmt::format("{}: communicator was aborted", name));
+        id = calls_made_[static_cast<std::size_t>(rank)]++;
+      }
+      traffic();
+      // Every rank makes the same calls in the same order: the call's index tags its messages, one
+      // tag per sending rank (tag + the sender's local index), as several threads of one process
+      // may send to one peer at once, in no fixed order (reduce).
+      const std::uint64_t tags =
+          channel_ ? (static_cast<std::uint64_t>(channel_->max_tag()) + 1) / static_cast<std::uint64_t>(local_) : 1;
+      const int tag = static_cast<int>(id % tags) * local_;
+      return [this, id, rank, call, body, name, tag] {
+        Round& round = join(id, rank, call, name);
+        struct Leave {  // also when the body throws: the rank's next call gets its turn
+          RingCommunicator& comm;
+          std::uint64_t id;
+          Round& round;
+          int rank;
+          ~Leave() { comm.leave(id, round, rank); }
+        } leave{*this, id, round, rank};
+        body(rank, round, tag);
+      };
     };
-    Access::stream(stream).enqueue_kernel(name, std::move(task), SpanKind::collective);
+    Access::stream(stream).enqueue_reissued(name, std::move(issue), SpanKind::collective);
   }
   Round& join(std::uint64_t id, int rank, const RankCall& call, const char* name) {
     std::unique_lock lock(mutex_);

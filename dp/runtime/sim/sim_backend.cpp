@@ -68,10 +68,25 @@ void* aligned_host_alloc(std::size_t bytes) {
   return std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
 }
 
+struct SimCapture;
+
 class SimEvent final : public EventImpl, public std::enable_shared_from_this<SimEvent> {
  public:
   SimEvent(RuntimeImpl& runtime, int device) : runtime_(runtime), device_(device) {}
   int device() const override { return device_; }
+
+  // The capture whose record is this event's latest (null: none). Such a record exists only in
+  // the graph being built: the host cannot wait for it, and a stream that waits on it joins the
+  // capture. Set and cleared by the capturing streams; the event's own state is untouched.
+  void set_capture(std::shared_ptr<SimCapture> capture, int node) {
+    std::lock_guard lock(mutex_);
+    capture_ = std::move(capture);
+    capture_node_ = node;
+  }
+  std::pair<std::shared_ptr<SimCapture>, int> capture() const {
+    std::lock_guard lock(mutex_);
+    return {capture_, capture_node_};
+  }
 
   // Called by SimStream::record: returns the generation that completing this record reaches.
   std::uint64_t begin_record() {
@@ -100,10 +115,12 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   }
 
   bool query() override {
+    refuse_if_captured("query");
     std::lock_guard lock(mutex_);
     return recorded_ == 0 || is_done(recorded_);
   }
   void synchronize() override {
+    refuse_if_captured("synchronize");
     runtime_.count(device_, Counter::host_syncs);
     wait_until(latest_record());
   }
@@ -123,10 +140,14 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
     std::lock_guard lock(mutex_);
     return time_ns_;
   }
+  void refuse_if_captured(const char* op) const;
+
   RuntimeImpl& runtime_;
   int device_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
+  std::shared_ptr<SimCapture> capture_;
+  int capture_node_ = -1;
   std::uint64_t recorded_ = 0;
   std::uint64_t completed_ = 0;   // every generation <= this one has completed
   std::set<std::uint64_t> done_;  // completed generations above completed_
@@ -134,6 +155,59 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
 };
 
 class SimDevice;
+class SimStream;
+
+// One capture in progress (Stream::begin_capture): the operations issued to its streams, in issue
+// order across streams, with the dependencies CUDA would give the graph's nodes (the previous
+// operation of the same stream, and the record an event wait refers to).
+struct SimCapture {
+  enum class Kind { work, record, wait };
+  struct Node {
+    SimStream* stream;
+    Kind kind;
+    const char* name;
+    SpanKind span;
+    std::function<std::function<void()>()> issue;  // work: the body of one execution
+    std::shared_ptr<SimEvent> event;                // record, wait
+    std::vector<int> deps;
+  };
+  explicit SimCapture(SimStream* origin_stream) : origin(origin_stream) {}
+
+  // Appends a node issued to `stream` (which must have joined) after `extra` (a record it waits for).
+  int add(SimStream* stream, Node node, int extra = -1) {
+    std::lock_guard lock(mutex);
+    auto it = last.find(stream);
+    if (it != last.end() && it->second >= 0) node.deps.push_back(it->second);
+    if (extra >= 0) node.deps.push_back(extra);
+    node.stream = stream;
+    nodes.push_back(std::move(node));
+    const int index = static_cast<int>(nodes.size()) - 1;
+    last[stream] = index;
+    return index;
+  }
+  void invalidate(const std::string& why) {
+    std::lock_guard lock(mutex);
+    if (invalid.empty()) invalid = why;
+  }
+
+  std::mutex mutex;
+  SimStream* origin;
+  std::vector<std::shared_ptr<SimStream>> streams;  // joined, the origin first
+  std::vector<std::shared_ptr<SimEvent>> events;    // recorded inside: unmarked when the capture ends
+  std::map<SimStream*, int> last;                   // each stream's latest node
+  std::vector<Node> nodes;
+  std::string invalid;  // why the capture was invalidated (empty: it was not)
+};
+
+void SimEvent::refuse_if_captured(const char* op) const {
+  const auto capture = this->capture().first;
+  if (!capture) return;
+  const std::string why = fmt::format(
+      "Event::{} on device {}: its latest record is inside a stream capture, which the host cannot wait for", op,
+      device_);
+  capture->invalidate(why);
+  throw CaptureError(why);
+}
 
 class SimRuntime final : public RuntimeImpl {
  public:
@@ -150,13 +224,14 @@ class SimRuntime final : public RuntimeImpl {
   void free_pinned(void* ptr) noexcept override;
 };
 
-class SimStream final : public StreamImpl {
+class SimStream final : public StreamImpl, public std::enable_shared_from_this<SimStream> {
  public:
-  SimStream(SimRuntime& runtime, int device)
+  SimStream(SimRuntime& runtime, SimDevice& device, int index)
       : runtime_(runtime),
-        device_(device),
+        device_impl_(device),
+        device_(index),
         id_(runtime.next_stream_id()),
-        executor_(fmt::format("sim{}.stream{}", device, id_)) {}
+        executor_(fmt::format("sim{}.stream{}", index, id_)) {}
 
   int device() const override { return device_; }
   Backend backend() const override { return Backend::sim; }
@@ -166,37 +241,67 @@ class SimStream final : public StreamImpl {
     if (sim_event->device() != device_)
       throw DeviceMismatch(
           fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(), device_));
+    if (auto capture = current_capture()) {
+      const int node = capture->add(this, {nullptr, SimCapture::Kind::record, "record", SpanKind::sync, {}, sim_event, {}});
+      {
+        std::lock_guard lock(capture->mutex);
+        capture->events.push_back(sim_event);
+      }
+      sim_event->set_capture(capture, node);
+      return;
+    }
     rethrow_sticky_error();  // before taking a generation that a refused post could never complete
-    const std::uint64_t generation = sim_event->begin_record();
-    post(
-        "record", SpanKind::sync, [] {}, [sim_event, generation] { sim_event->complete(generation); });
+    sim_event->set_capture(nullptr, -1);
+    post_record(*sim_event);
   }
 
   void wait(EventImpl& event) override {
     auto sim_event = static_cast<SimEvent&>(event).shared_from_this();
+    const auto [event_capture, record_node] = sim_event->capture();
+    auto capture = current_capture();
+    if (event_capture) {
+      if (capture && capture != event_capture)
+        fail(capture, fmt::format("a stream of device {} waits on an event recorded in another capture", device_));
+      if (!capture) join(event_capture);  // a fork: this stream's work joins the graph from here on
+      event_capture->add(this, {nullptr, SimCapture::Kind::wait, "wait", SpanKind::sync, {}, sim_event, {}},
+                         record_node);
+      return;
+    }
     // Captures the latest record now, as cudaStreamWaitEvent does; later records do not matter.
     const std::uint64_t generation = sim_event->latest_record();
-    if (generation == 0) return;
-    post("wait", SpanKind::sync, [sim_event, generation] { sim_event->wait_until(generation); });
+    if (generation == 0) return;  // never recorded: nothing to wait for, captured or not
+    if (capture)
+      fail(capture, fmt::format("a capturing stream of device {} waits on an event recorded outside the capture",
+                                device_));
+    post_wait(sim_event, generation);
   }
 
   bool query() override {
+    refuse_while_capturing("Stream::query");
     rethrow_sticky_error();
     return executor_.completed() == executor_.submitted();
   }
   void synchronize() override {
+    refuse_while_capturing("Stream::synchronize");
     count(Counter::host_syncs);
     finish();
   }
   // synchronize() without counting: for a device's synchronize, which counts once for its streams.
   void finish() {
+    refuse_while_capturing("Device::synchronize");
     executor_.wait_idle();
     rethrow_sticky_error();
   }
 
   void copy(void* dst, const void* src, std::size_t bytes) override;
 
-  void launch_host_func(std::function<void()> fn) override { post("host_func", SpanKind::host, std::move(fn)); }
+  void launch_host_func(std::function<void()> fn) override {
+    if (auto capture = current_capture()) {
+      capture->add(this, {nullptr, SimCapture::Kind::work, "host_func", SpanKind::host, [fn] { return fn; }, {}, {}});
+      return;
+    }
+    post("host_func", SpanKind::host, std::move(fn));
+  }
 
   void check_access(const void* ptr, std::size_t bytes, const char* op) override {
     bool partial = false;
@@ -217,8 +322,25 @@ class SimStream final : public StreamImpl {
 
   void enqueue_kernel(const char* name, std::function<void()> body, SpanKind kind) override {
     count(Counter::launches);
+    if (auto capture = current_capture()) {
+      capture->add(this, {nullptr, SimCapture::Kind::work, name, kind, [body] { return body; }, {}, {}});
+      return;
+    }
     post(name, kind, std::move(body));
   }
+  void enqueue_reissued(const char* name, std::function<std::function<void()>()> issue, SpanKind kind) override {
+    count(Counter::launches);
+    if (auto capture = current_capture()) {
+      capture->add(this, {nullptr, SimCapture::Kind::work, name, kind, std::move(issue), {}, {}});
+      return;
+    }
+    post(name, kind, issue());
+  }
+
+  void begin_capture() override;
+  std::shared_ptr<GraphImpl> end_capture() override;
+  bool capturing() override { return current_capture() != nullptr; }
+
   void* native_handle() override { return nullptr; }
   int multiprocessor_count() const override { return 1; }
   void make_current() override {}
@@ -229,7 +351,48 @@ class SimStream final : public StreamImpl {
 
   void drain() { executor_.wait_idle(); }
 
+  // One node of a replayed graph, issued to this stream as if issued anew.
+  void replay(const SimCapture::Node& node) {
+    switch (node.kind) {
+      case SimCapture::Kind::work: post(node.name, node.span, node.issue()); break;
+      case SimCapture::Kind::record:
+        rethrow_sticky_error();
+        post_record(*node.event);
+        break;
+      case SimCapture::Kind::wait:
+        // The record it waits for was replayed earlier in this replay: it is the latest.
+        if (const std::uint64_t generation = node.event->latest_record()) post_wait(node.event, generation);
+        break;
+    }
+  }
+
+  std::shared_ptr<SimCapture> current_capture() {
+    std::lock_guard lock(capture_mutex_);
+    return capture_;
+  }
+  // Marks the capture invalid (CUDA invalidates a capture on a forbidden call) and throws.
+  [[noreturn]] void fail(const std::shared_ptr<SimCapture>& capture, const std::string& why) {
+    capture->invalidate(why);
+    throw CaptureError(why);
+  }
+  void leave_capture();
+
  private:
+  void join(std::shared_ptr<SimCapture> capture);
+  void refuse_while_capturing(const char* op) {
+    if (auto capture = current_capture())
+      fail(capture, fmt::format("{} on device {} while the stream is being captured into a graph", op, device_));
+  }
+  void post_record(SimEvent& event) {
+    auto shared = event.shared_from_this();
+    const std::uint64_t generation = shared->begin_record();
+    post(
+        "record", SpanKind::sync, [] {}, [shared, generation] { shared->complete(generation); });
+  }
+  void post_wait(const std::shared_ptr<SimEvent>& event, std::uint64_t generation) {
+    post("wait", SpanKind::sync, [event, generation] { event->wait_until(generation); });
+  }
+
   template <class F>
   std::uint64_t post(const char* name, SpanKind kind, F&& fn, SerialExecutor::Task after = {}) {
     rethrow_sticky_error();
@@ -256,10 +419,36 @@ class SimStream final : public StreamImpl {
   }
 
   SimRuntime& runtime_;
+  SimDevice& device_impl_;
   int device_;
   int id_;
   std::exception_ptr sticky_;
-  SerialExecutor executor_;  // last: joins (draining queued work) before the members above die
+  std::mutex capture_mutex_;
+  std::shared_ptr<SimCapture> capture_;  // the capture this stream's work goes to (null: it runs)
+  SerialExecutor executor_;              // last: joins (draining queued work) before the members above die
+};
+
+// Replays post every node, in captured order, to the stream it was captured on: a record is
+// replayed before any wait that refers to it, so each wait finds the record of its own replay.
+class SimGraph final : public GraphImpl {
+ public:
+  SimGraph(RuntimeImpl& runtime, int device, std::vector<SimCapture::Node> nodes,
+           std::vector<std::shared_ptr<SimStream>> streams)
+      : runtime_(runtime), device_(device), nodes_(std::move(nodes)), streams_(std::move(streams)) {}
+  void replay() override {
+    for (auto& stream : streams_)
+      if (stream->capturing())
+        throw InvalidArgument(fmt::format("Graph::replay: a stream of device {} is capturing", stream->device()));
+    runtime_.count(device_, Counter::launches);  // one graph launch
+    for (const SimCapture::Node& node : nodes_) node.stream->replay(node);
+  }
+  std::size_t nodes() const override { return nodes_.size(); }
+
+ private:
+  RuntimeImpl& runtime_;
+  int device_;
+  std::vector<SimCapture::Node> nodes_;
+  std::vector<std::shared_ptr<SimStream>> streams_;  // keep the nodes' streams alive
 };
 
 class SimDevice final : public DeviceImpl {
@@ -272,6 +461,7 @@ class SimDevice final : public DeviceImpl {
 
   void* allocate(std::size_t bytes) override {
     runtime_.count(index_, Counter::allocations);
+    refuse_while_capturing(bytes);
     if (!memory_.reserve(bytes)) {
       const auto stats = memory_.stats();
       throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
@@ -299,7 +489,7 @@ class SimDevice final : public DeviceImpl {
   void reset_peak_memory() override { memory_.reset_peak(); }
 
   std::shared_ptr<StreamImpl> create_stream() override {
-    auto stream = std::make_shared<SimStream>(runtime_, index_);
+    auto stream = std::make_shared<SimStream>(runtime_, *this, index_);
     std::lock_guard lock(streams_mutex_);
     std::erase_if(streams_, [](const std::weak_ptr<SimStream>& s) { return s.expired(); });
     streams_.push_back(stream);
@@ -329,6 +519,15 @@ class SimDevice final : public DeviceImpl {
     return future;
   }
 
+  // Streams of this device that are capturing (an allocation now would invalidate their capture).
+  void set_capturing(SimStream* stream, bool on) {
+    std::lock_guard lock(streams_mutex_);
+    if (on)
+      capturing_.push_back(stream);
+    else
+      std::erase(capturing_, stream);
+  }
+
   void synchronize_noexcept() noexcept {
     try {
       for (auto& stream : live_streams()) stream->drain();
@@ -344,13 +543,84 @@ class SimDevice final : public DeviceImpl {
       if (auto s = weak.lock()) out.push_back(std::move(s));
     return out;
   }
+  void refuse_while_capturing(std::size_t bytes) {
+    std::vector<std::shared_ptr<SimCapture>> captures;
+    {
+      std::lock_guard lock(streams_mutex_);
+      for (SimStream* stream : capturing_)
+        if (auto capture = stream->current_capture()) captures.push_back(std::move(capture));
+    }
+    if (captures.empty()) return;
+    const std::string why =
+        fmt::format("allocation of {} bytes on device {} while a stream of the device is being captured", bytes, index_);
+    for (auto& capture : captures) capture->invalidate(why);
+    throw CaptureError(why);
+  }
+
   SimRuntime& runtime_;
   int index_;
   MemoryCounter memory_;
   std::mutex streams_mutex_;
   std::vector<std::weak_ptr<SimStream>> streams_;
+  std::vector<SimStream*> capturing_;
   SerialExecutor worker_;
 };
+
+void SimStream::begin_capture() {
+  if (capturing()) throw InvalidArgument(fmt::format("Stream::begin_capture: a stream of device {} already captures", device_));
+  rethrow_sticky_error();
+  join(std::make_shared<SimCapture>(this));
+}
+
+void SimStream::join(std::shared_ptr<SimCapture> capture) {
+  {
+    std::lock_guard lock(capture->mutex);
+    capture->streams.push_back(shared_from_this());
+  }
+  {
+    std::lock_guard lock(capture_mutex_);
+    capture_ = std::move(capture);
+  }
+  device_impl_.set_capturing(this, true);
+}
+
+void SimStream::leave_capture() {
+  device_impl_.set_capturing(this, false);
+  std::lock_guard lock(capture_mutex_);
+  capture_.reset();
+}
+
+std::shared_ptr<GraphImpl> SimStream::end_capture() {
+  auto capture = current_capture();
+  if (!capture) throw InvalidArgument(fmt::format("Stream::end_capture: the stream of device {} is not capturing", device_));
+  if (capture->origin != this)
+    throw InvalidArgument(fmt::format(
+        "Stream::end_capture on a stream of device {} that joined the capture: end it on the stream that began it",
+        device_));
+  std::lock_guard lock(capture->mutex);  // every stream leaves it now: nothing else adds nodes
+  for (auto& stream : capture->streams) stream->leave_capture();
+  for (auto& event : capture->events)
+    if (event->capture().first == capture) event->set_capture(nullptr, -1);
+  if (!capture->invalid.empty()) throw CaptureError("stream capture was invalidated: " + capture->invalid);
+  // As cudaStreamEndCapture: every stream forked into the capture must have joined back, i.e. its
+  // last operation is one the origin's last operation depends on.
+  std::vector<bool> reached(capture->nodes.size(), false);
+  std::vector<int> todo;
+  if (auto it = capture->last.find(this); it != capture->last.end()) todo.push_back(it->second);
+  while (!todo.empty()) {
+    const int node = todo.back();
+    todo.pop_back();
+    if (reached[static_cast<std::size_t>(node)]) continue;
+    reached[static_cast<std::size_t>(node)] = true;
+    for (const int dep : capture->nodes[static_cast<std::size_t>(node)].deps) todo.push_back(dep);
+  }
+  for (const auto& [stream, last] : capture->last)
+    if (stream != this && !reached[static_cast<std::size_t>(last)])
+      throw CaptureError(fmt::format("stream capture: a stream of device {} forked into the capture never joined "
+                                     "back (the capturing stream must wait on an event recorded after its work)",
+                                     stream->device()));
+  return std::make_shared<SimGraph>(runtime_, device_, std::move(capture->nodes), std::move(capture->streams));
+}
 
 void SimStream::copy(void* dst, const void* src, std::size_t bytes) {
   bool src_partial = false, dst_partial = false;
@@ -371,6 +641,19 @@ void SimStream::copy(void* dst, const void* src, std::size_t bytes) {
                                      src_loc == kHost ? std::string("host") : fmt::format("device {}", src_loc),
                                      dst_loc == kHost ? std::string("host") : fmt::format("device {}", dst_loc),
                                      device_));
+  if (auto capture = current_capture()) {
+    if (src_pageable || dst_pageable)
+      fail(capture, fmt::format("copy of {} bytes with a pageable host side on device {} while the stream is being "
+                                "captured (use pinned memory)",
+                                bytes, device_));
+    // Counted each time the graph runs it, as the traffic is.
+    auto issue = [&runtime = runtime_, dst, src, bytes, src_loc, dst_loc]() -> std::function<void()> {
+      runtime.count_copy(src_loc, dst_loc, bytes);
+      return [dst, src, bytes] { std::memcpy(dst, src, bytes); };
+    };
+    capture->add(this, {nullptr, SimCapture::Kind::work, "copy", SpanKind::copy, std::move(issue), {}, {}});
+    return;
+  }
   runtime_.count_copy(src_loc, dst_loc, bytes);
   if (src_pageable || dst_pageable) count(Counter::pageable_copies);
   if (src_pageable) {

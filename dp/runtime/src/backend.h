@@ -43,6 +43,14 @@ class EventImpl {
   virtual double elapsed_ms_since(EventImpl& start) = 0;
 };
 
+// Captured stream work (Graph).
+class GraphImpl {
+ public:
+  virtual ~GraphImpl() = default;
+  virtual void replay() = 0;
+  virtual std::size_t nodes() const = 0;
+};
+
 class StreamImpl {
  public:
   virtual ~StreamImpl() = default;
@@ -61,6 +69,16 @@ class StreamImpl {
 
   // sim only: run a kernel body on the stream thread. cuda launches kernels natively instead.
   virtual void enqueue_kernel(const char* name, std::function<void()> body, SpanKind kind = SpanKind::kernel) = 0;
+  // sim only: like enqueue_kernel, but `issue` runs on the host each time the work is issued --
+  // now, or at every replay of a graph that captured it -- and returns that issue's body. For work
+  // whose host-side bookkeeping belongs to each execution (a collective's sequence number and its
+  // traffic, as NCCL kernels in a replayed graph count their own calls).
+  virtual void enqueue_reissued(const char* name, std::function<std::function<void()>()> issue,
+                                SpanKind kind = SpanKind::kernel) = 0;
+
+  virtual void begin_capture() = 0;
+  virtual std::shared_ptr<GraphImpl> end_capture() = 0;
+  virtual bool capturing() = 0;
   // cuda only: the cudaStream_t (nullptr on sim).
   virtual void* native_handle() = 0;
   // cuda only: number of multiprocessors of the stream's device (launch grid sizing); sim: 1.

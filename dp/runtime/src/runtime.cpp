@@ -47,6 +47,16 @@ void Stream::copy(void* dst, const void* src, std::size_t bytes) const {
   Access::stream(*this).copy(dst, src, bytes);
 }
 void Stream::launch_host_func(std::function<void()> fn) const { Access::stream(*this).launch_host_func(std::move(fn)); }
+void Stream::begin_capture() const { Access::stream(*this).begin_capture(); }
+Graph Stream::end_capture() const { return Graph(Access::stream(*this).end_capture()); }
+bool Stream::capturing() const { return Access::stream(*this).capturing(); }
+
+// ---- Graph
+void Graph::replay() const {
+  if (!impl_) throw InvalidArgument("Graph::replay: empty graph handle (nothing was captured)");
+  impl_->replay();
+}
+std::size_t Graph::nodes() const { return impl_ ? impl_->nodes() : 0; }
 
 // ---- Device
 Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl, detail::RuntimeImpl& runtime)

@@ -27,11 +27,13 @@ class RuntimeImpl;
 class DeviceImpl;
 class StreamImpl;
 class EventImpl;
+class GraphImpl;
 struct Access;  // the runtime's own way in (backends, kernel_api); not part of the API
 }  // namespace detail
 
 class Device;
 class Stream;
+class Graph;
 
 // Marks the point in a stream's work at which it was recorded. Another stream (of any device)
 // can wait on it; the host can query or block on it. Copyable handle; copies share the event.
@@ -76,11 +78,44 @@ class Stream {
   // Runs `fn` on the host in stream order (cudaLaunchHostFunc). `fn` must not use dp streams.
   void launch_host_func(std::function<void()> fn) const;
 
+  // Stream capture (cudaStreamBeginCapture, thread-local mode): from begin_capture() on, work
+  // issued to this stream is recorded, not run. Another stream joins the capture by waiting on an
+  // event recorded inside it (a fork) and must be waited on by this one again before
+  // end_capture() (a join), which returns the recorded work as a Graph. While a stream captures,
+  // what CUDA forbids throws CaptureError and invalidates the capture: synchronising or querying
+  // it or its device, querying or synchronising an event recorded in it, a pageable copy, a device
+  // allocation on its device, waiting on an event recorded outside the capture.
+  void begin_capture() const;
+  Graph end_capture() const;  // on the stream that began the capture
+  bool capturing() const;
+
  private:
   friend class Device;
   friend struct detail::Access;
   explicit Stream(std::shared_ptr<detail::StreamImpl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<detail::StreamImpl> impl_;
+};
+
+// Work captured from streams (Stream::begin_capture .. end_capture), replayed as a whole: the same
+// kernels, copies and collectives with the same arguments and addresses, in the captured order,
+// on the captured streams. Values that change between replays must therefore live in memory the
+// graph reads (device memory, or pinned memory a captured copy reads), never in launch arguments.
+// Copyable handle; copies share the graph.
+class Graph {
+ public:
+  Graph() = default;
+  bool valid() const noexcept { return impl_ != nullptr; }
+  // Enqueues the whole graph once (cudaGraphLaunch into the capture's first stream): it starts
+  // after the work issued to that stream before, and work issued to it afterwards waits for all of
+  // it. One launch in the device's counters. Throws InvalidArgument on an empty handle.
+  void replay() const;
+  // Operations captured (kernels, copies, collectives, event records and waits).
+  std::size_t nodes() const;
+
+ private:
+  friend class Stream;
+  explicit Graph(std::shared_ptr<detail::GraphImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<detail::GraphImpl> impl_;
 };
 
 struct MemoryStats {

@@ -35,6 +35,14 @@ class DeviceMismatch : public Error {
   using Error::Error;
 };
 
+// An operation that CUDA forbids while a stream is being captured into a graph (a host
+// synchronisation, a pageable copy, an allocation, a wait on work outside the capture), or a
+// capture that cannot end (a stream forked into it never joined back, an invalidated capture).
+class CaptureError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A bad argument or configuration (shape, size, device index, option value).
 class InvalidArgument : public Error {
  public:

@@ -1,0 +1,233 @@
+// test_graph.cpp — stream capture and graph replay (Stream::begin_capture .. end_capture,
+// Graph::replay): nothing runs while capturing, a replay runs the captured work again with the
+// values memory holds at that time, forks and joins across streams and devices, collectives inside
+// a graph, and every operation CUDA forbids during a capture throws on the simulator as it fails on
+// a GPU. Bodies run on sim and, where a GPU exists, on cuda.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "dp/collectives.h"
+#include "dp/device.h"
+#include "dp/device_group.h"
+#include "dp/error.h"
+#include "dp/kernels/ops.h"
+#include "test_util.h"
+
+namespace dp {
+namespace {
+
+using test::BackendTest;
+
+class Graphs : public BackendTest {};
+INSTANTIATE_TEST_SUITE_P(Backends, Graphs, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(Graphs, CapturedWorkRunsOnlyWhenReplayed) {
+  DeviceBuffer x = up(std::vector<float>{1, 2, 3, 4});
+  DeviceBuffer y = up(std::vector<float>{0, 0, 0, 0});
+  stream_.synchronize();
+  stream_.begin_capture();
+  EXPECT_TRUE(stream_.capturing());
+  kernels::axpy(stream_, 4, 2.0f, x.as<float>(), y.as<float>());  // y += 2x
+  kernels::scale(stream_, 4, 0.5f, y.as<float>());               // y *= 0.5
+  const Graph graph = stream_.end_capture();
+  EXPECT_FALSE(stream_.capturing());
+  EXPECT_EQ(down<float>(y), (std::vector<float>{0, 0, 0, 0}));  // captured, not run
+  if (GetParam() == "sim") {
+    EXPECT_EQ(graph.nodes(), 2u);
+  }
+  graph.replay();
+  EXPECT_EQ(down<float>(y), (std::vector<float>{1, 2, 3, 4}));
+  graph.replay();
+  graph.replay();
+  EXPECT_EQ(down<float>(y), (std::vector<float>{1.75f, 3.5f, 5.25f, 7}));  // ((y+2x)/2 three times)
+}
+
+TEST_P(Graphs, AReplayReadsWhatMemoryHoldsThen) {
+  // A value that changes between replays (a learning rate) lives in pinned memory a captured copy
+  // reads, not in a launch argument.
+  PinnedBuffer host = runtime_->allocate_pinned(sizeof(float));
+  DeviceBuffer scalar = floats(1);
+  DeviceBuffer acc = up(std::vector<float>{0});
+  stream_.synchronize();
+  stream_.begin_capture();
+  stream_.copy(scalar.data(), host.data(), sizeof(float));
+  kernels::axpy(stream_, 1, 1.0f, scalar.as<float>(), acc.as<float>());
+  const Graph graph = stream_.end_capture();
+  for (float v : {1.0f, 10.0f, 100.0f}) {
+    *host.as<float>() = v;
+    graph.replay();
+    stream_.synchronize();  // the host writes `host` again only after the replay has read it
+  }
+  EXPECT_EQ(down<float>(acc), std::vector<float>{111});
+}
+
+TEST_P(Graphs, ForkAndJoinAcrossStreamsAndDevices) {
+  Device& other = runtime_->device(0);
+  Stream side = device_->create_stream();
+  Stream remote = other.create_stream();
+  Event fork = device_->create_event(), side_done = device_->create_event(), remote_done = other.create_event();
+  DeviceBuffer a = up(std::vector<float>{1, 1});
+  DeviceBuffer b = up(std::vector<float>{0, 0});
+  DeviceBuffer far = other.allocate(2 * sizeof(float));
+  stream_.synchronize();
+
+  stream_.begin_capture();
+  kernels::scale(stream_, 2, 3.0f, a.as<float>());  // a = 3a
+  stream_.record(fork);
+  side.wait(fork);  // side joins the capture
+  kernels::axpy(side, 2, 1.0f, a.as<float>(), b.as<float>());  // b += a
+  side.record(side_done);
+  remote.wait(fork);  // a stream of another device joins too
+  remote.copy(far.data(), a.data(), 2 * sizeof(float));
+  kernels::scale(remote, 2, 2.0f, far.as<float>());
+  remote.record(remote_done);
+  stream_.wait(side_done);  // both join back
+  stream_.wait(remote_done);
+  stream_.copy(a.data(), far.data(), 2 * sizeof(float));  // a = 2 * (3a)
+  const Graph graph = stream_.end_capture();
+  EXPECT_FALSE(side.capturing());
+  EXPECT_FALSE(remote.capturing());
+  EXPECT_EQ(down<float>(a), (std::vector<float>{1, 1}));
+
+  graph.replay();
+  graph.replay();
+  // Work issued after a replay waits for all of it, side streams included.
+  EXPECT_EQ(down<float>(b), (std::vector<float>{3 + 18, 3 + 18}));
+  EXPECT_EQ(down<float>(a), (std::vector<float>{36, 36}));
+}
+
+TEST_P(Graphs, AStreamThatNeverJoinsBackFailsTheCapture) {
+  Stream side = device_->create_stream();
+  Event fork = device_->create_event();
+  DeviceBuffer a = up(std::vector<float>{1});
+  stream_.synchronize();
+  stream_.begin_capture();
+  stream_.record(fork);
+  side.wait(fork);
+  kernels::scale(side, 1, 2.0f, a.as<float>());
+  EXPECT_THROW(side.end_capture(), InvalidArgument);  // only the stream that began it ends it
+  EXPECT_THROW(stream_.end_capture(), CaptureError);
+  EXPECT_FALSE(stream_.capturing());
+  EXPECT_FALSE(side.capturing());
+  EXPECT_EQ(down<float>(a), std::vector<float>{1});
+}
+
+TEST_P(Graphs, MisuseIsAClearError) {
+  EXPECT_THROW(Graph().replay(), InvalidArgument);
+  EXPECT_EQ(Graph().nodes(), 0u);
+  EXPECT_THROW(stream_.end_capture(), Error);  // not capturing
+  stream_.begin_capture();
+  EXPECT_THROW(stream_.begin_capture(), Error);
+  const Graph empty = stream_.end_capture();
+  empty.replay();  // an empty graph does nothing
+  stream_.synchronize();
+}
+
+// Each operation CUDA forbids while a stream captures throws there, and the capture then fails to
+// end (cudaErrorStreamCaptureInvalidated). The simulator enforces the same list.
+class ForbiddenInCapture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ForbiddenInCapture, ThrowsAndInvalidatesTheCapture) {
+  auto runtime = test::sim_runtime(2);
+  Device& device = runtime->device(1);
+  Stream stream = device.create_stream();
+  Event outside = device.create_event(), inside = device.create_event();
+  DeviceBuffer buffer = device.allocate(16);
+  std::vector<float> pageable(4);
+  kernels::fill(stream, buffer.as<float>(), 4, 0.0f);
+  stream.record(outside);
+  stream.synchronize();
+
+  stream.begin_capture();
+  kernels::fill(stream, buffer.as<float>(), 4, 1.0f);
+  stream.record(inside);
+  const std::string& op = GetParam();
+  const auto forbidden = [&] {
+    if (op == "stream_synchronize") stream.synchronize();
+    if (op == "stream_query") (void)stream.query();
+    if (op == "device_synchronize") device.synchronize();
+    if (op == "event_synchronize") inside.synchronize();
+    if (op == "event_query") (void)inside.query();
+    if (op == "pageable_copy_in") stream.copy(buffer.data(), pageable.data(), 16);
+    if (op == "pageable_copy_out") stream.copy(pageable.data(), buffer.data(), 16);
+    if (op == "allocation") (void)device.allocate(64);
+    if (op == "wait_on_outside_event") stream.wait(outside);
+  };
+  EXPECT_THROW(forbidden(), CaptureError) << op;
+  try {
+    stream.end_capture();
+    FAIL() << op << ": an invalidated capture ended";
+  } catch (const CaptureError& e) {
+    EXPECT_NE(std::string(e.what()).find("invalidated"), std::string::npos) << e.what();
+  }
+  // The stream works normally again, and nothing captured ran.
+  EXPECT_FALSE(stream.capturing());
+  stream.synchronize();
+  EXPECT_EQ(test::download<float>(stream, buffer), std::vector<float>(4, 0.0f));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sim, ForbiddenInCapture,
+                         ::testing::Values("stream_synchronize", "stream_query", "device_synchronize",
+                                           "event_synchronize", "event_query", "pageable_copy_in",
+                                           "pageable_copy_out", "allocation", "wait_on_outside_event"),
+                         [](const auto& info) { return info.param; });
+
+TEST(GraphCollectives, ReplayedAllReduceIsANewCallEachTime) {
+  // Each device captures its own step with an all-reduce inside (as DDP does with NCCL); replaying
+  // the graphs runs the collective again, with its traffic counted again.
+  constexpr int kRanks = 3;
+  auto runtime = test::sim_runtime(kRanks);
+  DeviceGroup group(*runtime, {0, 1, 2});
+  auto comm = Communicator::create(group);
+  std::vector<Stream> streams;
+  std::vector<DeviceBuffer> data;
+  for (int r = 0; r < kRanks; ++r) {
+    streams.push_back(group.device(r).create_stream());
+    data.push_back(test::upload(group.device(r), streams.back(), std::vector<float>{1, 2, 3}));
+  }
+  // A warm-up call sizes the ring's staging memory (no allocation may happen inside a capture).
+  group.run([&](int r) {
+    comm->all_reduce(r, streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)].as<float>(), 3,
+                     ReduceOp::sum);
+  });
+  std::vector<Graph> graphs(kRanks);
+  group.run([&](int r) {
+    const Stream& s = streams[static_cast<std::size_t>(r)];
+    s.synchronize();
+    s.begin_capture();
+    comm->all_reduce(r, s, data[static_cast<std::size_t>(r)].as<float>(), 3, ReduceOp::sum);
+    kernels::scale(s, 3, 0.5f, data[static_cast<std::size_t>(r)].as<float>());
+    graphs[static_cast<std::size_t>(r)] = s.end_capture();
+  });
+  runtime->reset_link_traffic();
+  for (int replay = 0; replay < 2; ++replay)
+    group.run([&](int r) { graphs[static_cast<std::size_t>(r)].replay(); });
+  // warm-up: 3x; each replay: sum (x3) then halve -> x1.5.
+  for (int r = 0; r < kRanks; ++r)
+    EXPECT_EQ(test::download<float>(streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]),
+              (std::vector<float>{3 * 2.25f, 6 * 2.25f, 9 * 2.25f}));
+  std::uint64_t received = 0;
+  for (int r = 0; r < kRanks; ++r) received += runtime->bytes_received(r);
+  EXPECT_GT(received, 0u);
+}
+
+TEST(GraphCounters, AReplayIsOneLaunch) {
+  auto runtime = test::sim_runtime(1);
+  Device& device = runtime->device(0);
+  Stream stream = device.create_stream();
+  DeviceBuffer x = device.allocate(4 * sizeof(float));
+  stream.begin_capture();
+  for (int i = 0; i < 5; ++i) kernels::fill(stream, x.as<float>(), 4, static_cast<float>(i));
+  const Graph graph = stream.end_capture();
+  runtime->reset_counters();
+  graph.replay();
+  stream.synchronize();
+  const DeviceCounters counters = runtime->counters(0);
+  EXPECT_EQ(counters.launches, 1u);
+  EXPECT_EQ(counters.allocations, 0u);
+  EXPECT_EQ(test::download<float>(stream, x), std::vector<float>(4, 4.0f));
+}
+
+}  // namespace
+}  // namespace dp
