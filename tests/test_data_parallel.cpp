@@ -13,6 +13,7 @@
 #include "dp/device_group.h"
 #include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/kernels/optimizer.h"
 #include "dp/loss.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
@@ -330,7 +331,8 @@ TEST(DataParallel, TrafficCountersEqualTheAnalyticValues) {
   EXPECT_EQ(rt->link_traffic(0, 1).bytes, params);
   EXPECT_EQ(rt->link_traffic(0, 2).bytes, 2 * out_row);
   EXPECT_EQ(rt->link_traffic(2, 0).bytes, 2 * out_row);
-  EXPECT_EQ(rt->link_traffic(kHost, 1).bytes, 4 * in_row);
+  // The source's chunk and the optimizer's per-step values (lr, first step: two floats).
+  EXPECT_EQ(rt->link_traffic(kHost, 1).bytes, 4 * in_row + sizeof(kernels::SgdScalars));
   EXPECT_EQ(rt->link_traffic(kHost, 2).bytes, 4 * in_row + 10 * 8);  // its chunk and all targets
   EXPECT_EQ(rt->link_traffic(kHost, 0).bytes, 2 * in_row);
   EXPECT_EQ(rt->link_traffic(2, kHost).bytes, 4u) << "the loss";

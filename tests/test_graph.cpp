@@ -29,7 +29,7 @@ TEST_P(Graphs, CapturedWorkRunsOnlyWhenReplayed) {
   stream_.begin_capture();
   EXPECT_TRUE(stream_.capturing());
   kernels::axpy(stream_, 4, 2.0f, x.as<float>(), y.as<float>());  // y += 2x
-  kernels::scale(stream_, 4, 0.5f, y.as<float>());               // y *= 0.5
+  kernels::scale(stream_, 4, 0.5f, y.as<float>());                // y *= 0.5
   const Graph graph = stream_.end_capture();
   EXPECT_FALSE(stream_.capturing());
   EXPECT_EQ(down<float>(y), (std::vector<float>{0, 0, 0, 0}));  // captured, not run
@@ -75,7 +75,7 @@ TEST_P(Graphs, ForkAndJoinAcrossStreamsAndDevices) {
   stream_.begin_capture();
   kernels::scale(stream_, 2, 3.0f, a.as<float>());  // a = 3a
   stream_.record(fork);
-  side.wait(fork);  // side joins the capture
+  side.wait(fork);                                             // side joins the capture
   kernels::axpy(side, 2, 1.0f, a.as<float>(), b.as<float>());  // b += a
   side.record(side_done);
   remote.wait(fork);  // a stream of another device joins too
@@ -169,8 +169,8 @@ TEST_P(ForbiddenInCapture, ThrowsAndInvalidatesTheCapture) {
 
 INSTANTIATE_TEST_SUITE_P(Sim, ForbiddenInCapture,
                          ::testing::Values("stream_synchronize", "stream_query", "device_synchronize",
-                                           "event_synchronize", "event_query", "pageable_copy_in",
-                                           "pageable_copy_out", "allocation", "wait_on_outside_event"),
+                                           "event_synchronize", "event_query", "pageable_copy_in", "pageable_copy_out",
+                                           "allocation", "wait_on_outside_event"),
                          [](const auto& info) { return info.param; });
 
 TEST(GraphCollectives, ReplayedAllReduceIsANewCallEachTime) {
@@ -201,8 +201,7 @@ TEST(GraphCollectives, ReplayedAllReduceIsANewCallEachTime) {
     graphs[static_cast<std::size_t>(r)] = s.end_capture();
   });
   runtime->reset_link_traffic();
-  for (int replay = 0; replay < 2; ++replay)
-    group.run([&](int r) { graphs[static_cast<std::size_t>(r)].replay(); });
+  for (int replay = 0; replay < 2; ++replay) group.run([&](int r) { graphs[static_cast<std::size_t>(r)].replay(); });
   // warm-up: 3x; each replay: sum (x3) then halve -> x1.5.
   for (int r = 0; r < kRanks; ++r)
     EXPECT_EQ(test::download<float>(streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)]),

@@ -20,26 +20,61 @@ void sgd_step(const Stream& stream, index_t n, const SgdOptions& options, bool f
       {operand(params, n), operand(grads, n), operand(buf, with_momentum ? n : 0)});
 }
 
-void adamw_step(const Stream& stream, index_t n, const AdamWOptions& options, std::int64_t step, float* params,
-                const float* grads, float* exp_avg, float* exp_avg_sq) {
+SgdScalars sgd_scalars(const SgdOptions& options, bool first_step) { return {options.lr, first_step ? 1.0f : 0.0f}; }
+
+void sgd_step_capturable(const Stream& stream, index_t n, const SgdOptions& options, const SgdScalars* scalars,
+                         float* params, const float* grads, float* momentum_buffer) {
+  validate(options);
+  checks::sgd_buffer(n, options.momentum, momentum_buffer);
+  checks::present("sgd_step", {{"scalars", scalars}});
+  const bool with_momentum = options.momentum != 0.0f;
+  float* buf = with_momentum ? momentum_buffer : nullptr;
+  launch(stream, "sgd_step", n,
+         SgdUpdate{0.0f, options.momentum, options.weight_decay, options.nesterov, false, params, grads, buf, scalars},
+         {operand(params, n), operand(grads, n), operand(buf, with_momentum ? n : 0), operand(scalars, 1)});
+}
+
+AdamWScalars adamw_scalars(const AdamWOptions& options, std::int64_t step) {
   validate(options);
   checks::adamw_step(step);
   const double bias_correction1 = 1.0 - std::pow(options.beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(options.beta2, static_cast<double>(step));
-  const AdamWUpdate update{static_cast<float>(1.0 - options.lr * options.weight_decay),
-                           static_cast<float>(options.beta1),
-                           static_cast<float>(1.0 - options.beta1),
-                           static_cast<float>(options.beta2),
-                           static_cast<float>(1.0 - options.beta2),
-                           static_cast<float>(-(options.lr / bias_correction1)),
-                           static_cast<float>(std::sqrt(bias_correction2)),
-                           static_cast<float>(options.eps),
-                           params,
-                           grads,
-                           exp_avg,
-                           exp_avg_sq};
-  launch(stream, "adamw_step", n, update,
+  return {static_cast<float>(1.0 - options.lr * options.weight_decay),
+          static_cast<float>(-(options.lr / bias_correction1)), static_cast<float>(std::sqrt(bias_correction2))};
+}
+
+namespace {
+AdamWUpdate adamw_update(const AdamWOptions& options, const AdamWScalars& values, const AdamWScalars* scalars,
+                         float* params, const float* grads, float* exp_avg, float* exp_avg_sq) {
+  return AdamWUpdate{values.decay,
+                     static_cast<float>(options.beta1),
+                     static_cast<float>(1.0 - options.beta1),
+                     static_cast<float>(options.beta2),
+                     static_cast<float>(1.0 - options.beta2),
+                     values.neg_step_size,
+                     values.bias_correction2_sqrt,
+                     static_cast<float>(options.eps),
+                     params,
+                     grads,
+                     exp_avg,
+                     exp_avg_sq,
+                     scalars};
+}
+}  // namespace
+
+void adamw_step(const Stream& stream, index_t n, const AdamWOptions& options, std::int64_t step, float* params,
+                const float* grads, float* exp_avg, float* exp_avg_sq) {
+  const AdamWScalars values = adamw_scalars(options, step);
+  launch(stream, "adamw_step", n, adamw_update(options, values, nullptr, params, grads, exp_avg, exp_avg_sq),
          {operand(params, n), operand(grads, n), operand(exp_avg, n), operand(exp_avg_sq, n)});
+}
+
+void adamw_step_capturable(const Stream& stream, index_t n, const AdamWOptions& options, const AdamWScalars* scalars,
+                           float* params, const float* grads, float* exp_avg, float* exp_avg_sq) {
+  validate(options);
+  checks::present("adamw_step", {{"scalars", scalars}});
+  launch(stream, "adamw_step", n, adamw_update(options, {}, scalars, params, grads, exp_avg, exp_avg_sq),
+         {operand(params, n), operand(grads, n), operand(exp_avg, n), operand(exp_avg_sq, n), operand(scalars, 1)});
 }
 
 }  // namespace dp::kernels

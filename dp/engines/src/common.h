@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -35,12 +38,64 @@ class StagedBatch {
   // Enqueues on `stream` the copies of batch.size samples of `floats_per_sample` inputs, and of the
   // targets when batch.targets is set. Throws InvalidArgument for an empty batch or null inputs.
   void stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample);
+  // The same in two halves, for steps that graphs replay: the host copies the batch into pinned
+  // staging owned here (write; the previous copy out of it must have run), and the stream copies it
+  // from there (enqueue; capturable, as its source never moves). Throws as stage() does.
+  void write(Device& device, const Batch& batch, std::size_t floats_per_sample);
+  void enqueue(Device& device, const Stream& stream);
   const float* inputs() const { return static_cast<const float*>(inputs_.data()); }
   const std::int64_t* targets() const { return static_cast<const std::int64_t*>(targets_.data()); }
+  // Counts the reallocations of the pinned staging (a graph that copies from it is stale after one).
+  std::uint64_t growths() const { return growths_; }
 
  private:
   Scratch inputs_, targets_;
+  PinnedBuffer host_inputs_, host_targets_;
+  std::size_t input_bytes_ = 0, target_bytes_ = 0;  // of the last write
+  std::uint64_t growths_ = 0;
 };
+
+// Device memory that graphs may refer to: a step that changes it (a scratch buffer grown for a
+// larger batch frees the smaller one) makes every captured step stale.
+struct MemorySnapshot {
+  std::vector<MemoryStats> stats;
+  std::uint64_t staging_growths = 0;
+  bool operator==(const MemorySnapshot& other) const;
+};
+MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t staging_growths);
+
+// When a training step runs eagerly, is captured, or is replayed (EngineOptions::graphs). A step is
+// captured once per key (the batch sizes and whatever else its enqueued work depends on) after one
+// eager step with that key has sized every grow-only buffer, and replayed from then on; an eager
+// step that moved memory (MemorySnapshot) drops every graph; a key whose capture failed (the model
+// did something a graph cannot hold) stays eager.
+class StepGraphs {
+ public:
+  using Key = std::vector<std::int64_t>;
+  enum class Action { eager, capture, replay };
+
+  explicit StepGraphs(bool enabled) : enabled_(enabled) {}
+  bool enabled() const { return enabled_; }
+  Action plan(const Key& key) const;
+  void eager_done(const Key& key, bool memory_moved);
+  void captured(const Key& key, std::vector<Graph> graphs) { graphs_[key] = std::move(graphs); }
+  void refuse(const Key& key) { refused_.push_back(key); }
+  const std::vector<Graph>& graphs(const Key& key) const { return graphs_.at(key); }
+  void count_replay() { ++replays_; }
+  std::uint64_t replays() const { return replays_; }
+
+ private:
+  bool enabled_;
+  std::map<Key, std::vector<Graph>> graphs_;
+  std::vector<Key> warmed_, refused_;
+  std::uint64_t replays_ = 0;
+};
+
+// Ends a capture that failed part-way (its error is already on its way up); nothing captured runs.
+void abandon_capture(const Stream& stream) noexcept;
+// Whether a failed step failed for a reason a graph cannot hold (CaptureError), maybe inside the
+// WorkerError of the device where it happened.
+bool capture_failed(std::exception_ptr error);
 
 // Throws InvalidArgument unless `batches` holds `expected` batches.
 void expect_batches(std::size_t got, int expected, const char* engine);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <cstring>
 #include <fmt/format.h>
 
 #include "common.h"
@@ -77,6 +78,16 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   reduce_start_ = source.create_event();
   reduce_end_ = source.create_event();
   update_end_ = source.create_event();
+  step_done_ = source.create_event();
+  graphs_ = std::make_unique<engines::StepGraphs>(options.graphs && module.capturable() && !time_phases_);
+}
+
+std::uint64_t DataParallel::graph_replays() const { return graphs_->replays(); }
+bool DataParallel::staged() const { return graphs_->enabled(); }
+std::uint64_t DataParallel::staging_growths() const {
+  std::uint64_t growths = target_growths_;
+  for (const auto& replica : replicas_) growths += replica->inputs.growths();
+  return growths;
 }
 
 namespace {
@@ -147,8 +158,12 @@ void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode) {
     for (int other = 1; other < used; ++other)
       r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
   const int rows = chunks_[static_cast<std::size_t>(rank)];
-  const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
-  r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
+  if (inputs) {
+    const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
+    r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
+  } else {
+    r.inputs.enqueue(device, r.stream);  // written to its pinned staging by the step (graphs)
+  }
   mark(time_phases_, r.stream, r.scatter_done);
   // One seed for all replicas, each chunk at its samples' place in the batch: the masks of
   // single-device training on the whole batch.
@@ -185,10 +200,73 @@ void DataParallel::gather_outputs() {
 
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
   plan_chunks(batch);
+  const engines::StepGraphs::Key key{batch};
+  const auto action = graphs_->plan(key);
+  if (staged()) {
+    // Every chunk, and the targets, into pinned staging: the step's copies read them from there.
+    const std::size_t floats = engines::sample_floats(module_);
+    if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
+    for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
+      replicas_[rank]->inputs.write(
+          group_.device(static_cast<int>(rank)),
+          Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank]}, floats);
+    const std::size_t target_bytes = static_cast<std::size_t>(batch) * sizeof(std::int64_t);
+    if (host_targets_.size() < target_bytes) {
+      host_targets_ = group_.device(output_rank_).allocate_pinned(target_bytes);
+      ++target_growths_;
+    }
+    std::memcpy(host_targets_.data(), targets, target_bytes);
+  }
+  const float* step_inputs = staged() ? nullptr : inputs;
+  const std::int64_t* step_targets = staged() ? host_targets_.as<std::int64_t>() : targets;
+
+  switch (action) {
+    case engines::StepGraphs::Action::replay:
+      optimizer_->replayed_step();
+      graphs_->graphs(key)[0].replay();  // every device's part: one launch, from this thread
+      graphs_->count_replay();
+      break;
+    case engines::StepGraphs::Action::capture: {
+      const std::int64_t steps = optimizer_->steps();
+      Graph graph;
+      try {
+        graph = enqueue_step(step_inputs, step_targets, batch, true);
+      } catch (...) {
+        if (replicas_[0]->stream.capturing()) engines::abandon_capture(replicas_[0]->stream);
+        optimizer_->set_steps(steps);
+        if (!engines::capture_failed(std::current_exception())) throw;
+        graphs_->refuse(key);  // the model did what a graph cannot hold: this batch size stays eager
+        return train_step(inputs, targets, batch);
+      }
+      graphs_->captured(key, {graph});
+      graph.replay();  // this step
+      graphs_->count_replay();
+      break;
+    }
+    case engines::StepGraphs::Action::eager: {
+      std::vector<Device*> devices;
+      for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
+      const auto before = engines::snapshot(devices, staging_growths());
+      enqueue_step(step_inputs, step_targets, batch, false);
+      graphs_->eager_done(key, !(engines::snapshot(devices, staging_growths()) == before));
+      // The loss only (the source's update may still run).
+      Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+      out.stream.record(loss_ready_);
+      loss_ready_.synchronize();
+      return *host_loss_.as<float>();
+    }
+  }
+  // A replay: the source's stream launched it, and its end there is the end of every device's part.
+  replicas_[0]->stream.record(step_done_);
+  step_done_.synchronize();
+  return *host_loss_.as<float>();
+}
+
+Graph DataParallel::enqueue_step(const float* inputs, const std::int64_t* targets, int batch, bool capture) {
   const int used = static_cast<int>(chunks_.size());
   const int classes = module_.output_features();
   const std::size_t classes_z = static_cast<std::size_t>(classes);
-  const float* loss_value = nullptr;
+  Graph graph;
 
   // One submission per device and step: each device's worker runs its part of every phase, and a
   // barrier between phases keeps the host order of the phases — every event a phase waits for was
@@ -196,6 +274,8 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
   // worker that fails drops out of the barrier, so the others finish the step (which then fails).
   // On one device this is the module's own step in one submission (torch's DataParallel calls the
   // module directly then): nothing to broadcast or reduce, and the same results bit for bit.
+  // Captured, the source's stream begins the capture and every other stream joins it through the
+  // events it waits for (the broadcast, the gathered outputs), and is joined back by the reduction.
   const int participants = std::max(used, output_rank_ + 1);  // the output device may hold no chunk
   std::barrier<> phase(participants);
   group_.run(
@@ -203,14 +283,17 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
         const bool has_chunk = rank < used;
         try {
           // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
-          if (rank == 0) replicas_[0]->stream.record(params_ready_);
+          if (rank == 0) {
+            if (capture) replicas_[0]->stream.begin_capture();
+            replicas_[0]->stream.record(params_ready_);
+          }
           phase.arrive_and_wait();
           if (has_chunk) receive_broadcast(rank);  // phase 2
           phase.arrive_and_wait();
           if (has_chunk) forward_chunk(rank, inputs, Mode::train);  // phase 3
           phase.arrive_and_wait();
 
-          // Phase 4, output device: gather, loss over the whole batch, its gradient.
+          // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
           if (rank == output_rank_) {
             Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
             Device& device = group_.device(output_rank_);
@@ -219,10 +302,11 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
             float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
             const auto* gathered = static_cast<const float*>(gathered_.data());
             out.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-            loss_value = loss_->forward(out.stream, gathered, device_targets, batch, classes);
+            const float* loss_value = loss_->forward(out.stream, gathered, device_targets, batch, classes);
             loss_->backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
-            out.stream.record(grad_output_ready_);
+            out.stream.copy(host_loss_.data(), loss_value, sizeof(float));  // pinned: asynchronous
             mark(time_phases_, out.stream, loss_end_);
+            out.stream.record(grad_output_ready_);
           }
           phase.arrive_and_wait();
 
@@ -259,9 +343,12 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
               kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
                             module_.grads_flat());
             }
+            // An output device without a chunk ends with the loss: the source joins it there too.
+            if (output_rank_ >= used) source.stream.wait(grad_output_ready_);
             mark(time_phases_, source.stream, reduce_end_);
             optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
             mark(time_phases_, source.stream, update_end_);
+            if (capture) graph = source.stream.end_capture();
           }
         } catch (...) {
           phase.arrive_and_drop();  // never blocks; the others go on without this worker
@@ -269,13 +356,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
         }
       },
       participants);
-
-  // The loss only (the source's update may still run): pinned, then its event.
-  Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
-  out.stream.copy(host_loss_.data(), loss_value, sizeof(float));
-  out.stream.record(loss_ready_);
-  loss_ready_.synchronize();
-  return *host_loss_.as<float>();
+  return graph;
 }
 
 void DataParallel::synchronize() {

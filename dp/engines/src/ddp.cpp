@@ -54,9 +54,12 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     rank->loss_ready = device.create_event();
     ranks_.push_back(std::move(rank));
   }
+  graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1);
   broadcast_from_rank0(true, true);
   zero_grad();  // on each rank's worker: its device is the current one there
 }
+
+std::uint64_t DistributedDataParallel::graph_replays() const { return graphs_->replays(); }
 
 DistributedDataParallel::~DistributedDataParallel() {
   for (auto& rank : ranks_) {
@@ -162,12 +165,16 @@ bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool
   return sync;
 }
 
-void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync) {
+void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync,
+                                                       bool staged) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;
   Device& device = group_.device(r);
   const int classes = m.output_features();
-  rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
+  if (staged)
+    rank.batch.enqueue(device, rank.compute);  // written into its pinned staging by the caller
+  else
+    rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
   float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
   // seed + global rank, as each torch process seeds itself; forwards accumulated without a step
   // (no_sync) continue the step's samples, as one larger batch would.
@@ -218,7 +225,7 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
   const bool sync = begin_forward(batches, broadcast);
   run_ranks([&](int r) {
     if (broadcast) enqueue_broadcast(r, false, true);
-    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], loss_scale, sync);
+    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], loss_scale, sync, false);
   });
   return wait_for_loss();
 }
@@ -241,15 +248,79 @@ float DistributedDataParallel::train_step(std::span<const Batch> batches) {
   check_batches(batches, true);
   bool broadcast = false;
   const bool sync = begin_forward(batches, broadcast);
-  run_ranks([&](int r) {
-    if (broadcast) enqueue_broadcast(r, false, true);
-    enqueue_zero_grad(r);
-    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], 1.0f, sync);
-    enqueue_step(r);
-  });
+  engines::StepGraphs::Key key;
+  for (const Batch& batch : batches) key.push_back(batch.size);
+  key.push_back(sync);
+  key.push_back(broadcast);
+  key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
+  const bool staged = graphs_->enabled();
+  if (staged)
+    for (int r = 0; r < group_.size(); ++r)
+      ranks_[static_cast<std::size_t>(r)]->batch.write(group_.device(r), batches[static_cast<std::size_t>(r)],
+                                                       engines::sample_floats(*ranks_[0]->model));
+  const auto action = graphs_->plan(key);
+  if (action == engines::StepGraphs::Action::eager || !capture_step(key, batches, sync, broadcast)) {
+    std::vector<Device*> devices;
+    for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
+    std::uint64_t growths = 0;
+    for (auto& rank : ranks_) growths += rank->batch.growths();
+    const auto before = engines::snapshot(devices, growths);
+    run_ranks([&](int r) { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, staged); });
+    growths = 0;
+    for (auto& rank : ranks_) growths += rank->batch.growths();
+    graphs_->eager_done(key, !(engines::snapshot(devices, growths) == before));
+  }
   const float loss = wait_for_loss();
   if (options_.check_replicas) check_replicas_identical();
   return loss;
+}
+
+void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, bool staged) {
+  if (broadcast) enqueue_broadcast(r, false, true);
+  enqueue_zero_grad(r);
+  enqueue_forward_backward(r, batch, 1.0f, sync, staged);
+  enqueue_step(r);
+}
+
+bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key, std::span<const Batch> batches,
+                                           bool sync, bool broadcast) {
+  if (graphs_->plan(key) == engines::StepGraphs::Action::capture) {
+    std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
+    std::vector<std::int64_t> steps;
+    for (auto& rank : ranks_) steps.push_back(rank->optimizer->steps());
+    try {
+      // Not run_ranks: a failed capture ran none of its collectives, so no peer waits in one and
+      // the communicators stay usable.
+      group_.run([&](int r) {
+        Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+        rank.compute.begin_capture();
+        enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, true);
+        graphs[static_cast<std::size_t>(r)] = rank.compute.end_capture();
+      });
+    } catch (...) {
+      for (std::size_t r = 0; r < ranks_.size(); ++r) {
+        if (ranks_[r]->compute.capturing()) engines::abandon_capture(ranks_[r]->compute);
+        ranks_[r]->optimizer->set_steps(steps[r]);
+      }
+      if (!engines::capture_failed(std::current_exception())) throw;
+      graphs_->refuse(key);  // the model did what a graph cannot hold: these batch sizes stay eager
+      return false;
+    }
+    graphs_->captured(key, std::move(graphs));
+    // The capture ran nothing: this step is the first replay, with the steps already counted.
+    for (std::size_t r = 0; r < ranks_.size(); ++r) ranks_[r]->optimizer->set_steps(steps[r]);
+  }
+  const std::vector<Graph>& graphs = graphs_->graphs(key);
+  run_ranks([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    rank.optimizer->replayed_step();
+    rank.accumulated_samples = 0;
+    graphs[static_cast<std::size_t>(r)].replay();
+    // A record captured into the graph is a dependency inside it, not a record of the event.
+    rank.compute.record(rank.loss_ready);
+  });
+  graphs_->count_replay();
+  return true;
 }
 
 std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batches) {

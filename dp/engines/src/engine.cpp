@@ -1,7 +1,9 @@
 // engine.cpp — the Engine interface's shared pieces, make_engine, and the engines' common helpers.
 #include "dp/engine.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fmt/format.h>
 
 #include "common.h"
@@ -82,13 +84,14 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
       if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
         throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
                                           model.device().index(), fmt::join(*options.device_ids, ", ")));
-      return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step);
+      return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step, options.graphs);
     case EngineKind::dp: {
       DataParallelOptions dp_options;
       dp_options.step = options.step;
       dp_options.device_ids = options.device_ids;
       dp_options.output_device = options.output_device;
       dp_options.time_phases = options.time_phases;
+      dp_options.graphs = options.graphs;
       return std::make_unique<DataParallel>(runtime, model, optimizer, dp_options);
     }
     case EngineKind::ddp: {
@@ -100,6 +103,7 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
       ddp_options.broadcast_buffers = options.broadcast_buffers;
       ddp_options.sync_batchnorm = options.sync_batchnorm;
       ddp_options.processes = options.processes;
+      ddp_options.graphs = options.graphs;
       return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
     }
   }
@@ -107,6 +111,19 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
 }
 
 namespace engines {
+
+namespace {
+void check_batch(const Batch& batch) {
+  if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
+  if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
+}
+// At least `bytes` of pinned memory in `buffer`; true when it had to be reallocated.
+bool reserve_pinned(Device& device, PinnedBuffer& buffer, std::size_t bytes) {
+  if (buffer.size() >= bytes) return false;
+  buffer = device.allocate_pinned(bytes);
+  return true;
+}
+}  // namespace
 
 std::size_t sample_floats(const Model& model) { return numel(model.input_shape()); }
 
@@ -123,13 +140,80 @@ Replicas::Replicas(Model& module, const DeviceGroup& group) : module_(module) {
 }
 
 void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample) {
-  if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
-  if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
+  check_batch(batch);
   const auto samples = static_cast<std::size_t>(batch.size);
   stream.copy(inputs_.get<float>(device, samples * floats_per_sample), batch.inputs,
               samples * floats_per_sample * sizeof(float));
   if (batch.targets)
     stream.copy(targets_.get<std::int64_t>(device, samples), batch.targets, samples * sizeof(std::int64_t));
+}
+
+void StagedBatch::write(Device& device, const Batch& batch, std::size_t floats_per_sample) {
+  check_batch(batch);
+  const auto samples = static_cast<std::size_t>(batch.size);
+  input_bytes_ = samples * floats_per_sample * sizeof(float);
+  target_bytes_ = batch.targets ? samples * sizeof(std::int64_t) : 0;
+  if (reserve_pinned(device, host_inputs_, input_bytes_)) ++growths_;
+  std::memcpy(host_inputs_.data(), batch.inputs, input_bytes_);
+  if (target_bytes_) {
+    if (reserve_pinned(device, host_targets_, target_bytes_)) ++growths_;
+    std::memcpy(host_targets_.data(), batch.targets, target_bytes_);
+  }
+}
+
+void StagedBatch::enqueue(Device& device, const Stream& stream) {
+  stream.copy(inputs_.get<float>(device, input_bytes_ / sizeof(float)), host_inputs_.data(), input_bytes_);
+  if (target_bytes_)
+    stream.copy(targets_.get<std::int64_t>(device, target_bytes_ / sizeof(std::int64_t)), host_targets_.data(),
+                target_bytes_);
+}
+
+void abandon_capture(const Stream& stream) noexcept {
+  try {
+    (void)stream.end_capture();
+  } catch (...) {  // an invalidated or unjoined capture: the error that made us abandon it is reported
+  }
+}
+
+bool capture_failed(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const CaptureError&) {
+    return true;
+  } catch (const WorkerError& e) {
+    return e.cause() && capture_failed(e.cause());
+  } catch (...) {
+    return false;
+  }
+}
+
+bool MemorySnapshot::operator==(const MemorySnapshot& other) const {
+  if (staging_growths != other.staging_growths || stats.size() != other.stats.size()) return false;
+  for (std::size_t i = 0; i < stats.size(); ++i)
+    if (stats[i].in_use != other.stats[i].in_use || stats[i].allocations != other.stats[i].allocations) return false;
+  return true;
+}
+
+MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t staging_growths) {
+  MemorySnapshot out;
+  for (Device* device : devices) out.stats.push_back(device->memory());
+  out.staging_growths = staging_growths;
+  return out;
+}
+
+StepGraphs::Action StepGraphs::plan(const Key& key) const {
+  if (!enabled_ || std::find(refused_.begin(), refused_.end(), key) != refused_.end()) return Action::eager;
+  if (graphs_.count(key)) return Action::replay;
+  return std::find(warmed_.begin(), warmed_.end(), key) != warmed_.end() ? Action::capture : Action::eager;
+}
+
+void StepGraphs::eager_done(const Key& key, bool memory_moved) {
+  if (!enabled_) return;
+  if (memory_moved) {
+    graphs_.clear();
+    warmed_.clear();
+  }
+  if (std::find(warmed_.begin(), warmed_.end(), key) == warmed_.end()) warmed_.push_back(key);
 }
 
 void expect_batches(std::size_t got, int expected, const char* engine) {

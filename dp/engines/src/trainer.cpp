@@ -8,7 +8,7 @@
 
 namespace dp {
 
-SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step)
+SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step, bool graphs)
     : model_(model),
       step_options_(step),
       device_ids_{model.device().index()},
@@ -16,6 +16,7 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
       loss_(model.device(), step.label_smoothing),
       stream_(model.device().create_stream()),
       batch_(std::make_unique<engines::StagedBatch>()),
+      graphs_(std::make_unique<engines::StepGraphs>(graphs && model.capturable())),
       host_loss_(model.device().allocate_pinned(sizeof(float))),
       step_done_(model.device().create_event()) {}
 
@@ -26,10 +27,8 @@ SingleDeviceTrainer::~SingleDeviceTrainer() {
   }
 }
 
-float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets, int batch) {
-  if (!targets) throw InvalidArgument("training step without targets (null pointer)");
+void SingleDeviceTrainer::enqueue_step(int batch) {
   Device& device = model_.device();
-  batch_->stage(device, stream_, Batch{inputs, targets, batch}, engines::sample_floats(model_));
   const int classes = model_.output_features();
   float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
   model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), 0});
@@ -39,13 +38,67 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
   model_.zero_grad(stream_);
   model_.backward(stream_, grad_output);
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
-  // Into pinned memory, then one wait for the whole step (the optimizer included: step() returns
-  // a finished step).
-  stream_.copy(host_loss_.data(), loss, sizeof(float));
+  stream_.copy(host_loss_.data(), loss, sizeof(float));  // pinned: asynchronous, capturable
+}
+
+float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets, int batch) {
+  if (!targets) throw InvalidArgument("training step without targets (null pointer)");
+  Device& device = model_.device();
+  const Batch host{inputs, targets, batch};
+  const std::size_t floats = engines::sample_floats(model_);
+  const engines::StepGraphs::Key key{batch};
+  switch (graphs_->plan(key)) {
+    case engines::StepGraphs::Action::replay:
+      batch_->write(device, host, floats);  // the previous replay has finished: step_done_
+      optimizer_->replayed_step();
+      graphs_->graphs(key)[0].replay();
+      graphs_->count_replay();
+      break;
+    case engines::StepGraphs::Action::capture: {
+      batch_->write(device, host, floats);
+      const std::int64_t steps = optimizer_->steps();
+      Graph graph;
+      try {
+        stream_.begin_capture();
+        batch_->enqueue(device, stream_);
+        enqueue_step(batch);
+        graph = stream_.end_capture();
+      } catch (const CaptureError&) {
+        // The model did what a graph cannot hold: nothing captured ran; this batch size stays eager.
+        if (stream_.capturing()) engines::abandon_capture(stream_);
+        optimizer_->set_steps(steps);
+        graphs_->refuse(key);
+        return step(inputs, targets, batch);
+      } catch (...) {
+        if (stream_.capturing()) engines::abandon_capture(stream_);
+        optimizer_->set_steps(steps);
+        throw;
+      }
+      graphs_->captured(key, {graph});
+      graph.replay();  // this step
+      graphs_->count_replay();
+      break;
+    }
+    case engines::StepGraphs::Action::eager: {
+      const auto before = engines::snapshot({&device}, batch_->growths());
+      if (graphs_->enabled()) {  // through the pinned staging a later capture will copy from
+        batch_->write(device, host, floats);
+        batch_->enqueue(device, stream_);
+      } else {
+        batch_->stage(device, stream_, host, floats);
+      }
+      enqueue_step(batch);
+      graphs_->eager_done(key, !(engines::snapshot({&device}, batch_->growths()) == before));
+      break;
+    }
+  }
+  // One wait for the whole step (the optimizer included: step() returns a finished step).
   stream_.record(step_done_);
   step_done_.synchronize();
   return *host_loss_.as<float>();
 }
+
+std::uint64_t SingleDeviceTrainer::graph_replays() const { return graphs_->replays(); }
 
 std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) {
   batch_->stage(model_.device(), stream_, Batch{inputs, nullptr, batch}, engines::sample_floats(model_));

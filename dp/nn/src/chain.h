@@ -20,6 +20,11 @@ class Chain {
   Chain(Chain&&) noexcept = default;
 
   const Layers& layers() const { return layers_; }
+  bool stochastic() const {
+    for (const auto& layer : layers_)
+      if (layer->stochastic()) return true;
+    return false;
+  }
   // True when no child computes anything (empty, or views only): the output is the input.
   bool is_identity() const { return first_compute() == layers_.size(); }
   ActShape output_shape(ActShape in) const;

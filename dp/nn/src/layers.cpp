@@ -260,6 +260,7 @@ class Dropout final : public Layer {
           fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", this->name(), p));
   }
   ActShape output_shape(const ActShape& in) const override { return in; }
+  bool stochastic() const override { return p_ > 0.0; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     if (ctx.mode == Mode::eval) {  // identity, as torch's eval mode
       ctx.stream.copy(y, x, static_cast<std::size_t>(ctx.in.numel()) * sizeof(float));
@@ -301,6 +302,12 @@ class Container : public Layer {
   }
   void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
     backward_reporting(ctx, x, y, dy, dx, {});
+  }
+  bool stochastic() const override {
+    // chains() hands out the derived class's members mutably; asking them changes nothing.
+    for (const detail::Chain* chain : const_cast<Container*>(this)->chains())
+      if (chain->stochastic()) return true;
+    return false;
   }
 
  protected:

@@ -1,7 +1,11 @@
 // optim.cpp — Sgd and AdamW: option checks, their state buffers, and the one-launch updates.
 #include "dp/optim.h"
 
+#include <cstring>
+
+#include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/kernels/optimizer.h"
 
 namespace dp {
 namespace {
@@ -14,6 +18,33 @@ template <class... F>
 Overloaded(F...) -> Overloaded<F...>;  // clang 14 (the fuzz build) has no aggregate deduction yet
 
 }  // namespace
+
+Optimizer::Optimizer(Device& device, std::size_t param_count)
+    : device_(device),
+      param_count_(param_count),
+      slot_(device.allocate_pinned(kMaxScalarBytes)),
+      scalars_(device.allocate(kMaxScalarBytes)),
+      slot_free_(device.create_event()) {}
+
+void Optimizer::stage_scalars(const void* values, std::size_t bytes) {
+  if (bytes > kMaxScalarBytes) throw InvalidArgument("optimizer scalars exceed their slot");
+  if (slot_pending_) {
+    if (!slot_free_.query()) slot_free_.synchronize();  // rare: the previous update has not started yet
+    slot_pending_ = false;
+  }
+  std::memcpy(slot_.data(), values, bytes);
+}
+
+const void* Optimizer::upload_scalars(const Stream& stream, const void* values, std::size_t bytes) {
+  stage_scalars(values, bytes);
+  stream.copy(scalars_.data(), slot_.data(), bytes);
+  // Inside a capture the copy runs at each replay, whose end the engine waits for before staging again.
+  if (!stream.capturing()) {
+    stream.record(slot_free_);
+    slot_pending_ = true;
+  }
+  return scalars_.data();
+}
 
 DeviceBuffer Optimizer::zeroed_buffer() const {
   DeviceBuffer buffer = device_.allocate(param_count_ * sizeof(float));
@@ -42,8 +73,16 @@ std::vector<Optimizer::StateBuffer> Sgd::state() const {
 }
 
 void Sgd::step(const Stream& stream, float* params, const float* grads) {
-  kernels::sgd_step(stream, static_cast<kernels::index_t>(param_count()), options_, steps_ == 0, params, grads,
-                    momentum_.as<float>());
+  const kernels::SgdScalars values = kernels::sgd_scalars(options_, steps_ == 0);
+  const auto* scalars = static_cast<const kernels::SgdScalars*>(upload_scalars(stream, &values, sizeof values));
+  kernels::sgd_step_capturable(stream, static_cast<kernels::index_t>(param_count()), options_, scalars, params, grads,
+                               momentum_.as<float>());
+  ++steps_;
+}
+
+void Sgd::replayed_step() {
+  const kernels::SgdScalars values = kernels::sgd_scalars(options_, steps_ == 0);
+  stage_scalars(&values, sizeof values);
   ++steps_;
 }
 
@@ -67,8 +106,16 @@ std::vector<Optimizer::StateBuffer> AdamW::state() const {
 
 void AdamW::step(const Stream& stream, float* params, const float* grads) {
   // torch increments state['step'] before the update: the first step's bias correction uses 1.
-  kernels::adamw_step(stream, static_cast<kernels::index_t>(param_count()), options_, steps_ + 1, params, grads,
-                      exp_avg_.as<float>(), exp_avg_sq_.as<float>());
+  const kernels::AdamWScalars values = kernels::adamw_scalars(options_, steps_ + 1);
+  const auto* scalars = static_cast<const kernels::AdamWScalars*>(upload_scalars(stream, &values, sizeof values));
+  kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(param_count()), options_, scalars, params, grads,
+                                 exp_avg_.as<float>(), exp_avg_sq_.as<float>());
+  ++steps_;
+}
+
+void AdamW::replayed_step() {
+  const kernels::AdamWScalars values = kernels::adamw_scalars(options_, steps_ + 1);
+  stage_scalars(&values, sizeof values);
   ++steps_;
 }
 

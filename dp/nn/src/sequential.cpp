@@ -156,4 +156,6 @@ std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
   return std::make_unique<SequentialModel>(name_, device, std::move(layers), input_shape_);
 }
 
+bool SequentialModel::capturable() const { return !chain_->stochastic(); }
+
 }  // namespace dp::nn

@@ -200,17 +200,17 @@ class RingCommunicator final : public Communicator {
     };
     enqueue(rank, stream, "all_gather", RankCall{recv, send, nullptr}, traffic,
             [this, count, n](int r, Round& round, int tag) {
-      const int g = first_ + r;
-      float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
-      const auto block = [&](int b) { return static_cast<std::size_t>(((b % n) + n) % n) * count; };
-      std::memcpy(mine + block(g), round.calls[static_cast<std::size_t>(r)].send, count * sizeof(float));
-      step_barrier(round);
-      for (int s = 0; s < n - 1; ++s) {
-        transfer(round, r, mine + block(g - 1 - s), block(g - 1 - s), count * sizeof(float), mine + block(g - s),
-                 count * sizeof(float), tag, "all_gather");
-        step_barrier(round);
-      }
-    });
+              const int g = first_ + r;
+              float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
+              const auto block = [&](int b) { return static_cast<std::size_t>(((b % n) + n) % n) * count; };
+              std::memcpy(mine + block(g), round.calls[static_cast<std::size_t>(r)].send, count * sizeof(float));
+              step_barrier(round);
+              for (int s = 0; s < n - 1; ++s) {
+                transfer(round, r, mine + block(g - 1 - s), block(g - 1 - s), count * sizeof(float),
+                         mine + block(g - s), count * sizeof(float), tag, "all_gather");
+                step_barrier(round);
+              }
+            });
   }
 
   void abort() override {

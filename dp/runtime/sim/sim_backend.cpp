@@ -168,8 +168,9 @@ struct SimCapture {
     const char* name;
     SpanKind span;
     std::function<std::function<void()>()> issue;  // work: the body of one execution
-    std::shared_ptr<SimEvent> event;                // record, wait
+    std::shared_ptr<SimEvent> event;               // record, wait: the user's event (capture only)
     std::vector<int> deps;
+    int record_node = -1;  // wait: the record node it waits for
   };
   explicit SimCapture(SimStream* origin_stream) : origin(origin_stream) {}
 
@@ -179,6 +180,7 @@ struct SimCapture {
     auto it = last.find(stream);
     if (it != last.end() && it->second >= 0) node.deps.push_back(it->second);
     if (extra >= 0) node.deps.push_back(extra);
+    if (extra >= 0 && node.kind == Kind::wait) node.record_node = extra;
     node.stream = stream;
     nodes.push_back(std::move(node));
     const int index = static_cast<int>(nodes.size()) - 1;
@@ -242,7 +244,8 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
       throw DeviceMismatch(
           fmt::format("event of device {} recorded on a stream of device {}", sim_event->device(), device_));
     if (auto capture = current_capture()) {
-      const int node = capture->add(this, {nullptr, SimCapture::Kind::record, "record", SpanKind::sync, {}, sim_event, {}});
+      const int node =
+          capture->add(this, {nullptr, SimCapture::Kind::record, "record", SpanKind::sync, {}, sim_event, {}});
       {
         std::lock_guard lock(capture->mutex);
         capture->events.push_back(sim_event);
@@ -271,8 +274,8 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
     const std::uint64_t generation = sim_event->latest_record();
     if (generation == 0) return;  // never recorded: nothing to wait for, captured or not
     if (capture)
-      fail(capture, fmt::format("a capturing stream of device {} waits on an event recorded outside the capture",
-                                device_));
+      fail(capture,
+           fmt::format("a capturing stream of device {} waits on an event recorded outside the capture", device_));
     post_wait(sim_event, generation);
   }
 
@@ -351,19 +354,17 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
 
   void drain() { executor_.wait_idle(); }
 
-  // One node of a replayed graph, issued to this stream as if issued anew.
-  void replay(const SimCapture::Node& node) {
-    switch (node.kind) {
-      case SimCapture::Kind::work: post(node.name, node.span, node.issue()); break;
-      case SimCapture::Kind::record:
-        rethrow_sticky_error();
-        post_record(*node.event);
-        break;
-      case SimCapture::Kind::wait:
-        // The record it waits for was replayed earlier in this replay: it is the latest.
-        if (const std::uint64_t generation = node.event->latest_record()) post_wait(node.event, generation);
-        break;
-    }
+  // A replayed graph's nodes, issued to this stream as if issued anew. Records and waits use the
+  // graph's own events: inside a graph they are dependencies only, and replaying one leaves the
+  // events recorded during the capture as they are (as cudaEventRecord captured into a graph does).
+  void replay_work(const SimCapture::Node& node) { post(node.name, node.span, node.issue()); }
+  void replay_record(SimEvent& event) {
+    rethrow_sticky_error();
+    post_record(event);
+  }
+  void replay_wait(const std::shared_ptr<SimEvent>& event) {
+    // The record it waits for was replayed earlier in this replay: it is the latest.
+    if (const std::uint64_t generation = event->latest_record()) post_wait(event, generation);
   }
 
   std::shared_ptr<SimCapture> current_capture() {
@@ -434,13 +435,29 @@ class SimGraph final : public GraphImpl {
  public:
   SimGraph(RuntimeImpl& runtime, int device, std::vector<SimCapture::Node> nodes,
            std::vector<std::shared_ptr<SimStream>> streams)
-      : runtime_(runtime), device_(device), nodes_(std::move(nodes)), streams_(std::move(streams)) {}
+      : runtime_(runtime), device_(device), nodes_(std::move(nodes)), streams_(std::move(streams)) {
+    events_.resize(nodes_.size());
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      nodes_[i].event.reset();  // the user's event is not the graph's
+      if (nodes_[i].kind == SimCapture::Kind::record)
+        events_[i] = std::make_shared<SimEvent>(runtime_, nodes_[i].stream->device());
+    }
+  }
   void replay() override {
     for (auto& stream : streams_)
       if (stream->capturing())
         throw InvalidArgument(fmt::format("Graph::replay: a stream of device {} is capturing", stream->device()));
     runtime_.count(device_, Counter::launches);  // one graph launch
-    for (const SimCapture::Node& node : nodes_) node.stream->replay(node);
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const SimCapture::Node& node = nodes_[i];
+      switch (node.kind) {
+        case SimCapture::Kind::work: node.stream->replay_work(node); break;
+        case SimCapture::Kind::record: node.stream->replay_record(*events_[i]); break;
+        case SimCapture::Kind::wait:
+          node.stream->replay_wait(events_[static_cast<std::size_t>(node.record_node)]);
+          break;
+      }
+    }
   }
   std::size_t nodes() const override { return nodes_.size(); }
 
@@ -448,6 +465,7 @@ class SimGraph final : public GraphImpl {
   RuntimeImpl& runtime_;
   int device_;
   std::vector<SimCapture::Node> nodes_;
+  std::vector<std::shared_ptr<SimEvent>> events_;    // per record node: the graph's own event
   std::vector<std::shared_ptr<SimStream>> streams_;  // keep the nodes' streams alive
 };
 
@@ -551,8 +569,8 @@ class SimDevice final : public DeviceImpl {
         if (auto capture = stream->current_capture()) captures.push_back(std::move(capture));
     }
     if (captures.empty()) return;
-    const std::string why =
-        fmt::format("allocation of {} bytes on device {} while a stream of the device is being captured", bytes, index_);
+    const std::string why = fmt::format(
+        "allocation of {} bytes on device {} while a stream of the device is being captured", bytes, index_);
     for (auto& capture : captures) capture->invalidate(why);
     throw CaptureError(why);
   }
@@ -567,7 +585,8 @@ class SimDevice final : public DeviceImpl {
 };
 
 void SimStream::begin_capture() {
-  if (capturing()) throw InvalidArgument(fmt::format("Stream::begin_capture: a stream of device {} already captures", device_));
+  if (capturing())
+    throw InvalidArgument(fmt::format("Stream::begin_capture: a stream of device {} already captures", device_));
   rethrow_sticky_error();
   join(std::make_shared<SimCapture>(this));
 }
@@ -592,7 +611,8 @@ void SimStream::leave_capture() {
 
 std::shared_ptr<GraphImpl> SimStream::end_capture() {
   auto capture = current_capture();
-  if (!capture) throw InvalidArgument(fmt::format("Stream::end_capture: the stream of device {} is not capturing", device_));
+  if (!capture)
+    throw InvalidArgument(fmt::format("Stream::end_capture: the stream of device {} is not capturing", device_));
   if (capture->origin != this)
     throw InvalidArgument(fmt::format(
         "Stream::end_capture on a stream of device {} that joined the capture: end it on the stream that began it",
@@ -616,9 +636,10 @@ std::shared_ptr<GraphImpl> SimStream::end_capture() {
   }
   for (const auto& [stream, last] : capture->last)
     if (stream != this && !reached[static_cast<std::size_t>(last)])
-      throw CaptureError(fmt::format("stream capture: a stream of device {} forked into the capture never joined "
-                                     "back (the capturing stream must wait on an event recorded after its work)",
-                                     stream->device()));
+      throw CaptureError(
+          fmt::format("stream capture: a stream of device {} forked into the capture never joined "
+                      "back (the capturing stream must wait on an event recorded after its work)",
+                      stream->device()));
   return std::make_shared<SimGraph>(runtime_, device_, std::move(capture->nodes), std::move(capture->streams));
 }
 

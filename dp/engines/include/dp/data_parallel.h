@@ -23,7 +23,8 @@ namespace dp {
 
 namespace engines {
 class Replicas;
-}
+class StepGraphs;
+}  // namespace engines
 
 struct DataParallelOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
@@ -31,6 +32,9 @@ struct DataParallelOptions {
   // Record events at phase boundaries so last_phases() can report where a step's time went.
   bool time_phases = false;
   StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from
+  // Capture the step (every device's part, one graph) per batch size and replay it
+  // (EngineOptions::graphs); not with time_phases, whose events a graph does not record.
+  bool graphs = false;
 };
 
 // Where one DataParallel step spent its time, in ms. Per-device phases report the slowest device;
@@ -77,6 +81,7 @@ class DataParallel final : public Engine {
   const std::vector<int>& last_chunks() const { return chunks_; }
   // Phase times of the last train_step (needs options.time_phases; waits for the step to finish).
   DataParallelPhases last_phases() const;
+  std::uint64_t graph_replays() const override;
 
  private:
   struct Replica;
@@ -85,6 +90,11 @@ class DataParallel final : public Engine {
   void forward_chunk(int rank, const float* inputs, Mode mode);
   void broadcast_and_forward(const float* inputs, int batch, Mode mode);
   void gather_outputs();
+  // The step's work as phases on the device workers; `capture`: recorded into a graph (returned)
+  // instead of run. Null `inputs`: each replica's chunk is in its pinned staging.
+  Graph enqueue_step(const float* inputs, const std::int64_t* targets, int batch, bool capture);
+  bool staged() const;  // inputs and targets go through pinned staging (graphs are on)
+  std::uint64_t staging_growths() const;
 
   Model& module_;
   DeviceGroup group_;
@@ -104,6 +114,10 @@ class DataParallel final : public Engine {
   Scratch gathered_, targets_, grad_output_;  // on the output device
   PinnedBuffer host_loss_;                    // the step's loss, read back without a pageable copy
   Event loss_ready_;                          // on the output device: host_loss_ written
+  std::unique_ptr<engines::StepGraphs> graphs_;
+  PinnedBuffer host_targets_;  // staged targets (graphs): a captured copy reads them from here
+  std::uint64_t target_growths_ = 0;
+  Event step_done_;  // on the source, after a replay: the whole step has run
 };
 
 }  // namespace dp

@@ -27,8 +27,9 @@
 namespace dp {
 
 namespace engines {
+class StepGraphs;
 class Replicas;
-}
+}  // namespace engines
 
 struct DdpOptions {
   std::optional<std::vector<int>> device_ids;  // unset: every device; rank = position
@@ -44,6 +45,9 @@ struct DdpOptions {
   // The processes of the job (ProcessGroup::from_environment() under mpirun); null: this one alone.
   // Every process constructs its DDP with the same options and the same number of devices.
   std::shared_ptr<ProcessGroup> processes;
+  // Capture each rank's train_step (its collectives included) per batch sizes and replay it
+  // (EngineOptions::graphs). In one process only; forward_backward/step (no_sync loops) run eagerly.
+  bool graphs = false;
 };
 
 // One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.
@@ -103,6 +107,7 @@ class DistributedDataParallel final : public Engine {
 
   // Throws Error naming the first parameter and rank whose values differ from rank 0's.
   void check_replicas_identical();
+  std::uint64_t graph_replays() const override;
 
  private:
   struct Rank;
@@ -116,8 +121,9 @@ class DistributedDataParallel final : public Engine {
   // this forward's backward all-reduces (not inside no_sync).
   bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers);
   // Rank r's forward, loss, backward (its buckets all-reduced when `sync`) and the loss's copy to
-  // pinned memory, enqueued on its compute stream; records its loss_ready event.
-  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync);
+  // pinned memory, enqueued on its compute stream; records its loss_ready event. `staged`: the
+  // batch is in its pinned staging already (StagedBatch::write).
+  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, bool staged);
   // On the caller: waits for every rank's loss and returns the mean over all global ranks.
   float wait_for_loss();
   // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
@@ -125,6 +131,11 @@ class DistributedDataParallel final : public Engine {
   void run_ranks(const std::function<void(int rank)>& task);
   void abort_communicators();
   void check_batches(std::span<const Batch> batches, bool training) const;
+  // Rank r's whole train_step (zero_grad, forward, backward with its buckets, optimizer), enqueued.
+  void enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, bool staged);
+  // train_step's captured form: captures every rank's step once (returns false when the model did
+  // what a graph cannot hold), or replays them.
+  bool capture_step(const std::vector<std::int64_t>& key, std::span<const Batch> batches, bool sync, bool broadcast);
 
   EvalTotals reduce_totals(const EvalTotals& local) override;
   DeviceGroup group_;
@@ -137,6 +148,7 @@ class DistributedDataParallel final : public Engine {
   std::vector<std::unique_ptr<Rank>> ranks_;
   bool sync_ = true;
   bool require_forward_param_sync_ = true;
+  std::unique_ptr<engines::StepGraphs> graphs_;
 };
 
 }  // namespace dp

@@ -84,8 +84,11 @@ class Engine {
   virtual Model& model() const = 0;
   virtual std::vector<Optimizer*> optimizers() = 0;
 
-  // Sets the learning rate of every optimizer (schedules, warm-up).
+  // Sets the learning rate of every optimizer (schedules, warm-up). With graphs, the next replay
+  // reads it: no re-capture.
   void set_lr(double lr);
+  // Training steps that ran as a replay of a captured graph (EngineOptions::graphs), so far.
+  virtual std::uint64_t graph_replays() const { return 0; }
 
  protected:
   // evaluate()'s totals of this process's batches -> the totals of every process's.
@@ -103,6 +106,11 @@ struct EngineOptions {
   bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
   bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
   StepOptions step = {};             // loss and randomness, every kind
+  // Every kind: capture each training step into a graph (CUDA graphs; emulated on sim) once per
+  // batch size, after one eager step of that size, and replay it from then on -- the same work
+  // with one launch per step, bit for bit the eager results. Steps run eagerly where a graph cannot
+  // hold them: a model that is not capturable() (Dropout), dp with time_phases, ddp across processes.
+  bool graphs = false;
   // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
   // single and dp are single-process: a group of several processes is refused for them.
   std::shared_ptr<ProcessGroup> processes;

@@ -17,11 +17,13 @@ namespace dp {
 
 namespace engines {
 class StagedBatch;
-}
+class StepGraphs;
+}  // namespace engines
 
 class SingleDeviceTrainer final : public Engine {
  public:
-  SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {});
+  // graphs: EngineOptions::graphs.
+  SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {}, bool graphs = false);
   ~SingleDeviceTrainer() override;
 
   // Host inputs (batch x model.input_shape() floats) and int64 targets; returns the batch's mean
@@ -44,8 +46,12 @@ class SingleDeviceTrainer final : public Engine {
 
   Optimizer& optimizer() { return *optimizer_; }
   const Stream& stream() const { return stream_; }
+  std::uint64_t graph_replays() const override;
 
  private:
+  // forward, loss, backward, optimizer step and the loss's copy out, on stream_ (eager or captured).
+  void enqueue_step(int batch);
+
   Model& model_;
   StepOptions step_options_;
   std::vector<int> device_ids_;
@@ -53,6 +59,7 @@ class SingleDeviceTrainer final : public Engine {
   CrossEntropyLoss loss_;
   Stream stream_;
   std::unique_ptr<engines::StagedBatch> batch_;
+  std::unique_ptr<engines::StepGraphs> graphs_;
   Scratch grad_output_;
   PinnedBuffer host_loss_;  // the step's loss, read back without a pageable copy
   Event step_done_;

@@ -89,6 +89,13 @@ class Model {
   // through `sync` (owned by the caller, alive while set); models without BatchNorm ignore it.
   virtual void set_batchnorm_sync(const BatchNormSync*) {}
 
+  // Whether an engine may capture a training step of this model into a graph once and replay it
+  // for later steps (EngineOptions::graphs): true only when forward, backward and zero_grad enqueue
+  // the same work with the same arguments at every step of one batch size (nothing drawn from
+  // RandomContext's step, no host value baked into a launch), and allocate nothing once a step of
+  // that batch size has run. Models that do not say so run every step eagerly.
+  virtual bool capturable() const { return false; }
+
   // The same architecture on another device, with its own buffers (values uninitialised: the
   // engine broadcasts them).
   virtual std::unique_ptr<Model> replicate(Device& device) const = 0;

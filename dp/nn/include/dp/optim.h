@@ -41,8 +41,14 @@ class Optimizer {
 
   // "sgd" or "adamw": what a checkpoint records, so a resume cannot load one's state into the other.
   virtual std::string_view kind() const = 0;
-  // Enqueues one update of params from grads on `stream` (the device's) and counts the step.
+  // Enqueues one update of params from grads on `stream` (the device's) and counts the step. The
+  // values that change between steps (lr, bias corrections) reach the update through device
+  // memory, so the enqueued work may be captured into a graph and replayed for later steps.
   virtual void step(const Stream& stream, float* params, const float* grads) = 0;
+  // The host side of step() for a step whose update is a replay of a captured step(): writes this
+  // step's values where the captured copy reads them, and counts the step. Call it before the
+  // replay, and only once the previous replay has finished.
+  virtual void replayed_step() = 0;
   virtual double lr() const = 0;
   // Validated as the options are (InvalidArgument for a negative, NaN or infinite lr).
   virtual void set_lr(double lr) = 0;
@@ -57,16 +63,26 @@ class Optimizer {
   void set_steps(std::int64_t steps) { steps_ = steps; }
 
  protected:
-  Optimizer(Device& device, std::size_t param_count) : device_(device), param_count_(param_count) {}
+  Optimizer(Device& device, std::size_t param_count);
   // A zero-filled state buffer on the device: a state saved before any step holds zeros, not
   // whatever the allocation held (which may well read as NaN).
   DeviceBuffer zeroed_buffer() const;
+  // This step's scalar values (at most kMaxScalarBytes) into the pinned slot, once the previous copy
+  // out of it has run.
+  void stage_scalars(const void* values, std::size_t bytes);
+  // stage_scalars, then their copy into device memory on `stream`; returns that device copy.
+  const void* upload_scalars(const Stream& stream, const void* values, std::size_t bytes);
 
   std::int64_t steps_ = 0;
 
  private:
+  static constexpr std::size_t kMaxScalarBytes = 64;
   Device& device_;
   std::size_t param_count_;
+  PinnedBuffer slot_;     // the host's values of the step (pinned: the copy is asynchronous)
+  DeviceBuffer scalars_;  // what the update reads
+  Event slot_free_;       // recorded after an eager copy out of slot_
+  bool slot_pending_ = false;
 };
 
 // g = grad + weight_decay*p; buf = first step ? g : momentum*buf + g; g = nesterov ? g + momentum*buf : buf;
@@ -78,6 +94,7 @@ class Sgd final : public Optimizer {
 
   std::string_view kind() const override { return "sgd"; }
   void step(const Stream& stream, float* params, const float* grads) override;
+  void replayed_step() override;
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
   std::vector<StateBuffer> state() const override;
@@ -98,6 +115,7 @@ class AdamW final : public Optimizer {
 
   std::string_view kind() const override { return "adamw"; }
   void step(const Stream& stream, float* params, const float* grads) override;
+  void replayed_step() override;
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
   std::vector<StateBuffer> state() const override;

@@ -28,6 +28,19 @@ void validate(const SgdOptions& options);
 void sgd_step(const Stream& stream, index_t n, const SgdOptions& options, bool first_step, float* params,
               const float* grads, float* momentum_buffer);
 
+// What changes from one SGD step to the next (a schedule's lr, the first step's buffer
+// initialisation), as a block of device memory the update reads when it runs: a captured step
+// then replays with each step's values (CUDA graphs bake launch arguments in).
+struct SgdScalars {
+  float lr;
+  float first_step;  // 1: initialise the momentum buffer with g; 0: accumulate
+};
+SgdScalars sgd_scalars(const SgdOptions& options, bool first_step);
+// sgd_step with `scalars` (device memory of the stream's device) in place of options.lr and
+// first_step (torch's capturable=True): the same arithmetic, the same bits. options.lr is not used.
+void sgd_step_capturable(const Stream& stream, index_t n, const SgdOptions& options, const SgdScalars* scalars,
+                         float* params, const float* grads, float* momentum_buffer);
+
 // torch.optim.AdamW's hyper-parameters (amsgrad off), with torch's defaults.
 struct AdamWOptions {
   double lr = 1e-3;
@@ -45,6 +58,18 @@ void validate(const AdamWOptions& options);
 void adamw_step(const Stream& stream, index_t n, const AdamWOptions& options, std::int64_t step, float* params,
                 const float* grads, float* exp_avg, float* exp_avg_sq);
 
+// What changes from one AdamW step to the next (see SgdScalars), computed on the host in double
+// as torch computes it in Python, and rounded to float once.
+struct AdamWScalars {
+  float decay;          // 1 - lr*wd
+  float neg_step_size;  // -lr / (1 - beta1**step)
+  float bias_correction2_sqrt;
+};
+AdamWScalars adamw_scalars(const AdamWOptions& options, std::int64_t step);
+// adamw_step with `scalars` (device memory) in place of the values that depend on lr and step.
+void adamw_step_capturable(const Stream& stream, index_t n, const AdamWOptions& options, const AdamWScalars* scalars,
+                           float* params, const float* grads, float* exp_avg, float* exp_avg_sq);
+
 // ------------------------------------------------------------------------------------------------
 // functors
 
@@ -56,8 +81,11 @@ struct SgdUpdate {
   bool nesterov, first_step;
   float* params;
   const float* grads;
-  float* buf;  // null when momentum == 0
+  float* buf;                           // null when momentum == 0
+  const SgdScalars* scalars = nullptr;  // device memory: lr and first_step come from here instead
   DP_HD void operator()(index_t i) const {
+    const float lr = scalars ? scalars->lr : this->lr;
+    const bool first_step = scalars ? scalars->first_step != 0.0f : this->first_step;
     const float p = params[i];
     float g = grads[i];
     if (weight_decay != 0.0f) g = fmaf(weight_decay, p, g);  // d_p = d_p.add(p, alpha=wd)
@@ -89,7 +117,11 @@ struct AdamWUpdate {
   const float* grads;
   float* exp_avg;
   float* exp_avg_sq;
+  const AdamWScalars* scalars = nullptr;  // device memory: decay, neg_step_size, bias_correction2_sqrt
   DP_HD void operator()(index_t i) const {
+    const float decay = scalars ? scalars->decay : this->decay;
+    const float neg_step_size = scalars ? scalars->neg_step_size : this->neg_step_size;
+    const float bias_correction2_sqrt = scalars ? scalars->bias_correction2_sqrt : this->bias_correction2_sqrt;
     const float g = grads[i];
     const float p = mul_unfused(params[i], decay);
     const float m = fmaf(one_minus_beta1, g, mul_unfused(exp_avg[i], beta1));

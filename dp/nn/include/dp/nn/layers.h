@@ -84,6 +84,10 @@ class Layer {
     if (done) done(*this);
   }
   virtual std::unique_ptr<Layer> clone() const = 0;
+  // Whether train-mode forwards draw random numbers (ctx.random): their work then differs from step
+  // to step, so a captured step cannot be replayed (Model::capturable). A layer that reads
+  // ctx.random must say so.
+  virtual bool stochastic() const { return false; }
 
  protected:
   float* param(std::size_t i) const { return params_flat_ + params_[i].offset; }
