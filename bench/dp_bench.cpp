@@ -14,8 +14,10 @@
 // devices of one process) and inter-node (between processes) bytes; single and dp are
 // single-process by definition and run on process 0 alone. Process 0 prints and writes the files.
 //
-// Busy time and GEMM rates come from Runtime::take_trace(), which only the sim backend records so
-// far: on cuda they are reported as null / "n/a" (everything else — throughput, step times,
+// Busy time and GEMM rates come from Runtime::take_trace(): the sim records spans always; the cuda
+// backend brackets each kernel, library call, copy and collective with timing events, which costs
+// two event records per piece of work, so there it is opt-in (--profile, implied by --trace) and
+// without it busy time and GEMM rates are null / "n/a" (everything else — throughput, step times,
 // traffic counters, peak memory, DP phases via events — works there as written).
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -47,6 +49,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
+#include "dp/precision.h"
 #include "dp/process_group.h"
 #include "dp/trace.h"
 #include "dp_cli.h"
@@ -74,6 +77,8 @@ std::int64_t now_ns() {
 
 struct Options {
   std::string backend = "auto";
+  std::string precision = "strict";
+  bool profile = false;
   std::optional<int> devices;
   std::string models = "mlp,convnet";
   std::string optimizer = "sgd";
@@ -111,6 +116,11 @@ std::vector<std::string> parse_list(const std::string& text, const std::vector<s
 void validate(const Options& o) {
   if (o.backend != "auto" && o.backend != "cuda" && o.backend != "sim")
     throw UsageError(fmt::format("--backend: unknown backend '{}' (expected auto, cuda or sim)", o.backend));
+  try {
+    dp::parse_precision(o.precision);
+  } catch (const dp::InvalidArgument& e) {
+    throw UsageError(fmt::format("--precision: {}", e.what()));
+  }
   if (o.devices && *o.devices < 1) throw UsageError(fmt::format("--devices must be at least 1, got {}", *o.devices));
   if (o.batch < 1) throw UsageError(fmt::format("--batch-size must be at least 1, got {}", o.batch));
   if (o.steps < 1) throw UsageError(fmt::format("--steps must be at least 1, got {}", o.steps));
@@ -128,6 +138,7 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
   if (backend == "auto") backend = gpus > 0 ? "cuda" : "sim";
   dp::RuntimeOptions options;
   options.backend = backend;
+  options.precision = dp::parse_precision(o.precision);
   if (backend == "cuda") {
     if (gpus == 0)
       throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no usable CUDA device is visible"
@@ -278,6 +289,12 @@ std::int64_t union_ns(std::vector<std::pair<std::int64_t, std::int64_t>> spans, 
   return total;
 }
 
+// Whether the measured steps record spans (busy time, GEMM rates, the trace): always on sim; on cuda
+// only when asked (--profile or --trace), since each kernel then records two timing events.
+bool records_spans(const dp::Runtime& rt, const Options& o) {
+  return rt.backend() == dp::Backend::sim || o.profile || !o.trace_path.empty();
+}
+
 void synchronize(dp::Runtime& rt, const std::vector<int>& devices) {
   for (int d : devices) rt.device(d).synchronize();
 }
@@ -298,7 +315,8 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   rt.reset_counters();
   for (int d : used) rt.device(d).reset_peak_memory();
   rt.take_trace();
-  rt.set_profiling(true);
+  const bool have_spans = records_spans(rt, o);
+  rt.set_profiling(have_spans);
   run.t0 = now_ns();
   // The host work counters cover the engine's steps only, not the synchronisation that times them.
   std::vector<dp::DeviceCounters> engine_work(used.size());
@@ -339,9 +357,8 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   for (double t : run.step_ms) sum += t;
   run.mean = sum / static_cast<double>(run.step_ms.size());
 
-  // Busy time and GEMM time need the stream spans, which only the sim backend records so far: on
-  // cuda they stay null ("n/a"). Revisit when the cuda backend records spans (CUPTI / events).
-  const bool have_spans = rt.backend() == dp::Backend::sim;
+  // Busy time and GEMM time need the stream spans: without them (cuda without --profile) they
+  // stay null ("n/a").
   const double flops_per_sample = gemm_flops_per_sample(run.model);
   for (std::size_t i = 0; i < used.size(); ++i) {
     const int d = used[i];
@@ -557,7 +574,7 @@ std::string opt(const std::optional<double>& v, const char* format) {
   return v ? fmt::format(fmt::runtime(format), *v) : std::string("n/a");
 }
 
-void print_tables(const std::vector<Run>& runs, const std::string& backend) {
+void print_tables(const std::vector<Run>& runs, bool have_spans) {
   fmt::print("\n{:<8} {:<6} {:>3} {:>6} {:>11} {:>9} {:>9} {:>7} {:>7} {:>5} {:>11} {:>11} {:>11} {:>5} {:>11} {:>5}\n",
              "model", "mode", "dev", "batch", "samples/s", "step ms", "p90 ms", "scaling", "busy %", "imb", "sent/step",
              "recv/step", "net/step", "imb", "peak mem", "imb");
@@ -583,7 +600,7 @@ void print_tables(const std::vector<Run>& runs, const std::string& backend) {
       "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
       "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
       "  from other processes (inter-node, under mpirun); imb = max/mean over devices\n",
-      backend == "cuda" ? " (n/a on cuda: it records no spans yet)" : "");
+      have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
 
   fmt::print("\nper device\n{:<8} {:<6} {:>7} {:>6} {:>7} {:>8} {:>9} {:>12} {:>12} {:>12} {:>12} {:>11}\n", "model",
              "mode", "process", "device", "busy %", "gemm ms", "gemm GF/s", "sent/step", "recv/step", "net sent",
@@ -813,9 +830,9 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     return ids;
   }());
   fmt::print(
-      "dp_bench: backend {}, {} device(s) [{}]{}, batch {} per device, {} warm-up + {} measured steps, "
-      "DDP buckets {} MiB (first {} MiB)\n",
-      backend, devices, fmt::join(names, ", "),
+      "dp_bench: backend {} (precision {}), {} device(s) [{}]{}, batch {} per device, {} warm-up + {} measured "
+      "steps, DDP buckets {} MiB (first {} MiB)\n",
+      backend, o.precision, devices, fmt::join(names, ", "),
       job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", processes->size()) : "",
       o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
@@ -836,6 +853,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   // configuration (each one's devices and flags: their runs meet in collectives).
   job.agree_or_stop();
   job.agree_on_configuration({{"--backend", backend},
+                              {"--precision", o.precision},
                               {"--devices", fmt::format("{}", devices)},
                               {"--models", fmt::format("{}", fmt::join(models, ","))},
                               {"--modes", fmt::format("{}", fmt::join(modes, ","))},
@@ -869,15 +887,13 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   if (!job.primary()) return job.agree(0).value_or(0);
   // Lay out the trace first: it assigns each run's offset, which the JSON reports.
   const json trace = trace_json(runs);
-  print_tables(runs, backend);
+  print_tables(runs, records_spans(*rt, o));
 
   if (!o.trace_path.empty()) {
     write_file(o.trace_path, trace);
     fmt::print("\ntrace: {} (open in https://ui.perfetto.dev or chrome://tracing; runs laid end to end:", o.trace_path);
     for (const Run& r : runs) fmt::print(" {} {} at {:.1f} ms;", r.model, r.mode, r.trace_offset_ms);
     fmt::print(")\n");
-    if (rt->backend() == dp::Backend::cuda)
-      fmt::print("  (the cuda backend records no spans yet: the trace is empty)\n");
     if (job.several()) fmt::print("  (the trace holds process 0's devices)\n");
   }
   if (!o.json_path.empty()) {
@@ -901,7 +917,8 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     j["sync_bn"] = o.sync_bn;
     j["first_bucket_mb"] = o.first_bucket_mb;
     j["seed"] = o.seed;
-    j["busy_time_available"] = rt->backend() == dp::Backend::sim;
+    j["precision"] = o.precision;
+    j["busy_time_available"] = records_spans(*rt, o);
     json rj = json::array();
     for (const Run& r : runs) rj.push_back(run_json(r));
     j["runs"] = rj;
@@ -921,6 +938,13 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
                                           "devices to use (default: every visible GPU, or 4 simulated devices)");
   app.add_option("--backend", o.backend, "auto (cuda when a GPU is visible, else sim), cuda or sim")
       ->capture_default_str();
+  app.add_option("--precision", o.precision,
+                 "strict (cuDNN: exact fp32, deterministic, fastest such algorithm) or fast (PyTorch's defaults: "
+                 "fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim computes the same for both")
+      ->capture_default_str();
+  app.add_flag("--profile", o.profile,
+               "cuda: record device spans (timing events around every kernel) for busy % and GEMM rates; "
+               "--trace implies it, the sim always records them");
   app.add_option("--models", o.models, "comma list of mlp, convnet, resnet8")->capture_default_str();
   app.add_option("--optimizer", o.optimizer, "sgd (lr 0.01, momentum 0.9) or adamw (lr 1e-3, torch's defaults)")
       ->check(CLI::IsMember({"sgd", "adamw"}))

@@ -45,6 +45,7 @@ struct Options {
   double label_smoothing = 0.0;
   std::string mode = "single";
   std::string backend = "auto";
+  std::string precision = "strict";
   std::optional<int> devices;
   std::string device_ids;
   std::optional<int> output_device;
@@ -505,6 +506,7 @@ int run(Options o) {
   dp::RuntimeOptions runtime_options;
   runtime_options.backend = want_cuda ? "cuda" : "sim";
   runtime_options.sim_devices = highest + 1;
+  runtime_options.precision = dp::parse_precision(o.precision);
   auto runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = runtime->device(ids[0]);
   auto model = o.model == "convnet"   ? dp::models::make_convnet(source, o.seed)
@@ -760,6 +762,11 @@ int train_main(int argc, char** argv) {
   app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
   app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
+  app.add_option("--precision", o.precision,
+                 "strict (default: cuDNN exact fp32 and deterministic, within rounding of the host path) or fast "
+                 "(PyTorch's defaults: fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim "
+                 "computes the same for both")
+      ->check(CLI::IsMember({"strict", "fast"}));
   auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
   dp_cli::add_integer(app, "--output-device", o.output_device,

@@ -129,6 +129,7 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
 
   const json report = json::parse(read_file(json_path));
   EXPECT_EQ(report.at("backend"), "sim");
+  EXPECT_EQ(report.at("precision"), "strict") << "the default";
   EXPECT_EQ(report.at("devices"), 2);
   ASSERT_EQ(report.at("runs").size(), 6u);
 
@@ -334,6 +335,30 @@ TEST(Bench, ThreeSimDevicesShowDpSourceImbalanceAndBalancedDdp) {
   EXPECT_EQ(ddp_run.at("imbalance").at("bytes_received").get<double>(), 1.0);
 }
 
+// --precision strict|fast: both accepted and reported; the sim has one arithmetic, so both train
+// to the same losses, bit for bit.
+TEST(Bench, PrecisionIsReportedAndFastIsStrictOnTheSim) {
+  TempDir dir("precision");
+  std::map<std::string, json> reports;
+  for (const std::string precision : {"strict", "fast"}) {
+    const auto json_path = dir / (precision + ".json");
+    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet --modes single,ddp "
+                                                "--batch-size 4 --steps 2 --warmup 1 --precision {} --json '{}'",
+                                                precision, json_path.string()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("precision " + precision), std::string::npos) << r.out;
+    reports[precision] = json::parse(read_file(json_path));
+    EXPECT_EQ(reports[precision].at("precision"), precision);
+  }
+  for (const std::string mode : {"single", "ddp"}) {
+    SCOPED_TRACE(mode);
+    const json& strict = find_run(reports["strict"], "convnet", mode);
+    const json& fast = find_run(reports["fast"], "convnet", mode);
+    EXPECT_EQ(fast.at("loss_first"), strict.at("loss_first"));
+    EXPECT_EQ(fast.at("loss_last"), strict.at("loss_last"));
+  }
+}
+
 TEST(Bench, BadFlagsAreClearErrors) {
   TempDir dir("bad");
   struct Case {
@@ -360,6 +385,7 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend sim --devices 4294967297", "--devices: '4294967297' is out of range (at most 2147483647)"},
       {"--backend sim --bucket-cap-mb 0", "--bucket-cap-mb must be a positive number"},
       {"--backend tpu", "unknown backend 'tpu'"},
+      {"--backend sim --precision tf32", "--precision: unknown precision 'tf32' (expected strict or fast)"},
       {"--backend sim --no-such-flag", "no-such-flag"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
       {"--backend sim --trace /proc/x.json", "cannot write /proc/x.json"},  // root passes access() there

@@ -9,6 +9,8 @@
 #include "dp/device.h"
 #include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/precision.h"
+#include "dp/runtime/kernel_api.h"
 #include "test_util.h"
 
 namespace dp {
@@ -23,6 +25,35 @@ TEST(Runtime, CreatesRequestedSimDevices) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(rt->device(i).index(), i);
     EXPECT_EQ(rt->device(i).name(), "sim:" + std::to_string(i));
+  }
+}
+
+TEST(Precision, NamesRoundTripAndUnknownOnesAreRefused) {
+  for (const dp::Precision p : {dp::Precision::strict, dp::Precision::fast})
+    EXPECT_EQ(dp::parse_precision(dp::to_string(p)), p);
+  EXPECT_EQ(dp::to_string(dp::Precision::strict), "strict");
+  EXPECT_EQ(dp::to_string(dp::Precision::fast), "fast");
+  EXPECT_EQ(dp::RuntimeOptions{}.precision, dp::Precision::strict) << "strict is the default";
+  try {
+    dp::parse_precision("tf32");
+    ADD_FAILURE() << "an unknown precision must be refused";
+  } catch (const dp::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown precision 'tf32' (expected strict or fast)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(dp::parse_precision("Strict"), dp::InvalidArgument);
+}
+
+// The runtime carries RuntimeOptions::precision to the kernels (kernel_api::precision); the sim
+// computes the same either way.
+TEST(Precision, RuntimeOptionsReachTheKernels) {
+  for (const dp::Precision p : {dp::Precision::strict, dp::Precision::fast}) {
+    dp::RuntimeOptions options;
+    options.backend = "sim";
+    options.sim_devices = 1;
+    options.precision = p;
+    auto rt = dp::Runtime::create(options);
+    EXPECT_EQ(dp::kernel_api::precision(rt->device(0).create_stream()), p);
   }
 }
 

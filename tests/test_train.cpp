@@ -337,6 +337,21 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
                  "--momentum does not apply to --optimizer adamw");
   expect_refused("--backend sim --steps 1 --beta1 0.8", "--beta1 does not apply to --optimizer sgd");
   expect_refused("--backend sim --steps 1 --optimizer adam", "--optimizer");
+  expect_refused("--backend sim --steps 1 --precision tf32", "--precision");
+}
+
+// --precision strict|fast: both accepted; the sim has one arithmetic, so the losses are identical
+// (on cuda, fast may pick TF32 convolutions and differ by their rounding).
+TEST_F(TrainTest, PrecisionFastIsStrictOnTheSim) {
+  const std::string args =
+      "--model convnet --backend sim --synthetic 32 --batch-size 8 --steps 3 --log-every 1 --no-shuffle --precision ";
+  const Result strict = run(args + "strict"), fast = run(args + "fast"), unset = run(args.substr(0, args.rfind("--")));
+  ASSERT_EQ(strict.code, 0) << strict.output;
+  ASSERT_EQ(fast.code, 0) << fast.output;
+  ASSERT_EQ(unset.code, 0) << unset.output;
+  ASSERT_GE(losses(strict.output).size(), 3u) << strict.output;
+  EXPECT_EQ(losses(fast.output), losses(strict.output)) << fast.output;
+  EXPECT_EQ(losses(unset.output), losses(strict.output)) << "strict is the default";
 }
 
 TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {

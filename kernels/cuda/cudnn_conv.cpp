@@ -1,6 +1,6 @@
 // cudnn_conv.cpp — the cuDNN convolution path of cuda streams (cuDNN v9 legacy API), host code only.
-// The device's cuDNN handle is the runtime's (lent under its lock); the plans per shape are cached
-// beside it and destroyed with the device.
+// Each stream's cuDNN handle and workspace are the runtime's; the plans per (shape, precision) —
+// algorithms chosen by timing, once, during warm-up — are cached per device and destroyed with it.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -19,10 +19,11 @@ namespace {
 // Scratch beyond this is not worth taking from the activations; such algorithms are skipped.
 constexpr std::size_t kMaxWorkspaceBytes = std::size_t{256} << 20;
 
-// The results must match the fp32 host path within rounding, so only algorithms that compute
-// plain fp32 dot products qualify: no TF32 / tensor-op math, no FFT or Winograd transforms (whose
-// error is not bounded by the dot-product length). Backward ones must also be deterministic:
-// replicas of a data-parallel model must see bit-identical gradients for identical inputs.
+// Precision::strict: the results must match the fp32 host path within rounding, so only algorithms
+// that compute plain fp32 dot products qualify: no TF32 / tensor-op math, no FFT or Winograd
+// transforms (whose error is not bounded by the dot-product length). Backward ones must also be
+// deterministic: replicas of a data-parallel model must see bit-identical gradients for identical
+// inputs. Precision::fast takes any algorithm, as PyTorch's cudnn.benchmark does.
 bool exact_math(cudnnMathType_t math) { return math == CUDNN_DEFAULT_MATH || math == CUDNN_FMA_MATH; }
 bool dot_product(cudnnConvolutionFwdAlgo_t algo) {
   return algo == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM || algo == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
@@ -36,23 +37,66 @@ bool dot_product(cudnnConvolutionBwdFilterAlgo_t algo) {
          algo == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
 }
 
-// The first heuristic candidate that qualifies, else `fallback` (supported for every 2-D shape).
-template <class Perf, class Algo>
-Algo pick(const Perf* perf, int count, bool need_deterministic, Algo fallback) {
-  for (int i = 0; i < count; ++i) {
-    const Perf& p = perf[i];
-    if (p.status == CUDNN_STATUS_SUCCESS && exact_math(p.mathType) && dot_product(p.algo) &&
-        (!need_deterministic || p.determinism == CUDNN_DETERMINISTIC) && p.memory <= kMaxWorkspaceBytes)
-      return p.algo;
-  }
-  return fallback;
+template <class Perf>
+bool qualifies(const Perf& p, Precision precision, bool need_deterministic) {
+  if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspaceBytes) return false;
+  if (precision == Precision::fast) return true;
+  return exact_math(p.mathType) && dot_product(p.algo) && (!need_deterministic || p.determinism == CUDNN_DETERMINISTIC);
 }
 
-// Descriptors and algorithms for one shape; immutable once built, used under the device mutex.
+// The algorithm chosen for one direction and the math type to run it with.
+template <class Algo>
+struct Choice {
+  Algo algo;
+  cudnnMathType_t math;
+};
+
+// The first candidate that qualifies (cudnnFind*Ex lists them fastest first), else `fallback` with
+// FMA math (supported for every 2-D shape).
+template <class Perf, class Algo>
+Choice<Algo> pick(const Perf* perf, int count, Precision precision, bool need_deterministic, Algo fallback) {
+  for (int i = 0; i < count; ++i)
+    if (qualifies(perf[i], precision, need_deterministic)) return {perf[i].algo, perf[i].mathType};
+  return {fallback, CUDNN_FMA_MATH};
+}
+
+// The largest workspace among the heuristics' candidates that could qualify: what cudnnFind*Ex is
+// given, so it can time each of them.
+template <class Perf>
+std::size_t find_workspace_bytes(const Perf* perf, int count, Precision precision, bool need_deterministic) {
+  std::size_t bytes = 0;
+  for (int i = 0; i < count; ++i)
+    if (qualifies(perf[i], precision, need_deterministic)) bytes = std::max(bytes, perf[i].memory);
+  return bytes;
+}
+
+// Device memory for the duration of a plan's algorithm search (cudnnFind*Ex needs real operands).
+class FindBuffer {
+ public:
+  explicit FindBuffer(std::size_t bytes) {
+    if (bytes == 0) return;
+    DP_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    DP_CUDA_CHECK(cudaMemset(ptr_, 0, bytes));  // finite inputs: no NaN slow paths in the timings
+  }
+  ~FindBuffer() {
+    if (ptr_) cudaFree(ptr_);  // never throws from a destructor
+  }
+  FindBuffer(const FindBuffer&) = delete;
+  FindBuffer& operator=(const FindBuffer&) = delete;
+  void* data() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// Descriptors and algorithms for one (shape, precision); immutable once built, shared by the
+// device's streams (cuDNN only reads descriptors). One convolution descriptor per direction: each
+// carries the math type of the algorithm found for it (TF32 may win one direction and not another).
 struct Plan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr, bias = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
-  cudnnConvolutionDescriptor_t conv = nullptr;
+  cudnnConvolutionDescriptor_t conv_fwd = nullptr, conv_bwd_data = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;  // the weight gradient's
   cudnnConvolutionFwdAlgo_t fwd = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM;
   cudnnConvolutionBwdDataAlgo_t bwd_data = CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
   cudnnConvolutionBwdFilterAlgo_t bwd_filter = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
@@ -62,96 +106,133 @@ struct Plan {
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
   ~Plan() {  // never throws: a failed destroy leaks a descriptor at worst
-    if (conv) cudnnDestroyConvolutionDescriptor(conv);
+    for (cudnnConvolutionDescriptor_t c : {conv, conv_bwd_data, conv_fwd})
+      if (c) cudnnDestroyConvolutionDescriptor(c);
     if (w) cudnnDestroyFilterDescriptor(w);
     if (bias) cudnnDestroyTensorDescriptor(bias);
     if (y) cudnnDestroyTensorDescriptor(y);
     if (x) cudnnDestroyTensorDescriptor(x);
   }
+  std::size_t workspace_bytes() const { return std::max({fwd_bytes, bwd_data_bytes, bwd_filter_bytes}); }
 };
 
-std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s) {
+void make_conv_descriptor(cudnnConvolutionDescriptor_t& conv, const Conv2dShape& s, cudnnMathType_t math) {
+  DP_CUDA_CHECK(cudnnCreateConvolutionDescriptor(&conv));
+  // PyTorch's Conv2d is a cross-correlation (the kernel is not flipped).
+  DP_CUDA_CHECK(cudnnSetConvolution2dDescriptor(conv, s.pad, s.pad, s.stride, s.stride, 1, 1, CUDNN_CROSS_CORRELATION,
+                                                CUDNN_DATA_FLOAT));
+  DP_CUDA_CHECK(cudnnSetConvolutionMathType(conv, math));
+}
+
+// Builds the plan for `s`, choosing each direction's algorithm by timing the candidates on the
+// handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up): with scratch operands
+// and a scratch workspace that are freed before it returns.
+std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Precision precision) {
   auto plan = std::make_unique<Plan>();
   Plan& p = *plan;
+  // strict: FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
+  // fast: the search may pick tensor-op (TF32) algorithms; each direction then runs with the math
+  // type its winner was timed with (PyTorch sets it from the find result the same way).
+  const cudnnMathType_t search_math = precision == Precision::fast ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.x));
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.y));
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.bias));
   DP_CUDA_CHECK(cudnnCreateFilterDescriptor(&p.w));
-  DP_CUDA_CHECK(cudnnCreateConvolutionDescriptor(&p.conv));
+  make_conv_descriptor(p.conv_fwd, s, search_math);
+  make_conv_descriptor(p.conv_bwd_data, s, search_math);
+  make_conv_descriptor(p.conv, s, search_math);
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s.n, s.c_in, s.h, s.w));
   DP_CUDA_CHECK(cudnnSetFilter4dDescriptor(p.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, s.c_out, s.c_in, s.kh, s.kw));
-  // PyTorch's Conv2d is a cross-correlation (the kernel is not flipped).
-  DP_CUDA_CHECK(cudnnSetConvolution2dDescriptor(p.conv, s.pad, s.pad, s.stride, s.stride, 1, 1, CUDNN_CROSS_CORRELATION,
-                                                CUDNN_DATA_FLOAT));
-  // FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
-  DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv, CUDNN_FMA_MATH));
   int n = 0, c = 0, h = 0, w = 0;
-  DP_CUDA_CHECK(cudnnGetConvolution2dForwardOutputDim(p.conv, p.x, p.w, &n, &c, &h, &w));
+  DP_CUDA_CHECK(cudnnGetConvolution2dForwardOutputDim(p.conv_fwd, p.x, p.w, &n, &c, &h, &w));
   if (n != s.n || c != s.c_out || h != s.h_out() || w != s.w_out())
     throw Error(fmt::format("cuDNN convolution: output ({}, {}, {}, {}) differs from the expected ({}, {}, {}, {})", n,
                             c, h, w, s.n, s.c_out, s.h_out(), s.w_out()));
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, c, h, w));
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.bias, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 1, s.c_out, 1, 1));
 
-  // Heuristics, not cudnnFind*: finding times every algorithm on the stream, allocating as it goes.
+  // The heuristics bound the search's workspace; the search itself runs every algorithm that fits.
   int count = 0;
   cudnnConvolutionFwdAlgoPerf_t fwd[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-  DP_CUDA_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, p.x, p.w, p.conv, p.y, CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
-                                                       &count, fwd));
-  p.fwd = pick(fwd, count, false, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM);
-  DP_CUDA_CHECK(cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv, p.y, p.fwd, &p.fwd_bytes));
-
   cudnnConvolutionBwdDataAlgoPerf_t data[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-  DP_CUDA_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, p.w, p.y, p.conv, p.x,
-                                                            CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &count, data));
-  p.bwd_data = pick(data, count, true, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
-  DP_CUDA_CHECK(
-      cudnnGetConvolutionBackwardDataWorkspaceSize(handle, p.w, p.y, p.conv, p.x, p.bwd_data, &p.bwd_data_bytes));
-
   cudnnConvolutionBwdFilterAlgoPerf_t filter[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+  std::size_t search_bytes = 0;
+  DP_CUDA_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, p.x, p.w, p.conv_fwd, p.y,
+                                                       CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, fwd));
+  search_bytes = std::max(search_bytes, find_workspace_bytes(fwd, count, precision, false));
+  DP_CUDA_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, p.w, p.y, p.conv_bwd_data, p.x,
+                                                            CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &count, data));
+  search_bytes = std::max(search_bytes, find_workspace_bytes(data, count, precision, true));
   DP_CUDA_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, p.x, p.y, p.conv, p.w,
                                                               CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &count, filter));
-  p.bwd_filter = pick(filter, count, true, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
+  search_bytes = std::max(search_bytes, find_workspace_bytes(filter, count, precision, true));
+
+  const auto floats = [](std::int64_t count) { return static_cast<std::size_t>(count) * sizeof(float); };
+  const FindBuffer x(floats(std::int64_t{s.n} * s.c_in * s.h * s.w)),
+      dx(floats(std::int64_t{s.n} * s.c_in * s.h * s.w));
+  const FindBuffer weight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw));
+  const FindBuffer dweight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw));
+  const FindBuffer y(floats(std::int64_t{n} * c * h * w));
+  const FindBuffer search(search_bytes);
+
+  DP_CUDA_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, p.x, x.data(), p.w, weight.data(), p.conv_fwd, p.y,
+                                                       y.data(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, fwd,
+                                                       search.data(), search_bytes));
+  const auto fwd_choice = pick(fwd, count, precision, false, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM);
+  p.fwd = fwd_choice.algo;
+  DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv_fwd, fwd_choice.math));
+  DP_CUDA_CHECK(cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv_fwd, p.y, p.fwd, &p.fwd_bytes));
+
+  DP_CUDA_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(handle, p.w, weight.data(), p.y, y.data(), p.conv_bwd_data,
+                                                            p.x, dx.data(), CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+                                                            &count, data, search.data(), search_bytes));
+  const auto data_choice = pick(data, count, precision, true, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
+  p.bwd_data = data_choice.algo;
+  DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv_bwd_data, data_choice.math));
+  DP_CUDA_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(handle, p.w, p.y, p.conv_bwd_data, p.x, p.bwd_data,
+                                                             &p.bwd_data_bytes));
+
+  DP_CUDA_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(handle, p.x, x.data(), p.y, y.data(), p.conv, p.w,
+                                                              dweight.data(), CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+                                                              &count, filter, search.data(), search_bytes));
+  const auto filter_choice = pick(filter, count, precision, true, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
+  p.bwd_filter = filter_choice.algo;
+  DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv, filter_choice.math));
   DP_CUDA_CHECK(
       cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, p.x, p.y, p.conv, p.w, p.bwd_filter, &p.bwd_filter_bytes));
+  // The search ran on the handle's stream: its scratch is freed (cudaFree waits for the device)
+  // when this returns.
   return plan;
 }
 
-using ShapeKey = std::array<int, 9>;
-ShapeKey key_of(const Conv2dShape& s) { return {s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad}; }
-using Plans = std::map<ShapeKey, std::unique_ptr<Plan>>;
+using PlanKey = std::pair<std::array<int, 9>, Precision>;
+PlanKey key_of(const Conv2dShape& s, Precision precision) {
+  return {{s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad}, precision};
+}
+using Plans = std::map<PlanKey, std::unique_ptr<Plan>>;
 
-// Scratch for one call, stream-ordered: freed on the stream after the call's kernels, so another
-// stream can reuse the memory only once they are done (a cached buffer shared by streams could not).
-class Workspace {
- public:
-  Workspace(std::size_t bytes, cudaStream_t stream) : stream_(stream), bytes_(bytes) {
-    if (bytes_ != 0) DP_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes_, stream_));
-  }
-  ~Workspace() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);  // never throws from a destructor
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  void* data() const { return ptr_; }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  cudaStream_t stream_;
-  std::size_t bytes_;
-  void* ptr_ = nullptr;
+// The stream's cuDNN workspace for one call: the runtime's grow-only scratch of (stream, cuDNN),
+// grown to the plan's largest need when a plan is first used on the stream, reused by every
+// later call (stream order keeps the calls of one stream from overlapping in it).
+struct Workspace {
+  void* ptr;
+  std::size_t size;
+  void* data() const { return ptr; }
+  std::size_t bytes() const { return size; }
 };
 
-// Runs f(handle, plan, stream) with the device current and its cuDNN handle on `stream`, held
-// exclusively; the plan for `shape` is built on first use and cached with the handle.
+// Runs f(handle, plan, workspace) with the device current and the stream's own cuDNN handle; the
+// plan for (shape, the runtime's precision) is built on first use and cached for the device.
 template <class F>
 void with_cudnn(const Stream& stream, const Conv2dShape& shape, F&& f) {
+  const Precision precision = kernel_api::precision(stream);
   kernel_api::with_library(stream, kernel_api::Library::cudnn, [&](kernel_api::LibraryCall& call) {
     if (!call.cache) call.cache = std::make_shared<Plans>();
     auto handle = static_cast<cudnnHandle_t>(call.handle);
-    std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape)];
-    if (!plan) plan = make_plan(handle, shape);
-    f(handle, *plan, static_cast<cudaStream_t>(kernel_api::native_handle(stream)));
+    std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision)];
+    if (!plan) plan = make_plan(handle, shape, precision);
+    const std::size_t bytes = plan->workspace_bytes();
+    f(handle, *plan, Workspace{call.workspace(bytes), bytes});
   });
 }
 
@@ -164,10 +245,9 @@ bool cudnn_available() {
 
 void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                           const float* bias, float* y) {
-  with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, cudaStream_t cuda_stream) {
+  with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
     const float one = 1.0f, zero = 0.0f;
-    const Workspace scratch(p.fwd_bytes, cuda_stream);
-    DP_CUDA_CHECK(cudnnConvolutionForward(handle, &one, p.x, x, p.w, weight, p.conv, p.fwd, scratch.data(),
+    DP_CUDA_CHECK(cudnnConvolutionForward(handle, &one, p.x, x, p.w, weight, p.conv_fwd, p.fwd, scratch.data(),
                                           scratch.bytes(), &zero, p.y, y));
     if (bias) DP_CUDA_CHECK(cudnnAddTensor(handle, &one, p.bias, bias, &one, p.y, y));
   });
@@ -175,12 +255,11 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
 
 void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                            const float* dy, float* dx, float* dweight, float* dbias) {
-  with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, cudaStream_t cuda_stream) {
+  with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
     const float one = 1.0f, zero = 0.0f;
-    const Workspace scratch(std::max(dx ? p.bwd_data_bytes : 0, p.bwd_filter_bytes), cuda_stream);
     if (dx)  // overwritten
-      DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv, p.bwd_data, scratch.data(),
-                                                 scratch.bytes(), &zero, p.x, dx));
+      DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv_bwd_data, p.bwd_data,
+                                                 scratch.data(), scratch.bytes(), &zero, p.x, dx));
     // beta = 1: gradients accumulate, as PyTorch's .grad does.
     DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
                                                  scratch.bytes(), &one, p.w, dweight));

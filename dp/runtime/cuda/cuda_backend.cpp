@@ -1,15 +1,22 @@
 // cuda_backend.cpp — real GPUs (host-side code only, so the host compiler builds it). Thin by
 // design: a worker thread per device that makes the device current once, non-blocking streams,
-// events, cudaMemcpyAsync with link accounting, and the device's cuBLAS and cuDNN handles, which
-// kernels borrow through kernel_api::with_library. Nothing here runs on machines without a GPU;
-// tests that need it GTEST_SKIP there.
+// events, cudaMemcpyAsync with link accounting, each stream's own cuBLAS and cuDNN handles, which
+// kernels borrow through kernel_api::with_library, and — while profiling — timing events around
+// the work each stream enqueues, turned into trace spans. Nothing here runs on machines without a
+// GPU; tests that need it GTEST_SKIP there.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <fmt/format.h>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "backend.h"
+#include "device_scope.h"
 #include "dp/runtime/cuda_status.h"
+#include "dp/scratch.h"
 #include "executor.h"
 
 namespace dp::detail {
@@ -22,26 +29,104 @@ void make_device_current(int device) {
   if (current != device) DP_CUDA_CHECK(cudaSetDevice(device));
 }
 
-// `device` current for a scope, the caller's device restored after: for calls that may come from
-// any thread (allocation, events, streams, copies), which must leave the caller's current device
-// as they found it. (Kernel launches make the stream's device current on purpose: make_current.)
-class DeviceScope {
+// cuBLAS's recommended workspace per handle: 32 MiB on Hopper and later, 4 MiB before (cuBLAS
+// docs, cublasSetWorkspace). Given at handle creation, so no GEMM allocates.
+std::size_t cublas_workspace_bytes(int compute_major) {
+  return compute_major >= 9 ? std::size_t{32} << 20 : std::size_t{4} << 20;
+}
+
+// The timing events of one stream while profiling: a pair per piece of work (kernel, library
+// call, copy, collective), taken from a pool that only grows to the number of spans between two
+// take_trace() calls, so steady-state profiling creates no events. Shared by the stream and the
+// runtime (which converts them to spans, also after the stream is gone).
+class SpanLog {
  public:
-  explicit DeviceScope(int device) {
-    DP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device)
-      DP_CUDA_CHECK(cudaSetDevice(device));
-    else
-      previous_ = -1;  // nothing to restore
+  SpanLog(int device, int stream_id) : device_(device), stream_id_(stream_id) {}
+  ~SpanLog() {
+    for (const Pending& p : pending_) {
+      if (p.start) cudaEventDestroy(p.start);  // never throws from a destructor
+      if (p.end) cudaEventDestroy(p.end);
+    }
+    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
   }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);  // never throws from a destructor
+  SpanLog(const SpanLog&) = delete;
+  SpanLog& operator=(const SpanLog&) = delete;
+  int device() const { return device_; }
+
+  void begin(cudaStream_t stream, const char* name, SpanKind kind) {
+    std::lock_guard lock(mutex_);
+    if (!pending_.empty() && !pending_.back().end) {  // a launch that failed left its span open
+      pool_.push_back(pending_.back().start);
+      pending_.pop_back();
+    }
+    cudaEvent_t start = take_event();
+    if (const cudaError_t status = cudaEventRecord(start, stream); status != cudaSuccess) {
+      pool_.push_back(start);
+      DP_CUDA_CHECK(status);
+    }
+    pending_.push_back(Pending{name, kind, start, nullptr});
+    open_.store(true, std::memory_order_relaxed);
   }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
+  void end(cudaStream_t stream) {
+    if (!open_.load(std::memory_order_relaxed)) return;  // not profiling: no lock taken
+    std::lock_guard lock(mutex_);
+    open_.store(false, std::memory_order_relaxed);
+    if (pending_.empty() || pending_.back().end) return;
+    cudaEvent_t end = take_event();
+    if (const cudaError_t status = cudaEventRecord(end, stream); status != cudaSuccess) {
+      pool_.push_back(end);
+      DP_CUDA_CHECK(status);
+    }
+    pending_.back().end = end;
+  }
+  // Converts every closed span to steady-clock times: `reference` completed at `reference_ns`.
+  // Waits for the spans' end events (take_trace runs after the work it traces).
+  void collect(RuntimeImpl& runtime, cudaEvent_t reference, std::int64_t reference_ns) {
+    std::lock_guard lock(mutex_);
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      Pending& p = pending_[i];
+      if (!p.end) {  // still open: it is the last one
+        pending_[kept++] = p;
+        continue;
+      }
+      DP_CUDA_CHECK(cudaEventSynchronize(p.end));
+      float start_ms = 0.0f, end_ms = 0.0f;
+      DP_CUDA_CHECK(cudaEventElapsedTime(&start_ms, reference, p.start));
+      DP_CUDA_CHECK(cudaEventElapsedTime(&end_ms, reference, p.end));
+      runtime.add_span(device_, stream_id_,
+                       Span{p.name, p.kind, reference_ns + static_cast<std::int64_t>(double{start_ms} * 1e6),
+                            reference_ns + static_cast<std::int64_t>(double{end_ms} * 1e6)});
+      pool_.push_back(p.start);
+      pool_.push_back(p.end);
+    }
+    pending_.resize(kept);
+  }
 
  private:
-  int previous_ = -1;
+  struct Pending {
+    const char* name;
+    SpanKind kind;
+    cudaEvent_t start;
+    cudaEvent_t end;
+  };
+  cudaEvent_t take_event() {
+    if (!pool_.empty()) {
+      cudaEvent_t e = pool_.back();
+      pool_.pop_back();
+      return e;
+    }
+    const DeviceScope scope(device_);
+    cudaEvent_t e = nullptr;
+    DP_CUDA_CHECK(cudaEventCreate(&e));  // with timing, unlike synchronisation-only events
+    return e;
+  }
+
+  int device_, stream_id_;
+  std::mutex mutex_;
+  std::atomic<bool> open_{false};
+  std::vector<Pending> pending_;
+  std::vector<cudaEvent_t> pool_;
 };
 
 class CudaRuntime;
@@ -125,9 +210,7 @@ class CudaGraph final : public GraphImpl {
 class CudaStream final : public StreamImpl {
  public:
   CudaStream(CudaRuntime& runtime, CudaDevice& device, int index);
-  ~CudaStream() override {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
+  ~CudaStream() override;
   int device() const override { return index_; }
   Backend backend() const override { return Backend::cuda; }
   void record(EventImpl& event) override {
@@ -193,14 +276,31 @@ class CudaStream final : public StreamImpl {
   void make_current() override { detail::make_device_current(index_); }
   void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) override;
   RuntimeImpl& runtime() const override;
+  void begin_span(const char* name, SpanKind kind) override;
+  void end_span() override { spans_->end(stream_); }
 
  private:
+  // This stream's handle of one library, created on its first call and bound to the stream once,
+  // with its workspaces: cuBLAS's fixed one (cublasSetWorkspace) and the grow-only scratch that
+  // kernel_api::LibraryCall::workspace lends (cuDNN's), outgrown buffers kept until the stream goes
+  // (freeing them would wait for the whole device, maybe on another device's collective).
+  struct Library {
+    std::mutex mutex;
+    void* handle = nullptr;
+    DeviceBuffer cublas_workspace;
+    Scratch workspace;
+    std::vector<DeviceBuffer> retired;
+  };
+  void create_handle(kernel_api::Library library, Library& state);
+
   CudaRuntime& runtime_;
   CudaDevice& device_;
   int index_;
   int sm_count_ = 1;
   std::vector<std::unique_ptr<std::function<void()>>> captured_host_funcs_;  // for the graph being captured
   cudaStream_t stream_ = nullptr;
+  Library libraries_[2];  // by kernel_api::Library
+  std::shared_ptr<SpanLog> spans_;
 };
 
 class CudaDevice final : public DeviceImpl {
@@ -210,26 +310,35 @@ class CudaDevice final : public DeviceImpl {
         index_(index),
         memory_(0),
         worker_(fmt::format("cuda{}.worker", index), [index] { DP_CUDA_CHECK(cudaSetDevice(index)); }) {
-    // Handle and properties are created on the worker thread, which owns them.
+    // Properties are read on the worker thread, which has the device current.
     submit([this] {
       cudaDeviceProp prop{};
       DP_CUDA_CHECK(cudaGetDeviceProperties(&prop, index_));
       name_ = fmt::format("cuda:{} ({})", index_, prop.name);
       sm_count_ = prop.multiProcessorCount;
+      compute_major_ = prop.major;
       std::size_t free_bytes = 0, total_bytes = 0;
       DP_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
       memory_.set_capacity(total_bytes);
-      DP_CUDA_CHECK(cublasCreate(&cublas_));
-      // Exact fp32 (no TF32) so GPU results match the host results within fp32 rounding.
-      DP_CUDA_CHECK(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
+      // Stream-ordered allocations (cudaMallocAsync: libraries, NCCL's and cuDNN's internals) keep
+      // what they free in the device's pool instead of returning it at every synchronisation: with
+      // the default threshold (0) an alloc/kernel/free/sync cycle took 102 us on an H100, 13.5 us
+      // with it raised (docs/perf). dp's own buffers use cudaMalloc and are reused, not re-made.
+      int pools = 0;
+      DP_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, index_));
+      if (pools) {
+        cudaMemPool_t pool = nullptr;
+        DP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, index_));
+        std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
+        DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+      }
     }).get();
   }
   ~CudaDevice() override {
-    // On the worker that created them; what kernels cached for a library (cuDNN plans) goes first.
+    // What kernels cached for a library (cuDNN plans: descriptors only) goes with the device; the
+    // handles went with their streams.
     auto done = submit([this] {
       for (Lent& lent : lent_) lent.cache.reset();
-      if (cudnn_) cudnnDestroy(cudnn_);
-      if (cublas_) cublasDestroy(cublas_);
     });
     done.wait();
   }
@@ -275,23 +384,13 @@ class CudaDevice final : public DeviceImpl {
   }
   int sm_count() const { return sm_count_; }
   void count(Counter counter);
-  // Library handles are not safe for concurrent use; the streams of one device take turns.
-  void with_library(kernel_api::Library library, cudaStream_t stream,
-                    const std::function<void(kernel_api::LibraryCall&)>& fn) {
-    make_device_current(index_);
+  int compute_major() const { return compute_major_; }
+  // Runs fn with this device's cache for `library` (cuDNN plans), shared by its streams and held
+  // exclusively meanwhile (plans are built on first use, timing algorithms on the calling stream).
+  void with_cache(kernel_api::Library library, const std::function<void(std::shared_ptr<void>&)>& fn) {
     Lent& lent = lent_[static_cast<std::size_t>(library)];
     std::lock_guard lock(lent.mutex);
-    void* handle = nullptr;
-    if (library == kernel_api::Library::cublas) {
-      DP_CUDA_CHECK(cublasSetStream(cublas_, stream));
-      handle = cublas_;
-    } else {
-      if (!cudnn_) DP_CUDA_CHECK(cudnnCreate(&cudnn_));  // on first use: it loads cuDNN's kernels
-      DP_CUDA_CHECK(cudnnSetStream(cudnn_, stream));
-      handle = cudnn_;
-    }
-    kernel_api::LibraryCall call{handle, lent.cache};
-    fn(call);
+    fn(lent.cache);
   }
 
  private:
@@ -305,14 +404,13 @@ class CudaDevice final : public DeviceImpl {
     std::shared_ptr<void> cache;
   };
   Lent lent_[2];  // by kernel_api::Library
-  cublasHandle_t cublas_ = nullptr;
-  cudnnHandle_t cudnn_ = nullptr;
+  int compute_major_ = 0;
   SerialExecutor worker_;
 };
 
 class CudaRuntime final : public RuntimeImpl {
  public:
-  explicit CudaRuntime(int count) : RuntimeImpl(count) {
+  explicit CudaRuntime(int count) : RuntimeImpl(count), references_(static_cast<std::size_t>(count)) {
     for (int i = 0; i < count; ++i) add_device(std::make_unique<CudaDevice>(*this, i));
     // Peer access where the topology allows it: peer copies then go over NVLink/PCIe directly.
     for (int i = 0; i < count; ++i)
@@ -321,13 +419,17 @@ class CudaRuntime final : public RuntimeImpl {
         int can = 0;
         DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, i, j));
         if (!can) continue;
-        DP_CUDA_CHECK(cudaSetDevice(i));
+        const DeviceScope scope(i);  // the creating thread's current device is kept
         const cudaError_t status = cudaDeviceEnablePeerAccess(j, 0);
         if (status == cudaErrorPeerAccessAlreadyEnabled)
           cudaGetLastError();
         else
           DP_CUDA_CHECK(status);
       }
+  }
+  ~CudaRuntime() override {
+    for (const Reference& r : references_)
+      if (r.event) cudaEventDestroy(r.event);  // never throws from a destructor
   }
   Backend backend() const override { return Backend::cuda; }
   void* allocate_pinned(std::size_t bytes) override {
@@ -336,12 +438,91 @@ class CudaRuntime final : public RuntimeImpl {
     return ptr;
   }
   void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
+
+  std::shared_ptr<SpanLog> make_span_log(int device) {
+    auto log = std::make_shared<SpanLog>(device, next_stream_id());
+    std::lock_guard lock(logs_mutex_);
+    logs_.push_back(log);
+    return log;
+  }
+  // Each device's time reference: an event recorded on its idle legacy stream, waited for, and
+  // the steady clock read right after (within the few microseconds of that wait). Spans are
+  // placed relative to it by cudaEventElapsedTime, so they line up with host timestamps.
+  void begin_profiling() override {
+    for (int d = 0; d < device_count(); ++d) {
+      Reference& r = references_[static_cast<std::size_t>(d)];
+      const DeviceScope scope(d);
+      if (!r.event) DP_CUDA_CHECK(cudaEventCreate(&r.event));
+      DP_CUDA_CHECK(cudaEventRecord(r.event, nullptr));
+      DP_CUDA_CHECK(cudaEventSynchronize(r.event));
+      r.ns = now_ns();
+    }
+  }
+  void collect_spans() override {
+    std::lock_guard lock(logs_mutex_);
+    for (const auto& log : logs_) {
+      const Reference& r = references_[static_cast<std::size_t>(log->device())];
+      if (r.event) log->collect(*this, r.event, r.ns);
+    }
+    // Logs of streams that are gone have nothing left once collected.
+    std::erase_if(logs_, [](const std::shared_ptr<SpanLog>& log) { return log.use_count() == 1; });
+  }
+
+ private:
+  struct Reference {
+    cudaEvent_t event = nullptr;
+    std::int64_t ns = 0;
+  };
+  std::vector<Reference> references_;  // by device
+  std::mutex logs_mutex_;
+  std::vector<std::shared_ptr<SpanLog>> logs_;
 };
 
 CudaStream::CudaStream(CudaRuntime& runtime, CudaDevice& device, int index)
-    : runtime_(runtime), device_(device), index_(index), sm_count_(device.sm_count()) {
+    : runtime_(runtime),
+      device_(device),
+      index_(index),
+      sm_count_(device.sm_count()),
+      spans_(runtime.make_span_log(index)) {
   DeviceScope scope(index);
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+CudaStream::~CudaStream() {
+  try {  // never throws from a destructor: a failure leaks a handle at worst
+    const DeviceScope scope(index_);
+    if (auto* cublas = static_cast<cublasHandle_t>(libraries_[0].handle)) cublasDestroy(cublas);
+    if (auto* cudnn = static_cast<cudnnHandle_t>(libraries_[1].handle)) cudnnDestroy(cudnn);
+    if (stream_) cudaStreamDestroy(stream_);
+  } catch (...) {
+  }
+  // The workspaces (DeviceBuffers) are freed after, by their own destructors.
+}
+
+void CudaStream::create_handle(kernel_api::Library library, Library& state) {
+  // The stream's device is current (with_library): handles belong to the current device.
+  if (library == kernel_api::Library::cublas) {
+    cublasHandle_t handle = nullptr;
+    DP_CUDA_CHECK(cublasCreate(&handle));
+    state.handle = handle;  // owned from here on: destroyed with the stream
+    DP_CUDA_CHECK(cublasSetStream(handle, stream_));
+    // Exact fp32 (no TF32) so GPU results match the host results within fp32 rounding; PyTorch's
+    // matmuls default to the same (allow_tf32 = False), so Precision::fast keeps it too.
+    DP_CUDA_CHECK(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));
+    const std::size_t bytes = cublas_workspace_bytes(device_.compute_major());
+    state.cublas_workspace = runtime_.device(index_).allocate(bytes);
+    DP_CUDA_CHECK(cublasSetWorkspace(handle, state.cublas_workspace.data(), bytes));
+  } else {
+    cudnnHandle_t handle = nullptr;
+    DP_CUDA_CHECK(cudnnCreate(&handle));  // on first use: it loads cuDNN's kernels
+    state.handle = handle;
+    DP_CUDA_CHECK(cudnnSetStream(handle, stream_));
+  }
+}
+
+void CudaStream::begin_span(const char* name, SpanKind kind) {
+  // Not inside a capture: an event recorded there is a dependency of the graph, never a time.
+  if (runtime_.profiling() && !capturing()) spans_->begin(stream_, name, kind);
 }
 
 std::shared_ptr<StreamImpl> CudaDevice::create_stream() {
@@ -371,6 +552,7 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
   // Into pageable memory cudaMemcpyAsync returns once the copy is done: the host waited.
   if (dst_pageable) count(Counter::host_syncs);
   DeviceScope scope(index_);
+  const StreamSpan span(*this, "copy", SpanKind::copy);
   if (src_loc != kHost && dst_loc != kHost && src_loc != dst_loc)
     DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_loc, src, src_loc, bytes, stream_));
   else
@@ -395,8 +577,25 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
 std::shared_ptr<EventImpl> CudaDevice::create_event() { return std::make_shared<CudaEvent>(runtime_, index_); }
 
+// Makes the stream's device current (as a kernel launch does) and lends the stream's own handle,
+// held exclusively: calls on other streams of the device use their own handles and workspaces, so
+// their kernels may overlap on the GPU without sharing scratch. The device's cache for the library
+// is held meanwhile (plan look-ups are short; a plan's first build times algorithms, in warm-up).
 void CudaStream::with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) {
-  device_.with_library(library, stream_, fn);
+  make_device_current(index_);
+  Library& state = libraries_[static_cast<std::size_t>(library)];
+  std::lock_guard lock(state.mutex);
+  if (!state.handle) create_handle(library, state);
+  Device& device = runtime_.device(index_);
+  device_.with_cache(library, [&](std::shared_ptr<void>& cache) {
+    kernel_api::LibraryCall call{state.handle, cache, [&](std::size_t bytes) -> void* {
+                                   return bytes == 0 ? nullptr
+                                                     : state.workspace.get<std::byte>(device, bytes, &state.retired);
+                                 }};
+    const bool gemm = library == kernel_api::Library::cublas;
+    const StreamSpan span(*this, gemm ? "gemm" : "cudnn", gemm ? SpanKind::gemm : SpanKind::kernel);
+    fn(call);
+  });
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "device_scope.h"
 #include "dp/runtime/cuda_status.h"
 
 namespace dp::detail {
@@ -33,17 +34,21 @@ class NcclCommunicator final : public Communicator {
   int first_rank() const override { return first_; }
 
   void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) override {
+    const StreamSpan span(Access::stream(stream), "all_reduce", SpanKind::collective);
     DP_CUDA_CHECK(ncclAllReduce(data, data, count, ncclFloat32, op == ReduceOp::avg ? ncclAvg : ncclSum, comm(rank),
                                 native(rank, stream)));
   }
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
+    const StreamSpan span(Access::stream(stream), "broadcast", SpanKind::collective);
     DP_CUDA_CHECK(ncclBroadcast(data, data, bytes, ncclUint8, root, comm(rank), native(rank, stream)));
   }
   void reduce(int rank, const Stream& stream, float* data, std::size_t count, int root) override {
     // In place on the root; other ranks' buffers are only read.
+    const StreamSpan span(Access::stream(stream), "reduce", SpanKind::collective);
     DP_CUDA_CHECK(ncclReduce(data, data, count, ncclFloat32, ncclSum, root, comm(rank), native(rank, stream)));
   }
   void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) override {
+    const StreamSpan span(Access::stream(stream), "all_gather", SpanKind::collective);
     DP_CUDA_CHECK(ncclAllGather(send, recv, count, ncclFloat32, comm(rank), native(rank, stream)));
   }
   // Any thread may abort while the ranks' workers issue collectives (a failing rank aborts at once):
@@ -57,6 +62,7 @@ class NcclCommunicator final : public Communicator {
  private:
   void init(std::vector<ncclComm_t>& comms, ProcessGroup& processes) {
     const auto& group = group_;
+    const DeviceRestore restore;  // initialisation switches devices; the caller's is kept
     if (processes.size() == 1) {
       DP_CUDA_CHECK(ncclCommInitAll(comms.data(), group.size(), group.device_ids().data()));
       return;

@@ -90,6 +90,29 @@ class StreamImpl {
   virtual void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) = 0;
   virtual RuntimeImpl& runtime() const = 0;
   void count(Counter counter) const;  // on this stream's device
+
+  // cuda, while profiling: brackets work enqueued natively (a kernel, a library call, a
+  // collective) with timing events, turned into a span by take_spans(); `name` must outlive the
+  // runtime (a string literal). The sim records its own spans, so these do nothing there.
+  virtual void begin_span(const char* /*name*/, SpanKind /*kind*/) {}
+  virtual void end_span() {}
+};
+
+// begin_span / end_span for one scope.
+class StreamSpan {
+ public:
+  StreamSpan(StreamImpl& stream, const char* name, SpanKind kind) : stream_(stream) { stream_.begin_span(name, kind); }
+  ~StreamSpan() {
+    try {
+      stream_.end_span();
+    } catch (...) {  // never throws from a destructor: the span is lost at worst
+    }
+  }
+  StreamSpan(const StreamSpan&) = delete;
+  StreamSpan& operator=(const StreamSpan&) = delete;
+
+ private:
+  StreamImpl& stream_;
 };
 
 class DeviceImpl {
@@ -155,7 +178,10 @@ class RuntimeImpl {
   void reset_counters();
 
   // Stream work spans, recorded while profiling is on (bench traces, overlap tests).
-  void set_profiling(bool on) { profiling_.store(on); }
+  void set_profiling(bool on) {
+    if (on && !profiling()) begin_profiling();
+    profiling_.store(on);
+  }
   bool profiling() const { return profiling_.load(std::memory_order_relaxed); }
   void add_span(int device, int stream_id, Span span);
   struct StreamSpans {
@@ -165,6 +191,14 @@ class RuntimeImpl {
   };
   std::vector<StreamSpans> take_spans();
   int next_stream_id() { return stream_ids_.fetch_add(1); }
+  // Backend hooks: profiling is about to start (cuda: takes each device's time reference); the
+  // spans are about to be taken (cuda: converts completed event pairs into spans with add_span).
+  virtual void begin_profiling() {}
+  virtual void collect_spans() {}
+
+  // RuntimeOptions::precision, set once by Runtime::create before any stream exists.
+  void set_precision(Precision precision) { precision_ = precision; }
+  Precision precision() const { return precision_; }
 
  protected:
   // Called by the backend's constructor once per device, in index order.
@@ -179,6 +213,7 @@ class RuntimeImpl {
   std::unique_ptr<std::atomic<std::uint64_t>[]> counters_;  // device x Counter
   std::atomic<bool> profiling_{false};
   std::atomic<int> stream_ids_{0};
+  Precision precision_ = Precision::strict;
   std::mutex spans_mutex_;
   std::vector<StreamSpans> spans_;
 };

@@ -25,11 +25,15 @@ void enqueue_host(const Stream& stream, const char* name, std::function<void()> 
 
 void* native_handle(const Stream& stream) { return Access::stream(stream).native_handle(); }
 int multiprocessor_count(const Stream& stream) { return Access::stream(stream).multiprocessor_count(); }
-void begin_launch(const Stream& stream) {
+void begin_launch(const Stream& stream, const char* name) {
   detail::StreamImpl& s = Access::stream(stream);
   s.make_current();
   s.count(detail::Counter::launches);
+  s.begin_span(name, SpanKind::kernel);
 }
+void end_launch(const Stream& stream) { Access::stream(stream).end_span(); }
+
+Precision precision(const Stream& stream) { return Access::stream(stream).runtime().precision(); }
 
 void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn) {
   detail::StreamImpl& s = Access::stream(stream);

@@ -134,13 +134,17 @@ std::uint64_t Runtime::host_memory_bytes() {
 
 std::unique_ptr<Runtime> Runtime::create(const RuntimeOptions& options) {
   const std::string& name = options.backend;
-  if (name == "sim") return std::unique_ptr<Runtime>(new Runtime(detail::make_sim_runtime(options)));
-  if (name == "cuda") return std::unique_ptr<Runtime>(new Runtime(detail::make_cuda_runtime(options)));
-  if (name == "auto") {
-    if (cuda_device_count() > 0) return std::unique_ptr<Runtime>(new Runtime(detail::make_cuda_runtime(options)));
-    return std::unique_ptr<Runtime>(new Runtime(detail::make_sim_runtime(options)));
-  }
-  throw InvalidArgument(fmt::format("unknown backend '{}' (expected auto, cuda or sim)", name));
+  std::unique_ptr<detail::RuntimeImpl> impl;
+  if (name == "sim")
+    impl = detail::make_sim_runtime(options);
+  else if (name == "cuda")
+    impl = detail::make_cuda_runtime(options);
+  else if (name == "auto")
+    impl = cuda_device_count() > 0 ? detail::make_cuda_runtime(options) : detail::make_sim_runtime(options);
+  else
+    throw InvalidArgument(fmt::format("unknown backend '{}' (expected auto, cuda or sim)", name));
+  impl->set_precision(options.precision);
+  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
 
 Backend Runtime::backend() const { return impl_->backend(); }
@@ -296,6 +300,7 @@ void RuntimeImpl::add_span(int device, int stream_id, Span span) {
 }
 
 std::vector<RuntimeImpl::StreamSpans> RuntimeImpl::take_spans() {
+  collect_spans();
   std::lock_guard lock(spans_mutex_);
   return std::exchange(spans_, {});
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dp/memory.h"
+#include "dp/precision.h"
 #include "dp/trace.h"
 
 namespace dp {
@@ -168,6 +169,8 @@ struct RuntimeOptions {
   // sim only: number of simulated devices and each one's memory capacity.
   int sim_devices = 2;
   std::size_t sim_capacity_bytes = std::size_t{16} << 30;
+  // How exact the GPU libraries must be (dp/precision.h); the sim computes the same for both.
+  Precision precision = Precision::strict;
 };
 
 // Byte and copy counts of one directed link; `kHost` stands for host memory, `kNetwork` for the

@@ -126,10 +126,11 @@ void launch(const Stream& stream, const char* name, index_t n, const F& f, std::
   // Enough blocks to fill every SM several times over; the grid-stride loop covers the rest.
   const index_t grid =
       std::min<index_t>(ceil_div(n, block), static_cast<index_t>(kernel_api::multiprocessor_count(stream)) * 32);
-  kernel_api::begin_launch(stream);
+  kernel_api::begin_launch(stream, name);
   grid_stride_kernel<<<static_cast<unsigned>(grid), block, 0,
                        static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(n, f);
   DP_CUDA_CHECK(cudaGetLastError());
+  kernel_api::end_launch(stream);
 #else
   kernel_api::enqueue_host(stream, name, {});  // throws: this launch site was not compiled by nvcc
 #endif
@@ -151,10 +152,11 @@ void launch_2d(const Stream& stream, const char* name, index_t rows, index_t col
   constexpr int block = 256;
   const index_t grid = std::min<index_t>(ceil_div(rows * cols, block),
                                          static_cast<index_t>(kernel_api::multiprocessor_count(stream)) * 32);
-  kernel_api::begin_launch(stream);
+  kernel_api::begin_launch(stream, name);
   grid_stride_kernel_2d<<<static_cast<unsigned>(grid), block, 0,
                           static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(rows, cols, f);
   DP_CUDA_CHECK(cudaGetLastError());
+  kernel_api::end_launch(stream);
 #else
   kernel_api::enqueue_host(stream, name, {});
 #endif
@@ -175,11 +177,12 @@ void launch_row_reduce(const Stream& stream, const char* name, index_t rows, ind
   }
 #if defined(__CUDACC__)
   const index_t grid = std::min<index_t>(rows, static_cast<index_t>(kernel_api::multiprocessor_count(stream)) * 16);
-  kernel_api::begin_launch(stream);
+  kernel_api::begin_launch(stream, name);
   row_reduce_kernel<T>
       <<<static_cast<unsigned>(grid), kReduceLanes, 0, static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(
           rows, cols, map, finalize);
   DP_CUDA_CHECK(cudaGetLastError());
+  kernel_api::end_launch(stream);
 #else
   kernel_api::enqueue_host(stream, name, {});
 #endif

@@ -12,6 +12,7 @@
 
 #include "dp/device.h"
 #include "dp/error.h"
+#include "dp/precision.h"
 #include "dp/trace.h"
 
 // Kernel arithmetic is written once and compiled by nvcc for the GPU and by the host compiler
@@ -52,20 +53,32 @@ void* native_handle(const Stream& stream);
 // cuda: multiprocessors of the stream's device (launch grid sizing); sim: 1.
 int multiprocessor_count(const Stream& stream);
 // cuda, right before a native kernel launch into `stream`: makes its device current on the
-// calling thread (a launch into a stream of another device fails) and counts the launch
-// (Runtime::counters). sim counts in enqueue_host.
-void begin_launch(const Stream& stream);
+// calling thread (a launch into a stream of another device fails), counts the launch
+// (Runtime::counters) and, while profiling, opens the kernel's span named `name` (a string
+// literal). sim counts and traces in enqueue_host.
+void begin_launch(const Stream& stream, const char* name = "kernel");
+// cuda, right after the launch: closes the span begin_launch opened (nothing when not profiling).
+void end_launch(const Stream& stream);
 
-// The per-device handles of the CUDA libraries, owned by the runtime and freed with the device.
+// The precision policy of the stream's runtime (RuntimeOptions::precision): what the cuDNN
+// convolutions may trade for speed. The sim computes the same for both.
+Precision precision(const Stream& stream);
+
+// The CUDA libraries whose handles the runtime owns: one handle of each per stream, created on the
+// stream's first call into that library and bound to it once (cublasSetStream / cudnnSetStream),
+// so calls on different streams never share a handle or its workspace.
 enum class Library { cublas, cudnn };
 
-// A library handle lent to one call: `handle` is bound to the stream (cublasSetStream /
-// cudnnSetStream) and held exclusively (handles are not safe for concurrent use, so the streams of
-// one device take turns). `cache` is the caller's per-device state for that library (cuDNN plans):
-// empty at first, destroyed with the device, before the handle.
+// A library handle lent to one call on a stream, held exclusively for the call (a handle is not
+// safe for concurrent use). `cache` is the caller's per-device state for that library (cuDNN
+// plans), shared by the device's streams and held exclusively with the handle: empty at first,
+// destroyed with the device. `workspace(bytes)` is the stream's grow-only device scratch for that
+// library: at least `bytes` (nullptr for 0), reallocated only when a call needs more than ever
+// before (a new shape: plan time, not per call); stream order keeps its users from overlapping.
 struct LibraryCall {
   void* handle;
   std::shared_ptr<void>& cache;
+  std::function<void*(std::size_t)> workspace;
 };
 // cuda only: runs fn with the stream's device current and its `library` handle; sim: throws.
 void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn);
