@@ -78,6 +78,7 @@ std::int64_t now_ns() {
 struct Options {
   std::string backend = "auto";
   std::string precision = "strict";
+  std::string graphs = "on";
   bool profile = false;
   std::optional<int> devices;
   std::string models = "mlp,convnet";
@@ -121,6 +122,8 @@ void validate(const Options& o) {
   } catch (const dp::InvalidArgument& e) {
     throw UsageError(fmt::format("--precision: {}", e.what()));
   }
+  if (o.graphs != "on" && o.graphs != "off")
+    throw UsageError(fmt::format("--graphs: unknown value '{}' (expected on or off)", o.graphs));
   if (o.devices && *o.devices < 1) throw UsageError(fmt::format("--devices must be at least 1, got {}", *o.devices));
   if (o.batch < 1) throw UsageError(fmt::format("--batch-size must be at least 1, got {}", o.batch));
   if (o.steps < 1) throw UsageError(fmt::format("--steps must be at least 1, got {}", o.steps));
@@ -232,6 +235,7 @@ struct Run {
   std::optional<double> scaling_efficiency;
   std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
   std::optional<std::size_t> buckets;            // ddp only: gradient buckets (all-reduces per step)
+  bool graphs = false;                           // every measured step was a replayed graph
   std::vector<PerDevice> per_device;
   float loss_first = 0, loss_last = 0;
   // For the trace: the measured window, its step boundaries and its spans.
@@ -475,7 +479,9 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   options.kind = kind;
   options.device_ids = run.device_ids;
   options.output_device = kind == dp::EngineKind::dp ? std::optional<int>(0) : std::nullopt;
-  options.time_phases = kind == dp::EngineKind::dp;
+  options.graphs = o.graphs == "on";
+  // Phase times come from events between the phases, which a replayed graph does not record.
+  options.time_phases = kind == dp::EngineKind::dp && !options.graphs;
   options.bucket_cap_mb = o.bucket_cap_mb;
   options.sync_batchnorm = o.sync_bn && kind == dp::EngineKind::ddp;
   options.first_bucket_mb = o.first_bucket_mb;
@@ -506,7 +512,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   dp::DataParallelPhases sum;
   int timed = 0;
   std::function<void()> after_step;
-  if (parallel)
+  if (parallel && options.time_phases)
     after_step = [&] {
       const auto p = parallel->last_phases();
       sum.broadcast += p.broadcast, sum.scatter += p.scatter, sum.forward += p.forward, sum.gather += p.gather;
@@ -515,12 +521,14 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
     };
   measure(
       rt, o, run, [&] { return engine->train_step(batches); }, after_step, across ? processes.get() : nullptr);
+  run.graphs = engine->graph_replays() >= static_cast<std::uint64_t>(o.steps);
   if (across) gather_devices(run, *processes);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
   if (!parallel) return run;
   const double n = timed;
-  run.phases = dp::DataParallelPhases{sum.broadcast / n, sum.scatter / n,  sum.forward / n, sum.gather / n,
-                                      sum.loss / n,      sum.backward / n, sum.reduce / n,  sum.update / n};
+  if (timed > 0)
+    run.phases = dp::DataParallelPhases{sum.broadcast / n, sum.scatter / n,  sum.forward / n, sum.gather / n,
+                                        sum.loss / n,      sum.backward / n, sum.reduce / n,  sum.update / n};
   // torch.chunk rules: with a small global batch some devices get fewer rows (or none).
   const auto& chunks = parallel->last_chunks();
   for (std::size_t i = 0; i < run.per_device.size(); ++i) {
@@ -615,9 +623,9 @@ void print_tables(const std::vector<Run>& runs, bool have_spans) {
   fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
 
   fmt::print(
-      "\nhost work per step (summed over devices; submits: the busiest device)\n{:<8} {:<6} {:>9} {:>11} {:>12} {:>9} "
-      "{:>8}\n",
-      "model", "mode", "launches", "host syncs", "allocations", "pageable", "submits");
+      "\nhost work per step (summed over devices; submits: the busiest device; a replayed graph is one launch)\n"
+      "{:<8} {:<6} {:>9} {:>11} {:>12} {:>9} {:>8} {:>7}\n",
+      "model", "mode", "launches", "host syncs", "allocations", "pageable", "submits", "graphs");
   for (const Run& r : runs) {
     double launches = 0, syncs = 0, allocations = 0, pageable = 0, submits = 0;
     for (const auto& pd : r.per_device) {
@@ -627,8 +635,8 @@ void print_tables(const std::vector<Run>& runs, bool have_spans) {
       pageable += pd.pageable_copies;
       submits = std::max(submits, pd.worker_submits);
     }
-    fmt::print("{:<8} {:<6} {:>9.1f} {:>11.1f} {:>12.1f} {:>9.1f} {:>8.1f}\n", r.model, r.mode, launches, syncs,
-               allocations, pageable, submits);
+    fmt::print("{:<8} {:<6} {:>9.1f} {:>11.1f} {:>12.1f} {:>9.1f} {:>8.1f} {:>7}\n", r.model, r.mode, launches, syncs,
+               allocations, pageable, submits, r.graphs ? "yes" : "no");
   }
 
   bool any_dp = false;
@@ -703,8 +711,8 @@ json run_json(const Run& r) {
                    {"pageable_copies_per_step", pd.pageable_copies},
                    {"worker_submits_per_step", pd.worker_submits}});
   j["per_device"] = per;
-  // Summed over the devices (worker submissions: per device, above). No step is a replayed CUDA
-  // graph yet.
+  // Summed over the devices (worker submissions: per device, above). With graphs, a step is one
+  // launch per graph: DP's one graph spans every device, DDP has one per rank.
   const auto total = [&](auto field) {
     double sum = 0;
     for (const auto& pd : r.per_device) sum += pd.*field;
@@ -714,7 +722,7 @@ json run_json(const Run& r) {
   j["host_syncs_per_step"] = total(&PerDevice::host_syncs);
   j["allocations_per_step"] = total(&PerDevice::allocations);
   j["pageable_copies_per_step"] = total(&PerDevice::pageable_copies);
-  j["graphs"] = false;
+  j["graphs"] = r.graphs;
   j["busy_pct_mean"] = optional_json(busy_mean(r));
   j["imbalance"] = {
       {"busy_pct", optional_json(busy_imbalance(r))},
@@ -830,9 +838,9 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     return ids;
   }());
   fmt::print(
-      "dp_bench: backend {} (precision {}), {} device(s) [{}]{}, batch {} per device, {} warm-up + {} measured "
-      "steps, DDP buckets {} MiB (first {} MiB)\n",
-      backend, o.precision, devices, fmt::join(names, ", "),
+      "dp_bench: backend {} (precision {}, graphs {}), {} device(s) [{}]{}, batch {} per device, {} warm-up + {} "
+      "measured steps, DDP buckets {} MiB (first {} MiB)\n",
+      backend, o.precision, o.graphs, devices, fmt::join(names, ", "),
       job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", processes->size()) : "",
       o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
@@ -854,6 +862,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   job.agree_or_stop();
   job.agree_on_configuration({{"--backend", backend},
                               {"--precision", o.precision},
+                              {"--graphs", o.graphs},
                               {"--devices", fmt::format("{}", devices)},
                               {"--models", fmt::format("{}", fmt::join(models, ","))},
                               {"--modes", fmt::format("{}", fmt::join(modes, ","))},
@@ -918,6 +927,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     j["first_bucket_mb"] = o.first_bucket_mb;
     j["seed"] = o.seed;
     j["precision"] = o.precision;
+    j["graphs_requested"] = o.graphs == "on";
     j["busy_time_available"] = records_spans(*rt, o);
     json rj = json::array();
     for (const Run& r : runs) rj.push_back(run_json(r));
@@ -941,6 +951,10 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
   app.add_option("--precision", o.precision,
                  "strict (cuDNN: exact fp32, deterministic, fastest such algorithm) or fast (PyTorch's defaults: "
                  "fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim computes the same for both")
+      ->capture_default_str();
+  app.add_option("--graphs", o.graphs,
+                 "on: capture each engine's training step once per batch size and replay it (CUDA graphs; emulated "
+                 "on sim), off: launch every kernel every step (DP's phase times need off)")
       ->capture_default_str();
   app.add_flag("--profile", o.profile,
                "cuda: record device spans (timing events around every kernel) for busy % and GEMM rates; "

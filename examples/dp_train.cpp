@@ -46,6 +46,7 @@ struct Options {
   std::string mode = "single";
   std::string backend = "auto";
   std::string precision = "strict";
+  std::string graphs = "on";
   std::optional<int> devices;
   std::string device_ids;
   std::optional<int> output_device;
@@ -537,6 +538,7 @@ int run(Options o) {
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
   engine_options.processes = g_job.processes();
+  engine_options.graphs = o.graphs == "on";
   // Declared before the engine so that they outlive it: its streams read their pinned batches.
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
   const auto engine = dp::make_engine(*runtime, *model, optimizer, engine_options);
@@ -767,6 +769,10 @@ int train_main(int argc, char** argv) {
                  "(PyTorch's defaults: fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim "
                  "computes the same for both")
       ->check(CLI::IsMember({"strict", "fast"}));
+  app.add_option("--graphs", o.graphs,
+                 "on (default): capture the training step once per batch size and replay it (CUDA graphs; emulated "
+                 "on sim; the same results bit for bit), off: launch every kernel every step")
+      ->check(CLI::IsMember({"on", "off"}));
   auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
   dp_cli::add_integer(app, "--output-device", o.output_device,

@@ -119,8 +119,10 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
   TempDir dir("two");
   const auto json_path = dir / "bench.json", trace_path = dir / "trace.json";
   const int batch = 8, steps = 2;
+  // Eager (--graphs off): DP's phase times need it; GraphsReplayTheSteadyState covers the default.
   const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,convnet --modes single,dp,ddp "
-                                              "--batch-size {} --steps {} --warmup 1 --json '{}' --trace '{}'",
+                                              "--batch-size {} --steps {} --warmup 1 --graphs off --json '{}' "
+                                              "--trace '{}'",
                                               batch, steps, json_path.string(), trace_path.string()));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   // The human table names every run.
@@ -162,11 +164,10 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
       EXPECT_GE(run.at("imbalance").at(key).get<double>(), 1.0) << key;
     // The host's work per steady-state step (Runtime::counters, the engine's steps only): no
     // allocation once warm; no pageable copy (inputs from pinned memory, the loss read back into
-    // pinned memory); one host sync for the loss (ddp: one per rank); one submission per device
-    // for dp and ddp, none for single (the caller's thread). No CUDA graphs yet.
-    const bool ddp = run.at("mode") == "ddp";
+    // pinned memory); one host sync for the loss (ddp too: one stream waits for every rank's); one
+    // submission per device for dp and ddp, none for single (the caller's thread).
     EXPECT_EQ(run.at("allocations_per_step").get<double>(), 0.0);
-    EXPECT_EQ(run.at("host_syncs_per_step").get<double>(), ddp ? 2.0 : 1.0);
+    EXPECT_EQ(run.at("host_syncs_per_step").get<double>(), 1.0);
     EXPECT_EQ(run.at("pageable_copies_per_step").get<double>(), 0.0);
     EXPECT_GT(run.at("launches_per_step").get<double>(), 10.0);
     EXPECT_EQ(run.at("graphs"), false);
@@ -359,6 +360,39 @@ TEST(Bench, PrecisionIsReportedAndFastIsStrictOnTheSim) {
   }
 }
 
+// --graphs on (the default): after the warm-up, every engine's step is a replayed graph — one launch
+// per graph (DP: one graph over every device, launched by the caller; DDP: one per rank, each on its
+// worker), one host sync, no allocation, no pageable copy — and the losses are the eager ones.
+TEST(Bench, GraphsReplayTheSteadyState) {
+  TempDir dir("graphs");
+  std::map<std::string, json> reports;
+  for (const std::string graphs : {"on", "off"}) {
+    const auto json_path = dir / (graphs + ".json");
+    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet --modes single,dp,ddp "
+                                                "--batch-size 4 --steps 3 --warmup 2 --graphs {} --json '{}'",
+                                                graphs, json_path.string()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("graphs " + graphs), std::string::npos) << r.out;
+    reports[graphs] = json::parse(read_file(json_path));
+  }
+  for (const std::string mode : {"single", "dp", "ddp"}) {
+    SCOPED_TRACE(mode);
+    const json& on = find_run(reports["on"], "convnet", mode);
+    const json& off = find_run(reports["off"], "convnet", mode);
+    EXPECT_EQ(on.at("graphs"), true);
+    EXPECT_EQ(off.at("graphs"), false);
+    EXPECT_EQ(on.at("loss_first"), off.at("loss_first"));
+    EXPECT_EQ(on.at("loss_last"), off.at("loss_last"));
+    EXPECT_EQ(on.at("allocations_per_step").get<double>(), 0.0);
+    EXPECT_EQ(on.at("pageable_copies_per_step").get<double>(), 0.0);
+    EXPECT_EQ(on.at("host_syncs_per_step").get<double>(), 1.0);
+    EXPECT_EQ(on.at("launches_per_step").get<double>(), mode == "ddp" ? 2.0 : 1.0);
+    EXPECT_GT(off.at("launches_per_step").get<double>(), 20.0) << "eager: every kernel is a launch";
+    for (const json& pd : on.at("per_device"))
+      EXPECT_EQ(pd.at("worker_submits_per_step").get<double>(), mode == "ddp" ? 1.0 : 0.0);
+  }
+}
+
 TEST(Bench, BadFlagsAreClearErrors) {
   TempDir dir("bad");
   struct Case {
@@ -386,6 +420,7 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend sim --bucket-cap-mb 0", "--bucket-cap-mb must be a positive number"},
       {"--backend tpu", "unknown backend 'tpu'"},
       {"--backend sim --precision tf32", "--precision: unknown precision 'tf32' (expected strict or fast)"},
+      {"--backend sim --graphs maybe", "--graphs: unknown value 'maybe' (expected on or off)"},
       {"--backend sim --no-such-flag", "no-such-flag"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
       {"--backend sim --trace /proc/x.json", "cannot write /proc/x.json"},  // root passes access() there

@@ -40,7 +40,7 @@ std::unique_ptr<Model> make_net(Net net, Device& device) {
 // Trains `sizes.size()` steps of the given per-rank batch sizes, the lr changing at every step (a
 // warm-up), and returns what the run produced.
 TrainRun train(EngineKind kind, int devices, bool graphs, Net net, const OptimizerOptions& optimizer,
-          const std::vector<int>& sizes) {
+               const std::vector<int>& sizes) {
   auto runtime = test::sim_runtime(devices);
   auto model = make_net(net, runtime->device(0));
   EngineOptions options;
@@ -58,7 +58,8 @@ TrainRun train(EngineKind kind, int devices, bool graphs, Net net, const Optimiz
     std::vector<Batch> batches;
     for (int b = 0; b < engine->batches_per_step(); ++b) {
       const int n = sizes[step];
-      inputs.push_back(test::random_vector(static_cast<std::size_t>(n) * floats, static_cast<unsigned>(100 * step + b)));
+      inputs.push_back(
+          test::random_vector(static_cast<std::size_t>(n) * floats, static_cast<unsigned>(100 * step + b)));
       targets.push_back(test::random_targets(n, model->output_features(), static_cast<unsigned>(7 * step + b)));
     }
     for (std::size_t b = 0; b < inputs.size(); ++b)

@@ -338,6 +338,7 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend sim --steps 1 --beta1 0.8", "--beta1 does not apply to --optimizer sgd");
   expect_refused("--backend sim --steps 1 --optimizer adam", "--optimizer");
   expect_refused("--backend sim --steps 1 --precision tf32", "--precision");
+  expect_refused("--backend sim --steps 1 --graphs maybe", "--graphs");
 }
 
 // --precision strict|fast: both accepted; the sim has one arithmetic, so the losses are identical
@@ -352,6 +353,25 @@ TEST_F(TrainTest, PrecisionFastIsStrictOnTheSim) {
   ASSERT_GE(losses(strict.output).size(), 3u) << strict.output;
   EXPECT_EQ(losses(fast.output), losses(strict.output)) << fast.output;
   EXPECT_EQ(losses(unset.output), losses(strict.output)) << "strict is the default";
+}
+
+// --graphs on (the default) replays a captured step; every loss, through the last partial batch
+// of each epoch (another batch size, another graph) and the lr warm-up, equals the eager run's.
+TEST_F(TrainTest, GraphsOnEqualGraphsOffBitForBit) {
+  for (const char* mode : {"single", "dp", "ddp"}) {
+    SCOPED_TRACE(mode);
+    const std::string args = fmt::format(
+        "--model convnet --mode {} --backend sim --devices 2 --synthetic 44 --batch-size 8 --epochs 2 "
+        "--warmup-steps 3 --log-every 1 --no-shuffle --graphs ",
+        mode);
+    const Result on = run(args + "on"), off = run(args + "off"), unset = run(args.substr(0, args.rfind("--")));
+    ASSERT_EQ(on.code, 0) << on.output;
+    ASSERT_EQ(off.code, 0) << off.output;
+    ASSERT_EQ(unset.code, 0) << unset.output;
+    ASSERT_GE(losses(on.output).size(), 4u) << on.output;
+    EXPECT_EQ(losses(on.output), losses(off.output)) << on.output;
+    EXPECT_EQ(losses(unset.output), losses(on.output)) << "on is the default";
+  }
 }
 
 TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {

@@ -54,6 +54,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     rank->loss_ready = device.create_event();
     ranks_.push_back(std::move(rank));
   }
+  loss_join_ = group_.device(0).create_stream();
+  losses_ready_ = group_.device(0).create_event();
   graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1);
   broadcast_from_rank0(true, true);
   zero_grad();  // on each rank's worker: its device is the current one there
@@ -201,10 +203,16 @@ float DistributedDataParallel::wait_for_loss() {
   // has enqueued its work (run_ranks aborted the communicators had one failed: its peers'
   // collectives would never complete otherwise).
   try {
+    // One host wait for every rank: a stream of rank 0's device waits for the others' losses.
+    if (ranks_.size() == 1) {
+      ranks_[0]->loss_ready.synchronize();
+    } else {
+      for (auto& rank : ranks_) loss_join_.wait(rank->loss_ready);
+      loss_join_.record(losses_ready_);
+      losses_ready_.synchronize();
+    }
     group_.for_each_on_caller([&](int r) {
-      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-      rank.loss_ready.synchronize();
-      (void)rank.compute.query();  // a failed kernel of this rank's step fails the step
+      (void)ranks_[static_cast<std::size_t>(r)]->compute.query();  // a failed kernel of this rank fails the step
     });
   } catch (...) {
     abort_communicators();

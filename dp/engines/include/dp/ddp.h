@@ -149,6 +149,8 @@ class DistributedDataParallel final : public Engine {
   bool sync_ = true;
   bool require_forward_param_sync_ = true;
   std::unique_ptr<engines::StepGraphs> graphs_;
+  Stream loss_join_;    // on rank 0's device: waits for every rank's loss
+  Event losses_ready_;  // recorded there once it has
 };
 
 }  // namespace dp
