@@ -1,6 +1,7 @@
 // batchnorm.h — BatchNorm2d (PyTorch semantics: eps, momentum 0.1, biased batch variance for
 // normalisation, unbiased for running_var, num_batches_tracked int64) over NCHW input.
-// Per-channel reductions over N*H*W are split (launch_row_reduce), never one serial thread each.
+// Per-channel reductions over N*H*W follow the reduction plan (launch_row_reduce, reduce_plan.h):
+// split into many blocks, summed in one order on cuda and sim.
 #pragma once
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <functional>
 
 #include "dp/device.h"
+#include "dp/kernels/elementwise.h"
 #include "dp/kernels/platform.h"
 
 namespace dp::kernels {
@@ -60,27 +62,13 @@ void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, 
 // ------------------------------------------------------------------------------------------------
 // functors
 
-// Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.
-struct ChannelElement {
-  index_t channels, plane;  // C, H*W
-  DP_HD index_t operator()(index_t channel, index_t j) const {
-    const index_t n = j / plane;
-    return (n * channels + channel) * plane + (j - n * plane);
-  }
-};
-
 // Two sums reduced in one pass (launch_row_reduce's T): value-initialised to zeros.
 struct SumPair {
   float a, b;
   DP_HD SumPair operator+(const SumPair& o) const { return SumPair{a + o.a, b + o.b}; }
 };
 
-// Pass 1 of the batch statistics: sum of x per channel.
-struct BnChannelValue {
-  ChannelElement at;
-  const float* x;
-  DP_HD float operator()(index_t c, index_t j) const { return x[at(c, j)]; }
-};
+// Pass 1 of the batch statistics: sum of x per channel (ChannelValue), times 1/M.
 struct BnStoreMean {
   float* mean;
   float inv_count;  // 1/M

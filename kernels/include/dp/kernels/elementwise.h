@@ -63,6 +63,27 @@ struct ReluBackward {
   }
 };
 
+// Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.
+// Every term of a per-channel reduction splits j by H*W: with FastDivmod while j fits in an int
+// (any practical N*H*W; the test is uniform across a chunk), a 64-bit divide only beyond.
+struct ChannelElement {
+  index_t channels, plane;  // C, H*W
+  FastDivmod by_plane;
+  ChannelElement(index_t channels_, index_t plane_)
+      : channels(channels_), plane(plane_), by_plane(plane_ >= 1 && plane_ <= kIntMax ? static_cast<int>(plane_) : 1) {}
+  DP_HD index_t operator()(index_t channel, index_t j) const {
+    const index_t n = j <= kIntMax && plane <= kIntMax ? by_plane.div(static_cast<int>(j)) : j / plane;
+    return (n * channels + channel) * plane + (j - n * plane);
+  }
+  static constexpr index_t kIntMax = 2147483647;
+};
+// Per-channel sum of an NCHW tensor seen as reductions over N*H*W for each channel.
+struct ChannelValue {
+  ChannelElement at;
+  const float* x;
+  DP_HD float operator()(index_t channel, index_t j) const { return x[at(channel, j)]; }
+};
+
 // Row-wise sum of a (rows, cols) row-major matrix: map(row, col) = x[row*cols + col].
 struct RowElement {
   const float* x;
