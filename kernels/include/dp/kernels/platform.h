@@ -12,9 +12,10 @@ using index_t = std::int64_t;
 
 constexpr DP_HD index_t ceil_div(index_t a, index_t b) { return (a + b - 1) / b; }
 
-// a*b rounded to fp32 on its own. nvcc contracts a*b + c into one FMA by default; __fmul_rn is
-// never contracted. The host compiler does not contract: the build passes -ffp-contract=off for
-// all host code (it also passes -mfma, so fmaf is one instruction rather than a libm call).
+// a*b rounded to fp32 on its own. Neither compiler contracts kernel arithmetic (host code builds
+// with -ffp-contract=off, the kernels' device code with --fmad=false: kernels/CMakeLists.txt), so
+// host and device round alike by construction; __fmul_rn keeps this product unfused even in a unit
+// built without that flag. (The host also gets -mfma, so fmaf is one instruction, not a libm call.)
 DP_HD inline float mul_unfused(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
