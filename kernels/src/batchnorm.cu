@@ -30,7 +30,7 @@ void normalize_and_count(const Stream& stream, const BatchNormShape& shape, cons
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t total = static_cast<index_t>(shape.n) * plane * c;
   launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
-            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+            BnNormalize{ChannelElement{c, plane}, x, save_mean, save_invstd, gamma, beta, y},
             {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
              operand(y, total)});
   launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
@@ -105,7 +105,7 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
                          {"running_var", running_var},
                          {"y", y}});
   launch_2d(stream, "batchnorm_forward_eval", static_cast<index_t>(shape.n) * c, plane,
-            BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
+            BnNormalizeEval{ChannelElement{c, plane}, shape.eps, x, running_mean, running_var, gamma, beta, y},
             {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
              operand(y, total)});
 }

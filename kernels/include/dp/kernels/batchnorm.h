@@ -124,7 +124,7 @@ struct BnFinishVariance {
 
 // y = (x - mean) * invstd * gamma + beta, channel of element i taken from the NCHW index.
 struct BnNormalize {
-  index_t channels, plane;
+  ChannelElement at;
   const float* x;
   const float* mean;
   const float* invstd;
@@ -133,14 +133,14 @@ struct BnNormalize {
   float* y;
   // plane_index = n*C + c: one (n, c) plane of H*W elements, j within it (launch_2d).
   DP_HD void operator()(index_t plane_index, index_t j) const {
-    const index_t c = plane_index % channels, i = plane_index * plane + j;
+    const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     y[i] = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
   }
 };
 
 // Eval: the running statistics, invstd recomputed per element (cheaper than another launch).
 struct BnNormalizeEval {
-  index_t channels, plane;
+  ChannelElement at;
   float eps;
   const float* x;
   const float* running_mean;
@@ -149,7 +149,7 @@ struct BnNormalizeEval {
   const float* beta;
   float* y;
   DP_HD void operator()(index_t plane_index, index_t j) const {
-    const index_t c = plane_index % channels, i = plane_index * plane + j;
+    const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     y[i] = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
   }
 };
@@ -208,7 +208,7 @@ struct BnInputGrad {
   const float* grad_sums;
   float* dx;
   DP_HD void operator()(index_t plane_index, index_t j) const {
-    const index_t c = plane_index % at.channels, i = plane_index * at.plane + j;
+    const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
   }
 };
