@@ -254,7 +254,7 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
 }
 
 void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* dy, float* dx, float* dweight, float* dbias) {
+                           const float* dy, float* dx, float* dweight) {
   with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
     const float one = 1.0f, zero = 0.0f;
     if (dx)  // overwritten
@@ -263,7 +263,6 @@ void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
     // beta = 1: gradients accumulate, as PyTorch's .grad does.
     DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
                                                  scratch.bytes(), &one, p.w, dweight));
-    if (dbias) DP_CUDA_CHECK(cudnnConvolutionBackwardBias(handle, &one, p.y, dy, &one, p.bias, dbias));
   });
 }
 

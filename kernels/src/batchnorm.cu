@@ -30,7 +30,7 @@ void normalize_and_count(const Stream& stream, const BatchNormShape& shape, cons
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t total = static_cast<index_t>(shape.n) * plane * c;
   launch_2d(stream, "batchnorm_normalize", static_cast<index_t>(shape.n) * c, plane,
-            BnNormalize{c, plane, x, save_mean, save_invstd, gamma, beta, y},
+            BnNormalize{ChannelElement{c, plane}, x, save_mean, save_invstd, gamma, beta, y},
             {operand(x, total), operand(save_mean, c), operand(save_invstd, c), operand(gamma, c), operand(beta, c),
              operand(y, total)});
   launch(stream, "batchnorm_count", 1, BnCountBatch{num_batches_tracked}, {operand(num_batches_tracked, 1)});
@@ -80,7 +80,7 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
   const ChannelElement at{c, plane};
 
-  launch_row_reduce<float>(stream, "batchnorm_mean", c, count, BnChannelValue{at, x},
+  launch_row_reduce<float>(stream, "batchnorm_mean", c, count, ChannelValue{at, x},
                            BnStoreMean{save_mean, 1.0f / static_cast<float>(count)},
                            {operand(x, total), operand(save_mean, c)});
   launch_row_reduce<SumPair>(stream, "batchnorm_variance", c, count, BnCenteredMoments{at, x, save_mean},
@@ -105,7 +105,7 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
                          {"running_var", running_var},
                          {"y", y}});
   launch_2d(stream, "batchnorm_forward_eval", static_cast<index_t>(shape.n) * c, plane,
-            BnNormalizeEval{c, plane, shape.eps, x, running_mean, running_var, gamma, beta, y},
+            BnNormalizeEval{ChannelElement{c, plane}, shape.eps, x, running_mean, running_var, gamma, beta, y},
             {operand(x, total), operand(running_mean, c), operand(running_var, c), operand(gamma, c), operand(beta, c),
              operand(y, total)});
 }
@@ -135,7 +135,7 @@ void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& sh
   const float m = static_cast<float>(global_count);
 
   // Sums, summed over the replicas, times 1/M: the mean of the union, as one device would form it.
-  launch_row_reduce<float>(stream, "sync_batchnorm_sum", c, count, BnChannelValue{at, x}, BnStoreMean{save_mean, 1.0f},
+  launch_row_reduce<float>(stream, "sync_batchnorm_sum", c, count, ChannelValue{at, x}, BnStoreMean{save_mean, 1.0f},
                            {operand(x, total), operand(save_mean, c)});
   all_reduce(save_mean, static_cast<std::size_t>(c));
   launch(stream, "sync_batchnorm_mean", c, Scale{1.0f / m, save_mean}, {operand(save_mean, c)});

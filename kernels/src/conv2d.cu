@@ -105,8 +105,12 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
        operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)), operand(dbias, dbias ? shape.c_out : 0),
        operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return;  // empty batch: dx is empty and the accumulated gradients gain nothing
+  // The bias gradient on every path: the reduction plan's order, the same bits on cuda and sim
+  // (cuDNN's own bias reduction orders its sums another way).
+  if (dbias)
+    channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, 1.0f);
   if (cudnn_path(stream)) {
-    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight, dbias);
+    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight);
     return;
   }
   const ConvGeometry g = shared_geometry(shape, op);
@@ -122,7 +126,6 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
          {operand(x, x_count(shape)), operand(col, col_count(shape))});
   gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, 1.0f, dweight, t);  // += dy . col^T
-  if (dbias) row_sum(stream, shape.c_out, p, mat, dbias, 1.0f);                          // split over lanes
   if (dx == nullptr) return;
   // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
   gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);

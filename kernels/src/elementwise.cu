@@ -39,4 +39,12 @@ void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x
                            {operand(x, rows * cols), operand(out, cols)});
 }
 
+void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, const float* x, float* out,
+                 float beta) {
+  kernel_api::check_extents("channel_sum", n, plane);
+  const index_t count = n * plane;
+  launch_row_reduce<float>(stream, "channel_sum", channels, count, ChannelValue{ChannelElement{channels, plane}, x},
+                           StoreSum{out, beta}, {operand(x, count * channels), operand(out, channels)});
+}
+
 }  // namespace dp::kernels

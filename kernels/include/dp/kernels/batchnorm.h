@@ -1,6 +1,7 @@
 // batchnorm.h — BatchNorm2d (PyTorch semantics: eps, momentum 0.1, biased batch variance for
 // normalisation, unbiased for running_var, num_batches_tracked int64) over NCHW input.
-// Per-channel reductions over N*H*W are split (launch_row_reduce), never one serial thread each.
+// Per-channel reductions over N*H*W follow the reduction plan (launch_row_reduce, reduce_plan.h):
+// split into many blocks, summed in one order on cuda and sim.
 #pragma once
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <functional>
 
 #include "dp/device.h"
+#include "dp/kernels/elementwise.h"
 #include "dp/kernels/platform.h"
 
 namespace dp::kernels {
@@ -60,27 +62,13 @@ void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, 
 // ------------------------------------------------------------------------------------------------
 // functors
 
-// Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.
-struct ChannelElement {
-  index_t channels, plane;  // C, H*W
-  DP_HD index_t operator()(index_t channel, index_t j) const {
-    const index_t n = j / plane;
-    return (n * channels + channel) * plane + (j - n * plane);
-  }
-};
-
 // Two sums reduced in one pass (launch_row_reduce's T): value-initialised to zeros.
 struct SumPair {
   float a, b;
   DP_HD SumPair operator+(const SumPair& o) const { return SumPair{a + o.a, b + o.b}; }
 };
 
-// Pass 1 of the batch statistics: sum of x per channel.
-struct BnChannelValue {
-  ChannelElement at;
-  const float* x;
-  DP_HD float operator()(index_t c, index_t j) const { return x[at(c, j)]; }
-};
+// Pass 1 of the batch statistics: sum of x per channel (ChannelValue), times 1/M.
 struct BnStoreMean {
   float* mean;
   float inv_count;  // 1/M
@@ -136,7 +124,7 @@ struct BnFinishVariance {
 
 // y = (x - mean) * invstd * gamma + beta, channel of element i taken from the NCHW index.
 struct BnNormalize {
-  index_t channels, plane;
+  ChannelElement at;
   const float* x;
   const float* mean;
   const float* invstd;
@@ -145,14 +133,14 @@ struct BnNormalize {
   float* y;
   // plane_index = n*C + c: one (n, c) plane of H*W elements, j within it (launch_2d).
   DP_HD void operator()(index_t plane_index, index_t j) const {
-    const index_t c = plane_index % channels, i = plane_index * plane + j;
+    const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     y[i] = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
   }
 };
 
 // Eval: the running statistics, invstd recomputed per element (cheaper than another launch).
 struct BnNormalizeEval {
-  index_t channels, plane;
+  ChannelElement at;
   float eps;
   const float* x;
   const float* running_mean;
@@ -161,7 +149,7 @@ struct BnNormalizeEval {
   const float* beta;
   float* y;
   DP_HD void operator()(index_t plane_index, index_t j) const {
-    const index_t c = plane_index % channels, i = plane_index * plane + j;
+    const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     y[i] = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
   }
 };
@@ -220,7 +208,7 @@ struct BnInputGrad {
   const float* grad_sums;
   float* dx;
   DP_HD void operator()(index_t plane_index, index_t j) const {
-    const index_t c = plane_index % at.channels, i = plane_index * at.plane + j;
+    const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
   }
 };

@@ -43,40 +43,8 @@ bool conv_cudnn_enabled();
 // ones: with P = N*H_out*W_out output pixels and T = C_in*KH*KW taps,
 //   col (T, P):  column p = (n, oh, ow) holds the receptive field of output pixel p, row t = (c, ki, kj);
 //   mat (C_out, P): the GEMM-side layout of y / dy, i.e. NCHW with N moved next to H*W.
-// Indices are int: the shared path requires every tensor, col included, below 2^31 elements.
-
-// Division by a divisor fixed at launch, as a multiply-high and a shift (Granlund-Montgomery
-// round-up method, as CUTLASS's FastDivmod). The index maps below split each element index
-// several times; hardware integer division is a long instruction sequence on GPUs and costs
-// tens of cycles on CPUs, where it made im2col many times slower than the GEMM it feeds.
-// Exact for 0 <= n < 2^31 and 1 <= d < 2^31: m = ceil(2^p / d) with p = 31 + ceil(log2 d)
-// overshoots 2^p / d by less than 2^(p-31) / d, which n < 2^31 keeps below one quotient step.
-struct FastDivmod {
-  int divisor = 1;
-  std::uint32_t multiplier = 0;  // unused when divisor == 1
-  unsigned shift = 0;
-
-  FastDivmod() = default;
-  explicit FastDivmod(int d) : divisor(d) {
-    if (d == 1) return;
-    unsigned log2 = 0;
-    while ((std::uint64_t{1} << log2) < static_cast<std::uint64_t>(d)) ++log2;
-    const unsigned p = 31 + log2;
-    multiplier = static_cast<std::uint32_t>(((std::uint64_t{1} << p) + static_cast<std::uint64_t>(d) - 1) /
-                                            static_cast<std::uint64_t>(d));
-    shift = p - 32;
-  }
-  DP_HD int div(int n) const {
-    if (divisor == 1) return n;
-    return static_cast<int>(((static_cast<std::uint64_t>(n) * multiplier) >> 32) >> shift);
-  }
-  // quotient and remainder
-  DP_HD int divmod(int n, int& remainder) const {
-    const int q = div(n);
-    remainder = n - q * divisor;
-    return q;
-  }
-};
+// Indices are int: the shared path requires every tensor, col included, below 2^31 elements, so
+// the index maps divide with FastDivmod (platform.h).
 
 // Extents derived from a Conv2dShape, precomputed once per launch instead of once per element.
 struct ConvGeometry {

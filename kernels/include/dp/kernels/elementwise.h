@@ -63,6 +63,39 @@ struct ReluBackward {
   }
 };
 
+// Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.
+// Every term of a per-channel reduction splits j by H*W, and every element of a per-plane launch
+// finds its channel from the plane's index n*C + c: with FastDivmod while the dividend fits in an
+// int (any practical tensor; the test is uniform across a launch), a 64-bit divide only beyond.
+struct ChannelElement {
+  index_t channels, plane;  // C, H*W
+  FastDivmod by_plane, by_channels;
+  ChannelElement(index_t channels_, index_t plane_)
+      : channels(channels_), plane(plane_), by_plane(divisor(plane_)), by_channels(divisor(channels_)) {}
+  DP_HD index_t operator()(index_t channel, index_t j) const {
+    const index_t n = j <= kIntMax && plane <= kIntMax ? by_plane.div(static_cast<int>(j)) : j / plane;
+    return (n * channels + channel) * plane + (j - n * plane);
+  }
+  // c of the plane n*C + c.
+  DP_HD index_t channel_of(index_t plane_index) const {
+    if (plane_index <= kIntMax && channels <= kIntMax) {
+      int c = 0;
+      by_channels.divmod(static_cast<int>(plane_index), c);
+      return c;
+    }
+    return plane_index % channels;
+  }
+  static constexpr index_t kIntMax = 2147483647;
+  // A FastDivmod where the extent fits in an int (else unused: the 64-bit path runs).
+  static FastDivmod divisor(index_t d) { return FastDivmod(d >= 1 && d <= kIntMax ? static_cast<int>(d) : 1); }
+};
+// Per-channel sum of an NCHW tensor seen as reductions over N*H*W for each channel.
+struct ChannelValue {
+  ChannelElement at;
+  const float* x;
+  DP_HD float operator()(index_t channel, index_t j) const { return x[at(channel, j)]; }
+};
+
 // Row-wise sum of a (rows, cols) row-major matrix: map(row, col) = x[row*cols + col].
 struct RowElement {
   const float* x;

@@ -1,5 +1,5 @@
 // launch.h — runs a __host__ __device__ functor over an index range on a dp stream.
-// cuda: a grid-stride kernel (or one block per row for reductions) on the stream;
+// cuda: a grid-stride kernel (or the two stages of reduce_plan.h for reductions) on the stream;
 // sim: the same functor in a loop on the stream's thread. The only place, besides the backend
 // folders, that knows which compiler it is under.
 #pragma once
@@ -7,25 +7,22 @@
 #include <algorithm>
 #include <cstddef>
 #include <initializer_list>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "dp/device.h"
 #include "dp/kernels/platform.h"
+#include "dp/kernels/reduce_plan.h"
 #include "dp/runtime/kernel_api.h"
 
 #if defined(__CUDACC__)
-#include <cub/block/block_reduce.cuh>
-
 #include "dp/runtime/cuda_status.h"
 #endif
 
 namespace dp::kernels {
 
 using kernel_api::check_operands;
-
-// Lanes each row reduction is split over: every block has this many threads on cuda, and the
-// sim accumulates in as many interleaved partial sums, so both sum in a similar order.
-constexpr int kReduceLanes = 256;
 
 // ------------------------------------------------------------------------------------------------
 // kernels
@@ -52,30 +49,52 @@ struct HostLoop2d {
   }
 };
 
+// sim: one block of the plan (reduce_plan.h) — lane l sums terms l, l + L, ... of the block in
+// order, then the lane tree. Written as passes over L consecutive terms so the inner loop vectorises;
+// each lane still adds its own terms in increasing order.
+template <class T, class Term>
+T host_block_sum(index_t count, const Term& term) {
+  T lanes[kReduceLanes]{};
+  for (index_t base = 0; base < count; base += kReduceLanes) {
+    const index_t width = std::min<index_t>(kReduceLanes, count - base);
+    for (index_t lane = 0; lane < width; ++lane) lanes[lane] = lanes[lane] + term(base + lane);
+  }
+  return reduce_lane_tree(lanes);
+}
+
+// sim, stage 1: every chunk's sum, into the partials (two stages) or straight to finalize (one).
+// Blocks run one after another here; each block's sum depends only on its own terms.
 template <class T, class Map, class Finalize>
-struct HostRowReduce {
-  index_t rows, cols;
+struct HostReduceChunks {
+  ReducePlan plan;
   Map map;
   Finalize finalize;
+  std::shared_ptr<std::vector<T>> partials;  // plan.partials() sums, shared with stage 2
   void operator()() const {
-    for (index_t row = 0; row < rows; ++row) {
-      T lanes[kReduceLanes]{};
-      for (index_t base = 0; base < cols; base += kReduceLanes) {
-        const index_t width = std::min<index_t>(kReduceLanes, cols - base);
-        for (index_t lane = 0; lane < width; ++lane) lanes[lane] = lanes[lane] + map(row, base + lane);
-      }
-      // Pairwise combine of the lanes, like the block-wide tree on the GPU.
-      for (int width = kReduceLanes / 2; width > 0; width /= 2)
-        for (int lane = 0; lane < width; ++lane) lanes[lane] = lanes[lane] + lanes[lane + width];
-      finalize(row, lanes[0]);
+    for (index_t block = 0; block < plan.blocks(); ++block) {
+      const index_t row = block / plan.chunks_per_row;
+      const index_t begin = (block - row * plan.chunks_per_row) * plan.chunk;
+      const index_t count = std::min(plan.chunk, plan.cols - begin);
+      const T total = host_block_sum<T>(count, [&](index_t k) { return map(row, begin + k); });
+      if (plan.two_stage())
+        (*partials)[static_cast<std::size_t>(block)] = total;
+      else
+        finalize(row, total);
     }
   }
 };
 
-struct Plus {
-  template <class T>
-  DP_HD T operator()(const T& a, const T& b) const {
-    return a + b;
+// sim, stage 2: each row's chunk sums, reduced in the same lane order, then finalize.
+template <class T, class Finalize>
+struct HostReducePartials {
+  ReducePlan plan;
+  Finalize finalize;
+  std::shared_ptr<std::vector<T>> partials;
+  void operator()() const {
+    for (index_t row = 0; row < plan.rows; ++row) {
+      const T* row_partials = partials->data() + row * plan.chunks_per_row;
+      finalize(row, host_block_sum<T>(plan.chunks_per_row, [&](index_t k) { return row_partials[k]; }));
+    }
   }
 };
 
@@ -86,26 +105,100 @@ __global__ void grid_stride_kernel(index_t n, F f) {
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
 }
 
+// The flat index i = row * cols + col advances by the grid's stride; (row, col) follow it with one
+// divide per thread and a carry per step rather than a 64-bit divide and modulo per element.
 template <class F>
 __global__ void grid_stride_kernel_2d(index_t rows, index_t cols, F f) {
   const index_t total = rows * cols, stride = static_cast<index_t>(blockDim.x) * gridDim.x;
-  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride)
-    f(i / cols, i % cols);
-}
-
-// One block per row: each thread folds a strided slice of the row, then the block combines.
-template <class T, class Map, class Finalize>
-__global__ void row_reduce_kernel(index_t rows, index_t cols, Map map, Finalize finalize) {
-  using BlockReduce = cub::BlockReduce<T, kReduceLanes>;
-  __shared__ typename BlockReduce::TempStorage temp;
-  for (index_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    T partial{};
-    for (index_t col = threadIdx.x; col < cols; col += kReduceLanes) partial = partial + map(row, col);
-    const T total = BlockReduce(temp).Reduce(partial, Plus{});
-    if (threadIdx.x == 0) finalize(row, total);
-    __syncthreads();  // temp storage is reused by the next row
+  const index_t stride_rows = stride / cols, stride_cols = stride - stride_rows * cols;
+  index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  index_t row = i / cols, col = i - row * cols;
+  for (; i < total; i += stride) {
+    f(row, col);
+    row += stride_rows;
+    col += stride_cols;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
   }
 }
+
+// reduce_lane_tree with one thread per lane, in shared memory: the same pairs added in the same
+// steps as the sim (not cub, whose warp shuffles pair the lanes another way). Every thread of the
+// block must call it; all get the sum.
+template <class T>
+__device__ T block_lane_tree(T value, T* lanes) {
+  lanes[threadIdx.x] = value;
+  __syncthreads();
+  for (int width = kReduceLanes / 2; width > 0; width /= 2) {
+    if (static_cast<int>(threadIdx.x) < width) lanes[threadIdx.x] = lanes[threadIdx.x] + lanes[threadIdx.x + width];
+    __syncthreads();
+  }
+  const T total = lanes[0];
+  __syncthreads();  // lanes is reused by the block's next chunk
+  return total;
+}
+
+// Stage 1 of the plan: block b sums chunk b (row b / chunks_per_row), lane = thread.
+template <class T, class Map, class Finalize>
+__global__ void __launch_bounds__(kReduceLanes)
+    reduce_chunks_kernel(ReducePlan plan, Map map, Finalize finalize, T* partials) {
+  __shared__ alignas(T) unsigned char storage[kReduceLanes * sizeof(T)];
+  T* lanes = reinterpret_cast<T*>(storage);
+  for (index_t block = blockIdx.x; block < plan.blocks(); block += gridDim.x) {
+    const index_t row = block / plan.chunks_per_row;  // once per block, not per element
+    const index_t begin = (block - row * plan.chunks_per_row) * plan.chunk;
+    const index_t end = begin + (plan.chunk < plan.cols - begin ? plan.chunk : plan.cols - begin);
+    T sum{};
+#pragma unroll 4
+    for (index_t col = begin + threadIdx.x; col < end; col += kReduceLanes) sum = sum + map(row, col);
+    const T total = block_lane_tree(sum, lanes);
+    if (threadIdx.x == 0) {
+      if (plan.two_stage())
+        partials[block] = total;
+      else
+        finalize(row, total);
+    }
+  }
+}
+
+// Stage 2: block r sums row r's chunk sums in the same lane order, then finalizes the row.
+template <class T, class Finalize>
+__global__ void __launch_bounds__(kReduceLanes)
+    reduce_partials_kernel(ReducePlan plan, const T* partials, Finalize finalize) {
+  __shared__ alignas(T) unsigned char storage[kReduceLanes * sizeof(T)];
+  T* lanes = reinterpret_cast<T*>(storage);
+  for (index_t row = blockIdx.x; row < plan.rows; row += gridDim.x) {
+    const T* row_partials = partials + row * plan.chunks_per_row;
+    T sum{};
+    for (index_t k = threadIdx.x; k < plan.chunks_per_row; k += kReduceLanes) sum = sum + row_partials[k];
+    const T total = block_lane_tree(sum, lanes);
+    if (threadIdx.x == 0) finalize(row, total);
+  }
+}
+
+// The partials between the stages, from the device's stream-ordered pool (cudaMallocAsync): freed
+// on the stream after stage 2, so no other stream can reuse them early, and no cudaMalloc (which a
+// CUDA graph capture would refuse; a captured cudaMallocAsync becomes an allocation node). At most
+// kReduceTargetBlocks sums.
+class ReducePartials {
+ public:
+  ReducePartials(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    if (bytes != 0) DP_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream_));
+  }
+  ~ReducePartials() {
+    if (ptr_) cudaFreeAsync(ptr_, stream_);  // never throws from a destructor
+  }
+  ReducePartials(const ReducePartials&) = delete;
+  ReducePartials& operator=(const ReducePartials&) = delete;
+  void* data() const { return ptr_; }
+
+ private:
+  cudaStream_t stream_;
+  void* ptr_ = nullptr;
+};
 #endif
 
 // ------------------------------------------------------------------------------------------------
@@ -162,27 +255,41 @@ void launch_2d(const Stream& stream, const char* name, index_t rows, index_t col
 #endif
 }
 
-// For each row in [0, rows): finalize(row, sum over col in [0, cols) of map(row, col)).
-// T needs a value-initialised zero and operator+. Large rows are split across kReduceLanes
-// threads (cuda) or partial sums (sim) rather than summed serially by one thread.
+// For each row in [0, rows): finalize(row, sum over col in [0, cols) of map(row, col)), summed in
+// the order of plan_row_reduce(rows, cols) (reduce_plan.h) on both backends: same bits on cuda and
+// sim. T needs a value-initialised zero and operator+. finalize runs once per row, on one thread.
 template <class T, class Map, class Finalize>
 void launch_row_reduce(const Stream& stream, const char* name, index_t rows, index_t cols, const Map& map,
                        const Finalize& finalize, std::initializer_list<Operand> operands) {
   kernel_api::check_extents(name, rows, cols);
   check_operands(stream, name, operands);
   if (rows == 0) return;
+  const ReducePlan plan = plan_row_reduce(rows, cols);
   if (stream.backend() == Backend::sim) {
-    kernel_api::enqueue_host(stream, name, HostRowReduce<T, Map, Finalize>{rows, cols, map, finalize});
+    // Two queued bodies where cuda launches two kernels, so both count the same launches.
+    auto partials = std::make_shared<std::vector<T>>(static_cast<std::size_t>(plan.partials()));
+    kernel_api::enqueue_host(stream, name, HostReduceChunks<T, Map, Finalize>{plan, map, finalize, partials});
+    if (plan.two_stage())
+      kernel_api::enqueue_host(stream, name, HostReducePartials<T, Finalize>{plan, finalize, partials});
     return;
   }
 #if defined(__CUDACC__)
-  const index_t grid = std::min<index_t>(rows, static_cast<index_t>(kernel_api::multiprocessor_count(stream)) * 16);
+  // The grid only bounds how many blocks are resident; the blocks' sums do not depend on it.
+  constexpr index_t kMaxGrid = index_t{1} << 20;
+  const auto cuda_stream = static_cast<cudaStream_t>(kernel_api::native_handle(stream));
   kernel_api::begin_launch(stream, name);
-  row_reduce_kernel<T>
-      <<<static_cast<unsigned>(grid), kReduceLanes, 0, static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(
-          rows, cols, map, finalize);
+  const ReducePartials partials(static_cast<std::size_t>(plan.partials()) * sizeof(T), cuda_stream);
+  reduce_chunks_kernel<T><<<static_cast<unsigned>(std::min(plan.blocks(), kMaxGrid)), kReduceLanes, 0, cuda_stream>>>(
+      plan, map, finalize, static_cast<T*>(partials.data()));
   DP_CUDA_CHECK(cudaGetLastError());
   kernel_api::end_launch(stream);
+  if (plan.two_stage()) {
+    kernel_api::begin_launch(stream, name);
+    reduce_partials_kernel<T><<<static_cast<unsigned>(std::min(plan.rows, kMaxGrid)), kReduceLanes, 0, cuda_stream>>>(
+        plan, static_cast<const T*>(partials.data()), finalize);
+    DP_CUDA_CHECK(cudaGetLastError());
+    kernel_api::end_launch(stream);
+  }
 #else
   kernel_api::enqueue_host(stream, name, {});
 #endif

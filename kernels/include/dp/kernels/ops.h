@@ -19,6 +19,10 @@ void relu_backward(const Stream& stream, index_t n, const float* y, const float*
 void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);
 // out[c] = beta*out[c] + sum_r x[r, c]   (bias gradients: sum over the batch)
 void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);
+// out[c] = beta*out[c] + sum_{n,j} x[n, c, j] for an (n, channels, plane) NCHW x (convolution bias
+// gradients). The same terms in the same order as row_sum over x permuted to (channels, n*plane).
+void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, const float* x, float* out,
+                 float beta = 0.0f);
 
 // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op = transpose when trans_*.
 // lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim.
