@@ -40,7 +40,7 @@ std::unique_ptr<Model> make_net(Net net, Device& device) {
 // Trains `sizes.size()` steps of the given per-rank batch sizes, the lr changing at every step (a
 // warm-up), and returns what the run produced.
 TrainRun train(EngineKind kind, int devices, bool graphs, Net net, const OptimizerOptions& optimizer,
-               const std::vector<int>& sizes) {
+               const std::vector<int>& sizes, int predict_after = -1, int predict_batch = 0) {
   auto runtime = test::sim_runtime(devices);
   auto model = make_net(net, runtime->device(0));
   EngineOptions options;
@@ -65,6 +65,14 @@ TrainRun train(EngineKind kind, int devices, bool graphs, Net net, const Optimiz
     for (std::size_t b = 0; b < inputs.size(); ++b)
       batches.push_back(Batch{inputs[b].data(), targets[b].data(), sizes[step]});
     run.losses.push_back(engine->train_step(batches));
+    if (static_cast<int>(step) == predict_after) {
+      // An evaluation of a larger batch between two steps grows buffers the graphs refer to.
+      const auto x = test::random_vector(static_cast<std::size_t>(predict_batch) * floats, 99);
+      std::vector<Batch> eval(static_cast<std::size_t>(engine->batches_per_step()),
+                              Batch{x.data(), nullptr, predict_batch});
+      const auto logits = engine->predict(eval);
+      run.losses.push_back(logits.empty() ? 0.0f : logits.back());
+    }
   }
   engine->synchronize();
   Model& m = engine->model();
@@ -131,6 +139,17 @@ INSTANTIATE_TEST_SUITE_P(Engines, GraphsEqualEager,
                                            Case{"ddp3_mlp", EngineKind::ddp, 3, Net::mlp},
                                            Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet}),
                          [](const auto& info) { return std::string(info.param.name); });
+
+TEST_P(GraphsEqualEager, AnEvaluationThatMovesMemoryBetweenStepsIsSeen) {
+  const Case c = GetParam();
+  const OptimizerOptions sgd = SgdOptions{0.05f, 0.9f};
+  const std::vector<int> sizes{8, 8, 8, 8, 8, 8};
+  const TrainRun eager = train(c.kind, c.devices, false, c.net, sgd, sizes, 3, 40);
+  const TrainRun graphs = train(c.kind, c.devices, true, c.net, sgd, sizes, 3, 40);
+  // Steps 1-3 replay; the evaluation grew buffers: step 4 runs eagerly, 5 is captured again.
+  EXPECT_EQ(graphs.replays, 4u);
+  expect_identical(eager, graphs);
+}
 
 TEST(EngineGraphs, ModelsThatDrawRandomNumbersRunEagerly) {
   // Dropout's masks depend on the step: a replay would repeat the captured step's masks.

@@ -7,6 +7,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dp/batch.h"
@@ -77,7 +78,13 @@ class StepGraphs {
   explicit StepGraphs(bool enabled) : enabled_(enabled) {}
   bool enabled() const { return enabled_; }
   Action plan(const Key& key) const;
-  void eager_done(const Key& key, bool memory_moved);
+  // Before a step: memory that moved since the last step (an evaluation's larger batch grew a
+  // buffer, anything allocated on the devices) makes every graph stale.
+  void begin_step(const MemorySnapshot& now);
+  // After an eager step that started at `before` (its own allocations size its key's buffers).
+  void eager_done(const Key& key, const MemorySnapshot& before, const MemorySnapshot& after);
+  // After any step: where the next begin_step compares from.
+  void end_step(MemorySnapshot after) { last_ = std::move(after); }
   void captured(const Key& key, std::vector<Graph> graphs) { graphs_[key] = std::move(graphs); }
   void refuse(const Key& key) { refused_.push_back(key); }
   const std::vector<Graph>& graphs(const Key& key) const { return graphs_.at(key); }
@@ -89,6 +96,7 @@ class StepGraphs {
   std::map<Key, std::vector<Graph>> graphs_;
   std::vector<Key> warmed_, refused_;
   std::uint64_t replays_ = 0;
+  std::optional<MemorySnapshot> last_;
 };
 
 // Ends a capture that failed part-way (its error is already on its way up); nothing captured runs.

@@ -201,6 +201,10 @@ void DataParallel::gather_outputs() {
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
   plan_chunks(batch);
   const engines::StepGraphs::Key key{batch};
+  std::vector<Device*> devices;
+  for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
+  const auto memory = [&] { return engines::snapshot(devices, staging_growths()); };
+  if (staged()) graphs_->begin_step(memory());
   const auto action = graphs_->plan(key);
   if (staged()) {
     // Every chunk, and the targets, into pinned staging: the step's copies read them from there.
@@ -244,11 +248,13 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
       break;
     }
     case engines::StepGraphs::Action::eager: {
-      std::vector<Device*> devices;
-      for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
-      const auto before = engines::snapshot(devices, staging_growths());
+      const auto before = memory();
       enqueue_step(step_inputs, step_targets, batch, false);
-      graphs_->eager_done(key, !(engines::snapshot(devices, staging_growths()) == before));
+      if (staged()) {
+        const auto after = memory();
+        graphs_->eager_done(key, before, after);
+        graphs_->end_step(after);
+      }
       // The loss only (the source's update may still run).
       Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
       out.stream.record(loss_ready_);
@@ -256,6 +262,7 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
       return *host_loss_.as<float>();
     }
   }
+  graphs_->end_step(memory());
   // A replay: the source's stream launched it, and its end there is the end of every device's part.
   replicas_[0]->stream.record(step_done_);
   step_done_.synchronize();

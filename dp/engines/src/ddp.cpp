@@ -262,22 +262,25 @@ float DistributedDataParallel::train_step(std::span<const Batch> batches) {
   key.push_back(broadcast);
   key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
   const bool staged = graphs_->enabled();
+  std::vector<Device*> devices;
+  for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
+  const auto memory = [&] {
+    std::uint64_t growths = 0;
+    for (auto& rank : ranks_) growths += rank->batch.growths();
+    return engines::snapshot(devices, growths);
+  };
+  if (staged) graphs_->begin_step(memory());
   if (staged)
     for (int r = 0; r < group_.size(); ++r)
       ranks_[static_cast<std::size_t>(r)]->batch.write(group_.device(r), batches[static_cast<std::size_t>(r)],
                                                        engines::sample_floats(*ranks_[0]->model));
   const auto action = graphs_->plan(key);
   if (action == engines::StepGraphs::Action::eager || !capture_step(key, batches, sync, broadcast)) {
-    std::vector<Device*> devices;
-    for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
-    std::uint64_t growths = 0;
-    for (auto& rank : ranks_) growths += rank->batch.growths();
-    const auto before = engines::snapshot(devices, growths);
+    const auto before = memory();
     run_ranks([&](int r) { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, staged); });
-    growths = 0;
-    for (auto& rank : ranks_) growths += rank->batch.growths();
-    graphs_->eager_done(key, !(engines::snapshot(devices, growths) == before));
+    graphs_->eager_done(key, before, memory());
   }
+  if (staged) graphs_->end_step(memory());
   const float loss = wait_for_loss();
   if (options_.check_replicas) check_replicas_identical();
   return loss;

@@ -190,7 +190,8 @@ bool capture_failed(std::exception_ptr error) {
 bool MemorySnapshot::operator==(const MemorySnapshot& other) const {
   if (staging_growths != other.staging_growths || stats.size() != other.stats.size()) return false;
   for (std::size_t i = 0; i < stats.size(); ++i)
-    if (stats[i].in_use != other.stats[i].in_use || stats[i].allocations != other.stats[i].allocations) return false;
+    if (stats[i].in_use != other.stats[i].in_use || stats[i].allocations_made != other.stats[i].allocations_made)
+      return false;
   return true;
 }
 
@@ -207,9 +208,16 @@ StepGraphs::Action StepGraphs::plan(const Key& key) const {
   return std::find(warmed_.begin(), warmed_.end(), key) != warmed_.end() ? Action::capture : Action::eager;
 }
 
-void StepGraphs::eager_done(const Key& key, bool memory_moved) {
+void StepGraphs::begin_step(const MemorySnapshot& now) {
+  if (last_ && !(*last_ == now)) {
+    graphs_.clear();
+    warmed_.clear();
+  }
+}
+
+void StepGraphs::eager_done(const Key& key, const MemorySnapshot& before, const MemorySnapshot& after) {
   if (!enabled_) return;
-  if (memory_moved) {
+  if (!(before == after)) {
     graphs_.clear();
     warmed_.clear();
   }

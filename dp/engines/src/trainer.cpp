@@ -47,6 +47,8 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
   const Batch host{inputs, targets, batch};
   const std::size_t floats = engines::sample_floats(model_);
   const engines::StepGraphs::Key key{batch};
+  const auto memory = [&] { return engines::snapshot({&device}, batch_->growths()); };
+  if (graphs_->enabled()) graphs_->begin_step(memory());
   switch (graphs_->plan(key)) {
     case engines::StepGraphs::Action::replay:
       batch_->write(device, host, floats);  // the previous replay has finished: step_done_
@@ -80,7 +82,7 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
       break;
     }
     case engines::StepGraphs::Action::eager: {
-      const auto before = engines::snapshot({&device}, batch_->growths());
+      const auto before = memory();
       if (graphs_->enabled()) {  // through the pinned staging a later capture will copy from
         batch_->write(device, host, floats);
         batch_->enqueue(device, stream_);
@@ -88,10 +90,11 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
         batch_->stage(device, stream_, host, floats);
       }
       enqueue_step(batch);
-      graphs_->eager_done(key, !(engines::snapshot({&device}, batch_->growths()) == before));
+      graphs_->eager_done(key, before, memory());
       break;
     }
   }
+  if (graphs_->enabled()) graphs_->end_step(memory());
   // One wait for the whole step (the optimizer included: step() returns a finished step).
   stream_.record(step_done_);
   step_done_.synchronize();

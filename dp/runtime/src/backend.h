@@ -150,6 +150,7 @@ class MemoryCounter {
   std::size_t in_use_ = 0;
   std::size_t peak_ = 0;
   std::size_t allocations_ = 0;
+  std::uint64_t allocations_made_ = 0;
 };
 
 class RuntimeImpl {

@@ -205,6 +205,7 @@ bool MemoryCounter::reserve(std::size_t bytes) {
   if (bytes > capacity_ - in_use_) return false;
   in_use_ += bytes;
   ++allocations_;
+  ++allocations_made_;
   if (in_use_ > peak_) peak_ = in_use_;
   return true;
 }
@@ -215,7 +216,7 @@ void MemoryCounter::release(std::size_t bytes) noexcept {
 }
 MemoryStats MemoryCounter::stats() const {
   std::lock_guard lock(mutex_);
-  return MemoryStats{in_use_, peak_, capacity_, allocations_};
+  return MemoryStats{in_use_, peak_, capacity_, allocations_, allocations_made_};
 }
 void MemoryCounter::reset_peak() {
   std::lock_guard lock(mutex_);

@@ -120,10 +120,12 @@ class Graph {
 };
 
 struct MemoryStats {
-  std::size_t in_use = 0;    // bytes currently allocated
-  std::size_t peak = 0;      // high-water mark of in_use since creation or reset_peak()
-  std::size_t capacity = 0;  // bytes the device can hold
-  std::size_t allocations = 0;
+  std::size_t in_use = 0;              // bytes currently allocated
+  std::size_t peak = 0;                // high-water mark of in_use since creation or reset_peak()
+  std::size_t capacity = 0;            // bytes the device can hold
+  std::size_t allocations = 0;         // live allocations
+  std::uint64_t allocations_made = 0;  // allocations made since creation (never decreases): memory
+                                       // that addresses were taken of may have moved when it changes
 };
 
 class Device {
