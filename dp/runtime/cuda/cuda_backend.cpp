@@ -275,6 +275,11 @@ class CudaStream final : public StreamImpl {
   int multiprocessor_count() const override { return sm_count_; }
   void make_current() override { detail::make_device_current(index_); }
   void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) override;
+  void* kernel_scratch(std::size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    std::lock_guard lock(scratch_mutex_);
+    return scratch_.get<std::byte>(runtime_.device(index_), bytes, &scratch_retired_);
+  }
   RuntimeImpl& runtime() const override;
   void begin_span(const char* name, SpanKind kind) override;
   void end_span() override { spans_->end(stream_); }
@@ -298,6 +303,11 @@ class CudaStream final : public StreamImpl {
   int index_;
   int sm_count_ = 1;
   std::vector<std::unique_ptr<std::function<void()>>> captured_host_funcs_;  // for the graph being captured
+  // kernel_api::kernel_scratch: grow-only; outgrown buffers kept until the stream goes (freeing one
+  // would wait for the whole device).
+  std::mutex scratch_mutex_;
+  Scratch scratch_;
+  std::vector<DeviceBuffer> scratch_retired_;
   cudaStream_t stream_ = nullptr;
   Library libraries_[2];  // by kernel_api::Library
   std::shared_ptr<SpanLog> spans_;

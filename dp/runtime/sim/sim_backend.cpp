@@ -350,6 +350,10 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
   void with_library(kernel_api::Library, const std::function<void(kernel_api::LibraryCall&)>&) override {
     throw Error(fmt::format("sim device {}: CUDA library handles exist on cuda devices only", device_));
   }
+  void* kernel_scratch(std::size_t) override {
+    throw Error(
+        fmt::format("sim device {}: kernel scratch is for CUDA kernels; sim kernels keep their temporaries", device_));
+  }
   RuntimeImpl& runtime() const override { return runtime_; }
 
   void drain() { executor_.wait_idle(); }

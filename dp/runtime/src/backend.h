@@ -88,6 +88,8 @@ class StreamImpl {
   virtual void make_current() = 0;
   // cuda only: kernel_api::with_library on this stream; sim: throws.
   virtual void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) = 0;
+  // cuda only: kernel_api::kernel_scratch on this stream; sim: throws.
+  virtual void* kernel_scratch(std::size_t bytes) = 0;
   virtual RuntimeImpl& runtime() const = 0;
   void count(Counter counter) const;  // on this stream's device
 

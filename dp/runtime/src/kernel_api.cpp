@@ -35,6 +35,8 @@ void end_launch(const Stream& stream) { Access::stream(stream).end_span(); }
 
 Precision precision(const Stream& stream) { return Access::stream(stream).runtime().precision(); }
 
+void* kernel_scratch(const Stream& stream, std::size_t bytes) { return Access::stream(stream).kernel_scratch(bytes); }
+
 void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn) {
   detail::StreamImpl& s = Access::stream(stream);
   s.count(detail::Counter::launches);  // one library call: a GEMM, a convolution

@@ -179,26 +179,6 @@ __global__ void __launch_bounds__(kReduceLanes)
   }
 }
 
-// The partials between the stages, from the device's stream-ordered pool (cudaMallocAsync): freed
-// on the stream after stage 2, so no other stream can reuse them early, and no cudaMalloc (which a
-// CUDA graph capture would refuse; a captured cudaMallocAsync becomes an allocation node). At most
-// kReduceTargetBlocks sums.
-class ReducePartials {
- public:
-  ReducePartials(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes != 0) DP_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, stream_));
-  }
-  ~ReducePartials() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);  // never throws from a destructor
-  }
-  ReducePartials(const ReducePartials&) = delete;
-  ReducePartials& operator=(const ReducePartials&) = delete;
-  void* data() const { return ptr_; }
-
- private:
-  cudaStream_t stream_;
-  void* ptr_ = nullptr;
-};
 #endif
 
 // ------------------------------------------------------------------------------------------------
@@ -278,15 +258,18 @@ void launch_row_reduce(const Stream& stream, const char* name, index_t rows, ind
   constexpr index_t kMaxGrid = index_t{1} << 20;
   const auto cuda_stream = static_cast<cudaStream_t>(kernel_api::native_handle(stream));
   kernel_api::begin_launch(stream, name);
-  const ReducePartials partials(static_cast<std::size_t>(plan.partials()) * sizeof(T), cuda_stream);
+  // The partial sums live in the stream's grow-only kernel scratch: sized once per shape in warm-up,
+  // so no launch allocates (and a captured step replays with the same buffer).
+  T* partials =
+      static_cast<T*>(kernel_api::kernel_scratch(stream, static_cast<std::size_t>(plan.partials()) * sizeof(T)));
   reduce_chunks_kernel<T><<<static_cast<unsigned>(std::min(plan.blocks(), kMaxGrid)), kReduceLanes, 0, cuda_stream>>>(
-      plan, map, finalize, static_cast<T*>(partials.data()));
+      plan, map, finalize, partials);
   DP_CUDA_CHECK(cudaGetLastError());
   kernel_api::end_launch(stream);
   if (plan.two_stage()) {
     kernel_api::begin_launch(stream, name);
     reduce_partials_kernel<T><<<static_cast<unsigned>(std::min(plan.rows, kMaxGrid)), kReduceLanes, 0, cuda_stream>>>(
-        plan, static_cast<const T*>(partials.data()), finalize);
+        plan, static_cast<const T*>(partials), finalize);
     DP_CUDA_CHECK(cudaGetLastError());
     kernel_api::end_launch(stream);
   }

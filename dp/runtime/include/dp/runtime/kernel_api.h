@@ -83,6 +83,13 @@ struct LibraryCall {
 // cuda only: runs fn with the stream's device current and its `library` handle; sim: throws.
 void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn);
 
+// cuda only: the stream's grow-only device scratch for kernel temporaries (a two-stage reduction's
+// partial sums): at least `bytes`, reallocated only when a launch needs more than ever before (a
+// new shape, in warm-up; never inside a capture once warm), so no launch allocates. Stream order
+// keeps consecutive users from overlapping; one launcher holds one such buffer at a time. sim: throws
+// (its kernels keep temporaries in their host bodies).
+void* kernel_scratch(const Stream& stream, std::size_t bytes);
+
 }  // namespace dp::kernel_api
 
 namespace dp::cuda {
