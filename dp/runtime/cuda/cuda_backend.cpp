@@ -278,7 +278,7 @@ class CudaStream final : public StreamImpl {
   void* kernel_scratch(std::size_t bytes) override {
     if (bytes == 0) return nullptr;
     std::lock_guard lock(scratch_mutex_);
-    return scratch_.get<std::byte>(runtime_.device(index_), bytes, &scratch_retired_);
+    return scratch_.get<std::byte>(runtime().device(index_), bytes, &scratch_retired_);
   }
   RuntimeImpl& runtime() const override;
   void begin_span(const char* name, SpanKind kind) override;
