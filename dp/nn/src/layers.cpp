@@ -16,6 +16,14 @@
 #include "dp/scratch.h"
 
 namespace dp::nn {
+
+void Layer::forward_relu(const LayerContext&, const float*, float*) {
+  throw InvalidArgument(fmt::format("{}: cannot fuse a following ReLU", name()));
+}
+void Layer::backward_relu(const LayerContext&, const float*, const float*, const float*, float*) {
+  throw InvalidArgument(fmt::format("{}: cannot fuse a following ReLU", name()));
+}
+
 namespace {
 
 class Linear final : public Layer {
@@ -99,36 +107,47 @@ class BatchNorm2d final : public Layer {
     shape(in);
     return in;
   }
-  void forward(const LayerContext& ctx, const float* x, float* y) override {
+  void forward(const LayerContext& ctx, const float* x, float* y) override { forward(ctx, x, y, false); }
+  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
+    backward(ctx, x, dy, dx, nullptr);
+  }
+  bool fuses_relu() const override { return true; }
+  void forward_relu(const LayerContext& ctx, const float* x, float* y) override { forward(ctx, x, y, true); }
+  // y: the fused output, whose sign is ReLU's mask.
+  void backward_relu(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
+    backward(ctx, x, dy, dx, y);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
+
+ private:
+  void forward(const LayerContext& ctx, const float* x, float* y, bool relu) {
     const auto s = shape(ctx.in);
     if (ctx.mode == Mode::eval) {
-      kernels::batchnorm_forward_eval(ctx.stream, s, x, param(0), param(1), buffer<float>(0), buffer<float>(1), y);
+      kernels::batchnorm_forward_eval(ctx.stream, s, x, param(0), param(1), buffer<float>(0), buffer<float>(1), y,
+                                      relu);
       return;
     }
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
       kernels::sync_batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
                                             buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2),
-                                            saved + 2 * channels_, global_count(ctx), all_reduce(ctx));
+                                            saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu);
       return;
     }
     kernels::batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
-                                     buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2));
+                                     buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2), relu);
   }
-  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
+  void backward(const LayerContext& ctx, const float* x, const float* dy, float* dx, const float* relu_y) {
     const auto s = shape(ctx.in);
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
       kernels::sync_batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx));
+                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu_y);
       return;
     }
     kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                saved + 2 * channels_);
+                                saved + 2 * channels_, relu_y);
   }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
-
- private:
   // SyncBatchNorm: the values per channel over all replicas, and their all-reduce on this stream.
   static kernels::index_t global_count(const LayerContext& ctx) {
     return static_cast<kernels::index_t>(ctx.sync->global_samples) * ctx.in.h * ctx.in.w;
@@ -152,6 +171,7 @@ class Relu final : public Layer {
     if (dx) kernels::relu_backward(ctx.stream, ctx.in.numel(), y, dy, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Relu>(name()); }
+  bool is_relu() const override { return true; }
 };
 
 // torch's rules for a pooling window (kernel, stride >= 1, 0 <= pad <= kernel/2), checked when the
