@@ -1,11 +1,12 @@
 // test_fusion.cpp — the fused kernels (issue 11, item 5) against the unfused sequences they
 // replace: cross-entropy forward + backward in one launch, BatchNorm with a following ReLU (forward,
-// the ReLU mask inside the backward, eval) and the chain that fuses them, and max-pool backward as
-// one gather. Bit for bit on every backend (fusing must not move a rounding), and, where a GPU
-// exists, cuda against sim for the fused functors.
+// the ReLU mask inside the backward, eval) and the chain that fuses them, a residual block's sum and
+// ReLU, and max-pool backward as one gather. Bit for bit on every backend (fusing must not move a
+// rounding), and, where a GPU exists, cuda against sim for the fused functors.
 #include <cmath>
 #include <cstring>
 #include <gtest/gtest.h>
+#include <utility>
 #include <vector>
 
 #include "dp/device.h"
@@ -261,6 +262,41 @@ TEST_P(FusionTest, ChainFusesBatchNormAndReluWithoutChangingResults) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// a residual block's sum and ReLU
+
+std::vector<std::vector<float>> add_then_relu(Device& device, const Stream& stream, bool fused,
+                                              const std::vector<float>& a, const std::vector<float>& b) {
+  const auto n = static_cast<index_t>(a.size());
+  DeviceBuffer da = test::upload(device, stream, a), db = test::upload(device, stream, b);
+  DeviceBuffer out = device.allocate(a.size() * 4);
+  if (fused) {
+    kernels::add_relu(stream, n, da.as<float>(), db.as<float>(), out.as<float>());
+  } else {
+    kernels::add(stream, n, da.as<float>(), db.as<float>(), out.as<float>());
+    kernels::relu_forward(stream, n, out.as<float>(), out.as<float>());
+  }
+  return {test::download<float>(stream, out)};
+}
+
+// Sums that are positive, negative, exactly 0 and -0, and NaN.
+std::pair<std::vector<float>, std::vector<float>> add_relu_inputs() {
+  auto a = test::random_vector(100003, 94), b = test::random_vector(100003, 95);
+  for (std::size_t i = 0; i < a.size(); i += 11) b[i] = -a[i];
+  a[1] = -0.0f;
+  b[1] = -0.0f;
+  a[2] = std::nanf("");
+  return {a, b};
+}
+
+TEST_P(FusionTest, AddReluEqualsAddThenRelu) {
+  const auto [a, b] = add_relu_inputs();
+  const auto fused = add_then_relu(*device_, stream_, true, a, b);
+  expect_same_bits(fused, add_then_relu(*device_, stream_, false, a, b));
+  EXPECT_TRUE(std::isnan(fused[0][2]));
+  EXPECT_FALSE(std::signbit(fused[0][1])) << "relu(-0 + -0) is +0";
+}
+
+// ------------------------------------------------------------------------------------------------
 // max-pool backward: one gather, no zero fill
 
 // Non-overlapping windows (stride >= kernel, the ConvNet's 2x2/2): what the removed zero fill and
@@ -332,6 +368,14 @@ TEST(FusionCudaMatchesSim, CrossEntropyForwardBackwardWithinUlps) {
     EXPECT_TRUE(test::all_close(on_cuda[1], on_sim[1], 1e-6, 0.0));
     EXPECT_TRUE(test::all_close(on_cuda[2], on_sim[2], 1e-6, 1e-9));
   }
+}
+
+TEST(FusionCudaMatchesSim, AddRelu) {
+  DP_RUNTIME_OR_SKIP(gpu, "cuda", 1);
+  auto sim = test::sim_runtime(1);
+  const auto [a, b] = add_relu_inputs();
+  auto body = [&](Device& device, Stream& stream) { return add_then_relu(device, stream, true, a, b); };
+  expect_same_bits(run_on(*gpu, body), run_on(*sim, body));
 }
 
 // Max-pool backward's gather, non-overlapping windows included: no arithmetic but `0 + dy`, so the

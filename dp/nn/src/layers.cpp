@@ -363,8 +363,8 @@ class SequentialLayer final : public Container {
   detail::Chain chain_;
 };
 
-// out = body(x) + shortcut(x), then ReLU. The sum is formed in `y`, and ReLU applied there in place;
-// backward recomputes nothing: ReLU's gradient needs only y.
+// out = body(x) + shortcut(x), then ReLU, in one pass into `y`; backward recomputes nothing: ReLU's
+// gradient needs only y.
 class Residual final : public Container {
  public:
   Residual(std::string name, Layers body, Layers shortcut, bool relu_after)
@@ -384,8 +384,10 @@ class Residual final : public Container {
     const auto n = static_cast<kernels::index_t>(out.numel());
     const float* body = body_.forward(ctx, x, nullptr);
     const float* shortcut = shortcut_.forward(ctx, x, nullptr);
-    kernels::add(ctx.stream, n, body, shortcut, y);
-    if (relu_after_) kernels::relu_forward(ctx.stream, n, y, y);
+    if (relu_after_)
+      kernels::add_relu(ctx.stream, n, body, shortcut, y);
+    else
+      kernels::add(ctx.stream, n, body, shortcut, y);
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {

@@ -51,6 +51,17 @@ struct ReluForward {
   DP_HD void operator()(index_t i) const { y[i] = relu(x[i]); }
 };
 
+// Add, then ReLU on the rounded sum: the two kernels' bits in one pass.
+struct AddRelu {
+  const float* a;
+  const float* b;
+  float* out;
+  DP_HD void operator()(index_t i) const {
+    const float sum = a[i] + b[i];
+    out[i] = relu(sum);
+  }
+};
+
 // The gradient through ReLU at output (or input) y; g is read unconditionally so the host compiler
 // can vectorise the select.
 DP_HD inline float relu_grad(float y, float g) { return y <= 0.0f ? 0.0f : g; }
