@@ -197,6 +197,42 @@ TEST_P(FusionTest, BatchNormReluEqualsBatchNormThenRelu) {
   }
 }
 
+// SyncBatchNorm's entry points take the same fused ReLU (one replica here: the all-reduce adds
+// nothing, so only the fusion is under test).
+TEST_P(FusionTest, SyncBatchNormReluEqualsSyncBatchNormThenRelu) {
+  const kernels::BatchNormShape bn{4, 3, 5, 6};
+  const std::size_t c = 3, total = 4 * 3 * 5 * 6;
+  const auto n = static_cast<index_t>(total);
+  const index_t count = 4 * 5 * 6;
+  const auto x = test::random_vector(total, 78, -3.0f, 5.0f), dy = test::random_vector(total, 79);
+  const kernels::AllReduceSum nothing = [](float*, std::size_t) {};
+  auto run = [&](bool fused) {
+    DeviceBuffer dx_in = up(x), ddy = up(dy), g = up(test::random_vector(c, 82)), b = up(test::random_vector(c, 83));
+    DeviceBuffer pre = floats(total), y = floats(total), dpre = floats(total), dx = floats(total);
+    DeviceBuffer stats = floats(2 * c), scratch = floats(2 * c), sums = floats(2 * c);
+    DeviceBuffer rm = up(std::vector<float>(c, 0.0f)), rv = up(std::vector<float>(c, 1.0f));
+    DeviceBuffer dg = up(std::vector<float>(c, 0.0f)), db = up(std::vector<float>(c, 0.0f));
+    DeviceBuffer batches = up(std::vector<std::int64_t>{0});
+    float* mean = stats.as<float>();
+    kernels::sync_batchnorm_forward_train(stream_, bn, dx_in.as<float>(), g.as<float>(), b.as<float>(),
+                                          fused ? y.as<float>() : pre.as<float>(), mean, mean + c, rm.as<float>(),
+                                          rv.as<float>(), batches.as<std::int64_t>(), scratch.as<float>(), count,
+                                          nothing, fused);
+    if (!fused) {
+      kernels::relu_forward(stream_, n, pre.as<float>(), y.as<float>());
+      kernels::relu_backward(stream_, n, y.as<float>(), ddy.as<float>(), dpre.as<float>());
+    }
+    kernels::sync_batchnorm_backward(stream_, bn, dx_in.as<float>(), g.as<float>(), mean, mean + c,
+                                     fused ? ddy.as<float>() : dpre.as<float>(), dx.as<float>(), dg.as<float>(),
+                                     db.as<float>(), sums.as<float>(), count, nothing, fused ? y.as<float>() : nullptr);
+    std::vector<std::vector<float>> got;
+    for (const DeviceBuffer* buffer : {&y, &stats, &rm, &rv, &dx, &dg, &db}) got.push_back(down<float>(*buffer));
+    EXPECT_EQ(down<std::int64_t>(batches)[0], 1);
+    return got;
+  };
+  expect_same_bits(run(true), run(false));
+}
+
 // A model with BatchNorm2d followed by ReLU (the chain fuses them) against the same model with the
 // ReLU inside a Sequential of its own (nothing to fuse): identical state-dict names and parameters,
 // and the same bits for the train forward, the gradients, the running statistics and eval.
