@@ -21,6 +21,10 @@ void add(const Stream& stream, index_t n, const float* a, const float* b, float*
   launch(stream, "add", n, Add{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
 }
 
+void add_relu(const Stream& stream, index_t n, const float* a, const float* b, float* out) {
+  launch(stream, "add_relu", n, AddRelu{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
+}
+
 void relu_forward(const Stream& stream, index_t n, const float* x, float* y) {
   launch(stream, "relu_forward", n, ReluForward{x, y}, {operand(x, n), operand(y, n)});
 }

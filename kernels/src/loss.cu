@@ -76,4 +76,36 @@ void cross_entropy_backward(const Stream& stream, int n, int classes, const floa
   check_targets_on_sim(stream, op, n, classes, targets);
 }
 
+void cross_entropy_forward_backward(const Stream& stream, int n, int classes, const float* logits,
+                                    const std::int64_t* targets, float* per_sample, float* loss, float dloss,
+                                    int mean_over, float* dlogits, double label_smoothing) {
+  const char* op = "cross_entropy_forward_backward";
+  checks::cross_entropy(op, n, classes, mean_over);
+  checks::label_smoothing(op, label_smoothing);
+  const index_t elements = static_cast<index_t>(n) * classes;
+  // The factors of both entry points, computed as they compute them.
+  const float scale = dloss / static_cast<float>(mean_over);
+  const double off = label_smoothing / classes;
+  const float target_on = static_cast<float>(1.0 - label_smoothing + off), target_off = static_cast<float>(off);
+  if (label_smoothing == 0.0) {
+    launch_row_reduce<float>(
+        stream, op, 1, n,
+        CrossEntropyForwardBackwardTerm{logits, targets, classes, scale, target_on, target_off, per_sample, dlogits},
+        StoreMean{loss, static_cast<float>(n)},
+        {operand(logits, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1),
+         operand(dlogits, elements)});
+  } else {
+    const float one_minus_eps = static_cast<float>(1.0 - label_smoothing);
+    const float eps_over_classes = static_cast<float>(label_smoothing / classes);
+    launch_row_reduce<SmoothedTerms>(
+        stream, op, 1, n,
+        SmoothedCrossEntropyForwardBackwardTerm{logits, targets, classes, one_minus_eps, eps_over_classes, scale,
+                                                target_on, target_off, per_sample, dlogits},
+        StoreSmoothedMean{loss, static_cast<float>(n), one_minus_eps, eps_over_classes},
+        {operand(logits, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1),
+         operand(dlogits, elements)});
+  }
+  check_targets_on_sim(stream, op, n, classes, targets);
+}
+
 }  // namespace dp::kernels

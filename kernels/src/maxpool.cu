@@ -1,7 +1,6 @@
 // maxpool.cu — launchers for dp/kernels/maxpool.h: one thread per output forward, one thread per
-// input backward (a gather over the windows covering it).
+// input backward (a gather over the windows covering it, which also writes the zeros).
 #include "checks.h"
-#include "dp/kernels/elementwise.h"
 #include "dp/kernels/launch.h"
 #include "dp/kernels/maxpool.h"
 
@@ -20,14 +19,8 @@ void maxpool_backward(const Stream& stream, const MaxPoolShape& shape, const std
   checks::maxpool("maxpool_backward", shape);
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
-  if (shape.stride >= shape.kernel) {
-    // Windows do not overlap: every input is chosen by at most one output, so zeroing dx and
-    // scattering one value per output is race-free, and 4x less work than the general gather.
-    launch(stream, "maxpool_backward_zero", in, Fill{dx, 0.0f}, {operand(dx, in)});
-    launch(stream, "maxpool_backward", out, MaxPoolScatterBackward{shape, argmax, dy, dx},
-           {operand(argmax, out), operand(dy, out), operand(dx, in)});
-    return;
-  }
+  // One gather per input, whatever the windows: no zero fill first. Without overlap (stride >=
+  // kernel) each input has at most one covering window, so the gather reads one argmax.
   launch(stream, "maxpool_backward", in, MaxPoolBackward{shape, argmax, dy, dx},
          {operand(argmax, out), operand(dy, out), operand(dx, in)});
 }

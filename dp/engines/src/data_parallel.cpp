@@ -309,8 +309,8 @@ Graph DataParallel::enqueue_step(const float* inputs, const std::int64_t* target
             float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
             const auto* gathered = static_cast<const float*>(gathered_.data());
             out.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-            const float* loss_value = loss_->forward(out.stream, gathered, device_targets, batch, classes);
-            loss_->backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
+            const float* loss_value =
+                loss_->forward_backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
             out.stream.copy(host_loss_.data(), loss_value, sizeof(float));  // pinned: asynchronous
             mark(time_phases_, out.stream, loss_end_);
             out.stream.record(grad_output_ready_);

@@ -184,9 +184,8 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
                         static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
   rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
   const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
-  const float* loss = rank.loss->forward(rank.compute, logits, rank.batch.targets(), batch.size, classes);
-  rank.loss->backward(rank.compute, logits, rank.batch.targets(), batch.size, classes, grad_output, batch.size,
-                      loss_scale);
+  const float* loss = rank.loss->forward_backward(rank.compute, logits, rank.batch.targets(), batch.size, classes,
+                                                  grad_output, batch.size, loss_scale);
   GradientsReady on_ready;
   if (sync) {
     reducer_->prepare(r, rank.compute, m.grads_flat());

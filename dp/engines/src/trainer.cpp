@@ -33,8 +33,7 @@ void SingleDeviceTrainer::enqueue_step(int batch) {
   float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
   model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), 0});
   const float* logits = model_.forward(stream_, batch_->inputs(), batch, Mode::train);
-  const float* loss = loss_.forward(stream_, logits, batch_->targets(), batch, classes);
-  loss_.backward(stream_, logits, batch_->targets(), batch, classes, grad_output, batch);
+  const float* loss = loss_.forward_backward(stream_, logits, batch_->targets(), batch, classes, grad_output, batch);
   model_.zero_grad(stream_);
   model_.backward(stream_, grad_output);
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());

@@ -71,6 +71,7 @@ const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
     }
   shapes_.assign(count + 1, {});
   outputs_.assign(count + 1, nullptr);
+  relu_fused_.assign(count, false);
   activations_.resize(count + 1);
   activation_grads_.resize(count + 1);
   shapes_[0] = ctx.in;
@@ -81,11 +82,24 @@ const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
       outputs_[i + 1] = outputs_[i];
       continue;
     }
+    const LayerContext child{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random, ctx.sync};
+    if (i + 1 < count && layers_[i]->fuses_relu() && layers_[i + 1]->is_relu()) {
+      // Layer i and the ReLU after it in one pass, into the ReLU's output; the boundary between
+      // them is never written (nothing reads it: see backward).
+      shapes_[i + 2] = layers_[i + 1]->output_shape(shapes_[i + 1]);
+      float* out = i + 1 == last_compute && y
+                       ? y
+                       : activations_[i + 2].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i + 2].numel()));
+      layers_[i]->forward_relu(child, outputs_[i], out);
+      relu_fused_[i] = true;
+      outputs_[i + 2] = out;
+      ++i;
+      continue;
+    }
     float* out = i == last_compute && y
                      ? y
                      : activations_[i + 1].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i + 1].numel()));
-    layers_[i]->forward(LayerContext{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random, ctx.sync}, outputs_[i],
-                        out);
+    layers_[i]->forward(child, outputs_[i], out);
     outputs_[i + 1] = out;
   }
   train_forward_done_ = ctx.mode == Mode::train;
@@ -102,6 +116,21 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
   for (std::size_t i = layers_.size(); i-- > 0;) {
     Layer& layer = *layers_[i];
     if (layer.is_view()) continue;  // same memory, same gradient
+    if (i > 0 && relu_fused_[i - 1]) {
+      // The ReLU of a fused pair: its mask is applied by the layer before it, reading dy as it is.
+      if (after) after(layer);
+      continue;
+    }
+    if (relu_fused_[i]) {
+      // dy is dL/d(ReLU's output), outputs_[i + 2] that output.
+      float* child_dx =
+          i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
+      layer.backward_relu(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync},
+                          outputs_[i], outputs_[i + 2], dy, child_dx);
+      if (after) after(layer);
+      dy = child_dx;
+      continue;
+    }
     // The first computing child writes the chain's input gradient (the caller's dx, maybe null:
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
     float* child_dx =

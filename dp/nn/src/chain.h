@@ -55,6 +55,8 @@ class Chain {
   std::vector<ActShape> shapes_;
   std::vector<const float*> outputs_;
   std::vector<Scratch> activations_, activation_grads_;
+  // relu_fused_[i]: child i ran forward_relu for itself and child i + 1 (a ReLU) in the last forward.
+  std::vector<bool> relu_fused_;
   bool train_forward_done_ = false;
 };
 

@@ -16,6 +16,14 @@
 #include "dp/scratch.h"
 
 namespace dp::nn {
+
+void Layer::forward_relu(const LayerContext&, const float*, float*) {
+  throw InvalidArgument(fmt::format("{}: cannot fuse a following ReLU", name()));
+}
+void Layer::backward_relu(const LayerContext&, const float*, const float*, const float*, float*) {
+  throw InvalidArgument(fmt::format("{}: cannot fuse a following ReLU", name()));
+}
+
 namespace {
 
 class Linear final : public Layer {
@@ -99,36 +107,47 @@ class BatchNorm2d final : public Layer {
     shape(in);
     return in;
   }
-  void forward(const LayerContext& ctx, const float* x, float* y) override {
+  void forward(const LayerContext& ctx, const float* x, float* y) override { forward(ctx, x, y, false); }
+  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
+    backward(ctx, x, dy, dx, nullptr);
+  }
+  bool fuses_relu() const override { return true; }
+  void forward_relu(const LayerContext& ctx, const float* x, float* y) override { forward(ctx, x, y, true); }
+  // y: the fused output, whose sign is ReLU's mask.
+  void backward_relu(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
+    backward(ctx, x, dy, dx, y);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
+
+ private:
+  void forward(const LayerContext& ctx, const float* x, float* y, bool relu) {
     const auto s = shape(ctx.in);
     if (ctx.mode == Mode::eval) {
-      kernels::batchnorm_forward_eval(ctx.stream, s, x, param(0), param(1), buffer<float>(0), buffer<float>(1), y);
+      kernels::batchnorm_forward_eval(ctx.stream, s, x, param(0), param(1), buffer<float>(0), buffer<float>(1), y,
+                                      relu);
       return;
     }
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
       kernels::sync_batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
                                             buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2),
-                                            saved + 2 * channels_, global_count(ctx), all_reduce(ctx));
+                                            saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu);
       return;
     }
     kernels::batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
-                                     buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2));
+                                     buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2), relu);
   }
-  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
+  void backward(const LayerContext& ctx, const float* x, const float* dy, float* dx, const float* relu_y) {
     const auto s = shape(ctx.in);
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
       kernels::sync_batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx));
+                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu_y);
       return;
     }
     kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                saved + 2 * channels_);
+                                saved + 2 * channels_, relu_y);
   }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
-
- private:
   // SyncBatchNorm: the values per channel over all replicas, and their all-reduce on this stream.
   static kernels::index_t global_count(const LayerContext& ctx) {
     return static_cast<kernels::index_t>(ctx.sync->global_samples) * ctx.in.h * ctx.in.w;
@@ -152,6 +171,7 @@ class Relu final : public Layer {
     if (dx) kernels::relu_backward(ctx.stream, ctx.in.numel(), y, dy, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Relu>(name()); }
+  bool is_relu() const override { return true; }
 };
 
 // torch's rules for a pooling window (kernel, stride >= 1, 0 <= pad <= kernel/2), checked when the
@@ -343,8 +363,8 @@ class SequentialLayer final : public Container {
   detail::Chain chain_;
 };
 
-// out = body(x) + shortcut(x), then ReLU. The sum is formed in `y`, and ReLU applied there in place;
-// backward recomputes nothing: ReLU's gradient needs only y.
+// out = body(x) + shortcut(x), then ReLU, in one pass into `y`; backward recomputes nothing: ReLU's
+// gradient needs only y.
 class Residual final : public Container {
  public:
   Residual(std::string name, Layers body, Layers shortcut, bool relu_after)
@@ -364,8 +384,10 @@ class Residual final : public Container {
     const auto n = static_cast<kernels::index_t>(out.numel());
     const float* body = body_.forward(ctx, x, nullptr);
     const float* shortcut = shortcut_.forward(ctx, x, nullptr);
-    kernels::add(ctx.stream, n, body, shortcut, y);
-    if (relu_after_) kernels::relu_forward(ctx.stream, n, y, y);
+    if (relu_after_)
+      kernels::add_relu(ctx.stream, n, body, shortcut, y);
+    else
+      kernels::add(ctx.stream, n, body, shortcut, y);
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {

@@ -25,6 +25,11 @@ class CrossEntropyLoss {
   void backward(const Stream& stream, const float* logits, const std::int64_t* targets, int n, int classes,
                 float* dlogits, int mean_over, float dloss = 1.0f);
 
+  // forward then backward on the same logits and targets in one kernel (the training step's pair):
+  // the same loss and dlogits, bit for bit, as the two calls; returns forward's pointer.
+  const float* forward_backward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
+                                int classes, float* dlogits, int mean_over, float dloss = 1.0f);
+
  private:
   Device& device_;
   double label_smoothing_;  // in double, as torch takes it from Python

@@ -26,20 +26,25 @@ struct BatchNormShape {
 // Needs N*H*W >= 2: like torch.nn.BatchNorm2d ("Expected more than 1 value per channel when
 // training") it throws InvalidArgument for one value per channel, where the unbiased variance
 // would be 0/0 (aten's native_batch_norm, below the module check, writes NaN into running_var).
+// relu = true fuses a following ReLU (torch.relu's bits, ReluForward): y = relu(batchnorm(x)).
 void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                              const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
-                             float* running_var, std::int64_t* num_batches_tracked);
+                             float* running_var, std::int64_t* num_batches_tracked, bool relu = false);
 
 // Eval forward: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
 void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                            const float* beta, const float* running_mean, const float* running_var, float* y);
+                            const float* beta, const float* running_mean, const float* running_var, float* y,
+                            bool relu = false);
 
 // Training backward: dx overwritten (skipped when null); dgamma += sum(dy*xhat), dbeta += sum(dy).
 // grad_sums: scratch of 2*C floats for this call's per-channel sums (dx needs them, not the
 // accumulated dgamma/dbeta). Needs N*H*W >= 2, as the training forward does.
+// relu_y: the output of a forward with relu = true, and dy then the gradient of that output: dy
+// passes through ReLU's mask (ReluBackward's bits) as it is read, where an unfused ReLU backward
+// would have written the masked gradient first. Null: no ReLU.
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
-                        float* dbeta, float* grad_sums);
+                        float* dbeta, float* grad_sums, const float* relu_y = nullptr);
 
 // SyncBatchNorm (torch.nn.SyncBatchNorm): the statistics are those of every replica's batch
 // together. `all_reduce(data, count)` enqueues an in-place sum of `count` floats over the replicas
@@ -53,11 +58,12 @@ using AllReduceSum = std::function<void(float* data, std::size_t count)>;
 void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                                   const float* beta, float* y, float* save_mean, float* save_invstd,
                                   float* running_mean, float* running_var, std::int64_t* num_batches_tracked,
-                                  float* scratch, index_t global_count, const AllReduceSum& all_reduce);
+                                  float* scratch, index_t global_count, const AllReduceSum& all_reduce,
+                                  bool relu = false);
 void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                              const float* save_mean, const float* save_invstd, const float* dy, float* dx,
                              float* dgamma, float* dbeta, float* grad_sums, index_t global_count,
-                             const AllReduceSum& all_reduce);
+                             const AllReduceSum& all_reduce, const float* relu_y = nullptr);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -88,15 +94,19 @@ struct BnCenteredMoments {
   }
 };
 // Finishes the statistics of channel c: invstd for this batch and the momentum update of the
-// running statistics (unbiased variance, M/(M-1), as PyTorch). One thread per channel runs it.
+// running statistics (unbiased variance, M/(M-1), as PyTorch). One thread per channel runs it;
+// channel 0's also counts the batch (num_batches_tracked += 1): the counter lives on the device,
+// like PyTorch's buffer, and needs no launch of its own.
 struct BnStoreVariance {
   const float* mean;
   float* invstd;
   float* running_mean;
   float* running_var;
+  std::int64_t* num_batches_tracked;
   float count;  // M as a float
   float eps, momentum;
   DP_HD void operator()(index_t c, SumPair s) const {
+    if (c == 0) *num_batches_tracked += 1;
     float centered = s.b - s.a * s.a / count;  // sum of squared deviations from the exact mean
     if (centered < 0.0f) centered = 0.0f;      // rounding can push a constant channel below 0
     invstd[c] = 1.0f / sqrtf(centered / count + eps);
@@ -131,10 +141,12 @@ struct BnNormalize {
   const float* gamma;
   const float* beta;
   float* y;
+  bool relu;  // y = relu(batchnorm(x)): a following ReLU fused
   // plane_index = n*C + c: one (n, c) plane of H*W elements, j within it (launch_2d).
   DP_HD void operator()(index_t plane_index, index_t j) const {
     const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
-    y[i] = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
+    const float v = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
+    y[i] = relu ? kernels::relu(v) : v;
   }
 };
 
@@ -148,17 +160,18 @@ struct BnNormalizeEval {
   const float* gamma;
   const float* beta;
   float* y;
+  bool relu;
   DP_HD void operator()(index_t plane_index, index_t j) const {
     const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
-    y[i] = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
+    const float v = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
+    y[i] = relu ? kernels::relu(v) : v;
   }
 };
 
-// A single-element launch: the counter lives on the device, like PyTorch's buffer.
-struct BnCountBatch {
-  std::int64_t* count;
-  DP_HD void operator()(index_t) const { *count += 1; }
-};
+// dy[i], or with a fused ReLU (relu_y, its output) the gradient ReLU's backward would have written.
+DP_HD inline float bn_output_grad(const float* dy, const float* relu_y, index_t i) {
+  return relu_y ? relu_grad(relu_y[i], dy[i]) : dy[i];
+}
 
 // Backward sums per channel: a = sum(dy), b = sum(dy * xhat).
 struct BnGradTerms {
@@ -167,9 +180,10 @@ struct BnGradTerms {
   const float* dy;
   const float* mean;
   const float* invstd;
+  const float* relu_y;  // null unless a ReLU was fused into the forward
   DP_HD SumPair operator()(index_t c, index_t j) const {
     const index_t i = at(c, j);
-    const float g = dy[i];
+    const float g = bn_output_grad(dy, relu_y, i);
     return SumPair{g, g * (x[i] - mean[c]) * invstd[c]};
   }
 };
@@ -196,10 +210,12 @@ struct BnInputGradTerm {
   const float* gamma;
   const float* mean;
   const float* invstd;
-  float inv_count;  // 1/M
+  float inv_count;      // 1/M
+  const float* relu_y;  // as BnGradTerms
   DP_HD float operator()(index_t c, index_t i, float sum_dy, float sum_dy_xhat) const {
     const float xhat = (x[i] - mean[c]) * invstd[c];
-    return gamma[c] * invstd[c] * (dy[i] - sum_dy * inv_count - xhat * (sum_dy_xhat * inv_count));
+    return gamma[c] * invstd[c] *
+           (bn_output_grad(dy, relu_y, i) - sum_dy * inv_count - xhat * (sum_dy_xhat * inv_count));
   }
 };
 struct BnInputGrad {

@@ -44,11 +44,27 @@ struct Add {
 
 // torch.relu: NaN stays NaN (`x > 0 ? x : 0` would launder it to 0, hiding a diverged model from
 // the loss), and -0 becomes +0.
+DP_HD inline float relu(float v) { return v <= 0.0f ? 0.0f : v; }
 struct ReluForward {
   const float* x;
   float* y;
-  DP_HD void operator()(index_t i) const { y[i] = x[i] <= 0.0f ? 0.0f : x[i]; }
+  DP_HD void operator()(index_t i) const { y[i] = relu(x[i]); }
 };
+
+// Add, then ReLU on the rounded sum: the two kernels' bits in one pass.
+struct AddRelu {
+  const float* a;
+  const float* b;
+  float* out;
+  DP_HD void operator()(index_t i) const {
+    const float sum = a[i] + b[i];
+    out[i] = relu(sum);
+  }
+};
+
+// The gradient through ReLU at output (or input) y; g is read unconditionally so the host compiler
+// can vectorise the select.
+DP_HD inline float relu_grad(float y, float g) { return y <= 0.0f ? 0.0f : g; }
 
 // PyTorch's threshold_backward(grad, result, 0): `result <= 0 ? 0 : grad`, so the gradient at
 // exactly 0 is 0 and at NaN passes through (as torch does).
@@ -56,11 +72,7 @@ struct ReluBackward {
   const float* y;  // the forward output (or input: same sign test)
   const float* dy;
   float* dx;
-  // dy is read unconditionally so the host compiler can vectorise the select.
-  DP_HD void operator()(index_t i) const {
-    const float g = dy[i];
-    dx[i] = y[i] <= 0.0f ? 0.0f : g;
-  }
+  DP_HD void operator()(index_t i) const { dx[i] = relu_grad(y[i], dy[i]); }
 };
 
 // Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.

@@ -238,6 +238,8 @@ void launch_2d(const Stream& stream, const char* name, index_t rows, index_t col
 // For each row in [0, rows): finalize(row, sum over col in [0, cols) of map(row, col)), summed in
 // the order of plan_row_reduce(rows, cols) (reduce_plan.h) on both backends: same bits on cuda and
 // sim. T needs a value-initialised zero and operator+. finalize runs once per row, on one thread.
+// map runs exactly once per (row, col), on both backends, so a map may also write per-element
+// results of its own (cross_entropy_forward_backward writes each sample's gradient row).
 template <class T, class Map, class Finalize>
 void launch_row_reduce(const Stream& stream, const char* name, index_t rows, index_t cols, const Map& map,
                        const Finalize& finalize, std::initializer_list<Operand> operands) {

@@ -36,6 +36,15 @@ void cross_entropy_forward(const Stream& stream, int n, int classes, const float
 void cross_entropy_backward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
                             float dloss, int mean_over, float* dlogits, double label_smoothing = 0.0);
 
+// Both of the above in one launch, for callers that run them back to back on the same logits
+// (the engines' training step): loss[0] and per_sample exactly as cross_entropy_forward writes
+// them, dlogits exactly as cross_entropy_backward(dloss, mean_over) writes it, bit for bit. The
+// mean's reduction computes each sample's term (its map) and writes that sample's gradient row
+// beside it, so the row max and exp sum are computed once and the logits read once.
+void cross_entropy_forward_backward(const Stream& stream, int n, int classes, const float* logits,
+                                    const std::int64_t* targets, float* per_sample, float* loss, float dloss,
+                                    int mean_over, float* dlogits, double label_smoothing = 0.0);
+
 // ------------------------------------------------------------------------------------------------
 // functors: one thread per sample; a row of C (10 for the models here) is too short to split.
 
@@ -91,13 +100,16 @@ struct SmoothedTerms {
   float nll = 0.0f, smooth = 0.0f;
   DP_HD SmoothedTerms operator+(const SmoothedTerms& o) const { return {nll + o.nll, smooth + o.smooth}; }
 };
-DP_HD inline SmoothedTerms smoothed_terms(const float* x, int classes, std::int64_t t) {
-  if (t < 0 || t >= classes) return {NAN, NAN};
-  const float m = row_max(x, classes);
-  const float log_sum = logf(shifted_exp_sum(x, classes, m));
+// From the row's max m and log_sum = log(shifted_exp_sum), for a valid target t.
+DP_HD inline SmoothedTerms smoothed_terms_of_row(const float* x, int classes, std::int64_t t, float m, float log_sum) {
   float smooth = 0.0f;
   for (int c = 0; c < classes; ++c) smooth += log_sum - (x[c] - m);
   return {log_sum - (x[t] - m), smooth};
+}
+DP_HD inline SmoothedTerms smoothed_terms(const float* x, int classes, std::int64_t t) {
+  if (t < 0 || t >= classes) return {NAN, NAN};
+  const float m = row_max(x, classes);
+  return smoothed_terms_of_row(x, classes, t, m, logf(shifted_exp_sum(x, classes, m)));
 }
 
 // per_sample[i] = (1 - eps) * nll_i + smooth_i * (eps / C), as torch's reduction='none' combines them.
@@ -134,6 +146,12 @@ struct StoreSmoothedMean {
   }
 };
 
+// dx_c = (exp(x_c - m) / s - q_c) * scale for a valid target t: q_c = target_on at t, else target_off.
+DP_HD inline void softmax_grad_row(const float* x, int classes, std::int64_t t, float m, float s, float scale,
+                                   float target_on, float target_off, float* dx) {
+  for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
+}
+
 // dlogits_i = (softmax(x_i) - q) * scale, softmax recomputed from the logits (C is small, so this
 // is cheaper than storing it in the forward); q_c = target_on for c = t, else target_off (1 and 0
 // without label smoothing: the plain loss's bits).
@@ -153,8 +171,68 @@ struct CrossEntropyBackwardRow {
       return;
     }
     const float m = row_max(x, classes);
+    softmax_grad_row(x, classes, t, m, shifted_exp_sum(x, classes, m), scale, target_on, target_off, dx);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// fused forward + backward: launch_row_reduce maps, called exactly once per sample (its contract),
+// that write the sample's per_sample term and gradient row and return what the mean sums.
+
+// Without label smoothing: CrossEntropyRow's term (returned, and kept in per_sample) and
+// CrossEntropyBackwardRow's row, from one row max and exp sum.
+struct CrossEntropyForwardBackwardTerm {
+  const float* logits;
+  const std::int64_t* targets;
+  int classes;
+  float scale;
+  float target_on, target_off;
+  float* per_sample;
+  float* dlogits;
+  DP_HD float operator()(index_t, index_t i) const {
+    const float* x = logits + i * classes;
+    float* dx = dlogits + i * classes;
+    const std::int64_t t = targets[i];
+    if (t < 0 || t >= classes) {
+      for (int c = 0; c < classes; ++c) dx[c] = NAN;
+      per_sample[i] = NAN;
+      return NAN;
+    }
+    const float m = row_max(x, classes);
     const float s = shifted_exp_sum(x, classes, m);
-    for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
+    const float term = logf(s) - (x[t] - m);
+    softmax_grad_row(x, classes, t, m, s, scale, target_on, target_off, dx);
+    per_sample[i] = term;
+    return term;
+  }
+};
+
+// With label smoothing: SmoothedTermsOfSample's pair (returned), SmoothedCrossEntropyRow's
+// per_sample term and CrossEntropyBackwardRow's row.
+struct SmoothedCrossEntropyForwardBackwardTerm {
+  const float* logits;
+  const std::int64_t* targets;
+  int classes;
+  float one_minus_eps, eps_over_classes;
+  float scale;
+  float target_on, target_off;
+  float* per_sample;
+  float* dlogits;
+  DP_HD SmoothedTerms operator()(index_t, index_t i) const {
+    const float* x = logits + i * classes;
+    float* dx = dlogits + i * classes;
+    const std::int64_t t = targets[i];
+    if (t < 0 || t >= classes) {
+      for (int c = 0; c < classes; ++c) dx[c] = NAN;
+      per_sample[i] = NAN;
+      return {NAN, NAN};
+    }
+    const float m = row_max(x, classes);
+    const float s = shifted_exp_sum(x, classes, m);
+    const SmoothedTerms terms = smoothed_terms_of_row(x, classes, t, m, logf(s));
+    softmax_grad_row(x, classes, t, m, s, scale, target_on, target_off, dx);
+    per_sample[i] = mul_unfused(one_minus_eps, terms.nll) + mul_unfused(terms.smooth, eps_over_classes);
+    return terms;
   }
 };
 

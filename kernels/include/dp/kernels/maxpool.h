@@ -66,7 +66,8 @@ struct MaxPoolForward {
 };
 
 // Input element i = ((n*C + c)*H + ih)*W + iw sums dy over the outputs whose window covers it and
-// chose it.
+// chose it; 0 when none did (`0.0f + dy` also turns a -0 gradient into +0, as PyTorch's
+// scatter-add into a zeroed gradient does). One launch, no zero fill, no atomics.
 struct MaxPoolBackward {
   MaxPoolShape s;
   const std::int32_t* argmax;
@@ -87,21 +88,6 @@ struct MaxPoolBackward {
       for (int ow = cols.first; ow < cols.last; ++ow)
         if (chosen[oh * wo + ow] == at) sum += grad[oh * wo + ow];
     dx[i] = sum;
-  }
-};
-
-// Non-overlapping windows (stride >= kernel): output i hands its gradient to the one input it
-// chose; dx was zeroed first. `0.0f +` turns a -0 gradient into +0, as PyTorch's scatter-add into
-// a zeroed gradient does, so both backward forms give identical bits.
-struct MaxPoolScatterBackward {
-  MaxPoolShape s;
-  const std::int32_t* argmax;
-  const float* dy;
-  float* dx;
-  DP_HD void operator()(index_t i) const {
-    const index_t plane_out = static_cast<index_t>(s.h_out()) * s.w_out();
-    const index_t nc = i / plane_out;
-    dx[nc * s.h * s.w + argmax[i]] = 0.0f + dy[i];
   }
 };
 

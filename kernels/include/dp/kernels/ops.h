@@ -14,6 +14,8 @@ void scale(const Stream& stream, index_t n, float alpha, float* x);             
 void add(const Stream& stream, index_t n, const float* a, const float* b, float* out);
 void relu_forward(const Stream& stream, index_t n, const float* x, float* y);
 void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx);
+// out = relu(a + b) in one pass: add then relu_forward's bits (a residual block's sum and ReLU).
+void add_relu(const Stream& stream, index_t n, const float* a, const float* b, float* out);
 
 // out[r] = beta*out[r] + sum_c x[r, c] for a (rows, cols) row-major x.
 void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);

@@ -84,6 +84,17 @@ class Layer {
     if (done) done(*this);
   }
   virtual std::unique_ptr<Layer> clone() const = 0;
+
+  // Fusion with a following ReLU, which a list of layers (Chain) applies by itself: when a layer
+  // that fuses_relu() is followed by one that is_relu(), the chain runs forward_relu (y = relu of
+  // the layer's output, one pass) in place of both forwards, and backward_relu (dy = dL/dy of that
+  // y) in place of both backwards. Both give the two layers' bits; the layers, their names and
+  // their parameters stay as they are.
+  virtual bool fuses_relu() const { return false; }
+  virtual bool is_relu() const { return false; }
+  virtual void forward_relu(const LayerContext& ctx, const float* x, float* y);
+  virtual void backward_relu(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx);
+
   // Whether train-mode forwards draw random numbers (ctx.random): their work then differs from step
   // to step, so a captured step cannot be replayed (Model::capturable). A layer that reads
   // ctx.random must say so.
