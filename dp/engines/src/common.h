@@ -4,10 +4,11 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "dp/batch.h"
@@ -15,6 +16,10 @@
 #include "dp/device_group.h"
 #include "dp/model.h"
 #include "dp/scratch.h"
+
+namespace dp {
+class Optimizer;
+}
 
 namespace dp::engines {
 
@@ -85,8 +90,13 @@ class StepGraphs {
   void eager_done(const Key& key, const MemorySnapshot& before, const MemorySnapshot& after);
   // After any step: where the next begin_step compares from.
   void end_step(MemorySnapshot after) { last_ = std::move(after); }
-  void captured(const Key& key, std::vector<Graph> graphs) { graphs_[key] = std::move(graphs); }
-  void refuse(const Key& key) { refused_.push_back(key); }
+  // Runs `record` (it begins the captures on `streams`, enqueues the step, ends them) and keeps its
+  // graphs for `key`. When it fails, ends whatever capture is left on `streams` (nothing captured
+  // ran) and restores the step counts of `optimizers` (their step() counted a step that did not
+  // happen); then, when the failure was a CaptureError (the model did what a graph cannot hold),
+  // refuses the key -- it runs eagerly from now on -- and returns false; anything else is rethrown.
+  bool capture(const Key& key, const std::vector<Stream>& streams, const std::vector<Optimizer*>& optimizers,
+               const std::function<std::vector<Graph>()>& record);
   const std::vector<Graph>& graphs(const Key& key) const { return graphs_.at(key); }
   void count_replay() { ++replays_; }
   std::uint64_t replays() const { return replays_; }
@@ -94,16 +104,10 @@ class StepGraphs {
  private:
   bool enabled_;
   std::map<Key, std::vector<Graph>> graphs_;
-  std::vector<Key> warmed_, refused_;
+  std::set<Key> warmed_, refused_;
   std::uint64_t replays_ = 0;
   std::optional<MemorySnapshot> last_;
 };
-
-// Ends a capture that failed part-way (its error is already on its way up); nothing captured runs.
-void abandon_capture(const Stream& stream) noexcept;
-// Whether a failed step failed for a reason a graph cannot hold (CaptureError), maybe inside the
-// WorkerError of the device where it happened.
-bool capture_failed(std::exception_ptr error);
 
 // Throws InvalidArgument unless `batches` holds `expected` batches.
 void expect_batches(std::size_t got, int expected, const char* engine);

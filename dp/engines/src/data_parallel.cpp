@@ -231,19 +231,13 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
       graphs_->count_replay();
       break;
     case engines::StepGraphs::Action::capture: {
-      const std::int64_t steps = optimizer_->steps();
-      Graph graph;
-      try {
-        graph = enqueue_step(step_inputs, step_targets, batch, true);
-      } catch (...) {
-        if (replicas_[0]->stream.capturing()) engines::abandon_capture(replicas_[0]->stream);
-        optimizer_->set_steps(steps);
-        if (!engines::capture_failed(std::current_exception())) throw;
-        graphs_->refuse(key);  // the model did what a graph cannot hold: this batch size stays eager
-        return train_step(inputs, targets, batch);
-      }
-      graphs_->captured(key, {graph});
-      graph.replay();  // this step
+      std::vector<Stream> streams;
+      for (const auto& replica : replicas_) streams.push_back(replica->stream);
+      const bool captured = graphs_->capture(key, streams, {optimizer_.get()}, [&] {
+        return std::vector<Graph>{enqueue_step(step_inputs, step_targets, batch, true)};
+      });
+      if (!captured) return train_step(inputs, targets, batch);  // this batch size runs eagerly now
+      graphs_->graphs(key)[0].replay();                          // this step
       graphs_->count_replay();
       break;
     }

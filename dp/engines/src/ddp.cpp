@@ -295,10 +295,16 @@ void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool
 bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key, std::span<const Batch> batches,
                                            bool sync, bool broadcast) {
   if (graphs_->plan(key) == engines::StepGraphs::Action::capture) {
-    std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
+    std::vector<Stream> streams;
+    std::vector<Optimizer*> optimizers;
+    for (auto& rank : ranks_) {
+      streams.push_back(rank->compute);
+      optimizers.push_back(rank->optimizer.get());
+    }
     std::vector<std::int64_t> steps;
-    for (auto& rank : ranks_) steps.push_back(rank->optimizer->steps());
-    try {
+    for (const Optimizer* optimizer : optimizers) steps.push_back(optimizer->steps());
+    const bool captured = graphs_->capture(key, streams, optimizers, [&] {
+      std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
       // Not run_ranks: a failed capture ran none of its collectives, so no peer waits in one and
       // the communicators stay usable.
       group_.run([&](int r) {
@@ -307,18 +313,11 @@ bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key,
         enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, true);
         graphs[static_cast<std::size_t>(r)] = rank.compute.end_capture();
       });
-    } catch (...) {
-      for (std::size_t r = 0; r < ranks_.size(); ++r) {
-        if (ranks_[r]->compute.capturing()) engines::abandon_capture(ranks_[r]->compute);
-        ranks_[r]->optimizer->set_steps(steps[r]);
-      }
-      if (!engines::capture_failed(std::current_exception())) throw;
-      graphs_->refuse(key);  // the model did what a graph cannot hold: these batch sizes stay eager
-      return false;
-    }
-    graphs_->captured(key, std::move(graphs));
-    // The capture ran nothing: this step is the first replay, with the steps already counted.
-    for (std::size_t r = 0; r < ranks_.size(); ++r) ranks_[r]->optimizer->set_steps(steps[r]);
+      return graphs;
+    });
+    if (!captured) return false;  // these batch sizes run eagerly now
+    // The capture ran nothing: this step is the first replay, which counts its steps itself.
+    for (std::size_t r = 0; r < optimizers.size(); ++r) optimizers[r]->set_steps(steps[r]);
   }
   const std::vector<Graph>& graphs = graphs_->graphs(key);
   run_ranks([&](int r) {

@@ -117,6 +117,26 @@ void check_batch(const Batch& batch) {
   if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
   if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
 }
+// Ends a capture that failed part-way (its error is already on its way up); nothing captured runs.
+void abandon_capture(const Stream& stream) noexcept {
+  try {
+    (void)stream.end_capture();
+  } catch (...) {  // an invalidated or unjoined capture: the error that made us abandon it is reported
+  }
+}
+// Whether a failed step failed for a reason a graph cannot hold (CaptureError), maybe inside the
+// WorkerError of the device where it happened.
+bool capture_failed(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const CaptureError&) {
+    return true;
+  } catch (const WorkerError& e) {
+    return e.cause() && capture_failed(e.cause());
+  } catch (...) {
+    return false;
+  }
+}
 // At least `bytes` of pinned memory in `buffer`; true when it had to be reallocated.
 bool reserve_pinned(Device& device, PinnedBuffer& buffer, std::size_t bytes) {
   if (buffer.size() >= bytes) return false;
@@ -168,25 +188,6 @@ void StagedBatch::enqueue(Device& device, const Stream& stream) {
                 target_bytes_);
 }
 
-void abandon_capture(const Stream& stream) noexcept {
-  try {
-    (void)stream.end_capture();
-  } catch (...) {  // an invalidated or unjoined capture: the error that made us abandon it is reported
-  }
-}
-
-bool capture_failed(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const CaptureError&) {
-    return true;
-  } catch (const WorkerError& e) {
-    return e.cause() && capture_failed(e.cause());
-  } catch (...) {
-    return false;
-  }
-}
-
 bool MemorySnapshot::operator==(const MemorySnapshot& other) const {
   if (staging_growths != other.staging_growths || stats.size() != other.stats.size()) return false;
   for (std::size_t i = 0; i < stats.size(); ++i)
@@ -203,9 +204,26 @@ MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t stagi
 }
 
 StepGraphs::Action StepGraphs::plan(const Key& key) const {
-  if (!enabled_ || std::find(refused_.begin(), refused_.end(), key) != refused_.end()) return Action::eager;
+  if (!enabled_ || refused_.count(key)) return Action::eager;
   if (graphs_.count(key)) return Action::replay;
-  return std::find(warmed_.begin(), warmed_.end(), key) != warmed_.end() ? Action::capture : Action::eager;
+  return warmed_.count(key) ? Action::capture : Action::eager;
+}
+
+bool StepGraphs::capture(const Key& key, const std::vector<Stream>& streams, const std::vector<Optimizer*>& optimizers,
+                         const std::function<std::vector<Graph>()>& record) {
+  std::vector<std::int64_t> steps;
+  for (const Optimizer* optimizer : optimizers) steps.push_back(optimizer->steps());
+  try {
+    graphs_[key] = record();
+    return true;
+  } catch (...) {
+    for (const Stream& stream : streams)
+      if (stream.capturing()) abandon_capture(stream);
+    for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
+    if (!capture_failed(std::current_exception())) throw;
+    refused_.insert(key);
+    return false;
+  }
 }
 
 void StepGraphs::begin_step(const MemorySnapshot& now) {
@@ -221,7 +239,7 @@ void StepGraphs::eager_done(const Key& key, const MemorySnapshot& before, const 
     graphs_.clear();
     warmed_.clear();
   }
-  if (std::find(warmed_.begin(), warmed_.end(), key) == warmed_.end()) warmed_.push_back(key);
+  warmed_.insert(key);
 }
 
 void expect_batches(std::size_t got, int expected, const char* engine) {

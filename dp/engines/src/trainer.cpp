@@ -57,26 +57,14 @@ float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets
       break;
     case engines::StepGraphs::Action::capture: {
       batch_->write(device, host, floats);
-      const std::int64_t steps = optimizer_->steps();
-      Graph graph;
-      try {
+      const bool captured = graphs_->capture(key, {stream_}, {optimizer_.get()}, [&] {
         stream_.begin_capture();
         batch_->enqueue(device, stream_);
         enqueue_step(batch);
-        graph = stream_.end_capture();
-      } catch (const CaptureError&) {
-        // The model did what a graph cannot hold: nothing captured ran; this batch size stays eager.
-        if (stream_.capturing()) engines::abandon_capture(stream_);
-        optimizer_->set_steps(steps);
-        graphs_->refuse(key);
-        return step(inputs, targets, batch);
-      } catch (...) {
-        if (stream_.capturing()) engines::abandon_capture(stream_);
-        optimizer_->set_steps(steps);
-        throw;
-      }
-      graphs_->captured(key, {graph});
-      graph.replay();  // this step
+        return std::vector<Graph>{stream_.end_capture()};
+      });
+      if (!captured) return step(inputs, targets, batch);  // this batch size runs eagerly now
+      graphs_->graphs(key)[0].replay();                    // this step
       graphs_->count_replay();
       break;
     }

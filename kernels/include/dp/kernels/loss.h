@@ -152,6 +152,14 @@ DP_HD inline void softmax_grad_row(const float* x, int classes, std::int64_t t, 
   for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
 }
 
+// A target outside [0, classes): the row's gradient is NaN instead of an out-of-bounds index (the
+// launchers also report it). Returns whether it was.
+DP_HD inline bool nan_row_if_bad_target(std::int64_t t, int classes, float* dx) {
+  if (t >= 0 && t < classes) return false;
+  for (int c = 0; c < classes; ++c) dx[c] = NAN;
+  return true;
+}
+
 // dlogits_i = (softmax(x_i) - q) * scale, softmax recomputed from the logits (C is small, so this
 // is cheaper than storing it in the forward); q_c = target_on for c = t, else target_off (1 and 0
 // without label smoothing: the plain loss's bits).
@@ -166,10 +174,7 @@ struct CrossEntropyBackwardRow {
     const float* x = logits + i * classes;
     float* dx = dlogits + i * classes;
     const std::int64_t t = targets[i];
-    if (t < 0 || t >= classes) {
-      for (int c = 0; c < classes; ++c) dx[c] = NAN;
-      return;
-    }
+    if (nan_row_if_bad_target(t, classes, dx)) return;
     const float m = row_max(x, classes);
     softmax_grad_row(x, classes, t, m, shifted_exp_sum(x, classes, m), scale, target_on, target_off, dx);
   }
@@ -193,8 +198,7 @@ struct CrossEntropyForwardBackwardTerm {
     const float* x = logits + i * classes;
     float* dx = dlogits + i * classes;
     const std::int64_t t = targets[i];
-    if (t < 0 || t >= classes) {
-      for (int c = 0; c < classes; ++c) dx[c] = NAN;
+    if (nan_row_if_bad_target(t, classes, dx)) {
       per_sample[i] = NAN;
       return NAN;
     }
@@ -222,8 +226,7 @@ struct SmoothedCrossEntropyForwardBackwardTerm {
     const float* x = logits + i * classes;
     float* dx = dlogits + i * classes;
     const std::int64_t t = targets[i];
-    if (t < 0 || t >= classes) {
-      for (int c = 0; c < classes; ++c) dx[c] = NAN;
+    if (nan_row_if_bad_target(t, classes, dx)) {
       per_sample[i] = NAN;
       return {NAN, NAN};
     }
