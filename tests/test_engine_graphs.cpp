@@ -2,6 +2,7 @@
 // engine's losses, parameters and buffers equal its eager run bit for bit, through batch-size changes
 // and a learning rate that changes every step; a steady-state replay costs one launch, no
 // allocation, no pageable copy and one host synchronisation; models a graph cannot hold run eagerly.
+#include <atomic>
 #include <cstring>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -26,13 +27,50 @@ struct TrainRun {
   std::int64_t optimizer_steps = 0;
 };
 
-enum class Net { mlp, convnet, mlp_dropout };
+enum class Net { mlp, convnet, mlp_dropout, mlp_syncing };
+
+// An MLP that claims to be capturable but synchronises its stream in every forward: something a
+// graph cannot hold (CaptureError), which the engines must survive by running that step eagerly.
+class SyncingModel final : public Model {
+ public:
+  explicit SyncingModel(std::unique_ptr<Model> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  Device& device() const override { return inner_->device(); }
+  float* params_flat() const override { return inner_->params_flat(); }
+  float* grads_flat() const override { return inner_->grads_flat(); }
+  std::size_t param_count() const override { return inner_->param_count(); }
+  void* buffers_flat() const override { return inner_->buffers_flat(); }
+  std::size_t buffers_bytes() const override { return inner_->buffers_bytes(); }
+  std::vector<TensorRef> parameters() const override { return inner_->parameters(); }
+  std::vector<TensorRef> gradients() const override { return inner_->gradients(); }
+  std::vector<TensorRef> buffers() const override { return inner_->buffers(); }
+  std::vector<std::int64_t> input_shape() const override { return inner_->input_shape(); }
+  int output_features() const override { return inner_->output_features(); }
+  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
+    if (stream.capturing()) ++captured_forwards;
+    stream.synchronize();
+    return inner_->forward(stream, input, batch, mode);
+  }
+  void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override {
+    inner_->backward(stream, grad_output, on_ready);
+  }
+  void zero_grad(const Stream& stream) override { inner_->zero_grad(stream); }
+  bool capturable() const override { return true; }
+  std::unique_ptr<Model> replicate(Device& device) const override {
+    return std::make_unique<SyncingModel>(inner_->replicate(device));
+  }
+  static inline std::atomic<int> captured_forwards{0};  // forwards issued into a capture
+
+ private:
+  std::unique_ptr<Model> inner_;
+};
 
 std::unique_ptr<Model> make_net(Net net, Device& device) {
   switch (net) {
     case Net::mlp: return models::make_mlp(device, {32, 16}, 3);
     case Net::convnet: return models::make_convnet(device, 3);
     case Net::mlp_dropout: return models::make_mlp(device, {32, 16}, 3, 0.25);
+    case Net::mlp_syncing: return std::make_unique<SyncingModel>(models::make_mlp(device, {32, 16}, 3));
   }
   return nullptr;
 }
@@ -159,6 +197,22 @@ TEST(EngineGraphs, ModelsThatDrawRandomNumbersRunEagerly) {
     const OptimizerOptions sgd = SgdOptions{0.05f};
     const TrainRun eager = train(kind, devices, false, Net::mlp_dropout, sgd, {8, 8, 8});
     const TrainRun graphs = train(kind, devices, true, Net::mlp_dropout, sgd, {8, 8, 8});
+    EXPECT_EQ(graphs.replays, 0u);
+    expect_identical(eager, graphs);
+  }
+}
+
+TEST(EngineGraphs, ACaptureTheModelBreaksFallsBackToEagerSteps) {
+  // The capture of step 2 throws CaptureError inside the model's forward: nothing captured runs,
+  // the optimizer's step count is restored, and that step and every later one run eagerly.
+  for (EngineKind kind : {EngineKind::single, EngineKind::dp, EngineKind::ddp}) {
+    SCOPED_TRACE(std::string(to_string(kind)));
+    const int devices = kind == EngineKind::single ? 1 : 2;
+    const OptimizerOptions sgd = SgdOptions{0.05f, 0.9f};
+    const TrainRun eager = train(kind, devices, false, Net::mlp_syncing, sgd, {8, 8, 8, 8});
+    SyncingModel::captured_forwards = 0;
+    const TrainRun graphs = train(kind, devices, true, Net::mlp_syncing, sgd, {8, 8, 8, 8});
+    EXPECT_GE(SyncingModel::captured_forwards.load(), 1) << "step 2 tried a capture";
     EXPECT_EQ(graphs.replays, 0u);
     expect_identical(eager, graphs);
   }
