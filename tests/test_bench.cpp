@@ -288,7 +288,7 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
     const std::set<int> expected = single ? std::set<int>{0} : std::set<int>{0, 1};
     EXPECT_EQ(pids, expected) << run;
     if (run.find("ddp") != std::string::npos) {
-      EXPECT_EQ(tracks.size(), 4u) << run << ": a compute and a communication stream per device";
+      EXPECT_EQ(tracks.size(), 6u) << run << ": a compute, a communication and an input-copy stream per device";
     }
   }
   // Runs do not overlap in the trace: in the order they ran, each starts after the previous ended.
@@ -370,7 +370,7 @@ TEST(Bench, GraphsReplayTheSteadyState) {
   for (const std::string graphs : {"on", "off"}) {
     const auto json_path = dir / (graphs + ".json");
     const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet --modes single,dp,ddp "
-                                                "--batch-size 4 --steps 3 --warmup 2 --graphs {} --json '{}'",
+                                                "--batch-size 4 --steps 3 --warmup 3 --graphs {} --json '{}'",
                                                 graphs, json_path.string()));
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_NE(r.out.find("graphs " + graphs), std::string::npos) << r.out;

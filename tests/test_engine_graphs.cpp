@@ -238,11 +238,13 @@ TEST(EngineGraphs, ASteadyStateReplayIsOneLaunchAndOneHostSync) {
     std::memcpy(y.data(), ys.data(), ys.size() * sizeof(std::int64_t));
     std::vector<Batch> batches(static_cast<std::size_t>(engine->batches_per_step()),
                                Batch{x.as<float>(), y.as<std::int64_t>(), n});
-    for (int warm = 0; warm < 2; ++warm) engine->train_step(batches);  // eager, then captured
+    // Eager, then captured in each of the two pipeline slots (a graph per slot: each reads its
+    // slot's input buffers).
+    for (int warm = 0; warm < 3; ++warm) engine->train_step(batches);
     runtime->reset_counters();
     constexpr int kSteps = 3;
     for (int step = 0; step < kSteps; ++step) engine->train_step(batches);
-    EXPECT_EQ(engine->graph_replays(), 1u + kSteps);
+    EXPECT_EQ(engine->graph_replays(), 2u + kSteps);
     std::uint64_t launches = 0, syncs = 0;
     for (int d = 0; d < devices; ++d) {
       const DeviceCounters c = runtime->counters(d);

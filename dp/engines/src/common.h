@@ -2,6 +2,7 @@
 // and host batches staged into device memory.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -14,6 +15,7 @@
 #include "dp/batch.h"
 #include "dp/device.h"
 #include "dp/device_group.h"
+#include "dp/engine.h"
 #include "dp/model.h"
 #include "dp/scratch.h"
 
@@ -38,28 +40,90 @@ class Replicas {
   std::vector<std::unique_ptr<Model>> owned_;  // [0] stays empty
 };
 
-// A host batch copied to one device, into grow-only buffers.
+// A host batch copied to one device, into grow-only buffers (evaluation, DDP's forward_backward).
 class StagedBatch {
  public:
   // Enqueues on `stream` the copies of batch.size samples of `floats_per_sample` inputs, and of the
   // targets when batch.targets is set. Throws InvalidArgument for an empty batch or null inputs.
   void stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample);
-  // The same in two halves, for steps that graphs replay: the host copies the batch into pinned
-  // staging owned here (write; the previous copy out of it must have run), and the stream copies it
-  // from there (enqueue; capturable, as its source never moves). Throws as stage() does.
-  void write(Device& device, const Batch& batch, std::size_t floats_per_sample);
-  void enqueue(Device& device, const Stream& stream);
   const float* inputs() const { return static_cast<const float*>(inputs_.data()); }
   const std::int64_t* targets() const { return static_cast<const std::int64_t*>(targets_.data()); }
-  // Counts the reallocations of the pinned staging (a graph that copies from it is stale after one).
-  std::uint64_t growths() const { return growths_; }
 
  private:
   Scratch inputs_, targets_;
-  PinnedBuffer host_inputs_, host_targets_;
-  std::size_t input_bytes_ = 0, target_bytes_ = 0;  // of the last write
+};
+
+// The training steps an engine has submitted and not yet waited for (Engine::submit_step). Step k
+// uses slot k % kSlots: its pinned inputs and loss, its device input buffers, its graph. Before a
+// slot is used again, the step that used it last must have its loss — by then its inputs were
+// copied out of the slot's pinned memory — so at most kSlots steps are ever in flight.
+class StepPipeline {
+ public:
+  static constexpr int kSlots = 2;
+  StepPipeline() = default;
+  StepPipeline(const StepPipeline&) = delete;
+  StepPipeline& operator=(const StepPipeline&) = delete;
+  // Waits for what is in flight; failures are dropped (a destructor never throws; get() of the
+  // failed step's StepLoss still throws).
+  ~StepPipeline();
+
+  // The next step's slot, once the step that used it last has its loss (rethrows that step's
+  // failure: the engine is then in no state to go on).
+  int next_slot();
+  // The step just submitted in `slot` (next_slot()'s): `wait` waits for its loss and returns it,
+  // `query` says whether `wait` would not block.
+  StepLoss submitted(int slot, std::function<float()> wait, std::function<bool()> query);
+  // A step whose loss is already known (DDP across processes): takes `slot` without anything in flight.
+  StepLoss known(int slot, float loss);
+  // Waits for the loss of every step in flight; rethrows the first failure.
+  void drain();
+
+ private:
+  std::array<std::shared_ptr<StepLoss::State>, kSlots> pending_;
+  std::uint64_t submitted_ = 0;
+};
+
+// The engines' headers size their per-slot events and losses (std::array<Event, 2>) without this file.
+static_assert(StepPipeline::kSlots == 2, "dp/trainer.h, dp/data_parallel.h and dp/ddp.h hold two slots");
+
+// Training batches on their way to one device, for the steps of a StepPipeline: per slot, the host
+// copies the batch into pinned memory, a copy stream moves it into the slot's device buffers, and
+// the step's stream waits for that copy. So the next step's batch is copied in while this step
+// computes (its forward and backward read their own slot). The buffers only grow; their addresses
+// are what a graph captured for the slot reads.
+class InputRing {
+ public:
+  // Host: the inputs (`input_floats`, may be null) and targets (`target_count`, may be null) into
+  // `slot`'s pinned memory, whose previous copy out has run (StepPipeline::next_slot waited for it);
+  // then, on the copy stream, once `slot_free` has passed (recorded where the slot's previous step
+  // ended: its reads of the slot are done), into the slot's device buffers.
+  void push(Device& device, int slot, const float* inputs, std::size_t input_floats, const std::int64_t* targets,
+            std::size_t target_count, const Event& slot_free);
+  // `stream` waits for `slot`'s copy. Never inside a capture: a graph's streams wait before it begins.
+  void acquire(int slot, const Stream& stream) const;
+  const float* inputs(int slot) const { return static_cast<const float*>(slots_[idx(slot)].inputs.data()); }
+  const std::int64_t* targets(int slot) const {
+    return static_cast<const std::int64_t*>(slots_[idx(slot)].targets.data());
+  }
+  // Reallocations of any slot's buffers (a graph that reads them is stale after one).
+  std::uint64_t growths() const { return growths_; }
+
+ private:
+  struct Slot {
+    PinnedBuffer host_inputs, host_targets;
+    Scratch inputs, targets;
+    Event copied;  // on the copy stream: the slot's device buffers hold the pushed batch
+  };
+  static std::size_t idx(int slot) { return static_cast<std::size_t>(slot); }
+  std::array<Slot, StepPipeline::kSlots> slots_;
+  Stream copy_;  // created on the first push, on the device pushed to
   std::uint64_t growths_ = 0;
 };
+
+// A batch of a training step on one device: inputs and targets (checked: InvalidArgument for an
+// empty batch or null inputs), pushed into `ring`'s `slot`.
+void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, std::size_t floats_per_sample,
+                const Event& slot_free);
 
 // Device memory that graphs may refer to: a step that changes it (a scratch buffer grown for a
 // larger batch frees the smaller one) makes every captured step stale.
@@ -71,10 +135,11 @@ struct MemorySnapshot {
 MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t staging_growths);
 
 // When a training step runs eagerly, is captured, or is replayed (EngineOptions::graphs). A step is
-// captured once per key (the batch sizes and whatever else its enqueued work depends on) after one
-// eager step with that key has sized every grow-only buffer, and replayed from then on; an eager
-// step that moved memory (MemorySnapshot) drops every graph; a key whose capture failed (the model
-// did something a graph cannot hold) stays eager.
+// captured once per key (the batch sizes and whatever else its enqueued work depends on) and
+// pipeline slot (whose buffers it reads), after one eager step with that key has sized every
+// grow-only buffer, and replayed from then on; an eager step that moved memory (MemorySnapshot)
+// drops every graph; a key whose capture failed (the model did something a graph cannot hold) stays
+// eager.
 class StepGraphs {
  public:
   using Key = std::vector<std::int64_t>;
@@ -82,7 +147,7 @@ class StepGraphs {
 
   explicit StepGraphs(bool enabled) : enabled_(enabled) {}
   bool enabled() const { return enabled_; }
-  Action plan(const Key& key) const;
+  Action plan(const Key& key, int slot) const;
   // Before a step: memory that moved since the last step (an evaluation's larger batch grew a
   // buffer, anything allocated on the devices) makes every graph stale.
   void begin_step(const MemorySnapshot& now);
@@ -91,19 +156,22 @@ class StepGraphs {
   // After any step: where the next begin_step compares from.
   void end_step(MemorySnapshot after) { last_ = std::move(after); }
   // Runs `record` (it begins the captures on `streams`, enqueues the step, ends them) and keeps its
-  // graphs for `key`. When it fails, ends whatever capture is left on `streams` (nothing captured
-  // ran) and restores the step counts of `optimizers` (their step() counted a step that did not
-  // happen); then, when the failure was a CaptureError (the model did what a graph cannot hold),
-  // refuses the key -- it runs eagerly from now on -- and returns false; anything else is rethrown.
-  bool capture(const Key& key, const std::vector<Stream>& streams, const std::vector<Optimizer*>& optimizers,
+  // graphs for `key` and `slot`; nothing captured ran, so the step counts of `optimizers` are
+  // restored (their step() counted a step that did not happen: the replay that runs the step counts
+  // it). When it fails, ends whatever capture is left on `streams`; then, when the failure was a
+  // CaptureError (the model did what a graph cannot hold), refuses the key -- it runs eagerly from
+  // now on -- and returns false; anything else is rethrown.
+  bool capture(const Key& key, int slot, const std::vector<Stream>& streams, const std::vector<Optimizer*>& optimizers,
                const std::function<std::vector<Graph>()>& record);
-  const std::vector<Graph>& graphs(const Key& key) const { return graphs_.at(key); }
+  const std::vector<Graph>& graphs(const Key& key, int slot) const {
+    return graphs_.at(key)[static_cast<std::size_t>(slot)];
+  }
   void count_replay() { ++replays_; }
   std::uint64_t replays() const { return replays_; }
 
  private:
   bool enabled_;
-  std::map<Key, std::vector<Graph>> graphs_;
+  std::map<Key, std::array<std::vector<Graph>, StepPipeline::kSlots>> graphs_;
   std::set<Key> warmed_, refused_;
   std::uint64_t replays_ = 0;
   std::optional<MemorySnapshot> last_;

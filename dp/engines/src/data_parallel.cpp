@@ -29,7 +29,8 @@ struct DataParallel::Replica {
   Event forward_done, backward_done;
   Event broadcast_done;                            // this replica has read the source's state
   Event step_start, scatter_done, backward_start;  // phase timing only
-  engines::StagedBatch inputs;
+  engines::StagedBatch inputs;  // evaluation's
+  engines::InputRing ring;      // the training steps' chunks, one slot per step in flight
   Scratch grad_output;
   DeviceBuffer grad_staging;  // on the SOURCE, for this replica's gradients
   const float* output = nullptr;
@@ -71,22 +72,23 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   grad_output_ready_ = out.create_event();
   time_phases_ = options.time_phases;
   gather_start_ = out.create_event();
-  host_loss_ = out.allocate_pinned(sizeof(float));
-  loss_ready_ = out.create_event();
+  host_loss_ = out.allocate_pinned(engines::StepPipeline::kSlots * sizeof(float));
+  for (Event& ready : loss_ready_) ready = out.create_event();
   gather_end_ = out.create_event();
   loss_end_ = out.create_event();
   reduce_start_ = source.create_event();
   reduce_end_ = source.create_event();
   update_end_ = source.create_event();
-  step_done_ = source.create_event();
+  for (Event& done : step_done_) done = source.create_event();
   graphs_ = std::make_unique<engines::StepGraphs>(options.graphs && module.capturable() && !time_phases_);
+  targets_ring_ = std::make_unique<engines::InputRing>();
+  pipeline_ = std::make_unique<engines::StepPipeline>();
 }
 
 std::uint64_t DataParallel::graph_replays() const { return graphs_->replays(); }
-bool DataParallel::staged() const { return graphs_->enabled(); }
 std::uint64_t DataParallel::staging_growths() const {
-  std::uint64_t growths = target_growths_;
-  for (const auto& replica : replicas_) growths += replica->inputs.growths();
+  std::uint64_t growths = targets_ring_->growths();
+  for (const auto& replica : replicas_) growths += replica->ring.growths();
   return growths;
 }
 
@@ -118,6 +120,7 @@ DataParallelPhases DataParallel::last_phases() const {
 }
 
 DataParallel::~DataParallel() {
+  pipeline_.reset();  // the steps in flight keep their losses
   // Streams may still run work that uses our buffers: finish it before they are freed.
   for (auto& replica : replicas_) {
     try {
@@ -149,7 +152,9 @@ void DataParallel::receive_broadcast(int rank) {
 
 // Phase 3, every used device: take its chunk, forward. The source first waits until every
 // replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
-void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode) {
+// Evaluation stages `inputs`' chunk; a training step (null `inputs`) reads the chunk in its
+// pipeline slot, copied in before the source began the step.
+void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int slot) {
   const int used = static_cast<int>(chunks_.size());
   const std::size_t sample_floats = engines::sample_floats(module_);
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
@@ -158,18 +163,20 @@ void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode) {
     for (int other = 1; other < used; ++other)
       r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
   const int rows = chunks_[static_cast<std::size_t>(rank)];
+  const float* chunk_inputs = nullptr;
   if (inputs) {
     const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
     r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
+    chunk_inputs = r.inputs.inputs();
   } else {
-    r.inputs.enqueue(device, r.stream);  // written to its pinned staging by the step (graphs)
+    chunk_inputs = r.ring.inputs(slot);
   }
   mark(time_phases_, r.stream, r.scatter_done);
   // One seed for all replicas, each chunk at its samples' place in the batch: the masks of
   // single-device training on the whole batch.
   r.model->set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()),
                                static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
-  r.output = r.model->forward(r.stream, r.inputs.inputs(), rows, mode);
+  r.output = r.model->forward(r.stream, chunk_inputs, rows, mode);
   r.stream.record(r.forward_done);
 }
 
@@ -179,7 +186,7 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
   // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
   group_.run_on(0, [&] { replicas_[0]->stream.record(params_ready_); });
   group_.run([&](int rank) { receive_broadcast(rank); }, used);
-  group_.run([&](int rank) { forward_chunk(rank, inputs, mode); }, used);
+  group_.run([&](int rank) { forward_chunk(rank, inputs, mode, 0); }, used);
 }
 
 void DataParallel::gather_outputs() {
@@ -198,72 +205,76 @@ void DataParallel::gather_outputs() {
   mark(time_phases_, out.stream, gather_end_);
 }
 
-float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
+StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, int batch) {
+  if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
   plan_chunks(batch);
+  const int slot = pipeline_->next_slot();
+  const Event& done = step_done_[static_cast<std::size_t>(slot)];
+  // Every chunk into its device's ring, the targets into the output device's: copied in on their
+  // copy streams while the step in flight computes, no later than this step's source waits for them.
+  const std::size_t floats = engines::sample_floats(module_);
+  for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
+    engines::push_batch(replicas_[rank]->ring, group_.device(static_cast<int>(rank)), slot,
+                        Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank]},
+                        floats, done);
+  targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done);
+
   const engines::StepGraphs::Key key{batch};
   std::vector<Device*> devices;
   for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
   const auto memory = [&] { return engines::snapshot(devices, staging_growths()); };
-  if (staged()) graphs_->begin_step(memory());
-  const auto action = graphs_->plan(key);
-  if (staged()) {
-    // Every chunk, and the targets, into pinned staging: the step's copies read them from there.
-    const std::size_t floats = engines::sample_floats(module_);
-    if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
-    for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
-      replicas_[rank]->inputs.write(
-          group_.device(static_cast<int>(rank)),
-          Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank]}, floats);
-    const std::size_t target_bytes = static_cast<std::size_t>(batch) * sizeof(std::int64_t);
-    if (host_targets_.size() < target_bytes) {
-      host_targets_ = group_.device(output_rank_).allocate_pinned(target_bytes);
-      ++target_growths_;
-    }
-    std::memcpy(host_targets_.data(), targets, target_bytes);
+  if (graphs_->enabled()) graphs_->begin_step(memory());
+  auto action = graphs_->plan(key, slot);
+  if (action == engines::StepGraphs::Action::capture) {
+    std::vector<Stream> streams;
+    for (const auto& replica : replicas_) streams.push_back(replica->stream);
+    const bool captured = graphs_->capture(key, slot, streams, {optimizer_.get()}, [&] {
+      return std::vector<Graph>{enqueue_step(batch, slot, true)};
+    });
+    action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
   }
-  const float* step_inputs = staged() ? nullptr : inputs;
-  const std::int64_t* step_targets = staged() ? host_targets_.as<std::int64_t>() : targets;
-
-  switch (action) {
-    case engines::StepGraphs::Action::replay:
-      optimizer_->replayed_step();
-      graphs_->graphs(key)[0].replay();  // every device's part: one launch, from this thread
-      graphs_->count_replay();
-      break;
-    case engines::StepGraphs::Action::capture: {
-      std::vector<Stream> streams;
-      for (const auto& replica : replicas_) streams.push_back(replica->stream);
-      const bool captured = graphs_->capture(key, streams, {optimizer_.get()}, [&] {
-        return std::vector<Graph>{enqueue_step(step_inputs, step_targets, batch, true)};
-      });
-      if (!captured) return train_step(inputs, targets, batch);  // this batch size runs eagerly now
-      graphs_->graphs(key)[0].replay();                          // this step
-      graphs_->count_replay();
-      break;
-    }
-    case engines::StepGraphs::Action::eager: {
-      const auto before = memory();
-      enqueue_step(step_inputs, step_targets, batch, false);
-      if (staged()) {
-        const auto after = memory();
-        graphs_->eager_done(key, before, after);
-        graphs_->end_step(after);
-      }
-      // The loss only (the source's update may still run).
-      Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
-      out.stream.record(loss_ready_);
-      loss_ready_.synchronize();
-      return *host_loss_.as<float>();
-    }
+  const Stream& source = replicas_[0]->stream;
+  Event loss_ready = loss_ready_[static_cast<std::size_t>(slot)];
+  if (action == engines::StepGraphs::Action::replay) {
+    wait_for_batches(slot);
+    optimizer_->replayed_step(source);
+    graphs_->graphs(key, slot)[0].replay();  // every device's part: one launch, from this thread
+    graphs_->count_replay();
+    // A record captured into the graph is a dependency inside it: the loss is known when the graph,
+    // launched on the source's stream, has run there (its end there is the end of every device's part).
+    loss_ready = done;
+  } else {
+    const auto before = memory();
+    enqueue_step(batch, slot, false);
+    graphs_->eager_done(key, before, memory());
   }
-  graphs_->end_step(memory());
-  // A replay: the source's stream launched it, and its end there is the end of every device's part.
-  replicas_[0]->stream.record(step_done_);
-  step_done_.synchronize();
-  return *host_loss_.as<float>();
+  if (graphs_->enabled()) graphs_->end_step(memory());
+  // The source's last work is the step's: every device's part of it has run (the reduction waited
+  // for each backward, the backwards for the loss). The slot's buffers are free again from there.
+  source.record(done);
+  const float* loss = host_loss_.as<float>() + slot;
+  return pipeline_->submitted(
+      slot,
+      [loss_ready, loss] {
+        loss_ready.synchronize();
+        return *loss;
+      },
+      [loss_ready] { return loss_ready.query(); });
 }
 
-Graph DataParallel::enqueue_step(const float* inputs, const std::int64_t* targets, int batch, bool capture) {
+float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
+  return submit(inputs, targets, batch).get();
+}
+
+// The source's stream waits for the step's chunks and targets to be copied in: every device's work
+// of the step comes after it (the broadcast's event), so one stream waits, before any capture.
+void DataParallel::wait_for_batches(int slot) {
+  const Stream& source = replicas_[0]->stream;
+  for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->ring.acquire(slot, source);
+  targets_ring_->acquire(slot, source);
+}
+
+Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   const int used = static_cast<int>(chunks_.size());
   const int classes = module_.output_features();
   const std::size_t classes_z = static_cast<std::size_t>(classes);
@@ -285,13 +296,14 @@ Graph DataParallel::enqueue_step(const float* inputs, const std::int64_t* target
         try {
           // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
           if (rank == 0) {
+            wait_for_batches(slot);  // before the capture: those events are recorded outside it
             if (capture) replicas_[0]->stream.begin_capture();
             replicas_[0]->stream.record(params_ready_);
           }
           phase.arrive_and_wait();
           if (has_chunk) receive_broadcast(rank);  // phase 2
           phase.arrive_and_wait();
-          if (has_chunk) forward_chunk(rank, inputs, Mode::train);  // phase 3
+          if (has_chunk) forward_chunk(rank, nullptr, Mode::train, slot);  // phase 3
           phase.arrive_and_wait();
 
           // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
@@ -299,13 +311,13 @@ Graph DataParallel::enqueue_step(const float* inputs, const std::int64_t* target
             Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
             Device& device = group_.device(output_rank_);
             gather_outputs();
-            auto* device_targets = targets_.get<std::int64_t>(device, static_cast<std::size_t>(batch));
             float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
             const auto* gathered = static_cast<const float*>(gathered_.data());
-            out.stream.copy(device_targets, targets, static_cast<std::size_t>(batch) * sizeof(std::int64_t));
-            const float* loss_value =
-                loss_->forward_backward(out.stream, gathered, device_targets, batch, classes, grad_output, batch);
-            out.stream.copy(host_loss_.data(), loss_value, sizeof(float));  // pinned: asynchronous
+            const float* loss_value = loss_->forward_backward(out.stream, gathered, targets_ring_->targets(slot), batch,
+                                                              classes, grad_output, batch);
+            // Pinned: asynchronous; the slot's own float, so a later step never overwrites it.
+            out.stream.copy(host_loss_.as<float>() + slot, loss_value, sizeof(float));
+            if (!capture) out.stream.record(loss_ready_[static_cast<std::size_t>(slot)]);
             mark(time_phases_, out.stream, loss_end_);
             out.stream.record(grad_output_ready_);
           }
@@ -361,10 +373,12 @@ Graph DataParallel::enqueue_step(const float* inputs, const std::int64_t* target
 }
 
 void DataParallel::synchronize() {
+  pipeline_->drain();
   group_.run([&](int rank) { replicas_[static_cast<std::size_t>(rank)]->stream.synchronize(); });
 }
 
 std::vector<float> DataParallel::forward(const float* inputs, int batch) {
+  pipeline_->drain();  // a failed step is reported here, not by a forward behind it
   broadcast_and_forward(inputs, batch, Mode::eval);
   std::vector<float> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(module_.output_features()));
   group_.run_on(output_rank_, [&] {
@@ -375,10 +389,9 @@ std::vector<float> DataParallel::forward(const float* inputs, int batch) {
   return out;
 }
 
-float DataParallel::train_step(std::span<const Batch> batches) {
+StepLoss DataParallel::submit_step(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), 1, "DataParallel");
-  if (!batches[0].inputs || !batches[0].targets) throw InvalidArgument("DataParallel step: null inputs or targets");
-  return train_step(batches[0].inputs, batches[0].targets, batches[0].size);
+  return submit(batches[0].inputs, batches[0].targets, batches[0].size);
 }
 
 std::vector<float> DataParallel::predict(std::span<const Batch> batches) {

@@ -3,6 +3,7 @@
 // gradients-ready callback.
 #include "dp/ddp.h"
 
+#include <array>
 #include <cstring>
 #include <fmt/format.h>
 
@@ -16,12 +17,14 @@ struct DistributedDataParallel::Rank {
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<CrossEntropyLoss> loss;
   Stream compute;
-  engines::StagedBatch batch;
+  engines::StagedBatch batch;  // forward_backward's and evaluation's
+  engines::InputRing ring;     // train_step's batches, one slot per step in flight
   Scratch grad_output;
   std::uint64_t accumulated_samples = 0;  // forwarded since the last optimizer step
   BatchNormSync bn_sync;                  // sync_batchnorm: this rank's view of the BN collective
-  PinnedBuffer host_loss;                 // pinned: the copy is asynchronous, the worker never blocks on peers
-  Event loss_ready;                       // host_loss written
+  PinnedBuffer host_loss;                 // a float per pipeline slot; pinned: the copy is asynchronous
+  std::array<Event, engines::StepPipeline::kSlots> loss_ready;  // per slot: host_loss written
+  std::array<Event, engines::StepPipeline::kSlots> step_done;   // per slot: the rank's step has run
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -50,12 +53,14 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
       };
       rank->model->set_batchnorm_sync(&rank->bn_sync);
     }
-    rank->host_loss = runtime.allocate_pinned(sizeof(float));
-    rank->loss_ready = device.create_event();
+    rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * sizeof(float));
+    for (Event& ready : rank->loss_ready) ready = device.create_event();
+    for (Event& done : rank->step_done) done = device.create_event();
     ranks_.push_back(std::move(rank));
   }
   loss_join_ = group_.device(0).create_stream();
-  losses_ready_ = group_.device(0).create_event();
+  for (Event& ready : losses_ready_) ready = group_.device(0).create_event();
+  pipeline_ = std::make_unique<engines::StepPipeline>();
   graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1);
   broadcast_from_rank0(true, true);
   zero_grad();  // on each rank's worker: its device is the current one there
@@ -64,6 +69,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
 std::uint64_t DistributedDataParallel::graph_replays() const { return graphs_->replays(); }
 
 DistributedDataParallel::~DistributedDataParallel() {
+  pipeline_.reset();  // the steps in flight keep their losses
   for (auto& rank : ranks_) {
     try {
       rank->compute.synchronize();
@@ -121,6 +127,7 @@ void DistributedDataParallel::enqueue_broadcast(int r, bool parameters, bool buf
 }
 
 void DistributedDataParallel::zero_grad() {
+  if (pipeline_) pipeline_->drain();  // (the constructor zeroes before the pipeline exists)
   group_.run([&](int r) { enqueue_zero_grad(r); });
 }
 
@@ -168,24 +175,23 @@ bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool
 }
 
 void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync,
-                                                       bool staged) {
+                                                       int slot, bool ring) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;
   Device& device = group_.device(r);
   const int classes = m.output_features();
-  if (staged)
-    rank.batch.enqueue(device, rank.compute);  // written into its pinned staging by the caller
-  else
-    rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
+  if (!ring) rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
+  const float* inputs = ring ? rank.ring.inputs(slot) : rank.batch.inputs();
+  const std::int64_t* targets = ring ? rank.ring.targets(slot) : rank.batch.targets();
   float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
   // seed + global rank, as each torch process seeds itself; forwards accumulated without a step
   // (no_sync) continue the step's samples, as one larger batch would.
   m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(comm_->first_rank() + r),
                         static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
   rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
-  const float* logits = m.forward(rank.compute, rank.batch.inputs(), batch.size, Mode::train);
-  const float* loss = rank.loss->forward_backward(rank.compute, logits, rank.batch.targets(), batch.size, classes,
-                                                  grad_output, batch.size, loss_scale);
+  const float* logits = m.forward(rank.compute, inputs, batch.size, Mode::train);
+  const float* loss = rank.loss->forward_backward(rank.compute, logits, targets, batch.size, classes, grad_output,
+                                                  batch.size, loss_scale);
   GradientsReady on_ready;
   if (sync) {
     reducer_->prepare(r, rank.compute, m.grads_flat());
@@ -193,23 +199,29 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   }
   m.backward(rank.compute, grad_output, on_ready);
   if (sync) reducer_->finish(r);
-  rank.compute.copy(rank.host_loss.data(), loss, sizeof(float));
-  rank.compute.record(rank.loss_ready);
+  rank.compute.copy(rank.host_loss.as<float>() + slot, loss, sizeof(float));
+  // Captured, a record is a dependency inside the graph: the replay records it after the graph.
+  if (!rank.compute.capturing()) rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
 }
 
-float DistributedDataParallel::wait_for_loss() {
+void DistributedDataParallel::join_losses(int slot) {
+  if (ranks_.size() == 1) return;
+  // One host wait for every rank: a stream of rank 0's device waits for the others' losses.
+  for (auto& rank : ranks_) loss_join_.wait(rank->loss_ready[static_cast<std::size_t>(slot)]);
+  loss_join_.record(losses_ready_[static_cast<std::size_t>(slot)]);
+}
+
+const Event& DistributedDataParallel::losses_ready(int slot) const {
+  return ranks_.size() == 1 ? ranks_[0]->loss_ready[static_cast<std::size_t>(slot)]
+                            : losses_ready_[static_cast<std::size_t>(slot)];
+}
+
+float DistributedDataParallel::wait_for_loss(int slot) {
   // On this thread, not the workers': a step is one submission per device. Only after every rank
   // has enqueued its work (run_ranks aborted the communicators had one failed: its peers'
   // collectives would never complete otherwise).
   try {
-    // One host wait for every rank: a stream of rank 0's device waits for the others' losses.
-    if (ranks_.size() == 1) {
-      ranks_[0]->loss_ready.synchronize();
-    } else {
-      for (auto& rank : ranks_) loss_join_.wait(rank->loss_ready);
-      loss_join_.record(losses_ready_);
-      losses_ready_.synchronize();
-    }
+    losses_ready(slot).synchronize();
     group_.for_each_on_caller([&](int r) {
       (void)ranks_[static_cast<std::size_t>(r)]->compute.query();  // a failed kernel of this rank fails the step
     });
@@ -220,7 +232,7 @@ float DistributedDataParallel::wait_for_loss() {
   // The mean over every global rank, summed in global rank order: each process (and one process
   // with all the ranks) gets the same bits.
   std::vector<float> local;
-  for (auto& rank : ranks_) local.push_back(*rank->host_loss.as<float>());
+  for (auto& rank : ranks_) local.push_back(rank->host_loss.as<float>()[slot]);
   float total = 0.0f;
   for (const float loss : processes_->all_gather(std::span<const float>(local))) total += loss;
   return total / static_cast<float>(comm_->size());
@@ -228,13 +240,15 @@ float DistributedDataParallel::wait_for_loss() {
 
 float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {
   check_batches(batches, true);
+  pipeline_->drain();  // its loss goes through slot 0, which no step in flight holds then
   bool broadcast = false;
   const bool sync = begin_forward(batches, broadcast);
   run_ranks([&](int r) {
     if (broadcast) enqueue_broadcast(r, false, true);
-    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], loss_scale, sync, false);
+    enqueue_forward_backward(r, batches[static_cast<std::size_t>(r)], loss_scale, sync, 0, false);
   });
-  return wait_for_loss();
+  join_losses(0);
+  return wait_for_loss(0);
 }
 
 EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
@@ -245,14 +259,22 @@ EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
 }
 
 void DistributedDataParallel::step() {
+  pipeline_->drain();
   group_.run([&](int r) { enqueue_step(r); });
   if (options_.check_replicas) check_replicas_identical();
 }
 
 // zero_grad + forward_backward + step as one submission per device: each rank enqueues its whole
-// step (the optimizer behind the loss's copy), and this thread waits for the losses only.
-float DistributedDataParallel::train_step(std::span<const Batch> batches) {
+// step (the optimizer behind the loss's copy), and the returned loss waits for the losses only.
+StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
   check_batches(batches, true);
+  const int slot = pipeline_->next_slot();
+  const std::size_t floats = engines::sample_floats(*ranks_[0]->model);
+  for (int r = 0; r < group_.size(); ++r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    engines::push_batch(rank.ring, group_.device(r), slot, batches[static_cast<std::size_t>(r)], floats,
+                        rank.step_done[static_cast<std::size_t>(slot)]);
+  }
   bool broadcast = false;
   const bool sync = begin_forward(batches, broadcast);
   engines::StepGraphs::Key key;
@@ -260,73 +282,80 @@ float DistributedDataParallel::train_step(std::span<const Batch> batches) {
   key.push_back(sync);
   key.push_back(broadcast);
   key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
-  const bool staged = graphs_->enabled();
   std::vector<Device*> devices;
   for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
   const auto memory = [&] {
     std::uint64_t growths = 0;
-    for (auto& rank : ranks_) growths += rank->batch.growths();
+    for (auto& rank : ranks_) growths += rank->ring.growths();
     return engines::snapshot(devices, growths);
   };
-  if (staged) graphs_->begin_step(memory());
-  if (staged)
-    for (int r = 0; r < group_.size(); ++r)
-      ranks_[static_cast<std::size_t>(r)]->batch.write(group_.device(r), batches[static_cast<std::size_t>(r)],
-                                                       engines::sample_floats(*ranks_[0]->model));
-  const auto action = graphs_->plan(key);
-  if (action == engines::StepGraphs::Action::eager || !capture_step(key, batches, sync, broadcast)) {
+  if (graphs_->enabled()) graphs_->begin_step(memory());
+  if (graphs_->plan(key, slot) == engines::StepGraphs::Action::eager ||
+      !capture_step(key, slot, batches, sync, broadcast)) {
     const auto before = memory();
-    run_ranks([&](int r) { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, staged); });
+    run_ranks([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      rank.ring.acquire(slot, rank.compute);
+      enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
+      rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
+    });
     graphs_->eager_done(key, before, memory());
   }
-  if (staged) graphs_->end_step(memory());
-  const float loss = wait_for_loss();
-  if (options_.check_replicas) check_replicas_identical();
-  return loss;
+  if (graphs_->enabled()) graphs_->end_step(memory());
+  join_losses(slot);
+  // Across processes the mean loss is a collective of the hosts, which every process must call for
+  // the same step in the same order: at once, then. And checking the replicas reads the parameters.
+  if (processes_->size() > 1 || options_.check_replicas) {
+    const float loss = wait_for_loss(slot);
+    if (options_.check_replicas) check_replicas_identical();
+    return pipeline_->known(slot, loss);
+  }
+  const Event ready = losses_ready(slot);
+  return pipeline_->submitted(
+      slot, [this, slot] { return wait_for_loss(slot); }, [ready] { return ready.query(); });
 }
 
-void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, bool staged) {
+void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot) {
   if (broadcast) enqueue_broadcast(r, false, true);
   enqueue_zero_grad(r);
-  enqueue_forward_backward(r, batch, 1.0f, sync, staged);
+  enqueue_forward_backward(r, batch, 1.0f, sync, slot, true);
   enqueue_step(r);
 }
 
-bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key, std::span<const Batch> batches,
-                                           bool sync, bool broadcast) {
-  if (graphs_->plan(key) == engines::StepGraphs::Action::capture) {
+bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key, int slot,
+                                           std::span<const Batch> batches, bool sync, bool broadcast) {
+  if (graphs_->plan(key, slot) == engines::StepGraphs::Action::capture) {
     std::vector<Stream> streams;
     std::vector<Optimizer*> optimizers;
     for (auto& rank : ranks_) {
       streams.push_back(rank->compute);
       optimizers.push_back(rank->optimizer.get());
     }
-    std::vector<std::int64_t> steps;
-    for (const Optimizer* optimizer : optimizers) steps.push_back(optimizer->steps());
-    const bool captured = graphs_->capture(key, streams, optimizers, [&] {
+    const bool captured = graphs_->capture(key, slot, streams, optimizers, [&] {
       std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
       // Not run_ranks: a failed capture ran none of its collectives, so no peer waits in one and
       // the communicators stay usable.
       group_.run([&](int r) {
         Rank& rank = *ranks_[static_cast<std::size_t>(r)];
         rank.compute.begin_capture();
-        enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, true);
+        enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
         graphs[static_cast<std::size_t>(r)] = rank.compute.end_capture();
       });
       return graphs;
     });
     if (!captured) return false;  // these batch sizes run eagerly now
-    // The capture ran nothing: this step is the first replay, which counts its steps itself.
-    for (std::size_t r = 0; r < optimizers.size(); ++r) optimizers[r]->set_steps(steps[r]);
   }
-  const std::vector<Graph>& graphs = graphs_->graphs(key);
+  const std::vector<Graph>& graphs = graphs_->graphs(key, slot);
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    rank.optimizer->replayed_step();
+    rank.ring.acquire(slot, rank.compute);
+    rank.optimizer->replayed_step(rank.compute);
     rank.accumulated_samples = 0;
     graphs[static_cast<std::size_t>(r)].replay();
-    // A record captured into the graph is a dependency inside it, not a record of the event.
-    rank.compute.record(rank.loss_ready);
+    // Records captured into the graph are dependencies inside it: the loss is known, and the slot
+    // free, once the graph has run.
+    rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
+    rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
   });
   graphs_->count_replay();
   return true;
@@ -334,6 +363,7 @@ bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key,
 
 std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batches) {
   check_batches(batches, false);  // before any rank runs: a failing rank aborts the communicator
+  pipeline_->drain();             // a failed step is reported here, not by a forward behind it
   // As torch's DDP forward: buffers (BatchNorm running statistics) come from rank 0 first.
   if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
   const auto classes = static_cast<std::size_t>(ranks_[0]->model->output_features());
@@ -356,6 +386,7 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
 }
 
 void DistributedDataParallel::synchronize() {
+  pipeline_->drain();
   group_.run([&](int r) {
     ranks_[static_cast<std::size_t>(r)]->compute.synchronize();
     reducer_->synchronize(r);

@@ -64,6 +64,26 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int
   return reduce_totals(totals);
 }
 
+void StepLoss::State::resolve() {
+  if (!wait) return;
+  try {
+    value = wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  wait = nullptr;  // what it refers to (the engine's events and pinned loss) may go away now
+  query = nullptr;
+}
+
+float StepLoss::get() const {
+  if (!state_) throw InvalidArgument("StepLoss::get: this StepLoss belongs to no training step");
+  state_->resolve();
+  if (state_->error) std::rethrow_exception(state_->error);
+  return *state_->value;
+}
+
+bool StepLoss::ready() const { return state_ && (!state_->query || state_->query()); }
+
 void Engine::set_lr(double lr) {
   for (Optimizer* optimizer : optimizers()) optimizer->set_lr(lr);
 }
@@ -168,24 +188,88 @@ void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch
     stream.copy(targets_.get<std::int64_t>(device, samples), batch.targets, samples * sizeof(std::int64_t));
 }
 
-void StagedBatch::write(Device& device, const Batch& batch, std::size_t floats_per_sample) {
-  check_batch(batch);
-  const auto samples = static_cast<std::size_t>(batch.size);
-  input_bytes_ = samples * floats_per_sample * sizeof(float);
-  target_bytes_ = batch.targets ? samples * sizeof(std::int64_t) : 0;
-  if (reserve_pinned(device, host_inputs_, input_bytes_)) ++growths_;
-  std::memcpy(host_inputs_.data(), batch.inputs, input_bytes_);
-  if (target_bytes_) {
-    if (reserve_pinned(device, host_targets_, target_bytes_)) ++growths_;
-    std::memcpy(host_targets_.data(), batch.targets, target_bytes_);
-  }
+StepPipeline::~StepPipeline() {
+  for (auto& state : pending_)
+    if (state) state->resolve();  // a failure stays in the state, for get()
 }
 
-void StagedBatch::enqueue(Device& device, const Stream& stream) {
-  stream.copy(inputs_.get<float>(device, input_bytes_ / sizeof(float)), host_inputs_.data(), input_bytes_);
-  if (target_bytes_)
-    stream.copy(targets_.get<std::int64_t>(device, target_bytes_ / sizeof(std::int64_t)), host_targets_.data(),
-                target_bytes_);
+int StepPipeline::next_slot() {
+  const int slot = static_cast<int>(submitted_ % kSlots);
+  auto& state = pending_[static_cast<std::size_t>(slot)];
+  if (state) {
+    std::shared_ptr<StepLoss::State> previous = std::move(state);
+    previous->resolve();
+    if (previous->error) std::rethrow_exception(previous->error);
+  }
+  return slot;
+}
+
+StepLoss StepPipeline::submitted(int slot, std::function<float()> wait, std::function<bool()> query) {
+  auto state = std::make_shared<StepLoss::State>();
+  state->wait = std::move(wait);
+  state->query = std::move(query);
+  pending_[static_cast<std::size_t>(slot)] = state;
+  ++submitted_;
+  return StepLoss(std::move(state));
+}
+
+StepLoss StepPipeline::known(int slot, float loss) {
+  auto state = std::make_shared<StepLoss::State>();
+  state->value = loss;
+  pending_[static_cast<std::size_t>(slot)].reset();
+  ++submitted_;
+  return StepLoss(std::move(state));
+}
+
+void StepPipeline::drain() {
+  // Oldest first: the first failure is the one reported.
+  std::exception_ptr first;
+  for (std::uint64_t i = 0; i < kSlots; ++i) {
+    auto& state = pending_[static_cast<std::size_t>((submitted_ + i) % kSlots)];
+    if (!state) continue;
+    std::shared_ptr<StepLoss::State> done = std::move(state);
+    done->resolve();
+    if (done->error && !first) first = done->error;
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void InputRing::push(Device& device, int slot, const float* inputs, std::size_t input_floats,
+                     const std::int64_t* targets, std::size_t target_count, const Event& slot_free) {
+  if (!copy_.valid()) copy_ = device.create_stream();
+  const std::size_t input_bytes = inputs ? input_floats * sizeof(float) : 0;
+  const std::size_t target_bytes = targets ? target_count * sizeof(std::int64_t) : 0;
+  // A larger batch sizes every slot at once, so that the other slot's first step with it moves no
+  // memory (it would make the graphs of this one stale). Its device buffers are reallocated
+  // (freeing waits for the device to be idle); its pinned memory too (its previous copy out has run:
+  // the pipeline waited for the losses of the steps in flight before this push).
+  const bool grows = slots_[0].host_inputs.size() < input_bytes || slots_[0].host_targets.size() < target_bytes;
+  for (Slot& s : slots_) {
+    if (!s.copied.valid()) s.copied = device.create_event();
+    if (grows) s.copied.synchronize();  // the other slot's pinned memory may still be copied out
+    if (s.inputs.size() < input_bytes || s.targets.size() < target_bytes) ++growths_;
+    if (input_bytes) (void)s.inputs.get<float>(device, input_floats);
+    if (target_bytes) (void)s.targets.get<std::int64_t>(device, target_count);
+    if (reserve_pinned(device, s.host_inputs, input_bytes)) ++growths_;
+    if (reserve_pinned(device, s.host_targets, target_bytes)) ++growths_;
+  }
+  Slot& s = slots_[idx(slot)];
+  if (input_bytes) std::memcpy(s.host_inputs.data(), inputs, input_bytes);
+  if (target_bytes) std::memcpy(s.host_targets.data(), targets, target_bytes);
+  copy_.wait(slot_free);
+  if (input_bytes) copy_.copy(s.inputs.data(), s.host_inputs.data(), input_bytes);
+  if (target_bytes) copy_.copy(s.targets.data(), s.host_targets.data(), target_bytes);
+  copy_.record(s.copied);
+}
+
+void InputRing::acquire(int slot, const Stream& stream) const { stream.wait(slots_[idx(slot)].copied); }
+
+void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, std::size_t floats_per_sample,
+                const Event& slot_free) {
+  check_batch(batch);
+  const auto samples = static_cast<std::size_t>(batch.size);
+  ring.push(device, slot, batch.inputs, samples * floats_per_sample, batch.targets, batch.targets ? samples : 0,
+            slot_free);
 }
 
 bool MemorySnapshot::operator==(const MemorySnapshot& other) const {
@@ -203,18 +287,20 @@ MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t stagi
   return out;
 }
 
-StepGraphs::Action StepGraphs::plan(const Key& key) const {
+StepGraphs::Action StepGraphs::plan(const Key& key, int slot) const {
   if (!enabled_ || refused_.count(key)) return Action::eager;
-  if (graphs_.count(key)) return Action::replay;
+  const auto it = graphs_.find(key);
+  if (it != graphs_.end() && !it->second[static_cast<std::size_t>(slot)].empty()) return Action::replay;
   return warmed_.count(key) ? Action::capture : Action::eager;
 }
 
-bool StepGraphs::capture(const Key& key, const std::vector<Stream>& streams, const std::vector<Optimizer*>& optimizers,
-                         const std::function<std::vector<Graph>()>& record) {
+bool StepGraphs::capture(const Key& key, int slot, const std::vector<Stream>& streams,
+                         const std::vector<Optimizer*>& optimizers, const std::function<std::vector<Graph>()>& record) {
   std::vector<std::int64_t> steps;
   for (const Optimizer* optimizer : optimizers) steps.push_back(optimizer->steps());
   try {
-    graphs_[key] = record();
+    graphs_[key][static_cast<std::size_t>(slot)] = record();
+    for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
     return true;
   } catch (...) {
     for (const Stream& stream : streams)

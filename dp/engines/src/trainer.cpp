@@ -16,81 +16,84 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
       loss_(model.device(), step.label_smoothing),
       stream_(model.device().create_stream()),
       batch_(std::make_unique<engines::StagedBatch>()),
+      ring_(std::make_unique<engines::InputRing>()),
       graphs_(std::make_unique<engines::StepGraphs>(graphs && model.capturable())),
-      host_loss_(model.device().allocate_pinned(sizeof(float))),
-      step_done_(model.device().create_event()) {}
+      host_loss_(model.device().allocate_pinned(engines::StepPipeline::kSlots * sizeof(float))),
+      pipeline_(std::make_unique<engines::StepPipeline>()) {
+  for (Event& done : step_done_) done = model.device().create_event();
+}
 
 SingleDeviceTrainer::~SingleDeviceTrainer() {
   try {
-    stream_.synchronize();  // the staged batch and scratch die with us
+    pipeline_.reset();      // the steps in flight keep their losses
+    stream_.synchronize();  // the staged batches and scratch die with us
   } catch (...) {           // a destructor never throws; the failure was reported by the step
   }
 }
 
-void SingleDeviceTrainer::enqueue_step(int batch) {
+void SingleDeviceTrainer::enqueue_step(int batch, int slot) {
   Device& device = model_.device();
   const int classes = model_.output_features();
   float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
   model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), 0});
-  const float* logits = model_.forward(stream_, batch_->inputs(), batch, Mode::train);
-  const float* loss = loss_.forward_backward(stream_, logits, batch_->targets(), batch, classes, grad_output, batch);
+  const float* logits = model_.forward(stream_, ring_->inputs(slot), batch, Mode::train);
+  const float* loss = loss_.forward_backward(stream_, logits, ring_->targets(slot), batch, classes, grad_output, batch);
   model_.zero_grad(stream_);
   model_.backward(stream_, grad_output);
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
-  stream_.copy(host_loss_.data(), loss, sizeof(float));  // pinned: asynchronous, capturable
+  // Pinned: asynchronous and capturable; the slot's own float, so a later step never overwrites it.
+  stream_.copy(host_loss_.as<float>() + slot, loss, sizeof(float));
+}
+
+StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
+  if (!targets) throw InvalidArgument("training step without targets (null pointer)");
+  Device& device = model_.device();
+  const int slot = pipeline_->next_slot();
+  const Event& done = step_done_[static_cast<std::size_t>(slot)];
+  engines::push_batch(*ring_, device, slot, Batch{inputs, targets, batch}, engines::sample_floats(model_), done);
+  const engines::StepGraphs::Key key{batch};
+  const auto memory = [&] { return engines::snapshot({&device}, ring_->growths()); };
+  if (graphs_->enabled()) graphs_->begin_step(memory());
+  ring_->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
+  auto action = graphs_->plan(key, slot);
+  if (action == engines::StepGraphs::Action::capture) {
+    const bool captured = graphs_->capture(key, slot, {stream_}, {optimizer_.get()}, [&] {
+      stream_.begin_capture();
+      enqueue_step(batch, slot);
+      return std::vector<Graph>{stream_.end_capture()};
+    });
+    action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
+  }
+  if (action == engines::StepGraphs::Action::replay) {
+    optimizer_->replayed_step(stream_);
+    graphs_->graphs(key, slot)[0].replay();
+    graphs_->count_replay();
+  } else {
+    const auto before = memory();
+    enqueue_step(batch, slot);
+    graphs_->eager_done(key, before, memory());
+  }
+  if (graphs_->enabled()) graphs_->end_step(memory());
+  // The loss is the step's last work (the optimizer before it): one event says both.
+  stream_.record(done);
+  const float* loss = host_loss_.as<float>() + slot;
+  return pipeline_->submitted(
+      slot,
+      [done, loss] {
+        done.synchronize();
+        return *loss;
+      },
+      [done] { return done.query(); });
 }
 
 float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets, int batch) {
-  if (!targets) throw InvalidArgument("training step without targets (null pointer)");
-  Device& device = model_.device();
-  const Batch host{inputs, targets, batch};
-  const std::size_t floats = engines::sample_floats(model_);
-  const engines::StepGraphs::Key key{batch};
-  const auto memory = [&] { return engines::snapshot({&device}, batch_->growths()); };
-  if (graphs_->enabled()) graphs_->begin_step(memory());
-  switch (graphs_->plan(key)) {
-    case engines::StepGraphs::Action::replay:
-      batch_->write(device, host, floats);  // the previous replay has finished: step_done_
-      optimizer_->replayed_step();
-      graphs_->graphs(key)[0].replay();
-      graphs_->count_replay();
-      break;
-    case engines::StepGraphs::Action::capture: {
-      batch_->write(device, host, floats);
-      const bool captured = graphs_->capture(key, {stream_}, {optimizer_.get()}, [&] {
-        stream_.begin_capture();
-        batch_->enqueue(device, stream_);
-        enqueue_step(batch);
-        return std::vector<Graph>{stream_.end_capture()};
-      });
-      if (!captured) return step(inputs, targets, batch);  // this batch size runs eagerly now
-      graphs_->graphs(key)[0].replay();                    // this step
-      graphs_->count_replay();
-      break;
-    }
-    case engines::StepGraphs::Action::eager: {
-      const auto before = memory();
-      if (graphs_->enabled()) {  // through the pinned staging a later capture will copy from
-        batch_->write(device, host, floats);
-        batch_->enqueue(device, stream_);
-      } else {
-        batch_->stage(device, stream_, host, floats);
-      }
-      enqueue_step(batch);
-      graphs_->eager_done(key, before, memory());
-      break;
-    }
-  }
-  if (graphs_->enabled()) graphs_->end_step(memory());
-  // One wait for the whole step (the optimizer included: step() returns a finished step).
-  stream_.record(step_done_);
-  step_done_.synchronize();
-  return *host_loss_.as<float>();
+  return submit(inputs, targets, batch).get();
 }
 
 std::uint64_t SingleDeviceTrainer::graph_replays() const { return graphs_->replays(); }
 
 std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) {
+  pipeline_->drain();  // a failed step is reported here, not by a forward behind it
   batch_->stage(model_.device(), stream_, Batch{inputs, nullptr, batch}, engines::sample_floats(model_));
   const float* logits = model_.forward(stream_, batch_->inputs(), batch, Mode::eval);
   std::vector<float> out(static_cast<std::size_t>(batch) * model_.output_features());
@@ -98,9 +101,14 @@ std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) 
   return out;
 }
 
-float SingleDeviceTrainer::train_step(std::span<const Batch> batches) {
+StepLoss SingleDeviceTrainer::submit_step(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), 1, "single-device");
-  return step(batches[0].inputs, batches[0].targets, batches[0].size);
+  return submit(batches[0].inputs, batches[0].targets, batches[0].size);
+}
+
+void SingleDeviceTrainer::synchronize() {
+  pipeline_->drain();
+  stream_.synchronize();
 }
 
 std::vector<float> SingleDeviceTrainer::predict(std::span<const Batch> batches) {

@@ -36,13 +36,13 @@ void Optimizer::stage_scalars(const void* values, std::size_t bytes) {
 }
 
 const void* Optimizer::upload_scalars(const Stream& stream, const void* values, std::size_t bytes) {
+  // A captured copy out of slot_ would read it when the replay runs, by then maybe rewritten for a
+  // later step still to be submitted: replayed_step() enqueues the copy ahead of each replay instead.
+  if (stream.capturing()) return scalars_.data();
   stage_scalars(values, bytes);
   stream.copy(scalars_.data(), slot_.data(), bytes);
-  // Inside a capture the copy runs at each replay, whose end the engine waits for before staging again.
-  if (!stream.capturing()) {
-    stream.record(slot_free_);
-    slot_pending_ = true;
-  }
+  stream.record(slot_free_);
+  slot_pending_ = true;
   return scalars_.data();
 }
 
@@ -80,9 +80,9 @@ void Sgd::step(const Stream& stream, float* params, const float* grads) {
   ++steps_;
 }
 
-void Sgd::replayed_step() {
+void Sgd::replayed_step(const Stream& stream) {
   const kernels::SgdScalars values = kernels::sgd_scalars(options_, steps_ == 0);
-  stage_scalars(&values, sizeof values);
+  (void)upload_scalars(stream, &values, sizeof values);
   ++steps_;
 }
 
@@ -113,9 +113,9 @@ void AdamW::step(const Stream& stream, float* params, const float* grads) {
   ++steps_;
 }
 
-void AdamW::replayed_step() {
+void AdamW::replayed_step(const Stream& stream) {
   const kernels::AdamWScalars values = kernels::adamw_scalars(options_, steps_ + 1);
-  stage_scalars(&values, sizeof values);
+  (void)upload_scalars(stream, &values, sizeof values);
   ++steps_;
 }
 

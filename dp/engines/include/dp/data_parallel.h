@@ -5,6 +5,7 @@
 // gradients onto device_ids[0] and steps the one optimizer there.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -22,8 +23,10 @@
 namespace dp {
 
 namespace engines {
+class InputRing;
 class Replicas;
 class StepGraphs;
+class StepPipeline;
 }  // namespace engines
 
 struct DataParallelOptions {
@@ -55,7 +58,10 @@ class DataParallel final : public Engine {
   ~DataParallel() override;
 
   // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
-  // int64 targets; returns the mean cross-entropy loss over the batch.
+  // int64 targets, copied before it returns; the step is enqueued (Engine::submit_step), its mean
+  // cross-entropy loss over the batch to come.
+  StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
+  // submit(...).get(): returns the loss once known.
   float train_step(const float* inputs, const std::int64_t* targets, int batch);
 
   // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
@@ -65,7 +71,8 @@ class DataParallel final : public Engine {
   EngineKind kind() const override { return EngineKind::dp; }
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
   int batches_per_step() const override { return 1; }
-  float train_step(std::span<const Batch> batches) override;
+  using Engine::train_step;
+  StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
   // train_step returns once the loss is known; the optimizer update may still run on the source.
   // Call this before reading parameters from another stream (checkpoints, evaluation).
@@ -87,13 +94,13 @@ class DataParallel final : public Engine {
   struct Replica;
   void plan_chunks(int batch);
   void receive_broadcast(int rank);
-  void forward_chunk(int rank, const float* inputs, Mode mode);
+  void forward_chunk(int rank, const float* inputs, Mode mode, int slot);
   void broadcast_and_forward(const float* inputs, int batch, Mode mode);
   void gather_outputs();
-  // The step's work as phases on the device workers; `capture`: recorded into a graph (returned)
-  // instead of run. Null `inputs`: each replica's chunk is in its pinned staging.
-  Graph enqueue_step(const float* inputs, const std::int64_t* targets, int batch, bool capture);
-  bool staged() const;  // inputs and targets go through pinned staging (graphs are on)
+  // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
+  // `capture`: recorded into a graph (returned) instead of run.
+  Graph enqueue_step(int batch, int slot, bool capture);
+  void wait_for_batches(int slot);
   std::uint64_t staging_growths() const;
 
   Model& module_;
@@ -111,13 +118,13 @@ class DataParallel final : public Engine {
   std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
-  Scratch gathered_, targets_, grad_output_;  // on the output device
-  PinnedBuffer host_loss_;                    // the step's loss, read back without a pageable copy
-  Event loss_ready_;                          // on the output device: host_loss_ written
+  Scratch gathered_, grad_output_;  // on the output device
+  PinnedBuffer host_loss_;          // a float per pipeline slot: the step's loss, without a pageable copy
+  std::array<Event, 2> loss_ready_;  // per slot, on the output device: an eager step's loss written
   std::unique_ptr<engines::StepGraphs> graphs_;
-  PinnedBuffer host_targets_;  // staged targets (graphs): a captured copy reads them from here
-  std::uint64_t target_growths_ = 0;
-  Event step_done_;  // on the source, after a replay: the whole step has run
+  std::unique_ptr<engines::InputRing> targets_ring_;  // on the output device
+  std::array<Event, 2> step_done_;  // per slot, on the source: the whole step has run, its slot is free
+  std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };
 
 }  // namespace dp

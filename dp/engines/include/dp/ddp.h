@@ -6,6 +6,7 @@
 // rest of backward; the optimizers wait for all buckets.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -28,6 +29,7 @@ namespace dp {
 
 namespace engines {
 class StepGraphs;
+class StepPipeline;
 class Replicas;
 }  // namespace engines
 
@@ -74,7 +76,8 @@ class DistributedDataParallel final : public Engine {
   EngineKind kind() const override { return EngineKind::ddp; }
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
   int batches_per_step() const override { return group_.size(); }
-  float train_step(std::span<const Batch> batches) override;
+  using Engine::train_step;
+  StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
   // Steps return once the loss is known; the optimizer update may still run on the devices.
   // Call this before reading parameters from another stream (checkpoints, evaluation).
@@ -121,21 +124,25 @@ class DistributedDataParallel final : public Engine {
   // this forward's backward all-reduces (not inside no_sync).
   bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers);
   // Rank r's forward, loss, backward (its buckets all-reduced when `sync`) and the loss's copy to
-  // pinned memory, enqueued on its compute stream; records its loss_ready event. `staged`: the
-  // batch is in its pinned staging already (StagedBatch::write).
-  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, bool staged);
-  // On the caller: waits for every rank's loss and returns the mean over all global ranks.
-  float wait_for_loss();
+  // pipeline slot `slot`'s pinned float, enqueued on its compute stream; records its loss_ready
+  // event (not while capturing). `ring`: the batch is in the rank's ring, in `slot`; else staged now.
+  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, int slot, bool ring);
+  // On the caller: the join stream waits for every rank's loss of `slot` (one host wait then).
+  void join_losses(int slot);
+  const Event& losses_ready(int slot) const;
+  // On the caller: waits for every rank's loss of `slot` and returns the mean over all global ranks.
+  float wait_for_loss(int slot);
   // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
   // may be waiting in its collectives) and rethrows.
   void run_ranks(const std::function<void(int rank)>& task);
   void abort_communicators();
   void check_batches(std::span<const Batch> batches, bool training) const;
   // Rank r's whole train_step (zero_grad, forward, backward with its buckets, optimizer), enqueued.
-  void enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, bool staged);
-  // train_step's captured form: captures every rank's step once (returns false when the model did
-  // what a graph cannot hold), or replays them.
-  bool capture_step(const std::vector<std::int64_t>& key, std::span<const Batch> batches, bool sync, bool broadcast);
+  void enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot);
+  // submit_step's captured form: captures every rank's step once for `key` and `slot` (returns false
+  // when the model did what a graph cannot hold), or replays them.
+  bool capture_step(const std::vector<std::int64_t>& key, int slot, std::span<const Batch> batches, bool sync,
+                    bool broadcast);
 
   EvalTotals reduce_totals(const EvalTotals& local) override;
   DeviceGroup group_;
@@ -149,8 +156,9 @@ class DistributedDataParallel final : public Engine {
   bool sync_ = true;
   bool require_forward_param_sync_ = true;
   std::unique_ptr<engines::StepGraphs> graphs_;
-  Stream loss_join_;    // on rank 0's device: waits for every rank's loss
-  Event losses_ready_;  // recorded there once it has
+  Stream loss_join_;                   // on rank 0's device: waits for every rank's loss
+  std::array<Event, 2> losses_ready_;  // per pipeline slot, recorded there once it has
+  std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };
 
 }  // namespace dp

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -45,6 +47,35 @@ std::string_view to_string(EngineKind kind);
 // The inverse of to_string; throws InvalidArgument naming the value otherwise.
 EngineKind parse_engine_kind(std::string_view name);
 
+namespace engines {
+class StepPipeline;
+}
+
+// The mean loss of a training step that was enqueued but may still run (Engine::submit_step), like
+// the loss tensor of a PyTorch step before `.item()`: get() waits for that step's loss only, never
+// for later steps. A copy refers to the same loss. Valid after its engine is gone (the engine
+// waits for the losses of its steps when it is destroyed).
+class StepLoss {
+ public:
+  StepLoss() = default;  // no step: get() throws InvalidArgument
+  // Waits for the loss; rethrows the failure of the step (a failed kernel, a failed collective).
+  float get() const;
+  // Whether get() would return without waiting.
+  bool ready() const;
+
+ private:
+  friend class engines::StepPipeline;
+  struct State {
+    std::function<float()> wait;  // until resolved: waits for the loss, reads it
+    std::function<bool()> query;  // until resolved: whether wait() would not block
+    std::optional<float> value;
+    std::exception_ptr error;
+    void resolve();
+  };
+  explicit StepLoss(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -61,8 +92,16 @@ class Engine {
   virtual int first_rank() const { return 0; }
 
   // One training step (zero_grad, forward, loss, backward, optimizer step) over
-  // batches_per_step() batches; returns the mean cross-entropy loss (DDP: averaged over ranks).
-  virtual float train_step(std::span<const Batch> batches) = 0;
+  // batches_per_step() batches, enqueued: returns once the batches are copied (the caller may reuse
+  // their memory) and the step's work is on its way, with its mean cross-entropy loss (DDP:
+  // averaged over ranks) to come. The host prepares the next batch while the devices run this step,
+  // and that batch is copied in (a copy stream, into the other of two device input buffers) while
+  // this step computes. At most two steps are in flight: submitting a third waits for the loss of
+  // the first, and rethrows its failure. Steps run in submission order, so their results are those
+  // of train_step one after another, bit for bit. DDP across processes returns a loss already known.
+  virtual StepLoss submit_step(std::span<const Batch> batches) = 0;
+  // submit_step(batches).get(): one step, waiting for its loss.
+  float train_step(std::span<const Batch> batches) { return submit_step(batches).get(); }
   // Eval-mode forward (BatchNorm uses its running statistics) over batches_per_step() batches;
   // returns the logits of every sample, batch after batch, as (samples, outputs) floats. DDP: a
   // rank's batch may be empty (an evaluation shard that ran out before the others).
@@ -74,8 +113,9 @@ class Engine {
   // totals of every process's batches (each process passes its own; every process gets the sum);
   // predictions stay this process's.
   EvalTotals evaluate(std::span<const Batch> batches, std::vector<std::int32_t>* predictions = nullptr);
-  // Steps return once the loss is known; the optimizer update may still run on the devices.
-  // Call this before reading parameters or optimizer state from another stream.
+  // Steps may still run on the devices (submit_step; train_step returns once the loss is known, the
+  // optimizer update may still run): waits for all of them. Call this before reading parameters or
+  // optimizer state from another stream.
   virtual void synchronize() = 0;
 
   // What a checkpoint holds: the model whose parameters and buffers are the run's result (single:

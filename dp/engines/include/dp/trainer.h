@@ -2,6 +2,7 @@
 // The `single` engine of dp_train and dp_bench, and the baseline DP and DDP are compared with.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -16,8 +17,10 @@
 namespace dp {
 
 namespace engines {
+class InputRing;
 class StagedBatch;
 class StepGraphs;
+class StepPipeline;
 }  // namespace engines
 
 class SingleDeviceTrainer final : public Engine {
@@ -26,8 +29,10 @@ class SingleDeviceTrainer final : public Engine {
   SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {}, bool graphs = false);
   ~SingleDeviceTrainer() override;
 
-  // Host inputs (batch x model.input_shape() floats) and int64 targets; returns the batch's mean
-  // loss (waits for the step to finish).
+  // Host inputs (batch x model.input_shape() floats) and int64 targets, copied before it returns;
+  // the step is enqueued (Engine::submit_step), its mean loss to come.
+  StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
+  // submit(...).get(): returns the batch's mean loss, once the step has finished.
   float step(const float* inputs, const std::int64_t* targets, int batch);
 
   // Eval-mode forward of host inputs; returns the logits on the host.
@@ -37,10 +42,11 @@ class SingleDeviceTrainer final : public Engine {
   EngineKind kind() const override { return EngineKind::single; }
   const std::vector<int>& device_ids() const override { return device_ids_; }
   int batches_per_step() const override { return 1; }
-  float train_step(std::span<const Batch> batches) override;
+  using Engine::train_step;
+  StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
-  // step() already waits for its own work; this is for work enqueued on stream() by the caller.
-  void synchronize() override { stream_.synchronize(); }
+  // The steps in flight, and work enqueued on stream() by the caller.
+  void synchronize() override;
   Model& model() const override { return model_; }
   std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
 
@@ -49,8 +55,9 @@ class SingleDeviceTrainer final : public Engine {
   std::uint64_t graph_replays() const override;
 
  private:
-  // forward, loss, backward, optimizer step and the loss's copy out, on stream_ (eager or captured).
-  void enqueue_step(int batch);
+  // forward, loss, backward, optimizer step and the loss's copy out, on stream_ (eager or captured),
+  // reading the batch in pipeline slot `slot`.
+  void enqueue_step(int batch, int slot);
 
   Model& model_;
   StepOptions step_options_;
@@ -58,11 +65,13 @@ class SingleDeviceTrainer final : public Engine {
   std::unique_ptr<Optimizer> optimizer_;
   CrossEntropyLoss loss_;
   Stream stream_;
-  std::unique_ptr<engines::StagedBatch> batch_;
+  std::unique_ptr<engines::StagedBatch> batch_;  // predict's
+  std::unique_ptr<engines::InputRing> ring_;      // the training steps' batches, one slot per step in flight
   std::unique_ptr<engines::StepGraphs> graphs_;
   Scratch grad_output_;
-  PinnedBuffer host_loss_;  // the step's loss, read back without a pageable copy
-  Event step_done_;
+  PinnedBuffer host_loss_;         // a float per slot: each step's loss, read back without a pageable copy
+  std::array<Event, 2> step_done_;  // per slot (StepPipeline::kSlots): the step, its loss included, has run
+  std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };
 
 }  // namespace dp

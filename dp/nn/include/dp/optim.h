@@ -45,10 +45,11 @@ class Optimizer {
   // values that change between steps (lr, bias corrections) reach the update through device
   // memory, so the enqueued work may be captured into a graph and replayed for later steps.
   virtual void step(const Stream& stream, float* params, const float* grads) = 0;
-  // The host side of step() for a step whose update is a replay of a captured step(): writes this
-  // step's values where the captured copy reads them, and counts the step. Call it before the
-  // replay, and only once the previous replay has finished.
-  virtual void replayed_step() = 0;
+  // step() for a step whose update is a replay of a step() captured on `stream`: enqueues on
+  // `stream` the copy of this step's values into the device memory the captured update reads (a
+  // captured step() copies nothing, so that replays in flight never see a later step's values), and
+  // counts the step. Call it just before the replay is launched on `stream`.
+  virtual void replayed_step(const Stream& stream) = 0;
   virtual double lr() const = 0;
   // Validated as the options are (InvalidArgument for a negative, NaN or infinite lr).
   virtual void set_lr(double lr) = 0;
@@ -70,7 +71,8 @@ class Optimizer {
   // This step's scalar values (at most kMaxScalarBytes) into the pinned slot, once the previous copy
   // out of it has run.
   void stage_scalars(const void* values, std::size_t bytes);
-  // stage_scalars, then their copy into device memory on `stream`; returns that device copy.
+  // stage_scalars, then their copy into device memory on `stream`; returns that device copy. While
+  // `stream` captures, only returns it: replayed_step() copies before each replay.
   const void* upload_scalars(const Stream& stream, const void* values, std::size_t bytes);
 
   std::int64_t steps_ = 0;
@@ -81,7 +83,7 @@ class Optimizer {
   std::size_t param_count_;
   PinnedBuffer slot_;     // the host's values of the step (pinned: the copy is asynchronous)
   DeviceBuffer scalars_;  // what the update reads
-  Event slot_free_;       // recorded after an eager copy out of slot_
+  Event slot_free_;       // recorded after each copy out of slot_
   bool slot_pending_ = false;
 };
 
@@ -94,7 +96,7 @@ class Sgd final : public Optimizer {
 
   std::string_view kind() const override { return "sgd"; }
   void step(const Stream& stream, float* params, const float* grads) override;
-  void replayed_step() override;
+  void replayed_step(const Stream& stream) override;
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
   std::vector<StateBuffer> state() const override;
@@ -115,7 +117,7 @@ class AdamW final : public Optimizer {
 
   std::string_view kind() const override { return "adamw"; }
   void step(const Stream& stream, float* params, const float* grads) override;
-  void replayed_step() override;
+  void replayed_step(const Stream& stream) override;
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
   std::vector<StateBuffer> state() const override;
