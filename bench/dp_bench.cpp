@@ -79,6 +79,7 @@ struct Options {
   std::string backend = "auto";
   std::string precision = "strict";
   std::string graphs = "on";
+  std::string pipeline = "on";
   bool profile = false;
   std::optional<int> devices;
   std::string models = "mlp,convnet";
@@ -124,6 +125,8 @@ void validate(const Options& o) {
   }
   if (o.graphs != "on" && o.graphs != "off")
     throw UsageError(fmt::format("--graphs: unknown value '{}' (expected on or off)", o.graphs));
+  if (o.pipeline != "on" && o.pipeline != "off")
+    throw UsageError(fmt::format("--pipeline: unknown value '{}' (expected on or off)", o.pipeline));
   if (o.devices && *o.devices < 1) throw UsageError(fmt::format("--devices must be at least 1, got {}", *o.devices));
   if (o.batch < 1) throw UsageError(fmt::format("--batch-size must be at least 1, got {}", o.batch));
   if (o.steps < 1) throw UsageError(fmt::format("--steps must be at least 1, got {}", o.steps));
@@ -236,6 +239,7 @@ struct Run {
   std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
   std::optional<std::size_t> buckets;            // ddp only: gradient buckets (all-reduces per step)
   bool graphs = false;                           // every measured step was a replayed graph
+  bool pipelined = false;                        // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;
   float loss_first = 0, loss_last = 0;
   // For the trace: the measured window, its step boundaries and its spans.
@@ -304,13 +308,17 @@ void synchronize(dp::Runtime& rt, const std::vector<int>& devices) {
 }
 
 // Warm-up, then the measured steps with profiling on and the counters reset; fills the timing,
-// traffic, memory and span fields of `run`. `step` runs one training step and returns its loss;
-// `after_step` runs once each measured step has finished (DP reads its phase times there).
-void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<float()>& step,
+// traffic, memory and span fields of `run`. `submit` submits one training step (Engine::submit_step).
+// Pipelined (--pipeline on, and no `after_step`), each measured step is submitted as soon as the
+// previous submission returned, as a training loop that does not read every loss runs: the host
+// stages the next batch while the devices run this step, and a step's time is the time between two
+// submissions (the last one's: until every device has finished). Otherwise each step waits for its
+// loss and for every device, and `after_step` runs then (DP reads its phase times there).
+void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<dp::StepLoss()>& submit,
              const std::function<void()>& after_step = {}, dp::ProcessGroup* processes = nullptr) {
   const std::vector<int>& used = run.device_ids;
   for (int i = 0; i < o.warmup; ++i) {
-    step();
+    (void)submit().get();
     synchronize(rt, used);
   }
   synchronize(rt, used);
@@ -321,6 +329,7 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
   rt.take_trace();
   const bool have_spans = records_spans(rt, o);
   rt.set_profiling(have_spans);
+  run.pipelined = o.pipeline == "on" && !after_step;
   run.t0 = now_ns();
   // The host work counters cover the engine's steps only, not the synchronisation that times them.
   std::vector<dp::DeviceCounters> engine_work(used.size());
@@ -335,21 +344,31 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const std::function<fl
       w.worker_submits += now.worker_submits - before[i].worker_submits;
     }
   };
+  std::vector<dp::StepLoss> losses;
   for (int i = 0; i < o.steps; ++i) {
     const std::int64_t start = now_ns();
     run.step_starts.push_back(start);
+    if (run.pipelined && i > 0)
+      run.step_ms.push_back(static_cast<double>(start - run.step_starts[static_cast<std::size_t>(i) - 1]) / 1e6);
     std::vector<dp::DeviceCounters> before;
     for (int d : used) before.push_back(rt.counters(d));
-    const float loss = step();
+    losses.push_back(submit());
+    if (!run.pipelined) (void)losses.back().get();  // the step's one host wait, counted as the engine's
     add_since(before);
+    if (run.pipelined) continue;
     synchronize(rt, used);  // a step ends when every device has finished it
     const std::int64_t end = now_ns();
     run.step_ms.push_back(static_cast<double>(end - start) / 1e6);
-    if (i == 0) run.loss_first = loss;
-    run.loss_last = loss;
     run.t1 = end;
     if (after_step) after_step();
   }
+  if (run.pipelined) {
+    synchronize(rt, used);
+    run.t1 = now_ns();
+    run.step_ms.push_back(static_cast<double>(run.t1 - run.step_starts.back()) / 1e6);
+  }
+  run.loss_first = losses.front().get();
+  run.loss_last = losses.back().get();
   rt.set_profiling(false);
   run.spans = rt.take_trace();
 
@@ -520,7 +539,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
       ++timed;
     };
   measure(
-      rt, o, run, [&] { return engine->train_step(batches); }, after_step, across ? processes.get() : nullptr);
+      rt, o, run, [&] { return engine->submit_step(batches); }, after_step, across ? processes.get() : nullptr);
   run.graphs = engine->graph_replays() >= static_cast<std::uint64_t>(o.steps);
   if (across) gather_devices(run, *processes);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
@@ -723,6 +742,7 @@ json run_json(const Run& r) {
   j["allocations_per_step"] = total(&PerDevice::allocations);
   j["pageable_copies_per_step"] = total(&PerDevice::pageable_copies);
   j["graphs"] = r.graphs;
+  j["pipelined"] = r.pipelined;
   j["busy_pct_mean"] = optional_json(busy_mean(r));
   j["imbalance"] = {
       {"busy_pct", optional_json(busy_imbalance(r))},
@@ -838,9 +858,9 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     return ids;
   }());
   fmt::print(
-      "dp_bench: backend {} (precision {}, graphs {}), {} device(s) [{}]{}, batch {} per device, {} warm-up + {} "
-      "measured steps, DDP buckets {} MiB (first {} MiB)\n",
-      backend, o.precision, o.graphs, devices, fmt::join(names, ", "),
+      "dp_bench: backend {} (precision {}, graphs {}, pipeline {}), {} device(s) [{}]{}, batch {} per device, {} "
+      "warm-up + {} measured steps, DDP buckets {} MiB (first {} MiB)\n",
+      backend, o.precision, o.graphs, o.pipeline, devices, fmt::join(names, ", "),
       job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", processes->size()) : "",
       o.batch, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
@@ -863,6 +883,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   job.agree_on_configuration({{"--backend", backend},
                               {"--precision", o.precision},
                               {"--graphs", o.graphs},
+                              {"--pipeline", o.pipeline},
                               {"--devices", fmt::format("{}", devices)},
                               {"--models", fmt::format("{}", fmt::join(models, ","))},
                               {"--modes", fmt::format("{}", fmt::join(modes, ","))},
@@ -928,6 +949,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     j["seed"] = o.seed;
     j["precision"] = o.precision;
     j["graphs_requested"] = o.graphs == "on";
+    j["pipeline_requested"] = o.pipeline == "on";
     j["busy_time_available"] = records_spans(*rt, o);
     json rj = json::array();
     for (const Run& r : runs) rj.push_back(run_json(r));
@@ -955,6 +977,11 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
   app.add_option("--graphs", o.graphs,
                  "on: capture each engine's training step once per batch size and replay it (CUDA graphs; emulated "
                  "on sim), off: launch every kernel every step (DP's phase times need off)")
+      ->capture_default_str();
+  app.add_option("--pipeline", o.pipeline,
+                 "on: submit each measured step while the previous one runs (Engine::submit_step: the next batch is "
+                 "copied in during this step), a step's time being the time between submissions; off: every step "
+                 "waits for its loss and for every device (DP's phase times run so either way)")
       ->capture_default_str();
   app.add_flag("--profile", o.profile,
                "cuda: record device spans (timing events around every kernel) for busy % and GEMM rates; "

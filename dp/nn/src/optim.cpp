@@ -22,17 +22,20 @@ Overloaded(F...) -> Overloaded<F...>;  // clang 14 (the fuzz build) has no aggre
 Optimizer::Optimizer(Device& device, std::size_t param_count)
     : device_(device),
       param_count_(param_count),
-      slot_(device.allocate_pinned(kMaxScalarBytes)),
-      scalars_(device.allocate(kMaxScalarBytes)),
-      slot_free_(device.create_event()) {}
+      slots_(device.allocate_pinned(kSlots * kMaxScalarBytes)),
+      scalars_(device.allocate(kMaxScalarBytes)) {
+  for (Event& free : slot_free_) free = device.create_event();
+}
 
 void Optimizer::stage_scalars(const void* values, std::size_t bytes) {
   if (bytes > kMaxScalarBytes) throw InvalidArgument("optimizer scalars exceed their slot");
-  if (slot_pending_) {
-    if (!slot_free_.query()) slot_free_.synchronize();  // rare: the previous update has not started yet
-    slot_pending_ = false;
+  slot_ = (slot_ + 1) % kSlots;
+  if (slot_pending_[slot_]) {
+    // Rare: the update of two steps ago has not started yet.
+    if (!slot_free_[slot_].query()) slot_free_[slot_].synchronize();
+    slot_pending_[slot_] = false;
   }
-  std::memcpy(slot_.data(), values, bytes);
+  std::memcpy(slots_.as<std::byte>() + static_cast<std::size_t>(slot_) * kMaxScalarBytes, values, bytes);
 }
 
 const void* Optimizer::upload_scalars(const Stream& stream, const void* values, std::size_t bytes) {
@@ -40,9 +43,9 @@ const void* Optimizer::upload_scalars(const Stream& stream, const void* values, 
   // later step still to be submitted: replayed_step() enqueues the copy ahead of each replay instead.
   if (stream.capturing()) return scalars_.data();
   stage_scalars(values, bytes);
-  stream.copy(scalars_.data(), slot_.data(), bytes);
-  stream.record(slot_free_);
-  slot_pending_ = true;
+  stream.copy(scalars_.data(), slots_.as<std::byte>() + static_cast<std::size_t>(slot_) * kMaxScalarBytes, bytes);
+  stream.record(slot_free_[slot_]);
+  slot_pending_[slot_] = true;
   return scalars_.data();
 }
 

@@ -68,8 +68,9 @@ class Optimizer {
   // A zero-filled state buffer on the device: a state saved before any step holds zeros, not
   // whatever the allocation held (which may well read as NaN).
   DeviceBuffer zeroed_buffer() const;
-  // This step's scalar values (at most kMaxScalarBytes) into the pinned slot, once the previous copy
-  // out of it has run.
+  // This step's scalar values (at most kMaxScalarBytes) into the next of two pinned slots, once the
+  // copy out of it two steps ago has run (two slots: a step submitted while the previous one still
+  // runs finds its slot free).
   void stage_scalars(const void* values, std::size_t bytes);
   // stage_scalars, then their copy into device memory on `stream`; returns that device copy. While
   // `stream` captures, only returns it: replayed_step() copies before each replay.
@@ -79,12 +80,14 @@ class Optimizer {
 
  private:
   static constexpr std::size_t kMaxScalarBytes = 64;
+  static constexpr int kSlots = 2;
   Device& device_;
   std::size_t param_count_;
-  PinnedBuffer slot_;     // the host's values of the step (pinned: the copy is asynchronous)
+  PinnedBuffer slots_;    // kSlots x the host's values of a step (pinned: the copy is asynchronous)
   DeviceBuffer scalars_;  // what the update reads
-  Event slot_free_;       // recorded after each copy out of slot_
-  bool slot_pending_ = false;
+  Event slot_free_[kSlots];  // recorded after each copy out of the slot
+  bool slot_pending_[kSlots] = {false, false};
+  int slot_ = 0;  // the slot stage_scalars wrote last
 };
 
 // g = grad + weight_decay*p; buf = first step ? g : momentum*buf + g; g = nesterov ? g + momentum*buf : buf;
