@@ -119,8 +119,7 @@ TEST_P(Pipeline, SubmittedStepsEqualStepsOneAfterAnotherBitForBit) {
     EXPECT_EQ(std::memcmp(&sequential.losses[i], &pipelined.losses[i], sizeof(float)), 0)
         << "step " << i << ": " << sequential.losses[i] << " vs " << pipelined.losses[i];
   }
-  EXPECT_EQ(std::memcmp(sequential.params.data(), pipelined.params.data(), sequential.params.size() * sizeof(float)),
-            0)
+  EXPECT_EQ(std::memcmp(sequential.params.data(), pipelined.params.data(), sequential.params.size() * sizeof(float)), 0)
       << "parameters differ";
   EXPECT_EQ(sequential.buffers, pipelined.buffers) << "evaluation logits or BatchNorm buffers differ";
   EXPECT_EQ(sequential.optimizer_steps, static_cast<std::int64_t>(kSizes.size()));

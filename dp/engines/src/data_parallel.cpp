@@ -29,8 +29,8 @@ struct DataParallel::Replica {
   Event forward_done, backward_done;
   Event broadcast_done;                            // this replica has read the source's state
   Event step_start, scatter_done, backward_start;  // phase timing only
-  engines::StagedBatch inputs;  // evaluation's
-  engines::InputRing ring;      // the training steps' chunks, one slot per step in flight
+  engines::StagedBatch inputs;                     // evaluation's
+  engines::InputRing ring;                         // the training steps' chunks, one slot per step in flight
   Scratch grad_output;
   DeviceBuffer grad_staging;  // on the SOURCE, for this replica's gradients
   const float* output = nullptr;
@@ -228,9 +228,8 @@ StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, 
   if (action == engines::StepGraphs::Action::capture) {
     std::vector<Stream> streams;
     for (const auto& replica : replicas_) streams.push_back(replica->stream);
-    const bool captured = graphs_->capture(key, slot, streams, {optimizer_.get()}, [&] {
-      return std::vector<Graph>{enqueue_step(batch, slot, true)};
-    });
+    const bool captured = graphs_->capture(key, slot, streams, {optimizer_.get()},
+                                           [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; });
     action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
   }
   const Stream& source = replicas_[0]->stream;

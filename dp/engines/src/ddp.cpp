@@ -174,8 +174,8 @@ bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool
   return sync;
 }
 
-void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync,
-                                                       int slot, bool ring) {
+void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, int slot,
+                                                       bool ring) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;
   Device& device = group_.device(r);

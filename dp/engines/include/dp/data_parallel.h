@@ -118,8 +118,8 @@ class DataParallel final : public Engine {
   std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
-  Scratch gathered_, grad_output_;  // on the output device
-  PinnedBuffer host_loss_;          // a float per pipeline slot: the step's loss, without a pageable copy
+  Scratch gathered_, grad_output_;   // on the output device
+  PinnedBuffer host_loss_;           // a float per pipeline slot: the step's loss, without a pageable copy
   std::array<Event, 2> loss_ready_;  // per slot, on the output device: an eager step's loss written
   std::unique_ptr<engines::StepGraphs> graphs_;
   std::unique_ptr<engines::InputRing> targets_ring_;  // on the output device

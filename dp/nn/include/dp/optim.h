@@ -83,8 +83,8 @@ class Optimizer {
   static constexpr int kSlots = 2;
   Device& device_;
   std::size_t param_count_;
-  PinnedBuffer slots_;    // kSlots x the host's values of a step (pinned: the copy is asynchronous)
-  DeviceBuffer scalars_;  // what the update reads
+  PinnedBuffer slots_;       // kSlots x the host's values of a step (pinned: the copy is asynchronous)
+  DeviceBuffer scalars_;     // what the update reads
   Event slot_free_[kSlots];  // recorded after each copy out of the slot
   bool slot_pending_[kSlots] = {false, false};
   int slot_ = 0;  // the slot stage_scalars wrote last
