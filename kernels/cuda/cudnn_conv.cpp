@@ -254,15 +254,16 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
 }
 
 void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* dy, float* dx, float* dweight) {
+                           const float* dy, float* dx, float* dweight, bool accumulate) {
   with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
     const float one = 1.0f, zero = 0.0f;
     if (dx)  // overwritten
       DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv_bwd_data, p.bwd_data,
                                                  scratch.data(), scratch.bytes(), &zero, p.x, dx));
-    // beta = 1: gradients accumulate, as PyTorch's .grad does.
+    // beta = 1: gradients accumulate, as PyTorch's .grad does; beta = 0 writes them (the first
+    // backward after zero_grad), and cuDNN then never reads what dweight held.
     DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
-                                                 scratch.bytes(), &one, p.w, dweight));
+                                                 scratch.bytes(), accumulate ? &one : &zero, p.w, dweight));
   });
 }
 

@@ -11,8 +11,8 @@ bool cudnn_available() { return false; }
 void cudnn_conv2d_forward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*) {
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
 }
-void cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*,
-                           float*) {
+void cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*, float*,
+                           bool) {
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
 }
 

@@ -38,7 +38,8 @@ void normalize(const Stream& stream, const BatchNormShape& shape, const float* x
 // their sum over the replicas, then dx over `mean_count` values per channel.
 void backward(const char* name, const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
               const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma, float* dbeta,
-              float* grad_sums, index_t mean_count, const AllReduceSum* all_reduce, const float* relu_y) {
+              float* grad_sums, index_t mean_count, const AllReduceSum* all_reduce, const float* relu_y,
+              bool accumulate) {
   checks::present(name, {{"x", x},
                          {"gamma", gamma},
                          {"save_mean", save_mean},
@@ -54,7 +55,7 @@ void backward(const char* name, const Stream& stream, const BatchNormShape& shap
   const index_t relu_total = relu_y ? total : 0;
   launch_row_reduce<SumPair>(
       stream, "batchnorm_backward_sums", c, count, BnGradTerms{at, x, dy, save_mean, save_invstd, relu_y},
-      BnStoreGradSums{c, dgamma, dbeta, grad_sums},
+      BnStoreGradSums{c, dgamma, dbeta, grad_sums, accumulate},
       {operand(x, total), operand(dy, total), operand(save_mean, c), operand(save_invstd, c), operand(dgamma, c),
        operand(dbeta, c), operand(grad_sums, 2 * c), operand(relu_y, relu_total)});
   // Every replica calls the all-reduce, needed or not: the others wait for it.
@@ -113,11 +114,11 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
 
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
-                        float* dbeta, float* grad_sums, const float* relu_y) {
+                        float* dbeta, float* grad_sums, const float* relu_y, bool accumulate) {
   const char* name = "batchnorm_backward";
   checks::batchnorm(name, shape, true);
   backward(name, stream, shape, x, gamma, save_mean, save_invstd, dy, dx, dgamma, dbeta, grad_sums,
-           static_cast<index_t>(shape.n) * shape.h * shape.w, nullptr, relu_y);
+           static_cast<index_t>(shape.n) * shape.h * shape.w, nullptr, relu_y, accumulate);
 }
 
 void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
@@ -155,12 +156,12 @@ void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& sh
 void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                              const float* save_mean, const float* save_invstd, const float* dy, float* dx,
                              float* dgamma, float* dbeta, float* grad_sums, index_t global_count,
-                             const AllReduceSum& all_reduce, const float* relu_y) {
+                             const AllReduceSum& all_reduce, const float* relu_y, bool accumulate) {
   const char* name = "sync_batchnorm_backward";
   checks::batchnorm(name, shape, false);
   checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
   backward(name, stream, shape, x, gamma, save_mean, save_invstd, dy, dx, dgamma, dbeta, grad_sums, global_count,
-           &all_reduce, relu_y);
+           &all_reduce, relu_y, accumulate);
 }
 
 }  // namespace dp::kernels

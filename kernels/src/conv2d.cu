@@ -95,7 +95,7 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
 }
 
 void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace) {
+                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate) {
   const char* op = "conv2d_backward";
   checks::conv2d(op, shape);
   checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}, {"workspace", workspace}});
@@ -104,13 +104,20 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
       {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(dy, y_count(shape)),
        operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)), operand(dbias, dbias ? shape.c_out : 0),
        operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
-  if (shape.n == 0) return;  // empty batch: dx is empty and the accumulated gradients gain nothing
+  if (shape.n == 0) {   // empty batch: dx is empty and the gradients gain nothing
+    if (!accumulate) {  // but are written: a sum of no terms
+      fill(stream, dweight, w_count(shape), 0.0f);
+      if (dbias) fill(stream, dbias, shape.c_out, 0.0f);
+    }
+    return;
+  }
+  const float beta = accumulate ? 1.0f : 0.0f;  // only how the final sums are stored differs
   // The bias gradient on every path: the reduction plan's order, the same bits on cuda and sim
   // (cuDNN's own bias reduction orders its sums another way).
   if (dbias)
-    channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, 1.0f);
+    channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, beta);
   if (cudnn_path(stream)) {
-    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight);
+    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight, accumulate);
     return;
   }
   const ConvGeometry g = shared_geometry(shape, op);
@@ -125,7 +132,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   }
   launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
          {operand(x, x_count(shape)), operand(col, col_count(shape))});
-  gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, 1.0f, dweight, t);  // += dy . col^T
+  gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, beta, dweight, t);  // (+)= dy . col^T
   if (dx == nullptr) return;
   // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
   gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);

@@ -28,8 +28,9 @@ void cublas_gemm(const Stream& stream, const GemmArgs& args);
 bool cudnn_available();
 void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                           const float* bias, float* y);
-// dx (when not null) and dweight; the bias gradient is the launchers' own reduction (channel_sum).
+// dx (when not null) and dweight (added to with `accumulate`, else overwritten); the bias gradient
+// is the launchers' own reduction (channel_sum).
 void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* dy, float* dx, float* dweight);
+                           const float* dy, float* dx, float* dweight, bool accumulate);
 
 }  // namespace dp::kernels::library

@@ -25,14 +25,17 @@ void linear_forward(const Stream& stream, int n, int in, int out, const float* x
 }
 
 void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
-                     float* dx, float* dweight, float* dbias) {
+                     float* dx, float* dweight, float* dbias, bool accumulate) {
   checks::linear("linear_backward", n, in, out);
   checks::present("linear_backward", {{"dweight", dweight}});
   const int ld_in = std::max(in, 1), ld_out = std::max(out, 1);
-  // dW (out, in) += dy^T (out, n) · x (n, in)
-  gemm(stream, true, false, out, in, n, 1.0f, dy, ld_out, x, ld_in, 1.0f, dweight, ld_in);
-  // db (out) += column sums of dy (n, out)
-  if (dbias != nullptr) column_sum(stream, n, out, dy, dbias, 1.0f);
+  // beta 0 stores the product and the sums as they are; beta 1 adds them to what the gradients
+  // hold. Either way the same terms are summed in the same order: 0 + g is g.
+  const float beta = accumulate ? 1.0f : 0.0f;
+  // dW (out, in) (+)= dy^T (out, n) · x (n, in)
+  gemm(stream, true, false, out, in, n, 1.0f, dy, ld_out, x, ld_in, beta, dweight, ld_in);
+  // db (out) (+)= column sums of dy (n, out)
+  if (dbias != nullptr) column_sum(stream, n, out, dy, dbias, beta);
   // dx (n, in) = dy (n, out) · W (out, in)
   if (dx != nullptr) gemm(stream, false, false, n, in, out, 1.0f, dy, ld_out, weight, ld_in, 0.0f, dx, ld_in);
 }

@@ -82,7 +82,7 @@ const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
       outputs_[i + 1] = outputs_[i];
       continue;
     }
-    const LayerContext child{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random, ctx.sync};
+    const LayerContext child{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random, ctx.sync, ctx.accumulate_grads};
     if (i + 1 < count && layers_[i]->fuses_relu() && layers_[i + 1]->is_relu()) {
       // Layer i and the ReLU after it in one pass, into the ReLU's output; the boundary between
       // them is never written (nothing reads it: see backward).
@@ -125,8 +125,9 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
       // dy is dL/d(ReLU's output), outputs_[i + 2] that output.
       float* child_dx =
           i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
-      layer.backward_relu(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync},
-                          outputs_[i], outputs_[i + 2], dy, child_dx);
+      layer.backward_relu(
+          LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync, ctx.accumulate_grads},
+          outputs_[i], outputs_[i + 2], dy, child_dx);
       if (after) after(layer);
       dy = child_dx;
       continue;
@@ -135,8 +136,9 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
     float* child_dx =
         i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
-    layer.backward_reporting(LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync},
-                             outputs_[i], outputs_[i + 1], dy, child_dx, after);
+    layer.backward_reporting(
+        LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync, ctx.accumulate_grads},
+        outputs_[i], outputs_[i + 1], dy, child_dx, after);
     dy = child_dx;
   }
 }

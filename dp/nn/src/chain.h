@@ -42,9 +42,9 @@ class Chain {
   // x itself for an identity chain.
   const float* forward(const LayerContext& ctx, const float* x, float* y);
   // Backward of the last forward given dL/d(output): dx (overwritten) unless null, parameter
-  // gradients accumulated. `after` is called with each layer right after its backward is enqueued,
-  // last child first, and inside containers with their children (Layer::backward_reporting). An
-  // identity chain copies dy to dx.
+  // gradients accumulated or written (ctx.accumulate_grads, passed on to every child). `after` is
+  // called with each layer right after its backward is enqueued, last child first, and inside
+  // containers with their children (Layer::backward_reporting). An identity chain copies dy to dx.
   void backward(const LayerContext& ctx, const float* dy, float* dx, const std::function<void(Layer&)>& after = {});
 
  private:

@@ -41,7 +41,8 @@ class Linear final : public Layer {
     kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, param(0), param(1), y);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
-    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, param(0), dy, dx, grad(0), grad(1));
+    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, param(0), dy, dx, grad(0), grad(1),
+                             ctx.accumulate_grads);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }
 
@@ -78,7 +79,8 @@ class Conv2d final : public Layer {
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
     kernels::conv2d_backward(ctx.stream, s, x, param(0), dy, dx, grad(0), has_bias() ? grad(1) : nullptr,
-                             workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s)));
+                             workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s)),
+                             ctx.accumulate_grads);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Conv2d>(*this); }
 
@@ -142,11 +144,12 @@ class BatchNorm2d final : public Layer {
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
       kernels::sync_batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu_y);
+                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu_y,
+                                       ctx.accumulate_grads);
       return;
     }
     kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                saved + 2 * channels_, relu_y);
+                                saved + 2 * channels_, relu_y, ctx.accumulate_grads);
   }
   // SyncBatchNorm: the values per channel over all replicas, and their all-reduce on this stream.
   static kernels::index_t global_count(const LayerContext& ctx) {

@@ -127,13 +127,17 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
-  return chain_->forward(LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_}, input, nullptr);
+  return chain_->forward(LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true}, input,
+                         nullptr);
 }
 
 void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
+  // After zero_grad every layer writes its parameter gradients (each one, so nothing the buffer
+  // held survives); otherwise they add to what it holds.
+  const bool accumulate = !zero_grad_pending_;
   try {
     // The model's input needs no gradient (dx null): nothing upstream uses it.
-    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_, sync_}, grad_output, nullptr,
+    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_, sync_, accumulate}, grad_output, nullptr,
                      [&](Layer& layer) {
                        if (!on_ready || layer.params().empty()) return;
                        const auto& params = layer.params();
@@ -142,12 +146,45 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
                        on_ready(begin, last.offset + numel(last.shape) - begin);
                      });
   } catch (const InvalidArgument& e) {
+    // Still pending: a later backward writes, a reader gets the fill.
     throw InvalidArgument(fmt::format("{}: {}", name_, e.what()));
   }
+  zero_grad_pending_ = false;
+  zero_grad_stream_ = Stream{};
 }
 
+// No fill: the next backward writes the gradients (torch's zero_grad(set_to_none=True)), one launch
+// fewer per step. Only a reader that comes first (materialize_zero_grad) needs the zeros in memory.
 void SequentialModel::zero_grad(const Stream& stream) {
-  kernels::fill(stream, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
+  if (stream.device() != device_.index())
+    throw DeviceMismatch(fmt::format("{} lives on device {} but zero_grad was issued on a stream of device {}", name_,
+                                     device_.index(), stream.device()));
+  zero_grad_pending_ = true;
+  zero_grad_stream_ = stream;
+}
+
+bool SequentialModel::materialize_zero_grad() const {
+  if (!zero_grad_pending_) return false;
+  // On zero_grad's stream: ordered as the fill zero_grad used to enqueue, before whatever the
+  // caller enqueues there with the address it is given.
+  kernels::fill(zero_grad_stream_, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
+  zero_grad_pending_ = false;
+  zero_grad_stream_ = Stream{};
+  return true;
+}
+
+float* SequentialModel::grads_flat() const {
+  materialize_zero_grad();
+  return grads_.as<float>();
+}
+
+std::vector<TensorRef> SequentialModel::gradients() const {
+  const Stream stream = zero_grad_stream_;
+  // Views are read on any stream or on the host after the engine's synchronize(), which may
+  // already have happened: the zeros must be in memory when they return (unless a capture on
+  // that stream is recording them, where waiting is not allowed and the replay orders them).
+  if (materialize_zero_grad() && !stream.capturing()) stream.synchronize();
+  return views(true);
 }
 
 std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {

@@ -55,6 +55,7 @@ class Model {
   virtual Device& device() const = 0;
 
   // Flat buffers (device memory). Parameter order = PyTorch's model.parameters() order.
+  // grads_flat() enqueues the fill of a pending zero_grad (see zero_grad) on zero_grad's stream.
   virtual float* params_flat() const = 0;
   virtual float* grads_flat() const = 0;
   virtual std::size_t param_count() const = 0;
@@ -63,6 +64,7 @@ class Model {
 
   // Named views into those buffers, with PyTorch state-dict names. They are device memory written
   // by stream work: read them on the stream that trains the model, or after the engine's synchronize().
+  // gradients() after a zero_grad that no backward followed fills in the zeros and waits for them.
   virtual std::vector<TensorRef> parameters() const = 0;
   virtual std::vector<TensorRef> gradients() const = 0;  // same names and layout as parameters()
   virtual std::vector<TensorRef> buffers() const = 0;
@@ -76,10 +78,26 @@ class Model {
   // In train mode, layers keep what backward needs and BatchNorm updates its running stats.
   virtual const float* forward(const Stream& stream, const float* input, int batch, Mode mode) = 0;
 
-  // Enqueues the backward pass of the last train-mode forward, given dL/doutput. Parameter
-  // gradients are ACCUMULATED into grads_flat (as PyTorch accumulates .grad); call zero_grad first.
+  // Enqueues the backward pass of the last train-mode forward, given dL/doutput. The first backward
+  // after zero_grad WRITES every parameter gradient into grads_flat; later ones ACCUMULATE into it
+  // (as PyTorch accumulates .grad: gradient accumulation, DDP's no_sync).
   virtual void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready = {}) = 0;
 
+  // The gradients read as zeros from here on, as after PyTorch's zero_grad(set_to_none=True): the
+  // model enqueues nothing (one launch fewer per step) and notes on the host that the zeros are
+  // pending; the next backward then writes the gradients instead of adding to them. The rule for
+  // anything that reads the gradients before that backward: the zeros are materialised, on
+  // `stream`, where the fill used to be enqueued, by the first of
+  //   - grads_flat(): enqueues the fill (work the caller orders after `stream` reads zeros, as an
+  //     optimizer step after a zero_grad with no backward);
+  //   - gradients(): enqueues the fill and waits for it (views may be read after a synchronize);
+  // so a caller that takes grads_flat() before the backward (DDP's reducer) gets today's fill and
+  // an accumulating backward; one that takes it after (an optimizer step) never pays for it.
+  // Graph replays do not go through the model: a captured step (zero_grad + backward inside)
+  // replays what it captured, a written gradient, whatever the host state says; a zero_grad issued
+  // between replays stays pending over them (what the replay wrote gets the fill at the next
+  // grads_flat()/gradients(), or is overwritten by the next backward). One thread at a time per
+  // model, as for backward.
   virtual void zero_grad(const Stream& stream) = 0;
 
   // The randomness the next train-mode forwards draw from (see RandomContext); models without
@@ -91,7 +109,8 @@ class Model {
 
   // Whether an engine may capture a training step of this model into a graph once and replay it
   // for later steps (EngineOptions::graphs): true only when forward, backward and zero_grad enqueue
-  // the same work with the same arguments at every step of one batch size (nothing drawn from
+  // the same work with the same arguments at every step of one batch size that makes the same
+  // calls (a step's backward after its own zero_grad always writes the gradients; nothing drawn from
   // RandomContext's step, no host value baked into a launch), and allocate nothing once a step of
   // that batch size has run. Models that do not say so run every step eagerly.
   virtual bool capturable() const { return false; }

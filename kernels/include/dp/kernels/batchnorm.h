@@ -36,7 +36,8 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
                             const float* beta, const float* running_mean, const float* running_var, float* y,
                             bool relu = false);
 
-// Training backward: dx overwritten (skipped when null); dgamma += sum(dy*xhat), dbeta += sum(dy).
+// Training backward: dx overwritten (skipped when null); dgamma += sum(dy*xhat), dbeta += sum(dy)
+// with `accumulate`, dgamma = ..., dbeta = ... without (the first backward after zero_grad).
 // grad_sums: scratch of 2*C floats for this call's per-channel sums (dx needs them, not the
 // accumulated dgamma/dbeta). Needs N*H*W >= 2, as the training forward does.
 // relu_y: the output of a forward with relu = true, and dy then the gradient of that output: dy
@@ -44,7 +45,7 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
 // would have written the masked gradient first. Null: no ReLU.
 void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
-                        float* dbeta, float* grad_sums, const float* relu_y = nullptr);
+                        float* dbeta, float* grad_sums, const float* relu_y = nullptr, bool accumulate = true);
 
 // SyncBatchNorm (torch.nn.SyncBatchNorm): the statistics are those of every replica's batch
 // together. `all_reduce(data, count)` enqueues an in-place sum of `count` floats over the replicas
@@ -52,8 +53,9 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
 // the replicas' N*H*W (>= 2). The forward reduces the per-channel sums (-> the global mean), then
 // the centred moments around it (-> global variance: invstd and the running statistics, unbiased
 // with the global count, as torch's batch_norm_gather_stats_with_counts); `scratch` holds 2*C floats.
-// The backward adds this replica's own sum(dy), sum(dy*xhat) to dbeta, dgamma (torch's SyncBatchNorm
-// leaves the averaging over replicas to DDP's gradient all-reduce) and computes dx from the summed ones.
+// The backward adds this replica's own sum(dy), sum(dy*xhat) to dbeta, dgamma (stores them without
+// `accumulate`; torch's SyncBatchNorm leaves the averaging over replicas to DDP's gradient
+// all-reduce) and computes dx from the summed ones.
 using AllReduceSum = std::function<void(float* data, std::size_t count)>;
 void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                                   const float* beta, float* y, float* save_mean, float* save_invstd,
@@ -63,7 +65,7 @@ void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& sh
 void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                              const float* save_mean, const float* save_invstd, const float* dy, float* dx,
                              float* dgamma, float* dbeta, float* grad_sums, index_t global_count,
-                             const AllReduceSum& all_reduce, const float* relu_y = nullptr);
+                             const AllReduceSum& all_reduce, const float* relu_y = nullptr, bool accumulate = true);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -194,9 +196,10 @@ struct BnStoreGradSums {
   float* dgamma;
   float* dbeta;
   float* grad_sums;
+  bool accumulate;  // add to the parameter gradients, or store (the first backward after zero_grad)
   DP_HD void operator()(index_t c, SumPair s) const {
-    dbeta[c] += s.a;
-    dgamma[c] += s.b;
+    dbeta[c] = accumulate ? dbeta[c] + s.a : s.a;
+    dgamma[c] = accumulate ? dgamma[c] + s.b : s.b;
     grad_sums[c] = s.a;
     grad_sums[channels + c] = s.b;
   }

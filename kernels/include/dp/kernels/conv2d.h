@@ -27,9 +27,12 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
                     const float* bias, float* y, float* workspace);
 
 // Given dy (N, C_out, H_out, W_out): dx = dL/dx (overwritten; skipped when dx is null),
-// dweight += dL/dweight, dbias += dL/dbias (accumulated, as PyTorch accumulates .grad; dbias may be null).
+// dweight += dL/dweight, dbias += dL/dbias (dbias may be null): accumulated with `accumulate`, as
+// PyTorch accumulates .grad, else overwritten (the first backward after zero_grad: what they held
+// is never read, and an empty batch writes zeros).
 void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace);
+                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace,
+                     bool accumulate = true);
 
 // Whether conv2d_* use cuDNN on cuda streams (default: true when dp was built with cuDNN).
 // The sim backend always runs the shared im2col path.

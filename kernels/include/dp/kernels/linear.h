@@ -11,12 +11,14 @@ namespace dp::kernels {
 void linear_forward(const Stream& stream, int n, int in, int out, const float* x, const float* weight,
                     const float* bias, float* y);
 
-// Gradients of linear_forward given dy (n, out). dweight and dbias accumulate (+=), as autograd
-// accumulates into .grad; dx is overwritten. dx null: not computed (the first layer's input needs
-// no gradient); dbias null: the layer has no bias.
-//   dx = dy · W,  dW += dy^T · x,  db += sum over the batch of dy.
+// Gradients of linear_forward given dy (n, out). With `accumulate`, dweight and dbias accumulate
+// (+=), as autograd accumulates into .grad; without, they are overwritten (the first backward after
+// zero_grad, as torch's set_to_none: nothing is read from them, so whatever they held is gone).
+// dx is always overwritten. dx null: not computed (the first layer's input needs no gradient);
+// dbias null: the layer has no bias.
+//   dx = dy · W,  dW (+)= dy^T · x,  db (+)= sum over the batch of dy.
 void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
-                     float* dx, float* dweight, float* dbias);
+                     float* dx, float* dweight, float* dbias, bool accumulate = true);
 
 // ------------------------------------------------------------------------------------------------
 // functors

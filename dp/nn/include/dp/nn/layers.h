@@ -45,6 +45,11 @@ struct LayerContext {
   Mode mode;
   const RandomContext* random = nullptr;  // train mode: what Dropout draws from
   const BatchNormSync* sync = nullptr;    // train mode: SyncBatchNorm's replicas, when synchronised
+  // Backward: add the parameter gradients to what the flat gradient buffer holds (gradient
+  // accumulation, DDP's no_sync), or write them (the first backward after the model's zero_grad,
+  // which enqueues no fill: torch's set_to_none). Writing, a layer stores EVERY one of its
+  // parameter gradients in every backward, whatever its batch, since the buffer may hold anything.
+  bool accumulate_grads = true;
 };
 
 class Layer {
@@ -73,7 +78,7 @@ class Layer {
   virtual bool is_view() const { return false; }
   // y = layer(x). In train mode keeps what backward needs (it may also read x and y there).
   virtual void forward(const LayerContext& ctx, const float* x, float* y) = 0;
-  // dx = dL/dx (skipped when null), parameter gradients accumulated.
+  // dx = dL/dx (skipped when null), parameter gradients accumulated or written (ctx.accumulate_grads).
   virtual void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) = 0;
   // backward, then `done(layer)` for every layer whose parameter gradients are then enqueued: this
   // layer itself, or a container's children one by one as its backward reaches them (so DDP can

@@ -36,12 +36,13 @@ class SequentialModel final : public Model {
   std::string name() const override { return name_; }
   Device& device() const override { return device_; }
   float* params_flat() const override { return params_.as<float>(); }
-  float* grads_flat() const override { return grads_.as<float>(); }
+  // Both materialise a pending zero_grad (see Model::zero_grad); gradients() also waits for it.
+  float* grads_flat() const override;
   std::size_t param_count() const override { return param_count_; }
   void* buffers_flat() const override { return buffers_.data(); }
   std::size_t buffers_bytes() const override { return buffers_bytes_; }
   std::vector<TensorRef> parameters() const override { return views(false); }
-  std::vector<TensorRef> gradients() const override { return views(true); }
+  std::vector<TensorRef> gradients() const override;
   std::vector<TensorRef> buffers() const override;
   std::vector<std::int64_t> input_shape() const override { return input_shape_; }
   int output_features() const override { return output_features_; }
@@ -58,6 +59,8 @@ class SequentialModel final : public Model {
  private:
   std::vector<TensorRef> views(bool gradients) const;
   ActShape input_act_shape(int batch) const;  // (batch, C, H, W) from input_shape
+  // Enqueues the fill a pending zero_grad skipped, on its stream; false when none was pending.
+  bool materialize_zero_grad() const;
 
   std::string name_;
   Device& device_;
@@ -69,6 +72,11 @@ class SequentialModel final : public Model {
   DeviceBuffer params_, grads_, buffers_;
   RandomContext random_;
   const BatchNormSync* sync_ = nullptr;
+  // zero_grad was called and no backward has written the gradients since: the buffer reads as
+  // zeros without holding them. Mutable: taking the gradients' address (a const accessor) is what
+  // turns the pending zeros into a fill, on the stream zero_grad was given.
+  mutable bool zero_grad_pending_ = false;
+  mutable Stream zero_grad_stream_;
 };
 
 }  // namespace dp::nn
