@@ -173,7 +173,18 @@ TEST_F(ZeroGrad, GradientsReadBeforeTheBackwardAreZeros) {
   model_->backward(stream_, dy1_.as<float>());
   EXPECT_TRUE(same_values(grads(), g1));
 
-  // grads_flat() before the backward (as DDP's reducer takes it) enqueues the fill, once.
+  // grads_address() (what DDP's reducer takes before the backward) fills nothing: the backward
+  // after it still writes, over whatever the buffer held.
+  backward_after_zero_grad(dy1_);
+  poison();
+  model_->zero_grad(stream_);
+  const std::uint64_t untouched = launches();
+  EXPECT_EQ(model_->grads_address(), model_->grads_address());
+  EXPECT_EQ(launches(), untouched) << "no fill";
+  model_->backward(stream_, dy1_.as<float>());
+  EXPECT_TRUE(same_values(grads(), g1)) << "written, not added to the poison";
+
+  // grads_flat() before the backward enqueues the fill, once.
   model_->zero_grad(stream_);
   const std::uint64_t before = launches();
   float* flat = model_->grads_flat();

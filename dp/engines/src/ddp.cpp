@@ -194,7 +194,8 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
                                                   batch.size, loss_scale);
   GradientsReady on_ready;
   if (sync) {
-    reducer_->prepare(r, rank.compute, m.grads_flat());
+    // Not grads_flat(): that would fill in a pending zero_grad the backward is about to overwrite.
+    reducer_->prepare(r, rank.compute, m.grads_address());
     on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
   }
   m.backward(rank.compute, grad_output, on_ready);

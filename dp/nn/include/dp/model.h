@@ -58,6 +58,11 @@ class Model {
   // grads_flat() enqueues the fill of a pending zero_grad (see zero_grad) on zero_grad's stream.
   virtual float* params_flat() const = 0;
   virtual float* grads_flat() const = 0;
+  // The gradients' address without filling in a pending zero_grad, for a caller that reads them
+  // only once the next backward has written them: DDP's reducer is handed it before the backward
+  // and all-reduces each bucket after the backward wrote it. Models that write no gradients in
+  // their backward, or cannot say, keep the default (grads_flat(): the zeros are filled in).
+  virtual float* grads_address() const { return grads_flat(); }
   virtual std::size_t param_count() const = 0;
   virtual void* buffers_flat() const = 0;  // may be null when there are no buffers
   virtual std::size_t buffers_bytes() const = 0;

@@ -38,6 +38,7 @@ class SequentialModel final : public Model {
   float* params_flat() const override { return params_.as<float>(); }
   // Both materialise a pending zero_grad (see Model::zero_grad); gradients() also waits for it.
   float* grads_flat() const override;
+  float* grads_address() const override { return grads_.as<float>(); }  // every backward writes every gradient
   std::size_t param_count() const override { return param_count_; }
   void* buffers_flat() const override { return buffers_.data(); }
   std::size_t buffers_bytes() const override { return buffers_bytes_; }
