@@ -4,6 +4,7 @@
 // caller overwrites its batch memory as soon as a step is submitted, every engine's losses,
 // parameters and buffers equal those of train_step one step after another, bit for bit, eager and
 // replayed, through batch-size changes, learning-rate changes and an evaluation between steps.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <gtest/gtest.h>
@@ -134,6 +135,33 @@ INSTANTIATE_TEST_SUITE_P(Engines, Pipeline,
                                            Case{"ddp3_mlp_eager", EngineKind::ddp, 3, false, false},
                                            Case{"ddp3_convnet_graphs", EngineKind::ddp, 3, true, true}),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// A zero_grad the caller issues before a replayed step is done with once the step ran, as after an
+// eager one: the gradients read afterwards are the step's, graphs on or off.
+TEST(Pipeline, AZeroGradBeforeAReplayedStepLeavesTheStepsGradients) {
+  std::vector<std::vector<float>> grads;
+  for (const bool graphs : {false, true}) {
+    auto runtime = test::sim_runtime(1);
+    auto model = models::make_mlp(runtime->device(0), {16}, 3);
+    EngineOptions options;
+    options.graphs = graphs;
+    auto engine = make_engine(*runtime, *model, SgdOptions{0.1f}, options);
+    const auto x = test::random_vector(4 * 28 * 28, 8);
+    const auto y = test::random_targets(4, 3, 9);
+    const std::vector<Batch> batches{Batch{x.data(), y.data(), 4}};
+    for (int step = 0; step < 4; ++step) engine->train_step(batches);
+    const Stream stream = model->device().create_stream();
+    model->zero_grad(stream);
+    engine->train_step(batches);
+    EXPECT_EQ(engine->graph_replays(), graphs ? 4u : 0u);  // every step after the first
+    engine->synchronize();
+    std::vector<float> g(model->param_count());
+    stream.copy(g.data(), model->grads_flat(), g.size() * sizeof(float));
+    grads.push_back(g);
+  }
+  EXPECT_EQ(std::memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)), 0);
+  EXPECT_NE(std::count(grads[1].begin(), grads[1].end(), 0.0f), static_cast<std::ptrdiff_t>(grads[1].size()));
+}
 
 TEST(StepLoss, WithoutAStepIsAClearError) {
   const StepLoss none;

@@ -68,14 +68,14 @@ class StepPipeline {
   ~StepPipeline();
 
   // The next step's slot, once the step that used it last has its loss (rethrows that step's
-  // failure: the engine is then in no state to go on).
+  // failure, unless its StepLoss::get() has reported it already).
   int next_slot();
   // The step just submitted in `slot` (next_slot()'s): `wait` waits for its loss and returns it,
   // `query` says whether `wait` would not block.
   StepLoss submitted(int slot, std::function<float()> wait, std::function<bool()> query);
   // A step whose loss is already known (DDP across processes): takes `slot` without anything in flight.
   StepLoss known(int slot, float loss);
-  // Waits for the loss of every step in flight; rethrows the first failure.
+  // Waits for the loss of every step in flight; rethrows the first failure no get() has reported.
   void drain();
 
  private:

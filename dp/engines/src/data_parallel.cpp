@@ -207,8 +207,9 @@ void DataParallel::gather_outputs() {
 
 StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, int batch) {
   if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
+  if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
+  const int slot = pipeline_->next_slot();  // a failure of the step before: nothing of this one planned yet
   plan_chunks(batch);
-  const int slot = pipeline_->next_slot();
   const Event& done = step_done_[static_cast<std::size_t>(slot)];
   // Every chunk into its device's ring, the targets into the output device's: copied in on their
   // copy streams while the step in flight computes, no later than this step's source waits for them.
@@ -238,6 +239,7 @@ StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, 
     wait_for_batches(slot);
     optimizer_->replayed_step(source);
     graphs_->graphs(key, slot)[0].replay();  // every device's part: one launch, from this thread
+    for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->model->replayed_backward();
     graphs_->count_replay();
     // A record captured into the graph is a dependency inside it: the loss is known when the graph,
     // launched on the source's stream, has run there (its end there is the end of every device's part).

@@ -353,6 +353,7 @@ bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key,
     rank.optimizer->replayed_step(rank.compute);
     rank.accumulated_samples = 0;
     graphs[static_cast<std::size_t>(r)].replay();
+    rank.model->replayed_backward();
     // Records captured into the graph are dependencies inside it: the loss is known, and the slot
     // free, once the graph has run.
     rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);

@@ -78,7 +78,10 @@ void StepLoss::State::resolve() {
 float StepLoss::get() const {
   if (!state_) throw InvalidArgument("StepLoss::get: this StepLoss belongs to no training step");
   state_->resolve();
-  if (state_->error) std::rethrow_exception(state_->error);
+  if (state_->error) {
+    state_->reported = true;
+    std::rethrow_exception(state_->error);
+  }
   return *state_->value;
 }
 
@@ -199,7 +202,7 @@ int StepPipeline::next_slot() {
   if (state) {
     std::shared_ptr<StepLoss::State> previous = std::move(state);
     previous->resolve();
-    if (previous->error) std::rethrow_exception(previous->error);
+    if (previous->error && !previous->reported) std::rethrow_exception(previous->error);
   }
   return slot;
 }
@@ -229,7 +232,7 @@ void StepPipeline::drain() {
     if (!state) continue;
     std::shared_ptr<StepLoss::State> done = std::move(state);
     done->resolve();
-    if (done->error && !first) first = done->error;
+    if (done->error && !done->reported && !first) first = done->error;
   }
   if (first) std::rethrow_exception(first);
 }
@@ -243,10 +246,10 @@ void InputRing::push(Device& device, int slot, const float* inputs, std::size_t 
   // memory (it would make the graphs of this one stale). Its device buffers are reallocated
   // (freeing waits for the device to be idle); its pinned memory too (its previous copy out has run:
   // the pipeline waited for the losses of the steps in flight before this push).
-  const bool grows = slots_[0].host_inputs.size() < input_bytes || slots_[0].host_targets.size() < target_bytes;
   for (Slot& s : slots_) {
     if (!s.copied.valid()) s.copied = device.create_event();
-    if (grows) s.copied.synchronize();  // the other slot's pinned memory may still be copied out
+    // The other slot's pinned memory may still be copied out (its step in flight).
+    if (s.host_inputs.size() < input_bytes || s.host_targets.size() < target_bytes) s.copied.synchronize();
     if (s.inputs.size() < input_bytes || s.targets.size() < target_bytes) ++growths_;
     if (input_bytes) (void)s.inputs.get<float>(device, input_floats);
     if (target_bytes) (void)s.targets.get<std::int64_t>(device, target_count);
@@ -254,6 +257,9 @@ void InputRing::push(Device& device, int slot, const float* inputs, std::size_t 
     if (reserve_pinned(device, s.host_targets, target_bytes)) ++growths_;
   }
   Slot& s = slots_[idx(slot)];
+  // Done already when the slot's last step has its loss (StepPipeline::next_slot); not when that
+  // step failed after its push, before the pipeline knew of it.
+  if (!s.copied.query()) s.copied.synchronize();
   if (input_bytes) std::memcpy(s.host_inputs.data(), inputs, input_bytes);
   if (target_bytes) std::memcpy(s.host_targets.data(), targets, target_bytes);
   copy_.wait(slot_free);

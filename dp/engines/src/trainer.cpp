@@ -47,6 +47,8 @@ void SingleDeviceTrainer::enqueue_step(int batch, int slot) {
 
 StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
   if (!targets) throw InvalidArgument("training step without targets (null pointer)");
+  if (!inputs) throw InvalidArgument("batch has no inputs (null pointer)");
+  if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
   Device& device = model_.device();
   const int slot = pipeline_->next_slot();
   const Event& done = step_done_[static_cast<std::size_t>(slot)];
@@ -67,6 +69,7 @@ StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* ta
   if (action == engines::StepGraphs::Action::replay) {
     optimizer_->replayed_step(stream_);
     graphs_->graphs(key, slot)[0].replay();
+    model_.replayed_backward();
     graphs_->count_replay();
   } else {
     const auto before = memory();

@@ -153,6 +153,11 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
   zero_grad_stream_ = Stream{};
 }
 
+void SequentialModel::replayed_backward() {
+  zero_grad_pending_ = false;
+  zero_grad_stream_ = Stream{};
+}
+
 // No fill: the next backward writes the gradients (torch's zero_grad(set_to_none=True)), one launch
 // fewer per step. Only a reader that comes first (materialize_zero_grad) needs the zeros in memory.
 void SequentialModel::zero_grad(const Stream& stream) {

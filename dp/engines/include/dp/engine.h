@@ -70,6 +70,7 @@ class StepLoss {
     std::function<bool()> query;  // until resolved: whether wait() would not block
     std::optional<float> value;
     std::exception_ptr error;
+    bool reported = false;  // get() has thrown `error`: the engine does not throw it again
     void resolve();
   };
   explicit StepLoss(std::shared_ptr<State> state) : state_(std::move(state)) {}

@@ -99,10 +99,9 @@ class Model {
   // so a caller that takes grads_flat() before the backward (DDP's reducer) gets today's fill and
   // an accumulating backward; one that takes it after (an optimizer step) never pays for it.
   // Graph replays do not go through the model: a captured step (zero_grad + backward inside)
-  // replays what it captured, a written gradient, whatever the host state says; a zero_grad issued
-  // between replays stays pending over them (what the replay wrote gets the fill at the next
-  // grads_flat()/gradients(), or is overwritten by the next backward). One thread at a time per
-  // model, as for backward.
+  // replays what it captured, a written gradient, whatever the host state says; the engine then
+  // calls replayed_backward(), so a zero_grad issued before the replay is done with, as after an
+  // eager step. One thread at a time per model, as for backward.
   virtual void zero_grad(const Stream& stream) = 0;
 
   // The randomness the next train-mode forwards draw from (see RandomContext); models without
@@ -111,6 +110,9 @@ class Model {
   // Until reset with null, train-mode forwards and backwards synchronise BatchNorm statistics
   // through `sync` (owned by the caller, alive while set); models without BatchNorm ignore it.
   virtual void set_batchnorm_sync(const BatchNormSync*) {}
+  // An engine replayed a captured step whose backward wrote the gradients: on the host, the model
+  // is where that backward leaves it (a pending zero_grad is done with), as if it had run.
+  virtual void replayed_backward() {}
 
   // Whether an engine may capture a training step of this model into a graph once and replay it
   // for later steps (EngineOptions::graphs): true only when forward, backward and zero_grad enqueue

@@ -53,6 +53,7 @@ class SequentialModel final : public Model {
   void zero_grad(const Stream& stream) override;
   void set_random_context(const RandomContext& random) override { random_ = random; }
   void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
+  void replayed_backward() override;
   // Its layers enqueue fixed work per batch size into grow-only scratch; Dropout draws per step.
   bool capturable() const override;
   std::unique_ptr<Model> replicate(Device& device) const override;
