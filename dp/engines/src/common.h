@@ -73,6 +73,8 @@ class StepPipeline {
   // The step just submitted in `slot` (next_slot()'s): `wait` waits for its loss and returns it,
   // `query` says whether `wait` would not block.
   StepLoss submitted(int slot, std::function<float()> wait, std::function<bool()> query);
+  // The same for a loss that is the pinned float at `loss` once `ready` has passed.
+  StepLoss submitted(int slot, const Event& ready, const float* loss);
   // A step whose loss is already known (DDP across processes): takes `slot` without anything in flight.
   StepLoss known(int slot, float loss);
   // Waits for the loss of every step in flight; rethrows the first failure no get() has reported.
@@ -120,8 +122,11 @@ class InputRing {
   std::uint64_t growths_ = 0;
 };
 
-// A batch of a training step on one device: inputs and targets (checked: InvalidArgument for an
-// empty batch or null inputs), pushed into `ring`'s `slot`.
+// Throws InvalidArgument for an empty batch or null inputs.
+void check_batch(const Batch& batch);
+
+// A batch of a training step on one device: inputs and targets (checked: check_batch), pushed into
+// `ring`'s `slot`.
 void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, std::size_t floats_per_sample,
                 const Event& slot_free);
 

@@ -207,8 +207,8 @@ void DataParallel::gather_outputs() {
 
 StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, int batch) {
   if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
-  if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
-  const int slot = pipeline_->next_slot();  // a failure of the step before: nothing of this one planned yet
+  engines::check_batch(Batch{inputs, targets, batch});  // before waiting for the step in flight
+  const int slot = pipeline_->next_slot();              // a failure of the step before: nothing of this one planned yet
   plan_chunks(batch);
   const Event& done = step_done_[static_cast<std::size_t>(slot)];
   // Every chunk into its device's ring, the targets into the output device's: copied in on their
@@ -253,14 +253,7 @@ StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, 
   // The source's last work is the step's: every device's part of it has run (the reduction waited
   // for each backward, the backwards for the loss). The slot's buffers are free again from there.
   source.record(done);
-  const float* loss = host_loss_.as<float>() + slot;
-  return pipeline_->submitted(
-      slot,
-      [loss_ready, loss] {
-        loss_ready.synchronize();
-        return *loss;
-      },
-      [loss_ready] { return loss_ready.query(); });
+  return pipeline_->submitted(slot, loss_ready, host_loss_.as<float>() + slot);
 }
 
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {

@@ -135,11 +135,12 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
 
 namespace engines {
 
-namespace {
 void check_batch(const Batch& batch) {
   if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
   if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
 }
+
+namespace {
 // Ends a capture that failed part-way (its error is already on its way up); nothing captured runs.
 void abandon_capture(const Stream& stream) noexcept {
   try {
@@ -214,6 +215,16 @@ StepLoss StepPipeline::submitted(int slot, std::function<float()> wait, std::fun
   pending_[static_cast<std::size_t>(slot)] = state;
   ++submitted_;
   return StepLoss(std::move(state));
+}
+
+StepLoss StepPipeline::submitted(int slot, const Event& ready, const float* loss) {
+  return submitted(
+      slot,
+      [ready, loss] {
+        ready.synchronize();
+        return *loss;
+      },
+      [ready] { return ready.query(); });
 }
 
 StepLoss StepPipeline::known(int slot, float loss) {

@@ -1,7 +1,5 @@
-// trainer.cpp — SingleDeviceTrainer: the whole step enqueued on one stream, one sync for the loss.
+// trainer.cpp — SingleDeviceTrainer: the whole step enqueued on one stream, its loss read when asked for.
 #include "dp/trainer.h"
-
-#include <fmt/format.h>
 
 #include "common.h"
 #include "dp/error.h"
@@ -47,8 +45,7 @@ void SingleDeviceTrainer::enqueue_step(int batch, int slot) {
 
 StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
   if (!targets) throw InvalidArgument("training step without targets (null pointer)");
-  if (!inputs) throw InvalidArgument("batch has no inputs (null pointer)");
-  if (batch < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch));
+  engines::check_batch(Batch{inputs, targets, batch});  // before waiting for the step in flight
   Device& device = model_.device();
   const int slot = pipeline_->next_slot();
   const Event& done = step_done_[static_cast<std::size_t>(slot)];
@@ -79,14 +76,7 @@ StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* ta
   if (graphs_->enabled()) graphs_->end_step(memory());
   // The loss is the step's last work (the optimizer before it): one event says both.
   stream_.record(done);
-  const float* loss = host_loss_.as<float>() + slot;
-  return pipeline_->submitted(
-      slot,
-      [done, loss] {
-        done.synchronize();
-        return *loss;
-      },
-      [done] { return done.query(); });
+  return pipeline_->submitted(slot, done, host_loss_.as<float>() + slot);
 }
 
 float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets, int batch) {
