@@ -235,6 +235,20 @@ class CudnnSetting {
   bool saved_;
 };
 
+// Restores the weight-gradient choice a test changed.
+class WeightGradSetting {
+ public:
+  explicit WeightGradSetting(kernels::ConvWeightGrad how) : saved_(kernels::conv_weight_grad()) {
+    kernels::set_conv_weight_grad(how);
+  }
+  ~WeightGradSetting() { kernels::set_conv_weight_grad(saved_); }
+  WeightGradSetting(const WeightGradSetting&) = delete;
+  WeightGradSetting& operator=(const WeightGradSetting&) = delete;
+
+ private:
+  kernels::ConvWeightGrad saved_;
+};
+
 // Odd and non-square sizes, strides 1-3, padding 0-2, kernels 1/3/5 (and 2x3), batch 1-3, C_in 1-3,
 // with and without bias; the last two are the reference model's layers at a small batch.
 const std::vector<std::pair<Conv2dShape, bool>> kShapes = {
@@ -490,8 +504,41 @@ TEST_P(Conv2dTest, CudnnMatchesIm2colPath) {
   }
 }
 
-// cuda only: streams of one device share its cuDNN handle (under a mutex); two threads driving
-// their own streams concurrently must both get correct results.
+// 6. Each weight-gradient path of the cuDNN path, forced and timed, against the direct convolution;
+// forced to im2col + GEMM it gives the shared path's bits (the same kernels and GEMM). On sim,
+// where every choice runs the shared path, the choices give the same bits.
+TEST_P(Conv2dTest, WeightGradientPaths) {
+  const bool cudnn = no_cudnn() == nullptr;
+  std::vector<std::pair<Conv2dShape, bool>> shapes = kShapes;
+  if (cudnn) shapes.push_back({{64, 16, 14, 14, 32, 5, 5, 1, 2}, true});
+  unsigned seed = 900;
+  for (const auto& [shape, bias] : shapes) {
+    const Inputs in = make_inputs(shape, bias, seed += 10);
+    Outputs shared;
+    {
+      const CudnnSetting off(false);
+      shared = run_conv(*device_, stream_, shape, in);
+    }
+    for (const auto how :
+         {kernels::ConvWeightGrad::cudnn, kernels::ConvWeightGrad::gemm, kernels::ConvWeightGrad::timed}) {
+      const WeightGradSetting setting(how);
+      const Outputs out = run_conv(*device_, stream_, shape, in);
+      const std::string what = describe(shape) + " (choice " + std::to_string(static_cast<int>(how)) + ")";
+      if (!cudnn) {
+        EXPECT_EQ(out.dw, shared.dw) << what;
+        EXPECT_EQ(out.dx, shared.dx) << what;
+        continue;
+      }
+      expect_direct(shape, in, out, shape.n >= 64 ? 64 : 0);
+      if (how == kernels::ConvWeightGrad::gemm) {
+        EXPECT_EQ(out.dw, shared.dw) << what;
+      }
+    }
+  }
+}
+
+// cuda only: streams of one device each have their own cuDNN handle but share its plans (under a
+// mutex); two threads driving their own streams concurrently must both get correct results.
 TEST_P(Conv2dTest, CudnnConcurrentStreamsOfOneDevice) {
   if (const char* why = no_cudnn()) GTEST_SKIP() << why;
   const Conv2dShape s{8, 3, 12, 10, 6, 3, 3, 1, 1};

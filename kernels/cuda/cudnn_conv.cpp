@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "dp/runtime/cuda_status.h"
 #include "dp/runtime/kernel_api.h"
@@ -101,6 +102,8 @@ struct Plan {
   cudnnConvolutionBwdDataAlgo_t bwd_data = CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
   cudnnConvolutionBwdFilterAlgo_t bwd_filter = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
   std::size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
+  // Whether im2col + cuBLAS computes the weight gradient instead of bwd_filter; empty until timed.
+  std::optional<bool> weight_grad_by_gemm;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -224,7 +227,7 @@ struct Workspace {
 // Runs f(handle, plan, workspace) with the device current and the stream's own cuDNN handle; the
 // plan for (shape, the runtime's precision) is built on first use and cached for the device.
 template <class F>
-void with_cudnn(const Stream& stream, const Conv2dShape& shape, F&& f) {
+void with_cudnn(const Stream& stream, const Conv2dShape& shape, F&& f) {  // f(handle, Plan&, Workspace)
   const Precision precision = kernel_api::precision(stream);
   kernel_api::with_library(stream, kernel_api::Library::cudnn, [&](kernel_api::LibraryCall& call) {
     if (!call.cache) call.cache = std::make_shared<Plans>();
@@ -234,6 +237,34 @@ void with_cudnn(const Stream& stream, const Conv2dShape& shape, F&& f) {
     const std::size_t bytes = plan->workspace_bytes();
     f(handle, *plan, Workspace{call.workspace(bytes), bytes});
   });
+}
+
+// A CUDA event for timing, destroyed with its scope.
+class TimingEvent {
+ public:
+  TimingEvent() { DP_CUDA_CHECK(cudaEventCreate(&event_)); }
+  ~TimingEvent() { cudaEventDestroy(event_); }  // never throws from a destructor
+  TimingEvent(const TimingEvent&) = delete;
+  TimingEvent& operator=(const TimingEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// The mean GPU time of `work` enqueued on `stream`, over kRuns runs after an untimed one (which pays
+// first-call costs: cuBLAS's heuristics, module loading). Waits for the stream.
+float time_ms(cudaStream_t stream, const std::function<void()>& work) {
+  constexpr int kRuns = 3;
+  work();
+  const TimingEvent start, stop;
+  DP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
+  for (int run = 0; run < kRuns; ++run) work();
+  DP_CUDA_CHECK(cudaEventRecord(stop.get(), stream));
+  DP_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+  float ms = 0.0f;
+  DP_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+  return ms / kRuns;
 }
 
 }  // namespace
@@ -262,9 +293,38 @@ void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
                                                  scratch.data(), scratch.bytes(), &zero, p.x, dx));
     // beta = 1: gradients accumulate, as PyTorch's .grad does; beta = 0 writes them (the first
     // backward after zero_grad), and cuDNN then never reads what dweight held.
-    DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
-                                                 scratch.bytes(), accumulate ? &one : &zero, p.w, dweight));
+    if (dweight)
+      DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
+                                                   scratch.bytes(), accumulate ? &one : &zero, p.w, dweight));
   });
+}
+
+bool cudnn_conv2d_weight_grad_by_gemm(const Stream& stream, const Conv2dShape& shape, const float* x, const float* dy,
+                                      const std::function<void(float* dweight)>& gemm_weight_grad) {
+  bool by_gemm = false;
+  with_cudnn(stream, shape, [&](cudnnHandle_t handle, Plan& p, const Workspace& scratch) {
+    if (!p.weight_grad_by_gemm) {
+      const auto native = static_cast<cudaStream_t>(kernel_api::native_handle(stream));
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      DP_CUDA_CHECK(cudaStreamIsCapturing(native, &capture));
+      if (capture != cudaStreamCaptureStatusNone) return;  // cannot time or wait inside a capture
+      // Both measured the same way, on the real x and dy, into a scratch gradient. gemm_weight_grad
+      // takes the stream's cuBLAS handle while this holds its cuDNN one: the one nesting of the two
+      // (no cuBLAS call takes cuDNN), so the locks cannot deadlock.
+      const FindBuffer dweight(static_cast<std::size_t>(shape.c_out) * shape.c_in * shape.kh * shape.kw *
+                               sizeof(float));
+      auto* into = static_cast<float*>(dweight.data());
+      const float one = 1.0f, zero = 0.0f;
+      const float cudnn_ms = time_ms(native, [&] {
+        DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter,
+                                                     scratch.data(), scratch.bytes(), &zero, p.w, into));
+      });
+      const float gemm_ms = time_ms(native, [&] { gemm_weight_grad(into); });
+      p.weight_grad_by_gemm = gemm_ms < cudnn_ms;
+    }
+    by_gemm = *p.weight_grad_by_gemm;
+  });
+  return by_gemm;
 }
 
 }  // namespace dp::kernels::library

@@ -16,4 +16,9 @@ void cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, cons
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
 }
 
+bool cudnn_conv2d_weight_grad_by_gemm(const Stream&, const Conv2dShape&, const float*, const float*,
+                                      const std::function<void(float*)>&) {
+  throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
+}
+
 }  // namespace dp::kernels::library

@@ -2,6 +2,7 @@
 // backend runs, and the dispatch to cuDNN on cuda streams.
 #include <algorithm>
 #include <atomic>
+#include <limits>
 
 #include "checks.h"
 #include "dp/kernels/conv2d.h"
@@ -13,6 +14,7 @@ namespace dp::kernels {
 namespace {
 
 std::atomic<bool> use_cudnn{true};
+std::atomic<ConvWeightGrad> weight_grad_choice{ConvWeightGrad::timed};
 
 index_t taps(const Conv2dShape& s) { return static_cast<index_t>(s.c_in) * s.kh * s.kw; }
 index_t pixels(const Conv2dShape& s) { return static_cast<index_t>(s.n) * s.h_out() * s.w_out(); }  // P
@@ -25,8 +27,9 @@ index_t permute_calls(const ConvGeometry& g) { return static_cast<index_t>(g.s.n
 
 // The shared path indexes with int (and int GEMM extents): every tensor must stay below 2^31
 // elements, col (8 GiB at that size) being the largest for any practical shape.
+index_t largest_shared_tensor(const Conv2dShape& s) { return std::max({x_count(s), y_count(s), col_count(s)}); }
 ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
-  checks::conv2d_int_range(op, s, std::max({x_count(s), y_count(s), col_count(s)}));
+  checks::conv2d_int_range(op, s, largest_shared_tensor(s));
   ConvGeometry g;
   g.s = s;
   g.h_out = s.h_out();
@@ -49,9 +52,43 @@ ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
 
 bool cudnn_path(const Stream& stream) { return stream.backend() == Backend::cuda && conv_cudnn_enabled(); }
 
+// The shared path's weight gradient: dweight (+)= mat . col^T with beta, leaving col (x lowered) in
+// the workspace for the input gradient. Returns mat, dy in the GEMM's layout: dy itself for N = 1
+// (dy (1, C_out, hw) already is (C_out, hw)), else dy permuted into the workspace after col.
+const float* shared_weight_grad(const Stream& stream, const ConvGeometry& g, const float* x, const float* dy,
+                                float* dweight, float beta, float* workspace) {
+  const Conv2dShape& shape = g.s;
+  const int t = static_cast<int>(taps(shape)), p = g.cols;
+  float* col = workspace;
+  const float* mat = dy;
+  if (shape.n > 1) {
+    float* permuted = workspace + col_count(shape);
+    launch(stream, "conv2d_to_mat", permute_calls(g), NchwToMat{g, dy, permuted},
+           {operand(dy, y_count(shape)), operand(permuted, y_count(shape))});
+    mat = permuted;
+  }
+  launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
+         {operand(x, x_count(shape)), operand(col, col_count(shape))});
+  gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, beta, dweight, t);  // (+)= dy . col^T
+  return mat;
+}
+
+// Whether the cuDNN path leaves the weight gradient to shared_weight_grad (set_conv_weight_grad).
+bool weight_grad_by_gemm(const Stream& stream, const Conv2dShape& shape, const float* x, const float* dy,
+                         float* workspace) {
+  const ConvWeightGrad how = conv_weight_grad();
+  if (how == ConvWeightGrad::cudnn || largest_shared_tensor(shape) > std::numeric_limits<int>::max()) return false;
+  const ConvGeometry g = shared_geometry(shape, "conv2d_backward");
+  if (how == ConvWeightGrad::gemm) return true;
+  return library::cudnn_conv2d_weight_grad_by_gemm(
+      stream, shape, x, dy, [&](float* dweight) { shared_weight_grad(stream, g, x, dy, dweight, 0.0f, workspace); });
+}
+
 }  // namespace
 
 void set_conv_cudnn(bool enabled) { use_cudnn.store(enabled); }
+void set_conv_weight_grad(ConvWeightGrad how) { weight_grad_choice.store(how); }
+ConvWeightGrad conv_weight_grad() { return weight_grad_choice.load(); }
 
 bool conv_cudnn_enabled() {
   static const bool available = library::cudnn_available();
@@ -117,22 +154,17 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   if (dbias)
     channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, beta);
   if (cudnn_path(stream)) {
-    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight, accumulate);
+    // The input gradient stays with cuDNN (on the H100 its dgrad was not where the step's time
+    // went); the weight gradient goes to whichever of cuDNN and im2col + GEMM ran faster.
+    const bool by_gemm = weight_grad_by_gemm(stream, shape, x, dy, workspace);
+    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, by_gemm ? nullptr : dweight, accumulate);
+    if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
     return;
   }
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;
-  const float* mat = dy;  // N = 1: dy (1, C_out, hw) already is mat (C_out, hw)
-  if (shape.n > 1) {
-    float* permuted = workspace + col_count(shape);
-    launch(stream, "conv2d_to_mat", permute_calls(g), NchwToMat{g, dy, permuted},
-           {operand(dy, y_count(shape)), operand(permuted, y_count(shape))});
-    mat = permuted;
-  }
-  launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
-         {operand(x, x_count(shape)), operand(col, col_count(shape))});
-  gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, beta, dweight, t);  // (+)= dy . col^T
+  const float* mat = shared_weight_grad(stream, g, x, dy, dweight, beta, workspace);
   if (dx == nullptr) return;
   // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
   gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);

@@ -3,6 +3,8 @@
 // without the cuda backend link cuda/stub.cpp instead, where cudnn_available() is false.
 #pragma once
 
+#include <functional>
+
 #include "dp/device.h"
 #include "dp/kernels/conv2d.h"
 
@@ -30,7 +32,15 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
                           const float* bias, float* y);
 // dx (when not null) and dweight (added to with `accumulate`, else overwritten); the bias gradient
 // is the launchers' own reduction (channel_sum).
+// dweight may be null: the caller computes the weight gradient itself (cudnn_conv2d_weight_grad_by_gemm).
 void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                            const float* dy, float* dx, float* dweight, bool accumulate);
+// Whether the weight gradient of `shape` is faster by `gemm_weight_grad` (the shared im2col + cuBLAS
+// path, enqueued on `stream`, writing the dweight it is given) than by cuDNN's chosen algorithm.
+// Decided on the first call per (shape, precision) per device, by timing both on the stream with x
+// and dy into scratch (warm-up: it waits for the stream). A call while the stream is capturing
+// answers cuDNN without deciding (it cannot time; engines capture only shapes they ran eagerly).
+bool cudnn_conv2d_weight_grad_by_gemm(const Stream& stream, const Conv2dShape& shape, const float* x, const float* dy,
+                                      const std::function<void(float* dweight)>& gemm_weight_grad);
 
 }  // namespace dp::kernels::library

@@ -1,6 +1,7 @@
 // conv2d.h — Conv2d forward/backward (PyTorch semantics: weight (C_out, C_in, KH, KW), bias (C_out),
 // any stride and zero padding, NCHW row-major). Shared path: im2col/col2im + GEMM, which both
-// backends run; on cuda a cuDNN path is the default when available (set_conv_cudnn(false) turns it off).
+// backends run; on cuda a cuDNN path is the default when available (set_conv_cudnn(false) turns it off),
+// its weight gradients by cuDNN or by the shared im2col + cuBLAS GEMM, whichever is faster.
 #pragma once
 
 #include <cstddef>
@@ -38,6 +39,18 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
 // The sim backend always runs the shared im2col path.
 void set_conv_cudnn(bool enabled);
 bool conv_cudnn_enabled();
+
+// How the cuDNN path computes weight gradients. `timed` (the default): once per (shape, precision)
+// per device, during the first backward (warm-up, never inside a capture), cuDNN's chosen
+// backward-filter algorithm and the shared im2col + cuBLAS GEMM both run on the stream and the
+// faster is kept: in `strict` cuDNN may only use its deterministic dot-product algorithms, which
+// on an H100 ran the ConvNet's weight gradients ~4x slower than im2col + GEMM. Both are plain fp32
+// dot products, so either is within rounding of the host path. `cudnn` and `gemm` force one (tests,
+// or runs that want the same algorithm on every device). No effect on sim (always the shared path)
+// or with cuDNN off; shapes beyond the shared path's int range always use cuDNN.
+enum class ConvWeightGrad { timed, cudnn, gemm };
+void set_conv_weight_grad(ConvWeightGrad how);
+ConvWeightGrad conv_weight_grad();
 
 // ------------------------------------------------------------------------------------------------
 // Arithmetic of the shared path, written once for host and device.
