@@ -198,6 +198,16 @@ Outputs run_conv(Device& device, const Stream& stream, const Conv2dShape& s, con
   return out;
 }
 
+// The weight gradient of a backward without dx, written (accumulate = false) over NaN.
+std::vector<float> first_weight_grad(Device& device, const Stream& stream, const Conv2dShape& s, const Inputs& in) {
+  DeviceBuffer x = upload(device, stream, in.x), w = upload(device, stream, in.w), dy = upload(device, stream, in.dy);
+  DeviceBuffer dw = upload(device, stream, std::vector<float>(w_size(s), std::numeric_limits<float>::quiet_NaN()));
+  DeviceBuffer ws = device.allocate(kernels::conv2d_workspace_floats(s) * sizeof(float));
+  kernels::conv2d_backward(stream, s, x.as<float>(), w.as<float>(), dy.as<float>(), nullptr, dw.as<float>(), nullptr,
+                           ws.as<float>(), false);
+  return download<float>(stream, dw);
+}
+
 // Checks every output of run_conv against the direct convolution, at `sample` random indices per
 // tensor (0: all of them).
 void expect_direct(const Conv2dShape& s, const Inputs& in, const Outputs& out, std::size_t sample = 0) {
@@ -479,8 +489,9 @@ TEST_P(Conv2dTest, RejectsInvalidShapesAndNullOperands) {
   EXPECT_EQ(kernels::conv2d_workspace_floats(ok), 9u * 4 + 1u * 4);
 }
 
-// 5. cuda only: cuDNN and the shared im2col path on the same GPU, each against the direct
-// convolution with the rounding bound (so the two agree within twice that bound).
+// 5. cuda only: cuDNN (its weight gradient by whichever path the plan timed faster) and the shared
+// im2col path on the same GPU, each against the direct convolution with the rounding bound (so the
+// two agree within twice that bound).
 TEST_P(Conv2dTest, CudnnMatchesIm2colPath) {
   if (const char* why = no_cudnn()) GTEST_SKIP() << why;
   std::vector<std::pair<Conv2dShape, bool>> shapes = kShapes;
@@ -524,6 +535,14 @@ TEST_P(Conv2dTest, WeightGradientPaths) {
       const WeightGradSetting setting(how);
       const Outputs out = run_conv(*device_, stream_, shape, in);
       const std::string what = describe(shape) + " (choice " + std::to_string(static_cast<int>(how)) + ")";
+      // The first backward after zero_grad: no input gradient (a first layer), dweight written over
+      // NaN rather than added to.
+      Inputs fresh = in;
+      std::fill(fresh.dw0.begin(), fresh.dw0.end(), 0.0f);
+      EXPECT_TRUE(
+          within_rounding(first_weight_grad(*device_, stream_, shape, in),
+                          direct_at(w_size(shape), {}, [&](std::size_t i) { return direct_dw(shape, fresh, i); }), {}))
+          << "written dweight: " << what;
       if (!cudnn) {
         EXPECT_EQ(out.dw, shared.dw) << what;
         EXPECT_EQ(out.dx, shared.dx) << what;

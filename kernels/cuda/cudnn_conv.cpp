@@ -6,9 +6,9 @@
 #include <cstddef>
 #include <cudnn.h>
 #include <fmt/format.h>
+#include <limits>
 #include <map>
 #include <memory>
-#include <optional>
 
 #include "dp/runtime/cuda_status.h"
 #include "dp/runtime/kernel_api.h"
@@ -74,10 +74,12 @@ std::size_t find_workspace_bytes(const Perf* perf, int count, Precision precisio
 // Device memory for the duration of a plan's algorithm search (cudnnFind*Ex needs real operands).
 class FindBuffer {
  public:
-  explicit FindBuffer(std::size_t bytes) {
+  FindBuffer(std::size_t bytes, cudaStream_t stream) {
     if (bytes == 0) return;
     DP_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-    DP_CUDA_CHECK(cudaMemset(ptr_, 0, bytes));  // finite inputs: no NaN slow paths in the timings
+    // Finite inputs: no NaN slow paths in the timings. On the search's stream: a cudaMemset would
+    // go to the legacy stream, which the runtime's non-blocking streams do not wait for.
+    DP_CUDA_CHECK(cudaMemsetAsync(ptr_, 0, bytes, stream));
   }
   ~FindBuffer() {
     if (ptr_) cudaFree(ptr_);  // never throws from a destructor
@@ -102,8 +104,8 @@ struct Plan {
   cudnnConvolutionBwdDataAlgo_t bwd_data = CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
   cudnnConvolutionBwdFilterAlgo_t bwd_filter = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
   std::size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
-  // Whether im2col + cuBLAS computes the weight gradient instead of bwd_filter; empty until timed.
-  std::optional<bool> weight_grad_by_gemm;
+  // Whether ConvWeightGrad::timed leaves the weight gradient to the shared im2col + cuBLAS path.
+  bool weight_grad_by_gemm = false;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -127,10 +129,54 @@ void make_conv_descriptor(cudnnConvolutionDescriptor_t& conv, const Conv2dShape&
   DP_CUDA_CHECK(cudnnSetConvolutionMathType(conv, math));
 }
 
+// A CUDA event for timing, destroyed with its scope.
+class TimingEvent {
+ public:
+  TimingEvent() { DP_CUDA_CHECK(cudaEventCreate(&event_)); }
+  ~TimingEvent() { cudaEventDestroy(event_); }  // never throws from a destructor
+  TimingEvent(const TimingEvent&) = delete;
+  TimingEvent& operator=(const TimingEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// Whether `challenger` is clearly faster than `incumbent`, both enqueued on `stream`: each runs once
+// untimed (first-call costs: cuBLAS's heuristics, module loading), then they alternate, timed one
+// run at a time, and the best of each counts (noise only ever adds time). "Clearly": by 10 %, so
+// that near-ties keep the incumbent rather than flip between runs and devices. Waits for the stream.
+bool clearly_faster(cudaStream_t stream, const std::function<void()>& challenger,
+                    const std::function<void()>& incumbent) {
+  constexpr int kRounds = 3;
+  const TimingEvent start, stop;
+  const auto time_ms = [&](const std::function<void()>& work) {
+    DP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
+    work();
+    DP_CUDA_CHECK(cudaEventRecord(stop.get(), stream));
+    DP_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+    float ms = 0.0f;
+    DP_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    return ms;
+  };
+  incumbent();
+  challenger();
+  float best_incumbent = std::numeric_limits<float>::infinity(), best_challenger = best_incumbent;
+  for (int round = 0; round < kRounds; ++round) {
+    best_incumbent = std::min(best_incumbent, time_ms(incumbent));
+    best_challenger = std::min(best_challenger, time_ms(challenger));
+  }
+  return best_challenger < 0.9f * best_incumbent;
+}
+
 // Builds the plan for `s`, choosing each direction's algorithm by timing the candidates on the
-// handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up): with scratch operands
-// and a scratch workspace that are freed before it returns.
-std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Precision precision) {
+// handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up), and then the weight
+// gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
+// scratch workspace that are freed before it returns.
+std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Precision precision,
+                                const GemmWeightGrad& gemm) {
+  cudaStream_t stream = nullptr;
+  DP_CUDA_CHECK(cudnnGetStream(handle, &stream));
   auto plan = std::make_unique<Plan>();
   Plan& p = *plan;
   // strict: FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
@@ -171,12 +217,12 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Prec
   search_bytes = std::max(search_bytes, find_workspace_bytes(filter, count, precision, true));
 
   const auto floats = [](std::int64_t count) { return static_cast<std::size_t>(count) * sizeof(float); };
-  const FindBuffer x(floats(std::int64_t{s.n} * s.c_in * s.h * s.w)),
-      dx(floats(std::int64_t{s.n} * s.c_in * s.h * s.w));
-  const FindBuffer weight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw));
-  const FindBuffer dweight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw));
-  const FindBuffer y(floats(std::int64_t{n} * c * h * w));
-  const FindBuffer search(search_bytes);
+  const FindBuffer x(floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream),
+      dx(floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream);
+  const FindBuffer weight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
+  const FindBuffer dweight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
+  const FindBuffer y(floats(std::int64_t{n} * c * h * w), stream);
+  const FindBuffer search(search_bytes, stream);
 
   DP_CUDA_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, p.x, x.data(), p.w, weight.data(), p.conv_fwd, p.y,
                                                        y.data(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, fwd,
@@ -203,6 +249,27 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Prec
   DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv, filter_choice.math));
   DP_CUDA_CHECK(
       cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, p.x, p.y, p.conv, p.w, p.bwd_filter, &p.bwd_filter_bytes));
+
+  // In strict, cuDNN may only use its deterministic dot-product backward-filter algorithms, and on
+  // an H100 the one it had (wgrad_alg1) took 1.81 ms of a ConvNet batch-1024 step where im2col +
+  // cuBLAS took ~0.5 ms (../shared/perf/H100.md, profiled by hand). So the shared path competes,
+  // timed the same way on the same operands (y stands in for dy). Nested library calls: gemm takes
+  // the stream's cuBLAS handle while this holds its cuDNN one, the one nesting of the two (no
+  // cuBLAS call takes cuDNN), so the locks cannot deadlock.
+  if (gemm) {
+    const FindBuffer filter_workspace(p.bwd_filter_bytes > search_bytes ? p.bwd_filter_bytes : 0, stream);
+    void* const workspace = filter_workspace.data() ? filter_workspace.data() : search.data();
+    const auto* x_in = static_cast<const float*>(x.data());
+    const auto* dy_in = static_cast<const float*>(y.data());
+    auto* into = static_cast<float*>(dweight.data());
+    const float one = 1.0f, zero = 0.0f;
+    p.weight_grad_by_gemm = clearly_faster(
+        stream, [&] { gemm(x_in, dy_in, into); },
+        [&] {
+          DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x_in, p.y, dy_in, p.conv, p.bwd_filter,
+                                                       workspace, p.bwd_filter_bytes, &zero, p.w, into));
+        });
+  }
   // The search ran on the handle's stream: its scratch is freed (cudaFree waits for the device)
   // when this returns.
   return plan;
@@ -225,46 +292,19 @@ struct Workspace {
 };
 
 // Runs f(handle, plan, workspace) with the device current and the stream's own cuDNN handle; the
-// plan for (shape, the runtime's precision) is built on first use and cached for the device.
+// plan for (shape, the runtime's precision) is built on first use (with `gemm` as the weight
+// gradient's other candidate) and cached for the device.
 template <class F>
-void with_cudnn(const Stream& stream, const Conv2dShape& shape, F&& f) {  // f(handle, Plan&, Workspace)
+void with_cudnn(const Stream& stream, const Conv2dShape& shape, const GemmWeightGrad& gemm, F&& f) {
   const Precision precision = kernel_api::precision(stream);
   kernel_api::with_library(stream, kernel_api::Library::cudnn, [&](kernel_api::LibraryCall& call) {
     if (!call.cache) call.cache = std::make_shared<Plans>();
     auto handle = static_cast<cudnnHandle_t>(call.handle);
     std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision)];
-    if (!plan) plan = make_plan(handle, shape, precision);
+    if (!plan) plan = make_plan(handle, shape, precision, gemm);
     const std::size_t bytes = plan->workspace_bytes();
     f(handle, *plan, Workspace{call.workspace(bytes), bytes});
   });
-}
-
-// A CUDA event for timing, destroyed with its scope.
-class TimingEvent {
- public:
-  TimingEvent() { DP_CUDA_CHECK(cudaEventCreate(&event_)); }
-  ~TimingEvent() { cudaEventDestroy(event_); }  // never throws from a destructor
-  TimingEvent(const TimingEvent&) = delete;
-  TimingEvent& operator=(const TimingEvent&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
-// The mean GPU time of `work` enqueued on `stream`, over kRuns runs after an untimed one (which pays
-// first-call costs: cuBLAS's heuristics, module loading). Waits for the stream.
-float time_ms(cudaStream_t stream, const std::function<void()>& work) {
-  constexpr int kRuns = 3;
-  work();
-  const TimingEvent start, stop;
-  DP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
-  for (int run = 0; run < kRuns; ++run) work();
-  DP_CUDA_CHECK(cudaEventRecord(stop.get(), stream));
-  DP_CUDA_CHECK(cudaEventSynchronize(stop.get()));
-  float ms = 0.0f;
-  DP_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
-  return ms / kRuns;
 }
 
 }  // namespace
@@ -275,8 +315,8 @@ bool cudnn_available() {
 }
 
 void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                          const float* bias, float* y) {
-  with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
+                          const float* bias, float* y, const GemmWeightGrad& gemm) {
+  with_cudnn(stream, shape, gemm, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
     const float one = 1.0f, zero = 0.0f;
     DP_CUDA_CHECK(cudnnConvolutionForward(handle, &one, p.x, x, p.w, weight, p.conv_fwd, p.fwd, scratch.data(),
                                           scratch.bytes(), &zero, p.y, y));
@@ -284,45 +324,21 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
   });
 }
 
-void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* dy, float* dx, float* dweight, bool accumulate) {
-  with_cudnn(stream, shape, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
+bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                           const float* dy, float* dx, float* dweight, bool accumulate, ConvWeightGrad how,
+                           const GemmWeightGrad& gemm) {
+  bool by_gemm = false;
+  with_cudnn(stream, shape, gemm, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
+    by_gemm = gemm && (how == ConvWeightGrad::gemm || (how == ConvWeightGrad::timed && p.weight_grad_by_gemm));
     const float one = 1.0f, zero = 0.0f;
     if (dx)  // overwritten
       DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv_bwd_data, p.bwd_data,
                                                  scratch.data(), scratch.bytes(), &zero, p.x, dx));
     // beta = 1: gradients accumulate, as PyTorch's .grad does; beta = 0 writes them (the first
     // backward after zero_grad), and cuDNN then never reads what dweight held.
-    if (dweight)
+    if (!by_gemm)
       DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter, scratch.data(),
                                                    scratch.bytes(), accumulate ? &one : &zero, p.w, dweight));
-  });
-}
-
-bool cudnn_conv2d_weight_grad_by_gemm(const Stream& stream, const Conv2dShape& shape, const float* x, const float* dy,
-                                      const std::function<void(float* dweight)>& gemm_weight_grad) {
-  bool by_gemm = false;
-  with_cudnn(stream, shape, [&](cudnnHandle_t handle, Plan& p, const Workspace& scratch) {
-    if (!p.weight_grad_by_gemm) {
-      const auto native = static_cast<cudaStream_t>(kernel_api::native_handle(stream));
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      DP_CUDA_CHECK(cudaStreamIsCapturing(native, &capture));
-      if (capture != cudaStreamCaptureStatusNone) return;  // cannot time or wait inside a capture
-      // Both measured the same way, on the real x and dy, into a scratch gradient. gemm_weight_grad
-      // takes the stream's cuBLAS handle while this holds its cuDNN one: the one nesting of the two
-      // (no cuBLAS call takes cuDNN), so the locks cannot deadlock.
-      const FindBuffer dweight(static_cast<std::size_t>(shape.c_out) * shape.c_in * shape.kh * shape.kw *
-                               sizeof(float));
-      auto* into = static_cast<float*>(dweight.data());
-      const float one = 1.0f, zero = 0.0f;
-      const float cudnn_ms = time_ms(native, [&] {
-        DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter,
-                                                     scratch.data(), scratch.bytes(), &zero, p.w, into));
-      });
-      const float gemm_ms = time_ms(native, [&] { gemm_weight_grad(into); });
-      p.weight_grad_by_gemm = gemm_ms < cudnn_ms;
-    }
-    by_gemm = *p.weight_grad_by_gemm;
   });
   return by_gemm;
 }

@@ -8,16 +8,12 @@ void cublas_gemm(const Stream&, const GemmArgs&) {
   throw Error("cuBLAS GEMM requested, but dp was built without the cuda backend");
 }
 bool cudnn_available() { return false; }
-void cudnn_conv2d_forward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*) {
+void cudnn_conv2d_forward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*,
+                          const GemmWeightGrad&) {
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
 }
-void cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*, float*,
-                           bool) {
-  throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
-}
-
-bool cudnn_conv2d_weight_grad_by_gemm(const Stream&, const Conv2dShape&, const float*, const float*,
-                                      const std::function<void(float*)>&) {
+bool cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*, float*,
+                           bool, ConvWeightGrad, const GemmWeightGrad&) {
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
 }
 

@@ -73,15 +73,14 @@ const float* shared_weight_grad(const Stream& stream, const ConvGeometry& g, con
   return mat;
 }
 
-// Whether the cuDNN path leaves the weight gradient to shared_weight_grad (set_conv_weight_grad).
-bool weight_grad_by_gemm(const Stream& stream, const Conv2dShape& shape, const float* x, const float* dy,
-                         float* workspace) {
-  const ConvWeightGrad how = conv_weight_grad();
-  if (how == ConvWeightGrad::cudnn || largest_shared_tensor(shape) > std::numeric_limits<int>::max()) return false;
-  const ConvGeometry g = shared_geometry(shape, "conv2d_backward");
-  if (how == ConvWeightGrad::gemm) return true;
-  return library::cudnn_conv2d_weight_grad_by_gemm(
-      stream, shape, x, dy, [&](float* dweight) { shared_weight_grad(stream, g, x, dy, dweight, 0.0f, workspace); });
+// The shared weight gradient for the cuDNN path to time against its own (library::GemmWeightGrad),
+// on `stream` with the caller's conv workspace; empty beyond the shared path's int range.
+library::GemmWeightGrad gemm_weight_grad(const Stream& stream, const Conv2dShape& shape, float* workspace) {
+  if (largest_shared_tensor(shape) > std::numeric_limits<int>::max()) return {};
+  // Called only while a plan is built: the geometry is made then, not on every call.
+  return [&stream, shape, workspace](const float* x, const float* dy, float* dweight) {
+    shared_weight_grad(stream, shared_geometry(shape, "conv2d"), x, dy, dweight, 0.0f, workspace);
+  };
 }
 
 }  // namespace
@@ -115,7 +114,7 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
        operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return;
   if (cudnn_path(stream)) {
-    library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y);
+    library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y, gemm_weight_grad(stream, shape, workspace));
     return;
   }
   const ConvGeometry g = shared_geometry(shape, op);
@@ -150,17 +149,27 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   }
   const float beta = accumulate ? 1.0f : 0.0f;  // only how the final sums are stored differs
   // The bias gradient on every path: the reduction plan's order, the same bits on cuda and sim
-  // (cuDNN's own bias reduction orders its sums another way).
-  if (dbias)
-    channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, beta);
+  // (cuDNN's own bias reduction orders its sums another way). Last on the cuDNN path, so that a
+  // plan that fails to build has written no gradient.
+  const auto bias_grad = [&] {
+    if (dbias)
+      channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, beta);
+  };
   if (cudnn_path(stream)) {
-    // The input gradient stays with cuDNN (on the H100 its dgrad was not where the step's time
-    // went); the weight gradient goes to whichever of cuDNN and im2col + GEMM ran faster.
-    const bool by_gemm = weight_grad_by_gemm(stream, shape, x, dy, workspace);
-    library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, by_gemm ? nullptr : dweight, accumulate);
+    // The input gradient stays with cuDNN; the weight gradient goes to cuDNN or to the shared
+    // im2col + GEMM (set_conv_weight_grad), run here once cuDNN's handle is released.
+    const ConvWeightGrad how = conv_weight_grad();
+    const library::GemmWeightGrad shared = gemm_weight_grad(stream, shape, workspace);
+    const bool forced_gemm = how == ConvWeightGrad::gemm && shared;
+    const bool by_gemm =
+        forced_gemm && dx == nullptr  // nothing left for cuDNN to do
+            ? true
+            : library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight, accumulate, how, shared);
     if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
+    bias_grad();
     return;
   }
+  bias_grad();
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;

@@ -28,19 +28,21 @@ struct GemmArgs {
 void cublas_gemm(const Stream& stream, const GemmArgs& args);
 
 bool cudnn_available();
+
+// The shared path's weight gradient, enqueued on the stream the caller bound: dweight = the gradient
+// for input x and output gradient dy (beta 0). Given to the cuDNN calls so that a plan, when it is
+// built, can time it against cuDNN's backward-filter algorithm; empty where the shape is beyond the
+// shared path's int range (cuDNN then always computes the weight gradient).
+using GemmWeightGrad = std::function<void(const float* x, const float* dy, float* dweight)>;
+
 void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                          const float* bias, float* y);
-// dx (when not null) and dweight (added to with `accumulate`, else overwritten); the bias gradient
-// is the launchers' own reduction (channel_sum).
-// dweight may be null: the caller computes the weight gradient itself (cudnn_conv2d_weight_grad_by_gemm).
-void cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* dy, float* dx, float* dweight, bool accumulate);
-// Whether the weight gradient of `shape` is faster by `gemm_weight_grad` (the shared im2col + cuBLAS
-// path, enqueued on `stream`, writing the dweight it is given) than by cuDNN's chosen algorithm.
-// Decided on the first call per (shape, precision) per device, by timing both on the stream with x
-// and dy into scratch (warm-up: it waits for the stream). A call while the stream is capturing
-// answers cuDNN without deciding (it cannot time; engines capture only shapes they ran eagerly).
-bool cudnn_conv2d_weight_grad_by_gemm(const Stream& stream, const Conv2dShape& shape, const float* x, const float* dy,
-                                      const std::function<void(float* dweight)>& gemm_weight_grad);
+                          const float* bias, float* y, const GemmWeightGrad& gemm);
+// dx (when not null) and, unless the weight gradient goes to `gemm` (returns true: forced by `how`,
+// or `timed` and gemm was clearly faster when the plan was built), dweight (added to with
+// `accumulate`, else overwritten); the caller then runs the shared path for dweight itself, outside
+// this call's hold on the cuDNN handle. The bias gradient is the launchers' own reduction.
+bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                           const float* dy, float* dx, float* dweight, bool accumulate, ConvWeightGrad how,
+                           const GemmWeightGrad& gemm);
 
 }  // namespace dp::kernels::library

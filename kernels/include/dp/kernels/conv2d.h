@@ -40,14 +40,16 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
 void set_conv_cudnn(bool enabled);
 bool conv_cudnn_enabled();
 
-// How the cuDNN path computes weight gradients. `timed` (the default): once per (shape, precision)
-// per device, during the first backward (warm-up, never inside a capture), cuDNN's chosen
-// backward-filter algorithm and the shared im2col + cuBLAS GEMM both run on the stream and the
-// faster is kept: in `strict` cuDNN may only use its deterministic dot-product algorithms, which
-// on an H100 ran the ConvNet's weight gradients ~4x slower than im2col + GEMM. Both are plain fp32
-// dot products, so either is within rounding of the host path. `cudnn` and `gemm` force one (tests,
-// or runs that want the same algorithm on every device). No effect on sim (always the shared path)
-// or with cuDNN off; shapes beyond the shared path's int range always use cuDNN.
+// How the cuDNN path computes weight gradients. `timed` (the default): when the cuDNN plan of a
+// (shape, precision) is built on a device (its first forward or backward, in warm-up), cuDNN's
+// chosen backward-filter algorithm and the shared im2col + cuBLAS GEMM are timed against each other
+// on the stream, and the GEMM is kept if it is clearly faster: in `strict` cuDNN may only use its
+// deterministic dot-product algorithms, and the one it had on an H100 took ~3.5x the time of
+// im2col + GEMM for the ConvNet at batch 1024 (profiled by hand, ../shared/perf/H100.md). In
+// `strict` both are fp32 dot products within rounding of the host path; in `fast` cuDNN's may use
+// TF32 or transforms. `cudnn` and `gemm` force one (tests, or runs that want the same algorithm on
+// every device). No effect on sim (always the shared path) or with cuDNN off; shapes beyond the
+// shared path's int range always use cuDNN.
 enum class ConvWeightGrad { timed, cudnn, gemm };
 void set_conv_weight_grad(ConvWeightGrad how);
 ConvWeightGrad conv_weight_grad();
