@@ -72,23 +72,40 @@ std::size_t find_workspace_bytes(const Perf* perf, int count, Precision precisio
 }
 
 // Device memory for the duration of a plan's algorithm search (cudnnFind*Ex needs real operands).
+// Stream-ordered (cudaMallocAsync / cudaFreeAsync on the search's stream, from the device's pool):
+// a cudaFree would wait for the whole device, and a plan is built in a forward that may run while
+// other workers launch collectives (DDP's buffer broadcast, SyncBatchNorm), the known way to hang
+// NCCL. Plain cudaMalloc / cudaFree only where the device has no memory pools.
 class FindBuffer {
  public:
-  FindBuffer(std::size_t bytes, cudaStream_t stream) {
+  FindBuffer(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
     if (bytes == 0) return;
-    DP_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    const cudaError_t status = cudaMallocAsync(&ptr_, bytes, stream);
+    if (status == cudaErrorNotSupported) {
+      cudaGetLastError();  // clear the non-sticky error
+      async_ = false;
+      DP_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    } else {
+      DP_CUDA_CHECK(status);
+    }
     // Finite inputs: no NaN slow paths in the timings. On the search's stream: a cudaMemset would
     // go to the legacy stream, which the runtime's non-blocking streams do not wait for.
     DP_CUDA_CHECK(cudaMemsetAsync(ptr_, 0, bytes, stream));
   }
-  ~FindBuffer() {
-    if (ptr_) cudaFree(ptr_);  // never throws from a destructor
+  ~FindBuffer() {  // never throws from a destructor
+    if (!ptr_) return;
+    if (async_)
+      cudaFreeAsync(ptr_, stream_);  // after the search's work on the stream
+    else
+      cudaFree(ptr_);
   }
   FindBuffer(const FindBuffer&) = delete;
   FindBuffer& operator=(const FindBuffer&) = delete;
   void* data() const { return ptr_; }
 
  private:
+  cudaStream_t stream_;
+  bool async_ = true;
   void* ptr_ = nullptr;
 };
 
@@ -172,7 +189,7 @@ bool clearly_faster(cudaStream_t stream, const std::function<void()>& challenger
 // Builds the plan for `s`, choosing each direction's algorithm by timing the candidates on the
 // handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up), and then the weight
 // gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
-// scratch workspace that are freed before it returns.
+// scratch workspace that are freed, in stream order, when it returns.
 std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Precision precision,
                                 const GemmWeightGrad& gemm) {
   cudaStream_t stream = nullptr;
@@ -270,8 +287,7 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Prec
                                                        workspace, p.bwd_filter_bytes, &zero, p.w, into));
         });
   }
-  // The search ran on the handle's stream: its scratch is freed (cudaFree waits for the device)
-  // when this returns.
+  // The search ran on the handle's stream: its scratch is freed behind it when this returns.
   return plan;
 }
 
