@@ -47,6 +47,7 @@ struct Options {
   std::string backend = "auto";
   std::string precision = "strict";
   std::string graphs = "on";
+  std::string pipeline = "on";
   std::optional<int> devices;
   std::string device_ids;
   std::optional<int> output_device;
@@ -632,19 +633,22 @@ int run(Options o) {
   const auto since = [](std::chrono::steady_clock::time_point from) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
   };
-  for (long s = start_step; s < start_step + total_steps; ++s) {
-    const double lr = lr_at(o, world, s, schedule);
-    engine->set_lr(lr);
-    std::vector<dp::Batch> batches;
-    long samples = 0;
-    for (auto& loader : loaders) {
-      batches.push_back(loader->next());
-      samples += batches.back().size;
-    }
-    samples *= shards / engine->batches_per_step();  // every rank's batch has this process's size
-    if (s + 1 == o.fail_at_step)
-      throw dp::Error(fmt::format("failing at step {} as asked (--debug-fail-at-step)", s + 1));
-    loss = engine->train_step(batches);
+  // Pipelined (--pipeline on), step s is submitted before step s-1's loss is read, so the host
+  // prepares and submits the next batch while the devices compute. Only within an epoch: the step
+  // that ends one (or the run) is finished at once, since evaluating and saving need its state
+  // with no later step applied. Everything printed and written is the same either way.
+  struct Submitted {
+    long s;
+    double lr;
+    long samples;
+    dp::StepLoss loss;
+  };
+  // Reads a submitted step's loss, then logs it and closes its epoch; non-zero: the exit code.
+  const auto finish = [&](Submitted& step) -> int {
+    const long s = step.s;
+    const double lr = step.lr;
+    const long samples = step.samples;
+    loss = step.loss.get();
     const long epoch = s / batches_per_epoch;
     if (!std::isfinite(loss)) {  // the loss of every rank: every process stops here
       if (primary)
@@ -713,6 +717,36 @@ int run(Options o) {
       epoch_start = std::chrono::steady_clock::now();
       last_log = epoch_start;  // the evaluation is not training time
     }
+    return 0;
+  };
+  std::optional<Submitted> pending;  // submitted, its loss not yet read
+  for (long s = start_step; s < start_step + total_steps; ++s) {
+    const double lr = lr_at(o, world, s, schedule);
+    engine->set_lr(lr);
+    std::vector<dp::Batch> batches;
+    long samples = 0;
+    for (auto& loader : loaders) {
+      batches.push_back(loader->next());
+      samples += batches.back().size;
+    }
+    samples *= shards / engine->batches_per_step();  // every rank's batch has this process's size
+    if (s + 1 == o.fail_at_step) {
+      if (pending)  // what the step before reports comes first, as without pipelining
+        if (const int code = finish(*pending)) return code;
+      throw dp::Error(fmt::format("failing at step {} as asked (--debug-fail-at-step)", s + 1));
+    }
+    Submitted step{s, lr, samples, engine->submit_step(batches)};
+    if (pending) {
+      const int code = finish(*pending);
+      pending.reset();
+      if (code) return code;
+    }
+    const bool ends_epoch = (s + 1) % batches_per_epoch == 0 || s + 1 == start_step + total_steps;
+    if (o.pipeline == "on" && !ends_epoch) {
+      pending = std::move(step);
+    } else if (const int code = finish(step)) {
+      return code;
+    }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", total_steps, seconds, loss);
@@ -772,6 +806,10 @@ int train_main(int argc, char** argv) {
   app.add_option("--graphs", o.graphs,
                  "on (default): capture the training step once per batch size and replay it (CUDA graphs; emulated "
                  "on sim; the same results bit for bit), off: launch every kernel every step")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--pipeline", o.pipeline,
+                 "on (default): submit each step before reading the previous step's loss, so the host prepares the "
+                 "next batch while the devices compute (within an epoch; the same output), off: wait for each loss")
       ->check(CLI::IsMember({"on", "off"}));
   auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);

@@ -374,6 +374,42 @@ TEST_F(TrainTest, GraphsOnEqualGraphsOffBitForBit) {
   }
 }
 
+// --pipeline on (the default) submits each step before reading the previous step's loss; every
+// logged loss, the epoch summaries, the checkpoint saved, and where a divergence stops are the same
+// as waiting for each loss.
+TEST_F(TrainTest, PipelineOnEqualsPipelineOffBitForBit) {
+  const auto file = [](const std::string& name) {
+    std::ifstream in(name, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  for (const char* mode : {"single", "dp", "ddp"}) {
+    SCOPED_TRACE(mode);
+    const std::string args = fmt::format(
+        "--mode {} --backend sim --devices 2 --synthetic 44 --batch-size 8 --epochs 2 --warmup-steps 3 "
+        "--log-every 1 ",
+        mode);
+    const std::string on_ckpt = path(fmt::format("on_{}.safetensors", mode));
+    const std::string off_ckpt = path(fmt::format("off_{}.safetensors", mode));
+    const Result on = run(args + "--pipeline on --save " + on_ckpt),
+                 off = run(args + "--pipeline off --save " + off_ckpt);
+    ASSERT_EQ(on.code, 0) << on.output;
+    ASSERT_EQ(off.code, 0) << off.output;
+    ASSERT_GE(losses(on.output).size(), 8u) << on.output;  // 6 steps or more, and 2 epoch summaries
+    EXPECT_EQ(losses(on.output), losses(off.output)) << on.output;
+    EXPECT_EQ(file(on_ckpt), file(off_ckpt));
+    // Divergence: the same first non-finite step is named, and nothing is saved either way.
+    const Result on_nan = run(args + "--lr 1e30 --pipeline on"), off_nan = run(args + "--lr 1e30 --pipeline off");
+    EXPECT_EQ(on_nan.code, 3) << on_nan.output;
+    EXPECT_EQ(off_nan.code, 3) << off_nan.output;
+    const std::regex stop(R"(loss is \S+ at step \d+ \(epoch \d+\))");
+    std::smatch on_stop, off_stop;
+    ASSERT_TRUE(std::regex_search(on_nan.output, on_stop, stop)) << on_nan.output;
+    ASSERT_TRUE(std::regex_search(off_nan.output, off_stop, stop)) << off_nan.output;
+    EXPECT_EQ(on_stop.str(), off_stop.str());
+    EXPECT_EQ(losses(on_nan.output), losses(off_nan.output)) << on_nan.output;
+  }
+}
+
 TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {
   const std::string guard = path("last_good.safetensors");
   ASSERT_EQ(run("--backend sim --synthetic 32 --batch-size 8 --steps 1 --save " + guard).code, 0);
