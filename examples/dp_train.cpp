@@ -735,7 +735,15 @@ int run(Options o) {
         if (const int code = finish(*pending)) return code;
       throw dp::Error(fmt::format("failing at step {} as asked (--debug-fail-at-step)", s + 1));
     }
-    Submitted step{s, lr, samples, engine->submit_step(batches)};
+    std::optional<Submitted> submitted;
+    try {
+      submitted.emplace(Submitted{s, lr, samples, engine->submit_step(batches)});
+    } catch (...) {  // the step before is reported first (its log line, or its divergence), as step by step
+      if (pending)
+        if (const int code = finish(*pending)) return code;
+      throw;
+    }
+    Submitted& step = *submitted;
     if (pending) {
       const int code = finish(*pending);
       pending.reset();
