@@ -21,6 +21,7 @@
 #include "dp/safetensors.h"
 #include "dp/trace.h"
 #include "dp/trainer.h"
+#include "forwarding_model.h"
 #include "sync_bn_golden.h"
 #include "test_util.h"
 
@@ -251,39 +252,22 @@ TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
 // rest of backward slow once the last layer's gradients are out, like a heavy first layer would:
 // 50 ms on the compute stream dwarfs any thread-scheduling delay of the 2-core CI machines, so the
 // overlap below is a property of the engine, not of the scheduler's mood.
-class SlowRestOfBackward final : public Model {
+class SlowRestOfBackward final : public test::ForwardingModel {
  public:
-  explicit SlowRestOfBackward(std::unique_ptr<Model> inner) : inner_(std::move(inner)) {}
-  std::string name() const override { return "slow_" + inner_->name(); }
-  Device& device() const override { return inner_->device(); }
-  float* params_flat() const override { return inner_->params_flat(); }
-  float* grads_flat() const override { return inner_->grads_flat(); }
-  std::size_t param_count() const override { return inner_->param_count(); }
-  void* buffers_flat() const override { return inner_->buffers_flat(); }
-  std::size_t buffers_bytes() const override { return inner_->buffers_bytes(); }
-  std::vector<TensorRef> parameters() const override { return inner_->parameters(); }
-  std::vector<TensorRef> gradients() const override { return inner_->gradients(); }
-  std::vector<TensorRef> buffers() const override { return inner_->buffers(); }
-  std::vector<std::int64_t> input_shape() const override { return inner_->input_shape(); }
-  int output_features() const override { return inner_->output_features(); }
-  const float* forward(const Stream& s, const float* x, int batch, Mode mode) override {
-    return inner_->forward(s, x, batch, mode);
-  }
+  using ForwardingModel::ForwardingModel;
+  std::string name() const override { return "slow_" + ForwardingModel::name(); }
   void backward(const Stream& s, const float* dy, const GradientsReady& on_ready) override {
     bool first = true;
-    inner_->backward(s, dy, [&](std::size_t offset, std::size_t count) {
+    ForwardingModel::backward(s, dy, [&](std::size_t offset, std::size_t count) {
       if (on_ready) on_ready(offset, count);
       if (std::exchange(first, false))
         s.launch_host_func([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); });
     });
   }
-  void zero_grad(const Stream& s) override { inner_->zero_grad(s); }
+  bool capturable() const override { return false; }  // its timing is what the tests look at: eager
   std::unique_ptr<Model> replicate(Device& device) const override {
-    return std::make_unique<SlowRestOfBackward>(inner_->replicate(device));
+    return std::make_unique<SlowRestOfBackward>(inner().replicate(device));
   }
-
- private:
-  std::unique_ptr<Model> inner_;
 };
 
 // torch 1.13 broadcasts buffers before a forward only if the previous forward synchronised

@@ -14,6 +14,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/shape.h"
+#include "forwarding_model.h"
 #include "test_util.h"
 
 namespace dp {
@@ -31,38 +32,19 @@ enum class Net { mlp, convnet, mlp_dropout, mlp_syncing };
 
 // An MLP that claims to be capturable but synchronises its stream in every forward: something a
 // graph cannot hold (CaptureError), which the engines must survive by running that step eagerly.
-class SyncingModel final : public Model {
+class SyncingModel final : public test::ForwardingModel {
  public:
-  explicit SyncingModel(std::unique_ptr<Model> inner) : inner_(std::move(inner)) {}
-  std::string name() const override { return inner_->name(); }
-  Device& device() const override { return inner_->device(); }
-  float* params_flat() const override { return inner_->params_flat(); }
-  float* grads_flat() const override { return inner_->grads_flat(); }
-  std::size_t param_count() const override { return inner_->param_count(); }
-  void* buffers_flat() const override { return inner_->buffers_flat(); }
-  std::size_t buffers_bytes() const override { return inner_->buffers_bytes(); }
-  std::vector<TensorRef> parameters() const override { return inner_->parameters(); }
-  std::vector<TensorRef> gradients() const override { return inner_->gradients(); }
-  std::vector<TensorRef> buffers() const override { return inner_->buffers(); }
-  std::vector<std::int64_t> input_shape() const override { return inner_->input_shape(); }
-  int output_features() const override { return inner_->output_features(); }
+  using ForwardingModel::ForwardingModel;
   const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
     if (stream.capturing()) ++captured_forwards;
     stream.synchronize();
-    return inner_->forward(stream, input, batch, mode);
+    return ForwardingModel::forward(stream, input, batch, mode);
   }
-  void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override {
-    inner_->backward(stream, grad_output, on_ready);
-  }
-  void zero_grad(const Stream& stream) override { inner_->zero_grad(stream); }
   bool capturable() const override { return true; }
   std::unique_ptr<Model> replicate(Device& device) const override {
-    return std::make_unique<SyncingModel>(inner_->replicate(device));
+    return std::make_unique<SyncingModel>(inner().replicate(device));
   }
   static inline std::atomic<int> captured_forwards{0};  // forwards issued into a capture
-
- private:
-  std::unique_ptr<Model> inner_;
 };
 
 std::unique_ptr<Model> make_net(Net net, Device& device) {

@@ -1,0 +1,51 @@
+// forwarding_model.h — a test model that wraps another and forwards every dp::Model call to it, so
+// a test model overrides only what it changes (a slow backward, a failing forward, a sync) and new
+// Model methods reach the wrapped model without every test model learning them.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dp/model.h"
+
+namespace dp::test {
+
+class ForwardingModel : public Model {
+ public:
+  explicit ForwardingModel(std::unique_ptr<Model> inner) : inner_(std::move(inner)) {}
+
+  std::string name() const override { return inner_->name(); }
+  Device& device() const override { return inner_->device(); }
+  float* params_flat() const override { return inner_->params_flat(); }
+  float* grads_flat() const override { return inner_->grads_flat(); }
+  float* grads_address() const override { return inner_->grads_address(); }
+  std::size_t param_count() const override { return inner_->param_count(); }
+  void* buffers_flat() const override { return inner_->buffers_flat(); }
+  std::size_t buffers_bytes() const override { return inner_->buffers_bytes(); }
+  std::vector<TensorRef> parameters() const override { return inner_->parameters(); }
+  std::vector<TensorRef> gradients() const override { return inner_->gradients(); }
+  std::vector<TensorRef> buffers() const override { return inner_->buffers(); }
+  std::vector<std::int64_t> input_shape() const override { return inner_->input_shape(); }
+  int output_features() const override { return inner_->output_features(); }
+  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
+    return inner_->forward(stream, input, batch, mode);
+  }
+  void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override {
+    inner_->backward(stream, grad_output, on_ready);
+  }
+  void zero_grad(const Stream& stream) override { inner_->zero_grad(stream); }
+  void set_random_context(const RandomContext& context) override { inner_->set_random_context(context); }
+  void set_batchnorm_sync(const BatchNormSync* sync) override { inner_->set_batchnorm_sync(sync); }
+  void replayed_backward() override { inner_->replayed_backward(); }
+  bool capturable() const override { return inner_->capturable(); }
+
+ protected:
+  Model& inner() const { return *inner_; }
+
+ private:
+  std::unique_ptr<Model> inner_;
+};
+
+}  // namespace dp::test
