@@ -5,10 +5,14 @@
 // parameters and buffers equal those of train_step one step after another, bit for bit, eager and
 // replayed, through batch-size changes, learning-rate changes and an evaluation between steps.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <future>
 #include <gtest/gtest.h>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dp/engine.h"
@@ -16,6 +20,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/shape.h"
+#include "forwarding_model.h"
 #include "test_util.h"
 
 namespace dp {
@@ -194,6 +199,122 @@ TEST(StepLoss, OutlivesItsEngineAndBadBatchesLeaveTheStepsInFlight) {
   EXPECT_TRUE(std::isfinite(a) && std::isfinite(b) && std::isfinite(c));
   EXPECT_LT(c, a) << "three SGD steps on one batch lower its loss";
   EXPECT_EQ(first.get(), a) << "a loss reads the same every time";
+}
+
+// A model whose forward number `fail_at` (counted over all its replicas) enqueues work that fails
+// on the device, as a faulting kernel would: the stream is poisoned, like a sticky CUDA error.
+class FailingModel final : public test::ForwardingModel {
+ public:
+  FailingModel(std::unique_ptr<Model> inner, std::shared_ptr<std::atomic<int>> forwards, int fail_at)
+      : ForwardingModel(std::move(inner)), forwards_(std::move(forwards)), fail_at_(fail_at) {}
+  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
+    const float* out = ForwardingModel::forward(stream, input, batch, mode);
+    if (++*forwards_ == fail_at_) stream.launch_host_func([] { throw Error("injected device fault"); });
+    return out;
+  }
+  std::unique_ptr<Model> replicate(Device& device) const override {
+    return std::make_unique<FailingModel>(inner().replicate(device), forwards_, fail_at_);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int>> forwards_;
+  int fail_at_;
+};
+
+// What f threw (empty: nothing).
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A step that fails on a device after it was submitted: its get() throws the failure (never a
+// loss read from memory the step did not write), every time; the steps before it keep their
+// losses; the engine then refuses to go on (its streams are poisoned, as a CUDA context is by a
+// sticky error): later submissions, at the latest the one that waits for the failed step, and
+// synchronize() throw; and the engine still goes away cleanly.
+TEST(StepFailure, AFailedStepsLossThrowsAndTheEngineGoesNoFurther) {
+  constexpr int kFailing = 2, kSteps = 5;
+  for (const EngineKind kind : {EngineKind::single, EngineKind::dp, EngineKind::ddp}) {
+    SCOPED_TRACE(std::string(to_string(kind)));
+    auto runtime = test::sim_runtime(2);
+    const int replicas = kind == EngineKind::single ? 1 : 2;  // forwards per step
+    auto forwards = std::make_shared<std::atomic<int>>(0);
+    // Forwards are counted over every replica: the first one of step kFailing fails.
+    FailingModel model(models::make_mlp(runtime->device(0), {16}, 3), forwards, kFailing * replicas + 1);
+    EngineOptions options;
+    options.kind = kind;
+    if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+    auto engine = make_engine(*runtime, model, SgdOptions{0.1f}, options);
+    const auto x = test::random_vector(4 * 28 * 28, 3);
+    const auto y = test::random_targets(4, 3, 4);
+    const std::vector<Batch> batches(static_cast<std::size_t>(engine->batches_per_step()),
+                                     Batch{x.data(), y.data(), 4});
+    std::vector<StepLoss> losses;
+    std::vector<std::string> submit_errors;
+    for (int step = 0; step < kSteps; ++step) {
+      StepLoss loss;
+      submit_errors.push_back(error_of([&] { loss = engine->submit_step(batches); }));
+      losses.push_back(loss);
+    }
+    for (int step = 0; step < kFailing; ++step) {
+      ASSERT_EQ(submit_errors[static_cast<std::size_t>(step)], "") << "step " << step;
+      float loss = std::nanf("");
+      const std::string error = error_of([&] { loss = losses[static_cast<std::size_t>(step)].get(); });
+      // The step just before may still be in flight when the failure aborts DDP's communicators (as
+      // ncclCommAbort ends the collectives in flight): then it fails as a consequence, so named.
+      if (step == kFailing - 1 && kind == EngineKind::ddp && error.find("abort") != std::string::npos) continue;
+      EXPECT_EQ(error, "") << "step " << step;
+      EXPECT_TRUE(std::isfinite(loss)) << "step " << step;
+    }
+    const std::string& failing_submit = submit_errors[kFailing];
+    if (failing_submit.empty()) {  // submitted before the fault surfaced: its loss reports it
+      const std::string error = error_of([&] { (void)losses[kFailing].get(); });
+      EXPECT_NE(error.find("injected device fault"), std::string::npos) << error;
+      EXPECT_EQ(error_of([&] { (void)losses[kFailing].get(); }), error) << "a loss reads the same every time";
+    } else {
+      EXPECT_NE(failing_submit.find("injected device fault"), std::string::npos) << failing_submit;
+    }
+    for (int step = kFailing + 2; step < kSteps; ++step)
+      EXPECT_NE(submit_errors[static_cast<std::size_t>(step)], "") << "step " << step << " was accepted";
+    EXPECT_NE(error_of([&] { engine->synchronize(); }), "");
+    EXPECT_NE(error_of([&] { (void)engine->submit_step(batches); }), "");
+    engine.reset();
+  }
+}
+
+// The sim's events report failed work as CUDA's do after a fault: waiting for, or asking about, a
+// record behind work that failed throws that failure, and so does work that waits for it; a record
+// before the failure does not.
+TEST(StepFailure, AnEventBehindFailedWorkReportsTheFailure) {
+  auto rt = test::sim_runtime(1);
+  Stream stream = rt->device(0).create_stream();
+  Event before = rt->device(0).create_event(), after = rt->device(0).create_event();
+  // The failing work waits for the gate, so the records are enqueued before it fails (once it has
+  // failed, enqueueing on the stream throws, as a CUDA call after a fault returns the error).
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  stream.record(before);
+  stream.launch_host_func([opened] {
+    opened.wait();
+    throw Error("boom in stream work");
+  });
+  stream.record(after);
+  Stream dependent = rt->device(0).create_stream();
+  Event dependent_done = rt->device(0).create_event();
+  dependent.wait(after);
+  dependent.record(dependent_done);
+  gate.set_value();
+  EXPECT_NO_THROW(before.synchronize());
+  EXPECT_TRUE(before.query());
+  EXPECT_EQ(error_of([&] { after.synchronize(); }), "boom in stream work");
+  EXPECT_EQ(error_of([&] { (void)after.query(); }), "boom in stream work");
+  // Work that waits for it fails too: its stream is poisoned, as the whole context is on a GPU.
+  EXPECT_EQ(error_of([&] { dependent_done.synchronize(); }), "boom in stream work");
+  EXPECT_EQ(error_of([&] { dependent.synchronize(); }), "boom in stream work");
 }
 
 }  // namespace

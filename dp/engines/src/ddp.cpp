@@ -222,13 +222,29 @@ float DistributedDataParallel::wait_for_loss(int slot) {
   // has enqueued its work (run_ranks aborted the communicators had one failed: its peers'
   // collectives would never complete otherwise).
   try {
+    // Behind every rank's loss: a failed kernel of any rank before its loss fails the step (a
+    // later one surfaces at the next work enqueued on that rank's stream, as a sticky error).
     losses_ready(slot).synchronize();
-    group_.for_each_on_caller([&](int r) {
-      (void)ranks_[static_cast<std::size_t>(r)]->compute.query();  // a failed kernel of this rank fails the step
-    });
   } catch (...) {
     abort_communicators();
-    throw;
+    // The join met the first failed rank in rank order, whose failure may be a collective aborted
+    // because another rank failed: report a rank's own failure, the cause, where there is one.
+    std::exception_ptr error = std::current_exception();
+    try {
+      std::rethrow_exception(error);
+    } catch (const CollectiveAborted&) {
+      for (auto& rank : ranks_) {
+        try {
+          rank->loss_ready[static_cast<std::size_t>(slot)].synchronize();  // done: the collectives were aborted
+        } catch (const CollectiveAborted&) {
+        } catch (...) {
+          error = std::current_exception();
+          break;
+        }
+      }
+    } catch (...) {
+    }
+    std::rethrow_exception(error);
   }
   // The mean over every global rank, summed in global rank order: each process (and one process
   // with all the ranks) gets the same bits.

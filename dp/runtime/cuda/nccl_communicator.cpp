@@ -86,7 +86,7 @@ class NcclCommunicator final : public Communicator {
 
   ncclComm_t comm(int rank) const {
     ncclComm_t c = comms_.at(static_cast<std::size_t>(rank)).load();
-    if (!c) throw Error(fmt::format("NCCL communicator of rank {} was aborted", rank));
+    if (!c) throw CollectiveAborted(fmt::format("NCCL communicator of rank {} was aborted", rank));
     return c;
   }
   cudaStream_t native(int rank, const Stream& stream) const {

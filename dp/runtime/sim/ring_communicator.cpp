@@ -308,14 +308,14 @@ class RingCommunicator final : public Communicator {
                Body body) {
     {
       std::lock_guard lock(mutex_);
-      if (aborted_) throw Error(fmt::format("{}: communicator was aborted", name));
+      if (aborted_) throw CollectiveAborted(fmt::format("{}: communicator was aborted", name));
     }
     auto issue = [this, rank, call, traffic = std::move(traffic), body = std::move(body),
                   name]() -> std::function<void()> {
       std::uint64_t id;
       {
         std::lock_guard lock(mutex_);
-        if (aborted_) throw Error(fmt::format("{}: communicator was aborted", name));
+        if (aborted_) throw CollectiveAborted(fmt::format("{}: communicator was aborted", name));
         id = calls_made_[static_cast<std::size_t>(rank)]++;
       }
       traffic();
@@ -356,7 +356,8 @@ class RingCommunicator final : public Communicator {
     ++round.registered;
     round.cv.notify_all();
     round.cv.wait(lock, [&] { return aborted_ || round.registered == local_; });
-    if (aborted_) throw Error(fmt::format("{}: communicator aborted while rank {} waited for its peers", name, rank));
+    if (aborted_)
+      throw CollectiveAborted(fmt::format("{}: communicator aborted while rank {} waited for its peers", name, rank));
     return round;
   }
 
@@ -370,7 +371,7 @@ class RingCommunicator final : public Communicator {
       return;
     }
     round.cv.wait(lock, [&] { return aborted_ || round.phase != phase; });
-    if (aborted_) throw Error("collective aborted during a ring step");
+    if (aborted_) throw CollectiveAborted("collective aborted during a ring step");
   }
 
   void leave(std::uint64_t id, Round& round, int rank) {

@@ -95,9 +95,13 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   }
   // Records may complete out of order when one event is recorded on several streams; a waiter
   // for record g must see g itself complete (as with cudaStreamWaitEvent), not a later one.
-  void complete(std::uint64_t generation) {
+  // `failure`: what made the recording stream's earlier work fail, if it did. Waiting for or
+  // querying that record then fails with it, as a CUDA event behind a faulted kernel reports the
+  // sticky error, instead of announcing work done that never was.
+  void complete(std::uint64_t generation, std::exception_ptr failure = nullptr) {
     {
       std::lock_guard lock(mutex_);
+      if (failure) failed_[generation] = std::move(failure);
       done_.insert(generation);
       while (done_.count(completed_ + 1)) done_.erase(++completed_);
       time_ns_ = now_ns();
@@ -113,16 +117,30 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] { return is_done(generation); });
   }
+  // A stream's wait for a record: as wait_until, then fails (poisoning the waiting stream) if the
+  // work before the record failed, so work that depends on failed work is not announced done
+  // either (a fault poisons the whole CUDA context, not one stream).
+  void wait_on_stream(std::uint64_t generation) {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return is_done(generation); });
+    rethrow_failure(generation);
+  }
 
   bool query() override {
     refuse_if_captured("query");
     std::lock_guard lock(mutex_);
-    return recorded_ == 0 || is_done(recorded_);
+    if (recorded_ == 0) return true;
+    if (!is_done(recorded_)) return false;
+    rethrow_failure(recorded_);
+    return true;
   }
   void synchronize() override {
     refuse_if_captured("synchronize");
     runtime_.count(device_, Counter::host_syncs);
-    wait_until(latest_record());
+    const std::uint64_t generation = latest_record();
+    wait_until(generation);
+    std::lock_guard lock(mutex_);
+    rethrow_failure(generation);
   }
   double elapsed_ms_since(EventImpl& start) override {
     auto& begin = static_cast<SimEvent&>(start);
@@ -141,6 +159,9 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
     return time_ns_;
   }
   void refuse_if_captured(const char* op) const;
+  void rethrow_failure(std::uint64_t generation) const {  // under mutex_
+    if (const auto it = failed_.find(generation); it != failed_.end()) std::rethrow_exception(it->second);
+  }
 
   RuntimeImpl& runtime_;
   int device_;
@@ -149,8 +170,9 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   std::shared_ptr<SimCapture> capture_;
   int capture_node_ = -1;
   std::uint64_t recorded_ = 0;
-  std::uint64_t completed_ = 0;   // every generation <= this one has completed
-  std::set<std::uint64_t> done_;  // completed generations above completed_
+  std::uint64_t completed_ = 0;                         // every generation <= this one has completed
+  std::set<std::uint64_t> done_;                        // completed generations above completed_
+  std::map<std::uint64_t, std::exception_ptr> failed_;  // records that completed behind failed work
   std::int64_t time_ns_ = 0;
 };
 
@@ -390,17 +412,28 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
   }
   void post_record(SimEvent& event) {
     auto shared = event.shared_from_this();
+    // Refused before the generation is taken: a record that is taken but never posted would never
+    // complete, and every later wait for the event would hang.
+    rethrow_sticky_error();
     const std::uint64_t generation = shared->begin_record();
-    post(
-        "record", SpanKind::sync, [] {}, [shared, generation] { shared->complete(generation); });
+    // The task runs on the stream's thread, the only writer of the failure it reads; the
+    // completion runs right after it.
+    auto failure = std::make_shared<std::exception_ptr>();
+    post_unchecked(
+        "record", SpanKind::sync, [this, failure] { *failure = executor_.failure_seen_by_tasks(); },
+        [shared, generation, failure] { shared->complete(generation, *failure); });
   }
   void post_wait(const std::shared_ptr<SimEvent>& event, std::uint64_t generation) {
-    post("wait", SpanKind::sync, [event, generation] { event->wait_until(generation); });
+    post("wait", SpanKind::sync, [event, generation] { event->wait_on_stream(generation); });
   }
 
   template <class F>
   std::uint64_t post(const char* name, SpanKind kind, F&& fn, SerialExecutor::Task after = {}) {
     rethrow_sticky_error();
+    return post_unchecked(name, kind, std::forward<F>(fn), std::move(after));
+  }
+  template <class F>
+  std::uint64_t post_unchecked(const char* name, SpanKind kind, F&& fn, SerialExecutor::Task after = {}) {
     return executor_.post(
         [this, name, kind, fn = std::forward<F>(fn)]() mutable {
           if (!runtime_.profiling()) {

@@ -23,19 +23,29 @@ DeviceGroup::DeviceGroup(Runtime& runtime, std::vector<int> device_ids)
 namespace {
 
 // Runs wait(k) for every k (the k-th of `ranks`), all of them, then throws WorkerError for the
-// first failing one.
+// first failing one, preferring a cause to a collective aborted because of it.
 void collect(const std::vector<int>& device_ids, const std::vector<int>& ranks,
              const std::function<void(std::size_t)>& wait) {
   int failed = 0, first_rank = -1;
   std::exception_ptr first;
+  bool first_is_consequence = false;  // a CollectiveAborted: a failure found later is the cause
   for (std::size_t k = 0; k < ranks.size(); ++k) {
     const int rank = ranks[k];
     try {
       wait(k);
-    } catch (...) {
-      if (failed++ == 0) {
+    } catch (const CollectiveAborted&) {
+      ++failed;
+      if (!first) {
         first = std::current_exception();
         first_rank = rank;
+        first_is_consequence = true;
+      }
+    } catch (...) {
+      ++failed;
+      if (!first || first_is_consequence) {
+        first = std::current_exception();
+        first_rank = rank;
+        first_is_consequence = false;
       }
     }
   }

@@ -82,6 +82,7 @@ void SerialExecutor::loop(Task on_start) {
     try {
       task();
     } catch (...) {
+      if (!failure_) failure_ = std::current_exception();
       std::lock_guard lock(mutex_);
       if (!error_) error_ = std::current_exception();
     }

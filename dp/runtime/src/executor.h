@@ -35,6 +35,9 @@ class SerialExecutor {
   // The first exception a task threw (tasks after it still run). Sticky until taken.
   std::exception_ptr take_error();
   bool has_error() const;
+  // The first exception any task threw, never cleared; only for the executor's own thread (a task
+  // asking whether the work before it failed), which is the only writer.
+  std::exception_ptr failure_seen_by_tasks() const { return failure_; }
 
  private:
   void loop(Task on_start);
@@ -48,6 +51,7 @@ class SerialExecutor {
   std::uint64_t completed_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;
+  std::exception_ptr failure_;  // written by the executor's thread only
   std::thread thread_;
 };
 

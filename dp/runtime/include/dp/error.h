@@ -56,6 +56,14 @@ class NonFiniteError : public Error {
   using Error::Error;
 };
 
+// A collective that stopped because its communicator was aborted, after another member (a device
+// or a process) failed: a consequence, not a cause. Where several devices failed, DeviceGroup::run
+// reports a cause first.
+class CollectiveAborted : public Error {
+ public:
+  using Error::Error;
+};
+
 // What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
 class WorkerError : public Error {
  public:
