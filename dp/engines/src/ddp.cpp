@@ -227,24 +227,12 @@ float DistributedDataParallel::wait_for_loss(int slot) {
     losses_ready(slot).synchronize();
   } catch (...) {
     abort_communicators();
-    // The join met the first failed rank in rank order, whose failure may be a collective aborted
-    // because another rank failed: report a rank's own failure, the cause, where there is one.
-    std::exception_ptr error = std::current_exception();
-    try {
-      std::rethrow_exception(error);
-    } catch (const CollectiveAborted&) {
-      for (auto& rank : ranks_) {
-        try {
-          rank->loss_ready[static_cast<std::size_t>(slot)].synchronize();  // done: the collectives were aborted
-        } catch (const CollectiveAborted&) {
-        } catch (...) {
-          error = std::current_exception();
-          break;
-        }
-      }
-    } catch (...) {
-    }
-    std::rethrow_exception(error);
+    // Name the rank that failed: each rank's own loss event (done now: the collectives were
+    // aborted), through the group, which reports a rank's own failure over the collectives aborted
+    // because of it. The join meets the failed ranks in rank order and knows no device.
+    group_.for_each_on_caller(
+        [&](int r) { ranks_[static_cast<std::size_t>(r)]->loss_ready[static_cast<std::size_t>(slot)].synchronize(); });
+    throw;  // no rank's loss failed: the join's own failure
   }
   // The mean over every global rank, summed in global rank order: each process (and one process
   // with all the ranks) gets the same bits.
