@@ -511,19 +511,24 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
 
   // The global batch as the engine takes it: whole (single, DP) or one shard per rank (DDP: this
   // process's ranks).
-  // In pinned host memory, as dp_train's loader stages them: the copies to the devices are
-  // asynchronous, not staged through pageable memory.
+  // In pinned host memory and lent to the engine (Batch::lease), as dp_train's loader hands them
+  // out: the engine copies them to the devices asynchronously, straight from where they are.
   const int pieces = engine->batches_per_step(), piece = run.global_batch / engine->world_size();
   const std::size_t rows = static_cast<std::size_t>(pieces) * static_cast<std::size_t>(piece);
-  dp::PinnedBuffer pinned_inputs = rt.allocate_pinned(rows * data.sample_floats * sizeof(float));
-  dp::PinnedBuffer pinned_labels = rt.allocate_pinned(rows * sizeof(std::int64_t));
-  std::memcpy(pinned_inputs.data(), data.inputs.data(), pinned_inputs.size());
-  std::memcpy(pinned_labels.data(), data.labels.data(), pinned_labels.size());
+  struct Pinned {
+    dp::PinnedBuffer inputs, labels;
+  };
+  auto pinned = std::make_shared<Pinned>();
+  pinned->inputs = rt.allocate_pinned(rows * data.sample_floats * sizeof(float));
+  pinned->labels = rt.allocate_pinned(rows * sizeof(std::int64_t));
+  std::memcpy(pinned->inputs.data(), data.inputs.data(), pinned->inputs.size());
+  std::memcpy(pinned->labels.data(), data.labels.data(), pinned->labels.size());
   std::vector<dp::Batch> batches;
   for (int i = 0; i < pieces; ++i) {
     const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(piece);
-    batches.push_back(
-        dp::Batch{pinned_inputs.as<float>() + row * data.sample_floats, pinned_labels.as<std::int64_t>() + row, piece});
+    // Never written again: the lease only keeps the memory alive while a copy may read it.
+    batches.push_back(dp::Batch{pinned->inputs.as<float>() + row * data.sample_floats,
+                                pinned->labels.as<std::int64_t>() + row, piece, pinned});
   }
 
   // DataParallel also reports where its step time goes, and how it chunked the batch.

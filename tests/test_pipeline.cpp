@@ -49,9 +49,21 @@ std::unique_ptr<Model> make(const Case& c, Device& device) {
   return c.convnet ? models::make_convnet(device, 3) : models::make_mlp(device, {32, 16}, 3);
 }
 
-// `pipelined`: every step submitted before any loss is read (losses read last, newest first), and
-// the batch memory overwritten right after each submission. Otherwise train_step, step by step.
-Outcome run(const Case& c, bool pipelined) {
+enum class Feed {
+  step_by_step,  // train_step, one step after another
+  submitted,     // every step submitted before any loss is read (read last, newest first), the batch
+                 // memory overwritten right after each submission
+  lent,          // as `submitted`, each batch in fresh pinned memory lent to the engine (Batch::lease),
+                 // whose lender poisons and frees it the moment the engine lets go
+};
+
+// Pinned memory lent for one step's batch of one rank.
+struct LentBatch {
+  PinnedBuffer inputs, targets;
+};
+
+Outcome run(const Case& c, Feed feed) {
+  const bool pipelined = feed != Feed::step_by_step;
   auto runtime = test::sim_runtime(c.devices);
   auto model = make(c, runtime->device(0));
   EngineOptions options;
@@ -68,6 +80,22 @@ Outcome run(const Case& c, bool pipelined) {
   std::vector<std::vector<std::int64_t>> targets(ranks, std::vector<std::int64_t>(8));
   std::vector<StepLoss> pending;
   Outcome out;
+  auto lent = std::make_shared<std::atomic<int>>(0);  // leases the engine has not let go of
+  const auto lend = [&](const std::vector<float>& x, const std::vector<std::int64_t>& y) {
+    auto memory = std::make_shared<LentBatch>();
+    memory->inputs = runtime->allocate_pinned(x.size() * sizeof(float));
+    memory->targets = runtime->allocate_pinned(y.size() * sizeof(std::int64_t));
+    std::copy(x.begin(), x.end(), memory->inputs.as<float>());
+    std::copy(y.begin(), y.end(), memory->targets.as<std::int64_t>());
+    ++*lent;
+    std::shared_ptr<const void> lease(memory->inputs.data(), [memory, lent](const void*) {
+      std::fill_n(memory->inputs.as<float>(), memory->inputs.size() / sizeof(float), std::nanf(""));
+      std::fill_n(memory->targets.as<std::int64_t>(), memory->targets.size() / sizeof(std::int64_t), -7);
+      --*lent;
+    });
+    return Batch{memory->inputs.as<float>(), memory->targets.as<std::int64_t>(), static_cast<int>(y.size()),
+                 std::move(lease)};
+  };
   for (std::size_t step = 0; step < kSizes.size(); ++step) {
     const int n = kSizes[step];
     engine->set_lr(0.05 * static_cast<double>(step + 1) / static_cast<double>(kSizes.size()));
@@ -77,9 +105,14 @@ Outcome run(const Case& c, bool pipelined) {
       const auto y = test::random_targets(n, 3, static_cast<unsigned>(20 * step + r));
       std::copy(x.begin(), x.end(), inputs[r].begin());
       std::copy(y.begin(), y.end(), targets[r].begin());
-      batches.push_back(Batch{inputs[r].data(), targets[r].data(), n});
+      batches.push_back(feed == Feed::lent ? lend(x, y) : Batch{inputs[r].data(), targets[r].data(), n});
     }
-    if (pipelined) {
+    if (feed == Feed::lent) {
+      pending.push_back(engine->submit_step(batches));
+      batches.clear();
+      // Read in place: the engine holds this step's leases until its copies have run.
+      EXPECT_GE(lent->load(), static_cast<int>(ranks)) << "step " << step;
+    } else if (pipelined) {
       pending.push_back(engine->submit_step(batches));
       for (std::size_t r = 0; r < ranks; ++r) {  // the caller's memory is its own again
         std::fill(inputs[r].begin(), inputs[r].end(), std::nanf(""));
@@ -102,6 +135,7 @@ Outcome run(const Case& c, bool pipelined) {
   }
   engine->synchronize();
   for (const StepLoss& loss : pending) EXPECT_TRUE(loss.ready());
+  EXPECT_EQ(lent->load(), 0) << "synchronize() lets go of every lent batch";
   Model& m = engine->model();
   const Stream stream = m.device().create_stream();
   out.params.resize(m.param_count());
@@ -115,10 +149,7 @@ Outcome run(const Case& c, bool pipelined) {
 
 class Pipeline : public ::testing::TestWithParam<Case> {};
 
-TEST_P(Pipeline, SubmittedStepsEqualStepsOneAfterAnotherBitForBit) {
-  const Case& c = GetParam();
-  const Outcome sequential = run(c, false);
-  const Outcome pipelined = run(c, true);
+void expect_same(const Outcome& sequential, const Outcome& pipelined) {
   ASSERT_EQ(sequential.losses.size(), pipelined.losses.size());
   for (std::size_t i = 0; i < sequential.losses.size(); ++i) {
     EXPECT_TRUE(std::isfinite(sequential.losses[i])) << "step " << i;
@@ -132,6 +163,16 @@ TEST_P(Pipeline, SubmittedStepsEqualStepsOneAfterAnotherBitForBit) {
   EXPECT_EQ(pipelined.optimizer_steps, sequential.optimizer_steps);
 }
 
+TEST_P(Pipeline, SubmittedStepsEqualStepsOneAfterAnotherBitForBit) {
+  expect_same(run(GetParam(), Feed::step_by_step), run(GetParam(), Feed::submitted));
+}
+
+// Batches lent in pinned memory are copied to the devices straight from it, asynchronously, and
+// the engine lets go of each once its copy has run: the same bits as staged batches.
+TEST_P(Pipeline, LentPinnedBatchesAreReadInPlaceWithTheSameResults) {
+  expect_same(run(GetParam(), Feed::step_by_step), run(GetParam(), Feed::lent));
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, Pipeline,
                          ::testing::Values(Case{"single_mlp_eager", EngineKind::single, 1, false, false},
                                            Case{"single_convnet_graphs", EngineKind::single, 1, true, true},
@@ -140,6 +181,30 @@ INSTANTIATE_TEST_SUITE_P(Engines, Pipeline,
                                            Case{"ddp3_mlp_eager", EngineKind::ddp, 3, false, false},
                                            Case{"ddp3_convnet_graphs", EngineKind::ddp, 3, true, true}),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// Lent memory that is not pinned is copied on the host before submit_step returns, as any batch
+// is: the engine keeps no lease on it.
+TEST(Pipeline, ALentBatchInPageableMemoryIsStagedAtOnce) {
+  auto runtime = test::sim_runtime(1);
+  auto model = models::make_mlp(runtime->device(0), {16}, 3);
+  auto engine = make_engine(*runtime, *model, SgdOptions{0.1f}, EngineOptions{});
+  auto x = test::random_vector(4 * 28 * 28, 1);
+  const auto y = test::random_targets(4, 3, 2);
+  PinnedBuffer pinned = runtime->allocate_pinned(x.size() * sizeof(float));
+  EXPECT_TRUE(runtime->is_pinned(pinned.data(), pinned.size()));
+  EXPECT_TRUE(runtime->is_pinned(pinned.as<float>() + 1, pinned.size() - sizeof(float)));
+  EXPECT_FALSE(runtime->is_pinned(pinned.as<float>() + 1, pinned.size())) << "runs past its end";
+  EXPECT_FALSE(runtime->is_pinned(x.data(), x.size() * sizeof(float)));
+  EXPECT_FALSE(runtime->is_pinned(nullptr, 4));
+  auto owner = std::make_shared<int>(0);
+  const std::weak_ptr<int> watch = owner;
+  std::vector<Batch> batches{Batch{x.data(), y.data(), 4, std::move(owner)}};
+  const StepLoss loss = engine->submit_step(batches);
+  batches.clear();
+  EXPECT_TRUE(watch.expired()) << "a pageable batch's lease is not kept";
+  std::fill(x.begin(), x.end(), std::nanf(""));
+  EXPECT_TRUE(std::isfinite(loss.get()));
+}
 
 // A zero_grad the caller issues before a replayed step is done with once the step ran, as after an
 // eager one: the gradients read afterwards are the step's, graphs on or off.

@@ -206,19 +206,28 @@ void DataParallel::gather_outputs() {
 }
 
 StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, int batch) {
+  return submit_batch(Batch{inputs, targets, batch});
+}
+
+StepLoss DataParallel::submit_batch(const Batch& step_batch) {
+  const float* inputs = step_batch.inputs;
+  const std::int64_t* targets = step_batch.targets;
+  const int batch = step_batch.size;
   if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
-  engines::check_batch(Batch{inputs, targets, batch});  // before waiting for the step in flight
-  const int slot = pipeline_->next_slot();              // a failure of the step before: nothing of this one planned yet
+  engines::check_batch(step_batch);         // before waiting for the step in flight
+  const int slot = pipeline_->next_slot();  // a failure of the step before: nothing of this one planned yet
   plan_chunks(batch);
   const Event& done = step_done_[static_cast<std::size_t>(slot)];
   // Every chunk into its device's ring, the targets into the output device's: copied in on their
   // copy streams while the step in flight computes, no later than this step's source waits for them.
   const std::size_t floats = engines::sample_floats(module_);
   for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
-    engines::push_batch(replicas_[rank]->ring, group_.device(static_cast<int>(rank)), slot,
-                        Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank]},
-                        floats, done);
-  targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done);
+    engines::push_batch(
+        replicas_[rank]->ring, group_.device(static_cast<int>(rank)), slot,
+        Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank], step_batch.lease},
+        floats, done);
+  targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done,
+                      step_batch.lease);
 
   const engines::StepGraphs::Key key{batch};
   std::vector<Device*> devices;
@@ -369,6 +378,9 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
 void DataParallel::synchronize() {
   pipeline_->drain();
   group_.run([&](int rank) { replicas_[static_cast<std::size_t>(rank)]->stream.synchronize(); });
+  // The lent batches' copies have run (the steps waited for them).
+  for (const auto& replica : replicas_) replica->ring.release_copied();
+  targets_ring_->release_copied();
 }
 
 std::vector<float> DataParallel::forward(const float* inputs, int batch) {
@@ -385,7 +397,7 @@ std::vector<float> DataParallel::forward(const float* inputs, int batch) {
 
 StepLoss DataParallel::submit_step(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), 1, "DataParallel");
-  return submit(batches[0].inputs, batches[0].targets, batches[0].size);
+  return submit_batch(batches[0]);
 }
 
 std::vector<float> DataParallel::predict(std::span<const Batch> batches) {

@@ -396,6 +396,7 @@ void DistributedDataParallel::synchronize() {
   group_.run([&](int r) {
     ranks_[static_cast<std::size_t>(r)]->compute.synchronize();
     reducer_->synchronize(r);
+    ranks_[static_cast<std::size_t>(r)]->ring.release_copied();  // the lent batches' copies have run
   });
 }
 

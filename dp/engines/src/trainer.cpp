@@ -44,12 +44,17 @@ void SingleDeviceTrainer::enqueue_step(int batch, int slot) {
 }
 
 StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
-  if (!targets) throw InvalidArgument("training step without targets (null pointer)");
-  engines::check_batch(Batch{inputs, targets, batch});  // before waiting for the step in flight
+  return submit_batch(Batch{inputs, targets, batch});
+}
+
+StepLoss SingleDeviceTrainer::submit_batch(const Batch& step_batch) {
+  const int batch = step_batch.size;
+  if (!step_batch.targets) throw InvalidArgument("training step without targets (null pointer)");
+  engines::check_batch(step_batch);  // before waiting for the step in flight
   Device& device = model_.device();
   const int slot = pipeline_->next_slot();
   const Event& done = step_done_[static_cast<std::size_t>(slot)];
-  engines::push_batch(*ring_, device, slot, Batch{inputs, targets, batch}, engines::sample_floats(model_), done);
+  engines::push_batch(*ring_, device, slot, step_batch, engines::sample_floats(model_), done);
   const engines::StepGraphs::Key key{batch};
   const auto memory = [&] { return engines::snapshot({&device}, ring_->growths()); };
   if (graphs_->enabled()) graphs_->begin_step(memory());
@@ -96,12 +101,13 @@ std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) 
 
 StepLoss SingleDeviceTrainer::submit_step(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), 1, "single-device");
-  return submit(batches[0].inputs, batches[0].targets, batches[0].size);
+  return submit_batch(batches[0]);
 }
 
 void SingleDeviceTrainer::synchronize() {
   pipeline_->drain();
   stream_.synchronize();
+  ring_->release_copied();  // the lent batches' copies have run (the steps waited for them)
 }
 
 std::vector<float> SingleDeviceTrainer::predict(std::span<const Batch> batches) {

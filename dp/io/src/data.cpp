@@ -267,41 +267,46 @@ BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::size_t coun
                                       normalize.mean, normalize.std));
   if (depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
   if (!plan_) throw InvalidArgument("BatchLoader needs a plan");
-  // depth + 1 slots: `depth` being filled or waiting, one held by the consumer.
-  slots_.resize(static_cast<std::size_t>(depth) + 1);
+  // depth + 2 slots: `depth` being filled or waiting, one held by the consumer, one an engine may
+  // still be copying from (its lease; a pipelined engine holds the last two batches at most).
+  slots_.resize(static_cast<std::size_t>(depth) + 2);
+  shared_->leases.assign(slots_.size(), 0);
   for (auto& slot : slots_) {
-    slot.inputs = runtime.allocate_pinned(max_batch_ * data_.sample_pixels() * sizeof(float));
-    slot.targets = runtime.allocate_pinned(max_batch_ * sizeof(std::int64_t));
+    slot.memory = std::make_shared<Memory>();
+    slot.memory->inputs = runtime.allocate_pinned(max_batch_ * data_.sample_pixels() * sizeof(float));
+    slot.memory->targets = runtime.allocate_pinned(max_batch_ * sizeof(std::int64_t));
   }
   worker_ = std::thread([this] { produce(); });
 }
 
 BatchLoader::~BatchLoader() {
   {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(shared_->mutex);
     stop_ = true;
   }
-  cv_.notify_all();
+  shared_->cv.notify_all();
   worker_.join();
 }
 
 void BatchLoader::produce() {
-  const std::size_t depth = slots_.size() - 1;
+  const std::size_t depth = slots_.size() - 2;
   for (std::size_t k = 0; k < count_; ++k) {
+    const std::size_t index = k % slots_.size();
     {
-      std::unique_lock lock(mutex_);
-      // Slot k % (depth+1) is free once batch k-(depth+1) was handed out and the consumer moved on.
-      cv_.wait(lock, [&] { return stop_ || k < consumed_ + depth; });
+      std::unique_lock lock(shared_->mutex);
+      // Slot k % (depth+2) is free once batch k-(depth+2) was handed out, the consumer is two batches
+      // past it, and nobody holds its lease any more.
+      shared_->cv.wait(lock, [&] { return stop_ || (k < consumed_ + depth && shared_->leases[index] == 0); });
       if (stop_) return;
     }
     try {
-      Slot& slot = slots_[k % slots_.size()];
+      Slot& slot = slots_[index];
       const std::vector<std::int64_t> indices = plan_(k);
       if (indices.size() > max_batch_)
         throw InvalidArgument(fmt::format("BatchLoader: batch {} has {} samples, more than the {} planned for", k,
                                           indices.size(), max_batch_));
-      float* inputs = slot.inputs.as<float>();
-      std::int64_t* targets = slot.targets.as<std::int64_t>();
+      float* inputs = slot.memory->inputs.as<float>();
+      std::int64_t* targets = slot.memory->targets.as<std::int64_t>();
       const std::size_t pixels = data_.sample_pixels();
       for (std::size_t i = 0; i < indices.size(); ++i) {
         if (indices[i] < 0 || static_cast<std::size_t>(indices[i]) >= data_.size())
@@ -317,28 +322,42 @@ void BatchLoader::produce() {
       }
       slot.size = static_cast<int>(indices.size());
     } catch (...) {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(shared_->mutex);
       error_ = std::current_exception();
-      cv_.notify_all();
+      shared_->cv.notify_all();
       return;
     }
     {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(shared_->mutex);
       ++produced_;
     }
-    cv_.notify_all();
+    shared_->cv.notify_all();
   }
 }
 
 HostBatch BatchLoader::next() {
-  std::unique_lock lock(mutex_);
+  std::unique_lock lock(shared_->mutex);
   if (consumed_ >= count_) throw Error("BatchLoader: all batches were consumed");
-  cv_.wait(lock, [&] { return produced_ > consumed_ || error_; });
+  shared_->cv.wait(lock, [&] { return produced_ > consumed_ || error_; });
   if (produced_ <= consumed_) std::rethrow_exception(error_);
-  const Slot& slot = slots_[consumed_ % slots_.size()];
+  const std::size_t index = consumed_ % slots_.size();
+  const Slot& slot = slots_[index];
   ++consumed_;
-  cv_.notify_all();
-  return HostBatch{slot.inputs.as<float>(), slot.targets.as<std::int64_t>(), slot.size};
+  ++shared_->leases[index];
+  lock.unlock();
+  shared_->cv.notify_all();
+  // The deleter runs wherever the last copy goes (an engine's ring, on any thread); it holds what it
+  // needs, so it may run after the loader has gone. (If making the lease throws, it runs at once.)
+  std::shared_ptr<const void> lease(slot.memory->inputs.data(),
+                                    [shared = shared_, memory = slot.memory, index](const void*) {
+                                      {
+                                        std::lock_guard guard(shared->mutex);
+                                        --shared->leases[index];
+                                      }
+                                      shared->cv.notify_all();
+                                    });
+  return HostBatch{slot.memory->inputs.as<float>(), slot.memory->targets.as<std::int64_t>(), slot.size,
+                   std::move(lease)};
 }
 
 }  // namespace dp

@@ -448,6 +448,18 @@ class CudaRuntime final : public RuntimeImpl {
     return ptr;
   }
   void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
+  // Page-locked at both ends (cudaMallocHost'd or registered): a copy from it is asynchronous.
+  bool is_pinned(const void* ptr, std::size_t bytes) const override {
+    const auto page_locked = [](const void* p) {
+      cudaPointerAttributes attributes{};
+      if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+        cudaGetLastError();  // not sticky: a pointer the driver cannot classify is simply not pinned
+        return false;
+      }
+      return attributes.type == cudaMemoryTypeHost;
+    };
+    return page_locked(ptr) && (bytes <= 1 || page_locked(static_cast<const char*>(ptr) + bytes - 1));
+  }
 
   std::shared_ptr<SpanLog> make_span_log(int device) {
     auto log = std::make_shared<SpanLog>(device, next_stream_id());

@@ -246,6 +246,11 @@ class SimRuntime final : public RuntimeImpl {
   }
   // cudaFreeHost waits for the device work that may still copy from or to the buffer.
   void free_pinned(void* ptr) noexcept override;
+  bool is_pinned(const void* ptr, std::size_t bytes) const override {
+    bool partial = false;
+    const auto owner = AllocationRegistry::instance().find(ptr, bytes, partial);
+    return owner.runtime == this && owner.device == kHost && !partial;
+  }
 };
 
 class SimStream final : public StreamImpl, public std::enable_shared_from_this<SimStream> {

@@ -162,6 +162,7 @@ class RuntimeImpl {
   virtual Backend backend() const = 0;
   virtual void* allocate_pinned(std::size_t bytes) = 0;
   virtual void free_pinned(void* ptr) noexcept = 0;
+  virtual bool is_pinned(const void* ptr, std::size_t bytes) const = 0;  // Runtime::is_pinned
 
   int device_count() const { return static_cast<int>(devices_.size()); }
   Device& device(int index);

@@ -154,6 +154,12 @@ PinnedBuffer Runtime::allocate_pinned(std::size_t bytes) {
   if (bytes == 0) return {};
   return impl_->wrap_pinned(impl_->allocate_pinned(bytes), bytes);
 }
+bool Runtime::is_pinned(const void* ptr, std::size_t bytes) const {
+  return ptr != nullptr && impl_->is_pinned(ptr, bytes);
+}
+bool Device::is_pinned(const void* ptr, std::size_t bytes) const {
+  return ptr != nullptr && runtime_.is_pinned(ptr, bytes);
+}
 PinnedBuffer Device::allocate_pinned(std::size_t bytes) {
   if (bytes == 0) return {};
   return runtime_.wrap_pinned(runtime_.allocate_pinned(bytes), bytes);

@@ -58,8 +58,8 @@ class DataParallel final : public Engine {
   ~DataParallel() override;
 
   // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
-  // int64 targets, copied before it returns; the step is enqueued (Engine::submit_step), its mean
-  // cross-entropy loss over the batch to come.
+  // int64 targets, read before it returns (submit_step also takes a lent batch: Batch::lease); the
+  // step is enqueued (Engine::submit_step), its mean cross-entropy loss over the batch to come.
   StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
   // submit(...).get(): returns the loss once known.
   float train_step(const float* inputs, const std::int64_t* targets, int batch);
@@ -91,6 +91,7 @@ class DataParallel final : public Engine {
   std::uint64_t graph_replays() const override;
 
  private:
+  StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
   struct Replica;
   void plan_chunks(int batch);
   void receive_broadcast(int rank);

@@ -94,12 +94,13 @@ class Engine {
 
   // One training step (zero_grad, forward, loss, backward, optimizer step) over
   // batches_per_step() batches, enqueued: returns once the batches are copied (the caller may reuse
-  // their memory) and the step's work is on its way, with its mean cross-entropy loss (DDP:
-  // averaged over ranks) to come. The host prepares the next batch while the devices run this step,
-  // and that batch is copied in (a copy stream, into the other of two device input buffers) while
-  // this step computes. At most two steps are in flight: submitting a third waits for the loss of
-  // the first, and rethrows its failure. Steps run in submission order, so their results are those
-  // of train_step one after another, bit for bit. DDP across processes returns a loss already known.
+  // their memory; a lent batch, Batch::lease, is read in place later) and the step's work is on its
+  // way, with its mean cross-entropy loss (DDP: averaged over ranks) to come. The host prepares the
+  // next batch while the devices run this step, and that batch is copied in (a copy stream, into
+  // the other of two device input buffers) while this step computes. At most two steps are in
+  // flight: submitting a third waits for the loss of the first, and rethrows its failure. Steps run
+  // in submission order, so their results are those of train_step one after another, bit for bit.
+  // DDP across processes returns a loss already known.
   virtual StepLoss submit_step(std::span<const Batch> batches) = 0;
   // submit_step(batches).get(): one step, waiting for its loss.
   float train_step(std::span<const Batch> batches) { return submit_step(batches).get(); }

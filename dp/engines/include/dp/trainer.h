@@ -29,8 +29,9 @@ class SingleDeviceTrainer final : public Engine {
   SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {}, bool graphs = false);
   ~SingleDeviceTrainer() override;
 
-  // Host inputs (batch x model.input_shape() floats) and int64 targets, copied before it returns;
-  // the step is enqueued (Engine::submit_step), its mean loss to come.
+  // Host inputs (batch x model.input_shape() floats) and int64 targets, read before it returns
+  // (submit_step also takes a lent batch: Batch::lease); the step is enqueued
+  // (Engine::submit_step), its mean loss to come.
   StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
   // submit(...).get(): returns the batch's mean loss, once the step has finished.
   float step(const float* inputs, const std::int64_t* targets, int batch);
@@ -55,6 +56,7 @@ class SingleDeviceTrainer final : public Engine {
   std::uint64_t graph_replays() const override;
 
  private:
+  StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
   // forward, loss, backward, optimizer step and the loss's copy out, on stream_ (eager or captured),
   // reading the batch in pipeline slot `slot`.
   void enqueue_step(int batch, int slot);

@@ -8,6 +8,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -90,7 +91,12 @@ struct Normalize {
 using HostBatch = Batch;
 
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
-// A batch returned by next() stays valid until the following call to next().
+// A batch returned by next() stays valid until the following call to next(), and for as long as a
+// copy of its lease (Batch::lease) lives: an engine copies it to its devices straight from the
+// loader's memory and lets go once that copy has run. The loader has depth + 2 buffers (the batch
+// being consumed, one an engine may still copy from, `depth` ahead); a buffer whose lease is held
+// is not refilled (holding more than two batches' leases stalls the loader), and a lease keeps its
+// memory alive after the loader has gone.
 // The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
 // before it fills the batch: a plan of millions of steps takes no memory up front.
 using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
@@ -113,9 +119,18 @@ class BatchLoader {
   HostBatch next();
 
  private:
-  struct Slot {
+  struct Memory {
     PinnedBuffer inputs, targets;
+  };
+  struct Slot {
+    std::shared_ptr<Memory> memory;  // shared with the leases of the batches handed out from it
     int size = 0;
+  };
+  // What the leases' deleters reach, which may outlive the loader.
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::vector<int> leases;  // per slot: leases handed out and not yet released
   };
   // A plan held in memory, measured before it moves into the loader.
   struct Held {
@@ -132,8 +147,7 @@ class BatchLoader {
   Normalize normalize_;
   std::exception_ptr error_;  // what the producer failed with, for next() to throw
   std::vector<Slot> slots_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();  // guards what follows, too
   std::size_t produced_ = 0, consumed_ = 0;
   bool stop_ = false;
   std::thread worker_;

@@ -139,6 +139,8 @@ class Device {
   // Pinned host memory of this device's runtime (Runtime::allocate_pinned), for code that holds a
   // device but not its runtime (an engine's loss read-back).
   PinnedBuffer allocate_pinned(std::size_t bytes);
+  // Runtime::is_pinned, for the same code.
+  bool is_pinned(const void* ptr, std::size_t bytes) const;
   MemoryStats memory() const;
   void reset_peak_memory();
 
@@ -217,6 +219,9 @@ class Runtime {
 
   // Pinned (page-locked) host memory: copies to and from it are truly asynchronous.
   PinnedBuffer allocate_pinned(std::size_t bytes);
+  // Whether all of [ptr, ptr + bytes) is pinned host memory this runtime's devices copy from
+  // asynchronously (allocate_pinned's; on cuda any page-locked memory). False for null.
+  bool is_pinned(const void* ptr, std::size_t bytes) const;
 
   // Traffic enqueued so far on the directed link src -> dst (device index, kHost or kNetwork).
   LinkTraffic link_traffic(int src, int dst) const;
