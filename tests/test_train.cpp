@@ -97,6 +97,9 @@ class TrainTest : public dp::test::ToolTest {
     for (const auto& entry : fs::directory_iterator(dir_))
       EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
   }
+  // Runs `args` (which ends with a flag) with each of `values` and once without the flag: every run
+  // succeeds and logs the same losses, at least `at_least` of them; `values[0]` is the default.
+  void expect_same_losses(const std::string& args, const std::vector<std::string>& values, std::size_t at_least);
 };
 
 std::vector<double> losses(const std::string& output) {
@@ -105,6 +108,18 @@ std::vector<double> losses(const std::string& output) {
   for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it)
     out.push_back(std::stod((*it)[1].str()));
   return out;
+}
+
+void TrainTest::expect_same_losses(const std::string& args, const std::vector<std::string>& values,
+                                   std::size_t at_least) {
+  const Result unset = run(args.substr(0, args.rfind("--")));
+  ASSERT_EQ(unset.code, 0) << unset.output;
+  ASSERT_GE(losses(unset.output).size(), at_least) << unset.output;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const Result r = run(args + values[i]);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(losses(r.output), losses(unset.output)) << values[i] << (i == 0 ? " (the default)" : "") << r.output;
+  }
 }
 
 TEST_F(TrainTest, LossFallsInEveryMode) {
@@ -344,15 +359,9 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
 // --precision strict|fast: both accepted; the sim has one arithmetic, so the losses are identical
 // (on cuda, fast may pick TF32 convolutions and differ by their rounding).
 TEST_F(TrainTest, PrecisionFastIsStrictOnTheSim) {
-  const std::string args =
-      "--model convnet --backend sim --synthetic 32 --batch-size 8 --steps 3 --log-every 1 --no-shuffle --precision ";
-  const Result strict = run(args + "strict"), fast = run(args + "fast"), unset = run(args.substr(0, args.rfind("--")));
-  ASSERT_EQ(strict.code, 0) << strict.output;
-  ASSERT_EQ(fast.code, 0) << fast.output;
-  ASSERT_EQ(unset.code, 0) << unset.output;
-  ASSERT_GE(losses(strict.output).size(), 3u) << strict.output;
-  EXPECT_EQ(losses(fast.output), losses(strict.output)) << fast.output;
-  EXPECT_EQ(losses(unset.output), losses(strict.output)) << "strict is the default";
+  expect_same_losses(
+      "--model convnet --backend sim --synthetic 32 --batch-size 8 --steps 3 --log-every 1 --no-shuffle --precision ",
+      {"strict", "fast"}, 3);
 }
 
 // --graphs on (the default) replays a captured step; every loss, through the last partial batch
@@ -360,17 +369,10 @@ TEST_F(TrainTest, PrecisionFastIsStrictOnTheSim) {
 TEST_F(TrainTest, GraphsOnEqualGraphsOffBitForBit) {
   for (const char* mode : {"single", "dp", "ddp"}) {
     SCOPED_TRACE(mode);
-    const std::string args = fmt::format(
-        "--model convnet --mode {} --backend sim --devices 2 --synthetic 44 --batch-size 8 --epochs 2 "
-        "--warmup-steps 3 --log-every 1 --no-shuffle --graphs ",
-        mode);
-    const Result on = run(args + "on"), off = run(args + "off"), unset = run(args.substr(0, args.rfind("--")));
-    ASSERT_EQ(on.code, 0) << on.output;
-    ASSERT_EQ(off.code, 0) << off.output;
-    ASSERT_EQ(unset.code, 0) << unset.output;
-    ASSERT_GE(losses(on.output).size(), 4u) << on.output;
-    EXPECT_EQ(losses(on.output), losses(off.output)) << on.output;
-    EXPECT_EQ(losses(unset.output), losses(on.output)) << "on is the default";
+    expect_same_losses(fmt::format("--model convnet --mode {} --backend sim --devices 2 --synthetic 44 --batch-size 8 "
+                                   "--epochs 2 --warmup-steps 3 --log-every 1 --no-shuffle --graphs ",
+                                   mode),
+                       {"on", "off"}, 4);
   }
 }
 
