@@ -257,7 +257,8 @@ BatchLoader::BatchLoader(Held held, Runtime& runtime, const Dataset& data, int d
 
 BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::size_t count, std::size_t max_batch,
                          BatchPlan plan, int depth, Normalize normalize)
-    : data_(data),
+    : runtime_(runtime),
+      data_(data),
       count_(count),
       max_batch_(std::max<std::size_t>(max_batch, 1)),
       plan_(std::move(plan)),
@@ -268,23 +269,26 @@ BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::size_t coun
   if (depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
   if (!plan_) throw InvalidArgument("BatchLoader needs a plan");
   // depth + 2 slots: `depth` being filled or waiting, one held by the consumer, one an engine may
-  // still be copying from (its lease; a pipelined engine holds the last two batches at most).
+  // still be copying from (its lease: a pipelined engine holds the last two batches at most), so a
+  // steady training loop never needs new memory.
   slots_.resize(static_cast<std::size_t>(depth) + 2);
-  shared_->leases.assign(slots_.size(), 0);
-  for (auto& slot : slots_) {
-    slot.memory = std::make_shared<Memory>();
-    slot.memory->inputs = runtime.allocate_pinned(max_batch_ * data_.sample_pixels() * sizeof(float));
-    slot.memory->targets = runtime.allocate_pinned(max_batch_ * sizeof(std::int64_t));
-  }
+  for (auto& slot : slots_) slot.memory = make_memory();
   worker_ = std::thread([this] { produce(); });
+}
+
+std::shared_ptr<BatchLoader::Memory> BatchLoader::make_memory() const {
+  auto memory = std::make_shared<Memory>();
+  memory->inputs = runtime_.allocate_pinned(max_batch_ * data_.sample_pixels() * sizeof(float));
+  memory->targets = runtime_.allocate_pinned(max_batch_ * sizeof(std::int64_t));
+  return memory;
 }
 
 BatchLoader::~BatchLoader() {
   {
-    std::lock_guard lock(shared_->mutex);
+    std::lock_guard lock(mutex_);
     stop_ = true;
   }
-  shared_->cv.notify_all();
+  cv_.notify_all();
   worker_.join();
 }
 
@@ -293,14 +297,17 @@ void BatchLoader::produce() {
   for (std::size_t k = 0; k < count_; ++k) {
     const std::size_t index = k % slots_.size();
     {
-      std::unique_lock lock(shared_->mutex);
-      // Slot k % (depth+2) is free once batch k-(depth+2) was handed out, the consumer is two batches
-      // past it, and nobody holds its lease any more.
-      shared_->cv.wait(lock, [&] { return stop_ || (k < consumed_ + depth && shared_->leases[index] == 0); });
+      std::unique_lock lock(mutex_);
+      // Slot k % (depth+2) is free once batch k-(depth+2) was handed out and the consumer is two
+      // batches past it.
+      cv_.wait(lock, [&] { return stop_ || k < consumed_ + depth; });
       if (stop_) return;
     }
     try {
       Slot& slot = slots_[index];
+      // Still lent (an engine copying from it, a caller keeping the batch): it stays with its leases.
+      // Acquire: a lease released has finished reading before this slot is written again.
+      if (slot.memory->leases.load(std::memory_order_acquire) != 0) slot.memory = make_memory();
       const std::vector<std::int64_t> indices = plan_(k);
       if (indices.size() > max_batch_)
         throw InvalidArgument(fmt::format("BatchLoader: batch {} has {} samples, more than the {} planned for", k,
@@ -322,42 +329,39 @@ void BatchLoader::produce() {
       }
       slot.size = static_cast<int>(indices.size());
     } catch (...) {
-      std::lock_guard lock(shared_->mutex);
+      std::lock_guard lock(mutex_);
       error_ = std::current_exception();
-      shared_->cv.notify_all();
+      cv_.notify_all();
       return;
     }
     {
-      std::lock_guard lock(shared_->mutex);
+      std::lock_guard lock(mutex_);
       ++produced_;
     }
-    shared_->cv.notify_all();
+    cv_.notify_all();
   }
 }
 
 HostBatch BatchLoader::next() {
-  std::unique_lock lock(shared_->mutex);
+  std::unique_lock lock(mutex_);
   if (consumed_ >= count_) throw Error("BatchLoader: all batches were consumed");
-  shared_->cv.wait(lock, [&] { return produced_ > consumed_ || error_; });
+  cv_.wait(lock, [&] { return produced_ > consumed_ || error_; });
   if (produced_ <= consumed_) std::rethrow_exception(error_);
-  const std::size_t index = consumed_ % slots_.size();
-  const Slot& slot = slots_[index];
+  const Slot& slot = slots_[consumed_ % slots_.size()];
   ++consumed_;
-  ++shared_->leases[index];
+  std::shared_ptr<Memory> memory = slot.memory;  // the producer may replace the slot's memory later
+  const int size = slot.size;
+  memory->leases.fetch_add(1, std::memory_order_relaxed);  // the producer reads it under mutex_
   lock.unlock();
-  shared_->cv.notify_all();
-  // The deleter runs wherever the last copy goes (an engine's ring, on any thread); it holds what it
-  // needs, so it may run after the loader has gone. (If making the lease throws, it runs at once.)
-  std::shared_ptr<const void> lease(slot.memory->inputs.data(),
-                                    [shared = shared_, memory = slot.memory, index](const void*) {
-                                      {
-                                        std::lock_guard guard(shared->mutex);
-                                        --shared->leases[index];
-                                      }
-                                      shared->cv.notify_all();
-                                    });
-  return HostBatch{slot.memory->inputs.as<float>(), slot.memory->targets.as<std::int64_t>(), slot.size,
-                   std::move(lease)};
+  cv_.notify_all();
+  // The deleter runs where the last copy goes (an engine's ring, on any thread, maybe after the
+  // loader has gone) and keeps the memory until then. (If making the lease throws, it runs at once.)
+  const float* inputs = memory->inputs.as<float>();
+  const std::int64_t* targets = memory->targets.as<std::int64_t>();
+  std::shared_ptr<const void> lease(inputs, [memory](const void*) {
+    memory->leases.fetch_sub(1, std::memory_order_release);  // its holder's reads are done
+  });
+  return HostBatch{inputs, targets, size, std::move(lease)};
 }
 
 }  // namespace dp

@@ -3,6 +3,7 @@
 // thread into pinned staging buffers so devices do not wait for the host.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -93,10 +94,11 @@ using HostBatch = Batch;
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
 // A batch returned by next() stays valid until the following call to next(), and for as long as a
 // copy of its lease (Batch::lease) lives: an engine copies it to its devices straight from the
-// loader's memory and lets go once that copy has run. The loader has depth + 2 buffers (the batch
-// being consumed, one an engine may still copy from, `depth` ahead); a buffer whose lease is held
-// is not refilled (holding more than two batches' leases stalls the loader), and a lease keeps its
-// memory alive after the loader has gone.
+// loader's memory and lets go once that copy has run. The loader cycles through depth + 2 buffers
+// (the batch being consumed, one an engine may still copy from, `depth` ahead); a buffer still
+// lent when its turn comes stays with its lease (freed when the last copy goes, after the loader
+// too) and the loader takes new pinned memory in its place, as PyTorch's pinned batches are new
+// tensors: holding batches costs memory, never a stall.
 // The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
 // before it fills the batch: a plan of millions of steps takes no memory up front.
 using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
@@ -121,17 +123,15 @@ class BatchLoader {
  private:
   struct Memory {
     PinnedBuffer inputs, targets;
+    // Leases handed out and not yet released; a release (on any thread, maybe after the loader has
+    // gone) publishes that its holder's reads of the memory are done.
+    std::atomic<int> leases{0};
   };
   struct Slot {
     std::shared_ptr<Memory> memory;  // shared with the leases of the batches handed out from it
     int size = 0;
   };
-  // What the leases' deleters reach, which may outlive the loader.
-  struct Shared {
-    std::mutex mutex;
-    std::condition_variable cv;
-    std::vector<int> leases;  // per slot: leases handed out and not yet released
-  };
+  std::shared_ptr<Memory> make_memory() const;
   // A plan held in memory, measured before it moves into the loader.
   struct Held {
     std::size_t count, max_batch;
@@ -141,13 +141,15 @@ class BatchLoader {
   BatchLoader(Held held, Runtime& runtime, const Dataset& data, int depth, Normalize normalize);
   void produce();
 
+  Runtime& runtime_;
   const Dataset& data_;
   std::size_t count_, max_batch_;
   BatchPlan plan_;
   Normalize normalize_;
   std::exception_ptr error_;  // what the producer failed with, for next() to throw
   std::vector<Slot> slots_;
-  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();  // guards what follows, too
+  std::mutex mutex_;
+  std::condition_variable cv_;
   std::size_t produced_ = 0, consumed_ = 0;
   bool stop_ = false;
   std::thread worker_;
