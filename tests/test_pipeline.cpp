@@ -367,10 +367,18 @@ TEST(StepFailure, AnEventBehindFailedWorkReportsTheFailure) {
     opened.wait();
     throw Error("boom in stream work");
   });
+  // Work enqueued behind the failure, on its stream and on a stream that waits for it, never runs:
+  // nothing runs in a CUDA context after a fault.
+  PinnedBuffer source = rt->allocate_pinned(sizeof(float)), behind = rt->allocate_pinned(sizeof(float)),
+               waiting = rt->allocate_pinned(sizeof(float));
+  *source.as<float>() = 1.0f;
+  *behind.as<float>() = *waiting.as<float>() = 0.0f;
+  stream.copy(behind.data(), source.data(), sizeof(float));
   stream.record(after);
   Stream dependent = rt->device(0).create_stream();
   Event dependent_done = rt->device(0).create_event();
   dependent.wait(after);
+  dependent.copy(waiting.data(), source.data(), sizeof(float));
   dependent.record(dependent_done);
   gate.set_value();
   EXPECT_NO_THROW(before.synchronize());
@@ -380,6 +388,8 @@ TEST(StepFailure, AnEventBehindFailedWorkReportsTheFailure) {
   // Work that waits for it fails too: its stream is poisoned, as the whole context is on a GPU.
   EXPECT_EQ(error_of([&] { dependent_done.synchronize(); }), "boom in stream work");
   EXPECT_EQ(error_of([&] { dependent.synchronize(); }), "boom in stream work");
+  EXPECT_EQ(*behind.as<float>(), 0.0f) << "a copy behind the failed work ran";
+  EXPECT_EQ(*waiting.as<float>(), 0.0f) << "a copy behind a wait for the failed work ran";
 }
 
 }  // namespace

@@ -77,12 +77,18 @@ class StepPipeline {
   StepLoss submitted(int slot, const Event& ready, const float* loss);
   // A step whose loss is already known (DDP across processes): takes `slot` without anything in flight.
   StepLoss known(int slot, float loss);
+  // Enqueues a step's work through `enqueue`, which returns submitted()'s or known()'s StepLoss. If
+  // it throws, work it enqueued before may still read its slot, which the slot's events do not
+  // cover (the step's last record never came), so every later step is refused with that failure
+  // (next_slot rethrows it), as a CUDA context refuses work after a fault.
+  StepLoss enqueue(const std::function<StepLoss()>& enqueue);
   // Waits for the loss of every step in flight; rethrows the first failure no get() has reported.
   void drain();
 
  private:
   std::array<std::shared_ptr<StepLoss::State>, kSlots> pending_;
   std::uint64_t submitted_ = 0;
+  std::exception_ptr refused_;  // what a step failed with while it was being enqueued
 };
 
 // The engines' headers size their per-slot events and losses (std::array<Event, 2>) without this file.

@@ -217,52 +217,54 @@ StepLoss DataParallel::submit_batch(const Batch& step_batch) {
   engines::check_batch(step_batch);         // before waiting for the step in flight
   const int slot = pipeline_->next_slot();  // a failure of the step before: nothing of this one planned yet
   plan_chunks(batch);
-  const Event& done = step_done_[static_cast<std::size_t>(slot)];
-  // Every chunk into its device's ring, the targets into the output device's: copied in on their
-  // copy streams while the step in flight computes, no later than this step's source waits for them.
-  const std::size_t floats = engines::sample_floats(module_);
-  for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
-    engines::push_batch(
-        replicas_[rank]->ring, group_.device(static_cast<int>(rank)), slot,
-        Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank], step_batch.lease},
-        floats, done);
-  targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done,
-                      step_batch.lease);
+  return pipeline_->enqueue([&] {
+    const Event& done = step_done_[static_cast<std::size_t>(slot)];
+    // Every chunk into its device's ring, the targets into the output device's: copied in on their
+    // copy streams while the step in flight computes, no later than this step's source waits for them.
+    const std::size_t floats = engines::sample_floats(module_);
+    for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
+      engines::push_batch(
+          replicas_[rank]->ring, group_.device(static_cast<int>(rank)), slot,
+          Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank], step_batch.lease},
+          floats, done);
+    targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done,
+                        step_batch.lease);
 
-  const engines::StepGraphs::Key key{batch};
-  std::vector<Device*> devices;
-  for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
-  const auto memory = [&] { return engines::snapshot(devices, staging_growths()); };
-  if (graphs_->enabled()) graphs_->begin_step(memory());
-  auto action = graphs_->plan(key, slot);
-  if (action == engines::StepGraphs::Action::capture) {
-    std::vector<Stream> streams;
-    for (const auto& replica : replicas_) streams.push_back(replica->stream);
-    const bool captured = graphs_->capture(key, slot, streams, {optimizer_.get()},
-                                           [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; });
-    action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
-  }
-  const Stream& source = replicas_[0]->stream;
-  Event loss_ready = loss_ready_[static_cast<std::size_t>(slot)];
-  if (action == engines::StepGraphs::Action::replay) {
-    wait_for_batches(slot);
-    optimizer_->replayed_step(source);
-    graphs_->graphs(key, slot)[0].replay();  // every device's part: one launch, from this thread
-    for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->model->replayed_backward();
-    graphs_->count_replay();
-    // A record captured into the graph is a dependency inside it: the loss is known when the graph,
-    // launched on the source's stream, has run there (its end there is the end of every device's part).
-    loss_ready = done;
-  } else {
-    const auto before = memory();
-    enqueue_step(batch, slot, false);
-    graphs_->eager_done(key, before, memory());
-  }
-  if (graphs_->enabled()) graphs_->end_step(memory());
-  // The source's last work is the step's: every device's part of it has run (the reduction waited
-  // for each backward, the backwards for the loss). The slot's buffers are free again from there.
-  source.record(done);
-  return pipeline_->submitted(slot, loss_ready, host_loss_.as<float>() + slot);
+    const engines::StepGraphs::Key key{batch};
+    std::vector<Device*> devices;
+    for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
+    const auto memory = [&] { return engines::snapshot(devices, staging_growths()); };
+    if (graphs_->enabled()) graphs_->begin_step(memory());
+    auto action = graphs_->plan(key, slot);
+    if (action == engines::StepGraphs::Action::capture) {
+      std::vector<Stream> streams;
+      for (const auto& replica : replicas_) streams.push_back(replica->stream);
+      const bool captured = graphs_->capture(key, slot, streams, {optimizer_.get()},
+                                             [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; });
+      action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
+    }
+    const Stream& source = replicas_[0]->stream;
+    Event loss_ready = loss_ready_[static_cast<std::size_t>(slot)];
+    if (action == engines::StepGraphs::Action::replay) {
+      wait_for_batches(slot);
+      optimizer_->replayed_step(source);
+      graphs_->graphs(key, slot)[0].replay();  // every device's part: one launch, from this thread
+      for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->model->replayed_backward();
+      graphs_->count_replay();
+      // A record captured into the graph is a dependency inside it: the loss is known when the graph,
+      // launched on the source's stream, has run there (its end there is the end of every device's part).
+      loss_ready = done;
+    } else {
+      const auto before = memory();
+      enqueue_step(batch, slot, false);
+      graphs_->eager_done(key, before, memory());
+    }
+    if (graphs_->enabled()) graphs_->end_step(memory());
+    // The source's last work is the step's: every device's part of it has run (the reduction waited
+    // for each backward, the backwards for the loss). The slot's buffers are free again from there.
+    source.record(done);
+    return pipeline_->submitted(slot, loss_ready, host_loss_.as<float>() + slot);
+  });
 }
 
 float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {

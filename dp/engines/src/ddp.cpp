@@ -274,50 +274,52 @@ void DistributedDataParallel::step() {
 StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
   check_batches(batches, true);
   const int slot = pipeline_->next_slot();
-  const std::size_t floats = engines::sample_floats(*ranks_[0]->model);
-  for (int r = 0; r < group_.size(); ++r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    engines::push_batch(rank.ring, group_.device(r), slot, batches[static_cast<std::size_t>(r)], floats,
-                        rank.step_done[static_cast<std::size_t>(slot)]);
-  }
-  bool broadcast = false;
-  const bool sync = begin_forward(batches, broadcast);
-  engines::StepGraphs::Key key;
-  for (const Batch& batch : batches) key.push_back(batch.size);
-  key.push_back(sync);
-  key.push_back(broadcast);
-  key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
-  std::vector<Device*> devices;
-  for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
-  const auto memory = [&] {
-    std::uint64_t growths = 0;
-    for (auto& rank : ranks_) growths += rank->ring.growths();
-    return engines::snapshot(devices, growths);
-  };
-  if (graphs_->enabled()) graphs_->begin_step(memory());
-  if (graphs_->plan(key, slot) == engines::StepGraphs::Action::eager ||
-      !capture_step(key, slot, batches, sync, broadcast)) {
-    const auto before = memory();
-    run_ranks([&](int r) {
+  return pipeline_->enqueue([&] {
+    const std::size_t floats = engines::sample_floats(*ranks_[0]->model);
+    for (int r = 0; r < group_.size(); ++r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-      rank.ring.acquire(slot, rank.compute);
-      enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
-      rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
-    });
-    graphs_->eager_done(key, before, memory());
-  }
-  if (graphs_->enabled()) graphs_->end_step(memory());
-  join_losses(slot);
-  // Across processes the mean loss is a collective of the hosts, which every process must call for
-  // the same step in the same order: at once, then. And checking the replicas reads the parameters.
-  if (processes_->size() > 1 || options_.check_replicas) {
-    const float loss = wait_for_loss(slot);
-    if (options_.check_replicas) check_replicas_identical();
-    return pipeline_->known(slot, loss);
-  }
-  const Event ready = losses_ready(slot);
-  return pipeline_->submitted(
-      slot, [this, slot] { return wait_for_loss(slot); }, [ready] { return ready.query(); });
+      engines::push_batch(rank.ring, group_.device(r), slot, batches[static_cast<std::size_t>(r)], floats,
+                          rank.step_done[static_cast<std::size_t>(slot)]);
+    }
+    bool broadcast = false;
+    const bool sync = begin_forward(batches, broadcast);
+    engines::StepGraphs::Key key;
+    for (const Batch& batch : batches) key.push_back(batch.size);
+    key.push_back(sync);
+    key.push_back(broadcast);
+    key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
+    std::vector<Device*> devices;
+    for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
+    const auto memory = [&] {
+      std::uint64_t growths = 0;
+      for (auto& rank : ranks_) growths += rank->ring.growths();
+      return engines::snapshot(devices, growths);
+    };
+    if (graphs_->enabled()) graphs_->begin_step(memory());
+    if (graphs_->plan(key, slot) == engines::StepGraphs::Action::eager ||
+        !capture_step(key, slot, batches, sync, broadcast)) {
+      const auto before = memory();
+      run_ranks([&](int r) {
+        Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+        rank.ring.acquire(slot, rank.compute);
+        enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
+        rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
+      });
+      graphs_->eager_done(key, before, memory());
+    }
+    if (graphs_->enabled()) graphs_->end_step(memory());
+    join_losses(slot);
+    // Across processes the mean loss is a collective of the hosts, which every process must call for
+    // the same step in the same order: at once, then. And checking the replicas reads the parameters.
+    if (processes_->size() > 1 || options_.check_replicas) {
+      const float loss = wait_for_loss(slot);
+      if (options_.check_replicas) check_replicas_identical();
+      return pipeline_->known(slot, loss);
+    }
+    const Event ready = losses_ready(slot);
+    return pipeline_->submitted(
+        slot, [this, slot] { return wait_for_loss(slot); }, [ready] { return ready.query(); });
+  });
 }
 
 void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot) {

@@ -198,6 +198,7 @@ StepPipeline::~StepPipeline() {
 }
 
 int StepPipeline::next_slot() {
+  if (refused_) std::rethrow_exception(refused_);
   const int slot = static_cast<int>(submitted_ % kSlots);
   auto& state = pending_[static_cast<std::size_t>(slot)];
   if (state) {
@@ -225,6 +226,15 @@ StepLoss StepPipeline::submitted(int slot, const Event& ready, const float* loss
         return *loss;
       },
       [ready] { return ready.query(); });
+}
+
+StepLoss StepPipeline::enqueue(const std::function<StepLoss()>& enqueue) {
+  try {
+    return enqueue();
+  } catch (...) {
+    refused_ = std::current_exception();
+    throw;
+  }
 }
 
 StepLoss StepPipeline::known(int slot, float loss) {

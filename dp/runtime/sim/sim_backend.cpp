@@ -432,10 +432,21 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
     post("wait", SpanKind::sync, [event, generation] { event->wait_on_stream(generation); });
   }
 
+  // Work behind a failed task does not run, as nothing runs in a CUDA context after a fault: a
+  // copy or kernel enqueued before the host saw the failure must not touch memory that later work
+  // (which may no longer wait for it: its events were never recorded) reuses. Its records still
+  // complete, with the failure (post_record). Collectives still meet their peers, which would
+  // otherwise hang until the communicator is aborted.
   template <class F>
   std::uint64_t post(const char* name, SpanKind kind, F&& fn, SerialExecutor::Task after = {}) {
     rethrow_sticky_error();
-    return post_unchecked(name, kind, std::forward<F>(fn), std::move(after));
+    if (kind == SpanKind::collective) return post_unchecked(name, kind, std::forward<F>(fn), std::move(after));
+    return post_unchecked(
+        name, kind,
+        [this, fn = std::forward<F>(fn)]() mutable {
+          if (!executor_.failure_seen_by_tasks()) fn();  // the stream's own thread: the failure's writer
+        },
+        std::move(after));
   }
   template <class F>
   std::uint64_t post_unchecked(const char* name, SpanKind kind, F&& fn, SerialExecutor::Task after = {}) {
