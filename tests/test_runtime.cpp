@@ -251,7 +251,7 @@ TEST(Streams, RecordOnAPoisonedStreamLeavesTheEventUsable) {
 TEST(Streams, EventTimingAndQuery) {
   auto rt = test::sim_runtime(1);
   Stream s = rt->device(0).create_stream();
-  Event start = rt->device(0).create_event(), stop = rt->device(0).create_event();
+  Event start = rt->device(0).create_event(EventTiming::on), stop = rt->device(0).create_event(EventTiming::on);
   EXPECT_TRUE(stop.query()) << "a never-recorded event counts as complete";
   s.record(start);
   s.launch_host_func([] { std::this_thread::sleep_for(30ms); });

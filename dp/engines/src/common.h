@@ -157,6 +157,15 @@ struct MemorySnapshot {
 };
 MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t staging_growths);
 
+// `enqueue` captured on `stream` (begin_capture .. end_capture) on the calling thread. If it throws,
+// or the capture cannot end, the capture is ended here before the error goes on: on the thread that
+// began it, as thread-local capture mode requires (ending it elsewhere fails and leaves the stream
+// capturing, so every later use of it fails).
+Graph capture_on(const Stream& stream, const std::function<void()>& enqueue);
+// Ends what is left of a capture that failed part-way, on the thread that began it; nothing
+// captured runs, and the error that made us abandon it is the one reported.
+void abandon_capture(const Stream& stream) noexcept;
+
 // When a training step runs eagerly, is captured, or is replayed (EngineOptions::graphs). A step is
 // captured once per key (the batch sizes and whatever else its enqueued work depends on) and
 // pipeline slot (whose buffers it reads), after one eager step with that key has sized every
@@ -178,13 +187,13 @@ class StepGraphs {
   void eager_done(const Key& key, const MemorySnapshot& before, const MemorySnapshot& after);
   // After any step: where the next begin_step compares from.
   void end_step(MemorySnapshot after) { last_ = std::move(after); }
-  // Runs `record` (it begins the captures on `streams`, enqueues the step, ends them) and keeps its
-  // graphs for `key` and `slot`; nothing captured ran, so the step counts of `optimizers` are
-  // restored (their step() counted a step that did not happen: the replay that runs the step counts
-  // it). When it fails, ends whatever capture is left on `streams`; then, when the failure was a
-  // CaptureError (the model did what a graph cannot hold), refuses the key -- it runs eagerly from
-  // now on -- and returns false; anything else is rethrown.
-  bool capture(const Key& key, int slot, const std::vector<Stream>& streams, const std::vector<Optimizer*>& optimizers,
+  // Runs `record` (it captures the step on each stream with capture_on, which ends a failed capture
+  // on the thread that began it) and keeps its graphs for `key` and `slot`; nothing captured ran,
+  // so the step counts of `optimizers` are restored (their step() counted a step that did not
+  // happen: the replay that runs the step counts it). When the failure was a CaptureError (the
+  // model did what a graph cannot hold), refuses the key -- it runs eagerly from now on -- and
+  // returns false; anything else is rethrown.
+  bool capture(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
                const std::function<std::vector<Graph>()>& record);
   const std::vector<Graph>& graphs(const Key& key, int slot) const {
     return graphs_.at(key)[static_cast<std::size_t>(slot)];

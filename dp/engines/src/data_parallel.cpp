@@ -4,6 +4,7 @@
 #include "dp/data_parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstring>
 #include <fmt/format.h>
@@ -59,26 +60,26 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
     replica->model = &(*models_)[rank];
     if (rank != 0) replica->grad_staging = source.allocate(module_.param_count() * sizeof(float));
     replica->stream = device.create_stream();
-    replica->forward_done = device.create_event();
-    replica->backward_done = device.create_event();
-    replica->step_start = device.create_event();
-    replica->broadcast_done = device.create_event();
-    replica->scatter_done = device.create_event();
-    replica->backward_start = device.create_event();
+    replica->forward_done = device.create_event(EventTiming::on);
+    replica->backward_done = device.create_event(EventTiming::on);
+    replica->step_start = device.create_event(EventTiming::on);
+    replica->broadcast_done = device.create_event(EventTiming::on);
+    replica->scatter_done = device.create_event(EventTiming::on);
+    replica->backward_start = device.create_event(EventTiming::on);
     replicas_.push_back(std::move(replica));
   }
   params_ready_ = source.create_event();
   Device& out = group_.device(output_rank_);
   grad_output_ready_ = out.create_event();
   time_phases_ = options.time_phases;
-  gather_start_ = out.create_event();
+  gather_start_ = out.create_event(EventTiming::on);
   host_loss_ = out.allocate_pinned(engines::StepPipeline::kSlots * sizeof(float));
   for (Event& ready : loss_ready_) ready = out.create_event();
-  gather_end_ = out.create_event();
-  loss_end_ = out.create_event();
-  reduce_start_ = source.create_event();
-  reduce_end_ = source.create_event();
-  update_end_ = source.create_event();
+  gather_end_ = out.create_event(EventTiming::on);
+  loss_end_ = out.create_event(EventTiming::on);
+  reduce_start_ = source.create_event(EventTiming::on);
+  reduce_end_ = source.create_event(EventTiming::on);
+  update_end_ = source.create_event(EventTiming::on);
   for (Event& done : step_done_) done = source.create_event();
   graphs_ = std::make_unique<engines::StepGraphs>(options.graphs && module.capturable() && !time_phases_);
   targets_ring_ = std::make_unique<engines::InputRing>();
@@ -237,9 +238,7 @@ StepLoss DataParallel::submit_batch(const Batch& step_batch) {
     if (graphs_->enabled()) graphs_->begin_step(memory());
     auto action = graphs_->plan(key, slot);
     if (action == engines::StepGraphs::Action::capture) {
-      std::vector<Stream> streams;
-      for (const auto& replica : replicas_) streams.push_back(replica->stream);
-      const bool captured = graphs_->capture(key, slot, streams, {optimizer_.get()},
+      const bool captured = graphs_->capture(key, slot, {optimizer_.get()},
                                              [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; });
       action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
     }
@@ -281,100 +280,132 @@ void DataParallel::wait_for_batches(int slot) {
 
 Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   const int used = static_cast<int>(chunks_.size());
-  const int classes = module_.output_features();
-  const std::size_t classes_z = static_cast<std::size_t>(classes);
   Graph graph;
 
   // One submission per device and step: each device's worker runs its part of every phase, and a
   // barrier between phases keeps the host order of the phases — every event a phase waits for was
-  // recorded in an earlier one (a wait issued before its record would not wait, as in CUDA). A
-  // worker that fails drops out of the barrier, so the others finish the step (which then fails).
+  // recorded in an earlier one (a wait issued before its record would not wait, as in CUDA). Once a
+  // worker fails, every worker skips the phases left but still meets the barriers, so no work of
+  // the step is enqueued behind the failure and every worker is done before the capture ends.
   // On one device this is the module's own step in one submission (torch's DataParallel calls the
   // module directly then): nothing to broadcast or reduce, and the same results bit for bit.
   // Captured, the source's stream begins the capture and every other stream joins it through the
-  // events it waits for (the broadcast, the gathered outputs), and is joined back by the reduction.
+  // events it waits for (the broadcast, the gathered outputs), and is joined back by the reduction;
+  // the source's worker, which began it, ends it after the last barrier (thread-local capture mode).
   const int participants = std::max(used, output_rank_ + 1);  // the output device may hold no chunk
   std::barrier<> phase(participants);
+  std::atomic<bool> failed{false};
   group_.run(
       [&](int rank) {
         const bool has_chunk = rank < used;
-        try {
-          // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
-          if (rank == 0) {
-            wait_for_batches(slot);  // before the capture: those events are recorded outside it
-            if (capture) replicas_[0]->stream.begin_capture();
-            replicas_[0]->stream.record(params_ready_);
+        std::exception_ptr error;
+        const auto run_phase = [&](const auto& work) {
+          if (!failed.load()) {
+            try {
+              work();
+            } catch (...) {
+              error = std::current_exception();
+              failed.store(true);
+            }
           }
           phase.arrive_and_wait();
+        };
+        // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
+        run_phase([&] {
+          if (rank != 0) return;
+          wait_for_batches(slot);  // before the capture: those events are recorded outside it
+          if (capture) replicas_[0]->stream.begin_capture();
+          replicas_[0]->stream.record(params_ready_);
+        });
+        run_phase([&] {
           if (has_chunk) receive_broadcast(rank);  // phase 2
-          phase.arrive_and_wait();
+        });
+        run_phase([&] {
           if (has_chunk) forward_chunk(rank, nullptr, Mode::train, slot);  // phase 3
-          phase.arrive_and_wait();
-
-          // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
-          if (rank == output_rank_) {
-            Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
-            Device& device = group_.device(output_rank_);
-            gather_outputs();
-            float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes_z);
-            const auto* gathered = static_cast<const float*>(gathered_.data());
-            const float* loss_value = loss_->forward_backward(out.stream, gathered, targets_ring_->targets(slot), batch,
-                                                              classes, grad_output, batch);
-            // Pinned: asynchronous; the slot's own float, so a later step never overwrites it.
-            out.stream.copy(host_loss_.as<float>() + slot, loss_value, sizeof(float));
-            if (!capture) out.stream.record(loss_ready_[static_cast<std::size_t>(slot)]);
-            mark(time_phases_, out.stream, loss_end_);
-            out.stream.record(grad_output_ready_);
-          }
-          phase.arrive_and_wait();
-
-          // Phase 5, every used device: its slice of the output gradient, backward.
-          if (has_chunk) {
-            Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-            const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
-            const float* slice = static_cast<const float*>(grad_output_.data()) +
-                                 static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes_z;
-            const float* dy = slice;
-            if (rank != output_rank_) {
-              r.stream.wait(grad_output_ready_);
-              float* local = r.grad_output.get<float>(group_.device(rank), rows * classes_z);
-              r.stream.copy(local, slice, rows * classes_z * sizeof(float));
-              dy = local;
+        });
+        // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
+        run_phase([&] {
+          if (rank == output_rank_) enqueue_loss(batch, slot, capture);
+        });
+        // Phase 5, every used device: its slice of the output gradient, backward.
+        run_phase([&] {
+          if (has_chunk) enqueue_backward(rank);
+        });
+        // Phase 6, source: reduce-add the replicas' gradients, then the optimizer step.
+        run_phase([&] {
+          if (rank == 0) enqueue_reduce_and_update(used);
+        });
+        if (rank == 0 && capture) {
+          if (failed.load()) {
+            engines::abandon_capture(replicas_[0]->stream);
+          } else {
+            try {
+              graph = replicas_[0]->stream.end_capture();
+            } catch (...) {
+              error = std::current_exception();
             }
-            mark(time_phases_, r.stream, r.backward_start);
-            r.model->zero_grad(r.stream);
-            r.model->backward(r.stream, dy);
-            r.stream.record(r.backward_done);
           }
-          phase.arrive_and_wait();
-
-          // Phase 6, source: reduce-add the replicas' gradients (source first, then device_ids
-          // order, as torch.cuda.comm.reduce_add sums), then the optimizer step.
-          if (rank == 0) {
-            Replica& source = *replicas_[0];
-            const std::size_t n = module_.param_count();
-            mark(time_phases_, source.stream, reduce_start_);
-            for (int other = 1; other < used; ++other) {
-              Replica& r = *replicas_[static_cast<std::size_t>(other)];
-              source.stream.wait(r.backward_done);
-              source.stream.copy(r.grad_staging.data(), r.model->grads_flat(), n * sizeof(float));
-              kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
-                            module_.grads_flat());
-            }
-            // An output device without a chunk ends with the loss: the source joins it there too.
-            if (output_rank_ >= used) source.stream.wait(grad_output_ready_);
-            mark(time_phases_, source.stream, reduce_end_);
-            optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
-            mark(time_phases_, source.stream, update_end_);
-            if (capture) graph = source.stream.end_capture();
-          }
-        } catch (...) {
-          phase.arrive_and_drop();  // never blocks; the others go on without this worker
-          throw;
         }
+        if (error) std::rethrow_exception(error);
       },
       participants);
   return graph;
+}
+
+void DataParallel::enqueue_loss(int batch, int slot, bool capture) {
+  const int classes = module_.output_features();
+  Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
+  Device& device = group_.device(output_rank_);
+  gather_outputs();
+  float* grad_output =
+      grad_output_.get<float>(device, static_cast<std::size_t>(batch) * static_cast<std::size_t>(classes));
+  const auto* gathered = static_cast<const float*>(gathered_.data());
+  const float* loss_value =
+      loss_->forward_backward(out.stream, gathered, targets_ring_->targets(slot), batch, classes, grad_output, batch);
+  // Pinned: asynchronous; the slot's own float, so a later step never overwrites it.
+  out.stream.copy(host_loss_.as<float>() + slot, loss_value, sizeof(float));
+  if (!capture) out.stream.record(loss_ready_[static_cast<std::size_t>(slot)]);
+  mark(time_phases_, out.stream, loss_end_);
+  out.stream.record(grad_output_ready_);
+}
+
+void DataParallel::enqueue_backward(int rank) {
+  const std::size_t classes = static_cast<std::size_t>(module_.output_features());
+  Replica& r = *replicas_[static_cast<std::size_t>(rank)];
+  const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
+  const float* slice = static_cast<const float*>(grad_output_.data()) +
+                       static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes;
+  const float* dy = slice;
+  if (rank != output_rank_) {
+    r.stream.wait(grad_output_ready_);
+    float* local = r.grad_output.get<float>(group_.device(rank), rows * classes);
+    r.stream.copy(local, slice, rows * classes * sizeof(float));
+    dy = local;
+  }
+  mark(time_phases_, r.stream, r.backward_start);
+  r.model->zero_grad(r.stream);
+  r.model->backward(r.stream, dy);
+  r.stream.record(r.backward_done);
+}
+
+// The replicas' gradients reduce-added onto the source (source first, then device_ids order, as
+// torch.cuda.comm.reduce_add sums), then the optimizer step there.
+void DataParallel::enqueue_reduce_and_update(int used) {
+  Replica& source = *replicas_[0];
+  const std::size_t n = module_.param_count();
+  mark(time_phases_, source.stream, reduce_start_);
+  for (int other = 1; other < used; ++other) {
+    Replica& r = *replicas_[static_cast<std::size_t>(other)];
+    source.stream.wait(r.backward_done);
+    source.stream.copy(r.grad_staging.data(), r.model->grads_flat(), n * sizeof(float));
+    kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
+                  module_.grads_flat());
+  }
+  // An output device without a chunk ends with the loss: the source joins it there too.
+  if (output_rank_ >= used) source.stream.wait(grad_output_ready_);
+  mark(time_phases_, source.stream, reduce_end_);
+  optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
+  mark(time_phases_, source.stream, update_end_);
 }
 
 void DataParallel::synchronize() {

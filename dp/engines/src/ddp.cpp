@@ -332,21 +332,17 @@ void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool
 bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key, int slot,
                                            std::span<const Batch> batches, bool sync, bool broadcast) {
   if (graphs_->plan(key, slot) == engines::StepGraphs::Action::capture) {
-    std::vector<Stream> streams;
     std::vector<Optimizer*> optimizers;
-    for (auto& rank : ranks_) {
-      streams.push_back(rank->compute);
-      optimizers.push_back(rank->optimizer.get());
-    }
-    const bool captured = graphs_->capture(key, slot, streams, optimizers, [&] {
+    for (auto& rank : ranks_) optimizers.push_back(rank->optimizer.get());
+    const bool captured = graphs_->capture(key, slot, optimizers, [&] {
       std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
       // Not run_ranks: a failed capture ran none of its collectives, so no peer waits in one and
-      // the communicators stay usable.
+      // the communicators stay usable. Each rank captures on its own worker, which also ends a
+      // failed capture.
       group_.run([&](int r) {
         Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-        rank.compute.begin_capture();
-        enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
-        graphs[static_cast<std::size_t>(r)] = rank.compute.end_capture();
+        graphs[static_cast<std::size_t>(r)] = engines::capture_on(
+            rank.compute, [&] { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot); });
       });
       return graphs;
     });

@@ -140,14 +140,25 @@ void check_batch(const Batch& batch) {
   if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
 }
 
-namespace {
-// Ends a capture that failed part-way (its error is already on its way up); nothing captured runs.
 void abandon_capture(const Stream& stream) noexcept {
   try {
-    (void)stream.end_capture();
+    if (stream.capturing()) (void)stream.end_capture();
   } catch (...) {  // an invalidated or unjoined capture: the error that made us abandon it is reported
   }
 }
+
+Graph capture_on(const Stream& stream, const std::function<void()>& enqueue) {
+  stream.begin_capture();
+  try {
+    enqueue();
+  } catch (...) {
+    abandon_capture(stream);
+    throw;
+  }
+  return stream.end_capture();  // a capture that cannot end is ended by the failing call itself
+}
+
+namespace {
 // Whether a failed step failed for a reason a graph cannot hold (CaptureError), maybe inside the
 // WorkerError of the device where it happened.
 bool capture_failed(std::exception_ptr error) {
@@ -354,8 +365,8 @@ StepGraphs::Action StepGraphs::plan(const Key& key, int slot) const {
   return warmed_.count(key) ? Action::capture : Action::eager;
 }
 
-bool StepGraphs::capture(const Key& key, int slot, const std::vector<Stream>& streams,
-                         const std::vector<Optimizer*>& optimizers, const std::function<std::vector<Graph>()>& record) {
+bool StepGraphs::capture(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
+                         const std::function<std::vector<Graph>()>& record) {
   std::vector<std::int64_t> steps;
   for (const Optimizer* optimizer : optimizers) steps.push_back(optimizer->steps());
   try {
@@ -363,8 +374,6 @@ bool StepGraphs::capture(const Key& key, int slot, const std::vector<Stream>& st
     for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
     return true;
   } catch (...) {
-    for (const Stream& stream : streams)
-      if (stream.capturing()) abandon_capture(stream);
     for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
     if (!capture_failed(std::current_exception())) throw;
     refused_.insert(key);

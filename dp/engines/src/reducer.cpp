@@ -111,9 +111,13 @@ void Reducer::finish(int r) {
   if (rank.next_bucket != buckets_.size())
     throw Error(fmt::format("rank {}: backward reported gradients for only {} of {} buckets", r, rank.next_bucket,
                             buckets_.size()));
-  // The optimizer (on the compute stream) waits for every bucket.
-  rank.comm.record(rank.comm_done);
-  rank.compute->wait(rank.comm_done);
+  // The optimizer (on the compute stream) waits for every bucket. With one rank no bucket ran, and
+  // the communication stream never joined a capture of this backward: waiting inside the capture
+  // on its record, made outside, would fail it (cudaErrorStreamCaptureIsolation).
+  if (comm_.size() > 1) {
+    rank.comm.record(rank.comm_done);
+    rank.compute->wait(rank.comm_done);
+  }
   rank.compute = nullptr;
 }
 

@@ -62,10 +62,8 @@ StepLoss SingleDeviceTrainer::submit_batch(const Batch& step_batch) {
     ring_->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
     auto action = graphs_->plan(key, slot);
     if (action == engines::StepGraphs::Action::capture) {
-      const bool captured = graphs_->capture(key, slot, {stream_}, {optimizer_.get()}, [&] {
-        stream_.begin_capture();
-        enqueue_step(batch, slot);
-        return std::vector<Graph>{stream_.end_capture()};
+      const bool captured = graphs_->capture(key, slot, {optimizer_.get()}, [&] {
+        return std::vector<Graph>{engines::capture_on(stream_, [&] { enqueue_step(batch, slot); })};
       });
       action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
     }

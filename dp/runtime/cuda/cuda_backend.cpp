@@ -22,11 +22,22 @@
 namespace dp::detail {
 namespace {
 
-// Makes `device` current on the calling thread if it is not (cheap: a thread-local read).
-void make_device_current(int device) {
+// Makes `device` current on the calling thread if it is not (cheap: a thread-local read); returns
+// the device that was current, or -1 when it already was `device`.
+int make_device_current(int device) {
   int current = -1;
   DP_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != device) DP_CUDA_CHECK(cudaSetDevice(device));
+  if (current == device) return -1;
+  DP_CUDA_CHECK(cudaSetDevice(device));
+  return current;
+}
+
+// What the driver knows of a pointer (any host or device address; unknown host memory is
+// cudaMemoryTypeUnregistered, not an error).
+cudaPointerAttributes attributes_of(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+  return attributes;
 }
 
 // cuBLAS's recommended workspace per handle: 32 MiB on Hopper and later, 4 MiB before (cuBLAS
@@ -133,9 +144,11 @@ class CudaRuntime;
 
 class CudaEvent final : public EventImpl {
  public:
-  CudaEvent(RuntimeImpl& runtime, int device) : runtime_(runtime), device_(device) {
+  CudaEvent(RuntimeImpl& runtime, int device, EventTiming timing)
+      : runtime_(runtime), device_(device), timing_(timing) {
     DeviceScope scope(device);
-    DP_CUDA_CHECK(cudaEventCreate(&event_));
+    DP_CUDA_CHECK(
+        cudaEventCreateWithFlags(&event_, timing == EventTiming::on ? cudaEventDefault : cudaEventDisableTiming));
   }
   ~CudaEvent() override {
     if (event_) cudaEventDestroy(event_);  // never throws from a destructor
@@ -152,6 +165,11 @@ class CudaEvent final : public EventImpl {
     DP_CUDA_CHECK(cudaEventSynchronize(event_));
   }
   double elapsed_ms_since(EventImpl& start) override {
+    // cudaEventElapsedTime says cudaErrorInvalidResourceHandle; the simulator's words are clearer.
+    if (timing_ == EventTiming::off || static_cast<CudaEvent&>(start).timing_ == EventTiming::off)
+      throw InvalidArgument(
+          "Event::elapsed_ms: both events must be created with EventTiming::on (cudaEventDisableTiming events have "
+          "no timestamps)");
     float ms = 0.0f;
     DP_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<CudaEvent&>(start).event_, event_));
     return ms;
@@ -161,6 +179,7 @@ class CudaEvent final : public EventImpl {
  private:
   RuntimeImpl& runtime_;
   int device_;
+  EventTiming timing_;
   cudaEvent_t event_ = nullptr;
 };
 
@@ -170,8 +189,13 @@ class CudaDevice;
 class CudaGraph final : public GraphImpl {
  public:
   CudaGraph(RuntimeImpl& runtime, int device, cudaStream_t stream, cudaGraph_t graph,
-            std::vector<std::unique_ptr<std::function<void()>>> host_funcs)
-      : runtime_(runtime), device_(device), stream_(stream), graph_(graph), host_funcs_(std::move(host_funcs)) {
+            std::vector<std::unique_ptr<std::function<void()>>> host_funcs, std::shared_ptr<SpanLog> spans)
+      : runtime_(runtime),
+        device_(device),
+        stream_(stream),
+        graph_(graph),
+        host_funcs_(std::move(host_funcs)),
+        spans_(std::move(spans)) {
     DeviceScope scope(device_);
     const cudaError_t status = cudaGraphInstantiate(&exec_, graph_, 0);
     if (status != cudaSuccess) {
@@ -186,10 +210,16 @@ class CudaGraph final : public GraphImpl {
   }
   CudaGraph(const CudaGraph&) = delete;
   CudaGraph& operator=(const CudaGraph&) = delete;
+  // While profiling, the whole replay is one span on the launching stream: timing events cannot
+  // stand between the kernels of an instantiated graph, and every stream the graph forked into
+  // joined back to this one, so the span ends when the last of its work does.
   void replay() override {
     runtime_.count(device_, Counter::launches);  // one graph launch
     DeviceScope scope(device_);
+    const bool traced = runtime_.profiling();
+    if (traced) spans_->begin(stream_, "graph", SpanKind::kernel);
     DP_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    if (traced) spans_->end(stream_);
   }
   std::size_t nodes() const override {
     std::size_t count = 0;
@@ -205,6 +235,7 @@ class CudaGraph final : public GraphImpl {
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
   std::vector<std::unique_ptr<std::function<void()>>> host_funcs_;
+  std::shared_ptr<SpanLog> spans_;  // the launching stream's
 };
 
 class CudaStream final : public StreamImpl {
@@ -273,7 +304,10 @@ class CudaStream final : public StreamImpl {
   }
   void* native_handle() override { return stream_; }
   int multiprocessor_count() const override { return sm_count_; }
-  void make_current() override { detail::make_device_current(index_); }
+  int make_current() override { return detail::make_device_current(index_); }
+  void restore_current(int previous) noexcept override {
+    if (previous >= 0) cudaSetDevice(previous);  // never throws: the launch's own error is what counts
+  }
   void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) override;
   void* kernel_scratch(std::size_t bytes) override {
     if (bytes == 0) return nullptr;
@@ -379,7 +413,7 @@ class CudaDevice final : public DeviceImpl {
   MemoryStats memory() const override { return memory_.stats(); }
   void reset_peak_memory() override { memory_.reset_peak(); }
   std::shared_ptr<StreamImpl> create_stream() override;
-  std::shared_ptr<EventImpl> create_event() override;
+  std::shared_ptr<EventImpl> create_event(EventTiming timing) override;
   void synchronize() override {
     count(Counter::host_syncs);
     DeviceScope scope(index_);
@@ -450,14 +484,7 @@ class CudaRuntime final : public RuntimeImpl {
   void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
   // Page-locked at both ends (cudaMallocHost'd or registered): a copy from it is asynchronous.
   bool is_pinned(const void* ptr, std::size_t bytes) const override {
-    const auto page_locked = [](const void* p) {
-      cudaPointerAttributes attributes{};
-      if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-        cudaGetLastError();  // not sticky: a pointer the driver cannot classify is simply not pinned
-        return false;
-      }
-      return attributes.type == cudaMemoryTypeHost;
-    };
+    const auto page_locked = [](const void* p) { return attributes_of(p).type == cudaMemoryTypeHost; };
     return page_locked(ptr) && (bytes <= 1 || page_locked(static_cast<const char*>(ptr) + bytes - 1));
   }
 
@@ -552,16 +579,11 @@ std::shared_ptr<StreamImpl> CudaDevice::create_stream() {
 }
 
 // Host memory the driver does not know (not cudaMallocHost'd nor registered): copies stage it.
-bool pageable(const void* ptr) {
-  cudaPointerAttributes attributes{};
-  DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
-  return attributes.type == cudaMemoryTypeUnregistered;
-}
+bool pageable(const void* ptr) { return attributes_of(ptr).type == cudaMemoryTypeUnregistered; }
 
 // Where a pointer lives: a device index, or kHost for pinned and pageable host memory.
 int location_of(const void* ptr) {
-  cudaPointerAttributes attributes{};
-  DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+  const cudaPointerAttributes attributes = attributes_of(ptr);
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device
                                                                                              : kHost;
 }
@@ -584,27 +606,38 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
 RuntimeImpl& CudaStream::runtime() const { return runtime_; }
 std::shared_ptr<GraphImpl> CudaStream::end_capture() {
   DeviceScope scope(index_);
+  // As the simulator: ending a capture that is not in progress is the caller's mistake (CUDA
+  // returns cudaErrorIllegalState, which says less).
+  if (!capturing())
+    throw InvalidArgument(fmt::format("Stream::end_capture: the stream of device {} is not capturing", index_));
   cudaGraph_t graph = nullptr;
   const cudaError_t status = cudaStreamEndCapture(stream_, &graph);
+  // Not begun on this stream (903) or on this thread (908): the capture goes on, its host functions
+  // with it; DP_CUDA_CHECK raises InvalidArgument for both.
+  if (status == cudaErrorStreamCaptureUnmatched || status == cudaErrorStreamCaptureWrongThread) DP_CUDA_CHECK(status);
   auto host_funcs = std::move(captured_host_funcs_);
   captured_host_funcs_.clear();
   if (status != cudaSuccess) {
     if (graph) cudaGraphDestroy(graph);
-    throw CaptureError(fmt::format("stream capture on device {} failed: {} ({})", index_, cudaGetErrorName(status),
-                                   cudaGetErrorString(status)));
+    if (status == cudaErrorStreamCaptureInvalidated)
+      throw CaptureError(
+          fmt::format("stream capture was invalidated on device {}: {}", index_, cudaGetErrorString(status)));
+    DP_CUDA_CHECK(status);  // an unjoined fork (904) is a CaptureError there too
   }
-  return std::make_shared<CudaGraph>(runtime(), index_, stream_, graph, std::move(host_funcs));
+  return std::make_shared<CudaGraph>(runtime(), index_, stream_, graph, std::move(host_funcs), spans_);
 }
 
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
-std::shared_ptr<EventImpl> CudaDevice::create_event() { return std::make_shared<CudaEvent>(runtime_, index_); }
+std::shared_ptr<EventImpl> CudaDevice::create_event(EventTiming timing) {
+  return std::make_shared<CudaEvent>(runtime_, index_, timing);
+}
 
-// Makes the stream's device current (as a kernel launch does) and lends the stream's own handle,
+// Makes the stream's device current for the call (as a kernel launch does) and lends the stream's own handle,
 // held exclusively: calls on other streams of the device use their own handles and workspaces, so
 // their kernels may overlap on the GPU without sharing scratch. The device's cache for the library
 // is held meanwhile (plan look-ups are short; a plan's first build times algorithms, in warm-up).
 void CudaStream::with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) {
-  make_device_current(index_);
+  const DeviceScope scope(index_);  // the caller's current device is restored after the call
   Library& state = libraries_[static_cast<std::size_t>(library)];
   std::lock_guard lock(state.mutex);
   if (!state.handle) create_handle(library, state);

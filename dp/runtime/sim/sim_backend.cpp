@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <shared_mutex>
+#include <thread>
 #include <vector>
 
 #include "backend.h"
@@ -72,7 +73,8 @@ struct SimCapture;
 
 class SimEvent final : public EventImpl, public std::enable_shared_from_this<SimEvent> {
  public:
-  SimEvent(RuntimeImpl& runtime, int device) : runtime_(runtime), device_(device) {}
+  SimEvent(RuntimeImpl& runtime, int device, EventTiming timing = EventTiming::off)
+      : runtime_(runtime), device_(device), timing_(timing) {}
   int device() const override { return device_; }
 
   // The capture whose record is this event's latest (null: none). Such a record exists only in
@@ -144,6 +146,10 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   }
   double elapsed_ms_since(EventImpl& start) override {
     auto& begin = static_cast<SimEvent&>(start);
+    if (timing_ == EventTiming::off || begin.timing_ == EventTiming::off)
+      throw InvalidArgument(
+          "Event::elapsed_ms: both events must be created with EventTiming::on (cudaEventDisableTiming events have "
+          "no timestamps)");
     if (!query() || !begin.query() || recorded_at_least_once() == false || !begin.recorded_at_least_once())
       throw InvalidArgument("Event::elapsed_ms: both events must be recorded and completed");
     return static_cast<double>(time() - begin.time()) / 1e6;
@@ -165,6 +171,7 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
 
   RuntimeImpl& runtime_;
   int device_;
+  EventTiming timing_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::shared_ptr<SimCapture> capture_;
@@ -194,11 +201,16 @@ struct SimCapture {
     std::vector<int> deps;
     int record_node = -1;  // wait: the record node it waits for
   };
-  explicit SimCapture(SimStream* origin_stream) : origin(origin_stream) {}
+  explicit SimCapture(SimStream* origin_stream) : origin(origin_stream), origin_thread(std::this_thread::get_id()) {}
 
   // Appends a node issued to `stream` (which must have joined) after `extra` (a record it waits for).
+  // An invalidated capture takes nothing more: every later use of its streams fails until it is
+  // ended (cudaErrorStreamCaptureInvalidated).
   int add(SimStream* stream, Node node, int extra = -1) {
     std::lock_guard lock(mutex);
+    if (!invalid.empty())
+      throw CaptureError(
+          fmt::format("stream capture was invalidated earlier ({}); end it on the stream that began it", invalid));
     auto it = last.find(stream);
     if (it != last.end() && it->second >= 0) node.deps.push_back(it->second);
     if (extra >= 0) node.deps.push_back(extra);
@@ -216,12 +228,33 @@ struct SimCapture {
 
   std::mutex mutex;
   SimStream* origin;
+  std::thread::id origin_thread;                    // thread-local capture mode: only this thread may end it
+  bool ended = false;                               // under mutex
   std::vector<std::shared_ptr<SimStream>> streams;  // joined, the origin first
   std::vector<std::shared_ptr<SimEvent>> events;    // recorded inside: unmarked when the capture ends
   std::map<SimStream*, int> last;                   // each stream's latest node
   std::vector<Node> nodes;
   std::string invalid;  // why the capture was invalidated (empty: it was not)
 };
+
+// The captures the calling thread began and has not ended. In cudaStreamCaptureModeThreadLocal
+// (the mode both backends use) the calls CUDA deems unsafe (cudaMalloc, cudaMallocHost, ...) fail
+// on that thread only, whichever device they name, and invalidate its captures; other threads,
+// even those whose streams joined a capture, are not affected.
+thread_local std::vector<std::weak_ptr<SimCapture>> t_captures;
+
+void refuse_on_capturing_thread(const std::string& what) {
+  std::vector<std::shared_ptr<SimCapture>> live;
+  for (const auto& weak : t_captures)
+    if (auto capture = weak.lock()) {
+      std::lock_guard lock(capture->mutex);
+      if (!capture->ended) live.push_back(std::move(capture));
+    }
+  if (live.empty()) return;
+  const std::string why = fmt::format("{} on a thread that is capturing a stream into a graph", what);
+  for (auto& capture : live) capture->invalidate(why);
+  throw CaptureError(why);
+}
 
 void SimEvent::refuse_if_captured(const char* op) const {
   const auto capture = this->capture().first;
@@ -239,6 +272,7 @@ class SimRuntime final : public RuntimeImpl {
   ~SimRuntime() override;
   Backend backend() const override { return Backend::sim; }
   void* allocate_pinned(std::size_t bytes) override {
+    refuse_on_capturing_thread(fmt::format("pinned allocation of {} bytes", bytes));
     void* ptr = aligned_host_alloc(bytes);
     if (!ptr) throw OutOfMemory(kHost, bytes, 0, 0);
     AllocationRegistry::instance().add(ptr, bytes, {this, kHost});
@@ -290,8 +324,13 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
     const auto [event_capture, record_node] = sim_event->capture();
     auto capture = current_capture();
     if (event_capture) {
-      if (capture && capture != event_capture)
-        fail(capture, fmt::format("a stream of device {} waits on an event recorded in another capture", device_));
+      if (capture && capture != event_capture) {
+        // cudaErrorStreamCaptureMerge: both captures are invalidated.
+        const std::string why =
+            fmt::format("a stream of device {} waits on an event recorded in another capture", device_);
+        event_capture->invalidate(why);
+        fail(capture, why);
+      }
       if (!capture) join(event_capture);  // a fork: this stream's work joins the graph from here on
       event_capture->add(this, {nullptr, SimCapture::Kind::wait, "wait", SpanKind::sync, {}, sim_event, {}},
                          record_node);
@@ -373,7 +412,7 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
 
   void* native_handle() override { return nullptr; }
   int multiprocessor_count() const override { return 1; }
-  void make_current() override {}
+  int make_current() override { return -1; }
   void with_library(kernel_api::Library, const std::function<void(kernel_api::LibraryCall&)>&) override {
     throw Error(fmt::format("sim device {}: CUDA library handles exist on cuda devices only", device_));
   }
@@ -532,7 +571,7 @@ class SimDevice final : public DeviceImpl {
 
   void* allocate(std::size_t bytes) override {
     runtime_.count(index_, Counter::allocations);
-    refuse_while_capturing(bytes);
+    refuse_on_capturing_thread(fmt::format("allocation of {} bytes on device {}", bytes, index_));
     if (!memory_.reserve(bytes)) {
       const auto stats = memory_.stats();
       throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
@@ -566,7 +605,9 @@ class SimDevice final : public DeviceImpl {
     streams_.push_back(stream);
     return stream;
   }
-  std::shared_ptr<EventImpl> create_event() override { return std::make_shared<SimEvent>(runtime_, index_); }
+  std::shared_ptr<EventImpl> create_event(EventTiming timing) override {
+    return std::make_shared<SimEvent>(runtime_, index_, timing);
+  }
 
   // Waits for every stream even when one has failed, then reports the first failure.
   void synchronize() override {
@@ -590,15 +631,6 @@ class SimDevice final : public DeviceImpl {
     return future;
   }
 
-  // Streams of this device that are capturing (an allocation now would invalidate their capture).
-  void set_capturing(SimStream* stream, bool on) {
-    std::lock_guard lock(streams_mutex_);
-    if (on)
-      capturing_.push_back(stream);
-    else
-      std::erase(capturing_, stream);
-  }
-
   void synchronize_noexcept() noexcept {
     try {
       for (auto& stream : live_streams()) stream->drain();
@@ -614,26 +646,11 @@ class SimDevice final : public DeviceImpl {
       if (auto s = weak.lock()) out.push_back(std::move(s));
     return out;
   }
-  void refuse_while_capturing(std::size_t bytes) {
-    std::vector<std::shared_ptr<SimCapture>> captures;
-    {
-      std::lock_guard lock(streams_mutex_);
-      for (SimStream* stream : capturing_)
-        if (auto capture = stream->current_capture()) captures.push_back(std::move(capture));
-    }
-    if (captures.empty()) return;
-    const std::string why = fmt::format(
-        "allocation of {} bytes on device {} while a stream of the device is being captured", bytes, index_);
-    for (auto& capture : captures) capture->invalidate(why);
-    throw CaptureError(why);
-  }
-
   SimRuntime& runtime_;
   int index_;
   MemoryCounter memory_;
   std::mutex streams_mutex_;
   std::vector<std::weak_ptr<SimStream>> streams_;
-  std::vector<SimStream*> capturing_;
   SerialExecutor worker_;
 };
 
@@ -641,7 +658,10 @@ void SimStream::begin_capture() {
   if (capturing())
     throw InvalidArgument(fmt::format("Stream::begin_capture: a stream of device {} already captures", device_));
   rethrow_sticky_error();
-  join(std::make_shared<SimCapture>(this));
+  auto capture = std::make_shared<SimCapture>(this);
+  std::erase_if(t_captures, [](const std::weak_ptr<SimCapture>& c) { return c.expired(); });
+  t_captures.push_back(capture);
+  join(std::move(capture));
 }
 
 void SimStream::join(std::shared_ptr<SimCapture> capture) {
@@ -653,11 +673,9 @@ void SimStream::join(std::shared_ptr<SimCapture> capture) {
     std::lock_guard lock(capture_mutex_);
     capture_ = std::move(capture);
   }
-  device_impl_.set_capturing(this, true);
 }
 
 void SimStream::leave_capture() {
-  device_impl_.set_capturing(this, false);
   std::lock_guard lock(capture_mutex_);
   capture_.reset();
 }
@@ -670,7 +688,14 @@ std::shared_ptr<GraphImpl> SimStream::end_capture() {
     throw InvalidArgument(fmt::format(
         "Stream::end_capture on a stream of device {} that joined the capture: end it on the stream that began it",
         device_));
+  // cudaErrorStreamCaptureWrongThread: the capture goes on, and the thread that began it must end it.
+  if (capture->origin_thread != std::this_thread::get_id())
+    throw InvalidArgument(fmt::format(
+        "Stream::end_capture on device {} from a thread other than the one that began the capture (thread-local "
+        "capture mode): end it on that thread",
+        device_));
   std::lock_guard lock(capture->mutex);  // every stream leaves it now: nothing else adds nodes
+  capture->ended = true;
   for (auto& stream : capture->streams) stream->leave_capture();
   for (auto& event : capture->events)
     if (event->capture().first == capture) event->set_capture(nullptr, -1);

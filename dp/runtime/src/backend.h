@@ -84,8 +84,10 @@ class StreamImpl {
   // cuda only: number of multiprocessors of the stream's device (launch grid sizing); sim: 1.
   virtual int multiprocessor_count() const = 0;
   // cuda: makes the stream's device current on the calling thread (a kernel launch into a stream
-  // of another device fails); sim: nothing to do.
-  virtual void make_current() = 0;
+  // of another device fails) and returns the device that was current before, or -1 when it already
+  // was the stream's; restore_current(that) puts it back. sim: nothing to do (-1).
+  virtual int make_current() = 0;
+  virtual void restore_current(int /*previous*/) noexcept {}
   // cuda only: kernel_api::with_library on this stream; sim: throws.
   virtual void with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) = 0;
   // cuda only: kernel_api::kernel_scratch on this stream; sim: throws.
@@ -127,7 +129,7 @@ class DeviceImpl {
   virtual MemoryStats memory() const = 0;
   virtual void reset_peak_memory() = 0;
   virtual std::shared_ptr<StreamImpl> create_stream() = 0;
-  virtual std::shared_ptr<EventImpl> create_event() = 0;
+  virtual std::shared_ptr<EventImpl> create_event(EventTiming timing) = 0;
   virtual void synchronize() = 0;
   virtual std::future<void> submit(std::function<void()> task) = 0;
 

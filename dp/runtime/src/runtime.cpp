@@ -71,7 +71,7 @@ DeviceBuffer Device::allocate(std::size_t bytes) {
 MemoryStats Device::memory() const { return impl_->memory(); }
 void Device::reset_peak_memory() { impl_->reset_peak_memory(); }
 Stream Device::create_stream() { return Stream(impl_->create_stream()); }
-Event Device::create_event() { return Event(impl_->create_event()); }
+Event Device::create_event(EventTiming timing) { return Event(impl_->create_event(timing)); }
 void Device::synchronize() { impl_->synchronize(); }
 std::future<void> Device::submit(std::function<void()> task) { return impl_->submit(std::move(task)); }
 

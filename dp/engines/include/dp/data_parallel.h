@@ -101,6 +101,11 @@ class DataParallel final : public Engine {
   // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
   // `capture`: recorded into a graph (returned) instead of run.
   Graph enqueue_step(int batch, int slot, bool capture);
+  // enqueue_step's phases 4-6: the loss on the output device, a device's backward, the reduction
+  // onto the source and the optimizer step.
+  void enqueue_loss(int batch, int slot, bool capture);
+  void enqueue_backward(int rank);
+  void enqueue_reduce_and_update(int used);
   void wait_for_batches(int slot);
   std::uint64_t staging_growths() const;
 

@@ -91,6 +91,10 @@ struct Normalize {
 // in pinned memory (copies to a device are asynchronous).
 using HostBatch = Batch;
 
+// The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
+// before it fills the batch: a plan of millions of steps takes no memory up front.
+using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
+
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
 // A batch returned by next() stays valid until the following call to next(), and for as long as a
 // copy of its lease (Batch::lease) lives: an engine copies it to its devices straight from the
@@ -99,10 +103,6 @@ using HostBatch = Batch;
 // lent when its turn comes stays with its lease (freed when the last copy goes, after the loader
 // too) and the loader takes new pinned memory in its place, as PyTorch's pinned batches are new
 // tensors: holding batches costs memory, never a stall.
-// The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
-// before it fills the batch: a plan of millions of steps takes no memory up front.
-using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
-
 class BatchLoader {
  public:
   // `count` batches of at most `max_batch` samples each (the pinned staging is sized for it; a larger

@@ -36,6 +36,10 @@ class Device;
 class Stream;
 class Graph;
 
+// Whether an event keeps timestamps (Event::elapsed_ms). Ordering-only events (the default) are
+// cheaper to record and wait on: CUDA's cudaEventDisableTiming, which both backends honour.
+enum class EventTiming { off, on };
+
 // Marks the point in a stream's work at which it was recorded. Another stream (of any device)
 // can wait on it; the host can query or block on it. Copyable handle; copies share the event.
 class Event {
@@ -46,7 +50,8 @@ class Event {
   bool query() const;
   // Blocks the calling host thread until query() is true.
   void synchronize() const;
-  // Milliseconds between two completed events of the same device.
+  // Milliseconds between two completed events of the same device, both created with
+  // EventTiming::on (else InvalidArgument, as cudaEventElapsedTime refuses them).
   static double elapsed_ms(const Event& start, const Event& end);
 
  private:
@@ -145,7 +150,7 @@ class Device {
   void reset_peak_memory();
 
   Stream create_stream();
-  Event create_event();
+  Event create_event(EventTiming timing = EventTiming::off);
   // Blocks until all streams of this device are idle.
   void synchronize();
 
