@@ -556,6 +556,27 @@ TEST_P(Conv2dTest, WeightGradientPaths) {
   }
 }
 
+// cuda only: a plan's algorithm search runs on scratch operands of its own (stream-ordered, from the
+// device's pool); they count in the device's MemoryStats like any other device memory, so the first
+// run of a shape (the search) allocates more and peaks higher than the second (the cached plan).
+TEST_P(Conv2dTest, CudnnPlanSearchMemoryIsCounted) {
+  if (const char* why = no_cudnn()) GTEST_SKIP() << why;
+  const Conv2dShape shape{8, 3, 20, 20, 7, 3, 3, 1, 1};  // a shape no other test plans
+  const Inputs in = make_inputs(shape, true, 4242);
+  const auto measure = [&] {
+    stream_.synchronize();
+    const MemoryStats before = device_->memory();
+    device_->reset_peak_memory();
+    (void)run_conv(*device_, stream_, shape, in);
+    const MemoryStats after = device_->memory();
+    return std::pair{after.allocations_made - before.allocations_made, after.peak - before.in_use};
+  };
+  const auto [first_allocations, first_peak] = measure();
+  const auto [second_allocations, second_peak] = measure();
+  EXPECT_GT(first_allocations, second_allocations);
+  EXPECT_GT(first_peak, second_peak);
+}
+
 // cuda only: streams of one device each have their own cuDNN handle but share its plans (under a
 // mutex); two threads driving their own streams concurrently must both get correct results.
 TEST_P(Conv2dTest, CudnnConcurrentStreamsOfOneDevice) {

@@ -71,42 +71,22 @@ std::size_t find_workspace_bytes(const Perf* perf, int count, Precision precisio
   return bytes;
 }
 
-// Device memory for the duration of a plan's algorithm search (cudnnFind*Ex needs real operands).
-// Stream-ordered (cudaMallocAsync / cudaFreeAsync on the search's stream, from the device's pool):
-// a cudaFree would wait for the whole device, and a plan is built in a forward that may run while
-// other workers launch collectives (DDP's buffer broadcast, SyncBatchNorm), the known way to hang
-// NCCL. Plain cudaMalloc / cudaFree only where the device has no memory pools.
+// Device memory for the duration of a plan's algorithm search (cudnnFind*Ex needs real operands):
+// the call's stream-ordered temporary (kernel_api::LibraryCall::temporary), counted in the
+// device's MemoryStats. Stream-ordered because a plan is built in a forward that may run while
+// other workers launch collectives (DDP's buffer broadcast, SyncBatchNorm), and a cudaFree waits
+// for the whole device: the known way to hang NCCL.
 class FindBuffer {
  public:
-  FindBuffer(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes == 0) return;
-    const cudaError_t status = cudaMallocAsync(&ptr_, bytes, stream);
-    if (status == cudaErrorNotSupported) {
-      cudaGetLastError();  // clear the non-sticky error
-      async_ = false;
-      DP_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-    } else {
-      DP_CUDA_CHECK(status);
-    }
+  FindBuffer(kernel_api::LibraryCall& call, std::size_t bytes, cudaStream_t stream) : memory_(call.temporary(bytes)) {
     // Finite inputs: no NaN slow paths in the timings. On the search's stream: a cudaMemset would
     // go to the legacy stream, which the runtime's non-blocking streams do not wait for.
-    DP_CUDA_CHECK(cudaMemsetAsync(ptr_, 0, bytes, stream));
+    if (memory_) DP_CUDA_CHECK(cudaMemsetAsync(memory_.get(), 0, bytes, stream));
   }
-  ~FindBuffer() {  // never throws from a destructor
-    if (!ptr_) return;
-    if (async_)
-      cudaFreeAsync(ptr_, stream_);  // after the search's work on the stream
-    else
-      cudaFree(ptr_);
-  }
-  FindBuffer(const FindBuffer&) = delete;
-  FindBuffer& operator=(const FindBuffer&) = delete;
-  void* data() const { return ptr_; }
+  void* data() const { return memory_.get(); }
 
  private:
-  cudaStream_t stream_;
-  bool async_ = true;
-  void* ptr_ = nullptr;
+  std::shared_ptr<void> memory_;  // freed behind the search's work on the stream
 };
 
 // Descriptors and algorithms for one (shape, precision); immutable once built, shared by the
@@ -190,8 +170,8 @@ bool clearly_faster(cudaStream_t stream, const std::function<void()>& challenger
 // handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up), and then the weight
 // gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
 // scratch workspace that are freed, in stream order, when it returns.
-std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Precision precision,
-                                const GemmWeightGrad& gemm) {
+std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t handle, const Conv2dShape& s,
+                                Precision precision, const GemmWeightGrad& gemm) {
   cudaStream_t stream = nullptr;
   DP_CUDA_CHECK(cudnnGetStream(handle, &stream));
   auto plan = std::make_unique<Plan>();
@@ -234,12 +214,12 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Prec
   search_bytes = std::max(search_bytes, find_workspace_bytes(filter, count, precision, true));
 
   const auto floats = [](std::int64_t count) { return static_cast<std::size_t>(count) * sizeof(float); };
-  const FindBuffer x(floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream),
-      dx(floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream);
-  const FindBuffer weight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
-  const FindBuffer dweight(floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
-  const FindBuffer y(floats(std::int64_t{n} * c * h * w), stream);
-  const FindBuffer search(search_bytes, stream);
+  const FindBuffer x(call, floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream),
+      dx(call, floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream);
+  const FindBuffer weight(call, floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
+  const FindBuffer dweight(call, floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
+  const FindBuffer y(call, floats(std::int64_t{n} * c * h * w), stream);
+  const FindBuffer search(call, search_bytes, stream);
 
   DP_CUDA_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, p.x, x.data(), p.w, weight.data(), p.conv_fwd, p.y,
                                                        y.data(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, fwd,
@@ -274,7 +254,7 @@ std::unique_ptr<Plan> make_plan(cudnnHandle_t handle, const Conv2dShape& s, Prec
   // the stream's cuBLAS handle while this holds its cuDNN one, the one nesting of the two (no
   // cuBLAS call takes cuDNN), so the locks cannot deadlock.
   if (gemm) {
-    const FindBuffer filter_workspace(p.bwd_filter_bytes > search_bytes ? p.bwd_filter_bytes : 0, stream);
+    const FindBuffer filter_workspace(call, p.bwd_filter_bytes > search_bytes ? p.bwd_filter_bytes : 0, stream);
     void* const workspace = filter_workspace.data() ? filter_workspace.data() : search.data();
     const auto* x_in = static_cast<const float*>(x.data());
     const auto* dy_in = static_cast<const float*>(y.data());
@@ -317,7 +297,7 @@ void with_cudnn(const Stream& stream, const Conv2dShape& shape, const GemmWeight
     if (!call.cache) call.cache = std::make_shared<Plans>();
     auto handle = static_cast<cudnnHandle_t>(call.handle);
     std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision)];
-    if (!plan) plan = make_plan(handle, shape, precision, gemm);
+    if (!plan) plan = make_plan(call, handle, shape, precision, gemm);
     const std::size_t bytes = plan->workspace_bytes();
     f(handle, *plan, Workspace{call.workspace(bytes), bytes});
   });

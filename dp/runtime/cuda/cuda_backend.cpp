@@ -428,6 +428,8 @@ class CudaDevice final : public DeviceImpl {
   }
   int sm_count() const { return sm_count_; }
   void count(Counter counter);
+  // kernel_api::LibraryCall::temporary: stream-ordered memory counted as this device's.
+  std::shared_ptr<void> temporary(std::size_t bytes, cudaStream_t stream);
   int compute_major() const { return compute_major_; }
   // Runs fn with this device's cache for `library` (cuDNN plans), shared by its streams and held
   // exclusively meanwhile (plans are built on first use, timing algorithms on the calling stream).
@@ -563,7 +565,16 @@ void CudaStream::create_handle(kernel_api::Library library, Library& state) {
     DP_CUDA_CHECK(cublasSetWorkspace(handle, state.cublas_workspace.data(), bytes));
   } else {
     cudnnHandle_t handle = nullptr;
-    DP_CUDA_CHECK(cudnnCreate(&handle));  // on first use: it loads cuDNN's kernels
+    // On first use: cuDNN 9 loads its sub-libraries (libcudnn_ops, libcudnn_cnn, libcudnn_engines_*)
+    // now, from the dynamic loader's path; a machine that has libcudnn.so.9 without them fails here.
+    if (const cudnnStatus_t status = cudnnCreate(&handle); status != CUDNN_STATUS_SUCCESS) {
+      char detail[512] = {};
+      cudnnGetLastErrorString(detail, sizeof(detail));
+      throw Error(fmt::format(
+          "cuDNN could not start on device {}: {} ({}). cuDNN 9 loads libcudnn_ops.so.9, libcudnn_cnn.so.9 and "
+          "libcudnn_engines_*.so.9 at run time: put the directory holding them on LD_LIBRARY_PATH",
+          index_, cudnnGetErrorString(status), detail));
+    }
     state.handle = handle;
     DP_CUDA_CHECK(cudnnSetStream(handle, stream_));
   }
@@ -628,6 +639,37 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
 }
 
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
+
+std::shared_ptr<void> CudaDevice::temporary(std::size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return nullptr;
+  count(Counter::allocations);
+  DeviceScope scope(index_);
+  void* ptr = nullptr;
+  bool async = true;
+  cudaError_t status = cudaMallocAsync(&ptr, bytes, stream);
+  if (status == cudaErrorNotSupported) {  // no memory pools on this device
+    cudaGetLastError();
+    async = false;
+    status = cudaMalloc(&ptr, bytes);
+  }
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    const auto stats = memory_.stats();
+    throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
+  }
+  DP_CUDA_CHECK(status);
+  memory_.reserve(bytes);  // accounting only: the driver already granted it
+  return std::shared_ptr<void>(ptr, [this, bytes, stream, async](void* p) {
+    {
+      DeviceScope restore(index_);
+      if (async)
+        cudaFreeAsync(p, stream);  // behind the call's work on the stream; never throws
+      else
+        cudaFree(p);
+    }
+    memory_.release(bytes);
+  });
+}
 std::shared_ptr<EventImpl> CudaDevice::create_event(EventTiming timing) {
   return std::make_shared<CudaEvent>(runtime_, index_, timing);
 }
@@ -643,10 +685,12 @@ void CudaStream::with_library(kernel_api::Library library, const std::function<v
   if (!state.handle) create_handle(library, state);
   Device& device = runtime_.device(index_);
   device_.with_cache(library, [&](std::shared_ptr<void>& cache) {
-    kernel_api::LibraryCall call{state.handle, cache, [&](std::size_t bytes) -> void* {
+    kernel_api::LibraryCall call{state.handle, cache,
+                                 [&](std::size_t bytes) -> void* {
                                    return bytes == 0 ? nullptr
                                                      : state.workspace.get<std::byte>(device, bytes, &state.retired);
-                                 }};
+                                 },
+                                 [this](std::size_t bytes) { return device_.temporary(bytes, stream_); }};
     const bool gemm = library == kernel_api::Library::cublas;
     const StreamSpan span(*this, gemm ? "gemm" : "cudnn", gemm ? SpanKind::gemm : SpanKind::kernel);
     fn(call);

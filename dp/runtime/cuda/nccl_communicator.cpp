@@ -3,7 +3,10 @@
 // ncclCommInitAll; across processes, process 0 makes the unique id, the process group (MPI)
 // broadcasts it, and each process initialises its local ranks inside one NCCL group call.
 #include <atomic>
+#include <chrono>
 #include <fmt/format.h>
+#include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "backend.h"
@@ -35,26 +38,36 @@ class NcclCommunicator final : public Communicator {
 
   void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) override {
     const StreamSpan span(Access::stream(stream), "all_reduce", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
     DP_CUDA_CHECK(ncclAllReduce(data, data, count, ncclFloat32, op == ReduceOp::avg ? ncclAvg : ncclSum, comm(rank),
                                 native(rank, stream)));
   }
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
     const StreamSpan span(Access::stream(stream), "broadcast", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
     DP_CUDA_CHECK(ncclBroadcast(data, data, bytes, ncclUint8, root, comm(rank), native(rank, stream)));
   }
   void reduce(int rank, const Stream& stream, float* data, std::size_t count, int root) override {
     // In place on the root; other ranks' buffers are only read.
     const StreamSpan span(Access::stream(stream), "reduce", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
     DP_CUDA_CHECK(ncclReduce(data, data, count, ncclFloat32, ncclSum, root, comm(rank), native(rank, stream)));
   }
   void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) override {
     const StreamSpan span(Access::stream(stream), "all_gather", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
     DP_CUDA_CHECK(ncclAllGather(send, recv, count, ncclFloat32, comm(rank), native(rank, stream)));
   }
   // Any thread may abort while the ranks' workers issue collectives (a failing rank aborts at once):
   // each communicator is taken out of its slot atomically, so it is aborted exactly once and a
-  // worker sees either it or null (then its collective fails with "aborted").
+  // worker sees either it or null (then its collective fails with "aborted"). A worker holds the
+  // communicator only while its call enqueues (`issuing_`, shared): ncclCommAbort frees it, so it
+  // waits for calls in progress to return first. Enqueueing normally returns at once (the kernels
+  // that wait for peers are what the abort stops); a call stuck on the host (a connection set up
+  // lazily with a peer that died) is given a few seconds, then aborted under it.
   void abort() override {
+    std::unique_lock no_call_in_progress(issuing_, std::defer_lock);
+    (void)no_call_in_progress.try_lock_for(std::chrono::seconds(5));
     for (auto& slot : comms_)
       if (ncclComm_t comm = slot.exchange(nullptr)) ncclCommAbort(comm);
   }
@@ -99,6 +112,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   const DeviceGroup& group_;
+  std::shared_timed_mutex issuing_;  // shared by each call while it uses a communicator; abort takes it
   std::vector<std::atomic<ncclComm_t>> comms_;
   int world_, first_;
 };

@@ -75,10 +75,15 @@ enum class Library { cublas, cudnn };
 // destroyed with the device. `workspace(bytes)` is the stream's grow-only device scratch for that
 // library: at least `bytes` (nullptr for 0), reallocated only when a call needs more than ever
 // before (a new shape: plan time, not per call); stream order keeps its users from overlapping.
+// `temporary(bytes)` is device memory for this call only (an algorithm search's operands): stream
+// ordered from the device's pool (a cudaFree would wait for the whole device, maybe for another
+// worker's collective), freed behind the call's work on the stream when the last owner goes, and
+// counted in the device's MemoryStats meanwhile. Null for 0 bytes.
 struct LibraryCall {
   void* handle;
   std::shared_ptr<void>& cache;
   std::function<void*(std::size_t)> workspace;
+  std::function<std::shared_ptr<void>(std::size_t)> temporary;
 };
 // cuda only: runs fn with the stream's device current and its `library` handle; sim: throws.
 void with_library(const Stream& stream, Library library, const std::function<void(LibraryCall&)>& fn);
