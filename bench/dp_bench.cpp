@@ -82,6 +82,7 @@ struct Options {
   std::string pipeline = "on";
   bool profile = false;
   std::optional<int> devices;
+  int devices_per_gpu = 1;
   std::string models = "mlp,convnet";
   std::string optimizer = "sgd";
   bool sync_bn = false;
@@ -145,19 +146,23 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
   dp::RuntimeOptions options;
   options.backend = backend;
   options.precision = dp::parse_precision(o.precision);
+  options.devices_per_gpu = o.devices_per_gpu;
   if (backend == "cuda") {
     if (gpus == 0)
       throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no usable CUDA device is visible"
                                                     : "--backend cuda: dp was built without the cuda backend");
-    devices = o.devices.value_or(gpus);
-    if (devices > gpus)
-      throw UsageError(fmt::format("--devices {}: only {} CUDA device(s) are visible", devices, gpus));
+    devices = o.devices.value_or(gpus * o.devices_per_gpu);
+    if (devices > gpus * o.devices_per_gpu)
+      throw UsageError(fmt::format("--devices {}: only {} CUDA device(s) are visible ({} dp device(s) each)", devices,
+                                   gpus, o.devices_per_gpu));
   } else {
     devices = o.devices.value_or(kDefaultSimDevices);
     if (devices > kMaxSimDevices)
       throw UsageError(
           fmt::format("--devices {}: the sim backend simulates at most {} devices", devices, kMaxSimDevices));
     options.sim_devices = devices;
+    if (devices % o.devices_per_gpu != 0)
+      throw UsageError(fmt::format("--devices-per-gpu {} does not divide --devices {}", o.devices_per_gpu, devices));
   }
   auto runtime = dp::Runtime::create(options);
   if (devices > runtime->device_count())
@@ -935,6 +940,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
     json j;
     j["backend"] = backend;
     j["devices"] = devices;  // per process
+    j["devices_per_gpu"] = o.devices_per_gpu;
     j["processes"] = processes->size();
     j["hosts"] = [&] {  // per process, from a run across all of them
       std::vector<std::string> hosts;
@@ -974,6 +980,11 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
   auto* devices_opt = dp_cli::add_integer(app, "--devices", devices,
                                           "devices to use (default: every visible GPU, or 4 simulated devices)");
   app.add_option("--backend", o.backend, "auto (cuda when a GPU is visible, else sim), cuda or sim")
+      ->capture_default_str();
+  dp_cli::add_integer(app, "--devices-per-gpu", o.devices_per_gpu,
+                      "K dp devices on each GPU (device d on GPU d/K; collectives among them on the device ring), so "
+                      "that multi-device runs fit one GPU")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--precision", o.precision,
                  "strict (cuDNN: exact fp32, deterministic, fastest such algorithm) or fast (PyTorch's defaults: "

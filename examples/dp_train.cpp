@@ -49,6 +49,7 @@ struct Options {
   std::string graphs = "on";
   std::string pipeline = "on";
   std::optional<int> devices;
+  int devices_per_gpu = 1;
   std::string device_ids;
   std::optional<int> output_device;
   std::string data;
@@ -437,7 +438,8 @@ int run(Options o) {
     }
   }
   const bool want_cuda = o.backend == "cuda" || (o.backend == "auto" && dp::Runtime::cuda_device_count() > 0);
-  const int available = want_cuda ? dp::Runtime::cuda_device_count() : 64;
+  // Several dp devices may share a GPU (--devices-per-gpu): every device of every GPU is one.
+  const int available = want_cuda ? dp::Runtime::cuda_device_count() * o.devices_per_gpu : 64;
   if (want_cuda && available == 0)
     throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no CUDA device is visible"
                                                   : "--backend cuda: this build of dp has no cuda backend");
@@ -452,6 +454,9 @@ int run(Options o) {
                                  ids.size(), highest, available));
   if (!want_cuda && highest >= 64)
     throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", highest));
+  if (!want_cuda && (highest + 1) % o.devices_per_gpu != 0)
+    throw UsageError(fmt::format("--devices-per-gpu {} does not divide the {} simulated device(s) (devices 0..{})",
+                                 o.devices_per_gpu, highest + 1, highest));
   if (o.output_device && std::find(ids.begin(), ids.end(), *o.output_device) == ids.end())
     throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(ids)));
 
@@ -508,6 +513,7 @@ int run(Options o) {
   dp::RuntimeOptions runtime_options;
   runtime_options.backend = want_cuda ? "cuda" : "sim";
   runtime_options.sim_devices = highest + 1;
+  runtime_options.devices_per_gpu = o.devices_per_gpu;
   runtime_options.precision = dp::parse_precision(o.precision);
   auto runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = runtime->device(ids[0]);
@@ -821,6 +827,10 @@ int train_main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off"}));
   auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
   app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
+  dp_cli::add_integer(app, "--devices-per-gpu", o.devices_per_gpu,
+                      "K dp devices on each GPU (device d on GPU d/K), so that multi-device runs fit one GPU; same "
+                      "results bit for bit (default: 1)")
+      ->check(CLI::Range(1, 64));
   dp_cli::add_integer(app, "--output-device", o.output_device,
                       "dp: the device that gathers outputs and computes the loss");
   auto* data = app.add_option("--data", o.data,

@@ -1,8 +1,11 @@
 // test_collectives.cpp — collectives with small whole numbers, so every sum is exact (nccl-tests
 // style): every N, sizes not divisible by N and smaller than N; on sim also the ring's traffic.
-// The same bodies run on NCCL where there are GPUs (up to as many ranks as GPUs), else skip.
+// The same bodies run on cuda where there is a GPU (NCCL across GPUs, the device ring among
+// devices that share one), else skip.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <map>
+#include <string>
 
 #include "dp/collectives.h"
 #include "dp/device_group.h"
@@ -18,10 +21,7 @@ struct Fixture {
   std::unique_ptr<Communicator> comm;
   std::vector<Stream> streams;
   Fixture(const std::string& backend, int n) {
-    RuntimeOptions options;
-    options.backend = backend;
-    options.sim_devices = n;
-    runtime = Runtime::create(options);
+    runtime = test::runtime_or_skip(backend, n);
     std::vector<int> ids(static_cast<std::size_t>(n));
     for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = n - 1 - i;  // ranks != device indices
     group = std::make_unique<DeviceGroup>(*runtime, ids);
@@ -34,8 +34,9 @@ float value(int rank, std::size_t i) { return static_cast<float>((rank + 1) * st
 
 class Collectives : public ::testing::TestWithParam<std::string> {
  protected:
-  // World sizes to try: up to 4 simulated devices, or as many ranks as there are GPUs.
-  int max_world() const { return GetParam() == "sim" ? 4 : Runtime::cuda_device_count(); }
+  // World sizes to try: up to 4 devices (cuda: several on one GPU where there are fewer GPUs, their
+  // collectives on the device ring), none on cuda without a GPU.
+  int max_world() const { return GetParam() == "sim" || Runtime::cuda_device_count() > 0 ? 4 : 0; }
   bool counts_traffic() const { return GetParam() == "sim"; }  // NCCL moves bytes outside dp's counters
 };
 
@@ -170,6 +171,49 @@ TEST(SimCollectives, WrongDeviceAndAbort) {
 
 namespace dp {
 namespace {
+
+// The device ring (cuda, devices sharing one GPU) runs the sim ring's algorithm: on random floats,
+// where the order of additions shows in the last bits, both give the same bits for every call.
+TEST(DeviceRing, EqualsTheSimRingBitForBit) {
+  if (Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the device ring runs on a GPU";
+  const auto bits = [](const std::vector<float>& v) {
+    return std::vector<std::uint32_t>(reinterpret_cast<const std::uint32_t*>(v.data()),
+                                      reinterpret_cast<const std::uint32_t*>(v.data()) + v.size());
+  };
+  for (int n = 2; n <= 4; ++n) {
+    for (const std::size_t count : {std::size_t{1}, std::size_t{5}, std::size_t{1001}, std::size_t{4099}}) {
+      SCOPED_TRACE(fmt::format("N={} count={}", n, count));
+      // per backend: the results of all_reduce (sum, avg), reduce to rank 1 and all_gather, per rank
+      std::map<std::string, std::vector<std::vector<float>>> results;
+      for (const std::string backend : {"sim", "cuda"}) {
+        Fixture f(backend, n);
+        ASSERT_EQ(shares_a_gpu(*f.group), backend == "cuda" && Runtime::cuda_device_count() < n);
+        std::vector<std::vector<float>> out(static_cast<std::size_t>(n));
+        f.group->run([&](int r) {
+          const Stream& s = f.streams[static_cast<std::size_t>(r)];
+          Device& device = f.group->device(r);
+          const auto input = test::random_vector(count, static_cast<unsigned>(100 * r + count), -3.0f, 3.0f);
+          DeviceBuffer sum = test::upload(device, s, input), avg = test::upload(device, s, input);
+          DeviceBuffer reduced = test::upload(device, s, input), send = test::upload(device, s, input);
+          DeviceBuffer gathered = device.allocate(count * static_cast<std::size_t>(n) * sizeof(float));
+          f.comm->all_reduce(r, s, sum.as<float>(), count, ReduceOp::sum);
+          f.comm->all_reduce(r, s, avg.as<float>(), count, ReduceOp::avg);
+          f.comm->reduce(r, s, reduced.as<float>(), count, 1);
+          f.comm->all_gather(r, s, send.as<float>(), gathered.as<float>(), count);
+          auto& mine = out[static_cast<std::size_t>(r)];
+          for (const DeviceBuffer* b : {&sum, &avg, &reduced, &gathered}) {
+            const auto v = test::download<float>(s, *b);
+            mine.insert(mine.end(), v.begin(), v.end());
+          }
+        });
+        results[backend] = out;
+      }
+      for (int r = 0; r < n; ++r)
+        EXPECT_EQ(bits(results["cuda"][static_cast<std::size_t>(r)]), bits(results["sim"][static_cast<std::size_t>(r)]))
+            << "rank " << r;
+    }
+  }
+}
 
 // Collectives of one communicator issued on two streams of each rank run one at a time per rank,
 // in the order the rank made them (as NCCL's), so neither corrupts the other's staging: both sums

@@ -116,16 +116,17 @@ TEST(DataParallel, ChunkSizesFollowTorchChunk) {
 // ---------------------------------------------------------------------------------------------
 // MLP: DP over N devices == one device on the global batch
 
-// On sim with 1-4 devices; on cuda with as many GPUs as there are (skipped without one).
+// On sim and cuda with 1-4 devices (cuda: several on one GPU where there are fewer GPUs; skipped
+// without one).
 class DataParallelOnBackend : public ::testing::TestWithParam<std::string> {};
 INSTANTIATE_TEST_SUITE_P(Backends, DataParallelOnBackend, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
 
 TEST_P(DataParallelOnBackend, MlpEqualsSingleDeviceOnTheGlobalBatch) {
   const bool sim = GetParam() == "sim";
-  const int max_devices = sim ? 4 : Runtime::cuda_device_count();
-  if (max_devices == 0) GTEST_SKIP() << "no CUDA device: DataParallel on GPUs needs one";
-  auto rt = sim ? test::sim_runtime(max_devices) : Runtime::create({.backend = "cuda"});
+  if (!sim && Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: DataParallel on GPUs needs one";
+  const int max_devices = 4;  // on cuda several per GPU where there are fewer GPUs
+  auto rt = sim ? test::sim_runtime(max_devices) : test::cuda_runtime(max_devices);
   const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
   for (int devices = 1; devices <= max_devices; ++devices) {
     SCOPED_TRACE(fmt::format("{} devices", devices));

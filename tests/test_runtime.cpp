@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 #include <thread>
 
+#include "dp/collectives.h"
 #include "dp/device.h"
+#include "dp/device_group.h"
 #include "dp/error.h"
 #include "dp/kernels/ops.h"
 #include "dp/precision.h"
@@ -90,6 +92,43 @@ TEST(Runtime, CudaWithoutGpuIsAClearError) {
   }
   options.backend = "auto";
   EXPECT_EQ(Runtime::create(options)->backend(), Backend::sim);
+}
+
+// Several dp devices on one simulated GPU (RuntimeOptions::devices_per_gpu): device d runs on GPU
+// d / K; each counts its own memory, and together they fit the GPU's capacity.
+TEST(Runtime, DevicesPerGpuShareTheGpusMemory) {
+  RuntimeOptions options;
+  options.backend = "sim";
+  options.sim_devices = 4;
+  options.devices_per_gpu = 2;
+  options.sim_capacity_bytes = 1000;
+  auto rt = Runtime::create(options);
+  ASSERT_EQ(rt->device_count(), 4);
+  EXPECT_EQ(rt->devices_per_gpu(), 2);
+  for (int d = 0; d < 4; ++d) EXPECT_EQ(rt->device(d).gpu(), d / 2);
+  EXPECT_EQ(rt->device(3).name(), "sim:3 (GPU 1)");
+  DeviceBuffer a = rt->device(0).allocate(600);
+  EXPECT_THROW((void)rt->device(1).allocate(600), OutOfMemory) << "devices 0 and 1 share GPU 0";
+  DeviceBuffer b = rt->device(2).allocate(600);  // GPU 1 is another GPU
+  DeviceBuffer c = rt->device(1).allocate(400);
+  EXPECT_EQ(rt->device(0).memory().in_use, 600u);
+  EXPECT_EQ(rt->device(1).memory().in_use, 400u);
+  EXPECT_EQ(rt->device(1).memory().capacity, 1000u);
+  a.reset();
+  DeviceBuffer d = rt->device(1).allocate(500);  // the GPU's memory came back
+  EXPECT_EQ(rt->device(1).memory().in_use, 900u);
+
+  DeviceGroup pair(*rt, {0, 1}), apart(*rt, {0, 2}), mixed(*rt, {3, 0, 2});
+  EXPECT_TRUE(shares_a_gpu(pair));
+  EXPECT_FALSE(shares_a_gpu(apart));
+  EXPECT_TRUE(shares_a_gpu(mixed));
+  EXPECT_FALSE(shares_a_gpu(DeviceGroup(*test::sim_runtime(3), {0, 1, 2})));
+
+  for (const auto& [devices, per_gpu] : {std::pair{4, 0}, {4, -1}, {4, 3}, {4, 65}}) {
+    options.sim_devices = devices;
+    options.devices_per_gpu = per_gpu;
+    EXPECT_THROW(Runtime::create(options), InvalidArgument) << devices << " devices, " << per_gpu << " per GPU";
+  }
 }
 
 TEST(Memory, CountsCurrentAndPeakPerDevice) {

@@ -376,14 +376,32 @@ TEST_F(TrainTest, GraphsOnEqualGraphsOffBitForBit) {
   }
 }
 
+// Several dp devices on one (simulated) GPU: the same checkpoint, bit for bit, as one device per GPU,
+// in dp and ddp, with and without SyncBatchNorm. A value that does not fit is refused up front.
+TEST_F(TrainTest, DevicesPerGpuGivesTheSameCheckpoint) {
+  const std::string common = " --model convnet --backend sim --devices 4 --synthetic 64 --batch-size 8 --steps 3";
+  for (const char* mode : {"dp", "ddp", "ddp --sync-bn"}) {
+    SCOPED_TRACE(mode);
+    std::vector<std::string> saved;
+    for (const int per_gpu : {1, 2, 4}) {
+      saved.push_back(path(fmt::format("k{}.safetensors", per_gpu)));
+      const Result r =
+          run(fmt::format("--mode {}{} --devices-per-gpu {} --save {}", mode, common, per_gpu, saved.back()));
+      ASSERT_EQ(r.code, 0) << r.output;
+    }
+    EXPECT_EQ(read_file(saved[1]), read_file(saved[0])) << "2 devices per GPU";
+    EXPECT_EQ(read_file(saved[2]), read_file(saved[0])) << "4 devices per GPU";
+  }
+  expect_refused("--mode ddp" + common + " --devices-per-gpu 3", "--devices-per-gpu 3 does not divide");
+  expect_refused("--mode ddp" + common + " --devices-per-gpu 0", "--devices-per-gpu");
+  expect_refused("--mode ddp" + common + " --devices-per-gpu -2", "--devices-per-gpu");
+}
+
 // --pipeline on (the default) submits each step before reading the previous step's loss; every
 // logged loss, the epoch summaries, the checkpoint saved, and where a divergence stops are the same
 // as waiting for each loss.
 TEST_F(TrainTest, PipelineOnEqualsPipelineOffBitForBit) {
-  const auto file = [](const std::string& name) {
-    std::ifstream in(name, std::ios::binary);
-    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  };
+  const auto file = [](const std::string& name) { return read_file(name); };
   for (const char* mode : {"single", "dp", "ddp"}) {
     SCOPED_TRACE(mode);
     const std::string args = fmt::format(

@@ -33,12 +33,23 @@ inline CommandResult run_command(const std::string& command) {
   return result;
 }
 
-// A runtime of the named backend, or nullptr after GTEST_SKIP when that backend cannot run here.
-inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int sim_devices = 2) {
-  if (backend == "cuda" && Runtime::cuda_device_count() == 0) return nullptr;
+// A cuda runtime of at least `devices` dp devices: one per GPU where there are that many GPUs, else
+// `devices` on each GPU (RuntimeOptions::devices_per_gpu, their collectives on the device ring), so
+// that every multi-device test also runs on a machine with one GPU.
+inline std::unique_ptr<Runtime> cuda_runtime(int devices) {
+  RuntimeOptions options;
+  options.backend = "cuda";
+  if (Runtime::cuda_device_count() < devices) options.devices_per_gpu = devices;
+  return Runtime::create(options);
+}
+
+// A runtime of the named backend with at least `devices` devices, or nullptr when that backend
+// cannot run here (the caller skips).
+inline std::unique_ptr<Runtime> runtime_or_skip(const std::string& backend, int devices = 2) {
+  if (backend == "cuda") return Runtime::cuda_device_count() == 0 ? nullptr : cuda_runtime(devices);
   RuntimeOptions options;
   options.backend = backend;
-  options.sim_devices = sim_devices;
+  options.sim_devices = devices;
   return Runtime::create(options);
 }
 

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
+#include <iterator>
 #include <string>
 #include <unistd.h>
 
@@ -23,6 +24,11 @@ class ToolTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  // A file's bytes (empty when it cannot be read).
+  static std::string read_file(const std::string& name) {
+    std::ifstream in(name, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
 
   // A small MNIST-format data set: `count` images of rows x cols, labels i % 10.
   void write_idx(const std::string& subdir, std::uint32_t count, std::uint32_t rows = 28, std::uint32_t cols = 28,

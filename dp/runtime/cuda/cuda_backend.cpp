@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <fmt/format.h>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "backend.h"
@@ -52,7 +54,7 @@ std::size_t cublas_workspace_bytes(int compute_major) {
 // runtime (which converts them to spans, also after the stream is gone).
 class SpanLog {
  public:
-  SpanLog(int device, int stream_id) : device_(device), stream_id_(stream_id) {}
+  SpanLog(int device, int gpu, int stream_id) : device_(device), gpu_(gpu), stream_id_(stream_id) {}
   ~SpanLog() {
     for (const Pending& p : pending_) {
       if (p.start) cudaEventDestroy(p.start);  // never throws from a destructor
@@ -127,13 +129,13 @@ class SpanLog {
       pool_.pop_back();
       return e;
     }
-    const DeviceScope scope(device_);
+    const DeviceScope scope(gpu_);
     cudaEvent_t e = nullptr;
     DP_CUDA_CHECK(cudaEventCreate(&e));  // with timing, unlike synchronisation-only events
     return e;
   }
 
-  int device_, stream_id_;
+  int device_, gpu_, stream_id_;
   std::mutex mutex_;
   std::atomic<bool> open_{false};
   std::vector<Pending> pending_;
@@ -146,7 +148,7 @@ class CudaEvent final : public EventImpl {
  public:
   CudaEvent(RuntimeImpl& runtime, int device, EventTiming timing)
       : runtime_(runtime), device_(device), timing_(timing) {
-    DeviceScope scope(device);
+    DeviceScope scope(runtime.gpu_of(device));
     DP_CUDA_CHECK(
         cudaEventCreateWithFlags(&event_, timing == EventTiming::on ? cudaEventDefault : cudaEventDisableTiming));
   }
@@ -196,7 +198,7 @@ class CudaGraph final : public GraphImpl {
         graph_(graph),
         host_funcs_(std::move(host_funcs)),
         spans_(std::move(spans)) {
-    DeviceScope scope(device_);
+    DeviceScope scope(runtime_.gpu_of(device_));
     const cudaError_t status = cudaGraphInstantiate(&exec_, graph_, 0);
     if (status != cudaSuccess) {
       cudaGraphDestroy(graph_);
@@ -204,7 +206,7 @@ class CudaGraph final : public GraphImpl {
     }
   }
   ~CudaGraph() override {  // never throws
-    DeviceScope scope(device_);
+    DeviceScope scope(runtime_.gpu_of(device_));
     if (exec_) cudaGraphExecDestroy(exec_);
     if (graph_) cudaGraphDestroy(graph_);
   }
@@ -215,7 +217,7 @@ class CudaGraph final : public GraphImpl {
   // joined back to this one, so the span ends when the last of its work does.
   void replay() override {
     runtime_.count(device_, Counter::launches);  // one graph launch
-    DeviceScope scope(device_);
+    DeviceScope scope(runtime_.gpu_of(device_));
     const bool traced = runtime_.profiling();
     if (traced) spans_->begin(stream_, "graph", SpanKind::kernel);
     DP_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
@@ -293,7 +295,7 @@ class CudaStream final : public StreamImpl {
   // Thread-local mode: the calls CUDA forbids during a capture fail on the capturing thread; other
   // threads (a data loader's allocations) are not affected.
   void begin_capture() override {
-    DeviceScope scope(index_);
+    DeviceScope scope(gpu_);
     DP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   }
   std::shared_ptr<GraphImpl> end_capture() override;
@@ -304,7 +306,7 @@ class CudaStream final : public StreamImpl {
   }
   void* native_handle() override { return stream_; }
   int multiprocessor_count() const override { return sm_count_; }
-  int make_current() override { return detail::make_device_current(index_); }
+  int make_current() override { return detail::make_device_current(gpu_); }
   void restore_current(int previous) noexcept override {
     if (previous >= 0) cudaSetDevice(previous);  // never throws: the launch's own error is what counts
   }
@@ -334,7 +336,8 @@ class CudaStream final : public StreamImpl {
 
   CudaRuntime& runtime_;
   CudaDevice& device_;
-  int index_;
+  int index_;  // the dp device
+  int gpu_;    // the GPU it runs on (devices_per_gpu dp devices share one)
   int sm_count_ = 1;
   std::vector<std::unique_ptr<std::function<void()>>> captured_host_funcs_;  // for the graph being captured
   // kernel_api::kernel_scratch: grow-only; outgrown buffers kept until the stream goes (freeing one
@@ -349,16 +352,16 @@ class CudaStream final : public StreamImpl {
 
 class CudaDevice final : public DeviceImpl {
  public:
-  CudaDevice(CudaRuntime& runtime, int index)
-      : runtime_(runtime),
-        index_(index),
-        memory_(0),
-        worker_(fmt::format("cuda{}.worker", index), [index] { DP_CUDA_CHECK(cudaSetDevice(index)); }) {
+  CudaDevice(CudaRuntime& runtime, int index, int gpu, bool shared)
+      : runtime_(runtime), index_(index), gpu_(gpu), memory_(0), worker_(fmt::format("cuda{}.worker", index), [gpu] {
+          DP_CUDA_CHECK(cudaSetDevice(gpu));
+        }) {
     // Properties are read on the worker thread, which has the device current.
-    submit([this] {
+    submit([this, shared] {
       cudaDeviceProp prop{};
-      DP_CUDA_CHECK(cudaGetDeviceProperties(&prop, index_));
-      name_ = fmt::format("cuda:{} ({})", index_, prop.name);
+      DP_CUDA_CHECK(cudaGetDeviceProperties(&prop, gpu_));
+      name_ = shared ? fmt::format("cuda:{} (GPU {}, {})", index_, gpu_, prop.name)
+                     : fmt::format("cuda:{} ({})", index_, prop.name);
       sm_count_ = prop.multiProcessorCount;
       compute_major_ = prop.major;
       std::size_t free_bytes = 0, total_bytes = 0;
@@ -369,10 +372,10 @@ class CudaDevice final : public DeviceImpl {
       // the default threshold (0) an alloc/kernel/free/sync cycle took 102 us on an H100, 13.5 us
       // with it raised (docs/perf). dp's own buffers use cudaMalloc and are reused, not re-made.
       int pools = 0;
-      DP_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, index_));
+      DP_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, gpu_));
       if (pools) {
         cudaMemPool_t pool = nullptr;
-        DP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, index_));
+        DP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, gpu_));
         std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
         DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
       }
@@ -390,7 +393,7 @@ class CudaDevice final : public DeviceImpl {
   std::string name() const override { return name_; }
   void* allocate(std::size_t bytes) override {
     count(Counter::allocations);
-    DeviceScope scope(index_);
+    DeviceScope scope(gpu_);
     void* ptr = nullptr;
     const cudaError_t status = cudaMalloc(&ptr, bytes);
     if (status == cudaErrorMemoryAllocation) {
@@ -400,11 +403,13 @@ class CudaDevice final : public DeviceImpl {
     }
     DP_CUDA_CHECK(status);
     memory_.reserve(bytes);  // accounting only: the driver already granted it
+    register_allocation(ptr, bytes);
     return ptr;
   }
   void free(void* ptr, std::size_t bytes) noexcept override {
+    unregister_allocation(ptr);
     try {
-      DeviceScope scope(index_);
+      DeviceScope scope(gpu_);
       cudaFree(ptr);
     } catch (...) {  // never throws: cudaFree reports nothing either
     }
@@ -416,7 +421,7 @@ class CudaDevice final : public DeviceImpl {
   std::shared_ptr<EventImpl> create_event(EventTiming timing) override;
   void synchronize() override {
     count(Counter::host_syncs);
-    DeviceScope scope(index_);
+    DeviceScope scope(gpu_);
     DP_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::future<void> submit(std::function<void()> task) override {
@@ -427,6 +432,7 @@ class CudaDevice final : public DeviceImpl {
     return future;
   }
   int sm_count() const { return sm_count_; }
+  int gpu() const { return gpu_; }
   void count(Counter counter);
   // kernel_api::LibraryCall::temporary: stream-ordered memory counted as this device's.
   std::shared_ptr<void> temporary(std::size_t bytes, cudaStream_t stream);
@@ -440,8 +446,12 @@ class CudaDevice final : public DeviceImpl {
   }
 
  private:
+  void register_allocation(void* ptr, std::size_t bytes);
+  void unregister_allocation(void* ptr) noexcept;
+
   CudaRuntime& runtime_;
-  int index_;
+  int index_;  // the dp device
+  int gpu_;    // the GPU it runs on
   std::string name_;
   int sm_count_ = 1;
   MemoryCounter memory_;
@@ -456,11 +466,14 @@ class CudaDevice final : public DeviceImpl {
 
 class CudaRuntime final : public RuntimeImpl {
  public:
-  explicit CudaRuntime(int count) : RuntimeImpl(count), references_(static_cast<std::size_t>(count)) {
-    for (int i = 0; i < count; ++i) add_device(std::make_unique<CudaDevice>(*this, i));
+  // `gpus` GPUs, each driven as `per_gpu` dp devices (dp device d runs on GPU d / per_gpu).
+  CudaRuntime(int gpus, int per_gpu)
+      : RuntimeImpl(gpus * per_gpu, per_gpu), references_(static_cast<std::size_t>(gpus * per_gpu)) {
+    for (int d = 0; d < gpus * per_gpu; ++d)
+      add_device(std::make_unique<CudaDevice>(*this, d, d / per_gpu, per_gpu > 1));
     // Peer access where the topology allows it: peer copies then go over NVLink/PCIe directly.
-    for (int i = 0; i < count; ++i)
-      for (int j = 0; j < count; ++j) {
+    for (int i = 0; i < gpus; ++i)
+      for (int j = 0; j < gpus; ++j) {
         if (i == j) continue;
         int can = 0;
         DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, i, j));
@@ -491,7 +504,7 @@ class CudaRuntime final : public RuntimeImpl {
   }
 
   std::shared_ptr<SpanLog> make_span_log(int device) {
-    auto log = std::make_shared<SpanLog>(device, next_stream_id());
+    auto log = std::make_shared<SpanLog>(device, gpu_of(device), next_stream_id());
     std::lock_guard lock(logs_mutex_);
     logs_.push_back(log);
     return log;
@@ -502,13 +515,38 @@ class CudaRuntime final : public RuntimeImpl {
   void begin_profiling() override {
     for (int d = 0; d < device_count(); ++d) {
       Reference& r = references_[static_cast<std::size_t>(d)];
-      const DeviceScope scope(d);
+      const DeviceScope scope(gpu_of(d));
       if (!r.event) DP_CUDA_CHECK(cudaEventCreate(&r.event));
       DP_CUDA_CHECK(cudaEventRecord(r.event, nullptr));
       DP_CUDA_CHECK(cudaEventSynchronize(r.event));
       r.ns = now_ns();
     }
   }
+  // Which dp device each allocation of the runtime belongs to: the driver knows the GPU only, and
+  // dp devices sharing a GPU are told apart for link accounting and peer copies.
+  void add_allocation(const void* ptr, std::size_t bytes, int device) {
+    std::unique_lock lock(allocations_mutex_);
+    allocations_[reinterpret_cast<std::uintptr_t>(ptr)] = {bytes, device};
+  }
+  void remove_allocation(const void* ptr) noexcept {
+    std::unique_lock lock(allocations_mutex_);
+    allocations_.erase(reinterpret_cast<std::uintptr_t>(ptr));
+  }
+  // Where a pointer lives: a dp device, or kHost for pinned and pageable host memory. Device memory
+  // dp did not allocate counts as the first dp device of its GPU.
+  int location_of(const void* ptr) const {
+    {
+      std::shared_lock lock(allocations_mutex_);
+      const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+      auto it = allocations_.upper_bound(p);
+      if (it != allocations_.begin() && p < (--it)->first + it->second.first) return it->second.second;
+    }
+    const cudaPointerAttributes attributes = attributes_of(ptr);
+    if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged)
+      return attributes.device * devices_per_gpu();
+    return kHost;
+  }
+
   void collect_spans() override {
     std::lock_guard lock(logs_mutex_);
     for (const auto& log : logs_) {
@@ -525,6 +563,8 @@ class CudaRuntime final : public RuntimeImpl {
     std::int64_t ns = 0;
   };
   std::vector<Reference> references_;  // by device
+  mutable std::shared_mutex allocations_mutex_;
+  std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations_;  // base -> (bytes, dp device)
   std::mutex logs_mutex_;
   std::vector<std::shared_ptr<SpanLog>> logs_;
 };
@@ -533,15 +573,16 @@ CudaStream::CudaStream(CudaRuntime& runtime, CudaDevice& device, int index)
     : runtime_(runtime),
       device_(device),
       index_(index),
+      gpu_(device.gpu()),
       sm_count_(device.sm_count()),
       spans_(runtime.make_span_log(index)) {
-  DeviceScope scope(index);
+  DeviceScope scope(gpu_);
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 
 CudaStream::~CudaStream() {
   try {  // never throws from a destructor: a failure leaks a handle at worst
-    const DeviceScope scope(index_);
+    const DeviceScope scope(gpu_);
     if (auto* cublas = static_cast<cublasHandle_t>(libraries_[0].handle)) cublasDestroy(cublas);
     if (auto* cudnn = static_cast<cudnnHandle_t>(libraries_[1].handle)) cudnnDestroy(cudnn);
     if (stream_) cudaStreamDestroy(stream_);
@@ -592,31 +633,27 @@ std::shared_ptr<StreamImpl> CudaDevice::create_stream() {
 // Host memory the driver does not know (not cudaMallocHost'd nor registered): copies stage it.
 bool pageable(const void* ptr) { return attributes_of(ptr).type == cudaMemoryTypeUnregistered; }
 
-// Where a pointer lives: a device index, or kHost for pinned and pageable host memory.
-int location_of(const void* ptr) {
-  const cudaPointerAttributes attributes = attributes_of(ptr);
-  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device
-                                                                                             : kHost;
-}
-
 void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
-  const int src_loc = location_of(src), dst_loc = location_of(dst);
+  const int src_loc = runtime_.location_of(src), dst_loc = runtime_.location_of(dst);
   runtime_.count_copy(src_loc, dst_loc, bytes);
   const bool src_pageable = src_loc == kHost && pageable(src), dst_pageable = dst_loc == kHost && pageable(dst);
   if (src_pageable || dst_pageable) count(Counter::pageable_copies);
   // Into pageable memory cudaMemcpyAsync returns once the copy is done: the host waited.
   if (dst_pageable) count(Counter::host_syncs);
-  DeviceScope scope(index_);
+  DeviceScope scope(gpu_);
   const StreamSpan span(*this, "copy", SpanKind::copy);
-  if (src_loc != kHost && dst_loc != kHost && src_loc != dst_loc)
-    DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_loc, src, src_loc, bytes, stream_));
+  // Between two GPUs a peer copy; between dp devices that share a GPU a device-to-device copy.
+  const int src_gpu = src_loc == kHost ? -1 : runtime_.gpu_of(src_loc);
+  const int dst_gpu = dst_loc == kHost ? -1 : runtime_.gpu_of(dst_loc);
+  if (src_gpu >= 0 && dst_gpu >= 0 && src_gpu != dst_gpu)
+    DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_gpu, src, src_gpu, bytes, stream_));
   else
     DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
 }
 
 RuntimeImpl& CudaStream::runtime() const { return runtime_; }
 std::shared_ptr<GraphImpl> CudaStream::end_capture() {
-  DeviceScope scope(index_);
+  DeviceScope scope(gpu_);
   // As the simulator: ending a capture that is not in progress is the caller's mistake (CUDA
   // returns cudaErrorIllegalState, which says less).
   if (!capturing())
@@ -639,11 +676,13 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
 }
 
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
+void CudaDevice::register_allocation(void* ptr, std::size_t bytes) { runtime_.add_allocation(ptr, bytes, index_); }
+void CudaDevice::unregister_allocation(void* ptr) noexcept { runtime_.remove_allocation(ptr); }
 
 std::shared_ptr<void> CudaDevice::temporary(std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return nullptr;
   count(Counter::allocations);
-  DeviceScope scope(index_);
+  DeviceScope scope(gpu_);
   void* ptr = nullptr;
   bool async = true;
   cudaError_t status = cudaMallocAsync(&ptr, bytes, stream);
@@ -661,7 +700,7 @@ std::shared_ptr<void> CudaDevice::temporary(std::size_t bytes, cudaStream_t stre
   memory_.reserve(bytes);  // accounting only: the driver already granted it
   return std::shared_ptr<void>(ptr, [this, bytes, stream, async](void* p) {
     {
-      DeviceScope restore(index_);
+      DeviceScope restore(gpu_);
       if (async)
         cudaFreeAsync(p, stream);  // behind the call's work on the stream; never throws
       else
@@ -679,7 +718,7 @@ std::shared_ptr<EventImpl> CudaDevice::create_event(EventTiming timing) {
 // their kernels may overlap on the GPU without sharing scratch. The device's cache for the library
 // is held meanwhile (plan look-ups are short; a plan's first build times algorithms, in warm-up).
 void CudaStream::with_library(kernel_api::Library library, const std::function<void(kernel_api::LibraryCall&)>& fn) {
-  const DeviceScope scope(index_);  // the caller's current device is restored after the call
+  const DeviceScope scope(gpu_);  // the caller's current device is restored after the call
   Library& state = libraries_[static_cast<std::size_t>(library)];
   std::lock_guard lock(state.mutex);
   if (!state.handle) create_handle(library, state);
@@ -711,13 +750,14 @@ int cuda_device_count_impl() {
 
 bool cuda_compiled_impl() { return true; }
 
-std::unique_ptr<RuntimeImpl> make_cuda_runtime(const RuntimeOptions&) {
+std::unique_ptr<RuntimeImpl> make_cuda_runtime(const RuntimeOptions& options) {
+  check_devices_per_gpu(options.devices_per_gpu);
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0)
     throw Error(fmt::format("cuda backend: no CUDA device is visible ({})",
                             status != cudaSuccess ? cudaGetErrorString(status) : "device count is 0"));
-  return std::make_unique<CudaRuntime>(count);
+  return std::make_unique<CudaRuntime>(count, options.devices_per_gpu);
 }
 
 }  // namespace dp::detail

@@ -7,4 +7,8 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup&, std::sh
   throw Error("NCCL communicator requested, but dp was built without the cuda backend");
 }
 
+std::unique_ptr<Communicator> make_device_ring_communicator(const DeviceGroup&, std::shared_ptr<ProcessGroup>) {
+  throw Error("device ring communicator requested, but dp was built without the cuda backend");
+}
+
 }  // namespace dp::detail

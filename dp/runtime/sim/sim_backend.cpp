@@ -563,22 +563,31 @@ class SimGraph final : public GraphImpl {
 
 class SimDevice final : public DeviceImpl {
  public:
-  SimDevice(SimRuntime& runtime, int index, std::size_t capacity)
-      : runtime_(runtime), index_(index), memory_(capacity), worker_(fmt::format("sim{}.worker", index)) {}
+  SimDevice(SimRuntime& runtime, int index, std::shared_ptr<MemoryCounter> gpu)
+      : runtime_(runtime),
+        index_(index),
+        gpu_memory_(std::move(gpu)),
+        memory_(gpu_memory_->capacity()),
+        worker_(fmt::format("sim{}.worker", index)) {}
 
   Backend backend() const override { return Backend::sim; }
-  std::string name() const override { return fmt::format("sim:{}", index_); }
+  std::string name() const override {
+    return runtime_.devices_per_gpu() > 1 ? fmt::format("sim:{} (GPU {})", index_, runtime_.gpu_of(index_))
+                                          : fmt::format("sim:{}", index_);
+  }
 
   void* allocate(std::size_t bytes) override {
     runtime_.count(index_, Counter::allocations);
     refuse_on_capturing_thread(fmt::format("allocation of {} bytes on device {}", bytes, index_));
-    if (!memory_.reserve(bytes)) {
-      const auto stats = memory_.stats();
+    if (!gpu_memory_->reserve(bytes)) {  // what the GPU's devices hold together
+      const auto stats = gpu_memory_->stats();
       throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
     }
+    memory_.reserve(bytes);  // never more than the GPU's sum
     void* ptr = aligned_host_alloc(bytes);
     if (!ptr) {
       memory_.release(bytes);
+      gpu_memory_->release(bytes);
       const auto stats = memory_.stats();
       throw OutOfMemory(index_, bytes, stats.in_use, stats.capacity);
     }
@@ -593,6 +602,7 @@ class SimDevice final : public DeviceImpl {
     AllocationRegistry::instance().remove(ptr);
     std::free(ptr);
     memory_.release(bytes);
+    gpu_memory_->release(bytes);
   }
 
   MemoryStats memory() const override { return memory_.stats(); }
@@ -648,7 +658,8 @@ class SimDevice final : public DeviceImpl {
   }
   SimRuntime& runtime_;
   int index_;
-  MemoryCounter memory_;
+  std::shared_ptr<MemoryCounter> gpu_memory_;  // shared by the devices of one simulated GPU
+  MemoryCounter memory_;                       // this device's own
   std::mutex streams_mutex_;
   std::vector<std::weak_ptr<SimStream>> streams_;
   SerialExecutor worker_;
@@ -773,9 +784,14 @@ void SimRuntime::free_pinned(void* ptr) noexcept {
   std::free(ptr);
 }
 
-SimRuntime::SimRuntime(const RuntimeOptions& options) : RuntimeImpl(options.sim_devices) {
-  for (int i = 0; i < options.sim_devices; ++i)
-    add_device(std::make_unique<SimDevice>(*this, i, options.sim_capacity_bytes));
+SimRuntime::SimRuntime(const RuntimeOptions& options) : RuntimeImpl(options.sim_devices, options.devices_per_gpu) {
+  // The devices of one simulated GPU share its memory: each counts its own, and allocates only
+  // while their sum fits the GPU's capacity.
+  std::shared_ptr<MemoryCounter> gpu;
+  for (int i = 0; i < options.sim_devices; ++i) {
+    if (i % options.devices_per_gpu == 0) gpu = std::make_shared<MemoryCounter>(options.sim_capacity_bytes);
+    add_device(std::make_unique<SimDevice>(*this, i, gpu));
+  }
 }
 
 SimRuntime::~SimRuntime() = default;
@@ -786,6 +802,12 @@ std::unique_ptr<RuntimeImpl> make_sim_runtime(const RuntimeOptions& options) {
   if (options.sim_devices < 1 || options.sim_devices > 64)
     throw InvalidArgument(fmt::format("sim backend: device count must be in [1, 64], got {}", options.sim_devices));
   if (options.sim_capacity_bytes == 0) throw InvalidArgument("sim backend: device capacity must be > 0 bytes");
+  check_devices_per_gpu(options.devices_per_gpu);
+  if (options.sim_devices % options.devices_per_gpu != 0)
+    throw InvalidArgument(
+        fmt::format("sim backend: {} devices do not fill GPUs of {} devices each (devices_per_gpu "
+                    "must divide the device count)",
+                    options.sim_devices, options.devices_per_gpu));
   return std::make_unique<SimRuntime>(options);
 }
 

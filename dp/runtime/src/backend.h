@@ -157,9 +157,14 @@ class MemoryCounter {
   std::uint64_t allocations_made_ = 0;
 };
 
+// Throws InvalidArgument unless 1 <= devices_per_gpu <= 64 (RuntimeOptions::devices_per_gpu).
+void check_devices_per_gpu(int devices_per_gpu);
+
 class RuntimeImpl {
  public:
-  explicit RuntimeImpl(int device_count);
+  // `devices_per_gpu` dp devices share each (physical or simulated) GPU: device d runs on GPU
+  // d / devices_per_gpu.
+  explicit RuntimeImpl(int device_count, int devices_per_gpu = 1);
   virtual ~RuntimeImpl() = default;
   virtual Backend backend() const = 0;
   virtual void* allocate_pinned(std::size_t bytes) = 0;
@@ -167,6 +172,8 @@ class RuntimeImpl {
   virtual bool is_pinned(const void* ptr, std::size_t bytes) const = 0;  // Runtime::is_pinned
 
   int device_count() const { return static_cast<int>(devices_.size()); }
+  int devices_per_gpu() const { return devices_per_gpu_; }
+  int gpu_of(int device) const { return device / devices_per_gpu_; }
   Device& device(int index);
   PinnedBuffer wrap_pinned(void* data, std::size_t bytes) { return PinnedBuffer(this, data, bytes); }
 
@@ -213,6 +220,7 @@ class RuntimeImpl {
  private:
   std::size_t slot(int index) const;  // kHost -> last slot
   int expected_devices_;
+  int devices_per_gpu_;
   std::vector<std::unique_ptr<Device>> devices_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> link_bytes_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> link_copies_;
@@ -240,9 +248,12 @@ std::unique_ptr<RuntimeImpl> make_cuda_runtime(const RuntimeOptions& options);
 int cuda_device_count_impl();
 bool cuda_compiled_impl();
 
-// Communicators (`group` must outlive them): the ring over counted copies (sim), NCCL (cuda builds;
-// elsewhere an error naming the missing backend).
+// Communicators (`group` must outlive them): the ring over counted copies (sim), NCCL and the
+// device ring (cuda builds; elsewhere an error naming the missing backend).
 std::unique_ptr<Communicator> make_ring_communicator(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes);
 std::unique_ptr<Communicator> make_nccl_communicator(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes);
+// cuda: the ranks of a group whose devices share one GPU (devices_per_gpu > 1), one process.
+std::unique_ptr<Communicator> make_device_ring_communicator(const DeviceGroup& group,
+                                                            std::shared_ptr<ProcessGroup> processes);
 
 }  // namespace dp::detail

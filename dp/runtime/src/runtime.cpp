@@ -64,6 +64,7 @@ Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl, detail::Runt
 Device::~Device() = default;
 Backend Device::backend() const { return impl_->backend(); }
 std::string Device::name() const { return impl_->name(); }
+int Device::gpu() const noexcept { return runtime_.gpu_of(index_); }
 DeviceBuffer Device::allocate(std::size_t bytes) {
   if (bytes == 0) return {};
   return impl_->wrap(index_, impl_->allocate(bytes), bytes);
@@ -149,6 +150,7 @@ std::unique_ptr<Runtime> Runtime::create(const RuntimeOptions& options) {
 
 Backend Runtime::backend() const { return impl_->backend(); }
 int Runtime::device_count() const { return impl_->device_count(); }
+int Runtime::devices_per_gpu() const { return impl_->devices_per_gpu(); }
 Device& Runtime::device(int index) { return impl_->device(index); }
 PinnedBuffer Runtime::allocate_pinned(std::size_t bytes) {
   if (bytes == 0) return {};
@@ -229,7 +231,13 @@ void MemoryCounter::reset_peak() {
   peak_ = in_use_;
 }
 
-RuntimeImpl::RuntimeImpl(int device_count) : expected_devices_(device_count) {
+void check_devices_per_gpu(int devices_per_gpu) {
+  if (devices_per_gpu < 1 || devices_per_gpu > 64)
+    throw InvalidArgument(fmt::format("devices_per_gpu must be in [1, 64], got {}", devices_per_gpu));
+}
+
+RuntimeImpl::RuntimeImpl(int device_count, int devices_per_gpu)
+    : expected_devices_(device_count), devices_per_gpu_(devices_per_gpu) {
   const std::size_t slots = static_cast<std::size_t>(device_count + 2) * static_cast<std::size_t>(device_count + 2);
   link_bytes_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
   link_copies_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);

@@ -15,6 +15,12 @@
 
 namespace dp {
 
+// Whether two devices of `group` run on one GPU (RuntimeOptions::devices_per_gpu > 1). On cuda
+// their collectives then run on the device ring (kernels with the sim ring's algorithm and
+// summation order: the same bits as the sim), as NCCL refuses two ranks on one GPU; otherwise on
+// NCCL. The sim always runs its ring.
+bool shares_a_gpu(const DeviceGroup& group);
+
 // NCCL semantics: every rank calls the same collectives in the same order, each from its own
 // worker thread, on a stream of its own device; calls are asynchronous for the host and complete
 // in stream order. A rank whose peers never arrive waits (on its stream), as on a GPU — abort()

@@ -136,6 +136,9 @@ struct MemoryStats {
 class Device {
  public:
   int index() const noexcept { return index_; }
+  // The GPU this device runs on (RuntimeOptions::devices_per_gpu dp devices share one; sim: the
+  // simulated GPU), index() / devices_per_gpu.
+  int gpu() const noexcept;
   Backend backend() const;
   std::string name() const;
 
@@ -180,6 +183,14 @@ struct RuntimeOptions {
   std::size_t sim_capacity_bytes = std::size_t{16} << 30;
   // How exact the GPU libraries must be (dp/precision.h); the sim computes the same for both.
   Precision precision = Precision::strict;
+  // Several dp devices on one GPU ("virtual devices"), so that every multi-device path runs on a
+  // machine with one GPU: dp device d runs on GPU d / devices_per_gpu, with its own worker thread,
+  // streams, library handles and memory accounting (the GPU's memory is their shared capacity).
+  // Copies between devices of one GPU are device-to-device copies; collectives among them use a
+  // ring of copies and reduction kernels with the sim ring's summation order (NCCL refuses two
+  // ranks on one GPU). cuda: the runtime has (GPUs x devices_per_gpu) devices; sim: sim_devices
+  // must be a multiple of it, and sim_capacity_bytes is each simulated GPU's memory. In [1, 64].
+  int devices_per_gpu = 1;
 };
 
 // Byte and copy counts of one directed link; `kHost` stands for host memory, `kNetwork` for the
@@ -220,7 +231,8 @@ class Runtime {
 
   Backend backend() const;
   int device_count() const;
-  Device& device(int index);  // throws InvalidArgument naming the index and the count
+  int devices_per_gpu() const;  // RuntimeOptions::devices_per_gpu
+  Device& device(int index);    // throws InvalidArgument naming the index and the count
 
   // Pinned (page-locked) host memory: copies to and from it are truly asynchronous.
   PinnedBuffer allocate_pinned(std::size_t bytes);
