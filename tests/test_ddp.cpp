@@ -116,16 +116,18 @@ TEST_P(DdpOnBackend, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
 struct SyncBnCase {
   std::string model;
   int world;
+  bool cuda = false;  // several devices on one GPU where there are fewer GPUs
 };
 class SyncBatchNorm : public ::testing::TestWithParam<SyncBnCase> {};
 
 TEST_P(SyncBatchNorm, DdpEqualsOneDeviceOnTheConcatenatedBatch) {
-  const auto& [name, world] = GetParam();
+  const auto& [name, world, cuda] = GetParam();
+  if (cuda && Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: SyncBatchNorm on GPUs needs one";
   auto make = [&](Device& device) {
     return name == "convnet" ? models::make_convnet(device, 6) : models::make_resnet8(device, 6);
   };
-  auto rt = test::sim_runtime(world);
-  auto ref_rt = test::sim_runtime(1);
+  auto rt = cuda ? test::cuda_runtime(world) : test::sim_runtime(world);
+  auto ref_rt = cuda ? test::cuda_runtime(1) : test::sim_runtime(1);
   const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
   auto model = make(rt->device(0));
   auto reference = make(ref_rt->device(0));
@@ -166,8 +168,12 @@ TEST_P(SyncBatchNorm, DdpEqualsOneDeviceOnTheConcatenatedBatch) {
 
 INSTANTIATE_TEST_SUITE_P(Models, SyncBatchNorm,
                          ::testing::Values(SyncBnCase{"convnet", 1}, SyncBnCase{"convnet", 2}, SyncBnCase{"convnet", 3},
-                                           SyncBnCase{"resnet8", 2}),
-                         [](const auto& info) { return fmt::format("{}_w{}", info.param.model, info.param.world); });
+                                           SyncBnCase{"resnet8", 2}, SyncBnCase{"convnet", 2, true},
+                                           SyncBnCase{"convnet", 3, true}, SyncBnCase{"resnet8", 2, true}),
+                         [](const auto& info) {
+                           return fmt::format("{}_w{}{}", info.param.model, info.param.world,
+                                              info.param.cuda ? "_cuda" : "");
+                         });
 
 // Against PyTorch: DDP with SyncBatchNorm over 1, 2 and 3 ranks of the golden's batch of 6 trains
 // as torch trains ResNet-8 on the whole batch.

@@ -60,8 +60,9 @@ std::unique_ptr<Model> make_net(Net net, Device& device) {
 // Trains `sizes.size()` steps of the given per-rank batch sizes, the lr changing at every step (a
 // warm-up), and returns what the run produced.
 TrainRun train(EngineKind kind, int devices, bool graphs, Net net, const OptimizerOptions& optimizer,
-               const std::vector<int>& sizes, int predict_after = -1, int predict_batch = 0) {
-  auto runtime = test::sim_runtime(devices);
+               const std::vector<int>& sizes, int predict_after = -1, int predict_batch = 0, bool cuda = false) {
+  // cuda: several devices on one GPU where there are fewer GPUs (DDP's collectives on the device ring).
+  auto runtime = cuda ? test::cuda_runtime(devices) : test::sim_runtime(devices);
   auto model = make_net(net, runtime->device(0));
   EngineOptions options;
   options.kind = kind;
@@ -128,15 +129,22 @@ struct Case {
   EngineKind kind;
   int devices;
   Net net;
+  bool cuda = false;
 };
 
-class GraphsEqualEager : public ::testing::TestWithParam<Case> {};
+class GraphsEqualEager : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (GetParam().cuda && Runtime::cuda_device_count() == 0)
+      GTEST_SKIP() << "no CUDA device: the cuda instances replay CUDA graphs";
+  }
+};
 
 TEST_P(GraphsEqualEager, SgdWithMomentumBitForBit) {
   const Case c = GetParam();
   const OptimizerOptions sgd = SgdOptions{0.05f, 0.9f, 1e-4f, false};
-  const TrainRun eager = train(c.kind, c.devices, false, c.net, sgd, kSizes);
-  const TrainRun graphs = train(c.kind, c.devices, true, c.net, sgd, kSizes);
+  const TrainRun eager = train(c.kind, c.devices, false, c.net, sgd, kSizes, -1, 0, c.cuda);
+  const TrainRun graphs = train(c.kind, c.devices, true, c.net, sgd, kSizes, -1, 0, c.cuda);
   EXPECT_EQ(eager.replays, 0u);
   EXPECT_EQ(graphs.replays, kReplays);
   expect_identical(eager, graphs);
@@ -145,8 +153,8 @@ TEST_P(GraphsEqualEager, SgdWithMomentumBitForBit) {
 TEST_P(GraphsEqualEager, AdamWBitForBit) {
   const Case c = GetParam();
   const OptimizerOptions adamw = AdamWOptions{.lr = 3e-3};
-  const TrainRun eager = train(c.kind, c.devices, false, c.net, adamw, kSizes);
-  const TrainRun graphs = train(c.kind, c.devices, true, c.net, adamw, kSizes);
+  const TrainRun eager = train(c.kind, c.devices, false, c.net, adamw, kSizes, -1, 0, c.cuda);
+  const TrainRun graphs = train(c.kind, c.devices, true, c.net, adamw, kSizes, -1, 0, c.cuda);
   EXPECT_EQ(graphs.replays, kReplays);
   expect_identical(eager, graphs);
 }
@@ -162,13 +170,23 @@ INSTANTIATE_TEST_SUITE_P(Engines, GraphsEqualEager,
                                            Case{"ddp3_mlp", EngineKind::ddp, 3, Net::mlp},
                                            Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet}),
                          [](const auto& info) { return std::string(info.param.name); });
+// The same on GPUs: DP's one graph over every device and DDP's graph per rank, with its collectives
+// inside (several devices on one GPU where there are fewer GPUs).
+INSTANTIATE_TEST_SUITE_P(Cuda, GraphsEqualEager,
+                         ::testing::Values(Case{"single_convnet", EngineKind::single, 1, Net::convnet, true},
+                                           Case{"dp3_mlp", EngineKind::dp, 3, Net::mlp, true},
+                                           Case{"dp3_convnet", EngineKind::dp, 3, Net::convnet, true},
+                                           Case{"ddp1_convnet", EngineKind::ddp, 1, Net::convnet, true},
+                                           Case{"ddp3_mlp", EngineKind::ddp, 3, Net::mlp, true},
+                                           Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet, true}),
+                         [](const auto& info) { return std::string(info.param.name) + "_cuda"; });
 
 TEST_P(GraphsEqualEager, AnEvaluationThatMovesMemoryBetweenStepsIsSeen) {
   const Case c = GetParam();
   const OptimizerOptions sgd = SgdOptions{0.05f, 0.9f};
   const std::vector<int> sizes{8, 8, 8, 8, 8, 8};
-  const TrainRun eager = train(c.kind, c.devices, false, c.net, sgd, sizes, 3, 40);
-  const TrainRun graphs = train(c.kind, c.devices, true, c.net, sgd, sizes, 3, 40);
+  const TrainRun eager = train(c.kind, c.devices, false, c.net, sgd, sizes, 3, 40, c.cuda);
+  const TrainRun graphs = train(c.kind, c.devices, true, c.net, sgd, sizes, 3, 40, c.cuda);
   // Steps 1-3 replay; the evaluation grew buffers: step 4 runs eagerly, 5 is captured again.
   EXPECT_EQ(graphs.replays, 4u);
   expect_identical(eager, graphs);

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <vector>
 
@@ -41,6 +42,10 @@ cudaPointerAttributes attributes_of(const void* ptr) {
   DP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
   return attributes;
 }
+
+// Captures the calling thread has begun and not yet ended (thread-local capture mode): where it is
+// not zero, an allocation goes to cudaMalloc, which refuses it as CUDA does during a capture.
+thread_local int t_captures_begun = 0;
 
 // cuBLAS's recommended workspace per handle: 32 MiB on Hopper and later, 4 MiB before (cuBLAS
 // docs, cublasSetWorkspace). Given at handle creation, so no GEMM allocates.
@@ -297,6 +302,7 @@ class CudaStream final : public StreamImpl {
   void begin_capture() override {
     DeviceScope scope(gpu_);
     DP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    ++t_captures_begun;
   }
   std::shared_ptr<GraphImpl> end_capture() override;
   bool capturing() override {
@@ -305,6 +311,7 @@ class CudaStream final : public StreamImpl {
     return status != cudaStreamCaptureStatusNone;
   }
   void* native_handle() override { return stream_; }
+  cudaStream_t native() const { return stream_; }
   int multiprocessor_count() const override { return sm_count_; }
   int make_current() override { return detail::make_device_current(gpu_); }
   void restore_current(int previous) noexcept override {
@@ -317,6 +324,8 @@ class CudaStream final : public StreamImpl {
     return scratch_.get<std::byte>(runtime().device(index_), bytes, &scratch_retired_);
   }
   RuntimeImpl& runtime() const override;
+  // Waits for the stream's work, reporting nothing (a device's own streams before a free).
+  void finish() noexcept { cudaStreamSynchronize(stream_); }
   void begin_span(const char* name, SpanKind kind) override;
   void end_span() override { spans_->end(stream_); }
 
@@ -353,9 +362,12 @@ class CudaStream final : public StreamImpl {
 class CudaDevice final : public DeviceImpl {
  public:
   CudaDevice(CudaRuntime& runtime, int index, int gpu, bool shared)
-      : runtime_(runtime), index_(index), gpu_(gpu), memory_(0), worker_(fmt::format("cuda{}.worker", index), [gpu] {
-          DP_CUDA_CHECK(cudaSetDevice(gpu));
-        }) {
+      : runtime_(runtime),
+        index_(index),
+        gpu_(gpu),
+        shared_(shared),
+        memory_(0),
+        worker_(fmt::format("cuda{}.worker", index), [gpu] { DP_CUDA_CHECK(cudaSetDevice(gpu)); }) {
     // Properties are read on the worker thread, which has the device current.
     submit([this, shared] {
       cudaDeviceProp prop{};
@@ -379,6 +391,8 @@ class CudaDevice final : public DeviceImpl {
         std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
         DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
       }
+      pooled_ = shared_ && pools;
+      if (pooled_) DP_CUDA_CHECK(cudaStreamCreateWithFlags(&memory_stream_, cudaStreamNonBlocking));
     }).get();
   }
   ~CudaDevice() override {
@@ -386,16 +400,23 @@ class CudaDevice final : public DeviceImpl {
     // handles went with their streams.
     auto done = submit([this] {
       for (Lent& lent : lent_) lent.cache.reset();
+      if (memory_stream_) cudaStreamDestroy(memory_stream_);  // never throws
     });
     done.wait();
   }
   Backend backend() const override { return Backend::cuda; }
   std::string name() const override { return name_; }
+  // Devices that share a GPU take their memory from the GPU's pool on their own memory stream, and
+  // free it there once their own streams are done with it: cudaFree waits for the whole GPU, where
+  // another device's ring kernel may be waiting for work this device's worker has yet to launch.
+  // Elsewhere, and on a thread that is capturing (CUDA refuses the allocation there), cudaMalloc.
   void* allocate(std::size_t bytes) override {
     count(Counter::allocations);
     DeviceScope scope(gpu_);
     void* ptr = nullptr;
-    const cudaError_t status = cudaMalloc(&ptr, bytes);
+    const bool pooled = pooled_ && t_captures_begun == 0;
+    cudaError_t status = pooled ? cudaMallocAsync(&ptr, bytes, memory_stream_) : cudaMalloc(&ptr, bytes);
+    if (status == cudaSuccess && pooled) status = cudaStreamSynchronize(memory_stream_);  // usable on any stream
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear the non-sticky error
       const auto stats = memory_.stats();
@@ -403,14 +424,19 @@ class CudaDevice final : public DeviceImpl {
     }
     DP_CUDA_CHECK(status);
     memory_.reserve(bytes);  // accounting only: the driver already granted it
-    register_allocation(ptr, bytes);
+    register_allocation(ptr, bytes, pooled);
     return ptr;
   }
   void free(void* ptr, std::size_t bytes) noexcept override {
-    unregister_allocation(ptr);
+    const bool pooled = unregister_allocation(ptr);
     try {
       DeviceScope scope(gpu_);
-      cudaFree(ptr);
+      if (pooled) {
+        for (auto& stream : live_streams()) stream->finish();  // as cudaFree waits, for this device
+        cudaFreeAsync(ptr, memory_stream_);
+      } else {
+        cudaFree(ptr);
+      }
     } catch (...) {  // never throws: cudaFree reports nothing either
     }
     memory_.release(bytes);
@@ -419,10 +445,17 @@ class CudaDevice final : public DeviceImpl {
   void reset_peak_memory() override { memory_.reset_peak(); }
   std::shared_ptr<StreamImpl> create_stream() override;
   std::shared_ptr<EventImpl> create_event(EventTiming timing) override;
+  // This device's work: on a GPU of its own the whole GPU's; sharing one, its own streams' only
+  // (the other devices' may wait for this one's worker, as the simulator's devices do).
   void synchronize() override {
     count(Counter::host_syncs);
     DeviceScope scope(gpu_);
-    DP_CUDA_CHECK(cudaDeviceSynchronize());
+    if (!shared_) {
+      DP_CUDA_CHECK(cudaDeviceSynchronize());
+      return;
+    }
+    for (auto& stream : live_streams()) DP_CUDA_CHECK(cudaStreamSynchronize(stream->native()));
+    if (memory_stream_) DP_CUDA_CHECK(cudaStreamSynchronize(memory_stream_));
   }
   std::future<void> submit(std::function<void()> task) override {
     count(Counter::worker_submits);
@@ -446,12 +479,19 @@ class CudaDevice final : public DeviceImpl {
   }
 
  private:
-  void register_allocation(void* ptr, std::size_t bytes);
-  void unregister_allocation(void* ptr) noexcept;
+  void register_allocation(void* ptr, std::size_t bytes, bool pooled);
+  bool unregister_allocation(void* ptr) noexcept;  // whether it came from the pool
+  std::vector<std::shared_ptr<CudaStream>> live_streams();
 
   CudaRuntime& runtime_;
-  int index_;  // the dp device
-  int gpu_;    // the GPU it runs on
+  int index_;    // the dp device
+  int gpu_;      // the GPU it runs on
+  bool shared_;  // with other dp devices (RuntimeOptions::devices_per_gpu > 1)
+  bool pooled_ = false;
+  cudaStream_t memory_stream_ = nullptr;  // pooled allocations and frees
+  std::mutex streams_mutex_;
+  std::vector<std::weak_ptr<CudaStream>> streams_;
+  std::set<void*> pooled_allocations_;  // under streams_mutex_
   std::string name_;
   int sm_count_ = 1;
   MemoryCounter memory_;
@@ -627,7 +667,19 @@ void CudaStream::begin_span(const char* name, SpanKind kind) {
 }
 
 std::shared_ptr<StreamImpl> CudaDevice::create_stream() {
-  return std::make_shared<CudaStream>(runtime_, *this, index_);
+  auto stream = std::make_shared<CudaStream>(runtime_, *this, index_);
+  std::lock_guard lock(streams_mutex_);
+  std::erase_if(streams_, [](const std::weak_ptr<CudaStream>& s) { return s.expired(); });
+  streams_.push_back(stream);
+  return stream;
+}
+
+std::vector<std::shared_ptr<CudaStream>> CudaDevice::live_streams() {
+  std::vector<std::shared_ptr<CudaStream>> out;
+  std::lock_guard lock(streams_mutex_);
+  for (auto& weak : streams_)
+    if (auto s = weak.lock()) out.push_back(std::move(s));
+  return out;
 }
 
 // Host memory the driver does not know (not cudaMallocHost'd nor registered): copies stage it.
@@ -663,6 +715,7 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
   // Not begun on this stream (903) or on this thread (908): the capture goes on, its host functions
   // with it; DP_CUDA_CHECK raises InvalidArgument for both.
   if (status == cudaErrorStreamCaptureUnmatched || status == cudaErrorStreamCaptureWrongThread) DP_CUDA_CHECK(status);
+  if (t_captures_begun > 0) --t_captures_begun;  // ended, whatever it returned
   auto host_funcs = std::move(captured_host_funcs_);
   captured_host_funcs_.clear();
   if (status != cudaSuccess) {
@@ -676,8 +729,17 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
 }
 
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
-void CudaDevice::register_allocation(void* ptr, std::size_t bytes) { runtime_.add_allocation(ptr, bytes, index_); }
-void CudaDevice::unregister_allocation(void* ptr) noexcept { runtime_.remove_allocation(ptr); }
+void CudaDevice::register_allocation(void* ptr, std::size_t bytes, bool pooled) {
+  runtime_.add_allocation(ptr, bytes, index_);
+  if (!pooled) return;
+  std::lock_guard lock(streams_mutex_);
+  pooled_allocations_.insert(ptr);
+}
+bool CudaDevice::unregister_allocation(void* ptr) noexcept {
+  runtime_.remove_allocation(ptr);
+  std::lock_guard lock(streams_mutex_);
+  return pooled_allocations_.erase(ptr) != 0;
+}
 
 std::shared_ptr<void> CudaDevice::temporary(std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return nullptr;

@@ -76,8 +76,12 @@ class NcclCommunicator final : public Communicator {
   void init(std::vector<ncclComm_t>& comms, ProcessGroup& processes) {
     const auto& group = group_;
     const DeviceRestore restore;  // initialisation switches devices; the caller's is kept
+    // NCCL names GPUs, not dp devices (several dp devices may share a GPU: RuntimeOptions::
+    // devices_per_gpu; a group whose devices share one takes the device ring instead).
+    std::vector<int> gpus;
+    for (int r = 0; r < group.size(); ++r) gpus.push_back(group.device(r).gpu());
     if (processes.size() == 1) {
-      DP_CUDA_CHECK(ncclCommInitAll(comms.data(), group.size(), group.device_ids().data()));
+      DP_CUDA_CHECK(ncclCommInitAll(comms.data(), group.size(), gpus.data()));
       return;
     }
     const std::vector<int> sizes = processes.all_gather(group.size());
@@ -91,7 +95,7 @@ class NcclCommunicator final : public Communicator {
     processes.broadcast_bytes(&id, sizeof(id), 0);
     DP_CUDA_CHECK(ncclGroupStart());
     for (int r = 0; r < group.size(); ++r) {
-      DP_CUDA_CHECK(cudaSetDevice(group.device_ids()[static_cast<std::size_t>(r)]));
+      DP_CUDA_CHECK(cudaSetDevice(gpus[static_cast<std::size_t>(r)]));
       DP_CUDA_CHECK(ncclCommInitRank(&comms[static_cast<std::size_t>(r)], world_, id, first_ + r));
     }
     DP_CUDA_CHECK(ncclGroupEnd());
