@@ -342,21 +342,31 @@ TEST(Copies, AllDirectionsAndLinkCounters) {
   EXPECT_EQ(rt->link_traffic(0, 2).bytes, 0u);
 }
 
-TEST(Copies, PageableSourceIsStagedPinnedIsAsync) {
-  auto rt = test::sim_runtime(1);
-  Stream s = rt->device(0).create_stream();
-  DeviceBuffer d = rt->device(0).allocate(sizeof(int));
+// As cudaMemcpyAsync: a pageable source is staged before the call returns (the caller may reuse it
+// at once, even while the stream is still busy); a pinned destination is written asynchronously.
+class CopiesOnBackend : public test::BackendTest {};
+INSTANTIATE_TEST_SUITE_P(Backends, CopiesOnBackend, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(CopiesOnBackend, PageableSourceIsStagedPinnedIsAsync) {
+  DeviceBuffer d = device_->allocate(sizeof(int));
   std::atomic<bool> release{false};
-  s.launch_host_func([&] {
+  stream_.launch_host_func([&] {
     while (!release.load()) std::this_thread::sleep_for(1ms);
   });
+  // Released from another thread as well, so that a copy that did wait for the stream cannot hang.
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(300ms);
+    release = true;
+  });
   int pageable = 7;
-  s.copy(d.data(), &pageable, sizeof(int));  // staged now, although the stream is still busy
+  stream_.copy(d.data(), &pageable, sizeof(int));  // staged now, although the stream is still busy
   pageable = 8;
   release = true;
-  PinnedBuffer pinned = rt->allocate_pinned(sizeof(int));
-  s.copy(pinned.data(), d.data(), sizeof(int));  // pinned destination: asynchronous
-  s.synchronize();
+  PinnedBuffer pinned = runtime_->allocate_pinned(sizeof(int));
+  stream_.copy(pinned.data(), d.data(), sizeof(int));  // pinned destination: asynchronous
+  stream_.synchronize();
+  releaser.join();
   EXPECT_EQ(*pinned.as<int>(), 7);
 }
 
