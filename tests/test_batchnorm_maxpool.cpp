@@ -301,22 +301,31 @@ TEST_P(BatchNormTest, SyncRejectsImpossibleGlobalCounts) {
   const BatchNormShape s{2, 1, 2, 2};  // 8 values per channel here
   BnBuffers bn(*device_, stream_, s, {1.0f}, {0.0f});
   DeviceBuffer x = up(bn_input(s, 3)), scratch = floats(2);
+  // The phases as nn's BatchNorm2d runs them, the all-reduce between them only counted here.
   int calls = 0;
-  const kernels::AllReduceSum count_calls = [&](float*, std::size_t) { ++calls; };
   auto forward = [&](kernels::index_t global) {
-    kernels::sync_batchnorm_forward_train(stream_, s, x.as<float>(), bn.gamma.as<float>(), bn.beta.as<float>(),
-                                          bn.y.as<float>(), bn.save_mean.as<float>(), bn.save_invstd.as<float>(),
-                                          bn.running_mean.as<float>(), bn.running_var.as<float>(),
-                                          bn.tracked.as<std::int64_t>(), scratch.as<float>(), global, count_calls);
+    float* mean = bn.save_mean.as<float>();
+    kernels::sync_batchnorm_sums(stream_, s, x.as<float>(), mean, global);
+    ++calls;
+    kernels::sync_batchnorm_moments(stream_, s, x.as<float>(), mean, scratch.as<float>(), global);
+    ++calls;
+    kernels::sync_batchnorm_normalize(stream_, s, x.as<float>(), bn.gamma.as<float>(), bn.beta.as<float>(),
+                                      bn.y.as<float>(), mean, bn.save_invstd.as<float>(), bn.running_mean.as<float>(),
+                                      bn.running_var.as<float>(), bn.tracked.as<std::int64_t>(), scratch.as<float>(),
+                                      global);
   };
   for (kernels::index_t bad : {kernels::index_t{7}, kernels::index_t{1}, (kernels::index_t{1} << 24) + 1})
     EXPECT_THROW(forward(bad), InvalidArgument) << bad;
   EXPECT_EQ(calls, 0) << "refused before any collective";
   EXPECT_THROW(
-      kernels::sync_batchnorm_backward(stream_, s, x.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
-                                       bn.save_invstd.as<float>(), x.as<float>(), nullptr, bn.y.as<float>(),
-                                       bn.y.as<float>(), bn.grad_sums.as<float>(), 4, count_calls),
+      kernels::sync_batchnorm_backward_sums(stream_, s, x.as<float>(), bn.gamma.as<float>(), bn.save_mean.as<float>(),
+                                            bn.save_invstd.as<float>(), x.as<float>(), bn.y.as<float>(),
+                                            bn.y.as<float>(), bn.grad_sums.as<float>(), 4),
       InvalidArgument);
+  EXPECT_THROW(kernels::sync_batchnorm_backward_dx(stream_, s, x.as<float>(), bn.gamma.as<float>(),
+                                                   bn.save_mean.as<float>(), bn.save_invstd.as<float>(), x.as<float>(),
+                                                   bn.y.as<float>(), bn.grad_sums.as<float>(), 4),
+               InvalidArgument);
   forward(16);  // one replica of two: the sums go to the (here: counting) all-reduce twice
   EXPECT_EQ(calls, 2);
   EXPECT_EQ(down<std::int64_t>(bn.tracked), std::vector<std::int64_t>{1});

@@ -205,7 +205,6 @@ TEST_P(FusionTest, SyncBatchNormReluEqualsSyncBatchNormThenRelu) {
   const auto n = static_cast<index_t>(total);
   const index_t count = 4 * 5 * 6;
   const auto x = test::random_vector(total, 78, -3.0f, 5.0f), dy = test::random_vector(total, 79);
-  const kernels::AllReduceSum nothing = [](float*, std::size_t) {};
   auto run = [&](bool fused) {
     DeviceBuffer dx_in = up(x), ddy = up(dy), g = up(test::random_vector(c, 82)), b = up(test::random_vector(c, 83));
     DeviceBuffer pre = floats(total), y = floats(total), dpre = floats(total), dx = floats(total);
@@ -214,17 +213,22 @@ TEST_P(FusionTest, SyncBatchNormReluEqualsSyncBatchNormThenRelu) {
     DeviceBuffer dg = up(std::vector<float>(c, 0.0f)), db = up(std::vector<float>(c, 0.0f));
     DeviceBuffer batches = up(std::vector<std::int64_t>{0});
     float* mean = stats.as<float>();
-    kernels::sync_batchnorm_forward_train(stream_, bn, dx_in.as<float>(), g.as<float>(), b.as<float>(),
-                                          fused ? y.as<float>() : pre.as<float>(), mean, mean + c, rm.as<float>(),
-                                          rv.as<float>(), batches.as<std::int64_t>(), scratch.as<float>(), count,
-                                          nothing, fused);
+    // The phases as nn's BatchNorm2d runs them, with nothing to all-reduce between them.
+    kernels::sync_batchnorm_sums(stream_, bn, dx_in.as<float>(), mean, count);
+    kernels::sync_batchnorm_moments(stream_, bn, dx_in.as<float>(), mean, scratch.as<float>(), count);
+    kernels::sync_batchnorm_normalize(stream_, bn, dx_in.as<float>(), g.as<float>(), b.as<float>(),
+                                      fused ? y.as<float>() : pre.as<float>(), mean, mean + c, rm.as<float>(),
+                                      rv.as<float>(), batches.as<std::int64_t>(), scratch.as<float>(), count, fused);
     if (!fused) {
       kernels::relu_forward(stream_, n, pre.as<float>(), y.as<float>());
       kernels::relu_backward(stream_, n, y.as<float>(), ddy.as<float>(), dpre.as<float>());
     }
-    kernels::sync_batchnorm_backward(stream_, bn, dx_in.as<float>(), g.as<float>(), mean, mean + c,
-                                     fused ? ddy.as<float>() : dpre.as<float>(), dx.as<float>(), dg.as<float>(),
-                                     db.as<float>(), sums.as<float>(), count, nothing, fused ? y.as<float>() : nullptr);
+    const float* dy_in = fused ? ddy.as<float>() : dpre.as<float>();
+    const float* relu_y = fused ? y.as<float>() : nullptr;
+    kernels::sync_batchnorm_backward_sums(stream_, bn, dx_in.as<float>(), g.as<float>(), mean, mean + c, dy_in,
+                                          dg.as<float>(), db.as<float>(), sums.as<float>(), count, relu_y);
+    kernels::sync_batchnorm_backward_dx(stream_, bn, dx_in.as<float>(), g.as<float>(), mean, mean + c, dy_in,
+                                        dx.as<float>(), sums.as<float>(), count, relu_y);
     std::vector<std::vector<float>> got;
     for (const DeviceBuffer* buffer : {&y, &stats, &rm, &rv, &dx, &dg, &db}) got.push_back(down<float>(*buffer));
     EXPECT_EQ(down<std::int64_t>(batches)[0], 1);

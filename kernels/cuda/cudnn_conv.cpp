@@ -143,11 +143,11 @@ class TimingEvent {
 // untimed (first-call costs: cuBLAS's heuristics, module loading), then they alternate, timed one
 // run at a time, and the best of each counts (noise only ever adds time). "Clearly": by 10 %, so
 // that near-ties keep the incumbent rather than flip between runs and devices. Waits for the stream.
-bool clearly_faster(cudaStream_t stream, const std::function<void()>& challenger,
-                    const std::function<void()>& incumbent) {
+template <class Challenger, class Incumbent>
+bool clearly_faster(cudaStream_t stream, const Challenger& challenger, const Incumbent& incumbent) {
   constexpr int kRounds = 3;
   const TimingEvent start, stop;
-  const auto time_ms = [&](const std::function<void()>& work) {
+  const auto time_ms = [&](const auto& work) {
     DP_CUDA_CHECK(cudaEventRecord(start.get(), stream));
     work();
     DP_CUDA_CHECK(cudaEventRecord(stop.get(), stream));

@@ -74,14 +74,21 @@ const float* shared_weight_grad(const Stream& stream, const ConvGeometry& g, con
 }
 
 // The shared weight gradient for the cuDNN path to time against its own (library::GemmWeightGrad),
-// on `stream` with the caller's conv workspace; empty beyond the shared path's int range.
-library::GemmWeightGrad gemm_weight_grad(const Stream& stream, const Conv2dShape& shape, float* workspace) {
-  if (largest_shared_tensor(shape) > std::numeric_limits<int>::max()) return {};
+// on `stream` with the caller's conv workspace.
+struct SharedWeightGrad {
+  const Stream& stream;
+  Conv2dShape shape;
+  float* workspace;
   // Called only while a plan is built: the geometry is made then, not on every call.
-  return [&stream, shape, workspace](const float* x, const float* dy, float* dweight) {
+  void operator()(const float* x, const float* dy, float* dweight) const {
     shared_weight_grad(stream, shared_geometry(shape, "conv2d"), x, dy, dweight, 0.0f, workspace);
-  };
-}
+  }
+  // Borrowed by the cuDNN call; empty beyond the shared path's int range.
+  library::GemmWeightGrad borrow() const {
+    return largest_shared_tensor(shape) > std::numeric_limits<int>::max() ? library::GemmWeightGrad()
+                                                                          : library::GemmWeightGrad(*this);
+  }
+};
 
 }  // namespace
 
@@ -114,7 +121,8 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
        operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return;
   if (cudnn_path(stream)) {
-    library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y, gemm_weight_grad(stream, shape, workspace));
+    const SharedWeightGrad shared{stream, shape, workspace};
+    library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y, shared.borrow());
     return;
   }
   const ConvGeometry g = shared_geometry(shape, op);
@@ -159,7 +167,8 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
     // The input gradient stays with cuDNN; the weight gradient goes to cuDNN or to the shared
     // im2col + GEMM (set_conv_weight_grad), run here once cuDNN's handle is released.
     const ConvWeightGrad how = conv_weight_grad();
-    const library::GemmWeightGrad shared = gemm_weight_grad(stream, shape, workspace);
+    const SharedWeightGrad shared_path{stream, shape, workspace};
+    const library::GemmWeightGrad shared = shared_path.borrow();
     const bool forced_gemm = how == ConvWeightGrad::gemm && shared;
     const bool by_gemm =
         forced_gemm && dx == nullptr  // nothing left for cuDNN to do

@@ -3,8 +3,6 @@
 // without the cuda backend link cuda/stub.cpp instead, where cudnn_available() is false.
 #pragma once
 
-#include <functional>
-
 #include "dp/device.h"
 #include "dp/kernels/conv2d.h"
 
@@ -32,8 +30,23 @@ bool cudnn_available();
 // The shared path's weight gradient, enqueued on the stream the caller bound: dweight = the gradient
 // for input x and output gradient dy (beta 0). Given to the cuDNN calls so that a plan, when it is
 // built, can time it against cuDNN's backward-filter algorithm; empty where the shape is beyond the
-// shared path's int range (cuDNN then always computes the weight gradient).
-using GemmWeightGrad = std::function<void(const float* x, const float* dy, float* dweight)>;
+// shared path's int range (cuDNN then always computes the weight gradient). It borrows the callable
+// it is made from, which must outlive the call it is given to.
+class GemmWeightGrad {
+ public:
+  GemmWeightGrad() = default;
+  template <class F>
+  explicit GemmWeightGrad(const F& f)
+      : target_(&f), call_([](const void* target, const float* x, const float* dy, float* dweight) {
+          (*static_cast<const F*>(target))(x, dy, dweight);
+        }) {}
+  explicit operator bool() const { return call_ != nullptr; }
+  void operator()(const float* x, const float* dy, float* dweight) const { call_(target_, x, dy, dweight); }
+
+ private:
+  const void* target_ = nullptr;
+  void (*call_)(const void*, const float*, const float*, float*) = nullptr;
+};
 
 void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                           const float* bias, float* y, const GemmWeightGrad& gemm);

@@ -48,9 +48,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
     rank->compute = device.create_stream();
     if (bn_comm_) {
-      rank->bn_sync.all_reduce = [this, r](const Stream& stream, float* data, std::size_t count) {
-        bn_comm_->all_reduce(r, stream, data, count, ReduceOp::sum);
-      };
+      rank->bn_sync.comm = bn_comm_.get();
+      rank->bn_sync.rank = r;
       rank->model->set_batchnorm_sync(&rank->bn_sync);
     }
     rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * sizeof(float));

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "chain.h"
+#include "dp/collectives.h"
 #include "dp/error.h"
 #include "dp/kernels/avgpool.h"
 #include "dp/kernels/batchnorm.h"
@@ -131,9 +132,17 @@ class BatchNorm2d final : public Layer {
     }
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
-      kernels::sync_batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
-                                            buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2),
-                                            saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu);
+      // torch.nn.SyncBatchNorm: statistics kernel, their sum over the replicas, normalisation kernel.
+      const kernels::index_t count = global_count(ctx);
+      float* mean = saved;
+      float* moments = saved + 2 * channels_;
+      kernels::sync_batchnorm_sums(ctx.stream, s, x, mean, count);
+      all_reduce(ctx, mean, 1);
+      kernels::sync_batchnorm_moments(ctx.stream, s, x, mean, moments, count);
+      all_reduce(ctx, moments, 2);
+      kernels::sync_batchnorm_normalize(ctx.stream, s, x, param(0), param(1), y, mean, saved + channels_,
+                                        buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2), moments, count,
+                                        relu);
       return;
     }
     kernels::batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
@@ -143,9 +152,13 @@ class BatchNorm2d final : public Layer {
     const auto s = shape(ctx.in);
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
     if (ctx.sync) {
-      kernels::sync_batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                       saved + 2 * channels_, global_count(ctx), all_reduce(ctx), relu_y,
-                                       ctx.accumulate_grads);
+      const kernels::index_t count = global_count(ctx);
+      float* grad_sums = saved + 2 * channels_;
+      kernels::sync_batchnorm_backward_sums(ctx.stream, s, x, param(0), saved, saved + channels_, dy, grad(0), grad(1),
+                                            grad_sums, count, relu_y, ctx.accumulate_grads);
+      all_reduce(ctx, grad_sums, 2);  // every replica's, needed or not: the others wait for it
+      kernels::sync_batchnorm_backward_dx(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad_sums,
+                                          count, relu_y);
       return;
     }
     kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
@@ -155,8 +168,10 @@ class BatchNorm2d final : public Layer {
   static kernels::index_t global_count(const LayerContext& ctx) {
     return static_cast<kernels::index_t>(ctx.sync->global_samples) * ctx.in.h * ctx.in.w;
   }
-  static kernels::AllReduceSum all_reduce(const LayerContext& ctx) {
-    return [&ctx](float* data, std::size_t count) { ctx.sync->all_reduce(ctx.stream, data, count); };
+  // `per_channel` floats per channel summed in place over the replicas, on this layer's stream.
+  void all_reduce(const LayerContext& ctx, float* data, std::size_t per_channel) const {
+    ctx.sync->comm->all_reduce(ctx.sync->rank, ctx.stream, data, per_channel * static_cast<std::size_t>(channels_),
+                               ReduceOp::sum);
   }
 
   int channels_;

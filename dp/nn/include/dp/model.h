@@ -17,6 +17,8 @@
 
 namespace dp {
 
+class Communicator;
+
 enum class Mode { train, eval };
 
 // Backward calls this once per layer that has parameters, in reverse layer order, right after
@@ -38,12 +40,14 @@ struct RandomContext {
 };
 
 // SyncBatchNorm (torch.nn.SyncBatchNorm under DDP): BatchNorm layers in train mode normalise with
-// the statistics of every replica's batch together. `all_reduce` enqueues an in-place sum over the
-// replicas on the stream it is given (every replica calls it in the same order: one call per
-// BatchNorm forward pass, two in its forward, one in its backward); `global_samples` is the step's
-// number of samples over all replicas.
+// the statistics of every replica's batch together. As torch's module does, a layer sums its
+// statistics over the replicas between two kernels: an in-place all-reduce on `comm` as local rank
+// `rank`, on the layer's stream (every replica makes the same calls in the same order: two in a
+// BatchNorm forward, one in its backward); `global_samples` is the step's number of samples over
+// all replicas.
 struct BatchNormSync {
-  std::function<void(const Stream& stream, float* data, std::size_t count)> all_reduce;
+  Communicator* comm = nullptr;
+  int rank = 0;
   std::int64_t global_samples = 0;
 };
 

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <functional>
 
 #include "dp/device.h"
 #include "dp/kernels/elementwise.h"
@@ -48,24 +47,33 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
                         float* dbeta, float* grad_sums, const float* relu_y = nullptr, bool accumulate = true);
 
 // SyncBatchNorm (torch.nn.SyncBatchNorm): the statistics are those of every replica's batch
-// together. `all_reduce(data, count)` enqueues an in-place sum of `count` floats over the replicas
-// on `stream` (every replica makes the same calls in the same order); `global_count` is the sum of
-// the replicas' N*H*W (>= 2). The forward reduces the per-channel sums (-> the global mean), then
-// the centred moments around it (-> global variance: invstd and the running statistics, unbiased
-// with the global count, as torch's batch_norm_gather_stats_with_counts); `scratch` holds 2*C floats.
-// The backward adds this replica's own sum(dy), sum(dy*xhat) to dbeta, dgamma (stores them without
-// `accumulate`; torch's SyncBatchNorm leaves the averaging over replicas to DDP's gradient
-// all-reduce) and computes dx from the summed ones.
-using AllReduceSum = std::function<void(float* data, std::size_t count)>;
-void sync_batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                                  const float* beta, float* y, float* save_mean, float* save_invstd,
-                                  float* running_mean, float* running_var, std::int64_t* num_batches_tracked,
-                                  float* scratch, index_t global_count, const AllReduceSum& all_reduce,
-                                  bool relu = false);
-void sync_batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                             const float* save_mean, const float* save_invstd, const float* dy, float* dx,
-                             float* dgamma, float* dbeta, float* grad_sums, index_t global_count,
-                             const AllReduceSum& all_reduce, const float* relu_y = nullptr, bool accumulate = true);
+// together. The kernels stay pure: the caller (nn's BatchNorm2d) sums buffers over the replicas
+// between them, as torch's module does between its statistics and normalisation kernels:
+//   forward:  sync_batchnorm_sums -> all-reduce sums (C) -> sync_batchnorm_moments ->
+//             all-reduce moments (2C) -> sync_batchnorm_normalize
+//   backward: sync_batchnorm_backward_sums -> all-reduce grad_sums (2C) -> sync_batchnorm_backward_dx
+// `global_count` is the sum of the replicas' N*H*W (>= 2, exact as a float, at least this replica's
+// own), checked by every phase before it enqueues anything. The mean is the summed sums times 1/M
+// (in place in `mean`, which the forward then keeps as save_mean); the variance comes from the
+// centred moments around it (invstd and the running statistics, unbiased with the global count, as
+// torch's batch_norm_gather_stats_with_counts). The backward adds this replica's own sum(dy),
+// sum(dy*xhat) to dbeta, dgamma (stores them without `accumulate`; torch's SyncBatchNorm leaves the
+// averaging over replicas to DDP's gradient all-reduce) and computes dx from the summed grad_sums.
+void sync_batchnorm_sums(const Stream& stream, const BatchNormShape& shape, const float* x, float* sums,
+                         index_t global_count);
+void sync_batchnorm_moments(const Stream& stream, const BatchNormShape& shape, const float* x, float* mean,
+                            float* moments, index_t global_count);
+void sync_batchnorm_normalize(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                              const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+                              float* running_var, std::int64_t* num_batches_tracked, const float* moments,
+                              index_t global_count, bool relu = false);
+void sync_batchnorm_backward_sums(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                                  const float* save_mean, const float* save_invstd, const float* dy, float* dgamma,
+                                  float* dbeta, float* grad_sums, index_t global_count, const float* relu_y = nullptr,
+                                  bool accumulate = true);
+void sync_batchnorm_backward_dx(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
+                                const float* save_mean, const float* save_invstd, const float* dy, float* dx,
+                                const float* grad_sums, index_t global_count, const float* relu_y = nullptr);
 
 // ------------------------------------------------------------------------------------------------
 // functors
