@@ -166,42 +166,46 @@ Graph capture_on(const Stream& stream, const std::function<void()>& enqueue);
 // captured runs, and the error that made us abandon it is the one reported.
 void abandon_capture(const Stream& stream) noexcept;
 
-// When a training step runs eagerly, is captured, or is replayed (EngineOptions::graphs). A step is
-// captured once per key (the batch sizes and whatever else its enqueued work depends on) and
-// pipeline slot (whose buffers it reads), after one eager step with that key has sized every
-// grow-only buffer, and replayed from then on; an eager step that moved memory (MemorySnapshot)
-// drops every graph; a key whose capture failed (the model did something a graph cannot hold) stays
-// eager.
+// What an engine's training step enqueues, in each of the forms StepGraphs::run gives it.
+struct StepWork {
+  // Captures the step on each of its streams (capture_on: a failed capture is ended on the thread
+  // that began it) and returns the graphs, in the order `replay` gets them back.
+  std::function<std::vector<Graph>()> capture;
+  // Launches the step's graphs (and what must run around them outside the graphs).
+  std::function<void(const std::vector<Graph>&)> replay;
+  // Enqueues the step kernel by kernel.
+  std::function<void()> eager;
+};
+
+// When a training step runs eagerly, is captured, or is replayed (EngineOptions::graphs): the one
+// sequence every engine's step goes through. A step is captured once per key (the batch sizes and
+// whatever else its enqueued work depends on) and pipeline slot (whose buffers it reads), after one
+// eager step with that key has sized every grow-only buffer, and replayed from then on; an eager
+// step that moved memory (MemorySnapshot) drops every graph; a key whose capture failed (the model
+// did something a graph cannot hold) stays eager.
 class StepGraphs {
  public:
   using Key = std::vector<std::int64_t>;
-  enum class Action { eager, capture, replay };
 
   explicit StepGraphs(bool enabled) : enabled_(enabled) {}
   bool enabled() const { return enabled_; }
-  Action plan(const Key& key, int slot) const;
-  // Before a step: memory that moved since the last step (an evaluation's larger batch grew a
-  // buffer, anything allocated on the devices) makes every graph stale.
-  void begin_step(const MemorySnapshot& now);
-  // After an eager step that started at `before` (its own allocations size its key's buffers).
-  void eager_done(const Key& key, const MemorySnapshot& before, const MemorySnapshot& after);
-  // After any step: where the next begin_step compares from.
-  void end_step(MemorySnapshot after) { last_ = std::move(after); }
-  // Runs `record` (it captures the step on each stream with capture_on, which ends a failed capture
-  // on the thread that began it) and keeps its graphs for `key` and `slot`; nothing captured ran,
-  // so the step counts of `optimizers` are restored (their step() counted a step that did not
-  // happen: the replay that runs the step counts it). When the failure was a CaptureError (the
-  // model did what a graph cannot hold), refuses the key -- it runs eagerly from now on -- and
-  // returns false; anything else is rethrown.
-  bool capture(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
-               const std::function<std::vector<Graph>()>& record);
-  const std::vector<Graph>& graphs(const Key& key, int slot) const {
-    return graphs_.at(key)[static_cast<std::size_t>(slot)];
-  }
-  void count_replay() { ++replays_; }
+  // Runs one step of `key` in `slot` in the form its history allows and returns whether it was
+  // replayed (its records then come from the graphs). `memory` snapshots what graphs may refer to:
+  // memory that moved since the last step (an evaluation's larger batch grew a buffer) makes every
+  // graph stale. A capture restores the step counts of `optimizers` (their step() counted a step
+  // that did not run: the replay that runs it counts it); a CaptureError while capturing makes the
+  // key eager from then on, and the step runs eagerly; any other failure is rethrown.
+  bool run(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
+           const std::function<MemorySnapshot()>& memory, const StepWork& work);
   std::uint64_t replays() const { return replays_; }
 
  private:
+  enum class Action { eager, capture, replay };
+  Action plan(const Key& key, int slot) const;
+  bool capture(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
+               const std::function<std::vector<Graph>()>& record);
+  void drop_graphs();
+
   bool enabled_;
   std::map<Key, std::array<std::vector<Graph>, StepPipeline::kSlots>> graphs_;
   std::set<Key> warmed_, refused_;

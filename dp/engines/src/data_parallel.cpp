@@ -231,34 +231,23 @@ StepLoss DataParallel::submit_batch(const Batch& step_batch) {
     targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done,
                         step_batch.lease);
 
-    const engines::StepGraphs::Key key{batch};
     std::vector<Device*> devices;
     for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
-    const auto memory = [&] { return engines::snapshot(devices, staging_growths()); };
-    if (graphs_->enabled()) graphs_->begin_step(memory());
-    auto action = graphs_->plan(key, slot);
-    if (action == engines::StepGraphs::Action::capture) {
-      const bool captured = graphs_->capture(key, slot, {optimizer_.get()},
-                                             [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; });
-      action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
-    }
     const Stream& source = replicas_[0]->stream;
-    Event loss_ready = loss_ready_[static_cast<std::size_t>(slot)];
-    if (action == engines::StepGraphs::Action::replay) {
+    engines::StepWork work;
+    work.capture = [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; };
+    work.replay = [&](const std::vector<Graph>& graphs) {
       wait_for_batches(slot);
       optimizer_->replayed_step(source);
-      graphs_->graphs(key, slot)[0].replay();  // every device's part: one launch, from this thread
+      graphs[0].replay();  // every device's part: one launch, from this thread
       for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->model->replayed_backward();
-      graphs_->count_replay();
-      // A record captured into the graph is a dependency inside it: the loss is known when the graph,
-      // launched on the source's stream, has run there (its end there is the end of every device's part).
-      loss_ready = done;
-    } else {
-      const auto before = memory();
-      enqueue_step(batch, slot, false);
-      graphs_->eager_done(key, before, memory());
-    }
-    if (graphs_->enabled()) graphs_->end_step(memory());
+    };
+    work.eager = [&] { enqueue_step(batch, slot, false); };
+    const bool replayed = graphs_->run(
+        {batch}, slot, {optimizer_.get()}, [&] { return engines::snapshot(devices, staging_growths()); }, work);
+    // A record captured into the graph is a dependency inside it: the loss is known when the graph,
+    // launched on the source's stream, has run there (its end there is the end of every device's part).
+    const Event loss_ready = replayed ? done : loss_ready_[static_cast<std::size_t>(slot)];
     // The source's last work is the step's: every device's part of it has run (the reduction waited
     // for each backward, the backwards for the loss). The slot's buffers are free again from there.
     source.record(done);

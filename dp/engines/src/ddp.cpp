@@ -288,25 +288,17 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
     key.push_back(broadcast);
     key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
     std::vector<Device*> devices;
-    for (int r = 0; r < group_.size(); ++r) devices.push_back(&group_.device(r));
+    std::vector<Optimizer*> optimizers;
+    for (int r = 0; r < group_.size(); ++r) {
+      devices.push_back(&group_.device(r));
+      optimizers.push_back(ranks_[static_cast<std::size_t>(r)]->optimizer.get());
+    }
     const auto memory = [&] {
       std::uint64_t growths = 0;
       for (auto& rank : ranks_) growths += rank->ring.growths();
       return engines::snapshot(devices, growths);
     };
-    if (graphs_->enabled()) graphs_->begin_step(memory());
-    if (graphs_->plan(key, slot) == engines::StepGraphs::Action::eager ||
-        !capture_step(key, slot, batches, sync, broadcast)) {
-      const auto before = memory();
-      run_ranks([&](int r) {
-        Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-        rank.ring.acquire(slot, rank.compute);
-        enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
-        rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
-      });
-      graphs_->eager_done(key, before, memory());
-    }
-    if (graphs_->enabled()) graphs_->end_step(memory());
+    graphs_->run(key, slot, optimizers, memory, step_work(slot, batches, sync, broadcast));
     join_losses(slot);
     // Across processes the mean loss is a collective of the hosts, which every process must call for
     // the same step in the same order: at once, then. And checking the replicas reads the parameters.
@@ -328,40 +320,43 @@ void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool
   enqueue_step(r);
 }
 
-bool DistributedDataParallel::capture_step(const std::vector<std::int64_t>& key, int slot,
-                                           std::span<const Batch> batches, bool sync, bool broadcast) {
-  if (graphs_->plan(key, slot) == engines::StepGraphs::Action::capture) {
-    std::vector<Optimizer*> optimizers;
-    for (auto& rank : ranks_) optimizers.push_back(rank->optimizer.get());
-    const bool captured = graphs_->capture(key, slot, optimizers, [&] {
-      std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
-      // Not run_ranks: a failed capture ran none of its collectives, so no peer waits in one and
-      // the communicators stay usable. Each rank captures on its own worker, which also ends a
-      // failed capture.
-      group_.run([&](int r) {
-        Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-        graphs[static_cast<std::size_t>(r)] = engines::capture_on(
-            rank.compute, [&] { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot); });
-      });
-      return graphs;
+engines::StepWork DistributedDataParallel::step_work(int slot, std::span<const Batch> batches, bool sync,
+                                                     bool broadcast) {
+  engines::StepWork work;
+  work.capture = [=, this] {
+    std::vector<Graph> graphs(static_cast<std::size_t>(group_.size()));
+    // Not run_ranks: a failed capture ran none of its collectives, so no peer waits in one and the
+    // communicators stay usable. Each rank captures on its own worker, which also ends a failed capture.
+    group_.run([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      graphs[static_cast<std::size_t>(r)] = engines::capture_on(
+          rank.compute, [&] { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot); });
     });
-    if (!captured) return false;  // these batch sizes run eagerly now
-  }
-  const std::vector<Graph>& graphs = graphs_->graphs(key, slot);
-  run_ranks([&](int r) {
-    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    rank.ring.acquire(slot, rank.compute);
-    rank.optimizer->replayed_step(rank.compute);
-    rank.accumulated_samples = 0;
-    graphs[static_cast<std::size_t>(r)].replay();
-    rank.model->replayed_backward();
-    // Records captured into the graph are dependencies inside it: the loss is known, and the slot
-    // free, once the graph has run.
-    rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
-    rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
-  });
-  graphs_->count_replay();
-  return true;
+    return graphs;
+  };
+  work.replay = [=, this](const std::vector<Graph>& graphs) {
+    run_ranks([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      rank.ring.acquire(slot, rank.compute);
+      rank.optimizer->replayed_step(rank.compute);
+      rank.accumulated_samples = 0;
+      graphs[static_cast<std::size_t>(r)].replay();
+      rank.model->replayed_backward();
+      // Records captured into the graph are dependencies inside it: the loss is known, and the slot
+      // free, once the graph has run.
+      rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
+      rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
+    });
+  };
+  work.eager = [=, this] {
+    run_ranks([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      rank.ring.acquire(slot, rank.compute);
+      enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
+      rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
+    });
+  };
+  return work;
 }
 
 std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batches) {

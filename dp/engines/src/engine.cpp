@@ -369,32 +369,44 @@ bool StepGraphs::capture(const Key& key, int slot, const std::vector<Optimizer*>
                          const std::function<std::vector<Graph>()>& record) {
   std::vector<std::int64_t> steps;
   for (const Optimizer* optimizer : optimizers) steps.push_back(optimizer->steps());
+  const auto restore_steps = [&] {
+    for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
+  };
   try {
     graphs_[key][static_cast<std::size_t>(slot)] = record();
-    for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
+    restore_steps();
     return true;
   } catch (...) {
-    for (std::size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->set_steps(steps[i]);
+    restore_steps();
     if (!capture_failed(std::current_exception())) throw;
     refused_.insert(key);
     return false;
   }
 }
 
-void StepGraphs::begin_step(const MemorySnapshot& now) {
-  if (last_ && !(*last_ == now)) {
-    graphs_.clear();
-    warmed_.clear();
-  }
+void StepGraphs::drop_graphs() {
+  graphs_.clear();
+  warmed_.clear();
 }
 
-void StepGraphs::eager_done(const Key& key, const MemorySnapshot& before, const MemorySnapshot& after) {
-  if (!enabled_) return;
-  if (!(before == after)) {
-    graphs_.clear();
-    warmed_.clear();
+bool StepGraphs::run(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
+                     const std::function<MemorySnapshot()>& memory, const StepWork& work) {
+  if (enabled_ && last_ && !(*last_ == memory())) drop_graphs();
+  Action action = plan(key, slot);
+  if (action == Action::capture) action = capture(key, slot, optimizers, work.capture) ? Action::replay : Action::eager;
+  if (action == Action::replay) {
+    work.replay(graphs_.at(key)[static_cast<std::size_t>(slot)]);
+    ++replays_;
+  } else if (!enabled_) {
+    work.eager();
+  } else {
+    const MemorySnapshot before = memory();
+    work.eager();
+    if (!(before == memory())) drop_graphs();  // its own allocations sized its key's buffers
+    warmed_.insert(key);
   }
-  warmed_.insert(key);
+  if (enabled_) last_ = memory();
+  return action == Action::replay;
 }
 
 void expect_batches(std::size_t got, int expected, const char* engine) {

@@ -56,28 +56,17 @@ StepLoss SingleDeviceTrainer::submit_batch(const Batch& step_batch) {
   return pipeline_->enqueue([&] {
     const Event& done = step_done_[static_cast<std::size_t>(slot)];
     engines::push_batch(*ring_, device, slot, step_batch, engines::sample_floats(model_), done);
-    const engines::StepGraphs::Key key{batch};
-    const auto memory = [&] { return engines::snapshot({&device}, ring_->growths()); };
-    if (graphs_->enabled()) graphs_->begin_step(memory());
     ring_->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
-    auto action = graphs_->plan(key, slot);
-    if (action == engines::StepGraphs::Action::capture) {
-      const bool captured = graphs_->capture(key, slot, {optimizer_.get()}, [&] {
-        return std::vector<Graph>{engines::capture_on(stream_, [&] { enqueue_step(batch, slot); })};
-      });
-      action = captured ? engines::StepGraphs::Action::replay : engines::StepGraphs::Action::eager;
-    }
-    if (action == engines::StepGraphs::Action::replay) {
+    engines::StepWork work;
+    work.capture = [&] { return std::vector<Graph>{engines::capture_on(stream_, [&] { enqueue_step(batch, slot); })}; };
+    work.replay = [&](const std::vector<Graph>& graphs) {
       optimizer_->replayed_step(stream_);
-      graphs_->graphs(key, slot)[0].replay();
+      graphs[0].replay();
       model_.replayed_backward();
-      graphs_->count_replay();
-    } else {
-      const auto before = memory();
-      enqueue_step(batch, slot);
-      graphs_->eager_done(key, before, memory());
-    }
-    if (graphs_->enabled()) graphs_->end_step(memory());
+    };
+    work.eager = [&] { enqueue_step(batch, slot); };
+    graphs_->run(
+        {batch}, slot, {optimizer_.get()}, [&] { return engines::snapshot({&device}, ring_->growths()); }, work);
     // The loss is the step's last work (the optimizer before it): one event says both.
     stream_.record(done);
     return pipeline_->submitted(slot, done, host_loss_.as<float>() + slot);

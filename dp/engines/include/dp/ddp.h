@@ -31,6 +31,7 @@ namespace engines {
 class StepGraphs;
 class StepPipeline;
 class Replicas;
+struct StepWork;
 }  // namespace engines
 
 struct DdpOptions {
@@ -139,10 +140,9 @@ class DistributedDataParallel final : public Engine {
   void check_batches(std::span<const Batch> batches, bool training) const;
   // Rank r's whole train_step (zero_grad, forward, backward with its buckets, optimizer), enqueued.
   void enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot);
-  // submit_step's captured form: captures every rank's step once for `key` and `slot` (returns false
-  // when the model did what a graph cannot hold), or replays them.
-  bool capture_step(const std::vector<std::int64_t>& key, int slot, std::span<const Batch> batches, bool sync,
-                    bool broadcast);
+  // submit_step's work in its three forms (engines::StepGraphs::run picks one): every rank's step
+  // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
+  engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
 
   EvalTotals reduce_totals(const EvalTotals& local) override;
   DeviceGroup group_;
