@@ -1,4 +1,4 @@
-// test_fusion.cpp — the fused kernels (issue 11, item 5) against the unfused sequences they
+// test_fusion.cpp — the fused kernels against the unfused sequences they
 // replace: cross-entropy forward + backward in one launch, BatchNorm with a following ReLU (forward,
 // the ReLU mask inside the backward, eval) and the chain that fuses them, a residual block's sum and
 // ReLU, and max-pool backward as one gather. Bit for bit on every backend (fusing must not move a

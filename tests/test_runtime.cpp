@@ -406,7 +406,7 @@ TEST(Device, FreeWaitsForQueuedWork) {
 }
 
 // Runtime::counters: each kind of host work counted on the device it concerns (dp_bench reports
-// them per step: the costs issue 11's steady-state step must not have).
+// them per step: the costs a steady-state step must not have).
 TEST(Counters, CountLaunchesSyncsAllocationsPageableCopiesAndSubmits) {
   auto rt = test::sim_runtime(2);
   Device& d1 = rt->device(1);

@@ -1,4 +1,4 @@
-// test_zero_grad.cpp — zero_grad as torch's zero_grad(set_to_none=True) (issue 11, item 5): it
+// test_zero_grad.cpp — zero_grad as torch's zero_grad(set_to_none=True): it
 // enqueues nothing, the next backward writes every parameter gradient (Linear, Conv2d with and
 // without bias, BatchNorm fused with its ReLU or not, inside Sequential and Residual containers),
 // later backwards accumulate, and whatever reads the gradients before that backward still reads

@@ -92,8 +92,8 @@ void Reducer::launch_ready(int r) {
   // Strictly in bucket order, like c10d's reducer: a later bucket never overtakes an earlier one.
   while (rank.next_bucket < buckets_.size() && rank.pending[rank.next_bucket] == 0) {
     const std::size_t b = rank.next_bucket++;
-    // One rank: x * (1/1) and a sum over one rank leave every bit as it is, so neither runs (as
-    // issue 11 asks: DDP on one device costs what one device costs).
+    // One rank: x * (1/1) and a sum over one rank leave every bit as it is, so neither runs: DDP on
+    // one device costs what one device costs.
     if (comm_.size() == 1) continue;
     const GradBucket& bucket = buckets_[b];
     rank.compute->record(rank.bucket_ready[b]);
