@@ -9,9 +9,13 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "common.h"
+#include "batches.h"
 #include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "input_ring.h"
+#include "replicas.h"
+#include "step_graphs.h"
+#include "step_pipeline.h"
 
 namespace dp {
 

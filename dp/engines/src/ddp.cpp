@@ -7,8 +7,12 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "common.h"
+#include "batches.h"
 #include "dp/error.h"
+#include "input_ring.h"
+#include "replicas.h"
+#include "step_graphs.h"
+#include "step_pipeline.h"
 
 namespace dp {
 
@@ -20,11 +24,11 @@ struct DistributedDataParallel::Rank {
   engines::StagedBatch batch;  // forward_backward's and evaluation's
   engines::InputRing ring;     // train_step's batches, one slot per step in flight
   Scratch grad_output;
-  std::uint64_t accumulated_samples = 0;  // forwarded since the last optimizer step
-  BatchNormSync bn_sync;                  // sync_batchnorm: this rank's view of the BN collective
-  PinnedBuffer host_loss;                 // a float per pipeline slot; pinned: the copy is asynchronous
-  std::array<Event, engines::StepPipeline::kSlots> loss_ready;  // per slot: host_loss written
-  std::array<Event, engines::StepPipeline::kSlots> step_done;   // per slot: the rank's step has run
+  std::uint64_t accumulated_samples = 0;         // forwarded since the last optimizer step
+  BatchNormSync bn_sync;                         // sync_batchnorm: this rank's view of the BN collective
+  PinnedBuffer host_loss;                        // a float per pipeline slot; pinned: the copy is asynchronous
+  std::array<Event, kStepsInFlight> loss_ready;  // per slot: host_loss written
+  std::array<Event, kStepsInFlight> step_done;   // per slot: the rank's step has run
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,

@@ -1,8 +1,12 @@
 // trainer.cpp — SingleDeviceTrainer: the whole step enqueued on one stream, its loss read when asked for.
 #include "dp/trainer.h"
 
-#include "common.h"
+#include "batches.h"
 #include "dp/error.h"
+#include "input_ring.h"
+#include "replicas.h"
+#include "step_graphs.h"
+#include "step_pipeline.h"
 
 namespace dp {
 

@@ -124,12 +124,12 @@ class DataParallel final : public Engine {
   std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
-  Scratch gathered_, grad_output_;   // on the output device
-  PinnedBuffer host_loss_;           // a float per pipeline slot: the step's loss, without a pageable copy
-  std::array<Event, 2> loss_ready_;  // per slot, on the output device: an eager step's loss written
+  Scratch gathered_, grad_output_;                // on the output device
+  PinnedBuffer host_loss_;                        // a float per pipeline slot: the step's loss, without a pageable copy
+  std::array<Event, kStepsInFlight> loss_ready_;  // per slot, on the output device: an eager step's loss written
   std::unique_ptr<engines::StepGraphs> graphs_;
   std::unique_ptr<engines::InputRing> targets_ring_;  // on the output device
-  std::array<Event, 2> step_done_;  // per slot, on the source: the whole step has run, its slot is free
+  std::array<Event, kStepsInFlight> step_done_;  // per slot, on the source: the whole step has run, its slot is free
   std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };
 

@@ -157,7 +157,7 @@ class DistributedDataParallel final : public Engine {
   bool require_forward_param_sync_ = true;
   std::unique_ptr<engines::StepGraphs> graphs_;
   Stream loss_join_;                                 // on rank 0's device: waits for every rank's loss
-  std::array<Event, 2> losses_ready_;                // per pipeline slot, recorded there once it has
+  std::array<Event, kStepsInFlight> losses_ready_;   // per pipeline slot, recorded there once it has
   std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };
 

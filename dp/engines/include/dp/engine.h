@@ -47,6 +47,10 @@ std::string_view to_string(EngineKind kind);
 // The inverse of to_string; throws InvalidArgument naming the value otherwise.
 EngineKind parse_engine_kind(std::string_view name);
 
+// Training steps an engine keeps in flight at most (Engine::submit_step): step k uses its slot k % 2
+// (its inputs, its loss, its graph), free again once step k's loss is known.
+inline constexpr int kStepsInFlight = 2;
+
 namespace engines {
 class StepPipeline;
 }

@@ -71,8 +71,8 @@ class SingleDeviceTrainer final : public Engine {
   std::unique_ptr<engines::InputRing> ring_;     // the training steps' batches, one slot per step in flight
   std::unique_ptr<engines::StepGraphs> graphs_;
   Scratch grad_output_;
-  PinnedBuffer host_loss_;          // a float per slot: each step's loss, read back without a pageable copy
-  std::array<Event, 2> step_done_;  // per slot (StepPipeline::kSlots): the step, its loss included, has run
+  PinnedBuffer host_loss_;  // a float per slot: each step's loss, read back without a pageable copy
+  std::array<Event, kStepsInFlight> step_done_;      // per slot: the step, its loss included, has run
   std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };
 

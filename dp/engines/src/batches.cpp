@@ -1,0 +1,32 @@
+// batches.cpp — the engines' batch checks and staged batches.
+#include "batches.h"
+
+#include <fmt/format.h>
+
+#include "dp/error.h"
+#include "dp/shape.h"
+
+namespace dp::engines {
+
+std::size_t sample_floats(const Model& model) { return numel(model.input_shape()); }
+
+void check_batch(const Batch& batch) {
+  if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
+  if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
+}
+
+void expect_batches(std::size_t got, int expected, const char* engine) {
+  if (got != static_cast<std::size_t>(expected))
+    throw InvalidArgument(fmt::format("{} step needs {} batch(es), got {}", engine, expected, got));
+}
+
+void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample) {
+  check_batch(batch);
+  const auto samples = static_cast<std::size_t>(batch.size);
+  stream.copy(inputs_.get<float>(device, samples * floats_per_sample), batch.inputs,
+              samples * floats_per_sample * sizeof(float));
+  if (batch.targets)
+    stream.copy(targets_.get<std::int64_t>(device, samples), batch.targets, samples * sizeof(std::int64_t));
+}
+
+}  // namespace dp::engines
