@@ -1,0 +1,243 @@
+// train_parts.cpp — the pieces dp_train's steps are made of (see train_parts.h): each works alone,
+// so that the steps read as the run's order of events.
+#include "train_parts.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <unistd.h>
+
+#include "dp/device.h"
+
+namespace dp_train {
+namespace {
+
+// a * b, or UsageError naming `what` when it does not fit in 64 bits.
+std::uint64_t times(std::uint64_t a, std::uint64_t b, const char* what) {
+  std::uint64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) throw UsageError(fmt::format("{} does not fit in 64 bits", what));
+  return out;
+}
+std::uint64_t plus(std::uint64_t a, std::uint64_t b, const char* what) {
+  std::uint64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) throw UsageError(fmt::format("{} does not fit in 64 bits", what));
+  return out;
+}
+
+std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / (1u << 30)); }
+
+}  // namespace
+
+std::vector<int> parse_int_list(const std::string& text, const char* flag) {
+  std::vector<int> out;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t comma = text.find(',', pos);
+    const std::string item = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    try {
+      std::size_t used = 0;
+      const int value = std::stoi(item, &used);
+      if (used != item.size()) throw std::invalid_argument(item);
+      out.push_back(value);
+    } catch (const std::exception&) {
+      throw UsageError(fmt::format("{} '{}': '{}' is not an integer", flag, text, item));
+    }
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+double lr_at(const Options& o, int world, long step, const dp::LrSchedule& schedule) {
+  const double target = o.scale_lr ? o.lr * world : o.lr;
+  if (o.warmup_steps <= 0 || step >= o.warmup_steps) return schedule.lr(target, step - std::max(0L, o.warmup_steps));
+  const double start = o.scale_lr ? o.lr : target / static_cast<double>(o.warmup_steps);
+  return start + (target - start) * static_cast<double>(step) / static_cast<double>(o.warmup_steps);
+}
+
+dp::OptimizerOptions optimizer_options(const Options& o, double lr) {
+  if (o.optimizer == "adamw") return dp::AdamWOptions{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
+  return dp::SgdOptions{static_cast<float>(lr), o.momentum, static_cast<float>(o.weight_decay), o.nesterov};
+}
+
+dp::LrSchedule make_schedule(const Options& o, long last_step) {
+  try {
+    if (o.schedule == "step") return dp::LrSchedule::step(o.step_size, o.gamma);
+    if (o.schedule == "cosine")
+      return dp::LrSchedule::cosine(o.t_max.value_or(std::max(1L, last_step - std::max(0L, o.warmup_steps))),
+                                    o.eta_min);
+    return dp::LrSchedule::constant();
+  } catch (const dp::Error& e) {
+    throw UsageError(fmt::format("--schedule {}: {}", o.schedule, e.what()));
+  }
+}
+
+std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
+
+dp::Normalize parse_normalize(const std::string& text) {
+  const std::size_t comma = text.find(',');
+  try {
+    if (comma != std::string::npos && text.find(',', comma + 1) == std::string::npos) {
+      std::size_t used_mean = 0, used_std = 0;
+      const std::string mean_text = text.substr(0, comma), std_text = text.substr(comma + 1);
+      const float mean = std::stof(mean_text, &used_mean), std = std::stof(std_text, &used_std);
+      if (used_mean == mean_text.size() && used_std == std_text.size() && std::isfinite(mean) && std::isfinite(std) &&
+          std > 0.0f)
+        return dp::Normalize{mean, std};
+    }
+  } catch (const std::exception&) {
+  }
+  throw UsageError(fmt::format("--normalize '{}': expected MEAN,STD with a finite mean and a std > 0", text));
+}
+
+std::string duration_text(double seconds) {
+  if (seconds < 60) return fmt::format("{:.1f} s", seconds);
+  const auto whole = static_cast<long>(seconds + 0.5);
+  if (whole < 3600) return fmt::format("{}m {:02}s", whole / 60, whole % 60);
+  return fmt::format("{}h {:02}m", whole / 3600, (whole % 3600) / 60);
+}
+
+double since(std::chrono::steady_clock::time_point from) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
+}
+
+MetricsLog::MetricsLog(const std::string& path, bool append) {
+  if (path.empty()) return;
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (append ? 0 : O_TRUNC), 0644);
+  if (fd_ < 0) throw UsageError(fmt::format("--metrics-json {}: cannot open ({})", path, std::strerror(errno)));
+  path_ = path;
+}
+
+MetricsLog::~MetricsLog() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void MetricsLog::write(const nlohmann::json& record) {
+  if (fd_ < 0) return;
+  const std::string line = record.dump() + "\n";
+  if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
+    throw dp::Error(fmt::format("--metrics-json {}: write failed ({})", path_, std::strerror(errno)));
+}
+
+dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Dataset& test, int batch_size,
+                        dp::Normalize normalize, std::vector<std::int32_t>* predictions) {
+  const int shards = engine.world_size(), local = engine.batches_per_step();
+  std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(local));
+  // Global rank 0's shard is the longest: every process takes as many steps as it needs.
+  const std::size_t batch = static_cast<std::size_t>(batch_size);
+  const std::size_t steps = (dp::eval_shard(test.size(), shards, 0).size() + batch - 1) / batch;
+  for (int l = 0; l < local; ++l) {
+    const auto mine = dp::eval_shard(test.size(), shards, engine.first_rank() + l);
+    auto& plan = plans[static_cast<std::size_t>(l)];
+    for (std::size_t begin = 0; begin < mine.size(); begin += static_cast<std::size_t>(batch_size))
+      plan.emplace_back(mine.begin() + static_cast<std::ptrdiff_t>(begin),
+                        mine.begin() + static_cast<std::ptrdiff_t>(
+                                           std::min(mine.size(), begin + static_cast<std::size_t>(batch_size))));
+  }
+  for (auto& plan : plans) plan.resize(steps);  // empty batches for the ranks whose shard is shorter
+  const auto order = plans;                     // which sample each prediction belongs to
+  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
+  for (auto& plan : plans)
+    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, test, std::move(plan), 2, normalize));
+  if (predictions) predictions->assign(test.size(), -1);
+  dp::EvalTotals totals;
+  std::vector<std::int32_t> classes;
+  for (std::size_t k = 0; k < steps; ++k) {
+    std::vector<dp::Batch> batches;
+    for (auto& loader : loaders) batches.push_back(loader->next());
+    classes.clear();
+    totals += engine.evaluate(batches, predictions ? &classes : nullptr);
+    if (!predictions) continue;
+    std::size_t at = 0;
+    for (const auto& plan : order)
+      for (const std::int64_t sample : plan[k]) (*predictions)[static_cast<std::size_t>(sample)] = classes[at++];
+  }
+  return totals;
+}
+
+void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
+                  int processes) {
+  const std::uint64_t devices = ids.size(), batch = static_cast<std::uint64_t>(o.batch_size);
+  const std::uint64_t shards = o.mode == "ddp" ? devices * static_cast<std::uint64_t>(processes) : 1;
+  if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
+    throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
+                                 o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
+  std::uint64_t params = o.model == "resnet8" ? 77754 : 29034;  // ResNet-8, the ConvNet
+  if (o.model == "mlp") {
+    params = 0;
+    std::uint64_t in = 784;
+    for (const std::uint64_t out : hidden) {
+      params = plus(params, plus(times(in, out, "the MLP's size"), out, "the MLP's size"), "the MLP's size");
+      in = out;
+    }
+    params = plus(params, plus(times(in, 10, "the MLP's size"), 10, "the MLP's size"), "the MLP's size");
+  }
+  const std::uint64_t rows = o.mode == "dp" ? (batch + devices - 1) / devices : batch;  // per device
+  const std::uint64_t per_device = plus(times(times(params, 4, "the model"),
+                                              o.optimizer == "adamw" ? 4
+                                              : o.momentum > 0       ? 3
+                                                                     : 2,
+                                              "the model"),
+                                        times(rows, (784 + 10) * 4, "the batch"), "the device memory");
+  const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
+  std::uint64_t host =
+      plus(times(samples, 784 + 8, "the data set"),
+           times(times(3 * shards, batch, "the staging"), 784 * 4 + 8, "the staging"), "the host memory");
+  if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
+  const std::uint64_t host_memory = dp::Runtime::host_memory_bytes();
+  if (host_memory > 0 && host > host_memory)
+    throw UsageError(
+        fmt::format("this run needs at least {} of host memory ({} parameters, {} samples{}), the host "
+                    "has {}",
+                    gib(host), params, samples, cuda ? "" : ", the simulated devices' memory", gib(host_memory)));
+  const std::uint64_t capacity = dp::RuntimeOptions{}.sim_capacity_bytes;
+  if (!cuda && per_device > capacity)
+    throw UsageError(fmt::format("this run needs at least {} per device ({} parameters), a simulated device holds {}",
+                                 gib(per_device), params, gib(capacity)));
+}
+
+std::vector<std::pair<std::string, std::string>> configuration(const Options& o, const std::vector<int>& ids, bool cuda,
+                                                               const dp::Dataset& data,
+                                                               const std::optional<dp::Dataset>& test) {
+  const auto file = [](const std::string& path) {
+    if (path.empty()) return std::string("none");
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    return fmt::format("{:016x}", dp::tools::fingerprint(bytes.str()));
+  };
+  const auto contents = [](const dp::Dataset& set) {
+    const std::string_view pixels(reinterpret_cast<const char*>(set.pixels.data()), set.pixels.size());
+    const std::string_view labels(reinterpret_cast<const char*>(set.labels.data()),
+                                  set.labels.size() * sizeof(std::int64_t));
+    return fmt::format("{} samples, {:016x}", set.size(),
+                       dp::tools::fingerprint(pixels) ^ (dp::tools::fingerprint(labels) << 1));
+  };
+  return {
+      {"--backend", cuda ? "cuda" : "sim"},
+      {"devices per process", fmt::format("{}", ids.size())},
+      {"--mode", o.mode},
+      {"--model", fmt::format("{} {} dropout {}", o.model, o.model == "mlp" ? o.hidden : "", o.dropout)},
+      {"--sync-bn", fmt::format("{}", o.sync_bn)},
+      {"--batch-size", fmt::format("{}", o.batch_size)},
+      {"--steps/--epochs", fmt::format("{} {}", o.steps.value_or(0), o.epochs.value_or(0))},
+      {"optimizer", fmt::format("{} lr {} momentum {} wd {} nesterov {} betas {} {} eps {} scale-lr {}", o.optimizer,
+                                o.lr, o.momentum, o.weight_decay, o.nesterov, o.beta1, o.beta2, o.eps, o.scale_lr)},
+      {"schedule", fmt::format("{} warm-up {} step {} gamma {} t-max {} eta-min {}", o.schedule, o.warmup_steps,
+                               o.step_size, o.gamma, o.t_max.value_or(0), o.eta_min)},
+      {"--label-smoothing", fmt::format("{}", o.label_smoothing)},
+      {"--seed, --no-shuffle", fmt::format("{} {}", o.seed, o.no_shuffle)},
+      {"--normalize", o.normalize},
+      {"evaluation", test ? "on, " + contents(*test) : "off"},
+      {"training data", o.eval_only ? "none" : contents(data)},
+      {"--init", file(o.init)},
+      {"--resume", file(o.resume)}};
+}
+
+}  // namespace dp_train

@@ -1,0 +1,574 @@
+// train_run.cpp — dp_train's run as named steps, in the order a run takes them: validate, load,
+// resume, build the runtime and engine, then evaluate a checkpoint or train, evaluate and save.
+#include "train_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fmt/format.h>
+#include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <unistd.h>
+#include <variant>
+#include <vector>
+
+#include "dp/atomic_file.h"
+#include "dp/checkpoint.h"
+#include "dp/data.h"
+#include "dp/device.h"
+#include "dp/engine.h"
+#include "dp/lr_schedule.h"
+#include "dp/models/convnet.h"
+#include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
+#include "dp/process_group.h"
+#include "dp/safetensors.h"
+#include "dp/training_state.h"
+#include "train_parts.h"
+
+namespace dp_train {
+
+dp::tools::Job g_job("dp_train");
+
+namespace {
+
+using Loaders = std::vector<std::unique_ptr<dp::BatchLoader>>;
+
+// What validating the flags works out that later steps use.
+struct Checked {
+  std::vector<int> hidden;
+  dp::Normalize normalize;
+};
+
+struct Devices {
+  std::vector<int> ids;  // this process's devices, in rank order
+  bool cuda = false;
+  int highest = 0;
+};
+
+struct Inputs {
+  dp::Dataset data;                 // the training split (none to evaluate a checkpoint)
+  std::optional<dp::Dataset> test;  // when evaluating
+};
+
+struct Resumed {
+  std::optional<dp::TrainingState> state;
+  long start_step = 0;
+};
+
+// The model is destroyed before the runtime it lives on.
+struct Built {
+  std::unique_ptr<dp::Runtime> runtime;
+  std::unique_ptr<dp::Model> model;
+};
+
+// The run's length and learning rates, known once the engine says how many ranks read the data.
+struct Plan {
+  int world, shards;  // devices training together; ranks reading the data set (1 for single and dp)
+  long start_step, batches_per_epoch, total_steps;
+  dp::LrSchedule schedule;
+};
+
+// A path process 0 will write, checked before any work rather than discovered after the last step.
+void check_writable(const std::string& path, const char* flag) {
+  if (path.empty() || !g_job.primary()) return;
+  try {
+    dp::check_writable(path);
+  } catch (const dp::Error& e) {
+    throw UsageError(fmt::format("{} {}", flag, e.what()));
+  }
+}
+
+std::vector<int> parse_hidden(const Options& o) {
+  std::vector<int> hidden;
+  if (o.model != "mlp") return hidden;
+  hidden = parse_int_list(o.hidden, "--hidden");
+  for (int h : hidden)
+    if (h < 1) throw UsageError(fmt::format("--hidden '{}': layer sizes must be >= 1", o.hidden));
+  return hidden;
+}
+
+// Everything is validated before any work, so bad input never leaves a file behind.
+Checked validate_options(const Options& o) {
+  const int processes = g_job.processes()->size();
+  if (processes > 1 && o.mode != "ddp")
+    throw UsageError(
+        fmt::format("--mode {} is single-process, but mpirun started {} processes: use --mode ddp across processes",
+                    o.mode, processes));
+  if (processes > 1 && !o.predictions.empty())
+    throw UsageError("--predictions writes one process's test-set order: run --eval-only without mpirun");
+  Checked checked{parse_hidden(o), {}};
+  if (o.dropout > 0.0 && o.model != "mlp") throw UsageError("--dropout applies to --model mlp");
+  if (o.sync_bn && o.mode != "ddp") throw UsageError("--sync-bn applies to --mode ddp");
+  if (o.batch_size < 1) throw UsageError(fmt::format("--batch-size {}: must be at least 1", o.batch_size));
+  if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
+  if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
+  if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
+  if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
+  if (o.eval_only && o.init.empty() && o.resume.empty())
+    throw UsageError("--eval-only evaluates a checkpoint: give it with --init (or --resume)");
+  if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))
+    throw UsageError("--eval-only trains nothing: it takes no --steps, --epochs or --save");
+  if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
+  if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
+  check_writable(o.predictions, "--predictions");
+  // The optimizer's own checks (a NaN or infinite lr, nesterov without momentum, ...), now rather
+  // than after the data is loaded; --scale-lr multiplies the lr by up to the device count.
+  try {
+    std::visit([](const auto& options) { dp::validate(options); },
+               optimizer_options(o, o.lr * (o.scale_lr ? o.devices.value_or(1) * processes : 1)));
+  } catch (const dp::Error& e) {
+    throw UsageError(e.what());
+  }
+  check_writable(o.save, "--save");
+  return checked;
+}
+
+std::vector<int> parse_device_ids(const Options& o) {
+  std::vector<int> ids;
+  if (o.device_ids.empty()) return ids;
+  ids = parse_int_list(o.device_ids, "--device-ids");
+  std::set<int> seen;
+  for (int id : ids) {
+    if (id < 0) throw UsageError(fmt::format("--device-ids {}: device {} is negative", o.device_ids, id));
+    if (!seen.insert(id).second)
+      throw UsageError(fmt::format("--device-ids {}: device {} appears twice", o.device_ids, id));
+  }
+  return ids;
+}
+
+Devices choose_devices(const Options& o) {
+  Devices d{parse_device_ids(o), false, 0};
+  d.cuda = o.backend == "cuda" || (o.backend == "auto" && dp::Runtime::cuda_device_count() > 0);
+  // Several dp devices may share a GPU (--devices-per-gpu): every device of every GPU is one.
+  const int available = d.cuda ? dp::Runtime::cuda_device_count() * o.devices_per_gpu : 64;
+  if (d.cuda && available == 0)
+    throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no CUDA device is visible"
+                                                  : "--backend cuda: this build of dp has no cuda backend");
+  const int count = o.devices.value_or(o.mode == "single" ? 1 : (d.cuda ? available : 2));
+  if (d.ids.empty()) {
+    for (int i = 0; i < count; ++i) d.ids.push_back(i);
+  }
+  if (o.mode == "single" && d.ids.size() > 1) d.ids.erase(d.ids.begin() + 1, d.ids.end());
+  d.highest = *std::max_element(d.ids.begin(), d.ids.end());
+  if (d.cuda && d.highest >= available)
+    throw UsageError(fmt::format("{} device(s) requested (up to device {}), but only {} CUDA device(s) are available",
+                                 d.ids.size(), d.highest, available));
+  if (!d.cuda && d.highest >= 64)
+    throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", d.highest));
+  if (!d.cuda && (d.highest + 1) % o.devices_per_gpu != 0)
+    throw UsageError(fmt::format("--devices-per-gpu {} does not divide the {} simulated device(s) (devices 0..{})",
+                                 o.devices_per_gpu, d.highest + 1, d.highest));
+  if (o.output_device && std::find(d.ids.begin(), d.ids.end(), *o.output_device) == d.ids.end())
+    throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(d.ids)));
+  return d;
+}
+
+// The training split (not needed to evaluate a checkpoint), and the test split when there is one.
+Inputs load_inputs(const Options& o) {
+  std::string data_dir;
+  if (!o.data.empty()) data_dir = as_usage_error([&] { return dp::find_data_dir(o.data); });
+  Inputs inputs;
+  if (!o.eval_only)
+    inputs.data = as_usage_error([&] {
+      return !data_dir.empty() ? dp::load_mnist(data_dir) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed);
+    });
+  const bool test_split = !data_dir.empty() && dp::has_split(data_dir, dp::Split::test);
+  const bool eval = o.eval_only || o.eval.value_or(test_split);
+  if (eval && !test_split)
+    throw UsageError(
+        fmt::format("--eval{}: {} has no test split (t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, "
+                    "plain or .gz)",
+                    o.eval_only ? "-only" : "", data_dir.empty() ? "synthetic data" : data_dir));
+  if (eval) inputs.test = as_usage_error([&] { return dp::load_mnist(data_dir, dp::Split::test); });
+  return inputs;
+}
+
+// The checkpoint to resume, validated before the runtime spins up; the run takes its seed.
+Resumed read_resume(Options& o) {
+  Resumed resumed;
+  if (o.resume.empty()) return resumed;
+  resumed.state = as_usage_error([&] { return dp::TrainingState::read(o.resume); });
+  const dp::TrainingProgress& progress = resumed.state->progress();
+  resumed.start_step = static_cast<long>(progress.step);
+  const auto& tags = progress.tags;
+  if (tags.count("model") && tags.at("model") != o.model)
+    throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
+  if (tags.count("mode") && tags.at("mode") != o.mode)
+    say("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
+        tags.at("mode"), o.mode);
+  if (progress.seed != o.seed) say("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
+  o.seed = progress.seed;
+  return resumed;
+}
+
+Built build_model(const Options& o, const Checked& checked, const Devices& devices, const Resumed& resumed) {
+  dp::RuntimeOptions runtime_options;
+  runtime_options.backend = devices.cuda ? "cuda" : "sim";
+  runtime_options.sim_devices = devices.highest + 1;
+  runtime_options.devices_per_gpu = o.devices_per_gpu;
+  runtime_options.precision = dp::parse_precision(o.precision);
+  Built built;
+  built.runtime = dp::Runtime::create(runtime_options);
+  dp::Device& source = built.runtime->device(devices.ids[0]);
+  built.model = o.model == "convnet"   ? dp::models::make_convnet(source, o.seed)
+                : o.model == "resnet8" ? dp::models::make_resnet8(source, o.seed)
+                                       : dp::models::make_mlp(source, checked.hidden, o.seed, o.dropout);
+  dp::Model& model = *built.model;
+  as_usage_error([&] {
+    if (!o.init.empty()) dp::load_state_dict(model, source.create_stream(), dp::safetensors::read(o.init));
+    if (resumed.state) resumed.state->load_model(model);  // before the engine: DDP broadcasts rank 0's values
+    return 0;
+  });
+  return built;
+}
+
+// Every process is ready (or all stop with the first failing one's exit code); from here on the
+// processes meet in collectives.
+void join_collectives(const Options& o, const Devices& devices, const Inputs& inputs) {
+  g_job.agree_or_stop();
+  if (g_job.several())  // hashes the data
+    g_job.agree_on_configuration(configuration(o, devices.ids, devices.cuda, inputs.data, inputs.test));
+  g_job.collectives_begin();
+}
+
+// The engine, picked once: everything after it runs through dp::Engine.
+std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& devices, int world, Built& built,
+                                         const Resumed& resumed) {
+  // The schedule needs the run's length, known later; the optimizer starts at the warm-up's first lr
+  // and every step sets its own.
+  const dp::OptimizerOptions optimizer =
+      optimizer_options(o, lr_at(o, world, resumed.start_step, dp::LrSchedule::constant()));
+  dp::EngineOptions engine_options;
+  engine_options.kind = dp::parse_engine_kind(o.mode);
+  engine_options.device_ids = devices.ids;
+  engine_options.sync_batchnorm = o.sync_bn;
+  engine_options.step.label_smoothing = o.label_smoothing;
+  engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
+  engine_options.output_device = o.output_device;
+  engine_options.processes = g_job.processes();
+  engine_options.graphs = o.graphs == "on";
+  auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
+  if (resumed.state)
+    as_usage_error([&] {
+      resumed.state->load_optimizers(*built.model, engine->optimizers());
+      return 0;
+    });
+  return engine;
+}
+
+// --eval-only: the checkpoint's test loss and accuracy, and with --predictions each sample's class.
+void evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
+                   dp::Normalize normalize, MetricsLog& metrics) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::int32_t> predictions;
+  const dp::EvalTotals totals =
+      evaluate(engine, runtime, *inputs.test, o.batch_size, normalize, o.predictions.empty() ? nullptr : &predictions);
+  g_job.collectives_end();
+  if (!o.predictions.empty()) {
+    std::string text;
+    for (const std::int32_t c : predictions) text += fmt::format("{}\n", c);
+    dp::write_atomically(o.predictions, text);
+  }
+  const double seconds = since(t0);
+  const std::string& checkpoint = o.init.empty() ? o.resume : o.init;
+  say("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n", checkpoint,
+      totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(), totals.correct, duration_text(seconds));
+  metrics.write({{"kind", "eval"},
+                 {"checkpoint", checkpoint},
+                 {"test_loss", totals.mean_loss()},
+                 {"test_accuracy", totals.accuracy()},
+                 {"test_correct", totals.correct},
+                 {"test_samples", totals.samples}});
+  g_job.agree_or_stop();
+}
+
+// single and dp read the whole data set in order (one replica); ddp ranks read their shards: this
+// process's ranks first_rank() .. first_rank() + batches_per_step() - 1 of world_size().
+Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& runtime, const dp::Dataset& data,
+              const Devices& devices, int world, long start_step) {
+  const int shards = engine.world_size();
+  const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
+  const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
+                                                   static_cast<std::size_t>(o.batch_size));
+  const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
+  if (long end = 0; __builtin_add_overflow(start_step, total_steps, &end))
+    throw UsageError(fmt::format("{} step(s) from step {} of --resume {}: the run would end past step {}", total_steps,
+                                 start_step, o.resume, std::numeric_limits<long>::max()));
+  Plan plan{world, shards, start_step, batches_per_epoch, total_steps, make_schedule(o, start_step + total_steps)};
+  const int processes = g_job.processes()->size();
+  say("dp_train: {} {} on {} device(s) [{}]{} ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
+      o.model, o.mode, world, ids_of(devices.ids),
+      processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
+      data.size(), o.batch_size * shards, shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps,
+      start_step);
+  return plan;
+}
+
+// The data order: per step, the sample indices of each rank's batch, made by the rank's loader
+// thread just before it fills the batch (constant memory, however many steps).
+Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engine, dp::Runtime& runtime,
+                     const dp::Dataset& data, dp::Normalize normalize) {
+  Loaders loaders;
+  for (int local = 0; local < engine.batches_per_step(); ++local) {
+    const int rank = engine.first_rank() + local;
+    struct Order {
+      dp::DistributedSampler sampler;
+      std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
+    };
+    auto order = std::make_shared<Order>(
+        Order{dp::DistributedSampler(data.size(), plan.shards, rank, !o.no_shuffle, o.seed), {}});
+    const auto batch = static_cast<std::size_t>(o.batch_size);
+    const bool log = o.log_batches;
+    const long start_step = plan.start_step, batches_per_epoch = plan.batches_per_epoch;
+    auto batch_plan = [order, batch, log, rank, start_step, batches_per_epoch](std::size_t k) {
+      const long s = start_step + static_cast<long>(k), epoch = s / batches_per_epoch, in_epoch = s % batches_per_epoch;
+      if (order->indices.empty() || order->sampler.epoch() != epoch) {
+        order->sampler.set_epoch(epoch);
+        order->indices = order->sampler.indices();
+      }
+      const std::size_t begin = static_cast<std::size_t>(in_epoch) * batch;
+      const std::size_t end = std::min(order->indices.size(), begin + batch);
+      std::vector<std::int64_t> mine(order->indices.begin() + static_cast<std::ptrdiff_t>(begin),
+                                     order->indices.begin() + static_cast<std::ptrdiff_t>(end));
+      if (log) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(mine, " "));
+      return mine;
+    };
+    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, data, static_cast<std::size_t>(plan.total_steps),
+                                                        batch, batch_plan, 2, normalize));
+  }
+  return loaders;
+}
+
+// The training loop: a line per --log-every steps, and after every epoch its train loss, the test
+// loss and accuracy (--eval), throughput, elapsed time and the ETA.
+class TrainLoop {
+ public:
+  TrainLoop(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
+            dp::Normalize normalize, MetricsLog& metrics, Loaders& loaders)
+      : o_(o),
+        plan_(plan),
+        engine_(engine),
+        runtime_(runtime),
+        test_(inputs.test),
+        normalize_(normalize),
+        metrics_(metrics),
+        loaders_(loaders) {}
+
+  // Non-zero: the exit code of a run that stopped (a non-finite loss).
+  int run();
+
+ private:
+  // Pipelined (--pipeline on), step s is submitted before step s-1's loss is read, so the host
+  // prepares and submits the next batch while the devices compute. Only within an epoch: the step
+  // that ends one (or the run) is finished at once, since evaluating and saving need its state
+  // with no later step applied. Everything printed and written is the same either way.
+  struct Submitted {
+    long s;
+    double lr;
+    long samples;
+    dp::StepLoss loss;
+  };
+
+  std::vector<dp::Batch> next_batches(long& samples);
+  int finish(Submitted& step);
+  int finish_pending(std::optional<Submitted>& pending);
+  void log_step(long s, long epoch, double lr, bool last);
+  void end_epoch(long s, long epoch);
+  long end_step() const { return plan_.start_step + plan_.total_steps; }
+
+  const Options& o_;
+  const Plan& plan_;
+  dp::Engine& engine_;
+  dp::Runtime& runtime_;
+  const std::optional<dp::Dataset>& test_;
+  dp::Normalize normalize_;
+  MetricsLog& metrics_;
+  Loaders& loaders_;
+  // mpirun forwards output through a pseudo-terminal: lines, not a progress line.
+  const bool terminal_ = ::isatty(STDOUT_FILENO) != 0 && !g_job.several();
+  const std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_log_ = t0_, epoch_start_ = t0_;
+  long samples_since_log_ = 0;
+  float loss_ = 0.0f;
+  double epoch_loss_sum_ = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
+  long epoch_samples_ = 0;
+};
+
+int TrainLoop::run() {
+  std::optional<Submitted> pending;  // submitted, its loss not yet read
+  for (long s = plan_.start_step; s < end_step(); ++s) {
+    const double lr = lr_at(o_, plan_.world, s, plan_.schedule);
+    engine_.set_lr(lr);
+    long samples = 0;
+    const std::vector<dp::Batch> batches = next_batches(samples);
+    if (s + 1 == o_.fail_at_step) {
+      // What the step before reports comes first, as without pipelining.
+      if (const int code = finish_pending(pending)) return code;
+      throw dp::Error(fmt::format("failing at step {} as asked (--debug-fail-at-step)", s + 1));
+    }
+    std::optional<Submitted> submitted;
+    try {
+      submitted.emplace(Submitted{s, lr, samples, engine_.submit_step(batches)});
+    } catch (...) {  // the step before is reported first (its log line, or its divergence), as step by step
+      if (const int code = finish_pending(pending)) return code;
+      throw;
+    }
+    if (const int code = finish_pending(pending)) return code;
+    const bool ends_epoch = (s + 1) % plan_.batches_per_epoch == 0 || s + 1 == end_step();
+    if (o_.pipeline == "on" && !ends_epoch) {
+      pending = std::move(*submitted);
+    } else if (const int code = finish(*submitted)) {
+      return code;
+    }
+  }
+  say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", plan_.total_steps, since(t0_), loss_);
+  return 0;
+}
+
+std::vector<dp::Batch> TrainLoop::next_batches(long& samples) {
+  std::vector<dp::Batch> batches;
+  for (auto& loader : loaders_) {
+    batches.push_back(loader->next());
+    samples += batches.back().size;
+  }
+  samples *= plan_.shards / engine_.batches_per_step();  // every rank's batch has this process's size
+  return batches;
+}
+
+int TrainLoop::finish_pending(std::optional<Submitted>& pending) {
+  if (!pending) return 0;
+  const int code = finish(*pending);
+  pending.reset();
+  return code;
+}
+
+// Reads a submitted step's loss, then logs it and closes its epoch.
+int TrainLoop::finish(Submitted& step) {
+  const long s = step.s;
+  loss_ = step.loss.get();
+  const long epoch = s / plan_.batches_per_epoch;
+  if (!std::isfinite(loss_)) {  // the loss of every rank: every process stops here
+    if (g_job.primary())
+      fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss_, s + 1, epoch + 1,
+                 o_.save.empty() ? "" : fmt::format(", {} was not written", o_.save));
+    return 3;
+  }
+  samples_since_log_ += step.samples;
+  epoch_loss_sum_ += static_cast<double>(loss_) * static_cast<double>(step.samples);
+  epoch_samples_ += step.samples;
+  const bool last = s + 1 == end_step();
+  if ((s + 1) % o_.log_every == 0 || last) log_step(s, epoch, step.lr, last);
+  // The end of an epoch (or of a run that stops inside one): its summary.
+  if ((s + 1) % plan_.batches_per_epoch == 0 || last) end_epoch(s, epoch);
+  return 0;
+}
+
+void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
+  const auto now = std::chrono::steady_clock::now();
+  const double rate =
+      static_cast<double>(samples_since_log_) / std::max(1e-9, std::chrono::duration<double>(now - last_log_).count());
+  const std::string line =
+      fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr, rate);
+  metrics_.write({{"kind", "step"},
+                  {"step", s + 1},
+                  {"epoch", epoch + 1},
+                  {"loss", loss_},
+                  {"lr", lr},
+                  {"samples_per_s", rate},
+                  {"elapsed_s", since(t0_)}});
+  if (terminal_) {
+    say("\r{}", line);
+    if (last) say("\n");
+    std::fflush(stdout);
+  } else {
+    say("{}\n", line);
+  }
+  last_log_ = now;
+  samples_since_log_ = 0;
+}
+
+void TrainLoop::end_epoch(long s, long epoch) {
+  const double train_seconds = since(epoch_start_);
+  std::optional<dp::EvalTotals> totals;
+  if (test_) totals = evaluate(engine_, runtime_, *test_, o_.batch_size, normalize_);
+  const double done = static_cast<double>(s + 1 - plan_.start_step), elapsed = since(t0_);
+  const double eta = elapsed / done * static_cast<double>(end_step() - (s + 1));
+  const double train_loss = epoch_loss_sum_ / static_cast<double>(std::max(epoch_samples_, 1L));
+  const double rate = static_cast<double>(epoch_samples_) / std::max(1e-9, train_seconds);
+  const bool complete = (s + 1) % plan_.batches_per_epoch == 0;
+  if (terminal_) say("\r");
+  say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
+      complete ? "" : " (partial)", train_loss,
+      totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(), 100.0 * totals->accuracy())
+             : "",
+      rate, duration_text(elapsed), duration_text(eta));
+  std::fflush(stdout);
+  nlohmann::json record = {
+      {"kind", "epoch"},          {"epoch", epoch + 1},    {"step", s + 1},        {"complete", complete},
+      {"train_loss", train_loss}, {"samples_per_s", rate}, {"elapsed_s", elapsed}, {"eta_s", eta}};
+  record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
+  record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
+  if (totals) record["test_samples"] = totals->samples;
+  metrics_.write(record);
+  epoch_loss_sum_ = 0.0;
+  epoch_samples_ = 0;
+  epoch_start_ = std::chrono::steady_clock::now();
+  last_log_ = epoch_start_;  // the evaluation is not training time
+}
+
+// The source / rank-0 state, plus what resuming needs (process 0 writes it).
+void save(const Options& o, dp::Engine& engine, const Plan& plan) {
+  engine.synchronize();
+  g_job.collectives_end();
+  if (!o.save.empty() && g_job.primary()) {
+    const long end_step = plan.start_step + plan.total_steps;
+    dp::TrainingProgress progress;
+    progress.step = end_step;
+    progress.epoch = end_step / plan.batches_per_epoch;
+    progress.seed = o.seed;
+    progress.tags = {{"model", o.model},
+                     {"hidden", o.model == "mlp" ? o.hidden : ""},
+                     {"mode", o.mode},
+                     {"dropout", fmt::format("{}", o.dropout)},
+                     {"label_smoothing", fmt::format("{}", o.label_smoothing)}};
+    dp::TrainingState::save(o.save, engine.model(), *engine.optimizers().front(), progress);
+    say("dp_train: saved {}\n", o.save);
+  }
+  g_job.agree_or_stop();
+}
+
+}  // namespace
+
+int run(Options o) {
+  const Checked checked = validate_options(o);
+  // Opened now, so that a path it cannot write is refused before any work. A resumed run appends.
+  MetricsLog metrics(g_job.primary() ? o.metrics_json : std::string(), !o.resume.empty());
+  const Devices devices = choose_devices(o);
+  // What the run needs at the least, in 64 bits, before anything is allocated.
+  check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
+  g_job.set_devices(devices.ids);
+  const Inputs inputs = load_inputs(o);
+  const Resumed resumed = read_resume(o);
+  Built built = build_model(o, checked, devices, resumed);
+  join_collectives(o, devices, inputs);
+  const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
+  Loaders loaders;  // outlives the engine: its streams read their pinned batches
+  const auto engine = build_engine(o, devices, world, built, resumed);
+  if (o.eval_only) {
+    evaluate_only(o, *engine, *built.runtime, inputs, checked.normalize, metrics);
+    return 0;
+  }
+  const Plan plan = plan_run(o, *engine, *built.runtime, inputs.data, devices, world, resumed.start_step);
+  loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data, checked.normalize);
+  TrainLoop loop(o, plan, *engine, *built.runtime, inputs, checked.normalize, metrics, loaders);
+  if (const int code = loop.run()) return code;
+  save(o, *engine, plan);
+  return 0;
+}
+
+}  // namespace dp_train

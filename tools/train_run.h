@@ -1,0 +1,76 @@
+// train_run.h — what dp_train's command line hands to its run: the options, the failure the user
+// caused, the mpirun job and its output rule; run() takes the named steps of a training run.
+#pragma once
+
+#include <cstdint>
+#include <fmt/format.h>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "dp/error.h"
+#include "dp_job.h"
+
+namespace dp_train {
+
+struct Options {
+  std::string model = "mlp";
+  std::string hidden = "256,256";
+  double dropout = 0.0;
+  bool sync_bn = false;
+  double label_smoothing = 0.0;
+  std::string mode = "single";
+  std::string backend = "auto";
+  std::string precision = "strict";
+  std::string graphs = "on";
+  std::string pipeline = "on";
+  std::optional<int> devices;
+  int devices_per_gpu = 1;
+  std::string device_ids;
+  std::optional<int> output_device;
+  std::string data;
+  std::optional<std::size_t> synthetic;
+  int batch_size = 64;
+  std::optional<int> epochs;
+  std::optional<long> steps;
+  std::string optimizer = "sgd";
+  double lr = 0.01;  // in double, as Python's; each optimizer rounds it as torch's kernels do
+  float momentum = 0.9f;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  bool nesterov = false, scale_lr = false, no_shuffle = false;
+  long warmup_steps = 0;
+  std::uint64_t seed = 0;
+  std::string init, save, resume;
+  long log_every = 10;
+  std::string schedule = "none";
+  long step_size = 1;
+  double gamma = 0.1, eta_min = 0.0;
+  std::optional<long> t_max;
+  bool log_batches = false;
+  std::optional<bool> eval;  // unset: evaluate when the data has a test split
+  bool eval_only = false;
+  std::string normalize;     // "MEAN,STD"
+  std::string metrics_json;  // JSON lines, one per logged step and per epoch
+  std::string predictions;   // --eval-only: each test sample's predicted class, one per line
+  long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
+};
+
+// A failure the user caused (bad flag value, bad file): message, exit code 2.
+struct UsageError : dp::Error {
+  using dp::Error::Error;
+};
+
+extern dp::tools::Job g_job;  // under mpirun: one process of the job (tools/dp_job.h)
+
+// Standard output is process 0's (torch's "print on rank 0"); errors come from every process.
+template <class... Args>
+void say(fmt::format_string<Args...> format, Args&&... args) {
+  if (g_job.primary()) fmt::print(format, std::forward<Args>(args)...);
+}
+
+// Trains (or evaluates, --eval-only) as the options say; returns the exit code of a run that stops
+// by itself (3: a non-finite loss), throws what fails (dp_train.cpp turns it into its exit code).
+int run(Options o);
+
+}  // namespace dp_train
