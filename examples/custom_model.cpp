@@ -15,14 +15,14 @@
 // Usage: custom_model [OUTPUT.safetensors] [STEPS]
 #include <cstdio>
 #include <cstdlib>
-#include <dp/checkpoint.h>
-#include <dp/data.h>
-#include <dp/device.h>
-#include <dp/engine.h>
-#include <dp/error.h>
+#include <dp/engines/engine.h>
+#include <dp/io/checkpoint.h>
+#include <dp/io/data.h>
+#include <dp/io/safetensors.h>
 #include <dp/nn/layers.h>
 #include <dp/nn/sequential.h>
-#include <dp/safetensors.h>
+#include <dp/runtime/device.h>
+#include <dp/runtime/error.h>
 #include <memory>
 #include <string>
 #include <vector>

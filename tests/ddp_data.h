@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "dp/batch.h"
+#include "dp/nn/batch.h"
 #include "test_util.h"
 
 namespace dp::test {

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "dp/model.h"
+#include "dp/nn/model.h"
 
 namespace dp::test {
 

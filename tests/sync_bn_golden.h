@@ -9,10 +9,10 @@
 #include <fmt/format.h>
 #include <memory>
 
-#include "dp/checkpoint.h"
-#include "dp/ddp.h"
+#include "dp/engines/ddp.h"
+#include "dp/io/checkpoint.h"
+#include "dp/io/safetensors.h"
 #include "dp/models/resnet.h"
-#include "dp/safetensors.h"
 #include "test_util.h"
 
 namespace dp::test {

@@ -9,10 +9,10 @@
 #include <random>
 #include <vector>
 
-#include "dp/device.h"
-#include "dp/error.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/maxpool.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

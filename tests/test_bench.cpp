@@ -17,10 +17,10 @@
 #include <unistd.h>
 #include <utility>
 
-#include "dp/ddp.h"
-#include "dp/device.h"
+#include "dp/engines/ddp.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/runtime/device.h"
 
 namespace {
 

@@ -7,9 +7,9 @@
 #include <map>
 #include <string>
 
-#include "dp/collectives.h"
-#include "dp/device_group.h"
-#include "dp/error.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

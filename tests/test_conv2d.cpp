@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "dp/device.h"
-#include "dp/error.h"
 #include "dp/kernels/conv2d.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

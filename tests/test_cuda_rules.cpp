@@ -9,9 +9,9 @@
 #include <tuple>
 #include <vector>
 
-#include "dp/device.h"
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

@@ -12,8 +12,8 @@
 #include <thread>
 #include <zlib.h>
 
-#include "dp/data.h"
-#include "dp/error.h"
+#include "dp/io/data.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

@@ -8,18 +8,18 @@
 #include <set>
 #include <thread>
 
-#include "dp/checkpoint.h"
-#include "dp/data_parallel.h"
-#include "dp/device_group.h"
-#include "dp/error.h"
+#include "dp/engines/data_parallel.h"
+#include "dp/engines/trainer.h"
+#include "dp/io/checkpoint.h"
 #include "dp/kernels/ops.h"
 #include "dp/kernels/optimizer.h"
-#include "dp/loss.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
-#include "dp/optim.h"
-#include "dp/trainer.h"
+#include "dp/nn/loss.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

@@ -14,16 +14,16 @@
 #include <unistd.h>
 #include <vector>
 
-#include "dp/ddp.h"
-#include "dp/engine.h"
-#include "dp/error.h"
+#include "dp/engines/ddp.h"
+#include "dp/engines/engine.h"
+#include "dp/engines/trainer.h"
+#include "dp/io/safetensors.h"
+#include "dp/io/training_state.h"
 #include "dp/models/mlp.h"
-#include "dp/safetensors.h"
-#include "dp/scratch.h"
-#include "dp/shape.h"
-#include "dp/trace.h"
-#include "dp/trainer.h"
-#include "dp/training_state.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/scratch.h"
+#include "dp/runtime/shape.h"
+#include "dp/runtime/trace.h"
 #include "test_util.h"
 
 namespace dp {

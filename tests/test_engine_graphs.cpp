@@ -9,11 +9,11 @@
 #include <memory>
 #include <vector>
 
-#include "dp/engine.h"
-#include "dp/error.h"
+#include "dp/engines/engine.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
-#include "dp/shape.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 #include "forwarding_model.h"
 #include "test_util.h"
 

@@ -9,13 +9,13 @@
 #include <utility>
 #include <vector>
 
-#include "dp/device.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/loss.h"
 #include "dp/kernels/maxpool.h"
 #include "dp/kernels/ops.h"
-#include "dp/loss.h"
+#include "dp/nn/loss.h"
 #include "dp/nn/sequential.h"
+#include "dp/runtime/device.h"
 #include "test_util.h"
 
 namespace dp {

@@ -6,11 +6,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "dp/collectives.h"
-#include "dp/device.h"
-#include "dp/device_group.h"
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

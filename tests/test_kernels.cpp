@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 #include <tuple>
 
-#include "dp/device.h"
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

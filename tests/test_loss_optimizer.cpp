@@ -11,12 +11,12 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "dp/device.h"
-#include "dp/error.h"
+#include "dp/io/safetensors.h"
 #include "dp/kernels/loss.h"
 #include "dp/kernels/ops.h"
 #include "dp/kernels/optimizer.h"
-#include "dp/safetensors.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

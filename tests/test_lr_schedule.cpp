@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "dp/error.h"
-#include "dp/lr_schedule.h"
-#include "dp/safetensors.h"
+#include "dp/io/safetensors.h"
+#include "dp/nn/lr_schedule.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

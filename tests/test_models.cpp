@@ -9,18 +9,18 @@
 #include <gtest/gtest.h>
 #include <random>
 
-#include "dp/checkpoint.h"
-#include "dp/device.h"
-#include "dp/error.h"
-#include "dp/loss.h"
-#include "dp/lr_schedule.h"
+#include "dp/engines/trainer.h"
+#include "dp/io/checkpoint.h"
+#include "dp/io/safetensors.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
+#include "dp/nn/loss.h"
+#include "dp/nn/lr_schedule.h"
+#include "dp/nn/optim.h"
 #include "dp/nn/sequential.h"
-#include "dp/optim.h"
-#include "dp/safetensors.h"
-#include "dp/trainer.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "dp/device.h"
-#include "dp/error.h"
+#include "dp/io/safetensors.h"
 #include "dp/kernels/avgpool.h"
 #include "dp/kernels/dropout.h"
 #include "dp/kernels/loss.h"
-#include "dp/safetensors.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

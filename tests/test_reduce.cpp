@@ -5,13 +5,13 @@
 #include <gtest/gtest.h>
 #include <vector>
 
-#include "dp/device.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
+#include "dp/kernels/detail/reduce_plan.h"
 #include "dp/kernels/linear.h"
 #include "dp/kernels/loss.h"
 #include "dp/kernels/ops.h"
-#include "dp/kernels/reduce_plan.h"
+#include "dp/runtime/device.h"
 #include "test_util.h"
 
 namespace dp {

@@ -6,13 +6,13 @@
 #include <gtest/gtest.h>
 #include <thread>
 
-#include "dp/collectives.h"
-#include "dp/device.h"
-#include "dp/device_group.h"
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
-#include "dp/precision.h"
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/detail/kernel_api.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/precision.h"
 #include "test_util.h"
 
 namespace dp {

@@ -8,9 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "dp/atomic_file.h"
-#include "dp/error.h"
-#include "dp/safetensors.h"
+#include "dp/io/atomic_file.h"
+#include "dp/io/safetensors.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 namespace {

@@ -23,9 +23,9 @@
 #include <utility>
 #include <zlib.h>
 
-#include "dp/atomic_file.h"
-#include "dp/lr_schedule.h"
-#include "dp/safetensors.h"
+#include "dp/io/atomic_file.h"
+#include "dp/io/safetensors.h"
+#include "dp/nn/lr_schedule.h"
 #include "test_util.h"
 #include "tool_test.h"
 

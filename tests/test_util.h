@@ -13,7 +13,7 @@
 #include <sys/wait.h>
 #include <vector>
 
-#include "dp/device.h"
+#include "dp/runtime/device.h"
 
 namespace dp::test {
 

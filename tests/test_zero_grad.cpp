@@ -11,15 +11,15 @@
 #include <memory>
 #include <vector>
 
-#include "dp/device.h"
-#include "dp/error.h"
+#include "dp/engines/trainer.h"
 #include "dp/kernels/conv2d.h"
 #include "dp/kernels/ops.h"
-#include "dp/loss.h"
 #include "dp/nn/layers.h"
+#include "dp/nn/loss.h"
+#include "dp/nn/optim.h"
 #include "dp/nn/sequential.h"
-#include "dp/optim.h"
-#include "dp/trainer.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {

@@ -22,8 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "dp/error.h"
-#include "dp/process_group.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/process_group.h"
 
 namespace dp::tools {
 

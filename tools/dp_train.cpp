@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "dp_cli.h"
 #include "dp_job.h"
 #include "train_run.h"

@@ -13,7 +13,7 @@
 #include <sstream>
 #include <unistd.h>
 
-#include "dp/device.h"
+#include "dp/runtime/device.h"
 
 namespace dp_train {
 namespace {

@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "dp/data.h"
-#include "dp/engine.h"
-#include "dp/lr_schedule.h"
+#include "dp/engines/engine.h"
+#include "dp/io/data.h"
+#include "dp/nn/lr_schedule.h"
 #include "train_run.h"
 
 namespace dp_train {

@@ -16,18 +16,18 @@
 #include <variant>
 #include <vector>
 
-#include "dp/atomic_file.h"
-#include "dp/checkpoint.h"
-#include "dp/data.h"
-#include "dp/device.h"
-#include "dp/engine.h"
-#include "dp/lr_schedule.h"
+#include "dp/engines/engine.h"
+#include "dp/io/atomic_file.h"
+#include "dp/io/checkpoint.h"
+#include "dp/io/data.h"
+#include "dp/io/safetensors.h"
+#include "dp/io/training_state.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
-#include "dp/process_group.h"
-#include "dp/safetensors.h"
-#include "dp/training_state.h"
+#include "dp/nn/lr_schedule.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/process_group.h"
 #include "train_parts.h"
 
 namespace dp_train {

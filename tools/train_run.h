@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "dp_job.h"
 
 namespace dp_train {

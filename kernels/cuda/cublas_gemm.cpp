@@ -1,7 +1,7 @@
 // cublas_gemm.cpp — kernels::gemm on cuda streams: one cublasSgemm with the device's handle, which
 // the runtime owns (pedantic fp32 math: no TF32, so results match the host within fp32 rounding).
-#include "dp/runtime/cuda_status.h"
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/cuda_status.h"
+#include "dp/runtime/detail/kernel_api.h"
 #include "library_calls.h"
 
 namespace dp::kernels::library {

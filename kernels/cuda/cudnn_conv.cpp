@@ -10,8 +10,8 @@
 #include <map>
 #include <memory>
 
-#include "dp/runtime/cuda_status.h"
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/cuda_status.h"
+#include "dp/runtime/detail/kernel_api.h"
 #include "library_calls.h"
 
 namespace dp::kernels::library {

@@ -1,5 +1,5 @@
 // stub.cpp — builds without the cuda backend have no cuBLAS or cuDNN path (sim streams never ask).
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "library_calls.h"
 
 namespace dp::kernels::library {

@@ -2,7 +2,7 @@
 // backward (a gather over the windows covering it); the global pool one thread per plane forward.
 #include "checks.h"
 #include "dp/kernels/avgpool.h"
-#include "dp/kernels/launch.h"
+#include "dp/kernels/detail/launch.h"
 
 namespace dp::kernels {
 

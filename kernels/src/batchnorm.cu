@@ -2,8 +2,8 @@
 // (mean, then centred moments), one for the backward sums, elementwise passes for y and dx.
 #include "checks.h"
 #include "dp/kernels/batchnorm.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/elementwise.h"
-#include "dp/kernels/launch.h"
 
 namespace dp::kernels {
 namespace {

@@ -6,9 +6,9 @@
 #include <fmt/format.h>
 #include <limits>
 
-#include "dp/error.h"
 #include "dp/kernels/optimizer.h"
-#include "dp/shape.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 
 namespace dp::kernels {
 

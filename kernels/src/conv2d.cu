@@ -6,7 +6,7 @@
 
 #include "checks.h"
 #include "dp/kernels/conv2d.h"
-#include "dp/kernels/launch.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/ops.h"
 #include "library_calls.h"
 

@@ -3,9 +3,9 @@
 #include <cmath>
 
 #include "checks.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/dropout.h"
 #include "dp/kernels/elementwise.h"
-#include "dp/kernels/launch.h"
 
 namespace dp::kernels {
 namespace {

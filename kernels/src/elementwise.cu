@@ -1,6 +1,6 @@
 // elementwise.cu — launchers for the elementwise and row-reduction kernels.
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/elementwise.h"
-#include "dp/kernels/launch.h"
 #include "dp/kernels/ops.h"
 
 namespace dp::kernels {

@@ -5,9 +5,9 @@
 #include <fmt/format.h>
 #include <mutex>
 
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"
+#include "dp/runtime/error.h"
 #include "library_calls.h"
 
 namespace dp::kernels {

@@ -3,8 +3,8 @@
 // without the cuda backend link cuda/stub.cpp instead, where cudnn_available() is false.
 #pragma once
 
-#include "dp/device.h"
 #include "dp/kernels/conv2d.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels::library {
 

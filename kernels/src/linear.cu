@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "checks.h"
-#include "dp/kernels/launch.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/linear.h"
 #include "dp/kernels/ops.h"
 

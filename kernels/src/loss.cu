@@ -2,7 +2,7 @@
 // (of the per-sample terms, or of torch's two label-smoothing terms as a pair).
 // On sim, invalid targets are also reported as an error by the stream (see CheckTargets).
 #include "checks.h"
-#include "dp/kernels/launch.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/loss.h"
 
 namespace dp::kernels {

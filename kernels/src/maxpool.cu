@@ -1,7 +1,7 @@
 // maxpool.cu — launchers for dp/kernels/maxpool.h: one thread per output forward, one thread per
 // input backward (a gather over the windows covering it, which also writes the zeros).
 #include "checks.h"
-#include "dp/kernels/launch.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/maxpool.h"
 
 namespace dp::kernels {

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "checks.h"
-#include "dp/kernels/launch.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/optimizer.h"
 
 namespace dp::kernels {

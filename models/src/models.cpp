@@ -1,11 +1,11 @@
 // models.cpp — the reference MLP, ConvNet and ResNet-8 as chains of dp::nn layers.
 #include <fmt/format.h>
 
-#include "dp/error.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/sequential.h"
+#include "dp/runtime/error.h"
 
 namespace dp::models {
 

@@ -2,14 +2,7 @@
 // on simulated devices, plus a host -> device -> device -> host trip.
 #include <cmath>
 #include <cstdio>
-#include <dp/checkpoint.h>
-#include <dp/data_parallel.h>
-#include <dp/ddp.h>
-#include <dp/device.h>
-#include <dp/engine.h>
-#include <dp/error.h>
-#include <dp/models/convnet.h>
-#include <dp/training_state.h>
+#include <dp/dp.h>
 #include <filesystem>
 #include <vector>
 

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "dp/data.h"
-#include "dp/error.h"
+#include "dp/io/data.h"
+#include "dp/runtime/error.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

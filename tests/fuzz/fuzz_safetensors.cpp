@@ -2,8 +2,8 @@
 // exactly dtype size x shape bytes, or a dp::Error naming the problem.
 #include <cstdint>
 
-#include "dp/error.h"
-#include "dp/safetensors.h"
+#include "dp/io/safetensors.h"
+#include "dp/runtime/error.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

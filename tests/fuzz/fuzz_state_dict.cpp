@@ -4,11 +4,11 @@
 #include <cstdint>
 #include <memory>
 
-#include "dp/checkpoint.h"
-#include "dp/device.h"
-#include "dp/error.h"
+#include "dp/io/checkpoint.h"
+#include "dp/io/safetensors.h"
 #include "dp/models/mlp.h"
-#include "dp/safetensors.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

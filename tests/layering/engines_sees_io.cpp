@@ -1,2 +1,2 @@
 // engines and io are beside each other: the tools combine them.
-#include "dp/training_state.h"
+#include "dp/io/training_state.h"

@@ -1,2 +1,2 @@
 // io and engines are beside each other: the tools combine them.
-#include "dp/ddp.h"
+#include "dp/engines/ddp.h"

@@ -1,2 +1,2 @@
 // The allowed way down, as a control: kernels see the runtime through its kernel API.
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"

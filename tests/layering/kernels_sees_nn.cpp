@@ -1,2 +1,2 @@
 // kernels sit below nn: the model interface is not theirs to include.
-#include "dp/model.h"
+#include "dp/nn/model.h"

@@ -1,2 +1,2 @@
 // models sit below the engines.
-#include "dp/trainer.h"
+#include "dp/engines/trainer.h"

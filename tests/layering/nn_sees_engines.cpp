@@ -1,2 +1,2 @@
 // nn sits below the engines.
-#include "dp/engine.h"
+#include "dp/engines/engine.h"

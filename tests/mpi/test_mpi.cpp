@@ -7,13 +7,13 @@
 #include <gtest/gtest.h>
 
 #include "ddp_data.h"
-#include "dp/checkpoint.h"
-#include "dp/collectives.h"
-#include "dp/ddp.h"
-#include "dp/device_group.h"
+#include "dp/engines/ddp.h"
+#include "dp/io/checkpoint.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
-#include "dp/process_group.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/process_group.h"
 #include "sync_bn_golden.h"
 #include "test_util.h"
 

@@ -3,8 +3,8 @@
 
 #include <fmt/format.h>
 
-#include "dp/error.h"
-#include "dp/shape.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 
 namespace dp::engines {
 

@@ -4,10 +4,10 @@
 
 #include <cstddef>
 
-#include "dp/batch.h"
-#include "dp/device.h"
-#include "dp/model.h"
-#include "dp/scratch.h"
+#include "dp/nn/batch.h"
+#include "dp/nn/model.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/scratch.h"
 
 namespace dp::engines {
 

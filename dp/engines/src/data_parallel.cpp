@@ -1,7 +1,7 @@
 // data_parallel.cpp — the DataParallel step as phases fanned out to the device workers. Every
 // cross-device dependency is an event recorded in an earlier phase, so a wait never refers to a
 // record that has not been issued, and a failing device cannot leave the others blocked.
-#include "dp/data_parallel.h"
+#include "dp/engines/data_parallel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 
 #include "batches.h"
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/runtime/error.h"
 #include "input_ring.h"
 #include "replicas.h"
 #include "step_graphs.h"

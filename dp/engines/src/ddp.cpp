@@ -1,14 +1,14 @@
 // ddp.cpp — DistributedDataParallel: per-rank replicas and optimizers on persistent workers; the
 // Reducer all-reduces gradient buckets on a communication stream, launched from the backward's
 // gradients-ready callback.
-#include "dp/ddp.h"
+#include "dp/engines/ddp.h"
 
 #include <array>
 #include <cstring>
 #include <fmt/format.h>
 
 #include "batches.h"
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "input_ring.h"
 #include "replicas.h"
 #include "step_graphs.h"

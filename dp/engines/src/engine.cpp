@@ -1,16 +1,16 @@
 // engine.cpp — the Engine interface's shared pieces and make_engine.
-#include "dp/engine.h"
+#include "dp/engines/engine.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
 
-#include "dp/data_parallel.h"
-#include "dp/ddp.h"
-#include "dp/error.h"
-#include "dp/shape.h"
-#include "dp/trainer.h"
+#include "dp/engines/data_parallel.h"
+#include "dp/engines/ddp.h"
+#include "dp/engines/trainer.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 
 namespace dp {
 

@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <memory>
 
-#include "dp/batch.h"
-#include "dp/device.h"
-#include "dp/scratch.h"
+#include "dp/nn/batch.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/scratch.h"
 #include "step_pipeline.h"
 
 namespace dp::engines {

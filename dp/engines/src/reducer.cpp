@@ -1,11 +1,11 @@
 // reducer.cpp — bucket bookkeeping and the bucketed all-reduce of DDP's gradients.
-#include "dp/reducer.h"
+#include "dp/engines/reducer.h"
 
 #include <algorithm>
 #include <fmt/format.h>
 
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 

@@ -3,7 +3,7 @@
 
 #include <fmt/format.h>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 
 namespace dp::engines {
 

@@ -5,8 +5,8 @@
 #include <memory>
 #include <vector>
 
-#include "dp/device_group.h"
-#include "dp/model.h"
+#include "dp/nn/model.h"
+#include "dp/runtime/device_group.h"
 
 namespace dp::engines {
 

@@ -1,8 +1,8 @@
 // step_graphs.cpp — captures, replays and the eager fallback of the engines' training steps.
 #include "step_graphs.h"
 
-#include "dp/error.h"
-#include "dp/optim.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/error.h"
 
 namespace dp::engines {
 

@@ -10,7 +10,7 @@
 #include <set>
 #include <vector>
 
-#include "dp/device.h"
+#include "dp/runtime/device.h"
 #include "step_pipeline.h"
 
 namespace dp {

@@ -8,8 +8,8 @@
 #include <functional>
 #include <memory>
 
-#include "dp/device.h"
-#include "dp/engine.h"
+#include "dp/engines/engine.h"
+#include "dp/runtime/device.h"
 
 namespace dp::engines {
 

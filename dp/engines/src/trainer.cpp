@@ -1,8 +1,8 @@
 // trainer.cpp — SingleDeviceTrainer: the whole step enqueued on one stream, its loss read when asked for.
-#include "dp/trainer.h"
+#include "dp/engines/trainer.h"
 
 #include "batches.h"
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "input_ring.h"
 #include "replicas.h"
 #include "step_graphs.h"

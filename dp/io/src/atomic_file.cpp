@@ -1,5 +1,5 @@
 // atomic_file.cpp — temporary file, fsync, rename, directory fsync (dp/atomic_file.h).
-#include "dp/atomic_file.h"
+#include "dp/io/atomic_file.h"
 
 #include <cerrno>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 namespace {

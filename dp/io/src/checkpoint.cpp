@@ -1,10 +1,10 @@
 // checkpoint.cpp — state dicts between models and safetensors files.
-#include "dp/checkpoint.h"
+#include "dp/io/checkpoint.h"
 
 #include <fmt/format.h>
 
-#include "dp/error.h"
-#include "dp/shape.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 
 namespace dp {
 namespace {

@@ -1,5 +1,5 @@
 // data.cpp — IDX parsing with validation, the synthetic set, the sampler, the background loader.
-#include "dp/data.h"
+#include "dp/io/data.h"
 
 #include <algorithm>
 #include <array>
@@ -12,7 +12,7 @@
 #include <random>
 #include <zlib.h>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 namespace {

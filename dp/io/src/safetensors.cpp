@@ -1,5 +1,5 @@
 // safetensors.cpp — the safetensors format with strict validation; writes go through dp::write_atomically.
-#include "dp/safetensors.h"
+#include "dp/io/safetensors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,9 +10,9 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "dp/atomic_file.h"
-#include "dp/error.h"
-#include "dp/shape.h"
+#include "dp/io/atomic_file.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 
 namespace dp::safetensors {
 namespace {

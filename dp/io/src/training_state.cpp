@@ -1,12 +1,12 @@
 // training_state.cpp — a run's resumable state as one safetensors file (dp/training_state.h).
-#include "dp/training_state.h"
+#include "dp/io/training_state.h"
 
 #include <fmt/format.h>
 #include <limits>
 #include <vector>
 
-#include "dp/checkpoint.h"
-#include "dp/error.h"
+#include "dp/io/checkpoint.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 namespace {

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 #include <set>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 
 namespace dp::nn::detail {
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "dp/nn/layers.h"
-#include "dp/scratch.h"
+#include "dp/runtime/scratch.h"
 
 namespace dp::nn::detail {
 

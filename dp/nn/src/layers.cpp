@@ -5,8 +5,6 @@
 #include <fmt/format.h>
 
 #include "chain.h"
-#include "dp/collectives.h"
-#include "dp/error.h"
 #include "dp/kernels/avgpool.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
@@ -14,7 +12,9 @@
 #include "dp/kernels/linear.h"
 #include "dp/kernels/maxpool.h"
 #include "dp/kernels/ops.h"
-#include "dp/scratch.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/scratch.h"
 
 namespace dp::nn {
 

@@ -1,10 +1,10 @@
 // loss.cpp — CrossEntropyLoss: scratch management around the loss kernels.
-#include "dp/loss.h"
+#include "dp/nn/loss.h"
 
 #include <fmt/format.h>
 
-#include "dp/error.h"
 #include "dp/kernels/loss.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 

@@ -1,12 +1,12 @@
 // lr_schedule.cpp — torch's closed forms, written in its evaluation order (each product and
 // quotient rounded where Python rounds it), so the values match torch's bit for bit.
-#include "dp/lr_schedule.h"
+#include "dp/nn/lr_schedule.h"
 
 #include <cmath>
 #include <fmt/format.h>
 #include <numbers>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 

@@ -1,11 +1,11 @@
 // optim.cpp — Sgd and AdamW: option checks, their state buffers, and the one-launch updates.
-#include "dp/optim.h"
+#include "dp/nn/optim.h"
 
 #include <cstring>
 
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
 #include "dp/kernels/optimizer.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 namespace {

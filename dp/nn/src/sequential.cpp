@@ -8,9 +8,9 @@
 #include <set>
 
 #include "chain.h"
-#include "dp/error.h"
 #include "dp/kernels/ops.h"
-#include "dp/shape.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 
 namespace dp::nn {
 namespace {

@@ -18,8 +18,8 @@
 
 #include "backend.h"
 #include "device_scope.h"
-#include "dp/runtime/cuda_status.h"
-#include "dp/scratch.h"
+#include "dp/runtime/detail/cuda_status.h"
+#include "dp/runtime/scratch.h"
 #include "executor.h"
 
 namespace dp::detail {

@@ -11,7 +11,7 @@
 
 #include "backend.h"
 #include "device_scope.h"
-#include "dp/runtime/cuda_status.h"
+#include "dp/runtime/detail/cuda_status.h"
 
 namespace dp::detail {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"
 
 namespace dp::detail {
 

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "channel.h"
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "process_backend.h"
 
 namespace dp::detail {

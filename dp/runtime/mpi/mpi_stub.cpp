@@ -1,5 +1,5 @@
 // mpi_stub.cpp — builds without MPI have only the one-process group.
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "process_backend.h"
 
 namespace dp::detail {

@@ -14,7 +14,7 @@
 
 #include "backend.h"
 #include "channel.h"
-#include "dp/scratch.h"
+#include "dp/runtime/scratch.h"
 
 namespace dp::detail {
 namespace {

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "dp/collectives.h"
-#include "dp/device.h"
-#include "dp/error.h"
-#include "dp/runtime/kernel_api.h"
-#include "dp/trace.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/detail/kernel_api.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/trace.h"
 
 namespace dp::detail {
 

@@ -1,5 +1,5 @@
 // collectives.cpp — picks the communicator for the group's backend and GPUs.
-#include "dp/collectives.h"
+#include "dp/runtime/collectives.h"
 
 #include <set>
 

@@ -1,5 +1,5 @@
 // device_group.cpp — fan work out to the per-device workers, gather failures into one error.
-#include "dp/device_group.h"
+#include "dp/runtime/device_group.h"
 
 #include <fmt/format.h>
 #include <functional>

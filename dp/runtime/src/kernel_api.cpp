@@ -1,5 +1,5 @@
 // kernel_api.cpp — dp/runtime/kernel_api.h over the backends' stream interface.
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"
 
 #include <fmt/format.h>
 #include <string>

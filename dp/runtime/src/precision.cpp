@@ -1,9 +1,9 @@
 // precision.cpp — the names of the precision policies (dp/precision.h).
-#include "dp/precision.h"
+#include "dp/runtime/precision.h"
 
 #include <fmt/format.h>
 
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 
 namespace dp {
 

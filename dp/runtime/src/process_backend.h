@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "dp/process_group.h"
+#include "dp/runtime/process_group.h"
 
 namespace dp::detail {
 

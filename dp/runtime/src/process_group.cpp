@@ -1,6 +1,6 @@
 // process_group.cpp — the one-process group, what every group shares (timeout, barrier,
 // reduce_value), and the choice between one process and the MPI world.
-#include "dp/process_group.h"
+#include "dp/runtime/process_group.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "channel.h"
-#include "dp/error.h"
+#include "dp/runtime/error.h"
 #include "process_backend.h"
 
 namespace dp {

@@ -1,12 +1,12 @@
 // shape.cpp — element counts and shape printing (dp/shape.h), span kind names (dp/trace.h).
-#include "dp/shape.h"
+#include "dp/runtime/shape.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <limits>
 
-#include "dp/error.h"
-#include "dp/trace.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/trace.h"
 
 namespace dp {
 

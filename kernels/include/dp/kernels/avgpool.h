@@ -2,9 +2,9 @@
 // average pool AdaptiveAvgPool2d(1), forward and backward, with torch 1.13's CPU roundings.
 #pragma once
 
-#include "dp/device.h"
 #include "dp/kernels/platform.h"
 #include "dp/kernels/pool_shape.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

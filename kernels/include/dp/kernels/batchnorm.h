@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "dp/device.h"
 #include "dp/kernels/elementwise.h"
 #include "dp/kernels/platform.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

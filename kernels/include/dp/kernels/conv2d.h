@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "dp/device.h"
 #include "dp/kernels/platform.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

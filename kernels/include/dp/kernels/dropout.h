@@ -5,8 +5,8 @@
 #include <Random123/philox.h>
 #include <cstdint>
 
-#include "dp/device.h"
 #include "dp/kernels/platform.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

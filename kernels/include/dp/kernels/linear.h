@@ -2,8 +2,8 @@
 // The products are kernels::gemm (cuBLAS / OpenBLAS); only the bias broadcast is a kernel here.
 #pragma once
 
-#include "dp/device.h"
 #include "dp/kernels/platform.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-#include "dp/device.h"
 #include "dp/kernels/platform.h"
 #include "dp/kernels/pool_shape.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

@@ -3,8 +3,8 @@
 // Every pointer must be memory of the stream's device (checked on sim). Sizes are element counts.
 #pragma once
 
-#include "dp/device.h"
 #include "dp/kernels/platform.h"
+#include "dp/runtime/device.h"
 
 namespace dp::kernels {
 

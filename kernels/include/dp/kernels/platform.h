@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"
 
 namespace dp::kernels {
 

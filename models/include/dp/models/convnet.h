@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "dp/model.h"
+#include "dp/nn/model.h"
 
 namespace dp::models {
 

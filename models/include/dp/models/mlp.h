@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "dp/model.h"
+#include "dp/nn/model.h"
 
 namespace dp::models {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "dp/model.h"
+#include "dp/nn/model.h"
 
 namespace dp::models {
 

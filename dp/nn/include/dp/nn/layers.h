@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "dp/device.h"
-#include "dp/model.h"
-#include "dp/tensor.h"
+#include "dp/nn/model.h"
+#include "dp/nn/tensor.h"
+#include "dp/runtime/device.h"
 
 namespace dp::nn {
 

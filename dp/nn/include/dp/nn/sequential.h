@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "dp/model.h"
 #include "dp/nn/layers.h"
+#include "dp/nn/model.h"
 
 namespace dp::nn {
 

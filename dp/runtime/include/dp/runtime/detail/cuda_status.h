@@ -7,7 +7,7 @@
 #include <cudnn.h>
 #include <nccl.h>
 
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"
 
 namespace dp::cuda {
 

@@ -10,10 +10,10 @@
 #include <initializer_list>
 #include <memory>
 
-#include "dp/device.h"
-#include "dp/error.h"
-#include "dp/precision.h"
-#include "dp/trace.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/precision.h"
+#include "dp/runtime/trace.h"
 
 // Kernel arithmetic is written once and compiled by nvcc for the GPU and by the host compiler
 // for the simulator.

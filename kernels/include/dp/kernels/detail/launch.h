@@ -11,13 +11,13 @@
 #include <utility>
 #include <vector>
 
-#include "dp/device.h"
+#include "dp/kernels/detail/reduce_plan.h"
 #include "dp/kernels/platform.h"
-#include "dp/kernels/reduce_plan.h"
-#include "dp/runtime/kernel_api.h"
+#include "dp/runtime/detail/kernel_api.h"
+#include "dp/runtime/device.h"
 
 #if defined(__CUDACC__)
-#include "dp/runtime/cuda_status.h"
+#include "dp/runtime/detail/cuda_status.h"
 #endif
 
 namespace dp::kernels {

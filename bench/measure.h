@@ -1,0 +1,122 @@
+// measure.h — one benchmark run: a model trained in one mode (single, dp, ddp) through warm-up and
+// measured steps, and the figures taken from them (timings, traffic, memory, host work, spans).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dp/engines/data_parallel.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/process_group.h"
+#include "dp/runtime/trace.h"
+#include "options.h"
+
+namespace dp_bench {
+
+// Synthetic data, generated once for the largest global batch: pixels in [0, 1), labels 0..9.
+struct Data {
+  std::vector<float> inputs;
+  std::vector<std::int64_t> labels;
+  std::size_t sample_floats = 0;
+};
+
+Data make_data(int samples, std::size_t sample_floats, std::uint64_t seed);
+
+struct PerDevice {
+  int device = 0;
+  int process = 0;
+  std::string host;
+  std::optional<double> busy_pct;  // null on cuda (no spans recorded)
+  std::optional<double> gemm_ms_per_step;
+  std::optional<double> gemm_gflops;
+  double bytes_sent = 0, bytes_received = 0;  // device-to-device within the process (intra-node), per step
+  double net_sent = 0, net_received = 0;      // to and from other processes (inter-node), per step
+  std::uint64_t peak_bytes = 0;
+  int samples_per_step = 0;
+  // What the host asked of the device per measured step (Runtime::counters).
+  double launches = 0, host_syncs = 0, allocations = 0, pageable_copies = 0, worker_submits = 0;
+};
+
+// The per-device figures by JSON key, so that the gather across processes and the report each
+// name every figure once.
+struct SpanFigure {  // needs the measured steps' spans: null where none were recorded
+  const char* key;
+  std::optional<double> PerDevice::*member;
+};
+inline constexpr std::array<SpanFigure, 3> kSpanFigures{{{"busy_pct", &PerDevice::busy_pct},
+                                                         {"gemm_ms_per_step", &PerDevice::gemm_ms_per_step},
+                                                         {"gemm_gflops", &PerDevice::gemm_gflops}}};
+
+struct ByteFigure {  // per step; the report writes whole numbers as integers
+  const char* key;
+  double PerDevice::*member;
+};
+inline constexpr std::array<ByteFigure, 4> kByteFigures{{{"bytes_sent", &PerDevice::bytes_sent},
+                                                         {"bytes_received", &PerDevice::bytes_received},
+                                                         {"bytes_sent_inter_node", &PerDevice::net_sent},
+                                                         {"bytes_received_inter_node", &PerDevice::net_received}}};
+
+struct CounterFigure {  // per step, from Runtime::counters
+  const char* key;
+  std::uint64_t dp::DeviceCounters::*counter;
+  double PerDevice::*member;
+  bool summed;  // a run's figure is the sum over its devices; else the busiest device's
+};
+inline constexpr std::array<CounterFigure, 5> kCounterFigures{{
+    {"launches_per_step", &dp::DeviceCounters::launches, &PerDevice::launches, true},
+    {"host_syncs_per_step", &dp::DeviceCounters::host_syncs, &PerDevice::host_syncs, true},
+    {"allocations_per_step", &dp::DeviceCounters::allocations, &PerDevice::allocations, true},
+    {"pageable_copies_per_step", &dp::DeviceCounters::pageable_copies, &PerDevice::pageable_copies, true},
+    {"worker_submits_per_step", &dp::DeviceCounters::worker_submits, &PerDevice::worker_submits, false},
+}};
+
+struct PhaseField {
+  const char* name;
+  double dp::DataParallelPhases::*member;
+};
+inline constexpr std::array<PhaseField, 8> kPhases{{{"broadcast", &dp::DataParallelPhases::broadcast},
+                                                    {"scatter", &dp::DataParallelPhases::scatter},
+                                                    {"forward", &dp::DataParallelPhases::forward},
+                                                    {"gather", &dp::DataParallelPhases::gather},
+                                                    {"loss", &dp::DataParallelPhases::loss},
+                                                    {"backward", &dp::DataParallelPhases::backward},
+                                                    {"reduce", &dp::DataParallelPhases::reduce},
+                                                    {"update", &dp::DataParallelPhases::update}}};
+
+// The members the JSON report shows are named as its keys (report.cpp writes them by name).
+struct Run {
+  std::string model, mode;
+  std::vector<int> device_ids;  // this process's
+  int devices = 0;              // every process's (ddp across processes), else device_ids.size()
+  int batch_per_device = 0, global_batch = 0;
+  std::size_t param_count = 0, buffers_bytes = 0;
+  std::vector<double> step_ms;
+  double wall_ms = 0, samples_per_s = 0, step_ms_median = 0, step_ms_p90 = 0, step_ms_mean = 0;
+  std::optional<double> scaling_efficiency;
+  std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
+  std::optional<std::size_t> buckets;            // ddp only: gradient buckets (all-reduces per step)
+  bool graphs = false;                           // every measured step was a replayed graph
+  bool pipelined = false;                        // measured steps submitted without waiting (--pipeline)
+  std::vector<PerDevice> per_device;
+  float loss_first = 0, loss_last = 0;
+  // For the trace: the measured window, its step boundaries and its spans.
+  std::int64_t t0 = 0, t1 = 0;
+  std::vector<std::int64_t> step_starts;
+  std::vector<dp::TraceSpan> spans;
+  double trace_offset_ms = 0;
+};
+
+// GEMM FLOPs per sample of one training step of `model`, from its layer shapes.
+double gemm_flops_per_sample(const std::string& model);
+
+// One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
+// source and output device, DDP's rank 0), picked once as an Engine and driven through it.
+// Under mpirun, ddp spans every process (`processes`), and every device's figures end up on all.
+Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
+          int devices, const std::shared_ptr<dp::ProcessGroup>& processes);
+
+}  // namespace dp_bench

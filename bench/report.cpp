@@ -1,0 +1,374 @@
+// report.cpp — dp_bench's output: four tables (runs, per device, host work, DP phases), the JSON
+// report and the Chrome/Perfetto trace, the files written atomically.
+#include "report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+
+#include "dp/io/atomic_file.h"
+#include "dp/runtime/trace.h"
+
+namespace dp_bench {
+
+using json = nlohmann::json;
+
+// The report's fields that are members of the same name; the others are written below.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_per_device, optimizer, steps, warmup, bucket_cap_mb,
+                                   sync_bn, first_bucket_mb, seed, precision)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
+                                   buffers_bytes, samples_per_s, wall_ms, step_ms, step_ms_median, step_ms_p90,
+                                   step_ms_mean, loss_first, loss_last, graphs, pipelined, trace_offset_ms)
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// figures over a run's devices
+
+// f(device) for each of the run's devices, as doubles (f: a PerDevice member or a function of it).
+template <class F>
+std::vector<double> column(const Run& run, F f) {
+  std::vector<double> v;
+  for (const auto& pd : run.per_device) v.push_back(static_cast<double>(std::invoke(f, pd)));
+  return v;
+}
+
+double max_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+// max / mean; 1 when every value is 0 (nothing to be imbalanced about).
+double imbalance(const std::vector<double>& v) {
+  if (v.empty()) return 1.0;
+  double sum = 0, max = v.front();
+  for (double x : v) {
+    sum += x;
+    max = std::max(max, x);
+  }
+  const double mean = sum / static_cast<double>(v.size());
+  return mean > 0 ? max / mean : 1.0;
+}
+
+// Every device's busy %, or nothing when a device has none (no spans recorded).
+std::optional<std::vector<double>> busy_pcts(const Run& run) {
+  std::vector<double> v;
+  for (const auto& pd : run.per_device) {
+    if (!pd.busy_pct) return std::nullopt;
+    v.push_back(*pd.busy_pct);
+  }
+  return v;
+}
+
+std::optional<double> busy_imbalance(const Run& run) {
+  const auto v = busy_pcts(run);
+  return v ? std::optional<double>(imbalance(*v)) : std::nullopt;
+}
+
+std::optional<double> busy_mean(const Run& run) {
+  const auto v = busy_pcts(run);
+  if (!v) return std::nullopt;
+  double sum = 0;
+  for (double x : *v) sum += x;
+  return sum / static_cast<double>(run.per_device.size());
+}
+
+// A counter over the run's devices: summed, or the busiest device's (CounterFigure::summed).
+double counter_total(const Run& run, const CounterFigure& f) {
+  double total = 0;
+  for (const auto& pd : run.per_device) total = f.summed ? total + pd.*f.member : std::max(total, pd.*f.member);
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// tables
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+std::string fixed(double v, int decimals) { return fmt::format("{:.{}f}", v, decimals); }
+
+std::string opt(const std::optional<double>& v, int decimals) { return v ? fixed(*v, decimals) : std::string("n/a"); }
+
+struct Column {
+  const char* title;
+  int width;  // as printf's: negative for a left-aligned (text) column
+};
+
+// The header, then one line per row: cells padded to their column's width, one space apart.
+void print_table(const std::vector<Column>& columns, const std::vector<std::vector<std::string>>& rows) {
+  const auto line = [&](const auto& cell_text) {
+    std::string text;
+    for (std::size_t i = 0; i < columns.size(); ++i) {
+      const int width = columns[i].width;
+      if (i > 0) text += ' ';
+      text += width < 0 ? fmt::format("{:<{}}", cell_text(i), -width) : fmt::format("{:>{}}", cell_text(i), width);
+    }
+    fmt::print("{}\n", text);
+  };
+  line([&](std::size_t i) { return std::string(columns[i].title); });
+  for (const auto& row : rows) line([&](std::size_t i) { return row[i]; });
+}
+
+void print_run_table(const std::vector<Run>& runs, bool have_spans) {
+  std::vector<std::vector<std::string>> rows;
+  for (const Run& r : runs) {
+    const auto traffic =
+        column(r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received + p.net_sent + p.net_received; });
+    const auto peak = column(r, &PerDevice::peak_bytes);
+    rows.push_back({r.model, r.mode, fmt::format("{}", r.devices), fmt::format("{}", r.global_batch),
+                    fixed(r.samples_per_s, 1), fixed(r.step_ms_median, 2), fixed(r.step_ms_p90, 2),
+                    opt(r.scaling_efficiency, 2), opt(busy_mean(r), 1), opt(busy_imbalance(r), 2),
+                    human_bytes(max_of(column(r, &PerDevice::bytes_sent))),
+                    human_bytes(max_of(column(r, &PerDevice::bytes_received))),
+                    human_bytes(max_of(column(r, [](const PerDevice& p) { return p.net_sent + p.net_received; }))),
+                    fixed(imbalance(traffic), 2), human_bytes(max_of(peak)), fixed(imbalance(peak), 2)});
+  }
+  fmt::print("\n");
+  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},   {"dev", 3},        {"batch", 6},
+                                       {"samples/s", 11}, {"step ms", 9}, {"p90 ms", 9},     {"scaling", 7},
+                                       {"busy %", 7},     {"imb", 5},     {"sent/step", 11}, {"recv/step", 11},
+                                       {"net/step", 11},  {"imb", 5},     {"peak mem", 11},  {"imb", 5}};
+  print_table(columns, rows);
+  fmt::print(
+      "  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
+      "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
+      "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
+      "  from other processes (inter-node, under mpirun); imb = max/mean over devices\n",
+      have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
+}
+
+void print_device_table(const std::vector<Run>& runs) {
+  std::vector<std::vector<std::string>> rows;
+  for (const Run& r : runs)
+    for (const auto& pd : r.per_device)
+      rows.push_back({r.model, r.mode, fmt::format("{}", pd.process), fmt::format("{}", pd.device), opt(pd.busy_pct, 1),
+                      opt(pd.gemm_ms_per_step, 2), opt(pd.gemm_gflops, 1), human_bytes(pd.bytes_sent),
+                      human_bytes(pd.bytes_received), human_bytes(pd.net_sent), human_bytes(pd.net_received),
+                      human_bytes(static_cast<double>(pd.peak_bytes))});
+  fmt::print("\nper device\n");
+  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},     {"process", 7},   {"device", 6},
+                                       {"busy %", 7},     {"gemm ms", 8},   {"gemm GF/s", 9}, {"sent/step", 12},
+                                       {"recv/step", 12}, {"net sent", 12}, {"net recv", 12}, {"peak mem", 11}};
+  print_table(columns, rows);
+  fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
+}
+
+void print_host_work_table(const std::vector<Run>& runs) {
+  std::vector<std::vector<std::string>> rows;
+  for (const Run& r : runs) {
+    std::vector<std::string> row = {r.model, r.mode};
+    for (const auto& f : kCounterFigures) row.push_back(fixed(counter_total(r, f), 1));
+    row.push_back(r.graphs ? "yes" : "no");
+    rows.push_back(row);
+  }
+  fmt::print(
+      "\nhost work per step (summed over devices; submits: the busiest device; a replayed graph is one launch)\n");
+  // One column per kCounterFigures entry, in its order.
+  const std::vector<Column> columns = {{"model", -8},       {"mode", -6},    {"launches", 9}, {"host syncs", 11},
+                                       {"allocations", 12}, {"pageable", 9}, {"submits", 8},  {"graphs", 7}};
+  print_table(columns, rows);
+}
+
+void print_phase_table(const std::vector<Run>& runs) {
+  std::vector<std::vector<std::string>> rows;
+  for (const Run& r : runs) {
+    if (!r.phases) continue;
+    std::vector<std::string> row = {r.model};
+    for (const auto& f : kPhases) row.push_back(fixed((*r.phases).*f.member, 2));
+    row.push_back(fixed(r.step_ms_mean, 2));
+    rows.push_back(row);
+  }
+  if (rows.empty()) return;
+  fmt::print("\nDP phases, ms per step (mean over measured steps; per-device phases: the slowest device)\n");
+  // One column per kPhases entry, in its order, then the whole step.
+  const std::vector<Column> columns = {{"model", -8}, {"broadcast", 9}, {"scatter", 8}, {"forward", 8}, {"gather", 8},
+                                       {"loss", 8},   {"backward", 9},  {"reduce", 8},  {"update", 8},  {"step", 8}};
+  print_table(columns, rows);
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON
+
+template <class T>
+json optional_json(const std::optional<T>& v) {
+  return v ? json(*v) : json(nullptr);
+}
+
+// Exact integers where the per-step value is one (it is: every step moves the same bytes).
+json bytes_json(double v) {
+  if (v >= 0 && v == std::floor(v) && v < 9.0e15) return json(static_cast<std::uint64_t>(v));
+  return json(v);
+}
+
+json device_json(const PerDevice& pd) {
+  json j = {{"device", pd.device},
+            {"process", pd.process},
+            {"host", pd.host},
+            {"samples_per_step", pd.samples_per_step},
+            {"peak_bytes", pd.peak_bytes}};
+  for (const auto& f : kSpanFigures) j[f.key] = optional_json(pd.*f.member);
+  for (const auto& f : kByteFigures) j[f.key] = bytes_json(pd.*f.member);
+  for (const auto& f : kCounterFigures) j[f.key] = pd.*f.member;
+  return j;
+}
+
+json run_json(const Run& r) {
+  json j = r;
+  j["steps"] = r.step_ms.size();
+  j["scaling_efficiency"] = optional_json(r.scaling_efficiency);
+  j["ddp_buckets"] = optional_json(r.buckets);
+  j["gemm_flops_per_sample"] = gemm_flops_per_sample(r.model);
+  j["busy_pct_mean"] = optional_json(busy_mean(r));
+  j["per_device"] = json::array();
+  for (const auto& pd : r.per_device) j["per_device"].push_back(device_json(pd));
+  j["phases_ms"] = json::object();
+  if (r.phases)
+    for (const auto& f : kPhases) j["phases_ms"][f.name] = (*r.phases).*f.member;
+  // Summed over the devices (worker submissions: per device only). With graphs, a step is one
+  // launch per graph: DP's one graph spans every device, DDP has one per rank.
+  for (const auto& f : kCounterFigures)
+    if (f.summed) j[f.key] = counter_total(r, f);
+  j["imbalance"] = {{"busy_pct", optional_json(busy_imbalance(r))},
+                    {"bytes_sent", imbalance(column(r, &PerDevice::bytes_sent))},
+                    {"bytes_received", imbalance(column(r, &PerDevice::bytes_received))},
+                    {"peak_bytes", imbalance(column(r, &PerDevice::peak_bytes))}};
+  return j;
+}
+
+// One entry per process, from a run across all of them.
+std::vector<std::string> hosts(const std::vector<Run>& runs) {
+  std::vector<std::string> out;
+  for (const Run& r : runs)
+    for (const auto& pd : r.per_device)
+      if (pd.process == static_cast<int>(out.size())) out.push_back(pd.host);
+  return out;
+}
+
+json report_json(const Options& o, const Setup& setup, const std::vector<Run>& runs) {
+  json j = o;
+  j.update(setup);
+  j["hosts"] = hosts(runs);
+  j["graphs_requested"] = o.graphs == "on";
+  j["pipeline_requested"] = o.pipeline == "on";
+  j["runs"] = json::array();
+  for (const Run& r : runs) j["runs"].push_back(run_json(r));
+  return j;
+}
+
+// ---------------------------------------------------------------------------------------------
+// trace: Chrome / Perfetto Trace Event Format. Runs are laid end to end in time (each run's
+// measured window, then a gap), pid = device, tid = the runtime-wide stream id — each run makes its
+// own streams, so a stream's track holds one run; every event's args name the run and the step.
+// Event record/wait spans (kind "sync") are left out: a stream waiting is idle, and the gap shows it.
+
+using Tracks = std::map<int, std::set<int>>;  // device -> streams that did work
+
+// The spans of every run, with each run's offset set; timestamps from the first span.
+json span_events(std::vector<Run>& runs, Tracks& tracks) {
+  std::int64_t cursor = 0;
+  double first_ts = -1;
+  json spans = json::array();
+  for (Run& run : runs) {
+    run.trace_offset_ms = static_cast<double>(cursor) / 1e6;
+    const std::string label = fmt::format("{} {}", run.model, run.mode);
+    for (const auto& s : run.spans) {
+      if (s.kind == dp::SpanKind::sync) continue;
+      const std::int64_t start = std::clamp(s.start_ns, run.t0, run.t1), end = std::clamp(s.end_ns, start, run.t1);
+      const auto step =
+          std::upper_bound(run.step_starts.begin(), run.step_starts.end(), s.start_ns) - run.step_starts.begin() - 1;
+      const double ts = static_cast<double>(cursor + (start - run.t0)) / 1e3;
+      if (first_ts < 0 || ts < first_ts) first_ts = ts;
+      spans.push_back({{"ph", "X"},
+                       {"name", s.name},
+                       {"cat", dp::to_string(s.kind)},
+                       {"pid", s.device},
+                       {"tid", s.stream},
+                       {"ts", ts},
+                       {"dur", static_cast<double>(end - start) / 1e3},
+                       {"args", {{"run", label}, {"step", std::max<std::ptrdiff_t>(step, 0)}}}});
+      tracks[s.device].insert(s.stream);
+    }
+    const std::int64_t window = run.t1 - run.t0;
+    cursor += window + std::max<std::int64_t>(1'000'000, window / 10);
+  }
+  if (first_ts < 0) first_ts = 0;
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const json& a, const json& b) { return a["ts"].get<double>() < b["ts"].get<double>(); });
+  for (auto& e : spans) e["ts"] = std::max(0.0, e["ts"].get<double>() - first_ts);
+  return spans;
+}
+
+json metadata_event(const char* name, int pid, int tid, json args) {
+  return {{"ph", "M"}, {"name", name}, {"pid", pid}, {"tid", tid}, {"args", std::move(args)}};
+}
+
+// Names and orders the tracks: one process per device, one thread per stream.
+json track_events(const Tracks& tracks) {
+  json events = json::array();
+  for (const auto& [device, streams] : tracks) {
+    events.push_back(metadata_event("process_name", device, 0, {{"name", fmt::format("device {}", device)}}));
+    events.push_back(metadata_event("process_sort_index", device, 0, {{"sort_index", device}}));
+    for (int stream : streams) {
+      events.push_back(metadata_event("thread_name", device, stream, {{"name", fmt::format("stream {}", stream)}}));
+      events.push_back(metadata_event("thread_sort_index", device, stream, {{"sort_index", stream}}));
+    }
+  }
+  return events;
+}
+
+json trace_json(std::vector<Run>& runs) {
+  Tracks tracks;
+  json spans = span_events(runs, tracks);
+  json events = track_events(tracks);
+  for (auto& e : spans) events.push_back(std::move(e));
+  return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+// The report indented; the trace (thousands of events) one event per line. Written atomically: a
+// failed run or a full disk leaves the previous file (or none), never an empty or torn one.
+void write_file(const std::string& path, const json& j) {
+  std::string text;
+  if (j.contains("traceEvents")) {
+    text = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+    const auto& events = j.at("traceEvents");
+    for (std::size_t i = 0; i < events.size(); ++i) text += events[i].dump() + (i + 1 < events.size() ? ",\n" : "\n");
+    text += "]}\n";
+  } else {
+    text = j.dump(1) + '\n';
+  }
+  dp::write_atomically(path, text);
+}
+
+}  // namespace
+
+void report(const Options& o, const Setup& setup, std::vector<Run>& runs) {
+  const json trace = trace_json(runs);
+  print_run_table(runs, setup.busy_time_available);
+  print_device_table(runs);
+  print_host_work_table(runs);
+  print_phase_table(runs);
+  if (!o.trace_path.empty()) {
+    write_file(o.trace_path, trace);
+    fmt::print("\ntrace: {} (open in https://ui.perfetto.dev or chrome://tracing; runs laid end to end:", o.trace_path);
+    for (const Run& r : runs) fmt::print(" {} {} at {:.1f} ms;", r.model, r.mode, r.trace_offset_ms);
+    fmt::print(")\n");
+    if (setup.processes > 1) fmt::print("  (the trace holds process 0's devices)\n");
+  }
+  if (!o.json_path.empty()) {
+    write_file(o.json_path, report_json(o, setup, runs));
+    fmt::print("json: {}\n", o.json_path);
+  }
+}
+
+}  // namespace dp_bench

@@ -1,0 +1,136 @@
+// dp/data_parallel.h — torch.nn.DataParallel semantics on persistent per-device workers:
+// each step broadcasts parameters and buffers from device_ids[0], scatters the batch with
+// torch.chunk rules, runs forward on every used device, gathers the outputs on output_device,
+// computes the loss there, scatters the output gradient back, runs backward, reduce-adds the
+// gradients onto device_ids[0] and steps the one optimizer there.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/nn/batch.h"
+#include "dp/nn/loss.h"
+#include "dp/nn/model.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/scratch.h"
+
+namespace dp {
+
+namespace engines {
+class InputRing;
+class Replicas;
+class StepGraphs;
+class StepPipeline;
+}  // namespace engines
+
+struct DataParallelOptions {
+  std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
+  std::optional<int> output_device;            // default: device_ids[0]; must be one of device_ids
+  // Record events at phase boundaries so last_phases() can report where a step's time went.
+  bool time_phases = false;
+  StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from
+  // Capture the step (every device's part, one graph) per batch size and replay it
+  // (EngineOptions::graphs); not with time_phases, whose events a graph does not record.
+  bool graphs = false;
+};
+
+// Where one DataParallel step spent its time, in ms. Per-device phases report the slowest device;
+// gather and reduce include the wait for the slowest device (DP's load imbalance shows there).
+struct DataParallelPhases {
+  double broadcast = 0, scatter = 0, forward = 0, gather = 0, loss = 0, backward = 0, reduce = 0, update = 0;
+};
+
+// torch.chunk(batch, devices): chunks of ceil(batch/devices), the last one smaller, and fewer
+// chunks than devices when the batch is small (only that many devices run).
+std::vector<int> chunk_sizes(int batch, int devices);
+
+class DataParallel final : public Engine {
+ public:
+  // `module` lives on device_ids[0] (the source): it holds the master parameters and buffers,
+  // and the optimizer steps it. Throws InvalidArgument on a bad configuration.
+  DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DataParallelOptions options = {});
+  ~DataParallel() override;
+
+  // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
+  // int64 targets, read before it returns (submit_step also takes a lent batch: Batch::lease); the
+  // step is enqueued (Engine::submit_step), its mean cross-entropy loss over the batch to come.
+  StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
+  // submit(...).get(): returns the loss once known.
+  float train_step(const float* inputs, const std::int64_t* targets, int batch);
+
+  // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
+  std::vector<float> forward(const float* inputs, int batch);
+
+  // Engine: one global batch per step, scattered over the devices.
+  EngineKind kind() const override { return EngineKind::dp; }
+  const std::vector<int>& device_ids() const override { return group_.device_ids(); }
+  int batches_per_step() const override { return 1; }
+  using Engine::train_step;
+  StepLoss submit_step(std::span<const Batch> batches) override;
+  std::vector<float> predict(std::span<const Batch> batches) override;
+  // train_step returns once the loss is known; the optimizer update may still run on the source.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize() override;
+  Model& model() const override { return module_; }
+  std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
+
+  Model& module() const { return module_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  int output_device() const { return output_device_; }
+  int source_device() const { return group_.device_ids()[0]; }
+  // Chunk sizes of the last step, in device_ids order (its length = devices used).
+  const std::vector<int>& last_chunks() const { return chunks_; }
+  // Phase times of the last train_step (needs options.time_phases; waits for the step to finish).
+  DataParallelPhases last_phases() const;
+  std::uint64_t graph_replays() const override;
+
+ private:
+  StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
+  struct Replica;
+  void plan_chunks(int batch);
+  void receive_broadcast(int rank);
+  void forward_chunk(int rank, const float* inputs, Mode mode, int slot);
+  void broadcast_and_forward(const float* inputs, int batch, Mode mode);
+  void gather_outputs();
+  // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
+  // `capture`: recorded into a graph (returned) instead of run.
+  Graph enqueue_step(int batch, int slot, bool capture);
+  // enqueue_step's phases 4-6: the loss on the output device, a device's backward, the reduction
+  // onto the source and the optimizer step.
+  void enqueue_loss(int batch, int slot, bool capture);
+  void enqueue_backward(int rank);
+  void enqueue_reduce_and_update(int used);
+  void wait_for_batches(int slot);
+  std::uint64_t staging_growths() const;
+
+  Model& module_;
+  DeviceGroup group_;
+  int output_device_;
+  int output_rank_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<CrossEntropyLoss> loss_;          // on the output device
+  std::unique_ptr<engines::Replicas> models_;       // by rank; rank 0 is `module`
+  std::vector<std::unique_ptr<Replica>> replicas_;  // by rank: streams, events, staging
+  std::vector<int> chunks_;
+  std::vector<int> offsets_;  // first sample of each chunk
+  int batch_ = 0;
+  bool time_phases_ = false;
+  std::uint64_t seed_ = 0;
+  Event params_ready_, grad_output_ready_;
+  Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
+  Scratch gathered_, grad_output_;                // on the output device
+  PinnedBuffer host_loss_;                        // a float per pipeline slot: the step's loss, without a pageable copy
+  std::array<Event, kStepsInFlight> loss_ready_;  // per slot, on the output device: an eager step's loss written
+  std::unique_ptr<engines::StepGraphs> graphs_;
+  std::unique_ptr<engines::InputRing> targets_ring_;  // on the output device
+  std::array<Event, kStepsInFlight> step_done_;  // per slot, on the source: the whole step has run, its slot is free
+  std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
+};
+
+}  // namespace dp

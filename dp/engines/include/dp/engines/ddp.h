@@ -1,0 +1,164 @@
+// dp/ddp.h — torch.nn.parallel.DistributedDataParallel semantics: one persistent replica and
+// optimizer per device of this process (and, with a ProcessGroup of several processes started by
+// mpirun, of every process: global rank = process rank x local devices + local rank), parameters and buffers broadcast
+// from rank 0 at construction, buffers broadcast before every forward (broadcast_buffers), gradients averaged by
+// bucketed all-reduce launched on a communication stream as soon as each bucket's gradients are ready, overlapping the
+// rest of backward; the optimizers wait for all buckets.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/engines/reducer.h"
+#include "dp/nn/batch.h"
+#include "dp/nn/loss.h"
+#include "dp/nn/model.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/process_group.h"
+
+namespace dp {
+
+namespace engines {
+class StepGraphs;
+class StepPipeline;
+class Replicas;
+struct StepWork;
+}  // namespace engines
+
+struct DdpOptions {
+  std::optional<std::vector<int>> device_ids;  // unset: every device; rank = position
+  double bucket_cap_mb = 25.0;                 // MiB, as torch's bucket_cap_mb
+  double first_bucket_mb = 1.0;                // torch's _DEFAULT_FIRST_BUCKET_BYTES
+  bool broadcast_buffers = true;
+  // Debug: after every step, verify that all replicas' parameters are bitwise identical.
+  bool check_replicas = false;
+  // torch.nn.SyncBatchNorm.convert_sync_batchnorm: BatchNorm statistics over all ranks' batches
+  // (forward and backward), so N ranks of b samples train as one device on the N*b samples.
+  bool sync_batchnorm = false;
+  StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from (rank r: seed + r)
+  // The processes of the job (ProcessGroup::from_environment() under mpirun); null: this one alone.
+  // Every process constructs its DDP with the same options and the same number of devices.
+  std::shared_ptr<ProcessGroup> processes;
+  // Capture each rank's train_step (its collectives included) per batch sizes and replay it
+  // (EngineOptions::graphs). In one process only; forward_backward/step (no_sync loops) run eagerly.
+  bool graphs = false;
+};
+
+// One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.
+using RankBatch = Batch;
+
+class DistributedDataParallel final : public Engine {
+ public:
+  // `module` lives on device_ids[0] and becomes rank 0's replica; its values are broadcast.
+  DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DdpOptions options = {});
+  ~DistributedDataParallel() override;
+
+  // Global ranks over every process; this process's local rank r is global rank first_rank() + r.
+  int world_size() const override { return comm_->size(); }
+  int first_rank() const override { return comm_->first_rank(); }
+  ProcessGroup& processes() const;
+  const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
+  Model& replica(int rank) const;
+  Optimizer& optimizer(int rank) const;
+
+  // Engine: one batch per local rank. train_step = zero_grad + forward_backward + step; the loss is
+  // averaged over all global ranks (each rank's loss is the mean over its own batch), the same
+  // value on every process. predict: each local rank's eval-mode forward of its batch, after the
+  // buffer broadcast a forward does.
+  EngineKind kind() const override { return EngineKind::ddp; }
+  const std::vector<int>& device_ids() const override { return group_.device_ids(); }
+  int batches_per_step() const override { return group_.size(); }
+  using Engine::train_step;
+  StepLoss submit_step(std::span<const Batch> batches) override;
+  std::vector<float> predict(std::span<const Batch> batches) override;
+  // Steps return once the loss is known; the optimizer update may still run on the devices.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize() override;
+  Model& model() const override { return replica(0); }
+  std::vector<Optimizer*> optimizers() override;
+
+  // The pieces, for gradient accumulation: gradients of loss * loss_scale are accumulated; they are
+  // averaged across ranks unless inside a no_sync() scope.
+  void zero_grad();
+  float forward_backward(std::span<const Batch> batches, float loss_scale = 1.0f);
+  void step();
+
+  // While alive, backward accumulates locally without communication (torch's ddp.no_sync()).
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp) { ddp.sync_ = false; }
+    ~NoSync() {
+      if (ddp_) ddp_->sync_ = true;
+    }
+    NoSync(NoSync&& other) noexcept : ddp_(other.ddp_) { other.ddp_ = nullptr; }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    DistributedDataParallel* ddp_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  // Throws Error naming the first parameter and rank whose values differ from rank 0's.
+  void check_replicas_identical();
+  std::uint64_t graph_replays() const override;
+
+ private:
+  struct Rank;
+  void broadcast_from_rank0(bool parameters, bool buffers);
+  // Rank r's share of broadcast_from_rank0, zero_grad and step, enqueued on its compute stream.
+  void enqueue_broadcast(int r, bool parameters, bool buffers);
+  void enqueue_zero_grad(int r);
+  void enqueue_step(int r);
+  // Before a forward, on the caller: whether buffers are broadcast first (torch 1.13: unless the
+  // previous forward ran inside no_sync), and SyncBatchNorm's global sample count. Returns whether
+  // this forward's backward all-reduces (not inside no_sync).
+  bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers);
+  // Rank r's forward, loss, backward (its buckets all-reduced when `sync`) and the loss's copy to
+  // pipeline slot `slot`'s pinned float, enqueued on its compute stream; records its loss_ready
+  // event (not while capturing). `ring`: the batch is in the rank's ring, in `slot`; else staged now.
+  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, int slot, bool ring);
+  // On the caller: the join stream waits for every rank's loss of `slot` (one host wait then).
+  void join_losses(int slot);
+  const Event& losses_ready(int slot) const;
+  // On the caller: waits for every rank's loss of `slot` and returns the mean over all global ranks.
+  float wait_for_loss(int slot);
+  // Runs task(rank) on every rank; on a failure anywhere, aborts the communicator at once (peers
+  // may be waiting in its collectives) and rethrows.
+  void run_ranks(const std::function<void(int rank)>& task);
+  void abort_communicators();
+  void check_batches(std::span<const Batch> batches, bool training) const;
+  // Rank r's whole train_step (zero_grad, forward, backward with its buckets, optimizer), enqueued.
+  void enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot);
+  // submit_step's work in its three forms (engines::StepGraphs::run picks one): every rank's step
+  // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
+  engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
+
+  EvalTotals reduce_totals(const EvalTotals& local) override;
+  DeviceGroup group_;
+  DdpOptions options_;
+  std::shared_ptr<ProcessGroup> processes_;
+  std::unique_ptr<engines::Replicas> replicas_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only
+  std::unique_ptr<Reducer> reducer_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  bool sync_ = true;
+  bool require_forward_param_sync_ = true;
+  std::unique_ptr<engines::StepGraphs> graphs_;
+  Stream loss_join_;                                 // on rank 0's device: waits for every rank's loss
+  std::array<Event, kStepsInFlight> losses_ready_;   // per pipeline slot, recorded there once it has
+  std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
+};
+
+}  // namespace dp

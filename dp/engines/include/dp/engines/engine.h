@@ -1,0 +1,170 @@
+// dp/engine.h — one interface over the three ways dp trains a model: on one device
+// (SingleDeviceTrainer), DataParallel and DistributedDataParallel. A program picks its engine once
+// (make_engine) with the optimizer of its choice and runs every step, evaluation and checkpoint through this interface.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "dp/nn/batch.h"
+#include "dp/nn/model.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/process_group.h"
+
+namespace dp {
+
+enum class EngineKind { single, dp, ddp };
+
+// What a training step computes besides the optimizer's update, the same for every engine.
+struct StepOptions {
+  // CrossEntropyLoss(label_smoothing=...): targets (1 - s) * onehot + s / classes.
+  double label_smoothing = 0.0;
+  // What Dropout draws from (RandomContext): single and DP use it as is, DDP rank r uses seed + r.
+  std::uint64_t seed = 0;
+};
+
+// Evaluation totals over some samples: summed cross-entropy, correct top-1 predictions, samples.
+// Totals of batches (and of ranks) add up; divide only at the end.
+struct EvalTotals {
+  double loss_sum = 0.0;
+  std::int64_t correct = 0;
+  std::int64_t samples = 0;
+
+  EvalTotals& operator+=(const EvalTotals& other);
+  double mean_loss() const { return samples ? loss_sum / static_cast<double>(samples) : 0.0; }
+  double accuracy() const { return samples ? static_cast<double>(correct) / static_cast<double>(samples) : 0.0; }
+};
+
+// "single", "dp", "ddp".
+std::string_view to_string(EngineKind kind);
+// The inverse of to_string; throws InvalidArgument naming the value otherwise.
+EngineKind parse_engine_kind(std::string_view name);
+
+// Training steps an engine keeps in flight at most (Engine::submit_step): step k uses its slot k % 2
+// (its inputs, its loss, its graph), free again once step k's loss is known.
+inline constexpr int kStepsInFlight = 2;
+
+namespace engines {
+class StepPipeline;
+}
+
+// The mean loss of a training step that was enqueued but may still run (Engine::submit_step), like
+// the loss tensor of a PyTorch step before `.item()`: get() waits for that step's loss only, never
+// for later steps. A copy refers to the same loss. Valid after its engine is gone (the engine
+// waits for the losses of its steps when it is destroyed).
+class StepLoss {
+ public:
+  StepLoss() = default;  // no step: get() throws InvalidArgument
+  // Waits for the loss; rethrows the failure of the step (a failed kernel, a failed collective).
+  float get() const;
+  // Whether get() would return without waiting.
+  bool ready() const;
+
+ private:
+  friend class engines::StepPipeline;
+  struct State {
+    std::function<float()> wait;  // until resolved: waits for the loss, reads it
+    std::function<bool()> query;  // until resolved: whether wait() would not block
+    std::optional<float> value;
+    std::exception_ptr error;
+    bool reported = false;  // get() has thrown `error`: the engine does not throw it again
+    void resolve();
+  };
+  explicit StepLoss(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual EngineKind kind() const = 0;
+  // The devices the engine drives, in rank order (single: the model's device).
+  virtual const std::vector<int>& device_ids() const = 0;
+  // Host batches one step takes: 1 for single and DP (the global batch, which DP scatters), one
+  // per local rank for DDP (each rank's shard, as its DistributedSampler gives it).
+  virtual int batches_per_step() const = 0;
+  // The data's shards: DistributedSampler's num_replicas (DDP: the global ranks of every process)
+  // and the global rank of this process's first batch. single and DP: 1 and 0.
+  virtual int world_size() const { return 1; }
+  virtual int first_rank() const { return 0; }
+
+  // One training step (zero_grad, forward, loss, backward, optimizer step) over
+  // batches_per_step() batches, enqueued: returns once the batches are copied (the caller may reuse
+  // their memory; a lent batch, Batch::lease, is read in place later) and the step's work is on its
+  // way, with its mean cross-entropy loss (DDP: averaged over ranks) to come. The host prepares the
+  // next batch while the devices run this step, and that batch is copied in (a copy stream, into
+  // the other of two device input buffers) while this step computes. At most two steps are in
+  // flight: submitting a third waits for the loss of the first, and rethrows its failure. Steps run
+  // in submission order, so their results are those of train_step one after another, bit for bit.
+  // DDP across processes returns a loss already known.
+  virtual StepLoss submit_step(std::span<const Batch> batches) = 0;
+  // submit_step(batches).get(): one step, waiting for its loss.
+  float train_step(std::span<const Batch> batches) { return submit_step(batches).get(); }
+  // Eval-mode forward (BatchNorm uses its running statistics) over batches_per_step() batches;
+  // returns the logits of every sample, batch after batch, as (samples, outputs) floats. DDP: a
+  // rank's batch may be empty (an evaluation shard that ran out before the others).
+  virtual std::vector<float> predict(std::span<const Batch> batches) = 0;
+  // predict(), then per sample its plain cross-entropy against the target (in double; no label
+  // smoothing, so test losses compare across runs) and whether the
+  // arg-max logit (the first of equal maxima, as torch.argmax) is the target. With `predictions`,
+  // each sample's arg-max class is appended there, batch after batch. DDP across processes: the
+  // totals of every process's batches (each process passes its own; every process gets the sum);
+  // predictions stay this process's.
+  EvalTotals evaluate(std::span<const Batch> batches, std::vector<std::int32_t>* predictions = nullptr);
+  // Steps may still run on the devices (submit_step; train_step returns once the loss is known, the
+  // optimizer update may still run): waits for all of them. Call this before reading parameters or
+  // optimizer state from another stream.
+  virtual void synchronize() = 0;
+
+  // What a checkpoint holds: the model whose parameters and buffers are the run's result (single:
+  // the model; DP: the source module; DDP: rank 0's replica), and every optimizer in rank order
+  // (one for single and DP; DDP's all have the same state, as their gradients are identical).
+  virtual Model& model() const = 0;
+  virtual std::vector<Optimizer*> optimizers() = 0;
+
+  // Sets the learning rate of every optimizer (schedules, warm-up). With graphs, the next replay
+  // reads it: no re-capture.
+  void set_lr(double lr);
+  // Training steps that ran as a replay of a captured graph (EngineOptions::graphs), so far.
+  virtual std::uint64_t graph_replays() const { return 0; }
+
+ protected:
+  // evaluate()'s totals of this process's batches -> the totals of every process's.
+  virtual EvalTotals reduce_totals(const EvalTotals& local) { return local; }
+};
+
+struct EngineOptions {
+  EngineKind kind = EngineKind::single;
+  // Devices in rank order; unset: every device of the runtime (single: the model's device).
+  std::optional<std::vector<int>> device_ids;
+  std::optional<int> output_device;  // dp: gathers outputs, computes the loss (default device_ids[0])
+  bool time_phases = false;          // dp: record phase times (DataParallel::last_phases)
+  double bucket_cap_mb = 25.0;       // ddp: gradient bucket cap, MiB
+  double first_bucket_mb = 1.0;      // ddp: the first bucket's cap, MiB
+  bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
+  bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
+  StepOptions step = {};             // loss and randomness, every kind
+  // Every kind: capture each training step into a graph (CUDA graphs; emulated on sim) once per
+  // batch size, after one eager step of that size, and replay it from then on -- the same work
+  // with one launch per step, bit for bit the eager results. Steps run eagerly where a graph cannot
+  // hold them: a model that is not capturable() (Dropout), dp with time_phases, ddp across processes.
+  bool graphs = false;
+  // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
+  // single and dp are single-process: a group of several processes is refused for them.
+  std::shared_ptr<ProcessGroup> processes;
+};
+
+// `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws
+// InvalidArgument for options that do not apply to the kind (an output device for ddp, ...).
+std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
+                                    const EngineOptions& options);
+
+}  // namespace dp

@@ -1,0 +1,61 @@
+// dp/reducer.h — DDP's gradient reducer, apart from DDP as c10d keeps it: the buckets (contiguous
+// slices of the flat gradient buffer, filled in reverse parameter order), which gradients each is
+// still waiting for, and their all-reduce on a communication stream, launched strictly in bucket
+// order as soon as a bucket is complete, overlapping the rest of backward.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/nn/tensor.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/device.h"
+#include "dp/runtime/device_group.h"
+
+namespace dp {
+
+// A bucket: a contiguous slice [offset, offset+count) of the flat gradient buffer.
+struct GradBucket {
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  std::vector<std::string> parameters;  // in the order they were added (reverse parameter order)
+};
+
+// torch's steady-state assignment (the rebuilt buckets after the first iteration): parameters in
+// reverse order; a bucket closes once its size reaches the current limit, the first limit being
+// first_bucket_mb and every later one bucket_cap_mb.
+std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters, double first_bucket_mb,
+                                       double bucket_cap_mb);
+
+class Reducer {
+ public:
+  // One communication stream per rank of `group`; `comm` and `group` must outlive the reducer.
+  Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets);
+  ~Reducer();
+
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+
+  // Rank r's side of one synchronised backward, each called on rank r's worker:
+  // prepare() before the backward is enqueued on `compute` (grads: the rank's flat gradients);
+  // mark_ready() from the backward's GradientsReady callback; finish() after it, which checks
+  // that every bucket was launched and makes `compute` wait for all of them (the optimizer runs
+  // there). Gradients end up averaged over the ranks.
+  void prepare(int rank, const Stream& compute, float* grads);
+  void mark_ready(int rank, std::size_t offset, std::size_t count);
+  void finish(int rank);
+
+  // Blocks until rank r's communication stream is idle.
+  void synchronize(int rank);
+
+ private:
+  struct Rank;
+  void launch_ready(int rank);
+
+  Communicator& comm_;
+  std::vector<GradBucket> buckets_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+}  // namespace dp

@@ -1,0 +1,134 @@
+// dp/model.h — what the engine sees of a model. DP and DDP work only through this interface, so a
+// user's own hand-written model is as good as the reference MLP and ConvNet in models/.
+// Contract: all parameters of a replica live in ONE contiguous float buffer and all gradients in
+// another with the same layout (bucketed all-reduce and broadcast work on slices of them);
+// buffers (BatchNorm running stats, num_batches_tracked) live apart, in one byte buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/nn/tensor.h"
+#include "dp/runtime/device.h"
+
+namespace dp {
+
+class Communicator;
+
+enum class Mode { train, eval };
+
+// Backward calls this once per layer that has parameters, in reverse layer order, right after
+// that layer's gradient work has been enqueued on the stream (SequentialModel: inside containers —
+// Sequential, Residual — per child layer, as the backward reaches it): gradients in
+// [offset, offset + count) of the flat gradient buffer are final once that work completes.
+using GradientsReady = std::function<void(std::size_t offset, std::size_t count)>;
+
+// What stochastic layers (Dropout) draw from. A mask element is a pure function of these, the
+// layer and the element's index, so a run is reproducible, resumes where it stopped (the step is in
+// the checkpoint) and draws the same bits on sim and cuda. The engines set it before every
+// training forward: single and DP use the run's seed (a DP chunk passes its first sample's
+// index, so DP draws exactly the masks of single-device training on the global batch); DDP rank r
+// uses seed + r, as each torch process seeds itself with seed + rank.
+struct RandomContext {
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;           // optimizer steps taken before this forward
+  std::uint64_t sample_offset = 0;  // index of the batch's first sample in the step's batch
+};
+
+// SyncBatchNorm (torch.nn.SyncBatchNorm under DDP): BatchNorm layers in train mode normalise with
+// the statistics of every replica's batch together. As torch's module does, a layer sums its
+// statistics over the replicas between two kernels: an in-place all-reduce on `comm` as local rank
+// `rank`, on the layer's stream (every replica makes the same calls in the same order: two in a
+// BatchNorm forward, one in its backward); `global_samples` is the step's number of samples over
+// all replicas.
+struct BatchNormSync {
+  Communicator* comm = nullptr;
+  int rank = 0;
+  std::int64_t global_samples = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  virtual std::string name() const = 0;
+  virtual Device& device() const = 0;
+
+  // Flat buffers (device memory). Parameter order = PyTorch's model.parameters() order.
+  // grads_flat() enqueues the fill of a pending zero_grad (see zero_grad) on zero_grad's stream.
+  virtual float* params_flat() const = 0;
+  virtual float* grads_flat() const = 0;
+  // The gradients' address without filling in a pending zero_grad, for a caller that reads them
+  // only once the next backward has written them: DDP's reducer is handed it before the backward
+  // and all-reduces each bucket after the backward wrote it. Models that write no gradients in
+  // their backward, or cannot say, keep the default (grads_flat(): the zeros are filled in).
+  virtual float* grads_address() const { return grads_flat(); }
+  virtual std::size_t param_count() const = 0;
+  virtual void* buffers_flat() const = 0;  // may be null when there are no buffers
+  virtual std::size_t buffers_bytes() const = 0;
+
+  // Named views into those buffers, with PyTorch state-dict names. They are device memory written
+  // by stream work: read them on the stream that trains the model, or after the engine's synchronize().
+  // gradients() after a zero_grad that no backward followed fills in the zeros and waits for them.
+  virtual std::vector<TensorRef> parameters() const = 0;
+  virtual std::vector<TensorRef> gradients() const = 0;  // same names and layout as parameters()
+  virtual std::vector<TensorRef> buffers() const = 0;
+
+  // Per-sample input shape, e.g. {1, 28, 28}, and number of output features (logits).
+  virtual std::vector<std::int64_t> input_shape() const = 0;
+  virtual int output_features() const = 0;
+
+  // Enqueues the forward pass on `stream` for `batch` samples at `input` (device memory, batch x
+  // input_shape). Returns the (batch, output_features) output, valid until the next forward.
+  // In train mode, layers keep what backward needs and BatchNorm updates its running stats.
+  virtual const float* forward(const Stream& stream, const float* input, int batch, Mode mode) = 0;
+
+  // Enqueues the backward pass of the last train-mode forward, given dL/doutput. The first backward
+  // after zero_grad WRITES every parameter gradient into grads_flat; later ones ACCUMULATE into it
+  // (as PyTorch accumulates .grad: gradient accumulation, DDP's no_sync).
+  virtual void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready = {}) = 0;
+
+  // The gradients read as zeros from here on, as after PyTorch's zero_grad(set_to_none=True): the
+  // model enqueues nothing (one launch fewer per step) and notes on the host that the zeros are
+  // pending; the next backward then writes the gradients instead of adding to them. The rule for
+  // anything that reads the gradients before that backward: the zeros are materialised, on
+  // `stream`, where the fill used to be enqueued, by the first of
+  //   - grads_flat(): enqueues the fill (work the caller orders after `stream` reads zeros, as an
+  //     optimizer step after a zero_grad with no backward);
+  //   - gradients(): enqueues the fill and waits for it (views may be read after a synchronize);
+  // so a caller that takes grads_flat() before the backward (DDP's reducer) gets today's fill and
+  // an accumulating backward; one that takes it after (an optimizer step) never pays for it.
+  // Graph replays do not go through the model: a captured step (zero_grad + backward inside)
+  // replays what it captured, a written gradient, whatever the host state says; the engine then
+  // calls replayed_backward(), so a zero_grad issued before the replay is done with, as after an
+  // eager step. One thread at a time per model, as for backward.
+  virtual void zero_grad(const Stream& stream) = 0;
+
+  // The randomness the next train-mode forwards draw from (see RandomContext); models without
+  // stochastic layers ignore it.
+  virtual void set_random_context(const RandomContext&) {}
+  // Until reset with null, train-mode forwards and backwards synchronise BatchNorm statistics
+  // through `sync` (owned by the caller, alive while set); models without BatchNorm ignore it.
+  virtual void set_batchnorm_sync(const BatchNormSync*) {}
+  // An engine replayed a captured step whose backward wrote the gradients: on the host, the model
+  // is where that backward leaves it (a pending zero_grad is done with), as if it had run.
+  virtual void replayed_backward() {}
+
+  // Whether an engine may capture a training step of this model into a graph once and replay it
+  // for later steps (EngineOptions::graphs): true only when forward, backward and zero_grad enqueue
+  // the same work with the same arguments at every step of one batch size that makes the same
+  // calls (a step's backward after its own zero_grad always writes the gradients; nothing drawn from
+  // RandomContext's step, no host value baked into a launch), and allocate nothing once a step of
+  // that batch size has run. Models that do not say so run every step eagerly.
+  virtual bool capturable() const { return false; }
+
+  // The same architecture on another device, with its own buffers (values uninitialised: the
+  // engine broadcasts them).
+  virtual std::unique_ptr<Model> replicate(Device& device) const = 0;
+};
+
+}  // namespace dp

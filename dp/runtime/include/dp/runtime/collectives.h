@@ -1,0 +1,55 @@
+// dp/collectives.h — collectives over the devices of a DeviceGroup, one interface for both
+// backends: NCCL on cuda (one communicator per device), a real ring over counted device-to-device
+// copies on sim (so a rank sends and receives 2(N-1)/N of a buffer per all-reduce). With a
+// ProcessGroup of several processes, the ranks are those of every process (global rank = process
+// rank x devices per process + local rank): NCCL bootstraps through MPI, the sim ring passes its
+// steps between processes as MPI messages.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "dp/runtime/device.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/process_group.h"
+
+namespace dp {
+
+// Whether two devices of `group` run on one GPU (RuntimeOptions::devices_per_gpu > 1). On cuda
+// their collectives then run on the device ring (kernels with the sim ring's algorithm and
+// summation order: the same bits as the sim), as NCCL refuses two ranks on one GPU; otherwise on
+// NCCL. The sim always runs its ring.
+bool shares_a_gpu(const DeviceGroup& group);
+
+// NCCL semantics: every rank calls the same collectives in the same order, each from its own
+// worker thread, on a stream of its own device; calls are asynchronous for the host and complete
+// in stream order. A rank whose peers never arrive waits (on its stream), as on a GPU — abort()
+// turns such waits into errors.
+class Communicator {
+ public:
+  // `group` (this process's devices, local rank = position) must outlive the communicator.
+  // `processes` (default: this process alone): every process passes a group of the same size, and
+  // creates its communicators in the same order (creation is collective across processes).
+  static std::unique_ptr<Communicator> create(const DeviceGroup& group,
+                                              std::shared_ptr<ProcessGroup> processes = nullptr);
+  virtual ~Communicator() = default;
+
+  // Global ranks: size() over all processes, local_size() of them here, local rank r is global
+  // rank first_rank() + r. The `rank` argument of every call is the caller's local rank; `root`
+  // is a global rank.
+  virtual int size() const = 0;
+  virtual int local_size() const = 0;
+  virtual int first_rank() const = 0;
+  // data (count floats on rank's device) = op over all ranks' data.
+  virtual void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) = 0;
+  // data (bytes on each rank's device) = root's data.
+  virtual void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) = 0;
+  // root's data = sum over all ranks' data; other ranks' data unchanged.
+  virtual void reduce(int rank, const Stream& stream, float* data, std::size_t count, int root) = 0;
+  // recv (size() * count floats) = the ranks' send buffers (count floats each), in rank order.
+  virtual void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) = 0;
+  // Fails every pending and future collective instead of letting ranks wait for absent peers.
+  virtual void abort() = 0;
+};
+
+}  // namespace dp

@@ -1,0 +1,81 @@
+// dp/error.h — the exception types every dp entry point throws.
+// A library throws (it never aborts the embedding process); destructors never throw.
+#pragma once
+
+#include <cstddef>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+namespace dp {
+
+// Base of every error dp raises. The message is complete on its own: it names the device,
+// the request or the file involved, so a caller can print e.what() and exit.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A device allocation that would exceed the device's capacity (sim) or that the driver refused (cuda).
+class OutOfMemory : public Error {
+ public:
+  OutOfMemory(int device, std::size_t requested, std::size_t in_use, std::size_t capacity);
+  int device() const noexcept { return device_; }
+  std::size_t requested() const noexcept { return requested_; }
+
+ private:
+  int device_;
+  std::size_t requested_;
+};
+
+// An operation touched memory that does not live on the device of the stream it runs on
+// (a real GPU faults or reads garbage; the simulator refuses it before it runs).
+class DeviceMismatch : public Error {
+ public:
+  using Error::Error;
+};
+
+// An operation that CUDA forbids while a stream is being captured into a graph (a host
+// synchronisation, a pageable copy, an allocation, a wait on work outside the capture), or a
+// capture that cannot end (a stream forked into it never joined back, an invalidated capture).
+class CaptureError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A bad argument or configuration (shape, size, device index, option value).
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// A value that must be finite is NaN or infinite: a diverged model about to be saved, a checkpoint
+// holding NaN. Programs map it to "training diverged" (dp_train: exit code 3).
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A collective that stopped because its communicator was aborted, after another member (a device
+// or a process) failed: a consequence, not a cause. Where several devices failed, DeviceGroup::run
+// reports a cause first.
+class CollectiveAborted : public Error {
+ public:
+  using Error::Error;
+};
+
+// What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
+class WorkerError : public Error {
+ public:
+  WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices);
+  int device() const noexcept { return device_; }
+  std::exception_ptr cause() const noexcept { return cause_; }
+  int failed_devices() const noexcept { return failed_; }
+
+ private:
+  int device_;
+  std::exception_ptr cause_;
+  int failed_;
+};
+
+}  // namespace dp
