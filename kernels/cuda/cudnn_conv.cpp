@@ -166,16 +166,9 @@ bool clearly_faster(cudaStream_t stream, const Challenger& challenger, const Inc
   return best_challenger < 0.9f * best_incumbent;
 }
 
-// Builds the plan for `s`, choosing each direction's algorithm by timing the candidates on the
-// handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up), and then the weight
-// gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
-// scratch workspace that are freed, in stream order, when it returns.
-std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t handle, const Conv2dShape& s,
-                                Precision precision, const GemmWeightGrad& gemm) {
-  cudaStream_t stream = nullptr;
-  DP_CUDA_CHECK(cudnnGetStream(handle, &stream));
-  auto plan = std::make_unique<Plan>();
-  Plan& p = *plan;
+// The plan's descriptors for `s`: tensors, filter, and a convolution per direction with the math
+// type the search may use.
+void make_descriptors(Plan& p, const Conv2dShape& s, Precision precision) {
   // strict: FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
   // fast: the search may pick tensor-op (TF32) algorithms; each direction then runs with the math
   // type its winner was timed with (PyTorch sets it from the find result the same way).
@@ -196,6 +189,40 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
                             c, h, w, s.n, s.c_out, s.h_out(), s.w_out()));
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, c, h, w));
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.bias, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 1, s.c_out, 1, 1));
+}
+
+// Whether the shared weight gradient `gemm` beats cuDNN's chosen backward-filter algorithm on the
+// search's operands (y stands in for dy), timed the same way on the handle's stream.
+bool gemm_is_faster(kernel_api::LibraryCall& call, cudnnHandle_t handle, const Plan& p, const GemmWeightGrad& gemm,
+                    const FindBuffer& x, const FindBuffer& y, const FindBuffer& dweight, const FindBuffer& search,
+                    std::size_t search_bytes) {
+  cudaStream_t stream = nullptr;
+  DP_CUDA_CHECK(cudnnGetStream(handle, &stream));
+  const FindBuffer filter_workspace(call, p.bwd_filter_bytes > search_bytes ? p.bwd_filter_bytes : 0, stream);
+  void* const workspace = filter_workspace.data() ? filter_workspace.data() : search.data();
+  const auto* x_in = static_cast<const float*>(x.data());
+  const auto* dy_in = static_cast<const float*>(y.data());
+  auto* into = static_cast<float*>(dweight.data());
+  const float one = 1.0f, zero = 0.0f;
+  return clearly_faster(
+      stream, [&] { gemm(x_in, dy_in, into); },
+      [&] {
+        DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x_in, p.y, dy_in, p.conv, p.bwd_filter,
+                                                     workspace, p.bwd_filter_bytes, &zero, p.w, into));
+      });
+}
+
+// Builds the plan for `s`, choosing each direction's algorithm by timing the candidates on the
+// handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up), and then the weight
+// gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
+// scratch workspace that are freed, in stream order, when it returns.
+std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t handle, const Conv2dShape& s,
+                                Precision precision, const GemmWeightGrad& gemm) {
+  cudaStream_t stream = nullptr;
+  DP_CUDA_CHECK(cudnnGetStream(handle, &stream));
+  auto plan = std::make_unique<Plan>();
+  Plan& p = *plan;
+  make_descriptors(p, s, precision);
 
   // The heuristics bound the search's workspace; the search itself runs every algorithm that fits.
   int count = 0;
@@ -218,7 +245,7 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
       dx(call, floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream);
   const FindBuffer weight(call, floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
   const FindBuffer dweight(call, floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
-  const FindBuffer y(call, floats(std::int64_t{n} * c * h * w), stream);
+  const FindBuffer y(call, floats(std::int64_t{s.n} * s.c_out * s.h_out() * s.w_out()), stream);
   const FindBuffer search(call, search_bytes, stream);
 
   DP_CUDA_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, p.x, x.data(), p.w, weight.data(), p.conv_fwd, p.y,
@@ -253,20 +280,7 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
   // timed the same way on the same operands (y stands in for dy). Nested library calls: gemm takes
   // the stream's cuBLAS handle while this holds its cuDNN one, the one nesting of the two (no
   // cuBLAS call takes cuDNN), so the locks cannot deadlock.
-  if (gemm) {
-    const FindBuffer filter_workspace(call, p.bwd_filter_bytes > search_bytes ? p.bwd_filter_bytes : 0, stream);
-    void* const workspace = filter_workspace.data() ? filter_workspace.data() : search.data();
-    const auto* x_in = static_cast<const float*>(x.data());
-    const auto* dy_in = static_cast<const float*>(y.data());
-    auto* into = static_cast<float*>(dweight.data());
-    const float one = 1.0f, zero = 0.0f;
-    p.weight_grad_by_gemm = clearly_faster(
-        stream, [&] { gemm(x_in, dy_in, into); },
-        [&] {
-          DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x_in, p.y, dy_in, p.conv, p.bwd_filter,
-                                                       workspace, p.bwd_filter_bytes, &zero, p.w, into));
-        });
-  }
+  if (gemm) p.weight_grad_by_gemm = gemm_is_faster(call, handle, p, gemm, x, y, dweight, search, search_bytes);
   // The search ran on the handle's stream: its scratch is freed behind it when this returns.
   return plan;
 }

@@ -82,6 +82,60 @@ std::vector<std::uint64_t> integers(const nlohmann::json& value, const char* wha
   return out;
 }
 
+// A tensor's bytes in the data section, [begin, end).
+struct Range {
+  std::uint64_t begin, end;
+  std::string name;
+};
+
+// One tensor's header entry: its dtype and shape, and where its bytes lie in the data section
+// (into `range`), checked against the section's size before anything is read.
+Tensor parse_entry(const nlohmann::json& entry, std::uint64_t data_size, Range& range) {
+  Tensor t;
+  t.dtype = entry.at("dtype").get<std::string>();
+  const std::size_t elem = dtype_bytes(t.dtype);
+  if (elem == 0) throw Error(fmt::format("unknown dtype '{}'", t.dtype));
+  std::uint64_t elements = 1;
+  for (const std::uint64_t d : integers(entry.at("shape"), "shape")) {
+    // Overflow-checked: a forged shape must not wrap around to match the byte count.
+    if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      throw Error(fmt::format("dimension {} is out of range", d));
+    t.shape.push_back(static_cast<std::int64_t>(d));
+    if (d != 0 && elements > data_size / d)
+      elements = data_size + 1;
+    else
+      elements *= d;
+  }
+  if (elements != 0 && elements * elem > data_size)
+    throw Error(fmt::format("shape needs more than the {}-byte data section", data_size));
+  const auto offsets = integers(entry.at("data_offsets"), "data_offsets");
+  if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
+    throw Error(fmt::format("data_offsets out of the {}-byte data section (file truncated?)", data_size));
+  if (offsets[1] - offsets[0] != t.numel() * elem)
+    throw Error(
+        fmt::format("{} bytes for dtype {} and shape of {} elements", offsets[1] - offsets[0], t.dtype, t.numel()));
+  range.begin = offsets[0];
+  range.end = offsets[1];
+  return t;
+}
+
+// The format's rule: the data section is indexed entirely, without holes or overlaps, so bytes
+// beyond the last tensor (a file padded or glued to another) are refused, not read. Sorts `ranges`.
+void check_coverage(const std::string& path, std::vector<Range>& ranges, std::uint64_t data_size) {
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::uint64_t covered = 0;
+  for (const Range& r : ranges) {
+    if (r.begin < covered) throw Error(fmt::format("{}: tensors overlap in the data section", path));
+    if (r.begin > covered)
+      throw Error(fmt::format("{}: a hole of {} bytes before tensor '{}' in the data section", path, r.begin - covered,
+                              r.name));
+    covered = r.end;
+  }
+  if (covered != data_size)
+    throw Error(
+        fmt::format("{}: {} bytes of trailing data after the tensors ({} bytes)", path, data_size - covered, covered));
+}
+
 }  // namespace
 
 File read(const std::string& path) {
@@ -116,10 +170,6 @@ File read(const std::string& path) {
   // The header first, checked against the file's size; only then the data, each tensor read
   // straight into its own buffer.
   File file;
-  struct Range {
-    std::uint64_t begin, end;
-    std::string name;
-  };
   std::vector<Range> ranges;
   for (auto& [name, entry] : json.items()) {
     if (name == "__metadata__") {
@@ -131,51 +181,15 @@ File read(const std::string& path) {
       continue;
     }
     try {
-      Tensor t;
-      t.dtype = entry.at("dtype").get<std::string>();
-      const std::size_t elem = dtype_bytes(t.dtype);
-      if (elem == 0) throw Error(fmt::format("unknown dtype '{}'", t.dtype));
-      std::uint64_t elements = 1;
-      for (const std::uint64_t d : integers(entry.at("shape"), "shape")) {
-        // Overflow-checked: a forged shape must not wrap around to match the byte count.
-        if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-          throw Error(fmt::format("dimension {} is out of range", d));
-        t.shape.push_back(static_cast<std::int64_t>(d));
-        if (d != 0 && elements > data_size / d)
-          elements = data_size + 1;
-        else
-          elements *= d;
-      }
-      if (elements != 0 && elements * elem > data_size)
-        throw Error(fmt::format("shape needs more than the {}-byte data section", data_size));
-      const auto offsets = integers(entry.at("data_offsets"), "data_offsets");
-      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
-        throw Error(fmt::format("data_offsets out of the {}-byte data section (file truncated?)", data_size));
-      if (offsets[1] - offsets[0] != t.numel() * elem)
-        throw Error(
-            fmt::format("{} bytes for dtype {} and shape of {} elements", offsets[1] - offsets[0], t.dtype, t.numel()));
-      ranges.push_back(Range{offsets[0], offsets[1], name});
-      file.tensors[name] = std::move(t);
+      ranges.push_back(Range{0, 0, name});
+      file.tensors[name] = parse_entry(entry, data_size, ranges.back());
     } catch (const nlohmann::json::exception& e) {
       throw Error(fmt::format("{}: tensor '{}': malformed entry: {}", path, name, e.what()));
     } catch (const Error& e) {
       throw Error(fmt::format("{}: tensor '{}': {}", path, name, e.what()));
     }
   }
-  // The format's rule: the data section is indexed entirely, without holes or overlaps, so bytes
-  // beyond the last tensor (a file padded or glued to another) are refused, not read.
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  std::uint64_t covered = 0;
-  for (const Range& r : ranges) {
-    if (r.begin < covered) throw Error(fmt::format("{}: tensors overlap in the data section", path));
-    if (r.begin > covered)
-      throw Error(fmt::format("{}: a hole of {} bytes before tensor '{}' in the data section", path, r.begin - covered,
-                              r.name));
-    covered = r.end;
-  }
-  if (covered != data_size)
-    throw Error(
-        fmt::format("{}: {} bytes of trailing data after the tensors ({} bytes)", path, data_size - covered, covered));
+  check_coverage(path, ranges, data_size);
   for (const Range& r : ranges) {
     Tensor& t = file.tensors[r.name];
     t.data.resize(r.end - r.begin);
