@@ -74,7 +74,7 @@ TEST(BatchLoader, DeliversEveryBatchInOrderFromPinnedMemory) {
   DeviceBuffer on_device = rt->device(0).allocate(3 * 784 * sizeof(float));
   Stream stream = rt->device(0).create_stream();
   for (std::size_t k = 0; k < plan.size(); ++k) {
-    const HostBatch batch = loader.next();
+    const Batch batch = loader.next();
     ASSERT_EQ(batch.size, static_cast<int>(plan[k].size()));
     for (int i = 0; i < batch.size; ++i) {
       const auto index = static_cast<std::size_t>(plan[k][static_cast<std::size_t>(i)]);
@@ -106,7 +106,7 @@ TEST(BatchLoader, ABatchsLeaseKeepsItsMemory) {
   const Dataset data = make_synthetic(20, 5);
   std::vector<std::vector<std::int64_t>> plan;
   for (std::int64_t k = 0; k < 10; ++k) plan.push_back({k, k + 10});
-  const auto expect_batch = [&](const HostBatch& batch, std::size_t k) {
+  const auto expect_batch = [&](const Batch& batch, std::size_t k) {
     ASSERT_EQ(batch.size, 2);
     for (std::size_t i = 0; i < 2; ++i) {
       const auto index = static_cast<std::size_t>(plan[k][i]);
@@ -115,11 +115,11 @@ TEST(BatchLoader, ABatchsLeaseKeepsItsMemory) {
           << "batch " << k;
     }
   };
-  std::vector<HostBatch> kept;  // every other batch, with its lease
+  std::vector<Batch> kept;  // every other batch, with its lease
   {
     BatchLoader loader(*rt, data, plan, 1);  // 3 buffers: batch 3 goes where batch 0 was
     for (std::size_t k = 0; k < plan.size(); ++k) {
-      HostBatch batch = loader.next();
+      Batch batch = loader.next();
       ASSERT_TRUE(batch.lease);
       EXPECT_TRUE(rt->is_pinned(batch.inputs, 2 * 784 * sizeof(float)));
       EXPECT_TRUE(rt->is_pinned(batch.targets, 2 * sizeof(std::int64_t)));
@@ -157,7 +157,7 @@ TEST(BatchLoader, NormalizesAsTorchvision) {
   auto rt = test::sim_runtime(1);
   const Dataset data = make_synthetic(4, 2);
   BatchLoader loader(*rt, data, {{0, 3}}, 2, Normalize{0.2860f, 0.3530f});
-  const HostBatch batch = loader.next();
+  const Batch batch = loader.next();
   for (std::size_t p = 0; p < 2 * 784; p += 13) {
     const std::size_t index = p < 784 ? p : 3 * 784 + (p - 784);
     // ToTensor, then Normalize: two fp32 roundings, the same ones torchvision makes.
@@ -249,7 +249,7 @@ TEST_F(IdxFiles, GzipAndPlainGiveTheSameDataAndBothSplitsAreFound) {
   // The loader turns both into the same batches, bit for bit.
   auto rt = test::sim_runtime(1);
   BatchLoader a(*rt, plain, {{0, 29, 5}}), b(*rt, gz, {{0, 29, 5}});
-  const HostBatch x = a.next(), y = b.next();
+  const Batch x = a.next(), y = b.next();
   EXPECT_EQ(std::memcmp(x.inputs, y.inputs, 3 * 784 * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(x.targets, y.targets, 3 * sizeof(std::int64_t)), 0);
 }

@@ -140,7 +140,7 @@ TEST_P(DataParallelOnBackend, MlpEqualsSingleDeviceOnTheGlobalBatch) {
     for (int step = 0; step < 4; ++step) {
       const Batch b = make_batch(30 + step, 100 + step);  // 30..33 rows: uneven chunks for 4 devices
       const float dp_loss = dp.train_step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
-      const float ref_loss = single.step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
+      const float ref_loss = single.train_step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
       // On sim the logits are per-row identical (OpenBLAS computes each row alike whatever the
       // batch) and the loss is a mean over the same rows; cuBLAS may pick other kernels per shape.
       EXPECT_NEAR(dp_loss, ref_loss, (sim ? 1e-6f : 1e-5f) * std::fabs(ref_loss));
@@ -175,7 +175,7 @@ TEST(DataParallel, OnOneDeviceIsTheSingleDeviceStepBitForBit) {
     for (int step = 0; step < 3; ++step) {
       const Batch b = make_batch(9 + step, 40 + step);
       const float got = dp.train_step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
-      const float want = single.step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
+      const float want = single.train_step(b.x.data(), b.y.data(), static_cast<int>(b.y.size()));
       EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << got << " vs " << want;
       EXPECT_NO_THROW(dp.last_phases());
       EXPECT_EQ(dp.last_chunks(), std::vector<int>{static_cast<int>(b.y.size())});

@@ -96,8 +96,8 @@ TEST_P(DdpOnBackend, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
     for (int step = 0; step < 4; ++step) {
       const int first = step * world * per_rank;
       const float ddp_loss = ddp.train_step(shards(data, first, world, per_rank));
-      const float ref_loss =
-          single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, world * per_rank);
+      const float ref_loss = single.train_step(data.x.data() + static_cast<std::size_t>(first) * 784,
+                                               data.y.data() + first, world * per_rank);
       // The mean of per-rank means over equal shards is the global mean, up to fp32 rounding.
       EXPECT_NEAR(ddp_loss, ref_loss, (sim ? 2e-6f : 1e-5f) * std::fabs(ref_loss));
     }
@@ -142,8 +142,8 @@ TEST_P(SyncBatchNorm, DdpEqualsOneDeviceOnTheConcatenatedBatch) {
     SCOPED_TRACE(fmt::format("step {}", step));
     const int first = step * world * per_rank;
     const float got = ddp.train_step(shards(data, first, world, per_rank));
-    const float want =
-        single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, world * per_rank);
+    const float want = single.train_step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first,
+                                         world * per_rank);
     EXPECT_NEAR(got, want, 1e-5f * std::fabs(want));
   }
   ddp.synchronize();
@@ -194,7 +194,7 @@ TEST(SyncBatchNormOff, PerRankStatisticsDifferFromOneDevice) {
   SingleDeviceTrainer single(*reference, SgdOptions{0.05f});
   const Data data = make_data(8, 21);
   const float got = ddp.train_step(shards(data, 0, 2, 4));
-  EXPECT_GT(std::fabs(got - single.step(data.x.data(), data.y.data(), 8)), 1e-4f);
+  EXPECT_GT(std::fabs(got - single.train_step(data.x.data(), data.y.data(), 8)), 1e-4f);
 }
 
 // DDP on one rank is the single-device step: bit for bit, and without a collective or a 1/N scale
@@ -211,7 +211,7 @@ TEST(Ddp, OneRankIsTheSingleDeviceStepWithoutCollectives) {
   for (int step = 0; step < 3; ++step) {
     const int first = step * 6;
     const float got = ddp.train_step(shards(data, first, 1, 6));
-    EXPECT_EQ(got, single.step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, 6));
+    EXPECT_EQ(got, single.train_step(data.x.data() + static_cast<std::size_t>(first) * 784, data.y.data() + first, 6));
   }
   ddp.synchronize();
   for (const TraceSpan& span : rt->take_trace()) {
@@ -236,7 +236,7 @@ TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
       ddp.forward_backward(shards(data, k * world * per_rank, world, per_rank), 1.0f / micro);
   }
   ddp.forward_backward(shards(data, (micro - 1) * world * per_rank, world, per_rank), 1.0f / micro);
-  ddp.step();
+  ddp.optimizer_step();
   // The same samples as one batch of 24: rank r's micro-batches are rows k*8 + r*4 .. +4.
   std::vector<float> x;
   std::vector<std::int64_t> y;
@@ -248,7 +248,7 @@ TEST(Ddp, NoSyncAccumulationEqualsOneStepOnTheConcatenatedBatch) {
         y.push_back(data.y[static_cast<std::size_t>(row)]);
       }
   SingleDeviceTrainer single(*reference, sgd);
-  single.step(x.data(), y.data(), world * per_rank * micro);
+  single.train_step(x.data(), y.data(), world * per_rank * micro);
   ddp.synchronize();
   for (int r = 0; r < world; ++r)
     EXPECT_TRUE(test::all_close(params_of(ddp.replica(r)), params_of(*reference), 1e-5, 1e-6)) << "rank " << r;
@@ -295,7 +295,7 @@ TEST(Ddp, BufferBroadcastIsSkippedAfterANoSyncForward) {
   ddp.forward_backward(shards(data, 0, 2, 4));  // no broadcast after a no_sync forward; all-reduce
   // A two-rank ring all-reduce sends half the buffer in reduce-scatter and half in all-gather.
   EXPECT_EQ(rt->link_traffic(0, 1).bytes, buffers + grads);
-  ddp.step();
+  ddp.optimizer_step();
   ddp.train_step(shards(data, 0, 2, 4));  // synchronised again: broadcast + all-reduce
   EXPECT_EQ(rt->link_traffic(0, 1).bytes, 2 * buffers + 2 * grads);
 }

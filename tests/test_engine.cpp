@@ -167,7 +167,7 @@ TEST(Engine, SingleThroughTheInterfaceIsTheConcreteTrainerBitForBit) {
     const Batch batch = d.batch();
     // The same kernels on the same device in the same order: no rounding may differ.
     const float got = engine->train_step({&batch, 1});
-    EXPECT_EQ(got, trainer.step(d.x.data(), d.y.data(), 6)) << "step " << step;
+    EXPECT_EQ(got, trainer.train_step(d.x.data(), d.y.data(), 6)) << "step " << step;
   }
   engine->synchronize();
   trainer.synchronize();

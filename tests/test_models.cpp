@@ -323,8 +323,8 @@ double train_and_report(Model& model, int steps, int batch, float lr) {
   const int window = 10;
   for (int step = 0; step < steps; ++step) {
     const int start = (step * batch) % (512 - batch);
-    const float l =
-        trainer.step(data.images.data() + static_cast<std::size_t>(start) * 784, data.labels.data() + start, batch);
+    const float l = trainer.train_step(data.images.data() + static_cast<std::size_t>(start) * 784,
+                                       data.labels.data() + start, batch);
     EXPECT_TRUE(std::isfinite(l));
     if (step < window) first += l / window;
     if (step >= steps - window) last += l / window;

@@ -259,7 +259,8 @@ TEST_F(ZeroGrad, TrainingEqualsTheFillAndAccumulateStepsBitForBit) {
     auto model = every_parameter_model(device_);
     {
       SingleDeviceTrainer trainer(*model, options, {}, graphs);
-      for (int k = 0; k < steps; ++k) trainer.step(inputs.data() + k * floats, targets.data() + k * kBatch, kBatch);
+      for (int k = 0; k < steps; ++k)
+        trainer.train_step(inputs.data() + k * floats, targets.data() + k * kBatch, kBatch);
       trainer.synchronize();
     }
     EXPECT_TRUE(same_values(read(model->params_flat(), n_), want_params));

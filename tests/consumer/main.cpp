@@ -47,7 +47,7 @@ int main() {
     ddp.forward_backward(shards, 0.5f);
   }
   ddp.forward_backward(shards, 0.5f);
-  ddp.step();
+  ddp.optimizer_step();
   ddp.synchronize();
   dp::Stream stream = runtime->device(0).create_stream();
   const auto state = dp::state_dict(ddp.replica(0), stream);

@@ -185,8 +185,8 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
     const float got = ddp.forward_backward(local_shards(data, next, per_rank));
     const float want = ref.forward_backward(test::shards(data, next, n, per_rank));
     EXPECT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << "accumulated step: " << got << " vs " << want;
-    ddp.step();
-    ref.step();
+    ddp.optimizer_step();
+    ref.optimizer_step();
   }
   // Evaluation totals are those of every process's batches.
   const EvalTotals got = ddp.evaluate(local_shards(data, 0, per_rank));

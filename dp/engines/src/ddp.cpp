@@ -266,7 +266,7 @@ EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
   return total;
 }
 
-void DistributedDataParallel::step() {
+void DistributedDataParallel::optimizer_step() {
   pipeline_->drain();
   group_.run([&](int r) { enqueue_step(r); });
   if (options_.check_replicas) check_replicas_identical();

@@ -77,7 +77,7 @@ StepLoss SingleDeviceTrainer::submit_batch(const Batch& step_batch) {
   });
 }
 
-float SingleDeviceTrainer::step(const float* inputs, const std::int64_t* targets, int batch) {
+float SingleDeviceTrainer::train_step(const float* inputs, const std::int64_t* targets, int batch) {
   return submit(inputs, targets, batch).get();
 }
 

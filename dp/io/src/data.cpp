@@ -342,7 +342,7 @@ void BatchLoader::produce() {
   }
 }
 
-HostBatch BatchLoader::next() {
+Batch BatchLoader::next() {
   std::unique_lock lock(mutex_);
   if (consumed_ >= count_) throw Error("BatchLoader: all batches were consumed");
   cv_.wait(lock, [&] { return produced_ > consumed_ || error_; });
@@ -361,7 +361,7 @@ HostBatch BatchLoader::next() {
   std::shared_ptr<const void> lease(inputs, [memory](const void*) {
     memory->leases.fetch_sub(1, std::memory_order_release);  // its holder's reads are done
   });
-  return HostBatch{inputs, targets, size, std::move(lease)};
+  return Batch{inputs, targets, size, std::move(lease)};
 }
 
 }  // namespace dp

@@ -90,7 +90,10 @@ class DistributedDataParallel final : public Engine {
   // averaged across ranks unless inside a no_sync() scope.
   void zero_grad();
   float forward_backward(std::span<const Batch> batches, float loss_scale = 1.0f);
-  void step();
+  // The optimizer's step on every rank (torch's optimizer.step()), after the gradients' all-reduce.
+  void optimizer_step();
+  // The old name of optimizer_step; goes away in the next release.
+  [[deprecated("use optimizer_step")]] void step() { optimizer_step(); }
 
   // While alive, backward accumulates locally without communication (torch's ddp.no_sync()).
   class NoSync {

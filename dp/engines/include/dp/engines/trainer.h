@@ -34,7 +34,11 @@ class SingleDeviceTrainer final : public Engine {
   // (Engine::submit_step), its mean loss to come.
   StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
   // submit(...).get(): returns the batch's mean loss, once the step has finished.
-  float step(const float* inputs, const std::int64_t* targets, int batch);
+  float train_step(const float* inputs, const std::int64_t* targets, int batch);
+  // The old name of train_step; goes away in the next release.
+  [[deprecated("use train_step")]] float step(const float* inputs, const std::int64_t* targets, int batch) {
+    return train_step(inputs, targets, batch);
+  }
 
   // Eval-mode forward of host inputs; returns the logits on the host.
   std::vector<float> predict(const float* inputs, int batch);

@@ -87,9 +87,8 @@ struct Normalize {
   float std = 1.0f;
 };
 
-// One batch ready on the host: pixels / 255 as float32 (size x rows x cols) and int64 labels,
-// in pinned memory (copies to a device are asynchronous).
-using HostBatch = Batch;
+// The old name of a loader's batch (a dp::Batch); goes away in the next release.
+using HostBatch [[deprecated("use dp::Batch")]] = Batch;
 
 // The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
 // before it fills the batch: a plan of millions of steps takes no memory up front.
@@ -118,7 +117,9 @@ class BatchLoader {
 
   std::size_t count() const { return count_; }
   // Throws once all batches were consumed, or what making the batch threw (a bad plan).
-  HostBatch next();
+  // One batch ready on the host: pixels / 255 as float32 (size x rows x cols) and int64 labels, in
+  // pinned memory the batch's lease lends (copies to a device are asynchronous).
+  Batch next();
 
  private:
   struct Memory {
