@@ -5,6 +5,13 @@
 #include "dp/kernels/detail/launch.h"
 
 namespace dp::kernels {
+namespace {
+// n, c >= 0 and a non-empty plane.
+void check_global_avgpool(const char* op, int n, int c, int hw) {
+  if (n < 0 || c < 0 || hw < 1)
+    checks::fail({op, ": need n, c >= 0 and a non-empty plane, got n=", n, " c=", c, " hw=", hw});
+}
+}  // namespace
 
 void avgpool_forward(const Stream& stream, const AvgPoolShape& shape, const float* x, float* y) {
   checks::pool2d("avgpool_forward", shape);
@@ -23,14 +30,14 @@ void avgpool_backward(const Stream& stream, const AvgPoolShape& shape, const flo
 }
 
 void global_avgpool_forward(const Stream& stream, int n, int c, int hw, const float* x, float* y) {
-  checks::global_avgpool("global_avgpool_forward", n, c, hw);
+  check_global_avgpool("global_avgpool_forward", n, c, hw);
   const index_t planes = static_cast<index_t>(n) * c;
   launch(stream, "global_avgpool_forward", planes, GlobalAvgPoolForward{hw, x, y},
          {operand(x, planes * hw), operand(y, planes)});
 }
 
 void global_avgpool_backward(const Stream& stream, int n, int c, int hw, const float* dy, float* dx) {
-  checks::global_avgpool("global_avgpool_backward", n, c, hw);
+  check_global_avgpool("global_avgpool_backward", n, c, hw);
   const index_t planes = static_cast<index_t>(n) * c;
   launch_2d(stream, "global_avgpool_backward", planes, hw, GlobalAvgPoolBackward{hw, dy, dx},
             {operand(dy, planes), operand(dx, planes * hw)});

@@ -4,8 +4,27 @@
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/elementwise.h"
+#include "dp/runtime/shape.h"
 
 namespace dp::kernels {
+namespace {
+std::string describe(const BatchNormShape& s) { return format_dims({{"N", s.n}, {"C", s.c}, {"H", s.h}, {"W", s.w}}); }
+
+// Negative extents; in training (statistics), more than one value per channel.
+void check_shape(const char* op, const BatchNormShape& s, bool training) {
+  if (s.n < 0 || s.c < 0 || s.h < 0 || s.w < 0) checks::fail({op, ": negative extent in shape ", describe(s)});
+  if (training && s.c > 0 && static_cast<std::int64_t>(s.n) * s.h * s.w < 2)
+    checks::fail({op, ": expected more than 1 value per channel when training, got shape ", describe(s)});
+}
+
+// SyncBatchNorm's count over all replicas.
+void check_global_count(const char* op, std::int64_t global_count, std::int64_t local_count) {
+  if (global_count < 2 || global_count < local_count || global_count > (std::int64_t{1} << 24))
+    checks::fail({op, ": ", global_count, " values per channel over all replicas (this one has ", local_count,
+                  "): need at least 2, at least this replica's, and at most 2^24 (exact as a float)"});
+}
+}  // namespace
+
 namespace {
 
 // The training forward's operands, plain and synchronised alike.
@@ -79,7 +98,7 @@ void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, 
                              const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
                              float* running_var, std::int64_t* num_batches_tracked, bool relu) {
   const char* name = "batchnorm_forward_train";
-  checks::batchnorm(name, shape, true);
+  check_shape(name, shape, true);
   check_forward_operands(name, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
                          num_batches_tracked);
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
@@ -101,7 +120,7 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
                             const float* beta, const float* running_mean, const float* running_var, float* y,
                             bool relu) {
   const char* name = "batchnorm_forward_eval";
-  checks::batchnorm(name, shape, false);
+  check_shape(name, shape, false);
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t total = static_cast<index_t>(shape.n) * c * plane;
   if (total == 0) return;
@@ -121,7 +140,7 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
                         const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
                         float* dbeta, float* grad_sums, const float* relu_y, bool accumulate) {
   const char* name = "batchnorm_backward";
-  checks::batchnorm(name, shape, true);
+  check_shape(name, shape, true);
   backward_sums(name, stream, shape, x, gamma, save_mean, save_invstd, dy, dgamma, dbeta, grad_sums, relu_y,
                 accumulate);
   backward_dx(stream, shape, x, gamma, save_mean, save_invstd, dy, dx, grad_sums,
@@ -131,8 +150,8 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
 void sync_batchnorm_sums(const Stream& stream, const BatchNormShape& shape, const float* x, float* sums,
                          index_t global_count) {
   const char* name = "sync_batchnorm_sums";
-  checks::batchnorm(name, shape, false);  // a replica may hold one value per channel; the union may not
-  checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
+  check_shape(name, shape, false);  // a replica may hold one value per channel; the union may not
+  check_global_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
   checks::present(name, {{"x", x}, {"sums", sums}});
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane;
@@ -143,8 +162,8 @@ void sync_batchnorm_sums(const Stream& stream, const BatchNormShape& shape, cons
 void sync_batchnorm_moments(const Stream& stream, const BatchNormShape& shape, const float* x, float* mean,
                             float* moments, index_t global_count) {
   const char* name = "sync_batchnorm_moments";
-  checks::batchnorm(name, shape, false);
-  checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
+  check_shape(name, shape, false);
+  check_global_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
   checks::present(name, {{"x", x}, {"mean", mean}, {"moments", moments}});
   const index_t c = shape.c, plane = static_cast<index_t>(shape.h) * shape.w;
   const index_t count = static_cast<index_t>(shape.n) * plane, total = count * c;
@@ -159,8 +178,8 @@ void sync_batchnorm_normalize(const Stream& stream, const BatchNormShape& shape,
                               float* running_var, std::int64_t* num_batches_tracked, const float* moments,
                               index_t global_count, bool relu) {
   const char* name = "sync_batchnorm_normalize";
-  checks::batchnorm(name, shape, false);
-  checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
+  check_shape(name, shape, false);
+  check_global_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
   check_forward_operands(name, x, gamma, beta, y, save_mean, save_invstd, running_mean, running_var,
                          num_batches_tracked);
   checks::present(name, {{"moments", moments}});
@@ -179,8 +198,8 @@ void sync_batchnorm_backward_sums(const Stream& stream, const BatchNormShape& sh
                                   float* dbeta, float* grad_sums, index_t global_count, const float* relu_y,
                                   bool accumulate) {
   const char* name = "sync_batchnorm_backward_sums";
-  checks::batchnorm(name, shape, false);
-  checks::sync_batchnorm_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
+  check_shape(name, shape, false);
+  check_global_count(name, global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
   backward_sums(name, stream, shape, x, gamma, save_mean, save_invstd, dy, dgamma, dbeta, grad_sums, relu_y,
                 accumulate);
 }
@@ -188,9 +207,8 @@ void sync_batchnorm_backward_sums(const Stream& stream, const BatchNormShape& sh
 void sync_batchnorm_backward_dx(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
                                 const float* save_mean, const float* save_invstd, const float* dy, float* dx,
                                 const float* grad_sums, index_t global_count, const float* relu_y) {
-  checks::batchnorm("sync_batchnorm_backward_dx", shape, false);
-  checks::sync_batchnorm_count("sync_batchnorm_backward_dx", global_count,
-                               static_cast<index_t>(shape.n) * shape.h * shape.w);
+  check_shape("sync_batchnorm_backward_dx", shape, false);
+  check_global_count("sync_batchnorm_backward_dx", global_count, static_cast<index_t>(shape.n) * shape.h * shape.w);
   backward_dx(stream, shape, x, gamma, save_mean, save_invstd, dy, dx, grad_sums, global_count, relu_y);
 }
 

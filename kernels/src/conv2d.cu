@@ -3,14 +3,41 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <string>
 
 #include "checks.h"
 #include "dp/kernels/conv2d.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/ops.h"
+#include "dp/runtime/shape.h"
 #include "library_calls.h"
 
 namespace dp::kernels {
+namespace {
+std::string describe(const Conv2dShape& s) {
+  const std::int64_t x[] = {s.n, s.c_in, s.h, s.w}, weight[] = {s.c_out, s.c_in, s.kh, s.kw};
+  return "x " + format_shape(x) + ", weight " + format_shape(weight) + ", stride " + std::to_string(s.stride) +
+         ", pad " + std::to_string(s.pad);
+}
+
+// Shapes PyTorch rejects too: non-positive extents, stride < 1, negative padding, a kernel larger
+// than the padded input (h_out() rounds toward zero, so it would yield a bogus 1-pixel output).
+void check_conv2d(const char* op, const Conv2dShape& s) {
+  const auto bad = [&](const char* why) { checks::fail({op, ": ", why, " for ", describe(s)}); };
+  if (s.n < 0 || s.c_in <= 0 || s.h <= 0 || s.w <= 0 || s.c_out <= 0 || s.kh <= 0 || s.kw <= 0)
+    bad("non-positive extent");
+  if (s.stride <= 0 || s.pad < 0) bad("stride must be >= 1 and padding >= 0");
+  if (s.h + 2 * s.pad < s.kh || s.w + 2 * s.pad < s.kw) bad("kernel larger than the padded input");
+}
+
+// The shared im2col path indexes with int: every tensor, col included, below 2^31 elements.
+void check_int_range(const char* op, const Conv2dShape& s, std::int64_t largest_elements) {
+  if (largest_elements > std::numeric_limits<int>::max())
+    checks::fail({op, ": im2col path needs every tensor below 2^31 elements (col has ", largest_elements, ") for ",
+                  describe(s), "; use a smaller batch"});
+}
+}  // namespace
+
 namespace {
 
 std::atomic<bool> use_cudnn{true};
@@ -29,7 +56,7 @@ index_t permute_calls(const ConvGeometry& g) { return static_cast<index_t>(g.s.n
 // elements, col (8 GiB at that size) being the largest for any practical shape.
 index_t largest_shared_tensor(const Conv2dShape& s) { return std::max({x_count(s), y_count(s), col_count(s)}); }
 ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
-  checks::conv2d_int_range(op, s, largest_shared_tensor(s));
+  check_int_range(op, s, largest_shared_tensor(s));
   ConvGeometry g;
   g.s = s;
   g.h_out = s.h_out();
@@ -103,14 +130,14 @@ bool conv_cudnn_enabled() {
 
 // col (T, P) followed by mat (C_out, P). The backward reuses col for dcol once dweight has read it.
 std::size_t conv2d_workspace_floats(const Conv2dShape& shape) {
-  checks::conv2d("conv2d_workspace_floats", shape);
+  check_conv2d("conv2d_workspace_floats", shape);
   return static_cast<std::size_t>((taps(shape) + shape.c_out) * pixels(shape));
 }
 
 void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                     const float* bias, float* y, float* workspace) {
   const char* op = "conv2d_forward";
-  checks::conv2d(op, shape);
+  check_conv2d(op, shape);
   // workspace on every path, so code that runs on cuda runs on sim too
   checks::present(op, {{"x", x}, {"weight", weight}, {"y", y}, {"workspace", workspace}});
   // Every operand up front, not only per launch: a foreign pointer must throw before any pass is
@@ -141,7 +168,7 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
 void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                      const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate) {
   const char* op = "conv2d_backward";
-  checks::conv2d(op, shape);
+  check_conv2d(op, shape);
   checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}, {"workspace", workspace}});
   check_operands(
       stream, op,

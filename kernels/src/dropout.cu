@@ -9,10 +9,19 @@
 
 namespace dp::kernels {
 namespace {
+// p in [0, 1] (torch's check; `!(p >= 0 && p <= 1)` also rejects NaN), n >= 0, element_offset >= 0.
+void check_dropout(const char* op, std::int64_t n, double p, std::int64_t element_offset) {
+  if (!(p >= 0.0 && p <= 1.0)) checks::fail({op, ": dropout probability has to be between 0 and 1, but got ", p});
+  if (n < 0 || element_offset < 0)
+    checks::fail({op, ": need n >= 0 and element_offset >= 0, got n=", n, " element_offset=", element_offset});
+}
+}  // namespace
+
+namespace {
 
 void apply(const Stream& stream, const char* op, index_t n, double p, const DropoutKey& key, index_t element_offset,
            const float* x, float* y) {
-  checks::dropout(op, n, p, element_offset);
+  check_dropout(op, n, p, element_offset);
   if (p == 0.0) {  // torch returns the input itself: no draw, no rounding
     launch(stream, op, n, Copy{x, y}, {operand(x, n), operand(y, n)});
     return;

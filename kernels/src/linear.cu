@@ -8,10 +8,16 @@
 #include "dp/kernels/ops.h"
 
 namespace dp::kernels {
+namespace {
+// Negative extents of a (n, in) -> (n, out) linear layer.
+void check_linear(const char* op, int n, int in, int out) {
+  if (n < 0 || in < 0 || out < 0) checks::fail({op, ": negative extent n=", n, " in=", in, " out=", out});
+}
+}  // namespace
 
 void linear_forward(const Stream& stream, int n, int in, int out, const float* x, const float* weight,
                     const float* bias, float* y) {
-  checks::linear("linear_forward", n, in, out);
+  check_linear("linear_forward", n, in, out);
   const index_t y_elements = static_cast<index_t>(n) * out;
   float beta = 0.0f;
   if (bias != nullptr) {
@@ -26,7 +32,7 @@ void linear_forward(const Stream& stream, int n, int in, int out, const float* x
 
 void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
                      float* dx, float* dweight, float* dbias, bool accumulate) {
-  checks::linear("linear_backward", n, in, out);
+  check_linear("linear_backward", n, in, out);
   checks::present("linear_backward", {{"dweight", dweight}});
   const int ld_in = std::max(in, 1), ld_out = std::max(out, 1);
   // beta 0 stores the product and the sums as they are; beta 1 adds them to what the gradients

@@ -7,6 +7,23 @@
 
 namespace dp::kernels {
 namespace {
+// n >= 0 and classes > 0; mean_over > 0 (when given, backward).
+void check_cross_entropy(const char* op, int n, int classes, int mean_over = 1) {
+  if (n < 0 || classes <= 0) checks::fail({op, ": need n >= 0 and classes > 0, got n=", n, " classes=", classes});
+  if (mean_over <= 0) checks::fail({op, ": mean_over must be > 0, got ", mean_over});
+}
+// label_smoothing in [0, 1] (torch's check).
+void check_label_smoothing(const char* op, double label_smoothing) {
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    checks::fail({op, ": label_smoothing must be between 0.0 and 1.0, got ", label_smoothing});
+}
+// A target outside [0, classes) (sim reports it from the stream).
+[[noreturn]] void bad_target(const char* op, std::int64_t target, std::int64_t sample, int classes) {
+  checks::fail({op, ": target ", target, " of sample ", sample, " is outside [0, ", classes, ")"});
+}
+}  // namespace
+
+namespace {
 
 // sim only: a kernel cannot throw, but the simulated stream can fail like a faulting kernel.
 // Runs on the stream thread because the targets are device memory that only stream-ordered work
@@ -20,7 +37,7 @@ struct CheckTargets {
   int classes;
   void operator()() const {
     for (index_t i = 0; i < n; ++i)
-      if (targets[i] < 0 || targets[i] >= classes) checks::bad_target(op, targets[i], i, classes);
+      if (targets[i] < 0 || targets[i] >= classes) bad_target(op, targets[i], i, classes);
   }
 };
 
@@ -35,8 +52,8 @@ void check_targets_on_sim(const Stream& stream, const char* op, int n, int class
 void cross_entropy_forward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
                            float* per_sample, float* loss, double label_smoothing) {
   const char* op = "cross_entropy_forward";
-  checks::cross_entropy(op, n, classes);
-  checks::label_smoothing(op, label_smoothing);
+  check_cross_entropy(op, n, classes);
+  check_label_smoothing(op, label_smoothing);
   const index_t elements = static_cast<index_t>(n) * classes;
   // All operands up front: a bad call queues nothing, not a kernel without its reduction.
   check_operands(stream, op,
@@ -64,8 +81,8 @@ void cross_entropy_forward(const Stream& stream, int n, int classes, const float
 void cross_entropy_backward(const Stream& stream, int n, int classes, const float* logits, const std::int64_t* targets,
                             float dloss, int mean_over, float* dlogits, double label_smoothing) {
   const char* op = "cross_entropy_backward";
-  checks::cross_entropy(op, n, classes, mean_over);
-  checks::label_smoothing(op, label_smoothing);
+  check_cross_entropy(op, n, classes, mean_over);
+  check_label_smoothing(op, label_smoothing);
   const index_t elements = static_cast<index_t>(n) * classes;
   // The target distribution's two values, in double then rounded once: exactly 1 and 0 when eps = 0.
   const double off = label_smoothing / classes;
@@ -80,8 +97,8 @@ void cross_entropy_forward_backward(const Stream& stream, int n, int classes, co
                                     const std::int64_t* targets, float* per_sample, float* loss, float dloss,
                                     int mean_over, float* dlogits, double label_smoothing) {
   const char* op = "cross_entropy_forward_backward";
-  checks::cross_entropy(op, n, classes, mean_over);
-  checks::label_smoothing(op, label_smoothing);
+  check_cross_entropy(op, n, classes, mean_over);
+  check_label_smoothing(op, label_smoothing);
   const index_t elements = static_cast<index_t>(n) * classes;
   // The factors of both entry points, computed as they compute them.
   const float scale = dloss / static_cast<float>(mean_over);

@@ -1,13 +1,23 @@
 // maxpool.cu — launchers for dp/kernels/maxpool.h: one thread per output forward, one thread per
 // input backward (a gather over the windows covering it, which also writes the zeros).
+#include <limits>
+
 #include "checks.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/maxpool.h"
 
 namespace dp::kernels {
+namespace {
+// pool2d, and a plane small enough for int32 argmax.
+void check_maxpool(const char* op, const Pool2dShape& s) {
+  checks::pool2d(op, s);
+  if (static_cast<std::int64_t>(s.h) * s.w > std::numeric_limits<std::int32_t>::max())
+    checks::fail({op, ": plane too large for argmax in shape ", checks::describe(s)});
+}
+}  // namespace
 
 void maxpool_forward(const Stream& stream, const MaxPoolShape& shape, const float* x, float* y, std::int32_t* argmax) {
-  checks::maxpool("maxpool_forward", shape);
+  check_maxpool("maxpool_forward", shape);
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
   launch_2d(stream, "maxpool_forward", planes * shape.h_out(), shape.w_out(), MaxPoolForward{shape, x, y, argmax},
@@ -16,7 +26,7 @@ void maxpool_forward(const Stream& stream, const MaxPoolShape& shape, const floa
 
 void maxpool_backward(const Stream& stream, const MaxPoolShape& shape, const std::int32_t* argmax, const float* dy,
                       float* dx) {
-  checks::maxpool("maxpool_backward", shape);
+  check_maxpool("maxpool_backward", shape);
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
   // One gather per input, whatever the windows: no zero fill first. Without overlap (stride >=
