@@ -289,9 +289,8 @@ class SimRuntime final : public RuntimeImpl {
 
 class SimStream final : public StreamImpl, public std::enable_shared_from_this<SimStream> {
  public:
-  SimStream(SimRuntime& runtime, SimDevice& device, int index)
+  SimStream(SimRuntime& runtime, int index)
       : runtime_(runtime),
-        device_impl_(device),
         device_(index),
         id_(runtime.next_stream_id()),
         executor_(fmt::format("sim{}.stream{}", index, id_)) {}
@@ -512,7 +511,6 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
   }
 
   SimRuntime& runtime_;
-  SimDevice& device_impl_;
   int device_;
   int id_;
   std::exception_ptr sticky_;
@@ -609,7 +607,7 @@ class SimDevice final : public DeviceImpl {
   void reset_peak_memory() override { memory_.reset_peak(); }
 
   std::shared_ptr<StreamImpl> create_stream() override {
-    auto stream = std::make_shared<SimStream>(runtime_, *this, index_);
+    auto stream = std::make_shared<SimStream>(runtime_, index_);
     std::lock_guard lock(streams_mutex_);
     std::erase_if(streams_, [](const std::weak_ptr<SimStream>& s) { return s.expired(); });
     streams_.push_back(stream);
