@@ -283,6 +283,31 @@ TEST_F(IdxFiles, DamagedFilesAreRefusedNamingTheFile) {
   EXPECT_FALSE(has_split(dir_.string(), Split::test));
 }
 
+// zlib's gzread ignores bytes after a gzip stream that do not start another one: the reader refuses
+// them, naming the file; a second gzip member (as `cat a.gz b.gz` makes) is read as gunzip reads it.
+TEST_F(IdxFiles, TrailingDataAfterAGzipStreamIsRefused) {
+  write_split("train", 20, true);
+  const Dataset whole = load_mnist(dir_.string());
+  const std::string gz = read_bytes("train-images-idx3-ubyte.gz");
+  std::ofstream(dir_ / "train-images-idx3-ubyte.gz", std::ios::binary) << gz << std::string(70, '\0');
+  EXPECT_NE(error_of().find("train-images-idx3-ubyte.gz: trailing data after the end of the gzip stream"),
+            std::string::npos)
+      << error_of();
+  std::ofstream(dir_ / "train-labels-idx1-ubyte.gz", std::ios::binary | std::ios::app) << "garbage";
+  std::ofstream(dir_ / "train-images-idx3-ubyte.gz", std::ios::binary) << gz;
+  EXPECT_NE(error_of().find("train-labels-idx1-ubyte.gz: trailing data"), std::string::npos) << error_of();
+  // Two members: the images split after the header, each part its own gzip stream.
+  write_split("train", 20, true);
+  const std::string images = idx(20).first;
+  write("part1", images.substr(0, 16), true);
+  write("part2", images.substr(16), true);
+  std::ofstream(dir_ / "train-images-idx3-ubyte.gz", std::ios::binary)
+      << read_bytes("part1.gz") << read_bytes("part2.gz");
+  const Dataset joined = load_mnist(dir_.string());
+  EXPECT_EQ(joined.pixels, whole.pixels);
+  EXPECT_EQ(joined.labels, whole.labels);
+}
+
 TEST(FindDataDir, DirectoriesAndPackageNames) {
   EXPECT_EQ(find_data_dir(::testing::TempDir()), ::testing::TempDir());
   try {
@@ -290,6 +315,23 @@ TEST(FindDataDir, DirectoriesAndPackageNames) {
     ADD_FAILURE() << "an unknown name was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("/usr/share/datasets/no-such-data-set-xyz"), std::string::npos) << e.what();
+    // No Debian package of that name exists: the hint is to download the files.
+    EXPECT_EQ(std::string(e.what()).find("dataset-no-such-data-set-xyz"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("download the four IDX files"), std::string::npos) << e.what();
+  }
+  // Debian has dataset-fashion-mnist, not dataset-mnist: MNIST's hint names only what exists.
+  if (!std::filesystem::exists("/usr/share/datasets/mnist") && !std::filesystem::exists("mnist")) {
+    try {
+      find_data_dir("mnist");
+      ADD_FAILURE() << "mnist was found";
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.find("dataset-mnist"), std::string::npos) << message;
+      EXPECT_NE(
+          message.find("pass --data DIR, or use --data fashion-mnist after apt-get install dataset-fashion-mnist"),
+          std::string::npos)
+          << message;
+    }
   }
   EXPECT_EQ(find_data_dir("/no/such/dir"), "/no/such/dir");  // reading it then names the missing file
   EXPECT_THROW(find_data_dir(""), Error);

@@ -19,6 +19,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <thread>
 #include <unistd.h>
 #include <utility>
 #include <zlib.h>
@@ -39,14 +40,17 @@ Result run(const std::string& args) { return dp::test::run_command(std::string(D
 
 // Starts dp_train with `args`, reads its output until `until` appears or `seconds` pass, then kills
 // it: for runs that would go on (nearly) forever. Gives what it printed, whether `until` came, and
-// the process's peak resident memory.
+// the process's peak resident memory. With `stdout_file`, its standard output goes to that file
+// (fully buffered, unless dp_train buffers by line) and `output` is what reached the file.
 struct Started {
   bool seen = false;
   std::string output;
   long max_rss_kib = 0;
 };
-Started start_then_kill(const std::string& args, const std::string& until, int seconds) {
-  const std::string command = "exec " + std::string(DP_TRAIN_BIN) + " " + args;
+Started start_then_kill(const std::string& args, const std::string& until, int seconds,
+                        const std::string& stdout_file = "") {
+  const std::string command =
+      "exec " + std::string(DP_TRAIN_BIN) + " " + args + (stdout_file.empty() ? "" : " >" + stdout_file);
   Started started;
   int fds[2];
   if (::pipe(fds) != 0) return started;
@@ -65,6 +69,13 @@ Started start_then_kill(const std::string& args, const std::string& until, int s
   while (!started.seen) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left > 0 && !stdout_file.empty()) {  // what has reached the file so far
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::ifstream in(stdout_file, std::ios::binary);
+      started.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      started.seen = started.output.find(until) != std::string::npos;
+      continue;
+    }
     pollfd in{fds[0], POLLIN, 0};
     if (left <= 0 || ::poll(&in, 1, static_cast<int>(left)) <= 0) break;
     const ssize_t n = ::read(fds[0], buffer.data(), buffer.size());
@@ -674,7 +685,7 @@ TEST_F(TrainTest, ABadCollectiveTimeoutIsRefused) {
 TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 ";
   expect_refused(base + "--lr nan", "--lr: 'nan' is not a finite number >= 0");
-  expect_refused(base + "--lr 1e39", "invalid learning rate inf");
+  expect_refused(base + "--lr 1e39", "--lr: '1e39' overflows a float");
   expect_refused(base + "--lr -1", "--lr: '-1' is not a finite number >= 0");
   expect_refused(base + "--momentum nan", "--momentum: 'nan'");
   expect_refused(base + "--weight-decay nan", "--weight-decay: 'nan'");
@@ -803,6 +814,84 @@ TEST_F(TrainTest, SchedulesFollowTheWarmUp) {
   for (std::size_t s = 2; s < 10; ++s)
     EXPECT_NEAR(got[s], static_cast<float>(annealing.lr(0.1, static_cast<std::int64_t>(s - 2))), 1e-6) << s;
   expect_refused(base + "--steps 1 --schedule step --step-size 0", "StepLR: step_size must be >= 1");
+}
+
+}  // namespace
+
+namespace {
+
+// Every floating-point flag is checked as the float the engine computes with: NaN passes every
+// comparison a range makes, and 1e39 is a finite double but inf as a float. Each is refused naming
+// the flag, before anything is written (a NaN dropout once trained as 0 and was saved as nan).
+TEST_F(TrainTest, FloatFlagsAreFiniteFloatsInTheirRange) {
+  const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 ";
+  for (const std::string value : {"nan", "inf", "-0.1", "1.5", "1e39"})
+    expect_refused(base + "--dropout " + value, "--dropout: '" + value + "' is not a finite number in [0, 1]");
+  expect_refused(base + "--label-smoothing nan", "--label-smoothing: 'nan' is not a finite number in [0, 1]");
+  expect_refused(base + "--label-smoothing 1.5", "--label-smoothing: '1.5' is not a finite number in [0, 1]");
+  for (const std::string flag : {"--lr", "--momentum", "--weight-decay"})
+    expect_refused(base + flag + " 1e39", flag + ": '1e39' overflows a float");
+  expect_refused(base + "--schedule cosine --eta-min 1e39", "--eta-min: '1e39' overflows a float");
+  expect_refused(base + "--schedule step --gamma 1e39", "--gamma: '1e39' overflows a float");
+  expect_refused(base + "--schedule step --gamma 0", "--gamma: '0' is not a finite number > 0");
+  expect_refused(base + "--schedule step --gamma nan", "--gamma: 'nan' is not a finite number > 0");
+  const std::string adamw = base + "--optimizer adamw ";
+  expect_refused(adamw + "--eps 1e39", "--eps: '1e39' overflows a float");
+  expect_refused(adamw + "--beta1 nan", "--beta1: 'nan' is not a finite number in [0, 1)");
+  expect_refused(adamw + "--beta2 1", "--beta2: '1' is not a finite number in [0, 1)");
+  // The ends of the ranges still train (torch's Dropout(1) zeroes everything, as here).
+  EXPECT_EQ(run(base + "--dropout 1 --label-smoothing 1").code, 0);
+}
+
+// A learning rate that only becomes non-finite once scaled or scheduled is refused as well (exit 2,
+// nothing saved), rather than training with inf.
+TEST_F(TrainTest, LearningRatesPastTheLargestFloatAreRefused) {
+  const std::string base = "--backend sim --synthetic 16 --batch-size 8 ";
+  // 0.01, 1e28, then 1e58: past the largest float at the run's third step.
+  expect_refused(base + "--steps 3 --schedule step --gamma 1e30",
+                 "--schedule step: the learning rate of step 3 would be 1e+58, past the largest float");
+  expect_refused(base + "--steps 1 --lr 2e38 --scale-lr --mode dp --device-ids 0,1",
+                 "--lr 2e+38 x 2 device(s) (--scale-lr): the scaled learning rate 4e+38 overflows a float");
+  expect_refused(base + "--steps 1 --lr 2e38 --scale-lr --mode ddp --devices 2", "the scaled learning rate 4e+38");
+  // A growing schedule that stays within float trains.
+  const Result growing = run(base + "--steps 3 --schedule step --gamma 1e10 --lr 1e-30 --log-every 1");
+  EXPECT_EQ(growing.code, 0) << growing.output;
+}
+
+// Standard output is line-buffered: each progress line reaches a file as it is printed, so a run
+// killed without a chance to flush (SIGKILL) keeps every line it logged.
+TEST_F(TrainTest, ProgressLinesReachAFileBeforeAKill) {
+  const Started started =
+      start_then_kill("--backend sim --hidden 16 --synthetic 2048 --batch-size 8 --steps 100000000 --log-every 1",
+                      "\nstep ", 60, path("stdout.txt"));
+  ASSERT_TRUE(started.seen) << "no step line reached the file:\n" << started.output;
+  EXPECT_TRUE(std::regex_search(started.output,
+                                std::regex(R"(\nstep +1 epoch +1 loss [0-9.]+ lr [0-9.e+-]+ samples/s [0-9.]+\n)")))
+      << started.output;
+  EXPECT_EQ(started.output.back(), '\n') << "a line cut by the kill: the output was block-buffered";
+}
+
+// A bare --data name that is no installed data set gets a hint that works: Debian packages
+// Fashion-MNIST (dataset-fashion-mnist), not MNIST.
+TEST_F(TrainTest, AMissingDataSetNameGetsAHintThatWorks) {
+  if (fs::exists("/usr/share/datasets/mnist") || fs::exists("mnist")) GTEST_SKIP() << "an MNIST is installed";
+  const std::string base = "--backend sim --batch-size 4 --steps 1 --data mnist";
+  expect_refused(base, "download the four IDX files");
+  expect_refused(base,
+                 "into a directory and pass --data DIR, or use --data fashion-mnist after apt-get install "
+                 "dataset-fashion-mnist");
+  const Result r = run(base);
+  EXPECT_EQ(r.output.find("dataset-mnist"), std::string::npos) << "no such Debian package:\n" << r.output;
+}
+
+// zlib's gzread ignores whatever follows a gzip stream; dp refuses it (exit 2, naming the file).
+TEST_F(TrainTest, TrailingDataAfterAGzipStreamIsRefused) {
+  write_idx("gz", 16);
+  gzip_file(dir_ / "gz" / "train-images-idx3-ubyte");
+  const std::string args = "--backend sim --batch-size 8 --steps 1 --data " + path("gz");
+  ASSERT_EQ(run(args).code, 0);
+  std::ofstream(dir_ / "gz" / "train-images-idx3-ubyte.gz", std::ios::binary | std::ios::app) << std::string(70, 'x');
+  expect_refused(args, "train-images-idx3-ubyte.gz: trailing data after the end of the gzip stream");
 }
 
 }  // namespace

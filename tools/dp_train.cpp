@@ -2,8 +2,10 @@
 // DDP, on GPUs or simulated devices; this file turns its command line into Options and exit codes.
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <fmt/format.h>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -42,30 +44,48 @@ int report(const std::exception_ptr& error) {
   }
 }
 
-// Numbers >= 0 named readably (CLI11's own bound is the 309-digit largest double).
-CLI::Validator non_negative_number() {
+// A number in `range` (e.g. ">= 0", "in [0, 1)"), named readably (CLI11's own bound is the
+// 309-digit largest double). The engine computes in fp32, so the value must also be finite as a
+// float: 1e39 would become inf there, and NaN passes every comparison CLI::Range makes.
+CLI::Validator finite_number(bool (*in_range)(double), const std::string& range) {
   return CLI::Validator(
-      [](const std::string& text) {
+      [in_range, range](const std::string& text) {
+        double value = std::nan("");
         try {
           std::size_t used = 0;
-          const double value = std::stod(text, &used);
-          if (used == text.size() && value >= 0.0 && std::isfinite(value)) return std::string();
+          value = std::stod(text, &used);
+          if (used != text.size()) value = std::nan("");
         } catch (const std::exception&) {
         }
-        return fmt::format("'{}' is not a finite number >= 0", text);
+        if (!std::isfinite(value) || !in_range(value))
+          return fmt::format("'{}' is not a finite number {}", text, range);
+        if (std::fabs(value) > std::numeric_limits<float>::max())
+          return fmt::format("'{}' overflows a float (at most {:g})", text, std::numeric_limits<float>::max());
+        return std::string();
       },
-      ">= 0");
+      range);
+}
+
+CLI::Validator non_negative_number() {
+  return finite_number([](double v) { return v >= 0.0; }, ">= 0");
+}
+CLI::Validator positive_number() {
+  return finite_number([](double v) { return v > 0.0; }, "> 0");
+}
+// [0, 1): a decay that must forget (AdamW's betas, as torch.optim.AdamW requires).
+CLI::Validator fraction_below_one() {
+  return finite_number([](double v) { return v >= 0.0 && v < 1.0; }, "in [0, 1)");
 }
 
 // The options are added group by group in the order --help lists them; integers are decimal only
 // and within range (dp_cli::add_integer).
 void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--model", o.model, "mlp, convnet or resnet8")->check(CLI::IsMember({"mlp", "convnet", "resnet8"}));
-  app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU (default 0: none)")
-      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU, P in [0, 1] (default 0: none)")
+      ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
   app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm, BatchNorm statistics over all ranks' batches");
   app.add_option("--label-smoothing", o.label_smoothing, "CrossEntropyLoss(label_smoothing=S), S in [0, 1]")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
   app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
 }
 
@@ -116,16 +136,16 @@ void add_optimizer_options(CLI::App& app, Options& o) {
   app.add_option("--weight-decay", o.weight_decay, "weight decay (default: sgd 0, adamw 1e-2, decoupled as torch's)")
       ->check(non_negative);
   app.add_flag("--nesterov", o.nesterov, "sgd: Nesterov momentum");
-  app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)");
-  app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)");
-  app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)");
+  app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)")->check(fraction_below_one());
+  app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)")->check(fraction_below_one());
+  app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)")->check(non_negative);
   app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
   dp_cli::add_integer(app, "--warmup-steps", o.warmup_steps, "linear lr warm-up steps");
   app.add_option("--schedule", o.schedule,
                  "after the warm-up, per step: none, step (StepLR) or cosine (CosineAnnealingLR)")
       ->check(CLI::IsMember({"none", "step", "cosine"}));
   dp_cli::add_integer(app, "--step-size", o.step_size, "step: multiply the lr by --gamma every N steps");
-  app.add_option("--gamma", o.gamma, "step: the factor (default 0.1)")->check(non_negative);
+  app.add_option("--gamma", o.gamma, "step: the factor, > 0 (default 0.1)")->check(positive_number());
   dp_cli::add_integer(app, "--t-max", o.t_max, "cosine: steps to anneal over (default: the rest of the run)");
   app.add_option("--eta-min", o.eta_min, "cosine: the lr at the end (default 0)")->check(non_negative);
 }
@@ -219,6 +239,9 @@ int train_main(int argc, char** argv) {
 }  // namespace dp_train
 
 int main(int argc, char** argv) {
+  // Line-buffered even into a file or pipe: a run killed (SIGKILL, an OOM kill, a scheduler's time
+  // limit) keeps every progress line it printed, not only the 4 KiB blocks already flushed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // The job first: under mpirun every way out, a bad command line included, goes through the
   // processes' agreement (an early exit would leave the others waiting for this one).
   try {

@@ -78,6 +78,15 @@ dp::LrSchedule make_schedule(const Options& o, long last_step) {
   }
 }
 
+void check_schedule(const Options& o, int world, long end_step, const dp::LrSchedule& schedule) {
+  const double last = lr_at(o, world, end_step - 1, schedule);
+  if (!(std::fabs(last) <= std::numeric_limits<float>::max()))
+    throw UsageError(
+        fmt::format("--schedule {}: the learning rate of step {} would be {:g}, past the largest float "
+                    "({:g}): a smaller --gamma or fewer steps",
+                    o.schedule, end_step, last, std::numeric_limits<float>::max()));
+}
+
 std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
 dp::Normalize parse_normalize(const std::string& text) {

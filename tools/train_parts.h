@@ -33,6 +33,11 @@ dp::OptimizerOptions optimizer_options(const Options& o, double lr);
 // --eta-min over --t-max steps, by default the steps after the warm-up up to the run's last step).
 dp::LrSchedule make_schedule(const Options& o, long last_step);
 
+// Refuses (UsageError) a run whose learning rate would grow past the largest float by its last
+// step `end_step` (StepLR with --gamma > 1): the warm-up and every schedule are monotonic, so the
+// first and last steps bound the run's learning rates, and the first is checked with the flags.
+void check_schedule(const Options& o, int world, long end_step, const dp::LrSchedule& schedule);
+
 std::string ids_of(const std::vector<int>& v);
 
 // "MEAN,STD" (e.g. Fashion-MNIST's 0.2860,0.3530) for torchvision's Normalize.

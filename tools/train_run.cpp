@@ -116,14 +116,6 @@ Checked validate_options(const Options& o) {
   if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
   if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
   check_writable(o.predictions, "--predictions");
-  // The optimizer's own checks (a NaN or infinite lr, nesterov without momentum, ...), now rather
-  // than after the data is loaded; --scale-lr multiplies the lr by up to the device count.
-  try {
-    std::visit([](const auto& options) { dp::validate(options); },
-               optimizer_options(o, o.lr * (o.scale_lr ? o.devices.value_or(1) * processes : 1)));
-  } catch (const dp::Error& e) {
-    throw UsageError(e.what());
-  }
   check_writable(o.save, "--save");
   return checked;
 }
@@ -166,6 +158,23 @@ Devices choose_devices(const Options& o) {
   if (o.output_device && std::find(d.ids.begin(), d.ids.end(), *o.output_device) == d.ids.end())
     throw UsageError(fmt::format("--output-device {} is not among the devices [{}]", *o.output_device, ids_of(d.ids)));
   return d;
+}
+
+// The optimizer's own checks (nesterov without momentum, ...) at the run's largest lr before the
+// warm-up and schedule: --scale-lr multiplies it by the `world` devices, which may take a finite lr
+// past the largest float (the optimizers compute in fp32).
+void check_learning_rate(const Options& o, int world) {
+  const double scaled = o.scale_lr ? o.lr * world : o.lr;
+  if (!(std::fabs(scaled) <= std::numeric_limits<float>::max()))
+    throw UsageError(
+        fmt::format("--lr {:g} x {} device(s) (--scale-lr): the scaled learning rate {:g} overflows a "
+                    "float (at most {:g})",
+                    o.lr, world, scaled, std::numeric_limits<float>::max()));
+  try {
+    std::visit([](const auto& options) { dp::validate(options); }, optimizer_options(o, scaled));
+  } catch (const dp::Error& e) {
+    throw UsageError(e.what());
+  }
 }
 
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
@@ -300,6 +309,7 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& run
     throw UsageError(fmt::format("{} step(s) from step {} of --resume {}: the run would end past step {}", total_steps,
                                  start_step, o.resume, std::numeric_limits<long>::max()));
   Plan plan{world, shards, start_step, batches_per_epoch, total_steps, make_schedule(o, start_step + total_steps)};
+  check_schedule(o, world, start_step + total_steps, plan.schedule);
   const int processes = g_job.processes()->size();
   say("dp_train: {} {} on {} device(s) [{}]{} ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
       o.model, o.mode, world, ids_of(devices.ids),
@@ -546,9 +556,11 @@ void save(const Options& o, dp::Engine& engine, const Plan& plan) {
 
 int run(Options o) {
   const Checked checked = validate_options(o);
+  const Devices devices = choose_devices(o);
+  const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
+  check_learning_rate(o, world);
   // Opened now, so that a path it cannot write is refused before any work. A resumed run appends.
   MetricsLog metrics(g_job.primary() ? o.metrics_json : std::string(), !o.resume.empty());
-  const Devices devices = choose_devices(o);
   // What the run needs at the least, in 64 bits, before anything is allocated.
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
   g_job.set_devices(devices.ids);
@@ -556,7 +568,6 @@ int run(Options o) {
   const Resumed resumed = read_resume(o);
   Built built = build_model(o, checked, devices, resumed);
   join_collectives(o, devices, inputs);
-  const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
   Loaders loaders;  // outlives the engine: its streams read their pinned batches
   const auto engine = build_engine(o, devices, world, built, resumed);
   if (o.eval_only) {

@@ -5,9 +5,11 @@
 #include <array>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
+#include <memory>
 #include <optional>
 #include <random>
 #include <zlib.h>
@@ -17,8 +19,9 @@
 namespace dp {
 namespace {
 
-// One IDX file, plain or gzip-compressed (zlib reads either), read as a stream: nothing is read
-// beyond what the caller asks for, so a forged header cannot make us buffer a whole huge file.
+// One IDX file, plain or gzip-compressed, read as a stream: nothing is held beyond a 64 KiB block
+// and what the caller asks for, so a forged header cannot make us buffer a whole huge file. Inflated here rather than
+// with gzread, which silently ignores whatever follows a gzip stream that is not another one.
 class IdxStream {
  public:
   explicit IdxStream(std::string path) : path_(std::move(path)) {
@@ -26,10 +29,15 @@ class IdxStream {
     // Regular files only: a directory, a FIFO or a device (a link to /dev/zero) would block, read
     // forever or fail with a message naming no file.
     if (!std::filesystem::is_regular_file(path_, ec)) throw Error(fmt::format("{}: not a regular file", path_));
-    file_ = gzopen(path_.c_str(), "rb");
+    file_.reset(std::fopen(path_.c_str(), "rb"));
     if (!file_) throw Error(fmt::format("{}: cannot open ({})", path_, std::strerror(errno)));
+    // gzip's magic bytes first: inflated; any other file is read as it is.
+    gzip_ = refill() >= 2 && in_[0] == 0x1f && in_[1] == 0x8b;
+    if (gzip_ && inflateInit2(&z_, 16 + MAX_WBITS) != Z_OK) throw Error(fmt::format("{}: zlib failed", path_));
   }
-  ~IdxStream() { gzclose(file_); }
+  ~IdxStream() {
+    if (gzip_) inflateEnd(&z_);
+  }
   IdxStream(const IdxStream&) = delete;
   IdxStream& operator=(const IdxStream&) = delete;
 
@@ -37,18 +45,15 @@ class IdxStream {
 
   // Up to `bytes` more bytes; fewer only at the end of the data. Throws on a corrupt gzip stream.
   std::size_t read(void* out, std::size_t bytes) {
+    auto* to = static_cast<unsigned char*>(out);
+    if (gzip_) return inflate_into(to, bytes);
     std::size_t got = 0;
-    while (got < bytes) {
-      const auto chunk = static_cast<unsigned>(std::min<std::size_t>(bytes - got, std::size_t{1} << 30));
-      const int n = gzread(file_, static_cast<char*>(out) + got, chunk);
-      if (n < 0) fail();
-      if (n == 0) break;
-      got += static_cast<std::size_t>(n);
+    while (got < bytes && (at_ < have_ || refill() > 0)) {
+      const std::size_t n = std::min(bytes - got, have_ - at_);
+      std::memcpy(to + got, in_.data() + at_, n);
+      at_ += n;
+      got += n;
     }
-    // A gzip stream cut short reads as a short read with an error set (Z_BUF_ERROR).
-    int code = Z_OK;
-    gzerror(file_, &code);
-    if (code != Z_OK && code != Z_STREAM_END) fail();
     return got;
   }
 
@@ -87,15 +92,58 @@ class IdxStream {
   }
 
  private:
-  [[noreturn]] void fail() {
-    int code = Z_OK;
-    const char* message = gzerror(file_, &code);
-    throw Error(fmt::format("{}: corrupt or truncated gzip stream ({})", path_,
-                            code == Z_ERRNO ? std::strerror(errno) : message));
+  [[noreturn]] void fail(const char* why) {
+    throw Error(fmt::format("{}: corrupt or truncated gzip stream ({})", path_, why));
+  }
+
+  // The next block of the file into in_; 0 at its end.
+  std::size_t refill() {
+    at_ = 0;
+    have_ = std::fread(in_.data(), 1, in_.size(), file_.get());
+    if (have_ == 0 && std::ferror(file_.get()))
+      throw Error(fmt::format("{}: read failed ({})", path_, std::strerror(errno)));
+    return have_;
+  }
+
+  std::size_t inflate_into(unsigned char* out, std::size_t bytes) {
+    std::size_t got = 0;
+    while (got < bytes && !ended_) {
+      if (at_ == have_ && refill() == 0) fail("unexpected end of file");
+      z_.next_in = in_.data() + at_;
+      z_.avail_in = static_cast<uInt>(have_ - at_);
+      z_.next_out = out + got;
+      z_.avail_out = static_cast<uInt>(std::min<std::size_t>(bytes - got, std::size_t{1} << 30));
+      const uInt room = z_.avail_out;
+      const int code = inflate(&z_, Z_NO_FLUSH);
+      got += room - z_.avail_out;
+      at_ = have_ - z_.avail_in;
+      if (code == Z_STREAM_END) {
+        end_member();
+      } else if (code != Z_OK && code != Z_BUF_ERROR) {
+        fail(z_.msg ? z_.msg : "inflate failed");
+      }
+    }
+    return got;
+  }
+
+  // After a gzip member: the end of the file, or another member (as `cat a.gz b.gz` makes, which
+  // gunzip reads whole). Anything else is refused: it is not data the file's header declares.
+  void end_member() {
+    if (at_ == have_ && refill() == 0) {
+      ended_ = true;
+      return;
+    }
+    if (in_[at_] != 0x1f)
+      throw Error(fmt::format("{}: trailing data after the end of the gzip stream (not another gzip member)", path_));
+    inflateReset(&z_);
   }
 
   std::string path_;
-  gzFile file_ = nullptr;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file_{nullptr, &std::fclose};
+  std::vector<unsigned char> in_ = std::vector<unsigned char>(1 << 16);  // in_[at_, have_): read, not yet used
+  std::size_t at_ = 0, have_ = 0;
+  bool gzip_ = false, ended_ = false;
+  z_stream z_{};
 };
 
 const char* prefix(Split split) { return split == Split::train ? "train" : "t10k"; }
@@ -124,8 +172,14 @@ std::string find_data_dir(const std::string& dir_or_name) {
   if (dir_or_name.find('/') != std::string::npos || std::filesystem::is_directory(dir_or_name, ec)) return dir_or_name;
   const std::string package = fmt::format("/usr/share/datasets/{}", dir_or_name);
   if (std::filesystem::is_directory(package, ec)) return package;
-  throw Error(fmt::format("{}: no such directory, nor an installed data set {} (Debian: apt-get install dataset-{})",
-                          dir_or_name, package, dir_or_name));
+  // Only a package Debian really has is suggested: it packages Fashion-MNIST, not MNIST.
+  const std::string hint =
+      dir_or_name == "fashion-mnist"
+          ? "Debian: apt-get install dataset-fashion-mnist"
+          : "download the four IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+            "t10k-labels-idx1-ubyte; plain or .gz) from a source of your choice into a directory and pass --data DIR, "
+            "or use --data fashion-mnist after apt-get install dataset-fashion-mnist";
+  throw Error(fmt::format("{}: no such directory, nor an installed data set {} ({})", dir_or_name, package, hint));
 }
 
 bool has_split(const std::string& dir, Split split) {
