@@ -370,7 +370,7 @@ TEST(DataParallel, EvalForwardEqualsTheModule) {
   auto model = models::make_convnet(rt->device(0), 4);
   DataParallel dp(*rt, *model, SgdOptions{});
   const Batch b = make_batch(9, 3);
-  const auto got = dp.forward(b.x.data(), 9);
+  const auto got = dp.predict(b.x.data(), 9);
   SingleDeviceTrainer single(*model, SgdOptions{});
   // Eval BN uses running stats, so chunking changes no value; only the conv GEMM's blocking over
   // 9 vs 5/4 images may round differently (a few ulps).

@@ -409,7 +409,7 @@ void DataParallel::synchronize() {
   targets_ring_->release_copied();
 }
 
-std::vector<float> DataParallel::forward(const float* inputs, int batch) {
+std::vector<float> DataParallel::predict(const float* inputs, int batch) {
   pipeline_->drain();  // a failed step is reported here, not by a forward behind it
   broadcast_and_forward(inputs, batch, Mode::eval);
   std::vector<float> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(module_.output_features()));
@@ -429,7 +429,7 @@ StepLoss DataParallel::submit_step(std::span<const Batch> batches) {
 std::vector<float> DataParallel::predict(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), 1, "DataParallel");
   if (!batches[0].inputs) throw InvalidArgument("DataParallel forward: null inputs");
-  return forward(batches[0].inputs, batches[0].size);
+  return predict(batches[0].inputs, batches[0].size);
 }
 
 }  // namespace dp

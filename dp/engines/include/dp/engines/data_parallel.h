@@ -65,7 +65,11 @@ class DataParallel final : public Engine {
   float train_step(const float* inputs, const std::int64_t* targets, int batch);
 
   // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
-  std::vector<float> forward(const float* inputs, int batch);
+  std::vector<float> predict(const float* inputs, int batch);
+  // The old name of predict; goes away in the next release.
+  [[deprecated("use predict")]] std::vector<float> forward(const float* inputs, int batch) {
+    return predict(inputs, batch);
+  }
 
   // Engine: one global batch per step, scattered over the devices.
   EngineKind kind() const override { return EngineKind::dp; }
@@ -74,13 +78,15 @@ class DataParallel final : public Engine {
   using Engine::train_step;
   StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
+  using Engine::predict;
   // train_step returns once the loss is known; the optimizer update may still run on the source.
   // Call this before reading parameters from another stream (checkpoints, evaluation).
   void synchronize() override;
   Model& model() const override { return module_; }
   std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
 
-  Model& module() const { return module_; }
+  // The old name of model(); goes away in the next release.
+  [[deprecated("use model")]] Model& module() const { return module_; }
   Optimizer& optimizer() { return *optimizer_; }
   int output_device() const { return output_device_; }
   int source_device() const { return group_.device_ids()[0]; }
