@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <poll.h>
 #include <regex>
@@ -107,6 +108,28 @@ class TrainTest : public dp::test::ToolTest {
     EXPECT_EQ(content.str(), "previous checkpoint") << "the existing file was touched by: " << args;
     for (const auto& entry : fs::directory_iterator(dir_))
       EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
+  }
+  // Every regular file under the test's directory, by path, with its bytes.
+  std::map<std::string, std::string> files() const {
+    std::map<std::string, std::string> out;
+    for (const auto& entry : fs::recursive_directory_iterator(dir_))
+      if (entry.is_regular_file()) out[entry.path().string()] = read_file(entry.path().string());
+    return out;
+  }
+  // Runs `args`: exit `code`, `message` in the output, every file that was there before
+  // byte-identical afterwards and none created (no checkpoint, no temporary file).
+  void expect_nothing_written(const std::string& args, int code, const std::string& message) {
+    const auto before = files();
+    const Result r = run(args);
+    EXPECT_EQ(r.code, code) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << "expected '" << message << "' in:\n" << r.output;
+    const auto after = files();
+    for (const auto& [name, bytes] : after) {
+      const auto it = before.find(name);
+      EXPECT_TRUE(it != before.end()) << name << " was created by: " << args;
+      EXPECT_TRUE(it == before.end() || it->second == bytes) << name << " was changed by: " << args;
+    }
+    EXPECT_EQ(after.size(), before.size()) << "files lost by: " << args;
   }
   // Runs `args` (which ends with a flag) with each of `values` and once without the flag: every run
   // succeeds and logs the same losses, at least `at_least` of them; `values[0]` is the default.
@@ -637,6 +660,32 @@ TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
   EXPECT_NE(diverged.output.find("was not written"), std::string::npos) << diverged.output;
   std::ifstream kept(path("kept.safetensors"));
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "previous checkpoint");
+}
+
+// The last step's update has no later step whose loss would show the divergence: the final model's
+// evaluation loss does (the first batch's without a test split, the test set's with one), and a
+// non-finite one stops the run with exit 3 before anything is written.
+TEST_F(TrainTest, DivergenceOnTheLastStepSavesNothing) {
+  const std::string base = "--backend sim --hidden 16 --synthetic 64 --batch-size 8 --steps 1 ";
+  ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);
+  expect_nothing_written(
+      base + "--lr 1e30 --resume " + path("good.safetensors") + " --save " + path("good.safetensors"), 3,
+      "the loss of the final model on the first batch is");
+  write_idx("data", 16);
+  write_idx("data", 8, 28, 28, 0x803, -1, 0, "t10k");
+  const std::string data = "--backend sim --hidden 16 --batch-size 8 --steps 1 --data " + path("data");
+  expect_nothing_written(data + " --lr 1e30 --save " + path("good.safetensors"), 3, "the test loss after step 1 is");
+  // A checkpoint whose weights overflow the forward pass evaluates to a non-finite loss: exit 3.
+  dp::safetensors::File huge = dp::safetensors::read(path("good.safetensors"));
+  for (auto& [name, tensor] : huge.tensors) {
+    std::vector<float> values = tensor.to_f32();
+    for (float& v : values) v = 1e28f;
+    tensor = dp::safetensors::make_f32(tensor.shape, values.data());
+  }
+  dp::safetensors::write(path("huge.safetensors"), huge);
+  expect_nothing_written("--backend sim --hidden 16 --batch-size 8 --eval-only --data " + path("data") + " --init " +
+                             path("huge.safetensors") + " --predictions " + path("predictions.txt"),
+                         3, "the test loss of " + path("huge.safetensors") + " is");
 }
 
 TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {

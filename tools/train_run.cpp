@@ -73,6 +73,16 @@ struct Plan {
   dp::LrSchedule schedule;
 };
 
+// A non-finite evaluation loss is divergence, as a non-finite training loss is: the run stops with
+// exit code 3 and saves nothing. Every process sees the same summed loss, so every process stops.
+int diverged(const Options& o, double loss, const std::string& what) {
+  if (std::isfinite(loss)) return 0;
+  if (g_job.primary())
+    fmt::print(stderr, "\ndp_train: error: {} is {}; stopping{}\n", what, loss,
+               o.save.empty() ? "" : fmt::format(", {} was not written", o.save));
+  return 3;
+}
+
 // A path process 0 will write, checked before any work rather than discovered after the last step.
 void check_writable(const std::string& path, const char* flag) {
   if (path.empty() || !g_job.primary()) return;
@@ -271,20 +281,21 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
 }
 
 // --eval-only: the checkpoint's test loss and accuracy, and with --predictions each sample's class.
-void evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
-                   dp::Normalize normalize, MetricsLog& metrics) {
+int evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
+                  dp::Normalize normalize, MetricsLog& metrics) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::int32_t> predictions;
   const dp::EvalTotals totals =
       evaluate(engine, runtime, *inputs.test, o.batch_size, normalize, o.predictions.empty() ? nullptr : &predictions);
   g_job.collectives_end();
+  const std::string& checkpoint = o.init.empty() ? o.resume : o.init;
+  if (const int code = diverged(o, totals.mean_loss(), fmt::format("the test loss of {}", checkpoint))) return code;
   if (!o.predictions.empty()) {
     std::string text;
     for (const std::int32_t c : predictions) text += fmt::format("{}\n", c);
     dp::write_atomically(o.predictions, text);
   }
   const double seconds = since(t0);
-  const std::string& checkpoint = o.init.empty() ? o.resume : o.init;
   say("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n", checkpoint,
       totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(), totals.correct, duration_text(seconds));
   metrics.write({{"kind", "eval"},
@@ -294,6 +305,7 @@ void evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, c
                  {"test_correct", totals.correct},
                  {"test_samples", totals.samples}});
   g_job.agree_or_stop();
+  return 0;
 }
 
 // single and dp read the whole data set in order (one replica); ddp ranks read their shards: this
@@ -388,7 +400,7 @@ class TrainLoop {
   int finish(Submitted& step);
   int finish_pending(std::optional<Submitted>& pending);
   void log_step(long s, long epoch, double lr, bool last);
-  void end_epoch(long s, long epoch);
+  int end_epoch(long s, long epoch);
   long end_step() const { return plan_.start_step + plan_.total_steps; }
 
   const Options& o_;
@@ -474,7 +486,7 @@ int TrainLoop::finish(Submitted& step) {
   const bool last = s + 1 == end_step();
   if ((s + 1) % o_.log_every == 0 || last) log_step(s, epoch, step.lr, last);
   // The end of an epoch (or of a run that stops inside one): its summary.
-  if ((s + 1) % plan_.batches_per_epoch == 0 || last) end_epoch(s, epoch);
+  if ((s + 1) % plan_.batches_per_epoch == 0 || last) return end_epoch(s, epoch);
   return 0;
 }
 
@@ -502,10 +514,13 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   samples_since_log_ = 0;
 }
 
-void TrainLoop::end_epoch(long s, long epoch) {
+int TrainLoop::end_epoch(long s, long epoch) {
   const double train_seconds = since(epoch_start_);
   std::optional<dp::EvalTotals> totals;
   if (test_) totals = evaluate(engine_, runtime_, *test_, o_.batch_size, normalize_);
+  if (totals)
+    if (const int code = diverged(o_, totals->mean_loss(), fmt::format("the test loss after step {}", s + 1)))
+      return code;
   const double done = static_cast<double>(s + 1 - plan_.start_step), elapsed = since(t0_);
   const double eta = elapsed / done * static_cast<double>(end_step() - (s + 1));
   const double train_loss = epoch_loss_sum_ / static_cast<double>(std::max(epoch_samples_, 1L));
@@ -529,6 +544,23 @@ void TrainLoop::end_epoch(long s, long epoch) {
   epoch_samples_ = 0;
   epoch_start_ = std::chrono::steady_clock::now();
   last_log_ = epoch_start_;  // the evaluation is not training time
+  return 0;
+}
+
+// No later step checks the last step's update with its loss: the model the run ends with must give
+// a finite loss, in evaluation (as a checkpoint is used), on the first global batch of the training
+// data. The test set already checked it when there is one.
+int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
+                      dp::Normalize normalize) {
+  if (inputs.test) return 0;
+  const std::size_t count = std::min(
+      inputs.data.size(), static_cast<std::size_t>(o.batch_size) * static_cast<std::size_t>(engine.world_size()));
+  dp::Dataset first{inputs.data.rows, inputs.data.cols, {}, {}};
+  first.pixels.assign(inputs.data.pixels.begin(),
+                      inputs.data.pixels.begin() + static_cast<std::ptrdiff_t>(count * inputs.data.sample_pixels()));
+  first.labels.assign(inputs.data.labels.begin(), inputs.data.labels.begin() + static_cast<std::ptrdiff_t>(count));
+  const dp::EvalTotals totals = evaluate(engine, runtime, first, o.batch_size, normalize);
+  return diverged(o, totals.mean_loss(), "the loss of the final model on the first batch");
 }
 
 // The source / rank-0 state, plus what resuming needs (process 0 writes it).
@@ -571,13 +603,13 @@ int run(Options o) {
   Loaders loaders;  // outlives the engine: its streams read their pinned batches
   const auto engine = build_engine(o, devices, world, built, resumed);
   if (o.eval_only) {
-    evaluate_only(o, *engine, *built.runtime, inputs, checked.normalize, metrics);
-    return 0;
+    return evaluate_only(o, *engine, *built.runtime, inputs, checked.normalize, metrics);
   }
   const Plan plan = plan_run(o, *engine, *built.runtime, inputs.data, devices, world, resumed.start_step);
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data, checked.normalize);
   TrainLoop loop(o, plan, *engine, *built.runtime, inputs, checked.normalize, metrics, loaders);
   if (const int code = loop.run()) return code;
+  if (const int code = check_final_model(o, *engine, *built.runtime, inputs, checked.normalize)) return code;
   save(o, *engine, plan);
   return 0;
 }
