@@ -688,6 +688,30 @@ TEST_F(TrainTest, DivergenceOnTheLastStepSavesNothing) {
                          3, "the test loss of " + path("huge.safetensors") + " is");
 }
 
+// A checkpoint's buffers hold what training leaves there: a negative running variance is an
+// invalid state, refused (exit 2, naming the tensor) rather than evaluated into a NaN loss.
+TEST_F(TrainTest, InvalidBufferValuesAreRefused) {
+  write_idx("data", 16);
+  write_idx("data", 8, 28, 28, 0x803, -1, 0, "t10k");
+  const std::string data = "--model convnet --backend sim --batch-size 8 --data " + path("data");
+  ASSERT_EQ(run(data + " --steps 1 --save " + path("good.safetensors")).code, 0);
+  dp::safetensors::File bad = dp::safetensors::read(path("good.safetensors"));
+  auto& var = bad.tensors.at("layer2.1.running_var");
+  const float minus_one = -1.0f;
+  std::memcpy(var.data.data() + 5 * sizeof(float), &minus_one, sizeof(float));
+  dp::safetensors::write(path("bad_var.safetensors"), bad);
+  const std::string message = "checkpoint tensor 'layer2.1.running_var' holds -1 at element 5: an invalid state";
+  expect_nothing_written(data + " --eval-only --init " + path("bad_var.safetensors"), 2, message);
+  expect_nothing_written(
+      data + " --steps 1 --resume " + path("bad_var.safetensors") + " --save " + path("good.safetensors"), 2, message);
+  bad = dp::safetensors::read(path("good.safetensors"));
+  const std::int64_t negative = -2;
+  bad.tensors.at("layer1.1.num_batches_tracked") = dp::safetensors::make_i64({}, &negative);
+  dp::safetensors::write(path("bad_count.safetensors"), bad);
+  expect_nothing_written(data + " --eval-only --init " + path("bad_count.safetensors"), 2,
+                         "'layer1.1.num_batches_tracked' holds -2: an invalid state");
+}
+
 TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
   // A link to /dev/zero would read forever, a FIFO block forever, /proc/self/mem fail mid-read:
   // each is refused naming the file (exit 2).

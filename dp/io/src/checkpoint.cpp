@@ -1,7 +1,9 @@
 // checkpoint.cpp — state dicts between models and safetensors files.
 #include "dp/io/checkpoint.h"
 
+#include <cstdint>
 #include <fmt/format.h>
+#include <vector>
 
 #include "dp/runtime/error.h"
 #include "dp/runtime/shape.h"
@@ -13,6 +15,29 @@ std::vector<TensorRef> state_views(const Model& model) {
   auto views = model.parameters();
   for (auto& b : model.buffers()) views.push_back(b);
   return views;
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// What no training leaves in a buffer, so a file holding it was made or edited by hand: a negative
+// running variance (BatchNorm divides by its square root in evaluation) or a negative count.
+void check_buffer_values(const std::string& name, const safetensors::Tensor& t) {
+  if (ends_with(name, "running_var") && t.dtype == "F32") {
+    const std::vector<float> values = t.to_f32();
+    for (std::size_t i = 0; i < values.size(); ++i)
+      if (!(values[i] >= 0.0f))
+        throw Error(
+            fmt::format("checkpoint tensor '{}' holds {} at element {}: an invalid state (a running variance "
+                        "must be >= 0 and finite)",
+                        name, values[i], i));
+  }
+  if (ends_with(name, "num_batches_tracked") && t.dtype == "I64")
+    for (const std::int64_t count : t.to_i64())
+      if (count < 0)
+        throw Error(fmt::format("checkpoint tensor '{}' holds {}: an invalid state (a count of batches must be >= 0)",
+                                name, count));
 }
 
 }  // namespace
@@ -47,6 +72,7 @@ void load_state_dict(Model& model, const Stream& stream, const safetensors::File
     if (t->shape != view.shape)
       throw Error(fmt::format("checkpoint tensor '{}' has shape {}, the model expects {}", plain,
                               format_shape(t->shape), format_shape(view.shape)));
+    check_buffer_values(plain, *t);
     plan.emplace_back(&view, t);
   }
   for (auto& [view, t] : plan) stream.copy(view->data, t->data.data(), view->bytes());
