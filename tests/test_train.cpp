@@ -712,6 +712,19 @@ TEST_F(TrainTest, InvalidBufferValuesAreRefused) {
                          "'layer1.1.num_batches_tracked' holds -2: an invalid state");
 }
 
+// An optimizer buffer must have its parameter's shape, not only its element count: a transposed
+// momentum would add each value to another weight.
+TEST_F(TrainTest, OptimizerBuffersOfAnotherShapeAreRefused) {
+  const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 ";
+  ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);
+  dp::safetensors::File transposed = dp::safetensors::read(path("good.safetensors"));
+  transposed.tensors.at("optimizer.momentum.fc1.weight").shape = {784, 16};
+  dp::safetensors::write(path("transposed.safetensors"), transposed);
+  expect_nothing_written(base + "--resume " + path("transposed.safetensors") + " --save " + path("good.safetensors"), 2,
+                         "momentum buffer 'optimizer.momentum.fc1.weight' has shape [784, 16], its parameter "
+                         "'fc1.weight' has shape [16, 784]");
+}
+
 TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
   // A link to /dev/zero would read forever, a FIFO block forever, /proc/self/mem fail mid-read:
   // each is refused naming the file (exit 2).
