@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -123,14 +124,18 @@ TEST_F(SafetensorsTest, WritesOnlyRegularFilesWithShortTemporaryNames) {
   const std::string long_name = path(std::string(245, 'n') + ".st");
   safetensors::write(long_name, file);
   EXPECT_EQ(safetensors::read(long_name).at("x").to_f32().size(), 2u);
-  // Temporaries a killed earlier save left are removed by the next save of the same target only.
+  // Temporaries a killed earlier save left (their process gone: no process has pid 999999999) are
+  // removed by the next save of the same target only; a running writer's is its own and stays.
   const std::string target = path("model.safetensors");
-  const std::string stale = (dir_ / (atomic_temp_prefix(target) + "AbC123")).string();
-  const std::string other = (dir_ / (atomic_temp_prefix(path("other.safetensors")) + "AbC123")).string();
+  const std::string stale = (dir_ / (atomic_temp_prefix(target) + "999999999-AbC123")).string();
+  const std::string live = (dir_ / fmt::format("{}{}-AbC123", atomic_temp_prefix(target), ::getpid())).string();
+  const std::string other = (dir_ / (atomic_temp_prefix(path("other.safetensors")) + "999999999-AbC123")).string();
   { std::ofstream(stale) << "half a checkpoint"; }
+  { std::ofstream(live) << "a checkpoint being written"; }
   { std::ofstream(other) << "another target's"; }
   safetensors::write(target, file);
   EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(live));
   EXPECT_TRUE(fs::exists(other));
 }
 

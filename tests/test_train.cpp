@@ -725,6 +725,25 @@ TEST_F(TrainTest, OptimizerBuffersOfAnotherShapeAreRefused) {
                          "'fc1.weight' has shape [16, 784]");
 }
 
+// Runs saving to one target at once each write their own temporary file: every run exits 0, the
+// last to rename wins, and the target is a whole checkpoint with no temporary file left.
+TEST_F(TrainTest, ConcurrentSavesToOneTargetAllSucceed) {
+  const std::string target = path("same.safetensors");
+  std::string command;
+  for (int i = 0; i < 4; ++i)
+    command += fmt::format(
+        "({} --backend sim --hidden 1024 --synthetic 16 --batch-size 8 --steps 1 --save {} "
+        ">/dev/null 2>&1; echo \"run {} exit $?\") & ",
+        DP_TRAIN_BIN, target, i);
+  const Result r = dp::test::run_command(command + "wait");
+  for (int i = 0; i < 4; ++i) EXPECT_NE(r.output.find(fmt::format("run {} exit 0", i)), std::string::npos) << r.output;
+  const dp::safetensors::File saved = dp::safetensors::read(target);
+  EXPECT_EQ(saved.tensors.at("fc1.weight").shape, (std::vector<std::int64_t>{1024, 784}));
+  EXPECT_EQ(saved.metadata.at("dp.step"), "1");
+  for (const auto& entry : fs::directory_iterator(dir_))
+    EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
+}
+
 TEST_F(TrainTest, SpecialFilesAreNotReadAsData) {
   // A link to /dev/zero would read forever, a FIFO block forever, /proc/self/mem fail mid-read:
   // each is refused naming the file (exit 2).

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <filesystem>
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -47,14 +48,33 @@ void check_target(const std::string& path) {
     throw Error(fmt::format("{}: file name longer than 255 characters", path));
 }
 
-// mkstemp beside `path` under its short temporary name: the open descriptor, the name in `temp`.
+// mkstemp beside `path` under its short temporary name, which carries this process's id: the open
+// descriptor, the name in `temp`. Each writer's temporary file is its own, so writers of one target
+// at once never touch each other's, and the last to rename wins.
 int create_temp(const std::string& path, std::string& temp) {
   const std::filesystem::path dir = directory_of(path);
-  temp = (dir / (temp_prefix(std::filesystem::path(path).filename().string()) + "XXXXXX")).string();
+  temp = (dir / fmt::format("{}{}-XXXXXX", temp_prefix(std::filesystem::path(path).filename().string()), ::getpid()))
+             .string();
   const int fd = ::mkstemp(temp.data());
   if (fd < 0)
     throw Error(fmt::format("{}: cannot create a temporary file in {} ({})", path, dir.string(), std::strerror(errno)));
   return fd;
+}
+
+// Removes the temporary files of `prefix` in `dir` that a killed earlier write left behind: those
+// whose writer (the process id in the name, "<prefix><pid>-XXXXXX") no longer runs on this host.
+// A live writer's file, another save of the same target at the same time, is kept.
+void remove_stale_temps(const std::filesystem::path& dir, const std::string& prefix) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || name.size() < prefix.size() + 8) continue;
+    const std::string pid = name.substr(prefix.size(), name.size() - prefix.size() - 7);
+    if (name[name.size() - 7] != '-' || pid.empty() || pid.size() > 9 ||
+        pid.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    if (::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH) std::filesystem::remove(entry.path(), ec);
+  }
 }
 
 }  // namespace
@@ -74,13 +94,7 @@ void write_atomically(const std::string& path, const std::vector<std::span<const
   // flushed to disk, then renamed over the target, and the directory flushed: after a crash the
   // target is the old file or the new one, never a torn or empty one.
   const std::filesystem::path dir = directory_of(path);
-  const std::string prefix = temp_prefix(std::filesystem::path(path).filename().string());
-  // Temporary files a killed earlier save of this target left behind (one writer per target).
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.size() == prefix.size() + 6 && name.rfind(prefix, 0) == 0) std::filesystem::remove(entry.path(), ec);
-  }
+  remove_stale_temps(dir, temp_prefix(std::filesystem::path(path).filename().string()));
   std::string temp;
   const int fd = create_temp(path, temp);
   auto fail = [&](const char* what) {

@@ -19,9 +19,10 @@ void check_writable(const std::string& path);
 
 // Writes the pieces, in order, to a temporary file in `path`'s directory, flushes it to disk and
 // renames it over `path`: `path` is the old file or the new one, never a torn or empty one. The
-// temporary name is short whatever the target's length (".dp-<hash of the name>-XXXXXX"), and those
-// a killed earlier write of the same target left behind are removed first (so: one writer per
-// target). Throws dp::Error naming `path` and the failing step; no temporary file is left then.
+// temporary name is short whatever the target's length (".dp-<hash of the name>-<pid>-XXXXXX") and
+// its writer's own: writers of one target at once each rename their own file (the last one wins).
+// Those a killed earlier write of the same target left behind (their process gone) are removed
+// first. Throws dp::Error naming `path` and the failing step; no temporary file is left then.
 void write_atomically(const std::string& path, const std::vector<std::span<const std::byte>>& pieces);
 
 // The name prefix of write_atomically's temporary files for `path` (in its directory).
