@@ -116,11 +116,13 @@ class TrainTest : public dp::test::ToolTest {
       if (entry.is_regular_file()) out[entry.path().string()] = read_file(entry.path().string());
     return out;
   }
-  // Runs `args`: exit `code`, `message` in the output, every file that was there before
-  // byte-identical afterwards and none created (no checkpoint, no temporary file).
-  void expect_nothing_written(const std::string& args, int code, const std::string& message) {
+  // Runs `program` with `args` in the test's directory (where a file named after an argument would
+  // appear): exit `code`, `message` in the output, every file that was there before byte-identical
+  // afterwards and none created (no checkpoint, no temporary file).
+  void expect_nothing_written(const std::string& args, int code, const std::string& message,
+                              const std::string& program = DP_TRAIN_BIN) {
     const auto before = files();
-    const Result r = run(args);
+    const Result r = dp::test::run_command("cd " + dir_.string() + " && " + program + " " + args);
     EXPECT_EQ(r.code, code) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << "expected '" << message << "' in:\n" << r.output;
     const auto after = files();
@@ -997,6 +999,31 @@ TEST_F(TrainTest, TrailingDataAfterAGzipStreamIsRefused) {
   ASSERT_EQ(run(args).code, 0);
   std::ofstream(dir_ / "gz" / "train-images-idx3-ubyte.gz", std::ios::binary | std::ios::app) << std::string(70, 'x');
   expect_refused(args, "train-images-idx3-ubyte.gz: trailing data after the end of the gzip stream");
+}
+
+// examples/custom_model: its arguments are checked before any work (exit 2, nothing written), and
+// a run of one step, too short to show a trend, succeeds.
+class CustomModelTest : public TrainTest {
+ protected:
+  void expect_custom_model_refused(const std::string& args, const std::string& message) {
+    expect_nothing_written(args, 2, message, DP_CUSTOM_MODEL_BIN);
+  }
+};
+
+TEST_F(CustomModelTest, ArgumentsAreCheckedAndOneStepWorks) {
+  { std::ofstream(path("cm.safetensors")) << "previous checkpoint"; }
+  expect_nothing_written("--help", 0, "usage: custom_model [OUTPUT.safetensors] [STEPS]", DP_CUSTOM_MODEL_BIN);
+  expect_custom_model_refused(path("cm.safetensors") + " 3x", "STEPS '3x' is not a decimal integer in [1, 1000000]");
+  expect_custom_model_refused(path("cm.safetensors") + " 1000001", "STEPS '1000001' is not a decimal integer");
+  expect_custom_model_refused(path("cm.safetensors") + " 0", "STEPS '0' is not a decimal integer");
+  expect_custom_model_refused(path("cm.safetensors") + " -- -5", "unknown option '--'");
+  expect_custom_model_refused(path("cm.safetensors") + " 1 extra", "too many arguments");
+  expect_custom_model_refused(path("no/such/dir/cm.safetensors") + " 1", "does not exist");
+  EXPECT_EQ(read_file(path("cm.safetensors")), "previous checkpoint");
+  const Result one = dp::test::run_command(std::string(DP_CUSTOM_MODEL_BIN) + " " + path("cm.safetensors") + " 1");
+  EXPECT_EQ(one.code, 0) << one.output;
+  EXPECT_NE(one.output.find("one step: too few to tell whether the loss falls"), std::string::npos) << one.output;
+  EXPECT_EQ(dp::safetensors::read(path("cm.safetensors")).tensors.count("head.3.weight"), 1u);
 }
 
 }  // namespace
