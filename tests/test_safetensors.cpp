@@ -85,6 +85,22 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefused) {
                  "overlap");
   expect_refused(raw("dtype", R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 1), "unknown dtype");
   expect_refused(raw("json", "{not json", 0), "not valid JSON");
+  // A key named twice in one object: parsers keep different ones, so two readers would differ.
+  expect_refused(raw("twice",
+                     R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                     R"("w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                     8),
+                 "header names 'w' twice in one object");
+  expect_refused(raw("dtype_twice", R"({"w":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}})", 4),
+                 "header names 'dtype' twice");
+  expect_refused(raw("metadata_twice", R"({"__metadata__":{"a":"1","a":"2"}})", 0), "header names 'a' twice");
+  EXPECT_EQ(safetensors::read(raw("same_key_elsewhere",
+                                  R"({"__metadata__":{"w":"1"},)"
+                                  R"("w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                  4))
+                .metadata.at("w"),
+            "1")
+      << "one key in two objects is no duplicate";
   // The data section is indexed entirely: trailing bytes (a file glued to another, 3 GiB of
   // padding) and holes are refused, not read.
   expect_refused(raw("trailing", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4 + 100),

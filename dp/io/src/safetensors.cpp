@@ -9,6 +9,8 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <vector>
 
 #include "dp/io/atomic_file.h"
 #include "dp/runtime/error.h"
@@ -136,6 +138,32 @@ void check_coverage(const std::string& path, std::vector<Range>& ranges, std::ui
         fmt::format("{}: {} bytes of trailing data after the tensors ({} bytes)", path, data_size - covered, covered));
 }
 
+// The header as JSON, refused when it is not an object or when an object names a key twice: JSON
+// parsers keep one of the two (nlohmann::json the last, others the first), so two readers of one
+// file would load different tensors.
+nlohmann::json parse_header(const std::string& path, const std::string& header) {
+  std::vector<std::set<std::string>> keys;  // per open object, the keys seen so far
+  const nlohmann::json::parser_callback_t no_duplicates = [&](int, nlohmann::json::parse_event_t event,
+                                                              nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys.emplace_back();
+    if (event == Event::object_end) keys.pop_back();
+    if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second)
+      throw Error(fmt::format("{}: header names '{}' twice in one object", path, parsed.get<std::string>()));
+    return true;
+  };
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(header, no_duplicates);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{}: header is not valid JSON: {}", path, e.what()));
+  }
+  if (!json.is_object()) throw Error(fmt::format("{}: header is not a JSON object", path));
+  return json;
+}
+
 }  // namespace
 
 File read(const std::string& path) {
@@ -158,13 +186,7 @@ File read(const std::string& path) {
                             file_size));
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(header);
-  } catch (const std::exception& e) {
-    throw Error(fmt::format("{}: header is not valid JSON: {}", path, e.what()));
-  }
-  if (!json.is_object()) throw Error(fmt::format("{}: header is not a JSON object", path));
+  const nlohmann::json json = parse_header(path, header);
   const std::uint64_t data_size = file_size - 8 - header_len;
 
   // The header first, checked against the file's size; only then the data, each tensor read
