@@ -1001,6 +1001,47 @@ TEST_F(TrainTest, TrailingDataAfterAGzipStreamIsRefused) {
   expect_refused(args, "train-images-idx3-ubyte.gz: trailing data after the end of the gzip stream");
 }
 
+// A checkpoint must say one thing: a header naming a key twice (readers keep different ones) or a
+// dp.hidden tag its tensors contradict is refused by --init, --resume and --eval-only alike.
+TEST_F(TrainTest, SelfContradictoryCheckpointsAreRefused) {
+  write_idx("data", 16);
+  write_idx("data", 8, 28, 28, 0x803, -1, 0, "t10k");
+  const std::string base = "--backend sim --hidden 16 --batch-size 8 --data " + path("data");
+  ASSERT_EQ(run(base + " --steps 1 --save " + path("good.safetensors")).code, 0);
+  // The header as written with a metadata key repeated (another value), its length prefix updated.
+  const std::string bytes = read_file(path("good.safetensors"));
+  std::uint64_t length = 0;
+  std::memcpy(&length, bytes.data(), sizeof(length));
+  const std::string data = bytes.substr(8 + length);
+  std::string header = bytes.substr(8, length);
+  const std::string tag = R"("dp.dropout":"0")";
+  ASSERT_NE(header.find(tag), std::string::npos) << header;
+  header.replace(header.find(tag), tag.size(), tag + R"(,"dp.dropout":"0.5")");
+  header.append((8 - header.size() % 8) % 8, ' ');
+  length = header.size();
+  std::ofstream(path("twice.safetensors"), std::ios::binary)
+      << std::string(reinterpret_cast<const char*>(&length), sizeof(length)) << header << data;
+  // A tag the tensors contradict: 64 hidden units where fc1.weight has 16 rows, or a layer too many.
+  dp::safetensors::File file = dp::safetensors::read(path("good.safetensors"));
+  file.metadata["dp.hidden"] = "64";
+  dp::safetensors::write(path("hidden64.safetensors"), file);
+  file.metadata["dp.hidden"] = "16,16";
+  dp::safetensors::write(path("hidden16x2.safetensors"), file);
+  const std::pair<std::string, std::string> cases[] = {
+      {"twice.safetensors", "header names 'dp.dropout' twice in one object"},
+      {"hidden64.safetensors",
+       "metadata 'dp.hidden' = '64' contradicts the tensors: fc1.weight has shape [16, 784] (expected 64 rows)"},
+      {"hidden16x2.safetensors",
+       "metadata 'dp.hidden' = '16,16' contradicts the tensors: fc2.weight has shape [10, 16]"}};
+  for (const auto& [name, message] : cases) {
+    expect_nothing_written(base + " --steps 1 --init " + path(name) + " --save " + path("good.safetensors"), 2,
+                           message);
+    expect_nothing_written(base + " --steps 1 --resume " + path(name) + " --save " + path("good.safetensors"), 2,
+                           message);
+    expect_nothing_written(base + " --eval-only --init " + path(name) + " --predictions " + path("p.txt"), 2, message);
+  }
+}
+
 // examples/custom_model: its arguments are checked before any work (exit 2, nothing written), and
 // a run of one step, too short to show a trend, succeeds.
 class CustomModelTest : public TrainTest {

@@ -28,6 +28,7 @@
 #include "dp/nn/lr_schedule.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/process_group.h"
+#include "dp/runtime/shape.h"
 #include "train_parts.h"
 
 namespace dp_train {
@@ -207,11 +208,37 @@ Inputs load_inputs(const Options& o) {
   return inputs;
 }
 
+// dp_train's checkpoints say in "dp.hidden" which MLP they hold: a file whose tensors contradict it
+// (edited or assembled by hand) is refused, as --hidden contradicting the tensors is.
+void check_hidden_tag(const std::string& path, const dp::safetensors::File& file) {
+  const auto tag = file.metadata.find("dp.hidden");
+  const auto model = file.metadata.find("dp.model");
+  if (tag == file.metadata.end() || tag->second.empty() || (model != file.metadata.end() && model->second != "mlp"))
+    return;
+  const std::string what = fmt::format("{}: metadata 'dp.hidden'", path);
+  const std::vector<int> hidden = parse_int_list(tag->second, what.c_str());
+  const auto find = [&](std::size_t layer) -> const dp::safetensors::Tensor* {
+    const std::string name = fmt::format("fc{}.weight", layer);
+    return file.has(name) ? &file.at(name) : file.has("module." + name) ? &file.at("module." + name) : nullptr;
+  };
+  for (std::size_t i = 0; i < hidden.size(); ++i) {
+    const dp::safetensors::Tensor* weight = find(i + 1);
+    if (!weight || weight->shape.empty() || weight->shape[0] != hidden[i])
+      throw UsageError(
+          fmt::format("{} = '{}' contradicts the tensors: fc{}.weight {} (expected {} rows)", what, tag->second, i + 1,
+                      weight ? fmt::format("has shape {}", dp::format_shape(weight->shape)) : "is missing", hidden[i]));
+  }
+  if (!find(hidden.size() + 1) || find(hidden.size() + 2))
+    throw UsageError(fmt::format("{} = '{}' contradicts the tensors: they hold {} than {} hidden layer(s)", what,
+                                 tag->second, find(hidden.size() + 1) ? "more" : "fewer", hidden.size()));
+}
+
 // The checkpoint to resume, validated before the runtime spins up; the run takes its seed.
 Resumed read_resume(Options& o) {
   Resumed resumed;
   if (o.resume.empty()) return resumed;
   resumed.state = as_usage_error([&] { return dp::TrainingState::read(o.resume); });
+  check_hidden_tag(o.resume, resumed.state->file());
   const dp::TrainingProgress& progress = resumed.state->progress();
   resumed.start_step = static_cast<long>(progress.step);
   const auto& tags = progress.tags;
@@ -239,7 +266,11 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
                                        : dp::models::make_mlp(source, checked.hidden, o.seed, o.dropout);
   dp::Model& model = *built.model;
   as_usage_error([&] {
-    if (!o.init.empty()) dp::load_state_dict(model, source.create_stream(), dp::safetensors::read(o.init));
+    if (!o.init.empty()) {
+      const dp::safetensors::File init = dp::safetensors::read(o.init);
+      check_hidden_tag(o.init, init);
+      dp::load_state_dict(model, source.create_stream(), init);
+    }
     if (resumed.state) resumed.state->load_model(model);  // before the engine: DDP broadcasts rank 0's values
     return 0;
   });
