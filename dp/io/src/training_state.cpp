@@ -147,8 +147,9 @@ void TrainingState::load_optimizers(const Model& model, std::span<Optimizer* con
         throw Error(
             fmt::format("{}: no {} buffer '{}' (saved with other optimizer options?)", path_, buffer.name, key));
       const safetensors::Tensor& t = file_.at(key);
-      if (t.dtype != "F32")
-        throw Error(fmt::format("{}: {} buffer '{}' has dtype {}, expected F32", path_, buffer.name, key, t.dtype));
+      if (t.dtype != "F32" || t.numel() != p.numel())
+        throw Error(fmt::format("{}: {} buffer '{}' has {} {} values, expected {} F32", path_, buffer.name, key,
+                                t.numel(), t.dtype, p.numel()));
       // The same count in another shape (a transposed matrix) would pair each value with the wrong weight.
       if (t.shape != p.shape)
         throw Error(fmt::format("{}: {} buffer '{}' has shape {}, its parameter '{}' has shape {}", path_, buffer.name,
