@@ -637,6 +637,40 @@ TEST_F(TrainTest, EvaluationAndMetricsInputsAreChecked) {
 
 namespace {
 
+// --metrics-json goes through the checks --save does, before any work: a run refused later (a
+// missing --init, bad data) leaves an existing metrics file byte-identical and creates none; a FIFO,
+// a device or a symbolic link is refused at once (a FIFO hung in open()); and it may not name the
+// file another output or an input names.
+TEST_F(TrainTest, MetricsJsonIsCheckedUpFrontAndWrittenOnlyByARunThatStarts) {
+  const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 --metrics-json ";
+  const std::string old_log = path("old.jsonl");
+  { std::ofstream(old_log) << "{\"kind\": \"step\"}\n"; }
+  const std::string before = read_file(old_log);
+  for (const std::string& later : {" --init " + path("missing.safetensors"), " --data " + path("no-such-dir")}) {
+    const Result r = run(base + old_log + later);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_EQ(read_file(old_log), before) << "a refused run changed the metrics file: " << later;
+  }
+  const Result fresh = run(base + path("new.jsonl") + " --init " + path("missing.safetensors"));
+  EXPECT_EQ(fresh.code, 2) << fresh.output;
+  EXPECT_FALSE(fs::exists(path("new.jsonl"))) << "a refused run created its metrics file";
+
+  ASSERT_EQ(::mkfifo(path("fifo.jsonl").c_str(), 0644), 0);
+  expect_refused(base + path("fifo.jsonl"), "not a regular file");
+  expect_refused(base + "/dev/full", "not a regular file");
+  fs::create_symlink(old_log, path("link.jsonl"));
+  expect_refused(base + path("link.jsonl"), "not a regular file");
+  EXPECT_EQ(read_file(old_log), before);
+
+  const std::string guard = path("existing.safetensors");
+  expect_refused(base + guard, "--save and --metrics-json name the same file");
+  expect_refused(base + path("m.jsonl") + " --init " + path("m.jsonl"), "would overwrite the --init input");
+  // A run that starts writes the file.
+  const Result ok = run(base + path("ran.jsonl"));
+  ASSERT_EQ(ok.code, 0) << ok.output;
+  EXPECT_NE(read_file(path("ran.jsonl")).find("\"kind\""), std::string::npos);
+}
+
 TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
   const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 ";
   ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);

@@ -116,19 +116,19 @@ double since(std::chrono::steady_clock::time_point from) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
 }
 
-MetricsLog::MetricsLog(const std::string& path, bool append) {
-  if (path.empty()) return;
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (append ? 0 : O_TRUNC), 0644);
-  if (fd_ < 0) throw UsageError(fmt::format("--metrics-json {}: cannot open ({})", path, std::strerror(errno)));
-  path_ = path;
-}
-
 MetricsLog::~MetricsLog() {
   if (fd_ >= 0) ::close(fd_);
 }
 
 void MetricsLog::write(const nlohmann::json& record) {
-  if (fd_ < 0) return;
+  if (path_.empty()) return;
+  if (fd_ < 0) {
+    // O_NOFOLLOW and O_NONBLOCK: a symbolic link or a FIFO put there since the checks is refused,
+    // never followed or waited on.
+    fd_ = ::open(path_.c_str(),
+                 O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (append_ ? 0 : O_TRUNC), 0644);
+    if (fd_ < 0) throw dp::Error(fmt::format("--metrics-json {}: cannot open ({})", path_, std::strerror(errno)));
+  }
   const std::string line = record.dump() + "\n";
   if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
     throw dp::Error(fmt::format("--metrics-json {}: write failed ({})", path_, std::strerror(errno)));

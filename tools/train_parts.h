@@ -66,8 +66,10 @@ auto as_usage_error(Load&& load) {
 // full disk).
 class MetricsLog {
  public:
-  // Truncates `path`, or appends to it when resuming (the earlier run's lines stay).
-  MetricsLog(const std::string& path, bool append);
+  // Writes to `path` (refused up front by validate_options when it is not a regular file or cannot
+  // be written). Opened at the first record, once every check has passed, so a refused run leaves
+  // an existing file as it was; truncated then, or appended to when resuming (the earlier run's lines stay).
+  MetricsLog(const std::string& path, bool append) : path_(path), append_(append) {}
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
@@ -77,6 +79,7 @@ class MetricsLog {
  private:
   int fd_ = -1;
   std::string path_;
+  bool append_ = false;
 };
 
 // Test-set loss and accuracy through the engine: every sample exactly once (eval_shard: global

@@ -6,13 +6,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fmt/format.h>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <unistd.h>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -94,6 +97,29 @@ void check_writable(const std::string& path, const char* flag) {
   }
 }
 
+// Every output names a file of its own, and none overwrites an input (--resume and --save may name
+// one checkpoint: a resumed run saves over the one it started from).
+void check_distinct_files(const Options& o) {
+  const std::pair<const char*, const std::string*> outputs[] = {
+      {"--save", &o.save}, {"--metrics-json", &o.metrics_json}, {"--predictions", &o.predictions}};
+  const std::pair<const char*, const std::string*> inputs[] = {{"--init", &o.init}, {"--resume", &o.resume}};
+  const auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    return !a.empty() && !b.empty() &&
+           std::filesystem::weakly_canonical(a, ec) == std::filesystem::weakly_canonical(b, ec);
+  };
+  for (std::size_t i = 0; i < std::size(outputs); ++i) {
+    for (std::size_t j = i + 1; j < std::size(outputs); ++j)
+      if (same(*outputs[i].second, *outputs[j].second))
+        throw UsageError(
+            fmt::format("{} and {} name the same file {}", outputs[i].first, outputs[j].first, *outputs[i].second));
+    for (const auto& [flag, path] : inputs)
+      if (same(*outputs[i].second, *path) &&
+          !(outputs[i].first == std::string("--save") && flag == std::string("--resume")))
+        throw UsageError(fmt::format("{} {} would overwrite the {} input", outputs[i].first, *outputs[i].second, flag));
+  }
+}
+
 std::vector<int> parse_hidden(const Options& o) {
   std::vector<int> hidden;
   if (o.model != "mlp") return hidden;
@@ -128,6 +154,8 @@ Checked validate_options(const Options& o) {
   if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
   check_writable(o.predictions, "--predictions");
   check_writable(o.save, "--save");
+  check_writable(o.metrics_json, "--metrics-json");
+  check_distinct_files(o);
   return checked;
 }
 
