@@ -650,7 +650,7 @@ int run(Options o) {
   const Devices devices = choose_devices(o);
   const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
   check_learning_rate(o, world);
-  // Opened now, so that a path it cannot write is refused before any work. A resumed run appends.
+  // Its file is opened at the first record (validate_options checked the path); a resumed run appends.
   MetricsLog metrics(g_job.primary() ? o.metrics_json : std::string(), !o.resume.empty());
   // What the run needs at the least, in 64 bits, before anything is allocated.
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
