@@ -671,6 +671,24 @@ TEST_F(TrainTest, MetricsJsonIsCheckedUpFrontAndWrittenOnlyByARunThatStarts) {
   EXPECT_NE(read_file(path("ran.jsonl")).find("\"kind\""), std::string::npos);
 }
 
+// Resuming with other settings than the checkpoint's run: another device count or Dropout rate is
+// said (the new value wins, as a PyTorch user expects), momentum buffers --momentum 0 would drop
+// are refused with exit 2 (they were dropped silently).
+TEST_F(TrainTest, ResumingWithOtherSettingsIsNotedOrRefused) {
+  const std::string common =
+      "--model mlp --hidden 16 --mode ddp --backend sim --synthetic 48 --batch-size 4 --steps 2 ";
+  const std::string saved = path("two.safetensors");
+  ASSERT_EQ(run(common + "--devices 2 --dropout 0.1 --save " + saved).code, 0);
+  const Result more = run(common + "--devices 3 --dropout 0.2 --resume " + saved);
+  ASSERT_EQ(more.code, 0) << more.output;
+  EXPECT_NE(more.output.find("trained on 2 device(s); continuing on 3"), std::string::npos) << more.output;
+  EXPECT_NE(more.output.find("trained with --dropout 0.1; continuing with 0.2"), std::string::npos) << more.output;
+  const Result same = run(common + "--devices 2 --dropout 0.1 --resume " + saved);
+  ASSERT_EQ(same.code, 0) << same.output;
+  EXPECT_EQ(same.output.find("note: the checkpoint was trained"), std::string::npos) << same.output;
+  expect_refused(common + "--devices 2 --dropout 0.1 --momentum 0 --resume " + saved, "which --momentum 0 would drop");
+}
+
 TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
   const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 ";
   ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);

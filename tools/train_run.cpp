@@ -261,8 +261,29 @@ void check_hidden_tag(const std::string& path, const dp::safetensors::File& file
                                  tag->second, find(hidden.size() + 1) ? "more" : "fewer", hidden.size()));
 }
 
+// What a resumed run changes from the run that saved the checkpoint: said as a note where PyTorch
+// users expect the new value to win (the device count: another data order and epochs; Dropout's
+// rate), refused where the checkpoint's state would be silently dropped (its SGD momentum buffers
+// with --momentum 0).
+void check_resumed_settings(const Options& o, const dp::TrainingState& state, int world) {
+  const auto& tags = state.progress().tags;
+  if (tags.count("world") && tags.at("world") != fmt::format("{}", world))
+    say("note: the checkpoint was trained on {} device(s); continuing on {} (another data order and epochs)\n",
+        tags.at("world"), world);
+  if (tags.count("dropout") && tags.at("dropout") != fmt::format("{}", o.dropout))
+    say("note: the checkpoint was trained with --dropout {}; continuing with {}\n", tags.at("dropout"), o.dropout);
+  const bool saved_momentum =
+      std::any_of(state.file().tensors.begin(), state.file().tensors.end(),
+                  [](const auto& entry) { return entry.first.starts_with("optimizer.momentum."); });
+  if (saved_momentum && o.optimizer == "sgd" && o.momentum == 0.0f)
+    throw UsageError(
+        fmt::format("--resume {}: the checkpoint holds SGD momentum buffers, which --momentum 0 would "
+                    "drop: resume with the momentum it was trained with",
+                    o.resume));
+}
+
 // The checkpoint to resume, validated before the runtime spins up; the run takes its seed.
-Resumed read_resume(Options& o) {
+Resumed read_resume(Options& o, int world) {
   Resumed resumed;
   if (o.resume.empty()) return resumed;
   resumed.state = as_usage_error([&] { return dp::TrainingState::read(o.resume); });
@@ -277,6 +298,7 @@ Resumed read_resume(Options& o) {
         tags.at("mode"), o.mode);
   if (progress.seed != o.seed) say("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
   o.seed = progress.seed;
+  check_resumed_settings(o, *resumed.state, world);
   return resumed;
 }
 
@@ -636,7 +658,8 @@ void save(const Options& o, dp::Engine& engine, const Plan& plan) {
                      {"hidden", o.model == "mlp" ? o.hidden : ""},
                      {"mode", o.mode},
                      {"dropout", fmt::format("{}", o.dropout)},
-                     {"label_smoothing", fmt::format("{}", o.label_smoothing)}};
+                     {"label_smoothing", fmt::format("{}", o.label_smoothing)},
+                     {"world", fmt::format("{}", plan.world)}};
     dp::TrainingState::save(o.save, engine.model(), *engine.optimizers().front(), progress);
     say("dp_train: saved {}\n", o.save);
   }
@@ -656,7 +679,7 @@ int run(Options o) {
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
   g_job.set_devices(devices.ids);
   const Inputs inputs = load_inputs(o);
-  const Resumed resumed = read_resume(o);
+  const Resumed resumed = read_resume(o, world);
   Built built = build_model(o, checked, devices, resumed);
   join_collectives(o, devices, inputs);
   Loaders loaders;  // outlives the engine: its streams read their pinned batches
