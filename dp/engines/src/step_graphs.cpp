@@ -88,22 +88,28 @@ void StepGraphs::drop_graphs() {
 
 bool StepGraphs::run(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
                      const std::function<MemorySnapshot()>& memory, const StepWork& work) {
-  if (enabled_ && last_ && !(*last_ == memory())) drop_graphs();
+  if (!enabled_) {
+    work.eager();
+    return false;
+  }
+  MemorySnapshot now = memory();
+  if (last_ && !(*last_ == now)) drop_graphs();
   Action action = plan(key, slot);
-  if (action == Action::capture) action = capture(key, slot, optimizers, work.capture) ? Action::replay : Action::eager;
+  if (action == Action::capture) {
+    action = capture(key, slot, optimizers, work.capture) ? Action::replay : Action::eager;
+    if (action == Action::eager) now = memory();  // where the eager step starts from
+  }
   if (action == Action::replay) {
     work.replay(graphs_.at(key)[static_cast<std::size_t>(slot)]);
     ++replays_;
-  } else if (!enabled_) {
-    work.eager();
-  } else {
-    const MemorySnapshot before = memory();
-    work.eager();
-    if (!(before == memory())) drop_graphs();  // its own allocations sized its key's buffers
-    warmed_.insert(key);
+    last_ = memory();
+    return true;
   }
-  if (enabled_) last_ = memory();
-  return action == Action::replay;
+  work.eager();
+  last_ = memory();
+  if (!(now == *last_)) drop_graphs();  // its own allocations sized its key's buffers
+  warmed_.insert(key);
+  return false;
 }
 
 }  // namespace dp::engines
