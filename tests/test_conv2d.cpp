@@ -2,6 +2,7 @@
 // finite differences, gradient accumulation, operand checks; on cuda also cuDNN vs the im2col path.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <gtest/gtest.h>
 #include <limits>
 #include <random>
@@ -179,7 +180,8 @@ struct Outputs {
   std::vector<float> y, dx, dw, db;
 };
 
-Outputs run_conv(Device& device, const Stream& stream, const Conv2dShape& s, const Inputs& in) {
+// reuse: the backward is told that the forward lowered x (when it says it did), as a layer does.
+Outputs run_conv(Device& device, const Stream& stream, const Conv2dShape& s, const Inputs& in, bool reuse = false) {
   const bool bias = !in.b.empty();
   DeviceBuffer x = upload(device, stream, in.x), w = upload(device, stream, in.w), dy = upload(device, stream, in.dy);
   DeviceBuffer dw = upload(device, stream, in.dw0);
@@ -189,10 +191,10 @@ Outputs run_conv(Device& device, const Stream& stream, const Conv2dShape& s, con
   // dx starts as NaN: the backward must overwrite every element.
   DeviceBuffer dx = upload(device, stream, std::vector<float>(x_size(s), std::numeric_limits<float>::quiet_NaN()));
   DeviceBuffer ws = device.allocate(kernels::conv2d_workspace_floats(s) * sizeof(float));
-  kernels::conv2d_forward(stream, s, x.as<float>(), w.as<float>(), bias ? b.as<float>() : nullptr, y.as<float>(),
-                          ws.as<float>());
+  const bool lowered = kernels::conv2d_forward(stream, s, x.as<float>(), w.as<float>(), bias ? b.as<float>() : nullptr,
+                                               y.as<float>(), ws.as<float>());
   kernels::conv2d_backward(stream, s, x.as<float>(), w.as<float>(), dy.as<float>(), dx.as<float>(), dw.as<float>(),
-                           bias ? db.as<float>() : nullptr, ws.as<float>());
+                           bias ? db.as<float>() : nullptr, ws.as<float>(), true, reuse && lowered);
   Outputs out{download<float>(stream, y), download<float>(stream, dx), download<float>(stream, dw), {}};
   if (bias) out.db = download<float>(stream, db);
   return out;
@@ -331,6 +333,27 @@ TEST_P(Conv2dTest, MatchesDirectConvolution) {
     const Inputs in = make_inputs(shape, bias, seed += 10);
     expect_direct(shape, in, run_conv(*device_, stream_, shape, in));
   }
+}
+
+// A backward that reuses the x its forward lowered (the shared path says it left it in the
+// workspace; cuDNN's forward lowers nothing) gives the same bits as one that lowers x again.
+TEST_P(Conv2dTest, BackwardReusingTheLoweredInputGivesTheSameBits) {
+  unsigned seed = 300;
+  for (const auto& [shape, bias] : kShapes) {
+    const Inputs in = make_inputs(shape, bias, seed += 10);
+    const Outputs again = run_conv(*device_, stream_, shape, in), reused = run_conv(*device_, stream_, shape, in, true);
+    const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    EXPECT_TRUE(same(again.y, reused.y) && same(again.dx, reused.dx) && same(again.dw, reused.dw) &&
+                same(again.db, reused.db));
+  }
+  const Conv2dShape s{2, 3, 6, 6, 4, 3, 3, 1, 1};
+  DeviceBuffer x = device_->allocate(x_size(s) * sizeof(float)), w = device_->allocate(w_size(s) * sizeof(float)),
+               y = device_->allocate(y_size(s) * sizeof(float)),
+               ws = device_->allocate(kernels::conv2d_workspace_floats(s) * sizeof(float));
+  EXPECT_EQ(kernels::conv2d_forward(stream_, s, x.as<float>(), w.as<float>(), nullptr, y.as<float>(), ws.as<float>()),
+            GetParam() == "sim" || !kernels::conv_cudnn_enabled());
 }
 
 // The reference model's layers at batch 64 (one GEMM over N*H*W = 50176 and 12544 columns),

@@ -113,7 +113,10 @@ TEST_F(ZeroGrad, FirstBackwardWritesWhatAFillAndAnAccumulatingBackwardGave) {
   const std::uint64_t accumulating = launches() - before;
   const auto filled = grads();
 
-  // Now: NaN in every gradient, zero_grad (no launch), a backward that writes every one of them.
+  // Now: NaN in every gradient, zero_grad (no launch), a backward that writes every one of them,
+  // after a forward of its own as the first had (a convolution's backward reuses the input its
+  // forward lowered, so each backward is counted after a forward).
+  model_->forward(stream_, x_.as<float>(), kBatch, Mode::train);
   poison();
   before = launches();
   model_->zero_grad(stream_);

@@ -13,6 +13,28 @@
 #include "library_calls.h"
 
 namespace dp::kernels {
+
+ConvGeometry conv_geometry(const Conv2dShape& s) {
+  ConvGeometry g;
+  g.s = s;
+  g.h_out = s.h_out();
+  g.w_out = s.w_out();
+  g.hw = g.h_out * g.w_out;
+  g.cols = s.n * g.hw;
+  g.by_n = FastDivmod(std::max(s.n, 1));
+  g.by_w = FastDivmod(s.w);
+  g.by_h = FastDivmod(s.h);
+  g.by_c_in = FastDivmod(s.c_in);
+  g.by_c_out = FastDivmod(s.c_out);
+  g.by_kw = FastDivmod(s.kw);
+  g.by_kh = FastDivmod(s.kh);
+  g.by_stride = FastDivmod(s.stride);
+  g.by_h_out = FastDivmod(g.h_out);
+  g.segments = static_cast<int>(ceil_div(g.hw, kPermuteSegment));
+  g.by_segments = FastDivmod(g.segments);
+  return g;
+}
+
 namespace {
 std::string describe(const Conv2dShape& s) {
   const std::int64_t x[] = {s.n, s.c_in, s.h, s.w}, weight[] = {s.c_out, s.c_in, s.kh, s.kw};
@@ -57,24 +79,7 @@ index_t permute_calls(const ConvGeometry& g) { return static_cast<index_t>(g.s.n
 index_t largest_shared_tensor(const Conv2dShape& s) { return std::max({x_count(s), y_count(s), col_count(s)}); }
 ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
   check_int_range(op, s, largest_shared_tensor(s));
-  ConvGeometry g;
-  g.s = s;
-  g.h_out = s.h_out();
-  g.w_out = s.w_out();
-  g.hw = g.h_out * g.w_out;
-  g.cols = s.n * g.hw;
-  g.by_n = FastDivmod(std::max(s.n, 1));
-  g.by_w = FastDivmod(s.w);
-  g.by_h = FastDivmod(s.h);
-  g.by_c_in = FastDivmod(s.c_in);
-  g.by_c_out = FastDivmod(s.c_out);
-  g.by_kw = FastDivmod(s.kw);
-  g.by_kh = FastDivmod(s.kh);
-  g.by_stride = FastDivmod(s.stride);
-  g.by_h_out = FastDivmod(g.h_out);
-  g.segments = static_cast<int>(ceil_div(g.hw, kPermuteSegment));
-  g.by_segments = FastDivmod(g.segments);
-  return g;
+  return conv_geometry(s);
 }
 
 bool cudnn_path(const Stream& stream) { return stream.backend() == Backend::cuda && conv_cudnn_enabled(); }
@@ -83,7 +88,7 @@ bool cudnn_path(const Stream& stream) { return stream.backend() == Backend::cuda
 // the workspace for the input gradient. Returns mat, dy in the GEMM's layout: dy itself for N = 1
 // (dy (1, C_out, hw) already is (C_out, hw)), else dy permuted into the workspace after col.
 const float* shared_weight_grad(const Stream& stream, const ConvGeometry& g, const float* x, const float* dy,
-                                float* dweight, float beta, float* workspace) {
+                                float* dweight, float beta, float* workspace, bool x_lowered = false) {
   const Conv2dShape& shape = g.s;
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;
@@ -94,8 +99,9 @@ const float* shared_weight_grad(const Stream& stream, const ConvGeometry& g, con
            {operand(dy, y_count(shape)), operand(permuted, y_count(shape))});
     mat = permuted;
   }
-  launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
-         {operand(x, x_count(shape)), operand(col, col_count(shape))});
+  if (!x_lowered)
+    launch(stream, "conv2d_im2col", im2col_rows(shape), Im2col{g, x, col},
+           {operand(x, x_count(shape)), operand(col, col_count(shape))});
   gemm(stream, false, true, shape.c_out, t, p, 1.0f, mat, p, col, p, beta, dweight, t);  // (+)= dy . col^T
   return mat;
 }
@@ -134,7 +140,7 @@ std::size_t conv2d_workspace_floats(const Conv2dShape& shape) {
   return static_cast<std::size_t>((taps(shape) + shape.c_out) * pixels(shape));
 }
 
-void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                     const float* bias, float* y, float* workspace) {
   const char* op = "conv2d_forward";
   check_conv2d(op, shape);
@@ -146,11 +152,11 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
       stream, op,
       {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
        operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
-  if (shape.n == 0) return;
+  if (shape.n == 0) return false;
   if (cudnn_path(stream)) {
     const SharedWeightGrad shared{stream, shape, workspace};
     library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y, shared.borrow());
-    return;
+    return false;
   }
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
@@ -163,10 +169,12 @@ void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
   if (shape.n > 1 || bias)
     launch(stream, "conv2d_to_nchw_bias", permute_calls(g), MatToNchwBias{g, mat, bias, y},
            {operand(mat, y_count(shape)), operand(bias, bias ? shape.c_out : 0), operand(y, y_count(shape))});
+  return true;  // col (x lowered) stays at the start of the workspace; mat came after it
 }
 
 void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate) {
+                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate,
+                     bool x_lowered) {
   const char* op = "conv2d_backward";
   check_conv2d(op, shape);
   checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}, {"workspace", workspace}});
@@ -209,7 +217,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;
-  const float* mat = shared_weight_grad(stream, g, x, dy, dweight, beta, workspace);
+  const float* mat = shared_weight_grad(stream, g, x, dy, dweight, beta, workspace, x_lowered);
   if (dx == nullptr) return;
   // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
   gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);

@@ -74,19 +74,42 @@ class Conv2d final : public Layer {
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
-    kernels::conv2d_forward(ctx.stream, s, x, param(0), has_bias() ? param(1) : nullptr, y,
-                            workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s)));
+    float* workspace = workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s));
+    const bool lowered =
+        kernels::conv2d_forward(ctx.stream, s, x, param(0), has_bias() ? param(1) : nullptr, y, workspace);
+    lowered_ = lowered ? Lowered{x, workspace, s} : Lowered{};
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
-    kernels::conv2d_backward(ctx.stream, s, x, param(0), dy, dx, grad(0), has_bias() ? grad(1) : nullptr,
-                             workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s)),
-                             ctx.accumulate_grads);
+    float* workspace = workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s));
+    // The forward's lowered x is reused when it lowered this x into this workspace: the GEMMs of a
+    // step then lower each input once.
+    const bool x_lowered = lowered_.matches(x, workspace, s);
+    lowered_ = Lowered{};
+    kernels::conv2d_backward(ctx.stream, s, x, param(0), dy, dx, grad(0), has_bias() ? grad(1) : nullptr, workspace,
+                             ctx.accumulate_grads, x_lowered);
   }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<Conv2d>(*this); }
+  std::unique_ptr<Layer> clone() const override {
+    auto copy = std::make_unique<Conv2d>(*this);
+    copy->lowered_ = Lowered{};  // the copy's workspace is its own
+    return copy;
+  }
 
  private:
   bool has_bias() const { return params_.size() > 1; }
+
+  // What the workspace holds after the last forward: x lowered for this shape, or nothing.
+  struct Lowered {
+    const float* x = nullptr;
+    const float* workspace = nullptr;
+    kernels::Conv2dShape shape{};
+    bool matches(const float* x_, const float* workspace_, const kernels::Conv2dShape& s) const {
+      return x != nullptr && x == x_ && workspace == workspace_ && shape.n == s.n && shape.c_in == s.c_in &&
+             shape.h == s.h && shape.w == s.w && shape.c_out == s.c_out && shape.kh == s.kh && shape.kw == s.kw &&
+             shape.stride == s.stride && shape.pad == s.pad;
+    }
+  };
+  Lowered lowered_;
 
   int in_, out_, kernel_, stride_, pad_;
   Scratch workspace_;

@@ -102,6 +102,13 @@ struct BnCenteredMoments {
     const float d = x[at(c, j)] - mean[c];
     return SumPair{d, d * d};
   }
+  void host_terms(index_t c, index_t j, index_t count, SumPair* out) const {
+    const float m = mean[c];
+    at.host_walk(c, j, count, [&](index_t k, index_t i) {
+      const float d = x[i] - m;
+      out[k] = SumPair{d, d * d};
+    });
+  }
 };
 // Finishes the statistics of channel c: invstd for this batch and the momentum update of the
 // running statistics (unbiased variance, M/(M-1), as PyTorch). One thread per channel runs it;
@@ -158,6 +165,19 @@ struct BnNormalize {
     const float v = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
     y[i] = relu ? kernels::relu(v) : v;
   }
+  // The sim: plane by plane, the channel's parameters read once per plane.
+  void host_run(index_t rows, index_t cols) const {
+    for (index_t row = 0; row < rows; ++row) {
+      const index_t c = row % at.channels;
+      const float m = mean[c], s = invstd[c], g = gamma[c], b = beta[c];
+      const float* in = x + row * at.plane;
+      float* out = y + row * at.plane;
+      if (relu)
+        for (index_t j = 0; j < cols; ++j) out[j] = kernels::relu((in[j] - m) * s * g + b);
+      else
+        for (index_t j = 0; j < cols; ++j) out[j] = (in[j] - m) * s * g + b;
+    }
+  }
 };
 
 // Eval: the running statistics, invstd recomputed per element (cheaper than another launch).
@@ -195,6 +215,13 @@ struct BnGradTerms {
     const index_t i = at(c, j);
     const float g = bn_output_grad(dy, relu_y, i);
     return SumPair{g, g * (x[i] - mean[c]) * invstd[c]};
+  }
+  void host_terms(index_t c, index_t j, index_t count, SumPair* out) const {
+    const float m = mean[c], s = invstd[c];
+    at.host_walk(c, j, count, [&](index_t k, index_t i) {
+      const float g = bn_output_grad(dy, relu_y, i);
+      out[k] = SumPair{g, g * (x[i] - m) * s};
+    });
   }
 };
 // dbeta += a, dgamma += b (PyTorch accumulates .grad); this call's sums are also kept in
@@ -237,6 +264,20 @@ struct BnInputGrad {
   DP_HD void operator()(index_t plane_index, index_t j) const {
     const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
     dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
+  }
+  // The sim: plane by plane, BnInputGradTerm's arithmetic with the channel's values read once.
+  void host_run(index_t rows, index_t cols) const {
+    for (index_t row = 0; row < rows; ++row) {
+      const index_t c = row % at.channels, base = row * at.plane;
+      const float m = term.mean[c], s = term.invstd[c], scale = term.gamma[c] * s;
+      const float a = grad_sums[c] * term.inv_count, b = grad_sums[at.channels + c] * term.inv_count;
+      const float* x = term.x + base;
+      float* out = dx + base;
+      for (index_t j = 0; j < cols; ++j) {
+        const float xhat = (x[j] - m) * s;
+        out[j] = scale * (bn_output_grad(term.dy, term.relu_y, base + j) - a - xhat * b);
+      }
+    }
   }
 };
 

@@ -23,17 +23,21 @@ struct Conv2dShape {
 // Floats of scratch the caller provides to conv2d_forward / conv2d_backward for this shape.
 std::size_t conv2d_workspace_floats(const Conv2dShape& shape);
 
-// y (N, C_out, H_out, W_out) = conv(x, weight) + bias. bias may be null.
-void conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+// y (N, C_out, H_out, W_out) = conv(x, weight) + bias. bias may be null. Returns whether the
+// workspace now holds x lowered (the shared path's col, at its start): a conv2d_backward of the same
+// x, shape and workspace, with nothing written to the workspace in between, may pass x_lowered and
+// skip lowering x again.
+bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                     const float* bias, float* y, float* workspace);
 
 // Given dy (N, C_out, H_out, W_out): dx = dL/dx (overwritten; skipped when dx is null),
 // dweight += dL/dweight, dbias += dL/dbias (dbias may be null): accumulated with `accumulate`, as
 // PyTorch accumulates .grad, else overwritten (the first backward after zero_grad: what they held
-// is never read, and an empty batch writes zeros).
+// is never read, and an empty batch writes zeros). x_lowered: see conv2d_forward (the workspace
+// no longer holds x lowered afterwards when dx is computed).
 void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace,
-                     bool accumulate = true);
+                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate = true,
+                     bool x_lowered = false);
 
 // Whether conv2d_* use cuDNN on cuda streams (default: true when dp was built with cuDNN).
 // The sim backend always runs the shared im2col path.
@@ -73,6 +77,8 @@ struct ConvGeometry {
   int segments = 0;  // kPermuteSegment-float segments per run of hw
   FastDivmod by_n, by_w, by_h, by_c_in, by_c_out, by_kw, by_kh, by_stride, by_h_out, by_segments;
 };
+// The geometry of a valid shape (conv2d_* check the shape, and the int range, before building one).
+ConvGeometry conv_geometry(const Conv2dShape& shape);
 
 // col[t, p] = x[n, c, oh*stride - pad + ki, ow*stride - pad + kj]; taps in the zero padding are 0.
 // One call per row (t, n, oh) of W_out outputs, which are contiguous in col: rows = T*N*H_out
@@ -88,18 +94,36 @@ struct Im2col {
     const int t = g.by_n.divmod(g.by_h_out.divmod(static_cast<int>(row), oh), n);
     int kj, ki;
     const int c = g.by_kh.divmod(g.by_kw.divmod(t, kj), ki);
-    float* out = col + static_cast<index_t>(row) * g.w_out;  // = col + t*P + n*hw + oh*W_out
-    const int ih = oh * g.s.stride - g.s.pad + ki;
-    // Outputs [lo, hi) read inside the row; those before and after read the zero padding.
-    int lo = 0, hi = 0;
-    if (ih >= 0 && ih < g.s.h) {
-      const int first = g.s.pad - kj;             // ow * stride must be >= first ...
-      const int last = g.s.w - 1 + g.s.pad - kj;  // ... and <= last
-      lo = first > 0 ? g.by_stride.div(first + g.s.stride - 1) : 0;
-      hi = last >= 0 ? g.by_stride.div(last) + 1 : 0;
-      hi = hi < g.w_out ? hi : g.w_out;
-      lo = lo < hi ? lo : hi;
+    int lo, hi;
+    span(kj, lo, hi);
+    copy_row(n, c, oh * g.s.stride - g.s.pad + ki, kj, lo, hi, col + static_cast<index_t>(row) * g.w_out);
+  }
+  // The sim: rows in order, the tap's index work once per tap instead of once per row.
+  void host_run(index_t rows) const {
+    const int taps = g.s.c_in * g.s.kh * g.s.kw;
+    float* out = col;
+    for (int t = 0; t < taps && out < col + rows * g.w_out; ++t) {
+      const int kj = t % g.s.kw, ki = (t / g.s.kw) % g.s.kh, c = t / (g.s.kw * g.s.kh);
+      int lo, hi;
+      span(kj, lo, hi);
+      for (int n = 0; n < g.s.n; ++n)
+        for (int oh = 0; oh < g.h_out; ++oh, out += g.w_out)
+          copy_row(n, c, oh * g.s.stride - g.s.pad + ki, kj, lo, hi, out);
     }
+  }
+  // Outputs [lo, hi) of a row with tap column kj read inside the input row (when that row exists);
+  // those before and after read the zero padding.
+  DP_HD void span(int kj, int& lo, int& hi) const {
+    const int first = g.s.pad - kj;             // ow * stride must be >= first ...
+    const int last = g.s.w - 1 + g.s.pad - kj;  // ... and <= last
+    lo = first > 0 ? g.by_stride.div(first + g.s.stride - 1) : 0;
+    hi = last >= 0 ? g.by_stride.div(last) + 1 : 0;
+    hi = hi < g.w_out ? hi : g.w_out;
+    lo = lo < hi ? lo : hi;
+  }
+  // The W_out outputs of input row ih (padding when outside) of plane (n, c), tap column kj.
+  DP_HD void copy_row(int n, int c, int ih, int kj, int lo, int hi, float* out) const {
+    if (ih < 0 || ih >= g.s.h) lo = hi = 0;
     for (int ow = 0; ow < lo; ++ow) out[ow] = 0.0f;
     if (lo < hi) {
       const float* in = x + ((n * g.s.c_in + c) * g.s.h + ih) * g.s.w;
@@ -150,6 +174,37 @@ struct Col2im {
       for (int kj = rw.first, ow = rw.o_first; kj <= rw.last; kj += g.s.stride, --ow) sum += row[kj * g.cols + ow];
     }
     dx[i] = sum;
+  }
+  // The sim: a scatter. Every input starts at 0 and receives its taps (ki, then kj ascending) one
+  // tap row at a time: the gather's sum, term for term, with the inner loop a strided add over a
+  // row instead of two tap searches per input.
+  void host_run(index_t n) const {
+    for (index_t i = 0; i < n; ++i) dx[i] = 0.0f;
+    const index_t plane = static_cast<index_t>(g.s.h) * g.s.w;
+    for (int b = 0; b < g.s.n; ++b)
+      for (int c = 0; c < g.s.c_in; ++c) {
+        float* out = dx + (static_cast<index_t>(b) * g.s.c_in + c) * plane;
+        if (out >= dx + n) return;
+        for (int ki = 0; ki < g.s.kh; ++ki)
+          for (int kj = 0; kj < g.s.kw; ++kj) {
+            const float* taps = dcol + ((c * g.s.kh + ki) * g.s.kw + kj) * static_cast<index_t>(g.cols) + b * g.hw;
+            const int shift = kj - g.s.pad;  // iw = ow * stride + shift
+            int lo = 0, hi = 0;              // outputs whose iw lies in [0, W)
+            while (lo < g.w_out && lo * g.s.stride + shift < 0) ++lo;
+            hi = lo;
+            while (hi < g.w_out && hi * g.s.stride + shift < g.s.w) ++hi;
+            for (int oh = 0; oh < g.h_out; ++oh) {
+              const int ih = oh * g.s.stride - g.s.pad + ki;
+              if (ih < 0 || ih >= g.s.h) continue;
+              float* row = out + static_cast<index_t>(ih) * g.s.w;
+              const float* src = taps + oh * g.w_out;
+              if (g.s.stride == 1)
+                for (int ow = lo; ow < hi; ++ow) row[ow + shift] += src[ow];
+              else
+                for (int ow = lo; ow < hi; ++ow) row[ow * g.s.stride + shift] += src[ow];
+            }
+          }
+      }
   }
 };
 

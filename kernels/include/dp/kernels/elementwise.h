@@ -97,6 +97,18 @@ struct ChannelElement {
     }
     return plane_index % channels;
   }
+  // The sim: fn(k, (*this)(channel, j + k)) for k in [0, count), in order, walking the channel's
+  // planes instead of dividing per element.
+  template <class Fn>
+  void host_walk(index_t channel, index_t j, index_t count, Fn&& fn) const {
+    index_t n = j / plane, at = j - n * plane;
+    for (index_t k = 0; k < count; ++n, at = 0) {
+      const index_t run = plane - at < count - k ? plane - at : count - k;
+      const index_t base = (n * channels + channel) * plane + at;
+      for (index_t q = 0; q < run; ++q) fn(k + q, base + q);
+      k += run;
+    }
+  }
   static constexpr index_t kIntMax = 2147483647;
   // A FastDivmod where the extent fits in an int (else unused: the 64-bit path runs).
   static FastDivmod divisor(index_t d) { return FastDivmod(d >= 1 && d <= kIntMax ? static_cast<int>(d) : 1); }
@@ -106,6 +118,9 @@ struct ChannelValue {
   ChannelElement at;
   const float* x;
   DP_HD float operator()(index_t channel, index_t j) const { return x[at(channel, j)]; }
+  void host_terms(index_t channel, index_t j, index_t count, float* out) const {
+    at.host_walk(channel, j, count, [&](index_t k, index_t i) { out[k] = x[i]; });
+  }
 };
 
 // Row-wise sum of a (rows, cols) row-major matrix: map(row, col) = x[row*cols + col].
@@ -113,12 +128,19 @@ struct RowElement {
   const float* x;
   index_t cols;
   DP_HD float operator()(index_t row, index_t col) const { return x[row * cols + col]; }
+  void host_terms(index_t row, index_t col, index_t count, float* out) const {
+    for (index_t k = 0; k < count; ++k) out[k] = x[row * cols + col + k];
+  }
 };
 // Column-wise sum of a (rows, cols) matrix seen as reductions over rows for each column.
 struct ColumnElement {
   const float* x;
   index_t cols;
   DP_HD float operator()(index_t col, index_t row) const { return x[row * cols + col]; }
+  void host_terms(index_t col, index_t row, index_t count, float* out) const {
+    const float* at = x + row * cols + col;
+    for (index_t k = 0; k < count; ++k) out[k] = at[k * cols];
+  }
 };
 // out[row] = beta * out[row] + sum   (beta = 0 overwrites, 1 accumulates gradients)
 struct StoreSum {

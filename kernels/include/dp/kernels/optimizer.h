@@ -97,6 +97,17 @@ struct SgdUpdate {
     }
     params[i] = fmaf(-lr, g, p);  // p.add_(d_p, alpha=-lr)
   }
+  // The sim: the device scalars read once per launch rather than per element (a store to params
+  // could alias them), so the loop over the same arithmetic vectorises.
+  void host_run(index_t n) const {
+    SgdUpdate f = *this;
+    if (scalars) {
+      f.lr = scalars->lr;
+      f.first_step = scalars->first_step != 0.0f;
+      f.scalars = nullptr;
+    }
+    for (index_t i = 0; i < n; ++i) f(i);
+  }
 };
 
 // One element of torch 1.13's _single_tensor_adamw with its fp32 roundings. The per-step scalars
@@ -131,6 +142,17 @@ struct AdamWUpdate {
     const float denom = sqrtf(v) / bias_correction2_sqrt + eps;
     // addcdiv as ATen writes it: self + value * t1 / t2, three roundings (no fused operation).
     params[i] = p + mul_unfused(neg_step_size, m) / denom;
+  }
+  // The sim: as SgdUpdate::host_run.
+  void host_run(index_t n) const {
+    AdamWUpdate f = *this;
+    if (scalars) {
+      f.decay = scalars->decay;
+      f.neg_step_size = scalars->neg_step_size;
+      f.bias_correction2_sqrt = scalars->bias_correction2_sqrt;
+      f.scalars = nullptr;
+    }
+    for (index_t i = 0; i < n; ++i) f(i);
   }
 };
 

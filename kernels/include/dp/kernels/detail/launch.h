@@ -27,13 +27,40 @@ using kernel_api::check_operands;
 // ------------------------------------------------------------------------------------------------
 // kernels
 
-// sim: the body of a kernel is the functor run in a loop on the stream's thread.
+// sim: a functor may also give the host a body of its own for a whole launch, written for the CPU
+// (a scatter in the gather's order, loops over planes instead of a division per element), where the
+// GPU's one-thread-per-element form costs the host more than the arithmetic: F::host_run(n) for
+// launch, F::host_run(rows, cols) for launch_2d. It must write exactly what f(i) for every i writes,
+// bit for bit (tests/test_host_paths.cpp holds every one to the per-element loop), so that the sim
+// still computes what the GPU does.
+template <class F>
+concept HasHostRun = requires(const F& f, index_t n) {
+  f.host_run(n);
+};
+template <class F>
+concept HasHostRun2d = requires(const F& f, index_t n) {
+  f.host_run(n, n);
+};
+// A reduction map may fill out[k] = map(row, col + k) for k < count in one call (host_terms), so
+// the host walks the row's memory rather than re-deriving each term's address.
+template <class Map, class T>
+concept HasHostTerms = requires(const Map& m, index_t i, T* out) {
+  m.host_terms(i, i, i, out);
+};
+
+// sim: the body of a kernel is the functor run in a loop on the stream's thread. The loop runs a
+// local copy: the functor's fields then cannot alias what it stores through its pointers, so the
+// compiler keeps extents in registers instead of reloading them (and redividing) per element.
 template <class F>
 struct HostLoop {
   index_t n;
   F f;
   void operator()() const {
-    for (index_t i = 0; i < n; ++i) f(i);
+    const F local = f;
+    if constexpr (HasHostRun<F>)
+      local.host_run(n);
+    else
+      for (index_t i = 0; i < n; ++i) local(i);
   }
 };
 
@@ -44,8 +71,12 @@ struct HostLoop2d {
   index_t rows, cols;
   F f;
   void operator()() const {
-    for (index_t row = 0; row < rows; ++row)
-      for (index_t col = 0; col < cols; ++col) f(row, col);
+    const F local = f;
+    if constexpr (HasHostRun2d<F>)
+      local.host_run(rows, cols);
+    else
+      for (index_t row = 0; row < rows; ++row)
+        for (index_t col = 0; col < cols; ++col) local(row, col);
   }
 };
 
@@ -62,6 +93,24 @@ T host_block_sum(index_t count, const Term& term) {
   return reduce_lane_tree(lanes);
 }
 
+// host_block_sum over map(row, begin + k), k < count, with the terms of each pass of L taken from
+// the map's host_terms: the same terms added in the same order.
+template <class T, class Map>
+T host_block_sum_of_map(const Map& map, index_t row, index_t begin, index_t count) {
+  if constexpr (HasHostTerms<Map, T>) {
+    T lanes[kReduceLanes]{};
+    T terms[kReduceLanes];
+    for (index_t base = 0; base < count; base += kReduceLanes) {
+      const index_t width = std::min<index_t>(kReduceLanes, count - base);
+      map.host_terms(row, begin + base, width, terms);
+      for (index_t lane = 0; lane < width; ++lane) lanes[lane] = lanes[lane] + terms[lane];
+    }
+    return reduce_lane_tree(lanes);
+  } else {
+    return host_block_sum<T>(count, [&](index_t k) { return map(row, begin + k); });
+  }
+}
+
 // sim, stage 1: every chunk's sum, into the partials (two stages) or straight to finalize (one).
 // Blocks run one after another here; each block's sum depends only on its own terms.
 template <class T, class Map, class Finalize>
@@ -71,11 +120,12 @@ struct HostReduceChunks {
   Finalize finalize;
   std::shared_ptr<std::vector<T>> partials;  // plan.partials() sums, shared with stage 2
   void operator()() const {
+    const Map local = map;
     for (index_t block = 0; block < plan.blocks(); ++block) {
       const index_t row = block / plan.chunks_per_row;
       const index_t begin = (block - row * plan.chunks_per_row) * plan.chunk;
       const index_t count = std::min(plan.chunk, plan.cols - begin);
-      const T total = host_block_sum<T>(count, [&](index_t k) { return map(row, begin + k); });
+      const T total = host_block_sum_of_map<T>(local, row, begin, count);
       if (plan.two_stage())
         (*partials)[static_cast<std::size_t>(block)] = total;
       else

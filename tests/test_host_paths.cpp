@@ -1,0 +1,225 @@
+// The sim's own bodies of shared functors (host_run, host_terms: launch.h) against the per-element
+// form the GPU runs, bit for bit, on shapes that reach every edge: padding, strides that skip
+// inputs, overlapping windows, planes that split a reduction pass, NaN and ties. The functors run
+// on host memory here, with no stream, so a difference can only be the host body's.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "dp/kernels/batchnorm.h"
+#include "dp/kernels/conv2d.h"
+#include "dp/kernels/detail/launch.h"
+#include "dp/kernels/elementwise.h"
+#include "dp/kernels/linear.h"
+#include "dp/kernels/maxpool.h"
+#include "dp/kernels/optimizer.h"
+
+namespace dp::kernels {
+namespace {
+
+std::vector<float> random_floats(std::size_t n, unsigned seed, bool coarse = false) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = coarse ? std::round(dist(rng) * 2.0f) / 2.0f : dist(rng);  // coarse: many ties
+  return v;
+}
+
+// Bit patterns, so that -0 against +0 and NaN payloads count as differences.
+std::vector<std::uint32_t> bits(const std::vector<float>& v) {
+  std::vector<std::uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  return b;
+}
+
+static_assert(HasHostRun<MaxPoolBackward> && HasHostRun<Im2col> && HasHostRun<Col2im>);
+static_assert(HasHostRun2d<MaxPoolForward> && HasHostRun2d<BnNormalize> && HasHostRun2d<BnInputGrad>);
+static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
+static_assert(HasHostTerms<RowElement, float> && HasHostTerms<ColumnElement, float>);
+static_assert(HasHostTerms<ChannelValue, float> && HasHostTerms<BnCenteredMoments, SumPair> &&
+              HasHostTerms<BnGradTerms, SumPair>);
+
+const Pool2dShape kPools[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 9, 8, 3, 2, 1},
+                              {1, 2, 7, 5, 3, 2, 1},   {1, 2, 6, 7, 3, 1, 1}, {2, 1, 4, 3, 3, 3, 0}};
+
+TEST(HostPaths, MaxPoolForwardAndBackward) {
+  unsigned seed = 1;
+  for (const Pool2dShape& s : kPools) {
+    const std::size_t in = static_cast<std::size_t>(s.n) * s.c * s.h * s.w;
+    const std::size_t rows = static_cast<std::size_t>(s.n) * s.c * s.h_out(), out = rows * s.w_out();
+    std::vector<float> x = random_floats(in, ++seed, true);
+    x[in / 3] = std::numeric_limits<float>::quiet_NaN();
+    x[in / 2] = -std::numeric_limits<float>::infinity();
+    std::vector<float> y1(out), y2(out);
+    std::vector<std::int32_t> a1(out), a2(out);
+    const MaxPoolForward f1{s, x.data(), y1.data(), a1.data()}, f2{s, x.data(), y2.data(), a2.data()};
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int c = 0; c < s.w_out(); ++c) f1(static_cast<index_t>(r), c);
+    f2.host_run(static_cast<index_t>(rows), s.w_out());
+    EXPECT_EQ(bits(y1), bits(y2));
+    EXPECT_EQ(a1, a2);
+
+    std::vector<float> dy = random_floats(out, ++seed);
+    dy[0] = -0.0f;  // 0 + -0 is +0 on both paths
+    std::vector<float> dx1(in, 7.0f), dx2(in, 7.0f);
+    const MaxPoolBackward b1{s, a1.data(), dy.data(), dx1.data()}, b2{s, a1.data(), dy.data(), dx2.data()};
+    for (std::size_t i = 0; i < in; ++i) b1(static_cast<index_t>(i));
+    b2.host_run(static_cast<index_t>(in));
+    EXPECT_EQ(bits(dx1), bits(dx2));
+  }
+}
+
+TEST(HostPaths, Im2colAndCol2im) {
+  const Conv2dShape shapes[] = {{3, 1, 28, 28, 16, 5, 5, 1, 2}, {2, 4, 14, 14, 8, 5, 5, 1, 2},
+                                {2, 3, 9, 7, 4, 3, 3, 2, 1},    {1, 2, 8, 8, 3, 3, 3, 3, 2},
+                                {2, 2, 5, 6, 2, 1, 1, 1, 0},    {1, 3, 4, 4, 2, 4, 4, 1, 0},
+                                {2, 2, 7, 9, 3, 3, 5, 2, 2}};
+  unsigned seed = 100;
+  for (const Conv2dShape& s : shapes) {
+    const ConvGeometry g = conv_geometry(s);
+    const std::size_t taps = static_cast<std::size_t>(s.c_in) * s.kh * s.kw, cols = static_cast<std::size_t>(g.cols);
+    const std::size_t in = static_cast<std::size_t>(s.n) * s.c_in * s.h * s.w;
+    const std::vector<float> x = random_floats(in, ++seed);
+    std::vector<float> c1(taps * cols, 5.0f), c2(taps * cols, 5.0f);
+    const index_t rows = static_cast<index_t>(taps) * s.n * g.h_out;
+    const Im2col i1{g, x.data(), c1.data()}, i2{g, x.data(), c2.data()};
+    for (index_t r = 0; r < rows; ++r) i1(r);
+    i2.host_run(rows);
+    EXPECT_EQ(bits(c1), bits(c2));
+
+    const std::vector<float> dcol = random_floats(taps * cols, ++seed);
+    std::vector<float> d1(in, 3.0f), d2(in, 3.0f);
+    const Col2im k1{g, dcol.data(), d1.data()}, k2{g, dcol.data(), d2.data()};
+    for (std::size_t i = 0; i < in; ++i) k1(static_cast<index_t>(i));
+    k2.host_run(static_cast<index_t>(in));
+    EXPECT_EQ(bits(d1), bits(d2));
+  }
+}
+
+// Per-channel reductions: each host_terms pass of kReduceLanes terms against map(row, col + k),
+// with planes shorter than, equal to and longer than a pass, and passes that start mid-plane.
+TEST(HostPaths, ChannelReductionTerms) {
+  struct Case {
+    index_t n, c, plane;
+  };
+  for (const Case k : {Case{3, 2, 5}, Case{4, 3, 256}, Case{2, 2, 784}, Case{5, 1, 300}}) {
+    const std::size_t count = static_cast<std::size_t>(k.n * k.c * k.plane);
+    const std::vector<float> x = random_floats(count, 7), dy = random_floats(count, 8), relu_y = random_floats(count, 9);
+    const std::vector<float> mean = random_floats(static_cast<std::size_t>(k.c), 10);
+    std::vector<float> invstd = random_floats(static_cast<std::size_t>(k.c), 11);
+    for (auto& v : invstd) v = std::fabs(v) + 0.5f;
+    const ChannelElement at{k.c, k.plane};
+    const ChannelValue value{at, x.data()};
+    const BnCenteredMoments moments{at, x.data(), mean.data()};
+    const BnGradTerms grads{at, x.data(), dy.data(), mean.data(), invstd.data(), relu_y.data()};
+    const BnGradTerms plain{at, x.data(), dy.data(), mean.data(), invstd.data(), nullptr};
+    const index_t row_length = k.n * k.plane;
+    for (index_t c = 0; c < k.c; ++c)
+      for (index_t begin = 0; begin < row_length; begin += 97) {
+        const index_t width = std::min<index_t>(kReduceLanes, row_length - begin);
+        std::vector<float> v(static_cast<std::size_t>(width));
+        std::vector<SumPair> m(static_cast<std::size_t>(width)), g(m), p(m);
+        value.host_terms(c, begin, width, v.data());
+        moments.host_terms(c, begin, width, m.data());
+        grads.host_terms(c, begin, width, g.data());
+        plain.host_terms(c, begin, width, p.data());
+        for (index_t q = 0; q < width; ++q) {
+          const auto at_q = static_cast<std::size_t>(q);
+          ASSERT_EQ(bits({v[at_q]}), bits({value(c, begin + q)}));
+          ASSERT_EQ(bits({m[at_q].a, m[at_q].b}), bits({moments(c, begin + q).a, moments(c, begin + q).b}));
+          ASSERT_EQ(bits({g[at_q].a, g[at_q].b}), bits({grads(c, begin + q).a, grads(c, begin + q).b}));
+          ASSERT_EQ(bits({p[at_q].a, p[at_q].b}), bits({plain(c, begin + q).a, plain(c, begin + q).b}));
+        }
+      }
+  }
+}
+
+TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
+  const index_t n = 3, c = 4, plane = 49, count = n * c * plane;
+  const auto size = static_cast<std::size_t>(count);
+  const std::vector<float> x = random_floats(size, 20), dy = random_floats(size, 21), relu_y = random_floats(size, 22);
+  const std::vector<float> mean = random_floats(4, 23), gamma = random_floats(4, 24), beta = random_floats(4, 25);
+  const std::vector<float> sums = random_floats(8, 26);
+  std::vector<float> invstd = random_floats(4, 27);
+  for (auto& v : invstd) v = std::fabs(v) + 0.5f;
+  const ChannelElement at{c, plane};
+  for (bool relu : {false, true}) {
+    std::vector<float> y1(size), y2(size);
+    const BnNormalize f1{at, x.data(), mean.data(), invstd.data(), gamma.data(), beta.data(), y1.data(), relu};
+    const BnNormalize f2{at, x.data(), mean.data(), invstd.data(), gamma.data(), beta.data(), y2.data(), relu};
+    for (index_t r = 0; r < n * c; ++r)
+      for (index_t j = 0; j < plane; ++j) f1(r, j);
+    f2.host_run(n * c, plane);
+    EXPECT_EQ(bits(y1), bits(y2));
+
+    const BnInputGradTerm term{x.data(),      dy.data(), gamma.data(), mean.data(), invstd.data(), 1.0f / 147.0f,
+                               relu ? relu_y.data() : nullptr};
+    std::vector<float> d1(size), d2(size);
+    const BnInputGrad g1{at, term, sums.data(), d1.data()}, g2{at, term, sums.data(), d2.data()};
+    for (index_t r = 0; r < n * c; ++r)
+      for (index_t j = 0; j < plane; ++j) g1(r, j);
+    g2.host_run(n * c, plane);
+    EXPECT_EQ(bits(d1), bits(d2));
+  }
+}
+
+// Every combination of SGD's options, with the scalars on the host and in (here: host) memory.
+TEST(HostPaths, OptimizerUpdates) {
+  const std::size_t n = 301;
+  const std::vector<float> grads = random_floats(n, 30), params0 = random_floats(n, 31), buf0 = random_floats(n, 32);
+  for (int flags = 0; flags < 32; ++flags) {
+    const bool decay = flags & 1, momentum = flags & 2, nesterov = flags & 4, first = flags & 8, device = flags & 16;
+    const SgdScalars scalars{0.03f, first ? 1.0f : 0.0f};
+    std::vector<float> p1 = params0, p2 = params0, b1 = buf0, b2 = buf0;
+    SgdUpdate f{0.05f, momentum ? 0.9f : 0.0f, decay ? 1e-2f : 0.0f, nesterov, first, p1.data(), grads.data(),
+                momentum ? b1.data() : nullptr, device ? &scalars : nullptr};
+    for (std::size_t i = 0; i < n; ++i) f(static_cast<index_t>(i));
+    f.params = p2.data();
+    f.buf = momentum ? b2.data() : nullptr;
+    f.host_run(static_cast<index_t>(n));
+    EXPECT_EQ(bits(p1), bits(p2)) << flags;
+    EXPECT_EQ(bits(b1), bits(b2)) << flags;
+  }
+  for (bool device : {false, true}) {
+    const AdamWScalars scalars{0.999f, -1.1e-3f, 0.3f};
+    std::vector<float> p1 = params0, p2 = params0, m1 = buf0, m2 = buf0, v1(n, 0.25f), v2(n, 0.25f);
+    AdamWUpdate f{0.9999f, 0.9f, 0.1f, 0.999f, 1e-3f, -1e-3f, 0.2f, 1e-8f, p1.data(), grads.data(), m1.data(),
+                  v1.data(), device ? &scalars : nullptr};
+    for (std::size_t i = 0; i < n; ++i) f(static_cast<index_t>(i));
+    f.params = p2.data();
+    f.exp_avg = m2.data();
+    f.exp_avg_sq = v2.data();
+    f.host_run(static_cast<index_t>(n));
+    EXPECT_EQ(bits(p1), bits(p2)) << device;
+    EXPECT_EQ(bits(m1), bits(m2)) << device;
+    EXPECT_EQ(bits(v1), bits(v2)) << device;
+  }
+}
+
+TEST(HostPaths, LinearBiasAndRowColumnTerms) {
+  const std::vector<float> bias = random_floats(7, 40), x = random_floats(7 * 300, 41);
+  std::vector<float> y1(7 * 5), y2(7 * 5);
+  const BroadcastBias f1{bias.data(), 7, y1.data()}, f2{bias.data(), 7, y2.data()};
+  for (index_t i = 0; i < 35; ++i) f1(i);
+  f2.host_run(35);
+  EXPECT_EQ(bits(y1), bits(y2));
+  const RowElement rows{x.data(), 300};
+  const ColumnElement columns{x.data(), 7};
+  std::vector<float> got(kReduceLanes);
+  for (index_t r = 0; r < 7; ++r) {
+    rows.host_terms(r, 40, 256, got.data());
+    for (index_t k = 0; k < 256; ++k) ASSERT_EQ(got[static_cast<std::size_t>(k)], rows(r, 40 + k));
+  }
+  for (index_t c = 0; c < 7; ++c) {
+    columns.host_terms(c, 3, 200, got.data());
+    for (index_t k = 0; k < 200; ++k) ASSERT_EQ(got[static_cast<std::size_t>(k)], columns(c, 3 + k));
+  }
+}
+
+}  // namespace
+}  // namespace dp::kernels
