@@ -177,34 +177,35 @@ struct Col2im {
   }
   // The sim: a scatter. Every input starts at 0 and receives its taps (ki, then kj ascending) one
   // tap row at a time: the gather's sum, term for term, with the inner loop a strided add over a
-  // row instead of two tap searches per input.
+  // row instead of two tap searches per input. Each tap row of dcol is read once, start to end,
+  // across the samples (channel c's planes of every sample stay in cache meanwhile).
   void host_run(index_t n) const {
     for (index_t i = 0; i < n; ++i) dx[i] = 0.0f;
-    const index_t plane = static_cast<index_t>(g.s.h) * g.s.w;
-    for (int b = 0; b < g.s.n; ++b)
-      for (int c = 0; c < g.s.c_in; ++c) {
-        float* out = dx + (static_cast<index_t>(b) * g.s.c_in + c) * plane;
-        if (out >= dx + n) return;
-        for (int ki = 0; ki < g.s.kh; ++ki)
-          for (int kj = 0; kj < g.s.kw; ++kj) {
-            const float* taps = dcol + ((c * g.s.kh + ki) * g.s.kw + kj) * static_cast<index_t>(g.cols) + b * g.hw;
-            const int shift = kj - g.s.pad;  // iw = ow * stride + shift
-            int lo = 0, hi = 0;              // outputs whose iw lies in [0, W)
-            while (lo < g.w_out && lo * g.s.stride + shift < 0) ++lo;
-            hi = lo;
-            while (hi < g.w_out && hi * g.s.stride + shift < g.s.w) ++hi;
+    const index_t plane = static_cast<index_t>(g.s.h) * g.s.w, sample = plane * g.s.c_in;
+    const int samples = static_cast<int>(n / sample);
+    for (int c = 0; c < g.s.c_in; ++c)
+      for (int ki = 0; ki < g.s.kh; ++ki)
+        for (int kj = 0; kj < g.s.kw; ++kj) {
+          const float* taps = dcol + ((c * g.s.kh + ki) * g.s.kw + kj) * static_cast<index_t>(g.cols);
+          const int shift = kj - g.s.pad;  // iw = ow * stride + shift
+          int lo = 0, hi = 0;              // outputs whose iw lies in [0, W)
+          while (lo < g.w_out && lo * g.s.stride + shift < 0) ++lo;
+          hi = lo;
+          while (hi < g.w_out && hi * g.s.stride + shift < g.s.w) ++hi;
+          for (int b = 0; b < samples; ++b) {
+            float* out = dx + b * sample + c * plane;
             for (int oh = 0; oh < g.h_out; ++oh) {
               const int ih = oh * g.s.stride - g.s.pad + ki;
               if (ih < 0 || ih >= g.s.h) continue;
               float* row = out + static_cast<index_t>(ih) * g.s.w;
-              const float* src = taps + oh * g.w_out;
+              const float* src = taps + b * g.hw + oh * g.w_out;
               if (g.s.stride == 1)
                 for (int ow = lo; ow < hi; ++ow) row[ow + shift] += src[ow];
               else
                 for (int ow = lo; ow < hi; ++ow) row[ow * g.s.stride + shift] += src[ow];
             }
           }
-      }
+        }
   }
 };
 
