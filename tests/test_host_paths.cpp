@@ -2,11 +2,10 @@
 // form the GPU runs, bit for bit, on shapes that reach every edge: padding, strides that skip
 // inputs, overlapping windows, planes that split a reduction pass, NaN and ties. The functors run
 // on host memory here, with no stream, so a difference can only be the host body's.
-#include <gtest/gtest.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <gtest/gtest.h>
 #include <limits>
 #include <random>
 #include <vector>
@@ -109,7 +108,8 @@ TEST(HostPaths, ChannelReductionTerms) {
   };
   for (const Case k : {Case{3, 2, 5}, Case{4, 3, 256}, Case{2, 2, 784}, Case{5, 1, 300}}) {
     const std::size_t count = static_cast<std::size_t>(k.n * k.c * k.plane);
-    const std::vector<float> x = random_floats(count, 7), dy = random_floats(count, 8), relu_y = random_floats(count, 9);
+    const std::vector<float> x = random_floats(count, 7), dy = random_floats(count, 8),
+                             relu_y = random_floats(count, 9);
     const std::vector<float> mean = random_floats(static_cast<std::size_t>(k.c), 10);
     std::vector<float> invstd = random_floats(static_cast<std::size_t>(k.c), 11);
     for (auto& v : invstd) v = std::fabs(v) + 0.5f;
@@ -157,8 +157,8 @@ TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
     f2.host_run(n * c, plane);
     EXPECT_EQ(bits(y1), bits(y2));
 
-    const BnInputGradTerm term{x.data(),      dy.data(), gamma.data(), mean.data(), invstd.data(), 1.0f / 147.0f,
-                               relu ? relu_y.data() : nullptr};
+    const BnInputGradTerm term{
+        x.data(), dy.data(), gamma.data(), mean.data(), invstd.data(), 1.0f / 147.0f, relu ? relu_y.data() : nullptr};
     std::vector<float> d1(size), d2(size);
     const BnInputGrad g1{at, term, sums.data(), d1.data()}, g2{at, term, sums.data(), d2.data()};
     for (index_t r = 0; r < n * c; ++r)
@@ -176,8 +176,8 @@ TEST(HostPaths, OptimizerUpdates) {
     const bool decay = flags & 1, momentum = flags & 2, nesterov = flags & 4, first = flags & 8, device = flags & 16;
     const SgdScalars scalars{0.03f, first ? 1.0f : 0.0f};
     std::vector<float> p1 = params0, p2 = params0, b1 = buf0, b2 = buf0;
-    SgdUpdate f{0.05f, momentum ? 0.9f : 0.0f, decay ? 1e-2f : 0.0f, nesterov, first, p1.data(), grads.data(),
-                momentum ? b1.data() : nullptr, device ? &scalars : nullptr};
+    SgdUpdate f{0.05f,        momentum ? 0.9f : 0.0f,         decay ? 1e-2f : 0.0f,       nesterov, first, p1.data(),
+                grads.data(), momentum ? b1.data() : nullptr, device ? &scalars : nullptr};
     for (std::size_t i = 0; i < n; ++i) f(static_cast<index_t>(i));
     f.params = p2.data();
     f.buf = momentum ? b2.data() : nullptr;
@@ -188,8 +188,19 @@ TEST(HostPaths, OptimizerUpdates) {
   for (bool device : {false, true}) {
     const AdamWScalars scalars{0.999f, -1.1e-3f, 0.3f};
     std::vector<float> p1 = params0, p2 = params0, m1 = buf0, m2 = buf0, v1(n, 0.25f), v2(n, 0.25f);
-    AdamWUpdate f{0.9999f, 0.9f, 0.1f, 0.999f, 1e-3f, -1e-3f, 0.2f, 1e-8f, p1.data(), grads.data(), m1.data(),
-                  v1.data(), device ? &scalars : nullptr};
+    AdamWUpdate f{0.9999f,
+                  0.9f,
+                  0.1f,
+                  0.999f,
+                  1e-3f,
+                  -1e-3f,
+                  0.2f,
+                  1e-8f,
+                  p1.data(),
+                  grads.data(),
+                  m1.data(),
+                  v1.data(),
+                  device ? &scalars : nullptr};
     for (std::size_t i = 0; i < n; ++i) f(static_cast<index_t>(i));
     f.params = p2.data();
     f.exp_avg = m2.data();
