@@ -151,10 +151,21 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
     return e.code;
   } catch (const UsageError& e) {
     fmt::print(stderr, "dp_bench{}: {}\n", job.where(std::current_exception()), e.what());
-    return job.failed(2);
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "dp_bench: error{}: {}\n", job.where(std::current_exception()), e.what());
-    return job.failed(1);
+    return job.failed(dp::tools::kExitBadInput);
+  } catch (...) {
+    // The same code per cause as dp_train: a device or host out of memory is 2, not 1.
+    const std::exception_ptr error = std::current_exception();
+    const dp::tools::Verdict verdict = dp::tools::judge(error);
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::bad_alloc&) {
+      fmt::print(stderr, "dp_bench: error{}: a host allocation failed{}\n", job.where(error), verdict.hint);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "dp_bench: error{}: {}{}\n", job.where(error), e.what(), verdict.hint);
+    } catch (...) {
+      fmt::print(stderr, "dp_bench: error{}: unknown exception\n", job.where(error));
+    }
+    return job.failed(verdict.code);
   }
 }
 
@@ -173,5 +184,5 @@ int main(int argc, char** argv) {
   }
   const int code = dp_bench::bench_main(argc, argv, job);
   job.end();
-  return code;
+  return dp::tools::leave(code);
 }

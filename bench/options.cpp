@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 #include <sstream>
 
+#include "address_space.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/precision.h"
 #include "dp_cli.h"
@@ -163,6 +164,9 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
     options.sim_devices = devices;
     if (devices % o.devices_per_gpu != 0)
       throw UsageError(fmt::format("--devices-per-gpu {} does not divide --devices {}", o.devices_per_gpu, devices));
+    // The models and batches a benchmark runs take well under 64 MiB a device.
+    dp::tools::check_address_space(static_cast<std::uint64_t>(devices) << 26, static_cast<std::uint64_t>(devices),
+                                   "the simulated devices' memory");
   }
   auto runtime = dp::Runtime::create(options);
   if (devices > runtime->device_count())

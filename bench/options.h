@@ -11,16 +11,14 @@
 
 #include "dp/runtime/device.h"
 #include "dp_job.h"
+#include "exit_codes.h"
 
 namespace dp_bench {
 
 inline const std::vector<std::string> kModels = {"mlp", "convnet", "resnet8"};
 inline const std::vector<std::string> kModes = {"single", "dp", "ddp"};
 
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+using dp::tools::UsageError;  // a bad command line: "dp_bench: <message>", exit code 2
 
 // The members the JSON report shows are named as its keys (report.cpp writes them by name).
 struct Options {

@@ -28,6 +28,8 @@
 #include "dp/io/atomic_file.h"
 #include "dp/io/safetensors.h"
 #include "dp/nn/lr_schedule.h"
+#include "dp/runtime/error.h"
+#include "exit_codes.h"
 #include "test_util.h"
 #include "tool_test.h"
 
@@ -1120,3 +1122,36 @@ TEST_F(CustomModelTest, ArgumentsAreCheckedAndOneStepWorks) {
 }
 
 }  // namespace
+
+// One exit code per cause, for dp_train and dp_bench alike: a failure on one device of several is
+// judged by its cause (an out-of-memory on device 1 of a DDP run is 2, as on one device).
+TEST(ExitCodes, EachCauseHasOneCodeWhereverItHappens) {
+  using dp::tools::judge;
+  const auto on_device = [](std::exception_ptr cause) {
+    return std::make_exception_ptr(dp::WorkerError(1, "device 1: failed", std::move(cause), 2));
+  };
+  const auto oom = std::make_exception_ptr(dp::OutOfMemory(1, 100, 0, 50));
+  const auto diverged = std::make_exception_ptr(dp::NonFiniteError("loss is nan"));
+  EXPECT_EQ(judge(oom).code, 2);
+  EXPECT_EQ(judge(on_device(oom)).code, 2);
+  EXPECT_EQ(judge(std::make_exception_ptr(std::bad_alloc())).code, 2);
+  EXPECT_EQ(judge(on_device(std::make_exception_ptr(std::bad_alloc()))).code, 2);
+  EXPECT_EQ(judge(std::make_exception_ptr(dp::tools::UsageError("bad flag"))).code, 2);
+  EXPECT_EQ(judge(diverged).code, 3);
+  EXPECT_EQ(judge(on_device(diverged)).code, 3);
+  EXPECT_EQ(judge(std::make_exception_ptr(std::runtime_error("bug"))).code, 1);
+  EXPECT_EQ(judge(on_device(nullptr)).code, 1);
+}
+
+// A process limit (ulimit -v) too small for the run: refused before anything runs, exit 2, naming
+// the limit; and the process ends (OpenBLAS's pool threads, retrying a buffer they cannot map, are
+// not joined at exit). Before, the run printed std::bad_alloc and then spun at 100% CPU.
+TEST_F(TrainTest, AnAddressSpaceLimitTooSmallIsRefusedAndTheProcessEnds) {
+  for (const std::string& tool : {std::string(DP_TRAIN_BIN) + " --model mlp --synthetic 60000 --steps 1",
+                                  std::string(DP_BENCH_BIN) + " --models mlp --modes single --devices 1 --steps 1"}) {
+    const auto r = dp::test::run_command("ulimit -v 200000 && timeout 60 " + tool + " --backend sim");
+    EXPECT_EQ(r.code, 2) << tool << "\n" << r.output;
+    EXPECT_NE(r.output.find("of address space"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(ulimit -v)"), std::string::npos) << r.output;
+  }
+}

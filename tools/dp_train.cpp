@@ -12,6 +12,7 @@
 #include "dp/runtime/error.h"
 #include "dp_cli.h"
 #include "dp_job.h"
+#include "exit_codes.h"
 #include "train_run.h"
 
 namespace dp_train {
@@ -21,27 +22,17 @@ namespace {
 // code: 2 bad input or configuration, 3 non-finite values, 1 anything else.
 int report(const std::exception_ptr& error) {
   const std::string where = g_job.where(error);
-  const auto print = [&](const std::exception& e, const char* hint = "") {
-    fmt::print(stderr, "dp_train: error{}: {}{}\n", where, e.what(), hint);
-  };
+  const dp::tools::Verdict verdict = dp::tools::judge(error);
   try {
     std::rethrow_exception(error);
-  } catch (const UsageError& e) {
-    print(e);
-    return 2;
-  } catch (const dp::OutOfMemory& e) {
-    print(e, ": the configuration does not fit (a smaller --batch-size or model)");
-    return 2;
-  } catch (const dp::NonFiniteError& e) {
-    print(e);
-    return 3;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "dp_train: error{}: a host allocation failed{}\n", where, verdict.hint);
   } catch (const std::exception& e) {
-    print(e);
-    return 1;
+    fmt::print(stderr, "dp_train: error{}: {}{}\n", where, e.what(), verdict.hint);
   } catch (...) {
     fmt::print(stderr, "dp_train: error{}: unknown exception\n", where);
-    return 1;
   }
+  return verdict.code;
 }
 
 // A number in `range` (e.g. ">= 0", "in [0, 1)"), named readably (CLI11's own bound is the
@@ -252,5 +243,5 @@ int main(int argc, char** argv) {
   }
   const int code = dp_train::train_main(argc, argv);
   dp_train::g_job.end();  // MPI_Finalize, when under mpirun
-  return code;
+  return dp::tools::leave(code);
 }

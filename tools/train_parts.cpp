@@ -13,6 +13,7 @@
 #include <sstream>
 #include <unistd.h>
 
+#include "address_space.h"
 #include "dp/runtime/device.h"
 
 namespace dp_train {
@@ -205,6 +206,9 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
         fmt::format("this run needs at least {} of host memory ({} parameters, {} samples{}), the host "
                     "has {}",
                     gib(host), params, samples, cuda ? "" : ", the simulated devices' memory", gib(host_memory)));
+  dp::tools::check_address_space(
+      host, cuda ? 0 : devices,
+      fmt::format("{} parameters, {} samples{}", params, samples, cuda ? "" : ", the simulated devices' memory"));
   const std::uint64_t capacity = dp::RuntimeOptions{}.sim_capacity_bytes;
   if (!cuda && per_device > capacity)
     throw UsageError(fmt::format("this run needs at least {} per device ({} parameters), a simulated device holds {}",

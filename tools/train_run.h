@@ -10,6 +10,7 @@
 
 #include "dp/runtime/error.h"
 #include "dp_job.h"
+#include "exit_codes.h"
 
 namespace dp_train {
 
@@ -56,10 +57,7 @@ struct Options {
   long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
 };
 
-// A failure the user caused (bad flag value, bad file): message, exit code 2.
-struct UsageError : dp::Error {
-  using dp::Error::Error;
-};
+using dp::tools::UsageError;  // a failure the user caused (bad flag value, bad file): exit code 2
 
 extern dp::tools::Job g_job;  // under mpirun: one process of the job (tools/dp_job.h)
 

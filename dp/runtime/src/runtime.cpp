@@ -11,8 +11,9 @@ namespace dp {
 std::string_view to_string(Backend backend) { return backend == Backend::sim ? "sim" : "cuda"; }
 
 OutOfMemory::OutOfMemory(int device, std::size_t requested, std::size_t in_use, std::size_t capacity)
-    : Error(fmt::format("out of memory on device {}: requested {} bytes with {} of {} bytes in use", device, requested,
-                        in_use, capacity)),
+    : Error(device < 0 ? fmt::format("out of pinned host memory: requested {} bytes", requested)
+                       : fmt::format("out of memory on device {}: requested {} bytes with {} of {} bytes in use",
+                                     device, requested, in_use, capacity)),
       device_(device),
       requested_(requested) {}
 

@@ -1,0 +1,71 @@
+// exit_codes.h — one exit code per cause, for every dp tool (the README's table): 2 bad input or a
+// configuration that does not fit (device or host memory), 3 non-finite values, 1 anything else.
+// A failure on one device of several (WorkerError) is judged by its cause, so an out-of-memory on
+// device 1 of a DDP run is a 2 as it is on one device.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <new>
+#include <string>
+#include <sys/resource.h>
+
+#include "dp/runtime/error.h"
+
+namespace dp::tools {
+
+// A failure the user caused (a bad flag value, a bad file): its message, exit code 2.
+struct UsageError : dp::Error {
+  using dp::Error::Error;
+};
+
+enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitBadInput = 2, kExitDiverged = 3 };
+
+struct Verdict {
+  int code = kExitFailure;
+  const char* hint = "";  // appended to the error's message
+};
+
+// Whether a host allocation failed in this process (judge saw std::bad_alloc).
+inline bool& host_memory_failed() {
+  static bool failed = false;
+  return failed;
+}
+
+inline Verdict judge(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const WorkerError& e) {
+    return e.cause() ? judge(e.cause()) : Verdict{};
+  } catch (const UsageError&) {
+    return {kExitBadInput};
+  } catch (const OutOfMemory&) {
+    return {kExitBadInput, ": the configuration does not fit (a smaller --batch-size or model)"};
+  } catch (const std::bad_alloc&) {
+    host_memory_failed() = true;
+    return {kExitBadInput, ": out of host memory: the configuration does not fit (a smaller --batch-size, model or data set)"};
+  } catch (const NonFiniteError&) {
+    return {kExitDiverged};
+  } catch (...) {
+    return {};
+  }
+}
+
+// The way out of main. Under a host memory shortage, OpenBLAS's threads (its pool starts when the
+// library loads) may be retrying a buffer mapping forever, and the library's exit handler joins
+// them: the process would spin at 100% CPU instead of exiting. So after a failed host allocation,
+// or with an address-space limit (ulimit -v) in force, the process leaves without exit handlers,
+// its streams flushed first. (Sanitizer builds cannot run under such a limit; their leak check,
+// an exit handler, still runs everywhere else.)
+inline int leave(int code) {
+  rlimit limit{};
+  const bool limited = getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
+  if (host_memory_failed() || limited) {
+    std::fflush(nullptr);
+    std::_Exit(code);
+  }
+  return code;
+}
+
+}  // namespace dp::tools
