@@ -22,7 +22,8 @@ inline void check_address_space(std::uint64_t bytes, std::uint64_t sim_devices, 
   rlimit limit{};
   if (getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return;
   constexpr std::uint64_t kBlasBuffer = std::uint64_t{128} << 20, kProcess = std::uint64_t{64} << 20;
-  const std::uint64_t blas_threads = sim_devices == 0 ? 0 : sim_devices + std::max(1u, std::thread::hardware_concurrency());
+  const std::uint64_t blas_threads =
+      sim_devices == 0 ? 0 : sim_devices + std::max(1u, std::thread::hardware_concurrency());
   const std::uint64_t needed = bytes + blas_threads * kBlasBuffer + kProcess;  // far below overflow: bytes is checked
   if (needed <= limit.rlim_cur) return;
   const auto gib = [](std::uint64_t b) { return fmt::format("{:.1f} GiB", static_cast<double>(b) / (1u << 30)); };

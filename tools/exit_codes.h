@@ -44,7 +44,8 @@ inline Verdict judge(const std::exception_ptr& error) {
     return {kExitBadInput, ": the configuration does not fit (a smaller --batch-size or model)"};
   } catch (const std::bad_alloc&) {
     host_memory_failed() = true;
-    return {kExitBadInput, ": out of host memory: the configuration does not fit (a smaller --batch-size, model or data set)"};
+    return {kExitBadInput,
+            ": out of host memory: the configuration does not fit (a smaller --batch-size, model or data set)"};
   } catch (const NonFiniteError&) {
     return {kExitDiverged};
   } catch (...) {
