@@ -303,6 +303,49 @@ TEST_F(TrainTest, InitAcceptsModulePrefixedNames) {
   dp::safetensors::write(path("prefixed.safetensors"), prefixed);
   const Result r = run("--backend sim --synthetic 16 --batch-size 8 --steps 1 --init " + path("prefixed.safetensors"));
   EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("tensor names carry DataParallel's 'module.' prefix"), std::string::npos) << r.output;
+}
+
+// --init is strict, as torch's load_state_dict: a tensor the model has no place for is refused as a
+// missing one is (a training checkpoint's optimizer state aside). --init-non-strict loads what
+// matches and prints missing_keys and unexpected_keys as torch returns them; the tensors it did not
+// load keep their initialisation, and a shape mismatch stays an error.
+TEST_F(TrainTest, InitIsStrictUnlessToldOtherwise) {
+  const std::string base = "--backend sim --hidden 16 --synthetic 16 --batch-size 8 --steps 1 --seed 3";
+  ASSERT_EQ(run(base + " --save " + path("good.safetensors")).code, 0);
+  const auto good = dp::safetensors::read(path("good.safetensors"));
+  dp::safetensors::File extra = good, missing = good;
+  extra.add("head.weight", good.at("fc2.bias"));
+  missing.tensors.erase("fc2.bias");
+  missing.order.erase(std::find(missing.order.begin(), missing.order.end(), "fc2.bias"));
+  dp::safetensors::write(path("extra.safetensors"), extra);
+  dp::safetensors::write(path("missing.safetensors"), missing);
+  const std::string init = base + " --init ";
+  expect_nothing_written(init + path("extra.safetensors") + " --save " + path("out.safetensors"), 2,
+                         "checkpoint tensor 'head.weight' is not the model's");
+  expect_nothing_written(init + path("missing.safetensors") + " --save " + path("out.safetensors"), 2,
+                         "checkpoint has no tensor 'fc2.bias'");
+  // Non-strict, the extra tensor aside, trains from exactly what a strict load of the good file gives.
+  ASSERT_EQ(run(init + path("good.safetensors") + " --save " + path("strict.safetensors")).code, 0);
+  const Result with_extra =
+      run(init + path("extra.safetensors") + " --init-non-strict --save " + path("loose.safetensors"));
+  ASSERT_EQ(with_extra.code, 0) << with_extra.output;
+  EXPECT_NE(with_extra.output.find("missing_keys=[] unexpected_keys=['head.weight']"), std::string::npos)
+      << with_extra.output;
+  const auto strict = dp::safetensors::read(path("strict.safetensors"));
+  const auto loose = dp::safetensors::read(path("loose.safetensors"));
+  for (const char* name : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"})
+    EXPECT_EQ(loose.at(name).data, strict.at(name).data) << name;
+  const Result with_missing = run(init + path("missing.safetensors") + " --init-non-strict");
+  ASSERT_EQ(with_missing.code, 0) << with_missing.output;
+  EXPECT_NE(with_missing.output.find("missing_keys=['fc2.bias'] unexpected_keys=[]"), std::string::npos)
+      << with_missing.output;
+  dp::safetensors::File bad_shape = extra;
+  bad_shape.tensors["fc1.bias"].shape = {4, 4};
+  dp::safetensors::write(path("shape.safetensors"), bad_shape);
+  expect_refused(init + path("shape.safetensors") + " --init-non-strict",
+                 "'fc1.bias' has shape [4, 4], the model expects [16]");
+  expect_refused(base + " --init-non-strict", "--init-non-strict requires --init");
 }
 
 TEST_F(TrainTest, BadDataIsRefused) {

@@ -149,7 +149,13 @@ struct EvalFlags {
 void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
   dp_cli::add_integer(app, "--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)");
   app.add_flag("--no-shuffle", o.no_shuffle, "visit the samples in order (PyTorch's order exactly)");
-  app.add_option("--init", o.init, "load weights and buffers (safetensors) before training");
+  auto* init = app.add_option("--init", o.init,
+                              "load weights and buffers (safetensors) before training; strict, as torch's "
+                              "load_state_dict: every tensor of the model, and only those");
+  app.add_flag("--init-non-strict", o.init_non_strict,
+               "--init loads what matches and prints the missing and unexpected keys (torch's strict=False); a "
+               "shape mismatch stays an error")
+      ->needs(init);
   app.add_option("--save", o.save, "write the final state (safetensors) here");
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
   dp_cli::add_integer(app, "--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));

@@ -302,6 +302,20 @@ Resumed read_resume(Options& o, int world) {
   return resumed;
 }
 
+// What --init loaded, as torch prints load_state_dict(strict=False)'s result: the keys left out
+// either way (none under strict, which refuses them).
+void report_init(const std::string& path, const dp::StateDictKeys& keys) {
+  const auto list = [](const std::vector<std::string>& names) {
+    std::string text;
+    for (const auto& name : names) text += (text.empty() ? "'" : ", '") + name + "'";
+    return "[" + text + "]";
+  };
+  if (keys.module_prefix)
+    say("dp_train: --init {}: tensor names carry DataParallel's 'module.' prefix (dropped)\n", path);
+  if (!keys.missing.empty() || !keys.unexpected.empty())
+    say("dp_train: --init {}: missing_keys={} unexpected_keys={}\n", path, list(keys.missing), list(keys.unexpected));
+}
+
 Built build_model(const Options& o, const Checked& checked, const Devices& devices, const Resumed& resumed) {
   dp::RuntimeOptions runtime_options;
   runtime_options.backend = devices.cuda ? "cuda" : "sim";
@@ -319,7 +333,8 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
     if (!o.init.empty()) {
       const dp::safetensors::File init = dp::safetensors::read(o.init);
       check_hidden_tag(o.init, init);
-      dp::load_state_dict(model, source.create_stream(), init);
+      const dp::StateDictKeys keys = dp::load_state_dict(model, source.create_stream(), init, "", !o.init_non_strict);
+      report_init(o.init, keys);
     }
     if (resumed.state) resumed.state->load_model(model);  // before the engine: DDP broadcasts rank 0's values
     return 0;

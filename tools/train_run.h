@@ -43,6 +43,7 @@ struct Options {
   long warmup_steps = 0;
   std::uint64_t seed = 0;
   std::string init, save, resume;
+  bool init_non_strict = false;
   long log_every = 10;
   std::string schedule = "none";
   long step_size = 1;

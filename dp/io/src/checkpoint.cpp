@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <fmt/format.h>
+#include <set>
 #include <vector>
 
 #include "dp/runtime/error.h"
@@ -53,16 +54,24 @@ safetensors::File state_dict(const Model& model, const Stream& stream) {
   return file;
 }
 
-void load_state_dict(Model& model, const Stream& stream, const safetensors::File& file, const std::string& prefix) {
+StateDictKeys load_state_dict(Model& model, const Stream& stream, const safetensors::File& file,
+                              const std::string& prefix, bool strict) {
   // Validate everything first, so a bad file leaves the model untouched.
+  StateDictKeys keys;
   std::vector<std::pair<const TensorRef*, const safetensors::Tensor*>> plan;
+  std::set<std::string> used;
   const auto views = state_views(model);
   for (const TensorRef& view : views) {
     const std::string plain = prefix + view.name, wrapped = prefix + "module." + view.name;
-    const safetensors::Tensor* t = file.has(plain)     ? &file.tensors.at(plain)
-                                   : file.has(wrapped) ? &file.tensors.at(wrapped)
-                                                       : nullptr;
-    if (!t) throw Error(fmt::format("checkpoint has no tensor '{}'", plain));
+    const bool has_plain = file.has(plain), has_wrapped = !has_plain && file.has(wrapped);
+    if (!has_plain && !has_wrapped) {
+      keys.missing.push_back(view.name);
+      continue;
+    }
+    keys.module_prefix = keys.module_prefix || has_wrapped;
+    const std::string& name = has_plain ? plain : wrapped;
+    used.insert(name);
+    const safetensors::Tensor* t = &file.tensors.at(name);
     if (t->dtype != dtype_name(view.dtype))
       throw Error(fmt::format("checkpoint tensor '{}' has dtype {}, the model expects {}", plain, t->dtype,
                               dtype_name(view.dtype)));
@@ -75,8 +84,23 @@ void load_state_dict(Model& model, const Stream& stream, const safetensors::File
     check_buffer_values(plain, *t);
     plan.emplace_back(&view, t);
   }
+  for (const auto& [name, tensor] : file.tensors) {
+    if (name.compare(0, prefix.size(), prefix) != 0 || used.count(name)) continue;
+    if (name.compare(prefix.size(), 10, "optimizer.") == 0) continue;  // a training checkpoint's own state
+    keys.unexpected.push_back(name.substr(prefix.size()));
+  }
+  if (strict && !keys.missing.empty())
+    throw Error(fmt::format("checkpoint has no tensor '{}'{}", prefix + keys.missing.front(),
+                            keys.missing.size() > 1 ? fmt::format(" (and {} more)", keys.missing.size() - 1) : ""));
+  if (strict && !keys.unexpected.empty())
+    throw Error(
+        fmt::format("checkpoint tensor '{}' is not the model's (unexpected key{}; load it non-strictly to skip "
+                    "what does not match)",
+                    prefix + keys.unexpected.front(),
+                    keys.unexpected.size() > 1 ? fmt::format(", and {} more", keys.unexpected.size() - 1) : ""));
   for (auto& [view, t] : plan) stream.copy(view->data, t->data.data(), view->bytes());
   stream.synchronize();
+  return keys;
 }
 
 }  // namespace dp
