@@ -106,7 +106,11 @@ Args parse_args(int argc, char** argv) {
       throw BadArguments("STEPS '" + std::string(text) + "' is not a decimal integer in [1, " +
                          std::to_string(kMaxSteps) + "]");
   }
-  dp::check_writable(args.output);  // refused now, not after the training
+  try {
+    dp::check_writable(args.output);  // refused now, not after the training
+  } catch (const dp::Error& e) {
+    throw BadArguments(e.what());
+  }
   return args;
 }
 
@@ -185,7 +189,7 @@ int main(int argc, char** argv) try {
   std::fprintf(stderr, "custom_model: %s\nusage: custom_model [OUTPUT.safetensors] [STEPS] (--help says more)\n",
                e.what());
   return 2;
-} catch (const dp::Error& e) {
+} catch (const std::exception& e) {
   std::fprintf(stderr, "custom_model: %s\n", e.what());
-  return 2;
+  return dp::exit_code(std::current_exception());  // dp's convention: 2 bad input, 3 non-finite, 1 other
 }

@@ -1184,6 +1184,11 @@ TEST(ExitCodes, EachCauseHasOneCodeWhereverItHappens) {
   EXPECT_EQ(judge(on_device(diverged)).code, 3);
   EXPECT_EQ(judge(std::make_exception_ptr(std::runtime_error("bug"))).code, 1);
   EXPECT_EQ(judge(on_device(nullptr)).code, 1);
+  // The library's own decider, which custom_model (an embedding program) uses.
+  EXPECT_EQ(dp::exit_code(std::make_exception_ptr(dp::InvalidArgument("bad shape"))), 2);
+  EXPECT_EQ(dp::exit_code(on_device(oom)), 2);
+  EXPECT_EQ(dp::exit_code(on_device(diverged)), 3);
+  EXPECT_EQ(dp::exit_code(std::make_exception_ptr(dp::Error("a broken invariant"))), 1);
 }
 
 // A process limit (ulimit -v) too small for the run: refused before anything runs, exit 2, naming

@@ -1,18 +1,15 @@
 // dp_train — trains the reference MLP, ConvNet or ResNet-8 on one device, with DataParallel or with
-// DDP, on GPUs or simulated devices; this file turns its command line into Options and exit codes.
-#include <CLI/CLI.hpp>
-#include <cmath>
+// DDP, on GPUs or simulated devices; this file runs the command line (train_cli.h) and turns what
+// fails into exit codes.
 #include <cstdio>
 #include <exception>
 #include <fmt/format.h>
-#include <limits>
+#include <new>
 #include <string>
-#include <vector>
 
-#include "dp/runtime/error.h"
-#include "dp_cli.h"
 #include "dp_job.h"
 #include "exit_codes.h"
+#include "train_cli.h"
 #include "train_run.h"
 
 namespace dp_train {
@@ -35,193 +32,16 @@ int report(const std::exception_ptr& error) {
   return verdict.code;
 }
 
-// A number in `range` (e.g. ">= 0", "in [0, 1)"), named readably (CLI11's own bound is the
-// 309-digit largest double). The engine computes in fp32, so the value must also be finite as a
-// float: 1e39 would become inf there, and NaN passes every comparison CLI::Range makes.
-CLI::Validator finite_number(bool (*in_range)(double), const std::string& range) {
-  return CLI::Validator(
-      [in_range, range](const std::string& text) {
-        double value = std::nan("");
-        try {
-          std::size_t used = 0;
-          value = std::stod(text, &used);
-          if (used != text.size()) value = std::nan("");
-        } catch (const std::exception&) {
-        }
-        if (!std::isfinite(value) || !in_range(value))
-          return fmt::format("'{}' is not a finite number {}", text, range);
-        if (std::fabs(value) > std::numeric_limits<float>::max())
-          return fmt::format("'{}' overflows a float (at most {:g})", text, std::numeric_limits<float>::max());
-        return std::string();
-      },
-      range);
-}
-
-CLI::Validator non_negative_number() {
-  return finite_number([](double v) { return v >= 0.0; }, ">= 0");
-}
-CLI::Validator positive_number() {
-  return finite_number([](double v) { return v > 0.0; }, "> 0");
-}
-// [0, 1): a decay that must forget (AdamW's betas, as torch.optim.AdamW requires).
-CLI::Validator fraction_below_one() {
-  return finite_number([](double v) { return v >= 0.0 && v < 1.0; }, "in [0, 1)");
-}
-
-// The options are added group by group in the order --help lists them; integers are decimal only
-// and within range (dp_cli::add_integer).
-void add_model_options(CLI::App& app, Options& o) {
-  app.add_option("--model", o.model, "mlp, convnet or resnet8")->check(CLI::IsMember({"mlp", "convnet", "resnet8"}));
-  app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU, P in [0, 1] (default 0: none)")
-      ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
-  app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm, BatchNorm statistics over all ranks' batches");
-  app.add_option("--label-smoothing", o.label_smoothing, "CrossEntropyLoss(label_smoothing=S), S in [0, 1]")
-      ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
-  app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
-}
-
-void add_device_options(CLI::App& app, Options& o) {
-  app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
-  app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
-  app.add_option("--precision", o.precision,
-                 "strict (default: cuDNN exact fp32 and deterministic, within rounding of the host path) or fast "
-                 "(PyTorch's defaults: fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim "
-                 "computes the same for both")
-      ->check(CLI::IsMember({"strict", "fast"}));
-  app.add_option("--graphs", o.graphs,
-                 "on (default): capture the training step once per batch size and replay it (CUDA graphs; emulated "
-                 "on sim; the same results bit for bit), off: launch every kernel every step")
-      ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--pipeline", o.pipeline,
-                 "on (default): submit each step before reading the previous step's loss, so the host prepares the "
-                 "next batch while the devices compute (within an epoch; the same output), off: wait for each loss")
-      ->check(CLI::IsMember({"on", "off"}));
-  auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
-  dp_cli::add_integer(app, "--devices-per-gpu", o.devices_per_gpu,
-                      "K dp devices on each GPU (device d on GPU d/K), so that multi-device runs fit one GPU; same "
-                      "results bit for bit (default: 1)")
-      ->check(CLI::Range(1, 64));
-  dp_cli::add_integer(app, "--output-device", o.output_device,
-                      "dp: the device that gathers outputs and computes the loss");
-}
-
-void add_data_options(CLI::App& app, Options& o) {
-  auto* data = app.add_option("--data", o.data,
-                              "directory with train-{images-idx3,labels-idx1}-ubyte (and t10k-* for --eval), plain "
-                              "or .gz; or an installed data set's name: fashion-mnist, mnist");
-  dp_cli::add_integer(app, "--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
-      ->excludes(data)
-      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
-  dp_cli::add_integer(app, "--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
-  auto* epochs = dp_cli::add_integer(app, "--epochs", o.epochs, "full passes over the data (default 1)");
-  dp_cli::add_integer(app, "--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
-}
-
-void add_optimizer_options(CLI::App& app, Options& o) {
-  const CLI::Validator non_negative = non_negative_number();
-  app.add_option("--optimizer", o.optimizer, "sgd (torch.optim.SGD) or adamw (torch.optim.AdamW)")
-      ->check(CLI::IsMember({"sgd", "adamw"}));
-  app.add_option("--lr", o.lr, "learning rate (default: sgd 0.01, adamw 1e-3)")->check(non_negative);
-  app.add_option("--momentum", o.momentum, "sgd: momentum")->check(non_negative);
-  app.add_option("--weight-decay", o.weight_decay, "weight decay (default: sgd 0, adamw 1e-2, decoupled as torch's)")
-      ->check(non_negative);
-  app.add_flag("--nesterov", o.nesterov, "sgd: Nesterov momentum");
-  app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)")->check(fraction_below_one());
-  app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)")->check(fraction_below_one());
-  app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)")->check(non_negative);
-  app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
-  dp_cli::add_integer(app, "--warmup-steps", o.warmup_steps, "linear lr warm-up steps");
-  app.add_option("--schedule", o.schedule,
-                 "after the warm-up, per step: none, step (StepLR) or cosine (CosineAnnealingLR)")
-      ->check(CLI::IsMember({"none", "step", "cosine"}));
-  dp_cli::add_integer(app, "--step-size", o.step_size, "step: multiply the lr by --gamma every N steps");
-  app.add_option("--gamma", o.gamma, "step: the factor, > 0 (default 0.1)")->check(positive_number());
-  dp_cli::add_integer(app, "--t-max", o.t_max, "cosine: steps to anneal over (default: the rest of the run)");
-  app.add_option("--eta-min", o.eta_min, "cosine: the lr at the end (default 0)")->check(non_negative);
-}
-
-// --eval and --no-eval, read into Options::eval once parsed.
-struct EvalFlags {
-  bool on = false, off = false;
-};
-
-void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
-  dp_cli::add_integer(app, "--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)");
-  app.add_flag("--no-shuffle", o.no_shuffle, "visit the samples in order (PyTorch's order exactly)");
-  auto* init = app.add_option("--init", o.init,
-                              "load weights and buffers (safetensors) before training; strict, as torch's "
-                              "load_state_dict: every tensor of the model, and only those");
-  app.add_flag("--init-non-strict", o.init_non_strict,
-               "--init loads what matches and prints the missing and unexpected keys (torch's strict=False); a "
-               "shape mismatch stays an error")
-      ->needs(init);
-  app.add_option("--save", o.save, "write the final state (safetensors) here");
-  app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
-  dp_cli::add_integer(app, "--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
-  app.add_flag("--log-batches", o.log_batches, "print the sample indices of every batch (per rank)");
-  auto* eval = app.add_flag("--eval", eval_flags.on,
-                            "after every epoch, test loss and accuracy over the whole test set (default: on when "
-                            "--data has t10k-* files)");
-  app.add_flag("--no-eval", eval_flags.off, "no evaluation")->excludes(eval);
-  app.add_flag("--eval-only", o.eval_only, "evaluate the --init checkpoint on the test set, no training");
-  app.add_option("--normalize", o.normalize, "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530");
-  app.add_option("--predictions", o.predictions,
-                 "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
-  // Hidden (no group): the failure tests start one process of an mpirun job with it.
-  dp_cli::add_integer(app, "--debug-fail-at-step", o.fail_at_step, "testing: fail on this process at step N")
-      ->group("");
-  app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");
-}
-
-// The checks CLI11 cannot make, and each optimizer's defaults; false once a refusal is printed.
-bool settle_flags(const CLI::App& app, Options& o) {
-  // Each optimizer's own flags, and torch's defaults for those not given (torch.optim.AdamW: lr 1e-3,
-  // weight_decay 1e-2).
-  const bool adamw = o.optimizer == "adamw";
-  const std::vector<std::string> other_optimizers_flags = adamw
-                                                              ? std::vector<std::string>{"--momentum", "--nesterov"}
-                                                              : std::vector<std::string>{"--beta1", "--beta2", "--eps"};
-  for (const std::string& flag : other_optimizers_flags) {
-    if (app.get_option(flag)->count() > 0) {
-      fmt::print(stderr, "dp_train: error: {} does not apply to --optimizer {}\n", flag, o.optimizer);
-      return false;
-    }
-  }
-  if (adamw && app.get_option("--lr")->count() == 0) o.lr = 1e-3;
-  if (adamw && app.get_option("--weight-decay")->count() == 0) o.weight_decay = 1e-2;
-  // A file flag given an empty value names no file: refused rather than read as "not given".
-  for (const char* flag :
-       {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize", "--predictions"}) {
-    const auto* option = app.get_option(flag);
-    if (option->count() > 0 && option->as<std::string>().empty()) {
-      fmt::print(stderr, "dp_train: error: {}: empty value\n", flag);
-      return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
 int train_main(int argc, char** argv) {
-  CLI::App app{"dp_train: train the reference MLP, ConvNet or ResNet-8 on one device, with DataParallel or with DDP"};
   Options o;
-  EvalFlags eval_flags;
-  add_model_options(app, o);
-  add_device_options(app, o);
-  add_data_options(app, o);
-  add_optimizer_options(app, o);
-  add_run_options(app, o, eval_flags);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);  // prints help, or the message naming the flag
-    // Every bad command line is exit code 2, as bad files are; --help stops without error.
-    return code == 0 ? g_job.agree(dp::kStopWithoutError).value_or(0) : g_job.failed(2);
+  switch (parse_command_line(argc, argv, o)) {
+    case Parsed::help: return g_job.agree(dp::kStopWithoutError).value_or(0);
+    case Parsed::refused:  // every bad command line is exit code 2, as bad files are
+      return g_job.failed(2);
+    case Parsed::run: break;
   }
-  if (eval_flags.on || eval_flags.off) o.eval = eval_flags.on;
-  if (!settle_flags(app, o)) return g_job.failed(2);
   int code = 0;
   try {
     code = run(o);

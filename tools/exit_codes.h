@@ -1,7 +1,7 @@
-// exit_codes.h — one exit code per cause, for every dp tool (the README's table): 2 bad input or a
-// configuration that does not fit (device or host memory), 3 non-finite values, 1 anything else.
-// A failure on one device of several (WorkerError) is judged by its cause, so an out-of-memory on
-// device 1 of a DDP run is a 2 as it is on one device.
+// exit_codes.h — one exit code per cause, for every dp tool (the README's table): dp::exit_code's
+// (2 bad input or a configuration that does not fit, device or host memory; 3 non-finite values; 1
+// anything else; a failure on one device of several judged by its cause), and 2 for the tools' own
+// UsageError, with a hint for the causes a user can act on.
 #pragma once
 
 #include <cstdio>
@@ -33,11 +33,19 @@ inline bool& host_memory_failed() {
   return failed;
 }
 
+// UsageError is the tools' own (2); every other cause takes dp::exit_code's code, with a hint.
 inline Verdict judge(const std::exception_ptr& error) {
+  const auto cause = [](const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const WorkerError& w) {
+      return w.cause() ? w.cause() : e;
+    } catch (...) {
+      return e;
+    }
+  };
   try {
-    std::rethrow_exception(error);
-  } catch (const WorkerError& e) {
-    return e.cause() ? judge(e.cause()) : Verdict{};
+    std::rethrow_exception(cause(error));
   } catch (const UsageError&) {
     return {kExitBadInput};
   } catch (const OutOfMemory&) {
@@ -46,10 +54,8 @@ inline Verdict judge(const std::exception_ptr& error) {
     host_memory_failed() = true;
     return {kExitBadInput,
             ": out of host memory: the configuration does not fit (a smaller --batch-size, model or data set)"};
-  } catch (const NonFiniteError&) {
-    return {kExitDiverged};
   } catch (...) {
-    return {};
+    return {dp::exit_code(error)};
   }
 }
 

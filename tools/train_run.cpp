@@ -683,6 +683,14 @@ void save(const Options& o, dp::Engine& engine, const Plan& plan) {
 
 }  // namespace
 
+void check_options(const Options& o) {
+  const Checked checked = validate_options(o);
+  const Devices devices = choose_devices(o);
+  const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
+  check_learning_rate(o, world);
+  check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
+}
+
 int run(Options o) {
   const Checked checked = validate_options(o);
   const Devices devices = choose_devices(o);

@@ -68,6 +68,10 @@ void say(fmt::format_string<Args...> format, Args&&... args) {
   if (g_job.primary()) fmt::print(format, std::forward<Args>(args)...);
 }
 
+// Every check run() makes before it reads a file or starts a device: the flags' combinations, the
+// device choice, the learning rate, the memory the run needs. Throws UsageError.
+void check_options(const Options& o);
+
 // Trains (or evaluates, --eval-only) as the options say; returns the exit code of a run that stops
 // by itself (3: a non-finite loss), throws what fails (dp_train.cpp turns it into its exit code).
 int run(Options o);

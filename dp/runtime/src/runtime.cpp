@@ -1,6 +1,7 @@
 // runtime.cpp — public handles forwarding to the backend, backend selection, shared accounting.
 #include <chrono>
 #include <fmt/format.h>
+#include <new>
 #include <unistd.h>
 #include <utility>
 
@@ -19,6 +20,24 @@ OutOfMemory::OutOfMemory(int device, std::size_t requested, std::size_t in_use, 
 
 WorkerError::WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices)
     : Error(message), device_(device), cause_(std::move(cause)), failed_(failed_devices) {}
+
+int exit_code(const std::exception_ptr& error) noexcept {
+  try {
+    std::rethrow_exception(error);
+  } catch (const WorkerError& e) {
+    return e.cause() ? exit_code(e.cause()) : 1;
+  } catch (const InvalidArgument&) {
+    return 2;
+  } catch (const OutOfMemory&) {
+    return 2;
+  } catch (const std::bad_alloc&) {
+    return 2;
+  } catch (const NonFiniteError&) {
+    return 3;
+  } catch (...) {
+    return 1;
+  }
+}
 
 // ---- Event
 bool Event::query() const { return impl_ ? impl_->query() : true; }

@@ -78,4 +78,10 @@ class WorkerError : public Error {
   int failed_;
 };
 
+// The exit code a program reports for an error (dp's tools do; the README's table): 2 for bad input
+// or a configuration that does not fit (InvalidArgument, OutOfMemory, a failed host allocation), 3
+// for non-finite values (NonFiniteError), 1 for anything else. A WorkerError is judged by its cause,
+// so a failure on one device of several gets the code it gets on one device.
+int exit_code(const std::exception_ptr& error) noexcept;
+
 }  // namespace dp
