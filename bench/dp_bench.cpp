@@ -12,6 +12,7 @@
 
 #include "dp/io/atomic_file.h"
 #include "dp/runtime/error.h"
+#include "dp_cli.h"
 #include "dp_job.h"
 #include "measure.h"
 #include "options.h"
@@ -22,6 +23,8 @@ namespace {
 
 // Fails on an unwritable output before minutes are spent on the runs (process 0 writes them).
 void check_outputs(const Options& o, const dp::tools::Job& job) {
+  if (dp_cli::same_file(o.json_path, o.trace_path))
+    throw UsageError(fmt::format("--json and --trace name the same file {}", o.json_path));
   for (const auto* path : {&o.json_path, &o.trace_path}) {
     if (path->empty() || !job.primary()) continue;
     try {

@@ -101,6 +101,14 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o, const d
     return app.exit(e) == 0 ? job.agree(dp::kStopWithoutError).value_or(0) : job.failed(2);
   }
   if (devices_opt->count() > 0) o.devices = devices;
+  // An output flag given an empty value names no file: refused rather than read as "not given".
+  for (const char* flag : {"--json", "--trace"}) {
+    const auto* option = app.get_option(flag);
+    if (option->count() > 0 && option->as<std::string>().empty()) {
+      fmt::print(stderr, "dp_bench: {}: empty value\n", flag);
+      return job.failed(2);
+    }
+  }
   return std::nullopt;
 }
 

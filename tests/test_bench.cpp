@@ -458,6 +458,8 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend sim --no-such-flag", "no-such-flag"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
       {"--backend sim --trace /proc/x.json", "cannot write /proc/x.json"},  // root passes access() there
+      {"--backend sim --json same.json --trace ./same.json", "--json and --trace name the same file same.json"},
+      {"--backend sim --json ''", "--json: empty value"},
       {"--backend sim --devices 2 --batch-size 1073741824", "a global batch of 2147483648 samples"},
       {"--backend sim --batch-size 100000000", "the synthetic inputs alone need"},
       {"--backend sim --batch-size 2147483647", "a global batch of 8589934588 samples is more than 2147483647"},

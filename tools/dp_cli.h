@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdint>
+#include <filesystem>
 #include <fmt/format.h>
 #include <limits>
 #include <optional>
@@ -16,6 +17,14 @@ namespace dp_cli {
 
 // Accepts decimal digits only (no sign, 0x, spaces or exponent) for a value of at most `max`;
 // the refusal names the bound readably.
+// Whether two paths name one file (after resolving symbolic links and relative paths; either may not
+// exist yet): outputs must not overwrite each other or an input.
+inline bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  return !a.empty() && !b.empty() &&
+         std::filesystem::weakly_canonical(a, ec) == std::filesystem::weakly_canonical(b, ec);
+}
+
 inline CLI::Validator decimal(std::uint64_t max) {
   return CLI::Validator(
       [max](const std::string& text) {

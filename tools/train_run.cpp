@@ -32,6 +32,7 @@
 #include "dp/runtime/device.h"
 #include "dp/runtime/process_group.h"
 #include "dp/runtime/shape.h"
+#include "dp_cli.h"
 #include "train_parts.h"
 
 namespace dp_train {
@@ -103,11 +104,7 @@ void check_distinct_files(const Options& o) {
   const std::pair<const char*, const std::string*> outputs[] = {
       {"--save", &o.save}, {"--metrics-json", &o.metrics_json}, {"--predictions", &o.predictions}};
   const std::pair<const char*, const std::string*> inputs[] = {{"--init", &o.init}, {"--resume", &o.resume}};
-  const auto same = [](const std::string& a, const std::string& b) {
-    std::error_code ec;
-    return !a.empty() && !b.empty() &&
-           std::filesystem::weakly_canonical(a, ec) == std::filesystem::weakly_canonical(b, ec);
-  };
+  const auto same = dp_cli::same_file;
   for (std::size_t i = 0; i < std::size(outputs); ++i) {
     for (std::size_t j = i + 1; j < std::size(outputs); ++j)
       if (same(*outputs[i].second, *outputs[j].second))
