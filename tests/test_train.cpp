@@ -223,10 +223,13 @@ TEST_F(TrainTest, NoShuffleOrderIsPyTorchs) {
 }
 
 TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
-  // SGD with momentum, and AdamW with a cosine schedule (its state: exp_avg, exp_avg_sq, step).
+  // SGD with momentum, and AdamW with a cosine schedule (its state: exp_avg, exp_avg_sq, step). The
+  // cosine's T_max is given: by default it is the planned length of the run that saved the
+  // checkpoint, which the checkpoint keeps (TrainTest.ACheckpointDescribesItsRun).
   const std::pair<std::string, std::string> optimizers[] = {
       {"--lr 0.02 --momentum 0.9 --weight-decay 1e-4", "optimizer.momentum.fc.weight"},
-      {"--optimizer adamw --lr 0.002 --weight-decay 0.01 --schedule cosine", "optimizer.exp_avg_sq.fc.weight"}};
+      {"--optimizer adamw --lr 0.002 --weight-decay 0.01 --schedule cosine --t-max 2",
+       "optimizer.exp_avg_sq.fc.weight"}};
   for (const auto& [optimizer, state_key] : optimizers)
     for (const std::string mode : {"single", "dp", "ddp"}) {
       SCOPED_TRACE(mode + " " + optimizer);
@@ -409,7 +412,7 @@ TEST_F(TrainTest, BadCheckpointsAreRefused) {
                  "metadata 'dp.optimizer_steps' is missing");
   expect_refused(
       "--model convnet --backend sim --synthetic 16 --batch-size 8 --steps 1 --resume " + path("good.safetensors"),
-      "the checkpoint is a mlp, not a convnet");
+      "was saved with --model mlp");
 }
 
 TEST_F(TrainTest, BadFlagsAreRefused) {
@@ -1202,4 +1205,56 @@ TEST_F(TrainTest, AnAddressSpaceLimitTooSmallIsRefusedAndTheProcessEnds) {
     EXPECT_NE(r.output.find("of address space"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("(ulimit -v)"), std::string::npos) << r.output;
   }
+}
+
+// A checkpoint describes its run: --eval-only and --init take the model, its hidden sizes and its
+// input normalisation from it unless given, and --resume also the optimizer, its hyper-parameters
+// and the schedule with its T_max, so a resumed cosine schedule continues its curve. A given flag
+// that contradicts it is refused where the model could not hold the checkpoint, else noted (the
+// given value wins, as PyTorch users expect of --lr).
+TEST_F(TrainTest, ACheckpointDescribesItsRun) {
+  write_idx("data", 40);
+  write_idx("data", 12, 28, 28, 0x803, -1, 0, "t10k");
+  const std::string data = " --backend sim --batch-size 8 --data " + path("data");
+  ASSERT_EQ(
+      run("--model mlp --hidden 24 --normalize 0.3,0.4 --steps 4 --lr 0.05 --save " + path("mlp.safetensors") + data)
+          .code,
+      0);
+  const std::regex accuracy(R"(test loss [0-9.]+, test accuracy [0-9.]+%)");
+  const auto evaluated = [&](const std::string& flags) {
+    const Result r = run("--eval-only --init " + path("mlp.safetensors") + flags + data);
+    EXPECT_EQ(r.code, 0) << r.output;
+    std::smatch m;
+    return std::regex_search(r.output, m, accuracy) ? m.str() + "\n" + r.output : "no accuracy in: " + r.output;
+  };
+  const std::string full = evaluated(" --model mlp --hidden 24 --normalize 0.3,0.4");
+  const std::string bare = evaluated("");
+  EXPECT_EQ(bare.substr(0, bare.find('\n')), full.substr(0, full.find('\n'))) << bare;
+  EXPECT_NE(bare.find("from the checkpoint"), std::string::npos) << bare;
+  EXPECT_NE(bare.find("--hidden 24"), std::string::npos) << bare;
+  const std::string other = evaluated(" --normalize 0.5,0.5");  // given: wins, with a note
+  EXPECT_NE(other.find("was saved with --normalize 0.3,0.4; continuing with 0.5,0.5"), std::string::npos) << other;
+  expect_refused("--eval-only --init " + path("mlp.safetensors") + " --model convnet" + data,
+                 "was saved with --model mlp");
+  expect_refused("--eval-only --init " + path("mlp.safetensors") + " --hidden 32" + data, "was saved with --hidden 24");
+
+  // A resumed cosine schedule continues the checkpoint's curve (its T_max, 10, not the resumed run's
+  // own length), and the optimizer's settings come back without being repeated.
+  const std::string run_flags = "--model convnet --optimizer adamw --lr 0.003 --schedule cosine --t-max 10 --seed 4";
+  ASSERT_EQ(run(run_flags + " --steps 6 --save " + path("straight.safetensors") + data).code, 0);
+  ASSERT_EQ(run(run_flags + " --steps 3 --save " + path("half.safetensors") + data).code, 0);
+  const Result resumed =
+      run("--steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors") + data);
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  for (const char* taken : {"--model convnet", "--optimizer adamw", "--lr 0.003", "--schedule cosine", "--t-max 10"})
+    EXPECT_NE(resumed.output.find(taken), std::string::npos) << taken << " in:\n" << resumed.output;
+  const auto a = dp::safetensors::read(path("straight.safetensors"));
+  const auto b = dp::safetensors::read(path("resumed.safetensors"));
+  for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs after resume";
+  EXPECT_EQ(b.metadata.at("dp.t_max"), "10");
+  const Result faster = run("--steps 1 --lr 0.01 --resume " + path("half.safetensors") + data);
+  EXPECT_EQ(faster.code, 0) << faster.output;
+  EXPECT_NE(faster.output.find("was saved with --lr 0.003; continuing with 0.01"), std::string::npos) << faster.output;
+  expect_refused("--steps 1 --optimizer sgd --resume " + path("half.safetensors") + data,
+                 "was saved with --optimizer adamw");
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dp_cli.h"
+#include "run_settings.h"
 
 namespace dp_train {
 namespace {
@@ -167,8 +168,7 @@ bool settle_flags(const CLI::App& app, Options& o) {
       return false;
     }
   }
-  if (adamw && app.get_option("--lr")->count() == 0) o.lr = 1e-3;
-  if (adamw && app.get_option("--weight-decay")->count() == 0) o.weight_decay = 1e-2;
+  apply_optimizer_defaults(o);
   // A file flag given an empty value names no file: refused rather than read as "not given".
   for (const char* flag :
        {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize", "--predictions"}) {
@@ -197,6 +197,9 @@ Parsed parse_command_line(int argc, const char* const* argv, Options& o) {
     return app.exit(e) == 0 ? Parsed::help : Parsed::refused;  // prints help, or the message naming the flag
   }
   if (eval_flags.on || eval_flags.off) o.eval = eval_flags.on;
+  for (const CLI::Option* option : app.get_options())
+    if (option->count() > 0)
+      for (const std::string& name : option->get_lnames()) o.given.insert("--" + name);
   return settle_flags(app, o) ? Parsed::run : Parsed::refused;
 }
 

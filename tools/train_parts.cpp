@@ -67,12 +67,14 @@ dp::OptimizerOptions optimizer_options(const Options& o, double lr) {
   return dp::SgdOptions{static_cast<float>(lr), o.momentum, static_cast<float>(o.weight_decay), o.nesterov};
 }
 
+long resolved_t_max(const Options& o, long last_step) {
+  return o.t_max.value_or(std::max(1L, last_step - std::max(0L, o.warmup_steps)));
+}
+
 dp::LrSchedule make_schedule(const Options& o, long last_step) {
   try {
     if (o.schedule == "step") return dp::LrSchedule::step(o.step_size, o.gamma);
-    if (o.schedule == "cosine")
-      return dp::LrSchedule::cosine(o.t_max.value_or(std::max(1L, last_step - std::max(0L, o.warmup_steps))),
-                                    o.eta_min);
+    if (o.schedule == "cosine") return dp::LrSchedule::cosine(resolved_t_max(o, last_step), o.eta_min);
     return dp::LrSchedule::constant();
   } catch (const dp::Error& e) {
     throw UsageError(fmt::format("--schedule {}: {}", o.schedule, e.what()));

@@ -32,6 +32,9 @@ dp::OptimizerOptions optimizer_options(const Options& o, double lr);
 // --schedule: none, step (StepLR: x --gamma every --step-size steps) or cosine (CosineAnnealingLR to
 // --eta-min over --t-max steps, by default the steps after the warm-up up to the run's last step).
 dp::LrSchedule make_schedule(const Options& o, long last_step);
+// The cosine schedule's T_max for a run planned to end at `last_step`: --t-max, else the steps after
+// the warm-up (a checkpoint keeps it, so a resumed run continues the same curve).
+long resolved_t_max(const Options& o, long last_step);
 
 // Refuses (UsageError) a run whose learning rate would grow past the largest float by its last
 // step `end_step` (StepLR with --gamma > 1): the warm-up and every schedule are monotonic, so the

@@ -33,6 +33,7 @@
 #include "dp/runtime/process_group.h"
 #include "dp/runtime/shape.h"
 #include "dp_cli.h"
+#include "run_settings.h"
 #include "train_parts.h"
 
 namespace dp_train {
@@ -666,12 +667,9 @@ void save(const Options& o, dp::Engine& engine, const Plan& plan) {
     progress.step = end_step;
     progress.epoch = end_step / plan.batches_per_epoch;
     progress.seed = o.seed;
-    progress.tags = {{"model", o.model},
-                     {"hidden", o.model == "mlp" ? o.hidden : ""},
-                     {"mode", o.mode},
-                     {"dropout", fmt::format("{}", o.dropout)},
-                     {"label_smoothing", fmt::format("{}", o.label_smoothing)},
-                     {"world", fmt::format("{}", plan.world)}};
+    progress.tags = run_settings(o, resolved_t_max(o, end_step));
+    progress.tags["mode"] = o.mode;
+    progress.tags["world"] = fmt::format("{}", plan.world);
     dp::TrainingState::save(o.save, engine.model(), *engine.optimizers().front(), progress);
     say("dp_train: saved {}\n", o.save);
   }
@@ -688,7 +686,23 @@ void check_options(const Options& o) {
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
 }
 
+// The settings the --resume (else --init) checkpoint describes, for the flags not given: read before
+// any check, since they choose the model and the optimizer.
+void adopt_checkpoint_settings(Options& o) {
+  const bool resuming = !o.resume.empty();
+  const std::string& path = resuming ? o.resume : o.init;
+  if (path.empty()) return;
+  check_distinct_files(o);  // an output naming the checkpoint is that mistake, not a bad checkpoint
+  const dp::safetensors::File file = as_usage_error([&] { return dp::safetensors::read(path); });
+  check_hidden_tag(path, file);  // a file contradicting itself is refused before its tags are taken
+  std::map<std::string, std::string> tags;
+  for (const auto& [key, value] : file.metadata)
+    if (key.starts_with("dp.")) tags[key.substr(3)] = value;
+  adopt_run_settings(o, path, tags, resuming);
+}
+
 int run(Options o) {
+  adopt_checkpoint_settings(o);
   const Checked checked = validate_options(o);
   const Devices devices = choose_devices(o);
   const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <fmt/format.h>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -52,10 +53,11 @@ struct Options {
   bool log_batches = false;
   std::optional<bool> eval;  // unset: evaluate when the data has a test split
   bool eval_only = false;
-  std::string normalize;     // "MEAN,STD"
-  std::string metrics_json;  // JSON lines, one per logged step and per epoch
-  std::string predictions;   // --eval-only: each test sample's predicted class, one per line
-  long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
+  std::string normalize;        // "MEAN,STD"
+  std::string metrics_json;     // JSON lines, one per logged step and per epoch
+  std::string predictions;      // --eval-only: each test sample's predicted class, one per line
+  long fail_at_step = 0;        // testing only: this process fails at that step, as a crashing rank would
+  std::set<std::string> given;  // the flags on the command line ("--lr", ...): a checkpoint's settings fill the rest
 };
 
 using dp::tools::UsageError;  // a failure the user caused (bad flag value, bad file): exit code 2
