@@ -1258,3 +1258,25 @@ TEST_F(TrainTest, ACheckpointDescribesItsRun) {
   expect_refused("--steps 1 --optimizer sgd --resume " + path("half.safetensors") + data,
                  "was saved with --optimizer adamw");
 }
+
+// Habits from argparse and torch: the last of a repeated flag wins (`$ARGS --lr 0.1`), --help shows
+// every default, and --limit-train / --limit-test take the first N samples of a split.
+TEST_F(TrainTest, RepeatedFlagsDefaultsAndSubsets) {
+  const std::string base = "--backend sim --hidden 16 --synthetic 32 --batch-size 8 --steps 2 --seed 2";
+  ASSERT_EQ(run(base + " --lr 0.5 --save " + path("a.safetensors") + " --lr 0.02").code, 0);
+  ASSERT_EQ(run(base + " --lr 0.02 --save " + path("b.safetensors")).code, 0);
+  EXPECT_EQ(read_file(path("a.safetensors")), read_file(path("b.safetensors"))) << "the last --lr won";
+  const Result help = run("--help");
+  EXPECT_EQ(help.code, 0);
+  for (const char* shown : {"--momentum FLOAT:>= 0=0.9", "torch.optim.SGD's is 0", "--batch-size INT:DECIMAL=64",
+                            "--limit-train", "torch's lr *= world_size"})
+    EXPECT_NE(help.output.find(shown), std::string::npos) << shown;
+  write_idx("data", 40);
+  write_idx("data", 12, 28, 28, 0x803, -1, 0, "t10k");
+  const Result subset = run("--backend sim --model mlp --batch-size 8 --epochs 1 --limit-train 16 --limit-test 5 " +
+                            std::string("--metrics-json ") + path("m.jsonl") + " --data " + path("data"));
+  ASSERT_EQ(subset.code, 0) << subset.output;
+  EXPECT_NE(subset.output.find("16 samples"), std::string::npos) << subset.output;
+  EXPECT_EQ(json_lines(path("m.jsonl")).back().at("test_samples"), 5);
+  EXPECT_NE(subset.output.find("2 step(s)"), std::string::npos) << subset.output;
+}

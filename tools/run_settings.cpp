@@ -94,7 +94,8 @@ const std::vector<Setting>& settings() {
       {"--warmup-steps", "warmup_steps", S::resume_only, false,
        [](const Options& o) { return fmt::format("{}", o.warmup_steps); },
        [](Options& o, const std::string& v) { o.warmup_steps = integer("warmup_steps", v); }},
-      {"--step-size", "step_size", S::resume_only, false, [](const Options& o) { return fmt::format("{}", o.step_size); },
+      {"--step-size", "step_size", S::resume_only, false,
+       [](const Options& o) { return fmt::format("{}", o.step_size); },
        [](Options& o, const std::string& v) { o.step_size = integer("step_size", v); }},
       {"--gamma", "gamma", S::resume_only, false, [](const Options& o) { return text(o.gamma); },
        [](Options& o, const std::string& v) { o.gamma = number("gamma", v); }},
@@ -137,8 +138,8 @@ void adopt_run_settings(Options& o, const std::string& path, const std::map<std:
     const std::string now = s.current(o);
     if (o.given.count(s.flag)) {
       if (now == tag->second) continue;
-      const bool refused = (s.structural && !(o.init_non_strict && !resuming)) ||
-                           (s.scope == Setting::optimizer_kind && resuming);
+      const bool refused =
+          (s.structural && !(o.init_non_strict && !resuming)) || (s.scope == Setting::optimizer_kind && resuming);
       if (refused)
         throw UsageError(fmt::format("{} {}: the checkpoint {} was saved with {} {}{}", s.flag, now, path, s.flag,
                                      tag->second,

@@ -12,8 +12,8 @@
 namespace dp_train {
 
 // The tags --save writes: the model and its input normalisation, the loss, the optimizer's
-// hyper-parameters (its kind is the training state's own "dp.optimizer"), and the lr schedule with its resolved T_max (`t_max`: what the run's cosine
-// schedule used, --t-max or the run's planned length after warm-up).
+// hyper-parameters (its kind is the training state's own "dp.optimizer"), and the lr schedule with its resolved T_max
+// (`t_max`: what the run's cosine schedule used, --t-max or the run's planned length after warm-up).
 std::map<std::string, std::string> run_settings(const Options& o, long t_max);
 
 // Takes from the checkpoint `path` (its metadata `tags`) every setting the command line did not

@@ -93,6 +93,11 @@ void add_data_options(CLI::App& app, Options& o) {
   dp_cli::add_integer(app, "--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
       ->excludes(data)
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
+  dp_cli::add_integer(app, "--limit-train", o.limit_train,
+                      "train on the first N samples of the training set only (torch's Subset(range(N)))")
+      ->check(CLI::Range(std::size_t{1}, std::numeric_limits<std::size_t>::max()));
+  dp_cli::add_integer(app, "--limit-test", o.limit_test, "evaluate on the first N samples of the test set only")
+      ->check(CLI::Range(std::size_t{1}, std::numeric_limits<std::size_t>::max()));
   dp_cli::add_integer(app, "--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
   auto* epochs = dp_cli::add_integer(app, "--epochs", o.epochs, "full passes over the data (default 1)");
   dp_cli::add_integer(app, "--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
@@ -103,14 +108,17 @@ void add_optimizer_options(CLI::App& app, Options& o) {
   app.add_option("--optimizer", o.optimizer, "sgd (torch.optim.SGD) or adamw (torch.optim.AdamW)")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   app.add_option("--lr", o.lr, "learning rate (default: sgd 0.01, adamw 1e-3)")->check(non_negative);
-  app.add_option("--momentum", o.momentum, "sgd: momentum")->check(non_negative);
+  app.add_option("--momentum", o.momentum, "sgd: momentum (dp_train's default 0.9; torch.optim.SGD's is 0)")
+      ->check(non_negative);
   app.add_option("--weight-decay", o.weight_decay, "weight decay (default: sgd 0, adamw 1e-2, decoupled as torch's)")
       ->check(non_negative);
   app.add_flag("--nesterov", o.nesterov, "sgd: Nesterov momentum");
   app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)")->check(fraction_below_one());
   app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)")->check(fraction_below_one());
   app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)")->check(non_negative);
-  app.add_flag("--scale-lr", o.scale_lr, "multiply lr by the number of devices");
+  app.add_flag("--scale-lr", o.scale_lr,
+               "multiply lr by the world size: every device of every process in ddp (torch's lr *= world_size), the "
+               "devices in dp");
   dp_cli::add_integer(app, "--warmup-steps", o.warmup_steps, "linear lr warm-up steps");
   app.add_option("--schedule", o.schedule,
                  "after the warm-up, per step: none, step (StepLR) or cosine (CosineAnnealingLR)")
@@ -185,6 +193,8 @@ bool settle_flags(const CLI::App& app, Options& o) {
 
 Parsed parse_command_line(int argc, const char* const* argv, Options& o) {
   CLI::App app{"dp_train: train the reference MLP, ConvNet or ResNet-8 on one device, with DataParallel or with DDP"};
+  // As argparse: the last of a repeated flag wins (`$ARGS --lr 0.1`), and --help shows every default.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
   EvalFlags eval_flags;
   add_model_options(app, o);
   add_device_options(app, o);

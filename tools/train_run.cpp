@@ -214,6 +214,16 @@ void check_learning_rate(const Options& o, int world) {
   }
 }
 
+// --limit-train / --limit-test: the first `limit` samples of a split, as torch's Subset(range(N)).
+void keep_first(dp::Dataset& set, const std::optional<std::size_t>& limit, const char* flag) {
+  if (!limit || set.size() == 0) return;
+  if (*limit > set.size())
+    say("note: {} {}: the set has only {} samples; using all of them\n", flag, *limit, set.size());
+  const std::size_t n = std::min(*limit, set.size());
+  set.labels.resize(n);
+  set.pixels.resize(n * set.sample_pixels());
+}
+
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
 Inputs load_inputs(const Options& o) {
   std::string data_dir;
@@ -231,6 +241,8 @@ Inputs load_inputs(const Options& o) {
                     "plain or .gz)",
                     o.eval_only ? "-only" : "", data_dir.empty() ? "synthetic data" : data_dir));
   if (eval) inputs.test = as_usage_error([&] { return dp::load_mnist(data_dir, dp::Split::test); });
+  keep_first(inputs.data, o.limit_train, "--limit-train");
+  if (inputs.test) keep_first(*inputs.test, o.limit_test, "--limit-test");
   return inputs;
 }
 

@@ -32,6 +32,7 @@ struct Options {
   std::optional<int> output_device;
   std::string data;
   std::optional<std::size_t> synthetic;
+  std::optional<std::size_t> limit_train, limit_test;  // the first N samples of a split only
   int batch_size = 64;
   std::optional<int> epochs;
   std::optional<long> steps;
