@@ -1280,3 +1280,26 @@ TEST_F(TrainTest, RepeatedFlagsDefaultsAndSubsets) {
   EXPECT_EQ(json_lines(path("m.jsonl")).back().at("test_samples"), 5);
   EXPECT_NE(subset.output.find("2 step(s)"), std::string::npos) << subset.output;
 }
+
+// --freeze PREFIX keeps those parameters bit-identical through training, in every mode (torch's
+// requires_grad_(False): no update, no momentum), while the rest train; a prefix that names no
+// parameter is refused.
+TEST_F(TrainTest, FrozenParametersStayFixedInEveryMode) {
+  const std::string base = "--model convnet --backend sim --devices 2 --synthetic 32 --batch-size 8 --seed 6";
+  ASSERT_EQ(run(base + " --steps 1 --save " + path("start.safetensors")).code, 0);
+  const auto start = dp::safetensors::read(path("start.safetensors"));
+  for (const std::string mode : {"single", "dp", "ddp"}) {
+    SCOPED_TRACE(mode);
+    const Result r = run(base + " --mode " + mode + " --steps 3 --freeze layer1 --freeze fc.bias --init " +
+                         path("start.safetensors") + " --save " + path("frozen.safetensors"));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto after = dp::safetensors::read(path("frozen.safetensors"));
+    for (const char* name : {"layer1.0.weight", "layer1.0.bias", "layer1.1.weight", "layer1.1.bias", "fc.bias"})
+      EXPECT_EQ(after.at(name).data, start.at(name).data) << name << " moved";
+    for (const char* name : {"layer2.0.weight", "fc.weight"})
+      EXPECT_NE(after.at(name).data, start.at(name).data) << name << " did not train";
+    const auto momentum = after.at("optimizer.momentum.layer1.0.weight").to_f32();
+    EXPECT_TRUE(std::all_of(momentum.begin(), momentum.end(), [](float v) { return v == 0.0f; }));
+  }
+  expect_refused(base + " --steps 1 --freeze layer3", "frozen 'layer3' names no parameter of the model");
+}

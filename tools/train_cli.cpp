@@ -144,6 +144,10 @@ void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
                "--init loads what matches and prints the missing and unexpected keys (torch's strict=False); a "
                "shape mismatch stays an error")
       ->needs(init);
+  app.add_option("--freeze", o.freeze,
+                 "keep the parameters under PREFIX fixed (repeatable; e.g. layer1: layer1.0.weight, ...), as torch's "
+                 "requires_grad_(False) for fine-tuning: no update, no optimizer state")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--save", o.save, "write the final state (safetensors) here");
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
   dp_cli::add_integer(app, "--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));

@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "dp/runtime/error.h"
 #include "dp_job.h"
@@ -46,6 +47,7 @@ struct Options {
   std::uint64_t seed = 0;
   std::string init, save, resume;
   bool init_non_strict = false;
+  std::vector<std::string> freeze;  // parameter name prefixes kept fixed
   long log_every = 10;
   std::string schedule = "none";
   long step_size = 1;

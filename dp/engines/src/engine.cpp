@@ -90,8 +90,48 @@ void Engine::set_lr(double lr) {
   for (Optimizer* optimizer : optimizers()) optimizer->set_lr(lr);
 }
 
+namespace {
+
+// The flat-buffer ranges of the parameters named by `prefixes` (a name equal to a prefix or under
+// it: "layer1" is layer1.* but not layer10.*).
+std::vector<Optimizer::ParamRange> frozen_ranges(const Model& model, const std::vector<std::string>& prefixes) {
+  std::vector<Optimizer::ParamRange> ranges;
+  const auto params = model.parameters();
+  for (const std::string& prefix : prefixes) {
+    bool matched = false;
+    for (const TensorRef& p : params) {
+      if (p.name != prefix && p.name.rfind(prefix + ".", 0) != 0) continue;
+      ranges.push_back({p.offset, p.numel()});
+      matched = true;
+    }
+    if (!matched) {
+      std::vector<std::string> names;
+      for (const TensorRef& p : params) names.push_back(p.name);
+      throw InvalidArgument(
+          fmt::format("frozen '{}' names no parameter of the model ({})", prefix, fmt::join(names, ", ")));
+    }
+  }
+  return ranges;
+}
+
+std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
+                                             const EngineOptions& options);
+
+}  // namespace
+
 std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options) {
+  const auto frozen = frozen_ranges(model, options.frozen);  // checked before anything is built
+  auto engine = make_unfrozen_engine(runtime, model, optimizer, options);
+  if (!frozen.empty())
+    for (Optimizer* o : engine->optimizers()) o->freeze(frozen);
+  return engine;
+}
+
+namespace {
+
+std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
+                                             const EngineOptions& options) {
   if (options.sync_batchnorm && options.kind != EngineKind::ddp)
     throw InvalidArgument(fmt::format("sync_batchnorm applies to ddp, not {}", to_string(options.kind)));
   if (options.processes && options.processes->size() > 1 && options.kind != EngineKind::ddp)
@@ -131,4 +171,6 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
   }
   throw InvalidArgument("unknown engine kind");
 }
+
+}  // namespace
 }  // namespace dp

@@ -1,7 +1,9 @@
 // optim.cpp — Sgd and AdamW: option checks, their state buffers, and the one-launch updates.
 #include "dp/nn/optim.h"
 
+#include <algorithm>
 #include <cstring>
+#include <fmt/format.h>
 
 #include "dp/kernels/ops.h"
 #include "dp/kernels/optimizer.h"
@@ -22,6 +24,7 @@ Overloaded(F...) -> Overloaded<F...>;  // clang 14 (the fuzz build) has no aggre
 Optimizer::Optimizer(Device& device, std::size_t param_count)
     : device_(device),
       param_count_(param_count),
+      trainable_{{0, param_count}},
       slots_(device.allocate_pinned(kSlots * kMaxScalarBytes)),
       scalars_(device.allocate(kMaxScalarBytes)) {
   for (Event& free : slot_free_) free = device.create_event();
@@ -47,6 +50,21 @@ const void* Optimizer::upload_scalars(const Stream& stream, const void* values, 
   stream.record(slot_free_[slot_]);
   slot_pending_[slot_] = true;
   return scalars_.data();
+}
+
+void Optimizer::freeze(std::vector<ParamRange> frozen) {
+  std::sort(frozen.begin(), frozen.end(), [](const ParamRange& a, const ParamRange& b) { return a.offset < b.offset; });
+  std::vector<ParamRange> trainable;
+  std::size_t at = 0;
+  for (const ParamRange& r : frozen) {
+    if (r.offset > param_count_ || r.count > param_count_ - r.offset)
+      throw InvalidArgument(fmt::format("frozen parameters [{}, {}) lie past the {} parameters", r.offset,
+                                        r.offset + r.count, param_count_));
+    if (r.offset > at) trainable.push_back({at, r.offset - at});
+    at = std::max(at, r.offset + r.count);
+  }
+  if (at < param_count_) trainable.push_back({at, param_count_ - at});
+  trainable_ = std::move(trainable);
 }
 
 DeviceBuffer Optimizer::zeroed_buffer() const {
@@ -78,8 +96,10 @@ std::vector<Optimizer::StateBuffer> Sgd::state() const {
 void Sgd::step(const Stream& stream, float* params, const float* grads) {
   const kernels::SgdScalars values = kernels::sgd_scalars(options_, steps_ == 0);
   const auto* scalars = static_cast<const kernels::SgdScalars*>(upload_scalars(stream, &values, sizeof values));
-  kernels::sgd_step_capturable(stream, static_cast<kernels::index_t>(param_count()), options_, scalars, params, grads,
-                               momentum_.as<float>());
+  float* momentum = momentum_.as<float>();
+  for (const ParamRange& r : trainable())
+    kernels::sgd_step_capturable(stream, static_cast<kernels::index_t>(r.count), options_, scalars, params + r.offset,
+                                 grads + r.offset, momentum ? momentum + r.offset : nullptr);
   ++steps_;
 }
 
@@ -111,8 +131,10 @@ void AdamW::step(const Stream& stream, float* params, const float* grads) {
   // torch increments state['step'] before the update: the first step's bias correction uses 1.
   const kernels::AdamWScalars values = kernels::adamw_scalars(options_, steps_ + 1);
   const auto* scalars = static_cast<const kernels::AdamWScalars*>(upload_scalars(stream, &values, sizeof values));
-  kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(param_count()), options_, scalars, params, grads,
-                                 exp_avg_.as<float>(), exp_avg_sq_.as<float>());
+  for (const ParamRange& r : trainable())
+    kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(r.count), options_, scalars, params + r.offset,
+                                   grads + r.offset, exp_avg_.as<float>() + r.offset,
+                                   exp_avg_sq_.as<float>() + r.offset);
   ++steps_;
 }
 

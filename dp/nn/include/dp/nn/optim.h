@@ -56,6 +56,14 @@ class Optimizer {
   // The state buffers; empty when there are none (SGD without momentum).
   virtual std::vector<StateBuffer> state() const = 0;
 
+  // Parameters kept fixed (torch's requires_grad_(False) on them): [offset, offset + count) of the
+  // flat buffer, which step() neither updates nor keeps state for (their state stays zero), as
+  // torch.optim skips a parameter without a gradient. Each trainable stretch between them is one
+  // launch of the update. Throws InvalidArgument for a range past the parameters.
+  struct ParamRange {
+    std::size_t offset = 0, count = 0;
+  };
+  void freeze(std::vector<ParamRange> frozen);
   Device& device() const { return device_; }
   std::size_t param_count() const { return param_count_; }
   // Steps taken: torch's state['step'] (AdamW's bias correction uses it; SGD only asks whether it is 0).
@@ -65,6 +73,8 @@ class Optimizer {
 
  protected:
   Optimizer(Device& device, std::size_t param_count);
+  // The stretches of the flat buffer step() updates: all of it unless some are frozen.
+  const std::vector<ParamRange>& trainable() const { return trainable_; }
   // A zero-filled state buffer on the device: a state saved before any step holds zeros, not
   // whatever the allocation held (which may well read as NaN).
   DeviceBuffer zeroed_buffer() const;
@@ -83,6 +93,7 @@ class Optimizer {
   static constexpr int kSlots = 2;
   Device& device_;
   std::size_t param_count_;
+  std::vector<ParamRange> trainable_;
   PinnedBuffer slots_;       // kSlots x the host's values of a step (pinned: the copy is asynchronous)
   DeviceBuffer scalars_;     // what the update reads
   Event slot_free_[kSlots];  // recorded after each copy out of the slot
