@@ -1303,3 +1303,91 @@ TEST_F(TrainTest, FrozenParametersStayFixedInEveryMode) {
   }
   expect_refused(base + " --steps 1 --freeze layer3", "frozen 'layer3' names no parameter of the model");
 }
+
+// A preemption: SIGTERM (here raised by the run itself before step 4) lets the step in flight
+// finish, saves --save and exits with 143; the same command with --resume (no --steps: to the end
+// the checkpoint's run planned, its cosine schedule included) writes the uninterrupted run's
+// checkpoint byte for byte, in every mode and with the pipeline on or off. --save-every N writes
+// NAME.step<S> checkpoints beside --save, and --keep K leaves exactly the last K.
+TEST_F(TrainTest, APreemptedRunResumesBitExactAndPeriodicCheckpointsAreKept) {
+  for (const std::string mode : {"single", "dp", "ddp"})
+    for (const std::string pipeline : {"on", "off"}) {
+      SCOPED_TRACE(mode + " pipeline " + pipeline);
+      const std::string common = fmt::format(
+          "--model convnet --mode {} --pipeline {} --backend sim --devices 2 --synthetic 40 --batch-size 4 --seed 3 "
+          "--lr 0.05 --schedule cosine --steps 8",
+          mode, pipeline);
+      ASSERT_EQ(run(common + " --save " + path("straight.safetensors")).code, 0);
+      const Result cut = run(common + " --debug-signal-at-step 4 --save " + path("cut.safetensors"));
+      EXPECT_EQ(cut.code, 143) << cut.output;
+      EXPECT_NE(cut.output.find("SIGTERM: stopping after step 3 of 8"), std::string::npos) << cut.output;
+      EXPECT_EQ(dp::safetensors::read(path("cut.safetensors")).metadata.at("dp.step"), "3");
+      const std::string again = fmt::format(
+          "--model convnet --mode {} --pipeline {} --backend sim --devices 2 --synthetic 40 --batch-size 4 --seed 3 "
+          "--lr 0.05 --schedule cosine",
+          mode, pipeline);
+      const Result resumed = run(again + " --resume " + path("cut.safetensors") + " --save " + path("cut.safetensors"));
+      ASSERT_EQ(resumed.code, 0) << resumed.output;
+      EXPECT_NE(resumed.output.find("5 step(s) from step 3"), std::string::npos) << resumed.output;
+      EXPECT_EQ(read_file(path("straight.safetensors")), read_file(path("cut.safetensors"))) << "resume differs";
+    }
+  const std::string periodic = "--backend sim --hidden 8 --synthetic 32 --batch-size 4 --steps 10 --save-every 2";
+  ASSERT_EQ(run(periodic + " --keep 3 --save " + path("p.safetensors")).code, 0);
+  std::vector<std::string> kept;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_))
+    if (entry.path().filename().string().starts_with("p.step")) kept.push_back(entry.path().filename().string());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"p.step4.safetensors", "p.step6.safetensors", "p.step8.safetensors"}));
+  EXPECT_EQ(dp::safetensors::read(path("p.step6.safetensors")).metadata.at("dp.step"), "6");
+  const Result no_save = run("--backend sim --steps 1 --save-every 2");
+  EXPECT_EQ(no_save.code, 2);
+  EXPECT_NE(no_save.output.find("--save-every requires --save"), std::string::npos) << no_save.output;
+}
+
+// A real SIGINT (Ctrl-C) in the middle of a long run: it stops after the step in flight, saves
+// and exits with 130; the checkpoint resumes.
+TEST_F(TrainTest, SigintStopsALongRunWithItsCheckpoint) {
+  const std::string command = std::string("exec ") + DP_TRAIN_BIN +
+                              " --backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps 100000000 --log-every 1 "
+                              "--save " +
+                              path("long.safetensors");
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::dup2(fds[1], STDERR_FILENO);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  std::string output;
+  std::array<char, 4096> buffer{};
+  bool interrupted = false;
+  while (true) {
+    pollfd in{fds[0], POLLIN, 0};
+    if (::poll(&in, 1, 60000) <= 0) break;
+    const ssize_t n = ::read(fds[0], buffer.data(), buffer.size());
+    if (n <= 0) break;
+    output.append(buffer.data(), static_cast<std::size_t>(n));
+    if (!interrupted && output.find("step     20 ") != std::string::npos) {
+      ::kill(pid, SIGINT);
+      interrupted = true;
+    }
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ::close(fds[0]);
+  ASSERT_TRUE(interrupted) << output;
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_EQ(WEXITSTATUS(status), 130) << output;
+  EXPECT_NE(output.find("SIGINT: stopping after step"), std::string::npos) << output;
+  const long step = std::stol(dp::safetensors::read(path("long.safetensors")).metadata.at("dp.step"));
+  EXPECT_GE(step, 20);
+  EXPECT_LT(step, 100000000);
+  const Result resumed =
+      run("--backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps 2 --resume " + path("long.safetensors"));
+  EXPECT_EQ(resumed.code, 0) << resumed.output;
+}

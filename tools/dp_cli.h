@@ -15,16 +15,21 @@
 
 namespace dp_cli {
 
-// Accepts decimal digits only (no sign, 0x, spaces or exponent) for a value of at most `max`;
-// the refusal names the bound readably.
 // Whether two paths name one file (after resolving symbolic links and relative paths; either may not
 // exist yet): outputs must not overwrite each other or an input.
 inline bool same_file(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  // Absolute first: weakly_canonical leaves a relative path whose first part does not exist as it
+  // is, so "x.json" and "./x.json" would differ until x.json exists.
   std::error_code ec;
-  return !a.empty() && !b.empty() &&
-         std::filesystem::weakly_canonical(a, ec) == std::filesystem::weakly_canonical(b, ec);
+  const auto resolve = [&](const std::string& p) {
+    return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+  };
+  return resolve(a) == resolve(b);
 }
 
+// Accepts decimal digits only (no sign, 0x, spaces or exponent) for a value of at most `max`;
+// the refusal names the bound readably.
 inline CLI::Validator decimal(std::uint64_t max) {
   return CLI::Validator(
       [max](const std::string& text) {

@@ -148,7 +148,19 @@ void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
                  "keep the parameters under PREFIX fixed (repeatable; e.g. layer1: layer1.0.weight, ...), as torch's "
                  "requires_grad_(False) for fine-tuning: no update, no optimizer state")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  app.add_option("--save", o.save, "write the final state (safetensors) here");
+  auto* save = app.add_option("--save", o.save,
+                              "write the final state (safetensors) here; also when SIGTERM or SIGINT stops the run "
+                              "(after the step in flight; exit code 143 or 130), so that --resume continues it");
+  dp_cli::add_integer(app, "--save-every", o.save_every,
+                      "also write a checkpoint every N steps, beside --save as NAME.stepS.safetensors")
+      ->check(CLI::Range(1L, std::numeric_limits<long>::max()))
+      ->needs(save);
+  app.add_flag("--save-every-epoch", o.save_every_epoch,
+               "also write a checkpoint at the end of every epoch, as --save-every")
+      ->needs(save);
+  dp_cli::add_integer(app, "--keep", o.keep, "keep only the last K periodic checkpoints (default: every one)")
+      ->check(CLI::Range(1L, std::numeric_limits<long>::max()))
+      ->needs(save);
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
   dp_cli::add_integer(app, "--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
   app.add_flag("--log-batches", o.log_batches, "print the sample indices of every batch (per rank)");
@@ -161,6 +173,9 @@ void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
   app.add_option("--predictions", o.predictions,
                  "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
   // Hidden (no group): the failure tests start one process of an mpirun job with it.
+  dp_cli::add_integer(app, "--debug-signal-at-step", o.signal_at_step,
+                      "testing: process 0 raises SIGTERM before step N")
+      ->group("");
   dp_cli::add_integer(app, "--debug-fail-at-step", o.fail_at_step, "testing: fail on this process at step N")
       ->group("");
   app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");

@@ -3,8 +3,11 @@
 #include "train_run.h"
 
 #include <algorithm>
+#include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fmt/format.h>
@@ -14,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <signal.h>
 #include <unistd.h>
 #include <utility>
 #include <variant>
@@ -423,7 +427,12 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& run
   const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
-  const long total_steps = o.steps ? *o.steps : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
+  // --resume without --steps or --epochs continues to the end the checkpoint's run planned (a
+  // preempted run re-run with its command line, plus --resume, finishes as it would have).
+  const long total_steps = o.steps ? *o.steps
+                           : o.planned_end && !o.epochs && *o.planned_end > start_step
+                               ? *o.planned_end - start_step
+                               : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
   if (long end = 0; __builtin_add_overflow(start_step, total_steps, &end))
     throw UsageError(fmt::format("{} step(s) from step {} of --resume {}: the run would end past step {}", total_steps,
                                  start_step, o.resume, std::numeric_limits<long>::max()));
@@ -475,6 +484,71 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
 
 // The training loop: a line per --log-every steps, and after every epoch its train loss, the test
 // loss and accuracy (--eval), throughput, elapsed time and the ETA.
+void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step);
+
+// SIGTERM and SIGINT while training: the run finishes the step in flight, saves and exits with
+// 128 + the signal (143, 130), as a preempted job should. A second signal ends it at once (the
+// handler is reset after the first).
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int signal) { g_stop_signal.store(signal); }
+
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal.store(0);
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    action.sa_flags = SA_RESETHAND;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, &term_);
+    sigaction(SIGINT, &action, &interrupt_);
+  }
+  ~StopSignals() {
+    sigaction(SIGTERM, &term_, nullptr);
+    sigaction(SIGINT, &interrupt_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction term_ {
+  }, interrupt_{};
+};
+
+// --save-every: NAME.safetensors -> NAME.step<S>.safetensors beside it (NAME.step<S> without that
+// extension).
+std::filesystem::path periodic_path(const std::string& save, long step) {
+  const std::filesystem::path path(save);
+  const bool safetensors = path.extension() == ".safetensors";
+  const std::string stem = safetensors ? path.stem().string() : path.filename().string();
+  return path.parent_path() / fmt::format("{}.step{}{}", stem, step, safetensors ? ".safetensors" : "");
+}
+
+// --keep K: every NAME.step<S> checkpoint beside --save but the K of the latest steps is removed.
+void prune_periodic(const std::string& save, long keep) {
+  if (keep <= 0) return;
+  const std::filesystem::path path(save);
+  const bool safetensors = path.extension() == ".safetensors";
+  const std::string stem = (safetensors ? path.stem() : path.filename()).string() + ".step";
+  const std::string tail = safetensors ? ".safetensors" : "";
+  std::vector<std::pair<long, std::filesystem::path>> found;
+  std::error_code ec;
+  const auto dir = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file(ec) || name.size() <= stem.size() + tail.size() || !name.starts_with(stem) ||
+        !name.ends_with(tail))
+      continue;
+    const std::string digits = name.substr(stem.size(), name.size() - stem.size() - tail.size());
+    long step = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+    if (error == std::errc() && end == digits.data() + digits.size()) found.emplace_back(step, entry.path());
+  }
+  std::sort(found.begin(), found.end());
+  for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < found.size(); ++i)
+    std::filesystem::remove(found[i].second, ec);
+}
+
 class TrainLoop {
  public:
   TrainLoop(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
@@ -490,6 +564,10 @@ class TrainLoop {
 
   // Non-zero: the exit code of a run that stopped (a non-finite loss).
   int run();
+  // The steps taken when run() returned 0: the planned end, or the step a stop signal ended it at.
+  long reached() const { return reached_; }
+  // 0, or the signal (SIGTERM, SIGINT) that stopped the run.
+  int stop_signal() const { return stop_signal_; }
 
  private:
   // Pipelined (--pipeline on), step s is submitted before step s-1's loss is read, so the host
@@ -509,6 +587,15 @@ class TrainLoop {
   void log_step(long s, long epoch, double lr, bool last);
   int end_epoch(long s, long epoch);
   long end_step() const { return plan_.start_step + plan_.total_steps; }
+  // The stop signal every process agrees on before step s (0: none): under several processes the
+  // first signalled process's, so that all stop at the same step.
+  int agreed_stop(long s) const;
+  // --save-every / --save-every-epoch after `steps` steps: whether one is due, and writing it.
+  bool periodic_due(long steps) const {
+    return (o_.save_every > 0 && steps % o_.save_every == 0) ||
+           (o_.save_every_epoch && steps % plan_.batches_per_epoch == 0);
+  }
+  void save_periodic(long steps);
 
   const Options& o_;
   const Plan& plan_;
@@ -526,11 +613,37 @@ class TrainLoop {
   float loss_ = 0.0f;
   double epoch_loss_sum_ = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
   long epoch_samples_ = 0;
+  long reached_ = 0;
+  int stop_signal_ = 0;
 };
 
+int TrainLoop::agreed_stop(long s) const {
+  if (o_.signal_at_step > 0 && s + 1 == o_.signal_at_step && g_job.primary()) std::raise(SIGTERM);
+  const int local = g_stop_signal.load();
+  if (!g_job.several()) return local;
+  for (const int signal : g_job.processes()->all_gather(local))
+    if (signal != 0) return signal;
+  return 0;
+}
+
+void TrainLoop::save_periodic(long steps) {
+  const std::filesystem::path path = periodic_path(o_.save, steps);
+  write_checkpoint(o_, engine_, plan_, path.string(), steps);
+  if (g_job.primary()) prune_periodic(o_.save, o_.keep);
+}
+
 int TrainLoop::run() {
+  const StopSignals signals;
+  reached_ = end_step();
   std::optional<Submitted> pending;  // submitted, its loss not yet read
   for (long s = plan_.start_step; s < end_step(); ++s) {
+    if (const int signal = agreed_stop(s)) {
+      if (const int code = finish_pending(pending)) return code;
+      reached_ = s;
+      stop_signal_ = signal;
+      say("\ndp_train: {}: stopping after step {} of {}\n", signal == SIGINT ? "SIGINT" : "SIGTERM", s, end_step());
+      return 0;
+    }
     const double lr = lr_at(o_, plan_.world, s, plan_.schedule);
     engine_.set_lr(lr);
     long samples = 0;
@@ -548,12 +661,16 @@ int TrainLoop::run() {
       throw;
     }
     if (const int code = finish_pending(pending)) return code;
+    // A step after which something reads the state (an epoch's evaluation, a checkpoint, a stop
+    // request, which every process checks before the next step) is finished before the next.
     const bool ends_epoch = (s + 1) % plan_.batches_per_epoch == 0 || s + 1 == end_step();
-    if (o_.pipeline == "on" && !ends_epoch) {
+    const bool checkpoint = periodic_due(s + 1) && s + 1 < end_step();
+    if (o_.pipeline == "on" && !ends_epoch && !checkpoint) {
       pending = std::move(*submitted);
     } else if (const int code = finish(*submitted)) {
       return code;
     }
+    if (checkpoint) save_periodic(s + 1);
   }
   say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", plan_.total_steps, since(t0_), loss_);
   return 0;
@@ -671,20 +788,31 @@ int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime
 }
 
 // The source / rank-0 state, plus what resuming needs (process 0 writes it).
-void save(const Options& o, dp::Engine& engine, const Plan& plan) {
+// The training state after `step` steps into `path` (process 0 writes it; the others' replicas are
+// equal). The schedule's T_max and the end it is planned to reach are the whole run's, so a run
+// resumed from a checkpoint taken part-way continues the same curve to the same end.
+void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step) {
+  engine.synchronize();
+  if (!g_job.primary()) return;
+  const long end_step = plan.start_step + plan.total_steps;
+  dp::TrainingProgress progress;
+  progress.step = step;
+  progress.epoch = step / plan.batches_per_epoch;
+  progress.seed = o.seed;
+  progress.tags = run_settings(o, resolved_t_max(o, end_step));
+  progress.tags["mode"] = o.mode;
+  progress.tags["world"] = fmt::format("{}", plan.world);
+  progress.tags["end_step"] = fmt::format("{}", end_step);
+  dp::TrainingState::save(path, engine.model(), *engine.optimizers().front(), progress);
+}
+
+void save(const Options& o, dp::Engine& engine, const Plan& plan, long step) {
   engine.synchronize();
   g_job.collectives_end();
   if (!o.save.empty() && g_job.primary()) {
-    const long end_step = plan.start_step + plan.total_steps;
-    dp::TrainingProgress progress;
-    progress.step = end_step;
-    progress.epoch = end_step / plan.batches_per_epoch;
-    progress.seed = o.seed;
-    progress.tags = run_settings(o, resolved_t_max(o, end_step));
-    progress.tags["mode"] = o.mode;
-    progress.tags["world"] = fmt::format("{}", plan.world);
-    dp::TrainingState::save(o.save, engine.model(), *engine.optimizers().front(), progress);
-    say("dp_train: saved {}\n", o.save);
+    write_checkpoint(o, engine, plan, o.save, step);
+    say("dp_train: saved {}{}\n", o.save,
+        step < plan.start_step + plan.total_steps ? fmt::format(" at step {}", step) : "");
   }
   g_job.agree_or_stop();
 }
@@ -712,6 +840,14 @@ void adopt_checkpoint_settings(Options& o) {
   for (const auto& [key, value] : file.metadata)
     if (key.starts_with("dp.")) tags[key.substr(3)] = value;
   adopt_run_settings(o, path, tags, resuming);
+  if (resuming && !o.steps && !o.epochs && tags.count("end_step")) {
+    long end = 0;
+    const std::string& text = tags.at("end_step");
+    const auto [at, error] = std::from_chars(text.data(), text.data() + text.size(), end);
+    if (error != std::errc() || at != text.data() + text.size() || end < 0)
+      throw UsageError(fmt::format("--resume {}: metadata 'dp.end_step' = '{}' is not a step", path, text));
+    o.planned_end = end;
+  }
 }
 
 int run(Options o) {
@@ -739,8 +875,8 @@ int run(Options o) {
   TrainLoop loop(o, plan, *engine, *built.runtime, inputs, checked.normalize, metrics, loaders);
   if (const int code = loop.run()) return code;
   if (const int code = check_final_model(o, *engine, *built.runtime, inputs, checked.normalize)) return code;
-  save(o, *engine, plan);
-  return 0;
+  save(o, *engine, plan, loop.reached());
+  return loop.stop_signal() ? 128 + loop.stop_signal() : 0;
 }
 
 }  // namespace dp_train

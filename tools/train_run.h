@@ -56,10 +56,15 @@ struct Options {
   bool log_batches = false;
   std::optional<bool> eval;  // unset: evaluate when the data has a test split
   bool eval_only = false;
-  std::string normalize;        // "MEAN,STD"
-  std::string metrics_json;     // JSON lines, one per logged step and per epoch
-  std::string predictions;      // --eval-only: each test sample's predicted class, one per line
-  long fail_at_step = 0;        // testing only: this process fails at that step, as a crashing rank would
+  std::string normalize;     // "MEAN,STD"
+  std::string metrics_json;  // JSON lines, one per logged step and per epoch
+  std::string predictions;   // --eval-only: each test sample's predicted class, one per line
+  long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
+  long signal_at_step = 0;   // testing only: process 0 raises SIGTERM before that step, as a preemption would
+  long save_every = 0;       // also write a checkpoint every N steps (and/or every epoch), keeping the last `keep`
+  bool save_every_epoch = false;
+  long keep = 0;                    // 0: keep every periodic checkpoint
+  std::optional<long> planned_end;  // --resume without --steps/--epochs: the step the checkpoint's run planned to reach
   std::set<std::string> given;  // the flags on the command line ("--lr", ...): a checkpoint's settings fill the rest
 };
 

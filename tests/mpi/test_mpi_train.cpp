@@ -81,6 +81,26 @@ TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   }
 }
 
+// A preempted job: SIGTERM on process 0 before step 4; every process agrees to stop after step 3,
+// process 0 saves, both exit with 143. Re-run with --resume (no --steps: to the end the checkpoint's
+// run planned), it writes the uninterrupted run's checkpoint, byte for byte.
+TEST_F(MpiTrain, ASignalStopsEveryProcessAtOneStepAndTheResumeIsBitExact) {
+  const std::string common =
+      "--model convnet --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.005 --seed 7 --log-every 1 "
+      "--schedule cosine";
+  const CommandResult one = one_process(common + " --devices 4 --steps 6 --save " + path("one.safetensors"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  const CommandResult cut =
+      two_processes(common + " --devices 2 --steps 6 --debug-signal-at-step 4 --save " + path("cut.safetensors"));
+  EXPECT_EQ(cut.code, 143) << cut.output;
+  EXPECT_NE(cut.output.find("SIGTERM: stopping after step 3 of 6"), std::string::npos) << cut.output;
+  ASSERT_TRUE(fs::exists(path("cut.safetensors"))) << cut.output;
+  const CommandResult resumed =
+      two_processes(common + " --devices 2 --resume " + path("cut.safetensors") + " --save " + path("cut.safetensors"));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(slurp(path("one.safetensors")), slurp(path("cut.safetensors"))) << "resumed checkpoint differs";
+}
+
 TEST_F(MpiTrain, EvaluationCountsEveryTestSampleOnceAcrossProcesses) {
   // 13 test samples over 4 global ranks: shards of 4, 3, 3, 3; batches of 2.
   write_idx("data", 40);
