@@ -1391,3 +1391,30 @@ TEST_F(TrainTest, SigintStopsALongRunWithItsCheckpoint) {
       run("--backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps 2 --resume " + path("long.safetensors"));
   EXPECT_EQ(resumed.code, 0) << resumed.output;
 }
+
+// torch.distributed's env:// launch (torchrun, Kubernetes operators) is not something dp joins: a
+// process started with RANK/WORLD_SIZE > 1 or under torchrun's elastic agent exits with 2 naming
+// mpirun, instead of training alone as if it were the whole job; RANK without MASTER_ADDR names the
+// missing variable. WORLD_SIZE=1 is a job of one process.
+TEST_F(TrainTest, EnvLaunchesAreRefusedNamingMpirun) {
+  const std::string args = " --backend sim --hidden 8 --synthetic 16 --batch-size 8 --steps 1";
+  const auto with = [&](const std::string& environment) {
+    return dp::test::run_command("env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE " + environment + " " +
+                                 DP_TRAIN_BIN + args);
+  };
+  const Result two = with("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 LOCAL_RANK=0");
+  EXPECT_EQ(two.code, 2) << two.output;
+  EXPECT_NE(two.output.find("env:// rendezvous (RANK=0, WORLD_SIZE=2)"), std::string::npos) << two.output;
+  EXPECT_NE(two.output.find("mpirun -np N"), std::string::npos) << two.output;
+  EXPECT_EQ(two.output.find("step"), std::string::npos) << "nothing trained";
+  const Result no_master = with("RANK=1 WORLD_SIZE=2");
+  EXPECT_EQ(no_master.code, 2) << no_master.output;
+  EXPECT_NE(no_master.output.find("but MASTER_ADDR is not"), std::string::npos) << no_master.output;
+  const Result elastic = with("TORCHELASTIC_RUN_ID=job7");
+  EXPECT_EQ(elastic.code, 2) << elastic.output;
+  EXPECT_NE(elastic.output.find("torchrun's elastic agent (TORCHELASTIC_RUN_ID is set)"), std::string::npos);
+  EXPECT_EQ(with("RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500").code, 0);
+  const Result bench = dp::test::run_command(std::string("env RANK=0 WORLD_SIZE=2 MASTER_ADDR=h MASTER_PORT=1 ") +
+                                             DP_BENCH_BIN + " --backend sim --models mlp --steps 1");
+  EXPECT_EQ(bench.code, 2) << bench.output;
+}

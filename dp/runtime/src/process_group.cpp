@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fmt/format.h>
+#include <string>
 #include <unistd.h>
 
 #include "channel.h"
@@ -76,6 +77,27 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
         throw Error(fmt::format("started by an MPI launcher ({} is set), but dp was built without MPI", variable));
       return mpi();
     }
+  }
+  // torch.distributed's env:// launchers (torchrun, torch.distributed.launch, Kubernetes training
+  // operators) set these instead. dp has no env:// rendezvous: rather than run WORLD_SIZE
+  // independent trainings that all write one checkpoint, such a start is refused, naming what to
+  // use. (WORLD_SIZE=1 is this process alone.)
+  const char* const how = "start the processes with mpirun (mpirun -np N dp_train --mode ddp ...), one per node";
+  for (const char* variable : {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"})
+    if (std::getenv(variable))
+      throw InvalidArgument(
+          fmt::format("started by torchrun's elastic agent ({} is set), which dp cannot join: {}", variable, how));
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank || world) {
+    for (const char* variable : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+      if (!std::getenv(variable))
+        throw InvalidArgument(fmt::format("{} is set (torch.distributed's env:// launch) but {} is not",
+                                          rank ? "RANK" : "WORLD_SIZE", variable));
+    if (std::string(world) != "1")
+      throw InvalidArgument(fmt::format(
+          "started for torch.distributed's env:// rendezvous (RANK={}, WORLD_SIZE={}), which dp does not provide: {}",
+          rank, world, how));
   }
   return single();
 }
