@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: builds dp (cuda backend too when nvcc is present) and runs every test, checks
 # the formatting, then builds the sim backend under ThreadSanitizer and under AddressSanitizer+UBSan
-# and runs the sim tests there, then fuzzes the file readers for a minute each. GPU tests skip with a
+# and runs the sim tests there, then fuzzes the readers of untrusted input for a minute each. GPU tests skip with a
 # reason on machines without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,6 @@ for san in thread "address,undefined"; do
   ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
     ctest --test-dir "$dir" --output-on-failure -j "$jobs" -L sim
 done
-# The readers of untrusted files under libFuzzer, 60 s per target (scripts/fuzz.sh).
+# The readers of untrusted input under libFuzzer, 60 s per target (scripts/fuzz.sh).
 scripts/fuzz.sh 60
 echo "test: all passed"
