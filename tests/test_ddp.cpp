@@ -11,6 +11,7 @@
 
 #include "ddp_data.h"
 #include "dp/engines/ddp.h"
+#include "dp/engines/engine.h"
 #include "dp/engines/trainer.h"
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
@@ -65,6 +66,20 @@ TEST(Ddp, BucketAssignmentMatchesTorch) {
   EXPECT_EQ(three[2].offset, 0u);
   EXPECT_EQ(three[2].count, 784u * 256 + 256);
   EXPECT_THROW(assign_buckets(params, 1.0, 0.0), InvalidArgument);
+  // Frozen parameters are in no bucket; the buckets around them stay contiguous slices.
+  const auto frozen = assign_buckets(params, 1.0, 25.0, {"fc2"});
+  EXPECT_EQ(names(frozen),
+            (std::vector<std::vector<std::string>>{{"fc3.bias", "fc3.weight"}, {"fc1.bias", "fc1.weight"}}));
+  EXPECT_EQ(frozen[1].offset, 0u);
+  EXPECT_EQ(frozen[1].count, 784u * 256 + 256);
+  // An engine's frozen parameters reach DDP's reducer: their gradients are not all-reduced.
+  auto two = test::sim_runtime(2);
+  auto model = models::make_mlp(two->device(0), {256, 256});
+  EngineOptions options;
+  options.kind = EngineKind::ddp;
+  options.frozen = {"fc2"};
+  const auto engine = make_engine(*two, *model, SgdOptions{0.05f}, options);
+  EXPECT_EQ(names(dynamic_cast<const DistributedDataParallel&>(*engine).buckets()), names(frozen));
 }
 
 // On sim and cuda with 1-4 devices (cuda: NCCL across GPUs, the device ring among devices sharing

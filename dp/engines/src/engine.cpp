@@ -100,7 +100,7 @@ std::vector<Optimizer::ParamRange> frozen_ranges(const Model& model, const std::
   for (const std::string& prefix : prefixes) {
     bool matched = false;
     for (const TensorRef& p : params) {
-      if (p.name != prefix && p.name.rfind(prefix + ".", 0) != 0) continue;
+      if (!is_under(p.name, prefix)) continue;
       ranges.push_back({p.offset, p.numel()});
       matched = true;
     }
@@ -166,6 +166,7 @@ std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, con
       ddp_options.sync_batchnorm = options.sync_batchnorm;
       ddp_options.processes = options.processes;
       ddp_options.graphs = options.graphs;
+      ddp_options.frozen = options.frozen;
       return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
     }
   }

@@ -10,7 +10,7 @@
 namespace dp {
 
 std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters, double first_bucket_mb,
-                                       double bucket_cap_mb) {
+                                       double bucket_cap_mb, const std::vector<std::string>& skipped) {
   if (!(bucket_cap_mb > 0.0) || !(first_bucket_mb > 0.0))
     throw InvalidArgument(
         fmt::format("bucket caps must be > 0 MiB (bucket_cap_mb {}, first bucket {})", bucket_cap_mb, first_bucket_mb));
@@ -19,6 +19,15 @@ std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters,
   std::size_t bytes = 0;
   double limit = first_bucket_mb * 1024.0 * 1024.0;
   for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
+    if (std::any_of(skipped.begin(), skipped.end(), [&](const std::string& p) { return is_under(it->name, p); })) {
+      if (!current.parameters.empty()) {  // closed early: a bucket is one contiguous slice
+        buckets.push_back(std::move(current));
+        limit = bucket_cap_mb * 1024.0 * 1024.0;
+      }
+      current = GradBucket{};
+      bytes = 0;
+      continue;
+    }
     // Reverse order: each parameter sits just before the previous one in the flat buffer.
     if (!current.parameters.empty() && it->offset + it->numel() != current.offset)
       throw InvalidArgument("assign_buckets: parameters are not contiguous in the flat buffer");

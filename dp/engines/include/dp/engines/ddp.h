@@ -51,6 +51,9 @@ struct DdpOptions {
   // Capture each rank's train_step (its collectives included) per batch sizes and replay it
   // (EngineOptions::graphs). In one process only; forward_backward/step (no_sync loops) run eagerly.
   bool graphs = false;
+  // Parameters by name prefix (EngineOptions::frozen) whose gradients are not all-reduced, as
+  // torch's DDP leaves out parameters that do not require grad: no bucket holds them.
+  std::vector<std::string> frozen;
 };
 
 // One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.

@@ -159,8 +159,8 @@ struct EngineOptions {
   bool graphs = false;
   // Every kind: parameters kept fixed, by name prefix ("layer1" holds layer1.0.weight, not
   // layer10.weight), as torch's requires_grad_(False) for fine-tuning: never updated, no optimizer
-  // state. (Their gradients are still computed, and DDP still all-reduces them.) A prefix that names
-  // no parameter is an InvalidArgument.
+  // state, and DDP does not all-reduce their gradients (which are still computed). A prefix that
+  // names no parameter is an InvalidArgument.
   std::vector<std::string> frozen;
   // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
   // single and dp are single-process: a group of several processes is refused for them.

@@ -25,9 +25,10 @@ struct GradBucket {
 
 // torch's steady-state assignment (the rebuilt buckets after the first iteration): parameters in
 // reverse order; a bucket closes once its size reaches the current limit, the first limit being
-// first_bucket_mb and every later one bucket_cap_mb.
+// first_bucket_mb and every later one bucket_cap_mb. Parameters under a `skipped` prefix (frozen)
+// go in no bucket, and a bucket closes before one, so that each stays a contiguous slice.
 std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters, double first_bucket_mb,
-                                       double bucket_cap_mb);
+                                       double bucket_cap_mb, const std::vector<std::string>& skipped = {});
 
 class Reducer {
  public:

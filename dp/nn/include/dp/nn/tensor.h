@@ -16,6 +16,13 @@ inline std::size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 8;
 inline const char* dtype_name(DType dtype) { return dtype == DType::f32 ? "F32" : "I64"; }
 
 // A view: it does not own `data`. Shape in PyTorch order (e.g. Linear weight (out, in)).
+// Whether `name` is `prefix` or lies under it ("layer1" holds "layer1.0.weight", not
+// "layer10.weight"): how parameters are picked by prefix (frozen ones, ...).
+inline bool is_under(const std::string& name, const std::string& prefix) {
+  return name == prefix ||
+         (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 && name[prefix.size()] == '.');
+}
+
 struct TensorRef {
   std::string name;  // PyTorch state-dict name, e.g. "layer1.0.weight"
   DType dtype = DType::f32;
