@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
 #include <iterator>
@@ -182,6 +183,16 @@ Devices choose_devices(const Options& o) {
   if (d.cuda && available == 0)
     throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no CUDA device is visible"
                                                   : "--backend cuda: this build of dp has no cuda backend");
+  // An env:// launch with a process per GPU (torchrun's way): LOCAL_RANK picks this process's device
+  // unless --devices or --device-ids say otherwise.
+  if (const char* local = std::getenv("LOCAL_RANK"); local && g_job.several() && d.ids.empty() && !o.devices) {
+    int rank = -1;
+    const std::string text = local;
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), rank);
+    if (text.empty() || error != std::errc() || end != text.data() + text.size() || rank < 0)
+      throw UsageError(fmt::format("LOCAL_RANK='{}' is not a device index", text));
+    d.ids.push_back(rank);
+  }
   const int count = o.devices.value_or(o.mode == "single" ? 1 : (d.cuda ? available : 2));
   if (d.ids.empty()) {
     for (int i = 0; i < count; ++i) d.ids.push_back(i);

@@ -2,6 +2,7 @@
 // reduce_value), and the choice between one process and the MPI world.
 #include "dp/runtime/process_group.h"
 
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <fmt/format.h>
@@ -78,11 +79,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
       return mpi();
     }
   }
-  // torch.distributed's env:// launchers (torchrun, torch.distributed.launch, Kubernetes training
-  // operators) set these instead. dp has no env:// rendezvous: rather than run WORLD_SIZE
-  // independent trainings that all write one checkpoint, such a start is refused, naming what to
-  // use. (WORLD_SIZE=1 is this process alone.)
-  const char* const how = "start the processes with mpirun (mpirun -np N dp_train --mode ddp ...), one per node";
+  // torch.distributed's env:// launch (torchrun, torch.distributed.launch, Kubernetes training
+  // operators): RANK of WORLD_SIZE processes meeting at MASTER_ADDR:MASTER_PORT, through the
+  // env:// process group (gloo). torchrun's elastic agent cannot be joined (its own store already
+  // holds MASTER_PORT): refused, naming what to use. WORLD_SIZE=1 is this process alone.
+  const char* const how =
+      "start the processes with mpirun (mpirun -np N dp_train --mode ddp ...), or with RANK, "
+      "WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and no elastic agent (torchrun --no-python "
+      "does not avoid it)";
   for (const char* variable : {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"})
     if (std::getenv(variable))
       throw InvalidArgument(
@@ -94,10 +98,24 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
       if (!std::getenv(variable))
         throw InvalidArgument(fmt::format("{} is set (torch.distributed's env:// launch) but {} is not",
                                           rank ? "RANK" : "WORLD_SIZE", variable));
-    if (std::string(world) != "1")
-      throw InvalidArgument(fmt::format(
-          "started for torch.distributed's env:// rendezvous (RANK={}, WORLD_SIZE={}), which dp does not provide: {}",
-          rank, world, how));
+    const auto number = [](const char* name, long low, long high) {
+      const std::string value = std::getenv(name);
+      long parsed = -1;
+      const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), parsed);
+      if (value.empty() || error != std::errc() || end != value.data() + value.size() || parsed < low || parsed > high)
+        throw InvalidArgument(fmt::format("{}='{}' is not an integer in [{}, {}]", name, value, low, high));
+      return static_cast<int>(parsed);
+    };
+    const int size = number("WORLD_SIZE", 1, 1 << 20);
+    const int me = number("RANK", 0, size - 1);
+    const int port = number("MASTER_PORT", 1, 65535);
+    if (size == 1) return single();
+    if (!detail::env_compiled())
+      throw InvalidArgument(
+          fmt::format("started for torch.distributed's env:// rendezvous (RANK={}, WORLD_SIZE={}), but dp was built "
+                      "without gloo, which it needs: {}",
+                      me, size, how));
+    return detail::env_process_group(me, size, std::getenv("MASTER_ADDR"), port);
   }
   return single();
 }

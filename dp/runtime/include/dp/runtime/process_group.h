@@ -1,7 +1,8 @@
 // dp/process_group.h — the processes of one training job, as torch.distributed's default group:
 // one process per node, each driving the same number of local devices (one worker thread per
 // device). Without a launcher the group is this process alone; under `mpirun` it is the MPI world,
-// and MPI bootstraps what the communicators need (NCCL's unique id, the sim ring's transport).
+// and MPI bootstraps what the communicators need (NCCL's unique id, the sim ring's transport);
+// started as torchrun starts processes (env://), a key-value store on process 0 and gloo do.
 //
 // Global ranks, as torchrun numbers them with --nproc_per_node=K: process p's local device l is
 // global rank p * K + l; the world is size() * K ranks.
@@ -35,8 +36,11 @@ class ProcessGroup {
   // last handle dies; MPI cannot be initialised twice in one process, so every call returns the
   // same group). Throws Error when dp was built without MPI.
   static std::shared_ptr<ProcessGroup> mpi();
-  // mpi() when this process was started by mpirun (Open MPI, MPICH, PMIx environments), else
-  // single(). Throws Error when started by mpirun but built without MPI.
+  // mpi() when this process was started by mpirun (Open MPI, MPICH, PMIx environments); the env://
+  // group when RANK, WORLD_SIZE (> 1), MASTER_ADDR and MASTER_PORT are set, as torchrun sets them
+  // (process 0 serves a key-value store there; channels are gloo pairs); else single(). Throws
+  // Error when started by mpirun but built without MPI, InvalidArgument for an env:// launch that
+  // cannot be joined (torchrun's elastic agent, a missing variable, dp built without gloo).
   static std::shared_ptr<ProcessGroup> from_environment();
   // Whether this build of dp contains the MPI process group.
   static bool mpi_compiled();

@@ -1,0 +1,259 @@
+// env_process_group.cpp — the processes of a job started as torch.distributed's env:// launch
+// (torchrun --no-python, a Kubernetes operator, or by hand): RANK of WORLD_SIZE processes meet
+// through the TCP store process 0 serves on MASTER_ADDR:MASTER_PORT. Host collectives go through
+// the store; the runtime's channels (the sim ring's transport) are gloo's point-to-point pairs,
+// rendezvoused through the same store. Every wait has the group's timeout, and every wait also
+// watches for a process that aborted or whose connection dropped, so one failing process ends the
+// job within moments with a message naming it.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fmt/format.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+
+#include "channel.h"
+#include "dp/runtime/error.h"
+#include "process_backend.h"
+#include "tcp_store.h"
+
+namespace dp::detail {
+namespace {
+
+constexpr const char* kAbortKey = "dp/abort";
+
+std::string text(const std::vector<char>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+class EnvGroup;
+
+// gloo's rendezvous reads and writes keys through this (each channel under its own prefix).
+class StoreForGloo final : public gloo::rendezvous::Store {
+ public:
+  explicit StoreForGloo(EnvGroup& group) : group_(group) {}
+  void set(const std::string& key, const std::vector<char>& data) override;
+  std::vector<char> get(const std::string& key) override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override { wait(keys); }
+
+ private:
+  EnvGroup& group_;
+};
+
+class GlooChannel final : public Channel {
+ public:
+  GlooChannel(std::shared_ptr<EnvGroup> group, std::shared_ptr<gloo::Context> context)
+      : group_(std::move(group)), context_(std::move(context)) {}
+  ~GlooChannel() override;
+  int max_tag() const override { return 1 << 30; }
+  void exchange(std::span<const Message> sends, std::span<const Message> receives, const std::function<bool()>& aborted,
+                std::string_view what) override;
+
+ private:
+  std::shared_ptr<EnvGroup> group_;
+  std::shared_ptr<gloo::Context> context_;
+  std::mutex abandoned_mutex_;
+  // Buffers of an exchange given up on (abort, timeout): a late message may still land in them.
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> abandoned_;
+};
+
+class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<EnvGroup> {
+ public:
+  EnvGroup(int rank, int size, const std::string& master, int port) : rank_(rank), size_(size) {
+    char name[256] = {};
+    ::gethostname(name, sizeof name - 1);
+    host_ = name;
+    store_ = std::make_unique<TcpStore>(master, port, rank, timeout());
+    // Everyone says who they are; process 0 finds out here about one that never starts.
+    store_->set(fmt::format("dp/host/{}", rank_), std::vector<char>(host_.begin(), host_.end()));
+    for (int r = 0; r < size_; ++r) wait_for(fmt::format("dp/host/{}", r), "joining the job", r);
+  }
+  ~EnvGroup() override {
+    // Everyone reaches the end before process 0 stops serving the store.
+    try {
+      barrier();
+    } catch (...) {
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& host() const override { return host_; }
+
+  void all_gather_bytes(const void* send, std::size_t bytes, void* recv) override {
+    const long seq = ++sequence_;
+    const auto* data = static_cast<const char*>(send);
+    store_->set(fmt::format("dp/ag/{}/{}", seq, rank_), std::vector<char>(data, data + bytes));
+    for (int r = 0; r < size_; ++r) {
+      const std::vector<char> value = wait_for(fmt::format("dp/ag/{}/{}", seq, r), "all_gather between processes", r);
+      if (value.size() != bytes)
+        throw Error(
+            fmt::format("all_gather between processes: process {} gave {} bytes, not {}", r, value.size(), bytes));
+      std::memcpy(static_cast<char*>(recv) + static_cast<std::size_t>(r) * bytes, value.data(), bytes);
+    }
+    // Every process has read the collective before last by the time any reaches this one.
+    if (seq > 2) store_->erase(fmt::format("dp/ag/{}/{}", seq - 2, rank_));
+  }
+
+  void broadcast_bytes(void* data, std::size_t bytes, int root) override {
+    if (root < 0 || root >= size_)
+      throw InvalidArgument(fmt::format("broadcast root {} is not a process of {}", root, size_));
+    const long seq = ++sequence_;
+    const std::string key = fmt::format("dp/bc/{}", seq);
+    if (rank_ == root) {
+      const auto* p = static_cast<const char*>(data);
+      store_->set(key, std::vector<char>(p, p + bytes));
+    } else {
+      const std::vector<char> value = wait_for(key, "broadcast between processes", root);
+      if (value.size() != bytes)
+        throw Error(
+            fmt::format("broadcast between processes: process {} sent {} bytes, not {}", root, value.size(), bytes));
+      std::memcpy(data, value.data(), bytes);
+    }
+    if (rank_ == root && seq > 2) store_->erase(fmt::format("dp/bc/{}", seq - 2));
+  }
+
+  [[noreturn]] void abort(int exit_code) override {
+    try {
+      const std::string why = fmt::format("{} {}", rank_, exit_code);
+      store_->set(kAbortKey, std::vector<char>(why.begin(), why.end()));
+    } catch (...) {
+    }
+    std::_Exit(exit_code);
+  }
+
+  std::unique_ptr<Channel> open_channel() override {
+    std::lock_guard lock(channels_mutex_);
+    if (!device_) device_ = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr(host_.c_str()));
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+    context->setTimeout(timeout());
+    StoreForGloo store(*this);
+    gloo::rendezvous::PrefixStore prefixed(fmt::format("dp/channel{}", channels_++), store);
+    try {
+      context->connectFullMesh(prefixed, device_);
+    } catch (const gloo::Exception& e) {
+      throw Error(fmt::format("connecting the processes' channels: {}", e.what()));
+    }
+    return std::make_unique<GlooChannel>(shared_from_this(), std::move(context));
+  }
+
+  // The value of `key` once some process set it; throws Error naming the process when one aborted
+  // or dropped out first, or when the group's timeout passes (`waiting_for`: whose key it is).
+  std::vector<char> wait_for(const std::string& key, std::string_view what, int waiting_for = -1) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int poll = 0;; ++poll) {
+      if (auto value = store_->try_get(key)) return *value;
+      check_peers(what);
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (waited > timeout())
+        throw Error(fmt::format("{}: process {} waited {} s for {} (timeout; DP_TIMEOUT_S sets it)", what, rank_,
+                                std::chrono::duration_cast<std::chrono::seconds>(waited).count(),
+                                waiting_for >= 0 ? fmt::format("process {}", waiting_for) : key));
+      std::this_thread::sleep_for(std::chrono::microseconds(poll < 100 ? 200 : 5000));
+    }
+  }
+
+  // Throws naming the process that aborted or whose connection to the store dropped.
+  void check_peers(std::string_view what) {
+    if (auto why = store_->try_get(kAbortKey))
+      throw CollectiveAborted(fmt::format("{}: process {} failed (exit code {})", what,
+                                          text(*why).substr(0, text(*why).find(' ')),
+                                          text(*why).substr(text(*why).find(' ') + 1)));
+    if (auto dead = store_->try_get(TcpStore::kDeadKey))
+      throw CollectiveAborted(fmt::format("{}: process {} ended without leaving the job", what, text(*dead)));
+  }
+
+  TcpStore& store() { return *store_; }
+
+ private:
+  int rank_, size_;
+  std::string host_;
+  std::unique_ptr<TcpStore> store_;
+  long sequence_ = 0;
+  std::mutex channels_mutex_;
+  int channels_ = 0;
+  std::shared_ptr<gloo::transport::Device> device_;
+};
+
+void StoreForGloo::set(const std::string& key, const std::vector<char>& data) { group_.store().set(key, data); }
+std::vector<char> StoreForGloo::get(const std::string& key) { return group_.wait_for(key, "connecting the channels"); }
+void StoreForGloo::wait(const std::vector<std::string>& keys) {
+  for (const auto& key : keys) group_.wait_for(key, "connecting the channels");
+}
+
+GlooChannel::~GlooChannel() = default;
+
+void GlooChannel::exchange(std::span<const Message> sends, std::span<const Message> receives,
+                           const std::function<bool()>& aborted, std::string_view what) {
+  struct Pending {
+    std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+    bool receive;
+    int peer;
+  };
+  std::vector<Pending> pending;
+  try {
+    for (const Message& m : receives) {
+      if (m.bytes == 0) continue;  // both sides know the size: nothing travels
+      pending.push_back({context_->createUnboundBuffer(m.data, m.bytes), true, m.process});
+      pending.back().buffer->recv(m.process, static_cast<std::uint64_t>(m.tag));
+    }
+    for (const Message& m : sends) {
+      if (m.bytes == 0) continue;
+      pending.push_back({context_->createUnboundBuffer(m.data, m.bytes), false, m.process});
+      pending.back().buffer->send(m.process, static_cast<std::uint64_t>(m.tag));
+    }
+  } catch (const gloo::Exception& e) {
+    throw Error(fmt::format("{}: {}", what, e.what()));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto give_up = [&](auto&& error) {
+    std::lock_guard lock(abandoned_mutex_);
+    for (auto& p : pending)
+      if (p.buffer) abandoned_.push_back(std::move(p.buffer));
+    throw error;
+  };
+  for (auto& p : pending) {
+    for (;;) {
+      bool done = false;
+      try {
+        done = p.receive ? p.buffer->waitRecv(nullptr, std::chrono::milliseconds(100))
+                         : p.buffer->waitSend(nullptr, std::chrono::milliseconds(100));
+      } catch (const gloo::IoException& e) {
+        // A wait that timed out may be waited on again; any other failure is the peer's.
+        if (std::string(e.what()).find("Timed out") == std::string::npos)
+          give_up(Error(fmt::format("{}: process {}: {}", what, p.peer, e.what())));
+      }
+      if (done) {
+        p.buffer.reset();
+        break;
+      }
+      try {
+        group_->check_peers(what);
+      } catch (const CollectiveAborted& e) {
+        give_up(e);
+      }
+      if (aborted && aborted())
+        give_up(CollectiveAborted(fmt::format("{}: aborted while waiting for another process", what)));
+      if (std::chrono::steady_clock::now() - start > group_->timeout())
+        give_up(Error(fmt::format("{}: process {} waited for process {} (timeout; DP_TIMEOUT_S sets it)", what,
+                                  group_->rank(), p.peer)));
+    }
+  }
+}
+
+}  // namespace
+
+bool env_compiled() { return true; }
+
+std::shared_ptr<ProcessGroup> env_process_group(int rank, int size, const std::string& master, int port) {
+  return std::make_shared<EnvGroup>(rank, size, master, port);
+}
+
+}  // namespace dp::detail
