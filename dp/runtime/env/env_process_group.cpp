@@ -70,6 +70,10 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
     char name[256] = {};
     ::gethostname(name, sizeof name - 1);
     host_ = name;
+    // The address this process's gloo pairs listen on: loopback when the job lives on this machine
+    // (MASTER_ADDR is a loopback address: no name lookup needed), else this host's name.
+    const bool local = master == "127.0.0.1" || master == "localhost" || master == "::1";
+    pair_address_ = local ? "127.0.0.1" : host_;
     store_ = std::make_unique<TcpStore>(master, port, rank, timeout());
     // Everyone says who they are; process 0 finds out here about one that never starts.
     store_->set(fmt::format("dp/host/{}", rank_), std::vector<char>(host_.begin(), host_.end()));
@@ -131,7 +135,13 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
 
   std::unique_ptr<Channel> open_channel() override {
     std::lock_guard lock(channels_mutex_);
-    if (!device_) device_ = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr(host_.c_str()));
+    if (!device_) {
+      try {
+        device_ = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr(pair_address_.c_str()));
+      } catch (const gloo::Exception& e) {
+        throw Error(fmt::format("process {}: cannot listen for its peers on {}: {}", rank_, pair_address_, e.what()));
+      }
+    }
     auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     context->setTimeout(timeout());
     StoreForGloo store(*this);
@@ -174,7 +184,7 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
 
  private:
   int rank_, size_;
-  std::string host_;
+  std::string host_, pair_address_;
   std::unique_ptr<TcpStore> store_;
   long sequence_ = 0;
   std::mutex channels_mutex_;
