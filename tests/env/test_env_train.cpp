@@ -1,7 +1,8 @@
 // test_env_train.cpp — dp_train started as torchrun starts processes (env://: RANK, WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT; no mpirun): 2 processes x 2 simulated devices must write, byte for
-// byte, the checkpoint of 1 process x 4 devices, and a failing or missing process must end the job
-// with a message naming it — never a hang. Built where dp has the env:// process group (gloo).
+// byte, the checkpoint of 1 process x 4 devices, and a process that fails (before training or in
+// the middle of it) or never starts must end the job with a message naming it — never a hang. Built where dp has the
+// env:// process group (gloo).
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -75,6 +76,13 @@ TEST_F(EnvTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   EXPECT_EQ(bad.code1, 2) << bad.out1;
   EXPECT_LT(bad.seconds, 30.0);
   EXPECT_NE(bad.out1.find("no-such-dir"), std::string::npos) << bad.out1;
+  // A process that fails in the middle of training (as a crash would) ends the other at once.
+  const EnvJob crash = env_job(dir_, ++port, common + " --synthetic 400 --steps 1000",
+                               common + " --synthetic 400 --steps 1000 --debug-fail-at-step 5");
+  EXPECT_NE(crash.code0, 0) << crash.out0;
+  EXPECT_NE(crash.code1, 0) << crash.out1;
+  EXPECT_NE(crash.out0.find("process 1"), std::string::npos) << crash.out0;
+  EXPECT_LT(crash.seconds, 30.0);
   const EnvJob alone = env_job(dir_, ++port, common + " --synthetic 40", "", 3);
   EXPECT_NE(alone.code0, 0) << alone.out0;
   EXPECT_NE(alone.out0.find("process 1"), std::string::npos) << alone.out0;
