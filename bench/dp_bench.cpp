@@ -158,17 +158,7 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
   } catch (...) {
     // The same code per cause as dp_train: a device or host out of memory is 2, not 1.
     const std::exception_ptr error = std::current_exception();
-    const dp::tools::Verdict verdict = dp::tools::judge(error);
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::bad_alloc&) {
-      fmt::print(stderr, "dp_bench: error{}: a host allocation failed{}\n", job.where(error), verdict.hint);
-    } catch (const std::exception& e) {
-      fmt::print(stderr, "dp_bench: error{}: {}{}\n", job.where(error), e.what(), verdict.hint);
-    } catch (...) {
-      fmt::print(stderr, "dp_bench: error{}: unknown exception\n", job.where(error));
-    }
-    return job.failed(verdict.code);
+    return job.failed(dp::tools::report_failure("dp_bench", job.where(error), error));
   }
 }
 

@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <exception>
 #include <fmt/format.h>
-#include <new>
 #include <string>
 
 #include "dp_job.h"
@@ -13,26 +12,6 @@
 #include "train_run.h"
 
 namespace dp_train {
-namespace {
-
-// Prints what failed (naming the process, host and global ranks under mpirun) and returns the exit
-// code: 2 bad input or configuration, 3 non-finite values, 1 anything else.
-int report(const std::exception_ptr& error) {
-  const std::string where = g_job.where(error);
-  const dp::tools::Verdict verdict = dp::tools::judge(error);
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "dp_train: error{}: a host allocation failed{}\n", where, verdict.hint);
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "dp_train: error{}: {}{}\n", where, e.what(), verdict.hint);
-  } catch (...) {
-    fmt::print(stderr, "dp_train: error{}: unknown exception\n", where);
-  }
-  return verdict.code;
-}
-
-}  // namespace
 
 int train_main(int argc, char** argv) {
   Options o;
@@ -48,7 +27,9 @@ int train_main(int argc, char** argv) {
   } catch (const dp::tools::PeerFailed& e) {
     code = e.code;  // agreed with the others; the failing process said why
   } catch (...) {
-    code = g_job.failed(report(std::current_exception()));
+    // What failed, naming the process, host and global ranks under mpirun; the exit code of its cause.
+    const std::exception_ptr error = std::current_exception();
+    code = g_job.failed(dp::tools::report_failure("dp_train", g_job.where(error), error));
   }
   return code;
 }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fmt/format.h>
 #include <new>
 #include <string>
 #include <sys/resource.h>
@@ -57,6 +58,22 @@ inline Verdict judge(const std::exception_ptr& error) {
   } catch (...) {
     return {dp::exit_code(error)};
   }
+}
+
+// Prints "<tool>: error<where>: <what failed><hint>" on stderr and returns the exit code of the
+// cause (`where`: which process, under mpirun).
+inline int report_failure(const char* tool, const std::string& where, const std::exception_ptr& error) {
+  const Verdict verdict = judge(error);
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "{}: error{}: a host allocation failed{}\n", tool, where, verdict.hint);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "{}: error{}: {}{}\n", tool, where, e.what(), verdict.hint);
+  } catch (...) {
+    fmt::print(stderr, "{}: error{}: unknown exception\n", tool, where);
+  }
+  return verdict.code;
 }
 
 // The way out of main. Under a host memory shortage, OpenBLAS's threads (its pool starts when the
