@@ -41,17 +41,20 @@ using Result = dp::test::CommandResult;
 
 Result run(const std::string& args) { return dp::test::run_command(std::string(DP_TRAIN_BIN) + " " + args); }
 
-// Starts dp_train with `args`, reads its output until `until` appears or `seconds` pass, then kills
-// it: for runs that would go on (nearly) forever. Gives what it printed, whether `until` came, and
-// the process's peak resident memory. With `stdout_file`, its standard output goes to that file
-// (fully buffered, unless dp_train buffers by line) and `output` is what reached the file.
+// Starts dp_train with `args`, reads its output until `until` appears or `seconds` pass, then sends
+// it `signal`: SIGKILL for runs that would go on (nearly) forever; another signal (SIGINT) lets it
+// finish as it does on its own, its output read to the end. Gives what it printed, whether `until`
+// came, its exit code (-1: killed by the signal) and its peak resident memory. With `stdout_file`,
+// its standard output goes to that file (fully buffered, unless dp_train buffers by line) and
+// `output` is what reached the file.
 struct Started {
   bool seen = false;
   std::string output;
+  int exit_code = -1;
   long max_rss_kib = 0;
 };
 Started start_then_kill(const std::string& args, const std::string& until, int seconds,
-                        const std::string& stdout_file = "") {
+                        const std::string& stdout_file = "", int signal = SIGKILL) {
   const std::string command =
       "exec " + std::string(DP_TRAIN_BIN) + " " + args + (stdout_file.empty() ? "" : " >" + stdout_file);
   Started started;
@@ -69,7 +72,12 @@ Started start_then_kill(const std::string& args, const std::string& until, int s
   ::close(fds[1]);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
   std::array<char, 4096> buffer{};
-  while (!started.seen) {
+  // Until `until` came; after a signal that lets it finish, until it closed its output.
+  for (bool signalled = false; !(started.seen && signal == SIGKILL);) {
+    if (started.seen && !signalled) {
+      ::kill(pid, signal);
+      signalled = true;
+    }
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
     if (left > 0 && !stdout_file.empty()) {  // what has reached the file so far
@@ -84,13 +92,14 @@ Started start_then_kill(const std::string& args, const std::string& until, int s
     const ssize_t n = ::read(fds[0], buffer.data(), buffer.size());
     if (n <= 0) break;  // it exited
     started.output.append(buffer.data(), static_cast<std::size_t>(n));
-    started.seen = started.output.find(until) != std::string::npos;
+    started.seen = started.seen || started.output.find(until) != std::string::npos;
   }
-  ::kill(pid, SIGKILL);
+  ::kill(pid, SIGKILL);  // whatever is still running when the time is up
   int status = 0;
   rusage usage{};
   ::wait4(pid, &status, 0, &usage);
   ::close(fds[0]);
+  if (WIFEXITED(status)) started.exit_code = WEXITSTATUS(status);
   started.max_rss_kib = usage.ru_maxrss;
   return started;
 }
@@ -1348,42 +1357,13 @@ TEST_F(TrainTest, APreemptedRunResumesBitExactAndPeriodicCheckpointsAreKept) {
 // A real SIGINT (Ctrl-C) in the middle of a long run: it stops after the step in flight, saves
 // and exits with 130; the checkpoint resumes.
 TEST_F(TrainTest, SigintStopsALongRunWithItsCheckpoint) {
-  const std::string command = std::string("exec ") + DP_TRAIN_BIN +
-                              " --backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps 100000000 --log-every 1 "
-                              "--save " +
-                              path("long.safetensors");
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(fds[1], STDOUT_FILENO);
-    ::dup2(fds[1], STDERR_FILENO);
-    ::close(fds[0]);
-    ::close(fds[1]);
-    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  ::close(fds[1]);
-  std::string output;
-  std::array<char, 4096> buffer{};
-  bool interrupted = false;
-  while (true) {
-    pollfd in{fds[0], POLLIN, 0};
-    if (::poll(&in, 1, 60000) <= 0) break;
-    const ssize_t n = ::read(fds[0], buffer.data(), buffer.size());
-    if (n <= 0) break;
-    output.append(buffer.data(), static_cast<std::size_t>(n));
-    if (!interrupted && output.find("step     20 ") != std::string::npos) {
-      ::kill(pid, SIGINT);
-      interrupted = true;
-    }
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  ::close(fds[0]);
-  ASSERT_TRUE(interrupted) << output;
-  ASSERT_TRUE(WIFEXITED(status)) << output;
-  EXPECT_EQ(WEXITSTATUS(status), 130) << output;
+  const Started stopped =
+      start_then_kill("--backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps 100000000 --log-every 1 --save " +
+                          path("long.safetensors"),
+                      "step     20 ", 60, "", SIGINT);
+  const std::string& output = stopped.output;
+  ASSERT_TRUE(stopped.seen) << output;
+  EXPECT_EQ(stopped.exit_code, 130) << output;
   EXPECT_NE(output.find("SIGINT: stopping after step"), std::string::npos) << output;
   const long step = std::stol(dp::safetensors::read(path("long.safetensors")).metadata.at("dp.step"));
   EXPECT_GE(step, 20);
