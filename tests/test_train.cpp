@@ -1207,13 +1207,18 @@ TEST(ExitCodes, EachCauseHasOneCodeWhereverItHappens) {
 // the limit; and the process ends (OpenBLAS's pool threads, retrying a buffer they cannot map, are
 // not joined at exit). Before, the run printed std::bad_alloc and then spun at 100% CPU.
 TEST_F(TrainTest, AnAddressSpaceLimitTooSmallIsRefusedAndTheProcessEnds) {
-  // 1 GB: enough to load the program with the CUDA libraries, too little for these runs.
-  for (const std::string& tool : {std::string(DP_TRAIN_BIN) + " --model mlp --synthetic 1500000 --steps 1",
-                                  std::string(DP_BENCH_BIN) + " --models mlp --modes single --devices 8 --steps 1"}) {
+  // 1 GB: enough to load the program with the CUDA libraries, too little for these runs. Their
+  // outputs name files that exist: refused, they leave them as they were.
+  const std::string guard = path("existing.out");
+  for (const std::string& tool :
+       {std::string(DP_TRAIN_BIN) + " --model mlp --synthetic 1500000 --steps 1 --save " + guard,
+        std::string(DP_BENCH_BIN) + " --models mlp --modes single --devices 8 --steps 1 --json " + guard}) {
+    { std::ofstream(guard) << "previous output"; }
     const auto r = dp::test::run_command("ulimit -v 1000000 && timeout 60 " + tool + " --backend sim");
     EXPECT_EQ(r.code, 2) << tool << "\n" << r.output;
     EXPECT_NE(r.output.find("of address space"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("(ulimit -v)"), std::string::npos) << r.output;
+    EXPECT_EQ(read_file(guard), "previous output") << tool;
   }
 }
 
