@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
 #include <numeric>
@@ -165,6 +166,84 @@ TEST(BatchLoader, NormalizesAsTorchvision) {
     EXPECT_EQ(batch.inputs[p], want) << p;
   }
   EXPECT_THROW(BatchLoader(*rt, data, {{0}}, 2, Normalize{0.0f, 0.0f}), InvalidArgument);
+}
+
+// A source whose sample i is {i, epoch, rank, the thread's ...} so a test sees who made what with
+// which key; sample `bad` fails as an unreadable file does.
+class KeyedSource : public SampleSource {
+ public:
+  explicit KeyedSource(std::size_t n, std::size_t bad = SIZE_MAX) : n_(n), bad_(bad) {}
+  std::size_t size() const override { return n_; }
+  std::vector<std::int64_t> sample_shape() const override { return {3, 1, 2}; }
+  int num_classes() const override { return 7; }
+  std::int64_t label(std::size_t index) const override { return static_cast<std::int64_t>(index % 7); }
+  void fill(std::size_t index, const SampleKey& key, float* out) const override {
+    if (index == bad_) throw Error(fmt::format("sample {}: unreadable", index));
+    std::this_thread::sleep_for(std::chrono::microseconds(200));  // long enough for the workers to share
+    const float values[6] = {static_cast<float>(index),
+                             static_cast<float>(key.epoch),
+                             static_cast<float>(key.rank),
+                             static_cast<float>(key.seed),
+                             1.0f,
+                             2.0f};
+    std::memcpy(out, values, sizeof(values));
+  }
+
+ private:
+  std::size_t n_, bad_;
+};
+
+// Workers fill a batch's samples together; every sample lands in its place with its batch's key.
+TEST(BatchLoader, WorkersFillEachSampleInItsPlaceWithItsEpochsKey) {
+  auto rt = test::sim_runtime(1);
+  for (int workers : {0, 1, 3}) {
+    LoaderOptions options;
+    options.workers = workers;
+    options.key = SampleKey{42, 5, 0};
+    options.epoch_of = [](std::size_t k) { return static_cast<std::int64_t>(k / 3); };
+    auto source = std::make_shared<KeyedSource>(100);
+    BatchLoader loader(
+        *rt, source, 9, 16,
+        [](std::size_t k) {
+          std::vector<std::int64_t> indices;
+          for (std::size_t i = 0; i < 16 - k; ++i) indices.push_back(static_cast<std::int64_t>((k * 11 + i * 3) % 100));
+          return indices;
+        },
+        options);
+    for (std::size_t k = 0; k < 9; ++k) {
+      const Batch batch = loader.next();
+      ASSERT_EQ(batch.size, static_cast<int>(16 - k));
+      for (std::size_t i = 0; i < 16 - k; ++i) {
+        const auto index = static_cast<float>((k * 11 + i * 3) % 100);
+        const float* sample = batch.inputs + i * 6;
+        EXPECT_EQ(sample[0], index) << "workers " << workers << " batch " << k << " sample " << i;
+        EXPECT_EQ(sample[1], static_cast<float>(k / 3));
+        EXPECT_EQ(sample[2], 5.0f);
+        EXPECT_EQ(sample[3], 42.0f);
+        EXPECT_EQ(batch.targets[i], static_cast<std::int64_t>(index) % 7);
+      }
+    }
+  }
+}
+
+// A sample that cannot be made fails next() with its error (naming it), whichever thread made it.
+TEST(BatchLoader, ASampleThatFailsFailsItsBatch) {
+  auto rt = test::sim_runtime(1);
+  for (int workers : {0, 2}) {
+    LoaderOptions options;
+    options.workers = workers;
+    BatchLoader loader(*rt, std::make_shared<KeyedSource>(40, 13), {{0, 1, 2}, {10, 11, 12, 13, 14, 15}}, options);
+    EXPECT_EQ(loader.next().size, 3);
+    try {
+      loader.next();
+      ADD_FAILURE() << "sample 13 is unreadable";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "sample 13: unreadable");
+    }
+  }
+  LoaderOptions bad;
+  bad.workers = -1;
+  EXPECT_THROW(BatchLoader(*rt, std::make_shared<KeyedSource>(4), {{0}}, bad), InvalidArgument);
 }
 
 TEST(EvalShard, CountsEverySampleOnceForAnyWorldSize) {

@@ -294,9 +294,56 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
   return mine;
 }
 
+namespace {
+
+void check_normalize(Normalize normalize) {
+  if (!(normalize.std > 0.0f) || !std::isfinite(normalize.std) || !std::isfinite(normalize.mean))
+    throw InvalidArgument(fmt::format("normalisation needs a finite mean and a std > 0, got mean {} std {}",
+                                      normalize.mean, normalize.std));
+}
+
+}  // namespace
+
+DatasetSource::DatasetSource(Dataset data, Normalize normalize)
+    : owned_(std::move(data)), data_(&owned_), normalize_(normalize) {
+  check_normalize(normalize);
+}
+
+DatasetSource::DatasetSource(const Dataset* data, Normalize normalize) : data_(data), normalize_(normalize) {
+  check_normalize(normalize);
+}
+
+void DatasetSource::fill(std::size_t index, const SampleKey&, float* out) const {
+  const std::size_t pixels = data_->sample_pixels();
+  const std::uint8_t* src = data_->pixels.data() + index * pixels;
+  // As torchvision: ToTensor divides by 255, Normalize subtracts and divides, each rounded in fp32
+  // (mean 0, std 1 leave the quotient exactly as it is).
+  for (std::size_t p = 0; p < pixels; ++p)
+    out[p] = (static_cast<float>(src[p]) / 255.0f - normalize_.mean) / normalize_.std;
+}
+
+namespace {
+
+// A Dataset the caller keeps alive, read in place.
+std::shared_ptr<const SampleSource> borrowed(const Dataset& data, Normalize normalize) {
+  return std::make_shared<DatasetSource>(&data, normalize);
+}
+
+LoaderOptions with_depth(int depth) {
+  LoaderOptions options;
+  options.depth = depth;
+  return options;
+}
+
+}  // namespace
+
 BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches,
                          int depth, Normalize normalize)
-    : BatchLoader(Held::of(std::move(batches)), runtime, data, depth, normalize) {}
+    : BatchLoader(Held::of(std::move(batches)), runtime, borrowed(data, normalize), with_depth(depth)) {}
+
+BatchLoader::BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> source,
+                         std::vector<std::vector<std::int64_t>> batches, LoaderOptions options)
+    : BatchLoader(Held::of(std::move(batches)), runtime, std::move(source), std::move(options)) {}
 
 BatchLoader::Held BatchLoader::Held::of(std::vector<std::vector<std::int64_t>> batches) {
   Held held{batches.size(), 1, {}};
@@ -306,33 +353,40 @@ BatchLoader::Held BatchLoader::Held::of(std::vector<std::vector<std::int64_t>> b
   return held;
 }
 
-BatchLoader::BatchLoader(Held held, Runtime& runtime, const Dataset& data, int depth, Normalize normalize)
-    : BatchLoader(runtime, data, held.count, held.max_batch, std::move(held.plan), depth, normalize) {}
+BatchLoader::BatchLoader(Held held, Runtime& runtime, std::shared_ptr<const SampleSource> source, LoaderOptions options)
+    : BatchLoader(runtime, std::move(source), held.count, held.max_batch, std::move(held.plan), std::move(options)) {}
 
 BatchLoader::BatchLoader(Runtime& runtime, const Dataset& data, std::size_t count, std::size_t max_batch,
                          BatchPlan plan, int depth, Normalize normalize)
+    : BatchLoader(runtime, borrowed(data, normalize), count, max_batch, std::move(plan), with_depth(depth)) {}
+
+BatchLoader::BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> source, std::size_t count,
+                         std::size_t max_batch, BatchPlan plan, LoaderOptions options)
     : runtime_(runtime),
-      data_(data),
+      source_(std::move(source)),
       count_(count),
       max_batch_(std::max<std::size_t>(max_batch, 1)),
+      sample_floats_(source_ ? source_->sample_floats() : 0),
       plan_(std::move(plan)),
-      normalize_(normalize) {
-  if (!(normalize.std > 0.0f) || !std::isfinite(normalize.std) || !std::isfinite(normalize.mean))
-    throw InvalidArgument(fmt::format("normalisation needs a finite mean and a std > 0, got mean {} std {}",
-                                      normalize.mean, normalize.std));
-  if (depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
+      options_(std::move(options)) {
+  if (!source_) throw InvalidArgument("BatchLoader needs a sample source");
+  if (options_.depth < 1) throw InvalidArgument("BatchLoader depth must be >= 1");
+  if (options_.workers < 0 || options_.workers > 256)
+    throw InvalidArgument(fmt::format("BatchLoader workers must be in [0, 256], got {}", options_.workers));
   if (!plan_) throw InvalidArgument("BatchLoader needs a plan");
   // depth + 2 slots: `depth` being filled or waiting, one held by the consumer, one an engine may
   // still be copying from (its lease: a pipelined engine holds the last two batches at most), so a
   // steady training loop never needs new memory.
-  slots_.resize(static_cast<std::size_t>(depth) + 2);
+  slots_.resize(static_cast<std::size_t>(options_.depth) + 2);
   for (auto& slot : slots_) slot.memory = make_memory();
+  // The producer fills too, so `workers` threads in all make samples (DataLoader's num_workers).
+  for (int w = 1; w < options_.workers; ++w) workers_.emplace_back([this] { work(); });
   worker_ = std::thread([this] { produce(); });
 }
 
 std::shared_ptr<BatchLoader::Memory> BatchLoader::make_memory() const {
   auto memory = std::make_shared<Memory>();
-  memory->inputs = runtime_.allocate_pinned(max_batch_ * data_.sample_pixels() * sizeof(float));
+  memory->inputs = runtime_.allocate_pinned(max_batch_ * sample_floats_ * sizeof(float));
   memory->targets = runtime_.allocate_pinned(max_batch_ * sizeof(std::int64_t));
   return memory;
 }
@@ -344,6 +398,75 @@ BatchLoader::~BatchLoader() {
   }
   cv_.notify_all();
   worker_.join();
+  {
+    std::lock_guard lock(job_mutex_);
+    quit_ = true;
+  }
+  job_cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+// A worker: joins each job as it is posted and takes its samples until none is left.
+void BatchLoader::work() {
+  std::uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock lock(job_mutex_);
+      job_cv_.wait(lock, [&] { return quit_ || job_.generation != seen; });
+      if (quit_) return;
+      seen = job_.generation;
+      ++job_.active;  // the producer posts no other job until this thread has left this one
+    }
+    take_samples();
+  }
+}
+
+// Fills the job's samples one at a time, the next one not yet taken, then reports (its part done,
+// its first failure) and leaves the job. The caller joined it under job_mutex_.
+void BatchLoader::take_samples() {
+  const std::vector<std::int64_t>& indices = *job_.indices;
+  std::size_t filled = 0;
+  std::exception_ptr error;
+  for (std::size_t i; (i = job_.next.fetch_add(1, std::memory_order_relaxed)) < indices.size();) {
+    try {
+      source_->fill(static_cast<std::size_t>(indices[i]), job_.key, job_.inputs + i * sample_floats_);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+    ++filled;
+  }
+  std::lock_guard lock(job_mutex_);
+  job_.done += filled;
+  --job_.active;
+  if (error && !job_.error) job_.error = error;
+  if (job_.active == 0) done_cv_.notify_all();
+}
+
+void BatchLoader::fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, float* inputs) {
+  SampleKey key = options_.key;
+  key.epoch = options_.epoch_of ? options_.epoch_of(k) : 0;
+  if (workers_.empty()) {
+    for (std::size_t i = 0; i < indices.size(); ++i)
+      source_->fill(static_cast<std::size_t>(indices[i]), key, inputs + i * sample_floats_);
+    return;
+  }
+  {
+    std::lock_guard lock(job_mutex_);
+    job_.indices = &indices;
+    job_.inputs = inputs;
+    job_.key = key;
+    job_.next.store(0, std::memory_order_relaxed);
+    job_.done = 0;
+    job_.error = nullptr;
+    job_.active = 1;  // this thread
+    ++job_.generation;
+  }
+  job_cv_.notify_all();
+  take_samples();
+  std::unique_lock lock(job_mutex_);
+  // Every sample made and every worker gone from the job: its fields may change for the next one.
+  done_cv_.wait(lock, [&] { return job_.active == 0; });
+  if (job_.error) std::rethrow_exception(job_.error);
 }
 
 void BatchLoader::produce() {
@@ -366,21 +489,14 @@ void BatchLoader::produce() {
       if (indices.size() > max_batch_)
         throw InvalidArgument(fmt::format("BatchLoader: batch {} has {} samples, more than the {} planned for", k,
                                           indices.size(), max_batch_));
-      float* inputs = slot.memory->inputs.as<float>();
       std::int64_t* targets = slot.memory->targets.as<std::int64_t>();
-      const std::size_t pixels = data_.sample_pixels();
       for (std::size_t i = 0; i < indices.size(); ++i) {
-        if (indices[i] < 0 || static_cast<std::size_t>(indices[i]) >= data_.size())
-          throw InvalidArgument(
-              fmt::format("BatchLoader: sample {} of batch {} is outside the {} samples", indices[i], k, data_.size()));
-        const auto index = static_cast<std::size_t>(indices[i]);
-        const std::uint8_t* src = data_.pixels.data() + index * pixels;
-        // As torchvision: ToTensor divides by 255, Normalize subtracts and divides, each rounded in
-        // fp32 (mean 0, std 1 leave the quotient exactly as it is).
-        for (std::size_t p = 0; p < pixels; ++p)
-          inputs[i * pixels + p] = (static_cast<float>(src[p]) / 255.0f - normalize_.mean) / normalize_.std;
-        targets[i] = data_.labels[index];
+        if (indices[i] < 0 || static_cast<std::size_t>(indices[i]) >= source_->size())
+          throw InvalidArgument(fmt::format("BatchLoader: sample {} of batch {} is outside the {} samples", indices[i],
+                                            k, source_->size()));
+        targets[i] = source_->label(static_cast<std::size_t>(indices[i]));
       }
+      fill_batch(k, indices, slot.memory->inputs.as<float>());
       slot.size = static_cast<int>(indices.size());
     } catch (...) {
       std::lock_guard lock(mutex_);

@@ -3,6 +3,7 @@
 // thread into pinned staging buffers so devices do not wait for the host.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "dp/io/sample_source.h"
 #include "dp/nn/batch.h"
 #include "dp/runtime/device.h"
 
@@ -87,12 +89,59 @@ struct Normalize {
   float std = 1.0f;
 };
 
+// An MNIST-format Dataset as a SampleSource: {1, rows, cols} samples of pixel / 255, normalised,
+// and 10 classes. Holds the Dataset (moved in) or, made from a reference, reads one that outlives it.
+class DatasetSource : public SampleSource {
+ public:
+  explicit DatasetSource(Dataset data, Normalize normalize = {});
+  DatasetSource(const Dataset* data, Normalize normalize);
+  DatasetSource(const DatasetSource&) = delete;
+  DatasetSource& operator=(const DatasetSource&) = delete;
+  std::size_t size() const override { return data_->size(); }
+  std::vector<std::int64_t> sample_shape() const override { return {1, data_->rows, data_->cols}; }
+  int num_classes() const override { return 10; }
+  std::int64_t label(std::size_t index) const override { return data_->labels[index]; }
+  void fill(std::size_t index, const SampleKey& key, float* out) const override;
+  const Dataset& data() const { return *data_; }
+
+ private:
+  Dataset owned_;
+  const Dataset* data_;
+  Normalize normalize_;
+};
+
+// The first `count` samples of `source` (torch.utils.data.Subset(source, range(count))).
+class FirstSamples : public SampleSource {
+ public:
+  FirstSamples(std::shared_ptr<const SampleSource> source, std::size_t count)
+      : source_(std::move(source)), count_(std::min(count, source_->size())) {}
+  std::size_t size() const override { return count_; }
+  std::vector<std::int64_t> sample_shape() const override { return source_->sample_shape(); }
+  int num_classes() const override { return source_->num_classes(); }
+  std::int64_t label(std::size_t index) const override { return source_->label(index); }
+  void fill(std::size_t index, const SampleKey& key, float* out) const override { source_->fill(index, key, out); }
+
+ private:
+  std::shared_ptr<const SampleSource> source_;
+  std::size_t count_;
+};
+
 // The old name of a loader's batch (a dp::Batch); goes away in the next release.
 using HostBatch [[deprecated("use dp::Batch")]] = Batch;
 
 // The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
 // before it fills the batch: a plan of millions of steps takes no memory up front.
 using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
+
+// How a BatchLoader works: `depth` batches made ahead of the consumer; `workers` threads making
+// each batch's samples together (torch's DataLoader num_workers; 0: the loader's own thread alone);
+// the key of every sample's random draws, with the epoch batch k belongs to (none: epoch 0).
+struct LoaderOptions {
+  int depth = 2;
+  int workers = 0;
+  SampleKey key;
+  std::function<std::int64_t(std::size_t k)> epoch_of;
+};
 
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
 // A batch returned by next() stays valid until the following call to next(), and for as long as a
@@ -111,14 +160,20 @@ class BatchLoader {
   // A plan held in memory: `batches`, the sample indices of each batch in consumption order.
   BatchLoader(Runtime& runtime, const Dataset& data, std::vector<std::vector<std::int64_t>> batches, int depth = 2,
               Normalize normalize = {});
+  // Batches of samples `source` makes (decoded, augmented), on `options.workers` threads.
+  BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> source, std::size_t count, std::size_t max_batch,
+              BatchPlan plan, LoaderOptions options = {});
+  BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> source,
+              std::vector<std::vector<std::int64_t>> batches, LoaderOptions options = {});
   ~BatchLoader();
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
 
   std::size_t count() const { return count_; }
   // Throws once all batches were consumed, or what making the batch threw (a bad plan).
-  // One batch ready on the host: pixels / 255 as float32 (size x rows x cols) and int64 labels, in
-  // pinned memory the batch's lease lends (copies to a device are asynchronous).
+  // One batch ready on the host: the source's samples as float32 (size x C x H x W; for a Dataset,
+  // pixels / 255 normalised) and int64 labels, in pinned memory the batch's lease lends (copies to a
+  // device are asynchronous).
   Batch next();
 
  private:
@@ -139,14 +194,35 @@ class BatchLoader {
     BatchPlan plan;
     static Held of(std::vector<std::vector<std::int64_t>> batches);
   };
-  BatchLoader(Held held, Runtime& runtime, const Dataset& data, int depth, Normalize normalize);
+  BatchLoader(Held held, Runtime& runtime, std::shared_ptr<const SampleSource> source, LoaderOptions options);
   void produce();
+  // Fills samples [0, n) of batch k on this thread and the workers, each taking the next sample.
+  void fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, float* inputs);
+  void work();
+  void take_samples();
 
   Runtime& runtime_;
-  const Dataset& data_;
-  std::size_t count_, max_batch_;
+  std::shared_ptr<const SampleSource> source_;
+  std::size_t count_, max_batch_, sample_floats_;
   BatchPlan plan_;
-  Normalize normalize_;
+  LoaderOptions options_;
+  // The batch the workers help fill: its samples, where they go, the next one to take, how many
+  // are done, the threads still in it, the first failure. Set under job_mutex_ while no thread is
+  // in a job; `next` is taken without it.
+  struct Job {
+    const std::vector<std::int64_t>* indices = nullptr;
+    float* inputs = nullptr;
+    SampleKey key;
+    std::atomic<std::size_t> next{0};
+    std::size_t done = 0;
+    int active = 0;
+    std::uint64_t generation = 0;
+    std::exception_ptr error;
+  } job_;
+  std::mutex job_mutex_;
+  std::condition_variable job_cv_, done_cv_;
+  bool quit_ = false;
+  std::vector<std::thread> workers_;
   std::exception_ptr error_;  // what the producer failed with, for next() to throw
   std::vector<Slot> slots_;
   std::mutex mutex_;

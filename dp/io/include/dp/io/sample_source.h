@@ -1,0 +1,43 @@
+// dp/sample_source.h — what a BatchLoader fills its batches from: N samples of one shape {C, H, W},
+// each made on demand as float32 (an MNIST image divided and normalised, or an image file decoded
+// and augmented) with its class. torch.utils.data.Dataset's __getitem__, with the random draws of
+// an augmentation keyed rather than taken from a generator's state.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace dp {
+
+// Which draw a random augmentation takes for a sample: a pure function of (seed, rank, epoch,
+// sample index), so a run is reproducible, ranks augment differently, and a resumed run draws what
+// the uninterrupted one drew (there is no generator state to save).
+struct SampleKey {
+  std::uint64_t seed = 0;
+  std::int64_t rank = 0;
+  std::int64_t epoch = 0;
+};
+
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual std::size_t size() const = 0;
+  // {C, H, W} of every sample the source makes.
+  virtual std::vector<std::int64_t> sample_shape() const = 0;
+  // The number of classes; labels lie in [0, num_classes()).
+  virtual int num_classes() const = 0;
+  virtual std::int64_t label(std::size_t index) const = 0;
+  // Writes sample `index` (< size()) as C*H*W floats (CHW) to `out`. Called from several loader
+  // threads at once for different samples; throws dp::Error naming what is wrong with the sample
+  // (an unreadable file).
+  virtual void fill(std::size_t index, const SampleKey& key, float* out) const = 0;
+
+  std::size_t sample_floats() const {
+    std::size_t n = 1;
+    for (std::int64_t d : sample_shape()) n *= static_cast<std::size_t>(d);
+    return n;
+  }
+};
+
+}  // namespace dp
