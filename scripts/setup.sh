@@ -8,7 +8,7 @@ shift || true
 
 packages=(cmake ninja-build g++ pkg-config ccache clang-format libgtest-dev libopenblas-dev libfmt-dev nlohmann-json3-dev
           libcli11-dev zlib1g-dev python3-matplotlib dataset-fashion-mnist clang-14 libclang-rt-14-dev librandom123-dev
-          openmpi-bin libopenmpi-dev libgloo-dev)
+          openmpi-bin libopenmpi-dev libgloo-dev python3-torchvision libpng-dev libjpeg62-turbo-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

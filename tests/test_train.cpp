@@ -683,7 +683,7 @@ TEST_F(TrainTest, EvaluationAndMetricsInputsAreChecked) {
   expect_refused("--backend sim --synthetic 16 --batch-size 8 --steps 1 --eval", "has no test split");
   expect_refused("--backend sim --data " + path("data") + " --batch-size 8 --steps 1 --eval", "has no test split");
   expect_refused("--backend sim --synthetic 16 --steps 1 --normalize 0.5", "--normalize '0.5'");
-  expect_refused("--backend sim --synthetic 16 --steps 1 --normalize 0.5,0", "a std > 0");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --normalize 0.5,0", "stds > 0");
   expect_refused("--backend sim --data " + path("data") + " --eval-only", "--eval-only evaluates a checkpoint");
   expect_refused("--backend sim --synthetic 16 --steps 1 --metrics-json " + path("no/such/dir/m.jsonl"),
                  "--metrics-json");
@@ -1198,6 +1198,11 @@ TEST(ExitCodes, EachCauseHasOneCodeWhereverItHappens) {
   EXPECT_EQ(judge(on_device(nullptr)).code, 1);
   // The library's own decider, which custom_model (an embedding program) uses.
   EXPECT_EQ(dp::exit_code(std::make_exception_ptr(dp::InvalidArgument("bad shape"))), 2);
+  // A bad input file, also when a loader thread finds it mid-run.
+  EXPECT_EQ(judge(std::make_exception_ptr(dp::DataError("a.png: truncated PNG"))).code, 2);
+  // A collective aborted because of another failure is a consequence, never the cause to report.
+  EXPECT_TRUE(dp::tools::is_consequence(on_device(std::make_exception_ptr(dp::CollectiveAborted("aborted")))));
+  EXPECT_FALSE(dp::tools::is_consequence(on_device(diverged)));
   EXPECT_EQ(dp::exit_code(on_device(oom)), 2);
   EXPECT_EQ(dp::exit_code(on_device(diverged)), 3);
   EXPECT_EQ(dp::exit_code(std::make_exception_ptr(dp::Error("a broken invariant"))), 1);

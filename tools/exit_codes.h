@@ -34,6 +34,20 @@ inline bool& host_memory_failed() {
   return failed;
 }
 
+// Whether `error` (on its own or as a device's WorkerError) is a collective aborted because of
+// another failure: a consequence, never the failure to report.
+inline bool is_consequence(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const WorkerError& w) {
+    return w.cause() && is_consequence(w.cause());
+  } catch (const CollectiveAborted&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 // UsageError is the tools' own (2); every other cause takes dp::exit_code's code, with a hint.
 inline Verdict judge(const std::exception_ptr& error) {
   const auto cause = [](const std::exception_ptr& e) {

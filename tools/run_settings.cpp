@@ -48,13 +48,28 @@ const std::vector<Setting>& settings() {
   static const std::vector<Setting> all = {
       {"--model", "model", S::always, true, [](const Options& o) { return o.model; },
        [](Options& o, const std::string& v) {
-         if (v != "mlp" && v != "convnet" && v != "resnet8")
+         if (v != "mlp" && v != "convnet" && v != "resnet8" && v != "resnet18" && v != "resnet34")
            throw UsageError(fmt::format("metadata 'dp.model' = '{}' is not a model dp_train knows", v));
          o.model = v;
        }},
       {"--hidden", "hidden", S::always, true, [](const Options& o) { return o.model == "mlp" ? o.hidden : ""; },
        [](Options& o, const std::string& v) {
          if (!v.empty()) o.hidden = v;
+       }},
+      {"--num-classes", "num_classes", S::always, true,
+       [](const Options& o) { return o.num_classes ? fmt::format("{}", *o.num_classes) : std::string(); },
+       [](Options& o, const std::string& v) {
+         if (!v.empty()) o.num_classes = static_cast<int>(integer("num_classes", v));
+       }},
+      {"--image-size", "image_size", S::always, false,
+       [](const Options& o) { return o.model == "resnet18" || o.model == "resnet34" ? text(o.image_size) : ""; },
+       [](Options& o, const std::string& v) {
+         if (!v.empty()) o.image_size = static_cast<int>(integer("image_size", v));
+       }},
+      {"--resize", "resize", S::always, false,
+       [](const Options& o) { return o.resize ? fmt::format("{}", *o.resize) : std::string(); },
+       [](Options& o, const std::string& v) {
+         if (!v.empty()) o.resize = static_cast<int>(integer("resize", v));
        }},
       {"--normalize", "normalize", S::always, false, [](const Options& o) { return o.normalize; },
        [](Options& o, const std::string& v) { o.normalize = v; }},

@@ -51,7 +51,12 @@ CLI::Validator fraction_below_one() {
 // The options are added group by group in the order --help lists them; integers are decimal only
 // and within range (dp_cli::add_integer).
 void add_model_options(CLI::App& app, Options& o) {
-  app.add_option("--model", o.model, "mlp, convnet or resnet8")->check(CLI::IsMember({"mlp", "convnet", "resnet8"}));
+  app.add_option("--model", o.model,
+                 "mlp, convnet, resnet8 (28x28 grey images) or resnet18, resnet34 (torchvision's, RGB image folders)")
+      ->check(CLI::IsMember({"mlp", "convnet", "resnet8", "resnet18", "resnet34"}));
+  dp_cli::add_integer(app, "--num-classes", o.num_classes,
+                      "resnet18/34: fc's outputs (default: the number of class folders)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU, P in [0, 1] (default 0: none)")
       ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
   app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm, BatchNorm statistics over all ranks' batches");
@@ -90,8 +95,32 @@ void add_data_options(CLI::App& app, Options& o) {
   auto* data = app.add_option("--data", o.data,
                               "directory with train-{images-idx3,labels-idx1}-ubyte (and t10k-* for --eval), plain "
                               "or .gz; or an installed data set's name: fashion-mnist, mnist");
+  auto* train_dir =
+      app.add_option("--train-dir", o.train_dir,
+                     "an image folder to train on (torchvision's ImageFolder: a subfolder of JPEG/PNG files per "
+                     "class); --data DIR with DIR/train and DIR/val names both")
+          ->excludes(data);
+  auto* val_dir =
+      app.add_option("--val-dir", o.val_dir, "the image folder to evaluate on (its classes: the training folder's)")
+          ->excludes(data);
+  dp_cli::add_integer(app, "--image-size", o.image_size,
+                      "image folders: the size S of the S x S crops (RandomResizedCrop in training, CenterCrop in "
+                      "evaluation; default 224)")
+      ->check(CLI::Range(1, 1 << 14));
+  dp_cli::add_integer(app, "--resize", o.resize,
+                      "image folders, evaluation: Resize(R) of the shorter side before CenterCrop (default "
+                      "S * 256 / 224)")
+      ->check(CLI::Range(1, 1 << 16));
+  dp_cli::add_integer(app, "--workers", o.workers,
+                      "threads decoding and augmenting each batch, per loader (DataLoader's num_workers; "
+                      "default 0: the loader's own thread)")
+      ->check(CLI::Range(0, 256));
+  app.add_flag("--loader-only", o.loader_only,
+               "read the run's batches without training and report the loader's images/s");
   dp_cli::add_integer(app, "--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
       ->excludes(data)
+      ->excludes(train_dir)
+      ->excludes(val_dir)
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
   dp_cli::add_integer(app, "--limit-train", o.limit_train,
                       "train on the first N samples of the training set only (torch's Subset(range(N)))")
@@ -169,7 +198,9 @@ void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
                             "--data has t10k-* files)");
   app.add_flag("--no-eval", eval_flags.off, "no evaluation")->excludes(eval);
   app.add_flag("--eval-only", o.eval_only, "evaluate the --init checkpoint on the test set, no training");
-  app.add_option("--normalize", o.normalize, "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530");
+  app.add_option("--normalize", o.normalize,
+                 "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530; for RGB images one per channel, "
+                 "MEANS/STDS, e.g. 0.485,0.456,0.406/0.229,0.224,0.225 (torchvision's Normalize(mean, std))");
   app.add_option("--predictions", o.predictions,
                  "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
   // Hidden (no group): the failure tests start one process of an mpirun job with it.
@@ -197,8 +228,8 @@ bool settle_flags(const CLI::App& app, Options& o) {
   }
   apply_optimizer_defaults(o);
   // A file flag given an empty value names no file: refused rather than read as "not given".
-  for (const char* flag :
-       {"--data", "--init", "--save", "--resume", "--metrics-json", "--normalize", "--predictions"}) {
+  for (const char* flag : {"--data", "--train-dir", "--val-dir", "--init", "--save", "--resume", "--metrics-json",
+                           "--normalize", "--predictions"}) {
     const auto* option = app.get_option(flag);
     if (option->count() > 0 && option->as<std::string>().empty()) {
       fmt::print(stderr, "dp_train: error: {}: empty value\n", flag);
@@ -211,7 +242,9 @@ bool settle_flags(const CLI::App& app, Options& o) {
 }  // namespace
 
 Parsed parse_command_line(int argc, const char* const* argv, Options& o) {
-  CLI::App app{"dp_train: train the reference MLP, ConvNet or ResNet-8 on one device, with DataParallel or with DDP"};
+  CLI::App app{
+      "dp_train: train the reference MLP, ConvNet, ResNet-8 or torchvision's ResNet-18/34 on one device, with "
+      "DataParallel or with DDP"};
   // As argparse: the last of a repeated flag wins (`$ARGS --lr 0.1`), and --help shows every default.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
   EvalFlags eval_flags;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <fcntl.h>
+#include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <limits>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "address_space.h"
+#include "dp/io/image_folder.h"
 #include "dp/runtime/device.h"
 
 namespace dp_train {
@@ -92,20 +94,55 @@ void check_schedule(const Options& o, int world, long end_step, const dp::LrSche
 
 std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
 
-dp::Normalize parse_normalize(const std::string& text) {
-  const std::size_t comma = text.find(',');
+namespace {
+
+// A comma list of finite floats, or nothing when it is not one.
+std::optional<std::vector<float>> parse_floats(const std::string& text) {
+  std::vector<float> values;
+  std::size_t begin = 0;
   try {
-    if (comma != std::string::npos && text.find(',', comma + 1) == std::string::npos) {
-      std::size_t used_mean = 0, used_std = 0;
-      const std::string mean_text = text.substr(0, comma), std_text = text.substr(comma + 1);
-      const float mean = std::stof(mean_text, &used_mean), std = std::stof(std_text, &used_std);
-      if (used_mean == mean_text.size() && used_std == std_text.size() && std::isfinite(mean) && std::isfinite(std) &&
-          std > 0.0f)
-        return dp::Normalize{mean, std};
+    for (;;) {
+      const std::size_t comma = text.find(',', begin);
+      const std::string item = text.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+      std::size_t used = 0;
+      const float v = std::stof(item, &used);
+      if (item.empty() || used != item.size() || !std::isfinite(v)) return std::nullopt;
+      values.push_back(v);
+      if (comma == std::string::npos) return values;
+      begin = comma + 1;
     }
   } catch (const std::exception&) {
+    return std::nullopt;
   }
-  throw UsageError(fmt::format("--normalize '{}': expected MEAN,STD with a finite mean and a std > 0", text));
+}
+
+}  // namespace
+
+Normalization parse_normalize(const std::string& text) {
+  const std::size_t slash = text.find('/');
+  std::optional<std::vector<float>> mean, std;
+  if (slash == std::string::npos) {
+    const auto both = parse_floats(text);
+    if (both && both->size() == 2) mean = {{(*both)[0]}}, std = {{(*both)[1]}};
+  } else {
+    mean = parse_floats(text.substr(0, slash));
+    std = parse_floats(text.substr(slash + 1));
+  }
+  const bool stds_positive = std && std::all_of(std->begin(), std->end(), [](float v) { return v > 0.0f; });
+  if (!mean || !std || mean->size() != std->size() || !stds_positive)
+    throw UsageError(fmt::format(
+        "--normalize '{}': expected MEAN,STD or MEANS/STDS (as many of each, e.g. 0.485,0.456,0.406/0.229,0.224,0.225)"
+        " with finite means and stds > 0",
+        text));
+  return Normalization{*mean, *std};
+}
+
+Normalization Normalization::for_channels(std::size_t channels) const {
+  if (mean.size() == channels) return *this;
+  if (mean.size() == 1)
+    return Normalization{std::vector<float>(channels, mean[0]), std::vector<float>(channels, std[0])};
+  throw UsageError(
+      fmt::format("--normalize gives {} means and stds; the images have {} channel(s)", mean.size(), channels));
 }
 
 std::string duration_text(double seconds) {
@@ -137,15 +174,15 @@ void MetricsLog::write(const nlohmann::json& record) {
     throw dp::Error(fmt::format("--metrics-json {}: write failed ({})", path_, std::strerror(errno)));
 }
 
-dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Dataset& test, int batch_size,
-                        dp::Normalize normalize, std::vector<std::int32_t>* predictions) {
+dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_ptr<const dp::SampleSource> test,
+                        int batch_size, int workers, std::vector<std::int32_t>* predictions) {
   const int shards = engine.world_size(), local = engine.batches_per_step();
   std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(local));
   // Global rank 0's shard is the longest: every process takes as many steps as it needs.
   const std::size_t batch = static_cast<std::size_t>(batch_size);
-  const std::size_t steps = (dp::eval_shard(test.size(), shards, 0).size() + batch - 1) / batch;
+  const std::size_t steps = (dp::eval_shard(test->size(), shards, 0).size() + batch - 1) / batch;
   for (int l = 0; l < local; ++l) {
-    const auto mine = dp::eval_shard(test.size(), shards, engine.first_rank() + l);
+    const auto mine = dp::eval_shard(test->size(), shards, engine.first_rank() + l);
     auto& plan = plans[static_cast<std::size_t>(l)];
     for (std::size_t begin = 0; begin < mine.size(); begin += static_cast<std::size_t>(batch_size))
       plan.emplace_back(mine.begin() + static_cast<std::ptrdiff_t>(begin),
@@ -155,9 +192,11 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Data
   for (auto& plan : plans) plan.resize(steps);  // empty batches for the ranks whose shard is shorter
   const auto order = plans;                     // which sample each prediction belongs to
   std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
+  dp::LoaderOptions options;
+  options.workers = workers;
   for (auto& plan : plans)
-    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, test, std::move(plan), 2, normalize));
-  if (predictions) predictions->assign(test.size(), -1);
+    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, test, std::move(plan), options));
+  if (predictions) predictions->assign(test->size(), -1);
   dp::EvalTotals totals;
   std::vector<std::int32_t> classes;
   for (std::size_t k = 0; k < steps; ++k) {
@@ -180,7 +219,12 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
                                  o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
-  std::uint64_t params = o.model == "resnet8" ? 77754 : 29034;  // ResNet-8, the ConvNet
+  // torchvision's resnet18/34 without fc, ResNet-8, the ConvNet.
+  const std::uint64_t classes = static_cast<std::uint64_t>(o.num_classes.value_or(1000));
+  std::uint64_t params = o.model == "resnet18"   ? 11176512 + 513 * classes
+                         : o.model == "resnet34" ? 21284672 + 513 * classes
+                         : o.model == "resnet8"  ? 77754
+                                                 : 29034;
   if (o.model == "mlp") {
     params = 0;
     std::uint64_t in = 784;
@@ -196,11 +240,11 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
                                               : o.momentum > 0       ? 3
                                                                      : 2,
                                               "the model"),
-                                        times(rows, (784 + 10) * 4, "the batch"), "the device memory");
+                                        times(rows, (sample_floats(o) + 10) * 4, "the batch"), "the device memory");
   const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
   std::uint64_t host =
       plus(times(samples, 784 + 8, "the data set"),
-           times(times(3 * shards, batch, "the staging"), 784 * 4 + 8, "the staging"), "the host memory");
+           times(times(3 * shards, batch, "the staging"), sample_floats(o) * 4 + 8, "the staging"), "the host memory");
   if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
   const std::uint64_t host_memory = dp::Runtime::host_memory_bytes();
   if (host_memory > 0 && host > host_memory)
@@ -217,9 +261,37 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
                                  gib(per_device), params, gib(capacity)));
 }
 
+std::uint64_t sample_floats(const Options& o) {
+  const auto side = static_cast<std::uint64_t>(o.image_size);
+  return o.model == "resnet18" || o.model == "resnet34" ? 3 * side * side : 784;
+}
+
+std::string data_identity(const dp::SampleSource& set) {
+  std::uint64_t hash = 0;
+  if (const auto* mnist = dynamic_cast<const dp::DatasetSource*>(&set)) {
+    const dp::Dataset& data = mnist->data();
+    const std::string_view pixels(reinterpret_cast<const char*>(data.pixels.data()), data.pixels.size());
+    hash = dp::tools::fingerprint(pixels);
+  } else if (const auto* folder = dynamic_cast<const dp::ImageFolder*>(&set)) {
+    std::string listing;
+    for (std::size_t i = 0; i < folder->size(); ++i) {
+      std::error_code ec;
+      const auto& path = folder->path(i);
+      listing += fmt::format("{}\n{}\n", path, std::filesystem::file_size(path, ec));
+    }
+    hash = dp::tools::fingerprint(listing);
+  }
+  std::vector<std::int64_t> labels(set.size());
+  for (std::size_t i = 0; i < set.size(); ++i) labels[i] = set.label(i);
+  const std::string_view label_bytes(reinterpret_cast<const char*>(labels.data()),
+                                     labels.size() * sizeof(std::int64_t));
+  return fmt::format("{} samples of {} classes, {:016x}", set.size(), set.num_classes(),
+                     hash ^ (dp::tools::fingerprint(label_bytes) << 1));
+}
+
 std::vector<std::pair<std::string, std::string>> configuration(const Options& o, const std::vector<int>& ids, bool cuda,
-                                                               const dp::Dataset& data,
-                                                               const std::optional<dp::Dataset>& test) {
+                                                               const dp::SampleSource* data,
+                                                               const dp::SampleSource* test) {
   const auto file = [](const std::string& path) {
     if (path.empty()) return std::string("none");
     std::ifstream in(path, std::ios::binary);
@@ -227,18 +299,12 @@ std::vector<std::pair<std::string, std::string>> configuration(const Options& o,
     bytes << in.rdbuf();
     return fmt::format("{:016x}", dp::tools::fingerprint(bytes.str()));
   };
-  const auto contents = [](const dp::Dataset& set) {
-    const std::string_view pixels(reinterpret_cast<const char*>(set.pixels.data()), set.pixels.size());
-    const std::string_view labels(reinterpret_cast<const char*>(set.labels.data()),
-                                  set.labels.size() * sizeof(std::int64_t));
-    return fmt::format("{} samples, {:016x}", set.size(),
-                       dp::tools::fingerprint(pixels) ^ (dp::tools::fingerprint(labels) << 1));
-  };
   return {
       {"--backend", cuda ? "cuda" : "sim"},
       {"devices per process", fmt::format("{}", ids.size())},
       {"--mode", o.mode},
-      {"--model", fmt::format("{} {} dropout {}", o.model, o.model == "mlp" ? o.hidden : "", o.dropout)},
+      {"--model", fmt::format("{} {} dropout {} classes {}", o.model, o.model == "mlp" ? o.hidden : "", o.dropout,
+                              o.num_classes.value_or(0))},
       {"--sync-bn", fmt::format("{}", o.sync_bn)},
       {"--batch-size", fmt::format("{}", o.batch_size)},
       {"--steps/--epochs", fmt::format("{} {}", o.steps.value_or(0), o.epochs.value_or(0))},
@@ -249,8 +315,9 @@ std::vector<std::pair<std::string, std::string>> configuration(const Options& o,
       {"--label-smoothing", fmt::format("{}", o.label_smoothing)},
       {"--seed, --no-shuffle", fmt::format("{} {}", o.seed, o.no_shuffle)},
       {"--normalize", o.normalize},
-      {"evaluation", test ? "on, " + contents(*test) : "off"},
-      {"training data", o.eval_only ? "none" : contents(data)},
+      {"images", fmt::format("size {} resize {}", o.image_size, o.resize.value_or(0))},
+      {"evaluation", test ? "on, " + data_identity(*test) : "off"},
+      {"training data", data ? data_identity(*data) : "none"},
       {"--init", file(o.init)},
       {"--resume", file(o.resume)}};
 }

@@ -43,8 +43,17 @@ void check_schedule(const Options& o, int world, long end_step, const dp::LrSche
 
 std::string ids_of(const std::vector<int>& v);
 
-// "MEAN,STD" (e.g. Fashion-MNIST's 0.2860,0.3530) for torchvision's Normalize.
-dp::Normalize parse_normalize(const std::string& text);
+// torchvision's Normalize(mean, std): one value for every channel, or one per channel.
+struct Normalization {
+  std::vector<float> mean{0.0f}, std{1.0f};
+  // The same per-channel values for `channels` channels (one value stands for all); UsageError
+  // when the counts differ.
+  Normalization for_channels(std::size_t channels) const;
+};
+
+// "MEAN,STD" (e.g. Fashion-MNIST's 0.2860,0.3530), or "M1,M2,M3/S1,S2,S3" (a list of means, then
+// one of stds, as many of each: ImageNet's 0.485,0.456,0.406/0.229,0.224,0.225).
+Normalization parse_normalize(const std::string& text);
 
 // "1m 05s", "42.0 s": durations for people.
 std::string duration_text(double seconds);
@@ -90,8 +99,9 @@ class MetricsLog {
 // `batch_size` per rank; a rank whose shard ran out sends an empty batch. Across processes, each
 // evaluates its ranks' shards and the engine sums the totals.
 // With `predictions`, it is resized to the test set and gets each sample's predicted class.
-dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Dataset& test, int batch_size,
-                        dp::Normalize normalize, std::vector<std::int32_t>* predictions = nullptr);
+// The samples come normalised from `test` (made by `workers` threads per loader).
+dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_ptr<const dp::SampleSource> test,
+                        int batch_size, int workers, std::vector<std::int32_t>* predictions = nullptr);
 
 // Refuses (exit 2, with the figures) a run that cannot fit, before anything is allocated: what it
 // needs at the least — the model's parameters, gradients and momentum and the input batch on each
@@ -101,11 +111,18 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, const dp::Data
 void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
                   int processes);
 
+// The floats of one input sample of --model (RGB --image-size squares for resnet18/34, else 28x28).
+std::uint64_t sample_floats(const Options& o);
+
 // What every process of an mpirun job must agree on (tools/dp_job.h): everything that decides the
 // collectives a run makes or the numbers it trains — not which local devices (--device-ids), where
 // process 0 writes, nor the testing hook.
 std::vector<std::pair<std::string, std::string>> configuration(const Options& o, const std::vector<int>& ids, bool cuda,
-                                                               const dp::Dataset& data,
-                                                               const std::optional<dp::Dataset>& test);
+                                                               const dp::SampleSource* data,
+                                                               const dp::SampleSource* test);
+
+// What identifies a data set's contents in configuration(): its size and a hash of its samples
+// (an MNIST set's pixels and labels; an image folder's files, classes and sizes).
+std::string data_identity(const dp::SampleSource& set);
 
 }  // namespace dp_train

@@ -28,6 +28,7 @@
 #include "dp/io/atomic_file.h"
 #include "dp/io/checkpoint.h"
 #include "dp/io/data.h"
+#include "dp/io/image_folder.h"
 #include "dp/io/safetensors.h"
 #include "dp/io/training_state.h"
 #include "dp/models/convnet.h"
@@ -52,7 +53,7 @@ using Loaders = std::vector<std::unique_ptr<dp::BatchLoader>>;
 // What validating the flags works out that later steps use.
 struct Checked {
   std::vector<int> hidden;
-  dp::Normalize normalize;
+  Normalization normalize;
 };
 
 struct Devices {
@@ -62,8 +63,8 @@ struct Devices {
 };
 
 struct Inputs {
-  dp::Dataset data;                 // the training split (none to evaluate a checkpoint)
-  std::optional<dp::Dataset> test;  // when evaluating
+  std::shared_ptr<const dp::SampleSource> data;  // the training split (none to evaluate a checkpoint)
+  std::shared_ptr<const dp::SampleSource> test;  // when evaluating
 };
 
 struct Resumed {
@@ -132,6 +133,33 @@ std::vector<int> parse_hidden(const Options& o) {
   return hidden;
 }
 
+bool torchvision_resnet(const std::string& model) { return model == "resnet18" || model == "resnet34"; }
+bool image_folders(const Options& o) { return !o.train_dir.empty() || !o.val_dir.empty(); }
+
+// Image folders feed torchvision's ResNets (RGB, any size); the IDX sets and the synthetic one the
+// 28x28 grey models.
+void check_image_options(const Options& o) {
+  const bool images = image_folders(o) || (!o.data.empty() && std::filesystem::is_directory(o.data + "/train"));
+  if (torchvision_resnet(o.model) && !images)
+    throw UsageError(
+        fmt::format("--model {} trains on RGB images: give an image folder (--data DIR holding train/ "
+                    "and val/, or --train-dir and --val-dir)",
+                    o.model));
+  if (images && !torchvision_resnet(o.model))
+    throw UsageError(fmt::format(
+        "--model {} takes 28x28 grey images (IDX files); an image folder trains --model resnet18 or resnet34",
+        o.model));
+  if (!images && (o.given.count("--image-size") || o.given.count("--resize")))
+    throw UsageError("--image-size and --resize apply to image folders");
+  if (!o.train_dir.empty() && o.val_dir.empty() && o.eval == true)
+    throw UsageError("--eval needs the image folder to evaluate on: give --val-dir");
+  if (o.eval_only && !o.train_dir.empty() && o.val_dir.empty())
+    throw UsageError("--eval-only evaluates on --val-dir: give it");
+  if (o.loader_only && o.eval_only) throw UsageError("--loader-only reads training batches: not with --eval-only");
+  if (!torchvision_resnet(o.model) && o.num_classes && *o.num_classes != 10)
+    throw UsageError(fmt::format("--num-classes {}: --model {} has 10 classes", *o.num_classes, o.model));
+}
+
 // Everything is validated before any work, so bad input never leaves a file behind.
 Checked validate_options(const Options& o) {
   const int processes = g_job.processes()->size();
@@ -149,6 +177,7 @@ Checked validate_options(const Options& o) {
   if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
+  check_image_options(o);
   if (o.eval_only && o.init.empty() && o.resume.empty())
     throw UsageError("--eval-only evaluates a checkpoint: give it with --init (or --resume)");
   if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))
@@ -230,34 +259,81 @@ void check_learning_rate(const Options& o, int world) {
 }
 
 // --limit-train / --limit-test: the first `limit` samples of a split, as torch's Subset(range(N)).
-void keep_first(dp::Dataset& set, const std::optional<std::size_t>& limit, const char* flag) {
-  if (!limit || set.size() == 0) return;
-  if (*limit > set.size())
-    say("note: {} {}: the set has only {} samples; using all of them\n", flag, *limit, set.size());
-  const std::size_t n = std::min(*limit, set.size());
-  set.labels.resize(n);
-  set.pixels.resize(n * set.sample_pixels());
+std::shared_ptr<const dp::SampleSource> keep_first(std::shared_ptr<const dp::SampleSource> set,
+                                                   const std::optional<std::size_t>& limit, const char* flag) {
+  if (!limit || set->size() == 0) return set;
+  if (*limit > set->size())
+    say("note: {} {}: the set has only {} samples; using all of them\n", flag, *limit, set->size());
+  return std::make_shared<dp::FirstSamples>(std::move(set), *limit);
+}
+
+// An image folder's split with torchvision's transforms: RandomResizedCrop + flip for training,
+// Resize + CenterCrop for evaluation; a val folder must hold the training folder's classes.
+std::shared_ptr<const dp::SampleSource> image_split(const Options& o, const Normalization& normalize,
+                                                    const std::string& dir, bool train,
+                                                    const std::vector<std::string>* classes) {
+  dp::ImageFolderOptions options;
+  options.transform = train ? dp::ImageTransform::train : dp::ImageTransform::eval;
+  options.image_size = o.image_size;
+  options.resize_size = o.resize.value_or(o.image_size * 256 / 224);
+  const Normalization rgb = normalize.for_channels(3);
+  std::copy(rgb.mean.begin(), rgb.mean.end(), options.normalization.mean.begin());
+  std::copy(rgb.std.begin(), rgb.std.end(), options.normalization.std.begin());
+  if (classes) options.expected_classes = *classes;
+  return as_usage_error([&] { return std::make_shared<const dp::ImageFolder>(dir, options); });
+}
+
+// --data DIR with DIR/train and DIR/val, or --train-dir and --val-dir.
+Inputs load_image_folders(Options& o, const Normalization& normalize) {
+  std::string train = o.train_dir, val = o.val_dir;
+  if (!o.data.empty()) {
+    train = o.data + "/train";
+    if (std::filesystem::is_directory(o.data + "/val")) val = o.data + "/val";
+  }
+  Inputs inputs;
+  std::shared_ptr<const dp::SampleSource> train_set;
+  if (!train.empty() && (!o.eval_only || val.empty())) train_set = image_split(o, normalize, train, true, nullptr);
+  const auto* classes = train_set ? &dynamic_cast<const dp::ImageFolder&>(*train_set).classes() : nullptr;
+  const bool eval = o.eval_only || o.eval.value_or(!val.empty());
+  if (eval && val.empty())
+    throw UsageError(fmt::format("--eval{}: {} has no val/ folder", o.eval_only ? "-only" : "", o.data));
+  if (eval) inputs.test = image_split(o, normalize, val, false, classes);
+  if (!o.eval_only) inputs.data = train_set;
+  const int classes_found = (train_set ? train_set : inputs.test)->num_classes();
+  if (!o.num_classes) o.num_classes = classes_found;
+  if (*o.num_classes < classes_found)
+    throw UsageError(fmt::format("--num-classes {}: the image folder has {} classes", *o.num_classes, classes_found));
+  return inputs;
 }
 
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
-Inputs load_inputs(const Options& o) {
-  std::string data_dir;
-  if (!o.data.empty()) data_dir = as_usage_error([&] { return dp::find_data_dir(o.data); });
+Inputs load_inputs(Options& o, const Normalization& normalize) {
   Inputs inputs;
-  if (!o.eval_only)
-    inputs.data = as_usage_error([&] {
-      return !data_dir.empty() ? dp::load_mnist(data_dir) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed);
-    });
-  const bool test_split = !data_dir.empty() && dp::has_split(data_dir, dp::Split::test);
-  const bool eval = o.eval_only || o.eval.value_or(test_split);
-  if (eval && !test_split)
-    throw UsageError(
-        fmt::format("--eval{}: {} has no test split (t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, "
-                    "plain or .gz)",
-                    o.eval_only ? "-only" : "", data_dir.empty() ? "synthetic data" : data_dir));
-  if (eval) inputs.test = as_usage_error([&] { return dp::load_mnist(data_dir, dp::Split::test); });
-  keep_first(inputs.data, o.limit_train, "--limit-train");
-  if (inputs.test) keep_first(*inputs.test, o.limit_test, "--limit-test");
+  if (torchvision_resnet(o.model)) {
+    inputs = load_image_folders(o, normalize);
+  } else {
+    std::string data_dir;
+    if (!o.data.empty()) data_dir = as_usage_error([&] { return dp::find_data_dir(o.data); });
+    const Normalization grey = normalize.for_channels(1);
+    const dp::Normalize one{grey.mean[0], grey.std[0]};
+    if (!o.eval_only)
+      inputs.data = as_usage_error([&] {
+        return std::make_shared<const dp::DatasetSource>(
+            !data_dir.empty() ? dp::load_mnist(data_dir) : dp::make_synthetic(o.synthetic.value_or(2048), o.seed), one);
+      });
+    const bool test_split = !data_dir.empty() && dp::has_split(data_dir, dp::Split::test);
+    const bool eval = o.eval_only || o.eval.value_or(test_split);
+    if (eval && !test_split)
+      throw UsageError(
+          fmt::format("--eval{}: {} has no test split (t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, "
+                      "plain or .gz)",
+                      o.eval_only ? "-only" : "", data_dir.empty() ? "synthetic data" : data_dir));
+    if (eval)
+      inputs.test = as_usage_error(
+          [&] { return std::make_shared<const dp::DatasetSource>(dp::load_mnist(data_dir, dp::Split::test), one); });
+  }
+  if (inputs.data) inputs.data = keep_first(inputs.data, o.limit_train, "--limit-train");
+  if (inputs.test) inputs.test = keep_first(inputs.test, o.limit_test, "--limit-test");
   return inputs;
 }
 
@@ -350,9 +426,12 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
   Built built;
   built.runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = built.runtime->device(devices.ids[0]);
-  built.model = o.model == "convnet"   ? dp::models::make_convnet(source, o.seed)
-                : o.model == "resnet8" ? dp::models::make_resnet8(source, o.seed)
-                                       : dp::models::make_mlp(source, checked.hidden, o.seed, o.dropout);
+  const int classes = o.num_classes.value_or(10);
+  built.model = o.model == "convnet"    ? dp::models::make_convnet(source, o.seed)
+                : o.model == "resnet8"  ? dp::models::make_resnet8(source, o.seed)
+                : o.model == "resnet18" ? dp::models::make_resnet18(source, classes, o.image_size, o.seed)
+                : o.model == "resnet34" ? dp::models::make_resnet34(source, classes, o.image_size, o.seed)
+                                        : dp::models::make_mlp(source, checked.hidden, o.seed, o.dropout);
   dp::Model& model = *built.model;
   as_usage_error([&] {
     if (!o.init.empty()) {
@@ -372,7 +451,7 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
 void join_collectives(const Options& o, const Devices& devices, const Inputs& inputs) {
   g_job.agree_or_stop();
   if (g_job.several())  // hashes the data
-    g_job.agree_on_configuration(configuration(o, devices.ids, devices.cuda, inputs.data, inputs.test));
+    g_job.agree_on_configuration(configuration(o, devices.ids, devices.cuda, inputs.data.get(), inputs.test.get()));
   g_job.collectives_begin();
 }
 
@@ -404,11 +483,11 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
 
 // --eval-only: the checkpoint's test loss and accuracy, and with --predictions each sample's class.
 int evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
-                  dp::Normalize normalize, MetricsLog& metrics) {
+                  MetricsLog& metrics) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::int32_t> predictions;
   const dp::EvalTotals totals =
-      evaluate(engine, runtime, *inputs.test, o.batch_size, normalize, o.predictions.empty() ? nullptr : &predictions);
+      evaluate(engine, runtime, inputs.test, o.batch_size, o.workers, o.predictions.empty() ? nullptr : &predictions);
   g_job.collectives_end();
   const std::string& checkpoint = o.init.empty() ? o.resume : o.init;
   if (const int code = diverged(o, totals.mean_loss(), fmt::format("the test loss of {}", checkpoint))) return code;
@@ -432,7 +511,7 @@ int evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, co
 
 // single and dp read the whole data set in order (one replica); ddp ranks read their shards: this
 // process's ranks first_rank() .. first_rank() + batches_per_step() - 1 of world_size().
-Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& runtime, const dp::Dataset& data,
+Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& runtime, const dp::SampleSource& data,
               const Devices& devices, int world, long start_step) {
   const int shards = engine.world_size();
   const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
@@ -461,7 +540,7 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& run
 // The data order: per step, the sample indices of each rank's batch, made by the rank's loader
 // thread just before it fills the batch (constant memory, however many steps).
 Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engine, dp::Runtime& runtime,
-                     const dp::Dataset& data, dp::Normalize normalize) {
+                     std::shared_ptr<const dp::SampleSource> data) {
   Loaders loaders;
   for (int local = 0; local < engine.batches_per_step(); ++local) {
     const int rank = engine.first_rank() + local;
@@ -470,7 +549,7 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
       std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
     };
     auto order = std::make_shared<Order>(
-        Order{dp::DistributedSampler(data.size(), plan.shards, rank, !o.no_shuffle, o.seed), {}});
+        Order{dp::DistributedSampler(data->size(), plan.shards, rank, !o.no_shuffle, o.seed), {}});
     const auto batch = static_cast<std::size_t>(o.batch_size);
     const bool log = o.log_batches;
     const long start_step = plan.start_step, batches_per_epoch = plan.batches_per_epoch;
@@ -487,10 +566,37 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
       if (log) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(mine, " "));
       return mine;
     };
+    // Augmentations draw from (seed, rank, epoch, sample): reproducible, different on every rank,
+    // and a resumed run draws what the uninterrupted one would have.
+    dp::LoaderOptions options;
+    options.workers = o.workers;
+    options.key = dp::SampleKey{o.seed, rank, 0};
+    options.epoch_of = [start_step, batches_per_epoch](std::size_t k) {
+      return (start_step + static_cast<long>(k)) / batches_per_epoch;
+    };
     loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, data, static_cast<std::size_t>(plan.total_steps),
-                                                        batch, batch_plan, 2, normalize));
+                                                        batch, batch_plan, std::move(options)));
   }
   return loaders;
+}
+
+// --loader-only: the run's batches read as training would read them, nothing trained; the loader's
+// rate (decoding and augmentation included) alone.
+int read_batches_only(const Options& o, const Plan& plan, Loaders& loaders, MetricsLog& metrics) {
+  const auto t0 = std::chrono::steady_clock::now();
+  long images = 0;
+  for (long s = 0; s < plan.total_steps; ++s)
+    for (auto& loader : loaders) images += loader->next().size;
+  const double seconds = std::max(since(t0), 1e-9);
+  say("dp_train: loader: {} images in {} step(s) in {:.2f} s: {:.1f} images/s ({} loader(s), --workers {})\n", images,
+      plan.total_steps, seconds, static_cast<double>(images) / seconds, loaders.size(), o.workers);
+  metrics.write({{"kind", "loader"},
+                 {"images", images},
+                 {"steps", plan.total_steps},
+                 {"seconds", seconds},
+                 {"images_per_s", static_cast<double>(images) / seconds},
+                 {"workers", o.workers}});
+  return 0;
 }
 
 // The training loop: a line per --log-every steps, and after every epoch its train loss, the test
@@ -563,13 +669,12 @@ void prune_periodic(const std::string& save, long keep) {
 class TrainLoop {
  public:
   TrainLoop(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
-            dp::Normalize normalize, MetricsLog& metrics, Loaders& loaders)
+            MetricsLog& metrics, Loaders& loaders)
       : o_(o),
         plan_(plan),
         engine_(engine),
         runtime_(runtime),
         test_(inputs.test),
-        normalize_(normalize),
         metrics_(metrics),
         loaders_(loaders) {}
 
@@ -612,8 +717,7 @@ class TrainLoop {
   const Plan& plan_;
   dp::Engine& engine_;
   dp::Runtime& runtime_;
-  const std::optional<dp::Dataset>& test_;
-  dp::Normalize normalize_;
+  std::shared_ptr<const dp::SampleSource> test_;
   MetricsLog& metrics_;
   Loaders& loaders_;
   // mpirun forwards output through a pseudo-terminal: lines, not a progress line.
@@ -668,8 +772,15 @@ int TrainLoop::run() {
     try {
       submitted.emplace(Submitted{s, lr, samples, engine_.submit_step(batches)});
     } catch (...) {  // the step before is reported first (its log line, or its divergence), as step by step
-      if (const int code = finish_pending(pending)) return code;
-      throw;
+      const std::exception_ptr failure = std::current_exception();
+      try {
+        if (const int code = finish_pending(pending)) return code;
+      } catch (...) {
+        // The step before failed too: by itself (its failure is the cause), or cut short when this
+        // step's failure aborted the collectives it was still running (this one is).
+        if (!dp::tools::is_consequence(std::current_exception())) throw;
+      }
+      std::rethrow_exception(failure);
     }
     if (const int code = finish_pending(pending)) return code;
     // A step after which something reads the state (an epoch's evaluation, a checkpoint, a stop
@@ -752,7 +863,7 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
 int TrainLoop::end_epoch(long s, long epoch) {
   const double train_seconds = since(epoch_start_);
   std::optional<dp::EvalTotals> totals;
-  if (test_) totals = evaluate(engine_, runtime_, *test_, o_.batch_size, normalize_);
+  if (test_) totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
   if (totals)
     if (const int code = diverged(o_, totals->mean_loss(), fmt::format("the test loss after step {}", s + 1)))
       return code;
@@ -785,16 +896,11 @@ int TrainLoop::end_epoch(long s, long epoch) {
 // No later step checks the last step's update with its loss: the model the run ends with must give
 // a finite loss, in evaluation (as a checkpoint is used), on the first global batch of the training
 // data. The test set already checked it when there is one.
-int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
-                      dp::Normalize normalize) {
+int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs) {
   if (inputs.test) return 0;
-  const std::size_t count = std::min(
-      inputs.data.size(), static_cast<std::size_t>(o.batch_size) * static_cast<std::size_t>(engine.world_size()));
-  dp::Dataset first{inputs.data.rows, inputs.data.cols, {}, {}};
-  first.pixels.assign(inputs.data.pixels.begin(),
-                      inputs.data.pixels.begin() + static_cast<std::ptrdiff_t>(count * inputs.data.sample_pixels()));
-  first.labels.assign(inputs.data.labels.begin(), inputs.data.labels.begin() + static_cast<std::ptrdiff_t>(count));
-  const dp::EvalTotals totals = evaluate(engine, runtime, first, o.batch_size, normalize);
+  const std::size_t count = static_cast<std::size_t>(o.batch_size) * static_cast<std::size_t>(engine.world_size());
+  const dp::EvalTotals totals =
+      evaluate(engine, runtime, std::make_shared<dp::FirstSamples>(inputs.data, count), o.batch_size, o.workers);
   return diverged(o, totals.mean_loss(), "the loss of the final model on the first batch");
 }
 
@@ -872,20 +978,21 @@ int run(Options o) {
   // What the run needs at the least, in 64 bits, before anything is allocated.
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
   g_job.set_devices(devices.ids);
-  const Inputs inputs = load_inputs(o);
+  const Inputs inputs = load_inputs(o, checked.normalize);
   const Resumed resumed = read_resume(o, world);
   Built built = build_model(o, checked, devices, resumed);
   join_collectives(o, devices, inputs);
   Loaders loaders;  // outlives the engine: its streams read their pinned batches
   const auto engine = build_engine(o, devices, world, built, resumed);
   if (o.eval_only) {
-    return evaluate_only(o, *engine, *built.runtime, inputs, checked.normalize, metrics);
+    return evaluate_only(o, *engine, *built.runtime, inputs, metrics);
   }
-  const Plan plan = plan_run(o, *engine, *built.runtime, inputs.data, devices, world, resumed.start_step);
-  loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data, checked.normalize);
-  TrainLoop loop(o, plan, *engine, *built.runtime, inputs, checked.normalize, metrics, loaders);
+  const Plan plan = plan_run(o, *engine, *built.runtime, *inputs.data, devices, world, resumed.start_step);
+  loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
+  if (o.loader_only) return read_batches_only(o, plan, loaders, metrics);
+  TrainLoop loop(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
   if (const int code = loop.run()) return code;
-  if (const int code = check_final_model(o, *engine, *built.runtime, inputs, checked.normalize)) return code;
+  if (const int code = check_final_model(o, *engine, *built.runtime, inputs)) return code;
   save(o, *engine, plan, loop.reached());
   return loop.stop_signal() ? 128 + loop.stop_signal() : 0;
 }

@@ -32,6 +32,12 @@ struct Options {
   std::string device_ids;
   std::optional<int> output_device;
   std::string data;
+  std::string train_dir, val_dir;  // image folders (--data DIR with train/ and val/ names both)
+  int image_size = 224;            // image folders: RandomResizedCrop's (train) and CenterCrop's (eval) size
+  std::optional<int> resize;       // image folders, eval: Resize's shorter side (default image_size * 256 / 224)
+  int workers = 0;                 // threads decoding and augmenting each batch (DataLoader's num_workers)
+  std::optional<int> num_classes;  // resnet18/34: fc's outputs (default: the image folder's classes)
+  bool loader_only = false;        // read the planned batches without training: the loader's images/s
   std::optional<std::size_t> synthetic;
   std::optional<std::size_t> limit_train, limit_test;  // the first N samples of a split only
   int batch_size = 64;
@@ -56,7 +62,7 @@ struct Options {
   bool log_batches = false;
   std::optional<bool> eval;  // unset: evaluate when the data has a test split
   bool eval_only = false;
-  std::string normalize;     // "MEAN,STD"
+  std::string normalize;     // "MEAN,STD" or "M1,M2,M3/S1,S2,S3"
   std::string metrics_json;  // JSON lines, one per logged step and per epoch
   std::string predictions;   // --eval-only: each test sample's predicted class, one per line
   long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would

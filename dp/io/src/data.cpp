@@ -415,7 +415,9 @@ void BatchLoader::work() {
       job_cv_.wait(lock, [&] { return quit_ || job_.generation != seen; });
       if (quit_) return;
       seen = job_.generation;
-      ++job_.active;  // the producer posts no other job until this thread has left this one
+      // A job already finished (this thread woke late) is gone: its samples may no longer exist.
+      if (job_.indices == nullptr) continue;
+      ++job_.active;  // the producer ends this job only once this thread has left it
     }
     take_samples();
   }
@@ -466,6 +468,7 @@ void BatchLoader::fill_batch(std::size_t k, const std::vector<std::int64_t>& ind
   std::unique_lock lock(job_mutex_);
   // Every sample made and every worker gone from the job: its fields may change for the next one.
   done_cv_.wait(lock, [&] { return job_.active == 0; });
+  job_.indices = nullptr;  // ended: a worker waking only now does not join it
   if (job_.error) std::rethrow_exception(job_.error);
 }
 

@@ -234,14 +234,15 @@ void check_fits(const std::string& name, const ActShape& in, int kernel, int pad
 
 class MaxPool2d final : public Layer {
  public:
-  MaxPool2d(std::string name, int kernel, int stride) : Layer(std::move(name)), kernel_(kernel), stride_(stride) {
-    check_window(this->name(), kernel, stride, 0);
+  MaxPool2d(std::string name, int kernel, int stride, int pad)
+      : Layer(std::move(name)), kernel_(kernel), stride_(stride), pad_(pad) {
+    check_window(this->name(), kernel, stride, pad);
   }
   kernels::MaxPoolShape shape(const ActShape& in) const {
-    return kernels::MaxPoolShape{in.n, in.c, in.h, in.w, kernel_, stride_, 0};
+    return kernels::MaxPoolShape{in.n, in.c, in.h, in.w, kernel_, stride_, pad_};
   }
   ActShape output_shape(const ActShape& in) const override {
-    check_fits(name(), in, kernel_, 0);
+    check_fits(name(), in, kernel_, pad_);
     const auto s = shape(in);
     return ActShape{in.n, in.c, s.h_out(), s.w_out()};
   }
@@ -259,7 +260,7 @@ class MaxPool2d final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<MaxPool2d>(*this); }
 
  private:
-  int kernel_, stride_;
+  int kernel_, stride_, pad_;
   Scratch argmax_;
 };
 
@@ -485,8 +486,8 @@ std::unique_ptr<Layer> make_batchnorm2d(std::string name, int channels) {
   return std::make_unique<BatchNorm2d>(std::move(name), channels);
 }
 std::unique_ptr<Layer> make_relu(std::string name) { return std::make_unique<Relu>(std::move(name)); }
-std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride) {
-  return std::make_unique<MaxPool2d>(std::move(name), kernel, stride);
+std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride, int pad) {
+  return std::make_unique<MaxPool2d>(std::move(name), kernel, stride, pad);
 }
 std::unique_ptr<Layer> make_flatten(std::string name) { return std::make_unique<Flatten>(std::move(name)); }
 std::unique_ptr<Layer> make_avgpool2d(std::string name, int kernel, int stride, int pad) {

@@ -28,6 +28,8 @@ int exit_code(const std::exception_ptr& error) noexcept {
     return e.cause() ? exit_code(e.cause()) : 1;
   } catch (const InvalidArgument&) {
     return 2;
+  } catch (const DataError&) {
+    return 2;
   } catch (const OutOfMemory&) {
     return 2;
   } catch (const std::bad_alloc&) {

@@ -133,8 +133,8 @@ std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_ch
 // torch.nn.BatchNorm2d(channels) (eps 1e-5, momentum 0.1, affine, running statistics).
 std::unique_ptr<Layer> make_batchnorm2d(std::string name, int channels);
 std::unique_ptr<Layer> make_relu(std::string name);
-// torch.nn.MaxPool2d(kernel, stride).
-std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride);
+// torch.nn.MaxPool2d(kernel, stride, pad) (floor mode, dilation 1; padding never wins a window).
+std::unique_ptr<Layer> make_maxpool2d(std::string name, int kernel, int stride, int pad = 0);
 // torch.nn.AvgPool2d(kernel, stride, pad) (ceil_mode False, count_include_pad True).
 std::unique_ptr<Layer> make_avgpool2d(std::string name, int kernel, int stride, int pad = 0);
 // torch.nn.AdaptiveAvgPool2d(1): the mean of every (sample, channel) plane, output (N, C, 1, 1).

@@ -49,6 +49,13 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
+// Input data that cannot be read as what it should be: a truncated, corrupt or foreign file, an image
+// past the decompression-bomb limit. The user's input, as InvalidArgument is (exit code 2).
+class DataError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A value that must be finite is NaN or infinite: a diverged model about to be saved, a checkpoint
 // holding NaN. Programs map it to "training diverged" (dp_train: exit code 3).
 class NonFiniteError : public Error {
