@@ -120,6 +120,39 @@ TEST_F(TrainImagesTest, ResNet18TrainsInEveryModeAndTorchvisionAgrees) {
   }
 }
 
+#ifdef DP_TORCHVISION_CHECK
+// A torchvision checkpoint (converted to safetensors by scripts/torchvision_to_safetensors.py)
+// initialises dp strictly; with fc dropped, it fine-tunes a model of another class count with the
+// backbone frozen (--init-non-strict, --freeze), as a torchvision fine-tuning recipe does.
+TEST_F(TrainImagesTest, TorchvisionWeightsInitialiseAndFineTune) {
+  const std::string data = write_folder("photos", 4, 1);
+  const std::string script = std::string(DP_SOURCE_DIR) + "/scripts/torchvision_to_safetensors.py";
+  const std::string whole = path("tv.safetensors"), backbone = path("tv_backbone.safetensors");
+  const Result convert =
+      dp::test::run_command(fmt::format("{} {} --random resnet18 --num-classes 3 {}", DP_PYTHON, script, whole));
+  if (convert.code != 0) GTEST_SKIP() << convert.output;
+  ASSERT_EQ(
+      dp::test::run_command(fmt::format("{} {} --random resnet18 --drop fc {}", DP_PYTHON, script, backbone)).code, 0);
+  const std::string common =
+      fmt::format("--model resnet18 --data {} --image-size 32 --batch-size 4 --backend sim", data);
+  const Result strict = run(fmt::format("{} --eval-only --init {}", common, whole));
+  EXPECT_EQ(strict.code, 0) << "every torchvision key is dp's, and every dp key torchvision's\n" << strict.output;
+  const Result refused = run(fmt::format("{} --steps 1 --init {}", common, backbone));
+  EXPECT_EQ(refused.code, 2) << strict.output;
+  EXPECT_NE(refused.output.find("fc.weight"), std::string::npos) << refused.output;
+  const std::string tuned = path("tuned.safetensors");
+  const Result tune = run(fmt::format(
+      "{} --steps 2 --no-eval --init {} --init-non-strict --freeze conv1 --freeze bn1 --freeze layer1 --freeze layer2 "
+      "--freeze layer3 --freeze layer4 --save {}",
+      common, backbone, tuned));
+  ASSERT_EQ(tune.code, 0) << tune.output;
+  EXPECT_NE(tune.output.find("missing_keys=['fc.weight', 'fc.bias']"), std::string::npos) << tune.output;
+  const auto before = dp::safetensors::read(backbone), after = dp::safetensors::read(tuned);
+  EXPECT_EQ(before.at("layer3.1.conv2.weight").data, after.at("layer3.1.conv2.weight").data) << "frozen";
+  EXPECT_EQ(before.at("conv1.weight").data, after.at("conv1.weight").data) << "frozen";
+}
+#endif
+
 // The crops are drawn from (seed, rank, epoch, sample): a run resumed part-way draws what the
 // uninterrupted run drew, so its checkpoint is the same bit for bit; another seed draws others.
 TEST_F(TrainImagesTest, AugmentationIsReproducibleAndResumesExactly) {

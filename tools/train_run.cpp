@@ -582,8 +582,9 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
 
 // --loader-only: the run's batches read as training would read them, nothing trained; the loader's
 // rate (decoding and augmentation included) alone.
-int read_batches_only(const Options& o, const Plan& plan, Loaders& loaders, MetricsLog& metrics) {
-  const auto t0 = std::chrono::steady_clock::now();
+// Timed from `t0`, before the loaders were made: the batches they fill ahead count too.
+int read_batches_only(const Options& o, const Plan& plan, Loaders& loaders, MetricsLog& metrics,
+                      std::chrono::steady_clock::time_point t0) {
   long images = 0;
   for (long s = 0; s < plan.total_steps; ++s)
     for (auto& loader : loaders) images += loader->next().size;
@@ -988,8 +989,9 @@ int run(Options o) {
     return evaluate_only(o, *engine, *built.runtime, inputs, metrics);
   }
   const Plan plan = plan_run(o, *engine, *built.runtime, *inputs.data, devices, world, resumed.start_step);
+  const auto loaders_made = std::chrono::steady_clock::now();
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
-  if (o.loader_only) return read_batches_only(o, plan, loaders, metrics);
+  if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);
   TrainLoop loop(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
   if (const int code = loop.run()) return code;
   if (const int code = check_final_model(o, *engine, *built.runtime, inputs)) return code;
