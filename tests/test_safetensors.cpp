@@ -61,6 +61,18 @@ TEST_F(SafetensorsTest, RoundTripKeepsOrderDtypesAndMetadata) {
   EXPECT_EQ(back.at("bn.num_batches_tracked").to_i64(), std::vector<std::int64_t>{42});
   EXPECT_EQ(back.metadata.at("dp.step"), "7");
   EXPECT_THROW(back.at("fc.weight").to_i64(), Error) << "dtype checked";
+  // Empty tensors (torch writes them: a zero in the shape), wherever they fall among the others.
+  safetensors::File empty;
+  empty.add("a", safetensors::make_f32({2}, w));
+  empty.add("none", safetensors::make_f32({0, 3}, w));
+  empty.add("b", safetensors::make_f32({1}, w + 2));
+  empty.add("last", safetensors::make_i64({0}, &n));
+  safetensors::write(path("empty.safetensors"), empty);
+  const auto read_back = safetensors::read(path("empty.safetensors"));
+  EXPECT_EQ(read_back.order, empty.order);
+  EXPECT_EQ(read_back.at("none").shape, (std::vector<std::int64_t>{0, 3}));
+  EXPECT_TRUE(read_back.at("none").to_f32().empty());
+  EXPECT_EQ(read_back.at("b").to_f32(), std::vector<float>{3});
   EXPECT_THROW(back.at("missing"), Error);
 }
 

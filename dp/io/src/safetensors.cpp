@@ -124,7 +124,10 @@ Tensor parse_entry(const nlohmann::json& entry, std::uint64_t data_size, Range& 
 // The format's rule: the data section is indexed entirely, without holes or overlaps, so bytes
 // beyond the last tensor (a file padded or glued to another) are refused, not read. Sorts `ranges`.
 void check_coverage(const std::string& path, std::vector<Range>& ranges, std::uint64_t data_size) {
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // An empty tensor (a 0 in its shape) takes [x, x): ordered before a tensor starting at x, it
+  // covers nothing and overlaps nothing.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   std::uint64_t covered = 0;
   for (const Range& r : ranges) {
     if (r.begin < covered) throw Error(fmt::format("{}: tensors overlap in the data section", path));
