@@ -369,6 +369,35 @@ TEST(Bench, PrecisionIsReportedAndFastIsStrictOnTheSim) {
   }
 }
 
+// --grad-reduce bf16 (torch's bf16_compress_hook): the gradient buckets cross the links as bf16, so
+// a DDP step moves half the gradient bytes of fp32 (the ring's traffic: buffers are broadcast in
+// fp32 either way), it is reported, and training goes on at bf16's precision.
+TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
+  TempDir dir("grad_reduce");
+  std::map<std::string, json> reports;
+  for (const std::string reduce : {"fp32", "bf16"}) {
+    const auto json_path = dir / (reduce + ".json");
+    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,convnet --modes ddp "
+                                                "--batch-size 4 --steps 2 --warmup 1 --grad-reduce {} --json '{}'",
+                                                reduce, json_path.string()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    reports[reduce] = json::parse(read_file(json_path));
+    EXPECT_EQ(reports[reduce].at("grad_reduce"), reduce);
+  }
+  // The MLP has no buffers: its step's bytes are the gradients' alone, halved exactly.
+  const json& fp32 = find_run(reports["fp32"], "mlp", "ddp");
+  const json& bf16 = find_run(reports["bf16"], "mlp", "ddp");
+  for (std::size_t d = 0; d < 2; ++d) {
+    const auto sent32 = fp32.at("per_device")[d].at("bytes_sent").get<std::uint64_t>();
+    EXPECT_EQ(bf16.at("per_device")[d].at("bytes_sent").get<std::uint64_t>() * 2, sent32) << "device " << d;
+    EXPECT_GT(sent32, 4u * 200000u) << "the MLP's ~235k gradients cross once each way";
+  }
+  const json& conv32 = find_run(reports["fp32"], "convnet", "ddp");
+  const json& conv16 = find_run(reports["bf16"], "convnet", "ddp");
+  EXPECT_NEAR(conv16.at("loss_last").get<double>(), conv32.at("loss_last").get<double>(),
+              0.01 * conv32.at("loss_last").get<double>());
+}
+
 // --graphs on (the default): after the warm-up, every engine's step is a replayed graph — one launch
 // per graph (DP: one graph over every device, launched by the caller; DDP: one per rank, each on its
 // worker), one host sync, no allocation, no pageable copy — and the losses are the eager ones.

@@ -78,6 +78,12 @@ const std::vector<Setting>& settings() {
       {"--label-smoothing", "label_smoothing", S::always, false,
        [](const Options& o) { return text(o.label_smoothing); },
        [](Options& o, const std::string& v) { o.label_smoothing = number("label_smoothing", v); }},
+      {"--grad-reduce", "grad_reduce", S::resume_only, false, [](const Options& o) { return o.grad_reduce; },
+       [](Options& o, const std::string& v) {
+         if (v != "fp32" && v != "bf16")
+           throw UsageError(fmt::format("metadata 'dp.grad_reduce' = '{}' is not fp32 or bf16", v));
+         o.grad_reduce = v;
+       }},
       {"--optimizer", "optimizer", S::optimizer_kind, false, [](const Options& o) { return o.optimizer; },
        [](Options& o, const std::string& v) {
          if (v != "sgd" && v != "adamw")

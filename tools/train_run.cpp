@@ -172,6 +172,7 @@ Checked validate_options(const Options& o) {
   Checked checked{parse_hidden(o), {}};
   if (o.dropout > 0.0 && o.model != "mlp") throw UsageError("--dropout applies to --model mlp");
   if (o.sync_bn && o.mode != "ddp") throw UsageError("--sync-bn applies to --mode ddp");
+  if (o.grad_reduce != "fp32" && o.mode != "ddp") throw UsageError("--grad-reduce applies to --mode ddp");
   if (o.batch_size < 1) throw UsageError(fmt::format("--batch-size {}: must be at least 1", o.batch_size));
   if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
   if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
@@ -466,6 +467,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = devices.ids;
   engine_options.sync_batchnorm = o.sync_bn;
+  engine_options.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
   engine_options.step.label_smoothing = o.label_smoothing;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;

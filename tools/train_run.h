@@ -26,6 +26,7 @@ struct Options {
   std::string backend = "auto";
   std::string precision = "strict";
   std::string graphs = "on";
+  std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
   std::string pipeline = "on";
   std::optional<int> devices;
   int devices_per_gpu = 1;

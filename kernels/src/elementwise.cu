@@ -17,6 +17,14 @@ void scale(const Stream& stream, index_t n, float alpha, float* x) {
   launch(stream, "scale", n, Scale{alpha, x}, {operand(x, n)});
 }
 
+void to_bf16_scaled(const Stream& stream, index_t n, const float* x, float scale, std::uint16_t* y) {
+  launch(stream, "to_bf16_scaled", n, ToBf16Scaled{x, scale, y}, {operand(x, n), operand(y, n)});
+}
+
+void from_bf16(const Stream& stream, index_t n, const std::uint16_t* x, float* y) {
+  launch(stream, "from_bf16", n, FromBf16{x, y}, {operand(x, n), operand(y, n)});
+}
+
 void add(const Stream& stream, index_t n, const float* a, const float* b, float* out) {
   launch(stream, "add", n, Add{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
 }

@@ -44,7 +44,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
   if (options_.sync_batchnorm) bn_comm_ = Communicator::create(group_, processes_);
   reducer_ = std::make_unique<Reducer>(
       *comm_, group_,
-      assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb, options_.frozen));
+      assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb, options_.frozen),
+      options_.grad_reduce);
   for (int r = 0; r < group_.size(); ++r) {
     auto rank = std::make_unique<Rank>();
     Device& device = group_.device(r);

@@ -139,6 +139,8 @@ std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, con
         "{} is single-process by definition, but this job has {} processes: use ddp across processes (or run "
         "without mpirun)",
         options.kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
+  if (options.grad_reduce != GradReduce::fp32 && options.kind != EngineKind::ddp)
+    throw InvalidArgument(fmt::format("a bf16 gradient all-reduce applies to ddp, not {}", to_string(options.kind)));
   if (options.output_device && options.kind != EngineKind::dp)
     throw InvalidArgument(fmt::format("output_device applies to dp, not {}", to_string(options.kind)));
   switch (options.kind) {
@@ -167,6 +169,7 @@ std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, con
       ddp_options.processes = options.processes;
       ddp_options.graphs = options.graphs;
       ddp_options.frozen = options.frozen;
+      ddp_options.grad_reduce = options.grad_reduce;
       return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
     }
   }

@@ -52,16 +52,21 @@ struct Reducer::Rank {
   Event comm_done;
   const Stream* compute = nullptr;  // of the backward in progress
   float* grads = nullptr;
+  DeviceBuffer compressed;           // GradReduce::bf16: the buckets' bf16 values, at their gradients' offsets
   std::vector<std::size_t> pending;  // per bucket: gradient elements not yet reported ready
   std::size_t next_bucket = 0;
 };
 
-Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets)
-    : comm_(comm), buckets_(std::move(buckets)) {
+Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets, GradReduce reduce)
+    : comm_(comm), buckets_(std::move(buckets)), reduce_(reduce) {
+  std::size_t covered = 0;
+  for (const GradBucket& bucket : buckets_) covered = std::max(covered, bucket.offset + bucket.count);
   for (int r = 0; r < group.size(); ++r) {
     auto rank = std::make_unique<Rank>();
     Device& device = group.device(r);
     rank->comm = device.create_stream();
+    if (reduce_ == GradReduce::bf16 && comm_.size() > 1 && covered > 0)
+      rank->compressed = device.allocate(covered * sizeof(std::uint16_t));
     for (std::size_t b = 0; b < buckets_.size(); ++b) rank->bucket_ready.push_back(device.create_event());
     rank->comm_done = device.create_event();
     ranks_.push_back(std::move(rank));
@@ -108,9 +113,17 @@ void Reducer::launch_ready(int r) {
     rank.compute->record(rank.bucket_ready[b]);
     rank.comm.wait(rank.bucket_ready[b]);
     float* slice = rank.grads + bucket.offset;
+    const auto count = static_cast<kernels::index_t>(bucket.count);
+    const float inverse = 1.0f / static_cast<float>(comm_.size());
+    if (reduce_ == GradReduce::bf16) {
+      std::uint16_t* packed = rank.compressed.as<std::uint16_t>() + bucket.offset;
+      kernels::to_bf16_scaled(rank.comm, count, slice, inverse, packed);
+      comm_.all_reduce_bf16(r, rank.comm, packed, bucket.count);
+      kernels::from_bf16(rank.comm, count, packed, slice);
+      continue;
+    }
     // torch divides while copying into the bucket (grad * (1/world_size) in fp32), then sums.
-    kernels::scale(rank.comm, static_cast<kernels::index_t>(bucket.count), 1.0f / static_cast<float>(comm_.size()),
-                   slice);
+    kernels::scale(rank.comm, count, inverse, slice);
     comm_.all_reduce(r, rank.comm, slice, bucket.count, ReduceOp::sum);
   }
 }

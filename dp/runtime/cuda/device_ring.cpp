@@ -59,6 +59,9 @@ class DeviceRingCommunicator final : public Communicator {
            {op == ReduceOp::avg ? ring::Op::all_reduce_avg : ring::Op::all_reduce_sum, rank, size(), 0, data, nullptr,
             count});
   }
+  void all_reduce_bf16(int rank, const Stream& stream, std::uint16_t* data, std::size_t count) override {
+    launch(stream, "all_reduce", {ring::Op::all_reduce_bf16, rank, size(), 0, data, nullptr, count});
+  }
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
     check_root(root);
     launch(stream, "broadcast", {ring::Op::broadcast, rank, size(), root, data, nullptr, bytes});

@@ -4,7 +4,10 @@
 // the sim ring's (dp/runtime/sim/ring_communicator.cpp): the same chunks, steps and order of
 // additions, so both give the same bits. A rank reads its left neighbour's buffer in place: on one
 // GPU that is the device-to-device copy the sim makes into its staging.
+#include <cstdint>
+
 #include "device_ring.h"
+#include "dp/runtime/bfloat16.h"
 
 namespace dp::detail::ring {
 namespace {
@@ -74,6 +77,24 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Call call, Shared* share
       if (call.op == Op::all_reduce_avg) {
         const float scale = 1.0f / static_cast<float>(n);
         for (std::size_t i = threadIdx.x; i < call.count; i += stride) mine[i] *= scale;
+      }
+      return;
+    }
+    case Op::all_reduce_bf16: {
+      // The same steps with bf16 elements, each addition rounded to bf16 (the sim's bf16_add).
+      auto* mine16 = static_cast<std::uint16_t*>(call.data);
+      const auto* left = static_cast<const std::uint16_t*>(shared->buffers[(r - 1 + n) % n]);
+      for (int s = 0; s < n - 1; ++s) {
+        std::size_t begin = 0, end = 0;
+        chunk(call.count, n, r - 1 - s, begin, end);
+        for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine16[i] = bf16_add(mine16[i], left[i]);
+        if (!meet()) return;
+      }
+      for (int s = 0; s < n - 1; ++s) {
+        std::size_t begin = 0, end = 0;
+        chunk(call.count, n, r - s, begin, end);
+        for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine16[i] = left[i];
+        if (!meet()) return;
       }
       return;
     }

@@ -21,7 +21,7 @@ struct Shared {
   const void* sends[kMaxRanks];  // all_gather's send buffers
 };
 
-enum class Op { all_reduce_sum, all_reduce_avg, broadcast, reduce, all_gather };
+enum class Op { all_reduce_sum, all_reduce_avg, all_reduce_bf16, broadcast, reduce, all_gather };
 
 // One rank's part of one call: a single-block kernel on `stream`. `aborted` is mapped pinned
 // memory the host sets to end every wait (Communicator::abort).
@@ -32,7 +32,7 @@ struct Call {
   int root;
   void* data;         // all_reduce / broadcast / reduce: the buffer; all_gather: recv
   const void* send;   // all_gather only
-  std::size_t count;  // floats (broadcast: bytes)
+  std::size_t count;  // floats (all_reduce_bf16: bf16 values; broadcast: bytes)
 };
 cudaError_t launch(const Call& call, Shared* shared, const volatile int* aborted, cudaStream_t stream);
 

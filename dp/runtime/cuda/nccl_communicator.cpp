@@ -42,6 +42,11 @@ class NcclCommunicator final : public Communicator {
     DP_CUDA_CHECK(ncclAllReduce(data, data, count, ncclFloat32, op == ReduceOp::avg ? ncclAvg : ncclSum, comm(rank),
                                 native(rank, stream)));
   }
+  void all_reduce_bf16(int rank, const Stream& stream, std::uint16_t* data, std::size_t count) override {
+    const StreamSpan span(Access::stream(stream), "all_reduce", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
+    DP_CUDA_CHECK(ncclAllReduce(data, data, count, ncclBfloat16, ncclSum, comm(rank), native(rank, stream)));
+  }
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
     const StreamSpan span(Access::stream(stream), "broadcast", SpanKind::collective);
     const std::shared_lock issuing(issuing_);

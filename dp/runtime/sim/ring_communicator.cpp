@@ -10,10 +10,12 @@
 #include <fmt/format.h>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "backend.h"
 #include "channel.h"
+#include "dp/runtime/bfloat16.h"
 #include "dp/runtime/scratch.h"
 
 namespace dp::detail {
@@ -22,7 +24,7 @@ namespace {
 struct RankCall {
   void* data = nullptr;        // all_reduce / broadcast / reduce: the buffer; all_gather: recv
   const void* send = nullptr;  // all_gather only
-  float* staging = nullptr;    // receiver-side scratch on the rank's device
+  void* staging = nullptr;     // receiver-side scratch on the rank's device
 };
 
 // One collective call: the ranks' buffers and a reusable barrier for its steps.
@@ -69,54 +71,11 @@ class RingCommunicator final : public Communicator {
   int first_rank() const override { return first_; }
 
   void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) override {
-    check(rank, stream, data, count * sizeof(float), "all_reduce");
-    const int n = world_, g = first_ + rank;
-    float* staging = staging_for(rank, (count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n));
-    const auto chunk = [count, n](int c) {
-      c = ((c % n) + n) % n;
-      return std::pair{count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n),
-                       count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n)};
-    };
-    const auto bytes_of = [](std::pair<std::size_t, std::size_t> range) {
-      return (range.second - range.first) * sizeof(float);
-    };
-    // Counted when issued, like copies: this rank receives every chunk but its own once in
-    // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
-    const auto traffic = [this, n, g, chunk, bytes_of] {
-      for (int s = 0; s < n - 1; ++s) {
-        count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
-        count_edge(g - 1, g, bytes_of(chunk(g - s)));
-        count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
-        count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
-      }
-    };
-    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging}, traffic,
-            [this, count, op, n, chunk](int r, Round& round, int tag) {
-              const int g = first_ + r;
-              float* mine = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].data);
-              float* stage = round.calls[static_cast<std::size_t>(r)].staging;
-              // Reduce-scatter: after step s, rank g holds the sum of s+2 contributions to chunk g-1-s.
-              for (int s = 0; s < n - 1; ++s) {
-                const auto [begin, end] = chunk(g - 1 - s);
-                const auto [send_begin, send_end] = chunk(g - s);
-                transfer(round, r, stage, begin, (end - begin) * sizeof(float), mine + send_begin,
-                         (send_end - send_begin) * sizeof(float), tag, "all_reduce");
-                for (std::size_t i = begin; i < end; ++i) mine[i] += stage[i - begin];
-                step_barrier(round);
-              }
-              // All-gather: pass the finished chunks around the ring.
-              for (int s = 0; s < n - 1; ++s) {
-                const auto [begin, end] = chunk(g - s);
-                const auto [send_begin, send_end] = chunk(g + 1 - s);
-                transfer(round, r, mine + begin, begin, (end - begin) * sizeof(float), mine + send_begin,
-                         (send_end - send_begin) * sizeof(float), tag, "all_reduce");
-                step_barrier(round);
-              }
-              if (op == ReduceOp::avg) {
-                const float scale = 1.0f / static_cast<float>(n);
-                for (std::size_t i = 0; i < count; ++i) mine[i] *= scale;
-              }
-            });
+    ring_all_reduce<float>(rank, stream, data, count, op, [](float a, float b) { return a + b; });
+  }
+
+  void all_reduce_bf16(int rank, const Stream& stream, std::uint16_t* data, std::size_t count) override {
+    ring_all_reduce<std::uint16_t>(rank, stream, data, count, ReduceOp::sum, bf16_add);
   }
 
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
@@ -169,7 +128,7 @@ class RingCommunicator final : public Communicator {
               const std::size_t bytes = count * sizeof(float);
               // The root receives every other rank's buffer in rank order and adds it (its own first).
               if (g == root) {
-                float* stage = round.calls[static_cast<std::size_t>(r)].staging;
+                auto* stage = static_cast<float*>(round.calls[static_cast<std::size_t>(r)].staging);
                 for (int other = 0; other < world_; ++other) {
                   if (other == root) continue;
                   if (is_local(other)) {
@@ -206,7 +165,7 @@ class RingCommunicator final : public Communicator {
               std::memcpy(mine + block(g), round.calls[static_cast<std::size_t>(r)].send, count * sizeof(float));
               step_barrier(round);
               for (int s = 0; s < n - 1; ++s) {
-                transfer(round, r, mine + block(g - 1 - s), block(g - 1 - s), count * sizeof(float),
+                transfer(round, r, mine + block(g - 1 - s), block(g - 1 - s) * sizeof(float), count * sizeof(float),
                          mine + block(g - s), count * sizeof(float), tag, "all_gather");
                 step_barrier(round);
               }
@@ -222,6 +181,65 @@ class RingCommunicator final : public Communicator {
 
  private:
   using Body = std::function<void(int rank, Round& round, int tag)>;
+
+  // The ring all-reduce of `count` elements of T: reduce-scatter, each step adding the left
+  // neighbour's partial sum to this rank's (add), then all-gather.
+  template <class T, class Add>
+  void ring_all_reduce(int rank, const Stream& stream, T* data, std::size_t count, ReduceOp op, Add add) {
+    check(rank, stream, data, count * sizeof(T), "all_reduce");
+    const int n = world_, g = first_ + rank;
+    auto* staging = reinterpret_cast<T*>(staging_for(
+        rank,
+        ((count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n) * sizeof(T) + sizeof(float) - 1) /
+            sizeof(float)));
+    const auto chunk = [count, n](int c) {
+      c = ((c % n) + n) % n;
+      return std::pair{count * static_cast<std::size_t>(c) / static_cast<std::size_t>(n),
+                       count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n)};
+    };
+    const auto bytes_of = [](std::pair<std::size_t, std::size_t> range) {
+      return (range.second - range.first) * sizeof(T);
+    };
+    // Counted when issued, like copies: this rank receives every chunk but its own once in
+    // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
+    const auto traffic = [this, n, g, chunk, bytes_of] {
+      for (int s = 0; s < n - 1; ++s) {
+        count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
+        count_edge(g - 1, g, bytes_of(chunk(g - s)));
+        count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
+        count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
+      }
+    };
+    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging}, traffic,
+            [this, count, op, n, chunk, add](int r, Round& round, int tag) {
+              const int g = first_ + r;
+              T* mine = static_cast<T*>(round.calls[static_cast<std::size_t>(r)].data);
+              T* stage = static_cast<T*>(round.calls[static_cast<std::size_t>(r)].staging);
+              // Reduce-scatter: after step s, rank g holds the sum of s+2 contributions to chunk g-1-s.
+              for (int s = 0; s < n - 1; ++s) {
+                const auto [begin, end] = chunk(g - 1 - s);
+                const auto [send_begin, send_end] = chunk(g - s);
+                transfer(round, r, stage, begin * sizeof(T), (end - begin) * sizeof(T), mine + send_begin,
+                         (send_end - send_begin) * sizeof(T), tag, "all_reduce");
+                for (std::size_t i = begin; i < end; ++i) mine[i] = add(mine[i], stage[i - begin]);
+                step_barrier(round);
+              }
+              // All-gather: pass the finished chunks around the ring.
+              for (int s = 0; s < n - 1; ++s) {
+                const auto [begin, end] = chunk(g - s);
+                const auto [send_begin, send_end] = chunk(g + 1 - s);
+                transfer(round, r, mine + begin, begin * sizeof(T), (end - begin) * sizeof(T), mine + send_begin,
+                         (send_end - send_begin) * sizeof(T), tag, "all_reduce");
+                step_barrier(round);
+              }
+              if constexpr (std::is_same_v<T, float>) {
+                if (op == ReduceOp::avg) {
+                  const float scale = 1.0f / static_cast<float>(n);
+                  for (std::size_t i = 0; i < count; ++i) mine[i] *= scale;
+                }
+              }
+            });
+  }
 
   static void check_same_local_size(ProcessGroup& processes, int local) {
     const std::vector<int> sizes = processes.all_gather(local);
@@ -261,7 +279,7 @@ class RingCommunicator final : public Communicator {
     if (bytes) std::memcpy(dst, src, bytes);
   }
 
-  // One ring step of rank r: receive `bytes` at offset `at` of the left neighbour's buffer into dst
+  // One ring step of rank r: receive `bytes` at byte offset `at` of the left neighbour's buffer into dst
   // (a counted copy when it is local, a message when it lives in another process), and send
   // `send_bytes` from `send` when the right neighbour lives in another process.
   void transfer(Round& round, int r, void* dst, std::size_t at, std::size_t bytes, void* send, std::size_t send_bytes,
@@ -269,7 +287,7 @@ class RingCommunicator final : public Communicator {
     const int g = first_ + r, left = wrap(g - 1), right = wrap(g + 1);
     std::vector<detail::Channel::Message> sends, receives;
     if (is_local(left)) {
-      const auto* theirs = static_cast<const float*>(round.calls[static_cast<std::size_t>(left - first_)].data);
+      const auto* theirs = static_cast<const std::byte*>(round.calls[static_cast<std::size_t>(left - first_)].data);
       receive(dst, theirs + at, bytes);
     } else if (bytes) {
       receives.push_back({dst, bytes, process_of(left), tag + left % local_});

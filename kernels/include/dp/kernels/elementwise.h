@@ -3,6 +3,7 @@
 #pragma once
 
 #include "dp/kernels/platform.h"
+#include "dp/runtime/bfloat16.h"
 
 namespace dp::kernels {
 
@@ -32,6 +33,25 @@ struct Scale {
   float alpha;
   float* x;
   DP_HD void operator()(index_t i) const { x[i] = alpha * x[i]; }
+};
+
+// y = bf16(bf16(x) * scale): a gradient bucket compressed as torch's bf16_compress_hook compresses it
+// (`buffer.to(torch.bfloat16).div_(world_size)`, which CUDA computes as a product with the fp32
+// reciprocal of the world size, rounded to bf16 again).
+struct ToBf16Scaled {
+  const float* x;
+  float scale;
+  std::uint16_t* y;
+  DP_HD void operator()(index_t i) const {
+    y[i] = bf16_from_float(mul_unfused(bf16_to_float(bf16_from_float(x[i])), scale));
+  }
+};
+
+// y = float(x): the hook's decompression (`bucket.buffer().copy_(bf16 result)`), exact.
+struct FromBf16 {
+  const std::uint16_t* x;
+  float* y;
+  DP_HD void operator()(index_t i) const { y[i] = bf16_to_float(x[i]); }
 };
 
 // out = a + b

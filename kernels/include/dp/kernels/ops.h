@@ -11,6 +11,10 @@ namespace dp::kernels {
 void fill(const Stream& stream, float* x, index_t n, float value);
 void axpy(const Stream& stream, index_t n, float alpha, const float* x, float* y);  // y += alpha*x
 void scale(const Stream& stream, index_t n, float alpha, float* x);                 // x *= alpha
+// DDP's bf16 gradient compression (dp/kernels/elementwise.h: ToBf16Scaled, FromBf16):
+// y = bf16(bf16(x) * scale), as bits; and back, x = float(y).
+void to_bf16_scaled(const Stream& stream, index_t n, const float* x, float scale, std::uint16_t* y);
+void from_bf16(const Stream& stream, index_t n, const std::uint16_t* x, float* y);
 void add(const Stream& stream, index_t n, const float* a, const float* b, float* out);
 void relu_forward(const Stream& stream, index_t n, const float* x, float* y);
 void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx);

@@ -54,6 +54,8 @@ struct DdpOptions {
   // Parameters by name prefix (EngineOptions::frozen) whose gradients are not all-reduced, as
   // torch's DDP leaves out parameters that do not require grad: no bucket holds them.
   std::vector<std::string> frozen;
+  // What the buckets' all-reduce carries: fp32, or bf16 as torch's bf16_compress_hook (dp/engines/reducer.h).
+  GradReduce grad_reduce = GradReduce::fp32;
 };
 
 // One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dp/engines/reducer.h"
 #include "dp/nn/batch.h"
 #include "dp/nn/model.h"
 #include "dp/nn/optim.h"
@@ -151,7 +152,9 @@ struct EngineOptions {
   double first_bucket_mb = 1.0;      // ddp: the first bucket's cap, MiB
   bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
   bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
-  StepOptions step = {};             // loss and randomness, every kind
+  // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
+  GradReduce grad_reduce = GradReduce::fp32;
+  StepOptions step = {};  // loss and randomness, every kind
   // Every kind: capture each training step into a graph (CUDA graphs; emulated on sim) once per
   // batch size, after one eager step of that size, and replay it from then on -- the same work
   // with one launch per step, bit for bit the eager results. Steps run eagerly where a graph cannot

@@ -30,10 +30,17 @@ struct GradBucket {
 std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters, double first_bucket_mb,
                                        double bucket_cap_mb, const std::vector<std::string>& skipped = {});
 
+// What a bucket's all-reduce carries: fp32 gradients (torch's default allreduce_hook: divided by
+// the world size, then summed), or bf16 (torch's bf16_compress_hook: rounded to bf16, divided in
+// bf16, summed in bf16 as NCCL's ncclBfloat16 sum rounds every addition, widened back into the fp32
+// gradients): half the bytes on the links, at bf16's 8-bit precision.
+enum class GradReduce { fp32, bf16 };
+
 class Reducer {
  public:
   // One communication stream per rank of `group`; `comm` and `group` must outlive the reducer.
-  Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets);
+  Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets,
+          GradReduce reduce = GradReduce::fp32);
   ~Reducer();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
@@ -56,6 +63,7 @@ class Reducer {
 
   Communicator& comm_;
   std::vector<GradBucket> buckets_;
+  GradReduce reduce_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "dp/runtime/device.h"
@@ -42,6 +43,10 @@ class Communicator {
   virtual int first_rank() const = 0;
   // data (count floats on rank's device) = op over all ranks' data.
   virtual void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) = 0;
+  // data (count bfloat16 values, as their bits: dp/runtime/bfloat16.h) = the sum over all ranks,
+  // every addition made in fp32 and rounded to bf16 (NCCL's ncclBfloat16 sum; the sim ring and the
+  // device ring add in their ring order, NCCL in its own). Half the bytes of the fp32 all_reduce.
+  virtual void all_reduce_bf16(int rank, const Stream& stream, std::uint16_t* data, std::size_t count) = 0;
   // data (bytes on each rank's device) = root's data.
   virtual void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) = 0;
   // root's data = sum over all ranks' data; other ranks' data unchanged.
