@@ -32,8 +32,9 @@ CLI::Option* add_runtime_flags(CLI::App& app, Options& o, int& devices) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--precision", o.precision,
-                 "strict (cuDNN: exact fp32, deterministic, fastest such algorithm) or fast (PyTorch's defaults: "
-                 "fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim computes the same for both")
+                 "strict (cuDNN: exact fp32, deterministic, fastest such algorithm), fast (PyTorch's defaults: "
+                 "fastest cuDNN algorithm, TF32 convolutions, nondeterministic; the sim computes what strict does) or "
+                 "tf32 (fast, and TF32 matmuls: allow_tf32 = True; the sim rounds GEMM operands to TF32)")
       ->capture_default_str();
   app.add_option("--graphs", o.graphs,
                  "on: capture each engine's training step once per batch size and replay it (CUDA graphs; emulated "

@@ -457,6 +457,33 @@ TEST_F(TrainTest, PrecisionFastIsStrictOnTheSim) {
       {"strict", "fast"}, 3);
 }
 
+// --precision tf32 (TF32 GEMMs) and --grad-reduce bf16 (DDP's bf16_compress_hook) train, at their
+// own precision: the losses move off strict fp32's by about their rounding, no more; the run says
+// which it used. Both refuse what they do not apply to.
+TEST_F(TrainTest, Tf32AndBf16GradientsTrainCloseToFp32) {
+  const std::string args =
+      "--model convnet --backend sim --synthetic 64 --batch-size 8 --steps 4 --log-every 1 "
+      "--no-shuffle --mode ddp --devices 2";
+  const Result fp32 = run(args);
+  ASSERT_EQ(fp32.code, 0) << fp32.output;
+  for (const std::string extra : {" --precision tf32", " --grad-reduce bf16", " --precision tf32 --grad-reduce bf16"}) {
+    const Result r = run(args + extra);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto want = losses(fp32.output), got = losses(r.output);
+    ASSERT_EQ(got.size(), want.size()) << r.output;
+    EXPECT_NE(got, want) << extra << ": rounds differently from fp32";
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 0.02 * want[i]) << extra << " step " << i;
+    EXPECT_NE(r.output.find(extra.find("tf32") != std::string::npos ? "precision tf32" : "precision strict"),
+              std::string::npos)
+        << r.output;
+    if (extra.find("bf16") != std::string::npos) {
+      EXPECT_NE(r.output.find("gradients all-reduced in bf16"), std::string::npos) << r.output;
+    }
+  }
+  expect_refused("--backend sim --synthetic 16 --steps 1 --grad-reduce bf16", "--grad-reduce applies to --mode ddp");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --precision bf16", "--precision");
+}
+
 // --graphs on (the default) replays a captured step; every loss, through the last partial batch
 // of each epoch (another batch size, another graph) and the lr warm-up, equals the eager run's.
 TEST_F(TrainTest, GraphsOnEqualGraphsOffBitForBit) {

@@ -73,10 +73,11 @@ void add_device_options(CLI::App& app, Options& o) {
   app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
   app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
   app.add_option("--precision", o.precision,
-                 "strict (default: cuDNN exact fp32 and deterministic, within rounding of the host path) or fast "
-                 "(PyTorch's defaults: fastest cuDNN algorithm, TF32 convolutions, nondeterministic); the sim "
-                 "computes the same for both")
-      ->check(CLI::IsMember({"strict", "fast"}));
+                 "strict (default: cuDNN exact fp32 and deterministic, within rounding of the host path), fast "
+                 "(PyTorch's defaults: fastest cuDNN algorithm, TF32 convolutions, nondeterministic; the sim "
+                 "computes what strict does) or tf32 (fast, and TF32 matmuls as torch's allow_tf32 = True; the sim "
+                 "rounds every GEMM operand to TF32)")
+      ->check(CLI::IsMember({"strict", "fast", "tf32"}));
   app.add_option("--graphs", o.graphs,
                  "on (default): capture the training step once per batch size and replay it (CUDA graphs; emulated "
                  "on sim; the same results bit for bit), off: launch every kernel every step")

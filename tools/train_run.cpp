@@ -531,11 +531,12 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& run
   Plan plan{world, shards, start_step, batches_per_epoch, total_steps, make_schedule(o, start_step + total_steps)};
   check_schedule(o, world, start_step + total_steps, plan.schedule);
   const int processes = g_job.processes()->size();
-  say("dp_train: {} {} on {} device(s) [{}]{} ({} backend), {} samples, global batch {}{}, {} step(s) from step {}\n",
+  say("dp_train: {} {} on {} device(s) [{}]{} ({} backend, precision {}{}), {} samples, global batch {}{}, {} step(s) "
+      "from step {}\n",
       o.model, o.mode, world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
-      data.size(), o.batch_size * shards, shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps,
-      start_step);
+      o.precision, o.mode == "ddp" ? fmt::format(", gradients all-reduced in {}", o.grad_reduce) : "", data.size(),
+      o.batch_size * shards, shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
   return plan;
 }
 
@@ -882,9 +883,16 @@ int TrainLoop::end_epoch(long s, long epoch) {
              : "",
       rate, duration_text(elapsed), duration_text(eta));
   std::fflush(stdout);
-  nlohmann::json record = {
-      {"kind", "epoch"},          {"epoch", epoch + 1},    {"step", s + 1},        {"complete", complete},
-      {"train_loss", train_loss}, {"samples_per_s", rate}, {"elapsed_s", elapsed}, {"eta_s", eta}};
+  nlohmann::json record = {{"kind", "epoch"},
+                           {"epoch", epoch + 1},
+                           {"step", s + 1},
+                           {"complete", complete},
+                           {"train_loss", train_loss},
+                           {"samples_per_s", rate},
+                           {"elapsed_s", elapsed},
+                           {"eta_s", eta},
+                           {"precision", o_.precision},
+                           {"grad_reduce", o_.mode == "ddp" ? o_.grad_reduce : "none"}};
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
   if (totals) record["test_samples"] = totals->samples;

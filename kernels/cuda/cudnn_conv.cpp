@@ -41,7 +41,7 @@ bool dot_product(cudnnConvolutionBwdFilterAlgo_t algo) {
 template <class Perf>
 bool qualifies(const Perf& p, Precision precision, bool need_deterministic) {
   if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspaceBytes) return false;
-  if (precision == Precision::fast) return true;
+  if (precision == Precision::fast || precision == Precision::tf32) return true;
   return exact_math(p.mathType) && dot_product(p.algo) && (!need_deterministic || p.determinism == CUDNN_DETERMINISTIC);
 }
 
@@ -172,7 +172,7 @@ void make_descriptors(Plan& p, const Conv2dShape& s, Precision precision) {
   // strict: FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
   // fast: the search may pick tensor-op (TF32) algorithms; each direction then runs with the math
   // type its winner was timed with (PyTorch sets it from the find result the same way).
-  const cudnnMathType_t search_math = precision == Precision::fast ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
+  const cudnnMathType_t search_math = precision != Precision::strict ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.x));
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.y));
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.bias));

@@ -2,8 +2,11 @@
 // thread (sim), cuBLAS (cuda).
 #include <algorithm>
 #include <cblas.h>
+#include <cstdint>
+#include <cstring>
 #include <fmt/format.h>
 #include <mutex>
+#include <vector>
 
 #include "dp/kernels/ops.h"
 #include "dp/runtime/detail/kernel_api.h"
@@ -20,7 +23,25 @@ kernel_api::Operand matrix(const float* p, int rows, int cols, int ld) {
                  sizeof(float)};
 }
 
+// `rows` rows of `cols` floats at stride ld, rounded to TF32 into `out` (same layout).
+const float* tf32_copy(const float* p, int rows, int cols, int ld, std::vector<float>& out) {
+  const std::size_t span =
+      static_cast<std::size_t>(rows - 1) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(cols);
+  out.resize(span);
+  for (std::size_t i = 0; i < span; ++i) out[i] = round_to_tf32(p[i]);
+  return out.data();
+}
+
 }  // namespace
+
+float round_to_tf32(float x) {
+  std::uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;  // infinities and NaNs as they are
+  u = (u + 0x1000u) & 0xffffe000u;                 // to nearest, ties away from zero; may reach infinity
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
 
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
           const float* b, int ldb, float beta, float* c, int ldc) {
@@ -42,11 +63,19 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
   // One BLAS thread per simulated device: the devices themselves are the parallelism.
   static std::once_flag single_threaded;
   std::call_once(single_threaded, [] { openblas_set_num_threads(1); });
+  const bool tf32 = kernel_api::precision(stream) == Precision::tf32;
   kernel_api::enqueue_host(
       stream, "gemm",
-      [g] {
+      [g, tf32] {
+        const float* a = g.a;
+        const float* b = g.b;
+        if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
+          thread_local std::vector<float> a_tf32, b_tf32;
+          a = tf32_copy(g.a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
+          b = tf32_copy(g.b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
+        }
         cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
-                    g.n, g.k, g.alpha, g.a, g.lda, g.b, g.ldb, g.beta, g.c, g.ldc);
+                    g.n, g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, g.c, g.ldc);
       },
       SpanKind::gemm);
 }

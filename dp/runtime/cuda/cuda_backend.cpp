@@ -640,7 +640,9 @@ void CudaStream::create_handle(kernel_api::Library library, Library& state) {
     DP_CUDA_CHECK(cublasSetStream(handle, stream_));
     // Exact fp32 (no TF32) so GPU results match the host results within fp32 rounding; PyTorch's
     // matmuls default to the same (allow_tf32 = False), so Precision::fast keeps it too.
-    DP_CUDA_CHECK(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));
+    // Precision::tf32 is allow_tf32 = True: TF32 tensor cores.
+    DP_CUDA_CHECK(cublasSetMathMode(
+        handle, runtime_.precision() == Precision::tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_PEDANTIC_MATH));
     const std::size_t bytes = cublas_workspace_bytes(device_.compute_major());
     state.cublas_workspace = runtime_.device(index_).allocate(bytes);
     DP_CUDA_CHECK(cublasSetWorkspace(handle, state.cublas_workspace.data(), bytes));

@@ -7,12 +7,20 @@
 
 namespace dp {
 
-std::string_view to_string(Precision precision) { return precision == Precision::fast ? "fast" : "strict"; }
+std::string_view to_string(Precision precision) {
+  switch (precision) {
+    case Precision::fast: return "fast";
+    case Precision::tf32: return "tf32";
+    case Precision::strict: break;
+  }
+  return "strict";
+}
 
 Precision parse_precision(std::string_view text) {
   if (text == "strict") return Precision::strict;
   if (text == "fast") return Precision::fast;
-  throw InvalidArgument(fmt::format("unknown precision '{}' (expected strict or fast)", text));
+  if (text == "tf32") return Precision::tf32;
+  throw InvalidArgument(fmt::format("unknown precision '{}' (expected strict, fast or tf32)", text));
 }
 
 }  // namespace dp

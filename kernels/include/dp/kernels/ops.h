@@ -30,6 +30,11 @@ void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x
 void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, const float* x, float* out,
                  float beta = 0.0f);
 
+// x with 10 explicit mantissa bits (TF32), rounded to nearest with ties away from zero, as PTX's
+// cvt.rna.tf32.f32 and CUTLASS's float -> tfloat32_t convert; infinities and NaNs unchanged.
+// What Precision::tf32 does to both GEMM operands on the sim (cuBLAS's TF32 tensor cores on cuda).
+float round_to_tf32(float x);
+
 // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op = transpose when trans_*.
 // lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim.
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,

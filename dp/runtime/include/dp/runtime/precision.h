@@ -15,10 +15,16 @@ namespace dp {
 //   TF32 tensor-core math and nondeterministic (atomic-add) backward algorithms allowed. Results
 //   then differ from the host path by TF32 rounding (about 1e-3 relative) and from run to run.
 //   GEMMs stay fp32, as PyTorch's matmul default (allow_tf32 = False for matmul) keeps them.
-// The sim backend has one arithmetic: `fast` computes exactly what `strict` does there.
-enum class Precision { strict, fast };
+// tf32: `fast`, and TF32 matmuls too (torch.backends.cuda.matmul.allow_tf32 = True): cuBLAS runs
+//   its GEMMs on TF32 tensor cores (CUBLAS_TF32_TENSOR_OP_MATH), which take each fp32 operand with
+//   10 mantissa bits instead of 23 and accumulate in fp32. The sim computes the same: it rounds both
+//   GEMM operands to TF32 (kernels::round_to_tf32) and multiplies them in fp32, exactly (a product
+//   of two TF32 values fits an fp32 mantissa), so only the accumulation order differs from the GPU.
+// The sim backend has one arithmetic for strict and fast: `fast` computes exactly what `strict`
+// does there.
+enum class Precision { strict, fast, tf32 };
 
-// "strict", "fast".
+// "strict", "fast", "tf32".
 std::string_view to_string(Precision precision);
 // The inverse of to_string; throws InvalidArgument naming the text and the accepted values.
 Precision parse_precision(std::string_view text);

@@ -1,6 +1,8 @@
-// test_bf16.cpp — bfloat16 as the GPU rounds it (dp/runtime/bfloat16.h), the bf16 all-reduce of
-// every communicator, and DDP's bf16 gradient reduction (torch's bf16_compress_hook). The kernel and
-// collective bodies run on sim and on cuda where there is a GPU.
+// test_low_precision.cpp — formats narrower than fp32: bfloat16 as the GPU rounds it
+// (dp/runtime/bfloat16.h), the bf16 all-reduce of every communicator, DDP's bf16 gradient reduction
+// (torch's bf16_compress_hook), and TF32 GEMMs (Precision::tf32). The kernel, GEMM and collective
+// bodies run on sim and on cuda where there is a GPU.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
@@ -17,6 +19,7 @@
 #include "dp/runtime/bfloat16.h"
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/device_group.h"
+#include "dp/runtime/precision.h"
 #include "test_util.h"
 
 namespace dp {
@@ -53,12 +56,12 @@ TEST(Bf16, RoundsToNearestEvenAsTheGpu) {
   EXPECT_EQ(bf16_add(bf16_from_float(1.0f), bf16_from_float(0.01171875f)), 0x3f82u);  // 1 + 3 * 2^-8 -> up
 }
 
-class Bf16OnBackend : public ::testing::TestWithParam<std::string> {};
-INSTANTIATE_TEST_SUITE_P(Backends, Bf16OnBackend, ::testing::Values("sim", "cuda"),
+class LowPrecisionOnBackend : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(Backends, LowPrecisionOnBackend, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
 
 // The compression kernels give the shared functors' bits on the device.
-TEST_P(Bf16OnBackend, CompressionKernelsGiveTheHostBits) {
+TEST_P(LowPrecisionOnBackend, CompressionKernelsGiveTheHostBits) {
   DP_RUNTIME_OR_SKIP(rt, GetParam(), 1);
   Device& device = rt->device(0);
   const Stream stream = device.create_stream();
@@ -87,7 +90,7 @@ TEST_P(Bf16OnBackend, CompressionKernelsGiveTheHostBits) {
 // Every rank gets the bf16 sum, each addition rounded to bf16 in the ring's order (the sim ring and
 // the device ring: bit for bit; NCCL adds in its own order: within bf16's rounding per addition),
 // and the ring moves half the bytes of the fp32 all-reduce.
-TEST_P(Bf16OnBackend, AllReduceSumsInBf16WithHalfTheBytes) {
+TEST_P(LowPrecisionOnBackend, AllReduceSumsInBf16WithHalfTheBytes) {
   const bool sim = GetParam() == "sim";
   for (int n = 1; n <= 4; ++n) {
     for (const std::size_t count : {std::size_t{1}, std::size_t{3}, std::size_t{1001}}) {
@@ -152,7 +155,7 @@ TEST_P(Bf16OnBackend, AllReduceSumsInBf16WithHalfTheBytes) {
 // it exact: each compresses bf16(g) / 2 (a power of two: exact), their bf16 sum is bf16(g) again,
 // so the reduced gradient is the one-device gradient rounded to bf16, bit for bit; and both
 // replicas stay identical.
-TEST_P(Bf16OnBackend, DdpReducesGradientsAsBf16CompressHook) {
+TEST_P(LowPrecisionOnBackend, DdpReducesGradientsAsBf16CompressHook) {
   DP_RUNTIME_OR_SKIP(rt, GetParam(), 2);
   const SgdOptions sgd{0.05f, 0.0f, 0.0f, false};
   auto model = models::make_convnet(rt->device(0), 7), reference = models::make_convnet(rt->device(0), 7);
@@ -188,6 +191,65 @@ TEST_P(Bf16OnBackend, DdpReducesGradientsAsBf16CompressHook) {
           << "rank " << r << " element " << i << ": " << reduced[i] << " vs bf16(" << one_device[i] << ")";
     }
   }
+}
+
+// TF32: 10 explicit mantissa bits, to nearest with ties away from zero.
+TEST(Tf32, RoundsToNearestTiesAway) {
+  const auto tf32 = [](std::uint32_t float_bits) {
+    float x = 0.0f;
+    std::memcpy(&x, &float_bits, sizeof(x));
+    const float r = kernels::round_to_tf32(x);
+    std::uint32_t out = 0;
+    std::memcpy(&out, &r, sizeof(out));
+    return out;
+  };
+  EXPECT_EQ(tf32(0x3f800000u), 0x3f800000u);
+  EXPECT_EQ(tf32(0x3f801000u), 0x3f802000u);  // 1 + 2^-11: a tie, away from zero (not to even)
+  EXPECT_EQ(tf32(0x3f800fffu), 0x3f800000u);
+  EXPECT_EQ(tf32(0xbf801000u), 0xbf802000u);  // negative ties go away from zero too
+  EXPECT_EQ(tf32(0x3f803000u), 0x3f804000u);
+  EXPECT_EQ(tf32(0x7f7fffffu), 0x7f800000u);  // the largest float rounds to infinity
+  EXPECT_EQ(tf32(0xff800000u), 0xff800000u);
+  EXPECT_EQ(tf32(0x7fc00123u), 0x7fc00123u);  // NaN as it is
+}
+
+// A GEMM under Precision::tf32 multiplies TF32-rounded operands exactly and accumulates in fp32:
+// within fp32 accumulation error of the rounded operands' product (double reference), and visibly
+// off the fp32 product where the operands' low mantissa bits matter.
+TEST_P(LowPrecisionOnBackend, Tf32GemmRoundsBothOperands) {
+  RuntimeOptions options;
+  options.backend = GetParam();
+  options.sim_devices = 1;
+  options.precision = Precision::tf32;
+  if (GetParam() == "cuda" && Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto rt = Runtime::create(options);
+  Device& device = rt->device(0);
+  const Stream stream = device.create_stream();
+  const int m = 7, n = 5, k = 300;
+  std::vector<float> a = test::random_vector(static_cast<std::size_t>(m) * k, 1, -1.0f, 1.0f);
+  std::vector<float> b = test::random_vector(static_cast<std::size_t>(k) * n, 2, -1.0f, 1.0f);
+  for (float& x : a) x = 1.0f + 0x1p-12f * std::round(x * 8.0f);  // values TF32 cannot hold
+  const DeviceBuffer da = test::upload(device, stream, a), db = test::upload(device, stream, b);
+  DeviceBuffer dc = device.allocate(static_cast<std::size_t>(m) * n * sizeof(float));
+  kernels::gemm(stream, false, false, m, n, k, 1.0f, da.as<float>(), k, db.as<float>(), n, 0.0f, dc.as<float>(), n);
+  const std::vector<float> c = test::download<float>(stream, dc);
+  double worst_rounded = 0.0, worst_exact = 0.0;
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double rounded = 0.0, exact = 0.0, magnitude = 0.0;
+      for (int p = 0; p < k; ++p) {
+        const float x = a[static_cast<std::size_t>(i * k + p)], y = b[static_cast<std::size_t>(p * n + j)];
+        rounded += static_cast<double>(kernels::round_to_tf32(x)) * kernels::round_to_tf32(y);
+        exact += static_cast<double>(x) * y;
+        magnitude += std::fabs(static_cast<double>(x) * y);
+      }
+      const double got = c[static_cast<std::size_t>(i * n + j)];
+      worst_rounded = std::max(worst_rounded, std::fabs(got - rounded) / magnitude);
+      worst_exact = std::max(worst_exact, std::fabs(got - exact) / magnitude);
+    }
+  EXPECT_LT(worst_rounded, k * 0x1p-24) << "fp32 accumulation of the TF32 products";
+  EXPECT_GT(worst_exact, 16 * worst_rounded) << "the operands were rounded";
+  EXPECT_GT(worst_exact, 1e-5) << "the operands were rounded";
 }
 
 }  // namespace
