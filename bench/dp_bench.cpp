@@ -1,5 +1,6 @@
 // dp_bench.cpp — the project's main job: DP vs DDP throughput and per-device load imbalance, each
 // model run as single, dp and ddp on synthetic data (the README says what every figure means).
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -61,17 +62,19 @@ void print_banner(const Options& o, const Setup& setup, const dp::tools::Job& jo
 
 // The synthetic inputs of the largest global batch, generated once: refused (exit 2, with the
 // figure) before anything is allocated when they cannot exist.
-Data synthetic_data(const Options& o, int devices) {
+Data synthetic_data(const Options& o, int devices, const std::vector<std::string>& models) {
+  std::size_t floats = 0;
+  for (const std::string& model : models) floats = std::max(floats, model_sample_floats(model));
   const std::uint64_t global = static_cast<std::uint64_t>(o.batch_per_device) * static_cast<std::uint64_t>(devices);
   if (global > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} devices: a global batch of {} samples is more than {}",
                                  o.batch_per_device, devices, global, std::numeric_limits<int>::max()));
-  const std::uint64_t data_bytes = global * (784 * sizeof(float) + sizeof(std::int64_t));
+  const std::uint64_t data_bytes = global * (floats * sizeof(float) + sizeof(std::int64_t));
   if (const std::uint64_t host = dp::Runtime::host_memory_bytes(); host > 0 && data_bytes > host)
     throw UsageError(fmt::format("--batch-size {}: the synthetic inputs alone need {:.1f} GiB, the host has {:.1f} GiB",
                                  o.batch_per_device, static_cast<double>(data_bytes) / (1u << 30),
                                  static_cast<double>(host) / (1u << 30)));
-  return make_data(o.batch_per_device * devices, 784, o.seed);
+  return make_data(o.batch_per_device * devices, floats, o.seed);
 }
 
 // Every process is ready (or all stop with the first failing one's exit code), with one
@@ -133,7 +136,7 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   Setup setup;
   const auto rt = open_runtime(o, job, setup);
   print_banner(o, setup, job);
-  const Data data = synthetic_data(o, setup.devices);
+  const Data data = synthetic_data(o, setup.devices, models);
   agree_to_start(job, o, setup, models, modes);
   job.collectives_begin();
   std::vector<Run> runs = run_all(*rt, o, models, modes, data, setup.devices, job);

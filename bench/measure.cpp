@@ -35,7 +35,39 @@ double ms_between(std::int64_t start_ns, std::int64_t end_ns) { return static_ca
 std::unique_ptr<dp::Model> make_model(const std::string& name, dp::Device& device, std::uint64_t seed) {
   if (name == "mlp") return dp::models::make_mlp(device, {256, 256}, seed);
   if (name == "resnet8") return dp::models::make_resnet8(device, seed);
+  if (name == "resnet18") return dp::models::make_resnet18(device, 10, kResNet18Side, seed);
   return dp::models::make_convnet(device, seed);
+}
+
+std::size_t sample_floats_of(const dp::Model& model) {
+  std::size_t n = 1;
+  for (const std::int64_t d : model.input_shape()) n *= static_cast<std::size_t>(d);
+  return n;
+}
+
+// torchvision's ResNet-18 on S x S inputs: each convolution's multiply-accumulates per sample
+// (c_out x c_in x k x k x output plane), the stem first, then fc.
+std::vector<double> resnet18_macs(int side) {
+  const auto out = [](int s, int stride) { return (s - 1) / stride + 1; };
+  std::vector<double> macs;
+  int s = out(side, 2);  // the 7x7/2 stem
+  macs.push_back(64.0 * 3 * 49 * s * s);
+  s = out(s, 2);  // the 3x3/2 max-pool
+  int in = 64;
+  for (int stage = 0; stage < 4; ++stage) {
+    const int width = 64 << stage;
+    for (int block = 0; block < 2; ++block) {
+      const int stride = stage > 0 && block == 0 ? 2 : 1;
+      const int o = out(s, stride);
+      macs.push_back(static_cast<double>(width) * in * 9 * o * o);
+      macs.push_back(static_cast<double>(width) * width * 9 * o * o);
+      if (stride != 1 || in != width) macs.push_back(static_cast<double>(width) * in * o * o);
+      in = width;
+      s = o;
+    }
+  }
+  macs.push_back(512.0 * 10);
+  return macs;
 }
 
 double percentile(std::vector<double> v, double q) {  // nearest rank
@@ -299,11 +331,17 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
 std::vector<dp::Batch> pinned_batches(dp::Runtime& rt, dp::Engine& engine, const Data& data, int global_batch) {
   const int pieces = engine.batches_per_step(), piece = global_batch / engine.world_size();
   const std::size_t rows = static_cast<std::size_t>(pieces) * static_cast<std::size_t>(piece);
+  // The data holds the largest sample of the models measured: this model's samples are its first
+  // floats, read as consecutive samples of its own size.
+  const std::size_t floats = sample_floats_of(engine.model());
+  if (floats > data.sample_floats)
+    throw dp::InvalidArgument(
+        fmt::format("the synthetic data's samples have {} floats, the model's {}", data.sample_floats, floats));
   struct Pinned {
     dp::PinnedBuffer inputs, labels;
   };
   auto pinned = std::make_shared<Pinned>();
-  pinned->inputs = rt.allocate_pinned(rows * data.sample_floats * sizeof(float));
+  pinned->inputs = rt.allocate_pinned(rows * floats * sizeof(float));
   pinned->labels = rt.allocate_pinned(rows * sizeof(std::int64_t));
   std::memcpy(pinned->inputs.data(), data.inputs.data(), pinned->inputs.size());
   std::memcpy(pinned->labels.data(), data.labels.data(), pinned->labels.size());
@@ -311,8 +349,8 @@ std::vector<dp::Batch> pinned_batches(dp::Runtime& rt, dp::Engine& engine, const
   for (int i = 0; i < pieces; ++i) {
     const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(piece);
     // Never written again: the lease only keeps the memory alive while a copy may read it.
-    batches.push_back(dp::Batch{pinned->inputs.as<float>() + row * data.sample_floats,
-                                pinned->labels.as<std::int64_t>() + row, piece, pinned});
+    batches.push_back(
+        dp::Batch{pinned->inputs.as<float>() + row * floats, pinned->labels.as<std::int64_t>() + row, piece, pinned});
   }
   return batches;
 }
@@ -366,6 +404,8 @@ double gemm_flops_per_sample(const std::string& model) {
   std::vector<double> macs;
   if (model == "mlp")
     macs = {784.0 * 256, 256.0 * 256, 256.0 * 10};
+  else if (model == "resnet18")
+    macs = resnet18_macs(kResNet18Side);
   else if (model == "resnet8")  // stem; layer1 2x; layer2 conv1, conv2, downsample; layer3 likewise; fc
     macs = {16.0 * 9 * 28 * 28,      16.0 * 16 * 9 * 28 * 28,
             16.0 * 16 * 9 * 28 * 28, 32.0 * 16 * 9 * 14 * 14,

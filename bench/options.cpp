@@ -53,7 +53,9 @@ CLI::Option* add_runtime_flags(CLI::App& app, Options& o, int& devices) {
 
 // What is trained and for how long, and where the figures go.
 void add_workload_flags(CLI::App& app, Options& o) {
-  app.add_option("--models", o.models, "comma list of mlp, convnet, resnet8")->capture_default_str();
+  app.add_option("--models", o.models,
+                 "comma list of mlp, convnet, resnet8 (28x28 inputs), resnet18 (torchvision's, 3x32x32 inputs)")
+      ->capture_default_str();
   app.add_option("--optimizer", o.optimizer, "sgd (lr 0.01, momentum 0.9) or adamw (lr 1e-3, torch's defaults)")
       ->check(CLI::IsMember({"sgd", "adamw"}))
       ->capture_default_str();

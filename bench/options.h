@@ -2,6 +2,7 @@
 // A bad command line is a UsageError: "dp_bench: <message>" on stderr and exit code 2.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -15,7 +16,13 @@
 
 namespace dp_bench {
 
-inline const std::vector<std::string> kModels = {"mlp", "convnet", "resnet8"};
+inline const std::vector<std::string> kModels = {"mlp", "convnet", "resnet8", "resnet18"};
+// dp_bench's ResNet-18: torchvision's, 10 classes, on 3 x 32 x 32 inputs (CIFAR's size).
+inline constexpr int kResNet18Side = 32;
+// The floats of one input sample of each model.
+inline std::size_t model_sample_floats(const std::string& model) {
+  return model == "resnet18" ? 3 * kResNet18Side * kResNet18Side : 28 * 28;
+}
 inline const std::vector<std::string> kModes = {"single", "dp", "ddp"};
 
 using dp::tools::UsageError;  // a bad command line: "dp_bench: <message>", exit code 2

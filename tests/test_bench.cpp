@@ -3,6 +3,7 @@
 // device-to-device bytes per step of DP and DDP against their analytic values, the balance of DDP
 // and the imbalance of DP's source, the shape of the JSON and of the Chrome/Perfetto trace, and
 // clear errors on bad flags. Times and rates are only checked to be positive: no timed assertions.
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
@@ -366,6 +367,27 @@ TEST(Bench, PrecisionIsReportedAndFastIsStrictOnTheSim) {
     const json& fast = find_run(reports["fast"], "convnet", mode);
     EXPECT_EQ(fast.at("loss_first"), strict.at("loss_first"));
     EXPECT_EQ(fast.at("loss_last"), strict.at("loss_last"));
+  }
+}
+
+// torchvision's ResNet-18 at CIFAR's 3x32x32 (its samples larger than the other models', from the
+// same synthetic data): torchvision's parameter count for 10 classes, the GEMM work of its 20
+// convolutions and fc, and every mode runs.
+TEST(Bench, ResNet18RunsBesideTheSmallModels) {
+  TempDir dir("resnet18");
+  const auto json_path = dir / "r.json";
+  const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,resnet18 --modes single,dp,ddp "
+                                              "--batch-size 2 --steps 1 --warmup 1 --json '{}'",
+                                              json_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json report = json::parse(read_file(json_path));
+  for (const std::string mode : {"single", "dp", "ddp"}) {
+    const json& run = find_run(report, "resnet18", mode);
+    EXPECT_EQ(run.at("param_count"), 11181642) << "torchvision.models.resnet18(num_classes=10)";
+    // Forward MACs at 32x32: stem 2,408,448, layer1 9,437,184, layers 2-4 8,388,608 each, fc 5,120;
+    // forward, weight and input gradients but the stem's input gradient, 2 FLOPs per MAC.
+    EXPECT_EQ(run.at("gemm_flops_per_sample").get<double>(), 2.0 * (3.0 * 37016576 - 2408448));
+    EXPECT_TRUE(std::isfinite(run.at("loss_last").get<double>()));
   }
 }
 
