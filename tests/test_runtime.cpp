@@ -31,16 +31,17 @@ TEST(Runtime, CreatesRequestedSimDevices) {
 }
 
 TEST(Precision, NamesRoundTripAndUnknownOnesAreRefused) {
-  for (const dp::Precision p : {dp::Precision::strict, dp::Precision::fast})
+  for (const dp::Precision p : {dp::Precision::strict, dp::Precision::fast, dp::Precision::tf32})
     EXPECT_EQ(dp::parse_precision(dp::to_string(p)), p);
   EXPECT_EQ(dp::to_string(dp::Precision::strict), "strict");
   EXPECT_EQ(dp::to_string(dp::Precision::fast), "fast");
+  EXPECT_EQ(dp::to_string(dp::Precision::tf32), "tf32");
   EXPECT_EQ(dp::RuntimeOptions{}.precision, dp::Precision::strict) << "strict is the default";
   try {
-    dp::parse_precision("tf32");
+    dp::parse_precision("fp16");
     ADD_FAILURE() << "an unknown precision must be refused";
   } catch (const dp::InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("unknown precision 'tf32' (expected strict or fast)"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("unknown precision 'fp16' (expected strict, fast or tf32)"), std::string::npos)
         << e.what();
   }
   EXPECT_THROW(dp::parse_precision("Strict"), dp::InvalidArgument);

@@ -445,7 +445,8 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
                  "--momentum does not apply to --optimizer adamw");
   expect_refused("--backend sim --steps 1 --beta1 0.8", "--beta1 does not apply to --optimizer sgd");
   expect_refused("--backend sim --steps 1 --optimizer adam", "--optimizer");
-  expect_refused("--backend sim --steps 1 --precision tf32", "--precision");
+  expect_refused("--backend sim --steps 1 --precision fp16", "--precision");
+  expect_refused("--backend sim --steps 1 --mode ddp --grad-reduce fp16", "--grad-reduce");
   expect_refused("--backend sim --steps 1 --graphs maybe", "--graphs");
 }
 
