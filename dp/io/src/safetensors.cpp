@@ -36,7 +36,7 @@ std::size_t Tensor::numel() const { return dp::numel(shape); }
 std::vector<float> Tensor::to_f32() const {
   if (dtype != "F32") throw Error(fmt::format("tensor has dtype {}, expected F32", dtype));
   std::vector<float> out(numel());
-  std::memcpy(out.data(), data.data(), out.size() * sizeof(float));
+  if (!out.empty()) std::memcpy(out.data(), data.data(), out.size() * sizeof(float));  // never from null
   return out;
 }
 
@@ -53,7 +53,7 @@ std::size_t Tensor::first_non_finite() const {
 std::vector<std::int64_t> Tensor::to_i64() const {
   if (dtype != "I64") throw Error(fmt::format("tensor has dtype {}, expected I64", dtype));
   std::vector<std::int64_t> out(numel());
-  std::memcpy(out.data(), data.data(), out.size() * sizeof(std::int64_t));
+  if (!out.empty()) std::memcpy(out.data(), data.data(), out.size() * sizeof(std::int64_t));
   return out;
 }
 
@@ -254,14 +254,14 @@ void write(const std::string& path, const File& file) {
 Tensor make_f32(const std::vector<std::int64_t>& shape, const float* values) {
   Tensor t{"F32", shape, {}};
   t.data.resize(t.numel() * sizeof(float));
-  std::memcpy(t.data.data(), values, t.data.size());
+  if (!t.data.empty()) std::memcpy(t.data.data(), values, t.data.size());  // an empty tensor may have no data
   return t;
 }
 
 Tensor make_i64(const std::vector<std::int64_t>& shape, const std::int64_t* values) {
   Tensor t{"I64", shape, {}};
   t.data.resize(t.numel() * sizeof(std::int64_t));
-  std::memcpy(t.data.data(), values, t.data.size());
+  if (!t.data.empty()) std::memcpy(t.data.data(), values, t.data.size());
   return t;
 }
 
