@@ -10,7 +10,6 @@
 #include <fmt/format.h>
 #include <map>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include "backend.h"
@@ -26,6 +25,14 @@ struct RankCall {
   const void* send = nullptr;  // all_gather only
   void* staging = nullptr;     // receiver-side scratch on the rank's device
 };
+
+// ReduceOp::avg after the sum: times 1/n in fp32. The bf16 all-reduce only sums (never asked to
+// average), so its overload has nothing to do.
+void scale_to_mean(float* x, std::size_t count, int n) {
+  const float scale = 1.0f / static_cast<float>(n);
+  for (std::size_t i = 0; i < count; ++i) x[i] *= scale;
+}
+void scale_to_mean(std::uint16_t*, std::size_t, int) {}
 
 // One collective call: the ranks' buffers and a reusable barrier for its steps.
 struct Round {
@@ -232,12 +239,7 @@ class RingCommunicator final : public Communicator {
                          (send_end - send_begin) * sizeof(T), tag, "all_reduce");
                 step_barrier(round);
               }
-              if constexpr (std::is_same_v<T, float>) {
-                if (op == ReduceOp::avg) {
-                  const float scale = 1.0f / static_cast<float>(n);
-                  for (std::size_t i = 0; i < count; ++i) mine[i] *= scale;
-                }
-              }
+              if (op == ReduceOp::avg) scale_to_mean(mine, count, n);
             });
   }
 
