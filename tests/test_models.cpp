@@ -44,21 +44,11 @@ std::unique_ptr<Model> model_for(const safetensors::File& golden, Device& device
   return models::make_mlp(device, parse_hidden(golden.metadata.at("hidden")), 1);
 }
 
-std::vector<float> to_host(const Stream& stream, const float* device_ptr, std::size_t count) {
-  std::vector<float> out(count);
-  stream.copy(out.data(), device_ptr, count * sizeof(float));
-  return out;
-}
-
 // PyTorch and dp both compute in fp32 but in different orders (PyTorch CPU convolution and BN
 // reductions vs im2col GEMM and split sums), so values agree to a few fp32 ulps of each tensor's
 // scale. The helper that wrote the goldens measured fp32 vs fp64 differences of <= 5e-6 of a
-// tensor's max |value| over the 3 steps; we allow 2e-5 of the scale plus rtol 1e-4 elementwise.
-::testing::AssertionResult matches(const std::vector<float>& got, const std::vector<float>& want) {
-  float scale = 0.0f;
-  for (float v : want) scale = std::max(scale, std::fabs(v));
-  return test::all_close(got, want, 1e-4, 2e-5 * scale + 1e-7);
-}
+// tensor's max |value| over the 3 steps; test::matches_golden allows 2e-5 of the scale plus rtol
+// 1e-4 elementwise.
 
 // Replays a golden file's steps on `model` (loaded with its init.* state): per step, its input
 // and targets in, the logits and loss checked, the loss's gradient left in the model; then the
@@ -82,9 +72,12 @@ class GoldenReplay {
     stream_.copy(input_.data(), x.data(), input_.size());
     stream_.copy(target_.data(), y.data(), target_.size());
     const float* logits = model_.forward(stream_, input_.as<float>(), batch_, Mode::train);
-    EXPECT_TRUE(matches(to_host(stream_, logits, batch_ * 10u), golden_.at(step + "output").to_f32())) << "logits";
+    EXPECT_TRUE(
+        test::matches_golden(test::to_host(stream_, logits, batch_ * 10u), golden_.at(step + "output").to_f32()))
+        << "logits";
     const float* device_loss = loss_.forward(stream_, logits, target_.as<std::int64_t>(), batch_, 10);
-    EXPECT_TRUE(matches(to_host(stream_, device_loss, 1), golden_.at(step + "loss").to_f32())) << "loss";
+    EXPECT_TRUE(test::matches_golden(test::to_host(stream_, device_loss, 1), golden_.at(step + "loss").to_f32()))
+        << "loss";
     loss_.backward(stream_, logits, target_.as<std::int64_t>(), batch_, 10, dlogits_.as<float>(), batch_);
     model_.zero_grad(stream_);
     model_.backward(stream_, dlogits_.as<float>());
@@ -109,7 +102,8 @@ class GoldenReplay {
     const auto x0 = golden_.at("step0.input").to_f32();
     stream_.copy(input_.data(), x0.data(), input_.size());
     const float* eval = model_.forward(stream_, input_.as<float>(), batch_, Mode::eval);
-    EXPECT_TRUE(matches(to_host(stream_, eval, batch_ * 10u), golden_.at("eval.output").to_f32())) << "eval logits";
+    EXPECT_TRUE(test::matches_golden(test::to_host(stream_, eval, batch_ * 10u), golden_.at("eval.output").to_f32()))
+        << "eval logits";
   }
 
  private:
@@ -147,15 +141,17 @@ TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
       if (g.name.find("layer") == 0 && g.name.find(".0.bias") != std::string::npos) {
         // A conv bias followed by BatchNorm has a true gradient of 0; both sides hold rounding
         // noise (~1e-7), so only its magnitude is checked.
-        for (float v : to_host(stream, g.as<float>(), g.numel())) EXPECT_LT(std::fabs(v), 1e-4f) << g.name;
+        for (float v : test::to_host(stream, g.as<float>(), g.numel())) EXPECT_LT(std::fabs(v), 1e-4f) << g.name;
         continue;
       }
-      EXPECT_TRUE(matches(to_host(stream, g.as<float>(), g.numel()), golden.at(step + "grad." + g.name).to_f32()))
+      EXPECT_TRUE(test::matches_golden(test::to_host(stream, g.as<float>(), g.numel()),
+                                       golden.at(step + "grad." + g.name).to_f32()))
           << "grad " << g.name;
     }
     sgd.step(stream, model->params_flat(), model->grads_flat());
   }
-  replay.expect_final_state([](const std::string&, const auto& got, const auto& want) { return matches(got, want); });
+  replay.expect_final_state(
+      [](const std::string&, const auto& got, const auto& want) { return test::matches_golden(got, want); });
   replay.expect_eval_logits();
 }
 
@@ -198,7 +194,7 @@ TEST(Models, DefaultInitIsPyTorchsUniformBounds) {
   auto model = models::make_convnet(rt->device(0), 7);
   Stream stream = rt->device(0).create_stream();
   for (const auto& p : model->parameters()) {
-    const auto values = to_host(stream, p.as<float>(), p.numel());
+    const auto values = test::to_host(stream, p.as<float>(), p.numel());
     if (p.name.find(".1.") != std::string::npos) {  // BatchNorm weight 1, bias 0
       const float want = p.name.ends_with("weight") ? 1.0f : 0.0f;
       for (float v : values) EXPECT_EQ(v, want) << p.name;
@@ -219,9 +215,9 @@ TEST(Models, DefaultInitIsPyTorchsUniformBounds) {
   }
   // Same seed, same values; another seed, other values.
   auto again = models::make_convnet(rt->device(0), 7), other = models::make_convnet(rt->device(0), 8);
-  const auto a = to_host(stream, model->params_flat(), model->param_count());
-  EXPECT_EQ(a, to_host(stream, again->params_flat(), again->param_count()));
-  EXPECT_NE(a, to_host(stream, other->params_flat(), other->param_count()));
+  const auto a = test::to_host(stream, model->params_flat(), model->param_count());
+  EXPECT_EQ(a, test::to_host(stream, again->params_flat(), again->param_count()));
+  EXPECT_NE(a, test::to_host(stream, other->params_flat(), other->param_count()));
 }
 
 // Central differences of the whole model's mean cross-entropy at a sample of parameters.
@@ -237,13 +233,13 @@ void finite_difference_check(Model& model, int batch, unsigned seed, double rtol
   auto loss_at = [&] {
     const float* logits = model.forward(stream, input.as<float>(), batch, Mode::train);
     return static_cast<double>(
-        to_host(stream, loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10), 1)[0]);
+        test::to_host(stream, loss.forward(stream, logits, target.as<std::int64_t>(), batch, 10), 1)[0]);
   };
   const float* logits = model.forward(stream, input.as<float>(), batch, Mode::train);
   loss.backward(stream, logits, target.as<std::int64_t>(), batch, 10, dlogits.as<float>(), batch);
   model.zero_grad(stream);
   model.backward(stream, dlogits.as<float>());
-  const auto grads = to_host(stream, model.grads_flat(), model.param_count());
+  const auto grads = test::to_host(stream, model.grads_flat(), model.param_count());
   std::mt19937 pick(seed);
   auto central_difference = [&](std::size_t index, float eps) {
     float original = 0.0f;
@@ -359,7 +355,7 @@ TEST(Models, BadInputsAreClearErrors) {
   // A checkpoint of the wrong shape is refused and leaves the model as it was.
   auto bigger = models::make_mlp(rt->device(0), {9});
   const auto state = state_dict(*bigger, s0);
-  const auto before = to_host(s0, model->params_flat(), model->param_count());
+  const auto before = test::to_host(s0, model->params_flat(), model->param_count());
   try {
     load_state_dict(*model, s0, state);
     FAIL() << "wrong shapes accepted";
@@ -368,7 +364,7 @@ TEST(Models, BadInputsAreClearErrors) {
               std::string::npos)
         << e.what();
   }
-  EXPECT_EQ(before, to_host(s0, model->params_flat(), model->param_count()));
+  EXPECT_EQ(before, test::to_host(s0, model->params_flat(), model->param_count()));
 }
 
 }  // namespace
@@ -474,7 +470,8 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
     replay.forward_backward(k);
     if (k == 0) {
       for (const TensorRef& g : model->gradients())
-        EXPECT_TRUE(matches(to_host(stream, g.as<float>(), g.numel()), golden.at(step + "grad." + g.name).to_f32()))
+        EXPECT_TRUE(test::matches_golden(test::to_host(stream, g.as<float>(), g.numel()),
+                                         golden.at(step + "grad." + g.name).to_f32()))
             << "grad " << g.name;
     }
     optimizer->step(stream, model->params_flat(), model->grads_flat());
@@ -482,7 +479,7 @@ TEST_P(ResNet8Golden, ThreeStepsMatchPyTorch) {
   replay.expect_final_state([&](const std::string& name, const auto& got, const auto& want) {
     // Running statistics are no optimizer's work: the tight tolerance holds for them.
     return adamw && name.find("running_") == std::string::npos ? matches_after_adamw(got, want, lr_sum)
-                                                               : matches(got, want);
+                                                               : test::matches_golden(got, want);
   });
   replay.expect_eval_logits();
 }

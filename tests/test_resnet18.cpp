@@ -91,21 +91,11 @@ safetensors::File formula_state(const std::vector<StateEntry>& entries) {
   return file;
 }
 
-std::vector<float> to_host(const Stream& stream, const float* device_ptr, std::size_t count) {
-  std::vector<float> out(count);
-  stream.copy(out.data(), device_ptr, count * sizeof(float));
-  return out;
-}
-
 // Logits, loss and full gradients, as tests/test_models.cpp compares its goldens: elementwise rtol
 // 1e-4 plus 2e-5 of the tensor's largest |value|. torch's own fp32 result differs from an fp64 rerun
 // by at most 2.2e-6 of the largest logit, 0.4e-6 on the eval logits and 4e-6 on fc.weight's gradient
-// (measured when the golden was made); dp sums in other orders, so allow about ten times that.
-::testing::AssertionResult matches(const std::vector<float>& got, const std::vector<float>& want) {
-  float scale = 0.0f;
-  for (float v : want) scale = std::max(scale, std::fabs(v));
-  return test::all_close(got, want, 1e-4, 2e-5 * scale + 1e-7);
-}
+// (measured when the golden was made); dp sums in other orders, so test::matches_golden allows about
+// ten times that.
 
 // A gradient against its golden summary. torch fp32 vs fp64 on this golden: the sum differs by at
 // most 0.9e-6 of sqrt(n * sum of squares) (the size of a sum of n values of that rms whatever
@@ -251,23 +241,25 @@ TEST(ResNet18, TrainStepMatchesTorchvision) {
   Model& model = *run.model;
   const float* logits = model.forward(run.stream, run.input.as<float>(), run.batch, Mode::train);
   const std::size_t logit_count = static_cast<std::size_t>(run.batch) * run.classes;
-  EXPECT_TRUE(matches(to_host(run.stream, logits, logit_count), golden.at("train.output").to_f32())) << "logits";
+  EXPECT_TRUE(test::matches_golden(test::to_host(run.stream, logits, logit_count), golden.at("train.output").to_f32()))
+      << "logits";
   CrossEntropyLoss loss(model.device());
   DeviceBuffer dlogits = model.device().allocate(logit_count * sizeof(float));
   const float* device_loss = loss.forward(run.stream, logits, run.target.as<std::int64_t>(), run.batch, run.classes);
-  EXPECT_TRUE(matches(to_host(run.stream, device_loss, 1), golden.at("train.loss").to_f32())) << "loss";
+  EXPECT_TRUE(test::matches_golden(test::to_host(run.stream, device_loss, 1), golden.at("train.loss").to_f32()))
+      << "loss";
   loss.backward(run.stream, logits, run.target.as<std::int64_t>(), run.batch, run.classes, dlogits.as<float>(),
                 run.batch);
   model.zero_grad(run.stream);
   model.backward(run.stream, dlogits.as<float>());
   std::size_t checked = 0;
   for (const TensorRef& g : model.gradients()) {
-    const auto got = to_host(run.stream, g.as<float>(), g.numel());
+    const auto got = test::to_host(run.stream, g.as<float>(), g.numel());
     EXPECT_TRUE(
         matches_summary(got, golden.at("grad_summary." + g.name).to_f32(), golden.at("grad_head." + g.name).to_f32()))
         << "grad " << g.name;
     if (golden.has("grad." + g.name)) {
-      EXPECT_TRUE(matches(got, golden.at("grad." + g.name).to_f32())) << "grad " << g.name;
+      EXPECT_TRUE(test::matches_golden(got, golden.at("grad." + g.name).to_f32())) << "grad " << g.name;
     }
     ++checked;
   }
@@ -277,8 +269,8 @@ TEST(ResNet18, TrainStepMatchesTorchvision) {
 TEST(ResNet18, EvalLogitsMatchTorchvision) {
   GoldenRun run;
   const float* logits = run.model->forward(run.stream, run.input.as<float>(), run.batch, Mode::eval);
-  EXPECT_TRUE(matches(to_host(run.stream, logits, static_cast<std::size_t>(run.batch) * run.classes),
-                      run.golden.at("eval.output").to_f32()));
+  EXPECT_TRUE(test::matches_golden(test::to_host(run.stream, logits, static_cast<std::size_t>(run.batch) * run.classes),
+                                   run.golden.at("eval.output").to_f32()));
 }
 
 }  // namespace

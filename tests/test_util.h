@@ -1,6 +1,7 @@
 // test_util.h — shared helpers: runtimes per backend (skipping without a GPU), host<->device vectors.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -151,6 +152,21 @@ inline ::testing::AssertionResult all_close(const std::vector<float>& got, const
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << bad << " of " << got.size() << " elements differ:" << detail;
+}
+
+// A golden's tolerance for fp32 tensors PyTorch and dp sum in different orders: elementwise rtol
+// 1e-4 plus 2e-5 of the golden tensor's largest |value| (each caller says why that is enough).
+inline ::testing::AssertionResult matches_golden(const std::vector<float>& got, const std::vector<float>& want) {
+  float scale = 0.0f;
+  for (float v : want) scale = std::max(scale, std::fabs(v));
+  return all_close(got, want, 1e-4, 2e-5 * scale + 1e-7);
+}
+
+// `count` floats of device memory, copied to the host (the stream's copy waits for its work).
+inline std::vector<float> to_host(const Stream& stream, const float* device_ptr, std::size_t count) {
+  std::vector<float> out(count);
+  stream.copy(out.data(), device_ptr, count * sizeof(float));
+  return out;
 }
 
 }  // namespace dp::test
