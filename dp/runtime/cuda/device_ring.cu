@@ -42,6 +42,28 @@ __device__ void chunk(std::size_t count, int n, int c, std::size_t& begin, std::
   end = count * static_cast<std::size_t>(c + 1) / static_cast<std::size_t>(n);
 }
 
+// The sim ring's all-reduce of `count` elements of T: reduce-scatter, after step s this rank
+// holding the sum (add) of s+2 contributions to chunk r-1-s, its own plus the left neighbour's
+// partial sum; then all-gather, the finished chunks around the ring. False when a barrier was
+// aborted.
+template <class T, class Add, class Meet>
+__device__ bool all_reduce_steps(T* mine, const T* left, std::size_t count, int r, int n, Add add, const Meet& meet) {
+  const std::size_t stride = blockDim.x;
+  for (int s = 0; s < n - 1; ++s) {
+    std::size_t begin = 0, end = 0;
+    chunk(count, n, r - 1 - s, begin, end);
+    for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine[i] = add(mine[i], left[i]);
+    if (!meet()) return false;
+  }
+  for (int s = 0; s < n - 1; ++s) {
+    std::size_t begin = 0, end = 0;
+    chunk(count, n, r - s, begin, end);
+    for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine[i] = left[i];
+    if (!meet()) return false;
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads) ring_kernel(Call call, Shared* shared, const volatile int* aborted) {
   const int r = call.rank, n = call.ranks;
   // The count of barriers before this call; only this rank writes its own, in stream order.
@@ -58,22 +80,10 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Call call, Shared* share
   switch (call.op) {
     case Op::all_reduce_sum:
     case Op::all_reduce_avg: {
-      const auto* left = static_cast<const float*>(shared->buffers[(r - 1 + n) % n]);
-      // Reduce-scatter: after step s this rank holds the sum of s+2 contributions to chunk r-1-s,
-      // its own plus the left neighbour's partial sum (the sim's mine[i] += stage[i]).
-      for (int s = 0; s < n - 1; ++s) {
-        std::size_t begin = 0, end = 0;
-        chunk(call.count, n, r - 1 - s, begin, end);
-        for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine[i] += left[i];
-        if (!meet()) return;
-      }
-      // All-gather: the finished chunks around the ring.
-      for (int s = 0; s < n - 1; ++s) {
-        std::size_t begin = 0, end = 0;
-        chunk(call.count, n, r - s, begin, end);
-        for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine[i] = left[i];
-        if (!meet()) return;
-      }
+      const auto sum = [](float a, float b) { return a + b; };  // the sim's mine[i] += stage[i]
+      if (!all_reduce_steps(mine, static_cast<const float*>(shared->buffers[(r - 1 + n) % n]), call.count, r, n, sum,
+                            meet))
+        return;
       if (call.op == Op::all_reduce_avg) {
         const float scale = 1.0f / static_cast<float>(n);
         for (std::size_t i = threadIdx.x; i < call.count; i += stride) mine[i] *= scale;
@@ -81,21 +91,11 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Call call, Shared* share
       return;
     }
     case Op::all_reduce_bf16: {
-      // The same steps with bf16 elements, each addition rounded to bf16 (the sim's bf16_add).
-      auto* mine16 = static_cast<std::uint16_t*>(call.data);
-      const auto* left = static_cast<const std::uint16_t*>(shared->buffers[(r - 1 + n) % n]);
-      for (int s = 0; s < n - 1; ++s) {
-        std::size_t begin = 0, end = 0;
-        chunk(call.count, n, r - 1 - s, begin, end);
-        for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine16[i] = bf16_add(mine16[i], left[i]);
-        if (!meet()) return;
-      }
-      for (int s = 0; s < n - 1; ++s) {
-        std::size_t begin = 0, end = 0;
-        chunk(call.count, n, r - s, begin, end);
-        for (std::size_t i = begin + threadIdx.x; i < end; i += stride) mine16[i] = left[i];
-        if (!meet()) return;
-      }
+      // Each addition rounded to bf16 (the sim's bf16_add).
+      const auto sum = [](std::uint16_t a, std::uint16_t b) { return bf16_add(a, b); };
+      all_reduce_steps(static_cast<std::uint16_t*>(call.data),
+                       static_cast<const std::uint16_t*>(shared->buffers[(r - 1 + n) % n]), call.count, r, n, sum,
+                       meet);
       return;
     }
     case Op::broadcast: {
