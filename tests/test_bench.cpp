@@ -22,29 +22,14 @@
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
 #include "dp/runtime/device.h"
+#include "test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-// A fresh directory for one test's outputs, removed afterwards.
-class TempDir {
- public:
-  explicit TempDir(const std::string& name)
-      : path_(fs::temp_directory_path() / fmt::format("dp_bench_test_{}_{}", ::getpid(), name)) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  fs::path operator/(const std::string& file) const { return path_ / file; }
-
- private:
-  fs::path path_;
-};
+using dp::test::TempDir;
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path);

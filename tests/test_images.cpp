@@ -40,24 +40,7 @@ void write_bytes(const fs::path& path, const void* data, std::size_t size) {
   std::ofstream(path, std::ios::binary).write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
 }
 
-// A fresh directory for one test, removed afterwards.
-class TempDir {
- public:
-  explicit TempDir(const std::string& name)
-      : path_(fs::temp_directory_path() / fmt::format("dp_images_test_{}_{}", ::getpid(), name)) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& file) const { return path_ / file; }
-
- private:
-  fs::path path_;
-};
+using dp::test::TempDir;
 
 // The message of the dp::Error `f` throws ("" and a failure when it throws none).
 template <class F>

@@ -7,11 +7,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <memory>
 #include <random>
 #include <string>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <vector>
 
 #include "dp/runtime/device.h"
@@ -153,6 +156,28 @@ inline ::testing::AssertionResult all_close(const std::vector<float>& got, const
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << bad << " of " << got.size() << " elements differ:" << detail;
 }
+
+// A fresh directory for one test's files (named by the process and `name`: ctest runs tests of
+// one binary in parallel processes), removed afterwards.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name)
+      : path_(std::filesystem::temp_directory_path() / fmt::format("dp_test_{}_{}", ::getpid(), name)) {
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& file) const { return path_ / file; }
+
+ private:
+  std::filesystem::path path_;
+};
 
 // A golden's tolerance for fp32 tensors PyTorch and dp sum in different orders: elementwise rtol
 // 1e-4 plus 2e-5 of the golden tensor's largest |value| (each caller says why that is enough).
