@@ -19,6 +19,7 @@
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/model.h"
+#include "dp/runtime/shape.h"
 
 namespace dp_bench {
 namespace {
@@ -37,12 +38,6 @@ std::unique_ptr<dp::Model> make_model(const std::string& name, dp::Device& devic
   if (name == "resnet8") return dp::models::make_resnet8(device, seed);
   if (name == "resnet18") return dp::models::make_resnet18(device, 10, kResNet18Side, seed);
   return dp::models::make_convnet(device, seed);
-}
-
-std::size_t sample_floats_of(const dp::Model& model) {
-  std::size_t n = 1;
-  for (const std::int64_t d : model.input_shape()) n *= static_cast<std::size_t>(d);
-  return n;
 }
 
 // torchvision's ResNet-18 on S x S inputs: each convolution's multiply-accumulates per sample
@@ -333,7 +328,7 @@ std::vector<dp::Batch> pinned_batches(dp::Runtime& rt, dp::Engine& engine, const
   const std::size_t rows = static_cast<std::size_t>(pieces) * static_cast<std::size_t>(piece);
   // The data holds the largest sample of the models measured: this model's samples are its first
   // floats, read as consecutive samples of its own size.
-  const std::size_t floats = sample_floats_of(engine.model());
+  const std::size_t floats = dp::numel(engine.model().input_shape());
   if (floats > data.sample_floats)
     throw dp::InvalidArgument(
         fmt::format("the synthetic data's samples have {} floats, the model's {}", data.sample_floats, floats));

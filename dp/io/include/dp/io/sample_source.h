@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "dp/runtime/shape.h"
+
 namespace dp {
 
 // Which draw a random augmentation takes for a sample: a pure function of (seed, rank, epoch,
@@ -33,11 +35,7 @@ class SampleSource {
   // (an unreadable file).
   virtual void fill(std::size_t index, const SampleKey& key, float* out) const = 0;
 
-  std::size_t sample_floats() const {
-    std::size_t n = 1;
-    for (std::int64_t d : sample_shape()) n *= static_cast<std::size_t>(d);
-    return n;
-  }
+  std::size_t sample_floats() const { return numel(sample_shape()); }
 };
 
 }  // namespace dp
