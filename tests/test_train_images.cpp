@@ -228,6 +228,11 @@ TEST_F(TrainImagesTest, BadImagesAndFoldersAreRefusedNamingThem) {
   expect_refused(args + data + " --num-classes 2", "--num-classes 2: the image folder has 3 classes");
   expect_refused("--model convnet --synthetic 64 --backend sim --normalize 0.1,0.2,0.3/0.3,0.2,0.1",
                  "the images have 1 channel");
+  expect_refused("--model convnet --synthetic 64 --backend sim --image-size 64",
+                 "--image-size and --resize apply to image folders");
+  expect_refused("--model convnet --synthetic 64 --backend sim --num-classes 5", "--model convnet has 10 classes");
+  expect_refused("--model resnet18 --backend sim --steps 1 --eval --train-dir " + data + "/train",
+                 "--eval needs the image folder to evaluate on: give --val-dir");
 }
 
 // --loader-only reads the run's batches (decoded and augmented by the workers) and reports their rate.
