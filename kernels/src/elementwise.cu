@@ -25,6 +25,18 @@ void from_bf16(const Stream& stream, index_t n, const std::uint16_t* x, float* y
   launch(stream, "from_bf16", n, FromBf16{x, y}, {operand(x, n), operand(y, n)});
 }
 
+void to_bf16(const Stream& stream, index_t n, const float* x, std::uint16_t* y) {
+  launch(stream, "to_bf16", n, ToBf16{x, y}, {operand(x, n), operand(y, n)});
+}
+
+void round_to_bf16(const Stream& stream, index_t n, const float* x, float* y) {
+  launch(stream, "round_to_bf16", n, RoundToBf16{x, y}, {operand(x, n), operand(y, n)});
+}
+
+void add_bf16_rounded(const Stream& stream, index_t n, const float* x, float* y, bool accumulate) {
+  launch(stream, "add_bf16_rounded", n, AddBf16Rounded{x, y, accumulate}, {operand(x, n), operand(y, n)});
+}
+
 void add(const Stream& stream, index_t n, const float* a, const float* b, float* out) {
   launch(stream, "add", n, Add{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
 }

@@ -122,6 +122,8 @@ std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, con
 std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options) {
   const auto frozen = frozen_ranges(model, options.frozen);  // checked before anything is built
+  // Before the engine replicates the model: replicas keep the setting.
+  model.set_autocast(options.amp);
   auto engine = make_unfrozen_engine(runtime, model, optimizer, options);
   if (!frozen.empty())
     for (Optimizer* o : engine->optimizers()) o->freeze(frozen);

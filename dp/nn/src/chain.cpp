@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <set>
 
+#include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 
 namespace dp::nn::detail {
@@ -60,7 +61,35 @@ void Chain::add_prefix(const std::string& prefix) {
   for (auto& layer : layers_) layer->add_prefix(prefix);
 }
 
-const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
+bool Chain::output_bf16(bool input_bf16) const {
+  for (const auto& layer : layers_) input_bf16 = layer->output_bf16(input_bf16);
+  return input_bf16;
+}
+
+void* Chain::activation(const LayerContext& ctx, std::vector<Scratch>& memory, std::size_t boundary) {
+  const auto n = static_cast<std::size_t>(shapes_[boundary].numel());
+  if (bf16_[boundary]) return memory[boundary].get<std::uint16_t>(ctx.device, n);
+  return memory[boundary].get<float>(ctx.device, n);
+}
+
+namespace {
+
+// An fp32 view of a boundary for a leaf under autocast: bf16 storage widened (exact), or, before a
+// layer that autocasts, fp32 rounded to bf16 values (autocast's cast of its input); else the
+// boundary itself.
+const float* widened(const LayerContext& ctx, const void* data, bool bf16, bool round, std::int64_t n, Scratch& into) {
+  if (!bf16 && !round) return static_cast<const float*>(data);
+  float* out = ctx.amp->get<float>(into, ctx.device, n);
+  if (bf16)
+    kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(data), out);
+  else
+    kernels::round_to_bf16(ctx.stream, n, static_cast<const float*>(data), out);
+  return out;
+}
+
+}  // namespace
+
+const void* Chain::forward(const LayerContext& ctx, const void* x, void* y) {
   const std::size_t count = layers_.size();
   // The last computing child, which writes into y when the caller provides it.
   std::size_t last_compute = count;
@@ -71,46 +100,66 @@ const float* Chain::forward(const LayerContext& ctx, const float* x, float* y) {
     }
   shapes_.assign(count + 1, {});
   outputs_.assign(count + 1, nullptr);
+  bf16_.assign(count + 1, false);
   relu_fused_.assign(count, false);
   activations_.resize(count + 1);
   activation_grads_.resize(count + 1);
   shapes_[0] = ctx.in;
   outputs_[0] = x;
+  bf16_[0] = ctx.amp && ctx.bf16;
+  caller_boundary_ = kNone;
   for (std::size_t i = 0; i < count; ++i) {
     shapes_[i + 1] = layers_[i]->output_shape(shapes_[i]);
+    bf16_[i + 1] = ctx.amp && layers_[i]->output_bf16(bf16_[i]);
     if (layers_[i]->is_view()) {
       outputs_[i + 1] = outputs_[i];
       continue;
     }
-    const LayerContext child{ctx.stream, ctx.device, shapes_[i], ctx.mode, ctx.random, ctx.sync, ctx.accumulate_grads};
-    if (i + 1 < count && layers_[i]->fuses_relu() && layers_[i + 1]->is_relu()) {
-      // Layer i and the ReLU after it in one pass, into the ReLU's output; the boundary between
-      // them is never written (nothing reads it: see backward).
+    // Layer i and a ReLU after it run in one pass, into the ReLU's output; the boundary between
+    // them is never written (nothing reads it: see backward).
+    const bool fused = i + 1 < count && layers_[i]->fuses_relu() && layers_[i + 1]->is_relu();
+    const std::size_t end = fused ? i + 2 : i + 1;
+    if (fused) {
       shapes_[i + 2] = layers_[i + 1]->output_shape(shapes_[i + 1]);
-      float* out = i + 1 == last_compute && y
-                       ? y
-                       : activations_[i + 2].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i + 2].numel()));
-      layers_[i]->forward_relu(child, outputs_[i], out);
-      relu_fused_[i] = true;
-      outputs_[i + 2] = out;
-      ++i;
-      continue;
+      bf16_[i + 2] = ctx.amp && layers_[i + 1]->output_bf16(bf16_[i + 1]);
     }
-    float* out = i == last_compute && y
-                     ? y
-                     : activations_[i + 1].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i + 1].numel()));
-    layers_[i]->forward(child, outputs_[i], out);
-    outputs_[i + 1] = out;
+    const bool to_caller = end - 1 == last_compute && y;
+    void* out = to_caller ? y : activation(ctx, activations_, end);
+    forward_child(ctx, i, fused, out);
+    relu_fused_[i] = fused;
+    outputs_[end] = out;
+    if (to_caller) caller_boundary_ = end;
+    i = end - 1;
   }
   train_forward_done_ = ctx.mode == Mode::train;
   return outputs_[count];
 }
 
-void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const std::function<void(Layer&)>& after) {
+void Chain::forward_child(const LayerContext& ctx, std::size_t i, bool fused, void* out) {
+  Layer& layer = *layers_[i];
+  const std::size_t end = fused ? i + 2 : i + 1;
+  const LayerContext child{ctx.stream, ctx.device,           shapes_[i], ctx.mode, ctx.random,
+                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
+  const float* x = static_cast<const float*>(outputs_[i]);
+  auto* y = static_cast<float*>(out);
+  if (ctx.amp && !layer.is_container()) {  // a containers takes the chain's storage as it is
+    AutocastScratch& amp = *ctx.amp;
+    x = widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), shapes_[i].numel(), amp.x);
+    if (bf16_[end]) y = amp.get<float>(amp.out, ctx.device, shapes_[end].numel());
+  }
+  if (fused)
+    layer.forward_relu(child, x, y);
+  else
+    layer.forward(child, x, y);
+  if (y != out) kernels::to_bf16(ctx.stream, shapes_[end].numel(), y, static_cast<std::uint16_t*>(out));
+}
+
+void Chain::backward(const LayerContext& ctx, const void* dy, void* dx, const std::function<void(Layer&)>& after) {
   if (!train_forward_done_) throw InvalidArgument("backward without a train-mode forward");
   const std::size_t first = first_compute();
   if (first == layers_.size()) {  // identity: dL/dx = dL/dy
-    if (dx && dx != dy) ctx.stream.copy(dx, dy, static_cast<std::size_t>(shapes_.back().numel()) * sizeof(float));
+    if (dx && dx != dy)
+      ctx.stream.copy(dx, dy, static_cast<std::size_t>(shapes_.back().numel()) * element_size(layers_.size()));
     return;
   }
   for (std::size_t i = layers_.size(); i-- > 0;) {
@@ -121,26 +170,56 @@ void Chain::backward(const LayerContext& ctx, const float* dy, float* dx, const 
       if (after) after(layer);
       continue;
     }
-    if (relu_fused_[i]) {
-      // dy is dL/d(ReLU's output), outputs_[i + 2] that output.
-      float* child_dx =
-          i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
-      layer.backward_relu(
-          LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync, ctx.accumulate_grads},
-          outputs_[i], outputs_[i + 2], dy, child_dx);
-      if (after) after(layer);
-      dy = child_dx;
-      continue;
-    }
     // The first computing child writes the chain's input gradient (the caller's dx, maybe null:
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
-    float* child_dx =
-        i == first ? dx : activation_grads_[i].get<float>(ctx.device, static_cast<std::size_t>(shapes_[i].numel()));
-    layer.backward_reporting(
-        LayerContext{ctx.stream, ctx.device, shapes_[i], Mode::train, ctx.random, ctx.sync, ctx.accumulate_grads},
-        outputs_[i], outputs_[i + 1], dy, child_dx, after);
+    void* child_dx = i == first ? dx : activation(ctx, activation_grads_, i);
+    backward_child(ctx, i, relu_fused_[i], dy, child_dx, after);
     dy = child_dx;
   }
+}
+
+void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, const void* dy, void* dx,
+                           const std::function<void(Layer&)>& after) {
+  Layer& layer = *layers_[i];
+  // Fused, dy is dL/d(ReLU's output) and outputs_[i + 2] that output.
+  const std::size_t end = fused ? i + 2 : i + 1;
+  const LayerContext child{ctx.stream, ctx.device,           shapes_[i], Mode::train, ctx.random,
+                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
+  const auto* x = static_cast<const float*>(outputs_[i]);
+  const auto* y = static_cast<const float*>(outputs_[end]);
+  const auto* dy32 = static_cast<const float*>(dy);
+  auto* dx32 = static_cast<float*>(dx);
+  if (ctx.amp && !layer.is_container()) {
+    AutocastScratch& amp = *ctx.amp;
+    const std::int64_t n_in = shapes_[i].numel(), n_out = shapes_[end].numel();
+    x = layer.backward_reads_input() || !bf16_[i] ? widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), n_in, amp.x)
+                                                  : nullptr;
+    y = fused || layer.backward_reads_output() || !bf16_[end]
+            ? widened(ctx, outputs_[end], bf16_[end], false, n_out, amp.y)
+            : nullptr;
+    dy32 = widened(ctx, dy, bf16_[end], false, n_out, amp.dy);
+    if (dx && bf16_[i]) dx32 = amp.get<float>(amp.dx, ctx.device, n_in);
+  }
+  if (fused) {
+    layer.backward_relu(child, x, y, dy32, dx32);
+    if (after) after(layer);
+  } else {
+    layer.backward_reporting(child, x, y, dy32, dx32, after);
+  }
+  if (dx32 != dx) kernels::to_bf16(ctx.stream, shapes_[i].numel(), dx32, static_cast<std::uint16_t*>(dx));
+}
+
+std::size_t Chain::saved_bytes() const {
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = *layers_[i];
+    bytes += layer.saved_bytes();
+    if (layer.is_view() || (i > 0 && relu_fused_.size() == layers_.size() && relu_fused_[i - 1])) continue;
+    const std::size_t end = i < relu_fused_.size() && relu_fused_[i] ? i + 2 : i + 1;
+    if (end >= outputs_.size() || end == caller_boundary_) continue;  // the caller's memory
+    bytes += static_cast<std::size_t>(shapes_[end].numel()) * element_size(end);
+  }
+  return bytes;
 }
 
 }  // namespace dp::nn::detail

@@ -37,26 +37,47 @@ class Chain {
             std::size_t& buffer, float* params_flat, float* grads_flat, std::byte* buffers_flat);
   void add_prefix(const std::string& prefix);
 
-  // Runs the children on x (shape ctx.in). The last child that computes writes into `y` when it is
-  // given (a container's output), else into the chain's own activation memory. Returns the output:
-  // x itself for an identity chain.
-  const float* forward(const LayerContext& ctx, const float* x, float* y);
-  // Backward of the last forward given dL/d(output): dx (overwritten) unless null, parameter
-  // gradients accumulated or written (ctx.accumulate_grads, passed on to every child). `after` is
-  // called with each layer right after its backward is enqueued, last child first, and inside
-  // containers with their children (Layer::backward_reporting). An identity chain copies dy to dx.
-  void backward(const LayerContext& ctx, const float* dy, float* dx, const std::function<void(Layer&)>& after = {});
+  // Whether the output of a chain whose input has the given dtype is bf16 (autocast: after a Linear
+  // or Conv2d).
+  bool output_bf16(bool input_bf16) const;
+
+  // Runs the children on x (shape ctx.in; bf16 storage when ctx.bf16). The last child that computes
+  // writes into `y` when it is given (a container's output), else into the chain's own activation
+  // memory. Returns the output (bf16 storage when output_bf16(ctx.bf16)): x itself for an identity
+  // chain.
+  const void* forward(const LayerContext& ctx, const void* x, void* y);
+  // Backward of the last forward given dL/d(output) (in the output's dtype): dx (overwritten, in
+  // the input's dtype) unless null, parameter gradients accumulated or written
+  // (ctx.accumulate_grads, passed on to every child). `after` is called with each layer right after
+  // its backward is enqueued, last child first, and inside containers with their children
+  // (Layer::backward_reporting). An identity chain copies dy to dx.
+  void backward(const LayerContext& ctx, const void* dy, void* dx, const std::function<void(Layer&)>& after = {});
+  // The batch of the last forward.
+  int batch() const { return shapes_.empty() ? 0 : shapes_[0].n; }
+  // Bytes of the activations the last train forward keeps (its boundaries, the input excluded).
+  std::size_t saved_bytes() const;
 
  private:
   std::size_t first_compute() const;
+  // One child's forward and backward (index i; `fused`: it and the ReLU after it), from and into
+  // the chain's storage: under autocast a leaf gets fp32 tensors widened from bf16 ones.
+  void forward_child(const LayerContext& ctx, std::size_t i, bool fused, void* out);
+  void backward_child(const LayerContext& ctx, std::size_t i, bool fused, const void* dy, void* dx,
+                      const std::function<void(Layer&)>& after);
+  // The boundary's bytes per element.
+  std::size_t element_size(std::size_t boundary) const { return bf16_[boundary] ? 2 : 4; }
+  void* activation(const LayerContext& ctx, std::vector<Scratch>& memory, std::size_t boundary);
 
   Layers layers_;
-  // Of the last forward: the shape and data at each boundary (index 0 = the input).
+  // Of the last forward: the shape, data and dtype at each boundary (index 0 = the input).
   std::vector<ActShape> shapes_;
-  std::vector<const float*> outputs_;
+  std::vector<const void*> outputs_;
+  std::vector<bool> bf16_;
   std::vector<Scratch> activations_, activation_grads_;
   // relu_fused_[i]: child i ran forward_relu for itself and child i + 1 (a ReLU) in the last forward.
   std::vector<bool> relu_fused_;
+  static constexpr std::size_t kNone = ~std::size_t{0};
+  std::size_t caller_boundary_ = kNone;  // the boundary the last forward wrote into the caller's y
   bool train_forward_done_ = false;
 };
 

@@ -27,6 +27,24 @@ void Layer::backward_relu(const LayerContext&, const float*, const float*, const
 
 namespace {
 
+// Autocast for a layer whose parameters are contiguous (weight, then bias): the bf16-rounded copy
+// of them its arithmetic uses, and its gradients computed apart and rounded to bf16 before they
+// reach the fp32 buffer (torch: the bf16 gradient of the bf16 weight, widened by the cast's
+// backward). Without autocast, the parameters and gradients themselves.
+const float* amp_params(const LayerContext& ctx, float* params, std::int64_t count) {
+  if (!ctx.amp) return params;
+  float* rounded = ctx.amp->get<float>(ctx.amp->weight, ctx.device, count);
+  kernels::round_to_bf16(ctx.stream, count, params, rounded);
+  return rounded;
+}
+float* amp_grads(const LayerContext& ctx, float* grads, std::int64_t count) {
+  return ctx.amp ? ctx.amp->get<float>(ctx.amp->grad, ctx.device, count) : grads;
+}
+// Written into `computed` (write mode) by the backward; widened into `grads` as bf16 values.
+void add_amp_grads(const LayerContext& ctx, const float* computed, float* grads, std::int64_t count) {
+  if (computed != grads) kernels::add_bf16_rounded(ctx.stream, count, computed, grads, ctx.accumulate_grads);
+}
+
 class Linear final : public Layer {
  public:
   Linear(std::string name, int in, int out) : Layer(std::move(name)), in_(in), out_(out) {
@@ -38,16 +56,27 @@ class Linear final : public Layer {
       throw InvalidArgument(fmt::format("{}: expects {} input features, got {}", name(), in_, in.per_sample()));
     return ActShape{in.n, out_, 1, 1};
   }
+  bool autocasts() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, param(0), param(1), y);
+    const float* w = amp_params(ctx);
+    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, w, ctx.amp ? w + weights() : param(1), y);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
-    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, param(0), dy, dx, grad(0), grad(1),
-                             ctx.accumulate_grads);
+    const float* w = amp_params(ctx);
+    float* g = amp_grads(ctx);
+    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, w, dy, dx, g, ctx.amp ? g + weights() : grad(1),
+                             !ctx.amp && ctx.accumulate_grads);
+    add_amp_grads(ctx, g);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }
 
  private:
+  std::int64_t weights() const { return static_cast<std::int64_t>(in_) * out_; }
+  std::int64_t count() const { return weights() + out_; }
+  const float* amp_params(const LayerContext& ctx) const { return nn::amp_params(ctx, param(0), count()); }
+  float* amp_grads(const LayerContext& ctx) const { return nn::amp_grads(ctx, grad(0), count()); }
+  void add_amp_grads(const LayerContext& ctx, const float* g) const { nn::add_amp_grads(ctx, g, grad(0), count()); }
+
   int in_, out_;
 };
 
@@ -72,22 +101,29 @@ class Conv2d final : public Layer {
       throw InvalidArgument(fmt::format("{}: input {}x{} is smaller than the kernel", name(), in.h, in.w));
     return ActShape{in.n, out_, s.h_out(), s.w_out()};
   }
+  bool autocasts() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
-    float* workspace = workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s));
-    const bool lowered =
-        kernels::conv2d_forward(ctx.stream, s, x, param(0), has_bias() ? param(1) : nullptr, y, workspace);
-    lowered_ = lowered ? Lowered{x, workspace, s} : Lowered{};
+    float* workspace = this->workspace(ctx, s);
+    const float* w = amp_params(ctx, param(0), count());
+    const float* bias = has_bias() ? (ctx.amp ? w + weights() : param(1)) : nullptr;
+    const bool lowered = kernels::conv2d_forward(ctx.stream, s, x, w, bias, y, workspace);
+    // Under autocast x and the workspace are shared scratch that later layers overwrite.
+    lowered_ = lowered && !ctx.amp ? Lowered{x, workspace, s} : Lowered{};
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
-    float* workspace = workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(s));
+    float* workspace = this->workspace(ctx, s);
     // The forward's lowered x is reused when it lowered this x into this workspace: the GEMMs of a
     // step then lower each input once.
     const bool x_lowered = lowered_.matches(x, workspace, s);
     lowered_ = Lowered{};
-    kernels::conv2d_backward(ctx.stream, s, x, param(0), dy, dx, grad(0), has_bias() ? grad(1) : nullptr, workspace,
-                             ctx.accumulate_grads, x_lowered);
+    const float* w = amp_params(ctx, param(0), count());
+    float* g = amp_grads(ctx, grad(0), count());
+    float* bias_grad = has_bias() ? (ctx.amp ? g + weights() : grad(1)) : nullptr;
+    kernels::conv2d_backward(ctx.stream, s, x, w, dy, dx, g, bias_grad, workspace, !ctx.amp && ctx.accumulate_grads,
+                             x_lowered);
+    add_amp_grads(ctx, g, grad(0), count());
   }
   std::unique_ptr<Layer> clone() const override {
     auto copy = std::make_unique<Conv2d>(*this);
@@ -97,6 +133,14 @@ class Conv2d final : public Layer {
 
  private:
   bool has_bias() const { return params_.size() > 1; }
+  std::int64_t weights() const { return static_cast<std::int64_t>(numel(params_[0].shape)); }
+  std::int64_t count() const { return weights() + (has_bias() ? out_ : 0); }
+  // Its own (it may keep x lowered for the backward), or under autocast the model's shared one.
+  float* workspace(const LayerContext& ctx, const kernels::Conv2dShape& s) {
+    const std::size_t floats = kernels::conv2d_workspace_floats(s);
+    if (ctx.amp) return ctx.amp->get<float>(ctx.amp->workspace, ctx.device, static_cast<std::int64_t>(floats));
+    return workspace_.get<float>(ctx.device, floats);
+  }
 
   // What the workspace holds after the last forward: x lowered for this shape, or nothing.
   struct Lowered {
@@ -144,6 +188,7 @@ class BatchNorm2d final : public Layer {
     backward(ctx, x, dy, dx, y);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
+  std::size_t saved_bytes() const override { return saved_.size(); }
 
  private:
   void forward(const LayerContext& ctx, const float* x, float* y, bool relu) {
@@ -213,6 +258,8 @@ class Relu final : public Layer {
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Relu>(name()); }
   bool is_relu() const override { return true; }
+  bool backward_reads_input() const override { return false; }
+  bool backward_reads_output() const override { return true; }
 };
 
 // torch's rules for a pooling window (kernel, stride >= 1, 0 <= pad <= kernel/2), checked when the
@@ -248,20 +295,35 @@ class MaxPool2d final : public Layer {
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
-    const std::size_t outputs = static_cast<std::size_t>(s.n) * s.c * s.h_out() * s.w_out();
-    kernels::maxpool_forward(ctx.stream, s, x, y, argmax_.get<std::int32_t>(ctx.device, outputs));
+    kernels::maxpool_forward(ctx.stream, s, x, y, indices(ctx, s));
+    kept_ = ctx.amp ? 0 : static_cast<std::size_t>(outputs(s)) * sizeof(std::int32_t);
   }
-  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
+  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     if (!dx) return;
     const auto s = shape(ctx.in);
-    const std::size_t outputs = static_cast<std::size_t>(s.n) * s.c * s.h_out() * s.w_out();
-    kernels::maxpool_backward(ctx.stream, s, argmax_.get<std::int32_t>(ctx.device, outputs), dy, dx);
+    std::int32_t* argmax = indices(ctx, s);
+    // Under autocast the indices are not kept: the backward finds them again in the bf16 input the
+    // chain keeps anyway (the same scan, the same choice), which halves what the step holds.
+    if (ctx.amp)
+      kernels::maxpool_forward(ctx.stream, s, x, ctx.amp->get<float>(ctx.amp->out, ctx.device, outputs(s)), argmax);
+    kernels::maxpool_backward(ctx.stream, s, argmax, dy, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<MaxPool2d>(*this); }
+  std::size_t saved_bytes() const override { return kept_; }
 
  private:
+  static std::int64_t outputs(const kernels::MaxPoolShape& s) {
+    return static_cast<std::int64_t>(s.n) * s.c * s.h_out() * s.w_out();
+  }
+  // The layer's own, kept from the forward to the backward; under autocast the model's scratch.
+  std::int32_t* indices(const LayerContext& ctx, const kernels::MaxPoolShape& s) {
+    if (ctx.amp) return ctx.amp->get<std::int32_t>(ctx.amp->indices, ctx.device, outputs(s));
+    return argmax_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(outputs(s)));
+  }
+
   int kernel_, stride_, pad_;
   Scratch argmax_;
+  std::size_t kept_ = 0;  // bytes of indices the last forward kept for the backward
 };
 
 class AvgPool2d final : public Layer {
@@ -285,6 +347,7 @@ class AvgPool2d final : public Layer {
     if (dx) kernels::avgpool_backward(ctx.stream, shape(ctx.in), dy, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<AvgPool2d>(*this); }
+  bool backward_reads_input() const override { return false; }
 
  private:
   int kernel_, stride_, pad_;
@@ -301,6 +364,7 @@ class GlobalAvgPool2d final : public Layer {
     if (dx) kernels::global_avgpool_backward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, dy, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<GlobalAvgPool2d>(name()); }
+  bool backward_reads_input() const override { return false; }
 };
 
 // 32-bit FNV-1a of the layer's full name: Dropout's stream of random numbers, the same in every
@@ -337,6 +401,7 @@ class Dropout final : public Layer {
     kernels::dropout_backward(ctx.stream, ctx.in.numel(), p_, key, offset, dy, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(*this); }
+  bool backward_reads_input() const override { return false; }
 
  private:
   // The key of this step's masks and the index of this batch's first element in the step's batch.
@@ -365,6 +430,12 @@ class Container : public Layer {
   void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
     backward_reporting(ctx, x, y, dy, dx, {});
   }
+  bool is_container() const override { return true; }
+  std::size_t saved_bytes() const override {
+    std::size_t bytes = 0;
+    for (const detail::Chain* chain : const_cast<Container*>(this)->chains()) bytes += chain->saved_bytes();
+    return bytes;
+  }
   bool stochastic() const override {
     // chains() hands out the derived class's members mutably; asking them changes nothing.
     for (const detail::Chain* chain : const_cast<Container*>(this)->chains())
@@ -392,6 +463,7 @@ class SequentialLayer final : public Container {
   SequentialLayer(const SequentialLayer&) = default;
   ActShape output_shape(const ActShape& in) const override { return chain_.output_shape(in); }
   bool is_view() const override { return chain_.is_identity(); }
+  bool output_bf16(bool input_bf16) const override { return chain_.output_bf16(input_bf16); }
   void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
   void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
@@ -421,40 +493,92 @@ class Residual final : public Container {
                                         name(), a.c, a.h, a.w, b.c, b.h, b.w));
     return a;
   }
+  bool output_bf16(bool input_bf16) const override { return body_.output_bf16(input_bf16); }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const ActShape out = output_shape(ctx.in);
     const auto n = static_cast<kernels::index_t>(out.numel());
-    const float* body = body_.forward(ctx, x, nullptr);
-    const float* shortcut = shortcut_.forward(ctx, x, nullptr);
-    if (relu_after_)
-      kernels::add_relu(ctx.stream, n, body, shortcut, y);
-    else
-      kernels::add(ctx.stream, n, body, shortcut, y);
+    const void* body = body_.forward(ctx, x, nullptr);
+    const void* shortcut = shortcut_.forward(ctx, x, nullptr);
+    if (!ctx.amp) {
+      add(ctx, n, static_cast<const float*>(body), static_cast<const float*>(shortcut), y);
+      return;
+    }
+    // Autocast: torch adds the two bf16 tensors in fp32 and rounds the sum (then ReLU, exact).
+    const bool bf16 = body_.output_bf16(ctx.bf16);
+    if (bf16 != shortcut_.output_bf16(ctx.bf16))
+      throw InvalidArgument(fmt::format("{}: under autocast the body gives {} but the shortcut {}", name(),
+                                        bf16 ? "bf16" : "fp32", bf16 ? "fp32" : "bf16"));
+    if (!bf16) {
+      add(ctx, n, static_cast<const float*>(body), static_cast<const float*>(shortcut), y);
+      return;
+    }
+    float* sum = widen(ctx, ctx.amp->x, body, n);
+    add(ctx, n, sum, widen(ctx, ctx.amp->y, shortcut, n), sum);
+    kernels::to_bf16(ctx.stream, n, sum, reinterpret_cast<std::uint16_t*>(y));
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
     const ActShape out = output_shape(ctx.in);
     const auto n = static_cast<kernels::index_t>(out.numel());
-    const float* dsum = dy;
+    const auto n_in = static_cast<kernels::index_t>(ctx.in.numel());
+    // Autocast: the gradients of bf16 tensors are bf16 (the sum's and the input's).
+    const bool out16 = ctx.amp && body_.output_bf16(ctx.bf16), in16 = ctx.amp && ctx.bf16;
+    const void* dsum = dy;
     if (relu_after_) {
-      float* g = dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
-      kernels::relu_backward(ctx.stream, n, y, dy, g);
-      dsum = g;
+      if (out16) {
+        float* g = widen(ctx, ctx.amp->dy, dy, n);
+        kernels::relu_backward(ctx.stream, n, widen(ctx, ctx.amp->y, y, n), g, g);
+        auto* bits = dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
+        kernels::to_bf16(ctx.stream, n, g, bits);  // exact: a bf16 value or 0
+        dsum = bits;
+      } else {
+        float* g = dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
+        kernels::relu_backward(ctx.stream, n, y, dy, g);
+        dsum = g;
+      }
     }
     // The Add passes dsum to both branches; the input gradient is the sum of theirs.
     body_.backward(ctx, dsum, dx, done);
     if (shortcut_.is_identity()) {
-      if (dx) kernels::axpy(ctx.stream, static_cast<kernels::index_t>(ctx.in.numel()), 1.0f, dsum, dx);
+      if (dx) accumulate(ctx, n_in, in16, dsum, dx);
       return;
     }
-    float* shortcut_dx = dx ? shortcut_dx_.get<float>(ctx.device, static_cast<std::size_t>(ctx.in.numel())) : nullptr;
+    void* shortcut_dx = nullptr;
+    if (dx)
+      shortcut_dx =
+          in16 ? static_cast<void*>(shortcut_dx_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n_in)))
+               : shortcut_dx_.get<float>(ctx.device, static_cast<std::size_t>(n_in));
     shortcut_.backward(ctx, dsum, shortcut_dx, done);
-    if (dx) kernels::add(ctx.stream, static_cast<kernels::index_t>(ctx.in.numel()), dx, shortcut_dx, dx);
+    if (dx) accumulate(ctx, n_in, in16, shortcut_dx, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Residual>(*this); }
 
  private:
   std::vector<detail::Chain*> chains() override { return {&body_, &shortcut_}; }
+
+  // out = body + shortcut, ReLU'd when relu_after_.
+  void add(const LayerContext& ctx, kernels::index_t n, const float* body, const float* shortcut, float* out) const {
+    if (relu_after_)
+      kernels::add_relu(ctx.stream, n, body, shortcut, out);
+    else
+      kernels::add(ctx.stream, n, body, shortcut, out);
+  }
+  // bf16 storage widened into autocast scratch.
+  static float* widen(const LayerContext& ctx, Scratch& into, const void* bits, kernels::index_t n) {
+    float* out = ctx.amp->get<float>(into, ctx.device, n);
+    kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(bits), out);
+    return out;
+  }
+  // dx += g, in bf16 (rounded sum) when the input is.
+  static void accumulate(const LayerContext& ctx, kernels::index_t n, bool bf16, const void* g, float* dx) {
+    if (!bf16) {
+      kernels::add(ctx.stream, n, dx, static_cast<const float*>(g), dx);
+      return;
+    }
+    float* sum = widen(ctx, ctx.amp->dx, dx, n);
+    kernels::add(ctx.stream, n, sum, widen(ctx, ctx.amp->dy, g, n), sum);
+    kernels::to_bf16(ctx.stream, n, sum, reinterpret_cast<std::uint16_t*>(dx));
+  }
 
   detail::Chain body_, shortcut_;
   bool relu_after_;

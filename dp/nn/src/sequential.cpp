@@ -12,6 +12,15 @@
 #include "dp/runtime/error.h"
 #include "dp/runtime/shape.h"
 
+namespace dp {
+
+void Model::set_autocast(Autocast autocast) {
+  if (autocast != Autocast::off)
+    throw InvalidArgument(fmt::format("{}: this model does not support autocast {}", name(), to_string(autocast)));
+}
+
+}  // namespace dp
+
 namespace dp::nn {
 namespace {
 
@@ -127,8 +136,18 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
-  return chain_->forward(LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true}, input,
-                         nullptr);
+  // What the last step outgrew is no longer read once this step's work is queued after it (a
+  // capture allocates and frees nothing: the replayed step is one whose sizes were already reached).
+  if (amp_ && !stream.capturing()) amp_->retired.clear();
+  const void* out = chain_->forward(
+      LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false}, input,
+      nullptr);
+  if (!amp_ || !chain_->output_bf16(false)) return static_cast<const float*>(out);
+  // The loss is fp32: the bf16 logits widened, as `logits.float()`.
+  const auto n = static_cast<kernels::index_t>(batch) * output_features_;
+  float* logits = logits_.get<float>(device_, static_cast<std::size_t>(n), &amp_->retired);
+  kernels::from_bf16(stream, n, static_cast<const std::uint16_t*>(out), logits);
+  return logits;
 }
 
 void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
@@ -136,9 +155,17 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
   // held survives); otherwise they add to what it holds.
   const bool accumulate = !zero_grad_pending_;
   try {
+    const void* dy = grad_output;
+    if (amp_ && chain_->output_bf16(false)) {
+      // The backward of `logits.float()`: the fp32 gradient rounded to bf16.
+      const auto n = chain_->output_shape(input_act_shape(1)).per_sample() * chain_->batch();
+      auto* bits = grad_output_.get<std::uint16_t>(device_, static_cast<std::size_t>(n), &amp_->retired);
+      kernels::to_bf16(stream, n, grad_output, bits);
+      dy = bits;
+    }
     // The model's input needs no gradient (dx null): nothing upstream uses it.
-    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_, sync_, accumulate}, grad_output, nullptr,
-                     [&](Layer& layer) {
+    chain_->backward(LayerContext{stream, device_, {}, Mode::train, &random_, sync_, accumulate, amp_.get(), false}, dy,
+                     nullptr, [&](Layer& layer) {
                        if (!on_ready || layer.params().empty()) return;
                        const auto& params = layer.params();
                        const std::size_t begin = params.front().offset;
@@ -152,6 +179,16 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
   zero_grad_pending_ = false;
   zero_grad_stream_ = Stream{};
 }
+
+void SequentialModel::set_autocast(Autocast autocast) {
+  autocast_ = autocast;
+  if (autocast == Autocast::off)
+    amp_.reset();
+  else if (!amp_)
+    amp_ = std::make_unique<AutocastScratch>();
+}
+
+std::size_t SequentialModel::saved_activation_bytes() const { return chain_->saved_bytes(); }
 
 void SequentialModel::replayed_backward() {
   zero_grad_pending_ = false;
@@ -195,7 +232,9 @@ std::vector<TensorRef> SequentialModel::gradients() const {
 std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
   Layers layers;
   for (const auto& layer : chain_->layers()) layers.push_back(layer->clone());
-  return std::make_unique<SequentialModel>(name_, device, std::move(layers), input_shape_);
+  auto copy = std::make_unique<SequentialModel>(name_, device, std::move(layers), input_shape_);
+  copy->set_autocast(autocast_);
+  return copy;
 }
 
 bool SequentialModel::capturable() const { return !chain_->stochastic(); }

@@ -23,4 +23,12 @@ Precision parse_precision(std::string_view text) {
   throw InvalidArgument(fmt::format("unknown precision '{}' (expected strict, fast or tf32)", text));
 }
 
+std::string_view to_string(Autocast autocast) { return autocast == Autocast::bf16 ? "bf16" : "off"; }
+
+Autocast parse_autocast(std::string_view text) {
+  if (text == "off") return Autocast::off;
+  if (text == "bf16") return Autocast::bf16;
+  throw InvalidArgument(fmt::format("unknown autocast dtype '{}' (expected off or bf16)", text));
+}
+
 }  // namespace dp

@@ -54,6 +54,33 @@ struct FromBf16 {
   DP_HD void operator()(index_t i) const { y[i] = bf16_to_float(x[i]); }
 };
 
+// y = bf16(x), as bits: an activation stored by autocast (round to nearest even).
+struct ToBf16 {
+  const float* x;
+  std::uint16_t* y;
+  DP_HD void operator()(index_t i) const { y[i] = bf16_from_float(x[i]); }
+};
+
+// y = float(bf16(x)): x rounded to a bf16 value kept in fp32 (autocast's cast of a weight or of an
+// fp32 input before a Linear or Conv2d).
+struct RoundToBf16 {
+  const float* x;
+  float* y;
+  DP_HD void operator()(index_t i) const { y[i] = bf16_to_float(bf16_from_float(x[i])); }
+};
+
+// y = float(bf16(x)) (+ y when accumulating): an autocast layer's bf16 parameter gradient widened
+// into the fp32 gradient buffer, as the backward of autocast's fp32 -> bf16 cast accumulates it.
+struct AddBf16Rounded {
+  const float* x;
+  float* y;
+  bool accumulate;
+  DP_HD void operator()(index_t i) const {
+    const float g = bf16_to_float(bf16_from_float(x[i]));
+    y[i] = accumulate ? y[i] + g : g;
+  }
+};
+
 // out = a + b
 struct Add {
   const float* a;

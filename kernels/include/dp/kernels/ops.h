@@ -15,6 +15,11 @@ void scale(const Stream& stream, index_t n, float alpha, float* x);             
 // y = bf16(bf16(x) * scale), as bits; and back, x = float(y).
 void to_bf16_scaled(const Stream& stream, index_t n, const float* x, float scale, std::uint16_t* y);
 void from_bf16(const Stream& stream, index_t n, const std::uint16_t* x, float* y);
+// Autocast (dp/kernels/elementwise.h: ToBf16, RoundToBf16, AddBf16Rounded): y = bf16(x) as bits;
+// y = float(bf16(x)); y = float(bf16(x)), added to y when `accumulate`.
+void to_bf16(const Stream& stream, index_t n, const float* x, std::uint16_t* y);
+void round_to_bf16(const Stream& stream, index_t n, const float* x, float* y);
+void add_bf16_rounded(const Stream& stream, index_t n, const float* x, float* y, bool accumulate);
 void add(const Stream& stream, index_t n, const float* a, const float* b, float* out);
 void relu_forward(const Stream& stream, index_t n, const float* x, float* y);
 void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx);

@@ -154,6 +154,9 @@ struct EngineOptions {
   bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
   // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
   GradReduce grad_reduce = GradReduce::fp32;
+  // Every kind: torch.autocast around the forward (Model::set_autocast, set on the model and so on
+  // every replica): bf16 Linear/Conv2d and activations, fp32 loss, fp32 master weights.
+  Autocast amp = Autocast::off;
   StepOptions step = {};  // loss and randomness, every kind
   // Every kind: capture each training step into a graph (CUDA graphs; emulated on sim) once per
   // batch size, after one eager step of that size, and replay it from then on -- the same work

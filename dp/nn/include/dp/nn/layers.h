@@ -16,6 +16,8 @@
 #include "dp/nn/model.h"
 #include "dp/nn/tensor.h"
 #include "dp/runtime/device.h"
+#include "dp/runtime/memory.h"
+#include "dp/runtime/scratch.h"
 
 namespace dp::nn {
 
@@ -38,6 +40,25 @@ struct TensorDecl {
   std::size_t offset = 0;   // filled by the model: elements (params) or bytes (buffers) into the flat buffer
 };
 
+// Autocast's device scratch, one per model (Model::set_autocast(Autocast::bf16)), which its layers
+// use one after another on the model's stream. Between layers, every tensor after the first Linear
+// or Conv2d is bf16 (16-bit storage: half the activation memory); a chain widens a layer's bf16
+// inputs into `x`/`y`/`dy` and runs the layer's fp32 arithmetic into `out`/`dx`, then rounds that
+// back. Linear and Conv2d multiply their bf16-rounded weights (`weight`) and inputs in fp32, which is
+// exact (two 8-bit mantissas fit a 24-bit one), so only the accumulation order can differ from a bf16
+// GEMM; their gradients go through `grad` to be rounded to bf16 before they reach the fp32 buffer.
+// MaxPool2d's indices (`indices`) are found again in the backward instead of kept.
+struct AutocastScratch {
+  Scratch x, y, dy, out, dx, weight, grad, workspace, indices;
+  // Buffers outgrown during a step: kept until the next forward, since work queued before the
+  // growth (maybe waiting on a SyncBatchNorm collective) still reads them.
+  std::vector<DeviceBuffer> retired;
+  template <class T>
+  T* get(Scratch& scratch, Device& device, std::int64_t count) {
+    return scratch.get<T>(device, static_cast<std::size_t>(count), &retired);
+  }
+};
+
 struct LayerContext {
   const Stream& stream;
   Device& device;
@@ -50,6 +71,12 @@ struct LayerContext {
   // which enqueues no fill: torch's set_to_none). Writing, a layer stores EVERY one of its
   // parameter gradients in every backward, whatever its batch, since the buffer may hold anything.
   bool accumulate_grads = true;
+  // Autocast bf16: the model's scratch (null: fp32 throughout). A leaf layer is always handed fp32
+  // tensors (the chain widens and rounds around it) and uses `amp` itself only when it autocasts
+  // (Linear, Conv2d: bf16 weights and gradients); a container is handed the chain's storage, bf16
+  // when `bf16` is set (the uint16 bits behind its float pointers), and passes it to its chains.
+  AutocastScratch* amp = nullptr;
+  bool bf16 = false;
 };
 
 class Layer {
@@ -89,6 +116,19 @@ class Layer {
     if (done) done(*this);
   }
   virtual std::unique_ptr<Layer> clone() const = 0;
+
+  // Autocast. autocasts(): the layer is one torch runs in bf16 (Linear, Conv2d): its output is
+  // bf16 whatever its input. Any other layer keeps its input's dtype. A container handles its
+  // chains' storage itself (is_container) and says what dtype its output has.
+  virtual bool autocasts() const { return false; }
+  virtual bool is_container() const { return false; }
+  virtual bool output_bf16(bool input_bf16) const { return input_bf16 || autocasts(); }
+  // What a leaf's backward reads besides dy, so that a chain under autocast widens only those.
+  virtual bool backward_reads_input() const { return true; }
+  virtual bool backward_reads_output() const { return false; }
+  // Bytes the last train forward kept for the backward beyond the activations a chain holds
+  // (max-pool indices, BatchNorm statistics; a container: its chains').
+  virtual std::size_t saved_bytes() const { return 0; }
 
   // Fusion with a following ReLU, which a list of layers (Chain) applies by itself: when a layer
   // that fuses_relu() is followed by one that is_relu(), the chain runs forward_relu (y = relu of

@@ -14,6 +14,7 @@
 
 #include "dp/nn/tensor.h"
 #include "dp/runtime/device.h"
+#include "dp/runtime/precision.h"
 
 namespace dp {
 
@@ -114,6 +115,17 @@ class Model {
   // Until reset with null, train-mode forwards and backwards synchronise BatchNorm statistics
   // through `sync` (owned by the caller, alive while set); models without BatchNorm ignore it.
   virtual void set_batchnorm_sync(const BatchNormSync*) {}
+  // Autocast (dp/runtime/precision.h) for every later forward and backward, as torch.autocast around
+  // the forward: Autocast::bf16 computes Linear and Conv2d from bf16-rounded inputs and weights and
+  // keeps the activations in bf16; forward() still returns fp32 logits (widened, for an fp32 loss)
+  // and backward() takes an fp32 gradient. Replicas keep the setting. Models that cannot refuse
+  // bf16 with InvalidArgument (the default).
+  virtual void set_autocast(Autocast autocast);
+  virtual Autocast autocast() const { return Autocast::off; }
+  // Bytes the last train-mode forward keeps for the backward: the activations between layers and
+  // what layers save (max-pool indices, BatchNorm statistics), not reusable scratch. 0 when the
+  // model cannot say.
+  virtual std::size_t saved_activation_bytes() const { return 0; }
   // An engine replayed a captured step whose backward wrote the gradients: on the host, the model
   // is where that backward leaves it (a pending zero_grad is done with), as if it had run.
   virtual void replayed_backward() {}

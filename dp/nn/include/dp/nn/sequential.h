@@ -54,6 +54,9 @@ class SequentialModel final : public Model {
   void set_random_context(const RandomContext& random) override { random_ = random; }
   void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
   void replayed_backward() override;
+  void set_autocast(Autocast autocast) override;
+  Autocast autocast() const override { return autocast_; }
+  std::size_t saved_activation_bytes() const override;
   // Its layers enqueue fixed work per batch size into grow-only scratch; Dropout draws per step.
   bool capturable() const override;
   std::unique_ptr<Model> replicate(Device& device) const override;
@@ -74,6 +77,9 @@ class SequentialModel final : public Model {
   DeviceBuffer params_, grads_, buffers_;
   RandomContext random_;
   const BatchNormSync* sync_ = nullptr;
+  Autocast autocast_ = Autocast::off;
+  std::unique_ptr<AutocastScratch> amp_;  // under autocast
+  Scratch logits_, grad_output_;          // autocast: the fp32 output, the bf16 gradient of it
   // zero_grad was called and no backward has written the gradients since: the buffer reads as
   // zeros without holding them. Mutable: taking the gradients' address (a const accessor) is what
   // turns the pending zeros into a fill, on the stream zero_grad was given.

@@ -29,4 +29,16 @@ std::string_view to_string(Precision precision);
 // The inverse of to_string; throws InvalidArgument naming the text and the accepted values.
 Precision parse_precision(std::string_view text);
 
+// Automatic mixed precision, as torch.autocast(dtype=torch.bfloat16) around a model's forward (and
+// so its backward): Linear and Conv2d multiply bf16-rounded inputs and weights with fp32
+// accumulation and give bf16 outputs; the layers after them run on those bf16 tensors; the loss is
+// fp32; parameters, gradients and optimizer state stay fp32 (master weights). A model-level
+// setting (Model::set_autocast), independent of Precision.
+enum class Autocast { off, bf16 };
+
+// "off", "bf16".
+std::string_view to_string(Autocast autocast);
+// The inverse of to_string; throws InvalidArgument naming the text and the accepted values.
+Autocast parse_autocast(std::string_view text);
+
 }  // namespace dp

@@ -1,0 +1,295 @@
+// test_amp.cpp — bf16 autocast (Model::set_autocast, EngineOptions::amp) against PyTorch's CPU
+// autocast: the MLP, the ConvNet and ResNet-8, one step from the same parameters, single, dp and ddp
+// (tests/golden/make_amp_goldens.py); the autocast kernels' bits on every backend; what autocast
+// keeps in bf16.
+#include <cmath>
+#include <cstring>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/io/checkpoint.h"
+#include "dp/io/safetensors.h"
+#include "dp/kernels/ops.h"
+#include "dp/models/convnet.h"
+#include "dp/models/mlp.h"
+#include "dp/models/resnet.h"
+#include "dp/nn/loss.h"
+#include "dp/runtime/bfloat16.h"
+#include "test_util.h"
+
+namespace dp {
+namespace {
+
+std::vector<int> parse_hidden(const std::string& text) {
+  std::vector<int> out;
+  for (std::size_t pos = 0; pos < text.size();) {
+    const std::size_t comma = text.find(',', pos);
+    out.push_back(std::stoi(text.substr(pos, comma - pos)));
+    pos = comma == std::string::npos ? text.size() : comma + 1;
+  }
+  return out;
+}
+
+std::unique_ptr<Model> model_for(const safetensors::File& golden, Device& device) {
+  const std::string kind = golden.metadata.at("model");
+  if (kind == "convnet") return models::make_convnet(device, 1);
+  if (kind == "resnet8") return models::make_resnet8(device, 1);
+  return models::make_mlp(device, parse_hidden(golden.metadata.at("hidden")), 1);
+}
+
+double norm(const std::vector<float>& a) {
+  double s = 0.0;
+  for (float v : a) s += static_cast<double>(v) * v;
+  return std::sqrt(s);
+}
+double distance(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    s += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+  return std::sqrt(s);
+}
+
+// The tolerance. dp and torch round to bf16 at the same places (every Linear/Conv2d output,
+// BatchNorm, pooling and residual outputs, every gradient of a bf16 tensor) and multiply the same
+// bf16 values exactly; only their fp32 summation orders differ, which moves a sum by a few fp32
+// ulps (2^-24 relative) and so flips its bf16 rounding (one bf16 ulp: 2^-7 relative, bf16 having an
+// 8-bit significand) only for the rare sum that lies that close to a rounding boundary. The MLP's
+// and the ConvNet's logits come out bit for bit torch's, and so do most of their gradients. Two
+// things move the rest:
+//  - torch's CPU kernels are not all "accumulate in fp32, round once" (what cuBLAS, cuDNN and dp
+//    do): its small bf16 GEMMs (the MLP's 17 -> 10 layer) round other intermediates, and its bf16
+//    sums over a batch too: up to ~0.7% of a gradient's norm, as far as fp32 is from bf16 there;
+//  - a deep net amplifies each flip: one bf16 ulp into a 3x3 convolution moves 144 sums, some of
+//    which flip in turn; through ResNet-8's seven convolutions the few flips of the first BatchNorm
+//    grow to differences of ~10% of a gradient's norm (measured: at most 11.8%), about half of the
+//    distance between torch's fp32 and bf16 gradients.
+// Hence, per tensor, relative to its norm: 2^-6 for the MLP and the ConvNet and 2^-2 for ResNet-8;
+// a tensor whose value is rounding noise (a convolution bias before BatchNorm, zero in exact
+// arithmetic: torch's fp32 and bf16 values differ by as much as the value) to half of that noise.
+// And to show that the result is bf16's and not fp32's: the logits are closer to torch's bf16 ones
+// than torch's fp32 ones are, and so are all the gradients together, by at least a factor 0.75
+// (ConvNet, ResNet-8).
+double tolerance(const std::string& model) { return model == "amp_resnet8" ? 1.0 / 4 : 1.0 / 64; }
+
+::testing::AssertionResult close_in_norm(const std::vector<float>& got, const std::vector<float>& want,
+                                         double allowed) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " != " << want.size();
+  const double d = distance(got, want);
+  if (d <= allowed + 1e-7) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "|got - want| = " << d << " > " << allowed << " (|want| = " << norm(want)
+                                       << ")";
+}
+
+std::vector<float> slice(const std::vector<float>& v, std::size_t begin, std::size_t count) {
+  return {v.begin() + static_cast<std::ptrdiff_t>(begin), v.begin() + static_cast<std::ptrdiff_t>(begin + count)};
+}
+
+// The model's train-mode logits of samples [begin, begin + count) of the golden's input (a fresh
+// forward: BatchNorm normalises with those samples' statistics).
+std::vector<float> logits(Model& model, const Stream& stream, const std::vector<float>& x, int begin, int count) {
+  const std::size_t per_sample = x.size() / 8;
+  const DeviceBuffer input = test::upload(
+      model.device(), stream,
+      slice(x, static_cast<std::size_t>(begin) * per_sample, static_cast<std::size_t>(count) * per_sample));
+  const float* out = model.forward(stream, input.as<float>(), count, Mode::train);
+  return test::to_host(stream, out, static_cast<std::size_t>(count) * 10);
+}
+
+using AmpCase = std::tuple<std::string, EngineKind>;
+class AmpGolden : public ::testing::TestWithParam<AmpCase> {};
+
+TEST_P(AmpGolden, OneStepMatchesTorchAutocast) {
+  const auto& [name, kind] = GetParam();
+  const auto golden = safetensors::read(test::golden_path(name));
+  const int batch = std::stoi(golden.metadata.at("batch"));
+  ASSERT_EQ(batch, 8);
+  const std::string mode = std::string(to_string(kind));
+  auto rt = test::sim_runtime(2);
+  Device& device = rt->device(0);
+  const Stream stream = device.create_stream();
+  auto model = model_for(golden, device);
+  load_state_dict(*model, stream, golden, "init.");
+  const auto x = golden.at("data.input").to_f32();
+  const auto y = golden.at("data.target").to_i64();
+
+  // The logits, at the model: the whole batch (single), or each half as a replica sees it.
+  {
+    auto probe = model->replicate(device);
+    load_state_dict(*probe, stream, golden, "init.");
+    probe->set_autocast(Autocast::bf16);
+    std::vector<float> got = logits(*probe, stream, x, 0, batch / 2 * (kind == EngineKind::single ? 2 : 1));
+    if (kind != EngineKind::single) {
+      const auto second = logits(*probe, stream, x, batch / 2, batch / 2);
+      got.insert(got.end(), second.begin(), second.end());
+    }
+    const auto want = golden.at(mode + ".output").to_f32();
+    EXPECT_TRUE(close_in_norm(got, want, norm(want) / 32)) << "logits";
+    if (kind == EngineKind::single) {
+      const auto fp32 = golden.at("fp32.output").to_f32();
+      EXPECT_LT(distance(got, want), distance(fp32, want)) << "dp's autocast logits are closer to torch's fp32";
+    }
+  }
+
+  // One engine step: loss, the gradients (DP: reduced onto the source; DDP: averaged), the update.
+  OptimizerOptions sgd = SgdOptions{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
+                                    std::stof(golden.metadata.at("weight_decay")), false};
+  EngineOptions options;
+  options.kind = kind;
+  options.amp = Autocast::bf16;
+  if (kind != EngineKind::single) options.device_ids = std::vector<int>{0, 1};
+  auto engine = make_engine(*rt, *model, sgd, options);
+  float loss = 0.0f;
+  if (kind == EngineKind::ddp) {
+    const Batch batches[] = {Batch{x.data(), y.data(), 4}, Batch{x.data() + 4 * 784, y.data() + 4, 4}};
+    loss = engine->train_step(batches);
+    const auto want = golden.at("ddp.loss").to_f32();
+    EXPECT_NEAR(loss, (want[0] + want[1]) / 2, 2e-2 * std::fabs(want[0] + want[1]) / 2) << "loss";
+  } else {
+    const Batch batches[] = {Batch{x.data(), y.data(), batch}};
+    loss = engine->train_step(batches);
+    const float want = golden.at(mode + ".loss").to_f32()[0];
+    EXPECT_NEAR(loss, want, 2e-2 * std::fabs(want)) << "loss";
+  }
+  engine->synchronize();
+  Model& trained = engine->model();
+  const Stream s = trained.device().create_stream();
+  double squared = 0.0, fp32_squared = 0.0;
+  for (const TensorRef& g : trained.gradients()) {
+    const auto got = test::to_host(s, g.as<float>(), g.numel());
+    const auto want = golden.at(mode + ".grad." + g.name).to_f32();
+    // How far torch's fp32 gradient is from its bf16 one (single: the whole batch's).
+    const double noise =
+        distance(golden.at("fp32.grad." + g.name).to_f32(), golden.at("single.grad." + g.name).to_f32());
+    EXPECT_TRUE(close_in_norm(got, want, std::max(tolerance(name) * norm(want), noise / 2)))
+        << "gradient of " << g.name;
+    squared += distance(got, want) * distance(got, want);
+    fp32_squared += noise * noise;
+  }
+  // (Not for the MLP: torch's small-GEMM rounding, as large as bf16's own effect there, sets it
+  // apart; its logits, bit for bit torch's, say bf16.)
+  if (name != "amp_mlp") {
+    EXPECT_LT(std::sqrt(squared), 0.75 * std::sqrt(fp32_squared))
+        << "the gradients are not closer to bf16's than fp32's";
+  }
+  if (kind == EngineKind::single) {
+    // The fp32 master weights after SGD: within the gradients' tolerance times the step.
+    for (const TensorRef& p : trained.parameters()) {
+      const auto got = test::to_host(s, p.as<float>(), p.numel());
+      const auto want = golden.at("after." + p.name).to_f32();
+      const auto init = golden.at("init." + p.name).to_f32();
+      std::vector<float> step_got(got.size()), step_want(got.size());
+      for (std::size_t i = 0; i < got.size(); ++i) step_got[i] = got[i] - init[i], step_want[i] = want[i] - init[i];
+      const double noise =
+          distance(golden.at("fp32.grad." + p.name).to_f32(), golden.at("single.grad." + p.name).to_f32());
+      // The first SGD step is lr * (gradient + weight_decay * parameter): the gradient's tolerance.
+      EXPECT_TRUE(close_in_norm(step_got, step_want,
+                                std::max(tolerance(name) * norm(step_want), 0.05 * noise / 2 + 1e-3 * norm(step_want))))
+          << "update of " << p.name;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, AmpGolden,
+                         ::testing::Combine(::testing::Values("amp_mlp", "amp_convnet", "amp_resnet8"),
+                                            ::testing::Values(EngineKind::single, EngineKind::dp, EngineKind::ddp)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param)));
+                         });
+
+// What autocast keeps: bf16 logits (every value a bf16 value, widened), bf16-rounded parameter
+// gradients for Linear and Conv2d, fp32 ones for BatchNorm, and half the saved activation bytes.
+TEST(Autocast, KeepsTheActivationsInBf16AndTheMasterWeightsInFp32) {
+  auto rt = test::sim_runtime(1);
+  Device& device = rt->device(0);
+  const Stream stream = device.create_stream();
+  auto model = models::make_convnet(device, 3);
+  const int batch = 16;
+  const auto x = test::random_vector(static_cast<std::size_t>(batch) * 784, 5, 0.0f, 1.0f);
+  const DeviceBuffer input = test::upload(device, stream, x);
+  model->forward(stream, input.as<float>(), batch, Mode::train);
+  const std::size_t fp32_bytes = model->saved_activation_bytes();
+  model->set_autocast(Autocast::bf16);
+  EXPECT_EQ(model->replicate(device)->autocast(), Autocast::bf16) << "a replica keeps autocast";
+  const float* out = model->forward(stream, input.as<float>(), batch, Mode::train);
+  const std::size_t bf16_bytes = model->saved_activation_bytes();
+  EXPECT_GT(fp32_bytes, 0u);
+  // The activations halve, max-pool's indices are found again in the backward (BatchNorm's fp32
+  // statistics stay).
+  EXPECT_LE(static_cast<double>(bf16_bytes), 0.55 * static_cast<double>(fp32_bytes)) << bf16_bytes << " " << fp32_bytes;
+  for (float v : test::to_host(stream, out, static_cast<std::size_t>(batch) * 10))
+    ASSERT_EQ(bf16_to_float(bf16_from_float(v)), v) << "a logit that is not a bf16 value";
+  std::vector<float> dlogits(static_cast<std::size_t>(batch) * 10, 0.01f);
+  const DeviceBuffer d = test::upload(device, stream, dlogits);
+  model->zero_grad(stream);
+  model->backward(stream, d.as<float>());
+  for (const TensorRef& g : model->gradients()) {
+    const auto values = test::to_host(stream, g.as<float>(), g.numel());
+    bool all_bf16 = true;
+    for (float v : values) all_bf16 = all_bf16 && bf16_to_float(bf16_from_float(v)) == v;
+    const bool autocast_layer = g.name.find(".1.") == std::string::npos;  // layerK.1 is BatchNorm
+    if (autocast_layer)
+      EXPECT_TRUE(all_bf16) << g.name << ": a Linear/Conv2d gradient is a widened bf16 one";
+    else
+      EXPECT_FALSE(all_bf16) << g.name << ": BatchNorm's gradients are fp32";
+  }
+  model->set_autocast(Autocast::off);
+  EXPECT_EQ(model->autocast(), Autocast::off);
+}
+
+TEST(Autocast, NamesAndRefusals) {
+  EXPECT_EQ(parse_autocast("bf16"), Autocast::bf16);
+  EXPECT_EQ(parse_autocast("off"), Autocast::off);
+  EXPECT_EQ(to_string(Autocast::bf16), "bf16");
+  try {
+    parse_autocast("fp16");
+    FAIL() << "fp16 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'fp16'"), std::string::npos) << e.what();
+  }
+}
+
+// The autocast kernels give the shared functors' bits on the device.
+class AutocastOnBackend : public test::BackendTest {};
+INSTANTIATE_TEST_SUITE_P(Backends, AutocastOnBackend, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(AutocastOnBackend, ConversionKernelsGiveTheHostBits) {
+  std::vector<float> x = test::random_vector(4099, 11, -10.0f, 10.0f);
+  x[0] = std::numeric_limits<float>::quiet_NaN();
+  x[1] = std::numeric_limits<float>::infinity();
+  x[2] = 3.0e38f;
+  x[3] = 1.0e-40f;
+  x[4] = 1.00390625f;  // 1 + 2^-8: a tie, to even
+  const std::vector<float> base = test::random_vector(x.size(), 12, -1.0f, 1.0f);
+  const auto n = static_cast<kernels::index_t>(x.size());
+  const DeviceBuffer in = up(x);
+  DeviceBuffer bits = device_->allocate(x.size() * sizeof(std::uint16_t));
+  DeviceBuffer rounded = floats(x.size());
+  DeviceBuffer sum = up(base), written = floats(x.size());
+  kernels::to_bf16(stream_, n, in.as<float>(), bits.as<std::uint16_t>());
+  kernels::round_to_bf16(stream_, n, in.as<float>(), rounded.as<float>());
+  kernels::add_bf16_rounded(stream_, n, in.as<float>(), sum.as<float>(), true);
+  kernels::add_bf16_rounded(stream_, n, in.as<float>(), written.as<float>(), false);
+  const auto got_bits = down<std::uint16_t>(bits);
+  const auto got_rounded = down<float>(rounded), got_sum = down<float>(sum), got_written = down<float>(written);
+  const auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; };
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const std::uint16_t want = bf16_from_float(x[i]);
+    ASSERT_EQ(got_bits[i], want) << i << ": " << x[i];
+    ASSERT_TRUE(same(got_rounded[i], bf16_to_float(want))) << i;
+    ASSERT_TRUE(same(got_written[i], bf16_to_float(want))) << i;
+    if (i == 0)  // NaN: its payload is the device's
+      ASSERT_TRUE(std::isnan(got_sum[i]));
+    else
+      ASSERT_TRUE(same(got_sum[i], base[i] + bf16_to_float(want))) << i;
+  }
+  EXPECT_EQ(got_bits[4], 0x3f80u);
+}
+
+}  // namespace
+}  // namespace dp
