@@ -52,9 +52,9 @@ std::unique_ptr<dp::Runtime> open_runtime(const Options& o, dp::tools::Job& job,
 
 void print_banner(const Options& o, const Setup& setup, const dp::tools::Job& job) {
   fmt::print(
-      "dp_bench: backend {} (precision {}, graphs {}, pipeline {}), {} device(s) [{}]{}, batch {} per device, {} "
-      "warm-up + {} measured steps, DDP buckets {} MiB (first {} MiB)\n",
-      setup.backend, o.precision, o.graphs, o.pipeline, setup.devices, fmt::join(setup.device_names, ", "),
+      "dp_bench: backend {} (precision {}, autocast {}, graphs {}, pipeline {}), {} device(s) [{}]{}, batch {} per "
+      "device, {} warm-up + {} measured steps, DDP buckets {} MiB (first {} MiB)\n",
+      setup.backend, o.precision, o.amp, o.graphs, o.pipeline, setup.devices, fmt::join(setup.device_names, ", "),
       job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", setup.processes) : "",
       o.batch_per_device, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
@@ -82,19 +82,19 @@ Data synthetic_data(const Options& o, int devices, const std::vector<std::string
 void agree_to_start(const dp::tools::Job& job, const Options& o, const Setup& setup,
                     const std::vector<std::string>& models, const std::vector<std::string>& modes) {
   job.agree_or_stop();
-  job.agree_on_configuration(
-      {{"--backend", setup.backend},
-       {"--precision", o.precision},
-       {"--graphs", o.graphs},
-       {"--pipeline", o.pipeline},
-       {"--devices", fmt::format("{}", setup.devices)},
-       {"--models", fmt::format("{}", fmt::join(models, ","))},
-       {"--modes", fmt::format("{}", fmt::join(modes, ","))},
-       {"--batch-size", fmt::format("{}", o.batch_per_device)},
-       {"--steps, --warmup", fmt::format("{} {}", o.steps, o.warmup)},
-       {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
-       {"--optimizer, --sync-bn, --grad-reduce", fmt::format("{} {} {}", o.optimizer, o.sync_bn, o.grad_reduce)},
-       {"--seed", fmt::format("{}", o.seed)}});
+  job.agree_on_configuration({{"--backend", setup.backend},
+                              {"--precision", o.precision},
+                              {"--graphs", o.graphs},
+                              {"--pipeline", o.pipeline},
+                              {"--devices", fmt::format("{}", setup.devices)},
+                              {"--models", fmt::format("{}", fmt::join(models, ","))},
+                              {"--modes", fmt::format("{}", fmt::join(modes, ","))},
+                              {"--batch-size", fmt::format("{}", o.batch_per_device)},
+                              {"--steps, --warmup", fmt::format("{} {}", o.steps, o.warmup)},
+                              {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
+                              {"--optimizer, --sync-bn, --grad-reduce, --amp",
+                               fmt::format("{} {} {} {}", o.optimizer, o.sync_bn, o.grad_reduce, o.amp)},
+                              {"--seed", fmt::format("{}", o.seed)}});
 }
 
 // Under mpirun (one process per node, --devices K each), ddp runs over every process's devices and

@@ -315,6 +315,7 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
   options.grad_reduce =
       o.grad_reduce == "bf16" && kind == dp::EngineKind::ddp ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
   options.first_bucket_mb = o.first_bucket_mb;
+  options.amp = dp::parse_autocast(o.amp);
   options.processes = std::move(processes);
   return options;
 }
@@ -436,6 +437,9 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   measure(
       rt, o, run, [&] { return engine->submit_step(batches); }, after_step, across ? processes.get() : nullptr);
   run.graphs = engine->graph_replays() >= static_cast<std::uint64_t>(o.steps);
+  engine->synchronize();
+  run.activation_bytes_per_sample =
+      engine->model().saved_activation_bytes() / static_cast<std::size_t>(o.batch_per_device);
   if (across) gather_devices(run, *processes);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
   if (!parallel) return run;

@@ -66,6 +66,11 @@ void add_workload_flags(CLI::App& app, Options& o) {
   dp_cli::add_integer(app, "--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap, MiB")->capture_default_str();
   app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm (BatchNorm statistics over all ranks' batches)");
+  app.add_option("--amp", o.amp,
+                 "off (default), or bf16: torch.autocast(dtype=torch.bfloat16) around the forward (bf16 "
+                 "Linear/Conv2d and activations, fp32 loss and master weights)")
+      ->check(CLI::IsMember({"off", "bf16"}))
+      ->capture_default_str();
   app.add_option("--grad-reduce", o.grad_reduce,
                  "ddp: the gradient all-reduce in fp32 (default) or bf16 (torch's bf16_compress_hook: half the bytes)")
       ->check(CLI::IsMember({"fp32", "bf16"}));

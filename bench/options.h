@@ -39,6 +39,7 @@ struct Options {
   std::string models = "mlp,convnet";
   std::string optimizer = "sgd";
   bool sync_bn = false;
+  std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
   std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16
   std::string modes = "single,dp,ddp";
   int batch_per_device = 64;

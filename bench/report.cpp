@@ -20,11 +20,12 @@ using json = nlohmann::json;
 
 // The report's fields that are members of the same name; the others are written below.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_per_device, optimizer, steps, warmup, bucket_cap_mb,
-                                   sync_bn, grad_reduce, first_bucket_mb, seed, precision)
+                                   sync_bn, grad_reduce, first_bucket_mb, seed, precision, amp)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
-                                   buffers_bytes, samples_per_s, wall_ms, step_ms, step_ms_median, step_ms_p90,
-                                   step_ms_mean, loss_first, loss_last, graphs, pipelined, trace_offset_ms)
+                                   buffers_bytes, activation_bytes_per_sample, samples_per_s, wall_ms, step_ms,
+                                   step_ms_median, step_ms_p90, step_ms_mean, loss_first, loss_last, graphs, pipelined,
+                                   trace_offset_ms)
 
 namespace {
 
@@ -132,19 +133,21 @@ void print_run_table(const std::vector<Run>& runs, bool have_spans) {
                     human_bytes(max_of(column(r, &PerDevice::bytes_sent))),
                     human_bytes(max_of(column(r, &PerDevice::bytes_received))),
                     human_bytes(max_of(column(r, [](const PerDevice& p) { return p.net_sent + p.net_received; }))),
-                    fixed(imbalance(traffic), 2), human_bytes(max_of(peak)), fixed(imbalance(peak), 2)});
+                    fixed(imbalance(traffic), 2), human_bytes(max_of(peak)), fixed(imbalance(peak), 2),
+                    human_bytes(static_cast<double>(r.activation_bytes_per_sample))});
   }
   fmt::print("\n");
-  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},   {"dev", 3},        {"batch", 6},
-                                       {"samples/s", 11}, {"step ms", 9}, {"p90 ms", 9},     {"scaling", 7},
-                                       {"busy %", 7},     {"imb", 5},     {"sent/step", 11}, {"recv/step", 11},
-                                       {"net/step", 11},  {"imb", 5},     {"peak mem", 11},  {"imb", 5}};
+  const std::vector<Column> columns = {
+      {"model", -8},    {"mode", -6},   {"dev", 3},       {"batch", 6}, {"samples/s", 11}, {"step ms", 9},
+      {"p90 ms", 9},    {"scaling", 7}, {"busy %", 7},    {"imb", 5},   {"sent/step", 11}, {"recv/step", 11},
+      {"net/step", 11}, {"imb", 5},     {"peak mem", 11}, {"imb", 5},   {"act/sample", 11}};
   print_table(columns, rows);
   fmt::print(
       "  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
       "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
       "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
-      "  from other processes (inter-node, under mpirun); imb = max/mean over devices\n",
+      "  from other processes (inter-node, under mpirun); imb = max/mean over devices; act/sample = what a\n"
+      "  forward keeps for the backward, per sample (bf16 under --amp bf16)\n",
       have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
 }
 

@@ -291,5 +291,88 @@ TEST_P(AutocastOnBackend, ConversionKernelsGiveTheHostBits) {
   EXPECT_EQ(got_bits[4], 0x3f80u);
 }
 
+// Under Bf16Operands a GEMM of bf16 values is their exact products accumulated in fp32: bf16 tensor
+// cores on cuda (cublasGemmEx, CUBLAS_COMPUTE_32F_FAST_16BF), OpenBLAS's fp32 GEMM on sim; each
+// within fp32 summation error (k * 2^-24 * sum |a b|) of the sum in double, transposed or not.
+TEST_P(AutocastOnBackend, Bf16OperandGemmSumsExactProductsInFp32) {
+  const int m = 37, n = 53, k = 300;
+  const auto bf16_values = [](std::vector<float> v) {
+    for (float& x : v) x = bf16_to_float(bf16_from_float(x));
+    return v;
+  };
+  const auto a = bf16_values(test::random_vector(static_cast<std::size_t>(m) * k, 21, -2.0f, 2.0f));
+  const auto b = bf16_values(test::random_vector(static_cast<std::size_t>(k) * n, 22, -2.0f, 2.0f));
+  const DeviceBuffer da = up(a), db = up(b);
+  for (const bool trans : {false, true}) {
+    SCOPED_TRACE(trans ? "A and B transposed" : "plain");
+    // Transposed, the same buffers are read as A^T (k, m) and B^T (n, k): C = (A^T)^T-shaped below.
+    DeviceBuffer c = floats(static_cast<std::size_t>(m) * n);
+    {
+      const kernels::Bf16Operands tensor_cores;
+      if (trans)
+        kernels::gemm(stream_, true, true, m, n, k, 1.0f, da.as<float>(), m, db.as<float>(), k, 0.0f, c.as<float>(), n);
+      else
+        kernels::gemm(stream_, false, false, m, n, k, 1.0f, da.as<float>(), k, db.as<float>(), n, 0.0f, c.as<float>(),
+                      n);
+    }
+    EXPECT_FALSE(kernels::Bf16Operands::active()) << "the scope ends with its object";
+    const auto got = down<float>(c);
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        double sum = 0.0, magnitude = 0.0;
+        for (int l = 0; l < k; ++l) {
+          const double x = trans ? a[static_cast<std::size_t>(l) * m + i] : a[static_cast<std::size_t>(i) * k + l];
+          const double y = trans ? b[static_cast<std::size_t>(j) * k + l] : b[static_cast<std::size_t>(l) * n + j];
+          sum += x * y;
+          magnitude += std::fabs(x * y);
+        }
+        ASSERT_NEAR(got[static_cast<std::size_t>(i) * n + j], sum, k * std::ldexp(magnitude, -24) + 1e-30)
+            << i << "," << j;
+      }
+  }
+}
+
+// The ConvNet under autocast on this backend against the sim: the sim itself bit for bit; cuda (bf16
+// tensor-core GEMMs, its own summation order) within the ConvNet's tolerance above, the
+// convolution biases before BatchNorm (rounding noise around 0) aside.
+TEST_P(AutocastOnBackend, ConvNetStepMatchesTheSim) {
+  auto sim = test::sim_runtime(1);
+  const Stream sim_stream = sim->device(0).create_stream();
+  auto here = models::make_convnet(*device_, 7);
+  auto there = models::make_convnet(sim->device(0), 7);
+  here->set_autocast(Autocast::bf16);
+  there->set_autocast(Autocast::bf16);
+  const int batch = 16;
+  const auto x = test::random_vector(static_cast<std::size_t>(batch) * 784, 8, 0.0f, 1.0f);
+  const auto dlogits = test::random_vector(static_cast<std::size_t>(batch) * 10, 9, -0.1f, 0.1f);
+  const DeviceBuffer x_here = up(x), d_here = up(dlogits);
+  const DeviceBuffer x_there = test::upload(sim->device(0), sim_stream, x),
+                     d_there = test::upload(sim->device(0), sim_stream, dlogits);
+  const auto out_here = test::to_host(stream_, here->forward(stream_, x_here.as<float>(), batch, Mode::train), 160);
+  const auto out_there =
+      test::to_host(sim_stream, there->forward(sim_stream, x_there.as<float>(), batch, Mode::train), 160);
+  const bool exact = GetParam() == "sim";
+  if (exact) {
+    EXPECT_EQ(out_here, out_there);
+  } else {
+    EXPECT_TRUE(close_in_norm(out_here, out_there, norm(out_there) / 64)) << "logits";
+  }
+  here->zero_grad(stream_);
+  here->backward(stream_, d_here.as<float>());
+  there->zero_grad(sim_stream);
+  there->backward(sim_stream, d_there.as<float>());
+  const auto grads_there = there->gradients();
+  std::size_t i = 0;
+  for (const TensorRef& g : here->gradients()) {
+    const auto got = test::to_host(stream_, g.as<float>(), g.numel());
+    const auto want = test::to_host(sim_stream, grads_there[i++].as<float>(), g.numel());
+    if (exact) {
+      EXPECT_EQ(got, want) << g.name;
+    } else if (g.name != "layer1.0.bias" && g.name != "layer2.0.bias") {
+      EXPECT_TRUE(close_in_norm(got, want, norm(want) / 64)) << g.name;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dp

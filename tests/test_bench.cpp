@@ -405,6 +405,30 @@ TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
               0.01 * conv32.at("loss_last").get<double>());
 }
 
+// --amp bf16: the run says so, and what a forward keeps for the backward per sample is at most 0.55
+// of fp32's for the ConvNet (bf16 activations; max-pool indices found again in the backward).
+TEST(Bench, AutocastHalvesTheSavedActivations) {
+  TempDir dir("amp");
+  std::map<std::string, json> reports;
+  for (const std::string amp : {"off", "bf16"}) {
+    const auto json_path = dir / (amp + ".json");
+    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet,resnet8 --modes single,dp "
+                                                "--batch-size 4 --steps 2 --warmup 1 --amp {} --json '{}'",
+                                                amp, json_path.string()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("autocast " + amp), std::string::npos) << r.out;
+    reports[amp] = json::parse(read_file(json_path));
+    EXPECT_EQ(reports[amp].at("amp"), amp);
+  }
+  for (const char* model : {"convnet", "resnet8"})
+    for (const char* mode : {"single", "dp"}) {
+      const auto fp32 = find_run(reports["off"], model, mode).at("activation_bytes_per_sample").get<double>();
+      const auto bf16 = find_run(reports["bf16"], model, mode).at("activation_bytes_per_sample").get<double>();
+      EXPECT_GT(fp32, 0.0) << model << " " << mode;
+      EXPECT_LE(bf16, 0.55 * fp32) << model << " " << mode;
+    }
+}
+
 // --graphs on (the default): after the warm-up, every engine's step is a replayed graph — one launch
 // per graph (DP: one graph over every device, launched by the caller; DDP: one per rank, each on its
 // worker), one host sync, no allocation, no pageable copy — and the losses are the eager ones.

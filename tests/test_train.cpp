@@ -467,7 +467,8 @@ TEST_F(TrainTest, Tf32AndBf16GradientsTrainCloseToFp32) {
       "--no-shuffle --mode ddp --devices 2";
   const Result fp32 = run(args);
   ASSERT_EQ(fp32.code, 0) << fp32.output;
-  for (const std::string extra : {" --precision tf32", " --grad-reduce bf16", " --precision tf32 --grad-reduce bf16"}) {
+  for (const std::string extra : {" --precision tf32", " --grad-reduce bf16", " --precision tf32 --grad-reduce bf16",
+                                  " --amp bf16", " --amp bf16 --grad-reduce bf16"}) {
     const Result r = run(args + extra);
     ASSERT_EQ(r.code, 0) << r.output;
     const auto want = losses(fp32.output), got = losses(r.output);
@@ -477,12 +478,15 @@ TEST_F(TrainTest, Tf32AndBf16GradientsTrainCloseToFp32) {
     EXPECT_NE(r.output.find(extra.find("tf32") != std::string::npos ? "precision tf32" : "precision strict"),
               std::string::npos)
         << r.output;
-    if (extra.find("bf16") != std::string::npos) {
+    if (extra.find("grad-reduce bf16") != std::string::npos) {
       EXPECT_NE(r.output.find("gradients all-reduced in bf16"), std::string::npos) << r.output;
     }
+    EXPECT_EQ(r.output.find("autocast bf16") != std::string::npos, extra.find("--amp bf16") != std::string::npos)
+        << r.output;
   }
   expect_refused("--backend sim --synthetic 16 --steps 1 --grad-reduce bf16", "--grad-reduce applies to --mode ddp");
   expect_refused("--backend sim --synthetic 16 --steps 1 --precision bf16", "--precision");
+  expect_refused("--backend sim --synthetic 16 --steps 1 --amp fp16", "--amp");
 }
 
 // --graphs on (the default) replays a captured step; every loss, through the last partial batch

@@ -78,6 +78,11 @@ const std::vector<Setting>& settings() {
       {"--label-smoothing", "label_smoothing", S::always, false,
        [](const Options& o) { return text(o.label_smoothing); },
        [](Options& o, const std::string& v) { o.label_smoothing = number("label_smoothing", v); }},
+      {"--amp", "amp", S::resume_only, false, [](const Options& o) { return o.amp; },
+       [](Options& o, const std::string& v) {
+         if (v != "off" && v != "bf16") throw UsageError(fmt::format("metadata 'dp.amp' = '{}' is not off or bf16", v));
+         o.amp = v;
+       }},
       {"--grad-reduce", "grad_reduce", S::resume_only, false, [](const Options& o) { return o.grad_reduce; },
        [](Options& o, const std::string& v) {
          if (v != "fp32" && v != "bf16")

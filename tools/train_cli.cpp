@@ -60,6 +60,10 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU, P in [0, 1] (default 0: none)")
       ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
   app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm, BatchNorm statistics over all ranks' batches");
+  app.add_option("--amp", o.amp,
+                 "off (default), or bf16: torch.autocast(dtype=torch.bfloat16) -- Linear and Conv2d on bf16 inputs "
+                 "and weights with fp32 accumulation, bf16 activations, fp32 loss and master weights")
+      ->check(CLI::IsMember({"off", "bf16"}));
   app.add_option("--grad-reduce", o.grad_reduce,
                  "ddp: fp32 (default), or bf16: gradients all-reduced in bfloat16 as torch's bf16_compress_hook "
                  "(half the bytes, bf16's precision)")

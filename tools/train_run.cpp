@@ -468,6 +468,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   engine_options.device_ids = devices.ids;
   engine_options.sync_batchnorm = o.sync_bn;
   engine_options.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
+  engine_options.amp = dp::parse_autocast(o.amp);
   engine_options.step.label_smoothing = o.label_smoothing;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
@@ -531,11 +532,13 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& run
   Plan plan{world, shards, start_step, batches_per_epoch, total_steps, make_schedule(o, start_step + total_steps)};
   check_schedule(o, world, start_step + total_steps, plan.schedule);
   const int processes = g_job.processes()->size();
-  say("dp_train: {} {} on {} device(s) [{}]{} ({} backend, precision {}{}), {} samples, global batch {}{}, {} step(s) "
+  say("dp_train: {} {} on {} device(s) [{}]{} ({} backend, precision {}{}{}), {} samples, global batch {}{}, {} "
+      "step(s) "
       "from step {}\n",
       o.model, o.mode, world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
-      o.precision, o.mode == "ddp" ? fmt::format(", gradients all-reduced in {}", o.grad_reduce) : "", data.size(),
+      o.precision, o.amp == "bf16" ? ", autocast bf16" : "",
+      o.mode == "ddp" ? fmt::format(", gradients all-reduced in {}", o.grad_reduce) : "", data.size(),
       o.batch_size * shards, shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
   return plan;
 }
@@ -892,6 +895,7 @@ int TrainLoop::end_epoch(long s, long epoch) {
                            {"elapsed_s", elapsed},
                            {"eta_s", eta},
                            {"precision", o_.precision},
+                           {"amp", o_.amp},
                            {"grad_reduce", o_.mode == "ddp" ? o_.grad_reduce : "none"}};
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);

@@ -26,6 +26,7 @@ struct Options {
   std::string backend = "auto";
   std::string precision = "strict";
   std::string graphs = "on";
+  std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
   std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
   std::string pipeline = "on";
   std::optional<int> devices;

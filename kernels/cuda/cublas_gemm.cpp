@@ -1,5 +1,6 @@
 // cublas_gemm.cpp — kernels::gemm on cuda streams: one cublasSgemm with the device's handle, which
-// the runtime owns (pedantic fp32 math: no TF32, so results match the host within fp32 rounding).
+// the runtime owns (pedantic fp32 math: no TF32, so results match the host within fp32 rounding), or
+// under autocast one cublasGemmEx on bf16 tensor cores.
 #include "dp/runtime/detail/cuda_status.h"
 #include "dp/runtime/detail/kernel_api.h"
 #include "library_calls.h"
@@ -10,9 +11,24 @@ void cublas_gemm(const Stream& stream, const GemmArgs& g) {
   // cuBLAS is column-major: row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T,
   // so swap the operands and the m/n extents; leading dimensions stay as they are.
   kernel_api::with_library(stream, kernel_api::Library::cublas, [&](kernel_api::LibraryCall& call) {
-    DP_CUDA_CHECK(cublasSgemm(static_cast<cublasHandle_t>(call.handle), g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                              g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.n, g.m, g.k, &g.alpha, g.b, g.ldb, g.a, g.lda,
-                              &g.beta, g.c, g.ldc));
+    auto handle = static_cast<cublasHandle_t>(call.handle);
+    const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (!g.bf16_operands) {
+      DP_CUDA_CHECK(
+          cublasSgemm(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, g.ldb, g.a, g.lda, &g.beta, g.c, g.ldc));
+      return;
+    }
+    // Operands that are bf16 values (autocast): bf16 tensor cores, fp32 accumulation. The handle's
+    // pedantic math mode is lifted for this call only (it asks for the prescribed precision in every
+    // phase), and restored whatever happens.
+    cublasMath_t mode = CUBLAS_DEFAULT_MATH;
+    DP_CUDA_CHECK(cublasGetMathMode(handle, &mode));
+    DP_CUDA_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
+    const cublasStatus_t status =
+        cublasGemmEx(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, CUDA_R_32F, g.ldb, g.a, CUDA_R_32F, g.lda,
+                     &g.beta, g.c, CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT);
+    DP_CUDA_CHECK(cublasSetMathMode(handle, mode));
+    DP_CUDA_CHECK(status);
   });
 }
 

@@ -82,7 +82,10 @@ ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
   return conv_geometry(s);
 }
 
-bool cudnn_path(const Stream& stream) { return stream.backend() == Backend::cuda && conv_cudnn_enabled(); }
+// Under autocast (Bf16Operands) the convolutions are im2col + bf16 tensor-core GEMMs.
+bool cudnn_path(const Stream& stream) {
+  return stream.backend() == Backend::cuda && conv_cudnn_enabled() && !Bf16Operands::active();
+}
 
 // The shared path's weight gradient: dweight (+)= mat . col^T with beta, leaving col (x lowered) in
 // the workspace for the input gradient. Returns mat, dy in the GEMM's layout: dy itself for N = 1

@@ -16,6 +16,8 @@
 namespace dp::kernels {
 namespace {
 
+thread_local bool bf16_operands = false;
+
 // The operand range a (rows, cols) matrix with row stride ld covers.
 kernel_api::Operand matrix(const float* p, int rows, int cols, int ld) {
   if (rows <= 0 || cols <= 0) return {p, 0};
@@ -33,6 +35,10 @@ const float* tf32_copy(const float* p, int rows, int cols, int ld, std::vector<f
 }
 
 }  // namespace
+
+Bf16Operands::Bf16Operands() : previous_(bf16_operands) { bf16_operands = true; }
+Bf16Operands::~Bf16Operands() { bf16_operands = previous_; }
+bool Bf16Operands::active() { return bf16_operands; }
 
 float round_to_tf32(float x) {
   std::uint32_t u = 0;
@@ -55,7 +61,7 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
   kernel_api::check_operands(
       stream, "gemm",
       {matrix(a, trans_a ? k : m, a_cols, lda), matrix(b, trans_b ? n : k, b_cols, ldb), matrix(c, m, n, ldc)});
-  const library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc};
+  const library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bf16_operands};
   if (stream.backend() == Backend::cuda) {
     library::cublas_gemm(stream, g);
     return;

@@ -21,6 +21,7 @@ struct GemmArgs {
   float beta = 0.0f;
   float* c = nullptr;
   int ldc = 0;
+  bool bf16_operands = false;  // A and B hold bf16 values (kernels::Bf16Operands): bf16 tensor cores
 };
 
 void cublas_gemm(const Stream& stream, const GemmArgs& args);

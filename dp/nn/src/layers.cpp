@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <fmt/format.h>
+#include <optional>
 
 #include "chain.h"
 #include "dp/kernels/avgpool.h"
@@ -58,10 +59,14 @@ class Linear final : public Layer {
   }
   bool autocasts() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
+    std::optional<kernels::Bf16Operands> tensor_cores;
+    if (ctx.amp) tensor_cores.emplace();
     const float* w = amp_params(ctx);
     kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, w, ctx.amp ? w + weights() : param(1), y);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
+    std::optional<kernels::Bf16Operands> tensor_cores;
+    if (ctx.amp) tensor_cores.emplace();
     const float* w = amp_params(ctx);
     float* g = amp_grads(ctx);
     kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, w, dy, dx, g, ctx.amp ? g + weights() : grad(1),
@@ -105,6 +110,8 @@ class Conv2d final : public Layer {
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
     float* workspace = this->workspace(ctx, s);
+    std::optional<kernels::Bf16Operands> tensor_cores;
+    if (ctx.amp) tensor_cores.emplace();
     const float* w = amp_params(ctx, param(0), count());
     const float* bias = has_bias() ? (ctx.amp ? w + weights() : param(1)) : nullptr;
     const bool lowered = kernels::conv2d_forward(ctx.stream, s, x, w, bias, y, workspace);
@@ -118,6 +125,8 @@ class Conv2d final : public Layer {
     // step then lower each input once.
     const bool x_lowered = lowered_.matches(x, workspace, s);
     lowered_ = Lowered{};
+    std::optional<kernels::Bf16Operands> tensor_cores;
+    if (ctx.amp) tensor_cores.emplace();
     const float* w = amp_params(ctx, param(0), count());
     float* g = amp_grads(ctx, grad(0), count());
     float* bias_grad = has_bias() ? (ctx.amp ? g + weights() : grad(1)) : nullptr;

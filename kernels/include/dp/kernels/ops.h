@@ -40,6 +40,25 @@ void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plan
 // What Precision::tf32 does to both GEMM operands on the sim (cuBLAS's TF32 tensor cores on cuda).
 float round_to_tf32(float x);
 
+// While one is alive on a thread, the GEMMs and convolutions that thread enqueues take operands that
+// are bf16 values held in fp32 (autocast's: Linear and Conv2d round their inputs and weights first).
+// The cuda backend then runs every GEMM on bf16 tensor cores (cublasGemmEx with
+// CUBLAS_COMPUTE_32F_FAST_16BF: the down-conversion of a bf16 value is exact, the products are exact
+// and accumulate in fp32) and the convolutions as im2col + such GEMMs instead of cuDNN's fp32 ones:
+// the same arithmetic as the sim's fp32 GEMM of those values, up to the summation order. No effect
+// on sim.
+class Bf16Operands {
+ public:
+  Bf16Operands();
+  ~Bf16Operands();
+  Bf16Operands(const Bf16Operands&) = delete;
+  Bf16Operands& operator=(const Bf16Operands&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
 // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op = transpose when trans_*.
 // lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim.
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
