@@ -136,9 +136,11 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
-  // What the last step outgrew is no longer read once this step's work is queued after it (a
-  // capture allocates and frees nothing: the replayed step is one whose sizes were already reached).
-  if (amp_ && !stream.capturing()) amp_->retired.clear();
+  // What an eval forward outgrew (a training step frees it at the end of its backward).
+  if (amp_ && !amp_->retired.empty() && !stream.capturing()) {
+    stream.synchronize();
+    amp_->retired.clear();
+  }
   const void* out = chain_->forward(
       LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false}, input,
       nullptr);
@@ -178,6 +180,12 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
   }
   zero_grad_pending_ = false;
   zero_grad_stream_ = Stream{};
+  // What the step outgrew (its first step: later ones reuse the sizes reached) is freed once the
+  // step's work is done with it; a capture frees nothing, and outgrows nothing.
+  if (amp_ && !amp_->retired.empty() && !stream.capturing()) {
+    stream.synchronize();
+    amp_->retired.clear();
+  }
 }
 
 void SequentialModel::set_autocast(Autocast autocast) {
