@@ -20,7 +20,8 @@ Each file holds init.* (state dict), data.input/data.target, and per mode <mode>
 logits), <mode>.loss (the mean over the batch; ddp: rank 0's then rank 1's) and <mode>.grad.<name>;
 also fp32.output and fp32.grad.* (the same single step without autocast), so a test can show that
 dp computes bf16 and not fp32, and after.<name>: the parameters after one SGD step (lr 0.05,
-momentum 0.9, weight decay 1e-3) from the single gradients.
+momentum 0.9, weight decay 1e-3) from the single gradients. ResNet-8's file also holds each block's
+input, output and output gradient of the single step (teacher_forced_blocks).
 """
 import argparse
 import copy
@@ -98,6 +99,36 @@ def grads(models, scale=None):
     return out
 
 
+BLOCKS = ("stem", "layer1", "layer2", "layer3", "head")
+
+
+def teacher_forced_blocks(m, x, y):
+    """ResNet-8's single step again, block by block (the same ops: model(x) is these calls), with
+    each block's input, output and output gradient: tf.<block>.input/.output/.grad_output, bf16
+    values held in fp32 (the stem's input and the head's gradient are fp32). A test runs each block
+    alone from torch's input and gradient, so that no difference from an earlier block reaches it:
+    only the block's own summation orders can move its results."""
+    acts = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = x
+        acts["stem"] = (a, m.relu(m.bn1(m.conv1(a))))
+        for name in ("layer1", "layer2", "layer3"):
+            a = acts[BLOCKS[BLOCKS.index(name) - 1]][1]
+            acts[name] = (a, getattr(m, name)(a))
+        a = acts["layer3"][1]
+        acts["head"] = (a, m.fc(torch.flatten(m.avgpool(a), 1)))
+    for name in BLOCKS:
+        acts[name][1].retain_grad()
+    F.cross_entropy(acts["head"][1].float(), y).backward()
+    out = OrderedDict()
+    for name in BLOCKS:
+        inp, outp = acts[name]
+        out[f"tf.{name}.input"] = mg.snap(inp.float())
+        out[f"tf.{name}.output"] = mg.snap(outp.float())
+        out[f"tf.{name}.grad_output"] = mg.snap(outp.grad.float())
+    return out
+
+
 def run_case(name):
     kind, hidden, batch, seed = CASES[name]
     model = build(kind, hidden, seed)
@@ -135,6 +166,10 @@ def run_case(name):
             opt.step()
             for k, p in m.named_parameters():
                 out[f"after.{k}"] = mg.snap(p)
+
+    if kind == "resnet8":
+        for k, v in teacher_forced_blocks(fresh(), x, y).items():
+            out[k] = v
 
     # dp: scatter, replica forwards under autocast, gather, one loss, gradients reduced to the source
     replicas = [fresh() for _ in range(DEVICES)]

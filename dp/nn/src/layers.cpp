@@ -512,17 +512,17 @@ class Residual final : public Container {
       add(ctx, n, static_cast<const float*>(body), static_cast<const float*>(shortcut), y);
       return;
     }
-    // Autocast: torch adds the two bf16 tensors in fp32 and rounds the sum (then ReLU, exact).
-    const bool bf16 = body_.output_bf16(ctx.bf16);
-    if (bf16 != shortcut_.output_bf16(ctx.bf16))
-      throw InvalidArgument(fmt::format("{}: under autocast the body gives {} but the shortcut {}", name(),
-                                        bf16 ? "bf16" : "fp32", bf16 ? "fp32" : "bf16"));
+    // Autocast: torch's `out += identity` adds in fp32 (bf16 values widened) and rounds to the
+    // body's dtype, which the in-place add keeps (then ReLU, exact).
+    const bool bf16 = body_.output_bf16(ctx.bf16), shortcut16 = shortcut_.output_bf16(ctx.bf16);
+    const float* a = bf16 ? widen(ctx, ctx.amp->x, body, n) : static_cast<const float*>(body);
+    const float* b = shortcut16 ? widen(ctx, ctx.amp->y, shortcut, n) : static_cast<const float*>(shortcut);
     if (!bf16) {
-      add(ctx, n, static_cast<const float*>(body), static_cast<const float*>(shortcut), y);
+      add(ctx, n, a, b, y);
       return;
     }
-    float* sum = widen(ctx, ctx.amp->x, body, n);
-    add(ctx, n, sum, widen(ctx, ctx.amp->y, shortcut, n), sum);
+    float* sum = ctx.amp->get<float>(ctx.amp->out, ctx.device, n);
+    add(ctx, n, a, b, sum);
     kernels::to_bf16(ctx.stream, n, sum, reinterpret_cast<std::uint16_t*>(y));
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
@@ -546,8 +546,21 @@ class Residual final : public Container {
         dsum = g;
       }
     }
-    // The Add passes dsum to both branches; the input gradient is the sum of theirs.
+    // The Add passes dsum to both branches (to the shortcut in its own dtype, where autocast made
+    // the two differ: widened, or rounded); the input gradient is the sum of theirs.
     body_.backward(ctx, dsum, dx, done);
+    const bool shortcut16 = ctx.amp && shortcut_.output_bf16(ctx.bf16);
+    if (shortcut16 != out16) {
+      if (out16) {
+        float* g = shortcut_dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
+        kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(dsum), g);
+        dsum = g;
+      } else {
+        auto* g = shortcut_dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
+        kernels::to_bf16(ctx.stream, n, static_cast<const float*>(dsum), g);
+        dsum = g;
+      }
+    }
     if (shortcut_.is_identity()) {
       if (dx) accumulate(ctx, n_in, in16, dsum, dx);
       return;
@@ -591,7 +604,7 @@ class Residual final : public Container {
 
   detail::Chain body_, shortcut_;
   bool relu_after_;
-  Scratch dsum_, shortcut_dx_;
+  Scratch dsum_, shortcut_dsum_, shortcut_dx_;
 };
 
 class Flatten final : public Layer {
