@@ -118,8 +118,8 @@ class Model {
   // Autocast (dp/runtime/precision.h) for every later forward and backward, as torch.autocast around
   // the forward: Autocast::bf16 computes Linear and Conv2d from bf16-rounded inputs and weights and
   // keeps the activations in bf16; forward() still returns fp32 logits (widened, for an fp32 loss)
-  // and backward() takes an fp32 gradient. Replicas keep the setting. Models that cannot refuse
-  // bf16 with InvalidArgument (the default).
+  // and backward() takes an fp32 gradient. Replicas keep the setting; set it between steps. A model
+  // that does not implement it refuses bf16 with InvalidArgument (the default).
   virtual void set_autocast(Autocast autocast);
   virtual Autocast autocast() const { return Autocast::off; }
   // Bytes the last train-mode forward keeps for the backward: the activations between layers and
