@@ -142,7 +142,7 @@ void Chain::forward_child(const LayerContext& ctx, std::size_t i, bool fused, vo
                            ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
   const float* x = static_cast<const float*>(outputs_[i]);
   auto* y = static_cast<float*>(out);
-  if (ctx.amp && !layer.is_container()) {  // a containers takes the chain's storage as it is
+  if (ctx.amp && !layer.is_container()) {  // a container takes the chain's storage as it is
     AutocastScratch& amp = *ctx.amp;
     x = widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), shapes_[i].numel(), amp.x);
     if (bf16_[end]) y = amp.get<float>(amp.out, ctx.device, shapes_[end].numel());
