@@ -263,6 +263,27 @@ TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
     }
 }
 
+// --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
+// is not given again (as the other run settings that only a resume takes from the checkpoint).
+TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {
+  const std::string common = "--model resnet8 --mode ddp --backend sim --devices 2 --synthetic 48 --batch-size 6";
+  ASSERT_EQ(run(common + " --amp bf16 --steps 4 --save " + path("straight.safetensors")).code, 0);
+  const Result first = run(common + " --amp bf16 --steps 2 --save " + path("half.safetensors"));
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_EQ(dp::safetensors::read(path("half.safetensors")).metadata.at("dp.amp"), "bf16");
+  const Result second =
+      run(common + " --steps 2 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
+  ASSERT_EQ(second.code, 0) << second.output;
+  EXPECT_NE(second.output.find("autocast bf16"), std::string::npos) << second.output;
+  const auto a = dp::safetensors::read(path("straight.safetensors"));
+  const auto b = dp::safetensors::read(path("resumed.safetensors"));
+  ASSERT_EQ(a.order, b.order);
+  for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs after resume";
+  // fp32 from the same start is another run: autocast changed the result.
+  ASSERT_EQ(run(common + " --steps 4 --save " + path("fp32.safetensors")).code, 0);
+  EXPECT_NE(dp::safetensors::read(path("fp32.safetensors")).at("fc.weight").data, a.at("fc.weight").data);
+}
+
 // Dropout's masks are a function of the seed and the step: a resumed run draws what the
 // uninterrupted one drew (single: the seed; ddp: seed + rank), and label smoothing is part of the
 // loss on both sides. (That other seeds draw other masks: test_engine.cpp.)
@@ -487,6 +508,7 @@ TEST_F(TrainTest, Tf32AndBf16GradientsTrainCloseToFp32) {
   expect_refused("--backend sim --synthetic 16 --steps 1 --grad-reduce bf16", "--grad-reduce applies to --mode ddp");
   expect_refused("--backend sim --synthetic 16 --steps 1 --precision bf16", "--precision");
   expect_refused("--backend sim --synthetic 16 --steps 1 --amp fp16", "--amp");
+  expect_refused("--backend sim --synthetic 16 --loader-only --eval-only", "not with --eval-only");
 }
 
 // --graphs on (the default) replays a captured step; every loss, through the last partial batch
