@@ -72,18 +72,22 @@ void* Chain::activation(const LayerContext& ctx, std::vector<Scratch>& memory, s
   return memory[boundary].get<float>(ctx.device, n);
 }
 
+float* widen(const LayerContext& ctx, Scratch& into, const void* bits, std::int64_t n) {
+  float* out = ctx.amp->get<float>(into, ctx.device, n);
+  kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(bits), out);
+  return out;
+}
+
 namespace {
 
 // An fp32 view of a boundary for a leaf under autocast: bf16 storage widened (exact), or, before a
 // layer that autocasts, fp32 rounded to bf16 values (autocast's cast of its input); else the
 // boundary itself.
 const float* widened(const LayerContext& ctx, const void* data, bool bf16, bool round, std::int64_t n, Scratch& into) {
-  if (!bf16 && !round) return static_cast<const float*>(data);
+  if (bf16) return widen(ctx, into, data, n);
+  if (!round) return static_cast<const float*>(data);
   float* out = ctx.amp->get<float>(into, ctx.device, n);
-  if (bf16)
-    kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(data), out);
-  else
-    kernels::round_to_bf16(ctx.stream, n, static_cast<const float*>(data), out);
+  kernels::round_to_bf16(ctx.stream, n, static_cast<const float*>(data), out);
   return out;
 }
 

@@ -10,6 +10,9 @@
 
 namespace dp::nn::detail {
 
+// Autocast: `n` bf16 values (their bits at `bits`) widened, exactly, into the model's scratch `into`.
+float* widen(const LayerContext& ctx, Scratch& into, const void* bits, std::int64_t n);
+
 class Chain {
  public:
   Chain() = default;

@@ -28,23 +28,41 @@ void Layer::backward_relu(const LayerContext&, const float*, const float*, const
 
 namespace {
 
-// Autocast for a layer whose parameters are contiguous (weight, then bias): the bf16-rounded copy
-// of them its arithmetic uses, and its gradients computed apart and rounded to bf16 before they
-// reach the fp32 buffer (torch: the bf16 gradient of the bf16 weight, widened by the cast's
-// backward). Without autocast, the parameters and gradients themselves.
-const float* amp_params(const LayerContext& ctx, float* params, std::int64_t count) {
-  if (!ctx.amp) return params;
-  float* rounded = ctx.amp->get<float>(ctx.amp->weight, ctx.device, count);
-  kernels::round_to_bf16(ctx.stream, count, params, rounded);
-  return rounded;
-}
-float* amp_grads(const LayerContext& ctx, float* grads, std::int64_t count) {
-  return ctx.amp ? ctx.amp->get<float>(ctx.amp->grad, ctx.device, count) : grads;
-}
-// Written into `computed` (write mode) by the backward; widened into `grads` as bf16 values.
-void add_amp_grads(const LayerContext& ctx, const float* computed, float* grads, std::int64_t count) {
-  if (computed != grads) kernels::add_bf16_rounded(ctx.stream, count, computed, grads, ctx.accumulate_grads);
-}
+// A Linear's or Conv2d's parameters as its arithmetic sees them, for one forward or backward. Its
+// parameters are contiguous, weight then bias (the model lays each layer's out in order).
+// Without autocast: the parameters and gradient buffers themselves, gradients accumulated as
+// ctx says. Under autocast: a bf16-rounded copy of the parameters; the backward writes the
+// gradients apart and finish() rounds them to bf16 into the fp32 buffer (torch: the bf16 gradient
+// of the bf16 weight, widened by the cast's backward); the GEMMs enqueued meanwhile are marked as
+// taking bf16 values (kernels::Bf16Operands: tensor cores on cuda).
+class LayerParams {
+ public:
+  // `grads`: null for a forward.
+  LayerParams(const LayerContext& ctx, float* params, float* grads, std::int64_t count)
+      : ctx_(ctx), params_(params), grads_(grads), computed_(grads), count_(count) {
+    if (!ctx.amp) return;
+    tensor_cores_.emplace();
+    float* rounded = ctx.amp->get<float>(ctx.amp->weight, ctx.device, count);
+    kernels::round_to_bf16(ctx.stream, count, params, rounded);
+    params_ = rounded;
+    if (grads) computed_ = ctx.amp->get<float>(ctx.amp->grad, ctx.device, count);
+  }
+  const float* params() const { return params_; }
+  float* grads() const { return computed_; }
+  // The backward kernel's `accumulate`: under autocast it writes, finish() adds.
+  bool accumulate() const { return !ctx_.amp && ctx_.accumulate_grads; }
+  void finish() const {
+    if (computed_ != grads_) kernels::add_bf16_rounded(ctx_.stream, count_, computed_, grads_, ctx_.accumulate_grads);
+  }
+
+ private:
+  const LayerContext& ctx_;
+  const float* params_;
+  float* grads_;
+  float* computed_;
+  std::int64_t count_;
+  std::optional<kernels::Bf16Operands> tensor_cores_;
+};
 
 class Linear final : public Layer {
  public:
@@ -59,28 +77,20 @@ class Linear final : public Layer {
   }
   bool autocasts() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    std::optional<kernels::Bf16Operands> tensor_cores;
-    if (ctx.amp) tensor_cores.emplace();
-    const float* w = amp_params(ctx);
-    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, w, ctx.amp ? w + weights() : param(1), y);
+    const LayerParams p(ctx, param(0), nullptr, count());
+    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), p.params() + weights(), y);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
-    std::optional<kernels::Bf16Operands> tensor_cores;
-    if (ctx.amp) tensor_cores.emplace();
-    const float* w = amp_params(ctx);
-    float* g = amp_grads(ctx);
-    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, w, dy, dx, g, ctx.amp ? g + weights() : grad(1),
-                             !ctx.amp && ctx.accumulate_grads);
-    add_amp_grads(ctx, g);
+    const LayerParams p(ctx, param(0), grad(0), count());
+    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), dy, dx, p.grads(), p.grads() + weights(),
+                             p.accumulate());
+    p.finish();
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }
 
  private:
   std::int64_t weights() const { return static_cast<std::int64_t>(in_) * out_; }
   std::int64_t count() const { return weights() + out_; }
-  const float* amp_params(const LayerContext& ctx) const { return nn::amp_params(ctx, param(0), count()); }
-  float* amp_grads(const LayerContext& ctx) const { return nn::amp_grads(ctx, grad(0), count()); }
-  void add_amp_grads(const LayerContext& ctx, const float* g) const { nn::add_amp_grads(ctx, g, grad(0), count()); }
 
   int in_, out_;
 };
@@ -110,11 +120,9 @@ class Conv2d final : public Layer {
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
     float* workspace = this->workspace(ctx, s);
-    std::optional<kernels::Bf16Operands> tensor_cores;
-    if (ctx.amp) tensor_cores.emplace();
-    const float* w = amp_params(ctx, param(0), count());
-    const float* bias = has_bias() ? (ctx.amp ? w + weights() : param(1)) : nullptr;
-    const bool lowered = kernels::conv2d_forward(ctx.stream, s, x, w, bias, y, workspace);
+    const LayerParams p(ctx, param(0), nullptr, count());
+    const float* bias = has_bias() ? p.params() + weights() : nullptr;
+    const bool lowered = kernels::conv2d_forward(ctx.stream, s, x, p.params(), bias, y, workspace);
     // Under autocast x and the workspace are shared scratch that later layers overwrite.
     lowered_ = lowered && !ctx.amp ? Lowered{x, workspace, s} : Lowered{};
   }
@@ -125,14 +133,11 @@ class Conv2d final : public Layer {
     // step then lower each input once.
     const bool x_lowered = lowered_.matches(x, workspace, s);
     lowered_ = Lowered{};
-    std::optional<kernels::Bf16Operands> tensor_cores;
-    if (ctx.amp) tensor_cores.emplace();
-    const float* w = amp_params(ctx, param(0), count());
-    float* g = amp_grads(ctx, grad(0), count());
-    float* bias_grad = has_bias() ? (ctx.amp ? g + weights() : grad(1)) : nullptr;
-    kernels::conv2d_backward(ctx.stream, s, x, w, dy, dx, g, bias_grad, workspace, !ctx.amp && ctx.accumulate_grads,
+    const LayerParams p(ctx, param(0), grad(0), count());
+    float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
+    kernels::conv2d_backward(ctx.stream, s, x, p.params(), dy, dx, p.grads(), bias_grad, workspace, p.accumulate(),
                              x_lowered);
-    add_amp_grads(ctx, g, grad(0), count());
+    p.finish();
   }
   std::unique_ptr<Layer> clone() const override {
     auto copy = std::make_unique<Conv2d>(*this);
@@ -515,8 +520,8 @@ class Residual final : public Container {
     // Autocast: torch's `out += identity` adds in fp32 (bf16 values widened) and rounds to the
     // body's dtype, which the in-place add keeps (then ReLU, exact).
     const bool bf16 = body_.output_bf16(ctx.bf16), shortcut16 = shortcut_.output_bf16(ctx.bf16);
-    const float* a = bf16 ? widen(ctx, ctx.amp->x, body, n) : static_cast<const float*>(body);
-    const float* b = shortcut16 ? widen(ctx, ctx.amp->y, shortcut, n) : static_cast<const float*>(shortcut);
+    const float* a = bf16 ? detail::widen(ctx, ctx.amp->x, body, n) : static_cast<const float*>(body);
+    const float* b = shortcut16 ? detail::widen(ctx, ctx.amp->y, shortcut, n) : static_cast<const float*>(shortcut);
     if (!bf16) {
       add(ctx, n, a, b, y);
       return;
@@ -535,8 +540,8 @@ class Residual final : public Container {
     const void* dsum = dy;
     if (relu_after_) {
       if (out16) {
-        float* g = widen(ctx, ctx.amp->dy, dy, n);
-        kernels::relu_backward(ctx.stream, n, widen(ctx, ctx.amp->y, y, n), g, g);
+        float* g = detail::widen(ctx, ctx.amp->dy, dy, n);
+        kernels::relu_backward(ctx.stream, n, detail::widen(ctx, ctx.amp->y, y, n), g, g);
         auto* bits = dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
         kernels::to_bf16(ctx.stream, n, g, bits);  // exact: a bf16 value or 0
         dsum = bits;
@@ -585,20 +590,14 @@ class Residual final : public Container {
     else
       kernels::add(ctx.stream, n, body, shortcut, out);
   }
-  // bf16 storage widened into autocast scratch.
-  static float* widen(const LayerContext& ctx, Scratch& into, const void* bits, kernels::index_t n) {
-    float* out = ctx.amp->get<float>(into, ctx.device, n);
-    kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(bits), out);
-    return out;
-  }
   // dx += g, in bf16 (rounded sum) when the input is.
   static void accumulate(const LayerContext& ctx, kernels::index_t n, bool bf16, const void* g, float* dx) {
     if (!bf16) {
       kernels::add(ctx.stream, n, dx, static_cast<const float*>(g), dx);
       return;
     }
-    float* sum = widen(ctx, ctx.amp->dx, dx, n);
-    kernels::add(ctx.stream, n, sum, widen(ctx, ctx.amp->dy, g, n), sum);
+    float* sum = detail::widen(ctx, ctx.amp->dx, dx, n);
+    kernels::add(ctx.stream, n, sum, detail::widen(ctx, ctx.amp->dy, g, n), sum);
     kernels::to_bf16(ctx.stream, n, sum, reinterpret_cast<std::uint16_t*>(dx));
   }
 

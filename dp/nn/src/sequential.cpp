@@ -136,11 +136,7 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
-  // What an eval forward outgrew (a training step frees it at the end of its backward).
-  if (amp_ && !amp_->retired.empty() && !stream.capturing()) {
-    stream.synchronize();
-    amp_->retired.clear();
-  }
+  release_outgrown(stream);  // what an eval forward outgrew (a training step frees it in its backward)
   const void* out = chain_->forward(
       LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false}, input,
       nullptr);
@@ -160,7 +156,7 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
     const void* dy = grad_output;
     if (amp_ && chain_->output_bf16(false)) {
       // The backward of `logits.float()`: the fp32 gradient rounded to bf16.
-      const auto n = chain_->output_shape(input_act_shape(1)).per_sample() * chain_->batch();
+      const auto n = static_cast<kernels::index_t>(chain_->batch()) * output_features_;
       auto* bits = grad_output_.get<std::uint16_t>(device_, static_cast<std::size_t>(n), &amp_->retired);
       kernels::to_bf16(stream, n, grad_output, bits);
       dy = bits;
@@ -180,16 +176,18 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
   }
   zero_grad_pending_ = false;
   zero_grad_stream_ = Stream{};
-  // What the step outgrew (its first step: later ones reuse the sizes reached) is freed once the
-  // step's work is done with it; a capture frees nothing, and outgrows nothing.
-  if (amp_ && !amp_->retired.empty() && !stream.capturing()) {
-    stream.synchronize();
-    amp_->retired.clear();
-  }
+  release_outgrown(stream);
+}
+
+// Autocast's scratch outgrown during a step (its first one: later ones reuse the sizes reached),
+// freed once the stream's work is done with it; a capture frees nothing, and outgrows nothing.
+void SequentialModel::release_outgrown(const Stream& stream) {
+  if (!amp_ || amp_->retired.empty() || stream.capturing()) return;
+  stream.synchronize();
+  amp_->retired.clear();
 }
 
 void SequentialModel::set_autocast(Autocast autocast) {
-  autocast_ = autocast;
   if (autocast == Autocast::off)
     amp_.reset();
   else if (!amp_)
@@ -241,7 +239,7 @@ std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
   Layers layers;
   for (const auto& layer : chain_->layers()) layers.push_back(layer->clone());
   auto copy = std::make_unique<SequentialModel>(name_, device, std::move(layers), input_shape_);
-  copy->set_autocast(autocast_);
+  copy->set_autocast(autocast());
   return copy;
 }
 

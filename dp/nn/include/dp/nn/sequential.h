@@ -55,7 +55,7 @@ class SequentialModel final : public Model {
   void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
   void replayed_backward() override;
   void set_autocast(Autocast autocast) override;
-  Autocast autocast() const override { return autocast_; }
+  Autocast autocast() const override { return amp_ ? Autocast::bf16 : Autocast::off; }
   std::size_t saved_activation_bytes() const override;
   // Its layers enqueue fixed work per batch size into grow-only scratch; Dropout draws per step.
   bool capturable() const override;
@@ -66,6 +66,7 @@ class SequentialModel final : public Model {
   ActShape input_act_shape(int batch) const;  // (batch, C, H, W) from input_shape
   // Enqueues the fill a pending zero_grad skipped, on its stream; false when none was pending.
   bool materialize_zero_grad() const;
+  void release_outgrown(const Stream& stream);
 
   std::string name_;
   Device& device_;
@@ -77,8 +78,7 @@ class SequentialModel final : public Model {
   DeviceBuffer params_, grads_, buffers_;
   RandomContext random_;
   const BatchNormSync* sync_ = nullptr;
-  Autocast autocast_ = Autocast::off;
-  std::unique_ptr<AutocastScratch> amp_;  // under autocast
+  std::unique_ptr<AutocastScratch> amp_;  // under autocast (Autocast::bf16) only
   Scratch logits_, grad_output_;          // autocast: the fp32 output, the bf16 gradient of it
   // zero_grad was called and no backward has written the gradients since: the buffer reads as
   // zeros without holding them. Mutable: taking the gradients' address (a const accessor) is what
