@@ -92,6 +92,25 @@ print("%s %d losses, max |cuda - sim|: loss %.1e, parameters %.1e" % ("ok" if ok
       max_diff(cuda_l, sim_l), max(max_diff(cuda_t[k], sim_t[k]) for k in sim_t)))
 EOF
 }
+# One dp_train run on sim and one on the GPU with the same arguments, compared (compare's
+# tolerance): a verdict named $1, logs and checkpoints tagged $2 in $work.
+train_both() {  # name tag devices_per_gpu tolerance args
+  local name=$1 tag=$2 per_gpu=$3 tolerance=$4 args=$5 sim_rc cuda_rc result
+  # shellcheck disable=SC2086
+  timeout 120 "$train" --backend sim $args --save "$work/$tag.sim.st" > "$work/$tag.sim.txt" 2>&1
+  sim_rc=$?
+  # shellcheck disable=SC2086
+  timeout 120 "$train" --backend "$device" --devices-per-gpu "$per_gpu" $args --save "$work/$tag.cuda.st" \
+    > "$work/$tag.cuda.txt" 2>&1
+  cuda_rc=$?
+  if [ $sim_rc -ne 0 ] || [ $cuda_rc -ne 0 ]; then
+    verdict "$name" 1 "exit codes: sim $sim_rc, cuda $cuda_rc: $(tail -1 "$work/$tag.cuda.txt")"
+    return
+  fi
+  result=$(compare "$work/$tag.sim.txt" "$work/$tag.cuda.txt" "$work/$tag.sim.st" "$work/$tag.cuda.st" "$tolerance")
+  [[ $result == ok* ]]
+  verdict "$name" $? "${result#* }"
+}
 for model in mlp convnet; do
   for mode in single dp ddp; do
     for devices in 1 2 4; do
@@ -102,21 +121,7 @@ for model in mlp convnet; do
         name="$model $mode x$devices graphs $graphs"
         args="--model $model --mode $mode --devices $devices --synthetic 256 --batch-size 16 --steps 4 --lr 0.01
               --log-every 1 --no-shuffle --graphs $graphs"
-        tag="${model}_${mode}_${devices}_${graphs}"
-        # shellcheck disable=SC2086
-        timeout 120 "$train" --backend sim $args --save "$work/$tag.sim.st" > "$work/$tag.sim.txt" 2>&1
-        sim_rc=$?
-        # shellcheck disable=SC2086
-        timeout 120 "$train" --backend "$device" --devices-per-gpu "$per_gpu" $args --save "$work/$tag.cuda.st" \
-          > "$work/$tag.cuda.txt" 2>&1
-        cuda_rc=$?
-        if [ $sim_rc -ne 0 ] || [ $cuda_rc -ne 0 ]; then
-          verdict "$name" 1 "exit codes: sim $sim_rc, cuda $cuda_rc: $(tail -1 "$work/$tag.cuda.txt")"
-          continue
-        fi
-        result=$(compare "$work/$tag.sim.txt" "$work/$tag.cuda.txt" "$work/$tag.sim.st" "$work/$tag.cuda.st")
-        [[ $result == ok* ]]
-        verdict "$name" $? "${result#* }"
+        train_both "$name" "${model}_${mode}_${devices}_${graphs}" "$per_gpu" 1e-3 "$args"
       done
     done
   done
@@ -155,21 +160,7 @@ for mode in single ddp; do
   [ "$devices" -gt "$gpus" ] && per_gpu=$devices
   args="--model convnet --mode $mode --devices $devices --synthetic 256 --batch-size 16 --steps 4 --lr 0.01
         --log-every 1 --no-shuffle --amp bf16"
-  tag="amp_$mode"
-  # shellcheck disable=SC2086
-  timeout 120 "$train" --backend sim $args --save "$work/$tag.sim.st" > "$work/$tag.sim.txt" 2>&1
-  sim_rc=$?
-  # shellcheck disable=SC2086
-  timeout 120 "$train" --backend "$device" --devices-per-gpu "$per_gpu" $args --save "$work/$tag.cuda.st" \
-    > "$work/$tag.cuda.txt" 2>&1
-  cuda_rc=$?
-  if [ $sim_rc -ne 0 ] || [ $cuda_rc -ne 0 ]; then
-    verdict "convnet $mode --amp bf16" 1 "exit codes: sim $sim_rc, cuda $cuda_rc: $(tail -1 "$work/$tag.cuda.txt")"
-    continue
-  fi
-  result=$(compare "$work/$tag.sim.txt" "$work/$tag.cuda.txt" "$work/$tag.sim.st" "$work/$tag.cuda.st" 3e-2)
-  [[ $result == ok* ]]
-  verdict "convnet $mode --amp bf16" $? "${result#* }"
+  train_both "convnet $mode --amp bf16" "amp_$mode" "$per_gpu" 3e-2 "$args"
 done
 for spec in "convnet 1024" "resnet8 256"; do
   # shellcheck disable=SC2086

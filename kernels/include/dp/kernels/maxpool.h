@@ -51,8 +51,8 @@ struct MaxPoolForward {
   // comparisons per output, as selects over a run the compiler vectorises instead of a branch per
   // element that random data mispredicts. The rest go through window().
   void host_run(index_t rows, index_t cols) const {
-    if (s.stride == s.kernel && s.pad == 0) {
-      host_tiled(rows, static_cast<int>(cols));
+    if (s.kernel == 2 && s.stride == 2 && s.pad == 0) {
+      host_2x2(rows, static_cast<int>(cols));
       return;
     }
     constexpr int kRun = 64;
@@ -96,50 +96,30 @@ struct MaxPoolForward {
         }
       }
   }
-  // The sim, where the windows tile the input (stride == kernel, no padding: every window lies
-  // inside, none overlaps): each output scans its window in window()'s order with its comparisons
-  // (the first element, then every one, strict > or NaN), rows of the window read in turn; 2x2
-  // windows unrolled. Several times faster than the lockstep runs, whose strided gathers the
-  // compiler does not vectorise.
-  void host_tiled(index_t rows, int wo) const {
-    const int k = s.kernel, ho = s.h_out(), w = s.w;
+  // The sim, for 2x2 windows that tile the input (stride 2, no padding: the usual pooling; every
+  // window inside, none overlapping): each output reads its window unrolled, in window()'s order with
+  // its comparisons (the first element, then every one, strict > or NaN). Several times faster than
+  // the lockstep runs, whose stride-2 gathers the compiler does not vectorise.
+  void host_2x2(index_t rows, int wo) const {
+    const int ho = s.h_out(), w = s.w;
     for (index_t row = 0, nc = 0; row < rows; ++nc)
       for (int oh = 0; oh < ho && row < rows; ++oh, ++row) {
         const float* in = x + nc * s.h * w;
-        const int top = oh * k * w;  // the window's first row, as an index into the plane
         float* out = y + row * wo;
         std::int32_t* chosen = argmax + row * wo;
-        if (k == 2) {
-          for (int ow = 0, at = top; ow < wo; ++ow, at += 2) {
-            int best = at;
-            float value = in[at];
-            const auto take = [&](int i) {
-              const float v = in[i];
-              const bool better = (v > value) | is_nan(v);
-              value = better ? v : value;
-              best = better ? i : best;
-            };
-            take(at);
-            take(at + 1);
-            take(at + w);
-            take(at + w + 1);
-            out[ow] = value;
-            chosen[ow] = best;
-          }
-          continue;
-        }
-        for (int ow = 0; ow < wo; ++ow) {
-          const int first = top + ow * k;
-          int best = first;
-          float value = in[first];
-          for (int r = 0; r < k; ++r)
-            for (int c = 0; c < k; ++c) {
-              const int i = first + r * w + c;
-              const float v = in[i];
-              const bool better = (v > value) | is_nan(v);
-              value = better ? v : value;
-              best = better ? i : best;
-            }
+        for (int ow = 0, at = 2 * oh * w; ow < wo; ++ow, at += 2) {
+          int best = at;
+          float value = in[at];
+          const auto take = [&](int i) {
+            const float v = in[i];
+            const bool better = (v > value) | is_nan(v);
+            value = better ? v : value;
+            best = better ? i : best;
+          };
+          take(at);
+          take(at + 1);
+          take(at + w);
+          take(at + w + 1);
           out[ow] = value;
           chosen[ow] = best;
         }
