@@ -22,27 +22,11 @@
 #include "dp/nn/loss.h"
 #include "dp/nn/sequential.h"
 #include "dp/runtime/bfloat16.h"
+#include "golden_model.h"
 #include "test_util.h"
 
 namespace dp {
 namespace {
-
-std::vector<int> parse_hidden(const std::string& text) {
-  std::vector<int> out;
-  for (std::size_t pos = 0; pos < text.size();) {
-    const std::size_t comma = text.find(',', pos);
-    out.push_back(std::stoi(text.substr(pos, comma - pos)));
-    pos = comma == std::string::npos ? text.size() : comma + 1;
-  }
-  return out;
-}
-
-std::unique_ptr<Model> model_for(const safetensors::File& golden, Device& device) {
-  const std::string kind = golden.metadata.at("model");
-  if (kind == "convnet") return models::make_convnet(device, 1);
-  if (kind == "resnet8") return models::make_resnet8(device, 1);
-  return models::make_mlp(device, parse_hidden(golden.metadata.at("hidden")), 1);
-}
 
 double norm(const std::vector<float>& a) {
   double s = 0.0;
@@ -115,7 +99,7 @@ TEST_P(AmpGolden, OneStepMatchesTorchAutocast) {
   auto rt = test::sim_runtime(2);
   Device& device = rt->device(0);
   const Stream stream = device.create_stream();
-  auto model = model_for(golden, device);
+  auto model = test::golden_model(golden, device);
   load_state_dict(*model, stream, golden, "init.");
   const auto x = golden.at("data.input").to_f32();
   const auto y = golden.at("data.target").to_i64();

@@ -23,6 +23,7 @@
 #include "dp/runtime/error.h"
 #include "dp/runtime/trace.h"
 #include "forwarding_model.h"
+#include "golden_model.h"
 #include "sync_bn_golden.h"
 #include "test_util.h"
 
@@ -491,20 +492,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   const int world = std::stoi(golden.metadata.at("world_size"));
   const int steps = std::stoi(golden.metadata.at("steps"));
   auto rt = test::sim_runtime(world);
-  std::unique_ptr<Model> model;
-  if (golden.metadata.at("model") == "convnet") {
-    model = models::make_convnet(rt->device(0), 1);
-  } else if (golden.metadata.at("model") == "resnet8") {
-    model = models::make_resnet8(rt->device(0), 1);
-  } else {
-    std::vector<int> hidden;
-    for (const char* p = golden.metadata.at("hidden").c_str(); *p;) {
-      char* end = nullptr;
-      hidden.push_back(static_cast<int>(std::strtol(p, &end, 10)));
-      p = *end ? end + 1 : end;
-    }
-    model = models::make_mlp(rt->device(0), hidden, 1);
-  }
+  auto model = test::golden_model(golden, rt->device(0));
   Stream s = rt->device(0).create_stream();
   load_state_dict(*model, s, golden, "init.");
   const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),

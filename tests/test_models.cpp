@@ -21,28 +21,11 @@
 #include "dp/nn/sequential.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
+#include "golden_model.h"
 #include "test_util.h"
 
 namespace dp {
 namespace {
-
-std::vector<int> parse_hidden(const std::string& text) {
-  std::vector<int> out;
-  std::size_t pos = 0;
-  while (pos < text.size()) {
-    const std::size_t comma = text.find(',', pos);
-    out.push_back(std::stoi(text.substr(pos, comma - pos)));
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
-  }
-  return out;
-}
-
-std::unique_ptr<Model> model_for(const safetensors::File& golden, Device& device) {
-  const std::string kind = golden.metadata.at("model");
-  if (kind == "convnet") return models::make_convnet(device, 1);
-  return models::make_mlp(device, parse_hidden(golden.metadata.at("hidden")), 1);
-}
 
 // PyTorch and dp both compute in fp32 but in different orders (PyTorch CPU convolution and BN
 // reductions vs im2col GEMM and split sums), so values agree to a few fp32 ulps of each tensor's
@@ -121,7 +104,7 @@ TEST_P(GoldenParity, ThreeSgdStepsMatchPyTorch) {
   const auto golden = safetensors::read(test::golden_path(GetParam()));
   auto rt = test::sim_runtime(1);
   Device& device = rt->device(0);
-  auto model = model_for(golden, device);
+  auto model = test::golden_model(golden, device);
   Stream stream = device.create_stream();
   load_state_dict(*model, stream, golden, "init.");
 
