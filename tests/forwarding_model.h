@@ -39,6 +39,9 @@ class ForwardingModel : public Model {
   void set_random_context(const RandomContext& context) override { inner_->set_random_context(context); }
   void set_batchnorm_sync(const BatchNormSync* sync) override { inner_->set_batchnorm_sync(sync); }
   void replayed_backward() override { inner_->replayed_backward(); }
+  void set_autocast(Autocast autocast) override { inner_->set_autocast(autocast); }
+  Autocast autocast() const override { return inner_->autocast(); }
+  std::size_t saved_activation_bytes() const override { return inner_->saved_activation_bytes(); }
   bool capturable() const override { return inner_->capturable(); }
 
  protected:

@@ -22,6 +22,7 @@
 #include "dp/nn/loss.h"
 #include "dp/nn/sequential.h"
 #include "dp/runtime/bfloat16.h"
+#include "forwarding_model.h"
 #include "golden_model.h"
 #include "test_util.h"
 
@@ -301,6 +302,32 @@ TEST(Autocast, KeepsTheActivationsInBf16AndTheMasterWeightsInFp32) {
   }
   model->set_autocast(Autocast::off);
   EXPECT_EQ(model->autocast(), Autocast::off);
+}
+
+// A model that does not implement autocast (Model's default) is refused by make_engine, naming it,
+// before anything is built; fp32 it trains.
+TEST(Autocast, AModelWithoutItIsRefused) {
+  struct Fp32Only : test::ForwardingModel {
+    using ForwardingModel::ForwardingModel;
+    void set_autocast(Autocast autocast) override { Model::set_autocast(autocast); }
+    Autocast autocast() const override { return Model::autocast(); }
+    std::unique_ptr<Model> replicate(Device& device) const override {
+      return std::make_unique<Fp32Only>(inner().replicate(device));
+    }
+  };
+  auto rt = test::sim_runtime(1);
+  Fp32Only model(models::make_mlp(rt->device(0), {8}, 1));
+  EngineOptions options;
+  options.amp = Autocast::bf16;
+  try {
+    make_engine(*rt, model, SgdOptions{0.1f}, options);
+    FAIL() << "autocast accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("does not support autocast bf16"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(model.name()), std::string::npos) << e.what();
+  }
+  options.amp = Autocast::off;
+  EXPECT_NO_THROW(make_engine(*rt, model, SgdOptions{0.1f}, options));
 }
 
 TEST(Autocast, NamesAndRefusals) {
