@@ -7,7 +7,7 @@ build_dir=${1:-build}
 shift || true
 
 packages=(cmake ninja-build g++ pkg-config ccache clang-format libgtest-dev libopenblas-dev libfmt-dev nlohmann-json3-dev
-          libcli11-dev zlib1g-dev python3-matplotlib dataset-fashion-mnist clang-14 libclang-rt-14-dev librandom123-dev
+          libcli11-dev zlib1g-dev libdnnl-dev python3-matplotlib dataset-fashion-mnist clang-14 libclang-rt-14-dev librandom123-dev
           openmpi-bin libopenmpi-dev libgloo-dev python3-torchvision libpng-dev libjpeg62-turbo-dev)
 missing=()
 for p in "${packages[@]}"; do

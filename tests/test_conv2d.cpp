@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <gtest/gtest.h>
 #include <limits>
 #include <random>
@@ -14,6 +15,10 @@
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
 #include "test_util.h"
+
+// OpenMP's C API (libgomp, oneDNN's runtime, which dp links).
+extern "C" void omp_set_num_threads(int threads);
+extern "C" int omp_get_max_threads();
 
 namespace dp {
 namespace {
@@ -235,13 +240,15 @@ void expect_direct(const Conv2dShape& s, const Inputs& in, const Outputs& out, s
   }
 }
 
-// Restores the cuDNN switch a test changed.
-class CudnnSetting {
+// Restores the convolution-library switch a test changed (the sim's answer is the switch itself).
+class LibrarySetting {
  public:
-  explicit CudnnSetting(bool enabled) : saved_(kernels::conv_cudnn_enabled()) { kernels::set_conv_cudnn(enabled); }
-  ~CudnnSetting() { kernels::set_conv_cudnn(saved_); }
-  CudnnSetting(const CudnnSetting&) = delete;
-  CudnnSetting& operator=(const CudnnSetting&) = delete;
+  explicit LibrarySetting(bool enabled) : saved_(kernels::conv_library_enabled(Backend::sim)) {
+    kernels::set_conv_library(enabled);
+  }
+  ~LibrarySetting() { kernels::set_conv_library(saved_); }
+  LibrarySetting(const LibrarySetting&) = delete;
+  LibrarySetting& operator=(const LibrarySetting&) = delete;
 
  private:
   bool saved_;
@@ -313,20 +320,20 @@ TEST(Conv2dFastDivmod, MatchesIntegerDivision) {
 
 class Conv2dTest : public test::BackendTest {
  protected:
-  // Why the cuDNN tests cannot run here, or null. (GTEST_SKIP only returns from the function it
-  // is in, so the test body skips itself.)
-  const char* no_cudnn() const {
-    if (GetParam() != "cuda") return "cuDNN path: cuda only (the sim always runs the im2col path)";
-    if (!kernels::conv_cudnn_enabled()) return "dp was built without cuDNN";
-    return nullptr;
+  Backend backend() const { return GetParam() == "cuda" ? Backend::cuda : Backend::sim; }
+  // Why the tests of the backend's convolution library (cuDNN, oneDNN) cannot run here, or null.
+  // (GTEST_SKIP only returns from the function it is in, so the test body skips itself.)
+  const char* no_library() const {
+    return kernels::conv_library_enabled(backend()) ? nullptr : "dp was built without cuDNN";
   }
+  const char* no_cudnn() const { return GetParam() != "cuda" ? "cuDNN: cuda only" : no_library(); }
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, Conv2dTest, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
 
-// 1. Every output element of forward and backward against the direct convolution (on cuda this
-// is the default path: cuDNN when available).
+// 1. Every output element of forward and backward against the direct convolution, by the default
+// path: the backend's library (cuDNN when available, oneDNN).
 TEST_P(Conv2dTest, MatchesDirectConvolution) {
   unsigned seed = 100;
   for (const auto& [shape, bias] : kShapes) {
@@ -336,7 +343,7 @@ TEST_P(Conv2dTest, MatchesDirectConvolution) {
 }
 
 // A backward that reuses the x its forward lowered (the shared path says it left it in the
-// workspace; cuDNN's forward lowers nothing) gives the same bits as one that lowers x again.
+// workspace; the libraries' forwards lower nothing) gives the same bits as one that lowers x again.
 TEST_P(Conv2dTest, BackwardReusingTheLoweredInputGivesTheSameBits) {
   unsigned seed = 300;
   for (const auto& [shape, bias] : kShapes) {
@@ -353,7 +360,7 @@ TEST_P(Conv2dTest, BackwardReusingTheLoweredInputGivesTheSameBits) {
                y = device_->allocate(y_size(s) * sizeof(float)),
                ws = device_->allocate(kernels::conv2d_workspace_floats(s) * sizeof(float));
   EXPECT_EQ(kernels::conv2d_forward(stream_, s, x.as<float>(), w.as<float>(), nullptr, y.as<float>(), ws.as<float>()),
-            GetParam() == "sim" || !kernels::conv_cudnn_enabled());
+            !kernels::conv_library_enabled(backend()));
 }
 
 // The reference model's layers at batch 64 (one GEMM over N*H*W = 50176 and 12544 columns),
@@ -512,49 +519,50 @@ TEST_P(Conv2dTest, RejectsInvalidShapesAndNullOperands) {
   EXPECT_EQ(kernels::conv2d_workspace_floats(ok), 9u * 4 + 1u * 4);
 }
 
-// 5. cuda only: cuDNN (its weight gradient by whichever path the plan timed faster) and the shared
-// im2col path on the same GPU, each against the direct convolution with the rounding bound (so the
-// two agree within twice that bound).
-TEST_P(Conv2dTest, CudnnMatchesIm2colPath) {
-  if (const char* why = no_cudnn()) GTEST_SKIP() << why;
+// 5. The backend's library (cuDNN, its weight gradient by whichever path the plan timed faster;
+// oneDNN) and the shared im2col path on the same device, each against the direct convolution with
+// the rounding bound (so the two agree within twice that bound).
+TEST_P(Conv2dTest, LibraryMatchesIm2colPath) {
+  if (const char* why = no_library()) GTEST_SKIP() << why;
   std::vector<std::pair<Conv2dShape, bool>> shapes = kShapes;
   shapes.push_back({{64, 1, 28, 28, 16, 5, 5, 1, 2}, true});
   shapes.push_back({{64, 16, 14, 14, 32, 5, 5, 1, 2}, true});
   unsigned seed = 700;
   for (const auto& [shape, bias] : shapes) {
     const Inputs in = make_inputs(shape, bias, seed += 10);
-    Outputs with_cudnn, with_im2col;
+    Outputs with_library, with_im2col;
     {
-      const CudnnSetting on(true);
-      with_cudnn = run_conv(*device_, stream_, shape, in);
+      const LibrarySetting on(true);
+      with_library = run_conv(*device_, stream_, shape, in);
     }
     {
-      const CudnnSetting off(false);
+      const LibrarySetting off(false);
       with_im2col = run_conv(*device_, stream_, shape, in);
     }
     const std::size_t sample = shape.n >= 64 ? 64 : 0;
-    expect_direct(shape, in, with_cudnn, sample);
+    expect_direct(shape, in, with_library, sample);
     expect_direct(shape, in, with_im2col, sample);
   }
 }
 
-// 6. Each weight-gradient path of the cuDNN path, forced and timed, against the direct convolution;
-// forced to im2col + GEMM it gives the shared path's bits (the same kernels and GEMM). On sim,
-// where every choice runs the shared path, the choices give the same bits.
+// 6. Each weight-gradient path of the library path, forced and timed, against the direct
+// convolution; forced to im2col + GEMM it gives the shared path's bits (the same kernels and GEMM).
+// Without a library (cuda built without cuDNN), where every choice runs the shared path, the
+// choices give the same bits.
 TEST_P(Conv2dTest, WeightGradientPaths) {
-  const bool cudnn = no_cudnn() == nullptr;
+  const bool library = no_library() == nullptr;
   std::vector<std::pair<Conv2dShape, bool>> shapes = kShapes;
-  if (cudnn) shapes.push_back({{64, 16, 14, 14, 32, 5, 5, 1, 2}, true});
+  if (library) shapes.push_back({{64, 16, 14, 14, 32, 5, 5, 1, 2}, true});
   unsigned seed = 900;
   for (const auto& [shape, bias] : shapes) {
     const Inputs in = make_inputs(shape, bias, seed += 10);
     Outputs shared;
     {
-      const CudnnSetting off(false);
+      const LibrarySetting off(false);
       shared = run_conv(*device_, stream_, shape, in);
     }
     for (const auto how :
-         {kernels::ConvWeightGrad::cudnn, kernels::ConvWeightGrad::gemm, kernels::ConvWeightGrad::timed}) {
+         {kernels::ConvWeightGrad::library, kernels::ConvWeightGrad::gemm, kernels::ConvWeightGrad::timed}) {
       const WeightGradSetting setting(how);
       const Outputs out = run_conv(*device_, stream_, shape, in);
       const std::string what = describe(shape) + " (choice " + std::to_string(static_cast<int>(how)) + ")";
@@ -566,7 +574,7 @@ TEST_P(Conv2dTest, WeightGradientPaths) {
           within_rounding(first_weight_grad(*device_, stream_, shape, in),
                           direct_at(w_size(shape), {}, [&](std::size_t i) { return direct_dw(shape, fresh, i); }), {}))
           << "written dweight: " << what;
-      if (!cudnn) {
+      if (!library) {
         EXPECT_EQ(out.dw, shared.dw) << what;
         EXPECT_EQ(out.dx, shared.dx) << what;
         continue;
@@ -600,10 +608,11 @@ TEST_P(Conv2dTest, CudnnPlanSearchMemoryIsCounted) {
   EXPECT_GT(first_peak, second_peak);
 }
 
-// cuda only: streams of one device each have their own cuDNN handle but share its plans (under a
-// mutex); two threads driving their own streams concurrently must both get correct results.
-TEST_P(Conv2dTest, CudnnConcurrentStreamsOfOneDevice) {
-  if (const char* why = no_cudnn()) GTEST_SKIP() << why;
+// Streams of one device each have their own cuDNN handle but share its plans (under a mutex); the
+// sim's streams share oneDNN's plans process-wide, each executing on its own thread with its own
+// scratch. Two threads driving their own streams concurrently must both get correct results.
+TEST_P(Conv2dTest, LibraryConcurrentStreamsOfOneDevice) {
+  if (const char* why = no_library()) GTEST_SKIP() << why;
   const Conv2dShape s{8, 3, 12, 10, 6, 3, 3, 1, 1};
   const Inputs in = make_inputs(s, true, 800);
   std::vector<Outputs> results(2);
@@ -623,6 +632,29 @@ TEST_P(Conv2dTest, CudnnConcurrentStreamsOfOneDevice) {
     ASSERT_EQ(errors[t], "") << "thread " << t;
     expect_direct(s, in, results[t]);
   }
+}
+
+// The sim's oneDNN runs on the stream's thread alone, whatever OpenMP allows the caller: a plan
+// built on a thread allowed 4 would otherwise split its work for 4 and start an OpenMP team of them
+// on the stream, each simulated device then oversubscribing the host. The caller's setting is
+// left as it was (the calling thread may be the embedding application's).
+TEST_P(Conv2dTest, SimLibraryUsesTheStreamsThreadAlone) {
+  if (GetParam() != "sim") GTEST_SKIP() << "the sim's library";
+  const auto threads = [] {
+    return std::distance(std::filesystem::directory_iterator("/proc/self/task"), std::filesystem::directory_iterator{});
+  };
+  const Conv2dShape s{8, 16, 14, 14, 32, 5, 5, 1, 2};  // a shape no other test plans
+  const Inputs in = make_inputs(s, true, 4343);
+  (void)run_conv(*device_, stream_, Conv2dShape{1, 1, 5, 5, 1, 1, 1, 1, 0},
+                 make_inputs({1, 1, 5, 5, 1, 1, 1, 1, 0}, false, 1));
+  const auto before = threads();
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(4);
+  const Outputs out = run_conv(*device_, stream_, s, in);
+  EXPECT_EQ(omp_get_max_threads(), 4);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(threads(), before) << "an OpenMP team was started";
+  expect_direct(s, in, out);
 }
 
 }  // namespace

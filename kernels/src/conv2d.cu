@@ -1,5 +1,6 @@
 // conv2d.cu — launchers for dp/kernels/conv2d.h: the shared im2col + one-GEMM-per-pass path that every
-// backend runs, and the dispatch to cuDNN on cuda streams.
+// backend runs, and the dispatch to the backends' convolution libraries (cuDNN on cuda streams,
+// oneDNN on sim streams).
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -62,7 +63,7 @@ void check_int_range(const char* op, const Conv2dShape& s, std::int64_t largest_
 
 namespace {
 
-std::atomic<bool> use_cudnn{true};
+std::atomic<bool> use_library{true};
 std::atomic<ConvWeightGrad> weight_grad_choice{ConvWeightGrad::timed};
 
 index_t taps(const Conv2dShape& s) { return static_cast<index_t>(s.c_in) * s.kh * s.kw; }
@@ -82,9 +83,20 @@ ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
   return conv_geometry(s);
 }
 
-// Under autocast (Bf16Operands) the convolutions are im2col + bf16 tensor-core GEMMs.
-bool cudnn_path(const Stream& stream) {
-  return stream.backend() == Backend::cuda && conv_cudnn_enabled() && !Bf16Operands::active();
+enum class ConvPath { shared, cudnn, onednn };
+
+// Under autocast (Bf16Operands) the convolutions are im2col + bf16 tensor-core GEMMs. The sim's
+// TF32 rounds the GEMM operands (gemm()): only its shared path computes what tf32 asks for.
+ConvPath conv_path(const Stream& stream) {
+  if (!conv_library_enabled(stream.backend()) || Bf16Operands::active()) return ConvPath::shared;
+  if (stream.backend() == Backend::cuda) return ConvPath::cudnn;
+  return kernel_api::precision(stream) == Precision::tf32 ? ConvPath::shared : ConvPath::onednn;
+}
+
+// Whether the weight gradient goes to the shared im2col + GEMM (forced, and the shape within its
+// int range) rather than the library that computes the rest.
+bool weight_grad_by_gemm(const Conv2dShape& shape) {
+  return conv_weight_grad() == ConvWeightGrad::gemm && largest_shared_tensor(shape) <= std::numeric_limits<int>::max();
 }
 
 // The shared path's weight gradient: dweight (+)= mat . col^T with beta, leaving col (x lowered) in
@@ -128,13 +140,13 @@ struct SharedWeightGrad {
 
 }  // namespace
 
-void set_conv_cudnn(bool enabled) { use_cudnn.store(enabled); }
+void set_conv_library(bool enabled) { use_library.store(enabled); }
 void set_conv_weight_grad(ConvWeightGrad how) { weight_grad_choice.store(how); }
 ConvWeightGrad conv_weight_grad() { return weight_grad_choice.load(); }
 
-bool conv_cudnn_enabled() {
-  static const bool available = library::cudnn_available();
-  return available && use_cudnn.load();
+bool conv_library_enabled(Backend backend) {
+  static const bool cudnn = library::cudnn_available();
+  return (backend != Backend::cuda || cudnn) && use_library.load();
 }
 
 // col (T, P) followed by mat (C_out, P). The backward reuses col for dcol once dweight has read it.
@@ -156,11 +168,13 @@ bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
       {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
        operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return false;
-  if (cudnn_path(stream)) {
+  const ConvPath path = conv_path(stream);
+  if (path == ConvPath::cudnn) {
     const SharedWeightGrad shared{stream, shape, workspace};
     library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y, shared.borrow());
     return false;
   }
+  if (path == ConvPath::onednn && library::onednn_conv2d_forward(stream, shape, x, weight, bias, y)) return false;
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;
@@ -201,7 +215,8 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
     if (dbias)
       channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, beta);
   };
-  if (cudnn_path(stream)) {
+  const ConvPath path = conv_path(stream);
+  if (path == ConvPath::cudnn) {
     // The input gradient stays with cuDNN; the weight gradient goes to cuDNN or to the shared
     // im2col + GEMM (set_conv_weight_grad), run here once cuDNN's handle is released.
     const ConvWeightGrad how = conv_weight_grad();
@@ -217,6 +232,15 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
     return;
   }
   bias_grad();
+  // oneDNN, its weight gradient too unless forced to the shared path (the sim times nothing: `timed`
+  // is oneDNN's).
+  if (path == ConvPath::onednn) {
+    const bool by_gemm = weight_grad_by_gemm(shape);
+    if (library::onednn_conv2d_backward(stream, shape, x, weight, dy, dx, by_gemm ? nullptr : dweight, accumulate)) {
+      if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
+      return;
+    }
+  }
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;

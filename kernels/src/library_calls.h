@@ -1,6 +1,7 @@
-// library_calls.h — what the launchers call in the kernels' cuda backend folder: cuBLAS GEMM and the
-// cuDNN convolutions. No CUDA types here, so every launcher compiles with any compiler; builds
-// without the cuda backend link cuda/stub.cpp instead, where cudnn_available() is false.
+// library_calls.h — what the launchers call in the kernels' backend folders: cuBLAS GEMM and the
+// cuDNN convolutions (cuda/), the oneDNN convolutions (sim/). No CUDA or oneDNN types here, so every
+// launcher compiles with any compiler; builds without the cuda backend link cuda/stub.cpp instead,
+// where cudnn_available() is false.
 #pragma once
 
 #include "dp/kernels/conv2d.h"
@@ -58,5 +59,15 @@ void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const 
 bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                            const float* dy, float* dx, float* dweight, bool accumulate, ConvWeightGrad how,
                            const GemmWeightGrad& gemm);
+
+// The sim's convolution library (sim/onednn_conv.cpp), enqueued on the sim stream: y = conv(x, weight)
+// + bias (bias may be null); dx (when not null) and dweight (when not null; added to with
+// `accumulate`, else overwritten). The bias gradient is the launchers' own reduction. Return false,
+// having enqueued nothing, where oneDNN has no implementation for the shape: the caller then runs
+// the shared path.
+bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                           const float* bias, float* y);
+bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
+                            const float* dy, float* dx, float* dweight, bool accumulate);
 
 }  // namespace dp::kernels::library

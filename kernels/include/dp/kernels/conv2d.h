@@ -1,7 +1,9 @@
 // conv2d.h — Conv2d forward/backward (PyTorch semantics: weight (C_out, C_in, KH, KW), bias (C_out),
 // any stride and zero padding, NCHW row-major). Shared path: im2col/col2im + GEMM, which both
-// backends run; on cuda a cuDNN path is the default when available (set_conv_cudnn(false) turns it off),
-// its weight gradients by cuDNN or by the shared im2col + cuBLAS GEMM, whichever is faster.
+// backends run. By default each backend's convolution library computes them instead (turned off by
+// set_conv_library(false)): cuDNN on cuda, when dp was built with it, its weight gradients by cuDNN or
+// by the shared im2col + cuBLAS GEMM, whichever is faster; oneDNN on the sim, the direct convolutions
+// PyTorch's CPU convolutions are.
 #pragma once
 
 #include <cstddef>
@@ -39,22 +41,24 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
                      const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate = true,
                      bool x_lowered = false);
 
-// Whether conv2d_* use cuDNN on cuda streams (default: true when dp was built with cuDNN).
-// The sim backend always runs the shared im2col path.
-void set_conv_cudnn(bool enabled);
-bool conv_cudnn_enabled();
+// Whether conv2d_* use the backend's convolution library (default: true). On cuda that is cuDNN,
+// when dp was built with it (else the shared path); on the sim it is oneDNN, except under
+// Precision::tf32, whose rounded operands only the shared path's GEMM computes on the sim. Under
+// autocast (Bf16Operands) both backends run the shared path, its GEMMs on bf16 operands.
+void set_conv_library(bool enabled);
+bool conv_library_enabled(Backend backend);
 
-// How the cuDNN path computes weight gradients. `timed` (the default): when the cuDNN plan of a
+// How the library path computes weight gradients. `timed` (the default), on cuda: when the cuDNN plan of a
 // (shape, precision) is built on a device (its first forward or backward, in warm-up), cuDNN's
 // chosen backward-filter algorithm and the shared im2col + cuBLAS GEMM are timed against each other
 // on the stream, and the GEMM is kept if it is clearly faster: in `strict` cuDNN may only use its
 // deterministic dot-product algorithms, and the one it had on an H100 took ~3.5x the time of
 // im2col + GEMM for the ConvNet at batch 1024 (profiled by hand, ../shared/perf/H100.md). In
 // `strict` both are fp32 dot products within rounding of the host path; in `fast` cuDNN's may use
-// TF32 or transforms. `cudnn` and `gemm` force one (tests, or runs that want the same algorithm on
-// every device). No effect on sim (always the shared path) or with cuDNN off; shapes beyond the
-// shared path's int range always use cuDNN.
-enum class ConvWeightGrad { timed, cudnn, gemm };
+// TF32 or transforms. `library` and `gemm` force one (tests, or runs that want the same algorithm on
+// every device). The sim times nothing: there `timed` is oneDNN's. No effect with the library off;
+// shapes beyond the shared path's int range always use the library.
+enum class ConvWeightGrad { timed, library, gemm };
 void set_conv_weight_grad(ConvWeightGrad how);
 ConvWeightGrad conv_weight_grad();
 
