@@ -244,34 +244,41 @@ void run_forward(const Plan& p, const float* x, const float* weight, const float
   e.stream.wait();
 }
 
-void run_backward_data(const Plan& p, const float* weight, const float* dy, float* dx) {
+// dx (when not null) and dweight (when not null: = or, with accumulate, += the weight gradient), in
+// one task so that dy is reordered once where both passes read it in the same layout. dweight is
+// computed in place where no conversion is needed, else in a blocked buffer and converted out, the
+// reorder's sum post-op adding it.
+void run_backward(const Plan& p, const float* x, const float* weight, const float* dy, float* dx, float* dweight,
+                  bool accumulate) {
   Executor& e = executor();
-  const auto [dyb, wb, dxb, pad] = e.scratch.take<4>(
-      {p.dy_in_data.bytes(), p.w_in_data.bytes(), p.dx_out.reorder ? p.dx_out.from.get_size() : 0, p.data_scratchpad});
-  memory out = result(p.dx_out, dx, dxb);
-  std::unordered_map<int, memory> args{{DNNL_ARG_DIFF_DST, converted(e.stream, p.dy_in_data, dy, dyb)},
-                                       {DNNL_ARG_WEIGHTS, converted(e.stream, p.w_in_data, weight, wb)},
-                                       {DNNL_ARG_DIFF_SRC, out}};
-  if (pad) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpad(pad, p.data_scratchpad));
-  p.backward_data.execute(e.stream, args);
-  deliver(e.stream, p.dx_out, out, dx);
-  e.stream.wait();
-}
-
-// dweight = (or += with accumulate) the weight gradient: computed in place where no conversion is
-// needed, else in the blocked buffer and converted out, the reorder's sum post-op adding it.
-void run_backward_weights(const Plan& p, const float* x, const float* dy, float* dweight, bool accumulate) {
-  Executor& e = executor();
-  const Conversion& out = accumulate ? p.dw_add : p.dw_out;
-  const auto [xb, dyb, dwb, pad] = e.scratch.take<4>(
-      {p.x_in_weights.bytes(), p.dy_in_weights.bytes(), out.reorder ? out.from.get_size() : 0, p.weights_scratchpad});
-  memory computed = result(out, dweight, dwb);
-  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, converted(e.stream, p.x_in_weights, x, xb)},
-                                       {DNNL_ARG_DIFF_DST, converted(e.stream, p.dy_in_weights, dy, dyb)},
-                                       {DNNL_ARG_DIFF_WEIGHTS, computed}};
-  if (pad) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpad(pad, p.weights_scratchpad));
-  p.backward_weights.execute(e.stream, args);
-  deliver(e.stream, out, computed, dweight);
+  const Conversion& dw_out = accumulate ? p.dw_add : p.dw_out;
+  const bool shared_dy = dweight && p.dy_in_weights.to == p.dy_in_data.to;
+  const auto [dyw, dyd, xb, wb, dxb, dwb, pad] = e.scratch.take<7>(
+      {dweight ? p.dy_in_weights.bytes() : 0, dx && !shared_dy ? p.dy_in_data.bytes() : 0,
+       dweight ? p.x_in_weights.bytes() : 0, dx ? p.w_in_data.bytes() : 0,
+       dx && p.dx_out.reorder ? p.dx_out.from.get_size() : 0, dweight && dw_out.reorder ? dw_out.from.get_size() : 0,
+       std::max(p.data_scratchpad, p.weights_scratchpad)});
+  std::optional<memory> dy_weights;
+  if (dweight) {
+    dy_weights = converted(e.stream, p.dy_in_weights, dy, dyw);
+    memory computed = result(dw_out, dweight, dwb);
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, converted(e.stream, p.x_in_weights, x, xb)},
+                                         {DNNL_ARG_DIFF_DST, *dy_weights},
+                                         {DNNL_ARG_DIFF_WEIGHTS, computed}};
+    if (pad) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpad(pad, p.weights_scratchpad));
+    p.backward_weights.execute(e.stream, args);
+    deliver(e.stream, dw_out, computed, dweight);
+  }
+  if (dx) {
+    memory out = result(p.dx_out, dx, dxb);
+    std::unordered_map<int, memory> args{
+        {DNNL_ARG_DIFF_DST, shared_dy ? *dy_weights : converted(e.stream, p.dy_in_data, dy, dyd)},
+        {DNNL_ARG_WEIGHTS, converted(e.stream, p.w_in_data, weight, wb)},
+        {DNNL_ARG_DIFF_SRC, out}};
+    if (pad) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpad(pad, p.data_scratchpad));
+    p.backward_data.execute(e.stream, args);
+    deliver(e.stream, p.dx_out, out, dx);
+  }
   e.stream.wait();
 }
 
@@ -290,13 +297,10 @@ bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, cons
                             const float* dy, float* dx, float* dweight, bool accumulate) {
   const std::shared_ptr<const Plan> plan = plan_for(shape);
   if (!plan) return false;
-  if (dweight)
-    kernel_api::enqueue_host(stream, "onednn_conv2d_backward_weights", [plan, x, dy, dweight, accumulate] {
-      run_backward_weights(*plan, x, dy, dweight, accumulate);
+  if (dx || dweight)
+    kernel_api::enqueue_host(stream, "onednn_conv2d_backward", [plan, x, weight, dy, dx, dweight, accumulate] {
+      run_backward(*plan, x, weight, dy, dx, dweight, accumulate);
     });
-  if (dx)
-    kernel_api::enqueue_host(stream, "onednn_conv2d_backward_data",
-                             [plan, weight, dy, dx] { run_backward_data(*plan, weight, dy, dx); });
   return true;
 }
 
