@@ -1,4 +1,4 @@
-// The sim's own bodies of shared functors (host_run, host_terms: launch.h) against the per-element
+// The sim's own bodies of shared functors (host_run, host_add_terms: launch.h) against the per-element
 // form the GPU runs, bit for bit, on shapes that reach every edge: padding, strides that skip
 // inputs, overlapping windows, planes that split a reduction pass, NaN and ties. The functors run
 // on host memory here, with no stream, so a difference can only be the host body's.
@@ -39,9 +39,9 @@ std::vector<std::uint32_t> bits(const std::vector<float>& v) {
 static_assert(HasHostRun<MaxPoolBackward> && HasHostRun<Im2col> && HasHostRun<Col2im>);
 static_assert(HasHostRun2d<MaxPoolForward> && HasHostRun2d<BnNormalize> && HasHostRun2d<BnInputGrad>);
 static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
-static_assert(HasHostTerms<RowElement, float> && HasHostTerms<ColumnElement, float>);
-static_assert(HasHostTerms<ChannelValue, float> && HasHostTerms<BnCenteredMoments, SumPair> &&
-              HasHostTerms<BnGradTerms, SumPair>);
+static_assert(HasHostAddTerms<RowElement, float> && HasHostAddTerms<ColumnElement, float>);
+static_assert(HasHostAddTerms<ChannelValue, float> && HasHostAddTerms<BnCenteredMoments, SumPair> &&
+              HasHostAddTerms<BnGradTerms, SumPair>);
 
 const Pool2dShape kPools[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 9, 8, 3, 2, 1},
                               {1, 2, 7, 5, 3, 2, 1},   {1, 2, 6, 7, 3, 1, 1}, {2, 1, 4, 3, 3, 3, 0}};
@@ -100,8 +100,9 @@ TEST(HostPaths, Im2colAndCol2im) {
   }
 }
 
-// Per-channel reductions: each host_terms pass of kReduceLanes terms against map(row, col + k),
-// with planes shorter than, equal to and longer than a pass, and passes that start mid-plane.
+// Per-channel reductions: each host_add_terms pass of kReduceLanes terms, added to lanes that
+// already hold partial sums, against lane + map(row, col + k), with planes shorter than, equal to
+// and longer than a pass, and passes that start mid-plane.
 TEST(HostPaths, ChannelReductionTerms) {
   struct Case {
     index_t n, c, plane;
@@ -122,18 +123,23 @@ TEST(HostPaths, ChannelReductionTerms) {
     for (index_t c = 0; c < k.c; ++c)
       for (index_t begin = 0; begin < row_length; begin += 97) {
         const index_t width = std::min<index_t>(kReduceLanes, row_length - begin);
-        std::vector<float> v(static_cast<std::size_t>(width));
-        std::vector<SumPair> m(static_cast<std::size_t>(width)), g(m), p(m);
-        value.host_terms(c, begin, width, v.data());
-        moments.host_terms(c, begin, width, m.data());
-        grads.host_terms(c, begin, width, g.data());
-        plain.host_terms(c, begin, width, p.data());
+        const std::vector<float> start = random_floats(static_cast<std::size_t>(width), 12 + c);
+        std::vector<float> v = start;
+        std::vector<SumPair> m(static_cast<std::size_t>(width));
+        for (std::size_t q = 0; q < m.size(); ++q) m[q] = SumPair{start[q], -start[q]};
+        std::vector<SumPair> g = m, p = m;
+        value.host_add_terms(c, begin, width, v.data());
+        moments.host_add_terms(c, begin, width, m.data());
+        grads.host_add_terms(c, begin, width, g.data());
+        plain.host_add_terms(c, begin, width, p.data());
         for (index_t q = 0; q < width; ++q) {
           const auto at_q = static_cast<std::size_t>(q);
-          ASSERT_EQ(bits({v[at_q]}), bits({value(c, begin + q)}));
-          ASSERT_EQ(bits({m[at_q].a, m[at_q].b}), bits({moments(c, begin + q).a, moments(c, begin + q).b}));
-          ASSERT_EQ(bits({g[at_q].a, g[at_q].b}), bits({grads(c, begin + q).a, grads(c, begin + q).b}));
-          ASSERT_EQ(bits({p[at_q].a, p[at_q].b}), bits({plain(c, begin + q).a, plain(c, begin + q).b}));
+          const SumPair lane{start[at_q], -start[at_q]};
+          const auto pair_bits = [](SumPair s) { return bits({s.a, s.b}); };
+          ASSERT_EQ(bits({v[at_q]}), bits({start[at_q] + value(c, begin + q)}));
+          ASSERT_EQ(pair_bits(m[at_q]), pair_bits(lane + moments(c, begin + q)));
+          ASSERT_EQ(pair_bits(g[at_q]), pair_bits(lane + grads(c, begin + q)));
+          ASSERT_EQ(pair_bits(p[at_q]), pair_bits(lane + plain(c, begin + q)));
         }
       }
   }
@@ -221,14 +227,23 @@ TEST(HostPaths, LinearBiasAndRowColumnTerms) {
   EXPECT_EQ(bits(y1), bits(y2));
   const RowElement rows{x.data(), 300};
   const ColumnElement columns{x.data(), 7};
-  std::vector<float> got(kReduceLanes);
+  const std::vector<float> start = random_floats(kReduceLanes, 42);
   for (index_t r = 0; r < 7; ++r) {
-    rows.host_terms(r, 40, 256, got.data());
-    for (index_t k = 0; k < 256; ++k) ASSERT_EQ(got[static_cast<std::size_t>(k)], rows(r, 40 + k));
+    std::vector<float> got = start;
+    rows.host_add_terms(r, 40, 256, got.data());
+    for (index_t k = 0; k < 256; ++k) {
+      const auto at = static_cast<std::size_t>(k);
+      ASSERT_EQ(bits({got[at]}), bits({start[at] + rows(r, 40 + k)}));
+    }
   }
   for (index_t c = 0; c < 7; ++c) {
-    columns.host_terms(c, 3, 200, got.data());
-    for (index_t k = 0; k < 200; ++k) ASSERT_EQ(got[static_cast<std::size_t>(k)], columns(c, 3 + k));
+    std::vector<float> got = start;
+    columns.host_add_terms(c, 3, 200, got.data());
+    for (index_t k = 0; k < 200; ++k) {
+      const auto at = static_cast<std::size_t>(k);
+      ASSERT_EQ(bits({got[at]}), bits({start[at] + columns(c, 3 + k)}));
+    }
+    ASSERT_EQ(bits({got[200]}), bits({start[200]}));  // lanes past count untouched
   }
 }
 

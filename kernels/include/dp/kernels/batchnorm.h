@@ -102,11 +102,11 @@ struct BnCenteredMoments {
     const float d = x[at(c, j)] - mean[c];
     return SumPair{d, d * d};
   }
-  void host_terms(index_t c, index_t j, index_t count, SumPair* out) const {
+  void host_add_terms(index_t c, index_t j, index_t count, SumPair* lanes) const {
     const float m = mean[c];
     at.host_walk(c, j, count, [&](index_t k, index_t i) {
       const float d = x[i] - m;
-      out[k] = SumPair{d, d * d};
+      lanes[k] = lanes[k] + SumPair{d, d * d};
     });
   }
 };
@@ -216,11 +216,11 @@ struct BnGradTerms {
     const float g = bn_output_grad(dy, relu_y, i);
     return SumPair{g, g * (x[i] - mean[c]) * invstd[c]};
   }
-  void host_terms(index_t c, index_t j, index_t count, SumPair* out) const {
+  void host_add_terms(index_t c, index_t j, index_t count, SumPair* lanes) const {
     const float m = mean[c], s = invstd[c];
     at.host_walk(c, j, count, [&](index_t k, index_t i) {
       const float g = bn_output_grad(dy, relu_y, i);
-      out[k] = SumPair{g, g * (x[i] - m) * s};
+      lanes[k] = lanes[k] + SumPair{g, g * (x[i] - m) * s};
     });
   }
 };

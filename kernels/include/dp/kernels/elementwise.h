@@ -165,8 +165,8 @@ struct ChannelValue {
   ChannelElement at;
   const float* x;
   DP_HD float operator()(index_t channel, index_t j) const { return x[at(channel, j)]; }
-  void host_terms(index_t channel, index_t j, index_t count, float* out) const {
-    at.host_walk(channel, j, count, [&](index_t k, index_t i) { out[k] = x[i]; });
+  void host_add_terms(index_t channel, index_t j, index_t count, float* lanes) const {
+    at.host_walk(channel, j, count, [&](index_t k, index_t i) { lanes[k] = lanes[k] + x[i]; });
   }
 };
 
@@ -175,8 +175,9 @@ struct RowElement {
   const float* x;
   index_t cols;
   DP_HD float operator()(index_t row, index_t col) const { return x[row * cols + col]; }
-  void host_terms(index_t row, index_t col, index_t count, float* out) const {
-    for (index_t k = 0; k < count; ++k) out[k] = x[row * cols + col + k];
+  void host_add_terms(index_t row, index_t col, index_t count, float* lanes) const {
+    const float* at = x + row * cols + col;
+    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + at[k];
   }
 };
 // Column-wise sum of a (rows, cols) matrix seen as reductions over rows for each column.
@@ -184,9 +185,9 @@ struct ColumnElement {
   const float* x;
   index_t cols;
   DP_HD float operator()(index_t col, index_t row) const { return x[row * cols + col]; }
-  void host_terms(index_t col, index_t row, index_t count, float* out) const {
+  void host_add_terms(index_t col, index_t row, index_t count, float* lanes) const {
     const float* at = x + row * cols + col;
-    for (index_t k = 0; k < count; ++k) out[k] = at[k * cols];
+    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + at[k * cols];
   }
 };
 // out[row] = beta * out[row] + sum   (beta = 0 overwrites, 1 accumulates gradients)

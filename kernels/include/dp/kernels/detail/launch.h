@@ -41,11 +41,12 @@ template <class F>
 concept HasHostRun2d = requires(const F& f, index_t n) {
   f.host_run(n, n);
 };
-// A reduction map may fill out[k] = map(row, col + k) for k < count in one call (host_terms), so
-// the host walks the row's memory rather than re-deriving each term's address.
+// A reduction map may add its terms to the lanes in one call, lanes[k] = lanes[k] + map(row, col + k)
+// for k < count (host_add_terms), so the host walks the row's memory rather than re-deriving each
+// term's address, and adds each term as it is read rather than from a copy.
 template <class Map, class T>
-concept HasHostTerms = requires(const Map& m, index_t i, T* out) {
-  m.host_terms(i, i, i, out);
+concept HasHostAddTerms = requires(const Map& m, index_t i, T* lanes) {
+  m.host_add_terms(i, i, i, lanes);
 };
 
 // sim: the body of a kernel is the functor run in a loop on the stream's thread. The loop runs a
@@ -93,18 +94,14 @@ T host_block_sum(index_t count, const Term& term) {
   return reduce_lane_tree(lanes);
 }
 
-// host_block_sum over map(row, begin + k), k < count, with the terms of each pass of L taken from
-// the map's host_terms: the same terms added in the same order.
+// host_block_sum over map(row, begin + k), k < count, each pass of L terms added by the map's
+// host_add_terms: the same terms added in the same order.
 template <class T, class Map>
 T host_block_sum_of_map(const Map& map, index_t row, index_t begin, index_t count) {
-  if constexpr (HasHostTerms<Map, T>) {
+  if constexpr (HasHostAddTerms<Map, T>) {
     T lanes[kReduceLanes]{};
-    T terms[kReduceLanes];
-    for (index_t base = 0; base < count; base += kReduceLanes) {
-      const index_t width = std::min<index_t>(kReduceLanes, count - base);
-      map.host_terms(row, begin + base, width, terms);
-      for (index_t lane = 0; lane < width; ++lane) lanes[lane] = lanes[lane] + terms[lane];
-    }
+    for (index_t base = 0; base < count; base += kReduceLanes)
+      map.host_add_terms(row, begin + base, std::min<index_t>(kReduceLanes, count - base), lanes);
     return reduce_lane_tree(lanes);
   } else {
     return host_block_sum<T>(count, [&](index_t k) { return map(row, begin + k); });
