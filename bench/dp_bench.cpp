@@ -82,19 +82,20 @@ Data synthetic_data(const Options& o, int devices, const std::vector<std::string
 void agree_to_start(const dp::tools::Job& job, const Options& o, const Setup& setup,
                     const std::vector<std::string>& models, const std::vector<std::string>& modes) {
   job.agree_or_stop();
-  job.agree_on_configuration({{"--backend", setup.backend},
-                              {"--precision", o.precision},
-                              {"--graphs", o.graphs},
-                              {"--pipeline", o.pipeline},
-                              {"--devices", fmt::format("{}", setup.devices)},
-                              {"--models", fmt::format("{}", fmt::join(models, ","))},
-                              {"--modes", fmt::format("{}", fmt::join(modes, ","))},
-                              {"--batch-size", fmt::format("{}", o.batch_per_device)},
-                              {"--steps, --warmup", fmt::format("{} {}", o.steps, o.warmup)},
-                              {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
-                              {"--optimizer, --sync-bn, --grad-reduce, --amp",
-                               fmt::format("{} {} {} {}", o.optimizer, o.sync_bn, o.grad_reduce, o.amp)},
-                              {"--seed", fmt::format("{}", o.seed)}});
+  job.agree_on_configuration(
+      {{"--backend", setup.backend},
+       {"--precision", o.precision},
+       {"--graphs", o.graphs},
+       {"--pipeline", o.pipeline},
+       {"--devices", fmt::format("{}", setup.devices)},
+       {"--models", fmt::format("{}", fmt::join(models, ","))},
+       {"--modes", fmt::format("{}", fmt::join(modes, ","))},
+       {"--batch-size", fmt::format("{}", o.batch_per_device)},
+       {"--steps, --warmup", fmt::format("{} {}", o.steps, o.warmup)},
+       {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
+       {"--optimizer, --sync-bn, --broadcast-buffers, --grad-reduce, --amp",
+        fmt::format("{} {} {} {} {}", o.optimizer, o.sync_bn, o.broadcast_buffers, o.grad_reduce, o.amp)},
+       {"--seed", fmt::format("{}", o.seed)}});
 }
 
 // Under mpirun (one process per node, --devices K each), ddp runs over every process's devices and

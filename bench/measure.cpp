@@ -312,6 +312,7 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
   options.time_phases = kind == dp::EngineKind::dp && !options.graphs;
   options.bucket_cap_mb = o.bucket_cap_mb;
   options.sync_batchnorm = o.sync_bn && kind == dp::EngineKind::ddp;
+  options.broadcast_buffers = o.broadcast_buffers == "on";
   options.grad_reduce =
       o.grad_reduce == "bf16" && kind == dp::EngineKind::ddp ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
   options.first_bucket_mb = o.first_bucket_mb;

@@ -66,6 +66,11 @@ void add_workload_flags(CLI::App& app, Options& o) {
   dp_cli::add_integer(app, "--warmup", o.warmup, "warm-up steps per run")->capture_default_str();
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "DDP bucket cap, MiB")->capture_default_str();
   app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm (BatchNorm statistics over all ranks' batches)");
+  app.add_option("--broadcast-buffers", o.broadcast_buffers,
+                 "ddp: on (torch's default) broadcasts the buffers (BatchNorm's running statistics) from rank 0 "
+                 "before every forward; off skips it (DistributedDataParallel(broadcast_buffers=False))")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   app.add_option("--amp", o.amp,
                  "off (default), or bf16: torch.autocast(dtype=torch.bfloat16) around the forward (bf16 "
                  "Linear/Conv2d and activations, fp32 loss and master weights)")

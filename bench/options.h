@@ -39,8 +39,9 @@ struct Options {
   std::string models = "mlp,convnet";
   std::string optimizer = "sgd";
   bool sync_bn = false;
-  std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
-  std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16
+  std::string broadcast_buffers = "on";  // ddp: buffers broadcast from rank 0 before each forward
+  std::string amp = "off";               // torch.autocast(dtype=bfloat16) around the forward: off or bf16
+  std::string grad_reduce = "fp32";      // ddp: the gradient all-reduce in fp32 or bf16
   std::string modes = "single,dp,ddp";
   int batch_per_device = 64;
   int steps = 20;

@@ -2,6 +2,8 @@
 """dp on the sim backend against PyTorch on the CPU, side by side: for each case, `rounds` pairs of
 runs, dp_bench then the peer (torch_bench.py: PyTorch, one thread per rank, gloo DDP), alternated so
 that both see the same machine; prints each pair's samples/s and ratio, and the median ratio.
+Both do the same work: the peer's DDP is DistributedDataParallel(broadcast_buffers=False), so
+dp_bench runs with --broadcast-buffers off.
 
 A benchmark, not a test: the figures move with whatever else the machine runs, which is why the
 runs alternate and the median of the pairs' ratios is the figure to quote.
@@ -28,7 +30,7 @@ def dp_run(binary, model, mode, steps, batch):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
         subprocess.run([binary, "--backend", "sim", "--devices", str(devices), "--modes", mode, "--models", model,
-                        "--batch-size", str(batch), "--steps", str(steps), "--json", out],
+                        "--batch-size", str(batch), "--steps", str(steps), "--broadcast-buffers", "off", "--json", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["runs"][0]["samples_per_s"]

@@ -405,6 +405,32 @@ TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
               0.01 * conv32.at("loss_last").get<double>());
 }
 
+// --broadcast-buffers off (DistributedDataParallel(broadcast_buffers=False)): a DDP step of the
+// ConvNet no longer sends its BatchNorm buffers from rank 0, so rank 0 sends exactly their bytes
+// less per step (the other ranks receive them, and send nothing more, in a broadcast's chain of 2),
+// the MLP (no buffers) sends the same, and the report says which.
+TEST(Bench, BroadcastBuffersOffSendsNoBuffers) {
+  TempDir dir("broadcast_buffers");
+  std::map<std::string, json> reports;
+  for (const std::string broadcast : {"on", "off"}) {
+    const auto json_path = dir / (broadcast + ".json");
+    const Result r =
+        run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,convnet --modes ddp "
+                                   "--batch-size 4 --steps 2 --warmup 1 --broadcast-buffers {} --json '{}'",
+                                   broadcast, json_path.string()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    reports[broadcast] = json::parse(read_file(json_path));
+    EXPECT_EQ(reports[broadcast].at("broadcast_buffers"), broadcast);
+  }
+  const auto received = [&](const std::string& broadcast, const char* model) {
+    return find_run(reports[broadcast], model, "ddp").at("per_device")[1].at("bytes_received").get<double>();
+  };
+  EXPECT_EQ(received("on", "mlp"), received("off", "mlp"));
+  const double buffers = find_run(reports["on"], "convnet", "ddp").at("buffers_bytes").get<double>();
+  EXPECT_GT(buffers, 0.0);
+  EXPECT_EQ(received("on", "convnet") - received("off", "convnet"), buffers);
+}
+
 // --amp bf16: the run says so, and what a forward keeps for the backward per sample is at most 0.55
 // of fp32's for the ConvNet (bf16 activations; max-pool indices found again in the backward).
 TEST(Bench, AutocastHalvesTheSavedActivations) {
@@ -516,6 +542,7 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend tpu", "unknown backend 'tpu'"},
       {"--backend sim --precision fp16", "--precision: unknown precision 'fp16' (expected strict, fast or tf32)"},
       {"--backend sim --grad-reduce fp16", "--grad-reduce"},
+      {"--backend sim --broadcast-buffers maybe", "--broadcast-buffers"},
       {"--backend sim --graphs maybe", "--graphs: unknown value 'maybe' (expected on or off)"},
       {"--backend sim --no-such-flag", "no-such-flag"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
