@@ -5,12 +5,16 @@
 #include <cstring>
 #include <filesystem>
 #include <gtest/gtest.h>
+#include <iostream>
 #include <limits>
+#include <oneapi/dnnl/dnnl.h>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "dp/io/safetensors.h"
 #include "dp/kernels/conv2d.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
@@ -655,6 +659,50 @@ TEST_P(Conv2dTest, SimLibraryUsesTheStreamsThreadAlone) {
   omp_set_num_threads(saved);
   EXPECT_EQ(threads(), before) << "an OpenMP team was started";
   expect_direct(s, in, out);
+}
+
+// The sim's convolutions are oneDNN's direct convolutions set up as PyTorch sets up its own, on the
+// same library: where oneDNN picks the kernels it picked when the goldens were made (the same
+// instruction set: tests/golden/make_conv_goldens.py records it), forward, input gradient and
+// weight gradient are PyTorch's bits; elsewhere PyTorch's values within fp32 rounding of a
+// reordered sum (at most 1568 terms here). The bias gradient is dp's own reduction, not compared.
+TEST_P(Conv2dTest, SimConvolutionsArePyTorchs) {
+  if (GetParam() != "sim") GTEST_SKIP() << "the sim's library";
+  const auto golden = safetensors::read(test::golden_path("conv_layers"));
+  const bool same_isa = golden.metadata.at("onednn_isa") == std::to_string(dnnl_get_effective_cpu_isa());
+  std::istringstream cases(golden.metadata.at("cases"));
+  int checked = 0;
+  for (std::string item; std::getline(cases, item, ',');) {
+    const std::string name = item.substr(0, item.find(':'));
+    std::istringstream extents(item.substr(item.find(':') + 1));
+    std::vector<int> e;
+    for (std::string v; std::getline(extents, v, 'x');) e.push_back(std::stoi(v));
+    ASSERT_EQ(e.size(), 8u) << item;
+    const Conv2dShape s{e[0], e[1], e[2], e[3], e[4], e[5], e[5], e[6], e[7]};
+    const auto get = [&](const char* key) { return golden.at(name + "." + key).to_f32(); };
+    DeviceBuffer x = upload(*device_, stream_, get("x")), w = upload(*device_, stream_, get("weight")),
+                 b = upload(*device_, stream_, get("bias")), dy = upload(*device_, stream_, get("dy"));
+    DeviceBuffer y = device_->allocate(y_size(s) * sizeof(float)), dx = device_->allocate(x_size(s) * sizeof(float)),
+                 dw = device_->allocate(w_size(s) * sizeof(float)),
+                 ws = device_->allocate(kernels::conv2d_workspace_floats(s) * sizeof(float));
+    kernels::conv2d_forward(stream_, s, x.as<float>(), w.as<float>(), b.as<float>(), y.as<float>(), ws.as<float>());
+    kernels::conv2d_backward(stream_, s, x.as<float>(), w.as<float>(), dy.as<float>(), dx.as<float>(), dw.as<float>(),
+                             nullptr, ws.as<float>(), false);
+    for (const auto& [key, buffer] :
+         {std::pair<const char*, const DeviceBuffer*>{"y", &y}, {"dx", &dx}, {"dweight", &dw}}) {
+      const std::vector<float> want = get(key), got = download<float>(stream_, *buffer);
+      ASSERT_EQ(got.size(), want.size()) << name << "." << key;
+      if (same_isa) {
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << name << "." << key;
+      } else {
+        for (std::size_t i = 0; i < got.size(); ++i)
+          ASSERT_NEAR(got[i], want[i], 2e-4 + 1e-4 * std::fabs(want[i])) << name << "." << key << "[" << i << "]";
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 18);
+  if (!same_isa) std::cout << "oneDNN picks another instruction set here than the goldens': compared within rounding\n";
 }
 
 }  // namespace
