@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <gtest/gtest.h>
 #include <iostream>
 #include <limits>
@@ -661,15 +662,39 @@ TEST_P(Conv2dTest, SimLibraryUsesTheStreamsThreadAlone) {
   expect_direct(s, in, out);
 }
 
+// cpu0's caches as sysfs lists them ("L1 Data 32K,L1 Instruction 32K,L2 Unified 1024K,..."), as
+// tests/golden/make_conv_goldens.py records them; "" without sysfs.
+std::string cpu_caches() {
+  const std::filesystem::path root = "/sys/devices/system/cpu/cpu0/cache";
+  std::vector<std::string> indices;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(root, error))
+    if (entry.path().filename().string().rfind("index", 0) == 0) indices.push_back(entry.path().filename().string());
+  std::sort(indices.begin(), indices.end());
+  std::string out;
+  for (const std::string& index : indices) {
+    const auto read = [&](const char* name) {
+      std::ifstream in(root / index / name);
+      std::string value;
+      std::getline(in, value);
+      return value;
+    };
+    out += (out.empty() ? "L" : ",L") + read("level") + " " + read("type") + " " + read("size");
+  }
+  return out;
+}
+
 // The sim's convolutions are oneDNN's direct convolutions set up as PyTorch sets up its own, on the
 // same library: where oneDNN picks the kernels it picked when the goldens were made (the same
-// instruction set: tests/golden/make_conv_goldens.py records it), forward, input gradient and
+// instruction set and caches, which size their blocking: tests/golden/make_conv_goldens.py records
+// both), forward, input gradient and
 // weight gradient are PyTorch's bits; elsewhere PyTorch's values within fp32 rounding of a
 // reordered sum (at most 1568 terms here). The bias gradient is dp's own reduction, not compared.
 TEST_P(Conv2dTest, SimConvolutionsArePyTorchs) {
   if (GetParam() != "sim") GTEST_SKIP() << "the sim's library";
   const auto golden = safetensors::read(test::golden_path("conv_layers"));
-  const bool same_isa = golden.metadata.at("onednn_isa") == std::to_string(dnnl_get_effective_cpu_isa());
+  const bool same_kernels = golden.metadata.at("onednn_isa") == std::to_string(dnnl_get_effective_cpu_isa()) &&
+                            golden.metadata.at("caches") == cpu_caches();
   std::istringstream cases(golden.metadata.at("cases"));
   int checked = 0;
   for (std::string item; std::getline(cases, item, ',');) {
@@ -692,7 +717,7 @@ TEST_P(Conv2dTest, SimConvolutionsArePyTorchs) {
          {std::pair<const char*, const DeviceBuffer*>{"y", &y}, {"dx", &dx}, {"dweight", &dw}}) {
       const std::vector<float> want = get(key), got = download<float>(stream_, *buffer);
       ASSERT_EQ(got.size(), want.size()) << name << "." << key;
-      if (same_isa) {
+      if (same_kernels) {
         EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << name << "." << key;
       } else {
         for (std::size_t i = 0; i < got.size(); ++i)
@@ -702,7 +727,7 @@ TEST_P(Conv2dTest, SimConvolutionsArePyTorchs) {
     }
   }
   EXPECT_EQ(checked, 18);
-  if (!same_isa) std::cout << "oneDNN picks another instruction set here than the goldens': compared within rounding\n";
+  if (!same_kernels) std::cout << "another instruction set or caches than the goldens': compared within rounding\n";
 }
 
 }  // namespace

@@ -13,8 +13,10 @@ stride-2 shortcut, and torchvision ResNet-18's 7x7 stride-2 stem on 3 channels. 
 one on oneDNN (DNNL_VERBOSE=1 lists their 18 primitives).
 
 __metadata__ "onednn_isa" is dnnl_get_effective_cpu_isa() of the libdnnl torch ran on (the same
-library dp links): oneDNN picks its kernels by instruction set, so the bits are PyTorch's only on a
-machine where dp's oneDNN picks the same (tests/test_conv2d.cpp: SimConvolutionsArePyTorchs).
+library dp links) and "caches" the CPU's cache sizes (sysfs, as cpu_caches() in
+tests/test_conv2d.cpp reads them): oneDNN picks its kernels by instruction set and sizes their
+blocking by the caches, so the bits are PyTorch's only on a machine where dp's oneDNN picks the same
+(tests/test_conv2d.cpp: SimConvolutionsArePyTorchs).
 """
 import argparse
 import ctypes
@@ -48,6 +50,18 @@ def onednn_isa():
     return lib.dnnl_get_effective_cpu_isa()
 
 
+def cpu_caches():
+    """"L1 Data 32K,L1 Instruction 32K,L2 Unified 1024K,..." for cpu0, or "" without sysfs."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    out = []
+    for index in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not index.startswith("index"):
+            continue
+        read = lambda name: open(os.path.join(root, index, name)).read().strip()  # noqa: E731
+        out.append(f"L{read('level')} {read('type')} {read('size')}")
+    return ",".join(out)
+
+
 def build():
     torch.manual_seed(20261125)
     tensors = OrderedDict()
@@ -61,7 +75,7 @@ def build():
         for key, t in (("x", x), ("weight", weight), ("bias", bias), ("y", y), ("dy", dy), ("dx", x.grad),
                        ("dweight", weight.grad)):
             tensors[f"{name}.{key}"] = t.detach().contiguous()
-    meta = {"torch": torch.__version__, "onednn_isa": str(onednn_isa()),
+    meta = {"torch": torch.__version__, "onednn_isa": str(onednn_isa()), "caches": cpu_caches(),
             "cases": ",".join(f"{k}:{'x'.join(map(str, v))}" for k, v in CASES.items()),
             "layout": "n,c_in,h,w,c_out,kernel,stride,pad"}
     return mg.encode_safetensors(tensors, meta)
