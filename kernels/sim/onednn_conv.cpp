@@ -74,11 +74,14 @@ struct Conversion {
     }
     reorder.emplace(dnnl::reorder::primitive_desc(cpu(), source, cpu(), target, attr));
   }
-  std::size_t bytes() const { return reorder ? to.get_size() : 0; }
+  // Scratch for the converted copy: of a tensor converted in (its `to` layout), or of a result
+  // computed in the `from` layout before it is converted out; none where nothing is converted.
+  std::size_t in_bytes() const { return reorder ? to.get_size() : 0; }
+  std::size_t out_bytes() const { return reorder ? from.get_size() : 0; }
 };
 
 struct Plan {
-  memory::desc x, w, y, bias;                            // the caller's plain layouts (NCHW, OIHW, NCHW, C)
+  memory::desc bias;                                     // the caller's (C)
   dnnl::convolution_forward forward, forward_with_bias;  // the same algorithm and formats
   Conversion x_in, w_in, y_out;                          // forward's src and weights in, dst out
   dnnl::convolution_backward_data backward_data;
@@ -95,9 +98,8 @@ std::shared_ptr<const Plan> build(const Conv2dShape& s) {
   const memory::dims x = dims({s.n, s.c_in, s.h, s.w}), w = dims({s.c_out, s.c_in, s.kh, s.kw}),
                      y = dims({s.n, s.c_out, s.h_out(), s.w_out()}), b = dims({s.c_out});
   const memory::dims strides = dims({s.stride, s.stride}), pad = dims({s.pad, s.pad});
-  plan->x = memory::desc(x, f32, Tag::nchw);
-  plan->w = memory::desc(w, f32, Tag::oihw);
-  plan->y = memory::desc(y, f32, Tag::nchw);
+  // The caller's plain layouts.
+  const memory::desc plain_x(x, f32, Tag::nchw), plain_w(w, f32, Tag::oihw), plain_y(y, f32, Tag::nchw);
   plan->bias = memory::desc(b, f32, Tag::x);
   const memory::desc any_x(x, f32, Tag::any), any_w(w, f32, Tag::any), any_y(y, f32, Tag::any);
   dnnl::primitive_attr attr;
@@ -114,27 +116,27 @@ std::shared_ptr<const Plan> build(const Conv2dShape& s) {
       attr, cpu());
   plan->forward = dnnl::convolution_forward(fwd);
   plan->forward_with_bias = dnnl::convolution_forward(fwd_bias);
-  plan->x_in = Conversion(plan->x, fwd.src_desc());
-  plan->w_in = Conversion(plan->w, fwd.weights_desc());
-  plan->y_out = Conversion(fwd.dst_desc(), plan->y);
+  plan->x_in = Conversion(plain_x, fwd.src_desc());
+  plan->w_in = Conversion(plain_w, fwd.weights_desc());
+  plan->y_out = Conversion(fwd.dst_desc(), plain_y);
   plan->forward_scratchpad = std::max(fwd.scratchpad_desc().get_size(), fwd_bias.scratchpad_desc().get_size());
 
   const dnnl::convolution_backward_data::primitive_desc data(
       dnnl::convolution_backward_data::desc(direct, any_x, any_w, any_y, strides, pad, pad), attr, cpu(), fwd);
   plan->backward_data = dnnl::convolution_backward_data(data);
-  plan->dy_in_data = Conversion(plan->y, data.diff_dst_desc());
-  plan->w_in_data = Conversion(plan->w, data.weights_desc());
-  plan->dx_out = Conversion(data.diff_src_desc(), plan->x);
+  plan->dy_in_data = Conversion(plain_y, data.diff_dst_desc());
+  plan->w_in_data = Conversion(plain_w, data.weights_desc());
+  plan->dx_out = Conversion(data.diff_src_desc(), plain_x);
   plan->data_scratchpad = data.scratchpad_desc().get_size();
 
   // No bias gradient here: the launchers' own reduction gives it the same bits on every backend.
   const dnnl::convolution_backward_weights::primitive_desc weights(
       dnnl::convolution_backward_weights::desc(direct, any_x, any_w, any_y, strides, pad, pad), attr, cpu(), fwd);
   plan->backward_weights = dnnl::convolution_backward_weights(weights);
-  plan->x_in_weights = Conversion(plan->x, weights.src_desc());
-  plan->dy_in_weights = Conversion(plan->y, weights.diff_dst_desc());
-  plan->dw_out = Conversion(weights.diff_weights_desc(), plan->w);
-  plan->dw_add = Conversion(weights.diff_weights_desc(), plan->w, true);
+  plan->x_in_weights = Conversion(plain_x, weights.src_desc());
+  plan->dy_in_weights = Conversion(plain_y, weights.diff_dst_desc());
+  plan->dw_out = Conversion(weights.diff_weights_desc(), plain_w);
+  plan->dw_add = Conversion(weights.diff_weights_desc(), plain_w, true);
   plan->weights_scratchpad = weights.scratchpad_desc().get_size();
   return plan;
 }
@@ -231,8 +233,8 @@ memory scratchpad(const void* p, std::size_t bytes) {
 
 void run_forward(const Plan& p, const float* x, const float* weight, const float* bias, float* y) {
   Executor& e = executor();
-  const auto [xb, wb, yb, pad] = e.scratch.take<4>(
-      {p.x_in.bytes(), p.w_in.bytes(), p.y_out.reorder ? p.y_out.from.get_size() : 0, p.forward_scratchpad});
+  const auto [xb, wb, yb, pad] =
+      e.scratch.take<4>({p.x_in.in_bytes(), p.w_in.in_bytes(), p.y_out.out_bytes(), p.forward_scratchpad});
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, converted(e.stream, p.x_in, x, xb)},
                                        {DNNL_ARG_WEIGHTS, converted(e.stream, p.w_in, weight, wb)}};
   memory out = result(p.y_out, y, yb);
@@ -254,10 +256,9 @@ void run_backward(const Plan& p, const float* x, const float* weight, const floa
   const Conversion& dw_out = accumulate ? p.dw_add : p.dw_out;
   const bool shared_dy = dweight && p.dy_in_weights.to == p.dy_in_data.to;
   const auto [dyw, dyd, xb, wb, dxb, dwb, pad] = e.scratch.take<7>(
-      {dweight ? p.dy_in_weights.bytes() : 0, dx && !shared_dy ? p.dy_in_data.bytes() : 0,
-       dweight ? p.x_in_weights.bytes() : 0, dx ? p.w_in_data.bytes() : 0,
-       dx && p.dx_out.reorder ? p.dx_out.from.get_size() : 0, dweight && dw_out.reorder ? dw_out.from.get_size() : 0,
-       std::max(p.data_scratchpad, p.weights_scratchpad)});
+      {dweight ? p.dy_in_weights.in_bytes() : 0, dx && !shared_dy ? p.dy_in_data.in_bytes() : 0,
+       dweight ? p.x_in_weights.in_bytes() : 0, dx ? p.w_in_data.in_bytes() : 0, dx ? p.dx_out.out_bytes() : 0,
+       dweight ? dw_out.out_bytes() : 0, std::max(p.data_scratchpad, p.weights_scratchpad)});
   std::optional<memory> dy_weights;
   if (dweight) {
     dy_weights = converted(e.stream, p.dy_in_weights, dy, dyw);

@@ -78,6 +78,7 @@ index_t permute_calls(const ConvGeometry& g) { return static_cast<index_t>(g.s.n
 // The shared path indexes with int (and int GEMM extents): every tensor must stay below 2^31
 // elements, col (8 GiB at that size) being the largest for any practical shape.
 index_t largest_shared_tensor(const Conv2dShape& s) { return std::max({x_count(s), y_count(s), col_count(s)}); }
+bool fits_shared_path(const Conv2dShape& s) { return largest_shared_tensor(s) <= std::numeric_limits<int>::max(); }
 ConvGeometry shared_geometry(const Conv2dShape& s, const char* op) {
   check_int_range(op, s, largest_shared_tensor(s));
   return conv_geometry(s);
@@ -93,10 +94,10 @@ ConvPath conv_path(const Stream& stream) {
   return kernel_api::precision(stream) == Precision::tf32 ? ConvPath::shared : ConvPath::onednn;
 }
 
-// Whether the weight gradient goes to the shared im2col + GEMM (forced, and the shape within its
-// int range) rather than the library that computes the rest.
-bool weight_grad_by_gemm(const Conv2dShape& shape) {
-  return conv_weight_grad() == ConvWeightGrad::gemm && largest_shared_tensor(shape) <= std::numeric_limits<int>::max();
+// Whether the weight gradient is forced to the shared im2col + GEMM (`how` says so and the shape is
+// within its int range) rather than left to the library that computes the rest.
+bool weight_grad_forced_to_gemm(ConvWeightGrad how, const Conv2dShape& shape) {
+  return how == ConvWeightGrad::gemm && fits_shared_path(shape);
 }
 
 // The shared path's weight gradient: dweight (+)= mat . col^T with beta, leaving col (x lowered) in
@@ -133,8 +134,7 @@ struct SharedWeightGrad {
   }
   // Borrowed by the cuDNN call; empty beyond the shared path's int range.
   library::GemmWeightGrad borrow() const {
-    return largest_shared_tensor(shape) > std::numeric_limits<int>::max() ? library::GemmWeightGrad()
-                                                                          : library::GemmWeightGrad(*this);
+    return fits_shared_path(shape) ? library::GemmWeightGrad(*this) : library::GemmWeightGrad();
   }
 };
 
@@ -222,7 +222,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
     const ConvWeightGrad how = conv_weight_grad();
     const SharedWeightGrad shared_path{stream, shape, workspace};
     const library::GemmWeightGrad shared = shared_path.borrow();
-    const bool forced_gemm = how == ConvWeightGrad::gemm && shared;
+    const bool forced_gemm = weight_grad_forced_to_gemm(how, shape);
     const bool by_gemm =
         forced_gemm && dx == nullptr  // nothing left for cuDNN to do
             ? true
@@ -235,7 +235,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   // oneDNN, its weight gradient too unless forced to the shared path (the sim times nothing: `timed`
   // is oneDNN's).
   if (path == ConvPath::onednn) {
-    const bool by_gemm = weight_grad_by_gemm(shape);
+    const bool by_gemm = weight_grad_forced_to_gemm(conv_weight_grad(), shape);
     if (library::onednn_conv2d_backward(stream, shape, x, weight, dy, dx, by_gemm ? nullptr : dweight, accumulate)) {
       if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
       return;
