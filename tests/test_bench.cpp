@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include <utility>
+#include <vector>
 
 #include "dp/engines/ddp.h"
 #include "dp/models/convnet.h"
@@ -53,6 +54,24 @@ Result run_bench(const TempDir& dir, const std::string& args) {
   r.out = read_file(out);
   r.err = read_file(err);
   return r;
+}
+
+// dp_bench once per value of `option`: `args` followed by "--<option> <value> --json
+// <dir>/<value>.json", each run exiting 0; its output and parsed report by value. Call through
+// ASSERT_NO_FATAL_FAILURE: a failed run stops the test.
+struct RunsPerValue {
+  std::map<std::string, Result> results;
+  std::map<std::string, json> reports;
+};
+void run_bench_per_value(const TempDir& dir, const std::string& args, const std::string& option,
+                         const std::vector<std::string>& values, RunsPerValue& runs) {
+  for (const std::string& value : values) {
+    const auto json_path = dir / (value + ".json");
+    const Result r = run_bench(dir, fmt::format("{} --{} {} --json '{}'", args, option, value, json_path.string()));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    runs.results[value] = r;
+    runs.reports[value] = json::parse(read_file(json_path));
+  }
 }
 
 const json& find_run(const json& report, const std::string& model, const std::string& mode) {
@@ -335,15 +354,14 @@ TEST(Bench, ThreeSimDevicesShowDpSourceImbalanceAndBalancedDdp) {
 // to the same losses, bit for bit.
 TEST(Bench, PrecisionIsReportedAndFastIsStrictOnTheSim) {
   TempDir dir("precision");
-  std::map<std::string, json> reports;
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(
+      dir, "--backend sim --devices 2 --models convnet --modes single,ddp --batch-size 4 --steps 2 --warmup 1",
+      "precision", {"strict", "fast"}, runs));
+  auto& reports = runs.reports;
   for (const std::string precision : {"strict", "fast"}) {
-    const auto json_path = dir / (precision + ".json");
-    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet --modes single,ddp "
-                                                "--batch-size 4 --steps 2 --warmup 1 --precision {} --json '{}'",
-                                                precision, json_path.string()));
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    EXPECT_NE(r.out.find("precision " + precision), std::string::npos) << r.out;
-    reports[precision] = json::parse(read_file(json_path));
+    EXPECT_NE(runs.results[precision].out.find("precision " + precision), std::string::npos)
+        << runs.results[precision].out;
     EXPECT_EQ(reports[precision].at("precision"), precision);
   }
   for (const std::string mode : {"single", "ddp"}) {
@@ -381,16 +399,12 @@ TEST(Bench, ResNet18RunsBesideTheSmallModels) {
 // fp32 either way), it is reported, and training goes on at bf16's precision.
 TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
   TempDir dir("grad_reduce");
-  std::map<std::string, json> reports;
-  for (const std::string reduce : {"fp32", "bf16"}) {
-    const auto json_path = dir / (reduce + ".json");
-    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,convnet --modes ddp "
-                                                "--batch-size 4 --steps 2 --warmup 1 --grad-reduce {} --json '{}'",
-                                                reduce, json_path.string()));
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    reports[reduce] = json::parse(read_file(json_path));
-    EXPECT_EQ(reports[reduce].at("grad_reduce"), reduce);
-  }
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(
+      dir, "--backend sim --devices 2 --models mlp,convnet --modes ddp --batch-size 4 --steps 2 --warmup 1",
+      "grad-reduce", {"fp32", "bf16"}, runs));
+  auto& reports = runs.reports;
+  for (const std::string reduce : {"fp32", "bf16"}) EXPECT_EQ(reports[reduce].at("grad_reduce"), reduce);
   // The MLP has no buffers: its step's bytes are the gradients' alone, halved exactly.
   const json& fp32 = find_run(reports["fp32"], "mlp", "ddp");
   const json& bf16 = find_run(reports["bf16"], "mlp", "ddp");
@@ -411,17 +425,12 @@ TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
 // the MLP (no buffers) sends the same, and the report says which.
 TEST(Bench, BroadcastBuffersOffSendsNoBuffers) {
   TempDir dir("broadcast_buffers");
-  std::map<std::string, json> reports;
-  for (const std::string broadcast : {"on", "off"}) {
-    const auto json_path = dir / (broadcast + ".json");
-    const Result r =
-        run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,convnet --modes ddp "
-                                   "--batch-size 4 --steps 2 --warmup 1 --broadcast-buffers {} --json '{}'",
-                                   broadcast, json_path.string()));
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    reports[broadcast] = json::parse(read_file(json_path));
-    EXPECT_EQ(reports[broadcast].at("broadcast_buffers"), broadcast);
-  }
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(
+      dir, "--backend sim --devices 2 --models mlp,convnet --modes ddp --batch-size 4 --steps 2 --warmup 1",
+      "broadcast-buffers", {"on", "off"}, runs));
+  auto& reports = runs.reports;
+  for (const std::string broadcast : {"on", "off"}) EXPECT_EQ(reports[broadcast].at("broadcast_buffers"), broadcast);
   const auto received = [&](const std::string& broadcast, const char* model) {
     return find_run(reports[broadcast], model, "ddp").at("per_device")[1].at("bytes_received").get<double>();
   };
@@ -435,15 +444,13 @@ TEST(Bench, BroadcastBuffersOffSendsNoBuffers) {
 // of fp32's for the ConvNet (bf16 activations; max-pool indices found again in the backward).
 TEST(Bench, AutocastHalvesTheSavedActivations) {
   TempDir dir("amp");
-  std::map<std::string, json> reports;
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(
+      dir, "--backend sim --devices 2 --models convnet,resnet8 --modes single,dp --batch-size 4 --steps 2 --warmup 1",
+      "amp", {"off", "bf16"}, runs));
+  auto& reports = runs.reports;
   for (const std::string amp : {"off", "bf16"}) {
-    const auto json_path = dir / (amp + ".json");
-    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet,resnet8 --modes single,dp "
-                                                "--batch-size 4 --steps 2 --warmup 1 --amp {} --json '{}'",
-                                                amp, json_path.string()));
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    EXPECT_NE(r.out.find("autocast " + amp), std::string::npos) << r.out;
-    reports[amp] = json::parse(read_file(json_path));
+    EXPECT_NE(runs.results[amp].out.find("autocast " + amp), std::string::npos) << runs.results[amp].out;
     EXPECT_EQ(reports[amp].at("amp"), amp);
   }
   for (const char* model : {"convnet", "resnet8"})
@@ -460,16 +467,13 @@ TEST(Bench, AutocastHalvesTheSavedActivations) {
 // worker), one host sync, no allocation, no pageable copy — and the losses are the eager ones.
 TEST(Bench, GraphsReplayTheSteadyState) {
   TempDir dir("graphs");
-  std::map<std::string, json> reports;
-  for (const std::string graphs : {"on", "off"}) {
-    const auto json_path = dir / (graphs + ".json");
-    const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models convnet --modes single,dp,ddp "
-                                                "--batch-size 4 --steps 3 --warmup 3 --graphs {} --json '{}'",
-                                                graphs, json_path.string()));
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    EXPECT_NE(r.out.find("graphs " + graphs), std::string::npos) << r.out;
-    reports[graphs] = json::parse(read_file(json_path));
-  }
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(
+      dir, "--backend sim --devices 2 --models convnet --modes single,dp,ddp --batch-size 4 --steps 3 --warmup 3",
+      "graphs", {"on", "off"}, runs));
+  auto& reports = runs.reports;
+  for (const std::string graphs : {"on", "off"})
+    EXPECT_NE(runs.results[graphs].out.find("graphs " + graphs), std::string::npos) << runs.results[graphs].out;
   for (const std::string mode : {"single", "dp", "ddp"}) {
     SCOPED_TRACE(mode);
     const json& on = find_run(reports["on"], "convnet", mode);
@@ -581,7 +585,8 @@ TEST(Bench, FailedRunsLeaveNoReportNorTrace) {
   fs::create_directories(out);
   const std::string json_path = (out / "x.json").string(), trace_path = (out / "y.trace.json").string();
   const std::string outputs = " --json " + json_path + " --trace " + trace_path;
-  for (const std::string args : {"--backend sim --devices 100", "--backend sim --batch-size 2147483647"}) {
+  for (const std::string args : {"--backend sim --devices 100", "--backend sim --batch-size 2147483647",
+                                 "--backend sim --broadcast-buffers maybe"}) {
     SCOPED_TRACE(args);
     Result r = run_bench(dir, args + outputs);
     EXPECT_EQ(r.exit_code, 2) << r.err;
