@@ -585,32 +585,70 @@ TEST_P(Conv2dTest, WeightGradientPaths) {
         continue;
       }
       expect_direct(shape, in, out, shape.n >= 64 ? 64 : 0);
-      if (how == kernels::ConvWeightGrad::gemm) {
+      // In strict, cuda's `timed` is the shared GEMM, a fixed choice (no timing).
+      const bool fixed_gemm = how == kernels::ConvWeightGrad::timed && GetParam() == "cuda";
+      if (how == kernels::ConvWeightGrad::gemm || fixed_gemm) {
         EXPECT_EQ(out.dw, shared.dw) << what;
       }
     }
   }
 }
 
-// cuda only: a plan's algorithm search runs on scratch operands of its own (stream-ordered, from the
-// device's pool); they count in the device's MemoryStats like any other device memory, so the first
-// run of a shape (the search) allocates more and peaks higher than the second (the cached plan).
+// Precision::fast and tf32 choose cuDNN algorithms by timing them (cudnnFind*Ex) on scratch operands
+// taken from the device's pool; they count in the device's MemoryStats like any other device memory,
+// so the first run of a shape (the search) allocates more and peaks higher than the second (the
+// cached plan).
 TEST_P(Conv2dTest, CudnnPlanSearchMemoryIsCounted) {
   if (const char* why = no_cudnn()) GTEST_SKIP() << why;
+  RuntimeOptions options;
+  options.backend = "cuda";
+  options.precision = Precision::fast;
+  auto fast = Runtime::create(options);
+  Device& device = fast->device(0);
+  const Stream stream = device.create_stream();
   const Conv2dShape shape{8, 3, 20, 20, 7, 3, 3, 1, 1};  // a shape no other test plans
   const Inputs in = make_inputs(shape, true, 4242);
   const auto measure = [&] {
-    stream_.synchronize();
-    const MemoryStats before = device_->memory();
-    device_->reset_peak_memory();
-    (void)run_conv(*device_, stream_, shape, in);
-    const MemoryStats after = device_->memory();
+    stream.synchronize();
+    const MemoryStats before = device.memory();
+    device.reset_peak_memory();
+    (void)run_conv(device, stream, shape, in);
+    const MemoryStats after = device.memory();
     return std::pair{after.allocations_made - before.allocations_made, after.peak - before.in_use};
   };
   const auto [first_allocations, first_peak] = measure();
   const auto [second_allocations, second_peak] = measure();
   EXPECT_GT(first_allocations, second_allocations);
   EXPECT_GT(first_peak, second_peak);
+}
+
+// Precision::strict chooses by a fixed order and runs nothing to choose, and plans are kept per GPU
+// for the process (Note [shared plans]): the first run of a shape allocates no more than the second,
+// and every dp device of a GPU (virtual ones included), in every runtime, computes the same bits.
+TEST_P(Conv2dTest, StrictCudnnPlansAreTheSameOnEveryDeviceOfAGpu) {
+  if (const char* why = no_cudnn()) GTEST_SKIP() << why;
+  const Conv2dShape shape{8, 3, 18, 18, 5, 3, 3, 1, 1};
+  const Inputs in = make_inputs(shape, true, 4343);
+  auto first = test::cuda_runtime(2), second = test::cuda_runtime(2);
+  const auto run_on = [&](Runtime& runtime, int d, std::uint64_t* allocations = nullptr) {
+    Device& device = runtime.device(d);
+    const Stream stream = device.create_stream();
+    const std::uint64_t before = device.memory().allocations_made;
+    Outputs out = run_conv(device, stream, shape, in);
+    if (allocations) *allocations = device.memory().allocations_made - before;
+    return out;
+  };
+  std::uint64_t first_allocations = 0, second_allocations = 0;
+  const Outputs reference = run_on(*first, 0, &first_allocations);
+  (void)run_on(*first, 0, &second_allocations);
+  EXPECT_EQ(first_allocations, second_allocations) << "no search memory in strict";
+  for (const auto& [runtime, d] : {std::pair{first.get(), 1}, std::pair{second.get(), 0}, std::pair{second.get(), 1}}) {
+    const Outputs out = run_on(*runtime, d);
+    EXPECT_EQ(out.y, reference.y) << "device " << d;
+    EXPECT_EQ(out.dx, reference.dx) << "device " << d;
+    EXPECT_EQ(out.dw, reference.dw) << "device " << d;
+    EXPECT_EQ(out.db, reference.db) << "device " << d;
+  }
 }
 
 // Streams of one device each have their own cuDNN handle but share its plans (under a mutex); the

@@ -2,6 +2,7 @@
 // each body run on the simulator and on cuda (skipped without a GPU): both backends must refuse the
 // same misuse with the same dp exception, and allow what CUDA allows. The sim is only worth what
 // this file proves of it.
+#include <atomic>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <string>
@@ -29,12 +30,16 @@ TEST_P(ForbiddenInCapture, ThrowsAndInvalidatesTheCapture) {
   DP_RUNTIME_OR_SKIP(runtime, backend, 2);
   Device& device = runtime->device(runtime->device_count() - 1);
   Stream stream = device.create_stream();
+  Stream other = device.create_stream();
   Event outside = device.create_event(), inside = device.create_event();
   DeviceBuffer buffer = device.allocate(16);
   std::vector<float> pageable(4);
   kernels::fill(stream, buffer.as<float>(), 4, 0.0f);
-  stream.record(outside);
+  // On another stream: a wait on a record of the capturing stream itself might count as in-stream
+  // order, which CUDA lets cross the capture's boundary.
+  other.record(outside);
   stream.synchronize();
+  other.synchronize();
 
   stream.begin_capture();
   kernels::fill(stream, buffer.as<float>(), 4, 1.0f);
@@ -119,9 +124,75 @@ TEST_P(CudaRules, EndingACaptureThatWasNotBegunIsRefused) {
   stream_.record(fork);
   side.wait(fork);
   EXPECT_THROW(side.end_capture(), InvalidArgument);  // joined, not begun there (903)
+  EXPECT_TRUE(stream_.capturing()) << "the refused end left the capture going";
   side.record(join);
   stream_.wait(join);
   EXPECT_NO_THROW(stream_.end_capture());
+}
+
+TEST_P(CudaRules, BeginningACaptureOnACapturingStreamIsRefusedAndItGoesOn) {
+  // CUDA answers 401 (IllegalState); dp refuses it first, so the capture in progress survives.
+  DeviceBuffer x = up(std::vector<float>{1, 1});
+  stream_.synchronize();
+  stream_.begin_capture();
+  kernels::scale(stream_, 2, 3.0f, x.as<float>());
+  EXPECT_THROW(stream_.begin_capture(), InvalidArgument);
+  EXPECT_TRUE(stream_.capturing());
+  const Graph graph = stream_.end_capture();
+  graph.replay();
+  EXPECT_EQ(down<float>(x), (std::vector<float>{3, 3}));
+}
+
+TEST_P(CudaRules, SynchronizingACapturingStreamFromAnotherThreadInvalidatesIt) {
+  // Capture mode is thread-local for the calls CUDA deems unsafe, but a capturing stream itself may
+  // not be synchronized or queried from any thread (900): the capture is invalidated.
+  DeviceBuffer x = up(std::vector<float>{1});
+  stream_.synchronize();
+  stream_.begin_capture();
+  kernels::scale(stream_, 1, 2.0f, x.as<float>());
+  std::thread other([&] { EXPECT_THROW(stream_.synchronize(), CaptureError); });
+  other.join();
+  EXPECT_THROW(stream_.end_capture(), CaptureError);
+  EXPECT_FALSE(stream_.capturing());
+  EXPECT_EQ(down<float>(x), std::vector<float>{1});
+}
+
+TEST_P(CudaRules, AQueryThatFindsWorkPendingLeavesNoErrorForTheNextLaunch) {
+  // A query's "not ready" (600) sits in the thread's last-error slot until read; the next launch's
+  // check must not report it (docs/cuda-rules.md, rule 18). The stream is held by a host function
+  // until both queries have answered.
+  DeviceBuffer x = floats(4);
+  Event pending = device_->create_event();
+  std::atomic<bool> release{false};
+  stream_.launch_host_func([&release] {
+    while (!release.load()) std::this_thread::yield();
+  });
+  stream_.record(pending);
+  EXPECT_FALSE(pending.query());
+  EXPECT_FALSE(stream_.query());
+  Stream other = device_->create_stream();
+  EXPECT_NO_THROW(kernels::fill(other, x.as<float>(), 4, 7.0f));
+  release = true;
+  stream_.synchronize();
+  EXPECT_TRUE(pending.query());
+  EXPECT_EQ(test::download<float>(other, x), std::vector<float>(4, 7.0f));
+}
+
+TEST_P(CudaRules, ALibraryCallInAnInvalidatedCaptureIsACaptureError) {
+  // cuBLAS (cuda) or OpenBLAS (sim) inside a capture an earlier call invalidated: a CaptureError,
+  // which the engines answer with an eager step, not a plain Error that would end the run.
+  const int n = 4;
+  DeviceBuffer a = up(std::vector<float>(n * n, 1.0f)), c = floats(n * n);
+  stream_.synchronize();
+  stream_.begin_capture();
+  EXPECT_THROW((void)stream_.query(), CaptureError);
+  EXPECT_THROW(
+      kernels::gemm(stream_, false, false, n, n, n, 1.0f, a.as<float>(), n, a.as<float>(), n, 0.0f, c.as<float>(), n),
+      CaptureError);
+  EXPECT_THROW(stream_.end_capture(), CaptureError);
+  EXPECT_NO_THROW(
+      kernels::gemm(stream_, false, false, n, n, n, 1.0f, a.as<float>(), n, a.as<float>(), n, 0.0f, c.as<float>(), n));
+  EXPECT_EQ(down<float>(c), std::vector<float>(n * n, static_cast<float>(n)));
 }
 
 TEST_P(CudaRules, AWaitAcrossTwoCapturesIsRefused) {

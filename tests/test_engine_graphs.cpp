@@ -221,6 +221,24 @@ TEST(EngineGraphs, ACaptureTheModelBreaksFallsBackToEagerSteps) {
   }
 }
 
+// The same on a GPU: the failed capture's errors (900 from the synchronize, 901 from its end) must
+// not reach the eager step's first launch (docs/cuda-rules.md, rule 18).
+TEST(EngineGraphsCuda, ACaptureTheModelBreaksFallsBackToEagerSteps) {
+  if (Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (EngineKind kind : {EngineKind::single, EngineKind::ddp}) {
+    SCOPED_TRACE(std::string(to_string(kind)));
+    const int devices = kind == EngineKind::single ? 1 : 2;
+    const OptimizerOptions sgd = SgdOptions{0.05f, 0.9f};
+    const std::vector<int> sizes{8, 8, 8, 8};
+    const TrainRun eager = train(kind, devices, false, Net::mlp_syncing, sgd, sizes, -1, 0, /*cuda=*/true);
+    SyncingModel::captured_forwards = 0;
+    const TrainRun graphs = train(kind, devices, true, Net::mlp_syncing, sgd, sizes, -1, 0, /*cuda=*/true);
+    EXPECT_GE(SyncingModel::captured_forwards.load(), 1) << "step 2 tried a capture";
+    EXPECT_EQ(graphs.replays, 0u);
+    expect_identical(eager, graphs);
+  }
+}
+
 TEST(EngineGraphs, ASteadyStateReplayIsOneLaunchAndOneHostSync) {
   // DDP on one device too: no bucket is all-reduced there, and the capture must not wait on the
   // idle communication stream (an event recorded outside the capture).

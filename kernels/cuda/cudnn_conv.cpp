@@ -1,6 +1,7 @@
 // cudnn_conv.cpp — the cuDNN convolution path of cuda streams (cuDNN v9 legacy API), host code only.
-// Each stream's cuDNN handle and workspace are the runtime's; the plans per (shape, precision) —
-// algorithms chosen by timing, once, during warm-up — are cached per device and destroyed with it.
+// Each stream's cuDNN handle and workspace are the runtime's; the plans per (shape, precision) are
+// cached per GPU for the process (See Note [shared plans], cuda_backend.cpp): in strict chosen by a
+// fixed order, in fast and tf32 by timing, once, during warm-up.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -9,6 +10,8 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <tuple>
+#include <utility>
 
 #include "dp/runtime/detail/cuda_status.h"
 #include "dp/runtime/detail/kernel_api.h"
@@ -51,6 +54,18 @@ struct Choice {
   Algo algo;
   cudnnMathType_t math;
 };
+
+// Precision::strict chooses without timing, so every runtime, process and virtual device picks the
+// same algorithms for a shape on a GPU, and their bits agree: the first algorithm of each list that
+// cuDNN supports for the shape within kMaxWorkspaceBytes, with FMA math. Only plain fp32 dot products
+// qualify (no TF32, FFT or Winograd), and backward ones must be deterministic: cuDNN's BWD_DATA_ALGO_0
+// and BWD_FILTER_ALGO_0 and _3 accumulate with atomics, so data and weight gradients have one each.
+// Forward: IMPLICIT_GEMM first, measured faster than PRECOMP_GEMM on an H100 (../shared/perf/H100.md).
+constexpr cudnnConvolutionFwdAlgo_t kStrictForward[] = {
+    CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+    CUDNN_CONVOLUTION_FWD_ALGO_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_DIRECT};
+constexpr cudnnConvolutionBwdDataAlgo_t kStrictData[] = {CUDNN_CONVOLUTION_BWD_DATA_ALGO_1};
+constexpr cudnnConvolutionBwdFilterAlgo_t kStrictFilter[] = {CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1};
 
 // The first candidate that qualifies (cudnnFind*Ex lists them fastest first), else `fallback` with
 // FMA math (supported for every 2-D shape).
@@ -212,6 +227,41 @@ bool gemm_is_faster(kernel_api::LibraryCall& call, cudnnHandle_t handle, const P
       });
 }
 
+// The first of `order` whose workspace size cuDNN reports (it refuses unsupported ones) within
+// kMaxWorkspaceBytes, and that size; else the last of `order`, which supports every 2-D shape.
+template <class Algo, std::size_t N, class Size>
+std::pair<Algo, std::size_t> first_supported(const Algo (&order)[N], const Size& workspace_size) {
+  for (Algo algo : order) {
+    std::size_t bytes = 0;
+    if (workspace_size(algo, &bytes) == CUDNN_STATUS_SUCCESS && bytes <= kMaxWorkspaceBytes) return {algo, bytes};
+  }
+  std::size_t bytes = 0;
+  DP_CUDA_CHECK(workspace_size(order[N - 1], &bytes));
+  return {order[N - 1], bytes};
+}
+
+// The strict plan for `s`: the fixed orders above, no search, nothing run on the GPU. The weight
+// gradient goes to the shared im2col + cuBLAS path where it fits (`gemm` given): cuDNN's one
+// deterministic dot-product algorithm took ~3.5x its time for the ConvNet on an H100.
+std::unique_ptr<Plan> make_strict_plan(cudnnHandle_t handle, const Conv2dShape& s, const GemmWeightGrad& gemm) {
+  auto plan = std::make_unique<Plan>();
+  Plan& p = *plan;
+  make_descriptors(p, s, Precision::strict);
+  std::tie(p.fwd, p.fwd_bytes) = first_supported(kStrictForward, [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* b) {
+    return cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv_fwd, p.y, algo, b);
+  });
+  std::tie(p.bwd_data, p.bwd_data_bytes) =
+      first_supported(kStrictData, [&](cudnnConvolutionBwdDataAlgo_t algo, std::size_t* b) {
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, p.w, p.y, p.conv_bwd_data, p.x, algo, b);
+      });
+  std::tie(p.bwd_filter, p.bwd_filter_bytes) =
+      first_supported(kStrictFilter, [&](cudnnConvolutionBwdFilterAlgo_t algo, std::size_t* b) {
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, p.x, p.y, p.conv, p.w, algo, b);
+      });
+  p.weight_grad_by_gemm = static_cast<bool>(gemm);
+  return plan;
+}
+
 // Builds the plan for `s`, choosing each direction's algorithm by timing the candidates on the
 // handle's stream (cudnnFind*Ex, once per shape and policy, during warm-up), and then the weight
 // gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
@@ -303,7 +353,8 @@ struct Workspace {
 
 // Runs f(handle, plan, workspace) with the device current and the stream's own cuDNN handle; the
 // plan for (shape, the runtime's precision) is built on first use (with `gemm` as the weight
-// gradient's other candidate) and cached for the device.
+// gradient's other candidate) and cached for the GPU. Autocast's convolutions never come here (they
+// are im2col + bf16 GEMMs), so the key needs no data type.
 template <class F>
 void with_cudnn(const Stream& stream, const Conv2dShape& shape, const GemmWeightGrad& gemm, F&& f) {
   const Precision precision = kernel_api::precision(stream);
@@ -311,7 +362,9 @@ void with_cudnn(const Stream& stream, const Conv2dShape& shape, const GemmWeight
     if (!call.cache) call.cache = std::make_shared<Plans>();
     auto handle = static_cast<cudnnHandle_t>(call.handle);
     std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision)];
-    if (!plan) plan = make_plan(call, handle, shape, precision, gemm);
+    if (!plan)
+      plan = precision == Precision::strict ? make_strict_plan(handle, shape, gemm)
+                                            : make_plan(call, handle, shape, precision, gemm);
     const std::size_t bytes = plan->workspace_bytes();
     f(handle, *plan, Workspace{call.workspace(bytes), bytes});
   });

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <fmt/format.h>
 #include <limits>
 #include <map>
@@ -14,6 +15,8 @@
 #include <mutex>
 #include <set>
 #include <shared_mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "backend.h"
@@ -24,6 +27,10 @@
 
 namespace dp::detail {
 namespace {
+
+// Before any CUDA call of the process: See Note [rings and lazy loading] (device_ring.cpp). A value
+// the user set is kept.
+[[maybe_unused]] const bool kModuleDataLoadedEagerly = setenv("CUDA_MODULE_DATA_LOADING", "EAGER", 0) == 0;
 
 // Makes `device` current on the calling thread if it is not (cheap: a thread-local read); returns
 // the device that was current, or -1 when it already was `device`.
@@ -163,10 +170,11 @@ class CudaEvent final : public EventImpl {
   int device() const override { return device_; }
   bool query() override {
     const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaErrorNotReady) return false;
+    if (status == cudaErrorNotReady) return false;  // left in the last-error slot for clear_not_ready()
     DP_CUDA_CHECK(status);
     return true;
   }
+  void clear_not_ready() noexcept override { (void)cudaGetLastError(); }
   void synchronize() override {
     runtime_.count(device_, Counter::host_syncs);
     DP_CUDA_CHECK(cudaEventSynchronize(event_));
@@ -182,12 +190,16 @@ class CudaEvent final : public EventImpl {
     return ms;
   }
   cudaEvent_t handle() const { return event_; }
+  // Whether the latest record was made inside a capture: a wait on it joins that capture.
+  bool recorded_in_capture() const { return recorded_in_capture_.load(std::memory_order_relaxed); }
+  void set_recorded_in_capture(bool in_capture) { recorded_in_capture_.store(in_capture, std::memory_order_relaxed); }
 
  private:
   RuntimeImpl& runtime_;
   int device_;
   EventTiming timing_;
   cudaEvent_t event_ = nullptr;
+  std::atomic<bool> recorded_in_capture_{false};
 };
 
 class CudaDevice;
@@ -254,17 +266,18 @@ class CudaStream final : public StreamImpl {
   void record(EventImpl& event) override {
     if (event.device() != index_)
       throw DeviceMismatch(fmt::format("event of device {} recorded on a stream of device {}", event.device(), index_));
-    DP_CUDA_CHECK(cudaEventRecord(static_cast<CudaEvent&>(event).handle(), stream_));
+    auto& cuda_event = static_cast<CudaEvent&>(event);
+    DP_CUDA_CHECK(cudaEventRecord(cuda_event.handle(), stream_));
+    cuda_event.set_recorded_in_capture(capturing());
   }
-  void wait(EventImpl& event) override {
-    DP_CUDA_CHECK(cudaStreamWaitEvent(stream_, static_cast<CudaEvent&>(event).handle(), 0));
-  }
+  void wait(EventImpl& event) override;
   bool query() override {
     const cudaError_t status = cudaStreamQuery(stream_);
-    if (status == cudaErrorNotReady) return false;
+    if (status == cudaErrorNotReady) return false;  // left in the last-error slot for clear_not_ready()
     DP_CUDA_CHECK(status);
     return true;
   }
+  void clear_not_ready() noexcept override { (void)cudaGetLastError(); }
   void synchronize() override {
     count(Counter::host_syncs);
     DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -299,16 +312,13 @@ class CudaStream final : public StreamImpl {
   }
   // Thread-local mode: the calls CUDA forbids during a capture fail on the capturing thread; other
   // threads (a data loader's allocations) are not affected.
-  void begin_capture() override {
-    DeviceScope scope(gpu_);
-    DP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    ++t_captures_begun;
-  }
+  void begin_capture() override;
   std::shared_ptr<GraphImpl> end_capture() override;
-  bool capturing() override {
+  bool capturing() override { return capture_status() != cudaStreamCaptureStatusNone; }
+  cudaStreamCaptureStatus capture_status() {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     DP_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
-    return status != cudaStreamCaptureStatusNone;
+    return status;
   }
   void* native_handle() override { return stream_; }
   cudaStream_t native() const { return stream_; }
@@ -324,8 +334,20 @@ class CudaStream final : public StreamImpl {
     return scratch_.get<std::byte>(runtime().device(index_), bytes, &scratch_retired_);
   }
   RuntimeImpl& runtime() const override;
-  // Waits for the stream's work, reporting nothing (a device's own streams before a free).
-  void finish() noexcept { cudaStreamSynchronize(stream_); }
+  // Waits for the stream's work, reporting nothing (a device's own streams before a pooled free),
+  // but never synchronizes a capturing stream: that would invalidate its capture. Its work issued
+  // before it began or joined the capture is waited for through the fence recorded then; what it
+  // captured runs only when a graph is replayed. See Note [capture fence].
+  void finish() noexcept {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream_, &status) == cudaSuccess) {
+      if (status == cudaStreamCaptureStatusNone)
+        cudaStreamSynchronize(stream_);
+      else
+        cudaEventSynchronize(fence_);
+    }
+    (void)cudaGetLastError();  // reported nowhere: read out (See Note [last error])
+  }
   void begin_span(const char* name, SpanKind kind) override;
   void end_span() override { spans_->end(stream_); }
 
@@ -342,6 +364,7 @@ class CudaStream final : public StreamImpl {
     std::vector<DeviceBuffer> retired;
   };
   void create_handle(kernel_api::Library library, Library& state);
+  void call_in_capture(const std::function<void(kernel_api::LibraryCall&)>& fn, kernel_api::LibraryCall& call);
 
   CudaRuntime& runtime_;
   CudaDevice& device_;
@@ -355,6 +378,11 @@ class CudaStream final : public StreamImpl {
   Scratch scratch_;
   std::vector<DeviceBuffer> scratch_retired_;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t fence_ = nullptr;  // recorded before the stream begins or joins a capture
+  // The capture this stream began: ended only here and on this thread; CUDA's own refusals of the
+  // other cases (903, 908) may end or invalidate the capture, so they are refused before reaching it.
+  bool began_capture_ = false;
+  std::thread::id capture_thread_;
   Library libraries_[2];  // by kernel_api::Library
   std::shared_ptr<SpanLog> spans_;
 };
@@ -396,10 +424,7 @@ class CudaDevice final : public DeviceImpl {
     }).get();
   }
   ~CudaDevice() override {
-    // What kernels cached for a library (cuDNN plans: descriptors only) goes with the device; the
-    // handles went with their streams.
     auto done = submit([this] {
-      for (Lent& lent : lent_) lent.cache.reset();
       if (memory_stream_) cudaStreamDestroy(memory_stream_);  // never throws
     });
     done.wait();
@@ -432,12 +457,15 @@ class CudaDevice final : public DeviceImpl {
     try {
       DeviceScope scope(gpu_);
       if (pooled) {
-        for (auto& stream : live_streams()) stream->finish();  // as cudaFree waits, for this device
+        // As cudaFree waits, for this device's streams; no stream begins or joins a capture meanwhile.
+        const std::lock_guard lock(capture_mutex_);
+        for (auto& stream : live_streams()) stream->finish();
         cudaFreeAsync(ptr, memory_stream_);
       } else {
         cudaFree(ptr);
       }
-    } catch (...) {  // never throws: cudaFree reports nothing either
+      (void)cudaGetLastError();  // reported nowhere: read out (See Note [last error])
+    } catch (...) {              // never throws: cudaFree reports nothing either
     }
     memory_.release(bytes);
   }
@@ -470,13 +498,12 @@ class CudaDevice final : public DeviceImpl {
   // kernel_api::LibraryCall::temporary: stream-ordered memory counted as this device's.
   std::shared_ptr<void> temporary(std::size_t bytes, cudaStream_t stream);
   int compute_major() const { return compute_major_; }
-  // Runs fn with this device's cache for `library` (cuDNN plans), shared by its streams and held
-  // exclusively meanwhile (plans are built on first use, timing algorithms on the calling stream).
-  void with_cache(kernel_api::Library library, const std::function<void(std::shared_ptr<void>&)>& fn) {
-    Lent& lent = lent_[static_cast<std::size_t>(library)];
-    std::lock_guard lock(lent.mutex);
-    fn(lent.cache);
-  }
+  // Runs fn with its GPU's cache for `library` (cuDNN plans), held exclusively meanwhile. See
+  // Note [shared plans].
+  void with_cache(kernel_api::Library library, const std::function<void(std::shared_ptr<void>&)>& fn);
+  // Held while a stream of this device begins or joins a capture, and while a pooled free waits for
+  // the device's streams: so the free never synchronizes a stream that is capturing by then.
+  std::mutex& capture_mutex() { return capture_mutex_; }
 
  private:
   void register_allocation(void* ptr, std::size_t bytes, bool pooled);
@@ -492,23 +519,46 @@ class CudaDevice final : public DeviceImpl {
   std::mutex streams_mutex_;
   std::vector<std::weak_ptr<CudaStream>> streams_;
   std::set<void*> pooled_allocations_;  // under streams_mutex_
+  std::mutex capture_mutex_;
   std::string name_;
   int sm_count_ = 1;
   MemoryCounter memory_;
+  int compute_major_ = 0;
+  SerialExecutor worker_;
+};
+
+// Note [shared plans]
+// What kernels cache for a library (cuDNN plans: descriptors and the algorithms chosen) is kept per
+// physical GPU for the whole process: every dp device on that GPU, virtual or not, and every
+// runtime alive at once share it. So a shape's plan is chosen once per GPU, and two devices or two
+// runtimes on one GPU run the same algorithm and give the same bits (in Precision::strict the choice
+// is a fixed order, never a timing: cudnn_conv.cpp). The plans go with the last runtime using them.
+struct GpuCaches {
   struct Lent {
     std::mutex mutex;
     std::shared_ptr<void> cache;
   };
-  Lent lent_[2];  // by kernel_api::Library
-  int compute_major_ = 0;
-  SerialExecutor worker_;
+  Lent lent[2];  // by kernel_api::Library
 };
+std::shared_ptr<GpuCaches> caches_of_gpu(int gpu) {
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<GpuCaches>> caches;
+  const std::lock_guard lock(mutex);
+  std::weak_ptr<GpuCaches>& weak = caches[gpu];
+  auto shared = weak.lock();
+  if (!shared) {
+    shared = std::make_shared<GpuCaches>();
+    weak = shared;
+  }
+  return shared;
+}
 
 class CudaRuntime final : public RuntimeImpl {
  public:
   // `gpus` GPUs, each driven as `per_gpu` dp devices (dp device d runs on GPU d / per_gpu).
   CudaRuntime(int gpus, int per_gpu)
       : RuntimeImpl(gpus * per_gpu, per_gpu), references_(static_cast<std::size_t>(gpus * per_gpu)) {
+    for (int g = 0; g < gpus; ++g) caches_.push_back(caches_of_gpu(g));
     for (int d = 0; d < gpus * per_gpu; ++d)
       add_device(std::make_unique<CudaDevice>(*this, d, d / per_gpu, per_gpu > 1));
     // Peer access where the topology allows it: peer copies then go over NVLink/PCIe directly.
@@ -587,6 +637,8 @@ class CudaRuntime final : public RuntimeImpl {
     return kHost;
   }
 
+  GpuCaches& caches(int gpu) { return *caches_[static_cast<std::size_t>(gpu)]; }
+
   void collect_spans() override {
     std::lock_guard lock(logs_mutex_);
     for (const auto& log : logs_) {
@@ -602,7 +654,8 @@ class CudaRuntime final : public RuntimeImpl {
     cudaEvent_t event = nullptr;
     std::int64_t ns = 0;
   };
-  std::vector<Reference> references_;  // by device
+  std::vector<Reference> references_;               // by device
+  std::vector<std::shared_ptr<GpuCaches>> caches_;  // by GPU
   mutable std::shared_mutex allocations_mutex_;
   std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations_;  // base -> (bytes, dp device)
   std::mutex logs_mutex_;
@@ -618,6 +671,7 @@ CudaStream::CudaStream(CudaRuntime& runtime, CudaDevice& device, int index)
       spans_(runtime.make_span_log(index)) {
   DeviceScope scope(gpu_);
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  DP_CUDA_CHECK(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming));
 }
 
 CudaStream::~CudaStream() {
@@ -625,6 +679,7 @@ CudaStream::~CudaStream() {
     const DeviceScope scope(gpu_);
     if (auto* cublas = static_cast<cublasHandle_t>(libraries_[0].handle)) cublasDestroy(cublas);
     if (auto* cudnn = static_cast<cudnnHandle_t>(libraries_[1].handle)) cudnnDestroy(cudnn);
+    if (fence_) cudaEventDestroy(fence_);
     if (stream_) cudaStreamDestroy(stream_);
   } catch (...) {
   }
@@ -706,31 +761,77 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
 }
 
 RuntimeImpl& CudaStream::runtime() const { return runtime_; }
+
+// Note [capture fence]
+// A pooled free waits for its device's streams (as cudaFree waits for the device), but
+// synchronizing a capturing stream invalidates the capture, from any thread. So each stream records
+// its fence just before it begins or joins a capture, under its device's capture mutex, and a free
+// (under the same mutex) waits for a capturing stream's fence instead: the work issued before the
+// capture, the only work of that stream that can be running.
+void CudaStream::begin_capture() {
+  DeviceScope scope(gpu_);
+  // As the simulator: a capture in progress on the stream (begun or joined) is the caller's mistake,
+  // refused before CUDA's 401 could end or invalidate it.
+  if (capturing())
+    throw InvalidArgument(fmt::format("Stream::begin_capture: the stream of device {} is already capturing", index_));
+  const std::lock_guard lock(device_.capture_mutex());
+  DP_CUDA_CHECK(cudaEventRecord(fence_, stream_));
+  DP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  ++t_captures_begun;
+  began_capture_ = true;
+  capture_thread_ = std::this_thread::get_id();
+}
+
+void CudaStream::wait(EventImpl& event) {
+  auto& cuda_event = static_cast<CudaEvent&>(event);
+  if (cuda_event.recorded_in_capture() && !capturing()) {  // this wait joins the capture
+    const DeviceScope scope(gpu_);
+    const std::lock_guard lock(device_.capture_mutex());
+    DP_CUDA_CHECK(cudaEventRecord(fence_, stream_));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda_event.handle(), 0));
+    return;
+  }
+  DP_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda_event.handle(), 0));
+}
+
 std::shared_ptr<GraphImpl> CudaStream::end_capture() {
   DeviceScope scope(gpu_);
-  // As the simulator: ending a capture that is not in progress is the caller's mistake (CUDA
-  // returns cudaErrorIllegalState, which says less).
+  // As the simulator, and before CUDA sees the call: ending a capture that is not in progress
+  // (CUDA: 401), that another stream began (903) or that another thread began (908) is the caller's
+  // mistake, and the capture goes on, its host functions with it.
   if (!capturing())
     throw InvalidArgument(fmt::format("Stream::end_capture: the stream of device {} is not capturing", index_));
+  if (!began_capture_)
+    throw InvalidArgument(fmt::format(
+        "Stream::end_capture: the stream of device {} joined a capture another stream began; that stream ends it",
+        index_));
+  if (capture_thread_ != std::this_thread::get_id())
+    throw InvalidArgument(fmt::format(
+        "Stream::end_capture: the capture on device {} was begun by another thread, which must end it", index_));
   cudaGraph_t graph = nullptr;
   const cudaError_t status = cudaStreamEndCapture(stream_, &graph);
-  // Not begun on this stream (903) or on this thread (908): the capture goes on, its host functions
-  // with it; DP_CUDA_CHECK raises InvalidArgument for both.
-  if (status == cudaErrorStreamCaptureUnmatched || status == cudaErrorStreamCaptureWrongThread) DP_CUDA_CHECK(status);
+  began_capture_ = false;
   if (t_captures_begun > 0) --t_captures_begun;  // ended, whatever it returned
   auto host_funcs = std::move(captured_host_funcs_);
   captured_host_funcs_.clear();
   if (status != cudaSuccess) {
     if (graph) cudaGraphDestroy(graph);
-    if (status == cudaErrorStreamCaptureInvalidated)
+    if (status == cudaErrorStreamCaptureInvalidated) {
+      (void)cudaGetLastError();  // the eager fallback's first launch must not report it (Note [last error])
       throw CaptureError(
           fmt::format("stream capture was invalidated on device {}: {}", index_, cudaGetErrorString(status)));
+    }
     DP_CUDA_CHECK(status);  // an unjoined fork (904) is a CaptureError there too
   }
   return std::make_shared<CudaGraph>(runtime(), index_, stream_, graph, std::move(host_funcs), spans_);
 }
 
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
+void CudaDevice::with_cache(kernel_api::Library library, const std::function<void(std::shared_ptr<void>&)>& fn) {
+  GpuCaches::Lent& lent = runtime_.caches(gpu_).lent[static_cast<std::size_t>(library)];
+  const std::lock_guard lock(lent.mutex);
+  fn(lent.cache);
+}
 void CudaDevice::register_allocation(void* ptr, std::size_t bytes, bool pooled) {
   runtime_.add_allocation(ptr, bytes, index_);
   if (!pooled) return;
@@ -796,8 +897,29 @@ void CudaStream::with_library(kernel_api::Library library, const std::function<v
                                  [this](std::size_t bytes) { return device_.temporary(bytes, stream_); }};
     const bool gemm = library == kernel_api::Library::cublas;
     const StreamSpan span(*this, gemm ? "gemm" : "cudnn", gemm ? SpanKind::gemm : SpanKind::kernel);
-    fn(call);
+    call_in_capture(fn, call);
   });
+}
+
+// A library call inside a capture that cannot hold it, or inside one already invalidated, fails
+// with the library's own status (cuBLAS's "execution failed", cuDNN's) or not at all, the capture's
+// 901 left in the last-error slot. Either way it is a CaptureError, as on the sim, so the engine
+// falls back to eager steps.
+void CudaStream::call_in_capture(const std::function<void(kernel_api::LibraryCall&)>& fn,
+                                 kernel_api::LibraryCall& call) {
+  const auto invalidated = [this](const std::string& what) {
+    (void)cudaGetLastError();  // Note [last error]
+    return CaptureError(fmt::format("{} (a library call on device {} inside a stream capture)", what, index_));
+  };
+  try {
+    fn(call);
+  } catch (const CaptureError&) {
+    throw;
+  } catch (const Error& e) {
+    if (capturing()) throw invalidated(e.what());
+    throw;
+  }
+  if (capture_status() == cudaStreamCaptureStatusInvalidated) throw invalidated("stream capture was invalidated");
 }
 
 }  // namespace

@@ -16,6 +16,15 @@
 namespace dp::detail {
 namespace {
 
+// Note [rings and lazy loading]
+// A ring kernel spins until its peers' kernels arrive, launched by other workers. With lazy module
+// loading (the default since CUDA 12.2) a kernel's first launch may need a context synchronization
+// to load it, and that would wait for the spinning kernel, whose peer launch is queued behind it:
+// a deadlock (CUDA Programming Guide, "Lazy Loading", Potential Hazards). NVIDIA's remedies are both
+// applied: the ring kernel is preloaded here (ring::preload), and the cuda backend sets
+// CUDA_MODULE_DATA_LOADING=EAGER before the driver starts, unless the user set it (cuda_backend.cpp),
+// so no other kernel's first launch needs that synchronization either.
+
 class DeviceRingCommunicator final : public Communicator {
  public:
   explicit DeviceRingCommunicator(const DeviceGroup& group)
@@ -29,24 +38,35 @@ class DeviceRingCommunicator final : public Communicator {
             "devices {} and {} run on GPUs {} and {}: a group whose devices share GPUs must lie on one GPU (use "
             "devices_per_gpu = 1 across GPUs, where NCCL connects them)",
             group.device_ids()[0], group.device_ids()[static_cast<std::size_t>(r)], gpu_, group.device(r).gpu()));
+    // Never a device-wide synchronization here or in the destructor: another thread may be
+    // capturing on this GPU (cudaDeviceSynchronize would invalidate it), and other rings' kernels
+    // may be spinning for peers whose workers are about to launch. The flags are zeroed on a
+    // stream of the ring's own, which is waited for alone.
     const DeviceScope scope(gpu_);
+    DP_CUDA_CHECK(ring::preload());
+    DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     DP_CUDA_CHECK(cudaMalloc(&shared_, sizeof(ring::Shared)));
-    DP_CUDA_CHECK(cudaMemset(shared_, 0, sizeof(ring::Shared)));
+    DP_CUDA_CHECK(cudaMemsetAsync(shared_, 0, sizeof(ring::Shared), stream_));
     DP_CUDA_CHECK(cudaHostAlloc(&aborted_host_, sizeof(int), cudaHostAllocMapped));
     *aborted_host_ = 0;
     void* device_view = nullptr;
     DP_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, aborted_host_, 0));
     aborted_device_ = static_cast<const volatile int*>(device_view);
-    DP_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroed flags before any rank's first call
+    DP_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the zeroed flags before any rank's first call
   }
   ~DeviceRingCommunicator() override {
     abort();  // kernels still waiting for peers that will not come end now
     try {
       const DeviceScope scope(gpu_);
-      cudaDeviceSynchronize();  // none of this communicator's kernels still reads its memory
+      // None of this communicator's kernels still reads its memory once each rank's last stream is
+      // done (a capturing one holds no launched kernel: its calls run only when replayed).
+      for (Rank& rank : ranks_)
+        if (rank.last.valid() && !rank.last.capturing()) rank.last.synchronize();
       cudaFree(shared_);
       cudaFreeHost(aborted_host_);
-    } catch (...) {  // never throws from a destructor
+      if (stream_) cudaStreamDestroy(stream_);
+      (void)cudaGetLastError();  // reported nowhere: read out (See Note [last error], backend.h)
+    } catch (...) {              // never throws from a destructor
     }
   }
 
@@ -117,6 +137,7 @@ class DeviceRingCommunicator final : public Communicator {
   const DeviceGroup& group_;
   int gpu_;
   std::vector<Rank> ranks_;
+  cudaStream_t stream_ = nullptr;  // zeroes the flags
   ring::Shared* shared_ = nullptr;
   int* aborted_host_ = nullptr;  // mapped pinned memory: the host ends the kernels' waits
   const volatile int* aborted_device_ = nullptr;

@@ -129,6 +129,11 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(Call call, Shared* share
 
 }  // namespace
 
+cudaError_t preload() {
+  cudaFuncAttributes attributes{};
+  return cudaFuncGetAttributes(&attributes, ring_kernel);
+}
+
 cudaError_t launch(const Call& call, Shared* shared, const volatile int* aborted, cudaStream_t stream) {
   ring_kernel<<<1, kThreads, 0, stream>>>(call, shared, aborted);
   return cudaGetLastError();

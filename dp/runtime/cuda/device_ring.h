@@ -35,5 +35,8 @@ struct Call {
   std::size_t count;  // floats (all_reduce_bf16: bf16 values; broadcast: bytes)
 };
 cudaError_t launch(const Call& call, Shared* shared, const volatile int* aborted, cudaStream_t stream);
+// Loads the ring kernel now (cudaFuncGetAttributes), so that its first launch never needs the
+// context synchronization a lazily loaded kernel may (See Note [rings and lazy loading]).
+cudaError_t preload();
 
 }  // namespace dp::detail::ring

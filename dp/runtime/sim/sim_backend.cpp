@@ -10,6 +10,7 @@
 #include <set>
 #include <shared_mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -19,6 +20,25 @@ namespace dp::detail {
 namespace {
 
 class SimRuntime;
+
+// The calling thread's last-error slot, as the CUDA runtime keeps one (See Note [last error]): a
+// query that finds work pending leaves cudaErrorNotReady (600) there, and every kernel launch
+// reads the slot out afterwards and reports what it held, as the launch check after a CUDA launch
+// does.
+struct LastError {
+  int code = 0;
+  const char* name = nullptr;
+};
+thread_local LastError t_last_error;
+void set_not_ready() noexcept { t_last_error = {600, "cudaErrorNotReady: device not ready"}; }
+void check_last_error_after_launch(const char* kernel) {
+  const LastError error = std::exchange(t_last_error, LastError{});
+  if (error.code != 0)
+    throw Error(
+        fmt::format("sim: CUDA error {} ({}) in cudaGetLastError() after launching '{}': an earlier "
+                    "call's error was left in the thread's last-error slot",
+                    error.code, error.name, kernel));
+}
 
 // Which runtime and device (or pinned host memory: kHost) each simulated allocation belongs to.
 // Process-wide because a pointer may be handed to the wrong runtime as well as the wrong device.
@@ -129,13 +149,11 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
   }
 
   bool query() override {
-    refuse_if_captured("query");
-    std::lock_guard lock(mutex_);
-    if (recorded_ == 0) return true;
-    if (!is_done(recorded_)) return false;
-    rethrow_failure(recorded_);
-    return true;
+    if (done()) return true;
+    set_not_ready();
+    return false;
   }
+  void clear_not_ready() noexcept override { t_last_error = {}; }
   void synchronize() override {
     refuse_if_captured("synchronize");
     runtime_.count(device_, Counter::host_syncs);
@@ -150,12 +168,20 @@ class SimEvent final : public EventImpl, public std::enable_shared_from_this<Sim
       throw InvalidArgument(
           "Event::elapsed_ms: both events must be created with EventTiming::on (cudaEventDisableTiming events have "
           "no timestamps)");
-    if (!query() || !begin.query() || recorded_at_least_once() == false || !begin.recorded_at_least_once())
+    if (!done() || !begin.done() || recorded_at_least_once() == false || !begin.recorded_at_least_once())
       throw InvalidArgument("Event::elapsed_ms: both events must be recorded and completed");
     return static_cast<double>(time() - begin.time()) / 1e6;
   }
 
  private:
+  bool done() {
+    refuse_if_captured("query");
+    std::lock_guard lock(mutex_);
+    if (recorded_ == 0) return true;
+    if (!is_done(recorded_)) return false;
+    rethrow_failure(recorded_);
+    return true;
+  }
   bool recorded_at_least_once() const {
     std::lock_guard lock(mutex_);
     return recorded_ > 0;
@@ -347,8 +373,11 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
   bool query() override {
     refuse_while_capturing("Stream::query");
     rethrow_sticky_error();
-    return executor_.completed() == executor_.submitted();
+    if (executor_.completed() == executor_.submitted()) return true;
+    set_not_ready();
+    return false;
   }
+  void clear_not_ready() noexcept override { t_last_error = {}; }
   void synchronize() override {
     refuse_while_capturing("Stream::synchronize");
     count(Counter::host_syncs);
@@ -390,19 +419,19 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
 
   void enqueue_kernel(const char* name, std::function<void()> body, SpanKind kind) override {
     count(Counter::launches);
-    if (auto capture = current_capture()) {
+    if (auto capture = current_capture())
       capture->add(this, {nullptr, SimCapture::Kind::work, name, kind, [body] { return body; }, {}, {}});
-      return;
-    }
-    post(name, kind, std::move(body));
+    else
+      post(name, kind, std::move(body));
+    check_last_error_after_launch(name);
   }
   void enqueue_reissued(const char* name, std::function<std::function<void()>()> issue, SpanKind kind) override {
     count(Counter::launches);
-    if (auto capture = current_capture()) {
+    if (auto capture = current_capture())
       capture->add(this, {nullptr, SimCapture::Kind::work, name, kind, std::move(issue), {}, {}});
-      return;
-    }
-    post(name, kind, issue());
+    else
+      post(name, kind, issue());
+    check_last_error_after_launch(name);
   }
 
   void begin_capture() override;

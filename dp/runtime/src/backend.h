@@ -34,11 +34,24 @@ struct Span {
   std::int64_t end_ns;
 };
 
+// Note [last error]
+// The CUDA runtime keeps one last-error slot per host thread. A call that returns an error also
+// leaves it there, including errors dp tolerates (600 "not ready" from a query, 900-908 from a
+// failed capture), and the launch check after the next kernel launch on that thread
+// (cudaGetLastError) reports it as that launch's failure. So every error dp reads is read out:
+// DP_CUDA_CHECK does it for what it throws, and the public query()s call clear_not_ready() after a
+// "not ready". The sim keeps the same slot (sim_backend.cpp: a query that finds work pending sets
+// 600, every launch reads it), so a query whose "not ready" is not read out fails on the sim too.
+// docs/cuda-rules.md, rule 18.
+
 class EventImpl {
  public:
   virtual ~EventImpl() = default;
   virtual int device() const = 0;
+  // false: work before the latest record is pending, and the calling thread's last-error slot
+  // holds "not ready" until clear_not_ready() (See Note [last error]).
   virtual bool query() = 0;
+  virtual void clear_not_ready() noexcept = 0;
   virtual void synchronize() = 0;
   virtual double elapsed_ms_since(EventImpl& start) = 0;
 };
@@ -58,7 +71,9 @@ class StreamImpl {
   virtual Backend backend() const = 0;
   virtual void record(EventImpl& event) = 0;
   virtual void wait(EventImpl& event) = 0;
+  // As EventImpl::query, with the same clear_not_ready() duty (See Note [last error]).
   virtual bool query() = 0;
+  virtual void clear_not_ready() noexcept = 0;
   virtual void synchronize() = 0;
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
   virtual void launch_host_func(std::function<void()> fn) = 0;

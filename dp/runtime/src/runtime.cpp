@@ -42,7 +42,14 @@ int exit_code(const std::exception_ptr& error) noexcept {
 }
 
 // ---- Event
-bool Event::query() const { return impl_ ? impl_->query() : true; }
+// A "not ready" is an answer, not a failure: read out of the thread's last-error slot here, once for
+// both backends (See Note [last error]).
+bool Event::query() const {
+  if (!impl_) return true;
+  const bool done = impl_->query();
+  if (!done) impl_->clear_not_ready();
+  return done;
+}
 void Event::synchronize() const {
   if (impl_) impl_->synchronize();
 }
@@ -61,7 +68,12 @@ int Stream::device() const { return Access::stream(*this).device(); }
 Backend Stream::backend() const { return Access::stream(*this).backend(); }
 void Stream::record(const Event& event) const { Access::stream(*this).record(Access::event(event)); }
 void Stream::wait(const Event& event) const { Access::stream(*this).wait(Access::event(event)); }
-bool Stream::query() const { return Access::stream(*this).query(); }
+bool Stream::query() const {
+  detail::StreamImpl& impl = Access::stream(*this);
+  const bool done = impl.query();
+  if (!done) impl.clear_not_ready();
+  return done;
+}
 void Stream::synchronize() const { Access::stream(*this).synchronize(); }
 void Stream::copy(void* dst, const void* src, std::size_t bytes) const {
   if (bytes == 0) return;

@@ -48,16 +48,15 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
 void set_conv_library(bool enabled);
 bool conv_library_enabled(Backend backend);
 
-// How the library path computes weight gradients. `timed` (the default), on cuda: when the cuDNN plan of a
-// (shape, precision) is built on a device (its first forward or backward, in warm-up), cuDNN's
-// chosen backward-filter algorithm and the shared im2col + cuBLAS GEMM are timed against each other
-// on the stream, and the GEMM is kept if it is clearly faster: in `strict` cuDNN may only use its
-// deterministic dot-product algorithms, and the one it had on an H100 took ~3.5x the time of
-// im2col + GEMM for the ConvNet at batch 1024 (profiled by hand, ../shared/perf/H100.md). In
-// `strict` both are fp32 dot products within rounding of the host path; in `fast` cuDNN's may use
-// TF32 or transforms. `library` and `gemm` force one (tests, or runs that want the same algorithm on
-// every device). The sim times nothing: there `timed` is oneDNN's. No effect with the library off;
-// shapes beyond the shared path's int range always use the library.
+// How the library path computes weight gradients. `timed` (the default), on cuda: in `strict`, a
+// fixed choice, the shared im2col + cuBLAS GEMM where the shape fits it, since cuDNN may then only
+// use its one deterministic dot-product algorithm, which took ~3.5x the time of im2col + GEMM for
+// the ConvNet at batch 1024 on an H100 (../shared/perf/H100.md); fixed, so every device on a GPU
+// computes the same bits. In `fast` and `tf32`, when the cuDNN plan of a shape is built (its first
+// forward or backward, in warm-up), cuDNN's chosen algorithm and the GEMM are timed against each
+// other on the stream and the GEMM is kept if it is clearly faster. `library` and `gemm` force one
+// (tests). The sim times nothing: there `timed` is oneDNN's. No effect with the library off; shapes
+// beyond the shared path's int range always use the library.
 enum class ConvWeightGrad { timed, library, gemm };
 void set_conv_weight_grad(ConvWeightGrad how);
 ConvWeightGrad conv_weight_grad();

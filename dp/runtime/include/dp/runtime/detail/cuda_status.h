@@ -16,6 +16,9 @@ struct StatusTraits<cudaError_t> {
   static constexpr cudaError_t success = cudaSuccess;
   static constexpr const char* library = "CUDA";
   static const char* message(cudaError_t s) { return cudaGetErrorString(s); }
+  // An error a runtime call returned stays in the thread's last-error slot, where the next launch
+  // check would report it again: once reported, it is read out (See Note [last error]).
+  static void reported() noexcept { (void)cudaGetLastError(); }
 };
 template <>
 struct StatusTraits<cublasStatus_t> {

@@ -111,8 +111,9 @@ struct StatusTraits;
 template <class Status>
 void check(Status status, const char* call, const char* file, int line) {
   using Traits = StatusTraits<Status>;
-  if (status != Traits::success)
-    throw_call_error(Traits::library, static_cast<int>(status), Traits::message(status), call, file, line);
+  if (status == Traits::success) return;
+  if constexpr (requires { Traits::reported(); }) Traits::reported();
+  throw_call_error(Traits::library, static_cast<int>(status), Traits::message(status), call, file, line);
 }
 
 }  // namespace dp::cuda
