@@ -2,11 +2,14 @@
 // style): every N, sizes not divisible by N and smaller than N; on sim also the ring's traffic.
 // The same bodies run on cuda where there is a GPU (NCCL across GPUs, the device ring among
 // devices that share one), else skip.
+#include <atomic>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <map>
 #include <string>
+#include <thread>
 
+#include "dp/kernels/ops.h"
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/device_group.h"
 #include "dp/runtime/error.h"
@@ -174,6 +177,31 @@ namespace {
 
 // The device ring (cuda, devices sharing one GPU) runs the sim ring's algorithm: on random floats,
 // where the order of additions shows in the last bits, both give the same bits for every call.
+// One rank waits inside a collective for its peer while the peer's worker first launches a kernel
+// no earlier call of this process launched. On cuda the waiting rank may be a device-ring kernel
+// spinning on the GPU, and a lazily loaded kernel's first launch may need a context
+// synchronization that would wait for it: the ring preloads its kernel and module data load
+// eagerly (Note [rings and lazy loading]), so this ends. A hang here is ctest's timeout.
+TEST_P(Collectives, AFirstLaunchWhileAPeerWaitsInACollectiveEnds) {
+  if (max_world() < 2) GTEST_SKIP() << "no CUDA device";
+  Fixture f(GetParam(), 2);
+  std::atomic<bool> first_rank_waits{false};
+  std::vector<std::vector<float>> out(2);
+  f.group->run([&](int r) {
+    const Stream& s = f.streams[static_cast<std::size_t>(r)];
+    Device& device = f.group->device(r);
+    DeviceBuffer x = test::upload(device, s, std::vector<float>(64, static_cast<float>(r + 1)));
+    if (r == 1) {
+      while (!first_rank_waits.load()) std::this_thread::yield();
+      kernels::add_bf16_rounded(s, 64, x.as<float>(), x.as<float>(), false);  // x, rounded to bf16: 2
+    }
+    f.comm->all_reduce(r, s, x.as<float>(), 64, ReduceOp::sum);
+    if (r == 0) first_rank_waits = true;
+    out[static_cast<std::size_t>(r)] = test::download<float>(s, x);
+  });
+  for (const auto& v : out) EXPECT_EQ(v, std::vector<float>(64, 3.0f));
+}
+
 TEST(DeviceRing, EqualsTheSimRingBitForBit) {
   if (Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the device ring runs on a GPU";
   const auto bits = [](const std::vector<float>& v) {
