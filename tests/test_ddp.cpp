@@ -514,7 +514,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
     SCOPED_TRACE(fmt::format("step {}", k));
     std::vector<std::vector<float>> xs(static_cast<std::size_t>(world));
     std::vector<std::vector<std::int64_t>> ys(static_cast<std::size_t>(world));
-    std::vector<RankBatch> batches;
+    std::vector<Batch> batches;
     for (int r = 0; r < world; ++r) {
       const auto n = static_cast<std::size_t>(sizes[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)]);
       for (std::size_t i = 0; i < n; ++i) {
@@ -526,7 +526,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
         ys[static_cast<std::size_t>(r)].push_back(y[index]);
       }
       cursor[static_cast<std::size_t>(r)] += n;
-      batches.push_back(RankBatch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(),
+      batches.push_back(Batch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(),
                                   static_cast<int>(n)});
     }
     const float loss = ddp.train_step(batches);

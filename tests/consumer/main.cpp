@@ -39,7 +39,7 @@ int main() {
 
   auto module = dp::models::make_convnet(runtime->device(0), 0);
   dp::DistributedDataParallel ddp(*runtime, *module, sgd, {.bucket_cap_mb = 25});
-  std::vector<dp::RankBatch> shards;
+  std::vector<dp::Batch> shards;
   for (int r = 0; r < ddp.world_size(); ++r) shards.push_back({images.data() + r * 4 * 784, labels.data() + r * 4, 4});
   loss += ddp.train_step(shards);
   {

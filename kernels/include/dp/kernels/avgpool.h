@@ -1,4 +1,4 @@
-// avgpool.h — AvgPool2d (PyTorch semantics: floor mode, count_include_pad=True) and the global
+// dp/kernels/avgpool.h — AvgPool2d (PyTorch semantics: floor mode, count_include_pad=True) and the global
 // average pool AdaptiveAvgPool2d(1), forward and backward, with torch 1.13's CPU roundings.
 #pragma once
 

@@ -1,4 +1,4 @@
-// batchnorm.h — BatchNorm2d (PyTorch semantics: eps, momentum 0.1, biased batch variance for
+// dp/kernels/batchnorm.h — BatchNorm2d (PyTorch semantics: eps, momentum 0.1, biased batch variance for
 // normalisation, unbiased for running_var, num_batches_tracked int64) over NCHW input.
 // Per-channel reductions over N*H*W follow the reduction plan (launch_row_reduce, reduce_plan.h):
 // split into many blocks, summed in one order on cuda and sim.

@@ -1,4 +1,4 @@
-// conv2d.h — Conv2d forward/backward (PyTorch semantics: weight (C_out, C_in, KH, KW), bias (C_out),
+// dp/kernels/conv2d.h — Conv2d forward/backward (PyTorch semantics: weight (C_out, C_in, KH, KW), bias (C_out),
 // any stride and zero padding, NCHW row-major). Shared path: im2col/col2im + GEMM, which both
 // backends run. By default each backend's convolution library computes them instead (turned off by
 // set_conv_library(false)): cuDNN on cuda, when dp was built with it, its weight gradients by cuDNN or

@@ -1,4 +1,4 @@
-// dropout.h — Dropout in training (torch.nn.Dropout's arithmetic) with a counter-based generator,
+// dp/kernels/dropout.h — Dropout in training (torch.nn.Dropout's arithmetic) with a counter-based generator,
 // Philox4x32-10 from Random123: the backward recomputes the mask instead of storing it.
 #pragma once
 

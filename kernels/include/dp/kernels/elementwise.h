@@ -1,4 +1,4 @@
-// elementwise.h — per-element arithmetic, written once for host and device.
+// dp/kernels/elementwise.h — per-element arithmetic, written once for host and device.
 // Each functor holds raw pointers of one device and computes element i.
 #pragma once
 

@@ -1,4 +1,4 @@
-// linear.h — nn.Linear forward and backward: y = x·W^T + b with W (out, in), PyTorch's layout.
+// dp/kernels/linear.h — nn.Linear forward and backward: y = x·W^T + b with W (out, in), PyTorch's layout.
 // The products are kernels::gemm (cuBLAS / OpenBLAS); only the bias broadcast is a kernel here.
 #pragma once
 

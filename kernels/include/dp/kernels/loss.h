@@ -1,4 +1,4 @@
-// loss.h — CrossEntropyLoss (mean over the batch, log-softmax computed stably: max-shifted
+// dp/kernels/loss.h — CrossEntropyLoss (mean over the batch, log-softmax computed stably: max-shifted
 // log-sum-exp, optional label smoothing) forward and backward, for logits (N, C) and int64 targets (N).
 #pragma once
 

@@ -1,4 +1,4 @@
-// maxpool.h — MaxPool2d (PyTorch semantics: any kernel/stride/padding, padding = -inf, first maximum
+// dp/kernels/maxpool.h — MaxPool2d (PyTorch semantics: any kernel/stride/padding, padding = -inf, first maximum
 // in window scan order wins, NaN propagates) with an argmax-based backward.
 #pragma once
 

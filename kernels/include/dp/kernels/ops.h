@@ -1,4 +1,4 @@
-// ops.h — the kernel entry points the engine and models call. Non-template, so callers compile
+// dp/kernels/ops.h — the kernel entry points the engine and models call. Non-template, so callers compile
 // with the host compiler; the launches inside are compiled by nvcc when the cuda backend exists.
 // Every pointer must be memory of the stream's device (checked on sim). Sizes are element counts.
 #pragma once

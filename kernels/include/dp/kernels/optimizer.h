@@ -1,4 +1,4 @@
-// optimizer.h — SGD step over a flat parameter buffer (PyTorch torch.optim.SGD semantics, one launch
+// dp/kernels/optimizer.h — SGD step over a flat parameter buffer (PyTorch torch.optim.SGD semantics, one launch
 // for all parameters): g = grad + weight_decay * p; with momentum: buf = first ? g : momentum*buf + g
 // (dampening 0), g = nesterov ? g + momentum*buf : buf; p -= lr * g.
 #pragma once

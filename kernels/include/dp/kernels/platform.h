@@ -1,4 +1,4 @@
-// platform.h — the index type and helpers of kernel arithmetic written once for host and device
+// dp/kernels/platform.h — the index type and helpers of kernel arithmetic written once for host and device
 // (DP_HD comes from the runtime's kernel API).
 #pragma once
 

@@ -1,4 +1,4 @@
-// pool_shape.h — the shape of a 2-d pooling layer (MaxPool2d, AvgPool2d: a square window, one stride
+// dp/kernels/pool_shape.h — the shape of a 2-d pooling layer (MaxPool2d, AvgPool2d: a square window, one stride
 // and one padding for both axes, floor mode) and the windows that cover one input position.
 #pragma once
 

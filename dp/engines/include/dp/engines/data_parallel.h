@@ -1,4 +1,4 @@
-// dp/data_parallel.h — torch.nn.DataParallel semantics on persistent per-device workers:
+// dp/engines/data_parallel.h — torch.nn.DataParallel semantics on persistent per-device workers:
 // each step broadcasts parameters and buffers from device_ids[0], scatters the batch with
 // torch.chunk rules, runs forward on every used device, gathers the outputs on output_device,
 // computes the loss there, scatters the output gradient back, runs backward, reduce-adds the
@@ -66,10 +66,6 @@ class DataParallel final : public Engine {
 
   // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
   std::vector<float> predict(const float* inputs, int batch);
-  // The old name of predict; goes away in the next release.
-  [[deprecated("use predict")]] std::vector<float> forward(const float* inputs, int batch) {
-    return predict(inputs, batch);
-  }
 
   // Engine: one global batch per step, scattered over the devices.
   EngineKind kind() const override { return EngineKind::dp; }
@@ -85,8 +81,6 @@ class DataParallel final : public Engine {
   Model& model() const override { return module_; }
   std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
 
-  // The old name of model(); goes away in the next release.
-  [[deprecated("use model")]] Model& module() const { return module_; }
   Optimizer& optimizer() { return *optimizer_; }
   int output_device() const { return output_device_; }
   int source_device() const { return group_.device_ids()[0]; }

@@ -1,4 +1,4 @@
-// dp/ddp.h — torch.nn.parallel.DistributedDataParallel semantics: one persistent replica and
+// dp/engines/ddp.h — torch.nn.parallel.DistributedDataParallel semantics: one persistent replica and
 // optimizer per device of this process (and, with a ProcessGroup of several processes started by
 // mpirun, of every process: global rank = process rank x local devices + local rank), parameters and buffers broadcast
 // from rank 0 at construction, buffers broadcast before every forward (broadcast_buffers), gradients averaged by
@@ -58,9 +58,6 @@ struct DdpOptions {
   GradReduce grad_reduce = GradReduce::fp32;
 };
 
-// One rank's share of a step: host inputs (size x input_shape floats) and int64 targets.
-using RankBatch = Batch;
-
 class DistributedDataParallel final : public Engine {
  public:
   // `module` lives on device_ids[0] and becomes rank 0's replica; its values are broadcast.
@@ -97,8 +94,6 @@ class DistributedDataParallel final : public Engine {
   float forward_backward(std::span<const Batch> batches, float loss_scale = 1.0f);
   // The optimizer's step on every rank (torch's optimizer.step()), after the gradients' all-reduce.
   void optimizer_step();
-  // The old name of optimizer_step; goes away in the next release.
-  [[deprecated("use optimizer_step")]] void step() { optimizer_step(); }
 
   // While alive, backward accumulates locally without communication (torch's ddp.no_sync()).
   class NoSync {

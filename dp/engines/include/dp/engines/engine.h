@@ -1,4 +1,4 @@
-// dp/engine.h — one interface over the three ways dp trains a model: on one device
+// dp/engines/engine.h — one interface over the three ways dp trains a model: on one device
 // (SingleDeviceTrainer), DataParallel and DistributedDataParallel. A program picks its engine once
 // (make_engine) with the optimizer of its choice and runs every step, evaluation and checkpoint through this interface.
 #pragma once

@@ -1,4 +1,4 @@
-// dp/reducer.h — DDP's gradient reducer, apart from DDP as c10d keeps it: the buckets (contiguous
+// dp/engines/reducer.h — DDP's gradient reducer, apart from DDP as c10d keeps it: the buckets (contiguous
 // slices of the flat gradient buffer, filled in reverse parameter order), which gradients each is
 // still waiting for, and their all-reduce on a communication stream, launched strictly in bucket
 // order as soon as a bucket is complete, overlapping the rest of backward.

@@ -1,4 +1,4 @@
-// dp/trainer.h — one training step on ONE device: copy in, forward, loss, backward, optimizer step.
+// dp/engines/trainer.h — one training step on ONE device: copy in, forward, loss, backward, optimizer step.
 // The `single` engine of dp_train and dp_bench, and the baseline DP and DDP are compared with.
 #pragma once
 
@@ -35,10 +35,6 @@ class SingleDeviceTrainer final : public Engine {
   StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
   // submit(...).get(): returns the batch's mean loss, once the step has finished.
   float train_step(const float* inputs, const std::int64_t* targets, int batch);
-  // The old name of train_step; goes away in the next release.
-  [[deprecated("use train_step")]] float step(const float* inputs, const std::int64_t* targets, int batch) {
-    return train_step(inputs, targets, batch);
-  }
 
   // Eval-mode forward of host inputs; returns the logits on the host.
   std::vector<float> predict(const float* inputs, int batch);

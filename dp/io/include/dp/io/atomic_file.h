@@ -1,4 +1,4 @@
-// dp/atomic_file.h — files written so that a crash, a full disk or a kill never leaves a torn one:
+// dp/io/atomic_file.h — files written so that a crash, a full disk or a kill never leaves a torn one:
 // checkpoints (safetensors), dp_bench's JSON and trace. What a destination must be is checked
 // once, here, and can be checked before any work.
 #pragma once

@@ -1,4 +1,4 @@
-// dp/checkpoint.h — a model's state dict (parameters + buffers, PyTorch names, no "module." prefix)
+// dp/io/checkpoint.h — a model's state dict (parameters + buffers, PyTorch names, no "module." prefix)
 // to and from safetensors. Loading accepts "module."-prefixed names and checks every tensor.
 #pragma once
 

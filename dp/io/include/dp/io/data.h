@@ -1,4 +1,4 @@
-// dp/data.h — training data: MNIST IDX files (validated), a learnable synthetic set, PyTorch's
+// dp/io/data.h — training data: MNIST IDX files (validated), a learnable synthetic set, PyTorch's
 // DistributedSampler index rules, and a loader that prepares the next batches in a background
 // thread into pinned staging buffers so devices do not wait for the host.
 #pragma once
@@ -125,9 +125,6 @@ class FirstSamples : public SampleSource {
   std::shared_ptr<const SampleSource> source_;
   std::size_t count_;
 };
-
-// The old name of a loader's batch (a dp::Batch); goes away in the next release.
-using HostBatch [[deprecated("use dp::Batch")]] = Batch;
 
 // The sample indices of batch k. A loader asks for k = 0, 1, ... in order, on its own thread, just
 // before it fills the batch: a plan of millions of steps takes no memory up front.

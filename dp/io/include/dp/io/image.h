@@ -1,4 +1,4 @@
-// dp/image.h — PNG and JPEG files decoded to 8-bit RGB, as torchvision's ImageFolder loader sees
+// dp/io/image.h — PNG and JPEG files decoded to 8-bit RGB, as torchvision's ImageFolder loader sees
 // them: PIL's Image.open(path).convert("RGB") (libpng and libjpeg-turbo underneath).
 #pragma once
 

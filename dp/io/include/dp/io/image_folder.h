@@ -1,4 +1,4 @@
-// dp/image_folder.h — torchvision.datasets.ImageFolder: a directory with one subdirectory per
+// dp/io/image_folder.h — torchvision.datasets.ImageFolder: a directory with one subdirectory per
 // class, its PNG and JPEG files decoded (dp/image.h) and transformed (dp/transforms.h) on demand.
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/safetensors.h — reading and writing safetensors files (8-byte little-endian header length,
+// dp/io/safetensors.h — reading and writing safetensors files (8-byte little-endian header length,
 // JSON header, raw little-endian data), validated on read, written atomically (temp + rename).
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/sample_source.h — what a BatchLoader fills its batches from: N samples of one shape {C, H, W},
+// dp/io/sample_source.h — what a BatchLoader fills its batches from: N samples of one shape {C, H, W},
 // each made on demand as float32 (an MNIST image divided and normalised, or an image file decoded
 // and augmented) with its class. torch.utils.data.Dataset's __getitem__, with the random draws of
 // an augmentation keyed rather than taken from a generator's state.

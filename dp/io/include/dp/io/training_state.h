@@ -1,4 +1,4 @@
-// dp/training_state.h — everything a run needs to continue bit for bit as if it had not stopped:
+// dp/io/training_state.h — everything a run needs to continue bit for bit as if it had not stopped:
 // the model's parameters and buffers (its state dict, PyTorch names), the optimizer's kind, its
 // per-parameter state buffers (SGD momentum; AdamW exp_avg, exp_avg_sq) and step count, and the run's progress (step,
 // epoch, seed, free-form tags). One safetensors file, written atomically; every number read back is range-checked, as

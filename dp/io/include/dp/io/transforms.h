@@ -1,4 +1,4 @@
-// dp/transforms.h — torchvision 0.14's image transforms on float CHW images (ToTensor first):
+// dp/io/transforms.h — torchvision 0.14's image transforms on float CHW images (ToTensor first):
 // RandomResizedCrop, RandomHorizontalFlip, Resize, CenterCrop and Normalize, with the random draws
 // taken from a keyed Philox generator instead of torch's global one.
 //

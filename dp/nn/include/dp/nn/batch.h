@@ -1,4 +1,4 @@
-// dp/batch.h — a batch of samples in host memory, as the data loader hands it out and the engines
+// dp/nn/batch.h — a batch of samples in host memory, as the data loader hands it out and the engines
 // take it: `size` inputs (size x the model's input_shape floats) and their int64 class targets.
 #pragma once
 

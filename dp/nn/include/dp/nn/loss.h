@@ -1,4 +1,4 @@
-// dp/loss.h — CrossEntropyLoss (mean over the batch, stable log-softmax, optional label smoothing
+// dp/nn/loss.h — CrossEntropyLoss (mean over the batch, stable log-softmax, optional label smoothing
 // with torch.nn.CrossEntropyLoss(label_smoothing=...)'s formula), on the device.
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/lr_schedule.h — learning-rate schedules as torch.optim.lr_scheduler computes them in closed
+// dp/nn/lr_schedule.h — learning-rate schedules as torch.optim.lr_scheduler computes them in closed
 // form (each scheduler's _get_closed_form_lr), in double as Python does; an optimizer then takes
 // the value as float, as torch's fp32 update does. t counts scheduler steps (epochs or optimizer
 // steps: the caller's choice, as with torch's scheduler.step()).

@@ -1,4 +1,4 @@
-// dp/model.h — what the engine sees of a model. DP and DDP work only through this interface, so a
+// dp/nn/model.h — what the engine sees of a model. DP and DDP work only through this interface, so a
 // user's own hand-written model is as good as the reference MLP and ConvNet in models/.
 // Contract: all parameters of a replica live in ONE contiguous float buffer and all gradients in
 // another with the same layout (bucketed all-reduce and broadcast work on slices of them);

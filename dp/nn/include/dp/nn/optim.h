@@ -1,4 +1,4 @@
-// dp/optim.h — optimizers over a model's flat parameter buffer, one launch per step for all
+// dp/nn/optim.h — optimizers over a model's flat parameter buffer, one launch per step for all
 // parameters, with torch.optim's exact semantics: Sgd (torch.optim.SGD, dampening 0) and AdamW
 // (torch.optim.AdamW, amsgrad off). The engines hold them through the Optimizer interface, so a
 // program picks one by its options (make_optimizer) and never branches on which it has.

@@ -1,4 +1,4 @@
-// dp/tensor.h — named, typed views of device memory: how a model shows its parameters,
+// dp/nn/tensor.h — named, typed views of device memory: how a model shows its parameters,
 // gradients and buffers to the engine (and to checkpoints) without giving up its flat buffers.
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/bfloat16.h — bfloat16 values as their 16 bits, converted as the GPU converts them, written once
+// dp/runtime/bfloat16.h — bfloat16 values as their 16 bits, converted as the GPU converts them, written once
 // for host and device so that the sim and the cuda backend give the same bits: float -> bf16
 // rounds to nearest, ties to even (__float2bfloat16_rn, PTX cvt.rn.bf16.f32), with CUDA's one NaN
 // 0x7fff for every NaN (torch's CPU conversion keeps 0x7fc0; a NaN gradient stops the run either

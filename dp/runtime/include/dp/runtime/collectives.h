@@ -1,4 +1,4 @@
-// dp/collectives.h — collectives over the devices of a DeviceGroup, one interface for both
+// dp/runtime/collectives.h — collectives over the devices of a DeviceGroup, one interface for both
 // backends: NCCL on cuda (one communicator per device), a real ring over counted device-to-device
 // copies on sim (so a rank sends and receives 2(N-1)/N of a buffer per all-reduce). With a
 // ProcessGroup of several processes, the ranks are those of every process (global rank = process

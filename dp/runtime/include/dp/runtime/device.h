@@ -1,4 +1,4 @@
-// dp/device.h — devices, streams, events and copies behind one interface, two backends.
+// dp/runtime/device.h — devices, streams, events and copies behind one interface, two backends.
 // `cuda` drives real GPUs; `sim` runs N isolated simulated devices on host threads, faithfully
 // enough that a missing event wait is a real data race and a cross-device pointer a real error.
 #pragma once

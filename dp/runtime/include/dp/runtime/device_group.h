@@ -1,4 +1,4 @@
-// dp/device_group.h — a set of devices driven together: each member's work runs on that device's
+// dp/runtime/device_group.h — a set of devices driven together: each member's work runs on that device's
 // persistent worker thread (created once with the runtime, never per step), and a failure on any
 // member comes back to the caller as one error naming the device.
 #pragma once

@@ -1,4 +1,4 @@
-// dp/error.h — the exception types every dp entry point throws.
+// dp/runtime/error.h — the exception types every dp entry point throws.
 // A library throws (it never aborts the embedding process); destructors never throw.
 #pragma once
 

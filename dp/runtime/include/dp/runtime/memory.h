@@ -1,4 +1,4 @@
-// dp/memory.h — move-only owners of device memory and pinned host memory.
+// dp/runtime/memory.h — move-only owners of device memory and pinned host memory.
 // Freeing device memory waits for the device to be idle first (as cudaFree does), so a buffer
 // dropped while a stream still uses it is not a use-after-free.
 #pragma once

@@ -1,4 +1,4 @@
-// dp/precision.h — how exact the GPU libraries must be: a per-runtime policy (RuntimeOptions::precision)
+// dp/runtime/precision.h — how exact the GPU libraries must be: a per-runtime policy (RuntimeOptions::precision)
 // that the cuDNN convolutions read when they choose their algorithms.
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/process_group.h — the processes of one training job, as torch.distributed's default group:
+// dp/runtime/process_group.h — the processes of one training job, as torch.distributed's default group:
 // one process per node, each driving the same number of local devices (one worker thread per
 // device). Without a launcher the group is this process alone; under `mpirun` it is the MPI world,
 // and MPI bootstraps what the communicators need (NCCL's unique id, the sim ring's transport);

@@ -1,4 +1,4 @@
-// dp/scratch.h — device scratch that only grows: reallocated when a call needs more than it holds
+// dp/runtime/scratch.h — device scratch that only grows: reallocated when a call needs more than it holds
 // (a larger batch), reused otherwise. The one grow-only buffer of the layers above the runtime.
 #pragma once
 

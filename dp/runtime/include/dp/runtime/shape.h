@@ -1,4 +1,4 @@
-// dp/shape.h — element counts and printing of shapes: one of each, for every layer above the runtime
+// dp/runtime/shape.h — element counts and printing of shapes: one of each, for every layer above the runtime
 // (kernels' shape structs, tensors, checkpoints, data sets).
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/trace.h — what the streams did and when: spans recorded while profiling is on
+// dp/runtime/trace.h — what the streams did and when: spans recorded while profiling is on
 // (Runtime::set_profiling), for traces (dp_bench --trace) and busy-time accounting.
 #pragma once
 

@@ -1,4 +1,4 @@
-// launch.h — runs a __host__ __device__ functor over an index range on a dp stream.
+// dp/kernels/detail/launch.h — runs a __host__ __device__ functor over an index range on a dp stream.
 // cuda: a grid-stride kernel (or the two stages of reduce_plan.h for reductions) on the stream;
 // sim: the same functor in a loop on the stream's thread. The only place, besides the backend
 // folders, that knows which compiler it is under.

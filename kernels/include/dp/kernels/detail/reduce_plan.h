@@ -1,4 +1,4 @@
-// reduce_plan.h — the one summation order of every row reduction (launch_row_reduce), computed from
+// dp/kernels/detail/reduce_plan.h — the one summation order of every row reduction (launch_row_reduce), computed from
 // the shape alone so that the GPU and the sim add the same terms in the same order and give the same bits.
 #pragma once
 

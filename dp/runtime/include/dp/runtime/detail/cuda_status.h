@@ -1,4 +1,4 @@
-// dp/runtime/cuda_status.h — how DP_CUDA_CHECK (kernel_api.h) reads the status of each CUDA
+// dp/runtime/detail/cuda_status.h — how DP_CUDA_CHECK (kernel_api.h) reads the status of each CUDA
 // library. For code built against the CUDA toolkit only: the cuda backends and nvcc launch sites.
 #pragma once
 

@@ -1,4 +1,4 @@
-// dp/runtime/kernel_api.h — everything kernel code needs from the runtime, and nothing more: operand
+// dp/runtime/detail/kernel_api.h — everything kernel code needs from the runtime, and nothing more: operand
 // checks, host-side execution on a simulated stream, the native stream and the device's library
 // handles on cuda, and the one check macro for CUDA library calls. Kernels reach streams only
 // through these functions; the backends' internals stay private to the runtime.
