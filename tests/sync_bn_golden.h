@@ -25,7 +25,7 @@ inline void expect_sync_bn_matches_torch(Runtime& rt, const std::vector<int>& de
   const auto& meta = golden.metadata;
   auto model = models::make_resnet8(rt.device(devices[0]), 1);
   load_state_dict(*model, rt.device(devices[0]).create_stream(), golden, "init.");
-  DdpOptions options;
+  EngineOptions options;
   options.device_ids = devices;
   options.sync_batchnorm = true;
   options.processes = std::move(processes);

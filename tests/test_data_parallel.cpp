@@ -132,7 +132,7 @@ TEST_P(DataParallelOnBackend, MlpEqualsSingleDeviceOnTheGlobalBatch) {
     SCOPED_TRACE(fmt::format("{} devices", devices));
     auto model = models::make_mlp(rt->device(0), {64, 32}, 5);
     auto reference = models::make_mlp(rt->device(0), {64, 32}, 5);
-    DataParallelOptions options;
+    EngineOptions options;
     options.device_ids = std::vector<int>(static_cast<std::size_t>(devices));
     for (int d = 0; d < devices; ++d) (*options.device_ids)[static_cast<std::size_t>(d)] = d;
     DataParallel dp(*rt, *model, sgd, options);
@@ -167,7 +167,7 @@ TEST(DataParallel, OnOneDeviceIsTheSingleDeviceStepBitForBit) {
     auto model = make();
     auto reference = make();
     const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};
-    DataParallelOptions options;
+    EngineOptions options;
     options.time_phases = true;
     options.step.seed = 11;
     DataParallel dp(*rt, *model, sgd, options);
@@ -258,7 +258,7 @@ void expect_per_chunk_semantics(const DpCase& c, ModelFactory make, const std::s
   auto ref_rt = test::sim_runtime(1);
   auto model = make(rt->device(c.device_ids[0]), 9);
   auto master = make(ref_rt->device(0), 9);
-  DataParallelOptions options;
+  EngineOptions options;
   options.device_ids = c.device_ids;
   options.output_device = c.output_device;
   DataParallel dp(*rt, *model, sgd, options);
@@ -315,7 +315,7 @@ INSTANTIATE_TEST_SUITE_P(Configurations, ConvNetDataParallel,
 TEST(DataParallel, TrafficCountersEqualTheAnalyticValues) {
   auto rt = test::sim_runtime(3);
   auto model = models::make_convnet(rt->device(1), 2);
-  DataParallelOptions options;
+  EngineOptions options;
   options.device_ids = std::vector<int>{1, 2, 0};
   options.output_device = 2;
   DataParallel dp(*rt, *model, SgdOptions{0.01f, 0.9f, 0.0f, false}, options);
@@ -345,7 +345,7 @@ TEST(DataParallel, TrafficCountersEqualTheAnalyticValues) {
 TEST(DataParallel, PhaseTimesAreRecordedWhenAskedFor) {
   auto rt = test::sim_runtime(2);
   auto model = models::make_convnet(rt->device(0), 4);
-  DataParallelOptions options;
+  EngineOptions options;
   options.time_phases = true;
   DataParallel dp(*rt, *model, SgdOptions{0.01f}, options);
   const Batch b = make_batch(16, 3);
@@ -380,7 +380,7 @@ TEST(DataParallel, EvalForwardEqualsTheModule) {
 TEST(DataParallel, BadConfigurationIsAClearError) {
   auto rt = test::sim_runtime(3);
   auto model = models::make_mlp(rt->device(0), {8});
-  auto expect_error = [&](DataParallelOptions options, const std::string& text) {
+  auto expect_error = [&](EngineOptions options, const std::string& text) {
     try {
       DataParallel dp(*rt, *model, SgdOptions{}, options);
       ADD_FAILURE() << "accepted: " << text;
@@ -388,10 +388,12 @@ TEST(DataParallel, BadConfigurationIsAClearError) {
       EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
     }
   };
-  expect_error({std::vector<int>{}, std::nullopt}, "device_ids is empty");
-  expect_error({std::vector<int>{0, 1, 0}, std::nullopt}, "device 0 twice");
-  expect_error({std::vector<int>{0, 1}, 2}, "output_device 2 is not one of device_ids [0, 1]");
-  expect_error({std::vector<int>{1, 0}, std::nullopt}, "module must have its parameters and buffers on device_ids[0]");
+  expect_error({.device_ids = std::vector<int>{}}, "device_ids is empty");
+  expect_error({.device_ids = std::vector<int>{0, 1, 0}}, "device 0 twice");
+  expect_error({.device_ids = std::vector<int>{0, 1}, .output_device = 2},
+               "output_device 2 is not one of device_ids [0, 1]");
+  expect_error({.device_ids = std::vector<int>{1, 0}}, "module must have its parameters and buffers on device_ids[0]");
+  expect_error({.sync_batchnorm = true}, "sync_batchnorm applies to ddp, not dp");
   DataParallel dp(*rt, *model, SgdOptions{});
   const Batch b = make_batch(1, 1);
   EXPECT_THROW(dp.train_step(b.x.data(), b.y.data(), 0), InvalidArgument) << "batch 0";

@@ -100,7 +100,7 @@ TEST_P(DdpOnBackend, MlpEqualsSingleDeviceOnTheConcatenatedBatch) {
     SCOPED_TRACE(fmt::format("world {}", world));
     auto model = models::make_mlp(rt->device(0), {64, 32}, 5);
     auto reference = models::make_mlp(rt->device(0), {64, 32}, 5);
-    DdpOptions options;
+    EngineOptions options;
     options.device_ids = std::vector<int>(static_cast<std::size_t>(world));
     for (int d = 0; d < world; ++d) (*options.device_ids)[static_cast<std::size_t>(d)] = d;
     options.bucket_cap_mb = 0.05;  // several buckets
@@ -147,7 +147,7 @@ TEST_P(SyncBatchNorm, DdpEqualsOneDeviceOnTheConcatenatedBatch) {
   const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
   auto model = make(rt->device(0));
   auto reference = make(ref_rt->device(0));
-  DdpOptions options;
+  EngineOptions options;
   options.sync_batchnorm = true;
   options.check_replicas = true;
   DistributedDataParallel ddp(*rt, *model, sgd, options);
@@ -319,7 +319,7 @@ TEST(Ddp, BufferBroadcastIsSkippedAfterANoSyncForward) {
 TEST(Ddp, FirstBucketAllReduceOverlapsBackward) {
   auto rt = test::sim_runtime(2);
   SlowRestOfBackward model(models::make_mlp(rt->device(0), {256, 256}, 1));
-  DdpOptions options;
+  EngineOptions options;
   options.first_bucket_mb = 1024.0 / (1 << 20);
   options.bucket_cap_mb = 4000.0 / (1 << 20);  // buckets {fc3}, {fc2}, {fc1}
   DistributedDataParallel ddp(*rt, model, SgdOptions{0.01f}, options);
@@ -353,7 +353,7 @@ TEST(Ddp, FirstBucketAllReduceOverlapsBackward) {
 TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
   auto rt = test::sim_runtime(3);
   auto model = models::make_convnet(rt->device(0), 3);
-  DdpOptions options;
+  EngineOptions options;
   options.check_replicas = true;
   DistributedDataParallel ddp(*rt, *model, SgdOptions{0.05f, 0.9f, 1e-4f, true}, options);
   const Data data = make_data(3 * 4 * 2, 6);
@@ -379,7 +379,7 @@ TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
 TEST(Ddp, AFailingRankDoesNotDeadlockItsPeers) {
   auto rt = test::sim_runtime(2);
   auto model = models::make_mlp(rt->device(0), {256, 256}, 1);
-  DdpOptions options;
+  EngineOptions options;
   options.first_bucket_mb = 0.1;
   options.bucket_cap_mb = 0.1;
   DistributedDataParallel ddp(*rt, *model, SgdOptions{0.01f}, options);
@@ -404,7 +404,7 @@ TEST(Ddp, ResNet8EqualsItsPerRankEmulation) {
   Device& ref = ref_rt->device(0);
   const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
   auto model = models::make_resnet8(rt->device(0), 5);
-  DdpOptions options;
+  EngineOptions options;
   options.check_replicas = true;
   DistributedDataParallel ddp(*rt, *model, sgd, options);
   auto rank0 = models::make_resnet8(ref, 5), rank1 = models::make_resnet8(ref, 5);
@@ -461,7 +461,7 @@ TEST(Ddp, BadConfigurationIsAClearError) {
   auto rt = test::sim_runtime(2);
   auto model = models::make_mlp(rt->device(1), {8});
   EXPECT_THROW(DistributedDataParallel(*rt, *model, SgdOptions{}), InvalidArgument) << "module not on rank 0";
-  DdpOptions options;
+  EngineOptions options;
   options.device_ids = std::vector<int>{1, 1};
   EXPECT_THROW(DistributedDataParallel(*rt, *model, SgdOptions{}, options), InvalidArgument);
   options.device_ids = std::vector<int>{1, 0};
@@ -497,7 +497,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   load_state_dict(*model, s, golden, "init.");
   const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
                        std::stof(golden.metadata.at("weight_decay")), false};
-  DdpOptions options;
+  EngineOptions options;
   options.broadcast_buffers = broadcast_buffers;
   options.check_replicas = true;
   DistributedDataParallel ddp(*rt, *model, sgd, options);

@@ -159,7 +159,7 @@ TEST_P(LowPrecisionOnBackend, DdpReducesGradientsAsBf16CompressHook) {
   DP_RUNTIME_OR_SKIP(rt, GetParam(), 2);
   const SgdOptions sgd{0.05f, 0.0f, 0.0f, false};
   auto model = models::make_convnet(rt->device(0), 7), reference = models::make_convnet(rt->device(0), 7);
-  DdpOptions options;
+  EngineOptions options;
   options.device_ids = std::vector<int>{0, 1};
   options.grad_reduce = GradReduce::bf16;
   options.bucket_cap_mb = 0.02;  // several buckets

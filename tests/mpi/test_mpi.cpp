@@ -154,12 +154,12 @@ TEST_P(DdpAcrossProcesses, EqualsOneProcessWithAllTheDevices) {
   auto model = make(rt->device(0));
   auto ref_model = make(ref_rt->device(0));
   const SgdOptions sgd{0.05f, 0.9f, 1e-4f, false};
-  DdpOptions options;
+  EngineOptions options;
   options.sync_batchnorm = sync_bn;
   options.step.seed = 5;           // the MLP's dropout: global rank g draws from seed + g
   options.first_bucket_mb = 0.01;  // several buckets
   options.bucket_cap_mb = 0.05;
-  DdpOptions ref_options = options;
+  EngineOptions ref_options = options;
   options.processes = g_world;
   DistributedDataParallel ddp(*rt, *model, sgd, options);
   DistributedDataParallel ref(*ref_rt, *ref_model, sgd, ref_options);

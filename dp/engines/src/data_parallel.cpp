@@ -42,9 +42,10 @@ struct DataParallel::Replica {
 };
 
 DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
-                           DataParallelOptions options)
+                           const EngineOptions& options)
     : module_(module),
-      group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),  // [] is an error, as in PyTorch
+      // [] is an error, as in PyTorch
+      group_(runtime, check_applies(EngineKind::dp, options).device_ids.value_or(DeviceGroup::all_devices(runtime))),
       output_device_(options.output_device.value_or(group_.device_ids()[0])),
       output_rank_(-1),
       optimizer_(make_optimizer(module.device(), module.param_count(), optimizer)) {

@@ -32,9 +32,9 @@ struct DistributedDataParallel::Rank {
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
-                                                 DdpOptions options)
+                                                 const EngineOptions& options)
     : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),
-      options_(std::move(options)),
+      options_(check_applies(EngineKind::ddp, options)),
       processes_(options_.processes ? options_.processes : ProcessGroup::single()) {
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
   comm_ = Communicator::create(group_, processes_);

@@ -134,49 +134,36 @@ namespace {
 
 std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                              const EngineOptions& options) {
-  if (options.sync_batchnorm && options.kind != EngineKind::ddp)
-    throw InvalidArgument(fmt::format("sync_batchnorm applies to ddp, not {}", to_string(options.kind)));
-  if (options.processes && options.processes->size() > 1 && options.kind != EngineKind::ddp)
-    throw InvalidArgument(fmt::format(
-        "{} is single-process by definition, but this job has {} processes: use ddp across processes (or run "
-        "without mpirun)",
-        options.kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
-  if (options.grad_reduce != GradReduce::fp32 && options.kind != EngineKind::ddp)
-    throw InvalidArgument(fmt::format("a bf16 gradient all-reduce applies to ddp, not {}", to_string(options.kind)));
-  if (options.output_device && options.kind != EngineKind::dp)
-    throw InvalidArgument(fmt::format("output_device applies to dp, not {}", to_string(options.kind)));
   switch (options.kind) {
     case EngineKind::single:
+      check_applies(options.kind, options);
       if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
         throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
                                           model.device().index(), fmt::join(*options.device_ids, ", ")));
       return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step, options.graphs);
-    case EngineKind::dp: {
-      DataParallelOptions dp_options;
-      dp_options.step = options.step;
-      dp_options.device_ids = options.device_ids;
-      dp_options.output_device = options.output_device;
-      dp_options.time_phases = options.time_phases;
-      dp_options.graphs = options.graphs;
-      return std::make_unique<DataParallel>(runtime, model, optimizer, dp_options);
-    }
-    case EngineKind::ddp: {
-      DdpOptions ddp_options;
-      ddp_options.step = options.step;
-      ddp_options.device_ids = options.device_ids;
-      ddp_options.bucket_cap_mb = options.bucket_cap_mb;
-      ddp_options.first_bucket_mb = options.first_bucket_mb;
-      ddp_options.broadcast_buffers = options.broadcast_buffers;
-      ddp_options.sync_batchnorm = options.sync_batchnorm;
-      ddp_options.processes = options.processes;
-      ddp_options.graphs = options.graphs;
-      ddp_options.frozen = options.frozen;
-      ddp_options.grad_reduce = options.grad_reduce;
-      return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, ddp_options);
-    }
+    case EngineKind::dp: return std::make_unique<DataParallel>(runtime, model, optimizer, options);
+    case EngineKind::ddp: return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, options);
   }
   throw InvalidArgument("unknown engine kind");
 }
 
 }  // namespace
+
+const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options) {
+  const auto refuse = [&](const char* field, const char* applies_to) {
+    throw InvalidArgument(fmt::format("{} applies to {}, not {}", field, applies_to, to_string(kind)));
+  };
+  if (kind != EngineKind::ddp) {
+    if (options.sync_batchnorm) refuse("sync_batchnorm", "ddp");
+    if (options.grad_reduce != GradReduce::fp32) refuse("a bf16 gradient all-reduce", "ddp");
+    if (options.processes && options.processes->size() > 1)
+      throw InvalidArgument(fmt::format(
+          "{} is single-process by definition, but this job has {} processes: use ddp across processes (or run "
+          "without mpirun)",
+          kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
+  }
+  if (kind != EngineKind::dp && options.output_device) refuse("output_device", "dp");
+  return options;
+}
+
 }  // namespace dp

@@ -29,17 +29,6 @@ class StepGraphs;
 class StepPipeline;
 }  // namespace engines
 
-struct DataParallelOptions {
-  std::optional<std::vector<int>> device_ids;  // unset: every device of the runtime, in index order
-  std::optional<int> output_device;            // default: device_ids[0]; must be one of device_ids
-  // Record events at phase boundaries so last_phases() can report where a step's time went.
-  bool time_phases = false;
-  StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from
-  // Capture the step (every device's part, one graph) per batch size and replay it
-  // (EngineOptions::graphs); not with time_phases, whose events a graph does not record.
-  bool graphs = false;
-};
-
 // Where one DataParallel step spent its time, in ms. Per-device phases report the slowest device;
 // gather and reduce include the wait for the slowest device (DP's load imbalance shows there).
 struct DataParallelPhases {
@@ -53,8 +42,10 @@ std::vector<int> chunk_sizes(int batch, int devices);
 class DataParallel final : public Engine {
  public:
   // `module` lives on device_ids[0] (the source): it holds the master parameters and buffers,
-  // and the optimizer steps it. Throws InvalidArgument on a bad configuration.
-  DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DataParallelOptions options = {});
+  // and the optimizer steps it. Throws InvalidArgument on a bad configuration, or for an option
+  // that applies to another engine (EngineOptions, check_applies). Graphs are not captured with
+  // time_phases, whose events a graph does not record.
+  DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, const EngineOptions& options = {});
   ~DataParallel() override;
 
   // One training step on a global batch of host inputs (batch x module.input_shape() floats) and

@@ -34,34 +34,16 @@ class Replicas;
 struct StepWork;
 }  // namespace engines
 
-struct DdpOptions {
-  std::optional<std::vector<int>> device_ids;  // unset: every device; rank = position
-  double bucket_cap_mb = 25.0;                 // MiB, as torch's bucket_cap_mb
-  double first_bucket_mb = 1.0;                // torch's _DEFAULT_FIRST_BUCKET_BYTES
-  bool broadcast_buffers = true;
-  // Debug: after every step, verify that all replicas' parameters are bitwise identical.
-  bool check_replicas = false;
-  // torch.nn.SyncBatchNorm.convert_sync_batchnorm: BatchNorm statistics over all ranks' batches
-  // (forward and backward), so N ranks of b samples train as one device on the N*b samples.
-  bool sync_batchnorm = false;
-  StepOptions step = {};  // label smoothing of the loss; the seed Dropout draws from (rank r: seed + r)
-  // The processes of the job (ProcessGroup::from_environment() under mpirun); null: this one alone.
-  // Every process constructs its DDP with the same options and the same number of devices.
-  std::shared_ptr<ProcessGroup> processes;
-  // Capture each rank's train_step (its collectives included) per batch sizes and replay it
-  // (EngineOptions::graphs). In one process only; forward_backward/step (no_sync loops) run eagerly.
-  bool graphs = false;
-  // Parameters by name prefix (EngineOptions::frozen) whose gradients are not all-reduced, as
-  // torch's DDP leaves out parameters that do not require grad: no bucket holds them.
-  std::vector<std::string> frozen;
-  // What the buckets' all-reduce carries: fp32, or bf16 as torch's bf16_compress_hook (dp/engines/reducer.h).
-  GradReduce grad_reduce = GradReduce::fp32;
-};
-
 class DistributedDataParallel final : public Engine {
  public:
-  // `module` lives on device_ids[0] and becomes rank 0's replica; its values are broadcast.
-  DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, DdpOptions options = {});
+  // `module` lives on device_ids[0] and becomes rank 0's replica; its values are broadcast. Rank r
+  // = position in device_ids. Every process of `options.processes` constructs its DDP with the same
+  // options and the same number of devices. Graphs capture each rank's train_step in one process
+  // only; forward_backward/optimizer_step (no_sync loops) run eagerly. Frozen parameters' gradients
+  // are not all-reduced (no bucket holds them), as torch's DDP leaves out those that do not
+  // require grad; make_engine also keeps the optimizers off them.
+  DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                          const EngineOptions& options = {});
   ~DistributedDataParallel() override;
 
   // Global ranks over every process; this process's local rank r is global rank first_rank() + r.
@@ -149,7 +131,7 @@ class DistributedDataParallel final : public Engine {
 
   EvalTotals reduce_totals(const EvalTotals& local) override;
   DeviceGroup group_;
-  DdpOptions options_;
+  EngineOptions options_;
   std::shared_ptr<ProcessGroup> processes_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;

@@ -142,16 +142,25 @@ class Engine {
   virtual EvalTotals reduce_totals(const EvalTotals& local) { return local; }
 };
 
+// The one configuration of every engine: make_engine's, and the DataParallel and
+// DistributedDataParallel constructors' (which are their own kind and ignore `kind`). Each field
+// says which engines it applies to. Setting output_device, sync_batchnorm, a bf16 grad_reduce or
+// several processes for an engine they do not apply to is an InvalidArgument (check_applies); the
+// other fields are tuning the other engines ignore, so one configuration serves a comparison of
+// every kind.
 struct EngineOptions {
-  EngineKind kind = EngineKind::single;
+  EngineKind kind = EngineKind::single;  // make_engine: which engine to build
   // Devices in rank order; unset: every device of the runtime (single: the model's device).
-  std::optional<std::vector<int>> device_ids;
-  std::optional<int> output_device;  // dp: gathers outputs, computes the loss (default device_ids[0])
-  bool time_phases = false;          // dp: record phase times (DataParallel::last_phases)
-  double bucket_cap_mb = 25.0;       // ddp: gradient bucket cap, MiB
-  double first_bucket_mb = 1.0;      // ddp: the first bucket's cap, MiB
-  bool broadcast_buffers = true;     // ddp: buffers broadcast from rank 0 before each forward
-  bool sync_batchnorm = false;       // ddp: SyncBatchNorm (statistics over all ranks' batches)
+  std::optional<std::vector<int>> device_ids = {};
+  std::optional<int> output_device = {};  // dp: gathers outputs, computes the loss (default device_ids[0])
+  bool time_phases = false;               // dp: record phase times (DataParallel::last_phases)
+  double bucket_cap_mb = 25.0;            // ddp: gradient bucket cap, MiB, as torch's bucket_cap_mb
+  double first_bucket_mb = 1.0;           // ddp: the first bucket's cap, MiB (torch's _DEFAULT_FIRST_BUCKET_BYTES)
+  bool broadcast_buffers = true;          // ddp: buffers broadcast from rank 0 before each forward
+  // ddp: torch.nn.SyncBatchNorm.convert_sync_batchnorm: BatchNorm statistics over all ranks'
+  // batches (forward and backward), so N ranks of b samples train as one device on N*b samples.
+  bool sync_batchnorm = false;
+  bool check_replicas = false;  // ddp, debug: after every step, all replicas' parameters bitwise equal
   // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
   GradReduce grad_reduce = GradReduce::fp32;
   // Every kind: torch.autocast around the forward (Model::set_autocast, set on the model and so on
@@ -167,14 +176,19 @@ struct EngineOptions {
   // layer10.weight), as torch's requires_grad_(False) for fine-tuning: never updated, no optimizer
   // state, and DDP does not all-reduce their gradients (which are still computed). A prefix that
   // names no parameter is an InvalidArgument.
-  std::vector<std::string> frozen;
+  std::vector<std::string> frozen = {};
   // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
   // single and dp are single-process: a group of several processes is refused for them.
-  std::shared_ptr<ProcessGroup> processes;
+  std::shared_ptr<ProcessGroup> processes = {};
 };
 
+// Throws InvalidArgument naming the first field of `options` set for an engine of `kind` that it
+// does not apply to (see EngineOptions), or a process group of several processes for a
+// single-process kind; returns `options` (for the engines' member initializers).
+const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options);
+
 // `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws
-// InvalidArgument for options that do not apply to the kind (an output device for ddp, ...).
+// InvalidArgument for options that do not apply to the kind (check_applies).
 std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options);
 
