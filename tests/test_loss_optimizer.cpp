@@ -15,6 +15,7 @@
 #include "dp/kernels/loss.h"
 #include "dp/kernels/ops.h"
 #include "dp/kernels/optimizer.h"
+#include "dp/nn/optim.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
 #include "test_util.h"
@@ -245,9 +246,25 @@ TEST_P(LossOptimizerTest, CrossEntropyOfANaNLogitIsNaN) {
 // to fp32 as ATen rounds it: x.add(y, alpha=a) is one fused multiply-add x + a*y (ATen's
 // ufunc::add is vec::fmadd; verified on this machine's torch for both the vector body and the
 // scalar tail), x.mul_(m) a plain product.
+// The update kernels as the optimizers call them: the options validated, then split into the
+// update's constants and its per-step values.
+void sgd_kernel(const Stream& stream, kernels::index_t n, const SgdOptions& o, bool first_step, float* params,
+                const float* grads, float* buffer) {
+  validate(o);
+  kernels::sgd_step(stream, n, {o.momentum, o.weight_decay, o.nesterov}, kernels::sgd_scalars(o.lr, first_step), params,
+                    grads, buffer);
+}
+void adamw_kernel(const Stream& stream, kernels::index_t n, const AdamWOptions& o, std::int64_t step, float* params,
+                  const float* grads, float* exp_avg, float* exp_avg_sq) {
+  validate(o);
+  const kernels::AdamWConstants constants{o.beta1, o.beta2, o.eps};
+  kernels::adamw_step(stream, n, constants, kernels::adamw_scalars(constants, o.lr, o.weight_decay, step), params,
+                      grads, exp_avg, exp_avg_sq);
+}
+
 class TorchSgd {
  public:
-  explicit TorchSgd(kernels::SgdOptions o) : o_(o) {}
+  explicit TorchSgd(SgdOptions o) : o_(o) {}
   void step(std::vector<float>& params, std::vector<float> d_p) {
     if (buf_.empty() && o_.momentum != 0.0f) buf_.resize(params.size());
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -268,7 +285,7 @@ class TorchSgd {
   const std::vector<float>& buffer() const { return buf_; }
 
  private:
-  kernels::SgdOptions o_;
+  SgdOptions o_;
   std::vector<float> buf_;
   int steps_ = 0;
 };
@@ -279,7 +296,7 @@ class TorchSgd {
 TEST_P(LossOptimizerTest, SgdMatchesTorchFormulaExactly) {
   struct Case {
     const char* name;
-    kernels::SgdOptions options;
+    SgdOptions options;
   };
   const Case cases[] = {
       {"plain", {0.1f, 0.0f, 0.0f, false}},     {"weight_decay", {0.1f, 0.0f, 1e-2f, false}},
@@ -298,8 +315,8 @@ TEST_P(LossOptimizerTest, SgdMatchesTorchFormulaExactly) {
     for (int step = 0; step < 4; ++step) {
       const auto g = random_vector(n, ++seed, -2.0f, 2.0f);
       stream_.copy(grads.data(), g.data(), n * sizeof(float));
-      kernels::sgd_step(stream_, n, c.options, step == 0, dparams.as<float>(), grads.as<float>(),
-                        c.options.momentum != 0.0f ? buf.as<float>() : nullptr);
+      sgd_kernel(stream_, n, c.options, step == 0, dparams.as<float>(), grads.as<float>(),
+                 c.options.momentum != 0.0f ? buf.as<float>() : nullptr);
       ref.step(params, g);
       EXPECT_TRUE(all_close(download<float>(stream_, dparams), params, 0.0, 0.0)) << c.name << " step " << step;
       if (c.options.momentum != 0.0f) {
@@ -314,12 +331,12 @@ TEST_P(LossOptimizerTest, SgdMatchesTorchFormulaExactly) {
 TEST_P(LossOptimizerTest, SgdHandComputedSteps) {
   const std::vector<float> p0{4.0f, -2.0f, 0.0f}, g0{2.0f, 4.0f, -6.0f}, g1{2.0f, 0.0f, 2.0f};
   DeviceBuffer grads = device_->allocate(3 * sizeof(float)), buf = device_->allocate(3 * sizeof(float));
-  const auto run = [&](kernels::SgdOptions o) {
+  const auto run = [&](SgdOptions o) {
     DeviceBuffer p = upload(*device_, stream_, p0);
     std::vector<std::vector<float>> out;
     for (const auto* g : {&g0, &g1}) {
       stream_.copy(grads.data(), g->data(), 3 * sizeof(float));
-      kernels::sgd_step(stream_, 3, o, g == &g0, p.as<float>(), grads.as<float>(), buf.as<float>());
+      sgd_kernel(stream_, 3, o, g == &g0, p.as<float>(), grads.as<float>(), buf.as<float>());
       out.push_back(download<float>(stream_, p));
     }
     return out;
@@ -349,14 +366,14 @@ TEST_P(LossOptimizerTest, SgdHandComputedSteps) {
 TEST_P(LossOptimizerTest, SgdRejectsInvalidOptions) {
   DeviceBuffer p = device_->allocate(16 * sizeof(float));
   float* x = p.as<float>();
-  EXPECT_THROW(kernels::sgd_step(stream_, 16, {-0.1f, 0.0f, 0.0f, false}, true, x, x, nullptr), InvalidArgument);
-  EXPECT_THROW(kernels::sgd_step(stream_, 16, {0.1f, -0.9f, 0.0f, false}, true, x, x, x), InvalidArgument);
-  EXPECT_THROW(kernels::sgd_step(stream_, 16, {0.1f, 0.0f, -1.0f, false}, true, x, x, nullptr), InvalidArgument);
-  EXPECT_THROW(kernels::sgd_step(stream_, 16, {0.1f, 0.0f, 0.0f, true}, true, x, x, nullptr), InvalidArgument);
-  EXPECT_THROW(kernels::sgd_step(stream_, 16, {0.1f, 0.9f, 0.0f, false}, true, x, x, nullptr), InvalidArgument);
-  EXPECT_THROW(kernels::sgd_step(stream_, -1, {}, true, x, x, nullptr), InvalidArgument);
+  EXPECT_THROW(sgd_kernel(stream_, 16, {-0.1f, 0.0f, 0.0f, false}, true, x, x, nullptr), InvalidArgument);
+  EXPECT_THROW(sgd_kernel(stream_, 16, {0.1f, -0.9f, 0.0f, false}, true, x, x, x), InvalidArgument);
+  EXPECT_THROW(sgd_kernel(stream_, 16, {0.1f, 0.0f, -1.0f, false}, true, x, x, nullptr), InvalidArgument);
+  EXPECT_THROW(sgd_kernel(stream_, 16, {0.1f, 0.0f, 0.0f, true}, true, x, x, nullptr), InvalidArgument);
+  EXPECT_THROW(sgd_kernel(stream_, 16, {0.1f, 0.9f, 0.0f, false}, true, x, x, nullptr), InvalidArgument);
+  EXPECT_THROW(sgd_kernel(stream_, -1, {}, true, x, x, nullptr), InvalidArgument);
   if (GetParam() == "sim") {  // 17 floats run past the 16-float allocation
-    EXPECT_THROW(kernels::sgd_step(stream_, 17, {}, true, x, x, nullptr), DeviceMismatch);
+    EXPECT_THROW(sgd_kernel(stream_, 17, {}, true, x, x, nullptr), DeviceMismatch);
   }
   stream_.synchronize();
 }
@@ -368,8 +385,8 @@ TEST_P(LossOptimizerTest, SgdMatchesPyTorchGoldensBitForBit) {
   for (const char* name : {"mlp_b7", "mlp_b7_nesterov", "convnet_b7"}) {
     const auto file = safetensors::read(test::golden_path(name));
     const auto& meta = file.metadata;
-    const kernels::SgdOptions options{std::stof(meta.at("lr")), std::stof(meta.at("momentum")),
-                                      std::stof(meta.at("weight_decay")), meta.at("nesterov") == "1"};
+    const SgdOptions options{std::stof(meta.at("lr")), std::stof(meta.at("momentum")),
+                             std::stof(meta.at("weight_decay")), meta.at("nesterov") == "1"};
     const int steps = std::stoi(meta.at("steps"));
     // Parameters are the tensors with a gradient, in file order; flattened one after another.
     std::vector<std::string> ordered;
@@ -391,7 +408,7 @@ TEST_P(LossOptimizerTest, SgdMatchesPyTorchGoldensBitForBit) {
     for (int k = 0; k < steps; ++k) {
       const auto g = flat("step" + std::to_string(k) + ".grad.");
       stream_.copy(grads.data(), g.data(), n * sizeof(float));
-      kernels::sgd_step(stream_, n, options, k == 0, params.as<float>(), grads.as<float>(), buf.as<float>());
+      sgd_kernel(stream_, n, options, k == 0, params.as<float>(), grads.as<float>(), buf.as<float>());
       EXPECT_TRUE(all_close(download<float>(stream_, buf), flat("step" + std::to_string(k) + ".momentum."), 0.0, 0.0))
           << name << " step " << k;
     }
@@ -419,7 +436,7 @@ TEST_P(LossOptimizerTest, AdamWMatchesPyTorchGoldens) {
   const auto golden = safetensors::read(test::golden_path("adamw"));
   for (const std::string name : {"defaults", "aggressive"}) {
     const auto h = nlohmann::json::parse(golden.metadata.at(name));
-    const kernels::AdamWOptions options{h.at("lr"), h.at("beta1"), h.at("beta2"), h.at("eps"), h.at("weight_decay")};
+    const AdamWOptions options{h.at("lr"), h.at("beta1"), h.at("beta2"), h.at("eps"), h.at("weight_decay")};
     const auto init = golden.at(name + ".init").to_f32();
     const auto n = static_cast<kernels::index_t>(init.size());
     DeviceBuffer params = upload(*device_, stream_, init);
@@ -428,8 +445,7 @@ TEST_P(LossOptimizerTest, AdamWMatchesPyTorchGoldens) {
     for (int step = 0; step < 4; ++step) {
       const auto key = [&](const char* what) { return fmt::format("{}.{}.{}", name, what, step); };
       DeviceBuffer grads = upload(*device_, stream_, golden.at(key("grad")).to_f32());
-      kernels::adamw_step(stream_, n, options, step + 1, params.as<float>(), grads.as<float>(), m.as<float>(),
-                          v.as<float>());
+      adamw_kernel(stream_, n, options, step + 1, params.as<float>(), grads.as<float>(), m.as<float>(), v.as<float>());
       for (const auto& [what, buffer] :
            {std::pair{"param", &params}, std::pair{"exp_avg", &m}, std::pair{"exp_avg_sq", &v}}) {
         const auto got = download<float>(stream_, *buffer), want = golden.at(key(what)).to_f32();
@@ -444,12 +460,12 @@ TEST_P(LossOptimizerTest, AdamWMatchesPyTorchGoldens) {
 TEST_P(LossOptimizerTest, AdamWRejectsWhatTorchRejects) {
   DeviceBuffer buf = device_->allocate(16 * sizeof(float));
   float* x = buf.as<float>();
-  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.lr = -1.0}, 1, x, x, x, x), InvalidArgument);
-  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.beta1 = 1.0}, 1, x, x, x, x), InvalidArgument);
-  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.beta2 = -0.1}, 1, x, x, x, x), InvalidArgument);
-  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.eps = std::nan("")}, 1, x, x, x, x), InvalidArgument);
-  EXPECT_THROW(kernels::adamw_step(stream_, 4, {.weight_decay = -1.0}, 1, x, x, x, x), InvalidArgument);
-  EXPECT_THROW(kernels::adamw_step(stream_, 4, {}, 0, x, x, x, x), InvalidArgument) << "steps count from 1";
+  EXPECT_THROW(adamw_kernel(stream_, 4, {.lr = -1.0}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(adamw_kernel(stream_, 4, {.beta1 = 1.0}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(adamw_kernel(stream_, 4, {.beta2 = -0.1}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(adamw_kernel(stream_, 4, {.eps = std::nan("")}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(adamw_kernel(stream_, 4, {.weight_decay = -1.0}, 1, x, x, x, x), InvalidArgument);
+  EXPECT_THROW(adamw_kernel(stream_, 4, {}, 0, x, x, x, x), InvalidArgument) << "steps count from 1";
 }
 
 }  // namespace

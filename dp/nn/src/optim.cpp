@@ -2,6 +2,7 @@
 #include "dp/nn/optim.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fmt/format.h>
 
@@ -19,6 +20,10 @@ struct Overloaded : F... {
 template <class... F>
 Overloaded(F...) -> Overloaded<F...>;  // clang 14 (the fuzz build) has no aggregate deduction yet
 
+kernels::AdamWConstants constants_of(const AdamWOptions& o) { return {o.beta1, o.beta2, o.eps}; }
+kernels::AdamWScalars adamw_values(const AdamWOptions& o, std::int64_t step) {
+  return kernels::adamw_scalars(constants_of(o), o.lr, o.weight_decay, step);
+}
 }  // namespace
 
 Optimizer::Optimizer(Device& device, std::size_t param_count)
@@ -75,16 +80,40 @@ DeviceBuffer Optimizer::zeroed_buffer() const {
   return buffer;
 }
 
+void validate(const SgdOptions& o) {
+  // torch.optim.SGD's constructor checks, with the same meaning; `!(x >= 0)` also rejects NaN, and
+  // the learning rate must be finite.
+  if (!(o.lr >= 0.0f) || !std::isfinite(o.lr))
+    throw InvalidArgument(fmt::format("SGD: invalid learning rate {}", o.lr));
+  if (!(o.momentum >= 0.0f)) throw InvalidArgument(fmt::format("SGD: invalid momentum {}", o.momentum));
+  if (!(o.weight_decay >= 0.0f)) throw InvalidArgument(fmt::format("SGD: invalid weight_decay {}", o.weight_decay));
+  if (o.nesterov && o.momentum == 0.0f)
+    throw InvalidArgument("SGD: nesterov momentum requires a momentum > 0 (and zero dampening)");
+}
+
+void validate(const AdamWOptions& o) {
+  // torch.optim.AdamW's constructor checks, NaN and infinity refused too.
+  const auto finite_at_least_0 = [](double v) { return std::isfinite(v) && v >= 0.0; };
+  if (!finite_at_least_0(o.lr)) throw InvalidArgument(fmt::format("AdamW: invalid learning rate {}", o.lr));
+  if (!finite_at_least_0(o.eps)) throw InvalidArgument(fmt::format("AdamW: invalid epsilon value {}", o.eps));
+  if (!(o.beta1 >= 0.0 && o.beta1 < 1.0))
+    throw InvalidArgument(fmt::format("AdamW: invalid beta parameter at index 0: {}", o.beta1));
+  if (!(o.beta2 >= 0.0 && o.beta2 < 1.0))
+    throw InvalidArgument(fmt::format("AdamW: invalid beta parameter at index 1: {}", o.beta2));
+  if (!finite_at_least_0(o.weight_decay))
+    throw InvalidArgument(fmt::format("AdamW: invalid weight_decay value {}", o.weight_decay));
+}
+
 Sgd::Sgd(Device& device, std::size_t param_count, const SgdOptions& options)
     : Optimizer(device, param_count), options_(options) {
-  kernels::validate(options);
+  validate(options);
   if (options.momentum > 0.0f) momentum_ = zeroed_buffer();
 }
 
 void Sgd::set_lr(double lr) {
   SgdOptions options = options_;
   options.lr = static_cast<float>(lr);  // torch hands its Python float to the fp32 kernel the same way
-  kernels::validate(options);
+  validate(options);
   options_ = options;
 }
 
@@ -94,24 +123,25 @@ std::vector<Optimizer::StateBuffer> Sgd::state() const {
 }
 
 void Sgd::step(const Stream& stream, float* params, const float* grads) {
-  const kernels::SgdScalars values = kernels::sgd_scalars(options_, steps_ == 0);
+  const kernels::SgdScalars values = kernels::sgd_scalars(options_.lr, steps_ == 0);
   const auto* scalars = static_cast<const kernels::SgdScalars*>(upload_scalars(stream, &values, sizeof values));
+  const kernels::SgdConstants constants{options_.momentum, options_.weight_decay, options_.nesterov};
   float* momentum = momentum_.as<float>();
   for (const ParamRange& r : trainable())
-    kernels::sgd_step_capturable(stream, static_cast<kernels::index_t>(r.count), options_, scalars, params + r.offset,
+    kernels::sgd_step_capturable(stream, static_cast<kernels::index_t>(r.count), constants, scalars, params + r.offset,
                                  grads + r.offset, momentum ? momentum + r.offset : nullptr);
   ++steps_;
 }
 
 void Sgd::replayed_step(const Stream& stream) {
-  const kernels::SgdScalars values = kernels::sgd_scalars(options_, steps_ == 0);
+  const kernels::SgdScalars values = kernels::sgd_scalars(options_.lr, steps_ == 0);
   (void)upload_scalars(stream, &values, sizeof values);
   ++steps_;
 }
 
 AdamW::AdamW(Device& device, std::size_t param_count, const AdamWOptions& options)
     : Optimizer(device, param_count), options_(options) {
-  kernels::validate(options);
+  validate(options);
   exp_avg_ = zeroed_buffer();
   exp_avg_sq_ = zeroed_buffer();
 }
@@ -119,7 +149,7 @@ AdamW::AdamW(Device& device, std::size_t param_count, const AdamWOptions& option
 void AdamW::set_lr(double lr) {
   AdamWOptions options = options_;
   options.lr = lr;
-  kernels::validate(options);
+  validate(options);
   options_ = options;
 }
 
@@ -129,17 +159,17 @@ std::vector<Optimizer::StateBuffer> AdamW::state() const {
 
 void AdamW::step(const Stream& stream, float* params, const float* grads) {
   // torch increments state['step'] before the update: the first step's bias correction uses 1.
-  const kernels::AdamWScalars values = kernels::adamw_scalars(options_, steps_ + 1);
+  const kernels::AdamWScalars values = adamw_values(options_, steps_ + 1);
   const auto* scalars = static_cast<const kernels::AdamWScalars*>(upload_scalars(stream, &values, sizeof values));
   for (const ParamRange& r : trainable())
-    kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(r.count), options_, scalars, params + r.offset,
-                                   grads + r.offset, exp_avg_.as<float>() + r.offset,
+    kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(r.count), constants_of(options_), scalars,
+                                   params + r.offset, grads + r.offset, exp_avg_.as<float>() + r.offset,
                                    exp_avg_sq_.as<float>() + r.offset);
   ++steps_;
 }
 
 void AdamW::replayed_step(const Stream& stream) {
-  const kernels::AdamWScalars values = kernels::adamw_scalars(options_, steps_ + 1);
+  const kernels::AdamWScalars values = adamw_values(options_, steps_ + 1);
   (void)upload_scalars(stream, &values, sizeof values);
   ++steps_;
 }

@@ -1,6 +1,6 @@
-// dp/kernels/optimizer.h — SGD step over a flat parameter buffer (PyTorch torch.optim.SGD semantics, one launch
-// for all parameters): g = grad + weight_decay * p; with momentum: buf = first ? g : momentum*buf + g
-// (dampening 0), g = nesterov ? g + momentum*buf : buf; p -= lr * g.
+// dp/kernels/optimizer.h — SGD and AdamW steps over a flat parameter buffer, one launch for all
+// parameters, with torch.optim's arithmetic. SGD: g = grad + weight_decay * p; with momentum:
+// buf = first ? g : momentum*buf + g (dampening 0), g = nesterov ? g + momentum*buf : buf; p -= lr * g.
 #pragma once
 
 #include <cmath>
@@ -11,64 +11,59 @@
 
 namespace dp::kernels {
 
-// torch.optim.SGD's hyper-parameters (dampening 0). The one definition: dp::SgdOptions is this.
-struct SgdOptions {
-  float lr = 0.01f;
+// The kernels take an update's hyper-parameters in two parts: its constants, fixed for a run, and
+// the values that change from one step to the next (a schedule's lr, the first step's buffer
+// initialisation, AdamW's bias corrections). A captured step bakes the constants in and reads the
+// per-step values from device memory when it runs, so a replayed graph uses each step's values
+// (CUDA graphs bake launch arguments in; torch's capturable=True). The user's options and what
+// torch.optim refuses of them are dp::SgdOptions and dp::AdamWOptions (dp/nn/optim.h).
+
+// torch.optim.SGD's constants (dampening 0).
+struct SgdConstants {
   float momentum = 0.0f;
   float weight_decay = 0.0f;
   bool nesterov = false;
 };
-
-// Throws InvalidArgument for what torch.optim.SGD rejects: a negative (or NaN) lr, momentum or
-// weight_decay, nesterov without momentum; and a learning rate that is not finite.
-void validate(const SgdOptions& options);
-
-// momentum_buffer may be null when options.momentum == 0. first_step: the buffer is initialised with g.
-// Validates the options, and rejects a null buffer when momentum != 0 (InvalidArgument).
-void sgd_step(const Stream& stream, index_t n, const SgdOptions& options, bool first_step, float* params,
-              const float* grads, float* momentum_buffer);
-
-// What changes from one SGD step to the next (a schedule's lr, the first step's buffer
-// initialisation), as a block of device memory the update reads when it runs: a captured step
-// then replays with each step's values (CUDA graphs bake launch arguments in).
+// SGD's per-step values.
 struct SgdScalars {
   float lr;
   float first_step;  // 1: initialise the momentum buffer with g; 0: accumulate
 };
-SgdScalars sgd_scalars(const SgdOptions& options, bool first_step);
-// sgd_step with `scalars` (device memory of the stream's device) in place of options.lr and
-// first_step (torch's capturable=True): the same arithmetic, the same bits. options.lr is not used.
-void sgd_step_capturable(const Stream& stream, index_t n, const SgdOptions& options, const SgdScalars* scalars,
+SgdScalars sgd_scalars(float lr, bool first_step);
+
+// One SGD step over n parameters with the per-step `values` given by the host. momentum_buffer may
+// be null when momentum == 0 (InvalidArgument otherwise).
+void sgd_step(const Stream& stream, index_t n, const SgdConstants& constants, const SgdScalars& values, float* params,
+              const float* grads, float* momentum_buffer);
+// sgd_step with the per-step values read from `scalars` (device memory of the stream's device) when
+// the update runs: the same arithmetic, the same bits.
+void sgd_step_capturable(const Stream& stream, index_t n, const SgdConstants& constants, const SgdScalars* scalars,
                          float* params, const float* grads, float* momentum_buffer);
 
-// torch.optim.AdamW's hyper-parameters (amsgrad off), with torch's defaults.
-struct AdamWOptions {
-  double lr = 1e-3;
+// torch.optim.AdamW's constants (amsgrad off).
+struct AdamWConstants {
   double beta1 = 0.9, beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 1e-2;
 };
-
-// Throws InvalidArgument for what torch.optim.AdamW rejects: lr < 0, eps < 0, betas outside
-// [0, 1), weight_decay < 0 (and NaN or infinite values).
-void validate(const AdamWOptions& options);
-
-// One AdamW step over n parameters; `step` is the step being taken (1 for the first, as torch's
-// state['step'] after its increment). exp_avg and exp_avg_sq start at zero.
-void adamw_step(const Stream& stream, index_t n, const AdamWOptions& options, std::int64_t step, float* params,
-                const float* grads, float* exp_avg, float* exp_avg_sq);
-
-// What changes from one AdamW step to the next (see SgdScalars), computed on the host in double
-// as torch computes it in Python, and rounded to float once.
+// AdamW's per-step values, computed on the host in double as torch computes them in Python, and
+// rounded to float once.
 struct AdamWScalars {
   float decay;          // 1 - lr*wd
   float neg_step_size;  // -lr / (1 - beta1**step)
   float bias_correction2_sqrt;
 };
-AdamWScalars adamw_scalars(const AdamWOptions& options, std::int64_t step);
-// adamw_step with `scalars` (device memory) in place of the values that depend on lr and step.
-void adamw_step_capturable(const Stream& stream, index_t n, const AdamWOptions& options, const AdamWScalars* scalars,
-                           float* params, const float* grads, float* exp_avg, float* exp_avg_sq);
+// `step` is the step being taken (1 for the first, as torch's state['step'] after its increment);
+// InvalidArgument below 1.
+AdamWScalars adamw_scalars(const AdamWConstants& constants, double lr, double weight_decay, std::int64_t step);
+
+// One AdamW step over n parameters with the per-step `values` given by the host. exp_avg and
+// exp_avg_sq start at zero.
+void adamw_step(const Stream& stream, index_t n, const AdamWConstants& constants, const AdamWScalars& values,
+                float* params, const float* grads, float* exp_avg, float* exp_avg_sq);
+// adamw_step with the per-step values read from `scalars` (device memory) when the update runs.
+void adamw_step_capturable(const Stream& stream, index_t n, const AdamWConstants& constants,
+                           const AdamWScalars* scalars, float* params, const float* grads, float* exp_avg,
+                           float* exp_avg_sq);
 
 // ------------------------------------------------------------------------------------------------
 // functors

@@ -12,15 +12,31 @@
 #include <variant>
 #include <vector>
 
-#include "dp/kernels/optimizer.h"
 #include "dp/runtime/device.h"
 
 namespace dp {
 
-// Hyper-parameters, each defined and validated once, beside its update kernel.
-using SgdOptions = kernels::SgdOptions;      // lr, momentum, weight_decay, nesterov
-using AdamWOptions = kernels::AdamWOptions;  // lr, beta1, beta2, eps, weight_decay (torch's defaults)
-using kernels::validate;                     // dp::validate(options): what torch.optim refuses
+// torch.optim.SGD's hyper-parameters (dampening 0).
+struct SgdOptions {
+  float lr = 0.01f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+};
+// torch.optim.AdamW's hyper-parameters (amsgrad off), with torch's defaults.
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+// Throws InvalidArgument for what torch.optim.SGD rejects: a negative (or NaN) lr, momentum or
+// weight_decay, nesterov without momentum; and a learning rate that is not finite.
+void validate(const SgdOptions& options);
+// Throws InvalidArgument for what torch.optim.AdamW rejects: lr < 0, eps < 0, betas outside
+// [0, 1), weight_decay < 0 (and NaN or infinite values).
+void validate(const AdamWOptions& options);
 
 // Which optimizer, and how it is set: an engine builds one per device that steps.
 using OptimizerOptions = std::variant<SgdOptions, AdamWOptions>;
