@@ -125,7 +125,7 @@ std::vector<float> bn_input(const BatchNormShape& s, unsigned seed) {
   return x;
 }
 
-// Shapes: a single sample, the brief's 3-channel 5x5, a one-pixel plane (each channel's first two
+// Shapes: a single sample, a 3-channel 5x5, a one-pixel plane (each channel's first two
 // values lie in different samples), an odd one, and a large MNIST-like one (6272 values a channel).
 const BatchNormShape kBnShapes[] = {{1, 3, 5, 5}, {4, 3, 1, 1}, {3, 5, 3, 7}, {8, 2, 28, 28}};
 

@@ -254,7 +254,7 @@ StepLoss DataParallel::submit_batch(const Batch& step_batch) {
     // launched on the source's stream, has run there (its end there is the end of every device's part).
     const Event loss_ready = replayed ? done : loss_ready_[static_cast<std::size_t>(slot)];
     // The source's last work is the step's: every device's part of it has run (the reduction waited
-    // for each backward, the backwards for the loss). The slot's buffers are free again from there.
+    // for each backward, the backwards for the loss). See Note [step slots].
     source.record(done);
     return pipeline_->submitted(slot, loss_ready, host_loss_.as<float>() + slot);
   });
@@ -285,7 +285,7 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   // module directly then): nothing to broadcast or reduce, and the same results bit for bit.
   // Captured, the source's stream begins the capture and every other stream joins it through the
   // events it waits for (the broadcast, the gathered outputs), and is joined back by the reduction;
-  // the source's worker, which began it, ends it after the last barrier (thread-local capture mode).
+  // the source's worker, which began it, ends it after the last barrier. See Note [capture thread].
   const int participants = std::max(used, output_rank_ + 1);  // the output device may hold no chunk
   std::barrier<> phase(participants);
   std::atomic<bool> failed{false};

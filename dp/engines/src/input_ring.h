@@ -1,5 +1,5 @@
-// input_ring.h — training batches on their way to one device, one slot per step in flight: a copy
-// stream moves each batch in while the step before computes.
+// input_ring.h — training batches on their way to one device, one slot per step in flight (See
+// Note [step slots]): a copy stream moves each batch in while the step before computes.
 #pragma once
 
 #include <array>

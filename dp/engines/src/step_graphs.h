@@ -28,10 +28,17 @@ struct MemorySnapshot {
 };
 MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t staging_growths);
 
-// `enqueue` captured on `stream` (begin_capture .. end_capture) on the calling thread. If it throws,
-// or the capture cannot end, the capture is ended here before the error goes on: on the thread that
-// began it, as thread-local capture mode requires (ending it elsewhere fails and leaves the stream
-// capturing, so every later use of it fails).
+// Note [capture thread]
+// Both backends capture in cudaStreamCaptureModeThreadLocal: only the thread that began a capture
+// may end it (elsewhere the end is refused and the stream stays capturing, so every later use of it
+// fails), and the calls a graph cannot hold fail on that thread alone. So each engine begins and
+// ends every capture on one thread (DataParallel: the source's worker, for every device's part of
+// the step; DDP: each rank's worker, for its own), and a capture that fails part-way is ended on
+// that thread before the error goes on (capture_on, abandon_capture). Other threads (a loader's
+// pinned buffers, another device's worker) may allocate meanwhile. docs/cuda-rules.md.
+
+// `enqueue` captured on `stream` (begin_capture .. end_capture) on the calling thread; a failure
+// ends the capture here first. See Note [capture thread].
 Graph capture_on(const Stream& stream, const std::function<void()>& enqueue);
 // Ends what is left of a capture that failed part-way, on the thread that began it; nothing
 // captured runs, and the error that made us abandon it is the one reported.
@@ -39,8 +46,8 @@ void abandon_capture(const Stream& stream) noexcept;
 
 // What an engine's training step enqueues, in each of the forms StepGraphs::run gives it.
 struct StepWork {
-  // Captures the step on each of its streams (capture_on: a failed capture is ended on the thread
-  // that began it) and returns the graphs, in the order `replay` gets them back.
+  // Captures the step on each of its streams (capture_on, See Note [capture thread]) and returns the
+  // graphs, in the order `replay` gets them back.
   std::function<std::vector<Graph>()> capture;
   // Launches the step's graphs (and what must run around them outside the graphs).
   std::function<void(const std::vector<Graph>&)> replay;

@@ -13,10 +13,8 @@
 
 namespace dp::engines {
 
-// The training steps an engine has submitted and not yet waited for (Engine::submit_step). Step k
-// uses slot k % kSlots: its pinned inputs and loss, its device input buffers, its graph. Before a
-// slot is used again, the step that used it last must have its loss — by then its inputs were
-// copied out of the slot's pinned memory — so at most kSlots steps are ever in flight.
+// The training steps an engine has submitted and not yet waited for (Engine::submit_step), in
+// their slots. See Note [step slots] (dp/engines/engine.h).
 class StepPipeline {
  public:
   static constexpr int kSlots = kStepsInFlight;

@@ -213,8 +213,8 @@ void SequentialModel::zero_grad(const Stream& stream) {
 
 bool SequentialModel::materialize_zero_grad() const {
   if (!zero_grad_pending_) return false;
-  // On zero_grad's stream: ordered as the fill zero_grad used to enqueue, before whatever the
-  // caller enqueues there with the address it is given.
+  // On zero_grad's stream, where an eager zero_grad would have enqueued the fill: before whatever
+  // the caller enqueues there with the address it is given. See Note [pending zero_grad].
   kernels::fill(zero_grad_stream_, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
   zero_grad_pending_ = false;
   zero_grad_stream_ = Stream{};

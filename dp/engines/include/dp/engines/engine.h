@@ -48,8 +48,12 @@ std::string_view to_string(EngineKind kind);
 // The inverse of to_string; throws InvalidArgument naming the value otherwise.
 EngineKind parse_engine_kind(std::string_view name);
 
-// Training steps an engine keeps in flight at most (Engine::submit_step): step k uses its slot k % 2
-// (its inputs, its loss, its graph), free again once step k's loss is known.
+// Note [step slots]
+// An engine keeps at most kStepsInFlight training steps in flight (Engine::submit_step). Step k uses
+// slot k % kStepsInFlight: its pinned inputs and loss, its device input buffers, its graph. Before a
+// slot is used again, the step that used it last must have its loss: by then its inputs were copied
+// out of the slot's pinned memory and its work on the device has run, so the slot's buffers are
+// free (engines::StepPipeline keeps this; the engines record each slot's events).
 inline constexpr int kStepsInFlight = 2;
 
 namespace engines {

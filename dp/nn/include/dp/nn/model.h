@@ -93,16 +93,17 @@ class Model {
   // (as PyTorch accumulates .grad: gradient accumulation, DDP's no_sync).
   virtual void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready = {}) = 0;
 
+  // Note [pending zero_grad]
   // The gradients read as zeros from here on, as after PyTorch's zero_grad(set_to_none=True): the
   // model enqueues nothing (one launch fewer per step) and notes on the host that the zeros are
-  // pending; the next backward then writes the gradients instead of adding to them. The rule for
-  // anything that reads the gradients before that backward: the zeros are materialised, on
-  // `stream`, where the fill used to be enqueued, by the first of
+  // pending; the next backward then writes the gradients instead of adding to them. Anything that
+  // reads the gradients before that backward gets the zeros materialised on `stream`, where an
+  // eager zero_grad would have enqueued the fill, by the first of
   //   - grads_flat(): enqueues the fill (work the caller orders after `stream` reads zeros, as an
   //     optimizer step after a zero_grad with no backward);
   //   - gradients(): enqueues the fill and waits for it (views may be read after a synchronize);
-  // so a caller that takes grads_flat() before the backward (DDP's reducer) gets today's fill and
-  // an accumulating backward; one that takes it after (an optimizer step) never pays for it.
+  // so a caller that takes grads_flat() before the backward (DDP's reducer) pays for the fill and
+  // gets an accumulating backward; one that takes it after (an optimizer step) never pays for it.
   // Graph replays do not go through the model: a captured step (zero_grad + backward inside)
   // replays what it captured, a written gradient, whatever the host state says; the engine then
   // calls replayed_backward(), so a zero_grad issued before the replay is done with, as after an
