@@ -9,7 +9,7 @@ A benchmark, not a test: the figures move with whatever else the machine runs, w
 runs alternate and the median of the pairs' ratios is the figure to quote.
 
 Usage: scripts/compare_pytorch.py [--dp-bench build-sim/bench/dp_bench]
-           [--torch-bench ../shared/tools/torch_bench.py] [--rounds 5] [--cases convnet:single,...]
+           [--torch-bench scripts/torch_bench.py] [--rounds 5] [--cases convnet:single,...]
 """
 import argparse
 import json
@@ -46,7 +46,7 @@ def torch_run(script, model, mode, steps, batch):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp-bench", default=os.path.join(ROOT, "build-sim", "bench", "dp_bench"))
-    ap.add_argument("--torch-bench", default=os.path.join(ROOT, "..", "shared", "tools", "torch_bench.py"))
+    ap.add_argument("--torch-bench", default=os.path.join(ROOT, "scripts", "torch_bench.py"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="per device / rank")
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of model:mode (single or ddp)")
