@@ -36,12 +36,15 @@ int main() {
   dp::SgdOptions sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-4f};
   dp::DataParallel dp_engine(*runtime, *model, sgd, {.device_ids = std::vector{0, 1, 2}, .output_device = 2});
   float loss = dp_engine.train_step(images.data(), labels.data(), batch);
+  std::printf("DataParallel step: loss %.4f\n", loss);
 
   auto module = dp::models::make_convnet(runtime->device(0), 0);
   dp::DistributedDataParallel ddp(*runtime, *module, sgd, {.bucket_cap_mb = 25});
   std::vector<dp::Batch> shards;
   for (int r = 0; r < ddp.world_size(); ++r) shards.push_back({images.data() + r * 4 * 784, labels.data() + r * 4, 4});
-  loss += ddp.train_step(shards);
+  const float ddp_loss = ddp.train_step(shards);
+  std::printf("DDP step: loss %.4f\n", ddp_loss);
+  loss += ddp_loss;
   {
     auto guard = ddp.no_sync();
     ddp.forward_backward(shards, 0.5f);
