@@ -50,6 +50,15 @@ cudaPointerAttributes attributes_of(const void* ptr) {
   return attributes;
 }
 
+// A query's answer: true when the work is done; false when it is pending, the "not ready" then left
+// in the thread's last-error slot for clear_not_ready() (See Note [last error]); any other error
+// throws.
+bool done_or_pending(cudaError_t status, const char* call) {
+  if (status == cudaErrorNotReady) return false;
+  cuda::check(status, call, __FILE__, __LINE__);
+  return true;
+}
+
 // Captures the calling thread has begun and not yet ended (thread-local capture mode): where it is
 // not zero, an allocation goes to cudaMalloc, which refuses it as CUDA does during a capture.
 thread_local int t_captures_begun = 0;
@@ -168,12 +177,7 @@ class CudaEvent final : public EventImpl {
     if (event_) cudaEventDestroy(event_);  // never throws from a destructor
   }
   int device() const override { return device_; }
-  bool query() override {
-    const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaErrorNotReady) return false;  // left in the last-error slot for clear_not_ready()
-    DP_CUDA_CHECK(status);
-    return true;
-  }
+  bool query() override { return done_or_pending(cudaEventQuery(event_), "cudaEventQuery(event_)"); }
   void clear_not_ready() noexcept override { (void)cudaGetLastError(); }
   void synchronize() override {
     runtime_.count(device_, Counter::host_syncs);
@@ -271,12 +275,7 @@ class CudaStream final : public StreamImpl {
     cuda_event.set_recorded_in_capture(capturing());
   }
   void wait(EventImpl& event) override;
-  bool query() override {
-    const cudaError_t status = cudaStreamQuery(stream_);
-    if (status == cudaErrorNotReady) return false;  // left in the last-error slot for clear_not_ready()
-    DP_CUDA_CHECK(status);
-    return true;
-  }
+  bool query() override { return done_or_pending(cudaStreamQuery(stream_), "cudaStreamQuery(stream_)"); }
   void clear_not_ready() noexcept override { (void)cudaGetLastError(); }
   void synchronize() override {
     count(Counter::host_syncs);
