@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <iterator>
 #include <string>
+#include <tuple>
 #include <unistd.h>
 
 #include "test_util.h"
@@ -50,6 +51,122 @@ EnvJob env_job(const std::filesystem::path& dir, int port, const std::string& fi
   job.out0.assign(std::istreambuf_iterator<char>(a), std::istreambuf_iterator<char>());
   job.out1.assign(std::istreambuf_iterator<char>(b), std::istreambuf_iterator<char>());
   return job;
+}
+
+// Both processes started at once, with the same arguments, and `meanwhile` run by the shell while
+// they train (it sees their pids as $p0 and $p1: dp_train's own, no wrapper between); `killed_at_ns` and `ended_at_ns`
+// bracket what `meanwhile` marks with `t=$(date +%s%N)` and the end of the process that was not killed.
+struct EnvPair : EnvJob {
+  long long killed_at_ns = 0, ended_at_ns = 0;
+};
+EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& args, const std::string& meanwhile) {
+  const auto env = [&](int rank) {
+    return fmt::format(
+        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+        "MASTER_PORT={} {} {} >{} 2>&1",
+        rank, port, DP_TRAIN_BIN, args, (dir / fmt::format("pair{}.txt", rank)).string());
+  };
+  const std::string script = env(0) + " & p0=$!; " + env(1) + " & p1=$!; t=0; " + meanwhile +
+                             "; wait $p0; c0=$?; e0=$(date +%s%N); wait $p1; c1=$?; e1=$(date +%s%N); "
+                             "echo codes $c0 $c1 $t $e0 $e1";
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = dp::test::run_command("bash -c '" + script + "'");
+  EnvPair job;
+  job.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  long long e0 = 0, e1 = 0;
+  std::sscanf(r.output.substr(r.output.find("codes")).c_str(), "codes %d %d %lld %lld %lld", &job.code0, &job.code1,
+              &job.killed_at_ns, &e0, &e1);
+  job.ended_at_ns = meanwhile.find("$p1") != std::string::npos ? e0 : e1;  // the survivor's end
+  std::ifstream a(dir / "pair0.txt"), b(dir / "pair1.txt");
+  job.out0.assign(std::istreambuf_iterator<char>(a), std::istreambuf_iterator<char>());
+  job.out1.assign(std::istreambuf_iterator<char>(b), std::istreambuf_iterator<char>());
+  return job;
+}
+
+// A process stopped for 5 s in the middle of training (SIGSTOP, as a debugger, a swapped-out node
+// or a slow decode would hold it) is waited for: the job goes on and writes the checkpoint of an
+// undisturbed run, byte for byte. A process killed outright (kill -9) ends the other within 5 s.
+TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
+  int port = 20000 + static_cast<int>((::getpid() + 7919) % 20000);
+  const std::string common =
+      "--model mlp --hidden 64 --mode ddp --backend sim --devices 2 --synthetic 2000 --batch-size 16 --steps 1500 "
+      "--log-every 500";
+  const EnvJob calm = env_job(dir_, ++port, common + " --save " + path("calm.safetensors"),
+                              common + " --save " + path("calm.safetensors"));
+  ASSERT_EQ(calm.code0, 0) << calm.out0 << calm.out1;
+  for (const char* stopped : {"$p1", "$p0"}) {
+    SCOPED_TRACE(stopped);
+    const std::string saved = path(fmt::format("stopped{}.safetensors", stopped[2]));
+    const EnvPair job = env_pair(dir_, ++port, common + " --save " + saved,
+                                 fmt::format("sleep 1.5; kill -STOP {0}; sleep 5; kill -CONT {0}", stopped));
+    EXPECT_EQ(job.code0, 0) << job.out0 << job.out1;
+    EXPECT_EQ(job.code1, 0) << job.out1;
+    EXPECT_GT(job.seconds, 5.0) << "the stop fell after the run";
+    EXPECT_EQ(read_file(path("calm.safetensors")), read_file(saved)) << "checkpoint bytes differ";
+  }
+  for (const char* killed : {"$p1", "$p0"}) {
+    SCOPED_TRACE(killed);
+    const EnvPair job = env_pair(dir_, ++port, common, fmt::format("sleep 1.5; kill -9 {}; t=$(date +%s%N)", killed));
+    EXPECT_NE(job.code0, 0) << job.out0;
+    EXPECT_NE(job.code1, 0) << job.out1;
+    ASSERT_GT(job.killed_at_ns, 0);
+    EXPECT_LT(static_cast<double>(job.ended_at_ns - job.killed_at_ns) / 1e9, 5.0) << job.out0 << job.out1;
+  }
+}
+
+// Launches that cannot make one job end at once, exit code 2, naming the cause, and write nothing:
+// another WORLD_SIZE on one process, a second process with a RANK already in the job (the job
+// itself goes on), and a MASTER_PORT that another program holds (process 0 cannot listen; process 1
+// finds no dp store there and gives up within DP_TIMEOUT_S).
+TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
+  const int port = 20000 + static_cast<int>((::getpid() + 104729) % 20000);
+  const std::string args =
+      "--model mlp --hidden 8 --mode ddp --backend sim --devices 1 --synthetic 400 --batch-size 4 --steps 1500";
+  const auto launch = [&](int rank, int world, int on_port, const std::string& out, const std::string& save) {
+    return fmt::format(
+        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE={} MASTER_ADDR=127.0.0.1 "
+        "MASTER_PORT={} DP_TIMEOUT_S=3 {} {} --save {} >{} 2>&1",
+        rank, world, on_port, DP_TRAIN_BIN, args, path(save), path(out));
+  };
+  const auto slurp = [&](const std::string& name) { return read_file(path(name)); };
+  const auto timed = [](const std::string& script) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto r = dp::test::run_command("bash -c '" + script + "'");
+    return std::pair{r.output, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+  };
+  // WORLD_SIZE 3 beside a process 0 of WORLD_SIZE 2: both refuse.
+  auto [codes, seconds] = timed(launch(0, 2, port, "w0.txt", "w0.st") + " & p0=$!; sleep 0.3; " +
+                                launch(1, 3, port, "w1.txt", "w1.st") + "; c1=$?; wait $p0; echo codes $? $c1");
+  EXPECT_NE(codes.find("codes 2 2"), std::string::npos) << codes << slurp("w0.txt") << slurp("w1.txt");
+  EXPECT_LT(seconds, 10.0);
+  for (const char* out : {"w0.txt", "w1.txt"})
+    EXPECT_NE(slurp(out).find("process 1 has WORLD_SIZE 3, process 0 has 2"), std::string::npos) << slurp(out);
+  EXPECT_FALSE(std::filesystem::exists(path("w0.st")) || std::filesystem::exists(path("w1.st")));
+  // A second RANK=1: refused, the job goes on and saves.
+  std::tie(codes, seconds) =
+      timed(launch(0, 2, port + 1, "d0.txt", "d.st") + " & p0=$!; " + launch(1, 2, port + 1, "d1.txt", "d.st") +
+            " & p1=$!; sleep 0.5; " + launch(1, 2, port + 1, "dup.txt", "dup.st") +
+            "; c=$?; wait $p0; c0=$?; wait $p1; echo codes $c0 $? $c");
+  EXPECT_NE(codes.find("codes 0 0 2"), std::string::npos) << codes << slurp("dup.txt") << slurp("d0.txt");
+  EXPECT_NE(slurp("dup.txt").find("RANK 1 is already in the job"), std::string::npos) << slurp("dup.txt");
+  EXPECT_TRUE(std::filesystem::exists(path("d.st")));
+  EXPECT_FALSE(std::filesystem::exists(path("dup.st")));
+  // MASTER_PORT held by a program that accepts and says nothing.
+  {
+    std::ofstream foreign(path("foreign.py"));
+    foreign << "import socket, sys, time\n"
+               "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+               "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(8)\n"
+               "held = [s.accept() for _ in range(2)]; time.sleep(30)\n";
+  }
+  std::tie(codes, seconds) = timed(fmt::format(
+      "python3 {} {} & f=$!; sleep 0.5; {}; c0=$?; {}; c1=$?; kill $f; echo codes $c0 $c1", path("foreign.py"),
+      port + 2, launch(0, 2, port + 2, "p0.txt", "p0.st"), launch(1, 2, port + 2, "p1.txt", "p1.st")));
+  EXPECT_NE(codes.find("codes 2 2"), std::string::npos) << codes << slurp("p0.txt") << slurp("p1.txt");
+  EXPECT_NE(slurp("p0.txt").find("cannot listen on 127.0.0.1"), std::string::npos) << slurp("p0.txt");
+  EXPECT_NE(slurp("p1.txt").find("is not process 0 of a dp job"), std::string::npos) << slurp("p1.txt");
+  EXPECT_LT(seconds, 15.0);
+  EXPECT_FALSE(std::filesystem::exists(path("p0.st")) || std::filesystem::exists(path("p1.st")));
 }
 
 // Two env:// processes of 2 simulated devices write the checkpoint of one process of 4, byte for

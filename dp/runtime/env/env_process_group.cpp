@@ -7,8 +7,10 @@
 // job within moments with a message naming it.
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <fmt/format.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
@@ -47,26 +49,52 @@ class StoreForGloo final : public gloo::rendezvous::Store {
   EnvGroup& group_;
 };
 
+// Note [one wait per message]
+// gloo closes a pair whose wait times out ("Application timeout caused pair closure"), so a wait
+// cut into slices ends the job the first time a peer is a slice late (a stopped process, a slow
+// decode). Each message is therefore waited for in ONE wait of what is left of the job's timeout
+// (DP_TIMEOUT_S), and the channel's watcher thread ends that wait early (abortWaitRecv/Send) when
+// a process aborted, was refused or vanished, or the caller's `aborted` says so: a slow peer is
+// waited for, a gone one ends the job within moments.
 class GlooChannel final : public Channel {
  public:
-  GlooChannel(std::shared_ptr<EnvGroup> group, std::shared_ptr<gloo::Context> context)
-      : group_(std::move(group)), context_(std::move(context)) {}
+  GlooChannel(std::shared_ptr<EnvGroup> group, std::shared_ptr<gloo::Context> context);
   ~GlooChannel() override;
   int max_tag() const override { return 1 << 30; }
   void exchange(std::span<const Message> sends, std::span<const Message> receives, const std::function<bool()>& aborted,
                 std::string_view what) override;
 
  private:
+  // The wait in progress, which the watcher may end early.
+  struct Watched {
+    gloo::transport::UnboundBuffer* buffer = nullptr;
+    bool receive = false;
+    std::function<bool()> aborted;
+    std::string what;
+    std::exception_ptr failure;  // why the watcher ended the wait
+  };
+  void watch();
+  // One message's wait (Note [one wait per message]); false, with `failure` set, when it failed.
+  bool wait_for_message(gloo::transport::UnboundBuffer& buffer, bool receive, int peer,
+                        std::chrono::steady_clock::time_point start, const std::function<bool()>& aborted,
+                        std::string_view what, std::exception_ptr& failure);
+
   std::shared_ptr<EnvGroup> group_;
   std::shared_ptr<gloo::Context> context_;
   std::mutex abandoned_mutex_;
   // Buffers of an exchange given up on (abort, timeout): a late message may still land in them.
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> abandoned_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_cv_;
+  Watched watched_;
+  bool closing_ = false;
+  std::thread watcher_;
 };
 
 class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<EnvGroup> {
  public:
   EnvGroup(int rank, int size, const std::string& master, int port) : rank_(rank), size_(size) {
+    const char* token = std::getenv("DP_JOB_TOKEN");
     char name[256] = {};
     ::gethostname(name, sizeof name - 1);
     host_ = name;
@@ -74,7 +102,7 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
     // (MASTER_ADDR is a loopback address: no name lookup needed), else this host's name.
     const bool local = master == "127.0.0.1" || master == "localhost" || master == "::1";
     pair_address_ = local ? "127.0.0.1" : host_;
-    store_ = std::make_unique<TcpStore>(master, port, rank, timeout());
+    store_ = std::make_unique<TcpStore>(master, port, rank, size, token ? token : "", timeout());
     // Everyone says who they are; process 0 finds out here about one that never starts.
     store_->set(fmt::format("dp/host/{}", rank_), std::vector<char>(host_.begin(), host_.end()));
     for (int r = 0; r < size_; ++r) wait_for(fmt::format("dp/host/{}", r), "joining the job", r);
@@ -170,8 +198,10 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
     }
   }
 
-  // Throws naming the process that aborted or whose connection to the store dropped.
+  // Throws naming the process that aborted, was refused or whose connection to the store dropped.
   void check_peers(std::string_view what) {
+    if (auto why = store_->try_get(TcpStore::kRefusedKey))
+      throw CollectiveAborted(fmt::format("{}: process 0 refused a process of this job: {}", what, text(*why)));
     if (auto why = store_->try_get(kAbortKey))
       throw CollectiveAborted(fmt::format("{}: process {} failed (exit code {})", what,
                                           text(*why).substr(0, text(*why).find(' ')),
@@ -198,7 +228,86 @@ void StoreForGloo::wait(const std::vector<std::string>& keys) {
   for (const auto& key : keys) group_.wait_for(key, "connecting the channels");
 }
 
-GlooChannel::~GlooChannel() = default;
+GlooChannel::GlooChannel(std::shared_ptr<EnvGroup> group, std::shared_ptr<gloo::Context> context)
+    : group_(std::move(group)), context_(std::move(context)) {
+  watcher_ = std::thread([this] { watch(); });
+}
+
+GlooChannel::~GlooChannel() {
+  {
+    std::lock_guard lock(watch_mutex_);
+    closing_ = true;
+  }
+  watch_cv_.notify_all();
+  watcher_.join();
+}
+
+// Every 100 ms while a wait is in progress: whether to end it (Note [one wait per message]).
+void GlooChannel::watch() {
+  std::unique_lock lock(watch_mutex_);
+  while (!closing_) {
+    watch_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (closing_ || !watched_.buffer || watched_.failure) continue;
+    gloo::transport::UnboundBuffer* buffer = watched_.buffer;
+    const std::function<bool()> aborted = watched_.aborted;
+    const std::string what = watched_.what;
+    lock.unlock();
+    std::exception_ptr failure;
+    try {
+      group_->check_peers(what);  // a store request: not under the lock
+      if (aborted && aborted())
+        throw CollectiveAborted(fmt::format("{}: aborted while waiting for another process", what));
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    lock.lock();
+    if (failure && watched_.buffer == buffer) {
+      watched_.failure = failure;
+      if (watched_.receive)
+        buffer->abortWaitRecv();
+      else
+        buffer->abortWaitSend();
+    }
+  }
+}
+
+bool GlooChannel::wait_for_message(gloo::transport::UnboundBuffer& buffer, bool receive, int peer,
+                                   std::chrono::steady_clock::time_point start, const std::function<bool()>& aborted,
+                                   std::string_view what, std::exception_ptr& failure) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(group_->timeout() -
+                                                                          (std::chrono::steady_clock::now() - start));
+  const auto timed_out = [&] {
+    return std::make_exception_ptr(Error(fmt::format(
+        "{}: process {} waited for process {} (timeout; DP_TIMEOUT_S sets it)", what, group_->rank(), peer)));
+  };
+  if (left.count() <= 0) {
+    failure = timed_out();
+    return false;
+  }
+  {
+    std::lock_guard lock(watch_mutex_);
+    watched_ = Watched{&buffer, receive, aborted, std::string(what), nullptr};
+  }
+  bool done = false;
+  std::string io_error;
+  try {
+    done = receive ? buffer.waitRecv(nullptr, left) : buffer.waitSend(nullptr, left);
+  } catch (const gloo::IoException& e) {
+    io_error = e.what();
+  }
+  {
+    std::lock_guard lock(watch_mutex_);
+    failure = watched_.failure;
+    watched_ = Watched{};
+  }
+  if (done) return true;
+  if (!failure)
+    failure = io_error.find("Timed out") != std::string::npos
+                  ? timed_out()
+                  : std::make_exception_ptr(Error(fmt::format("{}: process {}: {}", what, peer,
+                                                              io_error.empty() ? "the wait was ended" : io_error)));
+  return false;
+}
 
 void GlooChannel::exchange(std::span<const Message> sends, std::span<const Message> receives,
                            const std::function<bool()>& aborted, std::string_view what) {
@@ -223,38 +332,16 @@ void GlooChannel::exchange(std::span<const Message> sends, std::span<const Messa
     throw Error(fmt::format("{}: {}", what, e.what()));
   }
   const auto start = std::chrono::steady_clock::now();
-  const auto give_up = [&](auto&& error) {
-    std::lock_guard lock(abandoned_mutex_);
-    for (auto& p : pending)
-      if (p.buffer) abandoned_.push_back(std::move(p.buffer));
-    throw error;
-  };
   for (auto& p : pending) {
-    for (;;) {
-      bool done = false;
-      try {
-        done = p.receive ? p.buffer->waitRecv(nullptr, std::chrono::milliseconds(100))
-                         : p.buffer->waitSend(nullptr, std::chrono::milliseconds(100));
-      } catch (const gloo::IoException& e) {
-        // A wait that timed out may be waited on again; any other failure is the peer's.
-        if (std::string(e.what()).find("Timed out") == std::string::npos)
-          give_up(Error(fmt::format("{}: process {}: {}", what, p.peer, e.what())));
-      }
-      if (done) {
-        p.buffer.reset();
-        break;
-      }
-      try {
-        group_->check_peers(what);
-      } catch (const CollectiveAborted& e) {
-        give_up(e);
-      }
-      if (aborted && aborted())
-        give_up(CollectiveAborted(fmt::format("{}: aborted while waiting for another process", what)));
-      if (std::chrono::steady_clock::now() - start > group_->timeout())
-        give_up(Error(fmt::format("{}: process {} waited for process {} (timeout; DP_TIMEOUT_S sets it)", what,
-                                  group_->rank(), p.peer)));
+    std::exception_ptr failure;
+    if (wait_for_message(*p.buffer, p.receive, p.peer, start, aborted, what, failure)) {
+      p.buffer.reset();
+      continue;
     }
+    std::lock_guard lock(abandoned_mutex_);
+    for (auto& q : pending)
+      if (q.buffer) abandoned_.push_back(std::move(q.buffer));
+    std::rethrow_exception(failure);
   }
 }
 

@@ -1,24 +1,31 @@
-// tcp_store.cpp — a small blocking-socket server (a thread per connected process) and its client.
-// Requests: op byte, key (u32 length + bytes), for 'S' a value (u32 length + bytes); replies: 'k',
-// or for 'G' 'f' + value or 'n'. 'H' carries the connecting process's rank as its key, 'B' is its
-// goodbye.
+// tcp_store.cpp — a small blocking-socket server (a thread per connection) and its client; the
+// wire format is store_protocol.h's, the security model Note [store security] (tcp_store.h).
 #include "tcp_store.h"
 
 #include <arpa/inet.h>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <fmt/format.h>
+#include <map>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <set>
 #include <sys/socket.h>
+#include <sys/time.h>
+#include <thread>
 #include <unistd.h>
 
 #include "dp/runtime/error.h"
+#include "store_protocol.h"
 
 namespace dp::detail {
 namespace {
+
+// Connections that have not said hello yet, at most: more are closed as they come (a flood).
+constexpr int kMaxStrangers = 16;
 
 bool write_all(int fd, const void* data, std::size_t bytes) {
   const auto* p = static_cast<const char*>(data);
@@ -49,127 +56,222 @@ bool write_blob(int fd, const void* data, std::size_t bytes) {
   return write_all(fd, &length, sizeof length) && write_all(fd, data, bytes);
 }
 
-bool read_blob(int fd, std::vector<char>& out) {
-  std::uint32_t length = 0;
-  if (!read_all(fd, &length, sizeof length) || length > (1u << 30)) return false;
-  out.resize(length);
-  return read_all(fd, out.data(), length);
+store::ReadExact reader(int fd) {
+  return [fd](void* data, std::size_t bytes) { return read_all(fd, data, bytes); };
+}
+
+// Reads and writes on `fd` give up after `timeout` (0: never).
+void set_timeouts(int fd, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+// A listening socket on host:port, the first of host's addresses that this machine has.
+int listen_on(const std::string& host, int port) {
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  if (const int error = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); error != 0)
+    throw Error(fmt::format("env:// store: process 0 cannot resolve MASTER_ADDR {}: {}", host, gai_strerror(error)));
+  std::string why = "no address";
+  int listener = -1;
+  for (addrinfo* a = found; a && listener < 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+      listener = fd;
+    } else {
+      why = errno == EADDRNOTAVAIL ? "MASTER_ADDR is not an address of this machine, where process 0 runs"
+                                   : std::strerror(errno);
+      ::close(fd);
+    }
+  }
+  ::freeaddrinfo(found);
+  if (listener < 0)
+    throw Error(
+        fmt::format("env:// store: process 0 cannot listen on {}:{} (MASTER_ADDR:MASTER_PORT): {}", host, port, why));
+  return listener;
 }
 
 }  // namespace
 
 struct TcpStore::Server {
   std::mutex mutex;
+  std::condition_variable ended;  // a connection's thread ended
   std::map<std::string, std::vector<char>> values;
   int listener = -1;
-  std::vector<int> clients;
-  std::vector<std::thread> threads;
+  int world_size;
+  std::string token;
+  std::set<int> ranks_in;  // ranks that said hello and have not said goodbye
+  std::set<int> fds;       // open connections
+  int strangers = 0;       // connections that have not said hello
+  int threads = 0;         // connection threads running
   std::thread acceptor;
   bool stopping = false;
 
-  explicit Server(int port) {
-    listener = ::socket(AF_INET6, SOCK_STREAM, 0);
-    const bool v6 = listener >= 0;
-    if (!v6) listener = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (listener < 0) throw Error(fmt::format("env:// store: socket: {}", std::strerror(errno)));
-    const int one = 1, zero = 0;
-    ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int bound = -1;
-    if (v6) {
-      ::setsockopt(listener, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);  // IPv4 clients too
-      sockaddr_in6 address{};
-      address.sin6_family = AF_INET6;
-      address.sin6_addr = in6addr_any;
-      address.sin6_port = htons(static_cast<std::uint16_t>(port));
-      bound = ::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address);
-    } else {
-      sockaddr_in address{};
-      address.sin_family = AF_INET;
-      address.sin_addr.s_addr = htonl(INADDR_ANY);
-      address.sin_port = htons(static_cast<std::uint16_t>(port));
-      bound = ::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address);
-    }
-    if (bound != 0 || ::listen(listener, 128) != 0) {
-      const std::string why = std::strerror(errno);
-      ::close(listener);
-      throw Error(fmt::format("env:// store: process 0 cannot listen on port {} (MASTER_PORT): {}", port, why));
-    }
+  Server(const std::string& host, int port, int world, std::string job_token)
+      : listener(listen_on(host, port)), world_size(world), token(std::move(job_token)) {
     acceptor = std::thread([this] { accept_loop(); });
   }
 
   ~Server() {
-    {
-      std::lock_guard lock(mutex);
-      stopping = true;
-      for (int fd : clients) ::shutdown(fd, SHUT_RDWR);
-    }
+    std::unique_lock lock(mutex);
+    stopping = true;
+    for (int fd : fds) ::shutdown(fd, SHUT_RDWR);
     ::shutdown(listener, SHUT_RDWR);
-    ::close(listener);
+    lock.unlock();
     acceptor.join();
-    for (auto& t : threads) t.join();
-    for (int fd : clients) ::close(fd);
+    ::close(listener);
+    lock.lock();
+    ended.wait(lock, [this] { return threads == 0; });
   }
 
   void accept_loop() {
     for (;;) {
       const int fd = ::accept(listener, nullptr, nullptr);
-      if (fd < 0) {
-        if (errno == EINTR) continue;
-        return;  // shut down
-      }
       std::lock_guard lock(mutex);
       if (stopping) {
-        ::close(fd);
+        if (fd >= 0) ::close(fd);
         return;
       }
-      clients.push_back(fd);
-      threads.emplace_back([this, fd] { serve(fd); });
+      if (fd < 0) {
+        // Out of descriptors (or a connection gone before it was taken): later ones may be served.
+        if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+            errno == ENOMEM || errno == EPROTO) {
+          if (errno != EINTR && errno != ECONNABORTED) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          continue;
+        }
+        return;  // the listener was shut down
+      }
+      if (strangers >= kMaxStrangers) {
+        ::close(fd);
+        continue;
+      }
+      ++strangers;
+      ++threads;
+      fds.insert(fd);
+      std::thread([this, fd] { serve(fd); }).detach();
     }
   }
 
-  // One process's requests until it says goodbye or its connection drops (then it is dead).
+  // A refusal the connecting process reads before its connection closes.
+  static void refuse(int fd, const std::string& reason) {
+    if (write_all(fd, "r", 1)) write_blob(fd, reason.data(), std::min(reason.size(), store::kMaxReasonBytes));
+  }
+
+  // The connection's hello: its rank once accepted, or -1 (refused, or not a dp process at all).
+  int hello(int fd) {
+    set_timeouts(fd, std::chrono::seconds(kHelloSeconds));
+    store::Request request;
+    store::Hello hello;
+    if (!store::read_request(reader(fd), true, request)) return -1;
+    if (!token.empty() || !request.value.empty()) {
+      if (!store::same_token(request.value, token)) {
+        refuse(fd, "its DP_JOB_TOKEN differs from process 0's");
+        return -1;
+      }
+    }
+    if (!store::parse_hello_key(request.key, hello)) return -1;
+    std::string refused;
+    {
+      std::lock_guard lock(mutex);
+      if (hello.world_size != world_size) {
+        refused =
+            fmt::format("process {} has WORLD_SIZE {}, process 0 has {}", hello.rank, hello.world_size, world_size);
+        if (!values.count(kRefusedKey)) values[kRefusedKey] = std::vector<char>(refused.begin(), refused.end());
+      } else if (hello.rank < 1 || hello.rank >= world_size) {
+        refused =
+            fmt::format("RANK {} is not a rank of a job of WORLD_SIZE {} served by process 0", hello.rank, world_size);
+      } else if (!ranks_in.insert(hello.rank).second) {
+        refused = fmt::format("RANK {} is already in the job: two processes were started with RANK={}", hello.rank,
+                              hello.rank);
+      }
+    }
+    if (!refused.empty()) {
+      refuse(fd, refused);
+      return -1;
+    }
+    set_timeouts(fd, std::chrono::milliseconds(0));  // a process may wait long between requests
+    // A reply that cannot be sent leaves a connection that fails at its next read: the process is
+    // in the job from here on, and then gone.
+    if (write_all(fd, "h", 1)) write_blob(fd, store::kMagic, std::strlen(store::kMagic));
+    return hello.rank;
+  }
+
+  // One connection: its hello, then its requests until it says goodbye or drops (then, if it was a
+  // process of the job, it is dead).
   void serve(int fd) {
     const int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    std::string rank = "?";
-    std::vector<char> key, value;
-    for (;;) {
-      char op = 0;
-      if (!read_all(fd, &op, 1) || !read_blob(fd, key)) break;
-      const std::string k(key.begin(), key.end());
-      if (op == 'B') {
+    const int rank = hello(fd);
+    {
+      std::lock_guard lock(mutex);
+      --strangers;
+    }
+    const bool goodbye = rank >= 0 && serve_requests(fd);
+    std::lock_guard lock(mutex);
+    if (rank >= 0 && !goodbye && !stopping && !values.count(kDeadKey)) {
+      const std::string who = std::to_string(rank);
+      values[kDeadKey] = std::vector<char>(who.begin(), who.end());
+    }
+    if (rank >= 0 && goodbye) ranks_in.erase(rank);
+    fds.erase(fd);
+    ::close(fd);
+    --threads;
+    ended.notify_all();
+  }
+
+  // Serves requests until a goodbye (true) or the connection drops or breaks the protocol (false).
+  bool serve_requests(int fd) {
+    store::Request request;
+    while (store::read_request(reader(fd), false, request)) {
+      if (request.op == 'B') {
         write_all(fd, "k", 1);
-        return;
+        return true;
       }
-      if (op == 'S' && !read_blob(fd, value)) break;
       char reply = 'k';
       std::vector<char> found;
       {
         std::lock_guard lock(mutex);
-        if (op == 'S') {
-          values[k] = value;
-        } else if (op == 'D') {
-          values.erase(k);
-        } else if (op == 'H') {
-          rank = k;
-        } else if (op == 'G') {
-          const auto it = values.find(k);
+        if (request.op == 'S') {
+          values[request.key] = std::move(request.value);
+        } else if (request.op == 'D') {
+          values.erase(request.key);
+        } else if (request.op == 'G') {
+          const auto it = values.find(request.key);
           reply = it == values.end() ? 'n' : 'f';
           if (it != values.end()) found = it->second;
         }
       }
-      if (!write_all(fd, &reply, 1) || (reply == 'f' && !write_blob(fd, found.data(), found.size()))) break;
+      if (!write_all(fd, &reply, 1) || (reply == 'f' && !write_blob(fd, found.data(), found.size()))) return false;
     }
-    std::lock_guard lock(mutex);
-    if (!stopping && !values.count(kDeadKey)) values[kDeadKey] = std::vector<char>(rank.begin(), rank.end());
+    return false;
   }
 };
 
-TcpStore::TcpStore(const std::string& host, int port, int rank, std::chrono::milliseconds timeout) : rank_(rank) {
+TcpStore::TcpStore(const std::string& host, int port, int rank, int world_size, const std::string& token,
+                   std::chrono::milliseconds timeout)
+    : rank_(rank), timeout_(timeout) {
   if (rank == 0) {
-    server_ = std::make_unique<Server>(port);
+    server_ = std::make_unique<Server>(host, port, world_size, token);
     return;
   }
+  connect_to(host, port, timeout);
+  try {
+    say_hello(host, port, world_size, token);
+  } catch (...) {
+    ::close(socket_);
+    socket_ = -1;
+    throw;
+  }
+}
+
+void TcpStore::connect_to(const std::string& host, int port, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string last_error = "no address";
   while (socket_ < 0) {
@@ -192,15 +294,33 @@ TcpStore::TcpStore(const std::string& host, int port, int rank, std::chrono::mil
     }
     if (socket_ >= 0) break;
     if (std::chrono::steady_clock::now() > deadline)
-      throw Error(
-          fmt::format("env:// store: process {} cannot reach process 0 at {}:{} (MASTER_ADDR:MASTER_PORT) "
-                      "within {} s: {}",
-                      rank, host, port, std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), last_error));
+      throw Error(fmt::format(
+          "env:// store: process {} cannot reach process 0 at {}:{} (MASTER_ADDR:MASTER_PORT) "
+          "within {} s: {}",
+          rank_, host, port, std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), last_error));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   const int one = 1;
   ::setsockopt(socket_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  request('H', std::to_string(rank), {});
+  set_timeouts(socket_, timeout);  // every reply, from the hello on, within the job's timeout
+}
+
+void TcpStore::say_hello(const std::string& host, int port, int world_size, const std::string& token) {
+  const std::string key = store::hello_key(rank_, world_size);
+  char reply = 0;
+  std::vector<char> text;
+  const bool sent = write_all(socket_, "H", 1) && write_blob(socket_, key.data(), key.size()) &&
+                    write_blob(socket_, token.data(), token.size());
+  const bool answered = sent && read_all(socket_, &reply, 1) && (reply == 'h' || reply == 'r') &&
+                        store::read_blob(reader(socket_), store::kMaxReasonBytes, text);
+  const std::string answer(text.begin(), text.end());
+  if (answered && reply == 'h' && answer == store::kMagic) return;
+  if (answered && reply == 'r')
+    throw Error(fmt::format("env:// store: process 0 refused process {}: {}", rank_, answer));
+  throw Error(fmt::format(
+      "env:// store: process {} reached {}:{} (MASTER_ADDR:MASTER_PORT), but what answers there is not process 0 "
+      "of a dp job{}: is the port another program's?",
+      rank_, host, port, sent && reply == 0 ? fmt::format(" (no answer within {} s)", timeout_.count() / 1000) : ""));
 }
 
 TcpStore::~TcpStore() {
@@ -217,15 +337,25 @@ std::optional<std::vector<char>> TcpStore::request(char op, const std::string& k
   std::lock_guard lock(socket_mutex_);
   char reply = 0;
   std::vector<char> found;
-  const bool ok = write_all(socket_, &op, 1) && write_blob(socket_, key.data(), key.size()) &&
-                  (op != 'S' || write_blob(socket_, value.data(), value.size())) && read_all(socket_, &reply, 1) &&
-                  (reply != 'f' || read_blob(socket_, found));
-  if (!ok) throw Error(fmt::format("env:// store: process {} lost its connection to process 0", rank_));
+  const bool sent = write_all(socket_, &op, 1) && write_blob(socket_, key.data(), key.size()) &&
+                    (op != 'S' || write_blob(socket_, value.data(), value.size()));
+  const bool ok = sent && read_all(socket_, &reply, 1) && (reply == 'k' || reply == 'n' || reply == 'f') &&
+                  (reply != 'f' || store::read_blob(reader(socket_), store::kMaxValueBytes, found));
+  if (!ok) {
+    const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+    throw Error(fmt::format(
+        "env:// store: process {} {}", rank_,
+        timed_out ? fmt::format("had no answer from process 0 within {} s (DP_TIMEOUT_S)", timeout_.count() / 1000)
+                  : std::string("lost its connection to process 0")));
+  }
   if (reply == 'f') return found;
   return std::nullopt;
 }
 
 void TcpStore::set(const std::string& key, const std::vector<char>& value) {
+  if (key.size() > store::kMaxKeyBytes || value.size() > store::kMaxValueBytes)
+    throw InvalidArgument(fmt::format("env:// store: key '{}' of {} bytes is larger than the store takes",
+                                      key.substr(0, 64), value.size()));
   if (server_) {
     std::lock_guard lock(server_->mutex);
     server_->values[key] = value;

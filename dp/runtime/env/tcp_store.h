@@ -1,18 +1,27 @@
 // tcp_store.h — the key-value store of an env:// job, as c10d's TCPStore: process 0 serves it on
 // MASTER_ADDR:MASTER_PORT, every process (0 included, in process) sets and reads keys. The job's
-// host collectives and the rendezvous of its gloo pairs go through it. A process whose connection
-// drops before it said goodbye is recorded under kDeadKey, so that the others stop waiting for it.
-// Private to the runtime.
+// host collectives and the rendezvous of its gloo pairs go through it. Private to the runtime.
+//
+// Note [store security]
+// The store listens on MASTER_ADDR's address only (loopback when it is loopback), and a connection
+// counts for nothing until it says hello (store_protocol.h) within kHelloSeconds: a port scanner,
+// a health probe, a stranger's garbage or a flood of connections is dropped without touching the
+// job, and every request is bounded (no allocation beyond store::kMaxValueBytes). A hello names its
+// rank and world size: a second process with a rank already in the job, or one with another
+// WORLD_SIZE, is refused, naming why (the latter is recorded under kRefusedKey, so the job ends at
+// once instead of waiting for a process that will not come). With DP_JOB_TOKEN set, a hello must
+// carry it: no one without it can read a key, stand in for a rank or forge an abort. Without a
+// token, anyone who can reach the port and speaks this protocol can: set one wherever others share
+// the network (a Kubernetes secret, a Slurm job's environment). Only a process that said hello and
+// then drops its connection without a goodbye is recorded under kDeadKey, so that the others stop
+// waiting for it. Clients give up on any reply that takes longer than the job's timeout.
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace dp::detail {
@@ -20,9 +29,13 @@ namespace dp::detail {
 class TcpStore {
  public:
   static constexpr const char* kDeadKey = "dp/dead";
-  // rank 0 listens on `port` (every interface); the others connect to host:port, retrying until
-  // `timeout` passes (Error naming the address then).
-  TcpStore(const std::string& host, int port, int rank, std::chrono::milliseconds timeout);
+  static constexpr const char* kRefusedKey = "dp/refused";
+  static constexpr int kHelloSeconds = 5;
+  // rank 0 listens on host:port (host: MASTER_ADDR, an address of its machine); the others connect
+  // to it, retrying until `timeout` passes, and say hello (Error naming the address and the cause
+  // otherwise). `token`: DP_JOB_TOKEN, empty for none.
+  TcpStore(const std::string& host, int port, int rank, int world_size, const std::string& token,
+           std::chrono::milliseconds timeout);
   ~TcpStore();
   TcpStore(const TcpStore&) = delete;
   TcpStore& operator=(const TcpStore&) = delete;
@@ -33,10 +46,13 @@ class TcpStore {
 
  private:
   struct Server;
+  void connect_to(const std::string& host, int port, std::chrono::milliseconds timeout);
+  void say_hello(const std::string& host, int port, int world_size, const std::string& token);
   // A request to the server (not on rank 0): op, key, value; the reply's value, if any.
   std::optional<std::vector<char>> request(char op, const std::string& key, const std::vector<char>& value);
 
   int rank_;
+  std::chrono::milliseconds timeout_;
   std::unique_ptr<Server> server_;  // rank 0
   int socket_ = -1;                 // the others
   std::mutex socket_mutex_;
