@@ -8,7 +8,7 @@ both count the same test samples correct (run with Debian's python3-torch, CPU):
 It prints the test loss, the accuracy and the number of correct samples; with --predictions FILE it also
 writes each sample's predicted class, one per line, for a sample-by-sample comparison.
 """
-import argparse, gzip, json, os, struct, sys
+import argparse, gzip, os, struct, sys
 
 import numpy as np
 import torch
@@ -19,20 +19,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
 from make_goldens import MLP, ConvNet  # noqa: E402
 
-
-def load_safetensors(path):
-    dtypes = {"F32": np.float32, "I64": np.int64}
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__" or name.startswith("optimizer."):
-            continue
-        a, b = t["data_offsets"]
-        out[name] = torch.from_numpy(np.frombuffer(data[a:b], dtype=dtypes[t["dtype"]]).reshape(t["shape"]).copy())
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dp_checkpoint import load  # noqa: E402
 
 
 def read_idx(path):
@@ -65,7 +53,7 @@ def main():
     # torchvision's ToTensor then Normalize, in fp32.
     x = (torch.from_numpy(images.astype(np.float32)).unsqueeze(1) / 255.0 - mean) / std
     model = ConvNet() if args.model == "convnet" else MLP([int(h) for h in args.hidden.split(",")])
-    state = load_safetensors(args.init)
+    state = load(args.init)
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
     model.load_state_dict(state)
     model.eval()
