@@ -5,9 +5,18 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${DP_BUILD_DIR} --prefix ${WO
 if(rc)
   message(FATAL_ERROR "install failed: ${rc}")
 endif()
+# The package names no file of the build machine: it finds its libraries on the consumer's.
+file(GLOB targets ${WORK_DIR}/prefix/lib*/cmake/dp/dpTargets*.cmake)
+foreach(file IN LISTS targets)
+  file(READ ${file} text)
+  if(text MATCHES "(/usr/[^;\"]*|/opt/[^;\"]*)\\.(so|a)")
+    message(FATAL_ERROR "${file} links a file by its absolute path: ${CMAKE_MATCH_0}")
+  endif()
+endforeach()
+# As on a machine without nvcc: a package built with the cuda backend must not ask for the toolkit.
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE} -B ${WORK_DIR}/build -G ${GENERATOR}
                         -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release
-                        -DCUSTOM_MODEL_SOURCE=${CUSTOM_MODEL_SOURCE}
+                        -DCUSTOM_MODEL_SOURCE=${CUSTOM_MODEL_SOURCE} -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed: ${rc}")
