@@ -21,7 +21,7 @@
 # loader's path (see ../shared/tools/gpu/). Without a GPU it says so and exits 0.
 # Self-test on a machine without a GPU: DP_GPU_CHECK_BACKEND=sim (the simulator stands in for the GPU,
 # the cuda tests are SKIP rows); add DP_GPU_CHECK_SELFTEST_LR0=1 and the "GPU" runs of dp_train get
-# --lr 0 (their parameters never move): every comparison row must then FAIL (tests/gpu_check_test.sh).
+# --lr 0 (their parameters never move): every comparison row must then FAIL (tests/tools/gpu_check_test.sh).
 set -uo pipefail
 export LC_ALL=C  # a decimal point in $EPOCHREALTIME and the tools' figures
 here=$(pwd)

@@ -14,9 +14,9 @@ one on oneDNN (DNNL_VERBOSE=1 lists their 18 primitives).
 
 __metadata__ "onednn_isa" is dnnl_get_effective_cpu_isa() of the libdnnl torch ran on (the same
 library dp links) and "caches" the CPU's cache sizes (sysfs, as cpu_caches() in
-tests/test_conv2d.cpp reads them): oneDNN picks its kernels by instruction set and sizes their
+tests/kernels/test_conv2d.cpp reads them): oneDNN picks its kernels by instruction set and sizes their
 blocking by the caches, so the bits are PyTorch's only on a machine where dp's oneDNN picks the same
-(tests/test_conv2d.cpp: SimConvolutionsArePyTorchs).
+(tests/kernels/test_conv2d.cpp: SimConvolutionsArePyTorchs).
 """
 import argparse
 import ctypes

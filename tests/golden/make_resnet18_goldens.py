@@ -2,7 +2,7 @@
 """Golden forward/backward of torchvision.models.resnet18(num_classes=10) (torch 1.13, torchvision 0.14, CPU, fp32).
 
 The 11.2M parameters are too many to commit, so every parameter and buffer comes from a formula that
-tests/test_resnet18.cpp reproduces bit for bit. For state-dict entry number t (0-based, in
+tests/nn/test_resnet18.cpp reproduces bit for bit. For state-dict entry number t (0-based, in
 state_dict() order, num_batches_tracked included) and flat element i:
     z = splitmix64((t << 32) + i)                  (the finaliser of the golden-gamma step below)
     u = (z >> 11) * 2**-53 * 2.0 - 1.0             (float64 in [-1, 1))

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Tiny image files for dp's decoder tests (tests/test_images.cpp) and PIL's decoding of each.
+"""Tiny image files for dp's decoder tests (tests/io/test_images.cpp) and PIL's decoding of each.
 
 PIL writes what it can (8-bit PNGs of every colour type, JPEGs baseline, progressive, grey and
 CMYK); 16-bit, interlaced and bomb PNGs are written here chunk by chunk. expected.safetensors

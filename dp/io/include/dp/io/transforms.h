@@ -106,7 +106,7 @@ FloatImage to_tensor(const Image& image, const CropBox& box);
 // i1 = min(i0 + 1, in - 1), l1 = float32(src - i0), l0 = 1 - l1 (1 and 0 when in == out), and
 // row(i) = fma(x[i][i0x], l0x, x[i][i1x] * l1x), out = fma(row(i0y), l0y, row(i1y) * l1y): the
 // fused multiply-adds of torch's AVX2 kernels, which every x86-64 machine of the last decade runs.
-// Bit for bit torch's values (tests/test_images.cpp); torch's kernel without AVX2 rounds without
+// Bit for bit torch's values (tests/io/test_images.cpp); torch's kernel without AVX2 rounds without
 // fusing and differs from these by a few ulp.
 FloatImage resized_crop(const FloatImage& image, const CropBox& box, int out_height, int out_width);
 // F.resize to (out_height, out_width), antialias=False: resized_crop of the whole image.

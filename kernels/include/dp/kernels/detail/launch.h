@@ -31,7 +31,7 @@ using kernel_api::check_operands;
 // (a scatter in the gather's order, loops over planes instead of a division per element), where the
 // GPU's one-thread-per-element form costs the host more than the arithmetic: F::host_run(n) for
 // launch, F::host_run(rows, cols) for launch_2d. It must write exactly what f(i) for every i writes,
-// bit for bit (tests/test_host_paths.cpp holds every one to the per-element loop), so that the sim
+// bit for bit (tests/kernels/test_host_paths.cpp holds every one to the per-element loop), so that the sim
 // still computes what the GPU does.
 template <class F>
 concept HasHostRun = requires(const F& f, index_t n) {

@@ -14,7 +14,7 @@ except ImportError:
     print("skipped: torch is not installed (Debian: python3-torch)")
     sys.exit(77)
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "golden"))
 from dp_checkpoint import load, read  # noqa: E402

@@ -12,7 +12,7 @@ if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   echo "a GPU is present: run scripts/gpu-check.sh itself"
   exit 77
 fi
-script=$(dirname "$0")/../scripts/gpu-check.sh
+script=$(dirname "$0")/../../scripts/gpu-check.sh
 build=$1
 fail() { echo "FAIL: $*"; exit 1; }
 

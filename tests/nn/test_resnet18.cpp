@@ -91,7 +91,7 @@ safetensors::File formula_state(const std::vector<StateEntry>& entries) {
   return file;
 }
 
-// Logits, loss and full gradients, as tests/test_models.cpp compares its goldens: elementwise rtol
+// Logits, loss and full gradients, as tests/nn/test_models.cpp compares its goldens: elementwise rtol
 // 1e-4 plus 2e-5 of the tensor's largest |value|. torch's own fp32 result differs from an fp64 rerun
 // by at most 2.2e-6 of the largest logit, 0.4e-6 on the eval logits and 4e-6 on fc.weight's gradient
 // (measured when the golden was made); dp sums in other orders, so test::matches_golden allows about

@@ -1,4 +1,4 @@
-// test_runtime.cpp — the device runtime: memory accounting and isolation, stream concurrency and
+// test_device.cpp — the device runtime: memory accounting and isolation, stream concurrency and
 // event ordering on the simulator, copies and their link counters, workers, errors.
 #include <atomic>
 #include <chrono>

@@ -1,4 +1,4 @@
-// test_kernels.cpp — every Foundation kernel against a plain host loop, on every backend:
+// test_elementwise.cpp — every Foundation kernel against a plain host loop, on every backend:
 // the sim runs the same __host__ __device__ functors; the cuda instances compare the GPU with the
 // host result and skip with a reason where there is no GPU.
 #include <cmath>
