@@ -526,8 +526,8 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
         ys[static_cast<std::size_t>(r)].push_back(y[index]);
       }
       cursor[static_cast<std::size_t>(r)] += n;
-      batches.push_back(Batch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(),
-                                  static_cast<int>(n)});
+      batches.push_back(
+          Batch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(), static_cast<int>(n)});
     }
     const float loss = ddp.train_step(batches);
     const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
