@@ -52,29 +52,30 @@ std::unique_ptr<dp::Runtime> open_runtime(const Options& o, dp::tools::Job& job,
 
 void print_banner(const Options& o, const Setup& setup, const dp::tools::Job& job) {
   fmt::print(
-      "dp_bench: backend {} (precision {}, autocast {}, graphs {}, pipeline {}), {} device(s) [{}]{}, batch {} per "
-      "device, {} warm-up + {} measured steps, DDP buckets {} MiB (first {} MiB)\n",
+      "dp_bench: backend {} (precision {}, autocast {}, graphs {}, pipeline {}), {} device(s) [{}]{}, batch {} "
+      "(single, dp: global; ddp: per device), {} warm-up + {} measured steps, DDP buckets {} MiB (first {} MiB)\n",
       setup.backend, o.precision, o.amp, o.graphs, o.pipeline, setup.devices, fmt::join(setup.device_names, ", "),
       job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", setup.processes) : "",
-      o.batch_per_device, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
+      o.batch_size, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
 }
 
-// The synthetic inputs of the largest global batch, generated once: refused (exit 2, with the
-// figure) before anything is allocated when they cannot exist.
+// The synthetic inputs of DDP's global batch (the largest any mode takes), generated once: refused
+// (exit 2, with the figure) before anything is allocated when they cannot exist.
 Data synthetic_data(const Options& o, int devices, const std::vector<std::string>& models) {
   std::size_t floats = 0;
-  for (const std::string& model : models) floats = std::max(floats, model_sample_floats(model));
-  const std::uint64_t global = static_cast<std::uint64_t>(o.batch_per_device) * static_cast<std::uint64_t>(devices);
+  for (const std::string& model : models)
+    floats = std::max(floats, dp::models::model_spec(model).input_floats(model_args()));
+  const std::uint64_t global = static_cast<std::uint64_t>(o.batch_size) * static_cast<std::uint64_t>(devices);
   if (global > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} devices: a global batch of {} samples is more than {}",
-                                 o.batch_per_device, devices, global, std::numeric_limits<int>::max()));
+                                 o.batch_size, devices, global, std::numeric_limits<int>::max()));
   const std::uint64_t data_bytes = global * (floats * sizeof(float) + sizeof(std::int64_t));
   if (const std::uint64_t host = dp::Runtime::host_memory_bytes(); host > 0 && data_bytes > host)
     throw UsageError(fmt::format("--batch-size {}: the synthetic inputs alone need {:.1f} GiB, the host has {:.1f} GiB",
-                                 o.batch_per_device, static_cast<double>(data_bytes) / (1u << 30),
+                                 o.batch_size, static_cast<double>(data_bytes) / (1u << 30),
                                  static_cast<double>(host) / (1u << 30)));
-  return make_data(o.batch_per_device * devices, floats, o.seed);
+  return make_data(o.batch_size * devices, floats, o.seed);
 }
 
 // Every process is ready (or all stop with the first failing one's exit code), with one
@@ -82,20 +83,16 @@ Data synthetic_data(const Options& o, int devices, const std::vector<std::string
 void agree_to_start(const dp::tools::Job& job, const Options& o, const Setup& setup,
                     const std::vector<std::string>& models, const std::vector<std::string>& modes) {
   job.agree_or_stop();
-  job.agree_on_configuration(
-      {{"--backend", setup.backend},
-       {"--precision", o.precision},
-       {"--graphs", o.graphs},
-       {"--pipeline", o.pipeline},
-       {"--devices", fmt::format("{}", setup.devices)},
-       {"--models", fmt::format("{}", fmt::join(models, ","))},
-       {"--modes", fmt::format("{}", fmt::join(modes, ","))},
-       {"--batch-size", fmt::format("{}", o.batch_per_device)},
-       {"--steps, --warmup", fmt::format("{} {}", o.steps, o.warmup)},
-       {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
-       {"--optimizer, --sync-bn, --broadcast-buffers, --grad-reduce, --amp",
-        fmt::format("{} {} {} {} {}", o.optimizer, o.sync_bn, o.broadcast_buffers, o.grad_reduce, o.amp)},
-       {"--seed", fmt::format("{}", o.seed)}});
+  std::vector<std::pair<std::string, std::string>> fields = {
+      {"backend", setup.backend},
+      {"devices per process", fmt::format("{}", setup.devices)},
+      {"--models", fmt::format("{}", fmt::join(models, ","))},
+      {"--modes", fmt::format("{}", fmt::join(modes, ","))},
+      {"--warmup", fmt::format("{}", o.warmup)},
+      {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
+      {"--broadcast-buffers", o.broadcast_buffers}};
+  for (auto& field : dp::tools::shared_configuration(o)) fields.push_back(std::move(field));
+  job.agree_on_configuration(fields);
 }
 
 // Under mpirun (one process per node, --devices K each), ddp runs over every process's devices and
@@ -130,9 +127,8 @@ void set_scaling_efficiency(std::vector<Run>& runs) {
 }
 
 int run_bench(const Options& o, dp::tools::Job& job) {
-  validate(o);
-  const auto models = parse_list(o.models, kModels, "--models");
-  const auto modes = parse_list(o.modes, kModes, "--modes");
+  const auto models = dp::tools::split_list(o.models);
+  const auto modes = dp::tools::split_list(o.modes);
   check_outputs(o, job);
   Setup setup;
   const auto rt = open_runtime(o, job, setup);

@@ -15,9 +15,7 @@
 
 #include "dp/engines/ddp.h"
 #include "dp/engines/engine.h"
-#include "dp/models/convnet.h"
-#include "dp/models/mlp.h"
-#include "dp/models/resnet.h"
+#include "dp/models/registry.h"
 #include "dp/nn/model.h"
 #include "dp/runtime/shape.h"
 
@@ -32,38 +30,6 @@ std::int64_t now_ns() {
 }
 
 double ms_between(std::int64_t start_ns, std::int64_t end_ns) { return static_cast<double>(end_ns - start_ns) / 1e6; }
-
-std::unique_ptr<dp::Model> make_model(const std::string& name, dp::Device& device, std::uint64_t seed) {
-  if (name == "mlp") return dp::models::make_mlp(device, {256, 256}, seed);
-  if (name == "resnet8") return dp::models::make_resnet8(device, seed);
-  if (name == "resnet18") return dp::models::make_resnet18(device, 10, kResNet18Side, seed);
-  return dp::models::make_convnet(device, seed);
-}
-
-// torchvision's ResNet-18 on S x S inputs: each convolution's multiply-accumulates per sample
-// (c_out x c_in x k x k x output plane), the stem first, then fc.
-std::vector<double> resnet18_macs(int side) {
-  const auto out = [](int s, int stride) { return (s - 1) / stride + 1; };
-  std::vector<double> macs;
-  int s = out(side, 2);  // the 7x7/2 stem
-  macs.push_back(64.0 * 3 * 49 * s * s);
-  s = out(s, 2);  // the 3x3/2 max-pool
-  int in = 64;
-  for (int stage = 0; stage < 4; ++stage) {
-    const int width = 64 << stage;
-    for (int block = 0; block < 2; ++block) {
-      const int stride = stage > 0 && block == 0 ? 2 : 1;
-      const int o = out(s, stride);
-      macs.push_back(static_cast<double>(width) * in * 9 * o * o);
-      macs.push_back(static_cast<double>(width) * width * 9 * o * o);
-      if (stride != 1 || in != width) macs.push_back(static_cast<double>(width) * in * o * o);
-      in = width;
-      s = o;
-    }
-  }
-  macs.push_back(512.0 * 10);
-  return macs;
-}
 
 double percentile(std::vector<double> v, double q) {  // nearest rank
   std::sort(v.begin(), v.end());
@@ -290,14 +256,21 @@ void gather_devices(Run& run, dp::ProcessGroup& processes) {
   for (const Wire& w : processes.all_gather(std::span<const Wire>(mine))) run.per_device.push_back(from_wire(w));
 }
 
-Run new_run(const Options& o, const std::string& model, const std::string& mode, int used, int processes) {
+// --batch-size as torch means it: DataParallel's is the global batch, chunked over the devices
+// (torch.chunk: ceil(B / N) rows for the first devices); DDP's is each rank's.
+Run new_run(const Options& o, const std::string& model, dp::EngineKind kind, int used, int processes) {
   Run run;
   run.model = model;
-  run.mode = mode;
+  run.mode = dp::to_string(kind);
   for (int d = 0; d < used; ++d) run.device_ids.push_back(d);
   run.devices = used * processes;
-  run.batch_per_device = o.batch_per_device;
-  run.global_batch = o.batch_per_device * run.devices;
+  if (kind == dp::EngineKind::dp) {
+    run.global_batch = o.batch_size;
+    run.batch_per_device = (o.batch_size + run.devices - 1) / run.devices;
+  } else {
+    run.batch_per_device = o.batch_size;
+    run.global_batch = o.batch_size * run.devices;
+  }
   return run;
 }
 
@@ -307,16 +280,12 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
   options.kind = kind;
   options.device_ids = run.device_ids;
   options.output_device = kind == dp::EngineKind::dp ? std::optional<int>(0) : std::nullopt;
-  options.graphs = o.graphs == "on";
+  dp::tools::set_engine_options(o, options);
   // Phase times come from events between the phases, which a replayed graph does not record.
   options.time_phases = kind == dp::EngineKind::dp && !options.graphs;
   options.bucket_cap_mb = o.bucket_cap_mb;
-  options.sync_batchnorm = o.sync_bn && kind == dp::EngineKind::ddp;
   options.broadcast_buffers = o.broadcast_buffers == "on";
-  options.grad_reduce =
-      o.grad_reduce == "bf16" && kind == dp::EngineKind::ddp ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
   options.first_bucket_mb = o.first_bucket_mb;
-  options.amp = dp::parse_autocast(o.amp);
   options.processes = std::move(processes);
   return options;
 }
@@ -394,34 +363,16 @@ Data make_data(int samples, std::size_t sample_floats, std::uint64_t seed) {
   return d;
 }
 
-// Forward, weight gradients, and input gradients of every layer but the first (the engine skips
-// the first layer's dx, as PyTorch does). The forward GEMM of each layer has `macs`
-// multiply-accumulates per sample; its two backward GEMMs have as many.
 double gemm_flops_per_sample(const std::string& model) {
-  std::vector<double> macs;
-  if (model == "mlp")
-    macs = {784.0 * 256, 256.0 * 256, 256.0 * 10};
-  else if (model == "resnet18")
-    macs = resnet18_macs(kResNet18Side);
-  else if (model == "resnet8")  // stem; layer1 2x; layer2 conv1, conv2, downsample; layer3 likewise; fc
-    macs = {16.0 * 9 * 28 * 28,      16.0 * 16 * 9 * 28 * 28,
-            16.0 * 16 * 9 * 28 * 28, 32.0 * 16 * 9 * 14 * 14,
-            32.0 * 32 * 9 * 14 * 14, 32.0 * 16 * 14 * 14,
-            64.0 * 32 * 9 * 7 * 7,   64.0 * 64 * 9 * 7 * 7,
-            64.0 * 32 * 7 * 7,       64.0 * 10};
-  else
-    macs = {16.0 * 25 * 28 * 28, 32.0 * 16 * 25 * 14 * 14, 7.0 * 7 * 32 * 10};  // im2col GEMMs, fc
-  double sum = 0;
-  for (double m : macs) sum += m;
-  return 2.0 * (3.0 * sum - macs.front());
+  return dp::models::model_spec(model).gemm_flops_per_sample(model_args());
 }
 
 Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
           int devices, const std::shared_ptr<dp::ProcessGroup>& processes) {
   const dp::EngineKind kind = dp::parse_engine_kind(mode);
   const bool across = kind == dp::EngineKind::ddp && processes->size() > 1;
-  Run run = new_run(o, model_name, mode, kind == dp::EngineKind::single ? 1 : devices, across ? processes->size() : 1);
-  auto model = make_model(model_name, rt.device(0), o.seed);
+  Run run = new_run(o, model_name, kind, kind == dp::EngineKind::single ? 1 : devices, across ? processes->size() : 1);
+  auto model = dp::models::model_spec(model_name).build(rt.device(0), model_args(), o.seed);
   run.param_count = model->param_count();
   run.buffers_bytes = model->buffers_bytes();
   const dp::EngineOptions options = engine_options(o, kind, run, across ? processes : nullptr);
@@ -440,7 +391,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   run.graphs = engine->graph_replays() >= static_cast<std::uint64_t>(o.steps);
   engine->synchronize();
   run.activation_bytes_per_sample =
-      engine->model().saved_activation_bytes() / static_cast<std::size_t>(o.batch_per_device);
+      engine->model().saved_activation_bytes() / static_cast<std::size_t>(run.batch_per_device);
   if (across) gather_devices(run, *processes);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
   if (!parallel) return run;

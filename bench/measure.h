@@ -113,7 +113,7 @@ struct Run {
   double trace_offset_ms = 0;
 };
 
-// GEMM FLOPs per sample of one training step of `model`, from its layer shapes.
+// GEMM FLOPs per sample of one training step of `model` as dp_bench builds it (the registry's).
 double gemm_flops_per_sample(const std::string& model);
 
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's

@@ -19,7 +19,7 @@ namespace dp_bench {
 using json = nlohmann::json;
 
 // The report's fields that are members of the same name; the others are written below.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_per_device, optimizer, steps, warmup, bucket_cap_mb,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, optimizer, steps, warmup, bucket_cap_mb,
                                    sync_bn, broadcast_buffers, grad_reduce, first_bucket_mb, seed, precision, amp)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,

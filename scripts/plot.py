@@ -63,8 +63,8 @@ def bench_throughput(report, out):
     ax.set_xticks(range(len(models)), models)
     ax.set_yscale("log")
     ax.set_ylabel("training samples/s (log)")
-    ax.set_title(f"dp_bench: {report['backend']}, {report['devices']} device(s), batch {report['batch_per_device']} "
-                 "per device")
+    ax.set_title(f"dp_bench: {report['backend']}, {report['devices']} device(s), --batch-size {report['batch_size']} "
+                 "(dp: global)")
     ax.legend()
     fig.tight_layout()
     return save(fig, out, "bench_throughput")

@@ -2,136 +2,46 @@
 // --resume, --init and --eval-only.
 #include "run_settings.h"
 
-#include <charconv>
 #include <fmt/format.h>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "train_cli.h"
+
 namespace dp_train {
 namespace {
 
-std::string text(double v) { return fmt::format("{}", v); }  // shortest form that reads back exactly
+using dp::tools::Flag;
+using dp::tools::Saved;
 
-// One setting: its flag, its tag, and how to read, compare and take a tag's value.
-struct Setting {
-  const char* flag;
-  const char* tag;
-  enum Scope { always, optimizer_kind, resume_only } scope;
-  bool structural;  // the model's shape: a contradiction is an error
-  std::string (*current)(const Options&);
-  void (*take)(Options&, const std::string&);
-};
-
-double number(const std::string& tag, const std::string& value) {
-  double v = 0.0;
-  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
-  if (value.empty() || error != std::errc() || end != value.data() + value.size())
-    throw UsageError(fmt::format("metadata 'dp.{}' = '{}' is not a number", tag, value));
-  return v;
-}
-long integer(const std::string& tag, const std::string& value) {
-  long v = 0;
-  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
-  if (value.empty() || error != std::errc() || end != value.data() + value.size() || v < 0)
-    throw UsageError(fmt::format("metadata 'dp.{}' = '{}' is not a count", tag, value));
-  return v;
-}
-bool boolean(const std::string& tag, const std::string& value) {
-  if (value != "true" && value != "false")
-    throw UsageError(fmt::format("metadata 'dp.{}' = '{}' is not true or false", tag, value));
-  return value == "true";
+// The flags a checkpoint records, in the order train_flags() lists them.
+std::vector<const Flag<Options>*> saved_flags() {
+  std::vector<const Flag<Options>*> flags;
+  for (const auto& group : train_flags())
+    for (const Flag<Options>& flag : group.flags)
+      if (flag.saved != Saved::no) flags.push_back(&flag);
+  return flags;
 }
 
-const std::vector<Setting>& settings() {
-  using S = Setting;
-  static const std::vector<Setting> all = {
-      {"--model", "model", S::always, true, [](const Options& o) { return o.model; },
-       [](Options& o, const std::string& v) {
-         if (v != "mlp" && v != "convnet" && v != "resnet8" && v != "resnet18" && v != "resnet34")
-           throw UsageError(fmt::format("metadata 'dp.model' = '{}' is not a model dp_train knows", v));
-         o.model = v;
-       }},
-      {"--hidden", "hidden", S::always, true, [](const Options& o) { return o.model == "mlp" ? o.hidden : ""; },
-       [](Options& o, const std::string& v) {
-         if (!v.empty()) o.hidden = v;
-       }},
-      {"--num-classes", "num_classes", S::always, true,
-       [](const Options& o) { return o.num_classes ? fmt::format("{}", *o.num_classes) : std::string(); },
-       [](Options& o, const std::string& v) {
-         if (!v.empty()) o.num_classes = static_cast<int>(integer("num_classes", v));
-       }},
-      {"--image-size", "image_size", S::always, false,
-       [](const Options& o) { return o.model == "resnet18" || o.model == "resnet34" ? text(o.image_size) : ""; },
-       [](Options& o, const std::string& v) {
-         if (!v.empty()) o.image_size = static_cast<int>(integer("image_size", v));
-       }},
-      {"--resize", "resize", S::always, false,
-       [](const Options& o) { return o.resize ? fmt::format("{}", *o.resize) : std::string(); },
-       [](Options& o, const std::string& v) {
-         if (!v.empty()) o.resize = static_cast<int>(integer("resize", v));
-       }},
-      {"--normalize", "normalize", S::always, false, [](const Options& o) { return o.normalize; },
-       [](Options& o, const std::string& v) { o.normalize = v; }},
-      {"--dropout", "dropout", S::always, false, [](const Options& o) { return text(o.dropout); },
-       [](Options& o, const std::string& v) { o.dropout = number("dropout", v); }},
-      {"--label-smoothing", "label_smoothing", S::always, false,
-       [](const Options& o) { return text(o.label_smoothing); },
-       [](Options& o, const std::string& v) { o.label_smoothing = number("label_smoothing", v); }},
-      {"--amp", "amp", S::resume_only, false, [](const Options& o) { return o.amp; },
-       [](Options& o, const std::string& v) {
-         if (v != "off" && v != "bf16") throw UsageError(fmt::format("metadata 'dp.amp' = '{}' is not off or bf16", v));
-         o.amp = v;
-       }},
-      {"--grad-reduce", "grad_reduce", S::resume_only, false, [](const Options& o) { return o.grad_reduce; },
-       [](Options& o, const std::string& v) {
-         if (v != "fp32" && v != "bf16")
-           throw UsageError(fmt::format("metadata 'dp.grad_reduce' = '{}' is not fp32 or bf16", v));
-         o.grad_reduce = v;
-       }},
-      {"--optimizer", "optimizer", S::optimizer_kind, false, [](const Options& o) { return o.optimizer; },
-       [](Options& o, const std::string& v) {
-         if (v != "sgd" && v != "adamw")
-           throw UsageError(fmt::format("metadata 'dp.optimizer' = '{}' is not sgd or adamw", v));
-         o.optimizer = v;
-       }},
-      {"--lr", "lr", S::resume_only, false, [](const Options& o) { return text(o.lr); },
-       [](Options& o, const std::string& v) { o.lr = number("lr", v); }},
-      {"--momentum", "momentum", S::resume_only, false, [](const Options& o) { return text(o.momentum); },
-       [](Options& o, const std::string& v) { o.momentum = static_cast<float>(number("momentum", v)); }},
-      {"--weight-decay", "weight_decay", S::resume_only, false, [](const Options& o) { return text(o.weight_decay); },
-       [](Options& o, const std::string& v) { o.weight_decay = number("weight_decay", v); }},
-      {"--nesterov", "nesterov", S::resume_only, false, [](const Options& o) { return fmt::format("{}", o.nesterov); },
-       [](Options& o, const std::string& v) { o.nesterov = boolean("nesterov", v); }},
-      {"--beta1", "beta1", S::resume_only, false, [](const Options& o) { return text(o.beta1); },
-       [](Options& o, const std::string& v) { o.beta1 = number("beta1", v); }},
-      {"--beta2", "beta2", S::resume_only, false, [](const Options& o) { return text(o.beta2); },
-       [](Options& o, const std::string& v) { o.beta2 = number("beta2", v); }},
-      {"--eps", "eps", S::resume_only, false, [](const Options& o) { return text(o.eps); },
-       [](Options& o, const std::string& v) { o.eps = number("eps", v); }},
-      {"--scale-lr", "scale_lr", S::resume_only, false, [](const Options& o) { return fmt::format("{}", o.scale_lr); },
-       [](Options& o, const std::string& v) { o.scale_lr = boolean("scale_lr", v); }},
-      {"--schedule", "schedule", S::resume_only, false, [](const Options& o) { return o.schedule; },
-       [](Options& o, const std::string& v) {
-         if (v != "none" && v != "step" && v != "cosine")
-           throw UsageError(fmt::format("metadata 'dp.schedule' = '{}' is not none, step or cosine", v));
-         o.schedule = v;
-       }},
-      {"--warmup-steps", "warmup_steps", S::resume_only, false,
-       [](const Options& o) { return fmt::format("{}", o.warmup_steps); },
-       [](Options& o, const std::string& v) { o.warmup_steps = integer("warmup_steps", v); }},
-      {"--step-size", "step_size", S::resume_only, false,
-       [](const Options& o) { return fmt::format("{}", o.step_size); },
-       [](Options& o, const std::string& v) { o.step_size = integer("step_size", v); }},
-      {"--gamma", "gamma", S::resume_only, false, [](const Options& o) { return text(o.gamma); },
-       [](Options& o, const std::string& v) { o.gamma = number("gamma", v); }},
-      {"--eta-min", "eta_min", S::resume_only, false, [](const Options& o) { return text(o.eta_min); },
-       [](Options& o, const std::string& v) { o.eta_min = number("eta_min", v); }},
-      {"--t-max", "t_max", S::resume_only, false,
-       [](const Options& o) { return o.t_max ? fmt::format("{}", *o.t_max) : std::string(); },
-       [](Options& o, const std::string& v) { o.t_max = integer("t_max", v); }},
-  };
-  return all;
+bool takes(const std::string& model, dp::models::ModelArg arg) {
+  const dp::models::ModelSpec* spec = dp::models::find_model(model);
+  return spec && spec->takes(arg);
+}
+
+// The flag's value as a checkpoint records it: empty for an argument the model does not take.
+std::string current(const Flag<Options>& flag, const Options& o) {
+  if (flag.model_arg && !takes(o.model, *flag.model_arg)) return "";
+  return flag.value.text(o);
+}
+
+// Takes a checkpoint's value as the flag's own text; empty, it leaves a flag whose default is
+// empty (an optional, --normalize) unset.
+void take(const Flag<Options>& flag, Options& o, const std::string& value) {
+  const bool may_be_unset = flag.value.text(Options{}).empty();
+  if (const std::string why = flag.value.refusal(value); !why.empty() && !(value.empty() && may_be_unset))
+    throw UsageError(fmt::format("metadata 'dp.{}' = '{}': {}", dp::tools::tag_of(flag.name), value, why));
+  flag.value.store(o, value);
 }
 
 }  // namespace
@@ -140,9 +50,9 @@ std::map<std::string, std::string> run_settings(const Options& o, long t_max) {
   Options resolved = o;
   resolved.t_max = o.schedule == "cosine" ? std::optional<long>(t_max) : std::nullopt;  // T_max is cosine's alone
   std::map<std::string, std::string> tags;
-  for (const Setting& s : settings())
-    if (s.scope != Setting::optimizer_kind) tags[s.tag] = s.current(resolved);  // the training state's own key
-  return tags;
+  for (const Flag<Options>* flag : saved_flags())
+    if (flag->saved != Saved::optimizer_kind) tags[dp::tools::tag_of(flag->name)] = current(*flag, resolved);
+  return tags;  // the optimizer's kind is the training state's own key
 }
 
 void apply_optimizer_defaults(Options& o) {
@@ -155,29 +65,30 @@ void adopt_run_settings(Options& o, const std::string& path, const std::map<std:
                         bool resuming) {
   std::vector<std::string> taken;
   bool kind_taken = false;
-  for (const Setting& s : settings()) {
-    if (s.scope == Setting::resume_only && !resuming) continue;
-    if (s.scope == Setting::optimizer_kind && o.eval_only) continue;
-    const auto tag = tags.find(s.tag);
+  for (const Flag<Options>* flag : saved_flags()) {
+    if (flag->saved == Saved::on_resume && !resuming) continue;
+    if (flag->saved == Saved::optimizer_kind && o.eval_only) continue;
+    const auto tag = tags.find(dp::tools::tag_of(flag->name));
     if (tag == tags.end()) continue;  // a checkpoint from before the tag existed
-    if (s.tag == std::string("hidden") && tags.count("model") && tags.at("model") != "mlp") continue;
-    const std::string now = s.current(o);
-    if (o.given.count(s.flag)) {
+    if (flag->model_arg && tags.count("model") && !takes(tags.at("model"), *flag->model_arg)) continue;
+    const std::string now = current(*flag, o);
+    const std::string& name = flag->name;
+    if (o.given.count(name)) {
       if (now == tag->second) continue;
       const bool refused =
-          (s.structural && !(o.init_non_strict && !resuming)) || (s.scope == Setting::optimizer_kind && resuming);
+          (flag->structural && !(o.init_non_strict && !resuming)) || (flag->saved == Saved::optimizer_kind && resuming);
       if (refused)
-        throw UsageError(fmt::format("{} {}: the checkpoint {} was saved with {} {}{}", s.flag, now, path, s.flag,
+        throw UsageError(fmt::format("{} {}: the checkpoint {} was saved with {} {}{}", name, now, path, name,
                                      tag->second,
-                                     s.structural ? " (leave the flag out to take the checkpoint's)" : ""));
-      say("note: the checkpoint {} was saved with {} {}; continuing with {}\n", path, s.flag,
+                                     flag->structural ? " (leave the flag out to take the checkpoint's)" : ""));
+      say("note: the checkpoint {} was saved with {} {}; continuing with {}\n", path, name,
           tag->second.empty() ? "(none)" : tag->second, now.empty() ? "(none)" : now);
       continue;
     }
     if (now == tag->second) continue;
-    s.take(o, tag->second);
-    if (s.scope == Setting::optimizer_kind) kind_taken = true;
-    taken.push_back(fmt::format("{} {}", s.flag, tag->second.empty() ? "(none)" : tag->second));
+    take(*flag, o, tag->second);
+    if (flag->saved == Saved::optimizer_kind) kind_taken = true;
+    taken.push_back(fmt::format("{} {}", name, tag->second.empty() ? "(none)" : tag->second));
   }
   // A kind taken from the checkpoint brings its defaults, unless the checkpoint's own values came too.
   if (kind_taken && !resuming) apply_optimizer_defaults(o);

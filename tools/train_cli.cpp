@@ -1,247 +1,322 @@
-// train_cli.cpp — dp_train's command line: every flag, its check and its default, into Options.
+// train_cli.cpp — dp_train's flags as tables (tools/flags.h: the shared ones, then dp_train's own),
+// the relations between them, and each optimizer's defaults, read into Options.
 #include "train_cli.h"
 
-#include <CLI/CLI.hpp>
-#include <cmath>
 #include <cstdio>
 #include <fmt/format.h>
 #include <limits>
 #include <string>
 #include <vector>
 
-#include "dp_cli.h"
+#include "flags.h"
 #include "run_settings.h"
 
 namespace dp_train {
 namespace {
 
-// A number in `range` (e.g. ">= 0", "in [0, 1)"), named readably (CLI11's own bound is the
-// 309-digit largest double). The engine computes in fp32, so the value must also be finite as a
-// float: 1e39 would become inf there, and NaN passes every comparison CLI::Range makes.
-CLI::Validator finite_number(bool (*in_range)(double), const std::string& range) {
-  return CLI::Validator(
-      [in_range, range](const std::string& text) {
-        double value = std::nan("");
-        try {
-          std::size_t used = 0;
-          value = std::stod(text, &used);
-          if (used != text.size()) value = std::nan("");
-        } catch (const std::exception&) {
-        }
-        if (!std::isfinite(value) || !in_range(value))
-          return fmt::format("'{}' is not a finite number {}", text, range);
-        if (std::fabs(value) > std::numeric_limits<float>::max())
-          return fmt::format("'{}' overflows a float (at most {:g})", text, std::numeric_limits<float>::max());
-        return std::string();
-      },
-      range);
+using dp::tools::FlagGroup;
+using dp::tools::Saved;
+using O = Options;
+namespace flag = dp::tools;
+
+// --eval and --no-eval: Options::eval set either way, unset when neither is given.
+dp::tools::Value<O> evaluation(bool value) {
+  return {"", [](const std::string&) { return std::string(); }, [value](O& o, const std::string&) { o.eval = value; },
+          [](const O& o) { return o.eval ? fmt::format("{}", *o.eval) : std::string(); }};
 }
 
-CLI::Validator non_negative_number() {
-  return finite_number([](double v) { return v >= 0.0; }, ">= 0");
-}
-CLI::Validator positive_number() {
-  return finite_number([](double v) { return v > 0.0; }, "> 0");
-}
-// [0, 1): a decay that must forget (AdamW's betas, as torch.optim.AdamW requires).
-CLI::Validator fraction_below_one() {
-  return finite_number([](double v) { return v >= 0.0 && v < 1.0; }, "in [0, 1)");
-}
-
-// The options are added group by group in the order --help lists them; integers are decimal only
-// and within range (dp_cli::add_integer).
-void add_model_options(CLI::App& app, Options& o) {
-  app.add_option("--model", o.model,
-                 "mlp, convnet, resnet8 (28x28 grey images) or resnet18, resnet34 (torchvision's, RGB image folders)")
-      ->check(CLI::IsMember({"mlp", "convnet", "resnet8", "resnet18", "resnet34"}));
-  dp_cli::add_integer(app, "--num-classes", o.num_classes,
-                      "resnet18/34: fc's outputs (default: the number of class folders)")
-      ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--dropout", o.dropout, "mlp: Dropout(P) after each hidden ReLU, P in [0, 1] (default 0: none)")
-      ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
-  app.add_flag("--sync-bn", o.sync_bn, "ddp: SyncBatchNorm, BatchNorm statistics over all ranks' batches");
-  app.add_option("--amp", o.amp,
-                 "off (default), or bf16: torch.autocast(dtype=torch.bfloat16) -- Linear and Conv2d on bf16 inputs "
-                 "and weights with fp32 accumulation, bf16 activations, fp32 loss and master weights")
-      ->check(CLI::IsMember({"off", "bf16"}));
-  app.add_option("--grad-reduce", o.grad_reduce,
-                 "ddp: fp32 (default), or bf16: gradients all-reduced in bfloat16 as torch's bf16_compress_hook "
-                 "(half the bytes, bf16's precision)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--label-smoothing", o.label_smoothing, "CrossEntropyLoss(label_smoothing=S), S in [0, 1]")
-      ->check(finite_number([](double v) { return v >= 0.0 && v <= 1.0; }, "in [0, 1]"));
-  app.add_option("--hidden", o.hidden, "MLP hidden sizes, e.g. 256,256");
-}
-
-void add_device_options(CLI::App& app, Options& o) {
-  app.add_option("--mode", o.mode, "single, dp or ddp")->check(CLI::IsMember({"single", "dp", "ddp"}));
-  app.add_option("--backend", o.backend, "auto, cuda or sim")->check(CLI::IsMember({"auto", "cuda", "sim"}));
-  app.add_option("--precision", o.precision,
-                 "strict (default: cuDNN exact fp32 and deterministic, within rounding of the host path), fast "
-                 "(PyTorch's defaults: fastest cuDNN algorithm, TF32 convolutions, nondeterministic; the sim "
-                 "computes what strict does) or tf32 (fast, and TF32 matmuls as torch's allow_tf32 = True; the sim "
-                 "rounds every GEMM operand to TF32)")
-      ->check(CLI::IsMember({"strict", "fast", "tf32"}));
-  app.add_option("--graphs", o.graphs,
-                 "on (default): capture the training step once per batch size and replay it (CUDA graphs; emulated "
-                 "on sim; the same results bit for bit), off: launch every kernel every step")
-      ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--pipeline", o.pipeline,
-                 "on (default): submit each step before reading the previous step's loss, so the host prepares the "
-                 "next batch while the devices compute (within an epoch; the same output), off: wait for each loss")
-      ->check(CLI::IsMember({"on", "off"}));
-  auto* devices = dp_cli::add_integer(app, "--devices", o.devices, "use devices 0..N-1")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--device-ids", o.device_ids, "devices in rank order, e.g. 2,0,1")->excludes(devices);
-  dp_cli::add_integer(app, "--devices-per-gpu", o.devices_per_gpu,
-                      "K dp devices on each GPU (device d on GPU d/K), so that multi-device runs fit one GPU; same "
-                      "results bit for bit (default: 1)")
-      ->check(CLI::Range(1, 64));
-  dp_cli::add_integer(app, "--output-device", o.output_device,
-                      "dp: the device that gathers outputs and computes the loss");
+// The model and what shapes its inputs: the flags a checkpoint records first (run_settings.h).
+FlagGroup<O> model_flags() {
+  return {"model and its inputs",
+          {
+              {.name = "--model",
+               .value = flag::choice<O>(&O::model, dp::models::model_names(), "NAME"),
+               .help = "the model (listed below)",
+               .torch = "torchvision.models.resnet18(num_classes=K) for resnet18",
+               .torch_spellings = {"-a", "--arch"},
+               .saved = Saved::always,
+               .structural = true},
+              {.name = "--hidden",
+               .value = flag::text<O>(&O::hidden, "H1,H2,...", true),
+               .help = "mlp: the hidden layers' sizes",
+               .saved = Saved::always,
+               .structural = true,
+               .model_arg = dp::models::ModelArg::hidden},
+              {.name = "--num-classes",
+               .value = flag::integer<O>(&O::num_classes, 1, 1 << 20, "K"),
+               .help = "resnet18/34: fc's outputs",
+               .torch = "resnet18(num_classes=K)",
+               .default_text = "the number of class folders",
+               .saved = Saved::always,
+               .structural = true},
+              {.name = "--image-size",
+               .value = flag::integer<O>(&O::image_size, 1, 1 << 14, "S"),
+               .help = "image folders: S x S crops (random-resized in training, centred in evaluation)",
+               .torch = "RandomResizedCrop(S), CenterCrop(S)",
+               .saved = Saved::always,
+               .model_arg = dp::models::ModelArg::image_size},
+              {.name = "--resize",
+               .value = flag::integer<O>(&O::resize, 1, 1 << 16, "R"),
+               .help = "image folders, evaluation: the shorter side resized to R before the crop",
+               .torch = "Resize(R)",
+               .default_text = "S * 256 / 224",
+               .saved = Saved::always},
+              {.name = "--normalize",
+               .value = flag::text<O>(&O::normalize, "MEAN,STD"),
+               .help = "inputs (pixel/255 - MEAN) / STD; per RGB channel as MEANS/STDS (0.485,0.456,0.406/0.229,...)",
+               .torch = "transforms.Normalize(mean, std)",
+               .saved = Saved::always},
+              {.name = "--dropout",
+               .value = flag::number<O>(&O::dropout, flag::kUnitInterval, "P"),
+               .help = "mlp: Dropout(P) after each hidden ReLU (0: none)",
+               .torch = "nn.Dropout(p=P)",
+               .saved = Saved::always},
+              {.name = "--label-smoothing",
+               .value = flag::number<O>(&O::label_smoothing, flag::kUnitInterval, "S"),
+               .help = "the cross-entropy's label smoothing",
+               .torch = "CrossEntropyLoss(label_smoothing=S)",
+               .saved = Saved::always},
+          }};
 }
 
-void add_data_options(CLI::App& app, Options& o) {
-  auto* data = app.add_option("--data", o.data,
-                              "directory with train-{images-idx3,labels-idx1}-ubyte (and t10k-* for --eval), plain "
-                              "or .gz; or an installed data set's name: fashion-mnist, mnist");
-  auto* train_dir =
-      app.add_option("--train-dir", o.train_dir,
-                     "an image folder to train on (torchvision's ImageFolder: a subfolder of JPEG/PNG files per "
-                     "class); --data DIR with DIR/train and DIR/val names both")
-          ->excludes(data);
-  auto* val_dir =
-      app.add_option("--val-dir", o.val_dir, "the image folder to evaluate on (its classes: the training folder's)")
-          ->excludes(data);
-  dp_cli::add_integer(app, "--image-size", o.image_size,
-                      "image folders: the size S of the S x S crops (RandomResizedCrop in training, CenterCrop in "
-                      "evaluation; default 224)")
-      ->check(CLI::Range(1, 1 << 14));
-  dp_cli::add_integer(app, "--resize", o.resize,
-                      "image folders, evaluation: Resize(R) of the shorter side before CenterCrop (default "
-                      "S * 256 / 224)")
-      ->check(CLI::Range(1, 1 << 16));
-  dp_cli::add_integer(app, "--workers", o.workers,
-                      "threads decoding and augmenting each batch, per loader (DataLoader's num_workers; "
-                      "default 0: the loader's own thread)")
-      ->check(CLI::Range(0, 256));
-  app.add_flag("--loader-only", o.loader_only,
-               "read the run's batches without training and report the loader's images/s");
-  dp_cli::add_integer(app, "--synthetic", o.synthetic, "use N synthetic samples (the default: 2048)")
-      ->excludes(data)
-      ->excludes(train_dir)
-      ->excludes(val_dir)
-      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 26));
-  dp_cli::add_integer(app, "--limit-train", o.limit_train,
-                      "train on the first N samples of the training set only (torch's Subset(range(N)))")
-      ->check(CLI::Range(std::size_t{1}, std::numeric_limits<std::size_t>::max()));
-  dp_cli::add_integer(app, "--limit-test", o.limit_test, "evaluate on the first N samples of the test set only")
-      ->check(CLI::Range(std::size_t{1}, std::numeric_limits<std::size_t>::max()));
-  dp_cli::add_integer(app, "--batch-size", o.batch_size, "global batch (single, dp) or per device (ddp)");
-  auto* epochs = dp_cli::add_integer(app, "--epochs", o.epochs, "full passes over the data (default 1)");
-  dp_cli::add_integer(app, "--steps", o.steps, "optimizer steps (crosses epoch boundaries)")->excludes(epochs);
+FlagGroup<O> optimizer_flags() {
+  return {"optimizer and learning rate",
+          {
+              {.name = "--lr",
+               .value = flag::number<O>(&O::lr, flag::kNonNegative),
+               .help = "the learning rate",
+               .torch = "optim.SGD(lr=X), optim.AdamW(lr=X)",
+               .torch_spellings = {"--learning-rate", "--learning_rate"},
+               .saved = Saved::on_resume},
+              {.name = "--momentum",
+               .value = flag::number<O>(&O::momentum, flag::kNonNegative),
+               .help = "sgd: momentum (torch.optim.SGD's default is 0)",
+               .torch = "SGD(momentum=X)",
+               .saved = Saved::on_resume},
+              {.name = "--weight-decay",
+               .value = flag::number<O>(&O::weight_decay, flag::kNonNegative),
+               .help = "weight decay (adamw: decoupled)",
+               .torch = "weight_decay=X",
+               .torch_spellings = {"--wd"},
+               .saved = Saved::on_resume},
+              {.name = "--nesterov",
+               .value = flag::on<O>(&O::nesterov),
+               .help = "sgd: Nesterov momentum",
+               .torch = "SGD(nesterov=True)",
+               .saved = Saved::on_resume},
+              {.name = "--beta1",
+               .value = flag::number<O>(&O::beta1, flag::kBelowOne),
+               .help = "adamw: the first moment's decay",
+               .torch = "AdamW(betas=(X, _))",
+               .saved = Saved::on_resume},
+              {.name = "--beta2",
+               .value = flag::number<O>(&O::beta2, flag::kBelowOne),
+               .help = "adamw: the second moment's decay",
+               .torch = "AdamW(betas=(_, X))",
+               .saved = Saved::on_resume},
+              {.name = "--eps",
+               .value = flag::number<O>(&O::eps, flag::kNonNegative),
+               .help = "adamw: the denominator's epsilon",
+               .torch = "AdamW(eps=X)",
+               .saved = Saved::on_resume},
+              {.name = "--scale-lr",
+               .value = flag::on<O>(&O::scale_lr),
+               .help = "multiply the lr by the devices training (in ddp: of every process)",
+               .torch = "lr *= world_size",
+               .saved = Saved::on_resume},
+              {.name = "--schedule",
+               .value = flag::choice<O>(&O::schedule, {"none", "step", "cosine"}),
+               .help = "the lr per step after the warm-up",
+               .torch = "StepLR, CosineAnnealingLR",
+               .saved = Saved::on_resume},
+              {.name = "--warmup-steps",
+               .value = flag::integer<O>(&O::warmup_steps),
+               .help = "linear lr warm-up steps (from lr / N, or from lr with --scale-lr)",
+               .saved = Saved::on_resume},
+              {.name = "--step-size",
+               .value = flag::integer<O>(&O::step_size),
+               .help = "step: multiply the lr by --gamma every N steps",
+               .torch = "StepLR(step_size=N)",
+               .saved = Saved::on_resume},
+              {.name = "--gamma",
+               .value = flag::number<O>(&O::gamma, flag::kPositive),
+               .help = "step: the factor",
+               .torch = "StepLR(gamma=X)",
+               .saved = Saved::on_resume},
+              {.name = "--eta-min",
+               .value = flag::number<O>(&O::eta_min, flag::kNonNegative),
+               .help = "cosine: the lr at the end",
+               .torch = "CosineAnnealingLR(eta_min=X)",
+               .saved = Saved::on_resume},
+              {.name = "--t-max",
+               .value = flag::integer<O>(&O::t_max),
+               .help = "cosine: steps to anneal over",
+               .torch = "CosineAnnealingLR(T_max=N)",
+               .default_text = "the rest of the run",
+               .saved = Saved::on_resume},
+          }};
 }
 
-void add_optimizer_options(CLI::App& app, Options& o) {
-  const CLI::Validator non_negative = non_negative_number();
-  app.add_option("--optimizer", o.optimizer, "sgd (torch.optim.SGD) or adamw (torch.optim.AdamW)")
-      ->check(CLI::IsMember({"sgd", "adamw"}));
-  app.add_option("--lr", o.lr, "learning rate (default: sgd 0.01, adamw 1e-3)")->check(non_negative);
-  app.add_option("--momentum", o.momentum, "sgd: momentum (dp_train's default 0.9; torch.optim.SGD's is 0)")
-      ->check(non_negative);
-  app.add_option("--weight-decay", o.weight_decay, "weight decay (default: sgd 0, adamw 1e-2, decoupled as torch's)")
-      ->check(non_negative);
-  app.add_flag("--nesterov", o.nesterov, "sgd: Nesterov momentum");
-  app.add_option("--beta1", o.beta1, "adamw: first-moment decay (default 0.9)")->check(fraction_below_one());
-  app.add_option("--beta2", o.beta2, "adamw: second-moment decay (default 0.999)")->check(fraction_below_one());
-  app.add_option("--eps", o.eps, "adamw: denominator epsilon (default 1e-8)")->check(non_negative);
-  app.add_flag("--scale-lr", o.scale_lr,
-               "multiply lr by the world size: every device of every process in ddp (torch's lr *= world_size), the "
-               "devices in dp");
-  dp_cli::add_integer(app, "--warmup-steps", o.warmup_steps, "linear lr warm-up steps");
-  app.add_option("--schedule", o.schedule,
-                 "after the warm-up, per step: none, step (StepLR) or cosine (CosineAnnealingLR)")
-      ->check(CLI::IsMember({"none", "step", "cosine"}));
-  dp_cli::add_integer(app, "--step-size", o.step_size, "step: multiply the lr by --gamma every N steps");
-  app.add_option("--gamma", o.gamma, "step: the factor, > 0 (default 0.1)")->check(positive_number());
-  dp_cli::add_integer(app, "--t-max", o.t_max, "cosine: steps to anneal over (default: the rest of the run)");
-  app.add_option("--eta-min", o.eta_min, "cosine: the lr at the end (default 0)")->check(non_negative);
+FlagGroup<O> engine_flags() {
+  return {"engine and devices",
+          {
+              {.name = "--mode",
+               .value = flag::choice<O>(&O::mode, {"single", "dp", "ddp"}),
+               .help = "one device, DataParallel, or DistributedDataParallel (a rank per device)",
+               .torch = "nn.DataParallel(model), DistributedDataParallel(model)"},
+              {.name = "--device-ids",
+               .value = flag::text<O>(&O::device_ids, "I,J,...", true),
+               .help = "the devices in rank order, e.g. 2,0,1",
+               .torch = "DataParallel(device_ids=[I, J, ...])",
+               .torch_spellings = {"--gpu"}},
+              {.name = "--output-device",
+               .value = flag::integer<O>(&O::output_device, 0, std::numeric_limits<int>::max(), "D"),
+               .help = "dp: the device that gathers the outputs and computes the loss",
+               .torch = "DataParallel(output_device=D)",
+               .default_text = "the first device"},
+          }};
 }
 
-// --eval and --no-eval, read into Options::eval once parsed.
-struct EvalFlags {
-  bool on = false, off = false;
-};
-
-void add_run_options(CLI::App& app, Options& o, EvalFlags& eval_flags) {
-  dp_cli::add_integer(app, "--seed", o.seed, "seed of the initialisation, synthetic data and shuffling (0 to 2^64-1)");
-  app.add_flag("--no-shuffle", o.no_shuffle, "visit the samples in order (PyTorch's order exactly)");
-  auto* init = app.add_option("--init", o.init,
-                              "load weights and buffers (safetensors) before training; strict, as torch's "
-                              "load_state_dict: every tensor of the model, and only those");
-  app.add_flag("--init-non-strict", o.init_non_strict,
-               "--init loads what matches and prints the missing and unexpected keys (torch's strict=False); a "
-               "shape mismatch stays an error")
-      ->needs(init);
-  app.add_option("--freeze", o.freeze,
-                 "keep the parameters under PREFIX fixed (repeatable; e.g. layer1: layer1.0.weight, ...), as torch's "
-                 "requires_grad_(False) for fine-tuning: no update, no optimizer state")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  auto* save = app.add_option("--save", o.save,
-                              "write the final state (safetensors) here; also when SIGTERM or SIGINT stops the run "
-                              "(after the step in flight; exit code 143 or 130), so that --resume continues it");
-  dp_cli::add_integer(app, "--save-every", o.save_every,
-                      "also write a checkpoint every N steps, beside --save as NAME.stepS.safetensors")
-      ->check(CLI::Range(1L, std::numeric_limits<long>::max()))
-      ->needs(save);
-  app.add_flag("--save-every-epoch", o.save_every_epoch,
-               "also write a checkpoint at the end of every epoch, as --save-every")
-      ->needs(save);
-  dp_cli::add_integer(app, "--keep", o.keep, "keep only the last K periodic checkpoints (default: every one)")
-      ->check(CLI::Range(1L, std::numeric_limits<long>::max()))
-      ->needs(save);
-  app.add_option("--resume", o.resume, "continue from a checkpoint written by --save");
-  dp_cli::add_integer(app, "--log-every", o.log_every, "log every K steps")->check(CLI::Range(1L, 1L << 40));
-  app.add_flag("--log-batches", o.log_batches, "print the sample indices of every batch (per rank)");
-  auto* eval = app.add_flag("--eval", eval_flags.on,
-                            "after every epoch, test loss and accuracy over the whole test set (default: on when "
-                            "--data has t10k-* files)");
-  app.add_flag("--no-eval", eval_flags.off, "no evaluation")->excludes(eval);
-  app.add_flag("--eval-only", o.eval_only, "evaluate the --init checkpoint on the test set, no training");
-  app.add_option("--normalize", o.normalize,
-                 "MEAN,STD: inputs (pixel/255 - MEAN) / STD, e.g. 0.2860,0.3530; for RGB images one per channel, "
-                 "MEANS/STDS, e.g. 0.485,0.456,0.406/0.229,0.224,0.225 (torchvision's Normalize(mean, std))");
-  app.add_option("--predictions", o.predictions,
-                 "with --eval-only: write each test sample's predicted class here, one per line, in test-set order");
-  // Hidden (no group): the failure tests start one process of an mpirun job with it.
-  dp_cli::add_integer(app, "--debug-signal-at-step", o.signal_at_step,
-                      "testing: process 0 raises SIGTERM before step N")
-      ->group("");
-  dp_cli::add_integer(app, "--debug-fail-at-step", o.fail_at_step, "testing: fail on this process at step N")
-      ->group("");
-  app.add_option("--metrics-json", o.metrics_json, "write every logged step and epoch here, one JSON object per line");
+FlagGroup<O> data_flags() {
+  return {
+      "data",
+      {
+          {.name = "--data",
+           .value = flag::text<O>(&O::data, "DIR"),
+           .help = "IDX files (train-*, t10k-* to evaluate; plain or .gz), an installed set (fashion-mnist, mnist), "
+                   "or an image folder holding train/ and val/"},
+          {.name = "--train-dir",
+           .value = flag::text<O>(&O::train_dir, "DIR"),
+           .help = "an image folder to train on: a subfolder of JPEG/PNG files per class",
+           .torch = "datasets.ImageFolder(DIR)"},
+          {.name = "--val-dir",
+           .value = flag::text<O>(&O::val_dir, "DIR"),
+           .help = "the image folder to evaluate on (the training folder's classes)"},
+          {.name = "--synthetic",
+           .value = flag::integer<O>(&O::synthetic, 1, std::size_t{1} << 26),
+           .help = "train on N synthetic samples",
+           .default_text = "2048 without --data"},
+          {.name = "--limit-train",
+           .value = flag::integer<O>(&O::limit_train, 1),
+           .help = "train on the first N samples only",
+           .torch = "Subset(ds, range(N))"},
+          {.name = "--limit-test",
+           .value = flag::integer<O>(&O::limit_test, 1),
+           .help = "evaluate on the first N samples only",
+           .torch = "Subset(ds, range(N))"},
+          {.name = "--epochs",
+           .value = flag::integer<O>(&O::epochs, 1),
+           .help = "passes over the training data",
+           .default_text = "1"},
+          {.name = "--no-shuffle",
+           .value = flag::on<O>(&O::no_shuffle),
+           .help = "visit the samples in order",
+           .torch = "DataLoader(shuffle=False), DistributedSampler(shuffle=False)"},
+          {.name = "--workers",
+           .value = flag::integer<O>(&O::workers, 0, 256),
+           .help = "threads decoding and augmenting each batch, per loader (0: the loader's own)",
+           .torch = "DataLoader(num_workers=N)",
+           .torch_spellings = {"-j"}},
+          {.name = "--loader-only",
+           .value = flag::on<O>(&O::loader_only),
+           .help = "read the run's batches without training; report the loader's images/s"},
+      }};
 }
 
-// The checks CLI11 cannot make, and each optimizer's defaults; false once a refusal is printed.
-bool settle_flags(const CLI::App& app, Options& o) {
-  // Each optimizer's own flags, and torch's defaults for those not given (torch.optim.AdamW: lr 1e-3,
-  // weight_decay 1e-2).
+FlagGroup<O> checkpoint_flags() {
+  return {"checkpoints",
+          {
+              {.name = "--init",
+               .value = flag::text<O>(&O::init, "FILE"),
+               .help = "load weights and buffers (safetensors) before training: every tensor, and only those",
+               .torch = "model.load_state_dict(sd)"},
+              {.name = "--init-non-strict",
+               .value = flag::on<O>(&O::init_non_strict),
+               .help = "--init loads what matches and prints the rest (a shape mismatch stays an error)",
+               .torch = "load_state_dict(sd, strict=False)"},
+              {.name = "--freeze",
+               .value = flag::texts<O>(&O::freeze, "PREFIX"),
+               .help = "keep the parameters under PREFIX fixed: no update, no optimizer state (repeatable)",
+               .torch = "p.requires_grad_(False)"},
+              {.name = "--save",
+               .value = flag::text<O>(&O::save, "FILE"),
+               .help = "write the final state here; also when SIGTERM or SIGINT stops the run (exit 143, 130)",
+               .torch = "torch.save(model.state_dict(), FILE)"},
+              {.name = "--save-every",
+               .value = flag::integer<O>(&O::save_every, 1),
+               .help = "also a checkpoint every N steps, beside --save as NAME.stepS.safetensors",
+               .default_text = "none"},
+              {.name = "--save-every-epoch",
+               .value = flag::on<O>(&O::save_every_epoch),
+               .help = "also a checkpoint at the end of every epoch"},
+              {.name = "--keep",
+               .value = flag::integer<O>(&O::keep, 1, std::numeric_limits<long>::max(), "K"),
+               .help = "keep only the last K periodic checkpoints",
+               .default_text = "every one"},
+              {.name = "--resume",
+               .value = flag::text<O>(&O::resume, "FILE"),
+               .help = "continue a --save checkpoint's run: weights, optimizer state, step, seed, schedule",
+               .torch = "load_state_dict of the model, optimizer and scheduler"},
+          }};
+}
+
+FlagGroup<O> output_flags() {
+  return {"evaluation and output",
+          {
+              {.name = "--eval",
+               .value = evaluation(true),
+               .help = "after every epoch, the test loss and accuracy over the whole test set",
+               .default_text = "on when the data has a test split"},
+              {.name = "--no-eval", .value = evaluation(false), .help = "no evaluation"},
+              {.name = "--eval-only",
+               .value = flag::on<O>(&O::eval_only),
+               .help = "evaluate the --init checkpoint on the test set, train nothing",
+               .torch_spellings = {"-e", "--evaluate"}},
+              {.name = "--predictions",
+               .value = flag::text<O>(&O::predictions, "FILE"),
+               .help = "--eval-only: each test sample's predicted class, one per line"},
+              {.name = "--log-every",
+               .value = flag::integer<O>(&O::log_every, 1, std::uint64_t{1} << 40, "K"),
+               .help = "log every K steps",
+               .torch_spellings = {"-p", "--print-freq"}},
+              {.name = "--log-batches",
+               .value = flag::on<O>(&O::log_batches),
+               .help = "print the sample indices of every batch (per rank)"},
+              {.name = "--metrics-json",
+               .value = flag::text<O>(&O::metrics_json, "FILE"),
+               .help = "every logged step and epoch, one JSON object per line"},
+              // The failure tests start one process of an mpirun job with these.
+              {.name = "--debug-signal-at-step",
+               .value = flag::integer<O>(&O::signal_at_step),
+               .help = "process 0 raises SIGTERM before step N",
+               .hidden = true},
+              {.name = "--debug-fail-at-step",
+               .value = flag::integer<O>(&O::fail_at_step),
+               .help = "this process fails at step N",
+               .hidden = true},
+          }};
+}
+
+// The flags that go together or exclude each other.
+void relate(dp::tools::CommandLine& cli) {
+  cli.option("--devices")->excludes(cli.option("--device-ids"));
+  for (const char* flag : {"--train-dir", "--val-dir", "--synthetic"}) cli.option("--data")->excludes(flag);
+  for (const char* flag : {"--train-dir", "--val-dir"}) cli.option("--synthetic")->excludes(flag);
+  cli.option("--steps")->excludes(cli.option("--epochs"));
+  cli.option("--eval")->excludes(cli.option("--no-eval"));
+  cli.option("--init-non-strict")->needs(cli.option("--init"));
+  for (const char* flag : {"--save-every", "--save-every-epoch", "--keep"}) cli.option(flag)->needs("--save");
+}
+
+// Each optimizer's flags are refused with the other; false once a refusal is printed.
+bool check_optimizer_flags(const Options& o) {
   const bool adamw = o.optimizer == "adamw";
   const std::vector<std::string> other_optimizers_flags = adamw
                                                               ? std::vector<std::string>{"--momentum", "--nesterov"}
                                                               : std::vector<std::string>{"--beta1", "--beta2", "--eps"};
   for (const std::string& flag : other_optimizers_flags) {
-    if (app.get_option(flag)->count() > 0) {
+    if (o.given.count(flag)) {
       fmt::print(stderr, "dp_train: error: {} does not apply to --optimizer {}\n", flag, o.optimizer);
-      return false;
-    }
-  }
-  apply_optimizer_defaults(o);
-  // A file flag given an empty value names no file: refused rather than read as "not given".
-  for (const char* flag : {"--data", "--train-dir", "--val-dir", "--init", "--save", "--resume", "--metrics-json",
-                           "--normalize", "--predictions"}) {
-    const auto* option = app.get_option(flag);
-    if (option->count() > 0 && option->as<std::string>().empty()) {
-      fmt::print(stderr, "dp_train: error: {}: empty value\n", flag);
       return false;
     }
   }
@@ -250,28 +325,35 @@ bool settle_flags(const CLI::App& app, Options& o) {
 
 }  // namespace
 
+const std::vector<FlagGroup<Options>>& train_flags() {
+  static const std::vector<FlagGroup<O>> groups = {
+      model_flags(), dp::tools::shared_flags<O>(), optimizer_flags(), engine_flags(),
+      data_flags(),  checkpoint_flags(),           output_flags()};
+  return groups;
+}
+
 Parsed parse_command_line(int argc, const char* const* argv, Options& o) {
-  CLI::App app{
-      "dp_train: train the reference MLP, ConvNet, ResNet-8 or torchvision's ResNet-18/34 on one device, with "
-      "DataParallel or with DDP"};
-  // As argparse: the last of a repeated flag wins (`$ARGS --lr 0.1`), and --help shows every default.
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
-  EvalFlags eval_flags;
-  add_model_options(app, o);
-  add_device_options(app, o);
-  add_data_options(app, o);
-  add_optimizer_options(app, o);
-  add_run_options(app, o, eval_flags);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? Parsed::help : Parsed::refused;  // prints help, or the message naming the flag
+  dp::tools::CommandLine cli(
+      "dp_train", "dp_train: train a reference model on one device, with DataParallel or with DistributedDataParallel",
+      "dp_train: error: ");
+  Options defaults;
+  cli.add(train_flags(), o, defaults);
+  relate(cli);
+  // --help shows the lr and weight decay of the optimizer chosen (torch.optim.AdamW: 1e-3, 1e-2).
+  cli.before_help([&] {
+    defaults.optimizer = o.optimizer;
+    apply_optimizer_defaults(defaults);
+  });
+  cli.footer(dp::tools::models_help());
+  switch (cli.parse(argc, argv)) {
+    case dp::tools::CommandLine::Parsed::help: return Parsed::help;
+    case dp::tools::CommandLine::Parsed::refused: return Parsed::refused;
+    case dp::tools::CommandLine::Parsed::run: break;
   }
-  if (eval_flags.on || eval_flags.off) o.eval = eval_flags.on;
-  for (const CLI::Option* option : app.get_options())
-    if (option->count() > 0)
-      for (const std::string& name : option->get_lnames()) o.given.insert("--" + name);
-  return settle_flags(app, o) ? Parsed::run : Parsed::refused;
+  o.given = cli.given();
+  if (!check_optimizer_flags(o)) return Parsed::refused;
+  apply_optimizer_defaults(o);
+  return Parsed::run;
 }
 
 }  // namespace dp_train

@@ -1,7 +1,11 @@
-// train_cli.h — dp_train's command line: its flags, their checks and each optimizer's defaults,
-// read into Options (the checks that need the whole configuration are run()'s: train_run.h).
+// train_cli.h — dp_train's command line: its flags (a table: tools/flags.h), their checks and each
+// optimizer's defaults, read into Options (the checks that need the whole configuration are
+// run()'s: train_run.h).
 #pragma once
 
+#include <vector>
+
+#include "flags.h"
 #include "train_run.h"
 
 namespace dp_train {
@@ -12,5 +16,9 @@ enum class Parsed {
   refused,  // a bad command line: the message naming the flag is printed
 };
 Parsed parse_command_line(int argc, const char* const* argv, Options& o);
+
+// Every flag of dp_train, in --help's order (the flags a checkpoint records in the order
+// run_settings() takes them back).
+const std::vector<dp::tools::FlagGroup<Options>>& train_flags();
 
 }  // namespace dp_train

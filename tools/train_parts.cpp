@@ -16,6 +16,7 @@
 
 #include "address_space.h"
 #include "dp/io/image_folder.h"
+#include "dp/models/registry.h"
 #include "dp/runtime/device.h"
 
 namespace dp_train {
@@ -219,32 +220,22 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
                                  o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
-  // torchvision's resnet18/34 without fc, ResNet-8, the ConvNet.
-  const std::uint64_t classes = static_cast<std::uint64_t>(o.num_classes.value_or(1000));
-  std::uint64_t params = o.model == "resnet18"   ? 11176512 + 513 * classes
-                         : o.model == "resnet34" ? 21284672 + 513 * classes
-                         : o.model == "resnet8"  ? 77754
-                                                 : 29034;
-  if (o.model == "mlp") {
-    params = 0;
-    std::uint64_t in = 784;
-    for (const std::uint64_t out : hidden) {
-      params = plus(params, plus(times(in, out, "the MLP's size"), out, "the MLP's size"), "the MLP's size");
-      in = out;
-    }
-    params = plus(params, plus(times(in, 10, "the MLP's size"), 10, "the MLP's size"), "the MLP's size");
-  }
+  const dp::models::ModelSpec& model = dp::models::model_spec(o.model);
+  const dp::models::ModelArgs args = model_args(o, hidden);
+  const std::uint64_t params = as_usage_error([&] { return model.param_count(args); });
+  const std::uint64_t sample_floats = model.input_floats(args);
+  const auto classes = static_cast<std::uint64_t>(model.num_classes(args));
   const std::uint64_t rows = o.mode == "dp" ? (batch + devices - 1) / devices : batch;  // per device
   const std::uint64_t per_device = plus(times(times(params, 4, "the model"),
                                               o.optimizer == "adamw" ? 4
                                               : o.momentum > 0       ? 3
                                                                      : 2,
                                               "the model"),
-                                        times(rows, (sample_floats(o) + 10) * 4, "the batch"), "the device memory");
+                                        times(rows, (sample_floats + classes) * 4, "the batch"), "the device memory");
   const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
   std::uint64_t host =
-      plus(times(samples, 784 + 8, "the data set"),
-           times(times(3 * shards, batch, "the staging"), sample_floats(o) * 4 + 8, "the staging"), "the host memory");
+      plus(times(samples, dp::Dataset{}.sample_pixels() + sizeof(std::int64_t), "the data set"),
+           times(times(3 * shards, batch, "the staging"), sample_floats * 4 + 8, "the staging"), "the host memory");
   if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
   const std::uint64_t host_memory = dp::Runtime::host_memory_bytes();
   if (host_memory > 0 && host > host_memory)
@@ -261,9 +252,13 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
                                  gib(per_device), params, gib(capacity)));
 }
 
-std::uint64_t sample_floats(const Options& o) {
-  const auto side = static_cast<std::uint64_t>(o.image_size);
-  return o.model == "resnet18" || o.model == "resnet34" ? 3 * side * side : 784;
+dp::models::ModelArgs model_args(const Options& o, const std::vector<int>& hidden) {
+  dp::models::ModelArgs args;
+  args.hidden = hidden;
+  args.dropout = o.dropout;
+  args.num_classes = o.num_classes.value_or(args.num_classes);
+  args.image_size = o.image_size;
+  return args;
 }
 
 std::string data_identity(const dp::SampleSource& set) {
@@ -299,19 +294,16 @@ std::vector<std::pair<std::string, std::string>> configuration(const Options& o,
     bytes << in.rdbuf();
     return fmt::format("{:016x}", dp::tools::fingerprint(bytes.str()));
   };
-  return {
-      {"--backend", cuda ? "cuda" : "sim"},
+  const bool takes_hidden = dp::models::model_spec(o.model).takes(dp::models::ModelArg::hidden);
+  std::vector<std::pair<std::string, std::string>> fields = {
+      {"backend", cuda ? "cuda" : "sim"},
       {"devices per process", fmt::format("{}", ids.size())},
       {"--mode", o.mode},
-      {"--model", fmt::format("{} {} dropout {} classes {}", o.model, o.model == "mlp" ? o.hidden : "", o.dropout,
+      {"--model", fmt::format("{} {} dropout {} classes {}", o.model, takes_hidden ? o.hidden : "", o.dropout,
                               o.num_classes.value_or(0))},
-      {"--sync-bn", fmt::format("{}", o.sync_bn)},
-      {"--grad-reduce", o.grad_reduce},
-      {"--amp", o.amp},
-      {"--batch-size", fmt::format("{}", o.batch_size)},
-      {"--steps/--epochs", fmt::format("{} {}", o.steps.value_or(0), o.epochs.value_or(0))},
-      {"optimizer", fmt::format("{} lr {} momentum {} wd {} nesterov {} betas {} {} eps {} scale-lr {}", o.optimizer,
-                                o.lr, o.momentum, o.weight_decay, o.nesterov, o.beta1, o.beta2, o.eps, o.scale_lr)},
+      {"--epochs", fmt::format("{}", o.epochs.value_or(0))},
+      {"optimizer", fmt::format("lr {} momentum {} wd {} nesterov {} betas {} {} eps {} scale-lr {}", o.lr, o.momentum,
+                                o.weight_decay, o.nesterov, o.beta1, o.beta2, o.eps, o.scale_lr)},
       {"schedule", fmt::format("{} warm-up {} step {} gamma {} t-max {} eta-min {}", o.schedule, o.warmup_steps,
                                o.step_size, o.gamma, o.t_max.value_or(0), o.eta_min)},
       {"--label-smoothing", fmt::format("{}", o.label_smoothing)},
@@ -322,6 +314,8 @@ std::vector<std::pair<std::string, std::string>> configuration(const Options& o,
       {"training data", data ? data_identity(*data) : "none"},
       {"--init", file(o.init)},
       {"--resume", file(o.resume)}};
+  for (auto& field : dp::tools::shared_configuration(o)) fields.push_back(std::move(field));
+  return fields;
 }
 
 }  // namespace dp_train

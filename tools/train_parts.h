@@ -12,6 +12,7 @@
 
 #include "dp/engines/engine.h"
 #include "dp/io/data.h"
+#include "dp/models/registry.h"
 #include "dp/nn/lr_schedule.h"
 #include "train_run.h"
 
@@ -111,8 +112,9 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_pt
 void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
                   int processes);
 
-// The floats of one input sample of --model (RGB --image-size squares for resnet18/34, else 28x28).
-std::uint64_t sample_floats(const Options& o);
+// What --model is built from: the MLP's parsed --hidden sizes, --dropout, --num-classes (else the
+// registry's default), --image-size.
+dp::models::ModelArgs model_args(const Options& o, const std::vector<int>& hidden);
 
 // What every process of an mpirun job must agree on (tools/dp_job.h): everything that decides the
 // collectives a run makes or the numbers it trains — not which local devices (--device-ids), where

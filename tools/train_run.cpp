@@ -31,9 +31,7 @@
 #include "dp/io/image_folder.h"
 #include "dp/io/safetensors.h"
 #include "dp/io/training_state.h"
-#include "dp/models/convnet.h"
-#include "dp/models/mlp.h"
-#include "dp/models/resnet.h"
+#include "dp/models/registry.h"
 #include "dp/nn/lr_schedule.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/process_group.h"
@@ -124,31 +122,44 @@ void check_distinct_files(const Options& o) {
   }
 }
 
+const dp::models::ModelSpec& model_of(const Options& o) { return dp::models::model_spec(o.model); }
+
 std::vector<int> parse_hidden(const Options& o) {
   std::vector<int> hidden;
-  if (o.model != "mlp") return hidden;
+  if (!model_of(o).takes(dp::models::ModelArg::hidden)) return hidden;
   hidden = parse_int_list(o.hidden, "--hidden");
   for (int h : hidden)
     if (h < 1) throw UsageError(fmt::format("--hidden '{}': layer sizes must be >= 1", o.hidden));
   return hidden;
 }
 
-bool torchvision_resnet(const std::string& model) { return model == "resnet18" || model == "resnet34"; }
+// The models that take an argument, for a refusal: "--model resnet18 or resnet34".
+std::string models_taking(dp::models::ModelArg arg) {
+  std::vector<std::string> names;
+  for (const dp::models::ModelSpec& spec : dp::models::all_models())
+    if (spec.takes(arg)) names.emplace_back(spec.name());
+  return dp::tools::or_list(names);
+}
+
+// The models whose inputs are S x S RGB images (--image-size): torchvision's, fed by image folders.
+bool takes_image_folders(const Options& o) { return model_of(o).takes(dp::models::ModelArg::image_size); }
 bool image_folders(const Options& o) { return !o.train_dir.empty() || !o.val_dir.empty(); }
 
-// Image folders feed torchvision's ResNets (RGB, any size); the IDX sets and the synthetic one the
-// 28x28 grey models.
+// Image folders feed the models that take an image size (RGB, any size); the IDX sets and the
+// synthetic one the others.
 void check_image_options(const Options& o) {
   const bool images = image_folders(o) || (!o.data.empty() && std::filesystem::is_directory(o.data + "/train"));
-  if (torchvision_resnet(o.model) && !images)
+  if (takes_image_folders(o) && !images)
     throw UsageError(
         fmt::format("--model {} trains on RGB images: give an image folder (--data DIR holding train/ "
                     "and val/, or --train-dir and --val-dir)",
                     o.model));
-  if (images && !torchvision_resnet(o.model))
-    throw UsageError(fmt::format(
-        "--model {} takes 28x28 grey images (IDX files); an image folder trains --model resnet18 or resnet34",
-        o.model));
+  if (images && !takes_image_folders(o)) {
+    const auto shape = model_of(o).input_shape({});
+    throw UsageError(fmt::format("--model {} takes {}x{} {} images (IDX files); an image folder trains --model {}",
+                                 o.model, shape[1], shape[2], shape[0] == 1 ? "grey" : "RGB",
+                                 models_taking(dp::models::ModelArg::image_size)));
+  }
   if (!images && (o.given.count("--image-size") || o.given.count("--resize")))
     throw UsageError("--image-size and --resize apply to image folders");
   if (!o.train_dir.empty() && o.val_dir.empty() && o.eval == true)
@@ -156,8 +167,9 @@ void check_image_options(const Options& o) {
   if (o.eval_only && !o.train_dir.empty() && o.val_dir.empty())
     throw UsageError("--eval-only evaluates on --val-dir: give it");
   if (o.loader_only && o.eval_only) throw UsageError("--loader-only reads training batches: not with --eval-only");
-  if (!torchvision_resnet(o.model) && o.num_classes && *o.num_classes != 10)
-    throw UsageError(fmt::format("--num-classes {}: --model {} has 10 classes", *o.num_classes, o.model));
+  const int classes = model_of(o).num_classes({});
+  if (!model_of(o).takes(dp::models::ModelArg::num_classes) && o.num_classes && *o.num_classes != classes)
+    throw UsageError(fmt::format("--num-classes {}: --model {} has {} classes", *o.num_classes, o.model, classes));
 }
 
 // Everything is validated before any work, so bad input never leaves a file behind.
@@ -170,12 +182,10 @@ Checked validate_options(const Options& o) {
   if (processes > 1 && !o.predictions.empty())
     throw UsageError("--predictions writes one process's test-set order: run --eval-only without mpirun");
   Checked checked{parse_hidden(o), {}};
-  if (o.dropout > 0.0 && o.model != "mlp") throw UsageError("--dropout applies to --model mlp");
+  if (o.dropout > 0.0 && !model_of(o).takes(dp::models::ModelArg::dropout))
+    throw UsageError(fmt::format("--dropout applies to --model {}", models_taking(dp::models::ModelArg::dropout)));
   if (o.sync_bn && o.mode != "ddp") throw UsageError("--sync-bn applies to --mode ddp");
   if (o.grad_reduce != "fp32" && o.mode != "ddp") throw UsageError("--grad-reduce applies to --mode ddp");
-  if (o.batch_size < 1) throw UsageError(fmt::format("--batch-size {}: must be at least 1", o.batch_size));
-  if (o.steps && *o.steps < 1) throw UsageError(fmt::format("--steps {}: must be at least 1", *o.steps));
-  if (o.epochs && *o.epochs < 1) throw UsageError(fmt::format("--epochs {}: must be at least 1", *o.epochs));
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
   check_image_options(o);
@@ -209,7 +219,7 @@ Devices choose_devices(const Options& o) {
   Devices d{parse_device_ids(o), false, 0};
   d.cuda = o.backend == "cuda" || (o.backend == "auto" && dp::Runtime::cuda_device_count() > 0);
   // Several dp devices may share a GPU (--devices-per-gpu): every device of every GPU is one.
-  const int available = d.cuda ? dp::Runtime::cuda_device_count() * o.devices_per_gpu : 64;
+  const int available = d.cuda ? dp::Runtime::cuda_device_count() * o.devices_per_gpu : dp::tools::kMaxSimDevices;
   if (d.cuda && available == 0)
     throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no CUDA device is visible"
                                                   : "--backend cuda: this build of dp has no cuda backend");
@@ -223,7 +233,7 @@ Devices choose_devices(const Options& o) {
       throw UsageError(fmt::format("LOCAL_RANK='{}' is not a device index", text));
     d.ids.push_back(rank);
   }
-  const int count = o.devices.value_or(o.mode == "single" ? 1 : (d.cuda ? available : 2));
+  const int count = o.devices.value_or(o.mode == "single" ? 1 : dp::tools::default_devices(d.cuda, available));
   if (d.ids.empty()) {
     for (int i = 0; i < count; ++i) d.ids.push_back(i);
   }
@@ -232,8 +242,9 @@ Devices choose_devices(const Options& o) {
   if (d.cuda && d.highest >= available)
     throw UsageError(fmt::format("{} device(s) requested (up to device {}), but only {} CUDA device(s) are available",
                                  d.ids.size(), d.highest, available));
-  if (!d.cuda && d.highest >= 64)
-    throw UsageError(fmt::format("device {}: the sim backend simulates at most 64 devices", d.highest));
+  if (!d.cuda && d.highest >= dp::tools::kMaxSimDevices)
+    throw UsageError(
+        fmt::format("device {}: the sim backend simulates at most {} devices", d.highest, dp::tools::kMaxSimDevices));
   if (!d.cuda && (d.highest + 1) % o.devices_per_gpu != 0)
     throw UsageError(fmt::format("--devices-per-gpu {} does not divide the {} simulated device(s) (devices 0..{})",
                                  o.devices_per_gpu, d.highest + 1, d.highest));
@@ -310,7 +321,7 @@ Inputs load_image_folders(Options& o, const Normalization& normalize) {
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
 Inputs load_inputs(Options& o, const Normalization& normalize) {
   Inputs inputs;
-  if (torchvision_resnet(o.model)) {
+  if (takes_image_folders(o)) {
     inputs = load_image_folders(o, normalize);
   } else {
     std::string data_dir;
@@ -343,8 +354,11 @@ Inputs load_inputs(Options& o, const Normalization& normalize) {
 void check_hidden_tag(const std::string& path, const dp::safetensors::File& file) {
   const auto tag = file.metadata.find("dp.hidden");
   const auto model = file.metadata.find("dp.model");
-  if (tag == file.metadata.end() || tag->second.empty() || (model != file.metadata.end() && model->second != "mlp"))
-    return;
+  if (tag == file.metadata.end() || tag->second.empty()) return;
+  if (model != file.metadata.end()) {
+    const dp::models::ModelSpec* spec = dp::models::find_model(model->second);
+    if (!spec || !spec->takes(dp::models::ModelArg::hidden)) return;
+  }
   const std::string what = fmt::format("{}: metadata 'dp.hidden'", path);
   const std::vector<int> hidden = parse_int_list(tag->second, what.c_str());
   const auto find = [&](std::size_t layer) -> const dp::safetensors::Tensor* {
@@ -427,12 +441,7 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
   Built built;
   built.runtime = dp::Runtime::create(runtime_options);
   dp::Device& source = built.runtime->device(devices.ids[0]);
-  const int classes = o.num_classes.value_or(10);
-  built.model = o.model == "convnet"    ? dp::models::make_convnet(source, o.seed)
-                : o.model == "resnet8"  ? dp::models::make_resnet8(source, o.seed)
-                : o.model == "resnet18" ? dp::models::make_resnet18(source, classes, o.image_size, o.seed)
-                : o.model == "resnet34" ? dp::models::make_resnet34(source, classes, o.image_size, o.seed)
-                                        : dp::models::make_mlp(source, checked.hidden, o.seed, o.dropout);
+  built.model = model_of(o).build(source, model_args(o, checked.hidden), o.seed);
   dp::Model& model = *built.model;
   as_usage_error([&] {
     if (!o.init.empty()) {
@@ -466,14 +475,11 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   dp::EngineOptions engine_options;
   engine_options.kind = dp::parse_engine_kind(o.mode);
   engine_options.device_ids = devices.ids;
-  engine_options.sync_batchnorm = o.sync_bn;
-  engine_options.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
-  engine_options.amp = dp::parse_autocast(o.amp);
+  dp::tools::set_engine_options(o, engine_options);
   engine_options.step.label_smoothing = o.label_smoothing;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
   engine_options.processes = g_job.processes();
-  engine_options.graphs = o.graphs == "on";
   engine_options.frozen = o.freeze;
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)

@@ -13,24 +13,17 @@
 #include "dp/runtime/error.h"
 #include "dp_job.h"
 #include "exit_codes.h"
+#include "flags.h"
 
 namespace dp_train {
 
-struct Options {
+// The shared flags' members (backend, devices, batch_size, ...) are SharedOptions' (tools/flags.h).
+struct Options : dp::tools::SharedOptions {
   std::string model = "mlp";
   std::string hidden = "256,256";
   double dropout = 0.0;
-  bool sync_bn = false;
   double label_smoothing = 0.0;
   std::string mode = "single";
-  std::string backend = "auto";
-  std::string precision = "strict";
-  std::string graphs = "on";
-  std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
-  std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
-  std::string pipeline = "on";
-  std::optional<int> devices;
-  int devices_per_gpu = 1;
   std::string device_ids;
   std::optional<int> output_device;
   std::string data;
@@ -42,11 +35,9 @@ struct Options {
   bool loader_only = false;        // read the planned batches without training: the loader's images/s
   std::optional<std::size_t> synthetic;
   std::optional<std::size_t> limit_train, limit_test;  // the first N samples of a split only
-  int batch_size = 64;
   std::optional<int> epochs;
-  std::optional<long> steps;
-  std::string optimizer = "sgd";
-  double lr = 0.01;  // in double, as Python's; each optimizer rounds it as torch's kernels do
+  std::optional<long> steps;  // unset: --epochs' steps
+  double lr = 0.01;           // in double, as Python's; each optimizer rounds it as torch's kernels do
   float momentum = 0.9f;
   double weight_decay = 0.0;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;

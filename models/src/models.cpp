@@ -12,13 +12,16 @@
 #include "dp/models/resnet.h"
 #include "dp/nn/sequential.h"
 #include "dp/runtime/error.h"
+#include "model_layers.h"
 
 namespace dp::models {
 
 using namespace dp::nn;
 
-std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden, std::uint64_t seed, double dropout) {
-  std::vector<std::unique_ptr<Layer>> layers;
+namespace detail {
+
+nn::Layers mlp_layers(const std::vector<int>& hidden, double dropout) {
+  Layers layers;
   layers.push_back(make_flatten("flatten"));
   int in = 28 * 28;
   int index = 1;
@@ -31,14 +34,11 @@ std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden, 
     ++index;
   }
   layers.push_back(make_linear(fmt::format("fc{}", index), in, 10));
-  auto model =
-      std::make_unique<SequentialModel>("mlp", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
-  model->initialize(seed);
-  return model;
+  return layers;
 }
 
-std::unique_ptr<Model> make_convnet(Device& device, std::uint64_t seed) {
-  std::vector<std::unique_ptr<Layer>> layers;
+nn::Layers convnet_layers() {
+  Layers layers;
   int in = 1;
   for (int block = 1; block <= 2; ++block) {
     const int out = block == 1 ? 16 : 32;
@@ -51,10 +51,29 @@ std::unique_ptr<Model> make_convnet(Device& device, std::uint64_t seed) {
   }
   layers.push_back(make_flatten("flatten"));
   layers.push_back(make_linear("fc", 7 * 7 * 32, 10));
-  auto model =
-      std::make_unique<SequentialModel>("convnet", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
+  return layers;
+}
+
+}  // namespace detail
+
+namespace {
+
+// A SequentialModel of `layers` on `device`, initialised from `seed`.
+std::unique_ptr<SequentialModel> initialized(const std::string& name, Device& device, Layers layers,
+                                             std::vector<std::int64_t> input_shape, std::uint64_t seed) {
+  auto model = std::make_unique<SequentialModel>(name, device, std::move(layers), std::move(input_shape));
   model->initialize(seed);
   return model;
+}
+
+}  // namespace
+
+std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden, std::uint64_t seed, double dropout) {
+  return initialized("mlp", device, detail::mlp_layers(hidden, dropout), {1, 28, 28}, seed);
+}
+
+std::unique_ptr<Model> make_convnet(Device& device, std::uint64_t seed) {
+  return initialized("convnet", device, detail::convnet_layers(), {1, 28, 28}, seed);
 }
 
 namespace {
@@ -99,10 +118,12 @@ void torchvision_conv_init(Model& model, std::uint64_t seed) {
   }
 }
 
-// torchvision's ResNet of BasicBlocks with `blocks_per_stage` blocks in layer1..layer4.
-std::unique_ptr<Model> make_basic_resnet(const std::string& name, Device& device,
-                                         const std::array<int, 4>& blocks_per_stage, int num_classes, int image_size,
-                                         std::uint64_t seed) {
+}  // namespace
+
+namespace detail {
+
+nn::Layers basic_resnet_layers(const std::string& name, const std::array<int, 4>& blocks_per_stage, int num_classes,
+                               int image_size) {
   if (num_classes < 1) throw InvalidArgument(fmt::format("{}: num_classes must be >= 1, got {}", name, num_classes));
   // Each of the five stride-2 stages (conv1, maxpool, layer2..4) maps a side h >= 1 to
   // (h - 1)/2 + 1 >= 1, so every positive size is a valid input; S <= 32 leaves layer4 1x1 planes.
@@ -125,9 +146,32 @@ std::unique_ptr<Model> make_basic_resnet(const std::string& name, Device& device
   layers.push_back(make_global_avgpool2d("avgpool"));
   layers.push_back(make_flatten("flatten"));
   layers.push_back(make_linear("fc", in, num_classes));
-  auto model = std::make_unique<SequentialModel>(name, device, std::move(layers),
-                                                 std::vector<std::int64_t>{3, image_size, image_size});
-  model->initialize(seed);
+  return layers;
+}
+
+nn::Layers resnet8_layers() {
+  Layers layers;
+  layers.push_back(make_conv2d("conv1", 1, 16, 3, 1, 1, false));
+  layers.push_back(make_batchnorm2d("bn1", 16));
+  layers.push_back(make_relu("relu"));
+  layers.push_back(basic_block("layer1.0", 16, 16, 1));
+  layers.push_back(basic_block("layer2.0", 16, 32, 2));
+  layers.push_back(basic_block("layer3.0", 32, 64, 2));
+  layers.push_back(make_global_avgpool2d("avgpool"));
+  layers.push_back(make_flatten("flatten"));
+  layers.push_back(make_linear("fc", 64, 10));
+  return layers;
+}
+
+}  // namespace detail
+
+namespace {
+
+std::unique_ptr<Model> make_basic_resnet(const std::string& name, Device& device,
+                                         const std::array<int, 4>& blocks_per_stage, int num_classes, int image_size,
+                                         std::uint64_t seed) {
+  auto model = initialized(name, device, detail::basic_resnet_layers(name, blocks_per_stage, num_classes, image_size),
+                           {3, image_size, image_size}, seed);
   torchvision_conv_init(*model, seed);
   return model;
 }
@@ -143,20 +187,7 @@ std::unique_ptr<Model> make_resnet34(Device& device, int num_classes, int image_
 }
 
 std::unique_ptr<Model> make_resnet8(Device& device, std::uint64_t seed) {
-  Layers layers;
-  layers.push_back(make_conv2d("conv1", 1, 16, 3, 1, 1, false));
-  layers.push_back(make_batchnorm2d("bn1", 16));
-  layers.push_back(make_relu("relu"));
-  layers.push_back(basic_block("layer1.0", 16, 16, 1));
-  layers.push_back(basic_block("layer2.0", 16, 32, 2));
-  layers.push_back(basic_block("layer3.0", 32, 64, 2));
-  layers.push_back(make_global_avgpool2d("avgpool"));
-  layers.push_back(make_flatten("flatten"));
-  layers.push_back(make_linear("fc", 64, 10));
-  auto model =
-      std::make_unique<SequentialModel>("resnet8", device, std::move(layers), std::vector<std::int64_t>{1, 28, 28});
-  model->initialize(seed);
-  return model;
+  return initialized("resnet8", device, detail::resnet8_layers(), {1, 28, 28}, seed);
 }
 
 }  // namespace dp::models

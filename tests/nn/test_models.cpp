@@ -14,6 +14,7 @@
 #include "dp/io/safetensors.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/registry.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/lr_schedule.h"
@@ -21,6 +22,7 @@
 #include "dp/nn/sequential.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/shape.h"
 #include "golden_model.h"
 #include "test_util.h"
 
@@ -609,6 +611,76 @@ TEST(ResNet8, ReplicateKeepsTheTreeAndTheNames) {
     EXPECT_EQ(b[i].device, 1);
   }
   EXPECT_EQ(replica->buffers_bytes(), model->buffers_bytes());
+}
+
+// The registry answers from each model's layers what the built model says: its parameter count,
+// its input and its classes, for every model it names.
+TEST(Registry, EveryModelAnswersAsItsBuiltModel) {
+  auto rt = test::sim_runtime(1);
+  models::ModelArgs args;
+  args.hidden = {32, 16};
+  args.num_classes = 7;
+  args.image_size = 32;
+  ASSERT_EQ(models::model_names(), (std::vector<std::string>{"mlp", "convnet", "resnet8", "resnet18", "resnet34"}));
+  for (const models::ModelSpec& spec : models::all_models()) {
+    SCOPED_TRACE(std::string(spec.name()));
+    EXPECT_FALSE(spec.description().empty());
+    const auto model = spec.build(rt->device(0), args, 3);
+    EXPECT_EQ(model->name(), spec.name());
+    EXPECT_EQ(spec.param_count(args), model->param_count());
+    EXPECT_EQ(spec.input_shape(args), model->input_shape());
+    EXPECT_EQ(spec.input_floats(args), static_cast<std::uint64_t>(numel(model->input_shape())));
+    EXPECT_EQ(spec.num_classes(args), model->output_features());
+    EXPECT_EQ(models::find_model(spec.name()), &spec);
+  }
+}
+
+// torchvision's and torch's counts (sum(p.numel() for p in model.parameters())), without building.
+TEST(Registry, ParameterCountsAreTorchs) {
+  models::ModelArgs args;
+  const auto count = [&](const char* name) { return models::model_spec(name).param_count(args); };
+  EXPECT_EQ(count("mlp"), 784u * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
+  EXPECT_EQ(count("convnet"), 29034u);
+  EXPECT_EQ(count("resnet8"), 77754u);
+  EXPECT_EQ(count("resnet18"), 11181642u) << "torchvision.models.resnet18(num_classes=10)";
+  args.num_classes = 1000;
+  EXPECT_EQ(count("resnet18"), 11689512u) << "torchvision.models.resnet18()";
+  EXPECT_EQ(count("resnet34"), 21797672u) << "torchvision.models.resnet34()";
+  args.hidden = {1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30,
+                 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30};
+  EXPECT_THROW(count("mlp"), InvalidArgument) << "2^64 parameters and more";
+}
+
+// GEMM FLOPs per training sample, by hand: forward, weight gradient and input gradient of each
+// Linear and Conv2d (2 FLOPs per multiply-add), without the first layer's input gradient.
+TEST(Registry, GemmFlopsFollowTheLayersShapes) {
+  models::ModelArgs args;
+  args.hidden = {4};
+  const double mlp_macs = 784.0 * 4 + 4.0 * 10;  // fc1, fc2
+  EXPECT_EQ(models::model_spec("mlp").gemm_flops_per_sample(args), 2.0 * (3.0 * mlp_macs - 784.0 * 4));
+  // ConvNet: conv1 16 x (1 x 5 x 5) over 28x28 outputs, conv2 32 x (16 x 5 x 5) over 14x14, fc.
+  const double conv1 = 16.0 * 25 * 28 * 28, conv2 = 32.0 * 16 * 25 * 14 * 14, fc = 7.0 * 7 * 32 * 10;
+  EXPECT_EQ(models::model_spec("convnet").gemm_flops_per_sample(args), 2.0 * (3.0 * (conv1 + conv2 + fc) - conv1));
+  // Dropout adds no GEMM; the image size scales a ResNet's convolutions, not its fc.
+  args.dropout = 0.5;
+  EXPECT_EQ(models::model_spec("mlp").gemm_flops_per_sample(args), 2.0 * (3.0 * mlp_macs - 784.0 * 4));
+  args.image_size = 32;
+  const double at32 = models::model_spec("resnet18").gemm_flops_per_sample(args);
+  args.image_size = 64;
+  const double fc_flops = 2.0 * 3 * 512 * 10;  // forward and both gradients
+  EXPECT_EQ(models::model_spec("resnet18").gemm_flops_per_sample(args) - fc_flops, 4.0 * (at32 - fc_flops));
+}
+
+TEST(Registry, AnUnknownNameIsRefusedNamingTheKnownOnes) {
+  EXPECT_EQ(models::find_model("nosuch"), nullptr);
+  try {
+    models::model_spec("nosuch");
+    FAIL() << "no throw";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown model 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -143,11 +143,12 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
 
   for (const auto& run : report.at("runs")) {
     SCOPED_TRACE(fmt::format("{} {}", run.at("model").get<std::string>(), run.at("mode").get<std::string>()));
-    const bool single = run.at("mode") == "single";
+    const bool single = run.at("mode") == "single", dp = run.at("mode") == "dp";
     const int devices = single ? 1 : 2;
     EXPECT_EQ(run.at("devices"), devices);
-    EXPECT_EQ(run.at("batch_per_device"), batch);
-    EXPECT_EQ(run.at("global_batch"), batch * devices);
+    // As torch's: DataParallel's --batch-size is the global batch, chunked; DDP's each rank's.
+    EXPECT_EQ(run.at("batch_per_device"), dp ? batch / devices : batch);
+    EXPECT_EQ(run.at("global_batch"), dp ? batch : batch * devices);
     EXPECT_EQ(run.at("steps"), steps);
     EXPECT_GT(run.at("samples_per_s").get<double>(), 0.0);
     EXPECT_GT(run.at("step_ms_median").get<double>(), 0.0);
@@ -206,7 +207,7 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
     SCOPED_TRACE(model);
     const ModelSizes size = sizes_of(model);
     const std::uint64_t params = size.param_bytes, buffers = size.buffers_bytes;
-    const std::uint64_t out_rows = batch * 10 * sizeof(float);  // device 1's chunk of logits
+    const std::uint64_t out_rows = batch / 2 * 10 * sizeof(float);  // device 1's chunk of logits
 
     // DP, source = output device = 0. Per step the source sends parameters and buffers (broadcast)
     // and the output-gradient rows (scatter) to device 1, and receives its gradients (reduce) and
@@ -315,7 +316,7 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
 TEST(Bench, ThreeSimDevicesShowDpSourceImbalanceAndBalancedDdp) {
   TempDir dir("three");
   const auto json_path = dir / "bench.json";
-  const int batch = 4;
+  const int batch = 12;  // DP's global batch: 4 rows per device
   const Result r = run_bench(dir, fmt::format("--backend sim --devices 3 --models mlp --modes dp,ddp --batch-size {} "
                                               "--steps 1 --warmup 1 --json '{}'",
                                               batch, json_path.string()));
@@ -323,7 +324,7 @@ TEST(Bench, ThreeSimDevicesShowDpSourceImbalanceAndBalancedDdp) {
   const json report = json::parse(read_file(json_path));
   ASSERT_EQ(report.at("runs").size(), 2u);
   const ModelSizes size = sizes_of("mlp");
-  const std::uint64_t params = size.param_bytes, out_rows = batch * 10 * sizeof(float);
+  const std::uint64_t params = size.param_bytes, out_rows = batch / 3 * 10 * sizeof(float);
 
   // DP: the source broadcasts to and reduces from each of the 2 other devices.
   const json& dp_run = find_run(report, "mlp", "dp");
@@ -379,8 +380,9 @@ TEST(Bench, PrecisionIsReportedAndFastIsStrictOnTheSim) {
 TEST(Bench, ResNet18RunsBesideTheSmallModels) {
   TempDir dir("resnet18");
   const auto json_path = dir / "r.json";
+  // dp's global batch of 4 leaves each device 2 samples: BatchNorm's 1x1 planes of layer4 need more than one.
   const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp,resnet18 --modes single,dp,ddp "
-                                              "--batch-size 2 --steps 1 --warmup 1 --json '{}'",
+                                              "--batch-size 4 --steps 1 --warmup 1 --json '{}'",
                                               json_path.string()));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const json report = json::parse(read_file(json_path));
@@ -524,14 +526,14 @@ TEST(Bench, BadFlagsAreClearErrors) {
     std::string args, message;
   };
   std::vector<Case> cases = {
-      {"--backend sim --devices 0", "--devices must be at least 1"},
+      {"--backend sim --devices 0", "--devices: '0' is out of range (at least 1)"},
       {"--backend sim --devices 65", "--devices 65"},
       {"--backend sim --devices abc", "--devices"},
       {"--backend sim --models mlp,resnet", "unknown value 'resnet'"},
       {"--backend sim --models ,", "--models: empty list"},
       {"--backend sim --modes single,fsdp", "unknown value 'fsdp'"},
-      {"--backend sim --batch-size 0", "--batch-size must be at least 1"},
-      {"--backend sim --steps 0", "--steps must be at least 1"},
+      {"--backend sim --batch-size 0", "--batch-size: '0' is out of range (at least 1)"},
+      {"--backend sim --steps 0", "--steps: '0' is out of range (at least 1)"},
       {"--backend sim --warmup -1", "--warmup: '-1' is not a non-negative decimal integer"},
       // Integers are decimal and within their type: never read as hex, wrapped or capped.
       {"--backend sim --devices 0x10", "--devices: '0x10' is not a non-negative decimal integer"},
@@ -541,21 +543,23 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend sim --steps 2147483648", "--steps: '2147483648' is out of range (at most 2147483647)"},
       {"--backend sim --warmup 99999999999999999999", "--warmup: '99999999999999999999' is out of range"},
       {"--backend sim --batch-size 2147483648", "--batch-size: '2147483648' is out of range (at most 2147483647)"},
-      {"--backend sim --devices 4294967297", "--devices: '4294967297' is out of range (at most 2147483647)"},
-      {"--backend sim --bucket-cap-mb 0", "--bucket-cap-mb must be a positive number"},
-      {"--backend tpu", "unknown backend 'tpu'"},
-      {"--backend sim --precision fp16", "--precision: unknown precision 'fp16' (expected strict, fast or tf32)"},
+      {"--backend sim --devices 4294967297", "--devices: '4294967297' is out of range (at most 1048576)"},
+      {"--backend sim --bucket-cap-mb 0", "--bucket-cap-mb: '0' is not a finite number > 0"},
+      {"--backend tpu", "--backend: unknown value 'tpu' (expected auto, cuda or sim)"},
+      {"--backend sim --precision fp16", "--precision: unknown value 'fp16' (expected strict, fast or tf32)"},
       {"--backend sim --grad-reduce fp16", "--grad-reduce"},
       {"--backend sim --broadcast-buffers maybe", "--broadcast-buffers"},
       {"--backend sim --graphs maybe", "--graphs: unknown value 'maybe' (expected on or off)"},
-      {"--backend sim --no-such-flag", "no-such-flag"},
+      {"--backend sim --no-such-flag", "unknown flag --no-such-flag"},
+      {"--backend sim -b 8", "unknown flag -b (did you mean --batch-size?)"},
+      {"--backend sim --models nosuch", "--models: unknown value 'nosuch' (expected a comma list of mlp, convnet"},
       {"--backend sim --json /nonexistent-dir/x.json", "cannot write"},
       {"--backend sim --trace /proc/x.json", "cannot write /proc/x.json"},  // root passes access() there
       {"--backend sim --json same.json --trace ./same.json", "--json and --trace name the same file same.json"},
       {"--backend sim --json ''", "--json: empty value"},
       {"--backend sim --devices 2 --batch-size 1073741824", "a global batch of 2147483648 samples"},
       {"--backend sim --batch-size 100000000", "the synthetic inputs alone need"},
-      {"--backend sim --batch-size 2147483647", "a global batch of 8589934588 samples is more than 2147483647"},
+      {"--backend sim --batch-size 2147483647", "a global batch of 4294967294 samples is more than 2147483647"},
       {"--backend sim --devices 1 --batch-size 2147483647", "the synthetic inputs alone need 6288.0 GiB"},
   };
   if (dp::Runtime::cuda_device_count() == 0) cases.push_back({"--backend cuda", "--backend cuda"});
@@ -574,6 +578,13 @@ TEST(Bench, BadFlagsAreClearErrors) {
   const Result help = run_bench(dir, "--help");
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_NE(help.out.find("--bucket-cap-mb"), std::string::npos);
+  // One line per flag, the shared ones as dp_train shows them, without CLI11's type names.
+  for (const char* noise : {"UINT", "INT:", "DECIMAL", "TEXT", "FLOAT", "Excludes:"})
+    EXPECT_EQ(help.out.find(noise), std::string::npos) << noise << " in:\n" << help.out;
+  for (const char* shown :
+       {"run (dp_train and dp_bench alike):", "the global batch in single and dp, per device in ddp",
+        "every visible GPU, else 2 simulated", "--seed N", "(default 1;", "resnet34 "})
+    EXPECT_NE(help.out.find(shown), std::string::npos) << shown << " in:\n" << help.out;
 }
 
 // A run that fails — refused up front, or after its outputs were checked — leaves no --json or

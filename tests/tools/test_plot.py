@@ -34,7 +34,7 @@ def main():
         for mode, busy in (("single", [90]), ("dp", [80, 40]), ("ddp", [70, 70])):
             runs.append({"model": model, "mode": mode, "samples_per_s": 1000.0 * len(busy),
                          "per_device": [device(d, b) for d, b in enumerate(busy)]})
-    report = {"backend": "sim", "devices": 2, "batch_per_device": 64, "busy_time_available": True, "runs": runs}
+    report = {"backend": "sim", "devices": 2, "batch_size": 64, "busy_time_available": True, "runs": runs}
     events = []
     for mode in ("dp", "ddp"):
         for step in range(3):

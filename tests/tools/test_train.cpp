@@ -449,7 +449,7 @@ TEST_F(TrainTest, BadFlagsAreRefused) {
   expect_refused("--backend sim --model resnet", "--model");
   expect_refused("--backend sim --mode fsdp", "--mode");
   expect_refused("--backend tpu", "--backend");
-  expect_refused("--backend sim --batch-size 0 --steps 1", "--batch-size 0: must be at least 1");
+  expect_refused("--backend sim --batch-size 0 --steps 1", "--batch-size: '0' is out of range (at least 1)");
   expect_refused("--backend sim --mode dp --devices 65 --steps 1", "at most 64 devices");
   if (dp::Runtime::cuda_device_count() == 0) {
     expect_refused("--backend cuda --steps 1", "--backend cuda:");
@@ -1164,8 +1164,9 @@ TEST_F(TrainTest, TrailingDataAfterAGzipStreamIsRefused) {
   expect_refused(args, "train-images-idx3-ubyte.gz: trailing data after the end of the gzip stream");
 }
 
-// A checkpoint must say one thing: a header naming a key twice (readers keep different ones) or a
-// dp.hidden tag its tensors contradict is refused by --init, --resume and --eval-only alike.
+// A checkpoint must say one thing: a header naming a key twice (readers keep different ones), a
+// dp.hidden tag its tensors contradict or a model dp_train does not know is refused by --init,
+// --resume and --eval-only alike.
 TEST_F(TrainTest, SelfContradictoryCheckpointsAreRefused) {
   write_idx("data", 16);
   write_idx("data", 8, 28, 28, 0x803, -1, 0, "t10k");
@@ -1190,7 +1191,12 @@ TEST_F(TrainTest, SelfContradictoryCheckpointsAreRefused) {
   dp::safetensors::write(path("hidden64.safetensors"), file);
   file.metadata["dp.hidden"] = "16,16";
   dp::safetensors::write(path("hidden16x2.safetensors"), file);
+  file.metadata["dp.hidden"] = "16";
+  file.metadata["dp.model"] = "nosuch";
+  dp::safetensors::write(path("nosuch.safetensors"), file);
   const std::pair<std::string, std::string> cases[] = {
+      {"nosuch.safetensors",
+       "metadata 'dp.model' = 'nosuch': unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18 or resnet34)"},
       {"twice.safetensors", "header names 'dp.dropout' twice in one object"},
       {"hidden64.safetensors",
        "metadata 'dp.hidden' = '64' contradicts the tensors: fc1.weight has shape [16, 784] (expected 64 rows)"},
@@ -1342,8 +1348,8 @@ TEST_F(TrainTest, RepeatedFlagsDefaultsAndSubsets) {
   EXPECT_EQ(read_file(path("a.safetensors")), read_file(path("b.safetensors"))) << "the last --lr won";
   const Result help = run("--help");
   EXPECT_EQ(help.code, 0);
-  for (const char* shown : {"--momentum FLOAT:>= 0=0.9", "torch.optim.SGD's is 0", "--batch-size INT:DECIMAL=64",
-                            "--limit-train", "torch's lr *= world_size"})
+  for (const char* shown : {"(default 0.9; torch: SGD(momentum=X))", "torch.optim.SGD's default is 0",
+                            "(default 64; torch: DataLoader(batch_size=N)", "--limit-train", "lr *= world_size"})
     EXPECT_NE(help.output.find(shown), std::string::npos) << shown;
   write_idx("data", 40);
   write_idx("data", 12, 28, 28, 0x803, -1, 0, "t10k");
@@ -1353,6 +1359,50 @@ TEST_F(TrainTest, RepeatedFlagsDefaultsAndSubsets) {
   EXPECT_NE(subset.output.find("16 samples"), std::string::npos) << subset.output;
   EXPECT_EQ(json_lines(path("m.jsonl")).back().at("test_samples"), 5);
   EXPECT_NE(subset.output.find("2 step(s)"), std::string::npos) << subset.output;
+}
+
+// --help is one line per flag: what it does, its default (--lr's and --weight-decay's those of the
+// optimizer chosen) and torch's equivalent, without CLI11's type and validator names.
+TEST_F(TrainTest, HelpIsOneLinePerFlag) {
+  const Result help = run("--help");
+  ASSERT_EQ(help.code, 0) << help.output;
+  for (const char* noise : {"UINT", "INT:", "DECIMAL", "TEXT", "FLOAT", "in [1 - ", "Excludes:", "Needs:"})
+    EXPECT_EQ(help.output.find(noise), std::string::npos) << noise << " in:\n" << help.output;
+  std::istringstream lines(help.output);
+  int flags = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.starts_with("  --")) {
+      EXPECT_FALSE(line.starts_with("   ")) << "a flag's help continues on a line of its own: " << line;
+      continue;
+    }
+    ++flags;
+    EXPECT_NE(line.find_first_not_of(' ', line.find(' ', 4)), std::string::npos) << "no description: " << line;
+  }
+  EXPECT_GE(flags, 60);
+  for (const char* shown : {"--batch-size N", "(default 64;", "--lr X", "the learning rate (default 0.01;",
+                            "weight decay (adamw: decoupled) (default 0;", "resnet34 ", "--grad-reduce fp32|bf16"})
+    EXPECT_NE(help.output.find(shown), std::string::npos) << shown;
+  const Result adamw = run("--optimizer adamw --help");
+  ASSERT_EQ(adamw.code, 0) << adamw.output;
+  EXPECT_NE(adamw.output.find("the learning rate (default 0.001;"), std::string::npos) << adamw.output;
+  EXPECT_NE(adamw.output.find("weight decay (adamw: decoupled) (default 0.01;"), std::string::npos) << adamw.output;
+}
+
+// A misspelt or unknown flag is refused (exit 2, nothing written) with the flag it most likely
+// meant: torch's example scripts' spellings, '_' for '-', a prefix, a typo.
+TEST_F(TrainTest, UnknownFlagsSuggestTheirNearestFlag) {
+  const std::string base = "--backend sim --synthetic 16 --steps 1 ";
+  expect_refused(base + "-b 8", "unknown flag -b (did you mean --batch-size?)");
+  expect_refused(base + "--batch_size 8", "unknown flag --batch_size (did you mean --batch-size?)");
+  expect_refused(base + "--batch=8", "unknown flag --batch (did you mean --batch-size?)");
+  expect_refused(base + "--learning-rate 0.1", "unknown flag --learning-rate (did you mean --lr?)");
+  expect_refused(base + "--wd 0.1", "unknown flag --wd (did you mean --weight-decay?)");
+  expect_refused(base + "--optimiser adamw", "unknown flag --optimiser (did you mean --optimizer?)");
+  expect_refused(base + "--frobnicate", "unknown flag --frobnicate (see --help)");
+  expect_refused(base + "stray", "unexpected argument 'stray'");
+  // An unknown model is refused naming the known ones, on the command line and in a checkpoint.
+  expect_refused(base + "--model nosuch",
+                 "--model: unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18 or resnet34)");
 }
 
 // --freeze PREFIX keeps those parameters bit-identical through training, in every mode (torch's

@@ -19,6 +19,7 @@
 #include "dp/io/transforms.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
+#include "dp/models/registry.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/batch.h"
 #include "dp/nn/layers.h"

@@ -35,6 +35,15 @@ ActShape Chain::output_shape(ActShape in) const {
   return in;
 }
 
+std::int64_t Chain::multiply_adds(ActShape in) const {
+  std::int64_t sum = 0;
+  for (const auto& layer : layers_) {
+    sum += layer->multiply_adds(in);
+    in = layer->output_shape(in);
+  }
+  return sum;
+}
+
 void Chain::collect(std::vector<TensorDecl>& params, std::vector<TensorDecl>& buffers) const {
   for (const auto& layer : layers_) {
     for (TensorDecl p : layer->params()) {

@@ -31,6 +31,8 @@ class Chain {
   // True when no child computes anything (empty, or views only): the output is the input.
   bool is_identity() const { return first_compute() == layers_.size(); }
   ActShape output_shape(ActShape in) const;
+  // The children's multiply-adds per sample (Layer::multiply_adds), each on its own input.
+  std::int64_t multiply_adds(ActShape in) const;
 
   // The children's declarations, named "<child>.<name>", appended in order (a container's own).
   void collect(std::vector<TensorDecl>& params, std::vector<TensorDecl>& buffers) const;

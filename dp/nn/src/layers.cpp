@@ -75,6 +75,7 @@ class Linear final : public Layer {
       throw InvalidArgument(fmt::format("{}: expects {} input features, got {}", name(), in_, in.per_sample()));
     return ActShape{in.n, out_, 1, 1};
   }
+  std::int64_t multiply_adds(const ActShape&) const override { return weights(); }
   bool autocasts() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const LayerParams p(ctx, param(0), nullptr, count());
@@ -115,6 +116,11 @@ class Conv2d final : public Layer {
     if (s.h_out() < 1 || s.w_out() < 1)
       throw InvalidArgument(fmt::format("{}: input {}x{} is smaller than the kernel", name(), in.h, in.w));
     return ActShape{in.n, out_, s.h_out(), s.w_out()};
+  }
+  // Each output element is a dot product over c_in x k x k inputs.
+  std::int64_t multiply_adds(const ActShape& in) const override {
+    const ActShape out = output_shape(in);
+    return weights() * out.h * out.w;
   }
   bool autocasts() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
@@ -445,6 +451,12 @@ class Container : public Layer {
     backward_reporting(ctx, x, y, dy, dx, {});
   }
   bool is_container() const override { return true; }
+  // Every chain of a container (Sequential's one, Residual's body and shortcut) reads its input.
+  std::int64_t multiply_adds(const ActShape& in) const override {
+    std::int64_t sum = 0;
+    for (const detail::Chain* chain : const_cast<Container*>(this)->chains()) sum += chain->multiply_adds(in);
+    return sum;
+  }
   std::size_t saved_bytes() const override {
     std::size_t bytes = 0;
     for (const detail::Chain* chain : const_cast<Container*>(this)->chains()) bytes += chain->saved_bytes();

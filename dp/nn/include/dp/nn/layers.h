@@ -101,6 +101,9 @@ class Layer {
   virtual void add_prefix(const std::string& prefix) { name_ = prefix + "." + name_; }
 
   virtual ActShape output_shape(const ActShape& in) const = 0;
+  // Multiply-adds per sample of the forward's GEMMs and convolutions on input `in` (a container:
+  // its children's): what a model's FLOP count is made of. Elementwise layers count none.
+  virtual std::int64_t multiply_adds(const ActShape&) const { return 0; }
   // Output aliases the input (Flatten): no buffer, no kernel.
   virtual bool is_view() const { return false; }
   // y = layer(x). In train mode keeps what backward needs (it may also read x and y there).

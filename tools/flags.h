@@ -1,0 +1,360 @@
+// flags.h — dp_train's and dp_bench's flags as tables: each flag's name, value (metavar, parser,
+// check), help, default and torch equivalent, bound to a tool's options. The flags both tools take
+// are one table (shared_flags) with one meaning, torch's; --help and every refusal of a bad command
+// line (exit code 2, nothing written) come from the tables.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <cstdint>
+#include <fmt/format.h>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/models/registry.h"
+
+namespace dp::tools {
+
+// ---------------------------------------------------------------------------------------------
+// Values: how a flag's text is checked, stored into the options and read back as text.
+
+template <class O>
+struct Value {
+  std::string metavar;                                     // after the name in --help; empty for a switch
+  std::function<std::string(const std::string&)> refusal;  // why a text is no value of the flag; "" if it is one
+  std::function<void(O&, const std::string&)> store;       // a text refusal() accepts (a switch: "true")
+  std::function<std::string(const O&)> text;               // the value as text, "" while unset
+  bool repeatable = false;                                 // each occurrence adds a value (--freeze)
+  std::function<std::string(const O&)> shown = {};         // --help's text of a default, when not text's
+};
+
+// A range of real numbers, named as messages and --help say it (">= 0", "in [0, 1)").
+struct Range {
+  const char* text;
+  bool (*holds)(double);
+};
+inline constexpr Range kNonNegative{">= 0", [](double v) { return v >= 0.0; }};
+inline constexpr Range kPositive{"> 0", [](double v) { return v > 0.0; }};
+inline constexpr Range kUnitInterval{"in [0, 1]", [](double v) { return v >= 0.0 && v <= 1.0; }};
+inline constexpr Range kBelowOne{"in [0, 1)", [](double v) { return v >= 0.0 && v < 1.0; }};
+
+std::string integer_refusal(const std::string& text, std::uint64_t least, std::uint64_t most);
+std::string number_refusal(const std::string& text, const Range& range);
+std::string choice_refusal(const std::string& text, const std::vector<std::string>& choices);
+// "a, b or c".
+std::string or_list(const std::vector<std::string>& items);
+
+template <class T>
+struct integer_of {
+  using type = T;
+};
+template <class T>
+struct integer_of<std::optional<T>> {
+  using type = T;
+};
+
+// One of `choices`, into a string member; the metavar lists them unless given.
+template <class O, class C>
+Value<O> choice(std::string C::*member, std::vector<std::string> choices, std::string metavar = "") {
+  static_assert(std::is_base_of_v<C, O>);
+  if (metavar.empty())
+    for (const auto& c : choices) metavar += (metavar.empty() ? "" : "|") + c;
+  return {metavar, [choices](const std::string& text) { return choice_refusal(text, choices); },
+          [member](O& o, const std::string& text) { o.*member = text; }, [member](const O& o) { return o.*member; }};
+}
+
+// A decimal integer in [least, most] (most: at most the member type's largest value), into an
+// integer or optional integer member. CLI11 alone would read 0x10 as 16, -1 into an unsigned as
+// 2^64-1, and cap a value past the type's range.
+template <class O, class C, class M>
+Value<O> integer(M C::*member, std::uint64_t least = 0, std::uint64_t most = std::numeric_limits<std::uint64_t>::max(),
+                 std::string metavar = "N") {
+  static_assert(std::is_base_of_v<C, O>);
+  using Integer = typename integer_of<M>::type;
+  static_assert(std::is_integral_v<Integer> && !std::is_same_v<Integer, bool>);
+  most = std::min(most, static_cast<std::uint64_t>(std::numeric_limits<Integer>::max()));
+  return {metavar, [least, most](const std::string& text) { return integer_refusal(text, least, most); },
+          [member](O& o, const std::string& text) {
+            if constexpr (!std::is_same_v<M, Integer>) {
+              if (text.empty()) {  // a checkpoint's unset value
+                o.*member = std::nullopt;
+                return;
+              }
+            }
+            std::uint64_t value = 0;
+            std::from_chars(text.data(), text.data() + text.size(), value);
+            o.*member = static_cast<Integer>(value);
+          },
+          [member](const O& o) {
+            if constexpr (std::is_same_v<M, Integer>)
+              return fmt::format("{}", o.*member);
+            else
+              return (o.*member) ? fmt::format("{}", *(o.*member)) : std::string();
+          }};
+}
+
+// A finite number in `range`, into a double or float member; also finite as a float, since the
+// engine computes in fp32. Read as CLI11 reads it (strtold, then the member's type); shown in the
+// shortest text that reads back exactly.
+template <class O, class C, class M>
+Value<O> number(M C::*member, Range range, std::string metavar = "X") {
+  static_assert(std::is_base_of_v<C, O> && std::is_floating_point_v<M>);
+  return {metavar,
+          [range](const std::string& text) { return number_refusal(text, range); },
+          [member](O& o, const std::string& text) { o.*member = static_cast<M>(std::strtold(text.c_str(), nullptr)); },
+          [member](const O& o) { return fmt::format("{}", static_cast<double>(o.*member)); },
+          false,
+          [member](const O& o) { return fmt::format("{}", o.*member); }};  // a float's 0.9, not 0.8999999761581421
+}
+
+// Free text; a file or list flag (`may_be_empty` false) refuses an empty value, which names nothing.
+template <class O, class C>
+Value<O> text(std::string C::*member, std::string metavar, bool may_be_empty = false) {
+  static_assert(std::is_base_of_v<C, O>);
+  return {metavar,
+          [may_be_empty](const std::string& value) { return value.empty() && !may_be_empty ? "empty value" : ""; },
+          [member](O& o, const std::string& value) { o.*member = value; }, [member](const O& o) { return o.*member; }};
+}
+
+// "a,b,,c" -> {"a", "b", "c"}: items trimmed, empty ones and repeats dropped (the first kept).
+std::vector<std::string> split_list(const std::string& text);
+std::string list_refusal(const std::string& text, const std::vector<std::string>& known);
+
+// A comma list of some of `known`, into a string member (split_list reads it).
+template <class O, class C>
+Value<O> list_of(std::string C::*member, std::vector<std::string> known, std::string metavar) {
+  static_assert(std::is_base_of_v<C, O>);
+  return {metavar, [known](const std::string& text) { return list_refusal(text, known); },
+          [member](O& o, const std::string& text) { o.*member = text; }, [member](const O& o) { return o.*member; }};
+}
+
+// Repeatable: each occurrence adds one value.
+template <class O, class C>
+Value<O> texts(std::vector<std::string> C::*member, std::string metavar) {
+  static_assert(std::is_base_of_v<C, O>);
+  Value<O> value{metavar, [](const std::string& v) { return v.empty() ? "empty value" : ""; },
+                 [member](O& o, const std::string& v) { (o.*member).push_back(v); },
+                 [member](const O& o) { return fmt::format("{}", fmt::join(o.*member, ",")); }};
+  value.repeatable = true;
+  return value;
+}
+
+// A switch: given, the member is true.
+template <class O, class C>
+Value<O> on(bool C::*member) {
+  static_assert(std::is_base_of_v<C, O>);
+  return {"", [](const std::string&) { return std::string(); },
+          [member](O& o, const std::string&) { o.*member = true; },
+          [member](const O& o) { return fmt::format("{}", o.*member); }};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags and their tables.
+
+// What dp_train's checkpoints record of a flag ("dp.<name>", the flag's name with '_' for '-'), and
+// which later runs take it back when the flag is not given (tools/run_settings.h).
+enum class Saved { no, always, optimizer_kind, on_resume };
+
+template <class O>
+struct Flag {
+  std::string name = {};  // "--batch-size"
+  Value<O> value = {};
+  std::string help = {};   // what it does, one line
+  std::string torch = {};  // torch's equivalent, where it has one
+  // --help's default where the value's text is empty (an unset optional) or a 0 that means none.
+  std::string default_text = {};
+  // torch's example scripts' spellings (ImageNet's main.py: -b, -j, --wd): suggested, not taken.
+  std::vector<std::string> torch_spellings = {};
+  Saved saved = Saved::no;
+  bool structural = false;  // saved: the model's shape, which a checkpoint must match
+  // Saved only for a model that takes this argument (--hidden: the MLP's).
+  std::optional<dp::models::ModelArg> model_arg = std::nullopt;
+  bool hidden = false;  // testing hooks: not in --help
+};
+
+template <class O>
+struct FlagGroup {
+  std::string title;  // --help's heading
+  std::vector<Flag<O>> flags;
+};
+
+// The tag a checkpoint records a flag's value under: "--weight-decay" -> "weight_decay".
+std::string tag_of(const std::string& flag);
+
+// ---------------------------------------------------------------------------------------------
+// The flags dp_train and dp_bench share: one meaning, torch's where torch has one.
+
+// What both tools' options hold of the shared flags (seed and steps are each tool's own: their
+// defaults differ, as dp_train's steps default to whole epochs).
+struct SharedOptions {
+  std::string backend = "auto";
+  std::string precision = "strict";
+  std::string graphs = "on";
+  std::string pipeline = "on";
+  std::optional<int> devices;  // unset: default_devices()
+  int devices_per_gpu = 1;
+  std::string optimizer = "sgd";
+  int batch_size = 64;  // global in single and dp, per device in ddp (torch's DataParallel and DDP)
+  bool sync_bn = false;
+  std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
+  std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
+};
+
+// The devices a run takes when --devices is not given, in both tools: every dp device of every
+// visible GPU (torch's DataParallel: every visible device), or kDefaultSimDevices on sim.
+inline constexpr int kDefaultSimDevices = 2;
+inline constexpr int kMaxSimDevices = 64;
+int default_devices(bool cuda, int cuda_devices);
+
+// The engine settings of the shared flags; DDP's own only for ddp.
+void set_engine_options(const SharedOptions& o, dp::EngineOptions& options);
+
+template <class O>
+FlagGroup<O> shared_flags() {
+  static_assert(std::is_base_of_v<SharedOptions, O>);
+  return {
+      "run (dp_train and dp_bench alike)",
+      {
+          {.name = "--backend",
+           .value = choice<O>(&O::backend, {"auto", "cuda", "sim"}),
+           .help = "auto (cuda when a GPU is visible, else sim), cuda, or sim (simulated devices on the host)"},
+          {.name = "--devices",
+           .value = integer<O>(&O::devices, 1, 1 << 20),
+           .help = "use devices 0..N-1 (single: device 0 alone)",
+           .torch = "DataParallel(device_ids=range(N)); torchrun --nproc-per-node=N",
+           .default_text = fmt::format("every visible GPU, else {} simulated", kDefaultSimDevices),
+           .torch_spellings = {"--nproc-per-node", "--nproc_per_node", "--world-size", "--gpus"}},
+          {.name = "--devices-per-gpu",
+           .value = integer<O>(&O::devices_per_gpu, 1, 64, "K"),
+           .help = "K dp devices on each GPU (device d on GPU d/K), so that multi-device runs fit one; same results"},
+          {.name = "--precision",
+           .value = choice<O>(&O::precision, {"strict", "fast", "tf32"}),
+           .help = "strict: exact fp32, deterministic; fast: cuDNN's fastest, TF32 convolutions; tf32: fast, and TF32 "
+                   "matmuls",
+           .torch = "fast: torch's defaults; tf32: torch.backends.cuda.matmul.allow_tf32 = True"},
+          {.name = "--graphs",
+           .value = choice<O>(&O::graphs, {"on", "off"}),
+           .help = "on: capture the step once per batch size and replay it (emulated on sim); off: launch every "
+                   "kernel every step",
+           .torch = "torch.cuda.CUDAGraph"},
+          {.name = "--pipeline",
+           .value = choice<O>(&O::pipeline, {"on", "off"}),
+           .help = "on: submit each step before reading the previous step's loss (the same results); off: wait for "
+                   "each loss"},
+          {.name = "--batch-size",
+           .value = integer<O>(&O::batch_size, 1, std::numeric_limits<int>::max()),
+           .help = "samples per step: the global batch in single and dp, per device in ddp",
+           .torch = "DataLoader(batch_size=N): global for DataParallel, per process for DDP",
+           .torch_spellings = {"-b", "--batch_size"}},
+          {.name = "--steps",
+           .value = integer<O>(&O::steps, 1),
+           .help = "optimizer steps (dp_bench: measured steps per run, after --warmup)",
+           .default_text = "one epoch"},
+          {.name = "--sync-bn",
+           .value = on<O>(&O::sync_bn),
+           .help = "ddp: BatchNorm statistics over every rank's batch",
+           .torch = "nn.SyncBatchNorm.convert_sync_batchnorm(model)"},
+          {.name = "--amp",
+           .value = choice<O>(&O::amp, {"off", "bf16"}),
+           .help = "bf16: Linear and Conv2d on bf16 inputs and weights; fp32 accumulation, loss and master weights",
+           .torch = "torch.autocast(device_type, dtype=torch.bfloat16)",
+           .saved = Saved::on_resume},
+          {.name = "--grad-reduce",
+           .value = choice<O>(&O::grad_reduce, {"fp32", "bf16"}),
+           .help = "ddp: all-reduce the gradients in fp32, or in bf16 (half the bytes)",
+           .torch = "ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
+           .saved = Saved::on_resume},
+          {.name = "--optimizer",
+           .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
+           .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",
+           .torch = "torch.optim.SGD, torch.optim.AdamW",
+           .saved = Saved::optimizer_kind},
+          {.name = "--seed",
+           .value = integer<O>(&O::seed),
+           .help = "seed of the initialisation, the synthetic data and the shuffling",
+           .torch = "torch.manual_seed(S)"},
+      }};
+}
+
+// Each shared flag's value as text, for the processes of an mpirun job to agree on (not --devices:
+// each process names its own).
+template <class O>
+std::vector<std::pair<std::string, std::string>> shared_configuration(const O& o) {
+  std::vector<std::pair<std::string, std::string>> fields;
+  for (const Flag<O>& flag : shared_flags<O>().flags)
+    if (flag.name != "--devices") fields.emplace_back(flag.name, flag.value.text(o));
+  return fields;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line: a tool's tables bound to its options, parsed with CLI11.
+
+class CommandLine {
+ public:
+  enum class Parsed { run, help, refused };
+
+  // `tool`: "dp_train"; `error_prefix`: what starts a refusal on stderr ("dp_train: error: ").
+  CommandLine(std::string tool, std::string description, std::string error_prefix);
+
+  // Binds every flag of `groups` to `options`; --help shows each one's default as `defaults` holds it.
+  template <class O>
+  void add(const std::vector<FlagGroup<O>>& groups, O& options, const O& defaults) {
+    for (const FlagGroup<O>& group : groups) {
+      groups_.push_back({group.title, {}});
+      for (const Flag<O>& flag : group.flags) {
+        const Value<O>& v = flag.value;
+        add_flag(Bound{flag.name, v.metavar, flag.help, flag.torch, flag.default_text, flag.torch_spellings, v.refusal,
+                       [store = v.store, &options](const std::string& text) { store(options, text); },
+                       [text = v.shown ? v.shown : v.text, &defaults] { return text(defaults); }, v.repeatable,
+                       flag.hidden});
+      }
+    }
+  }
+  // Called before --help is printed, after every other flag was read: to set the defaults that
+  // depend on them (dp_train's --lr is the chosen optimizer's).
+  void before_help(std::function<void()> prepare) { before_help_ = std::move(prepare); }
+  // Printed after the flags in --help.
+  void footer(std::string text) { footer_ = std::move(text); }
+
+  CLI::Option* option(const std::string& name) { return app_.get_option(name); }
+  // Reads argv, or prints --help or the refusal.
+  Parsed parse(int argc, const char* const* argv);
+  // The flags given ("--lr", ...).
+  std::set<std::string> given() const;
+  std::string help() const;
+
+ private:
+  struct Bound {
+    std::string name, metavar, help, torch, default_text;
+    std::vector<std::string> torch_spellings;
+    std::function<std::string(const std::string&)> refusal;
+    std::function<void(const std::string&)> store;
+    std::function<std::string()> default_value;
+    bool repeatable = false, hidden = false;
+  };
+  struct Group {
+    std::string title;
+    std::vector<Bound> flags;
+  };
+  void add_flag(Bound bound);
+  std::string unknown_flag(int argc, const char* const* argv) const;
+  std::string describe(const Bound& flag) const;
+
+  std::string tool_, error_prefix_, footer_;
+  CLI::App app_;
+  std::vector<Group> groups_;
+  std::function<void()> before_help_;
+};
+
+// --help's list of the registry's models, one line each.
+std::string models_help();
+
+}  // namespace dp::tools
