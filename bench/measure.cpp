@@ -95,10 +95,34 @@ class HostWork {
   std::vector<dp::DeviceCounters> before_, total_;
 };
 
-void warm_up(dp::Runtime& rt, const Options& o, const Run& run, const Submit& submit, dp::ProcessGroup* processes) {
+// The first warm-up step's memory traffic, on the device that moves the most: that step is eager
+// (a graph, if any, is captured at a later step), so every launch of a step is counted once.
+void take_traffic(dp::Runtime& rt, const Options& o, Run& run) {
+  std::vector<dp::KernelTraffic> busiest;
+  double most = -1.0;
+  for (int d : run.device_ids) {
+    std::vector<dp::KernelTraffic> kernels = rt.memory_traffic(d);
+    double bytes = 0;
+    for (const auto& k : kernels) bytes += static_cast<double>(k.bytes);
+    if (bytes > most) {
+      most = bytes;
+      busiest = std::move(kernels);
+    }
+  }
+  constexpr std::size_t kTop = 5;
+  if (busiest.size() > kTop) busiest.resize(kTop);
+  run.bytes_per_step = most;
+  run.top_kernels = std::move(busiest);
+  const double samples = static_cast<double>(run.global_batch) / std::max(1, run.devices);
+  run.roofline = roofline(gpu_peaks(o.roofline), most, gemm_flops_per_sample(run.model) * samples, o.precision, o.amp);
+}
+
+void warm_up(dp::Runtime& rt, const Options& o, Run& run, const Submit& submit, dp::ProcessGroup* processes) {
   for (int i = 0; i < o.warmup; ++i) {
+    if (i == 0) rt.reset_memory_traffic();
     (void)submit().get();
     synchronize(rt, run.device_ids);
+    if (i == 0) take_traffic(rt, o, run);
   }
   synchronize(rt, run.device_ids);
   if (processes) processes->barrier();  // every process starts its measured window together
@@ -181,7 +205,9 @@ void add_span_figures(const Run& run, int steps, PerDevice& pd) {
   pd.busy_pct = 100.0 * static_cast<double>(union_ns(busy, run.t0, run.t1)) / static_cast<double>(run.t1 - run.t0);
   const double gemm_ns = static_cast<double>(union_ns(gemm, run.t0, run.t1));
   pd.gemm_ms_per_step = gemm_ns / 1e6 / steps;
-  if (gemm_ns > 0) pd.gemm_gflops = gemm_flops_per_sample(run.model) * pd.samples_per_step * steps / gemm_ns;
+  // Over the window's wall time: a pipelined step's interval between submissions is not its work.
+  if (run.wall_ms > 0)
+    pd.model_gflops = gemm_flops_per_sample(run.model) * pd.samples_per_step * steps / (run.wall_ms * 1e6);
 }
 
 // Warm-up, then the measured steps with profiling on and the counters reset; fills the timing,
@@ -343,8 +369,8 @@ void apply_chunks(const std::vector<int>& chunks, Run& run) {
   for (std::size_t i = 0; i < run.per_device.size(); ++i) {
     auto& pd = run.per_device[i];
     pd.samples_per_step = i < chunks.size() ? chunks[i] : 0;
-    if (pd.gemm_gflops && pd.samples_per_step != run.batch_per_device)
-      pd.gemm_gflops = *pd.gemm_gflops * pd.samples_per_step / run.batch_per_device;
+    if (pd.model_gflops && pd.samples_per_step != run.batch_per_device)
+      pd.model_gflops = *pd.model_gflops * pd.samples_per_step / run.batch_per_device;
   }
 }
 

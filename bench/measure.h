@@ -14,6 +14,7 @@
 #include "dp/runtime/process_group.h"
 #include "dp/runtime/trace.h"
 #include "options.h"
+#include "roofline.h"
 
 namespace dp_bench {
 
@@ -32,7 +33,9 @@ struct PerDevice {
   std::string host;
   std::optional<double> busy_pct;  // null on cuda (no spans recorded)
   std::optional<double> gemm_ms_per_step;
-  std::optional<double> gemm_gflops;
+  // The device's share of the model's GEMM and convolution FLOPs over the measured window's wall
+  // time: the whole step's rate, so it cannot pass the machine's peak.
+  std::optional<double> model_gflops;
   double bytes_sent = 0, bytes_received = 0;  // device-to-device within the process (intra-node), per step
   double net_sent = 0, net_received = 0;      // to and from other processes (inter-node), per step
   std::uint64_t peak_bytes = 0;
@@ -49,7 +52,7 @@ struct SpanFigure {  // needs the measured steps' spans: null where none were re
 };
 inline constexpr std::array<SpanFigure, 3> kSpanFigures{{{"busy_pct", &PerDevice::busy_pct},
                                                          {"gemm_ms_per_step", &PerDevice::gemm_ms_per_step},
-                                                         {"gemm_gflops", &PerDevice::gemm_gflops}}};
+                                                         {"model_gflops", &PerDevice::model_gflops}}};
 
 struct ByteFigure {  // per step; the report writes whole numbers as integers
   const char* key;
@@ -105,6 +108,11 @@ struct Run {
   bool graphs = false;                           // every measured step was a replayed graph
   bool pipelined = false;                        // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;
+  // The memory traffic of one eager step (the first warm-up step's, Runtime::memory_traffic) on the
+  // device that moves the most, its kernels the most bytes first; none without warm-up.
+  std::optional<double> bytes_per_step;
+  std::vector<dp::KernelTraffic> top_kernels;
+  std::optional<Roofline> roofline;  // that step on Options::roofline's GPU
   float loss_first = 0, loss_last = 0;
   // For the trace: the measured window, its step boundaries and its spans.
   std::int64_t t0 = 0, t1 = 0;

@@ -7,6 +7,7 @@
 #include "address_space.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/precision.h"
+#include "roofline.h"
 
 namespace dp_bench {
 namespace {
@@ -42,6 +43,9 @@ FlagGroup<O> bench_flags() {
               {.name = "--profile",
                .value = flag::on<O>(&O::profile),
                .help = "cuda: record device spans (busy %, GEMM rates); --trace implies it, the sim always records"},
+              {.name = "--roofline",
+               .value = flag::choice<O>(&O::roofline, gpu_names()),
+               .help = "the GPU whose HBM bandwidth and peak FLOP/s bound each step's estimate (h100, h200, a100)"},
               {.name = "--json",
                .value = flag::text<O>(&O::json_path, "FILE"),
                .help = "write every figure as JSON to this file"},

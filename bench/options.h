@@ -41,6 +41,7 @@ struct Options : dp::tools::SharedOptions {
   std::string json_path;
   std::string trace_path;
   std::uint64_t seed = 1;
+  std::string roofline = "h100";  // the GPU whose peaks the roofline estimate uses (roofline.h)
 };
 
 // Reads argv into `o`. Returns the exit code when the program stops here: --help (0) or a command

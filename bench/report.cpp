@@ -121,7 +121,8 @@ void print_table(const std::vector<Column>& columns, const std::vector<std::vect
   for (const auto& row : rows) line([&](std::size_t i) { return row[i]; });
 }
 
-void print_run_table(const std::vector<Run>& runs, bool have_spans) {
+void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
+  const bool have_spans = setup.busy_time_available;
   std::vector<std::vector<std::string>> rows;
   for (const Run& r : runs) {
     const auto traffic =
@@ -149,6 +150,14 @@ void print_run_table(const std::vector<Run>& runs, bool have_spans) {
       "  from other processes (inter-node, under mpirun); imb = max/mean over devices; act/sample = what a\n"
       "  forward keeps for the backward, per sample (bf16 under --amp bf16)\n",
       have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
+  if (setup.backend == "sim") {
+    // Simulated devices run on host threads: more devices than cores share them.
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    fmt::print(
+        "  sim: {} simulated device(s) share {} host core(s): scaling cannot pass {:.2f}, busy % counts time\n"
+        "  a device waits for a core as busy\n",
+        setup.devices, cores, std::min(1.0, static_cast<double>(cores) / std::max(1, setup.devices)));
+  }
 }
 
 void print_device_table(const std::vector<Run>& runs) {
@@ -156,15 +165,17 @@ void print_device_table(const std::vector<Run>& runs) {
   for (const Run& r : runs)
     for (const auto& pd : r.per_device)
       rows.push_back({r.model, r.mode, fmt::format("{}", pd.process), fmt::format("{}", pd.device), opt(pd.busy_pct, 1),
-                      opt(pd.gemm_ms_per_step, 2), opt(pd.gemm_gflops, 1), human_bytes(pd.bytes_sent),
+                      opt(pd.gemm_ms_per_step, 2), opt(pd.model_gflops, 1), human_bytes(pd.bytes_sent),
                       human_bytes(pd.bytes_received), human_bytes(pd.net_sent), human_bytes(pd.net_received),
                       human_bytes(static_cast<double>(pd.peak_bytes))});
   fmt::print("\nper device\n");
-  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},     {"process", 7},   {"device", 6},
-                                       {"busy %", 7},     {"gemm ms", 8},   {"gemm GF/s", 9}, {"sent/step", 12},
-                                       {"recv/step", 12}, {"net sent", 12}, {"net recv", 12}, {"peak mem", 11}};
+  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},     {"process", 7},     {"device", 6},
+                                       {"busy %", 7},     {"gemm ms", 8},   {"model GF/s", 10}, {"sent/step", 12},
+                                       {"recv/step", 12}, {"net sent", 12}, {"net recv", 12},   {"peak mem", 11}};
   print_table(columns, rows);
-  fmt::print("  gemm ms = GEMM span time per step; gemm GF/s = the model's analytic GEMM FLOPs / that time\n");
+  fmt::print(
+      "  gemm ms = GEMM span time per step; model GF/s = the device's share of the model's GEMM and convolution\n"
+      "  FLOPs per step / the measured step time\n");
 }
 
 void print_host_work_table(const std::vector<Run>& runs) {
@@ -181,6 +192,30 @@ void print_host_work_table(const std::vector<Run>& runs) {
   const std::vector<Column> columns = {{"model", -8},       {"mode", -6},    {"launches", 9}, {"host syncs", 11},
                                        {"allocations", 12}, {"pageable", 9}, {"submits", 8},  {"graphs", 7}};
   print_table(columns, rows);
+}
+
+void print_traffic_table(const std::vector<Run>& runs) {
+  std::vector<std::vector<std::string>> rows;
+  std::string gpu;
+  for (const Run& r : runs) {
+    if (!r.bytes_per_step || !r.roofline) continue;
+    gpu = r.roofline->gpu;
+    const double per_sample = *r.bytes_per_step * std::max(1, r.devices) / r.global_batch;
+    std::string top;
+    for (std::size_t i = 0; i < r.top_kernels.size() && i < 3; ++i)
+      top += fmt::format("{}{} {:.0f}%", i ? ", " : "", r.top_kernels[i].kernel,
+                         100.0 * static_cast<double>(r.top_kernels[i].bytes) / *r.bytes_per_step);
+    rows.push_back({r.model, r.mode, human_bytes(*r.bytes_per_step), human_bytes(per_sample),
+                    fixed(r.roofline->estimate_ms, 3), r.roofline->bound + " (" + r.roofline->peak + ")",
+                    fixed(r.step_ms_median, 2), top});
+  }
+  if (rows.empty()) return;
+  fmt::print("\nmemory traffic of one step (the busiest device; each launch's operands once) and its roofline on {}\n",
+             gpu);
+  const std::vector<Column> columns = {{"model", -8},       {"mode", -6},   {"bytes/step", 11},  {"bytes/sample", 12},
+                                       {"roofline ms", 11}, {"bound", -16}, {"measured ms", 11}, {"top kernels", -1}};
+  print_table(columns, rows);
+  fmt::print("  roofline ms = max(bytes / HBM bandwidth, GEMM FLOPs / peak): a lower bound on that GPU, not a time\n");
 }
 
 void print_phase_table(const std::vector<Run>& runs) {
@@ -242,6 +277,18 @@ json run_json(const Run& r) {
   // launch per graph: DP's one graph spans every device, DDP has one per rank.
   for (const auto& f : kCounterFigures)
     if (f.summed) j[f.key] = counter_total(r, f);
+  j["bytes_per_step"] = optional_json(r.bytes_per_step);
+  j["bytes_per_sample"] = r.bytes_per_step ? json(*r.bytes_per_step * std::max(1, r.devices) / r.global_batch) : json();
+  j["top_kernels"] = json::array();
+  for (const auto& k : r.top_kernels)
+    j["top_kernels"].push_back({{"kernel", k.kernel}, {"bytes", k.bytes}, {"launches", k.launches}});
+  j["roofline"] = r.roofline ? json{{"gpu", r.roofline->gpu},
+                                    {"peak", r.roofline->peak},
+                                    {"memory_ms", r.roofline->memory_ms},
+                                    {"compute_ms", r.roofline->compute_ms},
+                                    {"estimate_ms", r.roofline->estimate_ms},
+                                    {"bound", r.roofline->bound}}
+                             : json();
   j["imbalance"] = {{"busy_pct", optional_json(busy_imbalance(r))},
                     {"bytes_sent", imbalance(column(r, &PerDevice::bytes_sent))},
                     {"bytes_received", imbalance(column(r, &PerDevice::bytes_received))},
@@ -357,10 +404,11 @@ void write_file(const std::string& path, const json& j) {
 
 void report(const Options& o, const Setup& setup, std::vector<Run>& runs) {
   const json trace = trace_json(runs);
-  print_run_table(runs, setup.busy_time_available);
+  print_run_table(runs, setup);
   print_device_table(runs);
   print_host_work_table(runs);
   print_phase_table(runs);
+  print_traffic_table(runs);
   if (!o.trace_path.empty()) {
     write_file(o.trace_path, trace);
     fmt::print("\ntrace: {} (open in https://ui.perfetto.dev or chrome://tracing; runs laid end to end:", o.trace_path);

@@ -169,12 +169,22 @@ bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
        operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
   if (shape.n == 0) return false;
   const ConvPath path = conv_path(stream);
+  // A library's convolution: its operands, each once (Runtime::memory_traffic).
+  const auto count_library = [&] {
+    kernel_api::count_traffic(stream, "conv2d_forward",
+                              {operand(x, x_count(shape)), operand(weight, w_count(shape)),
+                               operand(bias, bias ? shape.c_out : 0), operand(y, y_count(shape))});
+  };
   if (path == ConvPath::cudnn) {
     const SharedWeightGrad shared{stream, shape, workspace};
     library::cudnn_conv2d_forward(stream, shape, x, weight, bias, y, shared.borrow());
+    count_library();
     return false;
   }
-  if (path == ConvPath::onednn && library::onednn_conv2d_forward(stream, shape, x, weight, bias, y)) return false;
+  if (path == ConvPath::onednn && library::onednn_conv2d_forward(stream, shape, x, weight, bias, y)) {
+    count_library();
+    return false;
+  }
   const ConvGeometry g = shared_geometry(shape, op);
   const int t = static_cast<int>(taps(shape)), p = g.cols;
   float* col = workspace;
@@ -216,6 +226,14 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
       channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias, beta);
   };
   const ConvPath path = conv_path(stream);
+  // A library's part of the backward: the input gradient's operands and, when it computes it too,
+  // the weight gradient's, each once (Runtime::memory_traffic).
+  const auto count_library = [&](bool weight_grad) {
+    kernel_api::count_traffic(
+        stream, "conv2d_backward",
+        {operand(weight, dx ? w_count(shape) : 0), operand(dy, y_count(shape)), operand(dx, dx ? x_count(shape) : 0),
+         operand(x, weight_grad ? x_count(shape) : 0), operand(dweight, weight_grad ? w_count(shape) : 0)});
+  };
   if (path == ConvPath::cudnn) {
     // The input gradient stays with cuDNN; the weight gradient goes to cuDNN or to the shared
     // im2col + GEMM (set_conv_weight_grad), run here once cuDNN's handle is released.
@@ -227,6 +245,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
         forced_gemm && dx == nullptr  // nothing left for cuDNN to do
             ? true
             : library::cudnn_conv2d_backward(stream, shape, x, weight, dy, dx, dweight, accumulate, how, shared);
+    if (dx || !by_gemm) count_library(!by_gemm);
     if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
     bias_grad();
     return;
@@ -237,6 +256,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   if (path == ConvPath::onednn) {
     const bool by_gemm = weight_grad_forced_to_gemm(conv_weight_grad(), shape);
     if (library::onednn_conv2d_backward(stream, shape, x, weight, dy, dx, by_gemm ? nullptr : dweight, accumulate)) {
+      if (dx || !by_gemm) count_library(!by_gemm);
       if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
       return;
     }

@@ -58,9 +58,10 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
         fmt::format("gemm: leading dimension too small (lda={} needs {}, ldb={} needs {}, ldc={} needs {})", lda,
                     a_cols, ldb, b_cols, ldc, n));
   if (m == 0 || n == 0) return;
-  kernel_api::check_operands(
-      stream, "gemm",
-      {matrix(a, trans_a ? k : m, a_cols, lda), matrix(b, trans_b ? n : k, b_cols, ldb), matrix(c, m, n, ldc)});
+  const std::initializer_list<kernel_api::Operand> operands = {
+      matrix(a, trans_a ? k : m, a_cols, lda), matrix(b, trans_b ? n : k, b_cols, ldb), matrix(c, m, n, ldc)};
+  kernel_api::check_operands(stream, "gemm", operands);
+  kernel_api::count_traffic(stream, "gemm", operands);
   const library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bf16_operands};
   if (stream.backend() == Backend::cuda) {
     library::cublas_gemm(stream, g);

@@ -165,7 +165,9 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
       EXPECT_GT(busy, 0.0);
       EXPECT_LE(busy, 100.0);
       EXPECT_GT(u64(pd.at("peak_bytes")), 0u);
-      EXPECT_GT(pd.at("gemm_gflops").get<double>(), 0.0);
+      EXPECT_GT(pd.at("model_gflops").get<double>(), 0.0);
+      // The whole step's rate: below any CPU's peak (2 cores of this kind: ~150 GF/s).
+      EXPECT_LT(pd.at("model_gflops").get<double>(), 1000.0);
     }
     for (const char* key : {"busy_pct", "bytes_sent", "bytes_received", "peak_bytes"})
       EXPECT_GE(run.at("imbalance").at(key).get<double>(), 1.0) << key;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -204,6 +205,10 @@ class RuntimeImpl {
   }
   DeviceCounters counters(int device) const;
   void reset_counters();
+  // Memory traffic per device and kernel (Runtime::memory_traffic); `kernel` a string literal.
+  void count_traffic(int device, const char* kernel, std::uint64_t bytes);
+  std::vector<KernelTraffic> memory_traffic(int device) const;
+  void reset_memory_traffic();
 
   // Stream work spans, recorded while profiling is on (bench traces, overlap tests).
   void set_profiling(bool on) {
@@ -240,6 +245,11 @@ class RuntimeImpl {
   std::unique_ptr<std::atomic<std::uint64_t>[]> link_bytes_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> link_copies_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> counters_;  // device x Counter
+  struct Traffic {
+    mutable std::mutex mutex;
+    std::map<const char*, std::pair<std::uint64_t, std::uint64_t>> by_kernel;  // bytes, launches
+  };
+  std::unique_ptr<Traffic[]> traffic_;  // by device
   std::atomic<bool> profiling_{false};
   std::atomic<int> stream_ids_{0};
   Precision precision_ = Precision::strict;

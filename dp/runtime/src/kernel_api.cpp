@@ -18,6 +18,13 @@ void check_operands(const Stream& stream, const char* op, std::initializer_list<
     if (o.bytes != 0) s.check_access(o.ptr, o.bytes, op);
 }
 
+void count_traffic(const Stream& stream, const char* kernel, std::initializer_list<Operand> operands) {
+  std::uint64_t bytes = 0;
+  for (const Operand& o : operands) bytes += o.bytes;
+  detail::StreamImpl& s = Access::stream(stream);
+  s.runtime().count_traffic(s.device(), kernel, bytes);
+}
+
 void check_extents(const char* op, std::int64_t rows, std::int64_t cols) {
   if (rows < 0 || cols < 0) throw InvalidArgument(fmt::format("{}: negative extent {}x{}", op, rows, cols));
 }

@@ -216,6 +216,8 @@ std::uint64_t Runtime::bytes_received(int device) const {
 void Runtime::reset_link_traffic() { impl_->reset_link_traffic(); }
 DeviceCounters Runtime::counters(int device) const { return impl_->counters(device); }
 void Runtime::reset_counters() { impl_->reset_counters(); }
+std::vector<KernelTraffic> Runtime::memory_traffic(int device) const { return impl_->memory_traffic(device); }
+void Runtime::reset_memory_traffic() { impl_->reset_memory_traffic(); }
 void Runtime::set_profiling(bool on) { impl_->set_profiling(on); }
 std::vector<TraceSpan> Runtime::take_trace() {
   std::vector<TraceSpan> out;
@@ -276,6 +278,7 @@ RuntimeImpl::RuntimeImpl(int device_count, int devices_per_gpu)
   link_bytes_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
   link_copies_ = std::make_unique<std::atomic<std::uint64_t>[]>(slots);
   counters_ = std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(device_count) * kCounters);
+  traffic_ = std::make_unique<Traffic[]>(static_cast<std::size_t>(device_count));
   reset_link_traffic();
   reset_counters();
 }
@@ -327,6 +330,43 @@ void RuntimeImpl::reset_counters() {
 }
 
 void StreamImpl::count(Counter counter) const { runtime().count(device(), counter); }
+
+void RuntimeImpl::count_traffic(int device, const char* kernel, std::uint64_t bytes) {
+  Traffic& t = traffic_[static_cast<std::size_t>(device)];
+  const std::lock_guard lock(t.mutex);
+  auto& [total, launches] = t.by_kernel[kernel];
+  total += bytes;
+  ++launches;
+}
+
+std::vector<KernelTraffic> RuntimeImpl::memory_traffic(int device) const {
+  if (device < 0 || device >= expected_devices_)
+    throw InvalidArgument(
+        fmt::format("memory traffic of device {}: the runtime has {} device(s)", device, expected_devices_));
+  std::map<std::string, KernelTraffic> merged;  // one row per name, whichever literal carried it
+  {
+    const Traffic& t = traffic_[static_cast<std::size_t>(device)];
+    const std::lock_guard lock(t.mutex);
+    for (const auto& [kernel, counts] : t.by_kernel) {
+      KernelTraffic& row = merged[kernel];
+      row.kernel = kernel;
+      row.bytes += counts.first;
+      row.launches += counts.second;
+    }
+  }
+  std::vector<KernelTraffic> rows;
+  for (auto& [name, row] : merged) rows.push_back(std::move(row));
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+  return rows;
+}
+
+void RuntimeImpl::reset_memory_traffic() {
+  for (int d = 0; d < expected_devices_; ++d) {
+    Traffic& t = traffic_[static_cast<std::size_t>(d)];
+    const std::lock_guard lock(t.mutex);
+    t.by_kernel.clear();
+  }
+}
 
 void RuntimeImpl::reset_link_traffic() {
   const std::size_t slots =

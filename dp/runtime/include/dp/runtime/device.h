@@ -214,6 +214,17 @@ struct DeviceCounters {
   std::uint64_t worker_submits = 0;   // tasks handed to the device's worker thread (Device::submit)
 };
 
+// The memory traffic of one kernel (by name) on a device: the bytes its launches' operands span,
+// each operand counted once (what a launch must at least read or write; a library call's, as
+// cuBLAS's GEMM or a convolution, by the same rule), and the launches. Counted the same way on both
+// backends, when the work is enqueued: an eager step's kernels, a graph's when it is captured (a
+// replay adds nothing). Collectives are link traffic (Runtime::link_traffic), not counted here.
+struct KernelTraffic {
+  std::string kernel;
+  std::uint64_t bytes = 0;
+  std::uint64_t launches = 0;
+};
+
 // Owns the devices of one backend. Create one per process (cuda) or as many as you like (sim).
 class Runtime {
  public:
@@ -248,6 +259,10 @@ class Runtime {
   // Work counters of a device since the runtime was made or reset_counters() last ran.
   DeviceCounters counters(int device) const;
   void reset_counters();
+  // Memory traffic of a device since the runtime was made or reset_memory_traffic() last ran, by
+  // kernel, the most bytes first (KernelTraffic).
+  std::vector<KernelTraffic> memory_traffic(int device) const;
+  void reset_memory_traffic();
 
   // Records a span for every piece of stream work from now on (sim backend), for traces and
   // busy-time accounting; take_trace() returns and clears what was recorded.

@@ -237,6 +237,7 @@ void launch(const Stream& stream, const char* name, index_t n, const F& f, std::
   kernel_api::check_extents(name, n);
   check_operands(stream, name, operands);
   if (n == 0) return;
+  kernel_api::count_traffic(stream, name, operands);
   if (stream.backend() == Backend::sim) {
     kernel_api::enqueue_host(stream, name, HostLoop<F>{n, f});
     return;
@@ -264,6 +265,7 @@ void launch_2d(const Stream& stream, const char* name, index_t rows, index_t col
   kernel_api::check_extents(name, rows, cols);
   check_operands(stream, name, operands);
   if (rows == 0 || cols == 0) return;
+  kernel_api::count_traffic(stream, name, operands);
   if (stream.backend() == Backend::sim) {
     kernel_api::enqueue_host(stream, name, HostLoop2d<F>{rows, cols, f});
     return;
@@ -293,6 +295,7 @@ void launch_row_reduce(const Stream& stream, const char* name, index_t rows, ind
   kernel_api::check_extents(name, rows, cols);
   check_operands(stream, name, operands);
   if (rows == 0) return;
+  kernel_api::count_traffic(stream, name, operands);  // the partial sums stay in cache-sized scratch
   const ReducePlan plan = plan_row_reduce(rows, cols);
   if (stream.backend() == Backend::sim) {
     // Two queued bodies where cuda launches two kernels, so both count the same launches.

@@ -40,6 +40,10 @@ Operand operand(const T* ptr, std::int64_t count) {
 // the hardware.
 void check_operands(const Stream& stream, const char* op, std::initializer_list<Operand> operands);
 
+// Counts a launch's memory traffic on the stream's device (Runtime::memory_traffic): every operand's
+// bytes once, under `kernel` (a string literal). Every launcher calls it once per launch it enqueues.
+void count_traffic(const Stream& stream, const char* kernel, std::initializer_list<Operand> operands);
+
 // Throws InvalidArgument naming `op` for a negative extent.
 void check_extents(const char* op, std::int64_t rows, std::int64_t cols = 0);
 
