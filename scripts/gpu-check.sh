@@ -463,17 +463,27 @@ EOF
     jsonw running "$check"
     start=$EPOCHREALTIME
     rates="" speed_rc=0
+    # The roofline on this GPU's data-sheet peaks where dp_bench knows them (H100 otherwise).
+    roofline_gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+      grep -oiE 'h200|h100|a100' | head -1 | tr 'A-Z' 'a-z')
+    roofline_gpu=${roofline_gpu:-h100}
     for amp in off bf16; do
       tmo "$(cap 60)" "$bench" --backend "$device" --devices 1 --models convnet,resnet8 --modes single \
-        --batch-size 256 --steps 20 --warmup 5 --amp "$amp" --json "$work/amp_$amp.json" > "$work/amp_$amp.txt" 2>&1 ||
+        --batch-size 256 --steps 20 --warmup 5 --amp "$amp" --roofline "$roofline_gpu" --json "$work/amp_$amp.json" \
+        > "$work/amp_$amp.txt" 2>&1 ||
         speed_rc=1
       cp "$work/amp_$amp.txt" "$out/gpu-check-amp-$amp.txt"
     done
     rates=$(timeout 30 python3 - "$work/amp_off.json" "$work/amp_bf16.json" 2>&1 <<'EOF'
 import json, sys
 off, bf16 = ({r["model"]: r for r in json.load(open(p))["runs"]} for p in sys.argv[1:3])
-print("; ".join("%s %.0f/s, bf16 %.0f/s (x%.2f), act %d -> %d B/sample" % (
-    m, off[m]["samples_per_s"], bf16[m]["samples_per_s"], bf16[m]["samples_per_s"] / off[m]["samples_per_s"],
+# Each measured step beside its roofline estimate (bytes / HBM bandwidth or FLOPs / peak, dp_bench).
+def step(r):
+    est = (r.get("roofline") or {}).get("estimate_ms")
+    return "%.2f ms (roofline %s)" % (r["step_ms_median"], "%.3f ms" % est if est is not None else "n/a")
+print("; ".join("%s %.0f/s %s, bf16 %.0f/s %s (x%.2f), act %d -> %d B/sample" % (
+    m, off[m]["samples_per_s"], step(off[m]), bf16[m]["samples_per_s"], step(bf16[m]),
+    bf16[m]["samples_per_s"] / off[m]["samples_per_s"],
     off[m]["activation_bytes_per_sample"], bf16[m]["activation_bytes_per_sample"]) for m in off))
 EOF
 ) || speed_rc=1
