@@ -285,6 +285,8 @@ void run_backward(const Plan& p, const float* x, const float* weight, const floa
 
 }  // namespace
 
+bool onednn_supports(const Conv2dShape& shape) { return plan_for(shape) != nullptr; }
+
 bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                            const float* bias, float* y) {
   const std::shared_ptr<const Plan> plan = plan_for(shape);

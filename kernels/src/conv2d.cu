@@ -155,18 +155,30 @@ std::size_t conv2d_workspace_floats(const Conv2dShape& shape) {
   return static_cast<std::size_t>((taps(shape) + shape.c_out) * pixels(shape));
 }
 
+std::size_t conv2d_workspace_floats(const Stream& stream, const Conv2dShape& shape) {
+  const std::size_t most = conv2d_workspace_floats(shape);
+  switch (conv_path(stream)) {
+    case ConvPath::shared: return most;
+    case ConvPath::cudnn:  // the weight gradient may go to the shared GEMM unless the library is forced
+      return conv_weight_grad() == ConvWeightGrad::library || !fits_shared_path(shape) ? 0 : most;
+    case ConvPath::onednn:
+      return library::onednn_supports(shape) && !weight_grad_forced_to_gemm(conv_weight_grad(), shape) ? 0 : most;
+  }
+  return most;
+}
+
 bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                     const float* bias, float* y, float* workspace) {
   const char* op = "conv2d_forward";
   check_conv2d(op, shape);
-  // workspace on every path, so code that runs on cuda runs on sim too
-  checks::present(op, {{"x", x}, {"weight", weight}, {"y", y}, {"workspace", workspace}});
+  const std::size_t workspace_floats = conv2d_workspace_floats(stream, shape);
+  checks::present(op, {{"x", x}, {"weight", weight}, {"y", y}});
+  if (workspace_floats) checks::present(op, {{"workspace", workspace}});
   // Every operand up front, not only per launch: a foreign pointer must throw before any pass is
   // enqueued, or an earlier pass would already have written y (or accumulated into dweight).
-  check_operands(
-      stream, op,
-      {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
-       operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
+  check_operands(stream, op,
+                 {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(bias, bias ? shape.c_out : 0),
+                  operand(y, y_count(shape)), operand(workspace, static_cast<index_t>(workspace_floats))});
   if (shape.n == 0) return false;
   const ConvPath path = conv_path(stream);
   // A library's convolution: its operands, each once (Runtime::memory_traffic).
@@ -204,12 +216,13 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
                      bool x_lowered) {
   const char* op = "conv2d_backward";
   check_conv2d(op, shape);
-  checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}, {"workspace", workspace}});
-  check_operands(
-      stream, op,
-      {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(dy, y_count(shape)),
-       operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)), operand(dbias, dbias ? shape.c_out : 0),
-       operand(workspace, static_cast<index_t>(conv2d_workspace_floats(shape)))});
+  const std::size_t workspace_floats = conv2d_workspace_floats(stream, shape);
+  checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}});
+  if (workspace_floats) checks::present(op, {{"workspace", workspace}});
+  check_operands(stream, op,
+                 {operand(x, x_count(shape)), operand(weight, w_count(shape)), operand(dy, y_count(shape)),
+                  operand(dx, dx ? x_count(shape) : 0), operand(dweight, w_count(shape)),
+                  operand(dbias, dbias ? shape.c_out : 0), operand(workspace, static_cast<index_t>(workspace_floats))});
   if (shape.n == 0) {   // empty batch: dx is empty and the gradients gain nothing
     if (!accumulate) {  // but are written: a sum of no terms
       fill(stream, dweight, w_count(shape), 0.0f);

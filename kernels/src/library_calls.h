@@ -65,6 +65,8 @@ bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
 // `accumulate`, else overwritten). The bias gradient is the launchers' own reduction. Return false,
 // having enqueued nothing, where oneDNN has no implementation for the shape: the caller then runs
 // the shared path.
+// Whether oneDNN has a convolution for `shape` (its plan, built and cached on first ask).
+bool onednn_supports(const Conv2dShape& shape);
 bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                            const float* bias, float* y);
 bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,

@@ -490,20 +490,40 @@ TEST_P(Conv2dTest, ForeignOperandsThrowBeforeAnyWork) {
   EXPECT_THROW(forward(f, W, B, Y, WS), DeviceMismatch);
   EXPECT_THROW(forward(X, f, B, Y, WS), DeviceMismatch);
   EXPECT_THROW(forward(X, W, f, Y, WS), DeviceMismatch);
-  EXPECT_THROW(forward(X, W, B, Y, f), DeviceMismatch);
   EXPECT_THROW(forward(X, W, B, f, WS), DeviceMismatch);
   EXPECT_THROW(backward(f, W, DY, DX, DW, DB, WS), DeviceMismatch);
   EXPECT_THROW(backward(X, f, DY, DX, DW, DB, WS), DeviceMismatch);
   EXPECT_THROW(backward(X, W, f, DX, DW, DB, WS), DeviceMismatch);
-  EXPECT_THROW(backward(X, W, DY, DX, DW, DB, f), DeviceMismatch);
   EXPECT_THROW(backward(X, W, DY, DX, DW, f, WS), DeviceMismatch);
   EXPECT_THROW(backward(X, W, DY, f, DW, DB, WS), DeviceMismatch);  // dx is written last: checked first anyway
   EXPECT_THROW(backward(X, W, DY, DX, f, DB, WS), DeviceMismatch);
   // Nothing ran: y and dweight still hold their sentinels.
   EXPECT_EQ(download<float>(stream_, y), sentinel_y);
   EXPECT_EQ(download<float>(stream_, dw), sentinel_w);
-  // A workspace one float short is caught too.
+  // The shared path's workspace (the library's path takes none): foreign, or one float short.
+  const LibrarySetting off(false);
+  EXPECT_THROW(forward(X, W, B, Y, f), DeviceMismatch);
+  EXPECT_THROW(backward(X, W, DY, DX, DW, DB, f), DeviceMismatch);
   EXPECT_THROW(forward(X, W, B, Y, ws.as<float>() + 1), DeviceMismatch);
+  EXPECT_EQ(download<float>(stream_, y), sentinel_y);
+}
+
+// A convolution whose library does all of it needs no workspace (oneDNN on the sim; cuDNN with the
+// weight gradient left to it): none is asked for, a null one is taken, and the results are those
+// computed with one. The shared path asks for its whole scratch.
+TEST_P(Conv2dTest, NoWorkspaceWhereTheLibraryDoesItAll) {
+  if (const char* why = no_library()) GTEST_SKIP() << why;
+  const Conv2dShape s{4, 3, 10, 10, 5, 3, 3, 1, 1};
+  const WeightGradSetting library(kernels::ConvWeightGrad::library);
+  EXPECT_EQ(kernels::conv2d_workspace_floats(stream_, s), 0u);
+  const Inputs in = make_inputs(s, true, 4444);
+  const Outputs with = run_conv(*device_, stream_, s, in);
+  DeviceBuffer x = upload(*device_, stream_, in.x), w = upload(*device_, stream_, in.w);
+  DeviceBuffer b = upload(*device_, stream_, in.b), y = device_->allocate(y_size(s) * sizeof(float));
+  kernels::conv2d_forward(stream_, s, x.as<float>(), w.as<float>(), b.as<float>(), y.as<float>(), nullptr);
+  EXPECT_EQ(download<float>(stream_, y), with.y);
+  const LibrarySetting off(false);
+  EXPECT_EQ(kernels::conv2d_workspace_floats(stream_, s), kernels::conv2d_workspace_floats(s));
 }
 
 TEST_P(Conv2dTest, RejectsInvalidShapesAndNullOperands) {
@@ -517,7 +537,10 @@ TEST_P(Conv2dTest, RejectsInvalidShapesAndNullOperands) {
     EXPECT_THROW(kernels::conv2d_backward(stream_, bad, p, p, p, p, p, nullptr, p), InvalidArgument) << describe(bad);
   }
   const Conv2dShape ok{1, 1, 4, 4, 1, 3, 3, 1, 0};
-  EXPECT_THROW(kernels::conv2d_forward(stream_, ok, p, p, nullptr, p, nullptr), InvalidArgument);
+  {
+    const LibrarySetting off(false);  // the shared path needs its workspace
+    EXPECT_THROW(kernels::conv2d_forward(stream_, ok, p, p, nullptr, p, nullptr), InvalidArgument);
+  }
   EXPECT_THROW(kernels::conv2d_forward(stream_, ok, nullptr, p, nullptr, p, p), InvalidArgument);
   EXPECT_THROW(kernels::conv2d_backward(stream_, ok, p, p, p, p, nullptr, nullptr, p), InvalidArgument);
   // col (C_in*KH*KW = 9, N*H_out*W_out = 4) + mat (C_out = 1, 4).

@@ -157,9 +157,12 @@ class Conv2d final : public Layer {
   std::int64_t count() const { return weights() + (has_bias() ? out_ : 0); }
   // Its own (it may keep x lowered for the backward), or under autocast the model's shared one.
   float* workspace(const LayerContext& ctx, const kernels::Conv2dShape& s) {
-    const std::size_t floats = kernels::conv2d_workspace_floats(s);
-    if (ctx.amp) return ctx.amp->get<float>(ctx.amp->workspace, ctx.device, static_cast<std::int64_t>(floats));
-    return workspace_.get<float>(ctx.device, floats);
+    // Autocast's convolutions are the shared path's (im2col + bf16 GEMMs): its whole scratch.
+    if (ctx.amp)
+      return ctx.amp->get<float>(ctx.amp->workspace, ctx.device,
+                                 static_cast<std::int64_t>(kernels::conv2d_workspace_floats(s)));
+    // None where the library does all of it: a layer keeps no scratch it does not use.
+    return workspace_.get<float>(ctx.device, kernels::conv2d_workspace_floats(ctx.stream, s));
   }
 
   // What the workspace holds after the last forward: x lowered for this shape, or nothing.

@@ -22,8 +22,14 @@ struct Conv2dShape {
   DP_HD int w_out() const { return (w + 2 * pad - kw) / stride + 1; }
 };
 
-// Floats of scratch the caller provides to conv2d_forward / conv2d_backward for this shape.
+// Floats of scratch conv2d_forward / conv2d_backward may use for this shape: the shared path's
+// lowered input and its GEMM output, what any path needs at the most.
 std::size_t conv2d_workspace_floats(const Conv2dShape& shape);
+// What a convolution of `shape` on `stream` needs as things are set now (the backend's library,
+// the precision, autocast, the weight-gradient choice): the shared path's scratch where it may run,
+// 0 where the library does all of it (oneDNN on the sim, cuDNN with ConvWeightGrad::library).
+// The workspace argument may then be null: a layer keeps no scratch it does not use.
+std::size_t conv2d_workspace_floats(const Stream& stream, const Conv2dShape& shape);
 
 // y (N, C_out, H_out, W_out) = conv(x, weight) + bias. bias may be null. Returns whether the
 // workspace now holds x lowered (the shared path's col, at its start): a conv2d_backward of the same
