@@ -169,6 +169,7 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
 int main(int argc, char** argv) {
   // The job first: under mpirun every way out, a bad command line included, goes through the
   // processes' agreement (an early exit would leave the others waiting for this one).
+  dp::tools::fail_writes_past_the_file_size_limit();
   dp::tools::Job job("dp_bench");
   try {
     job.start();

@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   // Line-buffered even into a file or pipe: a run killed (SIGKILL, an OOM kill, a scheduler's time
   // limit) keeps every progress line it printed, not only the 4 KiB blocks already flushed.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  dp::tools::fail_writes_past_the_file_size_limit();
   // The job first: under mpirun every way out, a bad command line included, goes through the
   // processes' agreement (an early exit would leave the others waiting for this one).
   try {

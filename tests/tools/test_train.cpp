@@ -1510,3 +1510,32 @@ TEST_F(TrainTest, EnvLaunchesAreRefusedNamingMpirun) {
                                              " --backend sim --models mlp --steps 1");
   EXPECT_EQ(bench.code, 2) << bench.output;
 }
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A file-size limit (ulimit -f) the checkpoint does not fit: below the model's own size, refused
+// before any work; above it but below the file, the save fails with EFBIG (SIGXFSZ is ignored, so
+// the process is not killed half-way). Exit 2 naming the file and the limit either way, the old
+// checkpoint as it was and no temporary file left.
+TEST_F(TrainTest, AFileSizeLimitTheCheckpointDoesNotFitIsRefusedKeepingTheOldFile) {
+  // 6,370 parameters: 25 KB of weights, about 52 KB with the momentum buffers.
+  const std::string args =
+      "--model mlp --hidden 8 --backend sim --synthetic 64 --batch-size 16 --steps 6 --save " + path("old.safetensors");
+  ASSERT_EQ(run(args).code, 0);
+  for (const auto& [blocks, message] :
+       {std::pair<int, std::string>{1, "past the file-size limit (ulimit -f) of 1024 bytes"},
+        {30, "write failed (File too large: the file-size limit (ulimit -f) is 30720 bytes); the file is as it was"}}) {
+    SCOPED_TRACE(blocks);
+    const auto t0 = std::chrono::steady_clock::now();
+    // bash's ulimit -f counts KiB (/bin/sh's may count 512-byte blocks).
+    expect_nothing_written(args, 2, message,
+                           fmt::format("bash -c 'ulimit -f {} && exec \"$0\" \"$@\"' {}", blocks, DP_TRAIN_BIN));
+    EXPECT_LT(seconds_since(t0), 30.0);
+  }
+}
+
+}  // namespace
