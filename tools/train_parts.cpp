@@ -37,6 +37,12 @@ std::uint64_t plus(std::uint64_t a, std::uint64_t b, const char* what) {
 
 std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / (1u << 30)); }
 
+// The threads a run starts on `devices` devices: each device's streams, and a training and an
+// evaluation loader per device with their --workers.
+std::uint64_t run_threads(const Options& o, std::uint64_t devices) {
+  return devices * (dp::tools::kThreadsPerSimDevice + 2 * (1 + static_cast<std::uint64_t>(o.workers)));
+}
+
 }  // namespace
 
 std::vector<int> parse_int_list(const std::string& text, const char* flag) {
@@ -259,7 +265,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
                     "has {}",
                     gib(host), params, samples, cuda ? "" : ", the simulated devices' memory", gib(host_memory)));
   dp::tools::check_address_space(
-      host, cuda ? 0 : devices,
+      host, cuda ? 0 : devices, run_threads(o, devices),
       fmt::format("{} parameters, {} samples{}", params, samples, cuda ? "" : ", the simulated devices' memory"));
   const std::uint64_t capacity = dp::RuntimeOptions{}.sim_capacity_bytes;
   if (!cuda && per_device > capacity)

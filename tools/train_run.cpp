@@ -24,6 +24,7 @@
 #include <variant>
 #include <vector>
 
+#include "address_space.h"
 #include "dp/engines/engine.h"
 #include "dp/io/atomic_file.h"
 #include "dp/io/checkpoint.h"
@@ -955,6 +956,15 @@ void save(const Options& o, dp::Engine& engine, const Plan& plan, long step) {
   g_job.agree_or_stop();
 }
 
+// With the data loaded, the model built and the loaders' threads started, the address space they
+// take is known: the limit (ulimit -v) must still leave room for what the first steps map, the
+// sim's GEMM buffers above all (tools/address_space.h).
+void check_address_space_left(const Options& o, const Devices& devices, const Inputs& inputs) {
+  const std::uint64_t count = devices.ids.size();
+  const std::uint64_t eval_threads = inputs.test ? count * (1 + static_cast<std::uint64_t>(o.workers)) : 0;
+  dp::tools::check_address_space(0, devices.cuda ? 0 : count, eval_threads, "the data and model loaded");
+}
+
 }  // namespace
 
 void check_options(const Options& o) {
@@ -1012,6 +1022,7 @@ int run(Options o) {
   const auto loaders_made = std::chrono::steady_clock::now();
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
   if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);
+  check_address_space_left(o, devices, inputs);
   TrainLoop loop(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
   if (const int code = loop.run()) return code;
   if (const int code = check_final_model(o, *engine, *built.runtime, inputs)) return code;

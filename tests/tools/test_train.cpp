@@ -1538,4 +1538,39 @@ TEST_F(TrainTest, AFileSizeLimitTheCheckpointDoesNotFitIsRefusedKeepingTheOldFil
   }
 }
 
+// A limit (ulimit -v) just above what the run's up-front estimate once was: the sim's GEMMs map
+// OpenBLAS's 128 MiB buffer per thread, malloc an arena per thread, each thread its stack. Whatever
+// the limit, the run either is refused at once (exit 2, naming the limit, nothing written) or
+// trains to the end; it never hangs in OpenBLAS's allocator, which retries forever.
+TEST_F(TrainTest, AnyAddressSpaceLimitIsRefusedAtOnceOrTrains) {
+  const std::string guard = path("existing.safetensors");
+  const std::string args = std::string(DP_TRAIN_BIN) +
+                           " --model mlp --mode ddp --devices 4 --backend sim --synthetic 4096 --batch-size 32 "
+                           "--steps 20 --save " +
+                           guard;
+  int refused = 0, trained = 0;
+  for (int mib = 1000; mib <= 4000; mib += 150) {
+    SCOPED_TRACE(mib);
+    { std::ofstream(guard) << "previous checkpoint"; }
+    const auto t0 = std::chrono::steady_clock::now();
+    const Result r = dp::test::run_command(fmt::format("ulimit -v {}; timeout -k 5 60 {}", mib * 1024, args));
+    const double seconds = seconds_since(t0);
+    ASSERT_TRUE(r.code == 0 || r.code == 2) << "exit " << r.code << " after " << seconds << " s:\n" << r.output;
+    if (r.code == 2) {
+      ++refused;
+      EXPECT_NE(r.output.find("of address space"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("(ulimit -v)"), std::string::npos) << r.output;
+      EXPECT_LT(seconds, 10.0) << r.output;
+      EXPECT_EQ(read_file(guard), "previous checkpoint");
+    } else {
+      ++trained;
+      EXPECT_EQ(dp::safetensors::read(guard).metadata.at("dp.step"), "20");
+    }
+    for (const auto& entry : fs::directory_iterator(dir_))
+      EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(trained, 0);
+}
+
 }  // namespace
