@@ -167,6 +167,10 @@ void check_image_options(const Options& o) {
     throw UsageError("--eval needs the image folder to evaluate on: give --val-dir");
   if (o.eval_only && !o.train_dir.empty() && o.val_dir.empty())
     throw UsageError("--eval-only evaluates on --val-dir: give it");
+  if (!o.eval_only && o.train_dir.empty() && !o.val_dir.empty())
+    throw UsageError(
+        "--val-dir without --train-dir: training needs the folder to train on (--eval-only --init CKPT evaluates "
+        "on --val-dir alone)");
   if (o.loader_only && o.eval_only) throw UsageError("--loader-only reads training batches: not with --eval-only");
   const int classes = model_of(o).num_classes({});
   if (!model_of(o).takes(dp::models::ModelArg::num_classes) && o.num_classes && *o.num_classes != classes)
