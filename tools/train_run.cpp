@@ -684,6 +684,15 @@ void prune_periodic(const std::string& save, long keep) {
     std::filesystem::remove(found[i].second, ec);
 }
 
+// Training time over a stretch of steps: from `start`, less the pauses inside it (evaluations,
+// checkpoints), so that a rate over the stretch is its steps' alone.
+struct TrainingTime {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double paused = 0.0;
+
+  double seconds() const { return std::max(1e-9, since(start) - paused); }
+};
+
 class TrainLoop {
  public:
   TrainLoop(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
@@ -721,6 +730,12 @@ class TrainLoop {
   void log_step(long s, long epoch, double lr, bool last);
   int end_epoch(long s, long epoch);
   long end_step() const { return plan_.start_step + plan_.total_steps; }
+  // Time since `from` that was not training: out of the rates' windows.
+  void pause(std::chrono::steady_clock::time_point from) {
+    const double seconds = since(from);
+    since_log_.paused += seconds;
+    this_epoch_.paused += seconds;
+  }
   // The stop signal every process agrees on before step s (0: none): under several processes the
   // first signalled process's, so that all stop at the same step.
   int agreed_stop(long s) const;
@@ -741,7 +756,7 @@ class TrainLoop {
   // mpirun forwards output through a pseudo-terminal: lines, not a progress line.
   const bool terminal_ = ::isatty(STDOUT_FILENO) != 0 && !g_job.several();
   const std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::time_point last_log_ = t0_, epoch_start_ = t0_;
+  TrainingTime since_log_, this_epoch_;
   long samples_since_log_ = 0;
   float loss_ = 0.0f;
   double epoch_loss_sum_ = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
@@ -760,9 +775,11 @@ int TrainLoop::agreed_stop(long s) const {
 }
 
 void TrainLoop::save_periodic(long steps) {
+  const auto began = std::chrono::steady_clock::now();
   const std::filesystem::path path = periodic_path(o_.save, steps);
   write_checkpoint(o_, engine_, plan_, path.string(), steps);
   if (g_job.primary()) prune_periodic(o_.save, o_.keep);
+  pause(began);
 }
 
 int TrainLoop::run() {
@@ -855,9 +872,7 @@ int TrainLoop::finish(Submitted& step) {
 }
 
 void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
-  const auto now = std::chrono::steady_clock::now();
-  const double rate =
-      static_cast<double>(samples_since_log_) / std::max(1e-9, std::chrono::duration<double>(now - last_log_).count());
+  const double rate = static_cast<double>(samples_since_log_) / since_log_.seconds();
   const std::string line =
       fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr, rate);
   metrics_.write({{"kind", "step"},
@@ -874,12 +889,13 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   } else {
     say("{}\n", line);
   }
-  last_log_ = now;
+  since_log_ = TrainingTime{};
   samples_since_log_ = 0;
 }
 
 int TrainLoop::end_epoch(long s, long epoch) {
-  const double train_seconds = since(epoch_start_);
+  const auto began = std::chrono::steady_clock::now();
+  const double train_seconds = this_epoch_.seconds();
   std::optional<dp::EvalTotals> totals;
   if (test_) totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
   if (totals)
@@ -914,8 +930,8 @@ int TrainLoop::end_epoch(long s, long epoch) {
   metrics_.write(record);
   epoch_loss_sum_ = 0.0;
   epoch_samples_ = 0;
-  epoch_start_ = std::chrono::steady_clock::now();
-  last_log_ = epoch_start_;  // the evaluation is not training time
+  pause(began);  // the evaluation is not training time
+  this_epoch_ = TrainingTime{};
   return 0;
 }
 

@@ -1573,4 +1573,30 @@ TEST_F(TrainTest, AnyAddressSpaceLimitIsRefusedAtOnceOrTrains) {
   EXPECT_GT(trained, 0);
 }
 
+// The samples/s of a --log-every line is the samples since the last line over the training time
+// since it: when the window spans an epoch's end, neither inflated by restarting the window there
+// nor deflated by the epoch's evaluation.
+TEST_F(TrainTest, TheLoggedRateIsTheMeasuredOne) {
+  // 512 samples in batches of 32: epochs of 16 steps; the first line, at step 17, spans the first
+  // epoch's end (its evaluation with a test split).
+  write_idx("data", 512);
+  write_idx("data", 64, 28, 28, 0x803, -1, 0, "t10k");
+  for (const std::string& data : {std::string("--synthetic 512"), "--data " + path("data")}) {
+    SCOPED_TRACE(data);
+    const Result r = run("--model convnet --backend sim --batch-size 32 --steps 20 --log-every 17 --metrics-json " +
+                         path("m.jsonl") + " " + data);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto records = json_lines(path("m.jsonl"));
+    const auto first = std::find_if(records.begin(), records.end(),
+                                    [](const nlohmann::json& record) { return record.at("kind") == "step"; });
+    ASSERT_NE(first, records.end()) << r.output;
+    ASSERT_EQ(first->at("step"), 17);
+    // The window starts with the loop, as elapsed_s does: at most elapsed_s is not training.
+    const double measured = 17.0 * 32.0 / first->at("elapsed_s").get<double>();
+    const double logged = first->at("samples_per_s").get<double>();
+    EXPECT_GE(logged, measured * 0.9) << r.output;
+    EXPECT_LT(logged, measured * 2.0) << r.output;
+  }
+}
+
 }  // namespace
