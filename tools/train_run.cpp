@@ -783,7 +783,6 @@ void TrainLoop::save_periodic(long steps) {
 }
 
 int TrainLoop::run() {
-  const StopSignals signals;
   reached_ = end_step();
   std::optional<Submitted> pending;  // submitted, its loss not yet read
   for (long s = plan_.start_step; s < end_step(); ++s) {
@@ -985,6 +984,25 @@ void check_address_space_left(const Options& o, const Devices& devices, const In
   dp::tools::check_address_space(0, devices.cuda ? 0 : count, eval_threads, "the data and model loaded");
 }
 
+// Trains, checks the final model and saves it. SIGTERM and SIGINT are the run's until the save is
+// done: one during the steps stops the run after the step in flight (exit 143, 130, saved); one
+// after the last step leaves a complete run, which is checked and saved as if none had come (exit 0).
+int train(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
+          MetricsLog& metrics, Loaders& loaders) {
+  const StopSignals signals;
+  TrainLoop loop(o, plan, engine, runtime, inputs, metrics, loaders);
+  if (const int code = loop.run()) return code;
+  if (o.signal_at_step == plan.start_step + plan.total_steps + 1 && !loop.stop_signal() && g_job.primary())
+    std::raise(SIGTERM);
+  if (const int code = check_final_model(o, engine, runtime, inputs)) return code;
+  save(o, engine, plan, loop.reached());
+  if (loop.stop_signal()) return 128 + loop.stop_signal();
+  if (const int late = g_stop_signal.load())
+    say("dp_train: {} after the last step: the run is complete{}\n", late == SIGINT ? "SIGINT" : "SIGTERM",
+        o.save.empty() ? "" : fmt::format(", {} saved", o.save));
+  return 0;
+}
+
 }  // namespace
 
 void check_options(const Options& o) {
@@ -1043,11 +1061,7 @@ int run(Options o) {
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
   if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);
   check_address_space_left(o, devices, inputs);
-  TrainLoop loop(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
-  if (const int code = loop.run()) return code;
-  if (const int code = check_final_model(o, *engine, *built.runtime, inputs)) return code;
-  save(o, *engine, plan, loop.reached());
-  return loop.stop_signal() ? 128 + loop.stop_signal() : 0;
+  return train(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
 }
 
 }  // namespace dp_train

@@ -1517,6 +1517,30 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// SIGTERM after the last step (here raised by the run itself, as --debug-signal-at-step does, once
+// the steps are done: during the final model check and the save) no longer kills the finished run:
+// the save completes, the run is complete, exit 0, and the checkpoint is the unsignalled run's.
+TEST_F(TrainTest, ASignalAfterTheLastStepStillSavesTheFinishedRun) {
+  const std::string common = "--model mlp --hidden 16 --backend sim --synthetic 64 --batch-size 8 --steps 6 --save ";
+  ASSERT_EQ(run(common + path("quiet.safetensors")).code, 0);
+  { std::ofstream(path("signalled.safetensors")) << "previous checkpoint"; }
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = run(common + path("signalled.safetensors") + " --debug-signal-at-step 7");
+  EXPECT_LT(seconds_since(t0), 30.0);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("SIGTERM after the last step: the run is complete, " + path("signalled.safetensors") + " saved"),
+      std::string::npos)
+      << r.output;
+  EXPECT_EQ(read_file(path("signalled.safetensors")), read_file(path("quiet.safetensors")));
+  for (const auto& entry : fs::directory_iterator(dir_))
+    EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
+  // One step earlier it stops the run before its last step: saved, exit 143.
+  const Result early = run(common + path("early.safetensors") + " --debug-signal-at-step 6");
+  EXPECT_EQ(early.code, 143) << early.output;
+  EXPECT_EQ(dp::safetensors::read(path("early.safetensors")).metadata.at("dp.step"), "5");
+}
+
 // A file-size limit (ulimit -f) the checkpoint does not fit: below the model's own size, refused
 // before any work; above it but below the file, the save fails with EFBIG (SIGXFSZ is ignored, so
 // the process is not killed half-way). Exit 2 naming the file and the limit either way, the old
