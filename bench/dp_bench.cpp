@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "address_space.h"
 #include "dp/io/atomic_file.h"
 #include "dp/runtime/error.h"
 #include "dp_cli.h"
@@ -169,6 +170,8 @@ int bench_main(int argc, char** argv, dp::tools::Job& job) {
 int main(int argc, char** argv) {
   // The job first: under mpirun every way out, a bad command line included, goes through the
   // processes' agreement (an early exit would leave the others waiting for this one).
+  dp::tools::keep_malloc_to_one_arena();
+  dp::tools::fail_writes_past_the_file_size_limit();
   dp::tools::Job job("dp_bench");
   try {
     job.start();

@@ -106,6 +106,7 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
       throw UsageError(fmt::format("--devices-per-gpu {} does not divide --devices {}", o.devices_per_gpu, devices));
     // The models and batches a benchmark runs take well under 64 MiB a device.
     dp::tools::check_address_space(static_cast<std::uint64_t>(devices) << 26, static_cast<std::uint64_t>(devices),
+                                   static_cast<std::uint64_t>(devices) * dp::tools::kThreadsPerSimDevice,
                                    "the simulated devices' memory");
   }
   auto runtime = dp::Runtime::create(options);

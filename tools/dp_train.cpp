@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <string>
 
+#include "address_space.h"
 #include "dp_job.h"
 #include "exit_codes.h"
 #include "train_cli.h"
@@ -40,6 +41,8 @@ int main(int argc, char** argv) {
   // Line-buffered even into a file or pipe: a run killed (SIGKILL, an OOM kill, a scheduler's time
   // limit) keeps every progress line it printed, not only the 4 KiB blocks already flushed.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  dp::tools::keep_malloc_to_one_arena();
+  dp::tools::fail_writes_past_the_file_size_limit();
   // The job first: under mpirun every way out, a bad command line included, goes through the
   // processes' agreement (an early exit would leave the others waiting for this one).
   try {

@@ -4,6 +4,7 @@
 // UsageError, with a hint for the causes a user can act on.
 #pragma once
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -89,6 +90,11 @@ inline int report_failure(const char* tool, const std::string& where, const std:
   }
   return verdict.code;
 }
+
+// A write past the file-size limit (ulimit -f) fails with EFBIG, which the writer reports (exit 2,
+// the target as it was, no temporary file left), instead of SIGXFSZ killing the process half-way
+// through a save.
+inline void fail_writes_past_the_file_size_limit() { std::signal(SIGXFSZ, SIG_IGN); }
 
 // The way out of main. Under a host memory shortage, OpenBLAS's threads (its pool starts when the
 // library loads) may be retrying a buffer mapping forever, and the library's exit handler joins

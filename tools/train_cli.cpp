@@ -288,7 +288,7 @@ FlagGroup<O> output_flags() {
               // The failure tests start one process of an mpirun job with these.
               {.name = "--debug-signal-at-step",
                .value = flag::integer<O>(&O::signal_at_step),
-               .help = "process 0 raises SIGTERM before step N",
+               .help = "process 0 raises SIGTERM before step N (the last step + 1: before the final check and save)",
                .hidden = true},
               {.name = "--debug-fail-at-step",
                .value = flag::integer<O>(&O::fail_at_step),

@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <sstream>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "address_space.h"
@@ -35,6 +36,12 @@ std::uint64_t plus(std::uint64_t a, std::uint64_t b, const char* what) {
 }
 
 std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / (1u << 30)); }
+
+// The threads a run starts on `devices` devices: each device's streams, and a training and an
+// evaluation loader per device with their --workers.
+std::uint64_t run_threads(const Options& o, std::uint64_t devices) {
+  return devices * (dp::tools::kThreadsPerSimDevice + 2 * (1 + static_cast<std::uint64_t>(o.workers)));
+}
 
 }  // namespace
 
@@ -213,6 +220,19 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_pt
   return totals;
 }
 
+// A --save checkpoint holds at least every parameter in fp32: a file-size limit (ulimit -f) below
+// that is refused before any work, not found at the save.
+void check_file_size_limit(const Options& o, std::uint64_t params) {
+  rlimit limit{};
+  if (o.save.empty() || ::getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return;
+  const std::uint64_t bytes = times(params, 4, "the checkpoint");
+  if (bytes > limit.rlim_cur)
+    throw UsageError(
+        fmt::format("--save {}: the checkpoint takes more than {} bytes ({} parameters), past the file-size limit "
+                    "(ulimit -f) of {} bytes",
+                    o.save, bytes, params, limit.rlim_cur));
+}
+
 void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
                   int processes) {
   const std::uint64_t devices = ids.size(), batch = static_cast<std::uint64_t>(o.batch_size);
@@ -223,6 +243,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   const dp::models::ModelSpec& model = dp::models::model_spec(o.model);
   const dp::models::ModelArgs args = model_args(o, hidden);
   const std::uint64_t params = as_usage_error([&] { return model.param_count(args); });
+  check_file_size_limit(o, params);
   const std::uint64_t sample_floats = model.input_floats(args);
   const auto classes = static_cast<std::uint64_t>(model.num_classes(args));
   const std::uint64_t rows = o.mode == "dp" ? (batch + devices - 1) / devices : batch;  // per device
@@ -244,7 +265,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
                     "has {}",
                     gib(host), params, samples, cuda ? "" : ", the simulated devices' memory", gib(host_memory)));
   dp::tools::check_address_space(
-      host, cuda ? 0 : devices,
+      host, cuda ? 0 : devices, run_threads(o, devices),
       fmt::format("{} parameters, {} samples{}", params, samples, cuda ? "" : ", the simulated devices' memory"));
   const std::uint64_t capacity = dp::RuntimeOptions{}.sim_capacity_bytes;
   if (!cuda && per_device > capacity)

@@ -107,8 +107,9 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_pt
 // Refuses (exit 2, with the figures) a run that cannot fit, before anything is allocated: what it
 // needs at the least — the model's parameters, gradients and momentum and the input batch on each
 // device, the synthetic data set and the pinned batches on the host — against the host's memory
-// and a simulated device's capacity. (The activations come on top; a run that passes this and
-// still does not fit fails with the device's out-of-memory error, also exit 2.)
+// and a simulated device's capacity, and the process's limits: its address space (ulimit -v) and
+// the size of a --save checkpoint's file (ulimit -f). (The activations come on top; a run that
+// passes this and still does not fit fails with the device's out-of-memory error, also exit 2.)
 void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
                   int processes);
 

@@ -24,6 +24,7 @@
 #include <variant>
 #include <vector>
 
+#include "address_space.h"
 #include "dp/engines/engine.h"
 #include "dp/io/atomic_file.h"
 #include "dp/io/checkpoint.h"
@@ -166,6 +167,10 @@ void check_image_options(const Options& o) {
     throw UsageError("--eval needs the image folder to evaluate on: give --val-dir");
   if (o.eval_only && !o.train_dir.empty() && o.val_dir.empty())
     throw UsageError("--eval-only evaluates on --val-dir: give it");
+  if (!o.eval_only && o.train_dir.empty() && !o.val_dir.empty())
+    throw UsageError(
+        "--val-dir without --train-dir: training needs the folder to train on (--eval-only --init CKPT evaluates "
+        "on --val-dir alone)");
   if (o.loader_only && o.eval_only) throw UsageError("--loader-only reads training batches: not with --eval-only");
   const int classes = model_of(o).num_classes({});
   if (!model_of(o).takes(dp::models::ModelArg::num_classes) && o.num_classes && *o.num_classes != classes)
@@ -679,6 +684,15 @@ void prune_periodic(const std::string& save, long keep) {
     std::filesystem::remove(found[i].second, ec);
 }
 
+// Training time over a stretch of steps: from `start`, less the pauses inside it (evaluations,
+// checkpoints), so that a rate over the stretch is its steps' alone.
+struct TrainingTime {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double paused = 0.0;
+
+  double seconds() const { return std::max(1e-9, since(start) - paused); }
+};
+
 class TrainLoop {
  public:
   TrainLoop(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
@@ -716,6 +730,12 @@ class TrainLoop {
   void log_step(long s, long epoch, double lr, bool last);
   int end_epoch(long s, long epoch);
   long end_step() const { return plan_.start_step + plan_.total_steps; }
+  // Time since `from` that was not training: out of the rates' windows.
+  void pause(std::chrono::steady_clock::time_point from) {
+    const double seconds = since(from);
+    since_log_.paused += seconds;
+    this_epoch_.paused += seconds;
+  }
   // The stop signal every process agrees on before step s (0: none): under several processes the
   // first signalled process's, so that all stop at the same step.
   int agreed_stop(long s) const;
@@ -736,7 +756,7 @@ class TrainLoop {
   // mpirun forwards output through a pseudo-terminal: lines, not a progress line.
   const bool terminal_ = ::isatty(STDOUT_FILENO) != 0 && !g_job.several();
   const std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::time_point last_log_ = t0_, epoch_start_ = t0_;
+  TrainingTime since_log_, this_epoch_;
   long samples_since_log_ = 0;
   float loss_ = 0.0f;
   double epoch_loss_sum_ = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
@@ -755,13 +775,14 @@ int TrainLoop::agreed_stop(long s) const {
 }
 
 void TrainLoop::save_periodic(long steps) {
+  const auto began = std::chrono::steady_clock::now();
   const std::filesystem::path path = periodic_path(o_.save, steps);
   write_checkpoint(o_, engine_, plan_, path.string(), steps);
   if (g_job.primary()) prune_periodic(o_.save, o_.keep);
+  pause(began);
 }
 
 int TrainLoop::run() {
-  const StopSignals signals;
   reached_ = end_step();
   std::optional<Submitted> pending;  // submitted, its loss not yet read
   for (long s = plan_.start_step; s < end_step(); ++s) {
@@ -850,9 +871,7 @@ int TrainLoop::finish(Submitted& step) {
 }
 
 void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
-  const auto now = std::chrono::steady_clock::now();
-  const double rate =
-      static_cast<double>(samples_since_log_) / std::max(1e-9, std::chrono::duration<double>(now - last_log_).count());
+  const double rate = static_cast<double>(samples_since_log_) / since_log_.seconds();
   const std::string line =
       fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr, rate);
   metrics_.write({{"kind", "step"},
@@ -869,12 +888,13 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   } else {
     say("{}\n", line);
   }
-  last_log_ = now;
+  since_log_ = TrainingTime{};
   samples_since_log_ = 0;
 }
 
 int TrainLoop::end_epoch(long s, long epoch) {
-  const double train_seconds = since(epoch_start_);
+  const auto began = std::chrono::steady_clock::now();
+  const double train_seconds = this_epoch_.seconds();
   std::optional<dp::EvalTotals> totals;
   if (test_) totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
   if (totals)
@@ -909,8 +929,8 @@ int TrainLoop::end_epoch(long s, long epoch) {
   metrics_.write(record);
   epoch_loss_sum_ = 0.0;
   epoch_samples_ = 0;
-  epoch_start_ = std::chrono::steady_clock::now();
-  last_log_ = epoch_start_;  // the evaluation is not training time
+  pause(began);  // the evaluation is not training time
+  this_epoch_ = TrainingTime{};
   return 0;
 }
 
@@ -953,6 +973,34 @@ void save(const Options& o, dp::Engine& engine, const Plan& plan, long step) {
         step < plan.start_step + plan.total_steps ? fmt::format(" at step {}", step) : "");
   }
   g_job.agree_or_stop();
+}
+
+// With the data loaded, the model built and the loaders' threads started, the address space they
+// take is known: the limit (ulimit -v) must still leave room for what the first steps map, the
+// sim's GEMM buffers above all (tools/address_space.h).
+void check_address_space_left(const Options& o, const Devices& devices, const Inputs& inputs) {
+  const std::uint64_t count = devices.ids.size();
+  const std::uint64_t eval_threads = inputs.test ? count * (1 + static_cast<std::uint64_t>(o.workers)) : 0;
+  dp::tools::check_address_space(0, devices.cuda ? 0 : count, eval_threads, "the data and model loaded");
+}
+
+// Trains, checks the final model and saves it. SIGTERM and SIGINT are the run's until the save is
+// done: one during the steps stops the run after the step in flight (exit 143, 130, saved); one
+// after the last step leaves a complete run, which is checked and saved as if none had come (exit 0).
+int train(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
+          MetricsLog& metrics, Loaders& loaders) {
+  const StopSignals signals;
+  TrainLoop loop(o, plan, engine, runtime, inputs, metrics, loaders);
+  if (const int code = loop.run()) return code;
+  if (o.signal_at_step == plan.start_step + plan.total_steps + 1 && !loop.stop_signal() && g_job.primary())
+    std::raise(SIGTERM);
+  if (const int code = check_final_model(o, engine, runtime, inputs)) return code;
+  save(o, engine, plan, loop.reached());
+  if (loop.stop_signal()) return 128 + loop.stop_signal();
+  if (const int late = g_stop_signal.load())
+    say("dp_train: {} after the last step: the run is complete{}\n", late == SIGINT ? "SIGINT" : "SIGTERM",
+        o.save.empty() ? "" : fmt::format(", {} saved", o.save));
+  return 0;
 }
 
 }  // namespace
@@ -1012,11 +1060,8 @@ int run(Options o) {
   const auto loaders_made = std::chrono::steady_clock::now();
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
   if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);
-  TrainLoop loop(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
-  if (const int code = loop.run()) return code;
-  if (const int code = check_final_model(o, *engine, *built.runtime, inputs)) return code;
-  save(o, *engine, plan, loop.reached());
-  return loop.stop_signal() ? 128 + loop.stop_signal() : 0;
+  check_address_space_left(o, devices, inputs);
+  return train(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
 }
 
 }  // namespace dp_train

@@ -59,7 +59,7 @@ struct Options : dp::tools::SharedOptions {
   std::string metrics_json;  // JSON lines, one per logged step and per epoch
   std::string predictions;   // --eval-only: each test sample's predicted class, one per line
   long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
-  long signal_at_step = 0;   // testing only: process 0 raises SIGTERM before that step, as a preemption would
+  long signal_at_step = 0;   // testing only: process 0 raises SIGTERM before that step (the last + 1: before the save)
   long save_every = 0;       // also write a checkpoint every N steps (and/or every epoch), keeping the last `keep`
   bool save_every_epoch = false;
   long keep = 0;                    // 0: keep every periodic checkpoint

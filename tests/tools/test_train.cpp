@@ -1510,3 +1510,117 @@ TEST_F(TrainTest, EnvLaunchesAreRefusedNamingMpirun) {
                                              " --backend sim --models mlp --steps 1");
   EXPECT_EQ(bench.code, 2) << bench.output;
 }
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// SIGTERM after the last step (here raised by the run itself, as --debug-signal-at-step does, once
+// the steps are done: during the final model check and the save) no longer kills the finished run:
+// the save completes, the run is complete, exit 0, and the checkpoint is the unsignalled run's.
+TEST_F(TrainTest, ASignalAfterTheLastStepStillSavesTheFinishedRun) {
+  const std::string common = "--model mlp --hidden 16 --backend sim --synthetic 64 --batch-size 8 --steps 6 --save ";
+  ASSERT_EQ(run(common + path("quiet.safetensors")).code, 0);
+  { std::ofstream(path("signalled.safetensors")) << "previous checkpoint"; }
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = run(common + path("signalled.safetensors") + " --debug-signal-at-step 7");
+  EXPECT_LT(seconds_since(t0), 30.0);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("SIGTERM after the last step: the run is complete, " + path("signalled.safetensors") + " saved"),
+      std::string::npos)
+      << r.output;
+  EXPECT_EQ(read_file(path("signalled.safetensors")), read_file(path("quiet.safetensors")));
+  for (const auto& entry : fs::directory_iterator(dir_))
+    EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
+  // One step earlier it stops the run before its last step: saved, exit 143.
+  const Result early = run(common + path("early.safetensors") + " --debug-signal-at-step 6");
+  EXPECT_EQ(early.code, 143) << early.output;
+  EXPECT_EQ(dp::safetensors::read(path("early.safetensors")).metadata.at("dp.step"), "5");
+}
+
+// A file-size limit (ulimit -f) the checkpoint does not fit: below the model's own size, refused
+// before any work; above it but below the file, the save fails with EFBIG (SIGXFSZ is ignored, so
+// the process is not killed half-way). Exit 2 naming the file and the limit either way, the old
+// checkpoint as it was and no temporary file left.
+TEST_F(TrainTest, AFileSizeLimitTheCheckpointDoesNotFitIsRefusedKeepingTheOldFile) {
+  // 6,370 parameters: 25 KB of weights, about 52 KB with the momentum buffers.
+  const std::string args =
+      "--model mlp --hidden 8 --backend sim --synthetic 64 --batch-size 16 --steps 6 --save " + path("old.safetensors");
+  ASSERT_EQ(run(args).code, 0);
+  for (const auto& [blocks, message] :
+       {std::pair<int, std::string>{1, "past the file-size limit (ulimit -f) of 1024 bytes"},
+        {30, "write failed (File too large: the file-size limit (ulimit -f) is 30720 bytes); the file is as it was"}}) {
+    SCOPED_TRACE(blocks);
+    const auto t0 = std::chrono::steady_clock::now();
+    // bash's ulimit -f counts KiB (/bin/sh's may count 512-byte blocks).
+    expect_nothing_written(args, 2, message,
+                           fmt::format("bash -c 'ulimit -f {} && exec \"$0\" \"$@\"' {}", blocks, DP_TRAIN_BIN));
+    EXPECT_LT(seconds_since(t0), 30.0);
+  }
+}
+
+// A limit (ulimit -v) just above what the run's up-front estimate once was: the sim's GEMMs map
+// OpenBLAS's 128 MiB buffer per thread, malloc an arena per thread, each thread its stack. Whatever
+// the limit, the run either is refused at once (exit 2, naming the limit, nothing written) or
+// trains to the end; it never hangs in OpenBLAS's allocator, which retries forever.
+TEST_F(TrainTest, AnyAddressSpaceLimitIsRefusedAtOnceOrTrains) {
+  const std::string guard = path("existing.safetensors");
+  const std::string args = std::string(DP_TRAIN_BIN) +
+                           " --model mlp --mode ddp --devices 4 --backend sim --synthetic 4096 --batch-size 32 "
+                           "--steps 20 --save " +
+                           guard;
+  int refused = 0, trained = 0;
+  for (int mib = 1000; mib <= 4000; mib += 150) {
+    SCOPED_TRACE(mib);
+    { std::ofstream(guard) << "previous checkpoint"; }
+    const auto t0 = std::chrono::steady_clock::now();
+    const Result r = dp::test::run_command(fmt::format("ulimit -v {}; timeout -k 5 60 {}", mib * 1024, args));
+    const double seconds = seconds_since(t0);
+    ASSERT_TRUE(r.code == 0 || r.code == 2) << "exit " << r.code << " after " << seconds << " s:\n" << r.output;
+    if (r.code == 2) {
+      ++refused;
+      EXPECT_NE(r.output.find("of address space"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("(ulimit -v)"), std::string::npos) << r.output;
+      EXPECT_LT(seconds, 10.0) << r.output;
+      EXPECT_EQ(read_file(guard), "previous checkpoint");
+    } else {
+      ++trained;
+      EXPECT_EQ(dp::safetensors::read(guard).metadata.at("dp.step"), "20");
+    }
+    for (const auto& entry : fs::directory_iterator(dir_))
+      EXPECT_NE(entry.path().filename().string().front(), '.') << "temporary file left behind: " << entry.path();
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(trained, 0);
+}
+
+// The samples/s of a --log-every line is the samples since the last line over the training time
+// since it: when the window spans an epoch's end, neither inflated by restarting the window there
+// nor deflated by the epoch's evaluation.
+TEST_F(TrainTest, TheLoggedRateIsTheMeasuredOne) {
+  // 512 samples in batches of 32: epochs of 16 steps; the first line, at step 17, spans the first
+  // epoch's end (its evaluation with a test split).
+  write_idx("data", 512);
+  write_idx("data", 64, 28, 28, 0x803, -1, 0, "t10k");
+  for (const std::string& data : {std::string("--synthetic 512"), "--data " + path("data")}) {
+    SCOPED_TRACE(data);
+    const Result r = run("--model convnet --backend sim --batch-size 32 --steps 20 --log-every 17 --metrics-json " +
+                         path("m.jsonl") + " " + data);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto records = json_lines(path("m.jsonl"));
+    const auto first = std::find_if(records.begin(), records.end(),
+                                    [](const nlohmann::json& record) { return record.at("kind") == "step"; });
+    ASSERT_NE(first, records.end()) << r.output;
+    ASSERT_EQ(first->at("step"), 17);
+    // The window starts with the loop, as elapsed_s does: at most elapsed_s is not training.
+    const double measured = 17.0 * 32.0 / first->at("elapsed_s").get<double>();
+    const double logged = first->at("samples_per_s").get<double>();
+    EXPECT_GE(logged, measured * 0.9) << r.output;
+    EXPECT_LT(logged, measured * 2.0) << r.output;
+  }
+}
+
+}  // namespace

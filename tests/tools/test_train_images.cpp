@@ -2,6 +2,7 @@
 // ImageFolder classes, RandomResizedCrop/flip augmentation keyed by (seed, rank, epoch, sample),
 // torchvision's ResNet-18 in every mode, its checkpoint loaded into torchvision.models.resnet18 with
 // strict=True giving the accuracy dp reported, and bad image files refused naming the file.
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fmt/format.h>
@@ -247,6 +248,37 @@ TEST_F(TrainImagesTest, LoaderOnlyReportsTheLoadersRate) {
   const nlohmann::json record = last_record(path("loader.jsonl"), "loader");
   EXPECT_EQ(record["images"], 24);
   EXPECT_GT(record["images_per_s"].get<double>(), 0.0);
+}
+
+// --val-dir alone evaluates a checkpoint (--eval-only --init) and trains nothing else: without
+// --eval-only it is refused at once, exit 2, naming what is missing, every file as it was (it
+// crashed with SIGSEGV on the training split it did not have), in training and --loader-only alike.
+TEST_F(TrainImagesTest, AValFolderWithoutATrainFolderOnlyEvaluates) {
+  const std::string data = write_folder("photos", 2, 1);
+  const std::string common = "--model resnet18 --image-size 32 --batch-size 4 --backend sim ";
+  ASSERT_EQ(run(common + "--steps 1 --data " + data + " --save " + path("ckpt.safetensors")).code, 0);
+  const auto snapshot = [&] {
+    std::map<std::string, std::string> out;
+    for (const auto& entry : fs::recursive_directory_iterator(dir_))
+      if (entry.is_regular_file()) out[entry.path().string()] = read_file(entry.path().string());
+    return out;
+  };
+  const std::string val = " --val-dir " + data + "/val";
+  for (const std::string& flags : {std::string(), std::string(" --no-eval"), std::string(" --loader-only"),
+                                   " --steps 1 --save " + path("ckpt.safetensors")}) {
+    SCOPED_TRACE(flags);
+    const auto before = snapshot();
+    const auto t0 = std::chrono::steady_clock::now();
+    const Result r = run(common + val + flags);
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("--val-dir without --train-dir: training needs the folder to train on"), std::string::npos)
+        << r.output;
+    EXPECT_EQ(snapshot(), before);
+  }
+  const Result evaluated = run(common + val + " --eval-only --init " + path("ckpt.safetensors"));
+  EXPECT_EQ(evaluated.code, 0) << evaluated.output;
+  EXPECT_NE(evaluated.output.find("on 3 test samples"), std::string::npos) << evaluated.output;
 }
 
 }  // namespace

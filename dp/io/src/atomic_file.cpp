@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -77,6 +78,19 @@ void remove_stale_temps(const std::filesystem::path& dir, const std::string& pre
   }
 }
 
+// A failed step of writing `path`'s temporary file (already removed): a destination that cannot
+// hold the file (the file-size limit, a full disk or quota) is the caller's to fix, InvalidArgument;
+// anything else is Error. The target is as it was either way.
+[[noreturn]] void write_failed(const std::string& path, const char* what, int error) {
+  std::string cause = std::strerror(error);
+  rlimit limit{};
+  if (error == EFBIG && ::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY)
+    cause += fmt::format(": the file-size limit (ulimit -f) is {} bytes", limit.rlim_cur);
+  const std::string message = fmt::format("{}: {} failed ({}); the file is as it was", path, what, cause);
+  if (error == EFBIG || error == ENOSPC || error == EDQUOT) throw InvalidArgument(message);
+  throw Error(message);
+}
+
 }  // namespace
 
 void check_writable(const std::string& path) {
@@ -101,13 +115,14 @@ void write_atomically(const std::string& path, const std::vector<std::span<const
     const int error = errno;
     ::close(fd);
     ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: {} failed ({})", path, what, std::strerror(error)));
+    write_failed(path, what, error);
   };
   auto write_all = [&](const void* data, std::size_t bytes) {
     const char* p = static_cast<const char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::write(fd, p, bytes);
       if (n < 0 && errno == EINTR) continue;
+      if (n == 0) errno = EIO;  // a regular file takes at least one byte or says why not
       if (n <= 0) fail("write");
       p += n;
       bytes -= static_cast<std::size_t>(n);
@@ -119,7 +134,7 @@ void write_atomically(const std::string& path, const std::vector<std::span<const
   if (::close(fd) != 0) {
     const int error = errno;
     ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: close failed ({})", path, std::strerror(error)));
+    write_failed(path, "close", error);
   }
   if (::rename(temp.c_str(), path.c_str()) != 0) {
     const int error = errno;

@@ -22,7 +22,9 @@ void check_writable(const std::string& path);
 // temporary name is short whatever the target's length (".dp-<hash of the name>-<pid>-XXXXXX") and
 // its writer's own: writers of one target at once each rename their own file (the last one wins).
 // Those a killed earlier write of the same target left behind (their process gone) are removed
-// first. Throws dp::Error naming `path` and the failing step; no temporary file is left then.
+// first. Throws dp::Error naming `path` and the failing step, InvalidArgument where the destination
+// cannot hold the file (past the file-size limit, a full disk or quota: a program that would rather
+// get EFBIG than be killed by SIGXFSZ ignores that signal); no temporary file is left then.
 void write_atomically(const std::string& path, const std::vector<std::span<const std::byte>>& pieces);
 
 // The name prefix of write_atomically's temporary files for `path` (in its directory).
