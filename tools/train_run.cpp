@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -66,9 +67,15 @@ struct Inputs {
   std::shared_ptr<const dp::SampleSource> test;  // when evaluating
 };
 
+// The checkpoint a run resumes, and where its run stood: the epoch of its next step, where that
+// epoch began and how many steps its epochs had, and the end it planned (tags a checkpoint from
+// another program may lack).
 struct Resumed {
   std::optional<dp::TrainingState> state;
   long start_step = 0;
+  long epoch = 0;
+  std::optional<long> epoch_start, epoch_steps;
+  std::optional<long> end_step, end_epoch;
 };
 
 // The model is destroyed before the runtime it lives on.
@@ -77,11 +84,26 @@ struct Built {
   std::unique_ptr<dp::Model> model;
 };
 
-// The run's length and learning rates, known once the engine says how many ranks read the data.
+// A run's epochs: epoch `first` begins at step `first_step`, and every epoch has `steps` steps. A
+// run resumed on another device count numbers its epochs on from the checkpoint's.
+struct Epochs {
+  long first = 0, first_step = 0, steps = 1;
+
+  long of(long step) const { return first + (step - first_step) / steps; }
+  long into(long step) const { return (step - first_step) % steps; }  // steps into its epoch
+  long start(long step) const { return step - into(step); }
+};
+
+// The run's length, epochs and learning rates, known once the engine says how many ranks read the data.
 struct Plan {
   int world, shards;  // devices training together; ranks reading the data set (1 for single and dp)
-  long start_step, batches_per_epoch, total_steps;
-  dp::LrSchedule schedule;
+  long start_step, total_steps;
+  Epochs epochs;
+  long planned_end = 0;           // the end asked for: end_step(), unless the checkpoint is past it
+  std::optional<long> end_epoch;  // the epoch the run ends with, when it was planned in epochs
+  dp::LrSchedule schedule = dp::LrSchedule::constant();
+
+  long end_step() const { return start_step + total_steps; }
 };
 
 // A non-finite evaluation loss is divergence, as a non-finite training loss is: the run stops with
@@ -389,7 +411,8 @@ void check_hidden_tag(const std::string& path, const dp::safetensors::File& file
 void check_resumed_settings(const Options& o, const dp::TrainingState& state, int world) {
   const auto& tags = state.progress().tags;
   if (tags.count("world") && tags.at("world") != fmt::format("{}", world))
-    say("note: the checkpoint was trained on {} device(s); continuing on {} (another data order and epochs)\n",
+    say("note: the checkpoint was trained on {} device(s); continuing on {} (another data order; the epochs go on from "
+        "the checkpoint's)\n",
         tags.at("world"), world);
   if (tags.count("dropout") && tags.at("dropout") != fmt::format("{}", o.dropout))
     say("note: the checkpoint was trained with --dropout {}; continuing with {}\n", tags.at("dropout"), o.dropout);
@@ -403,21 +426,53 @@ void check_resumed_settings(const Options& o, const dp::TrainingState& state, in
                     o.resume));
 }
 
-// The checkpoint to resume, validated before the runtime spins up; the run takes its seed.
+// A step count the checkpoint `path` records under "dp.<key>", if it does.
+std::optional<long> step_tag(const std::string& path, const std::map<std::string, std::string>& tags,
+                             const std::string& key) {
+  const auto it = tags.find(key);
+  if (it == tags.end()) return std::nullopt;
+  long value = 0;
+  const std::string& text = it->second;
+  const auto [at, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || at != text.data() + text.size() || value < 0)
+    throw UsageError(fmt::format("--resume {}: metadata 'dp.{}' = '{}' is not a step count", path, key, text));
+  return value;
+}
+
+// Where the checkpoint's run stood and the end it planned; refused where the tags contradict the step.
+void read_progress(const std::string& path, Resumed& resumed) {
+  const dp::TrainingProgress& progress = resumed.state->progress();
+  resumed.start_step = static_cast<long>(progress.step);
+  resumed.epoch = static_cast<long>(progress.epoch);
+  const auto& tags = progress.tags;
+  resumed.epoch_start = step_tag(path, tags, "epoch_start");
+  resumed.epoch_steps = step_tag(path, tags, "epoch_steps");
+  resumed.end_step = step_tag(path, tags, "end_step");
+  resumed.end_epoch = step_tag(path, tags, "end_epoch");
+  if (resumed.epoch_start.has_value() != resumed.epoch_steps.has_value() ||
+      (resumed.epoch_steps && (*resumed.epoch_steps < 1 || *resumed.epoch_start > resumed.start_step ||
+                               resumed.start_step - *resumed.epoch_start >= *resumed.epoch_steps)))
+    throw UsageError(fmt::format("--resume {}: metadata 'dp.epoch_start' and 'dp.epoch_steps' contradict step {}", path,
+                                 resumed.start_step));
+}
+
+// The checkpoint to resume, validated before the data are loaded and the runtime spins up: the
+// run takes its seed, which draws the synthetic data, the initialisation and the shuffling.
 Resumed read_resume(Options& o, int world) {
   Resumed resumed;
   if (o.resume.empty()) return resumed;
   resumed.state = as_usage_error([&] { return dp::TrainingState::read(o.resume); });
   check_hidden_tag(o.resume, resumed.state->file());
+  read_progress(o.resume, resumed);
   const dp::TrainingProgress& progress = resumed.state->progress();
-  resumed.start_step = static_cast<long>(progress.step);
   const auto& tags = progress.tags;
   if (tags.count("model") && tags.at("model") != o.model)
     throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
   if (tags.count("mode") && tags.at("mode") != o.mode)
     say("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
         tags.at("mode"), o.mode);
-  if (progress.seed != o.seed) say("note: resuming with the checkpoint's seed {} (not {})\n", progress.seed, o.seed);
+  if (o.given.count("--seed") && progress.seed != o.seed)
+    say("note: the checkpoint was trained with --seed {}; continuing with its seed, not {}\n", progress.seed, o.seed);
   o.seed = progress.seed;
   check_resumed_settings(o, *resumed.state, world);
   return resumed;
@@ -523,35 +578,81 @@ int evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, co
   return 0;
 }
 
+// Where a resumed run's epochs begin: on from the checkpoint's, whose epoch began at epoch_start.
+// With epochs of another length (another device count, batch size or data set), an epoch the
+// checkpoint stopped inside starts over at the resumed step, under the same number. A checkpoint
+// that does not say (another program's) counts epochs from step 0.
+void place_epochs(const Resumed& resumed, Plan& plan) {
+  if (!resumed.state || !resumed.epoch_start) return;
+  plan.epochs.first = resumed.epoch;
+  plan.epochs.first_step = *resumed.epoch_start;
+  if (*resumed.epoch_steps == plan.epochs.steps) return;
+  if (resumed.start_step != *resumed.epoch_start)
+    say("note: the checkpoint stopped {} step(s) into epoch {} of {} steps; this run's epochs have {}: epoch {} "
+        "starts over\n",
+        resumed.start_step - *resumed.epoch_start, resumed.epoch + 1, *resumed.epoch_steps, plan.epochs.steps,
+        resumed.epoch + 1);
+  plan.epochs.first_step = resumed.start_step;
+}
+
+// The step the run ends at, counted from the start of training (not from the checkpoint): --steps;
+// the end of epoch --epochs; else the end the resumed checkpoint's run planned; else one epoch. So
+// re-running a stopped command with --resume finishes the run it started, and re-running a
+// finished one trains nothing.
+long planned_end(const Options& o, const Resumed& resumed, Plan& plan) {
+  if (o.steps) return *o.steps;
+  std::optional<long> epochs = o.epochs ? std::optional<long>(*o.epochs) : resumed.end_epoch;
+  if (!epochs && resumed.end_step) return *resumed.end_step;
+  plan.end_epoch = epochs.value_or(1);
+  long steps = 0, end = 0;
+  if (__builtin_mul_overflow(*plan.end_epoch - plan.epochs.first, plan.epochs.steps, &steps) ||
+      __builtin_add_overflow(plan.epochs.first_step, steps, &end))
+    throw UsageError(fmt::format("--epochs {} of {} step(s): the run would end past step {}", *plan.end_epoch,
+                                 plan.epochs.steps, std::numeric_limits<long>::max()));
+  return end;
+}
+
 // single and dp read the whole data set in order (one replica); ddp ranks read their shards: this
 // process's ranks first_rank() .. first_rank() + batches_per_step() - 1 of world_size().
-Plan plan_run(const Options& o, const dp::Engine& engine, const dp::Runtime& runtime, const dp::SampleSource& data,
-              const Devices& devices, int world, long start_step) {
+Plan plan_run(const Options& o, const dp::Engine& engine, const dp::SampleSource& data, int world,
+              const Resumed& resumed) {
   const int shards = engine.world_size();
   const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
   const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
                                                    static_cast<std::size_t>(o.batch_size));
-  // --resume without --steps or --epochs continues to the end the checkpoint's run planned (a
-  // preempted run re-run with its command line, plus --resume, finishes as it would have).
-  const long total_steps = o.steps ? *o.steps
-                           : o.planned_end && !o.epochs && *o.planned_end > start_step
-                               ? *o.planned_end - start_step
-                               : static_cast<long>(o.epochs.value_or(1)) * batches_per_epoch;
-  if (long end = 0; __builtin_add_overflow(start_step, total_steps, &end))
-    throw UsageError(fmt::format("{} step(s) from step {} of --resume {}: the run would end past step {}", total_steps,
-                                 start_step, o.resume, std::numeric_limits<long>::max()));
-  Plan plan{world, shards, start_step, batches_per_epoch, total_steps, make_schedule(o, start_step + total_steps)};
-  check_schedule(o, world, start_step + total_steps, plan.schedule);
+  Plan plan{world, shards,       resumed.start_step,        0, Epochs{0, 0, batches_per_epoch},
+            0,     std::nullopt, dp::LrSchedule::constant()};
+  place_epochs(resumed, plan);
+  plan.planned_end = planned_end(o, resumed, plan);
+  plan.total_steps = std::max(0L, plan.planned_end - plan.start_step);
+  if (plan.total_steps == 0) return plan;
+  plan.schedule = make_schedule(o, plan.end_step());
+  check_schedule(o, world, plan.end_step(), plan.schedule);
+  return plan;
+}
+
+void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, const dp::SampleSource& data,
+              const Devices& devices) {
   const int processes = g_job.processes()->size();
   say("dp_train: {} {} on {} device(s) [{}]{} ({} backend, precision {}{}{}), {} samples, global batch {}{}, {} "
       "step(s) "
       "from step {}\n",
-      o.model, o.mode, world, ids_of(devices.ids),
+      o.model, o.mode, plan.world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
       o.precision, o.amp == "bf16" ? ", autocast bf16" : "",
       o.mode == "ddp" ? fmt::format(", gradients all-reduced in {}", o.grad_reduce) : "", data.size(),
-      o.batch_size * shards, shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "", total_steps, start_step);
-  return plan;
+      o.batch_size * plan.shards, plan.shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "",
+      plan.total_steps, plan.start_step);
+}
+
+// --resume of a run that has reached the end asked for: nothing is trained or written.
+int nothing_to_train(const Options& o, const Plan& plan) {
+  g_job.collectives_end();
+  say("dp_train: --resume {}: the checkpoint is at step {}, {} (step {}): nothing to train, nothing written\n",
+      o.resume, plan.start_step,
+      plan.planned_end == plan.start_step ? "the end of its run" : "past the end this run asks for", plan.planned_end);
+  g_job.agree_or_stop();
+  return 0;
 }
 
 // The data order: per step, the sample indices of each rank's batch, made by the rank's loader
@@ -569,9 +670,10 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
         Order{dp::DistributedSampler(data->size(), plan.shards, rank, !o.no_shuffle, o.seed), {}});
     const auto batch = static_cast<std::size_t>(o.batch_size);
     const bool log = o.log_batches;
-    const long start_step = plan.start_step, batches_per_epoch = plan.batches_per_epoch;
-    auto batch_plan = [order, batch, log, rank, start_step, batches_per_epoch](std::size_t k) {
-      const long s = start_step + static_cast<long>(k), epoch = s / batches_per_epoch, in_epoch = s % batches_per_epoch;
+    const long start_step = plan.start_step;
+    const Epochs epochs = plan.epochs;
+    auto batch_plan = [order, batch, log, rank, start_step, epochs](std::size_t k) {
+      const long s = start_step + static_cast<long>(k), epoch = epochs.of(s), in_epoch = epochs.into(s);
       if (order->indices.empty() || order->sampler.epoch() != epoch) {
         order->sampler.set_epoch(epoch);
         order->indices = order->sampler.indices();
@@ -588,9 +690,7 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
     dp::LoaderOptions options;
     options.workers = o.workers;
     options.key = dp::SampleKey{o.seed, rank, 0};
-    options.epoch_of = [start_step, batches_per_epoch](std::size_t k) {
-      return (start_step + static_cast<long>(k)) / batches_per_epoch;
-    };
+    options.epoch_of = [start_step, epochs](std::size_t k) { return epochs.of(start_step + static_cast<long>(k)); };
     loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, data, static_cast<std::size_t>(plan.total_steps),
                                                         batch, batch_plan, std::move(options)));
   }
@@ -729,7 +829,7 @@ class TrainLoop {
   int finish_pending(std::optional<Submitted>& pending);
   void log_step(long s, long epoch, double lr, bool last);
   int end_epoch(long s, long epoch);
-  long end_step() const { return plan_.start_step + plan_.total_steps; }
+  long end_step() const { return plan_.end_step(); }
   // Time since `from` that was not training: out of the rates' windows.
   void pause(std::chrono::steady_clock::time_point from) {
     const double seconds = since(from);
@@ -741,8 +841,7 @@ class TrainLoop {
   int agreed_stop(long s) const;
   // --save-every / --save-every-epoch after `steps` steps: whether one is due, and writing it.
   bool periodic_due(long steps) const {
-    return (o_.save_every > 0 && steps % o_.save_every == 0) ||
-           (o_.save_every_epoch && steps % plan_.batches_per_epoch == 0);
+    return (o_.save_every > 0 && steps % o_.save_every == 0) || (o_.save_every_epoch && plan_.epochs.into(steps) == 0);
   }
   void save_periodic(long steps);
 
@@ -819,7 +918,7 @@ int TrainLoop::run() {
     if (const int code = finish_pending(pending)) return code;
     // A step after which something reads the state (an epoch's evaluation, a checkpoint, a stop
     // request, which every process checks before the next step) is finished before the next.
-    const bool ends_epoch = (s + 1) % plan_.batches_per_epoch == 0 || s + 1 == end_step();
+    const bool ends_epoch = plan_.epochs.into(s + 1) == 0 || s + 1 == end_step();
     const bool checkpoint = periodic_due(s + 1) && s + 1 < end_step();
     if (o_.pipeline == "on" && !ends_epoch && !checkpoint) {
       pending = std::move(*submitted);
@@ -853,7 +952,7 @@ int TrainLoop::finish_pending(std::optional<Submitted>& pending) {
 int TrainLoop::finish(Submitted& step) {
   const long s = step.s;
   loss_ = step.loss.get();
-  const long epoch = s / plan_.batches_per_epoch;
+  const long epoch = plan_.epochs.of(s);
   if (!std::isfinite(loss_)) {  // the loss of every rank: every process stops here
     if (g_job.primary())
       fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss_, s + 1, epoch + 1,
@@ -866,7 +965,7 @@ int TrainLoop::finish(Submitted& step) {
   const bool last = s + 1 == end_step();
   if ((s + 1) % o_.log_every == 0 || last) log_step(s, epoch, step.lr, last);
   // The end of an epoch (or of a run that stops inside one): its summary.
-  if ((s + 1) % plan_.batches_per_epoch == 0 || last) return end_epoch(s, epoch);
+  if (plan_.epochs.into(s + 1) == 0 || last) return end_epoch(s, epoch);
   return 0;
 }
 
@@ -904,7 +1003,7 @@ int TrainLoop::end_epoch(long s, long epoch) {
   const double eta = elapsed / done * static_cast<double>(end_step() - (s + 1));
   const double train_loss = epoch_loss_sum_ / static_cast<double>(std::max(epoch_samples_, 1L));
   const double rate = static_cast<double>(epoch_samples_) / std::max(1e-9, train_seconds);
-  const bool complete = (s + 1) % plan_.batches_per_epoch == 0;
+  const bool complete = plan_.epochs.into(s + 1) == 0;
   if (terminal_) say("\r");
   say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
       complete ? "" : " (partial)", train_loss,
@@ -945,22 +1044,24 @@ int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime
   return diverged(o, totals.mean_loss(), "the loss of the final model on the first batch");
 }
 
-// The source / rank-0 state, plus what resuming needs (process 0 writes it).
 // The training state after `step` steps into `path` (process 0 writes it; the others' replicas are
 // equal). The schedule's T_max and the end it is planned to reach are the whole run's, so a run
-// resumed from a checkpoint taken part-way continues the same curve to the same end.
+// resumed from a checkpoint taken part-way continues the same curve to the same end; where the
+// epoch of its next step began and the epochs' length let it number its epochs on.
 void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step) {
   engine.synchronize();
   if (!g_job.primary()) return;
-  const long end_step = plan.start_step + plan.total_steps;
   dp::TrainingProgress progress;
   progress.step = step;
-  progress.epoch = step / plan.batches_per_epoch;
+  progress.epoch = plan.epochs.of(step);
   progress.seed = o.seed;
-  progress.tags = run_settings(o, resolved_t_max(o, end_step));
+  progress.tags = run_settings(o, resolved_t_max(o, plan.end_step()));
   progress.tags["mode"] = o.mode;
   progress.tags["world"] = fmt::format("{}", plan.world);
-  progress.tags["end_step"] = fmt::format("{}", end_step);
+  progress.tags["end_step"] = fmt::format("{}", plan.end_step());
+  if (plan.end_epoch) progress.tags["end_epoch"] = fmt::format("{}", *plan.end_epoch);
+  progress.tags["epoch_start"] = fmt::format("{}", plan.epochs.start(step));
+  progress.tags["epoch_steps"] = fmt::format("{}", plan.epochs.steps);
   dp::TrainingState::save(path, engine.model(), *engine.optimizers().front(), progress);
 }
 
@@ -992,8 +1093,7 @@ int train(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& r
   const StopSignals signals;
   TrainLoop loop(o, plan, engine, runtime, inputs, metrics, loaders);
   if (const int code = loop.run()) return code;
-  if (o.signal_at_step == plan.start_step + plan.total_steps + 1 && !loop.stop_signal() && g_job.primary())
-    std::raise(SIGTERM);
+  if (o.signal_at_step == plan.end_step() + 1 && !loop.stop_signal() && g_job.primary()) std::raise(SIGTERM);
   if (const int code = check_final_model(o, engine, runtime, inputs)) return code;
   save(o, engine, plan, loop.reached());
   if (loop.stop_signal()) return 128 + loop.stop_signal();
@@ -1026,14 +1126,6 @@ void adopt_checkpoint_settings(Options& o) {
   for (const auto& [key, value] : file.metadata)
     if (key.starts_with("dp.")) tags[key.substr(3)] = value;
   adopt_run_settings(o, path, tags, resuming);
-  if (resuming && !o.steps && !o.epochs && tags.count("end_step")) {
-    long end = 0;
-    const std::string& text = tags.at("end_step");
-    const auto [at, error] = std::from_chars(text.data(), text.data() + text.size(), end);
-    if (error != std::errc() || at != text.data() + text.size() || end < 0)
-      throw UsageError(fmt::format("--resume {}: metadata 'dp.end_step' = '{}' is not a step", path, text));
-    o.planned_end = end;
-  }
 }
 
 int run(Options o) {
@@ -1047,8 +1139,8 @@ int run(Options o) {
   // What the run needs at the least, in 64 bits, before anything is allocated.
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
   g_job.set_devices(devices.ids);
+  const Resumed resumed = read_resume(o, world);  // first: its seed draws the synthetic data
   const Inputs inputs = load_inputs(o, checked.normalize);
-  const Resumed resumed = read_resume(o, world);
   Built built = build_model(o, checked, devices, resumed);
   join_collectives(o, devices, inputs);
   Loaders loaders;  // outlives the engine: its streams read their pinned batches
@@ -1056,7 +1148,9 @@ int run(Options o) {
   if (o.eval_only) {
     return evaluate_only(o, *engine, *built.runtime, inputs, metrics);
   }
-  const Plan plan = plan_run(o, *engine, *built.runtime, *inputs.data, devices, world, resumed.start_step);
+  const Plan plan = plan_run(o, *engine, *inputs.data, world, resumed);
+  if (plan.total_steps == 0) return nothing_to_train(o, plan);
+  say_plan(o, plan, *built.runtime, *inputs.data, devices);
   const auto loaders_made = std::chrono::steady_clock::now();
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
   if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);

@@ -74,7 +74,7 @@ TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
     // Resumed across processes from a checkpoint written across processes: the same bytes again.
     const CommandResult half = two_processes(common + " --devices 2 --steps 3 --save " + path("half.safetensors"));
     ASSERT_EQ(half.code, 0) << half.output;
-    const CommandResult resumed = two_processes(common + " --devices 2 --steps 3 --resume " + path("half.safetensors") +
+    const CommandResult resumed = two_processes(common + " --devices 2 --steps 6 --resume " + path("half.safetensors") +
                                                 " --save " + path("resumed.safetensors"));
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     EXPECT_EQ(slurp(path("one.safetensors")), slurp(path("resumed.safetensors"))) << "resumed checkpoint differs";

@@ -250,7 +250,7 @@ TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
       const Result first = run(common + " --steps 3 --save " + path("half.safetensors"));
       ASSERT_EQ(first.code, 0) << first.output;
       const Result second =
-          run(common + " --steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
+          run(common + " --steps 6 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
       ASSERT_EQ(second.code, 0) << second.output;
       const auto a = dp::safetensors::read(path("straight.safetensors"));
       const auto b = dp::safetensors::read(path("resumed.safetensors"));
@@ -272,7 +272,7 @@ TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {
   ASSERT_EQ(first.code, 0) << first.output;
   EXPECT_EQ(dp::safetensors::read(path("half.safetensors")).metadata.at("dp.amp"), "bf16");
   const Result second =
-      run(common + " --steps 2 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
+      run(common + " --steps 4 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors"));
   ASSERT_EQ(second.code, 0) << second.output;
   EXPECT_NE(second.output.find("autocast bf16"), std::string::npos) << second.output;
   const auto a = dp::safetensors::read(path("straight.safetensors"));
@@ -296,7 +296,7 @@ TEST_F(TrainTest, DropoutResumesWithTheSameMasks) {
         mode);
     ASSERT_EQ(run(common + " --steps 6 --seed 5 --save " + path("straight.safetensors")).code, 0);
     ASSERT_EQ(run(common + " --steps 3 --seed 5 --save " + path("half.safetensors")).code, 0);
-    const Result second = run(common + " --steps 3 --seed 5 --resume " + path("half.safetensors") + " --save " +
+    const Result second = run(common + " --steps 6 --seed 5 --resume " + path("half.safetensors") + " --save " +
                               path("resumed.safetensors"));
     ASSERT_EQ(second.code, 0) << second.output;
     const auto a = dp::safetensors::read(path("straight.safetensors"));
@@ -782,22 +782,32 @@ TEST_F(TrainTest, MetricsJsonIsCheckedUpFrontAndWrittenOnlyByARunThatStarts) {
   EXPECT_NE(read_file(path("ran.jsonl")).find("\"kind\""), std::string::npos);
 }
 
-// Resuming with other settings than the checkpoint's run: another device count or Dropout rate is
-// said (the new value wins, as a PyTorch user expects), momentum buffers --momentum 0 would drop
-// are refused with exit 2 (they were dropped silently).
+// Resuming with other settings than the checkpoint's run: every changed flag is said (the new value
+// wins, as a PyTorch user expects) or refused with exit 2 where the checkpoint cannot go on (another
+// --hidden: its tensors do not fit; --momentum 0 would drop its momentum buffers), and the resumed
+// run keeps the checkpoint's seed. On another device count the epochs go on from the checkpoint's.
 TEST_F(TrainTest, ResumingWithOtherSettingsIsNotedOrRefused) {
-  const std::string common =
-      "--model mlp --hidden 16 --mode ddp --backend sim --synthetic 48 --batch-size 4 --steps 2 ";
+  const std::string common = "--model mlp --hidden 16 --mode ddp --backend sim --synthetic 48 --batch-size 4 ";
   const std::string saved = path("two.safetensors");
-  ASSERT_EQ(run(common + "--devices 2 --dropout 0.1 --save " + saved).code, 0);
-  const Result more = run(common + "--devices 3 --dropout 0.2 --resume " + saved);
+  // 48 samples over 2 devices in batches of 4: 2 epochs of 6 steps.
+  ASSERT_EQ(run(common + "--devices 2 --dropout 0.1 --epochs 2 --save " + saved).code, 0);
+  // Over 3 devices in batches of 8, an epoch is 2 steps: epoch 3 is steps 13 and 14, not "epoch 7".
+  const Result more = run(common + "--devices 3 --dropout 0.2 --batch-size 8 --seed 9 --epochs 3 --resume " + saved);
   ASSERT_EQ(more.code, 0) << more.output;
-  EXPECT_NE(more.output.find("trained on 2 device(s); continuing on 3"), std::string::npos) << more.output;
-  EXPECT_NE(more.output.find("trained with --dropout 0.1; continuing with 0.2"), std::string::npos) << more.output;
-  const Result same = run(common + "--devices 2 --dropout 0.1 --resume " + saved);
+  for (const char* note :
+       {"trained on 2 device(s); continuing on 3", "trained with --dropout 0.1; continuing with 0.2",
+        "was saved with --batch-size 4; continuing with 8", "trained with --seed 0; continuing with its seed, not 9",
+        "2 step(s) from step 12", "epoch   3 | train loss"})
+    EXPECT_NE(more.output.find(note), std::string::npos) << note << " in:\n" << more.output;
+  EXPECT_EQ(more.output.find("epoch   7"), std::string::npos) << more.output;
+  const Result same = run(common + "--devices 2 --dropout 0.1 --epochs 3 --resume " + saved);
   ASSERT_EQ(same.code, 0) << same.output;
-  EXPECT_EQ(same.output.find("note: the checkpoint was trained"), std::string::npos) << same.output;
-  expect_refused(common + "--devices 2 --dropout 0.1 --momentum 0 --resume " + saved, "which --momentum 0 would drop");
+  EXPECT_EQ(same.output.find("note:"), std::string::npos) << same.output;
+  EXPECT_NE(same.output.find("epoch   3 | train loss"), std::string::npos) << same.output;
+  expect_nothing_written(common + "--devices 2 --hidden 32 --epochs 3 --resume " + saved + " --save " + saved, 2,
+                         "was saved with --hidden 16");
+  expect_refused(common + "--devices 2 --dropout 0.1 --momentum 0 --epochs 3 --resume " + saved,
+                 "which --momentum 0 would drop");
 }
 
 TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
@@ -831,10 +841,10 @@ TEST_F(TrainTest, NonFiniteValuesAreNeverTrainedFromNorSaved) {
 // evaluation loss does (the first batch's without a test split, the test set's with one), and a
 // non-finite one stops the run with exit 3 before anything is written.
 TEST_F(TrainTest, DivergenceOnTheLastStepSavesNothing) {
-  const std::string base = "--backend sim --hidden 16 --synthetic 64 --batch-size 8 --steps 1 ";
-  ASSERT_EQ(run(base + "--save " + path("good.safetensors")).code, 0);
+  const std::string base = "--backend sim --hidden 16 --synthetic 64 --batch-size 8 ";
+  ASSERT_EQ(run(base + "--steps 1 --save " + path("good.safetensors")).code, 0);
   expect_nothing_written(
-      base + "--lr 1e30 --resume " + path("good.safetensors") + " --save " + path("good.safetensors"), 3,
+      base + "--steps 2 --lr 1e30 --resume " + path("good.safetensors") + " --save " + path("good.safetensors"), 3,
       "the loss of the final model on the first batch is");
   write_idx("data", 16);
   write_idx("data", 8, 28, 28, 0x803, -1, 0, "t10k");
@@ -990,7 +1000,9 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused("--backend sim --hidden 100000,100000,100000 --synthetic 16 --steps 1", "GiB of host memory");
   // Any uint64 seed trains and resumes.
   ASSERT_EQ(run(base + "--seed 18446744073709551615 --save " + path("seed.safetensors")).code, 0);
-  EXPECT_EQ(run(base + "--resume " + path("seed.safetensors")).code, 0);
+  const Result resumed = run(no_steps + "--steps 2 --resume " + path("seed.safetensors"));
+  EXPECT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("1 step(s) from step 1"), std::string::npos) << resumed.output;
 }
 
 TEST_F(TrainTest, SaveTargetsMustBeRegularFilesInWritableDirectories) {
@@ -1055,10 +1067,13 @@ TEST_F(TrainTest, HugeStepAndEpochCountsStartAtOnceInLittleMemory) {
     EXPECT_NE(started.output.find("step      1 epoch   1 loss"), std::string::npos) << started.output;
     EXPECT_LT(started.max_rss_kib, 256L * 1024) << flag << ": peak resident memory " << started.max_rss_kib << " KiB";
   }
-  // Resumed at step 1, the largest --steps would end past the largest step: refused, not wrapped.
+  // Resumed at step 1, --steps counts from the start of training: the largest ends at the largest
+  // step, never past it.
   ASSERT_EQ(run(base + "--steps 1 --save " + path("one.safetensors")).code, 0);
-  expect_refused(base + "--steps 9223372036854775807 --resume " + path("one.safetensors"),
-                 "9223372036854775807 step(s) from step 1 of --resume");
+  const Started resumed =
+      start_then_kill(base + "--steps 9223372036854775807 --resume " + path("one.safetensors"), "step      3 ", 4);
+  EXPECT_TRUE(resumed.seen) << resumed.output;
+  EXPECT_NE(resumed.output.find("9223372036854775806 step(s) from step 1"), std::string::npos) << resumed.output;
 }
 
 }  // namespace
@@ -1324,7 +1339,7 @@ TEST_F(TrainTest, ACheckpointDescribesItsRun) {
   ASSERT_EQ(run(run_flags + " --steps 6 --save " + path("straight.safetensors") + data).code, 0);
   ASSERT_EQ(run(run_flags + " --steps 3 --save " + path("half.safetensors") + data).code, 0);
   const Result resumed =
-      run("--steps 3 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors") + data);
+      run("--steps 6 --resume " + path("half.safetensors") + " --save " + path("resumed.safetensors") + data);
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   for (const char* taken : {"--model convnet", "--optimizer adamw", "--lr 0.003", "--schedule cosine", "--t-max 10"})
     EXPECT_NE(resumed.output.find(taken), std::string::npos) << taken << " in:\n" << resumed.output;
@@ -1332,7 +1347,7 @@ TEST_F(TrainTest, ACheckpointDescribesItsRun) {
   const auto b = dp::safetensors::read(path("resumed.safetensors"));
   for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs after resume";
   EXPECT_EQ(b.metadata.at("dp.t_max"), "10");
-  const Result faster = run("--steps 1 --lr 0.01 --resume " + path("half.safetensors") + data);
+  const Result faster = run("--steps 4 --lr 0.01 --resume " + path("half.safetensors") + data);
   EXPECT_EQ(faster.code, 0) << faster.output;
   EXPECT_NE(faster.output.find("was saved with --lr 0.003; continuing with 0.01"), std::string::npos) << faster.output;
   expect_refused("--steps 1 --optimizer sgd --resume " + path("half.safetensors") + data,
@@ -1483,8 +1498,10 @@ TEST_F(TrainTest, SigintStopsALongRunWithItsCheckpoint) {
   EXPECT_GE(step, 20);
   EXPECT_LT(step, 100000000);
   const Result resumed =
-      run("--backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps 2 --resume " + path("long.safetensors"));
+      run(fmt::format("--backend sim --hidden 8 --synthetic 64 --batch-size 4 --steps {} --resume {}", step + 2,
+                      path("long.safetensors")));
   EXPECT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find(fmt::format("2 step(s) from step {}", step)), std::string::npos) << resumed.output;
 }
 
 // What an env:// launch cannot be: under torchrun's elastic agent (refused naming what to use), a
@@ -1515,6 +1532,62 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// --epochs and --steps count from the start of training, on --resume too: the preempted command
+// re-run with --resume finishes the run it planned (not N more), writing the uninterrupted run's
+// checkpoint byte for byte; re-run once more, it trains nothing, says so, exits 0 at once and
+// leaves the checkpoint untouched.
+TEST_F(TrainTest, RerunningAPreemptedCommandWithResumeFinishesItsPlan) {
+  // 40 samples in batches of 4 (ddp: 2 devices of 4): epochs of 10 steps (ddp: 5).
+  for (const std::string& length : {std::string("--epochs 3"), std::string("--steps 17")})
+    for (const std::string mode : {"single", "ddp"}) {
+      SCOPED_TRACE(mode + " " + length);
+      const std::string command = fmt::format(
+          "--model mlp --hidden 16 --mode {} --backend sim --devices 2 --synthetic 40 --batch-size 4 --seed 3 "
+          "--lr 0.05 --schedule cosine {} --save {}",
+          mode, length, path("run.safetensors"));
+      ASSERT_EQ(run(command).code, 0);
+      const std::string straight = read_file(path("run.safetensors"));
+      fs::remove(path("run.safetensors"));
+      const Result cut = run(command + " --debug-signal-at-step 7");
+      ASSERT_EQ(cut.code, 143) << cut.output;
+      EXPECT_EQ(dp::safetensors::read(path("run.safetensors")).metadata.at("dp.step"), "6");
+      const Result resumed = run(command + " --resume " + path("run.safetensors"));
+      ASSERT_EQ(resumed.code, 0) << resumed.output;
+      EXPECT_EQ(read_file(path("run.safetensors")), straight) << "the resumed run differs:\n" << resumed.output;
+
+      const auto before = files();
+      const auto written = fs::last_write_time(path("run.safetensors"));
+      const auto t0 = std::chrono::steady_clock::now();
+      const Result again = run(command + " --resume " + path("run.safetensors"));
+      EXPECT_LT(seconds_since(t0), 10.0);
+      EXPECT_EQ(again.code, 0) << again.output;
+      EXPECT_NE(again.output.find("the end of its run"), std::string::npos) << again.output;
+      EXPECT_NE(again.output.find("nothing to train, nothing written"), std::string::npos) << again.output;
+      EXPECT_EQ(again.output.find("step(s) from step"), std::string::npos) << again.output;
+      EXPECT_EQ(files(), before) << "a finished run's --resume changed a file";
+      EXPECT_EQ(fs::last_write_time(path("run.safetensors")), written);
+    }
+}
+
+// The synthetic data are drawn from the seed: a resumed run draws them from the checkpoint's seed,
+// whatever --seed says, so resuming with another --seed writes what resuming without it writes.
+TEST_F(TrainTest, AResumedRunDrawsItsDataFromTheCheckpointsSeed) {
+  const std::string common = "--model mlp --hidden 16 --backend sim --synthetic 64 --batch-size 8 --lr 0.05 ";
+  ASSERT_EQ(run(common + "--seed 5 --steps 6 --save " + path("straight.safetensors")).code, 0);
+  ASSERT_EQ(run(common + "--seed 5 --steps 3 --save " + path("half.safetensors")).code, 0);
+  const Result plain =
+      run(common + "--steps 6 --resume " + path("half.safetensors") + " --save " + path("plain.safetensors"));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  const Result seeded =
+      run(common + "--seed 7 --steps 6 --resume " + path("half.safetensors") + " --save " + path("seeded.safetensors"));
+  ASSERT_EQ(seeded.code, 0) << seeded.output;
+  EXPECT_NE(seeded.output.find("trained with --seed 5; continuing with its seed, not 7"), std::string::npos)
+      << seeded.output;
+  EXPECT_EQ(losses(seeded.output), losses(plain.output)) << seeded.output;
+  EXPECT_EQ(read_file(path("seeded.safetensors")), read_file(path("plain.safetensors")));
+  EXPECT_EQ(read_file(path("seeded.safetensors")), read_file(path("straight.safetensors")));
 }
 
 // SIGTERM after the last step (here raised by the run itself, as --debug-signal-at-step does, once
