@@ -244,7 +244,7 @@ ctest_row() {  # check est jobs select exclude file
   total=$(cd "$build" && timeout 60 ctest -N -R "$select" -E "$exclude" | grep -c '^ *Test *#')
   # Twice the estimate at most (a slower GPU still ends, the later steps still run), and within the budget.
   cd "$build" || return
-  tmo "$(cap $((2 * est)))" ctest -R "$select" -E "$exclude" --timeout 120 -j "$jobs" > "$work/$file" 2>&1
+  tmo "$(cap $((2 * est)))" ctest -R "$select" -E "$exclude" --timeout 60 --output-on-failure -j "$jobs" > "$work/$file" 2>&1
   rc=$?
   cd - > /dev/null || exit 2
   cp "$work/$file" "$out/gpu-check-$file"

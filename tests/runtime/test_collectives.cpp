@@ -3,6 +3,7 @@
 // The same bodies run on cuda where there is a GPU (NCCL across GPUs, the device ring among
 // devices that share one), else skip.
 #include <atomic>
+#include <chrono>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <map>
@@ -180,8 +181,8 @@ namespace {
 // One rank waits inside a collective for its peer while the peer's worker first launches a kernel
 // no earlier call of this process launched. On cuda the waiting rank may be a device-ring kernel
 // spinning on the GPU, and a lazily loaded kernel's first launch may need a context
-// synchronization that would wait for it: the ring preloads its kernel and module data load
-// eagerly (Note [rings and lazy loading]), so this ends. A hang here is ctest's timeout.
+// synchronization that waits for it: the ranks' parts are launched together, so it ends (Note
+// [rings and lazy loading]). A hang here is ctest's timeout.
 TEST_P(Collectives, AFirstLaunchWhileAPeerWaitsInACollectiveEnds) {
   if (max_world() < 2) GTEST_SKIP() << "no CUDA device";
   Fixture f(GetParam(), 2);
@@ -191,12 +192,15 @@ TEST_P(Collectives, AFirstLaunchWhileAPeerWaitsInACollectiveEnds) {
     const Stream& s = f.streams[static_cast<std::size_t>(r)];
     Device& device = f.group->device(r);
     DeviceBuffer x = test::upload(device, s, std::vector<float>(64, static_cast<float>(r + 1)));
+    // Rank 0 waits in the call (on its GPU, or on the host: a collective's call may return only once
+    // every rank has made it, as NCCL's within one process) before rank 1 launches its first kernel.
+    if (r == 0) first_rank_waits = true;
     if (r == 1) {
       while (!first_rank_waits.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
       kernels::add_bf16_rounded(s, 64, x.as<float>(), x.as<float>(), false);  // x, rounded to bf16: 2
     }
     f.comm->all_reduce(r, s, x.as<float>(), 64, ReduceOp::sum);
-    if (r == 0) first_rank_waits = true;
     out[static_cast<std::size_t>(r)] = test::download<float>(s, x);
   });
   for (const auto& v : out) EXPECT_EQ(v, std::vector<float>(64, 3.0f));
@@ -240,6 +244,35 @@ TEST(DeviceRing, EqualsTheSimRingBitForBit) {
         EXPECT_EQ(bits(results["cuda"][static_cast<std::size_t>(r)]), bits(results["sim"][static_cast<std::size_t>(r)]))
             << "rank " << r;
     }
+  }
+}
+
+// Each rank allocates device and pinned memory between its collectives while its peers' kernels
+// may already wait in the call: CUDA keeps kernels issued on either side of an allocation from
+// running together (Note [implicit synchronization]), so a ring kernel launched alone would wait
+// for a peer that can only start after it. Every call ends, with exact sums.
+TEST_P(Collectives, RanksThatAllocateBetweenCallsEnd) {
+  if (max_world() == 0) GTEST_SKIP() << "no CUDA device";
+  Fixture f(GetParam(), 2);
+  for (int round = 0; round < 12; ++round) {
+    std::vector<std::vector<float>> out(2);
+    f.group->run([&](int r) {
+      const Stream& s = f.streams[static_cast<std::size_t>(r)];
+      Device& device = f.group->device(r);
+      const std::size_t count = 1000 + 37 * static_cast<std::size_t>(round);
+      std::vector<float> input(count);
+      for (std::size_t i = 0; i < count; ++i) input[i] = value(r, i);
+      DeviceBuffer data = test::upload(device, s, input);
+      f.comm->all_reduce(r, s, data.as<float>(), count, ReduceOp::sum);
+      // After this rank's part: allocations of growing sizes, device and pinned, then another call.
+      DeviceBuffer more = device.allocate((static_cast<std::size_t>(round) + 1) << 20);
+      PinnedBuffer pinned = f.runtime->allocate_pinned(4096 * (static_cast<std::size_t>(round) + 1));
+      f.comm->all_reduce(r, s, data.as<float>(), count, ReduceOp::sum);
+      out[static_cast<std::size_t>(r)] = test::download<float>(s, data);
+    });
+    for (int r = 0; r < 2; ++r)
+      for (std::size_t i = 0; i < out[0].size(); i += 97)
+        ASSERT_EQ(out[static_cast<std::size_t>(r)][i], 2.0f * (value(0, i) + value(1, i))) << "round " << round;
   }
 }
 

@@ -163,6 +163,11 @@ TEST_P(CudaRules, AQueryThatFindsWorkPendingLeavesNoErrorForTheNextLaunch) {
   // until both queries have answered.
   DeviceBuffer x = floats(4);
   Event pending = device_->create_event();
+  Stream other = device_->create_stream();
+  // Loaded before the host function holds the stream: a lazily loaded kernel's first launch may
+  // synchronize the context, which would wait for the host function, which waits for this thread.
+  kernels::fill(other, x.as<float>(), 4, 0.0f);
+  other.synchronize();
   std::atomic<bool> release{false};
   stream_.launch_host_func([&release] {
     while (!release.load()) std::this_thread::yield();
@@ -170,7 +175,6 @@ TEST_P(CudaRules, AQueryThatFindsWorkPendingLeavesNoErrorForTheNextLaunch) {
   stream_.record(pending);
   EXPECT_FALSE(pending.query());
   EXPECT_FALSE(stream_.query());
-  Stream other = device_->create_stream();
   EXPECT_NO_THROW(kernels::fill(other, x.as<float>(), 4, 7.0f));
   release = true;
   stream_.synchronize();

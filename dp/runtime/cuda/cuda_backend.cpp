@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <fmt/format.h>
 #include <limits>
 #include <map>
@@ -24,13 +23,10 @@
 #include "dp/runtime/detail/cuda_status.h"
 #include "dp/runtime/scratch.h"
 #include "executor.h"
+#include "launch_group.h"
 
 namespace dp::detail {
 namespace {
-
-// Before any CUDA call of the process: See Note [rings and lazy loading] (device_ring.cpp). A value
-// the user set is kept.
-[[maybe_unused]] const bool kModuleDataLoadedEagerly = setenv("CUDA_MODULE_DATA_LOADING", "EAGER", 0) == 0;
 
 // Makes `device` current on the calling thread if it is not (cheap: a thread-local read); returns
 // the device that was current, or -1 when it already was `device`.
@@ -62,6 +58,8 @@ bool done_or_pending(cudaError_t status, const char* call) {
 // Captures the calling thread has begun and not yet ended (thread-local capture mode): where it is
 // not zero, an allocation goes to cudaMalloc, which refuses it as CUDA does during a capture.
 thread_local int t_captures_begun = 0;
+// The device-ring calls captured on this thread since its outermost capture began.
+thread_local std::vector<CapturedRingCall> t_ring_calls;
 
 // cuBLAS's recommended workspace per handle: 32 MiB on Hopper and later, 4 MiB before (cuBLAS
 // docs, cublasSetWorkspace). Given at handle creation, so no GEMM allocates.
@@ -212,13 +210,15 @@ class CudaDevice;
 class CudaGraph final : public GraphImpl {
  public:
   CudaGraph(RuntimeImpl& runtime, int device, cudaStream_t stream, cudaGraph_t graph,
-            std::vector<std::unique_ptr<std::function<void()>>> host_funcs, std::shared_ptr<SpanLog> spans)
+            std::vector<std::unique_ptr<std::function<void()>>> host_funcs, std::shared_ptr<SpanLog> spans,
+            std::vector<CapturedRingCall> ring_calls)
       : runtime_(runtime),
         device_(device),
         stream_(stream),
         graph_(graph),
         host_funcs_(std::move(host_funcs)),
-        spans_(std::move(spans)) {
+        spans_(std::move(spans)),
+        ring_calls_(std::move(ring_calls)) {
     DeviceScope scope(runtime_.gpu_of(device_));
     const cudaError_t status = cudaGraphInstantiate(&exec_, graph_, 0);
     if (status != cudaSuccess) {
@@ -241,7 +241,13 @@ class CudaGraph final : public GraphImpl {
     DeviceScope scope(runtime_.gpu_of(device_));
     const bool traced = runtime_.profiling();
     if (traced) spans_->begin(stream_, "graph", SpanKind::kernel);
-    DP_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    if (ring_calls_.empty()) {
+      DP_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    } else {  // with the other ranks' replays (Note [implicit synchronization])
+      const CapturedRingCall& ring = ring_calls_.front();
+      DP_CUDA_CHECK(ring.replays->arrive(
+          ring.rank, [this] { return cudaGraphLaunch(exec_, stream_); }, "graph replay"));
+    }
     if (traced) spans_->end(stream_);
   }
   std::size_t nodes() const override {
@@ -259,6 +265,7 @@ class CudaGraph final : public GraphImpl {
   cudaGraphExec_t exec_ = nullptr;
   std::vector<std::unique_ptr<std::function<void()>>> host_funcs_;
   std::shared_ptr<SpanLog> spans_;  // the launching stream's
+  std::vector<CapturedRingCall> ring_calls_;
 };
 
 class CudaStream final : public StreamImpl {
@@ -439,7 +446,12 @@ class CudaDevice final : public DeviceImpl {
     DeviceScope scope(gpu_);
     void* ptr = nullptr;
     const bool pooled = pooled_ && t_captures_begun == 0;
-    cudaError_t status = pooled ? cudaMallocAsync(&ptr, bytes, memory_stream_) : cudaMalloc(&ptr, bytes);
+    cudaError_t status = cudaSuccess;
+    {
+      // Issued under the lock, waited for outside it (Note [implicit synchronization]).
+      const std::lock_guard serial(implicit_sync_mutex());
+      status = pooled ? cudaMallocAsync(&ptr, bytes, memory_stream_) : cudaMalloc(&ptr, bytes);
+    }
     if (status == cudaSuccess && pooled) status = cudaStreamSynchronize(memory_stream_);  // usable on any stream
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear the non-sticky error
@@ -459,9 +471,10 @@ class CudaDevice final : public DeviceImpl {
         // As cudaFree waits, for this device's streams; no stream begins or joins a capture meanwhile.
         const std::lock_guard lock(capture_mutex_);
         for (auto& stream : live_streams()) stream->finish();
+        const std::lock_guard serial(implicit_sync_mutex());
         cudaFreeAsync(ptr, memory_stream_);
       } else {
-        cudaFree(ptr);
+        cudaFree(ptr);  // waits for the GPU: never under the lock, whose holders may be what it waits for
       }
       (void)cudaGetLastError();  // reported nowhere: read out (See Note [last error])
     } catch (...) {              // never throws: cudaFree reports nothing either
@@ -582,10 +595,11 @@ class CudaRuntime final : public RuntimeImpl {
   Backend backend() const override { return Backend::cuda; }
   void* allocate_pinned(std::size_t bytes) override {
     void* ptr = nullptr;
+    const std::lock_guard serial(implicit_sync_mutex());  // Note [implicit synchronization]
     DP_CUDA_CHECK(cudaMallocHost(&ptr, bytes));
     return ptr;
   }
-  void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }
+  void free_pinned(void* ptr) noexcept override { cudaFreeHost(ptr); }  // may wait for the GPU: not under the lock
   // Page-locked at both ends (cudaMallocHost'd or registered): a copy from it is asynchronous.
   bool is_pinned(const void* ptr, std::size_t bytes) const override {
     const auto page_locked = [](const void* p) { return attributes_of(p).type == cudaMemoryTypeHost; };
@@ -745,18 +759,33 @@ void CudaStream::copy(void* dst, const void* src, std::size_t bytes) {
   const int src_loc = runtime_.location_of(src), dst_loc = runtime_.location_of(dst);
   runtime_.count_copy(src_loc, dst_loc, bytes);
   const bool src_pageable = src_loc == kHost && pageable(src), dst_pageable = dst_loc == kHost && pageable(dst);
+  DeviceScope scope(gpu_);
+  if ((src_pageable || dst_pageable) && capturing()) {
+    // Whether a driver refuses it (900) or captures a node that reads the host memory at each
+    // replay, a graph must not hold it: refused here, the capture invalidated as CUDA's refusal
+    // does (a query of a capturing stream invalidates it), the same on every driver and the sim.
+    (void)cudaStreamQuery(stream_);
+    (void)cudaGetLastError();  // Note [last error]
+    throw CaptureError(
+        fmt::format("copy of {} bytes with a pageable host side on device {} while the stream is being "
+                    "captured (use pinned memory)",
+                    bytes, index_));
+  }
   if (src_pageable || dst_pageable) count(Counter::pageable_copies);
   // Into pageable memory cudaMemcpyAsync returns once the copy is done: the host waited.
   if (dst_pageable) count(Counter::host_syncs);
-  DeviceScope scope(gpu_);
   const StreamSpan span(*this, "copy", SpanKind::copy);
   // Between two GPUs a peer copy; between dp devices that share a GPU a device-to-device copy.
   const int src_gpu = src_loc == kHost ? -1 : runtime_.gpu_of(src_loc);
   const int dst_gpu = dst_loc == kHost ? -1 : runtime_.gpu_of(dst_loc);
-  if (src_gpu >= 0 && dst_gpu >= 0 && src_gpu != dst_gpu)
+  if (src_gpu >= 0 && dst_gpu >= 0 && src_gpu != dst_gpu) {
     DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_gpu, src, src_gpu, bytes, stream_));
-  else
+  } else if (src_gpu >= 0 && src_gpu == dst_gpu) {
+    const std::lock_guard serial(implicit_sync_mutex());  // Note [implicit synchronization]
     DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+  } else {
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+  }
 }
 
 RuntimeImpl& CudaStream::runtime() const { return runtime_; }
@@ -776,7 +805,7 @@ void CudaStream::begin_capture() {
   const std::lock_guard lock(device_.capture_mutex());
   DP_CUDA_CHECK(cudaEventRecord(fence_, stream_));
   DP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  ++t_captures_begun;
+  if (t_captures_begun++ == 0) t_ring_calls.clear();
   began_capture_ = true;
   capture_thread_ = std::this_thread::get_id();
 }
@@ -813,6 +842,8 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
   if (t_captures_begun > 0) --t_captures_begun;  // ended, whatever it returned
   auto host_funcs = std::move(captured_host_funcs_);
   captured_host_funcs_.clear();
+  std::vector<CapturedRingCall> ring_calls = std::move(t_ring_calls);
+  t_ring_calls.clear();
   if (status != cudaSuccess) {
     if (graph) cudaGraphDestroy(graph);
     if (status == cudaErrorStreamCaptureInvalidated) {
@@ -822,7 +853,8 @@ std::shared_ptr<GraphImpl> CudaStream::end_capture() {
     }
     DP_CUDA_CHECK(status);  // an unjoined fork (904) is a CaptureError there too
   }
-  return std::make_shared<CudaGraph>(runtime(), index_, stream_, graph, std::move(host_funcs), spans_);
+  return std::make_shared<CudaGraph>(runtime(), index_, stream_, graph, std::move(host_funcs), spans_,
+                                     std::move(ring_calls));
 }
 
 void CudaDevice::count(Counter counter) { runtime_.count(index_, counter); }
@@ -849,11 +881,15 @@ std::shared_ptr<void> CudaDevice::temporary(std::size_t bytes, cudaStream_t stre
   DeviceScope scope(gpu_);
   void* ptr = nullptr;
   bool async = true;
-  cudaError_t status = cudaMallocAsync(&ptr, bytes, stream);
-  if (status == cudaErrorNotSupported) {  // no memory pools on this device
-    cudaGetLastError();
-    async = false;
-    status = cudaMalloc(&ptr, bytes);
+  cudaError_t status = cudaSuccess;
+  {
+    const std::lock_guard serial(implicit_sync_mutex());  // Note [implicit synchronization]
+    status = cudaMallocAsync(&ptr, bytes, stream);
+    if (status == cudaErrorNotSupported) {  // no memory pools on this device
+      cudaGetLastError();
+      async = false;
+      status = cudaMalloc(&ptr, bytes);
+    }
   }
   if (status == cudaErrorMemoryAllocation) {
     cudaGetLastError();
@@ -865,10 +901,12 @@ std::shared_ptr<void> CudaDevice::temporary(std::size_t bytes, cudaStream_t stre
   return std::shared_ptr<void>(ptr, [this, bytes, stream, async](void* p) {
     {
       DeviceScope restore(gpu_);
-      if (async)
+      if (async) {
+        const std::lock_guard serial(implicit_sync_mutex());
         cudaFreeAsync(p, stream);  // behind the call's work on the stream; never throws
-      else
+      } else {
         cudaFree(p);
+      }
     }
     memory_.release(bytes);
   });
@@ -885,7 +923,17 @@ void CudaStream::with_library(kernel_api::Library library, const std::function<v
   const DeviceScope scope(gpu_);  // the caller's current device is restored after the call
   Library& state = libraries_[static_cast<std::size_t>(library)];
   std::lock_guard lock(state.mutex);
-  if (!state.handle) create_handle(library, state);
+  if (!state.handle) {
+    try {
+      create_handle(library, state);
+    } catch (const Error& e) {
+      // A handle made in a capture allocates, which the capture refuses: as any library call there.
+      if (!capturing()) throw;
+      (void)cudaGetLastError();  // Note [last error]
+      throw CaptureError(
+          fmt::format("{} (creating a library handle on device {} inside a stream capture)", e.what(), index_));
+    }
+  }
   Device& device = runtime_.device(index_);
   device_.with_cache(library, [&](std::shared_ptr<void>& cache) {
     kernel_api::LibraryCall call{state.handle, cache,
@@ -922,6 +970,8 @@ void CudaStream::call_in_capture(const std::function<void(kernel_api::LibraryCal
 }
 
 }  // namespace
+
+void note_captured_ring_call(CapturedRingCall call) { t_ring_calls.push_back(std::move(call)); }
 
 int cuda_device_count_impl() {
   int count = 0;

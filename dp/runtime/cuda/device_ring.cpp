@@ -12,6 +12,7 @@
 #include "backend.h"
 #include "device_scope.h"
 #include "dp/runtime/detail/cuda_status.h"
+#include "launch_group.h"
 
 namespace dp::detail {
 namespace {
@@ -19,16 +20,22 @@ namespace {
 // Note [rings and lazy loading]
 // A ring kernel spins until its peers' kernels arrive, launched by other workers. With lazy module
 // loading (the default since CUDA 12.2) a kernel's first launch may need a context synchronization
-// to load it, and that would wait for the spinning kernel, whose peer launch is queued behind it:
-// a deadlock (CUDA Programming Guide, "Lazy Loading", Potential Hazards). NVIDIA's remedies are both
-// applied: the ring kernel is preloaded here (ring::preload), and the cuda backend sets
-// CUDA_MODULE_DATA_LOADING=EAGER before the driver starts, unless the user set it (cuda_backend.cpp),
-// so no other kernel's first launch needs that synchronization either.
+// to load it, and that would wait for the spinning kernel: a deadlock if a peer's part of the call
+// were still to be launched behind it (CUDA Programming Guide, "Lazy Loading", Potential Hazards).
+// The ranks' parts of a call are launched together (Note [implicit synchronization],
+// launch_group.h), so every kernel a ring kernel waits for was launched before it and a context
+// synchronization only waits for work that ends; and the ring kernel itself is preloaded here
+// (ring::preload). Lazy loading stays on, as the driver's default and PyTorch's (eager loading
+// would load every cuDNN and cuBLAS kernel at start-up).
 
 class DeviceRingCommunicator final : public Communicator {
  public:
   explicit DeviceRingCommunicator(const DeviceGroup& group)
-      : group_(group), gpu_(group.device(0).gpu()), ranks_(static_cast<std::size_t>(group.size())) {
+      : group_(group),
+        gpu_(group.device(0).gpu()),
+        ranks_(static_cast<std::size_t>(group.size())),
+        calls_(std::make_shared<LaunchGroup>(group.size())),
+        replays_(std::make_shared<LaunchGroup>(group.size())) {
     if (group.size() > ring::kMaxRanks)
       throw InvalidArgument(
           fmt::format("the device ring takes at most {} ranks, got {}", ring::kMaxRanks, group.size()));
@@ -45,9 +52,12 @@ class DeviceRingCommunicator final : public Communicator {
     const DeviceScope scope(gpu_);
     DP_CUDA_CHECK(ring::preload());
     DP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    DP_CUDA_CHECK(cudaMalloc(&shared_, sizeof(ring::Shared)));
-    DP_CUDA_CHECK(cudaMemsetAsync(shared_, 0, sizeof(ring::Shared), stream_));
-    DP_CUDA_CHECK(cudaHostAlloc(&aborted_host_, sizeof(int), cudaHostAllocMapped));
+    {
+      const std::lock_guard serial(implicit_sync_mutex());  // Note [implicit synchronization]
+      DP_CUDA_CHECK(cudaMalloc(&shared_, sizeof(ring::Shared)));
+      DP_CUDA_CHECK(cudaMemsetAsync(shared_, 0, sizeof(ring::Shared), stream_));
+      DP_CUDA_CHECK(cudaHostAlloc(&aborted_host_, sizeof(int), cudaHostAllocMapped));
+    }
     *aborted_host_ = 0;
     void* device_view = nullptr;
     DP_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, aborted_host_, 0));
@@ -62,7 +72,7 @@ class DeviceRingCommunicator final : public Communicator {
       // done (a capturing one holds no launched kernel: its calls run only when replayed).
       for (Rank& rank : ranks_)
         if (rank.last.valid() && !rank.last.capturing()) rank.last.synchronize();
-      cudaFree(shared_);
+      cudaFree(shared_);  // waits for the GPU: not under the lock (Note [implicit synchronization])
       cudaFreeHost(aborted_host_);
       if (stream_) cudaStreamDestroy(stream_);
       (void)cudaGetLastError();  // reported nowhere: read out (See Note [last error], backend.h)
@@ -96,6 +106,8 @@ class DeviceRingCommunicator final : public Communicator {
   void abort() override {
     if (aborted_host_) *static_cast<volatile int*>(aborted_host_) = 1;
     aborted_.store(true);
+    calls_->abort();
+    replays_->abort();
   }
 
  private:
@@ -114,7 +126,17 @@ class DeviceRingCommunicator final : public Communicator {
     impl.count(Counter::launches);
     const StreamSpan span(impl, name, SpanKind::collective);
     const DeviceScope scope(gpu_);
-    DP_CUDA_CHECK(ring::launch(call, shared_, aborted_device_, static_cast<cudaStream_t>(impl.native_handle())));
+    const auto native = static_cast<cudaStream_t>(impl.native_handle());
+    if (stream.capturing()) {
+      // Nothing runs until the graph is replayed, and then with the other ranks' replays.
+      DP_CUDA_CHECK(ring::launch(call, shared_, aborted_device_, native));
+      note_captured_ring_call({replays_, call.rank});
+    } else {
+      // With the other ranks' parts (Note [implicit synchronization]); the launcher may be another
+      // rank's worker, and every rank's stream is on this GPU.
+      DP_CUDA_CHECK(calls_->arrive(
+          call.rank, [this, call, native] { return ring::launch(call, shared_, aborted_device_, native); }, name));
+    }
     Rank& rank = ranks_[static_cast<std::size_t>(call.rank)];
     rank.last = stream;
     if (!stream.capturing()) stream.record(rank.done);
@@ -137,7 +159,9 @@ class DeviceRingCommunicator final : public Communicator {
   const DeviceGroup& group_;
   int gpu_;
   std::vector<Rank> ranks_;
-  cudaStream_t stream_ = nullptr;  // zeroes the flags
+  std::shared_ptr<LaunchGroup> calls_;    // eager calls
+  std::shared_ptr<LaunchGroup> replays_;  // replays of graphs holding calls (kept alive by the graphs)
+  cudaStream_t stream_ = nullptr;         // zeroes the flags
   ring::Shared* shared_ = nullptr;
   int* aborted_host_ = nullptr;  // mapped pinned memory: the host ends the kernels' waits
   const volatile int* aborted_device_ = nullptr;
