@@ -20,7 +20,7 @@ using json = nlohmann::json;
 
 // The report's fields that are members of the same name; the others are written below.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, optimizer, steps, warmup, bucket_cap_mb,
-                                   sync_bn, broadcast_buffers, grad_reduce, first_bucket_mb, seed, precision, amp)
+                                   broadcast_buffers, first_bucket_mb, seed, precision, amp)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
                                    buffers_bytes, activation_bytes_per_sample, samples_per_s, wall_ms, step_ms,
@@ -307,6 +307,11 @@ std::vector<std::string> hosts(const std::vector<Run>& runs) {
 
 json report_json(const Options& o, const Setup& setup, const std::vector<Run>& runs) {
   json j = o;
+  // The settings of one mode (--sync-bn, --grad-reduce), as given: a switch as a bool.
+  for (const auto& flag : dp::tools::shared_flags<Options>().flags)
+    if (!flag.applies_to.empty())
+      j[dp::tools::tag_of(flag.name)] =
+          flag.value.metavar.empty() ? json(flag.value.text(o) == "true") : json(flag.value.text(o));
   j.update(setup);
   j["hosts"] = hosts(runs);
   j["graphs_requested"] = o.graphs == "on";

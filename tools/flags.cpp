@@ -79,14 +79,6 @@ std::string tag_of(const std::string& flag) {
 
 int default_devices(bool cuda, int cuda_devices) { return cuda ? cuda_devices : kDefaultSimDevices; }
 
-void set_engine_options(const SharedOptions& o, dp::EngineOptions& options) {
-  const bool ddp = options.kind == dp::EngineKind::ddp;
-  options.graphs = o.graphs == "on";
-  options.amp = dp::parse_autocast(o.amp);
-  options.sync_batchnorm = o.sync_bn && ddp;
-  options.grad_reduce = o.grad_reduce == "bf16" && ddp ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
-}
-
 std::string models_help() {
   std::string text = "models:\n";
   for (const dp::models::ModelSpec& spec : dp::models::all_models())

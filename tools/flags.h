@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -178,6 +179,15 @@ struct Flag {
   // Saved only for a model that takes this argument (--hidden: the MLP's).
   std::optional<dp::models::ModelArg> model_arg = std::nullopt;
   bool hidden = false;  // testing hooks: not in --help
+  // An engine setting: what the flag sets in the engine's options (set_engine_options).
+  void (*engine)(const O&, dp::EngineOptions&) = nullptr;
+  // The one mode ("dp", "ddp") the flag applies to; empty: every mode. dp_train refuses a value
+  // other than the default elsewhere; dp_bench, which runs every mode, sets it for that mode only.
+  std::string applies_to = {};
+  // dp_train: recorded in each epoch's metrics ("none" where the flag does not apply), and, with a
+  // banner text ("... in {}"), named on its first line where it applies.
+  bool per_epoch = false;
+  std::string banner = {};
 };
 
 template <class O>
@@ -214,8 +224,11 @@ inline constexpr int kDefaultSimDevices = 2;
 inline constexpr int kMaxSimDevices = 64;
 int default_devices(bool cuda, int cuda_devices);
 
-// The engine settings of the shared flags; DDP's own only for ddp.
-void set_engine_options(const SharedOptions& o, dp::EngineOptions& options);
+// Whether `flag` applies to `mode` ("single", "dp", "ddp").
+template <class O>
+bool applies(const Flag<O>& flag, std::string_view mode) {
+  return flag.applies_to.empty() || flag.applies_to == mode;
+}
 
 template <class O>
 FlagGroup<O> shared_flags() {
@@ -244,7 +257,8 @@ FlagGroup<O> shared_flags() {
            .value = choice<O>(&O::graphs, {"on", "off"}),
            .help = "on: capture the step once per batch size and replay it (emulated on sim); off: launch every "
                    "kernel every step",
-           .torch = "torch.cuda.CUDAGraph"},
+           .torch = "torch.cuda.CUDAGraph",
+           .engine = [](const O& o, dp::EngineOptions& e) { e.graphs = o.graphs == "on"; }},
           {.name = "--pipeline",
            .value = choice<O>(&O::pipeline, {"on", "off"}),
            .help = "on: submit each step before reading the previous step's loss (the same results); off: wait for "
@@ -263,17 +277,28 @@ FlagGroup<O> shared_flags() {
           {.name = "--sync-bn",
            .value = on<O>(&O::sync_bn),
            .help = "ddp: BatchNorm statistics over every rank's batch",
-           .torch = "nn.SyncBatchNorm.convert_sync_batchnorm(model)"},
+           .torch = "nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+           .engine = [](const O& o, dp::EngineOptions& e) { e.sync_batchnorm = o.sync_bn; },
+           .applies_to = "ddp"},
           {.name = "--amp",
            .value = choice<O>(&O::amp, {"off", "bf16"}),
            .help = "bf16: Linear and Conv2d on bf16 inputs and weights; fp32 accumulation, loss and master weights",
            .torch = "torch.autocast(device_type, dtype=torch.bfloat16)",
-           .saved = Saved::on_resume},
+           .saved = Saved::on_resume,
+           .engine = [](const O& o, dp::EngineOptions& e) { e.amp = dp::parse_autocast(o.amp); },
+           .per_epoch = true},
           {.name = "--grad-reduce",
            .value = choice<O>(&O::grad_reduce, {"fp32", "bf16"}),
            .help = "ddp: all-reduce the gradients in fp32, or in bf16 (half the bytes)",
            .torch = "ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
-           .saved = Saved::on_resume},
+           .saved = Saved::on_resume,
+           .engine =
+               [](const O& o, dp::EngineOptions& e) {
+                 e.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
+               },
+           .applies_to = "ddp",
+           .per_epoch = true,
+           .banner = "gradients all-reduced in {}"},
           {.name = "--optimizer",
            .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
            .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",
@@ -284,6 +309,43 @@ FlagGroup<O> shared_flags() {
            .help = "seed of the initialisation, the synthetic data and the shuffling",
            .torch = "torch.manual_seed(S)"},
       }};
+}
+
+// The engine settings of the shared flags that apply to options.kind.
+template <class O>
+void set_engine_options(const O& o, dp::EngineOptions& options) {
+  for (const Flag<O>& flag : shared_flags<O>().flags)
+    if (flag.engine && applies(flag, dp::to_string(options.kind))) flag.engine(o, options);
+}
+
+// dp_train: why the command line sets a flag for a mode it does not apply to ("--sync-bn applies
+// to --mode ddp"), or "".
+template <class O>
+std::string misapplied_flag(const O& o, std::string_view mode) {
+  for (const Flag<O>& flag : shared_flags<O>().flags)
+    if (!applies(flag, mode) && flag.value.text(o) != flag.value.text(O{}))
+      return fmt::format("{} applies to --mode {}", flag.name, flag.applies_to);
+  return "";
+}
+
+// dp_train's per-epoch record of the shared flags (Flag::per_epoch), by tag; "none" where one does
+// not apply to `mode`.
+template <class O>
+std::vector<std::pair<std::string, std::string>> per_epoch_settings(const O& o, std::string_view mode) {
+  std::vector<std::pair<std::string, std::string>> fields;
+  for (const Flag<O>& flag : shared_flags<O>().flags)
+    if (flag.per_epoch) fields.emplace_back(tag_of(flag.name), applies(flag, mode) ? flag.value.text(o) : "none");
+  return fields;
+}
+
+// The banner texts of the shared flags that apply to `mode`, each after ", ".
+template <class O>
+std::string banner_settings(const O& o, std::string_view mode) {
+  std::string text;
+  for (const Flag<O>& flag : shared_flags<O>().flags)
+    if (!flag.banner.empty() && !flag.applies_to.empty() && applies(flag, mode))
+      text += ", " + fmt::format(fmt::runtime(flag.banner), flag.value.text(o));
+  return text;
 }
 
 // Each shared flag's value as text, for the processes of an mpirun job to agree on (not --devices:

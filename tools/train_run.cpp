@@ -211,8 +211,7 @@ Checked validate_options(const Options& o) {
   Checked checked{parse_hidden(o), {}};
   if (o.dropout > 0.0 && !model_of(o).takes(dp::models::ModelArg::dropout))
     throw UsageError(fmt::format("--dropout applies to --model {}", models_taking(dp::models::ModelArg::dropout)));
-  if (o.sync_bn && o.mode != "ddp") throw UsageError("--sync-bn applies to --mode ddp");
-  if (o.grad_reduce != "fp32" && o.mode != "ddp") throw UsageError("--grad-reduce applies to --mode ddp");
+  if (const std::string why = dp::tools::misapplied_flag(o, o.mode); !why.empty()) throw UsageError(why);
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
   check_image_options(o);
@@ -639,8 +638,7 @@ void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, co
       "from step {}\n",
       o.model, o.mode, plan.world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
-      o.precision, o.amp == "bf16" ? ", autocast bf16" : "",
-      o.mode == "ddp" ? fmt::format(", gradients all-reduced in {}", o.grad_reduce) : "", data.size(),
+      o.precision, o.amp == "bf16" ? ", autocast bf16" : "", dp::tools::banner_settings(o, o.mode), data.size(),
       o.batch_size * plan.shards, plan.shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "",
       plan.total_steps, plan.start_step);
 }
@@ -1011,17 +1009,11 @@ int TrainLoop::end_epoch(long s, long epoch) {
              : "",
       rate, duration_text(elapsed), duration_text(eta));
   std::fflush(stdout);
-  nlohmann::json record = {{"kind", "epoch"},
-                           {"epoch", epoch + 1},
-                           {"step", s + 1},
-                           {"complete", complete},
-                           {"train_loss", train_loss},
-                           {"samples_per_s", rate},
-                           {"elapsed_s", elapsed},
-                           {"eta_s", eta},
-                           {"precision", o_.precision},
-                           {"amp", o_.amp},
-                           {"grad_reduce", o_.mode == "ddp" ? o_.grad_reduce : "none"}};
+  nlohmann::json record = {
+      {"kind", "epoch"},          {"epoch", epoch + 1},    {"step", s + 1},        {"complete", complete},
+      {"train_loss", train_loss}, {"samples_per_s", rate}, {"elapsed_s", elapsed}, {"eta_s", eta},
+      {"precision", o_.precision}};
+  for (const auto& [tag, value] : dp::tools::per_epoch_settings(o_, o_.mode)) record[tag] = value;
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
   if (totals) record["test_samples"] = totals->samples;
