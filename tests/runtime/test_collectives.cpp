@@ -161,12 +161,15 @@ TEST(SimCollectives, WrongDeviceAndAbort) {
   EXPECT_THROW(f.comm->all_reduce(0, f.streams[0], on_rank1.as<float>(), 4, ReduceOp::sum), DeviceMismatch);
   EXPECT_THROW(f.comm->all_reduce(0, f.streams[1], on_rank1.as<float>(), 4, ReduceOp::sum), DeviceMismatch)
       << "stream of another rank";
-  // Rank 0 enters a collective rank 1 never joins: its stream waits, as a GPU would, until abort.
+  // Rank 0 makes a call rank 1 never makes: the call waits for its peer's (as the cuda device ring's
+  // and, within one process, NCCL's may) until the communicator is aborted from another thread.
   DeviceBuffer on_rank0 = f.group->device(0).allocate(16);
-  f.comm->all_reduce(0, f.streams[0], on_rank0.as<float>(), 4, ReduceOp::sum);
-  EXPECT_FALSE(f.streams[0].query());
+  std::thread rank0([&] {
+    EXPECT_THROW(f.comm->all_reduce(0, f.streams[0], on_rank0.as<float>(), 4, ReduceOp::sum), CollectiveAborted);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   f.comm->abort();
-  EXPECT_THROW(f.streams[0].synchronize(), Error);
+  rank0.join();
   EXPECT_THROW(f.comm->all_reduce(1, f.streams[1], on_rank1.as<float>(), 4, ReduceOp::sum), Error);
 }
 

@@ -54,7 +54,8 @@ class RingCommunicator final : public Communicator {
         world_(group.size() * processes_->size()),
         first_(processes_->rank() * group.size()),
         calls_made_(group.size(), 0),
-        turns_(group.size(), 0) {
+        turns_(group.size(), 0),
+        host_calls_(group.size(), 0) {
     staging_.resize(static_cast<std::size_t>(local_));
     if (processes_->size() > 1) {
       check_same_local_size(*processes_, local_);
@@ -184,6 +185,7 @@ class RingCommunicator final : public Communicator {
     aborted_ = true;
     for (auto& [id, round] : rounds_) round->cv.notify_all();
     turn_cv_.notify_all();
+    host_cv_.notify_all();
   }
 
  private:
@@ -326,10 +328,7 @@ class RingCommunicator final : public Communicator {
   // the rank (as a captured NCCL kernel is a new operation of its communicator at every launch).
   void enqueue(int rank, const Stream& stream, const char* name, RankCall call, std::function<void()> traffic,
                Body body) {
-    {
-      std::lock_guard lock(mutex_);
-      if (aborted_) throw CollectiveAborted(fmt::format("{}: communicator was aborted", name));
-    }
+    if (!stream.capturing()) arrive_on_host(rank, name);
     auto issue = [this, rank, call, traffic = std::move(traffic), body = std::move(body),
                   name]() -> std::function<void()> {
       std::uint64_t id;
@@ -359,6 +358,26 @@ class RingCommunicator final : public Communicator {
     };
     Access::stream(stream).enqueue_reissued(name, std::move(issue), SpanKind::collective);
   }
+  // An eager call returns once every local rank has made it, as the cuda backend's device ring
+  // launches the ranks' parts together (Note [implicit synchronization], launch_group.h) and as
+  // NCCL may block within one process: a program that holds a rank's call back until a peer's has
+  // returned hangs there, so it hangs here first. Captured calls do not wait: nothing runs then.
+  void arrive_on_host(int rank, const char* name) {
+    std::unique_lock lock(mutex_);
+    if (aborted_) throw CollectiveAborted(fmt::format("{}: communicator was aborted", name));
+    const std::uint64_t call = host_calls_[static_cast<std::size_t>(rank)]++;
+    host_cv_.notify_all();
+    host_cv_.wait(lock, [&] {
+      if (aborted_) return true;
+      for (const std::uint64_t made : host_calls_)
+        if (made <= call) return false;
+      return true;
+    });
+    if (aborted_)
+      throw CollectiveAborted(
+          fmt::format("{}: communicator aborted while rank {} waited for its peers' calls", name, rank));
+  }
+
   Round& join(std::uint64_t id, int rank, const RankCall& call, const char* name) {
     std::unique_lock lock(mutex_);
     // A rank's calls run one at a time, in the order it made them, whatever streams they were
@@ -412,6 +431,8 @@ class RingCommunicator final : public Communicator {
   std::vector<std::uint64_t> calls_made_;
   std::vector<std::uint64_t> turns_;  // per rank: the call that runs next
   std::condition_variable turn_cv_;
+  std::vector<std::uint64_t> host_calls_;  // per rank: eager calls made on the host (arrive_on_host)
+  std::condition_variable host_cv_;
   std::map<std::uint64_t, std::unique_ptr<Round>> rounds_;
   std::vector<Scratch> staging_;
   std::vector<DeviceBuffer> retired_;
