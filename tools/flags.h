@@ -343,7 +343,7 @@ template <class O>
 std::string banner_settings(const O& o, std::string_view mode) {
   std::string text;
   for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (!flag.banner.empty() && !flag.applies_to.empty() && applies(flag, mode))
+    if (!flag.banner.empty() && applies(flag, mode))
       text += ", " + fmt::format(fmt::runtime(flag.banner), flag.value.text(o));
   return text;
 }

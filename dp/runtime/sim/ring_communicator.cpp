@@ -328,7 +328,12 @@ class RingCommunicator final : public Communicator {
   // the rank (as a captured NCCL kernel is a new operation of its communicator at every launch).
   void enqueue(int rank, const Stream& stream, const char* name, RankCall call, std::function<void()> traffic,
                Body body) {
-    if (!stream.capturing()) arrive_on_host(rank, name);
+    if (stream.capturing()) {
+      std::lock_guard lock(mutex_);
+      if (aborted_) throw CollectiveAborted(fmt::format("{}: communicator was aborted", name));
+    } else {
+      arrive_on_host(rank, name);  // refuses an aborted communicator too
+    }
     auto issue = [this, rank, call, traffic = std::move(traffic), body = std::move(body),
                   name]() -> std::function<void()> {
       std::uint64_t id;
