@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <arpa/inet.h>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -11,8 +12,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <memory>
+#include <netinet/in.h>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <vector>
@@ -35,6 +39,22 @@ inline CommandResult run_command(const std::string& command) {
   const int status = pclose(pipe);
   result.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return result;
+}
+
+// A TCP port of 127.0.0.1 that no one listens on now, chosen by the kernel (bind to port 0): tests
+// run in parallel, and ports derived from process ids collide between them.
+inline int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("free_tcp_port: no socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof address;
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+                     ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0;
+  ::close(fd);
+  if (!bound) throw std::runtime_error("free_tcp_port: the kernel gave no port");
+  return ntohs(address.sin_port);
 }
 
 // A cuda runtime of at least `devices` dp devices: one per GPU where there are that many GPUs, else

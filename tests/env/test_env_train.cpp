@@ -87,17 +87,16 @@ EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& 
 // or a slow decode would hold it) is waited for: the job goes on and writes the checkpoint of an
 // undisturbed run, byte for byte. A process killed outright (kill -9) ends the other within 5 s.
 TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
-  int port = 20000 + static_cast<int>((::getpid() + 7919) % 20000);
   const std::string common =
       "--model mlp --hidden 64 --mode ddp --backend sim --devices 2 --synthetic 2000 --batch-size 16 --steps 1500 "
       "--log-every 500";
-  const EnvJob calm = env_job(dir_, ++port, common + " --save " + path("calm.safetensors"),
+  const EnvJob calm = env_job(dir_, dp::test::free_tcp_port(), common + " --save " + path("calm.safetensors"),
                               common + " --save " + path("calm.safetensors"));
   ASSERT_EQ(calm.code0, 0) << calm.out0 << calm.out1;
   for (const char* stopped : {"$p1", "$p0"}) {
     SCOPED_TRACE(stopped);
     const std::string saved = path(fmt::format("stopped{}.safetensors", stopped[2]));
-    const EnvPair job = env_pair(dir_, ++port, common + " --save " + saved,
+    const EnvPair job = env_pair(dir_, dp::test::free_tcp_port(), common + " --save " + saved,
                                  fmt::format("sleep 1.5; kill -STOP {0}; sleep 5; kill -CONT {0}", stopped));
     EXPECT_EQ(job.code0, 0) << job.out0 << job.out1;
     EXPECT_EQ(job.code1, 0) << job.out1;
@@ -106,7 +105,8 @@ TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
   }
   for (const char* killed : {"$p1", "$p0"}) {
     SCOPED_TRACE(killed);
-    const EnvPair job = env_pair(dir_, ++port, common, fmt::format("sleep 1.5; kill -9 {}; t=$(date +%s%N)", killed));
+    const EnvPair job = env_pair(dir_, dp::test::free_tcp_port(), common,
+                                 fmt::format("sleep 1.5; kill -9 {}; t=$(date +%s%N)", killed));
     EXPECT_NE(job.code0, 0) << job.out0;
     EXPECT_NE(job.code1, 0) << job.out1;
     ASSERT_GT(job.killed_at_ns, 0);
@@ -119,7 +119,8 @@ TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
 // itself goes on), and a MASTER_PORT that another program holds (process 0 cannot listen; process 1
 // finds no dp store there and gives up within DP_TIMEOUT_S).
 TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
-  const int port = 20000 + static_cast<int>((::getpid() + 104729) % 20000);
+  const int port = dp::test::free_tcp_port(), port_dup = dp::test::free_tcp_port(),
+            port_foreign = dp::test::free_tcp_port();
   const std::string args =
       "--model mlp --hidden 8 --mode ddp --backend sim --devices 1 --synthetic 400 --batch-size 4 --steps 1500";
   const auto launch = [&](int rank, int world, int on_port, const std::string& out, const std::string& save) {
@@ -144,8 +145,8 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
   EXPECT_FALSE(std::filesystem::exists(path("w0.st")) || std::filesystem::exists(path("w1.st")));
   // A second RANK=1: refused, the job goes on and saves.
   std::tie(codes, seconds) =
-      timed(launch(0, 2, port + 1, "d0.txt", "d.st") + " & p0=$!; " + launch(1, 2, port + 1, "d1.txt", "d.st") +
-            " & p1=$!; sleep 0.5; " + launch(1, 2, port + 1, "dup.txt", "dup.st") +
+      timed(launch(0, 2, port_dup, "d0.txt", "d.st") + " & p0=$!; " + launch(1, 2, port_dup, "d1.txt", "d.st") +
+            " & p1=$!; sleep 0.5; " + launch(1, 2, port_dup, "dup.txt", "dup.st") +
             "; c=$?; wait $p0; c0=$?; wait $p1; echo codes $c0 $? $c");
   EXPECT_NE(codes.find("codes 0 0 2"), std::string::npos) << codes << slurp("dup.txt") << slurp("d0.txt");
   EXPECT_NE(slurp("dup.txt").find("RANK 1 is already in the job"), std::string::npos) << slurp("dup.txt");
@@ -161,7 +162,7 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
   }
   std::tie(codes, seconds) = timed(fmt::format(
       "python3 {} {} & f=$!; sleep 0.5; {}; c0=$?; {}; c1=$?; kill $f; echo codes $c0 $c1", path("foreign.py"),
-      port + 2, launch(0, 2, port + 2, "p0.txt", "p0.st"), launch(1, 2, port + 2, "p1.txt", "p1.st")));
+      port_foreign, launch(0, 2, port_foreign, "p0.txt", "p0.st"), launch(1, 2, port_foreign, "p1.txt", "p1.st")));
   EXPECT_NE(codes.find("codes 2 2"), std::string::npos) << codes << slurp("p0.txt") << slurp("p1.txt");
   EXPECT_NE(slurp("p0.txt").find("cannot listen on 127.0.0.1"), std::string::npos) << slurp("p0.txt");
   EXPECT_NE(slurp("p1.txt").find("is not process 0 of a dp job"), std::string::npos) << slurp("p1.txt");
@@ -173,34 +174,34 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
 // byte, with and without SyncBatchNorm; a bad file on one stops both within seconds; a process that
 // never starts ends the other after the timeout, naming it.
 TEST_F(EnvTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
-  const int base_port = 20000 + static_cast<int>(::getpid() % 20000);
-  int port = base_port;
   for (const std::string model : {"--model mlp --hidden 32", "--model convnet --sync-bn"}) {
     SCOPED_TRACE(model);
     const std::string common =
         model + " --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.01 --seed 7 --steps 6 --log-every 1";
     ASSERT_EQ(run(common + " --devices 4 --save " + path("one.safetensors")).code, 0);
-    const EnvJob two = env_job(dir_, ++port, common + " --devices 2 --save " + path("two.safetensors"),
-                               common + " --devices 2 --save " + path("two.safetensors"));
+    const EnvJob two =
+        env_job(dir_, dp::test::free_tcp_port(), common + " --devices 2 --save " + path("two.safetensors"),
+                common + " --devices 2 --save " + path("two.safetensors"));
     ASSERT_EQ(two.code0, 0) << two.out0 << two.out1;
     ASSERT_EQ(two.code1, 0) << two.out1;
     EXPECT_EQ(read_file(path("one.safetensors")), read_file(path("two.safetensors"))) << "checkpoint bytes differ";
     EXPECT_NE(two.out0.find("in each of 2 processes"), std::string::npos) << two.out0;
   }
   const std::string common = "--model mlp --hidden 8 --mode ddp --backend sim --devices 2 --batch-size 4 --steps 3";
-  const EnvJob bad = env_job(dir_, ++port, common + " --synthetic 40", common + " --data " + path("no-such-dir"));
+  const EnvJob bad =
+      env_job(dir_, dp::test::free_tcp_port(), common + " --synthetic 40", common + " --data " + path("no-such-dir"));
   EXPECT_NE(bad.code0, 0) << bad.out0;
   EXPECT_EQ(bad.code1, 2) << bad.out1;
   EXPECT_LT(bad.seconds, 30.0);
   EXPECT_NE(bad.out1.find("no-such-dir"), std::string::npos) << bad.out1;
   // A process that fails in the middle of training (as a crash would) ends the other at once.
-  const EnvJob crash = env_job(dir_, ++port, common + " --synthetic 400 --steps 1000",
+  const EnvJob crash = env_job(dir_, dp::test::free_tcp_port(), common + " --synthetic 400 --steps 1000",
                                common + " --synthetic 400 --steps 1000 --debug-fail-at-step 5");
   EXPECT_NE(crash.code0, 0) << crash.out0;
   EXPECT_NE(crash.code1, 0) << crash.out1;
   EXPECT_NE(crash.out0.find("process 1"), std::string::npos) << crash.out0;
   EXPECT_LT(crash.seconds, 30.0);
-  const EnvJob alone = env_job(dir_, ++port, common + " --synthetic 40", "", 3);
+  const EnvJob alone = env_job(dir_, dp::test::free_tcp_port(), common + " --synthetic 40", "", 3);
   EXPECT_NE(alone.code0, 0) << alone.out0;
   EXPECT_NE(alone.out0.find("process 1"), std::string::npos) << alone.out0;
   EXPECT_LT(alone.seconds, 30.0);

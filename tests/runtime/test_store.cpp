@@ -19,16 +19,14 @@
 #include "dp/runtime/error.h"
 #include "store_protocol.h"
 #include "tcp_store.h"
+#include "test_util.h"
 
 namespace dp::detail {
 namespace {
 
 using namespace std::chrono_literals;
 
-int next_port() {
-  static int port = 30000 + static_cast<int>(::getpid() % 15000);
-  return ++port;
-}
+int next_port() { return test::free_tcp_port(); }
 
 // A raw TCP client of 127.0.0.1:port, as a stranger would connect (-1 when refused).
 int raw_connect(int port) {

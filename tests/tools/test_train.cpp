@@ -1522,7 +1522,8 @@ TEST_F(TrainTest, EnvLaunchesAreRefusedNamingMpirun) {
   const Result elastic = with("TORCHELASTIC_RUN_ID=job7");
   EXPECT_EQ(elastic.code, 2) << elastic.output;
   EXPECT_NE(elastic.output.find("torchrun's elastic agent (TORCHELASTIC_RUN_ID is set)"), std::string::npos);
-  EXPECT_EQ(with("RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500").code, 0);
+  EXPECT_EQ(
+      with(fmt::format("RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT={}", dp::test::free_tcp_port())).code, 0);
   const Result bench = dp::test::run_command(std::string("env RANK=0 WORLD_SIZE=2 ") + DP_BENCH_BIN +
                                              " --backend sim --models mlp --steps 1");
   EXPECT_EQ(bench.code, 2) << bench.output;
