@@ -67,16 +67,18 @@ Data synthetic_data(const Options& o, int devices, const std::vector<std::string
   std::size_t floats = 0;
   for (const std::string& model : models)
     floats = std::max(floats, dp::models::model_spec(model).input_floats(model_args()));
-  const std::uint64_t global = static_cast<std::uint64_t>(o.batch_size) * static_cast<std::uint64_t>(devices);
+  const int pieces = std::max(devices, o.shards);  // --shards: a batch per shard
+  const std::uint64_t global = static_cast<std::uint64_t>(o.batch_size) * static_cast<std::uint64_t>(pieces);
   if (global > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
-    throw UsageError(fmt::format("--batch-size {} x {} devices: a global batch of {} samples is more than {}",
-                                 o.batch_size, devices, global, std::numeric_limits<int>::max()));
+    throw UsageError(fmt::format("--batch-size {} x {} {}: a global batch of {} samples is more than {}", o.batch_size,
+                                 pieces, o.shards > devices ? "shards" : "devices", global,
+                                 std::numeric_limits<int>::max()));
   const std::uint64_t data_bytes = global * (floats * sizeof(float) + sizeof(std::int64_t));
   if (const std::uint64_t host = dp::Runtime::host_memory_bytes(); host > 0 && data_bytes > host)
     throw UsageError(fmt::format("--batch-size {}: the synthetic inputs alone need {:.1f} GiB, the host has {:.1f} GiB",
                                  o.batch_size, static_cast<double>(data_bytes) / (1u << 30),
                                  static_cast<double>(host) / (1u << 30)));
-  return make_data(o.batch_size * devices, floats, o.seed);
+  return make_data(o.batch_size * pieces, floats, o.seed);
 }
 
 // Every process is ready (or all stop with the first failing one's exit code), with one
@@ -109,10 +111,23 @@ std::vector<Run> run_all(dp::Runtime& rt, const Options& o, const std::vector<st
     for (const auto& mode : modes) {
       if (mode != "ddp" && !job.primary()) continue;
       if (mode == "ddp") job.agree_or_stop();
+      // --shards: ddp is measured without them too, in the same run, for the cost of fixed shards.
+      Options plain = o;
+      plain.shards = 0;
+      const bool against_plain = o.shards > 0 && mode == "ddp";
+      if (against_plain) runs.push_back(bench(rt, plain, model, mode, data, devices, job.processes()));
       runs.push_back(bench(rt, o, model, mode, data, devices, job.processes()));
-      const Run& r = runs.back();
-      fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
-                 r.step_ms_median);
+      for (std::size_t k = runs.size() - (against_plain ? 2 : 1); k < runs.size(); ++k) {
+        const Run& r = runs[k];
+        fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
+                   r.step_ms_median);
+      }
+      if (against_plain) {
+        const Run &base = runs[runs.size() - 2], &sharded = runs.back();
+        fmt::print("  {:<8} {} costs {:.2f}x plain ddp's time per sample (global batches {} and {})\n", model,
+                   sharded.mode, base.samples_per_s / std::max(sharded.samples_per_s, 1e-9), sharded.global_batch,
+                   base.global_batch);
+      }
       std::fflush(stdout);
     }
   }

@@ -290,7 +290,11 @@ Run new_run(const Options& o, const std::string& model, dp::EngineKind kind, int
   run.mode = dp::to_string(kind);
   for (int d = 0; d < used; ++d) run.device_ids.push_back(d);
   run.devices = used * processes;
-  if (kind == dp::EngineKind::dp) {
+  if (o.shards > 0) {  // --batch-size per shard, in every mode
+    run.global_batch = o.batch_size * o.shards;
+    run.batch_per_device = run.global_batch / run.devices;
+    run.mode += fmt::format("/{}", o.shards);
+  } else if (kind == dp::EngineKind::dp) {
     run.global_batch = o.batch_size;
     run.batch_per_device = (o.batch_size + run.devices - 1) / run.devices;
   } else {
@@ -305,7 +309,7 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
   dp::EngineOptions options;
   options.kind = kind;
   options.device_ids = run.device_ids;
-  options.output_device = kind == dp::EngineKind::dp ? std::optional<int>(0) : std::nullopt;
+  options.output_device = kind == dp::EngineKind::dp && o.shards == 0 ? std::optional<int>(0) : std::nullopt;
   dp::tools::set_engine_options(o, options);
   // Phase times come from events between the phases, which a replayed graph does not record.
   options.time_phases = kind == dp::EngineKind::dp && !options.graphs;

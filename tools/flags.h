@@ -216,6 +216,7 @@ struct SharedOptions {
   bool sync_bn = false;
   std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
   std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
+  int shards = 0;                    // every mode: a step's result fixed to this many shards; 0: off
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -265,7 +266,7 @@ FlagGroup<O> shared_flags() {
                    "each loss"},
           {.name = "--batch-size",
            .value = integer<O>(&O::batch_size, 1, std::numeric_limits<int>::max()),
-           .help = "samples per step: the global batch in single and dp, per device in ddp",
+           .help = "samples per step: the global batch in single and dp, per device in ddp, per shard with --shards",
            .torch = "DataLoader(batch_size=N): global for DataParallel, per process for DDP",
            .torch_spellings = {"-b", "--batch_size"},
            .saved = Saved::on_resume},
@@ -299,6 +300,16 @@ FlagGroup<O> shared_flags() {
            .applies_to = "ddp",
            .per_epoch = true,
            .banner = "gradients all-reduced in {}"},
+          {.name = "--shards",
+           .value = integer<O>(&O::shards, 0, 1 << 20, "V"),
+           .help = "fix each step's result to V shards of --batch-size samples: the same bits on any device count "
+                   "dividing V, in every mode, and a checkpoint resumes on any of them",
+           .torch = "DataParallel over V devices",
+           .default_text = "0 (off)",
+           .saved = Saved::on_resume,
+           .structural = true,
+           .engine = [](const O& o, dp::EngineOptions& e) { e.shards = o.shards; },
+           .per_epoch = true},
           {.name = "--optimizer",
            .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
            .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",

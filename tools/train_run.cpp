@@ -410,9 +410,9 @@ void check_hidden_tag(const std::string& path, const dp::safetensors::File& file
 void check_resumed_settings(const Options& o, const dp::TrainingState& state, int world) {
   const auto& tags = state.progress().tags;
   if (tags.count("world") && tags.at("world") != fmt::format("{}", world))
-    say("note: the checkpoint was trained on {} device(s); continuing on {} (another data order; the epochs go on from "
-        "the checkpoint's)\n",
-        tags.at("world"), world);
+    say("note: the checkpoint was trained on {} device(s); continuing on {} ({})\n", tags.at("world"), world,
+        o.shards > 0 ? fmt::format("the same trajectory: its {} shards fix it", o.shards)
+                     : "another data order; the epochs go on from the checkpoint's");
   if (tags.count("dropout") && tags.at("dropout") != fmt::format("{}", o.dropout))
     say("note: the checkpoint was trained with --dropout {}; continuing with {}\n", tags.at("dropout"), o.dropout);
   const bool saved_momentum =
@@ -468,8 +468,8 @@ Resumed read_resume(Options& o, int world) {
   if (tags.count("model") && tags.at("model") != o.model)
     throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
   if (tags.count("mode") && tags.at("mode") != o.mode)
-    say("note: the checkpoint was trained in {} mode; continuing in {} mode (a different data order)\n",
-        tags.at("mode"), o.mode);
+    say("note: the checkpoint was trained in {} mode; continuing in {} mode ({})\n", tags.at("mode"), o.mode,
+        o.shards > 0 ? fmt::format("the same trajectory: its {} shards fix it", o.shards) : "a different data order");
   if (o.given.count("--seed") && progress.seed != o.seed)
     say("note: the checkpoint was trained with --seed {}; continuing with its seed, not {}\n", progress.seed, o.seed);
   o.seed = progress.seed;
@@ -639,7 +639,10 @@ void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, co
       o.model, o.mode, plan.world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
       o.precision, o.amp == "bf16" ? ", autocast bf16" : "", dp::tools::banner_settings(o, o.mode), data.size(),
-      o.batch_size * plan.shards, plan.shards > 1 ? fmt::format(" ({} per device)", o.batch_size) : "",
+      o.batch_size * plan.shards,
+      o.shards > 0      ? fmt::format(" ({} per shard, {} shards)", o.batch_size, o.shards)
+      : plan.shards > 1 ? fmt::format(" ({} per device)", o.batch_size)
+                        : "",
       plan.total_steps, plan.start_step);
 }
 

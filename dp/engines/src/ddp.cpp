@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "batches.h"
+#include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 #include "input_ring.h"
 #include "replicas.h"
@@ -22,22 +23,40 @@ struct DistributedDataParallel::Rank {
   std::unique_ptr<CrossEntropyLoss> loss;
   Stream compute;
   engines::StagedBatch batch;  // forward_backward's and evaluation's
-  engines::InputRing ring;     // train_step's batches, one slot per step in flight
+  // train_step's batches, one slot per step in flight: one ring, or one per shard the rank runs.
+  std::vector<std::unique_ptr<engines::InputRing>> rings;
   Scratch grad_output;
-  std::uint64_t accumulated_samples = 0;         // forwarded since the last optimizer step
-  BatchNormSync bn_sync;                         // sync_batchnorm: this rank's view of the BN collective
-  PinnedBuffer host_loss;                        // a float per pipeline slot; pinned: the copy is asynchronous
-  std::array<Event, kStepsInFlight> loss_ready;  // per slot: host_loss written
-  std::array<Event, kStepsInFlight> step_done;   // per slot: the rank's step has run
+  Scratch shard_grads, all_grads, saved_buffers;  // shards: Note [fixed shards]
+  std::uint64_t accumulated_samples = 0;          // forwarded since the last optimizer step
+  BatchNormSync bn_sync;                          // sync_batchnorm: this rank's view of the BN collective
+  PinnedBuffer host_loss;                         // a float per pipeline slot; pinned: the copy is asynchronous
+  std::array<Event, kStepsInFlight> loss_ready;   // per slot: host_loss written
+  std::array<Event, kStepsInFlight> step_done;    // per slot: the rank's step has run
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
                                                  const EngineOptions& options)
+    : DistributedDataParallel(runtime, module, optimizer, options, EngineKind::ddp) {}
+
+DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                                                 const EngineOptions& options, EngineKind as)
     : group_(runtime, options.device_ids.value_or(DeviceGroup::all_devices(runtime))),
-      options_(check_applies(EngineKind::ddp, options)),
+      options_(check_applies(as, options)),
       processes_(options_.processes ? options_.processes : ProcessGroup::single()) {
+  if (as != EngineKind::ddp && options_.shards == 0)
+    throw InvalidArgument(
+        fmt::format("DistributedDataParallel runs a {} engine's step with shards only", to_string(as)));
+  options_.kind = as;
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
   comm_ = Communicator::create(group_, processes_);
+  if (options_.shards > 0) {
+    if (options_.shards % comm_->size() != 0)
+      throw InvalidArgument(
+          fmt::format("{} shards cannot be spread evenly over {} device(s): the device count must "
+                      "divide the shards",
+                      options_.shards, comm_->size()));
+    shards_per_rank_ = options_.shards / comm_->size();
+  }
   // SyncBatchNorm's collectives run on the compute streams, the gradient buckets' on the
   // communication streams: each kind gets its own communicator, so the two sequences never
   // interleave on one (NCCL requires one order of collectives per communicator).
@@ -58,7 +77,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
       rank->bn_sync.rank = r;
       rank->model->set_batchnorm_sync(&rank->bn_sync);
     }
-    rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * sizeof(float));
+    for (int i = 0; i < shards_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
+    rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * shards_per_rank_ * sizeof(float));
     for (Event& ready : rank->loss_ready) ready = device.create_event();
     for (Event& done : rank->step_done) done = device.create_event();
     ranks_.push_back(std::move(rank));
@@ -148,10 +168,26 @@ void DistributedDataParallel::enqueue_step(int r) {
   rank.accumulated_samples = 0;
 }
 
+std::span<const Batch> DistributedDataParallel::batches_of(int r, std::span<const Batch> batches) const {
+  return batches.subspan(static_cast<std::size_t>(r * shards_per_rank_), static_cast<std::size_t>(shards_per_rank_));
+}
+
 void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool training) const {
-  if (static_cast<int>(batches.size()) != group_.size())
+  if (options_.shards > 0 && static_cast<int>(batches.size()) != batches_per_step())
+    throw InvalidArgument(
+        fmt::format("a step with {} shards on {} device(s) here takes {} batches, one per shard: got {}",
+                    options_.shards, group_.size(), batches_per_step(), batches.size()));
+  if (static_cast<int>(batches.size()) != batches_per_step())
     throw InvalidArgument(
         fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(), group_.size()));
+  // Every shard of a step the same size: the shards, and so the result, are those of every device count.
+  if (options_.shards > 0 && training)
+    for (std::size_t b = 1; b < batches.size(); ++b)
+      if (batches[b].size != batches[0].size)
+        throw InvalidArgument(
+            fmt::format("the shards of a step must be the same size: shard {} has {} samples, shard "
+                        "{} has {}",
+                        first_rank(), batches[0].size, first_rank() + static_cast<int>(b), batches[b].size));
   for (std::size_t r = 0; r < batches.size(); ++r) {
     // A forward may find one rank's evaluation shard exhausted; a training step needs every rank.
     if (batches[r].size < (training ? 1 : 0))
@@ -165,7 +201,9 @@ void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool
 bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool& broadcast_buffers) {
   // torch 1.13: buffers are broadcast before a forward unless the previous forward ran inside
   // no_sync (require_forward_param_sync).
-  broadcast_buffers = options_.broadcast_buffers && require_forward_param_sync_ && comm_->size() > 1;
+  // With shards, rank 0 holds shard 0's statistics, which every replica starts the step from.
+  broadcast_buffers =
+      (options_.broadcast_buffers || options_.shards > 0) && require_forward_param_sync_ && comm_->size() > 1;
   const bool sync = sync_;
   require_forward_param_sync_ = sync;
   if (options_.sync_batchnorm) {
@@ -186,8 +224,8 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   Device& device = group_.device(r);
   const int classes = m.output_features();
   if (!ring) rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
-  const float* inputs = ring ? rank.ring.inputs(slot) : rank.batch.inputs();
-  const std::int64_t* targets = ring ? rank.ring.targets(slot) : rank.batch.targets();
+  const float* inputs = ring ? rank.rings[0]->inputs(slot) : rank.batch.inputs();
+  const std::int64_t* targets = ring ? rank.rings[0]->targets(slot) : rank.batch.targets();
   float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
   // seed + global rank, as each torch process seeds itself; forwards accumulated without a step
   // (no_sync) continue the step's samples, as one larger batch would.
@@ -207,6 +245,64 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   if (sync) reducer_->finish(r);
   rank.compute.copy(rank.host_loss.as<float>() + slot, loss, sizeof(float));
   // Captured, a record is a dependency inside the graph: the replay records it after the graph.
+  if (!rank.compute.capturing()) rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
+}
+
+// Note [fixed shards]
+// With EngineOptions::shards = V, a step is the step of DataParallel over V devices, whatever P
+// devices (and processes) run it: shard s is its own forward and backward (BatchNorm statistics of
+// its own samples, Dropout keyed by the shard's first sample in the step's batch, not by a rank),
+// every shard's loss a mean over the global batch (so its gradient is its share of the global
+// mean's), and the gradient the optimizer sees is
+//     g = (...((g_0 + g_1) + g_2) + ... ) + g_{V-1}     in fp32, in shard order,
+// a function of the V shard gradients alone. Each rank keeps its V/P shards' gradients, an
+// all-gather gives every rank all V in shard order (global rank k holds shards [kV/P, (k+1)V/P)),
+// and each rank adds them in that fixed order: no collective's algorithm or rank count can change
+// a bit, on any backend. Cost per step and rank: V/P + V gradient copies of memory, an all-gather
+// of V gradients (each rank receives (V - V/P) x 4 bytes per parameter, against 2(P-1)/P x 4 for a
+// ring all-reduce: the same at V = P = 2) and V - 1 passes of additions. The sum is the fp32 sum
+// of a sequential loop, as accurate as the ring's. The logged loss is the shards' losses, added in
+// shard order. Running statistics are shard 0's, as DataParallel keeps the source replica's: rank 0
+// saves them after shard 0's forward and puts them back after its other shards'; every replica
+// starts the next step from them (buffers broadcast from rank 0).
+void DistributedDataParallel::enqueue_sharded_forward_backward(int r, std::span<const Batch> shards, int slot) {
+  Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  Model& m = *rank.model;
+  Device& device = group_.device(r);
+  const int classes = m.output_features();
+  const std::size_t n = m.param_count();
+  const auto count = static_cast<std::size_t>(shards_per_rank_);
+  const int shard_size = shards[0].size;
+  const int global_batch = shard_size * options_.shards;
+  const int first_shard = (comm_->first_rank() + r) * shards_per_rank_;
+  float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * classes);
+  float* mine = rank.shard_grads.get<float>(device, count * n);
+  float* all = rank.all_grads.get<float>(device, static_cast<std::size_t>(options_.shards) * n);
+  const bool keep_shard0_buffers = first_shard == 0 && count > 1 && m.buffers_bytes() > 0;
+  void* saved = keep_shard0_buffers ? rank.saved_buffers.get<char>(device, m.buffers_bytes()) : nullptr;
+  for (std::size_t i = 0; i < count; ++i) {
+    const int shard = first_shard + static_cast<int>(i);
+    if (i > 0) m.zero_grad(rank.compute);
+    m.set_random_context({options_.step.seed, static_cast<std::uint64_t>(rank.optimizer->steps()),
+                          static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
+    const float* logits = m.forward(rank.compute, rank.rings[i]->inputs(slot), shard_size, Mode::train);
+    if (saved && i == 0) rank.compute.copy(saved, m.buffers_flat(), m.buffers_bytes());
+    const float* loss = rank.loss->forward_backward(rank.compute, logits, rank.rings[i]->targets(slot), shard_size,
+                                                    classes, grad_output, global_batch, 1.0f);
+    rank.compute.copy(rank.host_loss.as<float>() + static_cast<std::size_t>(slot) * count + i, loss, sizeof(float));
+    m.backward(rank.compute, grad_output, {});
+    rank.compute.copy(mine + i * n, m.grads_flat(), n * sizeof(float));
+  }
+  if (saved) rank.compute.copy(m.buffers_flat(), saved, m.buffers_bytes());
+  comm_->all_gather(r, rank.compute, mine, all, count * n);
+  float* grads = m.grads_flat();
+  const auto elements = static_cast<kernels::index_t>(n);
+  if (options_.shards == 1)
+    rank.compute.copy(grads, all, n * sizeof(float));
+  else
+    kernels::add(rank.compute, elements, all, all + n, grads);
+  for (int s = 2; s < options_.shards; ++s)
+    kernels::add(rank.compute, elements, grads, all + static_cast<std::size_t>(s) * n, grads);
   if (!rank.compute.capturing()) rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
 }
 
@@ -242,13 +338,17 @@ float DistributedDataParallel::wait_for_loss(int slot) {
   // The mean over every global rank, summed in global rank order: each process (and one process
   // with all the ranks) gets the same bits.
   std::vector<float> local;
-  for (auto& rank : ranks_) local.push_back(rank->host_loss.as<float>()[slot]);
+  for (auto& rank : ranks_)
+    for (int i = 0; i < shards_per_rank_; ++i)
+      local.push_back(rank->host_loss.as<float>()[slot * shards_per_rank_ + i]);
   float total = 0.0f;
   for (const float loss : processes_->all_gather(std::span<const float>(local))) total += loss;
-  return total / static_cast<float>(comm_->size());
+  return total / static_cast<float>(world_size());
 }
 
 float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {
+  if (options_.shards > 0)
+    throw InvalidArgument("forward_backward (gradient accumulation) cannot be used with shards: a step is train_step");
   check_batches(batches, true);
   pipeline_->drain();  // its loss goes through slot 0, which no step in flight holds then
   bool broadcast = false;
@@ -261,11 +361,10 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
   return wait_for_loss(0);
 }
 
-EvalTotals DistributedDataParallel::reduce_totals(const EvalTotals& local) {
-  if (processes_->size() == 1) return local;
-  EvalTotals total;
-  for (const EvalTotals& totals : processes_->all_gather(local)) total += totals;
-  return total;
+EvalTotals DistributedDataParallel::reduce_totals(std::span<const EvalTotals> per_batch) {
+  if (processes_->size() == 1) return Engine::reduce_totals(per_batch);
+  const std::vector<EvalTotals> all = processes_->all_gather(per_batch);
+  return Engine::reduce_totals(all);
 }
 
 void DistributedDataParallel::optimizer_step() {
@@ -283,8 +382,10 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
     const std::size_t floats = engines::sample_floats(*ranks_[0]->model);
     for (int r = 0; r < group_.size(); ++r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-      engines::push_batch(rank.ring, group_.device(r), slot, batches[static_cast<std::size_t>(r)], floats,
-                          rank.step_done[static_cast<std::size_t>(slot)]);
+      const auto mine = batches_of(r, batches);
+      for (std::size_t i = 0; i < mine.size(); ++i)
+        engines::push_batch(*rank.rings[i], group_.device(r), slot, mine[i], floats,
+                            rank.step_done[static_cast<std::size_t>(slot)]);
     }
     bool broadcast = false;
     const bool sync = begin_forward(batches, broadcast);
@@ -301,7 +402,8 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
     }
     const auto memory = [&] {
       std::uint64_t growths = 0;
-      for (auto& rank : ranks_) growths += rank->ring.growths();
+      for (auto& rank : ranks_)
+        for (auto& ring : rank->rings) growths += ring->growths();
       return engines::snapshot(devices, growths);
     };
     graphs_->run(key, slot, optimizers, memory, step_work(slot, batches, sync, broadcast));
@@ -319,10 +421,14 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
   });
 }
 
-void DistributedDataParallel::enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot) {
+void DistributedDataParallel::enqueue_train_step(int r, std::span<const Batch> batches, bool sync, bool broadcast,
+                                                 int slot) {
   if (broadcast) enqueue_broadcast(r, false, true);
   enqueue_zero_grad(r);
-  enqueue_forward_backward(r, batch, 1.0f, sync, slot, true);
+  if (options_.shards > 0)
+    enqueue_sharded_forward_backward(r, batches, slot);
+  else
+    enqueue_forward_backward(r, batches[0], 1.0f, sync, slot, true);
   enqueue_step(r);
 }
 
@@ -336,14 +442,14 @@ engines::StepWork DistributedDataParallel::step_work(int slot, std::span<const B
     group_.run([&](int r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
       graphs[static_cast<std::size_t>(r)] = engines::capture_on(
-          rank.compute, [&] { enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot); });
+          rank.compute, [&] { enqueue_train_step(r, batches_of(r, batches), sync, broadcast, slot); });
     });
     return graphs;
   };
   work.replay = [=, this](const std::vector<Graph>& graphs) {
     run_ranks([&](int r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-      rank.ring.acquire(slot, rank.compute);
+      for (auto& ring : rank.rings) ring->acquire(slot, rank.compute);
       rank.optimizer->replayed_step(rank.compute);
       rank.accumulated_samples = 0;
       graphs[static_cast<std::size_t>(r)].replay();
@@ -357,8 +463,8 @@ engines::StepWork DistributedDataParallel::step_work(int slot, std::span<const B
   work.eager = [=, this] {
     run_ranks([&](int r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-      rank.ring.acquire(slot, rank.compute);
-      enqueue_train_step(r, batches[static_cast<std::size_t>(r)], sync, broadcast, slot);
+      for (auto& ring : rank.rings) ring->acquire(slot, rank.compute);
+      enqueue_train_step(r, batches_of(r, batches), sync, broadcast, slot);
       rank.compute.record(rank.step_done[static_cast<std::size_t>(slot)]);
     });
   };
@@ -369,7 +475,8 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
   check_batches(batches, false);  // before any rank runs: a failing rank aborts the communicator
   pipeline_->drain();             // a failed step is reported here, not by a forward behind it
   // As torch's DDP forward: buffers (BatchNorm running statistics) come from rank 0 first.
-  if (options_.broadcast_buffers && require_forward_param_sync_) broadcast_from_rank0(false, true);
+  if ((options_.broadcast_buffers || options_.shards > 0) && require_forward_param_sync_)
+    broadcast_from_rank0(false, true);
   const auto classes = static_cast<std::size_t>(ranks_[0]->model->output_features());
   std::vector<std::size_t> offsets(batches.size() + 1, 0);
   for (std::size_t r = 0; r < batches.size(); ++r)
@@ -377,14 +484,17 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
   std::vector<float> out(offsets.back());
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    const Batch& batch = batches[static_cast<std::size_t>(r)];
-    if (batch.size == 0) return;
-    rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size},
-                     engines::sample_floats(*rank.model));
-    const float* logits = rank.model->forward(rank.compute, rank.batch.inputs(), batch.size, Mode::eval);
-    // Pageable destination: the copy returns once written.
-    rank.compute.copy(out.data() + offsets[static_cast<std::size_t>(r)], logits,
-                      static_cast<std::size_t>(batch.size) * classes * sizeof(float));
+    for (int i = 0; i < shards_per_rank_; ++i) {
+      const auto b = static_cast<std::size_t>(r * shards_per_rank_ + i);
+      const Batch& batch = batches[b];
+      if (batch.size == 0) continue;
+      rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size},
+                       engines::sample_floats(*rank.model));
+      const float* logits = rank.model->forward(rank.compute, rank.batch.inputs(), batch.size, Mode::eval);
+      // Pageable destination: the copy returns once written.
+      rank.compute.copy(out.data() + offsets[b], logits,
+                        static_cast<std::size_t>(batch.size) * classes * sizeof(float));
+    }
   });
   return out;
 }
@@ -394,7 +504,8 @@ void DistributedDataParallel::synchronize() {
   group_.run([&](int r) {
     ranks_[static_cast<std::size_t>(r)]->compute.synchronize();
     reducer_->synchronize(r);
-    ranks_[static_cast<std::size_t>(r)]->ring.release_copied();  // the lent batches' copies have run
+    for (auto& ring : ranks_[static_cast<std::size_t>(r)]->rings)
+      ring->release_copied();  // the lent batches' copies have run
   });
 }
 

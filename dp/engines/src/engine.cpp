@@ -41,9 +41,11 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int
     if (batch.size > 0 && !batch.targets) throw InvalidArgument("evaluation batch without targets (null pointer)");
   const std::vector<float> logits = predict(batches);
   const auto classes = static_cast<std::size_t>(model().output_features());
-  EvalTotals totals;
+  std::vector<EvalTotals> per_batch(batches.size());
   std::size_t row = 0;
-  for (const Batch& batch : batches) {
+  for (std::size_t b = 0; b < batches.size(); ++b) {
+    const Batch& batch = batches[b];
+    EvalTotals& totals = per_batch[b];
     for (int i = 0; i < batch.size; ++i, ++row) {
       const float* x = logits.data() + row * classes;
       const std::int64_t target = batch.targets[i];
@@ -60,7 +62,13 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int
       ++totals.samples;
     }
   }
-  return reduce_totals(totals);
+  return reduce_totals(per_batch);
+}
+
+EvalTotals Engine::reduce_totals(std::span<const EvalTotals> per_batch) {
+  EvalTotals total;
+  for (const EvalTotals& totals : per_batch) total += totals;
+  return total;
 }
 
 void StepLoss::State::resolve() {
@@ -117,6 +125,12 @@ std::vector<Optimizer::ParamRange> frozen_ranges(const Model& model, const std::
 std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                              const EngineOptions& options);
 
+void check_single_device(const Model& model, const EngineOptions& options) {
+  if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
+    throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
+                                      model.device().index(), fmt::join(*options.device_ids, ", ")));
+}
+
 }  // namespace
 
 std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
@@ -134,12 +148,22 @@ namespace {
 
 std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                              const EngineOptions& options) {
+  // With fixed shards every kind computes the same step (Note [fixed shards]): DDP's replicas and
+  // collectives run it; the kind keeps its launch rules (single: the model's device; single and dp:
+  // one process) and its name.
+  if (options.shards > 0 && options.kind != EngineKind::ddp) {
+    check_applies(options.kind, options);
+    EngineOptions sharded = options;
+    if (options.kind == EngineKind::single) {
+      check_single_device(model, options);
+      sharded.device_ids = std::vector<int>{model.device().index()};
+    }
+    return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, sharded, options.kind);
+  }
   switch (options.kind) {
     case EngineKind::single:
       check_applies(options.kind, options);
-      if (options.device_ids && (options.device_ids->size() != 1 || (*options.device_ids)[0] != model.device().index()))
-        throw InvalidArgument(fmt::format("single-device training runs on the model's device {}, not on [{}]",
-                                          model.device().index(), fmt::join(*options.device_ids, ", ")));
+      check_single_device(model, options);
       return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step, options.graphs);
     case EngineKind::dp: return std::make_unique<DataParallel>(runtime, model, optimizer, options);
     case EngineKind::ddp: return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, options);
@@ -163,6 +187,20 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
           kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
   }
   if (kind != EngineKind::dp && options.output_device) refuse("output_device", "dp");
+  if (options.shards < 0)
+    throw InvalidArgument(fmt::format("shards must be 0 (off) or positive, not {}", options.shards));
+  if (options.shards > 0) {
+    const auto refuse_with_shards = [&](const char* what, const char* why) {
+      throw InvalidArgument(fmt::format("{} cannot be used with shards: {}", what, why));
+    };
+    if (options.grad_reduce != GradReduce::fp32)
+      refuse_with_shards("a bf16 gradient all-reduce",
+                         "it rounds after every addition, in the collective's order, which shards keep out of the "
+                         "result");
+    if (options.sync_batchnorm)
+      refuse_with_shards("sync_batchnorm", "each shard's forward and backward runs alone, with its own statistics");
+    if (options.output_device) refuse_with_shards("output_device", "each shard's loss is taken on its own device");
+  }
   return options;
 }
 

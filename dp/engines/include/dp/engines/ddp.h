@@ -44,11 +44,17 @@ class DistributedDataParallel final : public Engine {
   // require grad; make_engine also keeps the optimizers off them.
   DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
                           const EngineOptions& options = {});
+  // make_engine's, with options.shards > 0: runs the sharded step (Note [fixed shards]) as an engine
+  // of kind `as`, whose launch rules it keeps (check_applies).
+  DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                          const EngineOptions& options, EngineKind as);
   ~DistributedDataParallel() override;
 
   // Global ranks over every process; this process's local rank r is global rank first_rank() + r.
-  int world_size() const override { return comm_->size(); }
-  int first_rank() const override { return comm_->first_rank(); }
+  // With shards (EngineOptions::shards) the data's ranks are the V shards: this process's first
+  // one is shard first_rank() and it takes batches_per_step() of them, V / size() per device.
+  int world_size() const override { return options_.shards > 0 ? options_.shards : comm_->size(); }
+  int first_rank() const override { return comm_->first_rank() * shards_per_rank_; }
   ProcessGroup& processes() const;
   const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
   Model& replica(int rank) const;
@@ -58,9 +64,10 @@ class DistributedDataParallel final : public Engine {
   // averaged over all global ranks (each rank's loss is the mean over its own batch), the same
   // value on every process. predict: each local rank's eval-mode forward of its batch, after the
   // buffer broadcast a forward does.
-  EngineKind kind() const override { return EngineKind::ddp; }
+  // With shards: the kind it was made as (make_engine runs every kind's sharded step here).
+  EngineKind kind() const override { return options_.shards > 0 ? options_.kind : EngineKind::ddp; }
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
-  int batches_per_step() const override { return group_.size(); }
+  int batches_per_step() const override { return group_.size() * shards_per_rank_; }
   using Engine::train_step;
   StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
@@ -71,7 +78,7 @@ class DistributedDataParallel final : public Engine {
   std::vector<Optimizer*> optimizers() override;
 
   // The pieces, for gradient accumulation: gradients of loss * loss_scale are accumulated; they are
-  // averaged across ranks unless inside a no_sync() scope.
+  // averaged across ranks unless inside a no_sync() scope. Not with shards (InvalidArgument).
   void zero_grad();
   float forward_backward(std::span<const Batch> batches, float loss_scale = 1.0f);
   // The optimizer's step on every rank (torch's optimizer.step()), after the gradients' all-reduce.
@@ -124,14 +131,20 @@ class DistributedDataParallel final : public Engine {
   void abort_communicators();
   void check_batches(std::span<const Batch> batches, bool training) const;
   // Rank r's whole train_step (zero_grad, forward, backward with its buckets, optimizer), enqueued.
-  void enqueue_train_step(int r, const Batch& batch, bool sync, bool broadcast, int slot);
+  void enqueue_train_step(int r, std::span<const Batch> batches, bool sync, bool broadcast, int slot);
+  // With shards: rank r's shards' forwards and backwards, the gradients' all-gather and their sum in
+  // shard order (Note [fixed shards]), enqueued on its compute stream.
+  void enqueue_sharded_forward_backward(int r, std::span<const Batch> shards, int slot);
+  // Rank r's batches of a step's `batches` (one, or its shards).
+  std::span<const Batch> batches_of(int r, std::span<const Batch> batches) const;
   // submit_step's work in its three forms (engines::StepGraphs::run picks one): every rank's step
   // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
   engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
 
-  EvalTotals reduce_totals(const EvalTotals& local) override;
+  EvalTotals reduce_totals(std::span<const EvalTotals> per_batch) override;
   DeviceGroup group_;
   EngineOptions options_;
+  int shards_per_rank_ = 1;
   std::shared_ptr<ProcessGroup> processes_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;

@@ -142,8 +142,9 @@ class Engine {
   virtual std::uint64_t graph_replays() const { return 0; }
 
  protected:
-  // evaluate()'s totals of this process's batches -> the totals of every process's.
-  virtual EvalTotals reduce_totals(const EvalTotals& local) { return local; }
+  // evaluate()'s totals, one per batch of this process -> the totals of every process's batches,
+  // added in global batch order (so that how batches are spread over processes changes no bit).
+  virtual EvalTotals reduce_totals(std::span<const EvalTotals> per_batch);
 };
 
 // The one configuration of every engine: make_engine's, and the DataParallel and
@@ -181,6 +182,11 @@ struct EngineOptions {
   // state, and DDP does not all-reduce their gradients (which are still computed). A prefix that
   // names no parameter is an InvalidArgument.
   std::vector<std::string> frozen = {};
+  // Every kind: V > 0 fixes a step's result to V shards, whatever the devices, processes and kind
+  // (Note [fixed shards], ddp.cpp): a step takes V batches, one per shard (DistributedSampler's
+  // rank = shard), each device runs its V/P shards as forwards and backwards of their own, and the
+  // gradient is the sum of the V shards' gradients in shard order. P must divide V. 0: off.
+  int shards = 0;
   // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
   // single and dp are single-process: a group of several processes is refused for them.
   std::shared_ptr<ProcessGroup> processes = {};
