@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <thread>
@@ -482,6 +483,72 @@ TEST(Ddp, BadConfigurationIsAClearError) {
 namespace dp {
 namespace {
 
+// A DDP golden's batches, step after step: one per rank, as its DistributedSampler gave them.
+class GoldenBatches {
+ public:
+  GoldenBatches(const safetensors::File& golden, int world)
+      : x_(golden.at("data.input").to_f32()),
+        y_(golden.at("data.target").to_i64()),
+        cursor_(static_cast<std::size_t>(world), 0),
+        xs_(cursor_.size()),
+        ys_(cursor_.size()) {
+    for (int r = 0; r < world; ++r) {
+      indices_.push_back(golden.at(fmt::format("rank{}.indices", r)).to_i64());
+      sizes_.push_back(golden.at(fmt::format("rank{}.batch_sizes", r)).to_i64());
+    }
+  }
+  // The next step's batches (valid until the next call).
+  std::vector<Batch> next() {
+    std::vector<Batch> batches;
+    for (std::size_t r = 0; r < cursor_.size(); ++r) {
+      const auto n = static_cast<std::size_t>(sizes_[r][step_]);
+      xs_[r].clear();
+      ys_[r].clear();
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto index = static_cast<std::size_t>(indices_[r][cursor_[r] + i]);
+        xs_[r].insert(xs_[r].end(), x_.begin() + static_cast<std::ptrdiff_t>(index * 784),
+                      x_.begin() + static_cast<std::ptrdiff_t>((index + 1) * 784));
+        ys_[r].push_back(y_[index]);
+      }
+      cursor_[r] += n;
+      batches.push_back(Batch{xs_[r].data(), ys_[r].data(), static_cast<int>(n)});
+    }
+    ++step_;
+    return batches;
+  }
+
+ private:
+  std::vector<float> x_;
+  std::vector<std::int64_t> y_;
+  std::vector<std::vector<std::int64_t>> indices_, sizes_;
+  std::vector<std::size_t> cursor_;
+  std::vector<std::vector<float>> xs_;
+  std::vector<std::vector<std::int64_t>> ys_;
+  std::size_t step_ = 0;
+};
+
+// gloo's ring adds in another order than dp's ring, and PyTorch's CPU convolution and BN sum in
+// other orders than im2col + split reductions: values agree to ~1e-6 of each tensor's scale.
+void expect_matches_golden(const safetensors::File& golden, const safetensors::File& got, const std::string& prefix,
+                           bool buffers_too) {
+  for (const auto& tensor_name : got.order) {
+    const auto& g = got.at(tensor_name);
+    const std::string key = prefix + tensor_name;
+    if (!golden.has(key)) continue;
+    const bool is_buffer =
+        tensor_name.find("running_") != std::string::npos || tensor_name.find("num_batches") != std::string::npos;
+    if (is_buffer && !buffers_too) continue;
+    if (g.dtype == "I64") {
+      EXPECT_EQ(g.to_i64(), golden.at(key).to_i64()) << key;
+      continue;
+    }
+    const auto want = golden.at(key).to_f32();
+    float scale = 0.0f;
+    for (float v : want) scale = std::max(scale, std::fabs(v));
+    EXPECT_TRUE(test::all_close(g.to_f32(), want, 1e-4, 1e-5 * scale + 1e-6)) << key;
+  }
+}
+
 // torch DistributedDataParallel over gloo (tests/golden/make_ddp_goldens.py): DistributedSampler
 // shards with the padded tail, per-rank BN statistics, rank 0's buffers, an uneven last batch.
 class DdpGolden : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
@@ -502,57 +569,17 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   options.check_replicas = true;
   DistributedDataParallel ddp(*rt, *model, sgd, options);
 
-  const auto x = golden.at("data.input").to_f32();
-  const auto y = golden.at("data.target").to_i64();
-  std::vector<std::vector<std::int64_t>> indices, sizes;
-  for (int r = 0; r < world; ++r) {
-    indices.push_back(golden.at(fmt::format("rank{}.indices", r)).to_i64());
-    sizes.push_back(golden.at(fmt::format("rank{}.batch_sizes", r)).to_i64());
-  }
-  std::vector<std::size_t> cursor(static_cast<std::size_t>(world), 0);
+  GoldenBatches data(golden, world);
   for (int k = 0; k < steps; ++k) {
     SCOPED_TRACE(fmt::format("step {}", k));
-    std::vector<std::vector<float>> xs(static_cast<std::size_t>(world));
-    std::vector<std::vector<std::int64_t>> ys(static_cast<std::size_t>(world));
-    std::vector<Batch> batches;
-    for (int r = 0; r < world; ++r) {
-      const auto n = static_cast<std::size_t>(sizes[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)]);
-      for (std::size_t i = 0; i < n; ++i) {
-        const auto index =
-            static_cast<std::size_t>(indices[static_cast<std::size_t>(r)][cursor[static_cast<std::size_t>(r)] + i]);
-        xs[static_cast<std::size_t>(r)].insert(xs[static_cast<std::size_t>(r)].end(),
-                                               x.begin() + static_cast<std::ptrdiff_t>(index * 784),
-                                               x.begin() + static_cast<std::ptrdiff_t>((index + 1) * 784));
-        ys[static_cast<std::size_t>(r)].push_back(y[index]);
-      }
-      cursor[static_cast<std::size_t>(r)] += n;
-      batches.push_back(
-          Batch{xs[static_cast<std::size_t>(r)].data(), ys[static_cast<std::size_t>(r)].data(), static_cast<int>(n)});
-    }
+    const std::vector<Batch> batches = data.next();
     const float loss = ddp.train_step(batches);
     const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
     // Same tolerance reasoning as the final state below.
     EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f);
   }
-  // gloo's ring adds in another order than dp's ring, and PyTorch's CPU convolution and BN sum in
-  // other orders than im2col + split reductions: values agree to ~1e-6 of each tensor's scale.
   auto check = [&](const safetensors::File& got, const std::string& prefix, bool buffers_too) {
-    for (const auto& tensor_name : got.order) {
-      const auto& g = got.at(tensor_name);
-      const std::string key = prefix + tensor_name;
-      if (!golden.has(key)) continue;
-      const bool is_buffer =
-          tensor_name.find("running_") != std::string::npos || tensor_name.find("num_batches") != std::string::npos;
-      if (is_buffer && !buffers_too) continue;
-      if (g.dtype == "I64") {
-        EXPECT_EQ(g.to_i64(), golden.at(key).to_i64()) << key;
-        continue;
-      }
-      const auto want = golden.at(key).to_f32();
-      float scale = 0.0f;
-      for (float v : want) scale = std::max(scale, std::fabs(v));
-      EXPECT_TRUE(test::all_close(g.to_f32(), want, 1e-4, 1e-5 * scale + 1e-6)) << key;
-    }
+    expect_matches_golden(golden, got, prefix, buffers_too);
   };
   ddp.synchronize();
   check(state_dict(ddp.replica(0), s), "final.", true);
@@ -569,6 +596,109 @@ INSTANTIATE_TEST_SUITE_P(
                       std::tuple{std::string("ddp_mlp_w2"), true}, std::tuple{std::string("ddp_resnet8_w2"), true},
                       std::tuple{std::string("ddp_resnet8_w2"), false}),
     [](const auto& info) { return std::get<0>(info.param) + (std::get<1>(info.param) ? "_broadcast" : "_local"); });
+
+}  // namespace
+}  // namespace dp
+
+namespace dp {
+namespace {
+
+// Fixed shards (EngineOptions::shards = R) are DataParallel over R devices, which is what torch's
+// DDP over R ranks without buffer broadcast computes (each rank's BatchNorm over its own batch,
+// rank 0's running statistics, the mean of the ranks' gradients): every kind, on every device
+// count that divides R, matches the golden, and all of them give the same bits.
+class ShardsGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit) {
+  const auto golden = safetensors::read(test::golden_path(GetParam()));
+  const int shards = std::stoi(golden.metadata.at("world_size"));
+  const int steps = std::stoi(golden.metadata.at("steps"));
+  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
+                       std::stof(golden.metadata.at("weight_decay")), false};
+  std::vector<std::pair<EngineKind, int>> runs = {{EngineKind::single, 1}};
+  for (const EngineKind kind : {EngineKind::dp, EngineKind::ddp})
+    for (int devices = 1; devices <= shards; ++devices)
+      if (shards % devices == 0) runs.emplace_back(kind, devices);
+  std::vector<std::pair<std::string, std::vector<float>>> first;
+  for (const auto& [kind, devices] : runs) {
+    SCOPED_TRACE(fmt::format("{} on {} device(s)", to_string(kind), devices));
+    auto rt = test::sim_runtime(devices);
+    auto model = test::golden_model(golden, rt->device(0));
+    Stream s = rt->device(0).create_stream();
+    load_state_dict(*model, s, golden, "init.");
+    EngineOptions options;
+    options.kind = kind;
+    options.shards = shards;
+    options.graphs = true;
+    auto engine = make_engine(*rt, *model, sgd, options);
+    EXPECT_EQ(engine->kind(), kind);
+    EXPECT_EQ(engine->world_size(), shards);
+    ASSERT_EQ(engine->batches_per_step(), shards);
+    GoldenBatches data(golden, shards);
+    for (int k = 0; k < steps; ++k) {
+      const float loss = engine->train_step(data.next());
+      const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
+      EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
+    }
+    engine->synchronize();
+    const auto got = state_dict(engine->model(), s);
+    expect_matches_golden(golden, got, "final.", true);
+    std::vector<std::pair<std::string, std::vector<float>>> values;
+    for (const auto& name : got.order)
+      if (got.at(name).dtype != "I64") values.emplace_back(name, got.at(name).to_f32());
+    if (first.empty()) first = values;
+    ASSERT_EQ(values.size(), first.size());
+    for (std::size_t t = 0; t < values.size(); ++t)
+      EXPECT_EQ(0,
+                std::memcmp(values[t].second.data(), first[t].second.data(), values[t].second.size() * sizeof(float)))
+          << values[t].first << " differs from the single-device run's bits";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, ShardsGolden, ::testing::Values("ddp_convnet_w3", "ddp_mlp_w2", "ddp_resnet8_w2"));
+
+// What fixed shards cannot be combined with, or spread over, is refused naming it.
+TEST(Shards, RefusalsNameTheProblem) {
+  auto rt = test::sim_runtime(4);
+  auto model = models::make_mlp(rt->device(0), {16});
+  const SgdOptions sgd{0.1f, 0.0f, 0.0f, false};
+  const auto refusal = [&](EngineOptions options) -> std::string {
+    try {
+      make_engine(*rt, *model, sgd, options);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  EngineOptions options;
+  options.kind = EngineKind::ddp;
+  options.shards = 6;
+  options.device_ids = std::vector<int>{0, 1, 2, 3};
+  EXPECT_NE(refusal(options).find("6 shards cannot be spread evenly over 4 device(s)"), std::string::npos)
+      << refusal(options);
+  options.shards = 4;
+  options.grad_reduce = GradReduce::bf16;
+  EXPECT_NE(refusal(options).find("a bf16 gradient all-reduce cannot be used with shards"), std::string::npos);
+  options.grad_reduce = GradReduce::fp32;
+  options.sync_batchnorm = true;
+  EXPECT_NE(refusal(options).find("sync_batchnorm cannot be used with shards"), std::string::npos);
+  options.sync_batchnorm = false;
+  options.kind = EngineKind::dp;
+  options.output_device = 1;
+  EXPECT_NE(refusal(options).find("output_device cannot be used with shards"), std::string::npos);
+  options.output_device.reset();
+  options.shards = -1;
+  EXPECT_NE(refusal(options).find("shards must be 0 (off) or positive"), std::string::npos);
+  options.shards = 4;
+  auto engine = make_engine(*rt, *model, sgd, options);
+  std::vector<float> x(4 * 784, 0.5f);
+  std::vector<std::int64_t> y = {1, 2, 3, 4};
+  std::vector<Batch> uneven;
+  for (int i = 0; i < 4; ++i) uneven.push_back(Batch{x.data(), y.data(), i == 3 ? 1 : 2});
+  EXPECT_THROW(engine->train_step(uneven), InvalidArgument) << "shards of a step must be the same size";
+  uneven.pop_back();
+  EXPECT_THROW(engine->train_step(uneven), InvalidArgument) << "a batch per shard";
+}
 
 }  // namespace
 }  // namespace dp
