@@ -171,10 +171,11 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
 }
 
 // Two env:// processes of 2 simulated devices write the checkpoint of one process of 4, byte for
-// byte, with and without SyncBatchNorm; a bad file on one stops both within seconds; a process that
-// never starts ends the other after the timeout, naming it.
+// byte, with and without SyncBatchNorm, and with fixed shards; a bad file on one stops both within seconds; a process
+// that never starts ends the other after the timeout, naming it.
 TEST_F(EnvTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
-  for (const std::string model : {"--model mlp --hidden 32", "--model convnet --sync-bn"}) {
+  for (const std::string model :
+       {"--model mlp --hidden 32", "--model convnet --sync-bn", "--model convnet --shards 8 --graphs off"}) {
     SCOPED_TRACE(model);
     const std::string common =
         model + " --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.01 --seed 7 --steps 6 --log-every 1";

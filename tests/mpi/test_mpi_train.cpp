@@ -56,7 +56,8 @@ class MpiTrain : public dp::test::ToolTest {
 
 TEST_F(MpiTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   const std::string models[] = {"--model mlp --hidden 64,32 --dropout 0.2", "--model convnet",
-                                "--model convnet --sync-bn", "--model convnet --optimizer adamw --sync-bn"};
+                                "--model convnet --sync-bn", "--model convnet --optimizer adamw --sync-bn",
+                                "--model resnet8 --shards 4"};
   for (const std::string& model : models) {
     SCOPED_TRACE(model);
     const std::string common = fmt::format(

@@ -263,6 +263,93 @@ TEST_F(TrainTest, ResumeIsBitExactInEveryMode) {
     }
 }
 
+// --shards V: on any device count dividing V, in every mode, with graphs on and off, the same
+// checkpoint tensors byte for byte, the same losses and the same test totals (each test sample
+// counted once, equal to a one-device --eval-only); a checkpoint resumes on another device count
+// and mode and continues the same trajectory; resuming with another V is refused naming both.
+TEST_F(TrainTest, ShardsMakeTheDeviceCountADeploymentDetail) {
+  write_idx("data", 96);
+  write_idx("data", 29, 28, 28, 0x803, -1, 0, "t10k");  // 29 test samples: 12 shards of 2 or 3
+  const auto tensors_equal = [&](const std::string& a_path, const std::string& b_path) {
+    const auto a = dp::safetensors::read(a_path), b = dp::safetensors::read(b_path);
+    ASSERT_EQ(a.order, b.order);
+    for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs";
+  };
+  // Every record but its timings and the mode's own setting (ddp's gradient all-reduce).
+  const auto records = [&](const std::string& json) {
+    std::vector<nlohmann::json> out;
+    std::istringstream in(read_file(json));
+    for (std::string line; std::getline(in, line);) {
+      auto record = nlohmann::json::parse(line);
+      for (const char* key : {"elapsed_s", "eta_s", "samples_per_s", "seconds", "grad_reduce"}) record.erase(key);
+      out.push_back(record);
+    }
+    return out;
+  };
+  for (const std::string model : {"--model mlp --hidden 16 --dropout 0.25", "--model convnet", "--model resnet8"}) {
+    SCOPED_TRACE(model);
+    const std::string common = model + " --backend sim --data " + path("data") +
+                               " --batch-size 2 --shards 12 --seed 5 --lr 0.02 --momentum 0.9 --log-every 1";
+    const Result one =
+        run(common + " --steps 6 --mode single --save " + path("one.st") + " --metrics-json " + path("one.json"));
+    ASSERT_EQ(one.code, 0) << one.output;
+    const auto expected = records(path("one.json"));
+    ASSERT_EQ(expected.size(), 8u) << "6 steps and two epochs (4 steps each), with their test totals";
+    EXPECT_EQ(expected.back().at("test_samples"), 29);
+    for (const auto& [mode, devices, graphs] :
+         {std::tuple{"single", 1, "off"}, std::tuple{"dp", 2, "on"}, std::tuple{"dp", 3, "off"},
+          std::tuple{"ddp", 4, "on"}, std::tuple{"ddp", 6, "off"}, std::tuple{"dp", 12, "on"}}) {
+      SCOPED_TRACE(fmt::format("{} x{} graphs {}", mode, devices, graphs));
+      std::filesystem::remove(path("p.json"));
+      const Result r = run(fmt::format("{} --steps 6 --mode {} --devices {} --graphs {} --save {} --metrics-json {}",
+                                       common, mode, devices, graphs, path("p.st"), path("p.json")));
+      ASSERT_EQ(r.code, 0) << r.output;
+      tensors_equal(path("one.st"), path("p.st"));
+      EXPECT_EQ(records(path("p.json")), expected);
+    }
+    // 3 steps on 4 devices, then 3 more on 3 devices, on 1 and under dp: 6 steps on 6 devices.
+    ASSERT_EQ(run(common + " --steps 3 --mode ddp --devices 4 --save " + path("half.st")).code, 0);
+    ASSERT_EQ(run(common + " --steps 6 --mode ddp --devices 6 --save " + path("six.st")).code, 0);
+    tensors_equal(path("one.st"), path("six.st"));
+    for (const std::string where : {"--mode ddp --devices 3", "--mode single", "--mode dp --devices 2"}) {
+      SCOPED_TRACE(where);
+      const Result resumed = run(fmt::format("--backend sim --data {} --resume {} --steps 6 {} --save {}", path("data"),
+                                             path("half.st"), where, path("resumed.st")));
+      ASSERT_EQ(resumed.code, 0) << resumed.output;
+      EXPECT_NE(resumed.output.find("--shards 12"), std::string::npos) << "taken from the checkpoint";
+      tensors_equal(path("six.st"), path("resumed.st"));
+    }
+    // The test totals of a one-device --eval-only: with --shards 12 bit for bit.
+    for (const std::string shards : {"--shards 12", ""}) {
+      std::filesystem::remove(path("eval.json"));
+      const Result evaluated =
+          run(fmt::format("--eval-only --init {} --backend sim --data {} --batch-size 2 {} "
+                          "--metrics-json {}",
+                          path("one.st"), path("data"), shards, path("eval.json")));
+      ASSERT_EQ(evaluated.code, 0) << evaluated.output;
+      const auto totals = records(path("eval.json")).back();
+      EXPECT_EQ(totals.at("test_samples"), 29);
+      EXPECT_EQ(totals.at("test_accuracy"), expected.back().at("test_accuracy")) << shards;
+      // Without shards the same per-sample losses are added in another order (the last bits of a double).
+      if (shards.empty())
+        EXPECT_NEAR(totals.at("test_loss").get<double>(), expected.back().at("test_loss").get<double>(), 1e-12);
+      else
+        EXPECT_EQ(totals.at("test_loss"), expected.back().at("test_loss"));
+    }
+  }
+  const Result other =
+      run(fmt::format("--backend sim --data {} --resume {} --steps 6 --shards 6 --mode ddp --devices 3", path("data"),
+                      path("half.st")));
+  EXPECT_EQ(other.code, 2) << other.output;
+  EXPECT_NE(other.output.find("--shards 6: the checkpoint " + path("half.st") + " was saved with --shards 12"),
+            std::string::npos)
+      << other.output;
+  const Result uneven = run("--backend sim --synthetic 64 --batch-size 2 --shards 12 --mode ddp --devices 5 --steps 1");
+  EXPECT_EQ(uneven.code, 2) << uneven.output;
+  EXPECT_NE(uneven.output.find("12 shards cannot be spread evenly over 5 device(s)"), std::string::npos)
+      << uneven.output;
+}
+
 // --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
 // is not given again (as the other run settings that only a resume takes from the checkpoint).
 TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {
