@@ -490,6 +490,42 @@ EOF
     if [ $speed_rc -eq 0 ]; then v=PASS; else v=FAIL; fi
     row bench "$check" $v "$(tail -1 <<<"$rates")" "$(since "$start")"
   fi
+
+  # ---- 8. fixed shards (--shards 4): ConvNet on 1, 2 and 4 dp devices of the GPU(s), ddp and dp, writes
+  # the same tensor bytes (every device runs each shard with the same shapes, so with the same cuBLAS and
+  # cuDNN plans). 4 dp_train runs of ~8 s on the GPU (estimate); 1 s on sim here.
+  echo "== dp_train --shards 4: 1, 2 and 4 devices, the same bits"
+  check="dp_train --shards 4: same bits on 1/2/4"
+  if fits compare "$check" 35; then
+    jsonw running "$check"
+    start=$EPOCHREALTIME
+    shards_rc=0
+    for run in "single 1" "ddp 2" "dp 2" "ddp 4"; do
+      set -- $run
+      per_gpu=1
+      [ "$2" -gt "$gpus" ] && per_gpu=$2
+      tmo "$(cap 60)" "$train" --backend "$device" --devices-per-gpu "$per_gpu" --model convnet --mode "$1" \
+        --devices "$2" --shards 4 --synthetic 256 --batch-size 8 --steps 4 --lr 0.01 --no-shuffle \
+        --save "$work/shards_$1_$2.st" > "$work/shards_$1_$2.txt" 2>&1 || shards_rc=1
+      cp "$work/shards_$1_$2.txt" "$out/gpu-check-shards-$1-$2.txt"
+    done
+    detail=$(timeout 30 python3 - "$work"/shards_single_1.st "$work"/shards_ddp_2.st "$work"/shards_dp_2.st \
+      "$work"/shards_ddp_4.st 2>&1 <<'EOF'
+import json, struct, sys
+def tensors(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n]); header.pop("__metadata__", None)
+    return {k: data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in header.items()}
+first = tensors(sys.argv[1])
+bad = ["%s: %s" % (p.rsplit("/", 1)[-1], ", ".join(k for k in first if tensors(p).get(k) != first[k])[:200])
+       for p in sys.argv[2:] if tensors(p) != first]
+print(("bad " + "; ".join(bad)) if bad else "ok %d tensors equal on 1, 2 and 4 devices" % len(first))
+EOF
+) || shards_rc=1
+    if [ $shards_rc -eq 0 ] && [[ $detail == ok\ * ]]; then v=PASS; else v=FAIL; fi
+    row compare "$check" $v "${detail#* }" "$(since "$start")"
+  fi
 fi
 
 # ---- the verdict (the rows above, and the JSON)
