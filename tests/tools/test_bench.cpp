@@ -423,6 +423,33 @@ TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
               0.01 * conv32.at("loss_last").get<double>());
 }
 
+// --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named
+// "mode/V"); ddp is also measured without shards in the same run, and a line gives the ratio. With
+// V = P the sharded ddp step all-gathers V gradients: each device receives (V - 1) gradient copies.
+TEST(Bench, ShardsAreMeasuredAgainstPlainDdp) {
+  TempDir dir("shards");
+  const auto json_path = dir / "report.json";
+  const Result r =
+      run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp --modes single,ddp --batch-size 4 "
+                                 "--steps 2 --warmup 1 --shards 2 --json '{}'",
+                                 json_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("mlp      ddp/2 costs "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("x plain ddp's time per sample (global batches 8 and 8)"), std::string::npos) << r.out;
+  const json report = json::parse(read_file(json_path));
+  const json& single = find_run(report, "mlp", "single/2");
+  const json& plain = find_run(report, "mlp", "ddp");
+  const json& sharded = find_run(report, "mlp", "ddp/2");
+  EXPECT_EQ(single.at("global_batch"), 8);
+  EXPECT_EQ(plain.at("global_batch"), 8);
+  EXPECT_EQ(sharded.at("global_batch"), 8);
+  // Equal data, and the same step: the same losses.
+  EXPECT_EQ(sharded.at("loss_last"), single.at("loss_last"));
+  const auto params = u64(plain.at("param_count"));
+  for (std::size_t d = 0; d < 2; ++d)
+    EXPECT_GE(u64(sharded.at("per_device")[d].at("bytes_received")), 4 * params) << "device " << d;
+}
+
 // --broadcast-buffers off (DistributedDataParallel(broadcast_buffers=False)): a DDP step of the
 // ConvNet no longer sends its BatchNorm buffers from rank 0, so rank 0 sends exactly their bytes
 // less per step (the other ranks receive them, and send nothing more, in a broadcast's chain of 2),
