@@ -217,6 +217,7 @@ struct SharedOptions {
   std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
   std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
   int shards = 0;                    // every mode: a step's result fixed to this many shards; 0: off
+  double clip_grad_norm = 0.0;       // every mode: clip_grad_norm_(max_norm) before each update; 0: off
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -309,6 +310,15 @@ FlagGroup<O> shared_flags() {
            .saved = Saved::on_resume,
            .structural = true,
            .engine = [](const O& o, dp::EngineOptions& e) { e.shards = o.shards; },
+           .per_epoch = true},
+          {.name = "--clip-grad-norm",
+           .value = number<O>(&O::clip_grad_norm, kNonNegative, "MAX"),
+           .help = "scale the gradients so that their total L2 norm is at most MAX, before each optimizer step "
+                   "(on the device, no host sync)",
+           .torch = "torch.nn.utils.clip_grad_norm_(model.parameters(), MAX)",
+           .default_text = "0 (off)",
+           .saved = Saved::on_resume,
+           .engine = [](const O& o, dp::EngineOptions& e) { e.step.clip_grad_norm = o.clip_grad_norm; },
            .per_epoch = true},
           {.name = "--optimizer",
            .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),

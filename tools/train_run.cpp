@@ -972,15 +972,15 @@ int TrainLoop::finish(Submitted& step) {
 
 void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   const double rate = static_cast<double>(samples_since_log_) / since_log_.seconds();
+  // --clip-grad-norm: the step's norm before clipping (a wait for the step's update: at log lines only).
+  const std::optional<float> grad_norm = engine_.last_grad_norm();
   const std::string line =
-      fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr, rate);
-  metrics_.write({{"kind", "step"},
-                  {"step", s + 1},
-                  {"epoch", epoch + 1},
-                  {"loss", loss_},
-                  {"lr", lr},
-                  {"samples_per_s", rate},
-                  {"elapsed_s", since(t0_)}});
+      fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g}{} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr,
+                  grad_norm ? fmt::format(" grad-norm {:.4g}", *grad_norm) : "", rate);
+  nlohmann::json record = {{"kind", "step"},          {"step", s + 1}, {"epoch", epoch + 1}, {"loss", loss_},
+                           {"lr", lr},                {"samples_per_s", rate}, {"elapsed_s", since(t0_)}};
+  if (grad_norm) record["grad_norm"] = *grad_norm;
+  metrics_.write(record);
   if (terminal_) {
     say("\r{}", line);
     if (last) say("\n");

@@ -71,4 +71,18 @@ void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plan
                            StoreSum{out, beta}, {operand(x, count * channels), operand(out, channels)});
 }
 
+void sum_of_squares(const Stream& stream, index_t n, const float* x, float* out) {
+  launch_row_reduce<float>(stream, "sum_of_squares", 1, n, SquareElement{x}, StoreSum{out, 0.0f},
+                           {operand(x, n), operand(out, 1)});
+}
+
+void clip_coefficient(const Stream& stream, index_t count, const float* squares, float max_norm, float* norm_coef) {
+  launch(stream, "clip_coefficient", 1, ClipCoefficient{squares, count, max_norm, norm_coef},
+         {operand(squares, count), operand(norm_coef, 2)});
+}
+
+void scale_by(const Stream& stream, index_t n, const float* factor, float* x) {
+  launch(stream, "scale_by", n, ScaleBy{factor, x}, {operand(factor, 1), operand(x, n)});
+}
+
 }  // namespace dp::kernels

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <optional>
+#include <span>
 #include <thread>
 #include <utility>
 
@@ -483,6 +485,25 @@ TEST(Ddp, BadConfigurationIsAClearError) {
 namespace dp {
 namespace {
 
+// The golden's clip_grad_norm_ max_norm (0: it did not clip).
+double golden_clip(const safetensors::File& golden) {
+  const auto it = golden.metadata.find("clip_max_norm");
+  return it == golden.metadata.end() ? 0.0 : std::stod(it->second);
+}
+
+// The total norm torch's clip_grad_norm_ returned at step k (the same tolerance as the losses: the
+// gradients it sums come from other summation orders), where the golden clipped.
+void expect_golden_norm(const safetensors::File& golden, int k, std::optional<float> got) {
+  if (golden_clip(golden) == 0.0) {
+    EXPECT_FALSE(got.has_value());
+    return;
+  }
+  ASSERT_TRUE(got.has_value());
+  const float want = golden.at(fmt::format("step{}.grad_norm", k)).to_f32()[0];
+  EXPECT_GT(want, golden_clip(golden)) << "step " << k << " does not clip";
+  EXPECT_NEAR(*got, want, 1e-5f * want) << "step " << k;
+}
+
 // A DDP golden's batches, step after step: one per rank, as its DistributedSampler gave them.
 class GoldenBatches {
  public:
@@ -567,6 +588,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   EngineOptions options;
   options.broadcast_buffers = broadcast_buffers;
   options.check_replicas = true;
+  options.step.clip_grad_norm = golden_clip(golden);
   DistributedDataParallel ddp(*rt, *model, sgd, options);
 
   GoldenBatches data(golden, world);
@@ -577,6 +599,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
     const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
     // Same tolerance reasoning as the final state below.
     EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f);
+    expect_golden_norm(golden, k, ddp.last_grad_norm());
   }
   auto check = [&](const safetensors::File& got, const std::string& prefix, bool buffers_too) {
     expect_matches_golden(golden, got, prefix, buffers_too);
@@ -594,7 +617,9 @@ INSTANTIATE_TEST_SUITE_P(
     PyTorch, DdpGolden,
     ::testing::Values(std::tuple{std::string("ddp_convnet_w3"), true}, std::tuple{std::string("ddp_convnet_w3"), false},
                       std::tuple{std::string("ddp_mlp_w2"), true}, std::tuple{std::string("ddp_resnet8_w2"), true},
-                      std::tuple{std::string("ddp_resnet8_w2"), false}),
+                      std::tuple{std::string("ddp_resnet8_w2"), false},
+                      std::tuple{std::string("ddp_mlp_w2_clip"), true},
+                      std::tuple{std::string("ddp_convnet_w3_clip"), false}),
     [](const auto& info) { return std::get<0>(info.param) + (std::get<1>(info.param) ? "_broadcast" : "_local"); });
 
 }  // namespace
@@ -630,6 +655,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
     options.kind = kind;
     options.shards = shards;
     options.graphs = true;
+    options.step.clip_grad_norm = golden_clip(golden);
     auto engine = make_engine(*rt, *model, sgd, options);
     EXPECT_EQ(engine->kind(), kind);
     EXPECT_EQ(engine->world_size(), shards);
@@ -639,6 +665,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
       const float loss = engine->train_step(data.next());
       const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
       EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
+      expect_golden_norm(golden, k, engine->last_grad_norm());
     }
     engine->synchronize();
     const auto got = state_dict(engine->model(), s);
@@ -655,7 +682,62 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(PyTorch, ShardsGolden, ::testing::Values("ddp_convnet_w3", "ddp_mlp_w2", "ddp_resnet8_w2"));
+INSTANTIATE_TEST_SUITE_P(PyTorch, ShardsGolden,
+                         ::testing::Values("ddp_convnet_w3", "ddp_mlp_w2", "ddp_resnet8_w2", "ddp_mlp_w2_clip",
+                                           "ddp_convnet_w3_clip"),
+                         [](const auto& info) { return info.param; });
+
+// DataParallel over R devices, fed the ranks' batches one after another as its global batch (so
+// chunk r is rank r's batch, with its own BatchNorm statistics), is torch's DDP over R ranks
+// without buffer broadcast; and for a model without BatchNorm so is one device on that batch.
+// With clip_grad_norm_, graphs on: the norms and the clipped run as torch's.
+class DataParallelGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DataParallelGolden, DataParallelAndOneDeviceMatchPyTorch) {
+  const auto golden = safetensors::read(test::golden_path(GetParam()));
+  const int world = std::stoi(golden.metadata.at("world_size"));
+  const int steps = std::stoi(golden.metadata.at("steps"));
+  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
+                       std::stof(golden.metadata.at("weight_decay")), false};
+  const bool batchnorm = golden.metadata.at("model") != "mlp";
+  for (const EngineKind kind : {EngineKind::dp, EngineKind::single}) {
+    if (kind == EngineKind::single && batchnorm) continue;  // one device's statistics are the whole batch's
+    SCOPED_TRACE(to_string(kind));
+    auto rt = test::sim_runtime(world);
+    auto model = test::golden_model(golden, rt->device(0));
+    Stream s = rt->device(0).create_stream();
+    load_state_dict(*model, s, golden, "init.");
+    EngineOptions options;
+    options.kind = kind;
+    options.graphs = true;
+    options.step.clip_grad_norm = golden_clip(golden);
+    auto engine = make_engine(*rt, *model, sgd, options);
+    GoldenBatches data(golden, world);
+    std::vector<float> x;
+    std::vector<std::int64_t> y;
+    for (int k = 0; k < steps; ++k) {
+      x.clear();
+      y.clear();
+      int size = 0;
+      for (const Batch& b : data.next()) {
+        x.insert(x.end(), b.inputs, b.inputs + static_cast<std::ptrdiff_t>(b.size) * 784);
+        y.insert(y.end(), b.targets, b.targets + b.size);
+        size += b.size;
+      }
+      const Batch global{x.data(), y.data(), size};
+      const float loss = engine->train_step(std::span<const Batch>(&global, 1));
+      const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
+      EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
+      expect_golden_norm(golden, k, engine->last_grad_norm());
+    }
+    engine->synchronize();
+    expect_matches_golden(golden, state_dict(engine->model(), s), "final.", true);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, DataParallelGolden,
+                         ::testing::Values("ddp_convnet_w3", "ddp_mlp_w2", "ddp_mlp_w2_clip", "ddp_convnet_w3_clip"),
+                         [](const auto& info) { return info.param; });
 
 // What fixed shards cannot be combined with, or spread over, is refused naming it.
 TEST(Shards, RefusalsNameTheProblem) {

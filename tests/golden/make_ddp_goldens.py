@@ -51,7 +51,12 @@ CASES = OrderedDict([
     ("ddp_convnet_w3", ("convnet", None, 3, 20, 4, 3, 301)),
     ("ddp_mlp_w2",     ("mlp", [32, 17], 2, 13, 3, 4, 302)),
     ("ddp_resnet8_w2", ("resnet8", None, 2, 14, 4, 3, 303)),
+    ("ddp_mlp_w2_clip",     ("mlp", [32, 17], 2, 13, 3, 4, 304)),
+    ("ddp_convnet_w3_clip", ("convnet", None, 3, 20, 4, 3, 305)),
 ])
+# torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm) between backward and step, for these
+# cases: a max_norm under every step's norm, so that every step clips (the files record the norms).
+CLIP = {"ddp_mlp_w2_clip": 0.25, "ddp_convnet_w3_clip": 0.25}
 
 
 def new_model(kind, hidden):
@@ -143,6 +148,8 @@ def _worker(rank, name, init_sd, X, Y, port, tmpdir):
             opt.zero_grad()
             loss.backward()
             res["grads"].append(OrderedDict((k, mg.snap(p.grad)) for k, p in model.named_parameters()))
+            if name in CLIP:
+                res.setdefault("norms", []).append(mg.snap(nn.utils.clip_grad_norm_(ddp.parameters(), CLIP[name])))
             opt.step()
             res["indices"].append(idx.clone())
             res["losses"].append(mg.snap(loss))
@@ -192,6 +199,9 @@ def run_case(name):
         out[f"step{k}.loss_avg"] = torch.stack([res["losses"][k] for res in ranks]).mean()
     for pn, g in ranks[0]["grads"][0].items():
         out[f"step0.grad.{pn}"] = g
+    if name in CLIP:
+        for k in range(steps):
+            out[f"step{k}.grad_norm"] = ranks[0]["norms"][k]
     for k, v in ranks[0]["final"].items():
         out[f"final.{k}"] = v
     for r in range(1, world):
@@ -217,6 +227,8 @@ def run_case(name):
         ("seed", str(seed)),
         ("torch", torch.__version__),
     ])
+    if name in CLIP:
+        meta["clip_max_norm"] = repr(CLIP[name])
     return out, meta, ranks
 
 
@@ -328,6 +340,8 @@ def emulate(f, meta, exact=True):
                 avg[pn] = acc / world
         for pn, p in pdict.items():
             p.grad = avg[pn].clone()
+        if "clip_max_norm" in meta:
+            nn.utils.clip_grad_norm_(master.parameters(), float(meta["clip_max_norm"]))
         opt.step()
         losses.append(lk)
         grads.append(avg)

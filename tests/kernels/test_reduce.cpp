@@ -267,6 +267,33 @@ TEST_F(ReduceSimTest, CrossEntropyMeanUsesThePlan) {
   EXPECT_TRUE(same_bits(test::download<float>(stream_, loss), want));
 }
 
+// clip_grad_norm_ on the sim: a tensor's squared norm is the plan's sum of x^2; the total norm is
+// sqrt(sum of the tensors' squared norms); the coefficient clamps at 1, and a NaN norm gives a NaN
+// coefficient (torch.clamp keeps NaN), so the gradients become NaN as torch's do.
+TEST_F(ReduceSimTest, GradientClippingKernels) {
+  const std::vector<float> g = {3.0f, 4.0f, 0.0f, 12.0f};  // tensors {3, 4} (norm 5) and {0, 12} (norm 12)
+  DeviceBuffer dg = test::upload(device_, stream_, g);
+  DeviceBuffer squares = device_.allocate(2 * sizeof(float)), norm_coef = device_.allocate(2 * sizeof(float));
+  kernels::sum_of_squares(stream_, 2, dg.as<float>(), squares.as<float>());
+  kernels::sum_of_squares(stream_, 2, dg.as<float>() + 2, squares.as<float>() + 1);
+  kernels::clip_coefficient(stream_, 2, squares.as<float>(), 6.5f, norm_coef.as<float>());
+  kernels::scale_by(stream_, 4, norm_coef.as<float>() + 1, dg.as<float>());
+  EXPECT_EQ(test::download<float>(stream_, squares), (std::vector<float>{25.0f, 144.0f}));
+  const auto nc = test::download<float>(stream_, norm_coef);
+  EXPECT_EQ(nc[0], 13.0f);
+  EXPECT_EQ(nc[1], 6.5f / (13.0f + 1e-6f));
+  const auto clipped = test::download<float>(stream_, dg);
+  for (std::size_t i = 0; i < g.size(); ++i) EXPECT_EQ(clipped[i], nc[1] * g[i]) << i;
+  kernels::clip_coefficient(stream_, 2, squares.as<float>(), 100.0f, norm_coef.as<float>());
+  EXPECT_EQ(test::download<float>(stream_, norm_coef)[1], 1.0f) << "a norm under max_norm: the coefficient is 1";
+  const std::vector<float> nan = {std::nanf(""), 1.0f};
+  DeviceBuffer dn = test::upload(device_, stream_, nan);
+  kernels::sum_of_squares(stream_, 2, dn.as<float>(), squares.as<float>());
+  kernels::clip_coefficient(stream_, 1, squares.as<float>(), 1.0f, norm_coef.as<float>());
+  const auto nan_coef = test::download<float>(stream_, norm_coef);
+  EXPECT_TRUE(std::isnan(nan_coef[0]) && std::isnan(nan_coef[1]));
+}
+
 // ------------------------------------------------------------------------------------------------
 // cuda against sim, bit for bit (GPU machines only)
 
@@ -392,6 +419,28 @@ TEST(ReduceCudaMatchesSim, ElementwiseFunctors) {
                                            test::download<float>(stream, relu), test::download<float>(stream, drelu)};
   };
   expect_same_bits(run_on(*gpu, body), run_on(*sim, body));
+}
+
+// clip_grad_norm_'s kernels: the per-tensor sums of squares (the plan), the coefficient (sqrtf is
+// correctly rounded on both) and the scaling, bit for bit; and a gradient that clips and one that does not.
+TEST(ReduceCudaMatchesSim, GradientClipping) {
+  DP_RUNTIME_OR_SKIP(gpu, "cuda", 1);
+  auto sim = test::sim_runtime(1);
+  const std::size_t n = 100003, m = 517;
+  const auto g = test::random_vector(n + m, 43, -2.0f, 2.0f);
+  for (const float max_norm : {1.0f, 1e6f}) {
+    auto body = [&](Device& device, Stream& stream) {
+      DeviceBuffer dg = test::upload(device, stream, g);
+      DeviceBuffer squares = device.allocate(2 * sizeof(float)), norm_coef = device.allocate(2 * sizeof(float));
+      kernels::sum_of_squares(stream, static_cast<index_t>(n), dg.as<float>(), squares.as<float>());
+      kernels::sum_of_squares(stream, static_cast<index_t>(m), dg.as<float>() + n, squares.as<float>() + 1);
+      kernels::clip_coefficient(stream, 2, squares.as<float>(), max_norm, norm_coef.as<float>());
+      kernels::scale_by(stream, static_cast<index_t>(n + m), norm_coef.as<float>() + 1, dg.as<float>());
+      return std::vector<std::vector<float>>{test::download<float>(stream, squares),
+                                             test::download<float>(stream, norm_coef), test::download<float>(stream, dg)};
+    };
+    expect_same_bits(run_on(*gpu, body), run_on(*sim, body));
+  }
 }
 
 // Cross-entropy: its mean is a reduction of the plan, but its terms use expf / logf, whose CUDA

@@ -423,6 +423,31 @@ TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
               0.01 * conv32.at("loss_last").get<double>());
 }
 
+// --clip-grad-norm: clip_grad_norm_ runs on the device inside the step, so a step waits on the host
+// no more often than without it, with graphs replaying (one launch) or eagerly (its kernels added).
+TEST(Bench, ClippingAddsNoHostSync) {
+  TempDir dir("clip");
+  for (const std::string graphs : {"on", "off"}) {
+    SCOPED_TRACE("graphs " + graphs);
+    RunsPerValue runs;
+    ASSERT_NO_FATAL_FAILURE(run_bench_per_value(dir,
+                                                "--backend sim --devices 2 --models mlp,convnet --modes single,dp,ddp "
+                                                "--batch-size 4 --steps 3 --warmup 2 --graphs " +
+                                                    graphs,
+                                                "clip-grad-norm", {"0", "0.5"}, runs));
+    for (const std::string model : {"mlp", "convnet"})
+      for (const std::string mode : {"single", "dp", "ddp"}) {
+        const json& plain = find_run(runs.reports["0"], model, mode);
+        const json& clipped = find_run(runs.reports["0.5"], model, mode);
+        EXPECT_EQ(clipped.at("host_syncs_per_step"), plain.at("host_syncs_per_step")) << model << " " << mode;
+        if (graphs == "off") {
+          EXPECT_GT(clipped.at("launches_per_step").get<double>(), plain.at("launches_per_step").get<double>())
+              << model << " " << mode << ": the clipping kernels run";
+        }
+      }
+  }
+}
+
 // --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named
 // "mode/V"); ddp is also measured without shards in the same run, and a line gives the ratio. With
 // V = P the sharded ddp step all-gathers V gradients: each device receives (V - 1) gradient copies.

@@ -57,6 +57,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   output_rank_ = static_cast<int>(it - ids.begin());
   loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_), options.step.label_smoothing);
   seed_ = options.step.seed;
+  if (options.step.clip_grad_norm > 0.0)
+    clipper_ = std::make_unique<GradNormClipper>(module.device(), options.step.clip_grad_norm);
   models_ = std::make_unique<engines::Replicas>(module, group_);
   Device& source = group_.device(0);
   for (int rank = 0; rank < group_.size(); ++rank) {
@@ -92,6 +94,12 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
 }
 
 std::uint64_t DataParallel::graph_replays() const { return graphs_->replays(); }
+
+std::optional<float> DataParallel::last_grad_norm() {
+  if (!clipper_) return std::nullopt;
+  synchronize();
+  return clipper_->last_norm();
+}
 std::uint64_t DataParallel::staging_growths() const {
   std::uint64_t growths = targets_ring_->growths();
   for (const auto& replica : replicas_) growths += replica->ring.growths();
@@ -398,6 +406,8 @@ void DataParallel::enqueue_reduce_and_update(int used) {
   // An output device without a chunk ends with the loss: the source joins it there too.
   if (output_rank_ >= used) source.stream.wait(grad_output_ready_);
   mark(time_phases_, source.stream, reduce_end_);
+  // The source holds the reduced gradients: clip_grad_norm_ on the module, as torch's loop calls it.
+  if (clipper_) clipper_->clip(source.stream, module_, *optimizer_, module_.grads_flat());
   optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
   mark(time_phases_, source.stream, update_end_);
 }

@@ -9,6 +9,7 @@
 
 #include "batches.h"
 #include "dp/kernels/ops.h"
+#include "dp/nn/clip.h"
 #include "dp/runtime/error.h"
 #include "input_ring.h"
 #include "replicas.h"
@@ -20,6 +21,7 @@ namespace dp {
 struct DistributedDataParallel::Rank {
   Model* model = nullptr;
   std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<GradNormClipper> clipper;  // StepOptions::clip_grad_norm
   std::unique_ptr<CrossEntropyLoss> loss;
   Stream compute;
   engines::StagedBatch batch;  // forward_backward's and evaluation's
@@ -71,6 +73,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     rank->model = &(*replicas_)[r];
     rank->optimizer = make_optimizer(device, module.param_count(), optimizer);
     rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
+    if (options_.step.clip_grad_norm > 0.0)
+      rank->clipper = std::make_unique<GradNormClipper>(device, options_.step.clip_grad_norm);
     rank->compute = device.create_stream();
     if (bn_comm_) {
       rank->bn_sync.comm = bn_comm_.get();
@@ -92,6 +96,12 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
 }
 
 std::uint64_t DistributedDataParallel::graph_replays() const { return graphs_->replays(); }
+
+std::optional<float> DistributedDataParallel::last_grad_norm() {
+  if (!ranks_[0]->clipper) return std::nullopt;
+  synchronize();
+  return ranks_[0]->clipper->last_norm();
+}
 
 DistributedDataParallel::~DistributedDataParallel() {
   pipeline_.reset();  // the steps in flight keep their losses
@@ -164,6 +174,8 @@ void DistributedDataParallel::enqueue_zero_grad(int r) {
 
 void DistributedDataParallel::enqueue_step(int r) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  // Every rank's gradients are the same after the reduction: so are their norms and clipping.
+  if (rank.clipper) rank.clipper->clip(rank.compute, *rank.model, *rank.optimizer, rank.model->grads_flat());
   rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
   rank.accumulated_samples = 0;
 }

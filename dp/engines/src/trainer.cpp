@@ -23,6 +23,13 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
       host_loss_(model.device().allocate_pinned(engines::StepPipeline::kSlots * sizeof(float))),
       pipeline_(std::make_unique<engines::StepPipeline>()) {
   for (Event& done : step_done_) done = model.device().create_event();
+  if (step.clip_grad_norm > 0.0) clipper_ = std::make_unique<GradNormClipper>(model.device(), step.clip_grad_norm);
+}
+
+std::optional<float> SingleDeviceTrainer::last_grad_norm() {
+  if (!clipper_) return std::nullopt;
+  synchronize();
+  return clipper_->last_norm();
 }
 
 SingleDeviceTrainer::~SingleDeviceTrainer() {
@@ -42,6 +49,7 @@ void SingleDeviceTrainer::enqueue_step(int batch, int slot) {
   const float* loss = loss_.forward_backward(stream_, logits, ring_->targets(slot), batch, classes, grad_output, batch);
   model_.zero_grad(stream_);
   model_.backward(stream_, grad_output);
+  if (clipper_) clipper_->clip(stream_, model_, *optimizer_, model_.grads_flat());
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
   // Pinned: asynchronous and capturable; the slot's own float, so a later step never overwrites it.
   stream_.copy(host_loss_.as<float>() + slot, loss, sizeof(float));

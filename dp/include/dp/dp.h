@@ -22,6 +22,7 @@
 #include "dp/models/registry.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/batch.h"
+#include "dp/nn/clip.h"
 #include "dp/nn/layers.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/lr_schedule.h"

@@ -2,6 +2,8 @@
 // Each functor holds raw pointers of one device and computes element i.
 #pragma once
 
+#include <cmath>
+
 #include "dp/kernels/platform.h"
 #include "dp/runtime/bfloat16.h"
 
@@ -195,6 +197,45 @@ struct StoreSum {
   float* out;
   float beta;
   DP_HD void operator()(index_t row, float sum) const { out[row] = beta == 0.0f ? sum : beta * out[row] + sum; }
+};
+
+// torch.nn.utils.clip_grad_norm_'s pieces. A tensor's squared L2 norm: sum of x^2 (row_sum's plan).
+struct SquareElement {
+  const float* x;
+  DP_HD float operator()(index_t, index_t col) const {
+    const float v = x[col];
+    return v * v;
+  }
+  void host_add_terms(index_t, index_t col, index_t count, float* lanes) const {
+    const float* at = x + col;
+    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + at[k] * at[k];
+  }
+};
+// From the tensors' squared norms, in tensor order: norm_coef[0] = the total norm (the norm of the
+// tensors' norms, as torch stacks them), norm_coef[1] = clamp(max_norm / (total + 1e-6), max=1),
+// NaN when the norm is (torch.clamp keeps a NaN).
+struct ClipCoefficient {
+  const float* squares;
+  index_t count;
+  float max_norm;
+  float* norm_coef;
+  DP_HD void operator()(index_t) const {
+    float total = 0.0f;
+    for (index_t t = 0; t < count; ++t) {
+      const float norm = sqrtf(squares[t]);
+      total = total + norm * norm;
+    }
+    total = sqrtf(total);
+    const float coef = max_norm / (total + 1e-6f);
+    norm_coef[0] = total;
+    norm_coef[1] = coef > 1.0f ? 1.0f : coef;
+  }
+};
+// x *= *factor, the factor read from device memory when the kernel runs (a captured step replays it).
+struct ScaleBy {
+  const float* factor;
+  float* x;
+  DP_HD void operator()(index_t i) const { x[i] = *factor * x[i]; }
 };
 
 }  // namespace dp::kernels

@@ -35,6 +35,13 @@ void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x
 void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, const float* x, float* out,
                  float beta = 0.0f);
 
+// torch.nn.utils.clip_grad_norm_ on the device (dp/nn/clip.h): out[0] = sum of x^2 over n (the
+// row_sum plan: the same bits on both backends); from `count` such sums (one per tensor), norm_coef
+// = {the total norm, min(1, max_norm / (norm + 1e-6))} (ClipCoefficient); x *= *factor.
+void sum_of_squares(const Stream& stream, index_t n, const float* x, float* out);
+void clip_coefficient(const Stream& stream, index_t count, const float* squares, float max_norm, float* norm_coef);
+void scale_by(const Stream& stream, index_t n, const float* factor, float* x);
+
 // x with 10 explicit mantissa bits (TF32), rounded to nearest with ties away from zero, as PTX's
 // cvt.rna.tf32.f32 and CUTLASS's float -> tfloat32_t convert; infinities and NaNs unchanged.
 // What Precision::tf32 does to both GEMM operands on the sim (cuBLAS's TF32 tensor cores on cuda).

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dp/engines/engine.h"
+#include "dp/nn/clip.h"
 #include "dp/nn/batch.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/model.h"
@@ -80,6 +81,7 @@ class DataParallel final : public Engine {
   // Phase times of the last train_step (needs options.time_phases; waits for the step to finish).
   DataParallelPhases last_phases() const;
   std::uint64_t graph_replays() const override;
+  std::optional<float> last_grad_norm() override;
 
  private:
   StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
@@ -105,6 +107,7 @@ class DataParallel final : public Engine {
   int output_device_;
   int output_rank_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradNormClipper> clipper_;        // StepOptions::clip_grad_norm
   std::unique_ptr<CrossEntropyLoss> loss_;          // on the output device
   std::unique_ptr<engines::Replicas> models_;       // by rank; rank 0 is `module`
   std::vector<std::unique_ptr<Replica>> replicas_;  // by rank: streams, events, staging

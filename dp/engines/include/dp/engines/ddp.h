@@ -104,6 +104,7 @@ class DistributedDataParallel final : public Engine {
   // Throws Error naming the first parameter and rank whose values differ from rank 0's.
   void check_replicas_identical();
   std::uint64_t graph_replays() const override;
+  std::optional<float> last_grad_norm() override;
 
  private:
   struct Rank;

@@ -29,6 +29,9 @@ struct StepOptions {
   double label_smoothing = 0.0;
   // What Dropout draws from (RandomContext): single and DP use it as is, DDP rank r uses seed + r.
   std::uint64_t seed = 0;
+  // torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between the gradients' reduction
+  // and the optimizer step (GradNormClipper: on the device, no host sync); 0: off.
+  double clip_grad_norm = 0.0;
 };
 
 // Evaluation totals over some samples: summed cross-entropy, correct top-1 predictions, samples.
@@ -138,6 +141,9 @@ class Engine {
   // Sets the learning rate of every optimizer (schedules, warm-up). With graphs, the next replay
   // reads it: no re-capture.
   void set_lr(double lr);
+  // With StepOptions::clip_grad_norm: the total gradient norm of the last step, before clipping
+  // (waits for the steps in flight: call it where the host may wait, a log line); else none.
+  virtual std::optional<float> last_grad_norm() { return std::nullopt; }
   // Training steps that ran as a replay of a captured graph (EngineOptions::graphs), so far.
   virtual std::uint64_t graph_replays() const { return 0; }
 

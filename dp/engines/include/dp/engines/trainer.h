@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dp/engines/engine.h"
+#include "dp/nn/clip.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/model.h"
 #include "dp/nn/optim.h"
@@ -54,6 +55,7 @@ class SingleDeviceTrainer final : public Engine {
   Optimizer& optimizer() { return *optimizer_; }
   const Stream& stream() const { return stream_; }
   std::uint64_t graph_replays() const override;
+  std::optional<float> last_grad_norm() override;
 
  private:
   StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
@@ -65,6 +67,7 @@ class SingleDeviceTrainer final : public Engine {
   StepOptions step_options_;
   std::vector<int> device_ids_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradNormClipper> clipper_;  // StepOptions::clip_grad_norm
   CrossEntropyLoss loss_;
   Stream stream_;
   std::unique_ptr<engines::StagedBatch> batch_;  // predict's

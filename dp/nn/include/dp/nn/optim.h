@@ -82,6 +82,8 @@ class Optimizer {
   void freeze(std::vector<ParamRange> frozen);
   Device& device() const { return device_; }
   std::size_t param_count() const { return param_count_; }
+  // The stretches of the flat buffer step() updates: all of it unless some are frozen.
+  const std::vector<ParamRange>& trainable() const { return trainable_; }
   // Steps taken: torch's state['step'] (AdamW's bias correction uses it; SGD only asks whether it is 0).
   std::int64_t steps() const { return steps_; }
   // Restoring a checkpoint: the state buffers are written by the caller, then the step count set.
@@ -89,8 +91,6 @@ class Optimizer {
 
  protected:
   Optimizer(Device& device, std::size_t param_count);
-  // The stretches of the flat buffer step() updates: all of it unless some are frozen.
-  const std::vector<ParamRange>& trainable() const { return trainable_; }
   // A zero-filled state buffer on the device: a state saved before any step holds zeros, not
   // whatever the allocation held (which may well read as NaN).
   DeviceBuffer zeroed_buffer() const;
