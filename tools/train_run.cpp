@@ -130,7 +130,10 @@ void check_writable(const std::string& path, const char* flag) {
 // one checkpoint: a resumed run saves over the one it started from).
 void check_distinct_files(const Options& o) {
   const std::pair<const char*, const std::string*> outputs[] = {
-      {"--save", &o.save}, {"--metrics-json", &o.metrics_json}, {"--predictions", &o.predictions}};
+      {"--save", &o.save},
+      {"--metrics-json", &o.metrics_json},
+      {"--predictions", &o.predictions},
+      {"--save-best", &o.save_best}};
   const std::pair<const char*, const std::string*> inputs[] = {{"--init", &o.init}, {"--resume", &o.resume}};
   const auto same = dp_cli::same_file;
   for (std::size_t i = 0; i < std::size(outputs); ++i) {
@@ -223,6 +226,9 @@ Checked validate_options(const Options& o) {
   if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
   check_writable(o.predictions, "--predictions");
   check_writable(o.save, "--save");
+  check_writable(o.save_best, "--save-best");
+  if (o.eval_only && (o.eval_every || !o.save_best.empty()))
+    throw UsageError("--eval-only trains nothing: it takes no --eval-every or --save-best");
   check_writable(o.metrics_json, "--metrics-json");
   check_distinct_files(o);
   return checked;
@@ -830,6 +836,14 @@ class TrainLoop {
   int finish_pending(std::optional<Submitted>& pending);
   void log_step(long s, long epoch, double lr, bool last);
   int end_epoch(long s, long epoch);
+  // --eval-every: an evaluation after step s (not at an epoch's end, which evaluates anyway).
+  bool eval_due(long s) const {
+    return o_.eval_every > 0 && (s + 1) % o_.eval_every == 0 && plan_.epochs.into(s + 1) != 0 && s + 1 != end_step();
+  }
+  int evaluate_at(long s, long epoch);
+  // --save-best: after an evaluation at `steps`, its checkpoint when the accuracy beats the best so
+  // far (the first evaluation's always); whether it wrote one.
+  bool save_if_best(const dp::EvalTotals& totals, long steps);
   long end_step() const { return plan_.end_step(); }
   // Time since `from` that was not training: out of the rates' windows.
   void pause(std::chrono::steady_clock::time_point from) {
@@ -863,6 +877,7 @@ class TrainLoop {
   long epoch_samples_ = 0;
   long reached_ = 0;
   int stop_signal_ = 0;
+  std::optional<double> best_accuracy_;  // --save-best: of this run's evaluations
 };
 
 int TrainLoop::agreed_stop(long s) const {
@@ -921,11 +936,14 @@ int TrainLoop::run() {
     // request, which every process checks before the next step) is finished before the next.
     const bool ends_epoch = plan_.epochs.into(s + 1) == 0 || s + 1 == end_step();
     const bool checkpoint = periodic_due(s + 1) && s + 1 < end_step();
-    if (o_.pipeline == "on" && !ends_epoch && !checkpoint) {
+    const bool evaluation = eval_due(s);
+    if (o_.pipeline == "on" && !ends_epoch && !checkpoint && !evaluation) {
       pending = std::move(*submitted);
     } else if (const int code = finish(*submitted)) {
       return code;
     }
+    if (evaluation)
+      if (const int code = evaluate_at(s, plan_.epochs.of(s))) return code;
     if (checkpoint) save_periodic(s + 1);
   }
   say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", plan_.total_steps, since(t0_), loss_);
@@ -992,6 +1010,35 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   samples_since_log_ = 0;
 }
 
+int TrainLoop::evaluate_at(long s, long epoch) {
+  const auto began = std::chrono::steady_clock::now();
+  const dp::EvalTotals totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
+  if (const int code = diverged(o_, totals.mean_loss(), fmt::format("the test loss after step {}", s + 1))) return code;
+  if (terminal_) say("\r");
+  say("eval  step {:>6} epoch {:>3} | test loss {:.4f} | test acc {:.2f}%\n", s + 1, epoch + 1, totals.mean_loss(),
+      100.0 * totals.accuracy());
+  std::fflush(stdout);
+  nlohmann::json record = {{"kind", "eval"},
+                           {"step", s + 1},
+                           {"epoch", epoch + 1},
+                           {"test_loss", totals.mean_loss()},
+                           {"test_accuracy", totals.accuracy()},
+                           {"test_samples", totals.samples}};
+  if (save_if_best(totals, s + 1)) record["saved_best"] = o_.save_best;
+  metrics_.write(record);
+  pause(began);
+  return 0;
+}
+
+bool TrainLoop::save_if_best(const dp::EvalTotals& totals, long steps) {
+  if (o_.save_best.empty() || (best_accuracy_ && totals.accuracy() <= *best_accuracy_)) return false;
+  best_accuracy_ = totals.accuracy();
+  write_checkpoint(o_, engine_, plan_, o_.save_best, steps);
+  say("dp_train: saved {} (test accuracy {:.2f}%, the best so far) at step {}\n", o_.save_best,
+      100.0 * totals.accuracy(), steps);
+  return true;
+}
+
 int TrainLoop::end_epoch(long s, long epoch) {
   const auto began = std::chrono::steady_clock::now();
   const double train_seconds = this_epoch_.seconds();
@@ -1020,6 +1067,7 @@ int TrainLoop::end_epoch(long s, long epoch) {
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
   if (totals) record["test_samples"] = totals->samples;
+  if (totals && save_if_best(*totals, s + 1)) record["saved_best"] = o_.save_best;
   metrics_.write(record);
   epoch_loss_sum_ = 0.0;
   epoch_samples_ = 0;
@@ -1136,6 +1184,9 @@ int run(Options o) {
   g_job.set_devices(devices.ids);
   const Resumed resumed = read_resume(o, world);  // first: its seed draws the synthetic data
   const Inputs inputs = load_inputs(o, checked.normalize);
+  if ((o.eval_every || !o.save_best.empty()) && !inputs.test)
+    throw UsageError(fmt::format("{} evaluates on the test set, and this run has none (no test split, or --no-eval)",
+                                 o.eval_every ? "--eval-every" : "--save-best"));
   Built built = build_model(o, checked, devices, resumed);
   join_collectives(o, devices, inputs);
   Loaders loaders;  // outlives the engine: its streams read their pinned batches

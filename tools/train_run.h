@@ -62,6 +62,8 @@ struct Options : dp::tools::SharedOptions {
   long signal_at_step = 0;   // testing only: process 0 raises SIGTERM before that step (the last + 1: before the save)
   long save_every = 0;       // also write a checkpoint every N steps (and/or every epoch), keeping the last `keep`
   bool save_every_epoch = false;
+  long eval_every = 0;    // also evaluate every N steps (0: at the ends of epochs only)
+  std::string save_best;  // the checkpoint with the best test accuracy evaluated so far
   long keep = 0;                // 0: keep every periodic checkpoint
   std::set<std::string> given;  // the flags on the command line ("--lr", ...): a checkpoint's settings fill the rest
 };

@@ -350,6 +350,58 @@ TEST_F(TrainTest, ShardsMakeTheDeviceCountADeploymentDetail) {
       << uneven.output;
 }
 
+// --eval-every N evaluates between epochs too (an "eval" record), and --save-best keeps the
+// checkpoint of the best test accuracy logged: its step is the first evaluation that reached the
+// best, and evaluating it again gives that accuracy. Without a test set both are refused at once.
+TEST_F(TrainTest, EvalEveryAndSaveBestKeepTheBestCheckpoint) {
+  write_idx("data", 96);
+  write_idx("data", 29, 28, 28, 0x803, -1, 0, "t10k");
+  const Result r = run("--model mlp --hidden 16 --backend sim --data " + path("data") +
+                       " --batch-size 8 --steps 30 --lr 0.2 --eval-every 4 --save-best " + path("best.st") +
+                       " --metrics-json " + path("m.json"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::istringstream in(read_file(path("m.json")));
+  double best = -1.0;
+  long best_step = 0;
+  int evals = 0, epochs = 0;
+  std::vector<long> eval_steps;
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (!record.contains("test_accuracy") || record.at("test_accuracy").is_null()) continue;
+    (record.at("kind") == "eval" ? evals : epochs) += 1;
+    if (record.at("kind") == "eval") eval_steps.push_back(record.at("step").get<long>());
+    const double accuracy = record.at("test_accuracy").get<double>();
+    const bool saved = record.contains("saved_best");
+    EXPECT_EQ(saved, accuracy > best) << line;
+    if (accuracy > best) {
+      best = accuracy;
+      best_step = record.at("step").get<long>();
+    }
+  }
+  // 12 steps an epoch: evaluations at 4, 8, 16, 20, 28 and the epochs' at 12, 24, 30.
+  EXPECT_EQ(eval_steps, (std::vector<long>{4, 8, 16, 20, 28}));
+  EXPECT_EQ(epochs, 3);
+  const auto saved = dp::safetensors::read(path("best.st"));
+  EXPECT_EQ(saved.metadata.at("dp.step"), std::to_string(best_step));
+  std::filesystem::remove(path("again.json"));
+  const Result again = run("--eval-only --init " + path("best.st") + " --backend sim --data " + path("data") +
+                           " --batch-size 8 --metrics-json " + path("again.json"));
+  ASSERT_EQ(again.code, 0) << again.output;
+  EXPECT_EQ(nlohmann::json::parse(read_file(path("again.json"))).at("test_accuracy").get<double>(), best);
+
+  const Result none = run("--backend sim --synthetic 64 --steps 2 --eval-every 1 --save-best " + path("b2.st") +
+                          " --metrics-json " + path("none.json"));
+  EXPECT_EQ(none.code, 2) << none.output;
+  EXPECT_NE(none.output.find("--eval-every evaluates on the test set, and this run has none"), std::string::npos)
+      << none.output;
+  EXPECT_FALSE(std::filesystem::exists(path("b2.st")) || std::filesystem::exists(path("none.json")));
+  const Result same = run("--backend sim --data " + path("data") + " --steps 2 --save " + path("x.st") +
+                          " --save-best " + path("x.st"));
+  EXPECT_EQ(same.code, 2) << same.output;
+  EXPECT_NE(same.output.find("--save and --save-best name the same file"), std::string::npos) << same.output;
+  EXPECT_EQ(run("--backend sim --data " + path("data") + " --steps 2 --eval-every 0").code, 2);
+}
+
 // --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
 // is not given again (as the other run settings that only a resume takes from the checkpoint).
 TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {
