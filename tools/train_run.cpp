@@ -835,6 +835,9 @@ class TrainLoop {
   int finish(Submitted& step);
   int finish_pending(std::optional<Submitted>& pending);
   void log_step(long s, long epoch, double lr, bool last);
+  // On a terminal, the line updated in place after step s: where the run is, its loss and rate, and
+  // when its epoch and the run will end (`extra`: the log step's gradient norm).
+  void draw_progress(long s, long epoch, double lr, const std::string& extra = "");
   int end_epoch(long s, long epoch);
   // --eval-every: an evaluation after step s (not at an epoch's end, which evaluates anyway).
   bool eval_due(long s) const {
@@ -871,6 +874,7 @@ class TrainLoop {
   const bool terminal_ = ::isatty(STDOUT_FILENO) != 0 && !g_job.several();
   const std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
   TrainingTime since_log_, this_epoch_;
+  std::chrono::steady_clock::time_point drawn_ = t0_;  // the progress line's last update
   long samples_since_log_ = 0;
   float loss_ = 0.0f;
   double epoch_loss_sum_ = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
@@ -982,7 +986,10 @@ int TrainLoop::finish(Submitted& step) {
   epoch_loss_sum_ += static_cast<double>(loss_) * static_cast<double>(step.samples);
   epoch_samples_ += step.samples;
   const bool last = s + 1 == end_step();
-  if ((s + 1) % o_.log_every == 0 || last) log_step(s, epoch, step.lr, last);
+  if ((s + 1) % o_.log_every == 0 || last)
+    log_step(s, epoch, step.lr, last);
+  else if (terminal_ && since(drawn_) >= 0.2)
+    draw_progress(s, epoch, step.lr);
   // The end of an epoch (or of a run that stops inside one): its summary.
   if (plan_.epochs.into(s + 1) == 0 || last) return end_epoch(s, epoch);
   return 0;
@@ -1000,7 +1007,7 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   if (grad_norm) record["grad_norm"] = *grad_norm;
   metrics_.write(record);
   if (terminal_) {
-    say("\r{}", line);
+    draw_progress(s, epoch, lr, grad_norm ? fmt::format(" | grad-norm {:.4g}", *grad_norm) : "");
     if (last) say("\n");
     std::fflush(stdout);
   } else {
@@ -1010,11 +1017,29 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   samples_since_log_ = 0;
 }
 
+void TrainLoop::draw_progress(long s, long epoch, double lr, const std::string& extra) {
+  const long into = plan_.epochs.into(s) + 1, epoch_steps = plan_.epochs.steps;
+  const double epoch_seconds = this_epoch_.seconds(), elapsed = since(t0_);
+  const long done = s + 1 - plan_.start_step;
+  // Steps of this epoch taken by this run (a resumed run starts inside one).
+  const long epoch_done = std::min(into, done);
+  const double per_step = epoch_seconds / static_cast<double>(std::max(epoch_done, 1L));
+  const double epoch_eta = per_step * static_cast<double>(std::min(epoch_steps - into, end_step() - (s + 1)));
+  const double run_eta = elapsed / static_cast<double>(std::max(done, 1L)) * static_cast<double>(end_step() - (s + 1));
+  // \x1b[K: the rest of the terminal line cleared, where a longer line stood before.
+  say("\rstep {}/{} | epoch {} {}/{} | loss {:.6f} | lr {:.5g} | {:.1f} samples/s{} | ETA epoch {}, run {}\x1b[K", s + 1,
+      end_step(), epoch + 1, into, epoch_steps, loss_, lr,
+      static_cast<double>(epoch_samples_) / std::max(epoch_seconds, 1e-9), extra, duration_text(epoch_eta),
+      duration_text(run_eta));
+  std::fflush(stdout);
+  drawn_ = std::chrono::steady_clock::now();
+}
+
 int TrainLoop::evaluate_at(long s, long epoch) {
   const auto began = std::chrono::steady_clock::now();
   const dp::EvalTotals totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
   if (const int code = diverged(o_, totals.mean_loss(), fmt::format("the test loss after step {}", s + 1))) return code;
-  if (terminal_) say("\r");
+  if (terminal_) say("\r\x1b[K");  // the progress line cleared
   say("eval  step {:>6} epoch {:>3} | test loss {:.4f} | test acc {:.2f}%\n", s + 1, epoch + 1, totals.mean_loss(),
       100.0 * totals.accuracy());
   std::fflush(stdout);
@@ -1052,7 +1077,7 @@ int TrainLoop::end_epoch(long s, long epoch) {
   const double train_loss = epoch_loss_sum_ / static_cast<double>(std::max(epoch_samples_, 1L));
   const double rate = static_cast<double>(epoch_samples_) / std::max(1e-9, train_seconds);
   const bool complete = plan_.epochs.into(s + 1) == 0;
-  if (terminal_) say("\r");
+  if (terminal_) say("\r\x1b[K");  // the progress line cleared
   say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
       complete ? "" : " (partial)", train_loss,
       totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(), 100.0 * totals->accuracy())

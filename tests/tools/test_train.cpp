@@ -402,6 +402,25 @@ TEST_F(TrainTest, EvalEveryAndSaveBestKeepTheBestCheckpoint) {
   EXPECT_EQ(run("--backend sim --data " + path("data") + " --steps 2 --eval-every 0").code, 2);
 }
 
+// On a terminal (a pseudo-terminal, through script(1)) the log is one line updated in place: the
+// step of the total, the epoch's progress, loss, rate and both ETAs, cleared before the epoch's
+// line; into a file or a pipe, plain lines without a carriage return or an escape.
+TEST_F(TrainTest, AProgressLineOnATerminalPlainLinesElsewhere) {
+  if (dp::test::run_command("command -v script").code != 0) GTEST_SKIP() << "no script(1) for a pseudo-terminal";
+  const std::string args =
+      std::string(DP_TRAIN_BIN) + " --backend sim --synthetic 256 --batch-size 8 --steps 50 " + "--log-every 25";
+  const Result tty = dp::test::run_command("script -qec '" + args + "' /dev/null");
+  ASSERT_EQ(tty.code, 0) << tty.output;
+  EXPECT_NE(tty.output.find("\rstep 25/50 | epoch 1 25/32 | loss "), std::string::npos) << tty.output;
+  EXPECT_NE(tty.output.find("| ETA epoch "), std::string::npos) << tty.output;
+  EXPECT_NE(tty.output.find("\r\x1b[Kepoch   1 | train loss"), std::string::npos) << tty.output;
+  const Result plain = run(args.substr(std::string(DP_TRAIN_BIN).size() + 1));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  EXPECT_EQ(plain.output.find('\r'), std::string::npos) << plain.output;
+  EXPECT_EQ(plain.output.find('\x1b'), std::string::npos) << plain.output;
+  EXPECT_NE(plain.output.find("step     25 epoch   1 loss "), std::string::npos) << plain.output;
+}
+
 // --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
 // is not given again (as the other run settings that only a resume takes from the checkpoint).
 TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {
