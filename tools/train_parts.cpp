@@ -184,7 +184,7 @@ void MetricsLog::write(const nlohmann::json& record) {
 
 dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_ptr<const dp::SampleSource> test,
                         int batch_size, int workers, std::vector<std::int32_t>* predictions) {
-  const int shards = engine.world_size(), local = engine.batches_per_step();
+  const int shards = engine.world_size(), local = engine.batches_per_forward();
   std::vector<std::vector<std::vector<std::int64_t>>> plans(static_cast<std::size_t>(local));
   // Global rank 0's shard is the longest: every process takes as many steps as it needs.
   const std::size_t batch = static_cast<std::size_t>(batch_size);

@@ -129,11 +129,10 @@ void check_writable(const std::string& path, const char* flag) {
 // Every output names a file of its own, and none overwrites an input (--resume and --save may name
 // one checkpoint: a resumed run saves over the one it started from).
 void check_distinct_files(const Options& o) {
-  const std::pair<const char*, const std::string*> outputs[] = {
-      {"--save", &o.save},
-      {"--metrics-json", &o.metrics_json},
-      {"--predictions", &o.predictions},
-      {"--save-best", &o.save_best}};
+  const std::pair<const char*, const std::string*> outputs[] = {{"--save", &o.save},
+                                                                {"--metrics-json", &o.metrics_json},
+                                                                {"--predictions", &o.predictions},
+                                                                {"--save-best", &o.save_best}};
   const std::pair<const char*, const std::string*> inputs[] = {{"--init", &o.init}, {"--resume", &o.resume}};
   const auto same = dp_cli::same_file;
   for (std::size_t i = 0; i < std::size(outputs); ++i) {
@@ -542,6 +541,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   engine_options.device_ids = devices.ids;
   dp::tools::set_engine_options(o, engine_options);
   engine_options.step.label_smoothing = o.label_smoothing;
+  engine_options.accumulate = o.accumulate;
   engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
   engine_options.output_device = o.output_device;
   engine_options.processes = g_job.processes();
@@ -623,8 +623,18 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::SampleSource
               const Resumed& resumed) {
   const int shards = engine.world_size();
   const std::size_t per_rank_samples = dp::DistributedSampler(data.size(), shards, 0, false, 0).num_samples();
-  const long batches_per_epoch = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
-                                                   static_cast<std::size_t>(o.batch_size));
+  const long batches = static_cast<long>((per_rank_samples + static_cast<std::size_t>(o.batch_size) - 1) /
+                                         static_cast<std::size_t>(o.batch_size));
+  // --accumulate K: an epoch's optimizer steps take K of its batches each; the last batches of an
+  // epoch, fewer than K, are left out, as torch's `if (i + 1) % K == 0: step()` leaves them.
+  // With shards the engine's shards already count the K micro-batches (world_size() = K x V).
+  const long per_step = o.shards > 0 ? 1 : o.accumulate;
+  const long batches_per_epoch = batches / per_step;
+  if (batches_per_epoch == 0)
+    throw UsageError(
+        fmt::format("--accumulate {}: an epoch of {} batch(es) of {} per rank holds no step of {} "
+                    "micro-batches",
+                    o.accumulate, batches, o.batch_size, o.accumulate));
   Plan plan{world, shards,       resumed.start_step,        0, Epochs{0, 0, batches_per_epoch},
             0,     std::nullopt, dp::LrSchedule::constant()};
   place_epochs(resumed, plan);
@@ -636,6 +646,19 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::SampleSource
   return plan;
 }
 
+// How the global batch of an optimizer step is made: " (8 per device)", " (3 micro-batches of 16)".
+std::string batch_text(const Options& o, const Plan& plan) {
+  if (o.shards > 0)
+    return o.accumulate > 1
+               ? fmt::format(" ({} per shard, {} micro-batches of {} shards)", o.batch_size, o.accumulate, o.shards)
+               : fmt::format(" ({} per shard, {} shards)", o.batch_size, o.shards);
+  const std::string per_device = plan.shards > 1 ? fmt::format("{} per device", o.batch_size) : "";
+  if (o.accumulate > 1)
+    return fmt::format(" ({} micro-batches of {}{})", o.accumulate, o.batch_size * plan.shards,
+                       per_device.empty() ? "" : ", " + per_device);
+  return per_device.empty() ? "" : " (" + per_device + ")";
+}
+
 void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, const dp::SampleSource& data,
               const Devices& devices) {
   const int processes = g_job.processes()->size();
@@ -645,11 +668,8 @@ void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, co
       o.model, o.mode, plan.world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
       o.precision, o.amp == "bf16" ? ", autocast bf16" : "", dp::tools::banner_settings(o, o.mode), data.size(),
-      o.batch_size * plan.shards,
-      o.shards > 0      ? fmt::format(" ({} per shard, {} shards)", o.batch_size, o.shards)
-      : plan.shards > 1 ? fmt::format(" ({} per device)", o.batch_size)
-                        : "",
-      plan.total_steps, plan.start_step);
+      o.batch_size * plan.shards * (o.shards > 0 ? 1 : o.accumulate), batch_text(o, plan), plan.total_steps,
+      plan.start_step);
 }
 
 // --resume of a run that has reached the end asked for: nothing is trained or written.
@@ -667,7 +687,9 @@ int nothing_to_train(const Options& o, const Plan& plan) {
 Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engine, dp::Runtime& runtime,
                      std::shared_ptr<const dp::SampleSource> data) {
   Loaders loaders;
-  for (int local = 0; local < engine.batches_per_step(); ++local) {
+  // Micro-batches per step from each loader (with shards, the engine's shards hold them).
+  const long micro = engine.batches_per_step() / engine.batches_per_forward();
+  for (int local = 0; local < engine.batches_per_forward(); ++local) {
     const int rank = engine.first_rank() + local;
     struct Order {
       dp::DistributedSampler sampler;
@@ -679,8 +701,9 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
     const bool log = o.log_batches;
     const long start_step = plan.start_step;
     const Epochs epochs = plan.epochs;
-    auto batch_plan = [order, batch, log, rank, start_step, epochs](std::size_t k) {
-      const long s = start_step + static_cast<long>(k), epoch = epochs.of(s), in_epoch = epochs.into(s);
+    auto batch_plan = [order, batch, log, rank, start_step, epochs, micro](std::size_t k) {
+      const long s = start_step + static_cast<long>(k) / micro, epoch = epochs.of(s),
+                 in_epoch = epochs.into(s) * micro + static_cast<long>(k) % micro;
       if (order->indices.empty() || order->sampler.epoch() != epoch) {
         order->sampler.set_epoch(epoch);
         order->indices = order->sampler.indices();
@@ -697,9 +720,11 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
     dp::LoaderOptions options;
     options.workers = o.workers;
     options.key = dp::SampleKey{o.seed, rank, 0};
-    options.epoch_of = [start_step, epochs](std::size_t k) { return epochs.of(start_step + static_cast<long>(k)); };
-    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, data, static_cast<std::size_t>(plan.total_steps),
-                                                        batch, batch_plan, std::move(options)));
+    options.epoch_of = [start_step, epochs, micro](std::size_t k) {
+      return epochs.of(start_step + static_cast<long>(k) / micro);
+    };
+    loaders.push_back(std::make_unique<dp::BatchLoader>(
+        runtime, data, static_cast<std::size_t>(plan.total_steps * micro), batch, batch_plan, std::move(options)));
   }
   return loaders;
 }
@@ -710,7 +735,8 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
 int read_batches_only(const Options& o, const Plan& plan, Loaders& loaders, MetricsLog& metrics,
                       std::chrono::steady_clock::time_point t0) {
   long images = 0;
-  for (long s = 0; s < plan.total_steps; ++s)
+  const long micro = o.shards > 0 ? 1 : o.accumulate;  // each loader's batches per step
+  for (long s = 0; s < plan.total_steps * micro; ++s)
     for (auto& loader : loaders) images += loader->next().size;
   const double seconds = std::max(since(t0), 1e-9);
   say("dp_train: loader: {} images in {} step(s) in {:.2f} s: {:.1f} images/s ({} loader(s), --workers {})\n", images,
@@ -956,11 +982,15 @@ int TrainLoop::run() {
 
 std::vector<dp::Batch> TrainLoop::next_batches(long& samples) {
   std::vector<dp::Batch> batches;
+  // Rank after rank, each rank's micro-batches together (Engine::batches_per_step).
+  const int micro = engine_.batches_per_step() / engine_.batches_per_forward();
   for (auto& loader : loaders_) {
-    batches.push_back(loader->next());
-    samples += batches.back().size;
+    for (int m = 0; m < micro; ++m) {
+      batches.push_back(loader->next());
+      samples += batches.back().size;
+    }
   }
-  samples *= plan_.shards / engine_.batches_per_step();  // every rank's batch has this process's size
+  samples *= plan_.shards / engine_.batches_per_forward();  // every rank's batch has this process's size
   return batches;
 }
 
@@ -1002,8 +1032,8 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   const std::string line =
       fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g}{} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr,
                   grad_norm ? fmt::format(" grad-norm {:.4g}", *grad_norm) : "", rate);
-  nlohmann::json record = {{"kind", "step"},          {"step", s + 1}, {"epoch", epoch + 1}, {"loss", loss_},
-                           {"lr", lr},                {"samples_per_s", rate}, {"elapsed_s", since(t0_)}};
+  nlohmann::json record = {{"kind", "step"}, {"step", s + 1},         {"epoch", epoch + 1},     {"loss", loss_},
+                           {"lr", lr},       {"samples_per_s", rate}, {"elapsed_s", since(t0_)}};
   if (grad_norm) record["grad_norm"] = *grad_norm;
   metrics_.write(record);
   if (terminal_) {
@@ -1027,8 +1057,8 @@ void TrainLoop::draw_progress(long s, long epoch, double lr, const std::string& 
   const double epoch_eta = per_step * static_cast<double>(std::min(epoch_steps - into, end_step() - (s + 1)));
   const double run_eta = elapsed / static_cast<double>(std::max(done, 1L)) * static_cast<double>(end_step() - (s + 1));
   // \x1b[K: the rest of the terminal line cleared, where a longer line stood before.
-  say("\rstep {}/{} | epoch {} {}/{} | loss {:.6f} | lr {:.5g} | {:.1f} samples/s{} | ETA epoch {}, run {}\x1b[K", s + 1,
-      end_step(), epoch + 1, into, epoch_steps, loss_, lr,
+  say("\rstep {}/{} | epoch {} {}/{} | loss {:.6f} | lr {:.5g} | {:.1f} samples/s{} | ETA epoch {}, run {}\x1b[K",
+      s + 1, end_step(), epoch + 1, into, epoch_steps, loss_, lr,
       static_cast<double>(epoch_samples_) / std::max(epoch_seconds, 1e-9), extra, duration_text(epoch_eta),
       duration_text(run_eta));
   std::fflush(stdout);

@@ -23,6 +23,7 @@ struct Options : dp::tools::SharedOptions {
   std::string hidden = "256,256";
   double dropout = 0.0;
   double label_smoothing = 0.0;
+  int accumulate = 1;  // micro-batches per optimizer step (gradient accumulation)
   std::string mode = "single";
   std::string device_ids;
   std::optional<int> output_device;
@@ -62,8 +63,8 @@ struct Options : dp::tools::SharedOptions {
   long signal_at_step = 0;   // testing only: process 0 raises SIGTERM before that step (the last + 1: before the save)
   long save_every = 0;       // also write a checkpoint every N steps (and/or every epoch), keeping the last `keep`
   bool save_every_epoch = false;
-  long eval_every = 0;    // also evaluate every N steps (0: at the ends of epochs only)
-  std::string save_best;  // the checkpoint with the best test accuracy evaluated so far
+  long eval_every = 0;          // also evaluate every N steps (0: at the ends of epochs only)
+  std::string save_best;        // the checkpoint with the best test accuracy evaluated so far
   long keep = 0;                // 0: keep every periodic checkpoint
   std::set<std::string> given;  // the flags on the command line ("--lr", ...): a checkpoint's settings fill the rest
 };

@@ -485,6 +485,12 @@ TEST(Ddp, BadConfigurationIsAClearError) {
 namespace dp {
 namespace {
 
+// The golden's micro-batches per step (1: it did not accumulate).
+int golden_accumulate(const safetensors::File& golden) {
+  const auto it = golden.metadata.find("accumulate");
+  return it == golden.metadata.end() ? 1 : std::stoi(it->second);
+}
+
 // The golden's clip_grad_norm_ max_norm (0: it did not clip).
 double golden_clip(const safetensors::File& golden) {
   const auto it = golden.metadata.find("clip_max_norm");
@@ -517,24 +523,31 @@ class GoldenBatches {
       indices_.push_back(golden.at(fmt::format("rank{}.indices", r)).to_i64());
       sizes_.push_back(golden.at(fmt::format("rank{}.batch_sizes", r)).to_i64());
     }
+    if (const auto it = golden.metadata.find("accumulate"); it != golden.metadata.end())
+      micro_ = static_cast<std::size_t>(std::stoi(it->second));
   }
-  // The next step's batches (valid until the next call).
+  // The next step's batches (valid until the next call): with the golden's accumulation of K
+  // micro-batches, each rank's K batches together, rank after rank (Engine::batches_per_step).
   std::vector<Batch> next() {
     std::vector<Batch> batches;
+    xs_.assign(cursor_.size() * micro_, {});
+    ys_.assign(cursor_.size() * micro_, {});
     for (std::size_t r = 0; r < cursor_.size(); ++r) {
-      const auto n = static_cast<std::size_t>(sizes_[r][step_]);
-      xs_[r].clear();
-      ys_[r].clear();
-      for (std::size_t i = 0; i < n; ++i) {
-        const auto index = static_cast<std::size_t>(indices_[r][cursor_[r] + i]);
-        xs_[r].insert(xs_[r].end(), x_.begin() + static_cast<std::ptrdiff_t>(index * 784),
-                      x_.begin() + static_cast<std::ptrdiff_t>((index + 1) * 784));
-        ys_[r].push_back(y_[index]);
+      for (std::size_t m = 0; m < micro_; ++m) {
+        const auto n = static_cast<std::size_t>(sizes_[r][batch_ + m]);
+        auto& xs = xs_[r * micro_ + m];
+        auto& ys = ys_[r * micro_ + m];
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto index = static_cast<std::size_t>(indices_[r][cursor_[r] + i]);
+          xs.insert(xs.end(), x_.begin() + static_cast<std::ptrdiff_t>(index * 784),
+                    x_.begin() + static_cast<std::ptrdiff_t>((index + 1) * 784));
+          ys.push_back(y_[index]);
+        }
+        cursor_[r] += n;
+        batches.push_back(Batch{xs.data(), ys.data(), static_cast<int>(n)});
       }
-      cursor_[r] += n;
-      batches.push_back(Batch{xs_[r].data(), ys_[r].data(), static_cast<int>(n)});
     }
-    ++step_;
+    batch_ += micro_;
     return batches;
   }
 
@@ -545,7 +558,7 @@ class GoldenBatches {
   std::vector<std::size_t> cursor_;
   std::vector<std::vector<float>> xs_;
   std::vector<std::vector<std::int64_t>> ys_;
-  std::size_t step_ = 0;
+  std::size_t micro_ = 1, batch_ = 0;
 };
 
 // gloo's ring adds in another order than dp's ring, and PyTorch's CPU convolution and BN sum in
@@ -589,6 +602,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   options.broadcast_buffers = broadcast_buffers;
   options.check_replicas = true;
   options.step.clip_grad_norm = golden_clip(golden);
+  options.accumulate = golden_accumulate(golden);
   DistributedDataParallel ddp(*rt, *model, sgd, options);
 
   GoldenBatches data(golden, world);
@@ -615,11 +629,12 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
 
 INSTANTIATE_TEST_SUITE_P(
     PyTorch, DdpGolden,
-    ::testing::Values(std::tuple{std::string("ddp_convnet_w3"), true}, std::tuple{std::string("ddp_convnet_w3"), false},
-                      std::tuple{std::string("ddp_mlp_w2"), true}, std::tuple{std::string("ddp_resnet8_w2"), true},
-                      std::tuple{std::string("ddp_resnet8_w2"), false},
-                      std::tuple{std::string("ddp_mlp_w2_clip"), true},
-                      std::tuple{std::string("ddp_convnet_w3_clip"), false}),
+    ::testing::Values(
+        std::tuple{std::string("ddp_convnet_w3"), true}, std::tuple{std::string("ddp_convnet_w3"), false},
+        std::tuple{std::string("ddp_mlp_w2"), true}, std::tuple{std::string("ddp_resnet8_w2"), true},
+        std::tuple{std::string("ddp_resnet8_w2"), false}, std::tuple{std::string("ddp_mlp_w2_clip"), true},
+        std::tuple{std::string("ddp_convnet_w3_clip"), false}, std::tuple{std::string("ddp_mlp_w2_acc3"), true},
+        std::tuple{std::string("ddp_convnet_w3_acc3"), false}, std::tuple{std::string("ddp_convnet_w3_acc3"), true}),
     [](const auto& info) { return std::get<0>(info.param) + (std::get<1>(info.param) ? "_broadcast" : "_local"); });
 
 }  // namespace
@@ -711,21 +726,31 @@ TEST_P(DataParallelGolden, DataParallelAndOneDeviceMatchPyTorch) {
     options.kind = kind;
     options.graphs = true;
     options.step.clip_grad_norm = golden_clip(golden);
+    const int micro = golden_accumulate(golden);
+    options.accumulate = micro;
     auto engine = make_engine(*rt, *model, sgd, options);
     GoldenBatches data(golden, world);
-    std::vector<float> x;
-    std::vector<std::int64_t> y;
+    std::vector<std::vector<float>> x(static_cast<std::size_t>(micro));
+    std::vector<std::vector<std::int64_t>> y(static_cast<std::size_t>(micro));
     for (int k = 0; k < steps; ++k) {
-      x.clear();
-      y.clear();
-      int size = 0;
-      for (const Batch& b : data.next()) {
-        x.insert(x.end(), b.inputs, b.inputs + static_cast<std::ptrdiff_t>(b.size) * 784);
-        y.insert(y.end(), b.targets, b.targets + b.size);
-        size += b.size;
+      // Micro-batch m's global batch: the ranks' m-th batches, rank after rank.
+      const std::vector<Batch> ranks = data.next();
+      std::vector<Batch> globals;
+      for (int m = 0; m < micro; ++m) {
+        auto& xm = x[static_cast<std::size_t>(m)];
+        auto& ym = y[static_cast<std::size_t>(m)];
+        xm.clear();
+        ym.clear();
+        int size = 0;
+        for (int r = 0; r < world; ++r) {
+          const Batch& b = ranks[static_cast<std::size_t>(r * micro + m)];
+          xm.insert(xm.end(), b.inputs, b.inputs + static_cast<std::ptrdiff_t>(b.size) * 784);
+          ym.insert(ym.end(), b.targets, b.targets + b.size);
+          size += b.size;
+        }
+        globals.push_back(Batch{xm.data(), ym.data(), size});
       }
-      const Batch global{x.data(), y.data(), size};
-      const float loss = engine->train_step(std::span<const Batch>(&global, 1));
+      const float loss = engine->train_step(globals);
       const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
       EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
       expect_golden_norm(golden, k, engine->last_grad_norm());
@@ -736,7 +761,8 @@ TEST_P(DataParallelGolden, DataParallelAndOneDeviceMatchPyTorch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(PyTorch, DataParallelGolden,
-                         ::testing::Values("ddp_convnet_w3", "ddp_mlp_w2", "ddp_mlp_w2_clip", "ddp_convnet_w3_clip"),
+                         ::testing::Values("ddp_convnet_w3", "ddp_mlp_w2", "ddp_mlp_w2_clip", "ddp_convnet_w3_clip",
+                                           "ddp_mlp_w2_acc3", "ddp_convnet_w3_acc3"),
                          [](const auto& info) { return info.param; });
 
 // What fixed shards cannot be combined with, or spread over, is refused naming it.

@@ -421,6 +421,46 @@ TEST_F(TrainTest, AProgressLineOnATerminalPlainLinesElsewhere) {
   EXPECT_NE(plain.output.find("step     25 epoch   1 loss "), std::string::npos) << plain.output;
 }
 
+// --accumulate K: K micro-batches per optimizer step in every mode, graphs on or off the same
+// bits; epochs and --steps count optimizer steps (an epoch of 60 batches: 20 steps of 3); with
+// shards, K micro-batches of V shards are one step of K x V shards, bit for bit; bad values exit 2.
+TEST_F(TrainTest, AccumulationCountsOptimizerStepsAndIsShardsWithShards) {
+  const std::string common = "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --log-every 5";
+  for (const std::string mode : {"--mode single", "--mode dp --devices 2", "--mode ddp --devices 2"}) {
+    SCOPED_TRACE(mode);
+    for (const std::string graphs : {"on", "off"}) {
+      const Result r = run(common + " " + mode + " --accumulate 3 --steps 25 --graphs " + graphs + " --save " +
+                           path(graphs + ".st") + " --metrics-json " + path(graphs + ".json"));
+      ASSERT_EQ(r.code, 0) << r.output;
+    }
+    EXPECT_EQ(read_file(path("on.st")), read_file(path("off.st"))) << "graphs change the bits";
+    std::istringstream in(read_file(path("on.json")));
+    std::vector<long> epoch_ends;
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.at("kind") == "epoch") epoch_ends.push_back(record.at("step").get<long>());
+    }
+    // 60 batches of 4 an epoch: 20 steps of 3; ddp's ranks read 30 each: 10 steps.
+    const bool ddp = mode == "--mode ddp --devices 2";
+    EXPECT_EQ(epoch_ends, ddp ? (std::vector<long>{10, 20, 25}) : (std::vector<long>{20, 25}));
+    std::filesystem::remove(path("on.json"));
+    std::filesystem::remove(path("off.json"));
+  }
+  const std::string shards = "--model convnet --backend sim --synthetic 240 --batch-size 2 --seed 3 --steps 4";
+  ASSERT_EQ(run(shards + " --mode ddp --devices 2 --shards 4 --accumulate 3 --save " + path("k3.st")).code, 0);
+  ASSERT_EQ(run(shards + " --mode dp --devices 3 --shards 12 --save " + path("v12.st")).code, 0);
+  const auto a = dp::safetensors::read(path("k3.st")), b = dp::safetensors::read(path("v12.st"));
+  ASSERT_EQ(a.order, b.order);
+  for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name;
+  const Result zero = run(common + " --accumulate 0 --steps 1");
+  EXPECT_EQ(zero.code, 2) << zero.output;
+  const Result big = run(common + " --accumulate 61 --steps 1 --save " + path("big.st"));
+  EXPECT_EQ(big.code, 2) << big.output;
+  EXPECT_NE(big.output.find("--accumulate 61: an epoch of 60 batch(es) of 4 per rank holds no step"), std::string::npos)
+      << big.output;
+  EXPECT_FALSE(std::filesystem::exists(path("big.st")));
+}
+
 // --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
 // is not given again (as the other run settings that only a resume takes from the checkpoint).
 TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {

@@ -35,7 +35,8 @@ struct DataParallel::Replica {
   Event broadcast_done;                            // this replica has read the source's state
   Event step_start, scatter_done, backward_start;  // phase timing only
   engines::StagedBatch inputs;                     // evaluation's
-  engines::InputRing ring;                         // the training steps' chunks, one slot per step in flight
+  // the training steps' chunks, one slot per step in flight: a ring per micro-batch
+  std::vector<std::unique_ptr<engines::InputRing>> rings;
   Scratch grad_output;
   DeviceBuffer grad_staging;  // on the SOURCE, for this replica's gradients
   const float* output = nullptr;
@@ -57,6 +58,7 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   output_rank_ = static_cast<int>(it - ids.begin());
   loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_), options.step.label_smoothing);
   seed_ = options.step.seed;
+  accumulate_ = options.accumulate;
   if (options.step.clip_grad_norm > 0.0)
     clipper_ = std::make_unique<GradNormClipper>(module.device(), options.step.clip_grad_norm);
   models_ = std::make_unique<engines::Replicas>(module, group_);
@@ -73,14 +75,17 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
     replica->broadcast_done = device.create_event(EventTiming::on);
     replica->scatter_done = device.create_event(EventTiming::on);
     replica->backward_start = device.create_event(EventTiming::on);
+    for (int m = 0; m < accumulate_; ++m) replica->rings.push_back(std::make_unique<engines::InputRing>());
     replicas_.push_back(std::move(replica));
   }
   params_ready_ = source.create_event();
+  grads_read_ = source.create_event();
   Device& out = group_.device(output_rank_);
   grad_output_ready_ = out.create_event();
   time_phases_ = options.time_phases;
   gather_start_ = out.create_event(EventTiming::on);
-  host_loss_ = out.allocate_pinned(engines::StepPipeline::kSlots * sizeof(float));
+  host_loss_ =
+      out.allocate_pinned(engines::StepPipeline::kSlots * static_cast<std::size_t>(accumulate_) * sizeof(float));
   for (Event& ready : loss_ready_) ready = out.create_event();
   gather_end_ = out.create_event(EventTiming::on);
   loss_end_ = out.create_event(EventTiming::on);
@@ -89,7 +94,7 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   update_end_ = source.create_event(EventTiming::on);
   for (Event& done : step_done_) done = source.create_event();
   graphs_ = std::make_unique<engines::StepGraphs>(options.graphs && module.capturable() && !time_phases_);
-  targets_ring_ = std::make_unique<engines::InputRing>();
+  for (int m = 0; m < accumulate_; ++m) targets_rings_.push_back(std::make_unique<engines::InputRing>());
   pipeline_ = std::make_unique<engines::StepPipeline>();
 }
 
@@ -101,8 +106,10 @@ std::optional<float> DataParallel::last_grad_norm() {
   return clipper_->last_norm();
 }
 std::uint64_t DataParallel::staging_growths() const {
-  std::uint64_t growths = targets_ring_->growths();
-  for (const auto& replica : replicas_) growths += replica->ring.growths();
+  std::uint64_t growths = 0;
+  for (const auto& ring : targets_rings_) growths += ring->growths();
+  for (const auto& replica : replicas_)
+    for (const auto& ring : replica->rings) growths += ring->growths();
   return growths;
 }
 
@@ -168,7 +175,7 @@ void DataParallel::receive_broadcast(int rank) {
 // replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
 // Evaluation stages `inputs`' chunk; a training step (null `inputs`) reads the chunk in its
 // pipeline slot, copied in before the source began the step.
-void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int slot) {
+void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro) {
   const int used = static_cast<int>(chunks_.size());
   const std::size_t sample_floats = engines::sample_floats(module_);
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
@@ -183,13 +190,14 @@ void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int s
     r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
     chunk_inputs = r.inputs.inputs();
   } else {
-    chunk_inputs = r.ring.inputs(slot);
+    chunk_inputs = r.rings[static_cast<std::size_t>(micro)]->inputs(slot);
   }
   mark(time_phases_, r.stream, r.scatter_done);
   // One seed for all replicas, each chunk at its samples' place in the batch: the masks of
   // single-device training on the whole batch.
   r.model->set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()),
-                               static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
+                               static_cast<std::uint64_t>(micro) * static_cast<std::uint64_t>(batch_) +
+                                   static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
   r.output = r.model->forward(r.stream, chunk_inputs, rows, mode);
   r.stream.record(r.forward_done);
 }
@@ -200,7 +208,7 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
   // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
   group_.run_on(0, [&] { replicas_[0]->stream.record(params_ready_); });
   group_.run([&](int rank) { receive_broadcast(rank); }, used);
-  group_.run([&](int rank) { forward_chunk(rank, inputs, mode, 0); }, used);
+  group_.run([&](int rank) { forward_chunk(rank, inputs, mode, 0, 0); }, used);
 }
 
 void DataParallel::gather_outputs() {
@@ -220,15 +228,20 @@ void DataParallel::gather_outputs() {
 }
 
 StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, int batch) {
-  return submit_batch(Batch{inputs, targets, batch});
+  const Batch one{inputs, targets, batch};
+  return submit_batches(std::span<const Batch>(&one, 1));
 }
 
-StepLoss DataParallel::submit_batch(const Batch& step_batch) {
-  const float* inputs = step_batch.inputs;
-  const std::int64_t* targets = step_batch.targets;
-  const int batch = step_batch.size;
-  if (!inputs || !targets) throw InvalidArgument("DataParallel step: null inputs or targets");
-  engines::check_batch(step_batch);         // before waiting for the step in flight
+StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
+  engines::expect_batches(batches.size(), accumulate_, "DataParallel");
+  for (const Batch& micro : batches) {
+    if (!micro.inputs || !micro.targets) throw InvalidArgument("DataParallel step: null inputs or targets");
+    engines::check_batch(micro);  // before waiting for the step in flight
+    if (micro.size != batches[0].size)
+      throw InvalidArgument(fmt::format("the micro-batches of a DataParallel step must be the same size: {} and {}",
+                                        batches[0].size, micro.size));
+  }
+  const int batch = batches[0].size;
   const int slot = pipeline_->next_slot();  // a failure of the step before: nothing of this one planned yet
   plan_chunks(batch);
   return pipeline_->enqueue([&] {
@@ -236,13 +249,16 @@ StepLoss DataParallel::submit_batch(const Batch& step_batch) {
     // Every chunk into its device's ring, the targets into the output device's: copied in on their
     // copy streams while the step in flight computes, no later than this step's source waits for them.
     const std::size_t floats = engines::sample_floats(module_);
-    for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
-      engines::push_batch(
-          replicas_[rank]->ring, group_.device(static_cast<int>(rank)), slot,
-          Batch{inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr, chunks_[rank], step_batch.lease},
-          floats, done);
-    targets_ring_->push(group_.device(output_rank_), slot, nullptr, 0, targets, static_cast<std::size_t>(batch), done,
-                        step_batch.lease);
+    for (std::size_t m = 0; m < batches.size(); ++m) {
+      const Batch& micro = batches[m];
+      for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
+        engines::push_batch(*replicas_[rank]->rings[m], group_.device(static_cast<int>(rank)), slot,
+                            Batch{micro.inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr,
+                                  chunks_[rank], micro.lease},
+                            floats, done);
+      targets_rings_[m]->push(group_.device(output_rank_), slot, nullptr, 0, micro.targets,
+                              static_cast<std::size_t>(batch), done, micro.lease);
+    }
 
     std::vector<Device*> devices;
     for (int rank = 0; rank < group_.size(); ++rank) devices.push_back(&group_.device(rank));
@@ -264,7 +280,19 @@ StepLoss DataParallel::submit_batch(const Batch& step_batch) {
     // The source's last work is the step's: every device's part of it has run (the reduction waited
     // for each backward, the backwards for the loss). See Note [step slots].
     source.record(done);
-    return pipeline_->submitted(slot, loss_ready, host_loss_.as<float>() + slot);
+    const float* losses = host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_);
+    if (accumulate_ == 1) return pipeline_->submitted(slot, loss_ready, losses);
+    // The mean of the micro-batches' losses, added in their order.
+    const int micro = accumulate_;
+    return pipeline_->submitted(
+        slot,
+        [loss_ready, losses, micro] {
+          loss_ready.synchronize();
+          float total = 0.0f;
+          for (int m = 0; m < micro; ++m) total += losses[m];
+          return total / static_cast<float>(micro);
+        },
+        [loss_ready] { return loss_ready.query(); });
   });
 }
 
@@ -276,8 +304,9 @@ float DataParallel::train_step(const float* inputs, const std::int64_t* targets,
 // of the step comes after it (the broadcast's event), so one stream waits, before any capture.
 void DataParallel::wait_for_batches(int slot) {
   const Stream& source = replicas_[0]->stream;
-  for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->ring.acquire(slot, source);
-  targets_ring_->acquire(slot, source);
+  for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
+    for (const auto& ring : replicas_[rank]->rings) ring->acquire(slot, source);
+  for (const auto& ring : targets_rings_) ring->acquire(slot, source);
 }
 
 Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
@@ -317,26 +346,33 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
           if (rank != 0) return;
           wait_for_batches(slot);  // before the capture: those events are recorded outside it
           if (capture) replicas_[0]->stream.begin_capture();
-          replicas_[0]->stream.record(params_ready_);
         });
-        run_phase([&] {
-          if (has_chunk) receive_broadcast(rank);  // phase 2
-        });
-        run_phase([&] {
-          if (has_chunk) forward_chunk(rank, nullptr, Mode::train, slot);  // phase 3
-        });
-        // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
-        run_phase([&] {
-          if (rank == output_rank_) enqueue_loss(batch, slot, capture);
-        });
-        // Phase 5, every used device: its slice of the output gradient, backward.
-        run_phase([&] {
-          if (has_chunk) enqueue_backward(rank);
-        });
-        // Phase 6, source: reduce-add the replicas' gradients, then the optimizer step.
-        run_phase([&] {
-          if (rank == 0) enqueue_reduce_and_update(used);
-        });
+        // Phases 2-6 once per micro-batch (accumulation: torch's loop of DataParallel forwards, each
+        // replicating the module afresh, the gradients adding up on the source; one update at the end).
+        for (int micro = 0; micro < accumulate_; ++micro) {
+          // The source's state as this micro-batch's forwards must see it (its BatchNorm buffers move).
+          run_phase([&] {
+            if (rank == 0) replicas_[0]->stream.record(params_ready_);
+          });
+          run_phase([&] {
+            if (has_chunk) receive_broadcast(rank);  // phase 2
+          });
+          run_phase([&] {
+            if (has_chunk) forward_chunk(rank, nullptr, Mode::train, slot, micro);  // phase 3
+          });
+          // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
+          run_phase([&] {
+            if (rank == output_rank_) enqueue_loss(batch, slot, capture, micro);
+          });
+          // Phase 5, every used device: its slice of the output gradient, backward.
+          run_phase([&] {
+            if (has_chunk) enqueue_backward(rank, micro);
+          });
+          // Phase 6, source: reduce-add the replicas' gradients, then (after the last) the optimizer step.
+          run_phase([&] {
+            if (rank == 0) enqueue_reduce_and_update(used, micro + 1 == accumulate_);
+          });
+        }
         if (rank == 0 && capture) {
           if (failed.load()) {
             engines::abandon_capture(replicas_[0]->stream);
@@ -354,24 +390,32 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   return graph;
 }
 
-void DataParallel::enqueue_loss(int batch, int slot, bool capture) {
+void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {
   const int classes = module_.output_features();
   Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
   Device& device = group_.device(output_rank_);
+  // The previous micro-batch's output gradient is read by every replica's backward: this one's
+  // overwrites it after those.
+  if (micro > 0)
+    for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
+      if (static_cast<int>(rank) != output_rank_) out.stream.wait(replicas_[rank]->backward_done);
   gather_outputs();
   float* grad_output =
       grad_output_.get<float>(device, static_cast<std::size_t>(batch) * static_cast<std::size_t>(classes));
   const auto* gathered = static_cast<const float*>(gathered_.data());
+  // torch's accumulation loop: (loss / K).backward().
   const float* loss_value =
-      loss_->forward_backward(out.stream, gathered, targets_ring_->targets(slot), batch, classes, grad_output, batch);
-  // Pinned: asynchronous; the slot's own float, so a later step never overwrites it.
-  out.stream.copy(host_loss_.as<float>() + slot, loss_value, sizeof(float));
+      loss_->forward_backward(out.stream, gathered, targets_rings_[static_cast<std::size_t>(micro)]->targets(slot),
+                              batch, classes, grad_output, batch, 1.0f / static_cast<float>(accumulate_));
+  // Pinned: asynchronous; the slot's own floats, so a later step never overwrites them.
+  out.stream.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + micro), loss_value,
+                  sizeof(float));
   if (!capture) out.stream.record(loss_ready_[static_cast<std::size_t>(slot)]);
   mark(time_phases_, out.stream, loss_end_);
   out.stream.record(grad_output_ready_);
 }
 
-void DataParallel::enqueue_backward(int rank) {
+void DataParallel::enqueue_backward(int rank, int micro) {
   const std::size_t classes = static_cast<std::size_t>(module_.output_features());
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
   const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
@@ -385,14 +429,17 @@ void DataParallel::enqueue_backward(int rank) {
     dy = local;
   }
   mark(time_phases_, r.stream, r.backward_start);
-  r.model->zero_grad(r.stream);
+  // The source's gradients are the module's, which add up over the micro-batches; a replica's are
+  // reduce-added onto them after each one, once the source has read the previous ones.
+  if (rank != 0 && micro > 0) r.stream.wait(grads_read_);
+  if (rank != 0 || micro == 0) r.model->zero_grad(r.stream);
   r.model->backward(r.stream, dy);
   r.stream.record(r.backward_done);
 }
 
 // The replicas' gradients reduce-added onto the source (source first, then device_ids order, as
 // torch.cuda.comm.reduce_add sums), then the optimizer step there.
-void DataParallel::enqueue_reduce_and_update(int used) {
+void DataParallel::enqueue_reduce_and_update(int used, bool update) {
   Replica& source = *replicas_[0];
   const std::size_t n = module_.param_count();
   mark(time_phases_, source.stream, reduce_start_);
@@ -403,8 +450,10 @@ void DataParallel::enqueue_reduce_and_update(int used) {
     kernels::axpy(source.stream, static_cast<kernels::index_t>(n), 1.0f, r.grad_staging.as<float>(),
                   module_.grads_flat());
   }
+  source.stream.record(grads_read_);
   // An output device without a chunk ends with the loss: the source joins it there too.
   if (output_rank_ >= used) source.stream.wait(grad_output_ready_);
+  if (!update) return;
   mark(time_phases_, source.stream, reduce_end_);
   // The source holds the reduced gradients: clip_grad_norm_ on the module, as torch's loop calls it.
   if (clipper_) clipper_->clip(source.stream, module_, *optimizer_, module_.grads_flat());
@@ -416,8 +465,9 @@ void DataParallel::synchronize() {
   pipeline_->drain();
   group_.run([&](int rank) { replicas_[static_cast<std::size_t>(rank)]->stream.synchronize(); });
   // The lent batches' copies have run (the steps waited for them).
-  for (const auto& replica : replicas_) replica->ring.release_copied();
-  targets_ring_->release_copied();
+  for (const auto& replica : replicas_)
+    for (const auto& ring : replica->rings) ring->release_copied();
+  for (const auto& ring : targets_rings_) ring->release_copied();
 }
 
 std::vector<float> DataParallel::predict(const float* inputs, int batch) {
@@ -432,10 +482,7 @@ std::vector<float> DataParallel::predict(const float* inputs, int batch) {
   return out;
 }
 
-StepLoss DataParallel::submit_step(std::span<const Batch> batches) {
-  engines::expect_batches(batches.size(), 1, "DataParallel");
-  return submit_batch(batches[0]);
-}
+StepLoss DataParallel::submit_step(std::span<const Batch> batches) { return submit_batches(batches); }
 
 std::vector<float> DataParallel::predict(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), 1, "DataParallel");

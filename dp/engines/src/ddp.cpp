@@ -57,7 +57,12 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
           fmt::format("{} shards cannot be spread evenly over {} device(s): the device count must "
                       "divide the shards",
                       options_.shards, comm_->size()));
-    shards_per_rank_ = options_.shards / comm_->size();
+    // K micro-batches of V shards are one step of K x V shards.
+    options_.shards *= options_.accumulate;
+    options_.accumulate = 1;
+    batches_per_rank_ = options_.shards / comm_->size();
+  } else {
+    batches_per_rank_ = options_.accumulate;
   }
   // SyncBatchNorm's collectives run on the compute streams, the gradient buckets' on the
   // communication streams: each kind gets its own communicator, so the two sequences never
@@ -81,8 +86,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
       rank->bn_sync.rank = r;
       rank->model->set_batchnorm_sync(&rank->bn_sync);
     }
-    for (int i = 0; i < shards_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
-    rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * shards_per_rank_ * sizeof(float));
+    for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
+    rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * batches_per_rank_ * sizeof(float));
     for (Event& ready : rank->loss_ready) ready = device.create_event();
     for (Event& done : rank->step_done) done = device.create_event();
     ranks_.push_back(std::move(rank));
@@ -181,15 +186,19 @@ void DistributedDataParallel::enqueue_step(int r) {
 }
 
 std::span<const Batch> DistributedDataParallel::batches_of(int r, std::span<const Batch> batches) const {
-  return batches.subspan(static_cast<std::size_t>(r * shards_per_rank_), static_cast<std::size_t>(shards_per_rank_));
+  return batches.subspan(static_cast<std::size_t>(r * batches_per_rank_), static_cast<std::size_t>(batches_per_rank_));
 }
 
 void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool training) const {
-  if (options_.shards > 0 && static_cast<int>(batches.size()) != batches_per_step())
+  const int expected = training ? batches_per_step() : batches_per_forward();
+  if (options_.shards > 0 && static_cast<int>(batches.size()) != expected)
     throw InvalidArgument(
         fmt::format("a step with {} shards on {} device(s) here takes {} batches, one per shard: got {}",
-                    options_.shards, group_.size(), batches_per_step(), batches.size()));
-  if (static_cast<int>(batches.size()) != batches_per_step())
+                    options_.shards, group_.size(), expected, batches.size()));
+  if (training && options_.accumulate > 1 && static_cast<int>(batches.size()) != expected)
+    throw InvalidArgument(fmt::format("a DDP step of {} micro-batches takes {} per rank, {} in all: got {}",
+                                      options_.accumulate, options_.accumulate, expected, batches.size()));
+  if (static_cast<int>(batches.size()) != expected)
     throw InvalidArgument(
         fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(), group_.size()));
   // Every shard of a step the same size: the shards, and so the result, are those of every device count.
@@ -210,7 +219,7 @@ void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool
   }
 }
 
-bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool& broadcast_buffers) {
+bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool& broadcast_buffers, int stride) {
   // torch 1.13: buffers are broadcast before a forward unless the previous forward ran inside
   // no_sync (require_forward_param_sync).
   // With shards, rank 0 holds shard 0's statistics, which every replica starts the step from.
@@ -221,7 +230,11 @@ bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool
   if (options_.sync_batchnorm) {
     // SyncBatchNorm normalises over all ranks' samples of this forward, in every process.
     std::int64_t local = 0;
-    for (const Batch& batch : batches) local += batch.size;
+    for (std::size_t b = 0; b < batches.size(); b += static_cast<std::size_t>(stride)) local += batches[b].size;
+    // Every micro-batch of a step forwards with the count baked into its BatchNorm.
+    for (std::size_t b = 0; b < batches.size(); ++b)
+      if (batches[b].size != batches[b - b % static_cast<std::size_t>(stride)].size)
+        throw InvalidArgument("sync_batchnorm with accumulation: every micro-batch of a rank must be the same size");
     std::int64_t samples = 0;
     for (const std::int64_t count : processes_->all_gather(local)) samples += count;
     for (auto& rank : ranks_) rank->bn_sync.global_samples = samples;
@@ -230,14 +243,15 @@ bool DistributedDataParallel::begin_forward(std::span<const Batch> batches, bool
 }
 
 void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, int slot,
-                                                       bool ring) {
+                                                       bool ring, int index) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;
   Device& device = group_.device(r);
   const int classes = m.output_features();
   if (!ring) rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
-  const float* inputs = ring ? rank.rings[0]->inputs(slot) : rank.batch.inputs();
-  const std::int64_t* targets = ring ? rank.rings[0]->targets(slot) : rank.batch.targets();
+  const auto i = static_cast<std::size_t>(index);
+  const float* inputs = ring ? rank.rings[i]->inputs(slot) : rank.batch.inputs();
+  const std::int64_t* targets = ring ? rank.rings[i]->targets(slot) : rank.batch.targets();
   float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
   // seed + global rank, as each torch process seeds itself; forwards accumulated without a step
   // (no_sync) continue the step's samples, as one larger batch would.
@@ -255,7 +269,8 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   }
   m.backward(rank.compute, grad_output, on_ready);
   if (sync) reducer_->finish(r);
-  rank.compute.copy(rank.host_loss.as<float>() + slot, loss, sizeof(float));
+  rank.compute.copy(rank.host_loss.as<float>() + static_cast<std::size_t>(slot * batches_per_rank_ + index), loss,
+                    sizeof(float));
   // Captured, a record is a dependency inside the graph: the replay records it after the graph.
   if (!rank.compute.capturing()) rank.compute.record(rank.loss_ready[static_cast<std::size_t>(slot)]);
 }
@@ -283,10 +298,10 @@ void DistributedDataParallel::enqueue_sharded_forward_backward(int r, std::span<
   Device& device = group_.device(r);
   const int classes = m.output_features();
   const std::size_t n = m.param_count();
-  const auto count = static_cast<std::size_t>(shards_per_rank_);
+  const auto count = static_cast<std::size_t>(batches_per_rank_);
   const int shard_size = shards[0].size;
   const int global_batch = shard_size * options_.shards;
-  const int first_shard = (comm_->first_rank() + r) * shards_per_rank_;
+  const int first_shard = (comm_->first_rank() + r) * batches_per_rank_;
   float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * classes);
   float* mine = rank.shard_grads.get<float>(device, count * n);
   float* all = rank.all_grads.get<float>(device, static_cast<std::size_t>(options_.shards) * n);
@@ -351,16 +366,19 @@ float DistributedDataParallel::wait_for_loss(int slot) {
   // with all the ranks) gets the same bits.
   std::vector<float> local;
   for (auto& rank : ranks_)
-    for (int i = 0; i < shards_per_rank_; ++i)
-      local.push_back(rank->host_loss.as<float>()[slot * shards_per_rank_ + i]);
+    for (int i = 0; i < batches_per_rank_; ++i)
+      local.push_back(rank->host_loss.as<float>()[slot * batches_per_rank_ + i]);
   float total = 0.0f;
   for (const float loss : processes_->all_gather(std::span<const float>(local))) total += loss;
-  return total / static_cast<float>(world_size());
+  return total / static_cast<float>(comm_->size() * batches_per_rank_);
 }
 
 float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {
-  if (options_.shards > 0)
-    throw InvalidArgument("forward_backward (gradient accumulation) cannot be used with shards: a step is train_step");
+  if (options_.shards > 0 || options_.accumulate > 1)
+    throw InvalidArgument(
+        fmt::format("forward_backward (gradient accumulation by hand) cannot be used with {}: a step "
+                    "is train_step",
+                    options_.shards > 0 ? "shards" : "EngineOptions::accumulate"));
   check_batches(batches, true);
   pipeline_->drain();  // its loss goes through slot 0, which no step in flight holds then
   bool broadcast = false;
@@ -400,7 +418,7 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
                             rank.step_done[static_cast<std::size_t>(slot)]);
     }
     bool broadcast = false;
-    const bool sync = begin_forward(batches, broadcast);
+    const bool sync = begin_forward(batches, broadcast, batches_per_rank_);
     engines::StepGraphs::Key key;
     for (const Batch& batch : batches) key.push_back(batch.size);
     key.push_back(sync);
@@ -437,10 +455,15 @@ void DistributedDataParallel::enqueue_train_step(int r, std::span<const Batch> b
                                                  int slot) {
   if (broadcast) enqueue_broadcast(r, false, true);
   enqueue_zero_grad(r);
-  if (options_.shards > 0)
+  if (options_.shards > 0) {
     enqueue_sharded_forward_backward(r, batches, slot);
-  else
-    enqueue_forward_backward(r, batches[0], 1.0f, sync, slot, true);
+  } else {
+    // torch's accumulation loop: each micro-batch's loss / K backward, no_sync but for the last.
+    const int micro = static_cast<int>(batches.size());
+    for (int m = 0; m < micro; ++m)
+      enqueue_forward_backward(r, batches[static_cast<std::size_t>(m)], 1.0f / static_cast<float>(micro),
+                               sync && m + 1 == micro, slot, true, m);
+  }
   enqueue_step(r);
 }
 
@@ -496,8 +519,8 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
   std::vector<float> out(offsets.back());
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-    for (int i = 0; i < shards_per_rank_; ++i) {
-      const auto b = static_cast<std::size_t>(r * shards_per_rank_ + i);
+    for (int i = 0; i < forwards_per_rank(); ++i) {
+      const auto b = static_cast<std::size_t>(r * forwards_per_rank() + i);
       const Batch& batch = batches[b];
       if (batch.size == 0) continue;
       rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size},

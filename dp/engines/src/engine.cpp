@@ -164,7 +164,7 @@ std::unique_ptr<Engine> make_unfrozen_engine(Runtime& runtime, Model& model, con
     case EngineKind::single:
       check_applies(options.kind, options);
       check_single_device(model, options);
-      return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step, options.graphs);
+      return std::make_unique<SingleDeviceTrainer>(model, optimizer, options.step, options.graphs, options.accumulate);
     case EngineKind::dp: return std::make_unique<DataParallel>(runtime, model, optimizer, options);
     case EngineKind::ddp: return std::make_unique<DistributedDataParallel>(runtime, model, optimizer, options);
   }
@@ -187,6 +187,12 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
           kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
   }
   if (kind != EngineKind::dp && options.output_device) refuse("output_device", "dp");
+  if (options.accumulate < 1)
+    throw InvalidArgument(
+        fmt::format("accumulate must be at least 1 (micro-batches per step), not {}", options.accumulate));
+  if (!(options.step.clip_grad_norm >= 0.0) || !std::isfinite(options.step.clip_grad_norm))
+    throw InvalidArgument(
+        fmt::format("clip_grad_norm must be positive and finite (0: off), not {}", options.step.clip_grad_norm));
   if (options.shards < 0)
     throw InvalidArgument(fmt::format("shards must be 0 (off) or positive, not {}", options.shards));
   if (options.shards > 0) {

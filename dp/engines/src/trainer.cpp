@@ -1,6 +1,8 @@
 // trainer.cpp — SingleDeviceTrainer: the whole step enqueued on one stream, its loss read when asked for.
 #include "dp/engines/trainer.h"
 
+#include <fmt/format.h>
+
 #include "batches.h"
 #include "dp/runtime/error.h"
 #include "input_ring.h"
@@ -10,7 +12,8 @@
 
 namespace dp {
 
-SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step, bool graphs)
+SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step, bool graphs,
+                                         int accumulate)
     : model_(model),
       step_options_(step),
       device_ids_{model.device().index()},
@@ -18,10 +21,13 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
       loss_(model.device(), step.label_smoothing),
       stream_(model.device().create_stream()),
       batch_(std::make_unique<engines::StagedBatch>()),
-      ring_(std::make_unique<engines::InputRing>()),
+      accumulate_(accumulate),
       graphs_(std::make_unique<engines::StepGraphs>(graphs && model.capturable())),
-      host_loss_(model.device().allocate_pinned(engines::StepPipeline::kSlots * sizeof(float))),
+      host_loss_(model.device().allocate_pinned(engines::StepPipeline::kSlots * static_cast<std::size_t>(accumulate) *
+                                                sizeof(float))),
       pipeline_(std::make_unique<engines::StepPipeline>()) {
+  if (accumulate < 1) throw InvalidArgument(fmt::format("accumulate must be at least 1, not {}", accumulate));
+  for (int m = 0; m < accumulate; ++m) rings_.push_back(std::make_unique<engines::InputRing>());
   for (Event& done : step_done_) done = model.device().create_event();
   if (step.clip_grad_norm > 0.0) clipper_ = std::make_unique<GradNormClipper>(model.device(), step.clip_grad_norm);
 }
@@ -40,48 +46,83 @@ SingleDeviceTrainer::~SingleDeviceTrainer() {
   }
 }
 
-void SingleDeviceTrainer::enqueue_step(int batch, int slot) {
+void SingleDeviceTrainer::enqueue_step(const std::vector<int>& sizes, int slot) {
   Device& device = model_.device();
   const int classes = model_.output_features();
-  float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
-  model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), 0});
-  const float* logits = model_.forward(stream_, ring_->inputs(slot), batch, Mode::train);
-  const float* loss = loss_.forward_backward(stream_, logits, ring_->targets(slot), batch, classes, grad_output, batch);
-  model_.zero_grad(stream_);
-  model_.backward(stream_, grad_output);
+  const auto micro = static_cast<int>(sizes.size());
+  std::uint64_t offset = 0;  // micro-batches continue the step's samples, as one larger batch would
+  for (int m = 0; m < micro; ++m) {
+    const int batch = sizes[static_cast<std::size_t>(m)];
+    const engines::InputRing& ring = *rings_[static_cast<std::size_t>(m)];
+    float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
+    model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), offset});
+    offset += static_cast<std::uint64_t>(batch);
+    const float* logits = model_.forward(stream_, ring.inputs(slot), batch, Mode::train);
+    // torch's accumulation loop: (loss / K).backward(), the gradients adding up in micro-batch order.
+    const float* loss = loss_.forward_backward(stream_, logits, ring.targets(slot), batch, classes, grad_output, batch,
+                                               1.0f / static_cast<float>(micro));
+    if (m == 0) model_.zero_grad(stream_);
+    model_.backward(stream_, grad_output);
+    // Pinned: asynchronous and capturable; the slot's own floats, so a later step never overwrites them.
+    stream_.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + m), loss, sizeof(float));
+  }
   if (clipper_) clipper_->clip(stream_, model_, *optimizer_, model_.grads_flat());
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
-  // Pinned: asynchronous and capturable; the slot's own float, so a later step never overwrites it.
-  stream_.copy(host_loss_.as<float>() + slot, loss, sizeof(float));
 }
 
 StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
-  return submit_batch(Batch{inputs, targets, batch});
+  const Batch one{inputs, targets, batch};
+  return submit_batches(std::span<const Batch>(&one, 1));
 }
 
-StepLoss SingleDeviceTrainer::submit_batch(const Batch& step_batch) {
-  const int batch = step_batch.size;
-  if (!step_batch.targets) throw InvalidArgument("training step without targets (null pointer)");
-  engines::check_batch(step_batch);  // before waiting for the step in flight
+StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
+  engines::expect_batches(batches.size(), accumulate_, "single-device");
+  std::vector<int> sizes;
+  for (const Batch& batch : batches) {
+    if (!batch.targets) throw InvalidArgument("training step without targets (null pointer)");
+    engines::check_batch(batch);  // before waiting for the step in flight
+    sizes.push_back(batch.size);
+  }
   Device& device = model_.device();
   const int slot = pipeline_->next_slot();
   return pipeline_->enqueue([&] {
     const Event& done = step_done_[static_cast<std::size_t>(slot)];
-    engines::push_batch(*ring_, device, slot, step_batch, engines::sample_floats(model_), done);
-    ring_->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
+    for (std::size_t m = 0; m < batches.size(); ++m) {
+      engines::push_batch(*rings_[m], device, slot, batches[m], engines::sample_floats(model_), done);
+      rings_[m]->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
+    }
     engines::StepWork work;
-    work.capture = [&] { return std::vector<Graph>{engines::capture_on(stream_, [&] { enqueue_step(batch, slot); })}; };
+    work.capture = [&] { return std::vector<Graph>{engines::capture_on(stream_, [&] { enqueue_step(sizes, slot); })}; };
     work.replay = [&](const std::vector<Graph>& graphs) {
       optimizer_->replayed_step(stream_);
       graphs[0].replay();
       model_.replayed_backward();
     };
-    work.eager = [&] { enqueue_step(batch, slot); };
+    work.eager = [&] { enqueue_step(sizes, slot); };
+    const auto growths = [&] {
+      std::uint64_t total = 0;
+      for (const auto& ring : rings_) total += ring->growths();
+      return total;
+    };
     graphs_->run(
-        {batch}, slot, {optimizer_.get()}, [&] { return engines::snapshot({&device}, ring_->growths()); }, work);
-    // The loss is the step's last work (the optimizer before it): one event says both.
+        engines::StepGraphs::Key(sizes.begin(), sizes.end()), slot, {optimizer_.get()},
+        [&] { return engines::snapshot({&device}, growths()); }, work);
+    // The losses are the step's last work (the optimizer before them): one event says both.
     stream_.record(done);
-    return pipeline_->submitted(slot, done, host_loss_.as<float>() + slot);
+    const float* losses = host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_);
+    if (accumulate_ == 1) return pipeline_->submitted(slot, done, losses);
+    // The mean of the micro-batches' losses, added in their order.
+    const Event ready = done;
+    const int micro = accumulate_;
+    return pipeline_->submitted(
+        slot,
+        [ready, losses, micro] {
+          ready.synchronize();
+          float total = 0.0f;
+          for (int m = 0; m < micro; ++m) total += losses[m];
+          return total / static_cast<float>(micro);
+        },
+        [ready] { return ready.query(); });
   });
 }
 
@@ -100,15 +141,12 @@ std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) 
   return out;
 }
 
-StepLoss SingleDeviceTrainer::submit_step(std::span<const Batch> batches) {
-  engines::expect_batches(batches.size(), 1, "single-device");
-  return submit_batch(batches[0]);
-}
+StepLoss SingleDeviceTrainer::submit_step(std::span<const Batch> batches) { return submit_batches(batches); }
 
 void SingleDeviceTrainer::synchronize() {
   pipeline_->drain();
   stream_.synchronize();
-  ring_->release_copied();  // the lent batches' copies have run (the steps waited for them)
+  for (auto& ring : rings_) ring->release_copied();  // the lent batches' copies have run (the steps waited for them)
 }
 
 std::vector<float> SingleDeviceTrainer::predict(std::span<const Batch> batches) {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "dp/engines/engine.h"
-#include "dp/nn/clip.h"
 #include "dp/nn/batch.h"
+#include "dp/nn/clip.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/model.h"
 #include "dp/nn/optim.h"
@@ -62,7 +62,8 @@ class DataParallel final : public Engine {
   // Engine: one global batch per step, scattered over the devices.
   EngineKind kind() const override { return EngineKind::dp; }
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
-  int batches_per_step() const override { return 1; }
+  int batches_per_forward() const override { return 1; }
+  int batches_per_step() const override { return accumulate_; }  // EngineOptions::accumulate micro-batches
   using Engine::train_step;
   StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
@@ -84,11 +85,12 @@ class DataParallel final : public Engine {
   std::optional<float> last_grad_norm() override;
 
  private:
-  StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
+  // submit (one batch), and submit_step's micro-batches (the same size)
+  StepLoss submit_batches(std::span<const Batch> batches);
   struct Replica;
   void plan_chunks(int batch);
   void receive_broadcast(int rank);
-  void forward_chunk(int rank, const float* inputs, Mode mode, int slot);
+  void forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro);
   void broadcast_and_forward(const float* inputs, int batch, Mode mode);
   void gather_outputs();
   // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
@@ -96,9 +98,10 @@ class DataParallel final : public Engine {
   Graph enqueue_step(int batch, int slot, bool capture);
   // enqueue_step's phases 4-6: the loss on the output device, a device's backward, the reduction
   // onto the source and the optimizer step.
-  void enqueue_loss(int batch, int slot, bool capture);
-  void enqueue_backward(int rank);
-  void enqueue_reduce_and_update(int used);
+  void enqueue_loss(int batch, int slot, bool capture, int micro);
+  void enqueue_backward(int rank, int micro);
+  // The replicas' gradients reduce-added onto the source; `update`: then the optimizer step.
+  void enqueue_reduce_and_update(int used, bool update);
   void wait_for_batches(int slot);
   std::uint64_t staging_growths() const;
 
@@ -114,15 +117,17 @@ class DataParallel final : public Engine {
   std::vector<int> chunks_;
   std::vector<int> offsets_;  // first sample of each chunk
   int batch_ = 0;
+  int accumulate_ = 1;  // micro-batches per step
   bool time_phases_ = false;
   std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
+  Event grads_read_;  // on the source: the replicas' gradients of the micro-batch so far are reduced
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   Scratch gathered_, grad_output_;                // on the output device
   PinnedBuffer host_loss_;                        // a float per pipeline slot: the step's loss, without a pageable copy
   std::array<Event, kStepsInFlight> loss_ready_;  // per slot, on the output device: an eager step's loss written
   std::unique_ptr<engines::StepGraphs> graphs_;
-  std::unique_ptr<engines::InputRing> targets_ring_;  // on the output device
+  std::vector<std::unique_ptr<engines::InputRing>> targets_rings_;  // on the output device, per micro-batch
   std::array<Event, kStepsInFlight> step_done_;  // per slot, on the source: the whole step has run, its slot is free
   std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
 };

@@ -54,7 +54,9 @@ class DistributedDataParallel final : public Engine {
   // With shards (EngineOptions::shards) the data's ranks are the V shards: this process's first
   // one is shard first_rank() and it takes batches_per_step() of them, V / size() per device.
   int world_size() const override { return options_.shards > 0 ? options_.shards : comm_->size(); }
-  int first_rank() const override { return comm_->first_rank() * shards_per_rank_; }
+  int first_rank() const override {
+    return options_.shards > 0 ? comm_->first_rank() * batches_per_rank_ : comm_->first_rank();
+  }
   ProcessGroup& processes() const;
   const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
   Model& replica(int rank) const;
@@ -67,7 +69,8 @@ class DistributedDataParallel final : public Engine {
   // With shards: the kind it was made as (make_engine runs every kind's sharded step here).
   EngineKind kind() const override { return options_.shards > 0 ? options_.kind : EngineKind::ddp; }
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
-  int batches_per_step() const override { return group_.size() * shards_per_rank_; }
+  int batches_per_forward() const override { return group_.size() * forwards_per_rank(); }
+  int batches_per_step() const override { return group_.size() * batches_per_rank_; }
   using Engine::train_step;
   StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
@@ -116,11 +119,16 @@ class DistributedDataParallel final : public Engine {
   // Before a forward, on the caller: whether buffers are broadcast first (torch 1.13: unless the
   // previous forward ran inside no_sync), and SyncBatchNorm's global sample count. Returns whether
   // this forward's backward all-reduces (not inside no_sync).
-  bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers);
+  // `stride`: rank r's (first) batch is batches[r * stride].
+  bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers, int stride = 1);
   // Rank r's forward, loss, backward (its buckets all-reduced when `sync`) and the loss's copy to
   // pipeline slot `slot`'s pinned float, enqueued on its compute stream; records its loss_ready
   // event (not while capturing). `ring`: the batch is in the rank's ring, in `slot`; else staged now.
-  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, int slot, bool ring);
+  // `index`: which of the rank's batches of the step (its ring, its loss's place).
+  void enqueue_forward_backward(int r, const Batch& batch, float loss_scale, bool sync, int slot, bool ring,
+                                int index = 0);
+  // Batches a rank's forward (predict) takes: its shards, or one.
+  int forwards_per_rank() const { return options_.shards > 0 ? batches_per_rank_ : 1; }
   // On the caller: the join stream waits for every rank's loss of `slot` (one host wait then).
   void join_losses(int slot);
   const Event& losses_ready(int slot) const;
@@ -145,7 +153,7 @@ class DistributedDataParallel final : public Engine {
   EvalTotals reduce_totals(std::span<const EvalTotals> per_batch) override;
   DeviceGroup group_;
   EngineOptions options_;
-  int shards_per_rank_ = 1;
+  int batches_per_rank_ = 1;
   std::shared_ptr<ProcessGroup> processes_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;

@@ -96,9 +96,13 @@ class Engine {
   virtual EngineKind kind() const = 0;
   // The devices the engine drives, in rank order (single: the model's device).
   virtual const std::vector<int>& device_ids() const = 0;
-  // Host batches one step takes: 1 for single and DP (the global batch, which DP scatters), one
-  // per local rank for DDP (each rank's shard, as its DistributedSampler gives it).
-  virtual int batches_per_step() const = 0;
+  // Host batches one forward takes (predict, and each micro-batch of a step): 1 for single and DP
+  // (the global batch, which DP scatters), one per local rank for DDP (each rank's shard, as its
+  // DistributedSampler gives it), one per shard of this process with shards.
+  virtual int batches_per_forward() const = 0;
+  // Host batches one step takes: EngineOptions::accumulate micro-batches of batches_per_forward(),
+  // in that order for single and DP, rank after rank for DDP (rank r's K micro-batches together).
+  virtual int batches_per_step() const { return batches_per_forward(); }
   // The data's shards: DistributedSampler's num_replicas (DDP: the global ranks of every process)
   // and the global rank of this process's first batch. single and DP: 1 and 0.
   virtual int world_size() const { return 1; }
@@ -188,6 +192,12 @@ struct EngineOptions {
   // state, and DDP does not all-reduce their gradients (which are still computed). A prefix that
   // names no parameter is an InvalidArgument.
   std::vector<std::string> frozen = {};
+  // Every kind: gradient accumulation, K micro-batches per optimizer step (torch's loop of K
+  // forward/backward with loss / K, DDP's no_sync for all but the last): a step takes K times
+  // batches_per_forward() batches, each micro-batch's loss scaled by 1/K, the gradients summed in
+  // micro-batch order, reduced once (ddp: after the last backward); the step's loss is the mean of
+  // the K micro-batches'. With shards, K micro-batches of V shards are one step of K x V shards.
+  int accumulate = 1;
   // Every kind: V > 0 fixes a step's result to V shards, whatever the devices, processes and kind
   // (Note [fixed shards], ddp.cpp): a step takes V batches, one per shard (DistributedSampler's
   // rank = shard), each device runs its V/P shards as forwards and backwards of their own, and the

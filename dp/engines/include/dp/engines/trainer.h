@@ -26,8 +26,9 @@ class StepPipeline;
 
 class SingleDeviceTrainer final : public Engine {
  public:
-  // graphs: EngineOptions::graphs.
-  SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {}, bool graphs = false);
+  // graphs, accumulate: EngineOptions::graphs and accumulate.
+  SingleDeviceTrainer(Model& model, const OptimizerOptions& options, StepOptions step = {}, bool graphs = false,
+                      int accumulate = 1);
   ~SingleDeviceTrainer() override;
 
   // Host inputs (batch x model.input_shape() floats) and int64 targets, read before it returns
@@ -43,7 +44,8 @@ class SingleDeviceTrainer final : public Engine {
   // Engine: one batch per step.
   EngineKind kind() const override { return EngineKind::single; }
   const std::vector<int>& device_ids() const override { return device_ids_; }
-  int batches_per_step() const override { return 1; }
+  int batches_per_forward() const override { return 1; }
+  int batches_per_step() const override { return accumulate_; }
   using Engine::train_step;
   StepLoss submit_step(std::span<const Batch> batches) override;
   std::vector<float> predict(std::span<const Batch> batches) override;
@@ -58,10 +60,11 @@ class SingleDeviceTrainer final : public Engine {
   std::optional<float> last_grad_norm() override;
 
  private:
-  StepLoss submit_batch(const Batch& batch);  // submit, and submit_step's batch
-  // forward, loss, backward, optimizer step and the loss's copy out, on stream_ (eager or captured),
-  // reading the batch in pipeline slot `slot`.
-  void enqueue_step(int batch, int slot);
+  // submit (one batch), and submit_step's micro-batches
+  StepLoss submit_batches(std::span<const Batch> batches);
+  // forward, loss, backward of each micro-batch (of `sizes`), the optimizer step and the losses'
+  // copies out, on stream_ (eager or captured), reading the micro-batches of pipeline slot `slot`.
+  void enqueue_step(const std::vector<int>& sizes, int slot);
 
   Model& model_;
   StepOptions step_options_;
@@ -71,7 +74,9 @@ class SingleDeviceTrainer final : public Engine {
   CrossEntropyLoss loss_;
   Stream stream_;
   std::unique_ptr<engines::StagedBatch> batch_;  // predict's
-  std::unique_ptr<engines::InputRing> ring_;     // the training steps' batches, one slot per step in flight
+  int accumulate_ = 1;
+  // the training steps' batches, one slot per step in flight: a ring per micro-batch
+  std::vector<std::unique_ptr<engines::InputRing>> rings_;
   std::unique_ptr<engines::StepGraphs> graphs_;
   Scratch grad_output_;
   PinnedBuffer host_loss_;  // a float per slot: each step's loss, read back without a pageable copy
