@@ -422,6 +422,9 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   engine->synchronize();
   run.activation_bytes_per_sample =
       engine->model().saved_activation_bytes() / static_cast<std::size_t>(run.batch_per_device);
+  for (const dp::Optimizer* optimizer : engine->optimizers())
+    run.optimizer_state_bytes =
+        std::max(run.optimizer_state_bytes, optimizer->state().size() * optimizer->param_count() * sizeof(float));
   if (across) gather_devices(run, *processes);
   if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
   if (!parallel) return run;

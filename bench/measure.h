@@ -100,6 +100,8 @@ struct Run {
   // What a train forward keeps for the backward, per sample (the model on device 0: DP's source,
   // DDP's rank 0): activations between layers and layers' saved state (Model::saved_activation_bytes).
   std::size_t activation_bytes_per_sample = 0;
+  // Optimizer state per device (the largest of the engine's optimizers): with --zero 1 a 1/ranks slice.
+  std::size_t optimizer_state_bytes = 0;
   std::vector<double> step_ms;
   double wall_ms = 0, samples_per_s = 0, step_ms_median = 0, step_ms_p90 = 0, step_ms_mean = 0;
   std::optional<double> scaling_efficiency;

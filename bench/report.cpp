@@ -23,9 +23,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, optimiz
                                    broadcast_buffers, first_bucket_mb, seed, precision, amp)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
-                                   buffers_bytes, activation_bytes_per_sample, samples_per_s, wall_ms, step_ms,
-                                   step_ms_median, step_ms_p90, step_ms_mean, loss_first, loss_last, graphs, pipelined,
-                                   trace_offset_ms)
+                                   buffers_bytes, activation_bytes_per_sample, optimizer_state_bytes, samples_per_s,
+                                   wall_ms, step_ms, step_ms_median, step_ms_p90, step_ms_mean, loss_first, loss_last,
+                                   graphs, pipelined, trace_offset_ms)
 
 namespace {
 
@@ -135,20 +135,22 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
                     human_bytes(max_of(column(r, &PerDevice::bytes_received))),
                     human_bytes(max_of(column(r, [](const PerDevice& p) { return p.net_sent + p.net_received; }))),
                     fixed(imbalance(traffic), 2), human_bytes(max_of(peak)), fixed(imbalance(peak), 2),
-                    human_bytes(static_cast<double>(r.activation_bytes_per_sample))});
+                    human_bytes(static_cast<double>(r.activation_bytes_per_sample)),
+                    human_bytes(static_cast<double>(r.optimizer_state_bytes))});
   }
   fmt::print("\n");
   const std::vector<Column> columns = {
-      {"model", -8},    {"mode", -6},   {"dev", 3},       {"batch", 6}, {"samples/s", 11}, {"step ms", 9},
-      {"p90 ms", 9},    {"scaling", 7}, {"busy %", 7},    {"imb", 5},   {"sent/step", 11}, {"recv/step", 11},
-      {"net/step", 11}, {"imb", 5},     {"peak mem", 11}, {"imb", 5},   {"act/sample", 11}};
+      {"model", -8},    {"mode", -6},   {"dev", 3},       {"batch", 6}, {"samples/s", 11},  {"step ms", 9},
+      {"p90 ms", 9},    {"scaling", 7}, {"busy %", 7},    {"imb", 5},   {"sent/step", 11},  {"recv/step", 11},
+      {"net/step", 11}, {"imb", 5},     {"peak mem", 11}, {"imb", 5},   {"act/sample", 11}, {"opt state", 11}};
   print_table(columns, rows);
   fmt::print(
       "  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
       "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
       "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
       "  from other processes (inter-node, under mpirun); imb = max/mean over devices; act/sample = what a\n"
-      "  forward keeps for the backward, per sample (bf16 under --amp bf16)\n",
+      "  forward keeps for the backward, per sample (bf16 under --amp bf16); opt state = the optimizer state\n"
+      "  a device keeps (--zero 1: its slice)\n",
       have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
   if (setup.backend == "sim") {
     // Simulated devices run on host threads: more devices than cores share them.

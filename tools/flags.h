@@ -218,6 +218,7 @@ struct SharedOptions {
   std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
   int shards = 0;                    // every mode: a step's result fixed to this many shards; 0: off
   double clip_grad_norm = 0.0;       // every mode: clip_grad_norm_(max_norm) before each update; 0: off
+  int zero = 0;                      // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -320,6 +321,14 @@ FlagGroup<O> shared_flags() {
            .saved = Saved::on_resume,
            .engine = [](const O& o, dp::EngineOptions& e) { e.step.clip_grad_norm = o.clip_grad_norm; },
            .per_epoch = true},
+          {.name = "--zero",
+           .value = integer<O>(&O::zero, 0, 1, "STAGE"),
+           .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): each rank updates its slice, "
+                   "then the parameters are all-gathered; the same bits, state memory / ranks",
+           .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...)",
+           .default_text = "0 (off)",
+           .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },
+           .applies_to = "ddp"},
           {.name = "--optimizer",
            .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
            .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",

@@ -549,7 +549,8 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)
     as_usage_error([&] {
-      resumed.state->load_optimizers(*built.model, engine->optimizers());
+      resumed.state->load_optimizers(*built.model, engine->whole_optimizers());
+      engine->whole_optimizers_loaded();
       return 0;
     });
   return engine;
@@ -1148,6 +1149,8 @@ int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime
 // epoch of its next step began and the epochs' length let it number its epochs on.
 void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step) {
   engine.synchronize();
+  // Every process: with ZeRO-1 the whole state is gathered from every rank.
+  const std::vector<dp::Optimizer*> whole = engine.whole_optimizers();
   if (!g_job.primary()) return;
   dp::TrainingProgress progress;
   progress.step = step;
@@ -1160,17 +1163,18 @@ void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, co
   if (plan.end_epoch) progress.tags["end_epoch"] = fmt::format("{}", *plan.end_epoch);
   progress.tags["epoch_start"] = fmt::format("{}", plan.epochs.start(step));
   progress.tags["epoch_steps"] = fmt::format("{}", plan.epochs.steps);
-  dp::TrainingState::save(path, engine.model(), *engine.optimizers().front(), progress);
+  dp::TrainingState::save(path, engine.model(), *whole.front(), progress);
 }
 
 void save(const Options& o, dp::Engine& engine, const Plan& plan, long step) {
   engine.synchronize();
-  g_job.collectives_end();
-  if (!o.save.empty() && g_job.primary()) {
+  if (!o.save.empty()) {
+    // Every process: the whole optimizer state may be a collective (ZeRO-1); process 0 writes.
     write_checkpoint(o, engine, plan, o.save, step);
     say("dp_train: saved {}{}\n", o.save,
         step < plan.start_step + plan.total_steps ? fmt::format(" at step {}", step) : "");
   }
+  g_job.collectives_end();
   g_job.agree_or_stop();
 }
 

@@ -424,7 +424,8 @@ TEST(Bench, Bf16GradientReductionHalvesTheBytes) {
 }
 
 // --clip-grad-norm: clip_grad_norm_ runs on the device inside the step, so a step waits on the host
-// no more often than without it, with graphs replaying (one launch) or eagerly (its kernels added).
+// at most once, as without it (the pipeline's wait), with graphs replaying (one launch) or eagerly
+// (its kernels added).
 TEST(Bench, ClippingAddsNoHostSync) {
   TempDir dir("clip");
   for (const std::string graphs : {"on", "off"}) {
@@ -439,13 +440,32 @@ TEST(Bench, ClippingAddsNoHostSync) {
       for (const std::string mode : {"single", "dp", "ddp"}) {
         const json& plain = find_run(runs.reports["0"], model, mode);
         const json& clipped = find_run(runs.reports["0.5"], model, mode);
-        EXPECT_EQ(clipped.at("host_syncs_per_step"), plain.at("host_syncs_per_step")) << model << " " << mode;
+        // A pipelined step waits on the host at most once (for a loss two steps back; whether it must
+        // wait depends on timing): clipping adds no wait of its own.
+        EXPECT_LE(clipped.at("host_syncs_per_step").get<double>(), 1.0) << model << " " << mode;
+        EXPECT_LE(plain.at("host_syncs_per_step").get<double>(), 1.0) << model << " " << mode;
         if (graphs == "off") {
           EXPECT_GT(clipped.at("launches_per_step").get<double>(), plain.at("launches_per_step").get<double>())
               << model << " " << mode << ": the clipping kernels run";
         }
       }
   }
+}
+
+// --zero 1: the optimizer state a device keeps is its 1/ranks slice (AdamW: 2 floats per parameter
+// in all), and the run trains as plain DDP does (the same losses).
+TEST(Bench, ZeroOneDividesTheOptimizerStateByTheRanks) {
+  TempDir dir("zero");
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(
+      dir, "--backend sim --devices 4 --models mlp --modes ddp --optimizer adamw --batch-size 4 --steps 2 --warmup 1",
+      "zero", {"0", "1"}, runs));
+  const json& plain = find_run(runs.reports["0"], "mlp", "ddp");
+  const json& zero = find_run(runs.reports["1"], "mlp", "ddp");
+  const auto params = u64(plain.at("param_count"));
+  EXPECT_EQ(u64(plain.at("optimizer_state_bytes")), 2 * 4 * params);
+  EXPECT_EQ(u64(zero.at("optimizer_state_bytes")), 2 * 4 * ((params + 3) / 4));
+  EXPECT_EQ(zero.at("loss_last"), plain.at("loss_last"));
 }
 
 // --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named

@@ -461,6 +461,38 @@ TEST_F(TrainTest, AccumulationCountsOptimizerStepsAndIsShardsWithShards) {
   EXPECT_FALSE(std::filesystem::exists(path("big.st")));
 }
 
+// --zero 1 (ZeRO stage 1): the checkpoint of 10 AdamW steps is byte for byte plain DDP's on 2, 3 and
+// 4 devices (with a frozen layer too); a checkpoint resumes from and to --zero 1; other modes refuse it.
+TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
+  const std::string common =
+      "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --optimizer adamw --mode ddp";
+  for (const int devices : {2, 3, 4}) {
+    for (const std::string frozen : {"", " --freeze layer1"}) {
+      SCOPED_TRACE(fmt::format("{} devices{}", devices, frozen));
+      const std::string args = fmt::format("{} --devices {} --steps 10{}", common, devices, frozen);
+      ASSERT_EQ(run(args + " --save " + path("plain.st")).code, 0);
+      const Result zero = run(args + " --zero 1 --save " + path("zero.st"));
+      ASSERT_EQ(zero.code, 0) << zero.output;
+      EXPECT_EQ(read_file(path("plain.st")), read_file(path("zero.st"))) << "checkpoint bytes differ";
+    }
+  }
+  const std::string two = common + " --devices 2";
+  ASSERT_EQ(run(two + " --steps 10 --save " + path("ten.st")).code, 0);
+  for (const std::string first : {" --zero 1", ""}) {
+    SCOPED_TRACE("first half" + first);
+    ASSERT_EQ(run(two + " --steps 5" + first + " --save " + path("half.st")).code, 0);
+    const std::string second = first.empty() ? " --zero 1" : "";
+    const Result resumed = run("--backend sim --synthetic 240 --mode ddp --devices 2 --resume " + path("half.st") +
+                               " --steps 10" + second + " --save " + path("resumed.st"));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_EQ(read_file(path("ten.st")), read_file(path("resumed.st"))) << "resumed checkpoint differs";
+  }
+  const Result dp = run("--backend sim --synthetic 64 --mode dp --devices 2 --steps 1 --zero 1");
+  EXPECT_EQ(dp.code, 2) << dp.output;
+  EXPECT_NE(dp.output.find("--zero applies to --mode ddp"), std::string::npos) << dp.output;
+  EXPECT_EQ(run("--backend sim --synthetic 64 --mode ddp --devices 2 --steps 1 --zero 2").code, 2);
+}
+
 // --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
 // is not given again (as the other run settings that only a resume takes from the checkpoint).
 TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {

@@ -456,7 +456,7 @@ void DataParallel::enqueue_reduce_and_update(int used, bool update) {
   if (!update) return;
   mark(time_phases_, source.stream, reduce_end_);
   // The source holds the reduced gradients: clip_grad_norm_ on the module, as torch's loop calls it.
-  if (clipper_) clipper_->clip(source.stream, module_, *optimizer_, module_.grads_flat());
+  if (clipper_) clipper_->clip(source.stream, module_, optimizer_->trainable(), module_.grads_flat());
   optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
   mark(time_phases_, source.stream, update_end_);
 }

@@ -29,11 +29,13 @@ struct DistributedDataParallel::Rank {
   std::vector<std::unique_ptr<engines::InputRing>> rings;
   Scratch grad_output;
   Scratch shard_grads, all_grads, saved_buffers;  // shards: Note [fixed shards]
-  std::uint64_t accumulated_samples = 0;          // forwarded since the last optimizer step
-  BatchNormSync bn_sync;                          // sync_batchnorm: this rank's view of the BN collective
-  PinnedBuffer host_loss;                         // a float per pipeline slot; pinned: the copy is asynchronous
-  std::array<Event, kStepsInFlight> loss_ready;   // per slot: host_loss written
-  std::array<Event, kStepsInFlight> step_done;    // per slot: the rank's step has run
+  std::size_t zero_begin = 0, zero_count = 0;     // ZeRO-1: this rank's slice of the flat parameters
+  Scratch zero_send, zero_recv;
+  std::uint64_t accumulated_samples = 0;         // forwarded since the last optimizer step
+  BatchNormSync bn_sync;                         // sync_batchnorm: this rank's view of the BN collective
+  PinnedBuffer host_loss;                        // a float per pipeline slot; pinned: the copy is asynchronous
+  std::array<Event, kStepsInFlight> loss_ready;  // per slot: host_loss written
+  std::array<Event, kStepsInFlight> step_done;   // per slot: the rank's step has run
 };
 
 DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -68,6 +70,15 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
   // communication streams: each kind gets its own communicator, so the two sequences never
   // interleave on one (NCCL requires one order of collectives per communicator).
   if (options_.sync_batchnorm) bn_comm_ = Communicator::create(group_, processes_);
+  optimizer_options_ = optimizer;
+  const std::size_t n = module.param_count();
+  if (options_.zero) {
+    // Its own communicator: the all-gathers run on the compute streams, the buckets on the
+    // communication streams (one order of collectives per communicator).
+    param_comm_ = Communicator::create(group_, processes_);
+    zero_chunk_ = (n + static_cast<std::size_t>(comm_->size()) - 1) / static_cast<std::size_t>(comm_->size());
+    trainable_ = {{0, n}};
+  }
   reducer_ = std::make_unique<Reducer>(
       *comm_, group_,
       assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb, options_.frozen),
@@ -76,7 +87,15 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     auto rank = std::make_unique<Rank>();
     Device& device = group_.device(r);
     rank->model = &(*replicas_)[r];
-    rank->optimizer = make_optimizer(device, module.param_count(), optimizer);
+    if (options_.zero) {
+      const auto g = static_cast<std::size_t>(comm_->first_rank() + r);
+      rank->zero_begin = std::min(n, g * zero_chunk_);
+      rank->zero_count = std::min(zero_chunk_, n - rank->zero_begin);
+      if (rank->zero_count == 0)
+        throw InvalidArgument(
+            fmt::format("ZeRO-1: the model's {} parameters leave global rank {} of {} no slice", n, g, comm_->size()));
+    }
+    rank->optimizer = make_optimizer(device, options_.zero ? rank->zero_count : n, optimizer);
     rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
     if (options_.step.clip_grad_norm > 0.0)
       rank->clipper = std::make_unique<GradNormClipper>(device, options_.step.clip_grad_norm);
@@ -179,10 +198,88 @@ void DistributedDataParallel::enqueue_zero_grad(int r) {
 
 void DistributedDataParallel::enqueue_step(int r) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+  Model& m = *rank.model;
+  float* params = m.params_flat();
+  float* grads = m.grads_flat();
   // Every rank's gradients are the same after the reduction: so are their norms and clipping.
-  if (rank.clipper) rank.clipper->clip(rank.compute, *rank.model, *rank.optimizer, rank.model->grads_flat());
-  rank.optimizer->step(rank.compute, rank.model->params_flat(), rank.model->grads_flat());
+  if (rank.clipper)
+    rank.clipper->clip(rank.compute, m, options_.zero ? trainable_ : rank.optimizer->trainable(), grads);
   rank.accumulated_samples = 0;
+  if (!options_.zero) {
+    rank.optimizer->step(rank.compute, params, grads);
+    return;
+  }
+  // ZeRO-1: this rank's slice updated, then every rank's slices gathered into every replica.
+  rank.optimizer->step(rank.compute, params + rank.zero_begin, grads + rank.zero_begin);
+  Device& device = group_.device(r);
+  const std::size_t n = m.param_count(), chunk = zero_chunk_;
+  float* send = rank.zero_send.get<float>(device, chunk);
+  rank.compute.copy(send, params + rank.zero_begin, rank.zero_count * sizeof(float));
+  if (rank.zero_count < chunk)
+    kernels::fill(rank.compute, send + rank.zero_count, static_cast<kernels::index_t>(chunk - rank.zero_count), 0.0f);
+  float* recv = rank.zero_recv.get<float>(device, chunk * static_cast<std::size_t>(comm_->size()));
+  param_comm_->all_gather(r, rank.compute, send, recv, chunk);
+  rank.compute.copy(params, recv, n * sizeof(float));
+}
+
+void DistributedDataParallel::freeze(const std::vector<Optimizer::ParamRange>& frozen) {
+  if (!options_.zero) {
+    Engine::freeze(frozen);
+    return;
+  }
+  trainable_ = trainable_ranges(ranks_[0]->model->param_count(), frozen);
+  frozen_ = frozen;
+  for (auto& rank : ranks_) {
+    // Each frozen range's part inside the rank's slice, in the slice's own offsets.
+    std::vector<Optimizer::ParamRange> mine;
+    for (const Optimizer::ParamRange& f : frozen) {
+      const std::size_t lo = std::max(f.offset, rank->zero_begin);
+      const std::size_t hi = std::min(f.offset + f.count, rank->zero_begin + rank->zero_count);
+      if (lo < hi) mine.push_back({lo - rank->zero_begin, hi - lo});
+    }
+    rank->optimizer->freeze(mine);
+  }
+}
+
+std::vector<Optimizer*> DistributedDataParallel::whole_optimizers() {
+  if (!options_.zero) return optimizers();
+  synchronize();
+  const std::size_t n = ranks_[0]->model->param_count(), chunk = zero_chunk_;
+  whole_ = make_optimizer(group_.device(0), n, optimizer_options_);
+  whole_->freeze(frozen_);
+  const std::size_t buffers = ranks_[0]->optimizer->state().size();
+  for (std::size_t k = 0; k < buffers; ++k) {
+    float* whole = whole_->state()[k].data;
+    run_ranks([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      Device& device = group_.device(r);
+      float* send = rank.zero_send.get<float>(device, chunk);
+      rank.compute.copy(send, rank.optimizer->state()[k].data, rank.zero_count * sizeof(float));
+      if (rank.zero_count < chunk)
+        kernels::fill(rank.compute, send + rank.zero_count, static_cast<kernels::index_t>(chunk - rank.zero_count),
+                      0.0f);
+      float* recv = rank.zero_recv.get<float>(device, chunk * static_cast<std::size_t>(comm_->size()));
+      param_comm_->all_gather(r, rank.compute, send, recv, chunk);
+      if (r == 0) rank.compute.copy(whole, recv, n * sizeof(float));
+      rank.compute.synchronize();
+    });
+  }
+  whole_->set_steps(ranks_[0]->optimizer->steps());
+  return {whole_.get()};
+}
+
+void DistributedDataParallel::whole_optimizers_loaded() {
+  if (!options_.zero || !whole_) return;
+  const std::size_t buffers = whole_->state().size();
+  group_.run([&](int r) {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    for (std::size_t k = 0; k < buffers; ++k)
+      rank.compute.copy(rank.optimizer->state()[k].data, whole_->state()[k].data + rank.zero_begin,
+                        rank.zero_count * sizeof(float));
+    rank.compute.synchronize();
+    rank.optimizer->set_steps(whole_->steps());
+  });
+  whole_.reset();
 }
 
 std::span<const Batch> DistributedDataParallel::batches_of(int r, std::span<const Batch> batches) const {

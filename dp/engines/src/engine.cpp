@@ -94,6 +94,10 @@ float StepLoss::get() const {
 
 bool StepLoss::ready() const { return state_ && (!state_->query || state_->query()); }
 
+void Engine::freeze(const std::vector<Optimizer::ParamRange>& frozen) {
+  for (Optimizer* o : optimizers()) o->freeze(frozen);
+}
+
 void Engine::set_lr(double lr) {
   for (Optimizer* optimizer : optimizers()) optimizer->set_lr(lr);
 }
@@ -139,8 +143,7 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
   // Before the engine replicates the model: replicas keep the setting.
   model.set_autocast(options.amp);
   auto engine = make_unfrozen_engine(runtime, model, optimizer, options);
-  if (!frozen.empty())
-    for (Optimizer* o : engine->optimizers()) o->freeze(frozen);
+  if (!frozen.empty()) engine->freeze(frozen);
   return engine;
 }
 
@@ -187,6 +190,9 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
           kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
   }
   if (kind != EngineKind::dp && options.output_device) refuse("output_device", "dp");
+  if (options.zero != 0 && options.zero != 1)
+    throw InvalidArgument(fmt::format("zero must be 0 (off) or 1 (ZeRO stage 1), not {}", options.zero));
+  if (kind != EngineKind::ddp && options.zero) refuse("ZeRO-1 (zero)", "ddp");
   if (options.accumulate < 1)
     throw InvalidArgument(
         fmt::format("accumulate must be at least 1 (micro-batches per step), not {}", options.accumulate));

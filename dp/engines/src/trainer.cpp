@@ -66,7 +66,7 @@ void SingleDeviceTrainer::enqueue_step(const std::vector<int>& sizes, int slot) 
     // Pinned: asynchronous and capturable; the slot's own floats, so a later step never overwrites them.
     stream_.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + m), loss, sizeof(float));
   }
-  if (clipper_) clipper_->clip(stream_, model_, *optimizer_, model_.grads_flat());
+  if (clipper_) clipper_->clip(stream_, model_, optimizer_->trainable(), model_.grads_flat());
   optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
 }
 

@@ -10,16 +10,19 @@
 namespace dp {
 
 GradNormClipper::GradNormClipper(Device& device, double max_norm)
-    : device_(device), max_norm_(max_norm), norm_coef_(device.allocate(2 * sizeof(float))),
+    : device_(device),
+      max_norm_(max_norm),
+      norm_coef_(device.allocate(2 * sizeof(float))),
       reader_(device.create_stream()) {
   if (!(max_norm > 0.0) || !std::isfinite(max_norm))
     throw InvalidArgument(fmt::format("clip_grad_norm: max_norm must be positive and finite, not {}", max_norm));
 }
 
-void GradNormClipper::clip(const Stream& stream, const Model& model, const Optimizer& optimizer, float* grads) {
+void GradNormClipper::clip(const Stream& stream, const Model& model,
+                           const std::vector<Optimizer::ParamRange>& trainable, float* grads) {
   if (tensors_.empty()) {
     for (const TensorRef& p : model.parameters())
-      for (const Optimizer::ParamRange& range : optimizer.trainable())
+      for (const Optimizer::ParamRange& range : trainable)
         if (p.offset >= range.offset && p.offset + p.numel() <= range.offset + range.count)
           tensors_.push_back({p.offset, p.numel()});
     if (tensors_.empty()) throw InvalidArgument("clip_grad_norm: every parameter is frozen");

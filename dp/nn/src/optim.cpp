@@ -57,19 +57,25 @@ const void* Optimizer::upload_scalars(const Stream& stream, const void* values, 
   return scalars_.data();
 }
 
-void Optimizer::freeze(std::vector<ParamRange> frozen) {
+std::vector<Optimizer::ParamRange> trainable_ranges(std::size_t param_count,
+                                                    std::vector<Optimizer::ParamRange> frozen) {
+  using ParamRange = Optimizer::ParamRange;
   std::sort(frozen.begin(), frozen.end(), [](const ParamRange& a, const ParamRange& b) { return a.offset < b.offset; });
   std::vector<ParamRange> trainable;
   std::size_t at = 0;
   for (const ParamRange& r : frozen) {
-    if (r.offset > param_count_ || r.count > param_count_ - r.offset)
+    if (r.offset > param_count || r.count > param_count - r.offset)
       throw InvalidArgument(fmt::format("frozen parameters [{}, {}) lie past the {} parameters", r.offset,
-                                        r.offset + r.count, param_count_));
+                                        r.offset + r.count, param_count));
     if (r.offset > at) trainable.push_back({at, r.offset - at});
     at = std::max(at, r.offset + r.count);
   }
-  if (at < param_count_) trainable.push_back({at, param_count_ - at});
-  trainable_ = std::move(trainable);
+  if (at < param_count) trainable.push_back({at, param_count - at});
+  return trainable;
+}
+
+void Optimizer::freeze(std::vector<ParamRange> frozen) {
+  trainable_ = trainable_ranges(param_count_, std::move(frozen));
 }
 
 DeviceBuffer Optimizer::zeroed_buffer() const {

@@ -108,6 +108,9 @@ class DistributedDataParallel final : public Engine {
   void check_replicas_identical();
   std::uint64_t graph_replays() const override;
   std::optional<float> last_grad_norm() override;
+  void freeze(const std::vector<Optimizer::ParamRange>& frozen) override;
+  std::vector<Optimizer*> whole_optimizers() override;
+  void whole_optimizers_loaded() override;
 
  private:
   struct Rank;
@@ -154,6 +157,14 @@ class DistributedDataParallel final : public Engine {
   DeviceGroup group_;
   EngineOptions options_;
   int batches_per_rank_ = 1;
+  OptimizerOptions optimizer_options_;
+  // ZeRO-1: every global rank's slice of the flat parameters is [g * zero_chunk_, ...), the last
+  // one shorter; whole_ is the checkpoint's whole optimizer, while one is asked for.
+  std::size_t zero_chunk_ = 0;
+  std::vector<Optimizer::ParamRange> trainable_;  // of the whole buffer (clipping), with ZeRO-1
+  std::unique_ptr<Communicator> param_comm_;      // ZeRO-1's all-gathers, on the compute streams
+  std::unique_ptr<Optimizer> whole_;
+  std::vector<Optimizer::ParamRange> frozen_;
   std::shared_ptr<ProcessGroup> processes_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;

@@ -145,6 +145,15 @@ class Engine {
   // Sets the learning rate of every optimizer (schedules, warm-up). With graphs, the next replay
   // reads it: no re-capture.
   void set_lr(double lr);
+  // Keeps the flat parameters in `frozen` fixed (EngineOptions::frozen, as make_engine applies it):
+  // no update, no optimizer state.
+  virtual void freeze(const std::vector<Optimizer::ParamRange>& frozen);
+  // The optimizer state as a checkpoint holds it, every parameter's: optimizers() (their first is
+  // saved), or with ZeRO-1 one whole optimizer gathered from the ranks' slices (a collective: every
+  // process calls it, and waits for the steps in flight). Valid until the next call.
+  virtual std::vector<Optimizer*> whole_optimizers() { return optimizers(); }
+  // After a checkpoint's state was loaded into whole_optimizers(): the ranks take their parts.
+  virtual void whole_optimizers_loaded() {}
   // With StepOptions::clip_grad_norm: the total gradient norm of the last step, before clipping
   // (waits for the steps in flight: call it where the host may wait, a log line); else none.
   virtual std::optional<float> last_grad_norm() { return std::nullopt; }
@@ -176,6 +185,12 @@ struct EngineOptions {
   // batches (forward and backward), so N ranks of b samples train as one device on N*b samples.
   bool sync_batchnorm = false;
   bool check_replicas = false;  // ddp, debug: after every step, all replicas' parameters bitwise equal
+  // ddp: ZeRO stage 1 (torch's ZeroRedundancyOptimizer, DeepSpeed stage 1) when 1: global rank g
+  // keeps and updates the optimizer state of the g-th of size() equal slices of the flat parameters
+  // only, after the gradients' all-reduce, then the ranks all-gather the updated parameters. The
+  // same bits as plain DDP (the update is elementwise), optimizer state per device divided by the
+  // ranks; checkpoints stay whole (whole_optimizers()). 0: off.
+  int zero = 0;
   // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
   GradReduce grad_reduce = GradReduce::fp32;
   // Every kind: torch.autocast around the forward (Model::set_autocast, set on the model and so on

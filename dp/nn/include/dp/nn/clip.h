@@ -23,9 +23,10 @@ class GradNormClipper {
   // max_norm: positive and finite (InvalidArgument otherwise).
   GradNormClipper(Device& device, double max_norm);
   // Enqueues the clipping of `grads` (`model`'s flat gradients on `stream`'s device) over the
-  // parameters `optimizer` updates (those it does not, frozen, are left out as torch leaves out
-  // parameters without a gradient).
-  void clip(const Stream& stream, const Model& model, const Optimizer& optimizer, float* grads);
+  // parameters inside `trainable` (an optimizer's trainable(); the frozen ones are left out, as
+  // torch leaves out parameters without a gradient).
+  void clip(const Stream& stream, const Model& model, const std::vector<Optimizer::ParamRange>& trainable,
+            float* grads);
   // The total norm, before clipping, of the last clip(): call once the stream it ran on has.
   float last_norm() const;
   double max_norm() const { return max_norm_; }

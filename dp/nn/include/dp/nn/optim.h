@@ -159,6 +159,10 @@ class AdamW final : public Optimizer {
   DeviceBuffer exp_avg_, exp_avg_sq_;
 };
 
+// The stretches of [0, param_count) that `frozen` leaves (Optimizer::freeze's, and a ZeRO-1 engine's
+// over the whole buffer). Throws InvalidArgument for a range past the parameters.
+std::vector<Optimizer::ParamRange> trainable_ranges(std::size_t param_count, std::vector<Optimizer::ParamRange> frozen);
+
 // The optimizer `options` names, on `device`, for `param_count` parameters (validated).
 std::unique_ptr<Optimizer> make_optimizer(Device& device, std::size_t param_count, const OptimizerOptions& options);
 // "sgd" or "adamw", as Optimizer::kind() of what make_optimizer builds.
