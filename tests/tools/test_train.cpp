@@ -1198,6 +1198,10 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--lr 1e39", "--lr: '1e39' overflows a float");
   expect_refused(base + "--lr -1", "--lr: '-1' is not a finite number >= 0");
   expect_refused(base + "--momentum nan", "--momentum: 'nan'");
+  expect_refused(base + "--clip-grad-norm -1", "--clip-grad-norm: '-1' is not a finite number >= 0");
+  expect_refused(base + "--clip-grad-norm inf", "--clip-grad-norm: 'inf' is not a finite number >= 0");
+  expect_refused(base + "--accumulate 0", "--accumulate");
+  expect_refused(base + "--eval-every 0", "--eval-every");
   expect_refused(base + "--weight-decay nan", "--weight-decay: 'nan'");
   expect_refused(base + "--nesterov --momentum 0", "nesterov momentum requires a momentum > 0");
   expect_refused(base + "--devices 0x10", "--devices: '0x10' is not a non-negative decimal integer");
