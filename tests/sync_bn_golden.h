@@ -19,8 +19,9 @@ namespace dp::test {
 
 // `devices`: this process's devices (local ranks); `processes`: null for one process. Every
 // process's global ranks together must divide the golden's batch of 6.
+// `shards`: EngineOptions::shards (a shard per rank), whose order-free sums change no figure here.
 inline void expect_sync_bn_matches_torch(Runtime& rt, const std::vector<int>& devices,
-                                         std::shared_ptr<ProcessGroup> processes = nullptr) {
+                                         std::shared_ptr<ProcessGroup> processes = nullptr, int shards = 0) {
   const auto golden = safetensors::read(golden_path("resnet8_sgd"));
   const auto& meta = golden.metadata;
   auto model = models::make_resnet8(rt.device(devices[0]), 1);
@@ -29,6 +30,7 @@ inline void expect_sync_bn_matches_torch(Runtime& rt, const std::vector<int>& de
   options.device_ids = devices;
   options.sync_batchnorm = true;
   options.processes = std::move(processes);
+  options.shards = shards;
   DistributedDataParallel ddp(
       rt, *model,
       SgdOptions{std::stof(meta.at("lr")), std::stof(meta.at("momentum")), std::stof(meta.at("weight_decay")), false},

@@ -201,6 +201,7 @@ TEST(SyncBatchNorm, MatchesPyTorchOnTheWholeBatch) {
     SCOPED_TRACE(fmt::format("{} ranks", ranks));
     auto rt = test::sim_runtime(ranks);
     test::expect_sync_bn_matches_torch(*rt, DeviceGroup::all_devices(*rt));
+    test::expect_sync_bn_matches_torch(*rt, DeviceGroup::all_devices(*rt), nullptr, ranks);  // with shards
   }
 }
 
@@ -789,7 +790,15 @@ TEST(Shards, RefusalsNameTheProblem) {
   EXPECT_NE(refusal(options).find("a bf16 gradient all-reduce cannot be used with shards"), std::string::npos);
   options.grad_reduce = GradReduce::fp32;
   options.sync_batchnorm = true;
-  EXPECT_NE(refusal(options).find("sync_batchnorm cannot be used with shards"), std::string::npos);
+  options.shards = 8;  // SyncBatchNorm needs a replica per shard
+  EXPECT_NE(refusal(options).find("sync_batchnorm with 8 shards needs a device per shard, not 4"), std::string::npos)
+      << refusal(options);
+  options.kind = EngineKind::single;
+  EXPECT_NE(refusal(options).find("sync_batchnorm applies to ddp and dp (a device per shard), not single"),
+            std::string::npos)
+      << refusal(options);
+  options.kind = EngineKind::ddp;
+  options.shards = 4;
   options.sync_batchnorm = false;
   options.kind = EngineKind::dp;
   options.output_device = 1;

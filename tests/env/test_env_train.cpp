@@ -177,7 +177,7 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
 TEST_F(EnvTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   for (const std::string model :
        {"--model mlp --hidden 32", "--model convnet --sync-bn", "--model convnet --shards 8 --graphs off",
-        "--model convnet --zero 1 --optimizer adamw"}) {
+        "--model convnet --zero 1 --optimizer adamw", "--model convnet --sync-bn --shards 4"}) {
     SCOPED_TRACE(model);
     const std::string common =
         model + " --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.01 --seed 7 --steps 6 --log-every 1";

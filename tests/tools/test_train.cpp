@@ -493,6 +493,30 @@ TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
   EXPECT_EQ(run("--backend sim --synthetic 64 --mode ddp --devices 2 --steps 1 --zero 2").code, 2);
 }
 
+// --shards V with --sync-bn: a dp device per shard (V of them), on 4, 2 or 1 simulated GPUs
+// (--devices-per-gpu), graphs on and off: the same checkpoint tensors byte for byte; fewer dp
+// devices than shards are refused, naming the way out.
+TEST_F(TrainTest, ShardsWithSyncBatchNormAreTheSameOnAnyGpuCount) {
+  const std::string common =
+      "--model convnet --sync-bn --shards 4 --mode ddp --backend sim --synthetic 160 --batch-size 3 --seed 5 "
+      "--steps 5 --lr 0.05 --devices 4";
+  ASSERT_EQ(run(common + " --save " + path("one.st")).code, 0);
+  for (const std::string variant : {"--devices-per-gpu 2", "--devices-per-gpu 4", "--devices-per-gpu 2 --graphs off"}) {
+    SCOPED_TRACE(variant);
+    const Result r = run(common + " " + variant + " --save " + path("p.st"));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto a = dp::safetensors::read(path("one.st")), b = dp::safetensors::read(path("p.st"));
+    ASSERT_EQ(a.order, b.order);
+    for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name;
+  }
+  const Result fewer =
+      run("--model convnet --sync-bn --shards 4 --mode ddp --backend sim --synthetic 64 --devices 2 "
+          "--steps 1");
+  EXPECT_EQ(fewer.code, 2) << fewer.output;
+  EXPECT_NE(fewer.output.find("sync_batchnorm with 4 shards needs a device per shard, not 2"), std::string::npos)
+      << fewer.output;
+}
+
 // --amp bf16 resumes bit for bit, and a resumed run keeps the checkpoint's autocast when the flag
 // is not given again (as the other run settings that only a resume takes from the checkpoint).
 TEST_F(TrainTest, AutocastResumesBitExactAndKeepsItsSetting) {

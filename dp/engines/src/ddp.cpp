@@ -63,6 +63,12 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     options_.shards *= options_.accumulate;
     options_.accumulate = 1;
     batches_per_rank_ = options_.shards / comm_->size();
+    // SyncBatchNorm needs every shard's forward at each BatchNorm at once: a replica per shard.
+    if (options_.sync_batchnorm && batches_per_rank_ != 1)
+      throw InvalidArgument(
+          fmt::format("sync_batchnorm with {} shards needs a device per shard, not {}: {} dp devices (on fewer GPUs, "
+                      "several on each: RuntimeOptions::devices_per_gpu)",
+                      options_.shards, comm_->size(), options_.shards));
   } else {
     batches_per_rank_ = options_.accumulate;
   }
@@ -103,6 +109,7 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
     if (bn_comm_) {
       rank->bn_sync.comm = bn_comm_.get();
       rank->bn_sync.rank = r;
+      rank->bn_sync.ordered = options_.shards > 0;
       rank->model->set_batchnorm_sync(&rank->bn_sync);
     }
     for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
@@ -388,7 +395,10 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
 // of a sequential loop, as accurate as the ring's. The logged loss is the shards' losses, added in
 // shard order. Running statistics are shard 0's, as DataParallel keeps the source replica's: rank 0
 // saves them after shard 0's forward and puts them back after its other shards'; every replica
-// starts the next step from them (buffers broadcast from rank 0).
+// starts the next step from them (buffers broadcast from rank 0). SyncBatchNorm needs every shard's
+// forward at each BatchNorm at once: there each rank holds one shard (a replica per shard, on fewer
+// GPUs as virtual devices), and BatchNorm's sums over the ranks are order-free as the gradient's
+// (BatchNormSync::ordered); the running statistics are then the combined ones, on every replica.
 void DistributedDataParallel::enqueue_sharded_forward_backward(int r, std::span<const Batch> shards, int slot) {
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;

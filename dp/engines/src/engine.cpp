@@ -181,7 +181,9 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
     throw InvalidArgument(fmt::format("{} applies to {}, not {}", field, applies_to, to_string(kind)));
   };
   if (kind != EngineKind::ddp) {
-    if (options.sync_batchnorm) refuse("sync_batchnorm", "ddp");
+    // With shards every kind runs DDP's replicas, SyncBatchNorm's too (a replica per shard).
+    if (options.sync_batchnorm && (options.shards == 0 || kind == EngineKind::single))
+      refuse("sync_batchnorm", options.shards ? "ddp and dp (a device per shard)" : "ddp");
     if (options.grad_reduce != GradReduce::fp32) refuse("a bf16 gradient all-reduce", "ddp");
     if (options.processes && options.processes->size() > 1)
       throw InvalidArgument(fmt::format(
@@ -209,8 +211,6 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
       refuse_with_shards("a bf16 gradient all-reduce",
                          "it rounds after every addition, in the collective's order, which shards keep out of the "
                          "result");
-    if (options.sync_batchnorm)
-      refuse_with_shards("sync_batchnorm", "each shard's forward and backward runs alone, with its own statistics");
     if (options.output_device) refuse_with_shards("output_device", "each shard's loss is taken on its own device");
   }
   return options;

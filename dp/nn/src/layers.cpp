@@ -260,13 +260,28 @@ class BatchNorm2d final : public Layer {
     return static_cast<kernels::index_t>(ctx.sync->global_samples) * ctx.in.h * ctx.in.w;
   }
   // `per_channel` floats per channel summed in place over the replicas, on this layer's stream.
-  void all_reduce(const LayerContext& ctx, float* data, std::size_t per_channel) const {
-    ctx.sync->comm->all_reduce(ctx.sync->rank, ctx.stream, data, per_channel * static_cast<std::size_t>(channels_),
-                               ReduceOp::sum);
+  void all_reduce(const LayerContext& ctx, float* data, std::size_t per_channel) {
+    const std::size_t count = per_channel * static_cast<std::size_t>(channels_);
+    Communicator& comm = *ctx.sync->comm;
+    if (!ctx.sync->ordered) {
+      comm.all_reduce(ctx.sync->rank, ctx.stream, data, count, ReduceOp::sum);
+      return;
+    }
+    float* all = gathered_.get<float>(ctx.device, count * static_cast<std::size_t>(comm.size()));
+    comm.all_gather(ctx.sync->rank, ctx.stream, data, all, count);
+    const auto n = static_cast<kernels::index_t>(count);
+    if (comm.size() == 1) {
+      ctx.stream.copy(data, all, count * sizeof(float));
+      return;
+    }
+    kernels::add(ctx.stream, n, all, all + count, data);
+    for (int r = 2; r < comm.size(); ++r)
+      kernels::add(ctx.stream, n, data, all + static_cast<std::size_t>(r) * count, data);
   }
 
   int channels_;
-  Scratch saved_;  // batch mean, invstd, then two sums per channel (the forward's moments, the backward's)
+  Scratch saved_;     // batch mean, invstd, then two sums per channel (the forward's moments, the backward's)
+  Scratch gathered_;  // BatchNormSync::ordered: every replica's sums
 };
 
 class Relu final : public Layer {

@@ -50,6 +50,10 @@ struct BatchNormSync {
   Communicator* comm = nullptr;
   int rank = 0;
   std::int64_t global_samples = 0;
+  // The sums over the replicas in rank order (an all-gather, then additions rank after rank), not
+  // in the all-reduce's own order: fixed shards (EngineOptions::shards), whose bits no collective's
+  // algorithm may change.
+  bool ordered = false;
 };
 
 class Model {
