@@ -352,9 +352,10 @@ initial() {  # model -> $work/init_MODEL.st
 }
 # A row: dp_train on sim and on the GPU with the same arguments (the GPU's with DP_GPU_CHECK_SELFTEST_LR0's
 # --lr 0), compared by compare.py. Several dp devices share a GPU where there are fewer GPUs.
-train_row() {  # model mode devices graphs amp est
-  local model=$1 mode=$2 devices=$3 graphs=$4 amp=$5 est=$6 per_gpu=1 tol=1e-3 loss_tol=1e-5
-  local check="dp_train $model $mode x$devices" tag="$1_$2_$3_$4_$5" start init_rc sim_rc gpu_rc result
+train_row() {  # model mode devices graphs amp est [extra dp_train flags]
+  local model=$1 mode=$2 devices=$3 graphs=$4 amp=$5 est=$6 extra=${7:-} per_gpu=1 tol=1e-3 loss_tol=1e-5
+  local check="dp_train $model $mode x$devices${extra:+ $extra}" start init_rc sim_rc gpu_rc result
+  local tag="$1_$2_$3_$4_$5${extra:+_$(tr -c 'a-z0-9' _ <<<"$extra")}"
   [ "$graphs" = off ] && check="$check graphs off"
   # --amp bf16: bf16 keeps 8 significant bits, so a rounding that falls the other way (cuBLAS/cuDNN and
   # the sim sum the fp32 products in another order) moves an operand by 2^-8 = 3.9e-3 relative, and such
@@ -368,6 +369,8 @@ train_row() {  # model mode devices graphs amp est
   start=$EPOCHREALTIME
   local args=(--model "$model" --mode "$mode" --devices "$devices" --synthetic 256 --batch-size 16 --steps "$steps"
               --lr 0.01 --log-every 1 --no-shuffle --graphs "$graphs" --amp "$amp")
+  # shellcheck disable=SC2206  # the extra flags are words
+  [ -n "$extra" ] && args+=($extra)
   initial "$model"
   init_rc=$?
   tmo "$(cap 60)" "$train" --backend sim "${args[@]}" --metrics-json "$work/$tag.sim.jsonl" \
@@ -424,6 +427,13 @@ if [ "$quick" = 0 ]; then
   echo "== dp_train --amp bf16: $device against sim"
   train_row convnet single 1 on bf16 12
   train_row convnet ddp 2 on bf16 12
+
+  # ---- 5b. the training-loop options against sim: ZeRO-1's parameter all-gather, accumulation and
+  # clipping on the device. ~12 s a row (estimate).
+  echo "== dp_train --zero 1, --accumulate, --clip-grad-norm: $device against sim"
+  train_row convnet ddp 2 on off 12 "--zero 1 --optimizer adamw"
+  train_row convnet dp 2 on off 12 "--accumulate 2 --clip-grad-norm 0.5"
+  train_row mlp ddp 2 on off 12 "--accumulate 3 --clip-grad-norm 0.1"
 
   # ---- 6. dp_bench --profile, graphs on: busy time is seen through replayed graphs. 6 runs (mlp,
   # convnet x single, dp, ddp) on 2 devices: ~25 s on the GPU (estimate); 0.7 s on sim here.
