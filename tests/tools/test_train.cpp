@@ -462,12 +462,13 @@ TEST_F(TrainTest, AccumulationCountsOptimizerStepsAndIsShardsWithShards) {
 }
 
 // --zero 1 (ZeRO stage 1): the checkpoint of 10 AdamW steps is byte for byte plain DDP's on 2, 3 and
-// 4 devices (with a frozen layer too); a checkpoint resumes from and to --zero 1; other modes refuse it.
+// 4 devices (with a frozen layer, and with clipping and accumulation, too); a checkpoint resumes
+// from and to --zero 1; other modes refuse it.
 TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
   const std::string common =
       "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --optimizer adamw --mode ddp";
   for (const int devices : {2, 3, 4}) {
-    for (const std::string frozen : {"", " --freeze layer1"}) {
+    for (const std::string frozen : {"", " --freeze layer1", " --clip-grad-norm 0.5 --accumulate 2"}) {
       SCOPED_TRACE(fmt::format("{} devices{}", devices, frozen));
       const std::string args = fmt::format("{} --devices {} --steps 10{}", common, devices, frozen);
       ASSERT_EQ(run(args + " --save " + path("plain.st")).code, 0);
