@@ -184,6 +184,8 @@ struct Flag {
   // The one mode ("dp", "ddp") the flag applies to; empty: every mode. dp_train refuses a value
   // other than the default elsewhere; dp_bench, which runs every mode, sets it for that mode only.
   std::string applies_to = {};
+  // Other modes it applies to, given the rest of the command line (--sync-bn: dp with --shards).
+  bool (*also_applies)(const O&, std::string_view mode) = nullptr;
   // dp_train: recorded in each epoch's metrics ("none" where the flag does not apply), and, with a
   // banner text ("... in {}"), named on its first line where it applies.
   bool per_epoch = false;
@@ -227,10 +229,10 @@ inline constexpr int kDefaultSimDevices = 2;
 inline constexpr int kMaxSimDevices = 64;
 int default_devices(bool cuda, int cuda_devices);
 
-// Whether `flag` applies to `mode` ("single", "dp", "ddp").
+// Whether `flag` applies to `mode` ("single", "dp", "ddp") with the options `o`.
 template <class O>
-bool applies(const Flag<O>& flag, std::string_view mode) {
-  return flag.applies_to.empty() || flag.applies_to == mode;
+bool applies(const Flag<O>& flag, std::string_view mode, const O& o) {
+  return flag.applies_to.empty() || flag.applies_to == mode || (flag.also_applies && flag.also_applies(o, mode));
 }
 
 template <class O>
@@ -279,10 +281,11 @@ FlagGroup<O> shared_flags() {
            .default_text = "one epoch"},
           {.name = "--sync-bn",
            .value = on<O>(&O::sync_bn),
-           .help = "ddp: BatchNorm statistics over every rank's batch",
+           .help = "ddp (and dp with --shards): BatchNorm statistics over every rank's batch",
            .torch = "nn.SyncBatchNorm.convert_sync_batchnorm(model)",
            .engine = [](const O& o, dp::EngineOptions& e) { e.sync_batchnorm = o.sync_bn; },
-           .applies_to = "ddp"},
+           .applies_to = "ddp",
+           .also_applies = [](const O& o, std::string_view mode) { return mode == "dp" && o.shards > 0; }},
           {.name = "--amp",
            .value = choice<O>(&O::amp, {"off", "bf16"}),
            .help = "bf16: Linear and Conv2d on bf16 inputs and weights; fp32 accumulation, loss and master weights",
@@ -345,7 +348,7 @@ FlagGroup<O> shared_flags() {
 template <class O>
 void set_engine_options(const O& o, dp::EngineOptions& options) {
   for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (flag.engine && applies(flag, dp::to_string(options.kind))) flag.engine(o, options);
+    if (flag.engine && applies(flag, dp::to_string(options.kind), o)) flag.engine(o, options);
 }
 
 // dp_train: why the command line sets a flag for a mode it does not apply to ("--sync-bn applies
@@ -353,7 +356,7 @@ void set_engine_options(const O& o, dp::EngineOptions& options) {
 template <class O>
 std::string misapplied_flag(const O& o, std::string_view mode) {
   for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (!applies(flag, mode) && flag.value.text(o) != flag.value.text(O{}))
+    if (!applies(flag, mode, o) && flag.value.text(o) != flag.value.text(O{}))
       return fmt::format("{} applies to --mode {}", flag.name, flag.applies_to);
   return "";
 }
@@ -364,7 +367,7 @@ template <class O>
 std::vector<std::pair<std::string, std::string>> per_epoch_settings(const O& o, std::string_view mode) {
   std::vector<std::pair<std::string, std::string>> fields;
   for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (flag.per_epoch) fields.emplace_back(tag_of(flag.name), applies(flag, mode) ? flag.value.text(o) : "none");
+    if (flag.per_epoch) fields.emplace_back(tag_of(flag.name), applies(flag, mode, o) ? flag.value.text(o) : "none");
   return fields;
 }
 
@@ -373,7 +376,7 @@ template <class O>
 std::string banner_settings(const O& o, std::string_view mode) {
   std::string text;
   for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (!flag.banner.empty() && applies(flag, mode))
+    if (!flag.banner.empty() && applies(flag, mode, o))
       text += ", " + fmt::format(fmt::runtime(flag.banner), flag.value.text(o));
   return text;
 }

@@ -495,14 +495,15 @@ TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
 }
 
 // --shards V with --sync-bn: a dp device per shard (V of them), on 4, 2 or 1 simulated GPUs
-// (--devices-per-gpu), graphs on and off: the same checkpoint tensors byte for byte; fewer dp
-// devices than shards are refused, naming the way out.
+// (--devices-per-gpu), graphs on and off, ddp or dp: the same checkpoint tensors byte for byte;
+// fewer dp devices than shards are refused, naming the way out (and dp without shards, as ever).
 TEST_F(TrainTest, ShardsWithSyncBatchNormAreTheSameOnAnyGpuCount) {
   const std::string common =
       "--model convnet --sync-bn --shards 4 --mode ddp --backend sim --synthetic 160 --batch-size 3 --seed 5 "
       "--steps 5 --lr 0.05 --devices 4";
   ASSERT_EQ(run(common + " --save " + path("one.st")).code, 0);
-  for (const std::string variant : {"--devices-per-gpu 2", "--devices-per-gpu 4", "--devices-per-gpu 2 --graphs off"}) {
+  for (const std::string variant :
+       {"--devices-per-gpu 2", "--devices-per-gpu 4", "--devices-per-gpu 2 --graphs off", "--mode dp"}) {
     SCOPED_TRACE(variant);
     const Result r = run(common + " " + variant + " --save " + path("p.st"));
     ASSERT_EQ(r.code, 0) << r.output;
@@ -510,6 +511,9 @@ TEST_F(TrainTest, ShardsWithSyncBatchNormAreTheSameOnAnyGpuCount) {
     ASSERT_EQ(a.order, b.order);
     for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name;
   }
+  const Result plain_dp = run("--model convnet --sync-bn --mode dp --backend sim --synthetic 64 --devices 2 --steps 1");
+  EXPECT_EQ(plain_dp.code, 2) << plain_dp.output;
+  EXPECT_NE(plain_dp.output.find("--sync-bn applies to --mode ddp"), std::string::npos) << plain_dp.output;
   const Result fewer =
       run("--model convnet --sync-bn --shards 4 --mode ddp --backend sim --synthetic 64 --devices 2 "
           "--steps 1");
