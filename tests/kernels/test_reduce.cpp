@@ -437,7 +437,8 @@ TEST(ReduceCudaMatchesSim, GradientClipping) {
       kernels::clip_coefficient(stream, 2, squares.as<float>(), max_norm, norm_coef.as<float>());
       kernels::scale_by(stream, static_cast<index_t>(n + m), norm_coef.as<float>() + 1, dg.as<float>());
       return std::vector<std::vector<float>>{test::download<float>(stream, squares),
-                                             test::download<float>(stream, norm_coef), test::download<float>(stream, dg)};
+                                             test::download<float>(stream, norm_coef),
+                                             test::download<float>(stream, dg)};
     };
     expect_same_bits(run_on(*gpu, body), run_on(*sim, body));
   }
