@@ -102,6 +102,9 @@ struct Plan {
   long planned_end = 0;           // the end asked for: end_step(), unless the checkpoint is past it
   std::optional<long> end_epoch;  // the epoch the run ends with, when it was planned in epochs
   dp::LrSchedule schedule = dp::LrSchedule::constant();
+  // Each data rank's batches per step: --accumulate's micro-batches (with shards the engine's shards
+  // hold them: 1).
+  long micro = 1;
 
   long end_step() const { return start_step + total_steps; }
 };
@@ -629,8 +632,8 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::SampleSource
   // --accumulate K: an epoch's optimizer steps take K of its batches each; the last batches of an
   // epoch, fewer than K, are left out, as torch's `if (i + 1) % K == 0: step()` leaves them.
   // With shards the engine's shards already count the K micro-batches (world_size() = K x V).
-  const long per_step = o.shards > 0 ? 1 : o.accumulate;
-  const long batches_per_epoch = batches / per_step;
+  const long micro = engine.batches_per_step() / engine.batches_per_forward();
+  const long batches_per_epoch = batches / micro;
   if (batches_per_epoch == 0)
     throw UsageError(
         fmt::format("--accumulate {}: an epoch of {} batch(es) of {} per rank holds no step of {} "
@@ -638,6 +641,7 @@ Plan plan_run(const Options& o, const dp::Engine& engine, const dp::SampleSource
                     o.accumulate, batches, o.batch_size, o.accumulate));
   Plan plan{world, shards,       resumed.start_step,        0, Epochs{0, 0, batches_per_epoch},
             0,     std::nullopt, dp::LrSchedule::constant()};
+  plan.micro = micro;
   place_epochs(resumed, plan);
   plan.planned_end = planned_end(o, resumed, plan);
   plan.total_steps = std::max(0L, plan.planned_end - plan.start_step);
@@ -689,7 +693,7 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
                      std::shared_ptr<const dp::SampleSource> data) {
   Loaders loaders;
   // Micro-batches per step from each loader (with shards, the engine's shards hold them).
-  const long micro = engine.batches_per_step() / engine.batches_per_forward();
+  const long micro = plan.micro;
   for (int local = 0; local < engine.batches_per_forward(); ++local) {
     const int rank = engine.first_rank() + local;
     struct Order {
@@ -736,8 +740,7 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
 int read_batches_only(const Options& o, const Plan& plan, Loaders& loaders, MetricsLog& metrics,
                       std::chrono::steady_clock::time_point t0) {
   long images = 0;
-  const long micro = o.shards > 0 ? 1 : o.accumulate;  // each loader's batches per step
-  for (long s = 0; s < plan.total_steps * micro; ++s)
+  for (long s = 0; s < plan.total_steps * plan.micro; ++s)
     for (auto& loader : loaders) images += loader->next().size;
   const double seconds = std::max(since(t0), 1e-9);
   say("dp_train: loader: {} images in {} step(s) in {:.2f} s: {:.1f} images/s ({} loader(s), --workers {})\n", images,
@@ -984,9 +987,8 @@ int TrainLoop::run() {
 std::vector<dp::Batch> TrainLoop::next_batches(long& samples) {
   std::vector<dp::Batch> batches;
   // Rank after rank, each rank's micro-batches together (Engine::batches_per_step).
-  const int micro = engine_.batches_per_step() / engine_.batches_per_forward();
   for (auto& loader : loaders_) {
-    for (int m = 0; m < micro; ++m) {
+    for (long m = 0; m < plan_.micro; ++m) {
       batches.push_back(loader->next());
       samples += batches.back().size;
     }

@@ -281,18 +281,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     // for each backward, the backwards for the loss). See Note [step slots].
     source.record(done);
     const float* losses = host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_);
-    if (accumulate_ == 1) return pipeline_->submitted(slot, loss_ready, losses);
-    // The mean of the micro-batches' losses, added in their order.
-    const int micro = accumulate_;
-    return pipeline_->submitted(
-        slot,
-        [loss_ready, losses, micro] {
-          loss_ready.synchronize();
-          float total = 0.0f;
-          for (int m = 0; m < micro; ++m) total += losses[m];
-          return total / static_cast<float>(micro);
-        },
-        [loss_ready] { return loss_ready.query(); });
+    return pipeline_->submitted(slot, loss_ready, losses, accumulate_);
   });
 }
 
@@ -346,14 +335,16 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
           if (rank != 0) return;
           wait_for_batches(slot);  // before the capture: those events are recorded outside it
           if (capture) replicas_[0]->stream.begin_capture();
+          replicas_[0]->stream.record(params_ready_);
         });
         // Phases 2-6 once per micro-batch (accumulation: torch's loop of DataParallel forwards, each
         // replicating the module afresh, the gradients adding up on the source; one update at the end).
         for (int micro = 0; micro < accumulate_; ++micro) {
-          // The source's state as this micro-batch's forwards must see it (its BatchNorm buffers move).
-          run_phase([&] {
-            if (rank == 0) replicas_[0]->stream.record(params_ready_);
-          });
+          // The source's state as a later micro-batch's forwards must see it (its BatchNorm buffers move).
+          if (micro > 0)
+            run_phase([&] {
+              if (rank == 0) replicas_[0]->stream.record(params_ready_);
+            });
           run_phase([&] {
             if (has_chunk) receive_broadcast(rank);  // phase 2
           });

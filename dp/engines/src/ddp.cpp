@@ -218,15 +218,21 @@ void DistributedDataParallel::enqueue_step(int r) {
   }
   // ZeRO-1: this rank's slice updated, then every rank's slices gathered into every replica.
   rank.optimizer->step(rank.compute, params + rank.zero_begin, grads + rank.zero_begin);
+  rank.compute.copy(params, gather_slices(r, params + rank.zero_begin), m.param_count() * sizeof(float));
+}
+
+const float* DistributedDataParallel::gather_slices(int r, const float* slice) {
+  Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Device& device = group_.device(r);
-  const std::size_t n = m.param_count(), chunk = zero_chunk_;
+  const std::size_t chunk = zero_chunk_;
+  // Every rank sends zero_chunk_ floats (all_gather's equal counts): the last, shorter slice padded.
   float* send = rank.zero_send.get<float>(device, chunk);
-  rank.compute.copy(send, params + rank.zero_begin, rank.zero_count * sizeof(float));
+  rank.compute.copy(send, slice, rank.zero_count * sizeof(float));
   if (rank.zero_count < chunk)
     kernels::fill(rank.compute, send + rank.zero_count, static_cast<kernels::index_t>(chunk - rank.zero_count), 0.0f);
   float* recv = rank.zero_recv.get<float>(device, chunk * static_cast<std::size_t>(comm_->size()));
   param_comm_->all_gather(r, rank.compute, send, recv, chunk);
-  rank.compute.copy(params, recv, n * sizeof(float));
+  return recv;
 }
 
 void DistributedDataParallel::freeze(const std::vector<Optimizer::ParamRange>& frozen) {
@@ -251,7 +257,7 @@ void DistributedDataParallel::freeze(const std::vector<Optimizer::ParamRange>& f
 std::vector<Optimizer*> DistributedDataParallel::whole_optimizers() {
   if (!options_.zero) return optimizers();
   synchronize();
-  const std::size_t n = ranks_[0]->model->param_count(), chunk = zero_chunk_;
+  const std::size_t n = ranks_[0]->model->param_count();
   whole_ = make_optimizer(group_.device(0), n, optimizer_options_);
   whole_->freeze(frozen_);
   const std::size_t buffers = ranks_[0]->optimizer->state().size();
@@ -259,15 +265,8 @@ std::vector<Optimizer*> DistributedDataParallel::whole_optimizers() {
     float* whole = whole_->state()[k].data;
     run_ranks([&](int r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
-      Device& device = group_.device(r);
-      float* send = rank.zero_send.get<float>(device, chunk);
-      rank.compute.copy(send, rank.optimizer->state()[k].data, rank.zero_count * sizeof(float));
-      if (rank.zero_count < chunk)
-        kernels::fill(rank.compute, send + rank.zero_count, static_cast<kernels::index_t>(chunk - rank.zero_count),
-                      0.0f);
-      float* recv = rank.zero_recv.get<float>(device, chunk * static_cast<std::size_t>(comm_->size()));
-      param_comm_->all_gather(r, rank.compute, send, recv, chunk);
-      if (r == 0) rank.compute.copy(whole, recv, n * sizeof(float));
+      const float* all = gather_slices(r, rank.optimizer->state()[k].data);
+      if (r == 0) rank.compute.copy(whole, all, n * sizeof(float));
       rank.compute.synchronize();
     });
   }

@@ -29,12 +29,15 @@ StepLoss StepPipeline::submitted(int slot, std::function<float()> wait, std::fun
   return StepLoss(std::move(state));
 }
 
-StepLoss StepPipeline::submitted(int slot, const Event& ready, const float* loss) {
+StepLoss StepPipeline::submitted(int slot, const Event& ready, const float* losses, int count) {
   return submitted(
       slot,
-      [ready, loss] {
+      [ready, losses, count] {
         ready.synchronize();
-        return *loss;
+        if (count == 1) return losses[0];
+        float total = losses[0];
+        for (int m = 1; m < count; ++m) total += losses[m];
+        return total / static_cast<float>(count);
       },
       [ready] { return ready.query(); });
 }

@@ -31,8 +31,9 @@ class StepPipeline {
   // The step just submitted in `slot` (next_slot()'s): `wait` waits for its loss and returns it,
   // `query` says whether `wait` would not block.
   StepLoss submitted(int slot, std::function<float()> wait, std::function<bool()> query);
-  // The same for a loss that is the pinned float at `loss` once `ready` has passed.
-  StepLoss submitted(int slot, const Event& ready, const float* loss);
+  // The same for a loss that is the pinned floats at `losses` once `ready` has passed: the mean of
+  // `count` (micro-batches' losses, added in their order; one: that float as it is).
+  StepLoss submitted(int slot, const Event& ready, const float* losses, int count = 1);
   // A step whose loss is already known (DDP across processes): takes `slot` without anything in flight.
   StepLoss known(int slot, float loss);
   // Enqueues a step's work through `enqueue`, which returns submitted()'s or known()'s StepLoss. If

@@ -110,19 +110,7 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
     // The losses are the step's last work (the optimizer before them): one event says both.
     stream_.record(done);
     const float* losses = host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_);
-    if (accumulate_ == 1) return pipeline_->submitted(slot, done, losses);
-    // The mean of the micro-batches' losses, added in their order.
-    const Event ready = done;
-    const int micro = accumulate_;
-    return pipeline_->submitted(
-        slot,
-        [ready, losses, micro] {
-          ready.synchronize();
-          float total = 0.0f;
-          for (int m = 0; m < micro; ++m) total += losses[m];
-          return total / static_cast<float>(micro);
-        },
-        [ready] { return ready.query(); });
+    return pipeline_->submitted(slot, done, losses, accumulate_);
   });
 }
 

@@ -119,6 +119,9 @@ class DistributedDataParallel final : public Engine {
   void enqueue_broadcast(int r, bool parameters, bool buffers);
   void enqueue_zero_grad(int r);
   void enqueue_step(int r);
+  // ZeRO-1, on rank r's compute stream: every global rank's slice (rank r's is `slice`, zero_count
+  // floats) gathered in rank order; returns the whole buffer (its first param_count() floats).
+  const float* gather_slices(int r, const float* slice);
   // Before a forward, on the caller: whether buffers are broadcast first (torch 1.13: unless the
   // previous forward ran inside no_sync), and SyncBatchNorm's global sample count. Returns whether
   // this forward's backward all-reduces (not inside no_sync).
