@@ -498,6 +498,12 @@ double golden_clip(const safetensors::File& golden) {
   return it == golden.metadata.end() ? 0.0 : std::stod(it->second);
 }
 
+// The golden's torch.optim.SGD (dampening 0, no Nesterov).
+SgdOptions golden_sgd(const safetensors::File& golden) {
+  return {std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
+          std::stof(golden.metadata.at("weight_decay")), false};
+}
+
 // The total norm torch's clip_grad_norm_ returned at step k (the same tolerance as the losses: the
 // gradients it sums come from other summation orders), where the golden clipped.
 void expect_golden_norm(const safetensors::File& golden, int k, std::optional<float> got) {
@@ -509,6 +515,14 @@ void expect_golden_norm(const safetensors::File& golden, int k, std::optional<fl
   const float want = golden.at(fmt::format("step{}.grad_norm", k)).to_f32()[0];
   EXPECT_GT(want, golden_clip(golden)) << "step " << k << " does not clip";
   EXPECT_NEAR(*got, want, 1e-5f * want) << "step " << k;
+}
+
+// Step k's loss (the mean over the ranks; the same tolerance reasoning as the final state) and,
+// where the golden clipped, its norm.
+void expect_golden_step(const safetensors::File& golden, int k, float loss, std::optional<float> norm) {
+  const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
+  EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
+  expect_golden_norm(golden, k, norm);
 }
 
 // A DDP golden's batches, step after step: one per rank, as its DistributedSampler gave them.
@@ -597,8 +611,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
   auto model = test::golden_model(golden, rt->device(0));
   Stream s = rt->device(0).create_stream();
   load_state_dict(*model, s, golden, "init.");
-  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
-                       std::stof(golden.metadata.at("weight_decay")), false};
+  const SgdOptions sgd = golden_sgd(golden);
   EngineOptions options;
   options.broadcast_buffers = broadcast_buffers;
   options.check_replicas = true;
@@ -611,10 +624,7 @@ TEST_P(DdpGolden, MatchesPyTorchDistributedDataParallel) {
     SCOPED_TRACE(fmt::format("step {}", k));
     const std::vector<Batch> batches = data.next();
     const float loss = ddp.train_step(batches);
-    const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
-    // Same tolerance reasoning as the final state below.
-    EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f);
-    expect_golden_norm(golden, k, ddp.last_grad_norm());
+    expect_golden_step(golden, k, loss, ddp.last_grad_norm());
   }
   auto check = [&](const safetensors::File& got, const std::string& prefix, bool buffers_too) {
     expect_matches_golden(golden, got, prefix, buffers_too);
@@ -654,8 +664,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
   const auto golden = safetensors::read(test::golden_path(GetParam()));
   const int shards = std::stoi(golden.metadata.at("world_size"));
   const int steps = std::stoi(golden.metadata.at("steps"));
-  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
-                       std::stof(golden.metadata.at("weight_decay")), false};
+  const SgdOptions sgd = golden_sgd(golden);
   std::vector<std::pair<EngineKind, int>> runs = {{EngineKind::single, 1}};
   for (const EngineKind kind : {EngineKind::dp, EngineKind::ddp})
     for (int devices = 1; devices <= shards; ++devices)
@@ -679,9 +688,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
     GoldenBatches data(golden, shards);
     for (int k = 0; k < steps; ++k) {
       const float loss = engine->train_step(data.next());
-      const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
-      EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
-      expect_golden_norm(golden, k, engine->last_grad_norm());
+      expect_golden_step(golden, k, loss, engine->last_grad_norm());
     }
     engine->synchronize();
     const auto got = state_dict(engine->model(), s);
@@ -713,8 +720,7 @@ TEST_P(DataParallelGolden, DataParallelAndOneDeviceMatchPyTorch) {
   const auto golden = safetensors::read(test::golden_path(GetParam()));
   const int world = std::stoi(golden.metadata.at("world_size"));
   const int steps = std::stoi(golden.metadata.at("steps"));
-  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), std::stof(golden.metadata.at("momentum")),
-                       std::stof(golden.metadata.at("weight_decay")), false};
+  const SgdOptions sgd = golden_sgd(golden);
   const bool batchnorm = golden.metadata.at("model") != "mlp";
   for (const EngineKind kind : {EngineKind::dp, EngineKind::single}) {
     if (kind == EngineKind::single && batchnorm) continue;  // one device's statistics are the whole batch's
@@ -752,9 +758,7 @@ TEST_P(DataParallelGolden, DataParallelAndOneDeviceMatchPyTorch) {
         globals.push_back(Batch{xm.data(), ym.data(), size});
       }
       const float loss = engine->train_step(globals);
-      const float want = golden.at(fmt::format("step{}.loss_avg", k)).to_f32()[0];
-      EXPECT_NEAR(loss, want, 1e-5f * std::fabs(want) + 1e-6f) << "step " << k;
-      expect_golden_norm(golden, k, engine->last_grad_norm());
+      expect_golden_step(golden, k, loss, engine->last_grad_norm());
     }
     engine->synchronize();
     expect_matches_golden(golden, state_dict(engine->model(), s), "final.", true);

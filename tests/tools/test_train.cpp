@@ -337,10 +337,12 @@ TEST_F(TrainTest, ShardsMakeTheDeviceCountADeploymentDetail) {
         EXPECT_EQ(totals.at("test_loss"), expected.back().at("test_loss"));
     }
   }
+  const std::string half = read_file(path("half.st"));
   const Result other =
       run(fmt::format("--backend sim --data {} --resume {} --steps 6 --shards 6 --mode ddp --devices 3", path("data"),
                       path("half.st")));
   EXPECT_EQ(other.code, 2) << other.output;
+  EXPECT_EQ(read_file(path("half.st")), half) << "the refused resume changed its checkpoint";
   EXPECT_NE(other.output.find("--shards 6: the checkpoint " + path("half.st") + " was saved with --shards 12"),
             std::string::npos)
       << other.output;
@@ -1231,6 +1233,14 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--clip-grad-norm inf", "--clip-grad-norm: 'inf' is not a finite number >= 0");
   expect_refused(base + "--accumulate 0", "--accumulate");
   expect_refused(base + "--eval-every 0", "--eval-every");
+  expect_refused(base + "--eval-every 2", "--eval-every evaluates on the test set, and this run has none");
+  expect_refused(base + "--accumulate 3", "--accumulate 3: an epoch of 2 batch(es) of 8 per rank holds no step");
+  expect_refused(base + "--save-best " + path("existing.safetensors"), "--save and --save-best name the same file");
+  expect_refused(base + "--zero 2", "--zero");
+  expect_refused(base + "--mode dp --devices 2 --zero 1", "--zero applies to --mode ddp");
+  expect_refused(base + "--mode ddp --devices 5 --shards 12", "12 shards cannot be spread evenly over 5 device(s)");
+  expect_refused(base + "--model convnet --mode ddp --devices 2 --shards 4 --sync-bn",
+                 "sync_batchnorm with 4 shards needs a device per shard, not 2");
   expect_refused(base + "--weight-decay nan", "--weight-decay: 'nan'");
   expect_refused(base + "--nesterov --momentum 0", "nesterov momentum requires a momentum > 0");
   expect_refused(base + "--devices 0x10", "--devices: '0x10' is not a non-negative decimal integer");
