@@ -13,34 +13,50 @@ void check_global_avgpool(const char* op, int n, int c, int hw) {
 }
 }  // namespace
 
-void avgpool_forward(const Stream& stream, const AvgPoolShape& shape, const float* x, float* y) {
+void avgpool_forward(const Stream& stream, const AvgPoolShape& shape, In x, Out y) {
   checks::pool2d("avgpool_forward", shape);
+  checks::same_storage("avgpool_forward", {x.bf16, y.bf16});
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
-  launch_2d(stream, "avgpool_forward", planes * shape.h_out(), shape.w_out(), AvgPoolForward{shape, x, y},
-            {operand(x, in), operand(y, out)});
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch_2d(stream, "avgpool_forward", planes * shape.h_out(), shape.w_out(),
+              AvgPoolForward<T>{shape, x.as<T>(), y.as<T>()}, {operand(x.as<T>(), in), operand(y.as<T>(), out)});
+  });
 }
 
-void avgpool_backward(const Stream& stream, const AvgPoolShape& shape, const float* dy, float* dx) {
+void avgpool_backward(const Stream& stream, const AvgPoolShape& shape, In dy, Out dx) {
   checks::pool2d("avgpool_backward", shape);
+  checks::same_storage("avgpool_backward", {dy.bf16, dx.bf16});
   const index_t planes = static_cast<index_t>(shape.n) * shape.c;
   const index_t in = planes * shape.h * shape.w, out = planes * shape.h_out() * shape.w_out();
-  launch_2d(stream, "avgpool_backward", planes * shape.h, shape.w, AvgPoolBackward{shape, dy, dx},
-            {operand(dy, out), operand(dx, in)});
+  with_storage(dy.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch_2d(stream, "avgpool_backward", planes * shape.h, shape.w, AvgPoolBackward<T>{shape, dy.as<T>(), dx.as<T>()},
+              {operand(dy.as<T>(), out), operand(dx.as<T>(), in)});
+  });
 }
 
-void global_avgpool_forward(const Stream& stream, int n, int c, int hw, const float* x, float* y) {
+void global_avgpool_forward(const Stream& stream, int n, int c, int hw, In x, Out y) {
   check_global_avgpool("global_avgpool_forward", n, c, hw);
+  checks::same_storage("global_avgpool_forward", {x.bf16, y.bf16});
   const index_t planes = static_cast<index_t>(n) * c;
-  launch(stream, "global_avgpool_forward", planes, GlobalAvgPoolForward{hw, x, y},
-         {operand(x, planes * hw), operand(y, planes)});
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch(stream, "global_avgpool_forward", planes, GlobalAvgPoolForward<T>{hw, x.as<T>(), y.as<T>()},
+           {operand(x.as<T>(), planes * hw), operand(y.as<T>(), planes)});
+  });
 }
 
-void global_avgpool_backward(const Stream& stream, int n, int c, int hw, const float* dy, float* dx) {
+void global_avgpool_backward(const Stream& stream, int n, int c, int hw, In dy, Out dx) {
   check_global_avgpool("global_avgpool_backward", n, c, hw);
+  checks::same_storage("global_avgpool_backward", {dy.bf16, dx.bf16});
   const index_t planes = static_cast<index_t>(n) * c;
-  launch_2d(stream, "global_avgpool_backward", planes, hw, GlobalAvgPoolBackward{hw, dy, dx},
-            {operand(dy, planes), operand(dx, planes * hw)});
+  with_storage(dy.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch_2d(stream, "global_avgpool_backward", planes, hw, GlobalAvgPoolBackward<T>{hw, dy.as<T>(), dx.as<T>()},
+              {operand(dy.as<T>(), planes), operand(dx.as<T>(), planes * hw)});
+  });
 }
 
 }  // namespace dp::kernels

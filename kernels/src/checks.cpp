@@ -38,4 +38,9 @@ void pool2d(const char* op, const Pool2dShape& s) {
   if (s.h + 2 * s.pad < s.kernel || s.w + 2 * s.pad < s.kernel) bad("output size is too small");
 }
 
+void same_storage(const char* op, std::initializer_list<bool> bf16) {
+  for (const bool b : bf16)
+    if (b != *bf16.begin()) fail({op, ": operands of different storage (fp32 and bf16)"});
+}
+
 }  // namespace dp::kernels::checks

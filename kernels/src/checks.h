@@ -31,6 +31,9 @@ struct Text {
 using NamedPointers = std::initializer_list<std::pair<const char*, const void*>>;
 void present(const char* op, NamedPointers pointers);
 
+// InvalidArgument naming `op` unless its activations (the flags: bf16 or fp32) share one storage type.
+void same_storage(const char* op, std::initializer_list<bool> bf16);
+
 // torch's pool2d_shape_check (MaxPool2d and AvgPool2d alike): non-negative extents, kernel and
 // stride >= 1, 0 <= pad <= kernel/2, a window that fits in the padded input.
 void pool2d(const char* op, const Pool2dShape& shape);

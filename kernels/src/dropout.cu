@@ -20,10 +20,14 @@ void check_dropout(const char* op, std::int64_t n, double p, std::int64_t elemen
 namespace {
 
 void apply(const Stream& stream, const char* op, index_t n, double p, const DropoutKey& key, index_t element_offset,
-           const float* x, float* y) {
+           In x, Out y) {
   check_dropout(op, n, p, element_offset);
+  checks::same_storage(op, {x.bf16, y.bf16});
   if (p == 0.0) {  // torch returns the input itself: no draw, no rounding
-    launch(stream, op, n, Copy{x, y}, {operand(x, n), operand(y, n)});
+    with_storage(x.bf16, [&](auto t) {
+      using T = decltype(t);
+      launch(stream, op, n, Copy<T>{x.as<T>(), y.as<T>()}, {operand(x.as<T>(), n), operand(y.as<T>(), n)});
+    });
     return;
   }
   // ceil(p * 2^24) in [1, 2^24]; p = 1 gives 2^24, above every 24-bit draw: nothing is kept.
@@ -32,19 +36,23 @@ void apply(const Stream& stream, const char* op, index_t n, double p, const Drop
   const float noise_kept = p < 1.0 ? 1.0f / static_cast<float>(1.0 - p) : 0.0f;
   const auto first_block = static_cast<std::uint64_t>(element_offset / 4);
   const index_t blocks = n == 0 ? 0 : (element_offset + n - 1) / 4 - element_offset / 4 + 1;
-  launch(stream, op, blocks, DropoutApply{key, threshold, noise_kept, element_offset, n, first_block, x, y},
-         {operand(x, n), operand(y, n)});
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch(stream, op, blocks,
+           DropoutApply<T>{key, threshold, noise_kept, element_offset, n, first_block, x.as<T>(), y.as<T>()},
+           {operand(x.as<T>(), n), operand(y.as<T>(), n)});
+  });
 }
 
 }  // namespace
 
-void dropout_forward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset,
-                     const float* x, float* y) {
+void dropout_forward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset, In x,
+                     Out y) {
   apply(stream, "dropout_forward", n, p, key, element_offset, x, y);
 }
 
-void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset,
-                      const float* dy, float* dx) {
+void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset, In dy,
+                      Out dx) {
   apply(stream, "dropout_backward", n, p, key, element_offset, dy, dx);
 }
 

@@ -1,4 +1,5 @@
 // elementwise.cu — launchers for the elementwise and row-reduction kernels.
+#include "checks.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/elementwise.h"
 #include "dp/kernels/ops.h"
@@ -37,20 +38,50 @@ void add_bf16_rounded(const Stream& stream, index_t n, const float* x, float* y,
   launch(stream, "add_bf16_rounded", n, AddBf16Rounded{x, y, accumulate}, {operand(x, n), operand(y, n)});
 }
 
-void add(const Stream& stream, index_t n, const float* a, const float* b, float* out) {
-  launch(stream, "add", n, Add{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
+namespace {
+
+// A kernel of three operands, each fp32 or bf16: Op<A, B, O>.
+template <template <class, class, class> class Op>
+void launch_binary(const Stream& stream, const char* name, index_t n, In a, In b, Out out) {
+  with_storage(a.bf16, [&](auto ta) {
+    with_storage(b.bf16, [&](auto tb) {
+      with_storage(out.bf16, [&](auto to) {
+        using A = decltype(ta);
+        using B = decltype(tb);
+        using O = decltype(to);
+        const A* pa = a.as<A>();
+        const B* pb = b.as<B>();
+        O* po = out.as<O>();
+        launch(stream, name, n, Op<A, B, O>{pa, pb, po}, {operand(pa, n), operand(pb, n), operand(po, n)});
+      });
+    });
+  });
 }
 
-void add_relu(const Stream& stream, index_t n, const float* a, const float* b, float* out) {
-  launch(stream, "add_relu", n, AddRelu{a, b, out}, {operand(a, n), operand(b, n), operand(out, n)});
+}  // namespace
+
+void add(const Stream& stream, index_t n, In a, In b, Out out) { launch_binary<Add>(stream, "add", n, a, b, out); }
+
+void add_relu(const Stream& stream, index_t n, In a, In b, Out out) {
+  launch_binary<AddRelu>(stream, "add_relu", n, a, b, out);
 }
 
-void relu_forward(const Stream& stream, index_t n, const float* x, float* y) {
-  launch(stream, "relu_forward", n, ReluForward{x, y}, {operand(x, n), operand(y, n)});
+void relu_forward(const Stream& stream, index_t n, In x, Out y) {
+  checks::same_storage("relu_forward", {x.bf16, y.bf16});
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch(stream, "relu_forward", n, ReluForward<T>{x.as<T>(), y.as<T>()},
+           {operand(x.as<T>(), n), operand(y.as<T>(), n)});
+  });
 }
 
-void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx) {
-  launch(stream, "relu_backward", n, ReluBackward{y, dy, dx}, {operand(y, n), operand(dy, n), operand(dx, n)});
+void relu_backward(const Stream& stream, index_t n, In y, In dy, Out dx) {
+  checks::same_storage("relu_backward", {y.bf16, dy.bf16, dx.bf16});
+  with_storage(y.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch(stream, "relu_backward", n, ReluBackward<T>{y.as<T>(), dy.as<T>(), dx.as<T>()},
+           {operand(y.as<T>(), n), operand(dy.as<T>(), n), operand(dx.as<T>(), n)});
+  });
 }
 
 void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta) {
@@ -58,17 +89,23 @@ void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, f
                            {operand(x, rows * cols), operand(out, rows)});
 }
 
-void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta) {
-  launch_row_reduce<float>(stream, "column_sum", cols, rows, ColumnElement{x, cols}, StoreSum{out, beta},
-                           {operand(x, rows * cols), operand(out, cols)});
+void column_sum(const Stream& stream, index_t rows, index_t cols, In x, float* out, float beta) {
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch_row_reduce<float>(stream, "column_sum", cols, rows, ColumnElement<T>{x.as<T>(), cols}, StoreSum{out, beta},
+                             {operand(x.as<T>(), rows * cols), operand(out, cols)});
+  });
 }
 
-void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, const float* x, float* out,
-                 float beta) {
+void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, In x, float* out, float beta) {
   kernel_api::check_extents("channel_sum", n, plane);
   const index_t count = n * plane;
-  launch_row_reduce<float>(stream, "channel_sum", channels, count, ChannelValue{ChannelElement{channels, plane}, x},
-                           StoreSum{out, beta}, {operand(x, count * channels), operand(out, channels)});
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch_row_reduce<float>(stream, "channel_sum", channels, count,
+                             ChannelValue<T>{ChannelElement{channels, plane}, x.as<T>()}, StoreSum{out, beta},
+                             {operand(x.as<T>(), count * channels), operand(out, channels)});
+  });
 }
 
 void sum_of_squares(const Stream& stream, index_t n, const float* x, float* out) {

@@ -36,12 +36,15 @@ std::vector<std::uint32_t> bits(const std::vector<float>& v) {
   return b;
 }
 
-static_assert(HasHostRun<MaxPoolBackward> && HasHostRun<Im2col> && HasHostRun<Col2im>);
-static_assert(HasHostRun2d<MaxPoolForward> && HasHostRun2d<BnNormalize> && HasHostRun2d<BnInputGrad>);
+template <class T>
+constexpr bool kHostBodies =
+    HasHostRun<MaxPoolBackward<T>>&& HasHostRun2d<MaxPoolForward<T>>&& HasHostRun2d<BnNormalize<T>>&& HasHostRun2d<
+        BnInputGrad<T>>&& HasHostAddTerms<ColumnElement<T>, float>&& HasHostAddTerms<ChannelValue<T>, float>&&
+        HasHostAddTerms<BnCenteredMoments<T>, SumPair>&& HasHostAddTerms<BnGradTerms<T>, SumPair>;
+static_assert(kHostBodies<float> && kHostBodies<std::uint16_t>);
+static_assert(HasHostRun<Im2col> && HasHostRun<Col2im>);
 static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
-static_assert(HasHostAddTerms<RowElement, float> && HasHostAddTerms<ColumnElement, float>);
-static_assert(HasHostAddTerms<ChannelValue, float> && HasHostAddTerms<BnCenteredMoments, SumPair> &&
-              HasHostAddTerms<BnGradTerms, SumPair>);
+static_assert(HasHostAddTerms<RowElement, float>);
 
 const Pool2dShape kPools[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 9, 8, 3, 2, 1},
                               {1, 2, 7, 5, 3, 2, 1},   {1, 2, 6, 7, 3, 1, 1}, {2, 1, 4, 3, 3, 3, 0}};
@@ -118,7 +121,7 @@ TEST(HostPaths, ChannelReductionTerms) {
     const ChannelValue value{at, x.data()};
     const BnCenteredMoments moments{at, x.data(), mean.data()};
     const BnGradTerms grads{at, x.data(), dy.data(), mean.data(), invstd.data(), relu_y.data()};
-    const BnGradTerms plain{at, x.data(), dy.data(), mean.data(), invstd.data(), nullptr};
+    const BnGradTerms<float> plain{at, x.data(), dy.data(), mean.data(), invstd.data(), nullptr};
     const index_t row_length = k.n * k.plane;
     for (index_t c = 0; c < k.c; ++c)
       for (index_t begin = 0; begin < row_length; begin += 97) {
@@ -163,7 +166,7 @@ TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
     f2.host_run(n * c, plane);
     EXPECT_EQ(bits(y1), bits(y2));
 
-    const BnInputGradTerm term{
+    const BnInputGradTerm<float> term{
         x.data(), dy.data(), gamma.data(), mean.data(), invstd.data(), 1.0f / 147.0f, relu ? relu_y.data() : nullptr};
     std::vector<float> d1(size), d2(size);
     const BnInputGrad g1{at, term, sums.data(), d1.data()}, g2{at, term, sums.data(), d2.data()};
@@ -171,6 +174,118 @@ TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
       for (index_t j = 0; j < plane; ++j) g1(r, j);
     g2.host_run(n * c, plane);
     EXPECT_EQ(bits(d1), bits(d2));
+  }
+}
+
+// bf16 storage (autocast): each functor reading and writing bf16 bits gives what its fp32 form gives
+// on the widened values, rounded once (the chain's widen / compute / round), and its host body
+// agrees with the per-element form, overlapping pooling windows included.
+std::vector<std::uint16_t> to_bits16(const std::vector<float>& v) {
+  std::vector<std::uint16_t> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16_from_float(v[i]);
+  return b;
+}
+std::vector<float> widened(const std::vector<std::uint16_t>& b) {
+  std::vector<float> v(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
+  return v;
+}
+
+TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
+  unsigned seed = 300;
+  for (const Pool2dShape& s : kPools) {
+    const std::size_t in = static_cast<std::size_t>(s.n) * s.c * s.h * s.w;
+    const std::size_t rows = static_cast<std::size_t>(s.n) * s.c * s.h_out(), out = rows * s.w_out();
+    const std::vector<std::uint16_t> x = to_bits16(random_floats(in, ++seed, true));
+    const std::vector<float> x32 = widened(x);
+    std::vector<float> y32(out);
+    std::vector<std::uint16_t> y1(out), y2(out);
+    std::vector<std::int32_t> a32(out), a1(out), a2(out);
+    const MaxPoolForward<float> f32{s, x32.data(), y32.data(), a32.data()};
+    const MaxPoolForward<std::uint16_t> f1{s, x.data(), y1.data(), a1.data()}, f2{s, x.data(), y2.data(), a2.data()};
+    f32.host_run(static_cast<index_t>(rows), s.w_out());
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int c = 0; c < s.w_out(); ++c) f1(static_cast<index_t>(r), c);
+    f2.host_run(static_cast<index_t>(rows), s.w_out());
+    EXPECT_EQ(y1, to_bits16(y32));
+    EXPECT_EQ(y1, y2);
+    EXPECT_EQ(a1, a32);
+    EXPECT_EQ(a1, a2);
+
+    const std::vector<std::uint16_t> dy = to_bits16(random_floats(out, ++seed));
+    const std::vector<float> dy32 = widened(dy);
+    std::vector<float> dx32(in);
+    std::vector<std::uint16_t> dx1(in, 7), dx2(in, 7);
+    const MaxPoolBackward<float> b32{s, a1.data(), dy32.data(), dx32.data()};
+    const MaxPoolBackward<std::uint16_t> b1{s, a1.data(), dy.data(), dx1.data()},
+        b2{s, a1.data(), dy.data(), dx2.data()};
+    b32.host_run(static_cast<index_t>(in));
+    for (std::size_t i = 0; i < in; ++i) b1(static_cast<index_t>(i));
+    b2.host_run(static_cast<index_t>(in));
+    EXPECT_EQ(dx1, to_bits16(dx32));
+    EXPECT_EQ(dx1, dx2);
+  }
+
+  const index_t n = 3, c = 4, plane = 49, count = n * c * plane;
+  const auto size = static_cast<std::size_t>(count);
+  const std::vector<std::uint16_t> x = to_bits16(random_floats(size, 40)), dy = to_bits16(random_floats(size, 41)),
+                                   relu_y = to_bits16(random_floats(size, 42));
+  const std::vector<float> x32 = widened(x), dy32 = widened(dy), relu_y32 = widened(relu_y);
+  const std::vector<float> mean = random_floats(4, 43), gamma = random_floats(4, 44), beta = random_floats(4, 45);
+  const std::vector<float> sums = random_floats(8, 46);
+  std::vector<float> invstd = random_floats(4, 47);
+  for (auto& v : invstd) v = std::fabs(v) + 0.5f;
+  const ChannelElement at{c, plane};
+  for (bool relu : {false, true}) {
+    std::vector<float> y32(size);
+    std::vector<std::uint16_t> y1(size), y2(size);
+    const BnNormalize<float> f32{at,           x32.data(),  mean.data(), invstd.data(),
+                                 gamma.data(), beta.data(), y32.data(),  relu};
+    const BnNormalize<std::uint16_t> f1{at,           x.data(),    mean.data(), invstd.data(),
+                                        gamma.data(), beta.data(), y1.data(),   relu};
+    const BnNormalize<std::uint16_t> f2{at,           x.data(),    mean.data(), invstd.data(),
+                                        gamma.data(), beta.data(), y2.data(),   relu};
+    f32.host_run(n * c, plane);
+    for (index_t r = 0; r < n * c; ++r)
+      for (index_t j = 0; j < plane; ++j) f1(r, j);
+    f2.host_run(n * c, plane);
+    EXPECT_EQ(y1, to_bits16(y32));
+    EXPECT_EQ(y1, y2);
+
+    const BnInputGradTerm<float> t32{x32.data(),
+                                     dy32.data(),
+                                     gamma.data(),
+                                     mean.data(),
+                                     invstd.data(),
+                                     1.0f / 147.0f,
+                                     relu ? relu_y32.data() : nullptr};
+    const BnInputGradTerm<std::uint16_t> t16{
+        x.data(), dy.data(), gamma.data(), mean.data(), invstd.data(), 1.0f / 147.0f, relu ? relu_y.data() : nullptr};
+    std::vector<float> d32(size);
+    std::vector<std::uint16_t> d1(size), d2(size);
+    const BnInputGrad<float> g32{at, t32, sums.data(), d32.data()};
+    const BnInputGrad<std::uint16_t> g1{at, t16, sums.data(), d1.data()}, g2{at, t16, sums.data(), d2.data()};
+    g32.host_run(n * c, plane);
+    for (index_t r = 0; r < n * c; ++r)
+      for (index_t j = 0; j < plane; ++j) g1(r, j);
+    g2.host_run(n * c, plane);
+    EXPECT_EQ(d1, to_bits16(d32));
+    EXPECT_EQ(d1, d2);
+
+    // The backward's sums read bf16 as the fp32 terms of the widened values.
+    const BnGradTerms<float> s32{at,          x32.data(),    dy32.data(),
+                                 mean.data(), invstd.data(), relu ? relu_y32.data() : nullptr};
+    const BnGradTerms<std::uint16_t> s16{at,          x.data(),      dy.data(),
+                                         mean.data(), invstd.data(), relu ? relu_y.data() : nullptr};
+    const int terms = static_cast<int>(n * plane) - 5;  // from j = 5 to the channel's end
+    std::vector<SumPair> l32(static_cast<std::size_t>(terms)), l16(static_cast<std::size_t>(terms));
+    s32.host_add_terms(1, 5, terms, l32.data());
+    s16.host_add_terms(1, 5, terms, l16.data());
+    for (int q = 0; q < terms; ++q) {
+      EXPECT_EQ(bits({l32[q].a, l32[q].b}), bits({l16[q].a, l16[q].b}));
+      const SumPair one = s16(2, q), ref = s32(2, q);
+      EXPECT_EQ(bits({one.a, one.b}), bits({ref.a, ref.b}));
+    }
   }
 }
 

@@ -155,7 +155,7 @@ void Chain::forward_child(const LayerContext& ctx, std::size_t i, bool fused, vo
                            ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
   const float* x = static_cast<const float*>(outputs_[i]);
   auto* y = static_cast<float*>(out);
-  if (ctx.amp && !layer.is_container()) {  // a container takes the chain's storage as it is
+  if (ctx.amp && !layer.is_container() && !layer.native_bf16()) {  // the others take the storage as it is
     AutocastScratch& amp = *ctx.amp;
     x = widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), shapes_[i].numel(), amp.x);
     if (bf16_[end]) y = amp.get<float>(amp.out, ctx.device, shapes_[end].numel());
@@ -202,7 +202,7 @@ void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, c
   const auto* y = static_cast<const float*>(outputs_[end]);
   const auto* dy32 = static_cast<const float*>(dy);
   auto* dx32 = static_cast<float*>(dx);
-  if (ctx.amp && !layer.is_container()) {
+  if (ctx.amp && !layer.is_container() && !layer.native_bf16()) {
     AutocastScratch& amp = *ctx.amp;
     const std::int64_t n_in = shapes_[i].numel(), n_out = shapes_[end].numel();
     x = layer.backward_reads_input() || !bf16_[i] ? widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), n_in, amp.x)

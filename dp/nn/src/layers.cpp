@@ -35,6 +35,11 @@ namespace {
 // gradients apart and finish() rounds them to bf16 into the fp32 buffer (torch: the bf16 gradient
 // of the bf16 weight, widened by the cast's backward); the GEMMs enqueued meanwhile are marked as
 // taking bf16 values (kernels::Bf16Operands: tensor cores on cuda).
+// A tensor of a layer that keeps its input's dtype (native_bf16): bf16 bits behind the float
+// pointer when the input is bf16.
+kernels::In in(const LayerContext& ctx, const float* p) { return {p, ctx.bf16}; }
+kernels::Out out(const LayerContext& ctx, float* p) { return {p, ctx.bf16}; }
+
 class LayerParams {
  public:
   // `grads`: null for a forward.
@@ -212,13 +217,14 @@ class BatchNorm2d final : public Layer {
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<BatchNorm2d>(*this); }
   std::size_t saved_bytes() const override { return saved_.size(); }
+  bool native_bf16() const override { return true; }
 
  private:
   void forward(const LayerContext& ctx, const float* x, float* y, bool relu) {
     const auto s = shape(ctx.in);
     if (ctx.mode == Mode::eval) {
-      kernels::batchnorm_forward_eval(ctx.stream, s, x, param(0), param(1), buffer<float>(0), buffer<float>(1), y,
-                                      relu);
+      kernels::batchnorm_forward_eval(ctx.stream, s, in(ctx, x), param(0), param(1), buffer<float>(0), buffer<float>(1),
+                                      out(ctx, y), relu);
       return;
     }
     float* saved = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(channels_));
@@ -227,17 +233,18 @@ class BatchNorm2d final : public Layer {
       const kernels::index_t count = global_count(ctx);
       float* mean = saved;
       float* moments = saved + 2 * channels_;
-      kernels::sync_batchnorm_sums(ctx.stream, s, x, mean, count);
+      kernels::sync_batchnorm_sums(ctx.stream, s, in(ctx, x), mean, count);
       all_reduce(ctx, mean, 1);
-      kernels::sync_batchnorm_moments(ctx.stream, s, x, mean, moments, count);
+      kernels::sync_batchnorm_moments(ctx.stream, s, in(ctx, x), mean, moments, count);
       all_reduce(ctx, moments, 2);
-      kernels::sync_batchnorm_normalize(ctx.stream, s, x, param(0), param(1), y, mean, saved + channels_,
-                                        buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2), moments, count,
-                                        relu);
+      kernels::sync_batchnorm_normalize(ctx.stream, s, in(ctx, x), param(0), param(1), out(ctx, y), mean,
+                                        saved + channels_, buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2),
+                                        moments, count, relu);
       return;
     }
-    kernels::batchnorm_forward_train(ctx.stream, s, x, param(0), param(1), y, saved, saved + channels_,
-                                     buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2), relu);
+    kernels::batchnorm_forward_train(ctx.stream, s, in(ctx, x), param(0), param(1), out(ctx, y), saved,
+                                     saved + channels_, buffer<float>(0), buffer<float>(1), buffer<std::int64_t>(2),
+                                     relu);
   }
   void backward(const LayerContext& ctx, const float* x, const float* dy, float* dx, const float* relu_y) {
     const auto s = shape(ctx.in);
@@ -245,15 +252,20 @@ class BatchNorm2d final : public Layer {
     if (ctx.sync) {
       const kernels::index_t count = global_count(ctx);
       float* grad_sums = saved + 2 * channels_;
-      kernels::sync_batchnorm_backward_sums(ctx.stream, s, x, param(0), saved, saved + channels_, dy, grad(0), grad(1),
-                                            grad_sums, count, relu_y, ctx.accumulate_grads);
+      kernels::sync_batchnorm_backward_sums(ctx.stream, s, in(ctx, x), param(0), saved, saved + channels_, in(ctx, dy),
+                                            grad(0), grad(1), grad_sums, count, relu(ctx, relu_y),
+                                            ctx.accumulate_grads);
       all_reduce(ctx, grad_sums, 2);  // every replica's, needed or not: the others wait for it
-      kernels::sync_batchnorm_backward_dx(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad_sums,
-                                          count, relu_y);
+      kernels::sync_batchnorm_backward_dx(ctx.stream, s, in(ctx, x), param(0), saved, saved + channels_, in(ctx, dy),
+                                          out(ctx, dx), grad_sums, count, relu(ctx, relu_y));
       return;
     }
-    kernels::batchnorm_backward(ctx.stream, s, x, param(0), saved, saved + channels_, dy, dx, grad(0), grad(1),
-                                saved + 2 * channels_, relu_y, ctx.accumulate_grads);
+    kernels::batchnorm_backward(ctx.stream, s, in(ctx, x), param(0), saved, saved + channels_, in(ctx, dy),
+                                out(ctx, dx), grad(0), grad(1), saved + 2 * channels_, relu(ctx, relu_y),
+                                ctx.accumulate_grads);
+  }
+  static kernels::In relu(const LayerContext& ctx, const float* relu_y) {
+    return relu_y ? in(ctx, relu_y) : kernels::In{};
   }
   // SyncBatchNorm: the values per channel over all replicas, and their all-reduce on this stream.
   static kernels::index_t global_count(const LayerContext& ctx) {
@@ -289,13 +301,14 @@ class Relu final : public Layer {
   using Layer::Layer;
   ActShape output_shape(const ActShape& in) const override { return in; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    kernels::relu_forward(ctx.stream, ctx.in.numel(), x, y);
+    kernels::relu_forward(ctx.stream, ctx.in.numel(), in(ctx, x), out(ctx, y));
   }
   void backward(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx) override {
-    if (dx) kernels::relu_backward(ctx.stream, ctx.in.numel(), y, dy, dx);
+    if (dx) kernels::relu_backward(ctx.stream, ctx.in.numel(), in(ctx, y), in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Relu>(name()); }
   bool is_relu() const override { return true; }
+  bool native_bf16() const override { return true; }
   bool backward_reads_input() const override { return false; }
   bool backward_reads_output() const override { return true; }
 };
@@ -333,18 +346,22 @@ class MaxPool2d final : public Layer {
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
-    kernels::maxpool_forward(ctx.stream, s, x, y, indices(ctx, s));
+    kernels::maxpool_forward(ctx.stream, s, in(ctx, x), out(ctx, y), indices(ctx, s));
     kept_ = ctx.amp ? 0 : static_cast<std::size_t>(outputs(s)) * sizeof(std::int32_t);
   }
+  bool native_bf16() const override { return true; }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     if (!dx) return;
     const auto s = shape(ctx.in);
     std::int32_t* argmax = indices(ctx, s);
     // Under autocast the indices are not kept: the backward finds them again in the bf16 input the
     // chain keeps anyway (the same scan, the same choice), which halves what the step holds.
-    if (ctx.amp)
-      kernels::maxpool_forward(ctx.stream, s, x, ctx.amp->get<float>(ctx.amp->out, ctx.device, outputs(s)), argmax);
-    kernels::maxpool_backward(ctx.stream, s, argmax, dy, dx);
+    if (ctx.amp) {
+      void* y = ctx.bf16 ? static_cast<void*>(ctx.amp->get<std::uint16_t>(ctx.amp->out, ctx.device, outputs(s)))
+                         : ctx.amp->get<float>(ctx.amp->out, ctx.device, outputs(s));
+      kernels::maxpool_forward(ctx.stream, s, in(ctx, x), {y, ctx.bf16}, argmax);
+    }
+    kernels::maxpool_backward(ctx.stream, s, argmax, in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<MaxPool2d>(*this); }
   std::size_t saved_bytes() const override { return kept_; }
@@ -379,13 +396,14 @@ class AvgPool2d final : public Layer {
     return ActShape{in.n, in.c, s.h_out(), s.w_out()};
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    kernels::avgpool_forward(ctx.stream, shape(ctx.in), x, y);
+    kernels::avgpool_forward(ctx.stream, shape(ctx.in), in(ctx, x), out(ctx, y));
   }
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
-    if (dx) kernels::avgpool_backward(ctx.stream, shape(ctx.in), dy, dx);
+    if (dx) kernels::avgpool_backward(ctx.stream, shape(ctx.in), in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<AvgPool2d>(*this); }
   bool backward_reads_input() const override { return false; }
+  bool native_bf16() const override { return true; }
 
  private:
   int kernel_, stride_, pad_;
@@ -396,13 +414,15 @@ class GlobalAvgPool2d final : public Layer {
   using Layer::Layer;
   ActShape output_shape(const ActShape& in) const override { return ActShape{in.n, in.c, 1, 1}; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    kernels::global_avgpool_forward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, x, y);
+    kernels::global_avgpool_forward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, in(ctx, x), out(ctx, y));
   }
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
-    if (dx) kernels::global_avgpool_backward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, dy, dx);
+    if (dx)
+      kernels::global_avgpool_backward(ctx.stream, ctx.in.n, ctx.in.c, ctx.in.h * ctx.in.w, in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<GlobalAvgPool2d>(name()); }
   bool backward_reads_input() const override { return false; }
+  bool native_bf16() const override { return true; }
 };
 
 // 32-bit FNV-1a of the layer's full name: Dropout's stream of random numbers, the same in every
@@ -427,19 +447,20 @@ class Dropout final : public Layer {
   bool stochastic() const override { return p_ > 0.0; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     if (ctx.mode == Mode::eval) {  // identity, as torch's eval mode
-      ctx.stream.copy(y, x, static_cast<std::size_t>(ctx.in.numel()) * sizeof(float));
+      ctx.stream.copy(y, x, static_cast<std::size_t>(ctx.in.numel()) * in(ctx, x).element_size());
       return;
     }
     const auto [key, offset] = draw(ctx);
-    kernels::dropout_forward(ctx.stream, ctx.in.numel(), p_, key, offset, x, y);
+    kernels::dropout_forward(ctx.stream, ctx.in.numel(), p_, key, offset, in(ctx, x), out(ctx, y));
   }
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
     if (!dx) return;
     const auto [key, offset] = draw(ctx);
-    kernels::dropout_backward(ctx.stream, ctx.in.numel(), p_, key, offset, dy, dx);
+    kernels::dropout_backward(ctx.stream, ctx.in.numel(), p_, key, offset, in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(*this); }
   bool backward_reads_input() const override { return false; }
+  bool native_bf16() const override { return true; }
 
  private:
   // The key of this step's masks and the index of this batch's first element in the step's batch.
@@ -543,22 +564,10 @@ class Residual final : public Container {
     const auto n = static_cast<kernels::index_t>(out.numel());
     const void* body = body_.forward(ctx, x, nullptr);
     const void* shortcut = shortcut_.forward(ctx, x, nullptr);
-    if (!ctx.amp) {
-      add(ctx, n, static_cast<const float*>(body), static_cast<const float*>(shortcut), y);
-      return;
-    }
     // Autocast: torch's `out += identity` adds in fp32 (bf16 values widened) and rounds to the
     // body's dtype, which the in-place add keeps (then ReLU, exact).
-    const bool bf16 = body_.output_bf16(ctx.bf16), shortcut16 = shortcut_.output_bf16(ctx.bf16);
-    const float* a = bf16 ? detail::widen(ctx, ctx.amp->x, body, n) : static_cast<const float*>(body);
-    const float* b = shortcut16 ? detail::widen(ctx, ctx.amp->y, shortcut, n) : static_cast<const float*>(shortcut);
-    if (!bf16) {
-      add(ctx, n, a, b, y);
-      return;
-    }
-    float* sum = ctx.amp->get<float>(ctx.amp->out, ctx.device, n);
-    add(ctx, n, a, b, sum);
-    kernels::to_bf16(ctx.stream, n, sum, reinterpret_cast<std::uint16_t*>(y));
+    const bool bf16 = ctx.amp && body_.output_bf16(ctx.bf16), shortcut16 = ctx.amp && shortcut_.output_bf16(ctx.bf16);
+    add(ctx, n, {body, bf16}, {shortcut, shortcut16}, {y, bf16});
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
@@ -569,17 +578,10 @@ class Residual final : public Container {
     const bool out16 = ctx.amp && body_.output_bf16(ctx.bf16), in16 = ctx.amp && ctx.bf16;
     const void* dsum = dy;
     if (relu_after_) {
-      if (out16) {
-        float* g = detail::widen(ctx, ctx.amp->dy, dy, n);
-        kernels::relu_backward(ctx.stream, n, detail::widen(ctx, ctx.amp->y, y, n), g, g);
-        auto* bits = dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
-        kernels::to_bf16(ctx.stream, n, g, bits);  // exact: a bf16 value or 0
-        dsum = bits;
-      } else {
-        float* g = dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
-        kernels::relu_backward(ctx.stream, n, y, dy, g);
-        dsum = g;
-      }
+      void* g = out16 ? static_cast<void*>(dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n)))
+                      : dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
+      kernels::relu_backward(ctx.stream, n, {y, out16}, {dy, out16}, {g, out16});
+      dsum = g;
     }
     // The Add passes dsum to both branches (to the shortcut in its own dtype, where autocast made
     // the two differ: widened, or rounded); the input gradient is the sum of theirs.
@@ -614,7 +616,8 @@ class Residual final : public Container {
   std::vector<detail::Chain*> chains() override { return {&body_, &shortcut_}; }
 
   // out = body + shortcut, ReLU'd when relu_after_.
-  void add(const LayerContext& ctx, kernels::index_t n, const float* body, const float* shortcut, float* out) const {
+  void add(const LayerContext& ctx, kernels::index_t n, kernels::In body, kernels::In shortcut,
+           kernels::Out out) const {
     if (relu_after_)
       kernels::add_relu(ctx.stream, n, body, shortcut, out);
     else
@@ -622,13 +625,7 @@ class Residual final : public Container {
   }
   // dx += g, in bf16 (rounded sum) when the input is.
   static void accumulate(const LayerContext& ctx, kernels::index_t n, bool bf16, const void* g, float* dx) {
-    if (!bf16) {
-      kernels::add(ctx.stream, n, dx, static_cast<const float*>(g), dx);
-      return;
-    }
-    float* sum = detail::widen(ctx, ctx.amp->dx, dx, n);
-    kernels::add(ctx.stream, n, sum, detail::widen(ctx, ctx.amp->dy, g, n), sum);
-    kernels::to_bf16(ctx.stream, n, sum, reinterpret_cast<std::uint16_t*>(dx));
+    kernels::add(ctx.stream, n, {dx, bf16}, {g, bf16}, {dx, bf16});
   }
 
   detail::Chain body_, shortcut_;

@@ -9,6 +9,7 @@
 
 #include "dp/kernels/elementwise.h"
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -19,6 +20,9 @@ struct BatchNormShape {
   float momentum = 0.1f;
 };
 
+// Every entry point takes its activations (x, y, dy, dx, relu_y) in one storage type, fp32 or bf16
+// bits (storage.h); statistics, parameters and sums are fp32 either way.
+
 // Training forward: normalises with batch statistics, writes save_mean / save_invstd (C) for the
 // backward, and updates running_mean / running_var (C) with momentum (running_var from the
 // unbiased variance) and num_batches_tracked (one int64) += 1.
@@ -26,13 +30,13 @@ struct BatchNormShape {
 // training") it throws InvalidArgument for one value per channel, where the unbiased variance
 // would be 0/0 (aten's native_batch_norm, below the module check, writes NaN into running_var).
 // relu = true fuses a following ReLU (torch.relu's bits, ReluForward): y = relu(batchnorm(x)).
-void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                             const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+void batchnorm_forward_train(const Stream& stream, const BatchNormShape& shape, In x, const float* gamma,
+                             const float* beta, Out y, float* save_mean, float* save_invstd, float* running_mean,
                              float* running_var, std::int64_t* num_batches_tracked, bool relu = false);
 
 // Eval forward: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
-void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                            const float* beta, const float* running_mean, const float* running_var, float* y,
+void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, In x, const float* gamma,
+                            const float* beta, const float* running_mean, const float* running_var, Out y,
                             bool relu = false);
 
 // Training backward: dx overwritten (skipped when null); dgamma += sum(dy*xhat), dbeta += sum(dy)
@@ -42,9 +46,9 @@ void batchnorm_forward_eval(const Stream& stream, const BatchNormShape& shape, c
 // relu_y: the output of a forward with relu = true, and dy then the gradient of that output: dy
 // passes through ReLU's mask (ReluBackward's bits) as it is read, where an unfused ReLU backward
 // would have written the masked gradient first. Null: no ReLU.
-void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                        const float* save_mean, const float* save_invstd, const float* dy, float* dx, float* dgamma,
-                        float* dbeta, float* grad_sums, const float* relu_y = nullptr, bool accumulate = true);
+void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, In x, const float* gamma,
+                        const float* save_mean, const float* save_invstd, In dy, Out dx, float* dgamma, float* dbeta,
+                        float* grad_sums, In relu_y = nullptr, bool accumulate = true);
 
 // SyncBatchNorm (torch.nn.SyncBatchNorm): the statistics are those of every replica's batch
 // together. The kernels stay pure: the caller (nn's BatchNorm2d) sums buffers over the replicas
@@ -59,21 +63,19 @@ void batchnorm_backward(const Stream& stream, const BatchNormShape& shape, const
 // torch's batch_norm_gather_stats_with_counts). The backward adds this replica's own sum(dy),
 // sum(dy*xhat) to dbeta, dgamma (stores them without `accumulate`; torch's SyncBatchNorm leaves the
 // averaging over replicas to DDP's gradient all-reduce) and computes dx from the summed grad_sums.
-void sync_batchnorm_sums(const Stream& stream, const BatchNormShape& shape, const float* x, float* sums,
-                         index_t global_count);
-void sync_batchnorm_moments(const Stream& stream, const BatchNormShape& shape, const float* x, float* mean,
-                            float* moments, index_t global_count);
-void sync_batchnorm_normalize(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                              const float* beta, float* y, float* save_mean, float* save_invstd, float* running_mean,
+void sync_batchnorm_sums(const Stream& stream, const BatchNormShape& shape, In x, float* sums, index_t global_count);
+void sync_batchnorm_moments(const Stream& stream, const BatchNormShape& shape, In x, float* mean, float* moments,
+                            index_t global_count);
+void sync_batchnorm_normalize(const Stream& stream, const BatchNormShape& shape, In x, const float* gamma,
+                              const float* beta, Out y, float* save_mean, float* save_invstd, float* running_mean,
                               float* running_var, std::int64_t* num_batches_tracked, const float* moments,
                               index_t global_count, bool relu = false);
-void sync_batchnorm_backward_sums(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                                  const float* save_mean, const float* save_invstd, const float* dy, float* dgamma,
-                                  float* dbeta, float* grad_sums, index_t global_count, const float* relu_y = nullptr,
-                                  bool accumulate = true);
-void sync_batchnorm_backward_dx(const Stream& stream, const BatchNormShape& shape, const float* x, const float* gamma,
-                                const float* save_mean, const float* save_invstd, const float* dy, float* dx,
-                                const float* grad_sums, index_t global_count, const float* relu_y = nullptr);
+void sync_batchnorm_backward_sums(const Stream& stream, const BatchNormShape& shape, In x, const float* gamma,
+                                  const float* save_mean, const float* save_invstd, In dy, float* dgamma, float* dbeta,
+                                  float* grad_sums, index_t global_count, In relu_y = nullptr, bool accumulate = true);
+void sync_batchnorm_backward_dx(const Stream& stream, const BatchNormShape& shape, In x, const float* gamma,
+                                const float* save_mean, const float* save_invstd, In dy, Out dx, const float* grad_sums,
+                                index_t global_count, In relu_y = nullptr);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -94,18 +96,19 @@ struct BnStoreMean {
 // Pass 2: deviations from the pass-1 mean, summed plain (a) and squared (b). Squared deviations
 // avoid E[x^2]-E[x]^2 cancellation; the plain sum corrects for the rounding of the mean itself
 // (the "corrected two-pass" variance: sum d^2 - (sum d)^2 / M).
+template <class T>
 struct BnCenteredMoments {
   ChannelElement at;
-  const float* x;
+  const T* x;
   const float* mean;
   DP_HD SumPair operator()(index_t c, index_t j) const {
-    const float d = x[at(c, j)] - mean[c];
+    const float d = load(x, at(c, j)) - mean[c];
     return SumPair{d, d * d};
   }
   void host_add_terms(index_t c, index_t j, index_t count, SumPair* lanes) const {
     const float m = mean[c];
     at.host_walk(c, j, count, [&](index_t k, index_t i) {
-      const float d = x[i] - m;
+      const float d = load(x, i) - m;
       lanes[k] = lanes[k] + SumPair{d, d * d};
     });
   }
@@ -150,77 +153,81 @@ struct BnFinishVariance {
 };
 
 // y = (x - mean) * invstd * gamma + beta, channel of element i taken from the NCHW index.
+template <class T>
 struct BnNormalize {
   ChannelElement at;
-  const float* x;
+  const T* x;
   const float* mean;
   const float* invstd;
   const float* gamma;
   const float* beta;
-  float* y;
+  T* y;
   bool relu;  // y = relu(batchnorm(x)): a following ReLU fused
   // plane_index = n*C + c: one (n, c) plane of H*W elements, j within it (launch_2d).
   DP_HD void operator()(index_t plane_index, index_t j) const {
     const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
-    const float v = (x[i] - mean[c]) * invstd[c] * gamma[c] + beta[c];
-    y[i] = relu ? kernels::relu(v) : v;
+    const float v = (load(x, i) - mean[c]) * invstd[c] * gamma[c] + beta[c];
+    store(y, i, relu ? kernels::relu(v) : v);
   }
   // The sim: plane by plane, the channel's parameters read once per plane.
   void host_run(index_t rows, index_t cols) const {
     for (index_t row = 0; row < rows; ++row) {
       const index_t c = row % at.channels;
       const float m = mean[c], s = invstd[c], g = gamma[c], b = beta[c];
-      const float* in = x + row * at.plane;
-      float* out = y + row * at.plane;
+      const T* in = x + row * at.plane;
+      T* out = y + row * at.plane;
       if (relu)
-        for (index_t j = 0; j < cols; ++j) out[j] = kernels::relu((in[j] - m) * s * g + b);
+        for (index_t j = 0; j < cols; ++j) store(out, j, kernels::relu((load(in, j) - m) * s * g + b));
       else
-        for (index_t j = 0; j < cols; ++j) out[j] = (in[j] - m) * s * g + b;
+        for (index_t j = 0; j < cols; ++j) store(out, j, (load(in, j) - m) * s * g + b);
     }
   }
 };
 
 // Eval: the running statistics, invstd recomputed per element (cheaper than another launch).
+template <class T>
 struct BnNormalizeEval {
   ChannelElement at;
   float eps;
-  const float* x;
+  const T* x;
   const float* running_mean;
   const float* running_var;
   const float* gamma;
   const float* beta;
-  float* y;
+  T* y;
   bool relu;
   DP_HD void operator()(index_t plane_index, index_t j) const {
     const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
-    const float v = (x[i] - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
-    y[i] = relu ? kernels::relu(v) : v;
+    const float v = (load(x, i) - running_mean[c]) / sqrtf(running_var[c] + eps) * gamma[c] + beta[c];
+    store(y, i, relu ? kernels::relu(v) : v);
   }
 };
 
 // dy[i], or with a fused ReLU (relu_y, its output) the gradient ReLU's backward would have written.
-DP_HD inline float bn_output_grad(const float* dy, const float* relu_y, index_t i) {
-  return relu_y ? relu_grad(relu_y[i], dy[i]) : dy[i];
+template <class T>
+DP_HD float bn_output_grad(const T* dy, const T* relu_y, index_t i) {
+  return relu_y ? relu_grad(load(relu_y, i), load(dy, i)) : load(dy, i);
 }
 
 // Backward sums per channel: a = sum(dy), b = sum(dy * xhat).
+template <class T>
 struct BnGradTerms {
   ChannelElement at;
-  const float* x;
-  const float* dy;
+  const T* x;
+  const T* dy;
   const float* mean;
   const float* invstd;
-  const float* relu_y;  // null unless a ReLU was fused into the forward
+  const T* relu_y;  // null unless a ReLU was fused into the forward
   DP_HD SumPair operator()(index_t c, index_t j) const {
     const index_t i = at(c, j);
     const float g = bn_output_grad(dy, relu_y, i);
-    return SumPair{g, g * (x[i] - mean[c]) * invstd[c]};
+    return SumPair{g, g * (load(x, i) - mean[c]) * invstd[c]};
   }
   void host_add_terms(index_t c, index_t j, index_t count, SumPair* lanes) const {
     const float m = mean[c], s = invstd[c];
     at.host_walk(c, j, count, [&](index_t k, index_t i) {
       const float g = bn_output_grad(dy, relu_y, i);
-      lanes[k] = lanes[k] + SumPair{g, g * (x[i] - m) * s};
+      lanes[k] = lanes[k] + SumPair{g, g * (load(x, i) - m) * s};
     });
   }
 };
@@ -242,28 +249,30 @@ struct BnStoreGradSums {
 
 // dx = gamma*invstd/M * (M*dy - sum(dy) - xhat*sum(dy*xhat)), written with the sums divided by M
 // first so no term grows with M.
+template <class T>
 struct BnInputGradTerm {
-  const float* x;
-  const float* dy;
+  const T* x;
+  const T* dy;
   const float* gamma;
   const float* mean;
   const float* invstd;
-  float inv_count;      // 1/M
-  const float* relu_y;  // as BnGradTerms
+  float inv_count;  // 1/M
+  const T* relu_y;  // as BnGradTerms
   DP_HD float operator()(index_t c, index_t i, float sum_dy, float sum_dy_xhat) const {
-    const float xhat = (x[i] - mean[c]) * invstd[c];
+    const float xhat = (load(x, i) - mean[c]) * invstd[c];
     return gamma[c] * invstd[c] *
            (bn_output_grad(dy, relu_y, i) - sum_dy * inv_count - xhat * (sum_dy_xhat * inv_count));
   }
 };
+template <class T>
 struct BnInputGrad {
   ChannelElement at;
-  BnInputGradTerm term;
+  BnInputGradTerm<T> term;
   const float* grad_sums;
-  float* dx;
+  T* dx;
   DP_HD void operator()(index_t plane_index, index_t j) const {
     const index_t c = at.channel_of(plane_index), i = plane_index * at.plane + j;
-    dx[i] = term(c, i, grad_sums[c], grad_sums[at.channels + c]);
+    store(dx, i, term(c, i, grad_sums[c], grad_sums[at.channels + c]));
   }
   // The sim: plane by plane, BnInputGradTerm's arithmetic with the channel's values read once.
   void host_run(index_t rows, index_t cols) const {
@@ -271,11 +280,11 @@ struct BnInputGrad {
       const index_t c = row % at.channels, base = row * at.plane;
       const float m = term.mean[c], s = term.invstd[c], scale = term.gamma[c] * s;
       const float a = grad_sums[c] * term.inv_count, b = grad_sums[at.channels + c] * term.inv_count;
-      const float* x = term.x + base;
-      float* out = dx + base;
+      const T* x = term.x + base;
+      T* out = dx + base;
       for (index_t j = 0; j < cols; ++j) {
-        const float xhat = (x[j] - m) * s;
-        out[j] = scale * (bn_output_grad(term.dy, term.relu_y, base + j) - a - xhat * b);
+        const float xhat = (load(x, j) - m) * s;
+        store(out, j, scale * (bn_output_grad(term.dy, term.relu_y, base + j) - a - xhat * b));
       }
     }
   }

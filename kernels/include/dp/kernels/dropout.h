@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -29,14 +30,15 @@ struct DropoutKey {
 // noise.bernoulli_(1 - p).div_(1 - p) (_dropout_impl, Dropout.cpp): noise is 1.0f / float(1 - p)
 // for a kept element and 0 for a dropped one, so a dropped element is x * 0 (-0 for a negative x,
 // NaN for NaN or infinity), bit for bit torch's values for the same mask.
+// x and y (dy and dx) of one storage type, fp32 or bf16 (storage.h: the product rounded once).
 // p = 0 copies x (torch returns the input); p = 1 gives x * 0 (torch: input * zeros). p outside
 // [0, 1] (or NaN) or a negative element_offset: InvalidArgument. x and y may be the same buffer.
-void dropout_forward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset,
-                     const float* x, float* y);
+void dropout_forward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset, In x,
+                     Out y);
 
 // dx = dy * noise, the mask recomputed from the same key and offset (torch: grad * noise).
-void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset,
-                      const float* dy, float* dx);
+void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset, In dy,
+                      Out dx);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -54,6 +56,7 @@ DP_HD inline r123::Philox4x32::ctr_type dropout_words(const DropoutKey& key, std
 
 // One thread per block of four elements: one Philox call yields the four words. The blocks at
 // either end may be partly outside [offset, offset + n) when the offset is not a multiple of 4.
+template <class T = float>
 struct DropoutApply {
   DropoutKey key;
   // u >= p as integers: (word >> 8) * 2^-24 >= p <=> (word >> 8) >= ceil(p * 2^24) (exact in double).
@@ -61,8 +64,8 @@ struct DropoutApply {
   float noise_kept;  // 1.0f / float(1 - p)
   index_t offset, n;
   std::uint64_t first_block;  // offset / 4
-  const float* x;
-  float* y;
+  const T* x;
+  T* y;
   DP_HD void operator()(index_t b) const {
     const std::uint64_t block = first_block + static_cast<std::uint64_t>(b);
     const r123::Philox4x32::ctr_type words = dropout_words(key, block);
@@ -70,7 +73,7 @@ struct DropoutApply {
       const index_t i = static_cast<index_t>(block * 4 + j) - offset;
       if (i < 0 || i >= n) continue;
       // x * 0 rather than 0 for a dropped element: torch multiplies by its noise either way.
-      y[i] = x[i] * ((words.v[j] >> 8) >= threshold ? noise_kept : 0.0f);
+      store(y, i, load(x, i) * ((words.v[j] >> 8) >= threshold ? noise_kept : 0.0f));
     }
   }
 };

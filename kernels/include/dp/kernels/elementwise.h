@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/bfloat16.h"
 
 namespace dp::kernels {
@@ -15,10 +16,11 @@ struct Fill {
   DP_HD void operator()(index_t i) const { x[i] = value; }
 };
 
-// y = x
+// y = x (fp32 or bf16 bits alike)
+template <class T = float>
 struct Copy {
-  const float* x;
-  float* y;
+  const T* x;
+  T* y;
   DP_HD void operator()(index_t i) const { y[i] = x[i]; }
 };
 
@@ -83,31 +85,35 @@ struct AddBf16Rounded {
   }
 };
 
-// out = a + b
+// out = a + b (each operand fp32 or bf16 bits: the fp32 sum, rounded once where out is bf16)
+template <class A = float, class B = float, class O = float>
 struct Add {
-  const float* a;
-  const float* b;
-  float* out;
-  DP_HD void operator()(index_t i) const { out[i] = a[i] + b[i]; }
+  const A* a;
+  const B* b;
+  O* out;
+  DP_HD void operator()(index_t i) const { store(out, i, load(a, i) + load(b, i)); }
 };
 
 // torch.relu: NaN stays NaN (`x > 0 ? x : 0` would launder it to 0, hiding a diverged model from
 // the loss), and -0 becomes +0.
 DP_HD inline float relu(float v) { return v <= 0.0f ? 0.0f : v; }
+template <class T = float>
 struct ReluForward {
-  const float* x;
-  float* y;
-  DP_HD void operator()(index_t i) const { y[i] = relu(x[i]); }
+  const T* x;
+  T* y;
+  DP_HD void operator()(index_t i) const { store(y, i, relu(load(x, i))); }
 };
 
-// Add, then ReLU on the rounded sum: the two kernels' bits in one pass.
+// Add, then ReLU on the rounded sum: the two kernels' bits in one pass (bf16: the sum rounded
+// once, ReLU of a bf16 value is one).
+template <class A = float, class B = float, class O = float>
 struct AddRelu {
-  const float* a;
-  const float* b;
-  float* out;
+  const A* a;
+  const B* b;
+  O* out;
   DP_HD void operator()(index_t i) const {
-    const float sum = a[i] + b[i];
-    out[i] = relu(sum);
+    const float sum = load(a, i) + load(b, i);
+    store(out, i, relu(sum));
   }
 };
 
@@ -117,11 +123,12 @@ DP_HD inline float relu_grad(float y, float g) { return y <= 0.0f ? 0.0f : g; }
 
 // PyTorch's threshold_backward(grad, result, 0): `result <= 0 ? 0 : grad`, so the gradient at
 // exactly 0 is 0 and at NaN passes through (as torch does).
+template <class T = float>
 struct ReluBackward {
-  const float* y;  // the forward output (or input: same sign test)
-  const float* dy;
-  float* dx;
-  DP_HD void operator()(index_t i) const { dx[i] = relu_grad(y[i], dy[i]); }
+  const T* y;  // the forward output (or input: same sign test)
+  const T* dy;
+  T* dx;
+  DP_HD void operator()(index_t i) const { store(dx, i, relu_grad(load(y, i), load(dy, i))); }
 };
 
 // Element j in [0, N*H*W) of channel `channel`: a channel is N planes of H*W, C planes apart.
@@ -163,12 +170,13 @@ struct ChannelElement {
   static FastDivmod divisor(index_t d) { return FastDivmod(d >= 1 && d <= kIntMax ? static_cast<int>(d) : 1); }
 };
 // Per-channel sum of an NCHW tensor seen as reductions over N*H*W for each channel.
+template <class T = float>
 struct ChannelValue {
   ChannelElement at;
-  const float* x;
-  DP_HD float operator()(index_t channel, index_t j) const { return x[at(channel, j)]; }
+  const T* x;
+  DP_HD float operator()(index_t channel, index_t j) const { return load(x, at(channel, j)); }
   void host_add_terms(index_t channel, index_t j, index_t count, float* lanes) const {
-    at.host_walk(channel, j, count, [&](index_t k, index_t i) { lanes[k] = lanes[k] + x[i]; });
+    at.host_walk(channel, j, count, [&](index_t k, index_t i) { lanes[k] = lanes[k] + load(x, i); });
   }
 };
 
@@ -183,13 +191,14 @@ struct RowElement {
   }
 };
 // Column-wise sum of a (rows, cols) matrix seen as reductions over rows for each column.
+template <class T = float>
 struct ColumnElement {
-  const float* x;
+  const T* x;
   index_t cols;
-  DP_HD float operator()(index_t col, index_t row) const { return x[row * cols + col]; }
+  DP_HD float operator()(index_t col, index_t row) const { return load(x, row * cols + col); }
   void host_add_terms(index_t col, index_t row, index_t count, float* lanes) const {
-    const float* at = x + row * cols + col;
-    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + at[k * cols];
+    const T* at = x + row * cols + col;
+    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + load(at, k * cols);
   }
 };
 // out[row] = beta * out[row] + sum   (beta = 0 overwrites, 1 accumulates gradients)

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -20,20 +21,20 @@ void from_bf16(const Stream& stream, index_t n, const std::uint16_t* x, float* y
 void to_bf16(const Stream& stream, index_t n, const float* x, std::uint16_t* y);
 void round_to_bf16(const Stream& stream, index_t n, const float* x, float* y);
 void add_bf16_rounded(const Stream& stream, index_t n, const float* x, float* y, bool accumulate);
-void add(const Stream& stream, index_t n, const float* a, const float* b, float* out);
-void relu_forward(const Stream& stream, index_t n, const float* x, float* y);
-void relu_backward(const Stream& stream, index_t n, const float* y, const float* dy, float* dx);
+// Activations (storage.h): add's and add_relu's operands each fp32 or bf16; relu's all of one type.
+void add(const Stream& stream, index_t n, In a, In b, Out out);
+void relu_forward(const Stream& stream, index_t n, In x, Out y);
+void relu_backward(const Stream& stream, index_t n, In y, In dy, Out dx);
 // out = relu(a + b) in one pass: add then relu_forward's bits (a residual block's sum and ReLU).
-void add_relu(const Stream& stream, index_t n, const float* a, const float* b, float* out);
+void add_relu(const Stream& stream, index_t n, In a, In b, Out out);
 
 // out[r] = beta*out[r] + sum_c x[r, c] for a (rows, cols) row-major x.
 void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);
 // out[c] = beta*out[c] + sum_r x[r, c]   (bias gradients: sum over the batch)
-void column_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta = 0.0f);
+void column_sum(const Stream& stream, index_t rows, index_t cols, In x, float* out, float beta = 0.0f);
 // out[c] = beta*out[c] + sum_{n,j} x[n, c, j] for an (n, channels, plane) NCHW x (convolution bias
 // gradients). The same terms in the same order as row_sum over x permuted to (channels, n*plane).
-void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, const float* x, float* out,
-                 float beta = 0.0f);
+void channel_sum(const Stream& stream, index_t n, index_t channels, index_t plane, In x, float* out, float beta = 0.0f);
 
 // torch.nn.utils.clip_grad_norm_ on the device (dp/nn/clip.h): out[0] = sum of x^2 over n (the
 // row_sum plan: the same bits on both backends); from `count` such sums (one per tensor), norm_coef

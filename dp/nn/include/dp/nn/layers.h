@@ -71,10 +71,11 @@ struct LayerContext {
   // which enqueues no fill: torch's set_to_none). Writing, a layer stores EVERY one of its
   // parameter gradients in every backward, whatever its batch, since the buffer may hold anything.
   bool accumulate_grads = true;
-  // Autocast bf16: the model's scratch (null: fp32 throughout). A leaf layer is always handed fp32
-  // tensors (the chain widens and rounds around it) and uses `amp` itself only when it autocasts
-  // (Linear, Conv2d: bf16 weights and gradients); a container is handed the chain's storage, bf16
-  // when `bf16` is set (the uint16 bits behind its float pointers), and passes it to its chains.
+  // Autocast bf16: the model's scratch (null: fp32 throughout). A leaf layer is handed fp32
+  // tensors (the chain widens and rounds around it) unless it is native_bf16(), and uses `amp`
+  // itself only when it autocasts (Linear, Conv2d: bf16 weights and gradients); a container and a
+  // native leaf are handed the chain's storage, bf16 when `bf16` is set (the uint16 bits behind
+  // their float pointers), and a container passes it to its chains.
   AutocastScratch* amp = nullptr;
   bool bf16 = false;
 };
@@ -126,6 +127,10 @@ class Layer {
   virtual bool autocasts() const { return false; }
   virtual bool is_container() const { return false; }
   virtual bool output_bf16(bool input_bf16) const { return input_bf16 || autocasts(); }
+  // A leaf that takes the chain's storage as it is, bf16 bits behind its float pointers where
+  // ctx.bf16 (its output keeps that dtype): its kernels read bf16, compute in fp32 and round once,
+  // the values of the chain's widening and rounding around it, without the fp32 copies.
+  virtual bool native_bf16() const { return false; }
   // What a leaf's backward reads besides dy, so that a chain under autocast widens only those.
   virtual bool backward_reads_input() const { return true; }
   virtual bool backward_reads_output() const { return false; }
