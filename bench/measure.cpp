@@ -109,8 +109,6 @@ void take_traffic(dp::Runtime& rt, const Options& o, Run& run) {
       busiest = std::move(kernels);
     }
   }
-  constexpr std::size_t kTop = 5;
-  if (busiest.size() > kTop) busiest.resize(kTop);
   run.bytes_per_step = most;
   run.top_kernels = std::move(busiest);
   const double samples = static_cast<double>(run.global_batch) / std::max(1, run.devices);

@@ -111,7 +111,7 @@ struct Run {
   bool pipelined = false;                        // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;
   // The memory traffic of one eager step (the first warm-up step's, Runtime::memory_traffic) on the
-  // device that moves the most, its kernels the most bytes first; none without warm-up.
+  // device that moves the most, every kernel of it, the most bytes first; none without warm-up.
   std::optional<double> bytes_per_step;
   std::vector<dp::KernelTraffic> top_kernels;
   std::optional<Roofline> roofline;  // that step on Options::roofline's GPU

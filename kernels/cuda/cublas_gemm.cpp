@@ -13,20 +13,24 @@ void cublas_gemm(const Stream& stream, const GemmArgs& g) {
   kernel_api::with_library(stream, kernel_api::Library::cublas, [&](kernel_api::LibraryCall& call) {
     auto handle = static_cast<cublasHandle_t>(call.handle);
     const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    if (!g.bf16_operands) {
-      DP_CUDA_CHECK(
-          cublasSgemm(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, g.ldb, g.a, g.lda, &g.beta, g.c, g.ldc));
+    if (!g.bf16_operands && !g.bf16_storage) {
+      DP_CUDA_CHECK(cublasSgemm(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, static_cast<const float*>(g.b), g.ldb,
+                                static_cast<const float*>(g.a), g.lda, &g.beta, g.c, g.ldc));
       return;
     }
-    // Operands that are bf16 values (autocast): bf16 tensor cores, fp32 accumulation. The handle's
-    // pedantic math mode is lifted for this call only (it asks for the prescribed precision in every
-    // phase), and restored whatever happens.
+    // Operands that are bf16 values (autocast): bf16 tensor cores, fp32 accumulation. bf16 storage
+    // goes in as CUDA_R_16BF with fp32 compute and an fp32 C (a combination cublasGemmEx lists); fp32
+    // words holding bf16 values are converted down exactly by the FAST_16BF compute type. The
+    // handle's pedantic math mode is lifted for this call only (it asks for the prescribed precision
+    // in every phase), and restored whatever happens.
     cublasMath_t mode = CUBLAS_DEFAULT_MATH;
     DP_CUDA_CHECK(cublasGetMathMode(handle, &mode));
     DP_CUDA_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
+    const cudaDataType operands = g.bf16_storage ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t compute = g.bf16_storage ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_16BF;
     const cublasStatus_t status =
-        cublasGemmEx(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, CUDA_R_32F, g.ldb, g.a, CUDA_R_32F, g.lda,
-                     &g.beta, g.c, CUDA_R_32F, g.ldc, CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT);
+        cublasGemmEx(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, operands, g.ldb, g.a, operands, g.lda, &g.beta,
+                     g.c, CUDA_R_32F, g.ldc, compute, CUBLAS_GEMM_DEFAULT);
     DP_CUDA_CHECK(cublasSetMathMode(handle, mode));
     DP_CUDA_CHECK(status);
   });

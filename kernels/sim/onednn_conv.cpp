@@ -93,13 +93,18 @@ struct Plan {
 
 memory::dims dims(std::initializer_list<int> extents) { return memory::dims(extents.begin(), extents.end()); }
 
-std::shared_ptr<const Plan> build(const Conv2dShape& s) {
+// bf16: the caller's x, weight, y, dy and dx are bf16 (autocast's storage), reordered into the fp32
+// blocked layouts (exact) and out of them (rounded once, to nearest even); the convolutions run in
+// fp32 on those values, the weight gradient stays fp32.
+std::shared_ptr<const Plan> build(const Conv2dShape& s, bool bf16) {
   auto plan = std::make_shared<Plan>();
   const memory::dims x = dims({s.n, s.c_in, s.h, s.w}), w = dims({s.c_out, s.c_in, s.kh, s.kw}),
                      y = dims({s.n, s.c_out, s.h_out(), s.w_out()}), b = dims({s.c_out});
   const memory::dims strides = dims({s.stride, s.stride}), pad = dims({s.pad, s.pad});
   // The caller's plain layouts.
-  const memory::desc plain_x(x, f32, Tag::nchw), plain_w(w, f32, Tag::oihw), plain_y(y, f32, Tag::nchw);
+  const auto act = bf16 ? memory::data_type::bf16 : f32;
+  const memory::desc plain_x(x, act, Tag::nchw), plain_w(w, act, Tag::oihw), plain_y(y, act, Tag::nchw);
+  const memory::desc plain_dw(w, f32, Tag::oihw);
   plan->bias = memory::desc(b, f32, Tag::x);
   const memory::desc any_x(x, f32, Tag::any), any_w(w, f32, Tag::any), any_y(y, f32, Tag::any);
   dnnl::primitive_attr attr;
@@ -135,25 +140,25 @@ std::shared_ptr<const Plan> build(const Conv2dShape& s) {
   plan->backward_weights = dnnl::convolution_backward_weights(weights);
   plan->x_in_weights = Conversion(plain_x, weights.src_desc());
   plan->dy_in_weights = Conversion(plain_y, weights.diff_dst_desc());
-  plan->dw_out = Conversion(weights.diff_weights_desc(), plain_w);
-  plan->dw_add = Conversion(weights.diff_weights_desc(), plain_w, true);
+  plan->dw_out = Conversion(weights.diff_weights_desc(), plain_dw);
+  plan->dw_add = Conversion(weights.diff_weights_desc(), plain_dw, true);
   plan->weights_scratchpad = weights.scratchpad_desc().get_size();
   return plan;
 }
 
-using Key = std::tuple<int, int, int, int, int, int, int, int, int>;
+using Key = std::tuple<int, int, int, int, int, int, int, int, int, bool>;
 
 // The plan of a shape, built on first use; null where oneDNN has no implementation for it.
-std::shared_ptr<const Plan> plan_for(const Conv2dShape& s) {
+std::shared_ptr<const Plan> plan_for(const Conv2dShape& s, bool bf16) {
   static std::mutex mutex;
   static std::map<Key, std::shared_ptr<const Plan>> plans;
-  const Key key{s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad};
+  const Key key{s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad, bf16};
   const std::lock_guard lock(mutex);
   if (const auto found = plans.find(key); found != plans.end()) return found->second;
   std::shared_ptr<const Plan> plan;
   try {
     const OneThread one;
-    plan = build(s);
+    plan = build(s, bf16);
   } catch (const dnnl::error& e) {
     if (e.status != dnnl_unimplemented) throw Error(std::string("oneDNN convolution plan: ") + e.what());
   }
@@ -231,7 +236,7 @@ memory scratchpad(const void* p, std::size_t bytes) {
   return wrap(memory::desc({static_cast<memory::dim>(bytes)}, memory::data_type::u8, Tag::x), p);
 }
 
-void run_forward(const Plan& p, const float* x, const float* weight, const float* bias, float* y) {
+void run_forward(const Plan& p, const void* x, const void* weight, const float* bias, void* y) {
   Executor& e = executor();
   const auto [xb, wb, yb, pad] =
       e.scratch.take<4>({p.x_in.in_bytes(), p.w_in.in_bytes(), p.y_out.out_bytes(), p.forward_scratchpad});
@@ -250,7 +255,7 @@ void run_forward(const Plan& p, const float* x, const float* weight, const float
 // one task so that dy is reordered once where both passes read it in the same layout. dweight is
 // computed in place where no conversion is needed, else in a blocked buffer and converted out, the
 // reorder's sum post-op adding it.
-void run_backward(const Plan& p, const float* x, const float* weight, const float* dy, float* dx, float* dweight,
+void run_backward(const Plan& p, const void* x, const void* weight, const void* dy, void* dx, float* dweight,
                   bool accumulate) {
   Executor& e = executor();
   const Conversion& dw_out = accumulate ? p.dw_add : p.dw_out;
@@ -285,20 +290,20 @@ void run_backward(const Plan& p, const float* x, const float* weight, const floa
 
 }  // namespace
 
-bool onednn_supports(const Conv2dShape& shape) { return plan_for(shape) != nullptr; }
+bool onednn_supports(const Conv2dShape& shape, bool bf16) { return plan_for(shape, bf16) != nullptr; }
 
-bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* bias, float* y) {
-  const std::shared_ptr<const Plan> plan = plan_for(shape);
+bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, bool bf16, const void* x, const void* weight,
+                           const float* bias, void* y) {
+  const std::shared_ptr<const Plan> plan = plan_for(shape, bf16);
   if (!plan) return false;
   kernel_api::enqueue_host(stream, "onednn_conv2d_forward",
                            [plan, x, weight, bias, y] { run_forward(*plan, x, weight, bias, y); });
   return true;
 }
 
-bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                            const float* dy, float* dx, float* dweight, bool accumulate) {
-  const std::shared_ptr<const Plan> plan = plan_for(shape);
+bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, bool bf16, const void* x,
+                            const void* weight, const void* dy, void* dx, float* dweight, bool accumulate) {
+  const std::shared_ptr<const Plan> plan = plan_for(shape, bf16);
   if (!plan) return false;
   if (dx || dweight)
     kernel_api::enqueue_host(stream, "onednn_conv2d_backward", [plan, x, weight, dy, dx, dweight, accumulate] {

@@ -167,10 +167,77 @@ std::size_t conv2d_workspace_floats(const Stream& stream, const Conv2dShape& sha
   return most;
 }
 
-bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                    const float* bias, float* y, float* workspace) {
+bool conv2d_supports_bf16(const Stream& stream, const Conv2dShape& shape) {
+  check_conv2d("conv2d_supports_bf16", shape);
+  if (!conv_library_enabled(stream.backend()) || stream.backend() == Backend::cuda) return false;
+  return library::onednn_supports(shape, true);
+}
+
+namespace {
+
+// bf16 storage: the library's convolution, its operands each once (Runtime::memory_traffic).
+void check_bf16(const char* op, const Stream& stream, const Conv2dShape& shape, std::initializer_list<bool> bf16) {
+  checks::same_storage(op, bf16);
+  if (!conv2d_supports_bf16(stream, shape))
+    checks::fail({op, ": no convolution library here takes bf16 storage for ", describe(shape),
+                  " (widen to fp32 and run under Bf16Operands)"});
+}
+using bf16_bits = std::uint16_t;
+
+bool forward_bf16(const Stream& stream, const Conv2dShape& shape, In x, In weight, const float* bias, Out y) {
+  const char* op = "conv2d_forward";
+  check_bf16(op, stream, shape, {x.bf16, weight.bf16, y.bf16});
+  checks::present(op, {{"x", x.data}, {"weight", weight.data}, {"y", y.data}});
+  const std::initializer_list<Operand> operands = {
+      operand(x.as<bf16_bits>(), x_count(shape)), operand(weight.as<bf16_bits>(), w_count(shape)),
+      operand(bias, bias ? shape.c_out : 0), operand(y.as<bf16_bits>(), y_count(shape))};
+  check_operands(stream, op, operands);
+  if (shape.n == 0) return false;
+  library::onednn_conv2d_forward(stream, shape, true, x.data, weight.data, bias, y.data);
+  kernel_api::count_traffic(stream, op, operands);
+  return false;
+}
+
+void backward_bf16(const Stream& stream, const Conv2dShape& shape, In x, In weight, In dy, Out dx, float* dweight,
+                   float* dbias, bool accumulate) {
+  const char* op = "conv2d_backward";
+  check_bf16(op, stream, shape, {x.bf16, weight.bf16, dy.bf16, dx ? dx.bf16 : x.bf16});
+  checks::present(op, {{"x", x.data}, {"weight", weight.data}, {"dy", dy.data}, {"dweight", dweight}});
+  const auto* xs = x.as<bf16_bits>();
+  const auto* ws = weight.as<bf16_bits>();
+  const auto* dys = dy.as<bf16_bits>();
+  auto* dxs = dx.as<bf16_bits>();
+  check_operands(stream, op,
+                 {operand(xs, x_count(shape)), operand(ws, w_count(shape)), operand(dys, y_count(shape)),
+                  operand(dxs, dxs ? x_count(shape) : 0), operand(dweight, w_count(shape)),
+                  operand(dbias, dbias ? shape.c_out : 0)});
+  if (shape.n == 0) {
+    if (!accumulate) {
+      fill(stream, dweight, w_count(shape), 0.0f);
+      if (dbias) fill(stream, dbias, shape.c_out, 0.0f);
+    }
+    return;
+  }
+  if (dbias)
+    channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias,
+                accumulate ? 1.0f : 0.0f);
+  library::onednn_conv2d_backward(stream, shape, true, xs, ws, dys, dxs, dweight, accumulate);
+  kernel_api::count_traffic(
+      stream, op,
+      {operand(ws, dxs ? w_count(shape) : 0), operand(dys, y_count(shape)), operand(dxs, dxs ? x_count(shape) : 0),
+       operand(xs, x_count(shape)), operand(dweight, w_count(shape))});
+}
+
+}  // namespace
+
+bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, const float* bias, Out y_out,
+                    float* workspace) {
   const char* op = "conv2d_forward";
   check_conv2d(op, shape);
+  if (x_in.bf16 || weight_in.bf16 || y_out.bf16) return forward_bf16(stream, shape, x_in, weight_in, bias, y_out);
+  const float* x = x_in.as<float>();
+  const float* weight = weight_in.as<float>();
+  float* y = y_out.as<float>();
   const std::size_t workspace_floats = conv2d_workspace_floats(stream, shape);
   checks::present(op, {{"x", x}, {"weight", weight}, {"y", y}});
   if (workspace_floats) checks::present(op, {{"workspace", workspace}});
@@ -193,7 +260,7 @@ bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
     count_library();
     return false;
   }
-  if (path == ConvPath::onednn && library::onednn_conv2d_forward(stream, shape, x, weight, bias, y)) {
+  if (path == ConvPath::onednn && library::onednn_conv2d_forward(stream, shape, false, x, weight, bias, y)) {
     count_library();
     return false;
   }
@@ -211,11 +278,18 @@ bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float*
   return true;  // col (x lowered) stays at the start of the workspace; mat came after it
 }
 
-void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate,
-                     bool x_lowered) {
+void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, In dy_in, Out dx_out,
+                     float* dweight, float* dbias, float* workspace, bool accumulate, bool x_lowered) {
   const char* op = "conv2d_backward";
   check_conv2d(op, shape);
+  if (x_in.bf16 || weight_in.bf16 || dy_in.bf16 || dx_out.bf16) {
+    backward_bf16(stream, shape, x_in, weight_in, dy_in, dx_out, dweight, dbias, accumulate);
+    return;
+  }
+  const float* x = x_in.as<float>();
+  const float* weight = weight_in.as<float>();
+  const float* dy = dy_in.as<float>();
+  float* dx = dx_out.as<float>();
   const std::size_t workspace_floats = conv2d_workspace_floats(stream, shape);
   checks::present(op, {{"x", x}, {"weight", weight}, {"dy", dy}, {"dweight", dweight}});
   if (workspace_floats) checks::present(op, {{"workspace", workspace}});
@@ -268,7 +342,8 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float
   // is oneDNN's).
   if (path == ConvPath::onednn) {
     const bool by_gemm = weight_grad_forced_to_gemm(conv_weight_grad(), shape);
-    if (library::onednn_conv2d_backward(stream, shape, x, weight, dy, dx, by_gemm ? nullptr : dweight, accumulate)) {
+    if (library::onednn_conv2d_backward(stream, shape, false, x, weight, dy, dx, by_gemm ? nullptr : dweight,
+                                        accumulate)) {
       if (dx || !by_gemm) count_library(!by_gemm);
       if (by_gemm) shared_weight_grad(stream, shared_geometry(shape, op), x, dy, dweight, beta, workspace);
       return;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dp/kernels/ops.h"
+#include "dp/runtime/bfloat16.h"
 #include "dp/runtime/detail/kernel_api.h"
 #include "dp/runtime/error.h"
 #include "library_calls.h"
@@ -18,11 +19,11 @@ namespace {
 
 thread_local bool bf16_operands = false;
 
-// The operand range a (rows, cols) matrix with row stride ld covers.
-kernel_api::Operand matrix(const float* p, int rows, int cols, int ld) {
+// The operand range a (rows, cols) matrix of `element` bytes each with row stride ld covers.
+kernel_api::Operand matrix(const void* p, int rows, int cols, int ld, std::size_t element = sizeof(float)) {
   if (rows <= 0 || cols <= 0) return {p, 0};
   return {p, (static_cast<std::size_t>(rows - 1) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(cols)) *
-                 sizeof(float)};
+                 element};
 }
 
 // `rows` rows of `cols` floats at stride ld, rounded to TF32 into `out` (same layout).
@@ -31,6 +32,16 @@ const float* tf32_copy(const float* p, int rows, int cols, int ld, std::vector<f
       static_cast<std::size_t>(rows - 1) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(cols);
   out.resize(span);
   for (std::size_t i = 0; i < span; ++i) out[i] = round_to_tf32(p[i]);
+  return out.data();
+}
+
+// bf16 storage widened (exact) into `out`, the same layout: the host BLAS's operands.
+const float* widened_copy(const void* bits, int rows, int cols, int ld, std::vector<float>& out) {
+  const std::size_t span =
+      static_cast<std::size_t>(rows - 1) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(cols);
+  out.resize(span);
+  const auto* p = static_cast<const std::uint16_t*>(bits);
+  for (std::size_t i = 0; i < span; ++i) out[i] = bf16_to_float(p[i]);
   return out.data();
 }
 
@@ -49,9 +60,10 @@ float round_to_tf32(float x) {
   return x;
 }
 
-void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-          const float* b, int ldb, float beta, float* c, int ldc) {
+void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
+          int ldb, float beta, float* c, int ldc) {
   if (m < 0 || n < 0 || k < 0) throw InvalidArgument(fmt::format("gemm: negative extent m={} n={} k={}", m, n, k));
+  if (a.bf16 != b.bf16) throw InvalidArgument("gemm: A and B of different storage (fp32 and bf16)");
   const int a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
   if (lda < std::max(1, a_cols) || ldb < std::max(1, b_cols) || ldc < std::max(1, n))
     throw InvalidArgument(
@@ -59,10 +71,12 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
                     a_cols, ldb, b_cols, ldc, n));
   if (m == 0 || n == 0) return;
   const std::initializer_list<kernel_api::Operand> operands = {
-      matrix(a, trans_a ? k : m, a_cols, lda), matrix(b, trans_b ? n : k, b_cols, ldb), matrix(c, m, n, ldc)};
+      matrix(a.data, trans_a ? k : m, a_cols, lda, a.element_size()),
+      matrix(b.data, trans_b ? n : k, b_cols, ldb, b.element_size()), matrix(c, m, n, ldc)};
   kernel_api::check_operands(stream, "gemm", operands);
   kernel_api::count_traffic(stream, "gemm", operands);
-  const library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bf16_operands};
+  const library::GemmArgs g{trans_a, trans_b, m,    n, k,   alpha,         a.data, lda,
+                            b.data,  ldb,     beta, c, ldc, bf16_operands, a.bf16};
   if (stream.backend() == Backend::cuda) {
     library::cublas_gemm(stream, g);
     return;
@@ -74,12 +88,16 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
   kernel_api::enqueue_host(
       stream, "gemm",
       [g, tf32] {
-        const float* a = g.a;
-        const float* b = g.b;
-        if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
+        const auto* a = static_cast<const float*>(g.a);
+        const auto* b = static_cast<const float*>(g.b);
+        if (g.bf16_storage && g.k > 0) {  // bf16 values: exact in fp32 (and in TF32)
+          thread_local std::vector<float> a_wide, b_wide;
+          a = widened_copy(g.a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_wide);
+          b = widened_copy(g.b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_wide);
+        } else if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
           thread_local std::vector<float> a_tf32, b_tf32;
-          a = tf32_copy(g.a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
-          b = tf32_copy(g.b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
+          a = tf32_copy(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
+          b = tf32_copy(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
         }
         cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
                     g.n, g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, g.c, g.ldc);

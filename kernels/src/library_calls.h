@@ -15,14 +15,15 @@ struct GemmArgs {
   bool trans_b = false;
   int m = 0, n = 0, k = 0;
   float alpha = 1.0f;
-  const float* a = nullptr;
+  const void* a = nullptr;  // fp32, or bf16 bits with bf16_storage
   int lda = 0;
-  const float* b = nullptr;
+  const void* b = nullptr;
   int ldb = 0;
   float beta = 0.0f;
   float* c = nullptr;
   int ldc = 0;
-  bool bf16_operands = false;  // A and B hold bf16 values (kernels::Bf16Operands): bf16 tensor cores
+  bool bf16_operands = false;  // A and B are fp32 words holding bf16 values (kernels::Bf16Operands)
+  bool bf16_storage = false;   // A and B are bf16 bits (autocast's storage)
 };
 
 void cublas_gemm(const Stream& stream, const GemmArgs& args);
@@ -62,14 +63,15 @@ bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
 
 // The sim's convolution library (sim/onednn_conv.cpp), enqueued on the sim stream: y = conv(x, weight)
 // + bias (bias may be null); dx (when not null) and dweight (when not null; added to with
-// `accumulate`, else overwritten). The bias gradient is the launchers' own reduction. Return false,
-// having enqueued nothing, where oneDNN has no implementation for the shape: the caller then runs
-// the shared path.
+// `accumulate`, else overwritten). The bias gradient is the launchers' own reduction. With `bf16`,
+// x, weight, y, dy and dx are bf16 bits (autocast's storage): computed in fp32 on their values, y
+// and dx rounded once; dweight is fp32 either way. Return false, having enqueued nothing, where
+// oneDNN has no implementation for the shape: the caller then runs the shared path.
 // Whether oneDNN has a convolution for `shape` (its plan, built and cached on first ask).
-bool onednn_supports(const Conv2dShape& shape);
-bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                           const float* bias, float* y);
-bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                            const float* dy, float* dx, float* dweight, bool accumulate);
+bool onednn_supports(const Conv2dShape& shape, bool bf16 = false);
+bool onednn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, bool bf16, const void* x, const void* weight,
+                           const float* bias, void* y);
+bool onednn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, bool bf16, const void* x,
+                            const void* weight, const void* dy, void* dx, float* dweight, bool accumulate);
 
 }  // namespace dp::kernels::library

@@ -15,8 +15,7 @@ void check_linear(const char* op, int n, int in, int out) {
 }
 }  // namespace
 
-void linear_forward(const Stream& stream, int n, int in, int out, const float* x, const float* weight,
-                    const float* bias, float* y) {
+void linear_forward(const Stream& stream, int n, int in, int out, In x, In weight, const float* bias, float* y) {
   check_linear("linear_forward", n, in, out);
   const index_t y_elements = static_cast<index_t>(n) * out;
   float beta = 0.0f;
@@ -30,9 +29,10 @@ void linear_forward(const Stream& stream, int n, int in, int out, const float* x
   gemm(stream, false, true, n, out, in, 1.0f, x, std::max(in, 1), weight, std::max(in, 1), beta, y, std::max(out, 1));
 }
 
-void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
-                     float* dx, float* dweight, float* dbias, bool accumulate) {
+void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, float* dx, float* dweight,
+                     float* dbias, bool accumulate) {
   check_linear("linear_backward", n, in, out);
+  checks::same_storage("linear_backward", {x.bf16, weight.bf16, dy.bf16});
   checks::present("linear_backward", {{"dweight", dweight}});
   const int ld_in = std::max(in, 1), ld_out = std::max(out, 1);
   // beta 0 stores the product and the sums as they are; beta 1 adds them to what the gradients

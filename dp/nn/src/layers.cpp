@@ -53,6 +53,14 @@ class LayerParams {
     if (grads) computed_ = ctx.amp->get<float>(ctx.amp->grad, ctx.device, count);
   }
   const float* params() const { return params_; }
+  // Autocast: the parameters as bf16 storage (the rounded values' bits), made on first ask.
+  const std::uint16_t* bits() const {
+    if (!bits_) {
+      bits_ = ctx_.amp->get<std::uint16_t>(ctx_.amp->weight_bits, ctx_.device, count_);
+      kernels::to_bf16(ctx_.stream, count_, params_, bits_);
+    }
+    return bits_;
+  }
   float* grads() const { return computed_; }
   // The backward kernel's `accumulate`: under autocast it writes, finish() adds.
   bool accumulate() const { return !ctx_.amp && ctx_.accumulate_grads; }
@@ -66,8 +74,25 @@ class LayerParams {
   float* grads_;
   float* computed_;
   std::int64_t count_;
+  mutable std::uint16_t* bits_ = nullptr;
   std::optional<kernels::Bf16Operands> tensor_cores_;
 };
+
+// Autocast, around a layer that cannot take bf16 storage: an fp32 view of a tensor of `n` values,
+// bf16 storage widened (exact) or fp32 rounded to bf16 values (autocast's cast of its input).
+const float* widened_input(const LayerContext& ctx, Scratch& into, const void* x, std::int64_t n) {
+  if (ctx.bf16) return detail::widen(ctx, into, x, n);
+  float* out = ctx.amp->get<float>(into, ctx.device, n);
+  kernels::round_to_bf16(ctx.stream, n, static_cast<const float*>(x), out);
+  return out;
+}
+// Autocast: a tensor as bf16 storage, fp32 rounded (the cast) where it is not already.
+const std::uint16_t* bf16_input(const LayerContext& ctx, Scratch& into, const void* x, std::int64_t n) {
+  if (ctx.bf16) return static_cast<const std::uint16_t*>(x);
+  std::uint16_t* out = ctx.amp->get<std::uint16_t>(into, ctx.device, n);
+  kernels::to_bf16(ctx.stream, n, static_cast<const float*>(x), out);
+  return out;
+}
 
 class Linear final : public Layer {
  public:
@@ -82,14 +107,36 @@ class Linear final : public Layer {
   }
   std::int64_t multiply_adds(const ActShape&) const override { return weights(); }
   bool autocasts() const override { return true; }
+  // Under autocast it takes the chain's storage: its GEMMs read bf16 operands (x, the weight, dy)
+  // and write fp32, which the layer rounds once into the bf16 output (dx: into the input's dtype).
+  bool native_bf16() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const LayerParams p(ctx, param(0), nullptr, count());
-    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), p.params() + weights(), y);
+    const float* bias = p.params() + weights();
+    if (!ctx.amp) {
+      kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), bias, y);
+      return;
+    }
+    const std::int64_t n_out = static_cast<std::int64_t>(ctx.in.n) * out_;
+    float* y32 = ctx.amp->get<float>(ctx.amp->out, ctx.device, n_out);
+    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, bf16_input(ctx, ctx.amp->x, x, ctx.in.numel()), p.bits(),
+                            bias, y32);
+    kernels::to_bf16(ctx.stream, n_out, y32, reinterpret_cast<std::uint16_t*>(y));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const LayerParams p(ctx, param(0), grad(0), count());
-    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), dy, dx, p.grads(), p.grads() + weights(),
+    if (!ctx.amp) {
+      kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), dy, dx, p.grads(), p.grads() + weights(),
+                               p.accumulate());
+      p.finish();
+      return;
+    }
+    const std::int64_t n_in = ctx.in.numel();
+    float* dx32 = dx && ctx.bf16 ? ctx.amp->get<float>(ctx.amp->dx, ctx.device, n_in) : dx;
+    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(),
+                             reinterpret_cast<const std::uint16_t*>(dy), dx32, p.grads(), p.grads() + weights(),
                              p.accumulate());
+    if (dx32 != dx) kernels::to_bf16(ctx.stream, n_in, dx32, reinterpret_cast<std::uint16_t*>(dx));
     p.finish();
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }
@@ -128,17 +175,26 @@ class Conv2d final : public Layer {
     return weights() * out.h * out.w;
   }
   bool autocasts() const override { return true; }
+  // Under autocast it takes the chain's storage: bf16 in and out where a library convolves bf16.
+  bool native_bf16() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
+    if (ctx.amp) {
+      forward_autocast(ctx, s, x, y);
+      return;
+    }
     float* workspace = this->workspace(ctx, s);
     const LayerParams p(ctx, param(0), nullptr, count());
     const float* bias = has_bias() ? p.params() + weights() : nullptr;
     const bool lowered = kernels::conv2d_forward(ctx.stream, s, x, p.params(), bias, y, workspace);
-    // Under autocast x and the workspace are shared scratch that later layers overwrite.
-    lowered_ = lowered && !ctx.amp ? Lowered{x, workspace, s} : Lowered{};
+    lowered_ = lowered ? Lowered{x, workspace, s} : Lowered{};
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto s = shape(ctx.in);
+    if (ctx.amp) {
+      backward_autocast(ctx, s, x, dy, dx);
+      return;
+    }
     float* workspace = this->workspace(ctx, s);
     // The forward's lowered x is reused when it lowered this x into this workspace: the GEMMs of a
     // step then lower each input once.
@@ -148,6 +204,49 @@ class Conv2d final : public Layer {
     float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
     kernels::conv2d_backward(ctx.stream, s, x, p.params(), dy, dx, p.grads(), bias_grad, workspace, p.accumulate(),
                              x_lowered);
+    p.finish();
+  }
+  // Autocast: x is the chain's storage (bf16, or the model's fp32 input), y and dy bf16, dx in x's
+  // dtype. Where the library convolves bf16 storage (conv2d_supports_bf16) it reads and writes it
+  // as it is; elsewhere the layer widens into the model's fp32 scratch and runs the fp32 path on
+  // bf16 values (Bf16Operands), rounding y and dx back.
+  void forward_autocast(const LayerContext& ctx, const kernels::Conv2dShape& s, const float* x, float* y) {
+    lowered_ = Lowered{};
+    const LayerParams p(ctx, param(0), nullptr, count());
+    const float* bias = has_bias() ? p.params() + weights() : nullptr;
+    const std::int64_t n_in = ctx.in.numel(), n_out = output_shape(ctx.in).numel();
+    auto* y16 = reinterpret_cast<std::uint16_t*>(y);
+    if (kernels::conv2d_supports_bf16(ctx.stream, s)) {
+      kernels::conv2d_forward(ctx.stream, s, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(), bias, y16, nullptr);
+      return;
+    }
+    float* y32 = ctx.amp->get<float>(ctx.amp->out, ctx.device, n_out);
+    kernels::conv2d_forward(ctx.stream, s, widened_input(ctx, ctx.amp->x, x, n_in), p.params(), bias, y32,
+                            workspace(ctx, s));
+    kernels::to_bf16(ctx.stream, n_out, y32, y16);
+  }
+  void backward_autocast(const LayerContext& ctx, const kernels::Conv2dShape& s, const float* x, const float* dy,
+                         float* dx) {
+    const LayerParams p(ctx, param(0), grad(0), count());
+    float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
+    const std::int64_t n_in = ctx.in.numel(), n_out = output_shape(ctx.in).numel();
+    AutocastScratch& amp = *ctx.amp;
+    if (kernels::conv2d_supports_bf16(ctx.stream, s)) {
+      // An fp32 input's gradient: the bf16 one widened (the backward of autocast's cast).
+      std::uint16_t* dx16 = !dx        ? nullptr
+                            : ctx.bf16 ? reinterpret_cast<std::uint16_t*>(dx)
+                                       : amp.get<std::uint16_t>(amp.dx, ctx.device, n_in);
+      kernels::conv2d_backward(ctx.stream, s, bf16_input(ctx, amp.x, x, n_in), p.bits(),
+                               reinterpret_cast<const std::uint16_t*>(dy), dx16, p.grads(), bias_grad, nullptr,
+                               p.accumulate());
+      if (dx && !ctx.bf16) kernels::from_bf16(ctx.stream, n_in, dx16, dx);
+    } else {
+      float* dx32 = dx && ctx.bf16 ? amp.get<float>(amp.dx, ctx.device, n_in) : dx;
+      kernels::conv2d_backward(ctx.stream, s, widened_input(ctx, amp.x, x, n_in), p.params(),
+                               detail::widen(ctx, amp.dy, dy, n_out), dx32, p.grads(), bias_grad, workspace(ctx, s),
+                               p.accumulate());
+      if (dx32 != dx) kernels::to_bf16(ctx.stream, n_in, dx32, reinterpret_cast<std::uint16_t*>(dx));
+    }
     p.finish();
   }
   std::unique_ptr<Layer> clone() const override {
@@ -160,9 +259,10 @@ class Conv2d final : public Layer {
   bool has_bias() const { return params_.size() > 1; }
   std::int64_t weights() const { return static_cast<std::int64_t>(numel(params_[0].shape)); }
   std::int64_t count() const { return weights() + (has_bias() ? out_ : 0); }
-  // Its own (it may keep x lowered for the backward), or under autocast the model's shared one.
+  // Its own (it may keep x lowered for the backward), or under autocast the model's shared one
+  // (its x is scratch that later layers overwrite: nothing is kept lowered).
   float* workspace(const LayerContext& ctx, const kernels::Conv2dShape& s) {
-    // Autocast's convolutions are the shared path's (im2col + bf16 GEMMs): its whole scratch.
+    // Autocast without a library that takes bf16: the shared path (im2col + bf16 GEMMs), all of it.
     if (ctx.amp)
       return ctx.amp->get<float>(ctx.amp->workspace, ctx.device,
                                  static_cast<std::int64_t>(kernels::conv2d_workspace_floats(s)));
@@ -347,21 +447,13 @@ class MaxPool2d final : public Layer {
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto s = shape(ctx.in);
     kernels::maxpool_forward(ctx.stream, s, in(ctx, x), out(ctx, y), indices(ctx, s));
-    kept_ = ctx.amp ? 0 : static_cast<std::size_t>(outputs(s)) * sizeof(std::int32_t);
+    kept_ = static_cast<std::size_t>(outputs(s)) * sizeof(std::int32_t);
   }
   bool native_bf16() const override { return true; }
-  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
+  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
     if (!dx) return;
     const auto s = shape(ctx.in);
-    std::int32_t* argmax = indices(ctx, s);
-    // Under autocast the indices are not kept: the backward finds them again in the bf16 input the
-    // chain keeps anyway (the same scan, the same choice), which halves what the step holds.
-    if (ctx.amp) {
-      void* y = ctx.bf16 ? static_cast<void*>(ctx.amp->get<std::uint16_t>(ctx.amp->out, ctx.device, outputs(s)))
-                         : ctx.amp->get<float>(ctx.amp->out, ctx.device, outputs(s));
-      kernels::maxpool_forward(ctx.stream, s, in(ctx, x), {y, ctx.bf16}, argmax);
-    }
-    kernels::maxpool_backward(ctx.stream, s, argmax, in(ctx, dy), out(ctx, dx));
+    kernels::maxpool_backward(ctx.stream, s, indices(ctx, s), in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<MaxPool2d>(*this); }
   std::size_t saved_bytes() const override { return kept_; }
@@ -370,9 +462,9 @@ class MaxPool2d final : public Layer {
   static std::int64_t outputs(const kernels::MaxPoolShape& s) {
     return static_cast<std::int64_t>(s.n) * s.c * s.h_out() * s.w_out();
   }
-  // The layer's own, kept from the forward to the backward; under autocast the model's scratch.
+  // Kept from the forward to the backward (under autocast too: finding them again in the backward
+  // would read the input and write the output a second time).
   std::int32_t* indices(const LayerContext& ctx, const kernels::MaxPoolShape& s) {
-    if (ctx.amp) return ctx.amp->get<std::int32_t>(ctx.amp->indices, ctx.device, outputs(s));
     return argmax_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(outputs(s)));
   }
 

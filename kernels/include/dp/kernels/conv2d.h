@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -35,17 +36,25 @@ std::size_t conv2d_workspace_floats(const Stream& stream, const Conv2dShape& sha
 // workspace now holds x lowered (the shared path's col, at its start): a conv2d_backward of the same
 // x, shape and workspace, with nothing written to the workspace in between, may pass x_lowered and
 // skip lowering x again.
-bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                    const float* bias, float* y, float* workspace);
+// x, weight and y (dy and dx below) are fp32, or all bf16 bits (autocast's storage, storage.h):
+// then the backend's library computes in fp32 on their values and rounds y and dx once, with no
+// workspace (conv2d_supports_bf16 says where one takes them; elsewhere InvalidArgument); bias and
+// dweight stay fp32.
+bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, In x, In weight, const float* bias, Out y,
+                    float* workspace);
 
 // Given dy (N, C_out, H_out, W_out): dx = dL/dx (overwritten; skipped when dx is null),
 // dweight += dL/dweight, dbias += dL/dbias (dbias may be null): accumulated with `accumulate`, as
 // PyTorch accumulates .grad, else overwritten (the first backward after zero_grad: what they held
 // is never read, and an empty batch writes zeros). x_lowered: see conv2d_forward (the workspace
 // no longer holds x lowered afterwards when dx is computed).
-void conv2d_backward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
-                     const float* dy, float* dx, float* dweight, float* dbias, float* workspace, bool accumulate = true,
-                     bool x_lowered = false);
+void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x, In weight, In dy, Out dx, float* dweight,
+                     float* dbias, float* workspace, bool accumulate = true, bool x_lowered = false);
+
+// Whether conv2d_* take bf16 storage for `shape` on `stream` as things are set now: the backend's
+// convolution library is on and takes it (oneDNN on the sim, reordering bf16 into its fp32 blocked
+// layouts and back). Elsewhere a caller widens into fp32 and runs the fp32 path (Bf16Operands).
+bool conv2d_supports_bf16(const Stream& stream, const Conv2dShape& shape);
 
 // Whether conv2d_* use the backend's convolution library (default: true). On cuda that is cuDNN,
 // when dp was built with it (else the shared path); on the sim it is oneDNN, except under

@@ -3,13 +3,15 @@
 #pragma once
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
 
 // y (n, out) = x (n, in) · weight (out, in)^T + bias (out). bias may be null (no bias term).
-void linear_forward(const Stream& stream, int n, int in, int out, const float* x, const float* weight,
-                    const float* bias, float* y);
+// x and weight (and dy below) are fp32, or all bf16 storage (autocast: the GEMMs take bf16
+// operands and accumulate in fp32); y, dx and the gradients are fp32, for the caller to round.
+void linear_forward(const Stream& stream, int n, int in, int out, In x, In weight, const float* bias, float* y);
 
 // Gradients of linear_forward given dy (n, out). With `accumulate`, dweight and dbias accumulate
 // (+=), as autograd accumulates into .grad; without, they are overwritten (the first backward after
@@ -17,8 +19,8 @@ void linear_forward(const Stream& stream, int n, int in, int out, const float* x
 // dx is always overwritten. dx null: not computed (the first layer's input needs no gradient);
 // dbias null: the layer has no bias.
 //   dx = dy · W,  dW (+)= dy^T · x,  db (+)= sum over the batch of dy.
-void linear_backward(const Stream& stream, int n, int in, int out, const float* x, const float* weight, const float* dy,
-                     float* dx, float* dweight, float* dbias, bool accumulate = true);
+void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, float* dx, float* dweight,
+                     float* dbias, bool accumulate = true);
 
 // ------------------------------------------------------------------------------------------------
 // functors

@@ -68,8 +68,10 @@ class Bf16Operands {
 };
 
 // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op = transpose when trans_*.
-// lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim.
-void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-          const float* b, int ldb, float beta, float* c, int ldc);
+// lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim. A and B are
+// both fp32 or both bf16 storage (autocast: bf16 tensor cores on cuda, fp32 accumulation; the sim
+// widens them, exactly, for OpenBLAS's sgemm); C is fp32.
+void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
+          int ldb, float beta, float* c, int ldc);
 
 }  // namespace dp::kernels

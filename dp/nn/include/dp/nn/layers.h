@@ -49,7 +49,7 @@ struct TensorDecl {
 // GEMM; their gradients go through `grad` to be rounded to bf16 before they reach the fp32 buffer.
 // MaxPool2d's indices (`indices`) are found again in the backward instead of kept.
 struct AutocastScratch {
-  Scratch x, y, dy, out, dx, weight, grad, workspace, indices;
+  Scratch x, y, dy, out, dx, weight, weight_bits, grad, workspace;
   // Buffers outgrown during a step: kept until the next forward, since work queued before the
   // growth (maybe waiting on a SyncBatchNorm collective) still reads them.
   std::vector<DeviceBuffer> retired;
