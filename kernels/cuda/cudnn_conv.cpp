@@ -13,6 +13,7 @@
 #include <tuple>
 #include <utility>
 
+#include "dp/kernels/ops.h"
 #include "dp/runtime/detail/cuda_status.h"
 #include "dp/runtime/detail/kernel_api.h"
 #include "library_calls.h"
@@ -28,7 +29,11 @@ constexpr std::size_t kMaxWorkspaceBytes = std::size_t{256} << 20;
 // transforms (whose error is not bounded by the dot-product length). Backward ones must also be
 // deterministic: replicas of a data-parallel model must see bit-identical gradients for identical
 // inputs. Precision::fast takes any algorithm, as PyTorch's cudnn.benchmark does.
-bool exact_math(cudnnMathType_t math) { return math == CUDNN_DEFAULT_MATH || math == CUDNN_FMA_MATH; }
+// bf16 storage (autocast): tensor-op math on bf16 operands is exact products summed in fp32 (no
+// conversion of fp32 data: that is CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION, never asked for).
+bool exact_math(cudnnMathType_t math) {
+  return math == CUDNN_DEFAULT_MATH || math == CUDNN_FMA_MATH || math == CUDNN_TENSOR_OP_MATH;
+}
 bool dot_product(cudnnConvolutionFwdAlgo_t algo) {
   return algo == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM || algo == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
          algo == CUDNN_CONVOLUTION_FWD_ALGO_GEMM || algo == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT;
@@ -68,12 +73,13 @@ constexpr cudnnConvolutionBwdDataAlgo_t kStrictData[] = {CUDNN_CONVOLUTION_BWD_D
 constexpr cudnnConvolutionBwdFilterAlgo_t kStrictFilter[] = {CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1};
 
 // The first candidate that qualifies (cudnnFind*Ex lists them fastest first), else `fallback` with
-// FMA math (supported for every 2-D shape).
+// the plan's exact math (supported for every 2-D shape).
 template <class Perf, class Algo>
-Choice<Algo> pick(const Perf* perf, int count, Precision precision, bool need_deterministic, Algo fallback) {
+Choice<Algo> pick(const Perf* perf, int count, Precision precision, bool need_deterministic, Algo fallback,
+                  cudnnMathType_t fallback_math) {
   for (int i = 0; i < count; ++i)
     if (qualifies(perf[i], precision, need_deterministic)) return {perf[i].algo, perf[i].mathType};
-  return {fallback, CUDNN_FMA_MATH};
+  return {fallback, fallback_math};
 }
 
 // The largest workspace among the heuristics' candidates that could qualify: what cudnnFind*Ex is
@@ -118,6 +124,8 @@ struct Plan {
   std::size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
   // Whether ConvWeightGrad::timed leaves the weight gradient to the shared im2col + cuBLAS path.
   bool weight_grad_by_gemm = false;
+  // x, w and y are bf16 (autocast's storage): computed in fp32 on tensor cores.
+  bool bf16 = false;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -181,13 +189,19 @@ bool clearly_faster(cudaStream_t stream, const Challenger& challenger, const Inc
   return best_challenger < 0.9f * best_incumbent;
 }
 
+// The exact math of a plan: FMA for fp32 (it rules out TF32, which CUDNN_DEFAULT_MATH would allow on
+// Ampere and later), tensor ops for bf16 storage (as PyTorch sets it for bf16 convolutions).
+cudnnMathType_t exact_math_of(bool bf16) { return bf16 ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH; }
+
 // The plan's descriptors for `s`: tensors, filter, and a convolution per direction with the math
-// type the search may use.
-void make_descriptors(Plan& p, const Conv2dShape& s, Precision precision) {
-  // strict: FMA math rules out TF32, which CUDNN_DEFAULT_MATH would allow on Ampere and later.
-  // fast: the search may pick tensor-op (TF32) algorithms; each direction then runs with the math
-  // type its winner was timed with (PyTorch sets it from the find result the same way).
-  const cudnnMathType_t search_math = precision != Precision::strict ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
+// type the search may use. bf16: the tensors and filter bf16, the convolution's compute type fp32.
+void make_descriptors(Plan& p, const Conv2dShape& s, Precision precision, bool bf16) {
+  // strict: the exact math. fast: the search may pick tensor-op (TF32) algorithms; each direction
+  // then runs with the math type its winner was timed with (PyTorch sets it from the find result
+  // the same way).
+  const cudnnMathType_t search_math = precision != Precision::strict ? CUDNN_DEFAULT_MATH : exact_math_of(bf16);
+  const cudnnDataType_t type = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
+  p.bf16 = bf16;
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.x));
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.y));
   DP_CUDA_CHECK(cudnnCreateTensorDescriptor(&p.bias));
@@ -195,14 +209,14 @@ void make_descriptors(Plan& p, const Conv2dShape& s, Precision precision) {
   make_conv_descriptor(p.conv_fwd, s, search_math);
   make_conv_descriptor(p.conv_bwd_data, s, search_math);
   make_conv_descriptor(p.conv, s, search_math);
-  DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s.n, s.c_in, s.h, s.w));
-  DP_CUDA_CHECK(cudnnSetFilter4dDescriptor(p.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, s.c_out, s.c_in, s.kh, s.kw));
+  DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.x, CUDNN_TENSOR_NCHW, type, s.n, s.c_in, s.h, s.w));
+  DP_CUDA_CHECK(cudnnSetFilter4dDescriptor(p.w, type, CUDNN_TENSOR_NCHW, s.c_out, s.c_in, s.kh, s.kw));
   int n = 0, c = 0, h = 0, w = 0;
   DP_CUDA_CHECK(cudnnGetConvolution2dForwardOutputDim(p.conv_fwd, p.x, p.w, &n, &c, &h, &w));
   if (n != s.n || c != s.c_out || h != s.h_out() || w != s.w_out())
     throw Error(fmt::format("cuDNN convolution: output ({}, {}, {}, {}) differs from the expected ({}, {}, {}, {})", n,
                             c, h, w, s.n, s.c_out, s.h_out(), s.w_out()));
-  DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, c, h, w));
+  DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.y, CUDNN_TENSOR_NCHW, type, n, c, h, w));
   DP_CUDA_CHECK(cudnnSetTensor4dDescriptor(p.bias, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 1, s.c_out, 1, 1));
 }
 
@@ -243,10 +257,11 @@ std::pair<Algo, std::size_t> first_supported(const Algo (&order)[N], const Size&
 // The strict plan for `s`: the fixed orders above, no search, nothing run on the GPU. The weight
 // gradient goes to the shared im2col + cuBLAS path where it fits (`gemm` given): cuDNN's one
 // deterministic dot-product algorithm took ~3.5x its time for the ConvNet on an H100.
-std::unique_ptr<Plan> make_strict_plan(cudnnHandle_t handle, const Conv2dShape& s, const GemmWeightGrad& gemm) {
+std::unique_ptr<Plan> make_strict_plan(cudnnHandle_t handle, const Conv2dShape& s, bool bf16,
+                                       const GemmWeightGrad& gemm) {
   auto plan = std::make_unique<Plan>();
   Plan& p = *plan;
-  make_descriptors(p, s, Precision::strict);
+  make_descriptors(p, s, Precision::strict, bf16);
   std::tie(p.fwd, p.fwd_bytes) = first_supported(kStrictForward, [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* b) {
     return cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv_fwd, p.y, algo, b);
   });
@@ -267,12 +282,13 @@ std::unique_ptr<Plan> make_strict_plan(cudnnHandle_t handle, const Conv2dShape& 
 // gradient's path by timing cuDNN's choice against `gemm` (when given): with scratch operands and a
 // scratch workspace that are freed, in stream order, when it returns.
 std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t handle, const Conv2dShape& s,
-                                Precision precision, const GemmWeightGrad& gemm) {
+                                Precision precision, bool bf16, const GemmWeightGrad& gemm) {
   cudaStream_t stream = nullptr;
   DP_CUDA_CHECK(cudnnGetStream(handle, &stream));
   auto plan = std::make_unique<Plan>();
   Plan& p = *plan;
-  make_descriptors(p, s, precision);
+  make_descriptors(p, s, precision, bf16);
+  const cudnnMathType_t fallback_math = exact_math_of(bf16);
 
   // The heuristics bound the search's workspace; the search itself runs every algorithm that fits.
   int count = 0;
@@ -290,7 +306,8 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
                                                               CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &count, filter));
   search_bytes = std::max(search_bytes, find_workspace_bytes(filter, count, precision, true));
 
-  const auto floats = [](std::int64_t count) { return static_cast<std::size_t>(count) * sizeof(float); };
+  const std::size_t element = bf16 ? 2 : sizeof(float);
+  const auto floats = [element](std::int64_t count) { return static_cast<std::size_t>(count) * element; };
   const FindBuffer x(call, floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream),
       dx(call, floats(std::int64_t{s.n} * s.c_in * s.h * s.w), stream);
   const FindBuffer weight(call, floats(std::int64_t{s.c_out} * s.c_in * s.kh * s.kw), stream);
@@ -301,7 +318,7 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
   DP_CUDA_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, p.x, x.data(), p.w, weight.data(), p.conv_fwd, p.y,
                                                        y.data(), CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, fwd,
                                                        search.data(), search_bytes));
-  const auto fwd_choice = pick(fwd, count, precision, false, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM);
+  const auto fwd_choice = pick(fwd, count, precision, false, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, fallback_math);
   p.fwd = fwd_choice.algo;
   DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv_fwd, fwd_choice.math));
   DP_CUDA_CHECK(cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv_fwd, p.y, p.fwd, &p.fwd_bytes));
@@ -309,7 +326,7 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
   DP_CUDA_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(handle, p.w, weight.data(), p.y, y.data(), p.conv_bwd_data,
                                                             p.x, dx.data(), CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
                                                             &count, data, search.data(), search_bytes));
-  const auto data_choice = pick(data, count, precision, true, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
+  const auto data_choice = pick(data, count, precision, true, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, fallback_math);
   p.bwd_data = data_choice.algo;
   DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv_bwd_data, data_choice.math));
   DP_CUDA_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(handle, p.w, p.y, p.conv_bwd_data, p.x, p.bwd_data,
@@ -318,7 +335,7 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
   DP_CUDA_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(handle, p.x, x.data(), p.y, y.data(), p.conv, p.w,
                                                               dweight.data(), CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
                                                               &count, filter, search.data(), search_bytes));
-  const auto filter_choice = pick(filter, count, precision, true, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
+  const auto filter_choice = pick(filter, count, precision, true, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, fallback_math);
   p.bwd_filter = filter_choice.algo;
   DP_CUDA_CHECK(cudnnSetConvolutionMathType(p.conv, filter_choice.math));
   DP_CUDA_CHECK(
@@ -335,9 +352,9 @@ std::unique_ptr<Plan> make_plan(kernel_api::LibraryCall& call, cudnnHandle_t han
   return plan;
 }
 
-using PlanKey = std::pair<std::array<int, 9>, Precision>;
-PlanKey key_of(const Conv2dShape& s, Precision precision) {
-  return {{s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad}, precision};
+using PlanKey = std::tuple<std::array<int, 9>, Precision, bool>;
+PlanKey key_of(const Conv2dShape& s, Precision precision, bool bf16) {
+  return {{s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad}, precision, bf16};
 }
 using Plans = std::map<PlanKey, std::unique_ptr<Plan>>;
 
@@ -352,21 +369,24 @@ struct Workspace {
 };
 
 // Runs f(handle, plan, workspace) with the device current and the stream's own cuDNN handle; the
-// plan for (shape, the runtime's precision) is built on first use (with `gemm` as the weight
-// gradient's other candidate) and cached for the GPU. Autocast's convolutions never come here (they
-// are im2col + bf16 GEMMs), so the key needs no data type.
+// plan for (shape, the runtime's precision, the storage) is built on first use (with `gemm` as the
+// weight gradient's other candidate: fp32 only) and cached for the GPU. `extra` bytes of the
+// stream's workspace follow the plan's own, at an aligned offset (f gets them as `extra`).
 template <class F>
-void with_cudnn(const Stream& stream, const Conv2dShape& shape, const GemmWeightGrad& gemm, F&& f) {
+void with_cudnn(const Stream& stream, const Conv2dShape& shape, bool bf16, const GemmWeightGrad& gemm, F&& f,
+                std::size_t extra = 0) {
   const Precision precision = kernel_api::precision(stream);
   kernel_api::with_library(stream, kernel_api::Library::cudnn, [&](kernel_api::LibraryCall& call) {
     if (!call.cache) call.cache = std::make_shared<Plans>();
     auto handle = static_cast<cudnnHandle_t>(call.handle);
-    std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision)];
+    std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision, bf16)];
+    const GemmWeightGrad shared = bf16 ? GemmWeightGrad() : gemm;
     if (!plan)
-      plan = precision == Precision::strict ? make_strict_plan(handle, shape, gemm)
-                                            : make_plan(call, handle, shape, precision, gemm);
-    const std::size_t bytes = plan->workspace_bytes();
-    f(handle, *plan, Workspace{call.workspace(bytes), bytes});
+      plan = precision == Precision::strict ? make_strict_plan(handle, shape, bf16, shared)
+                                            : make_plan(call, handle, shape, precision, bf16, shared);
+    const std::size_t bytes = (plan->workspace_bytes() + 255) / 256 * 256;
+    void* base = call.workspace(bytes + extra);
+    f(handle, *plan, Workspace{base, plan->workspace_bytes()}, extra ? static_cast<std::byte*>(base) + bytes : nullptr);
   });
 }
 
@@ -379,7 +399,7 @@ bool cudnn_available() {
 
 void cudnn_conv2d_forward(const Stream& stream, const Conv2dShape& shape, const float* x, const float* weight,
                           const float* bias, float* y, const GemmWeightGrad& gemm) {
-  with_cudnn(stream, shape, gemm, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
+  with_cudnn(stream, shape, false, gemm, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch, void*) {
     const float one = 1.0f, zero = 0.0f;
     DP_CUDA_CHECK(cudnnConvolutionForward(handle, &one, p.x, x, p.w, weight, p.conv_fwd, p.fwd, scratch.data(),
                                           scratch.bytes(), &zero, p.y, y));
@@ -391,7 +411,7 @@ bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
                            const float* dy, float* dx, float* dweight, bool accumulate, ConvWeightGrad how,
                            const GemmWeightGrad& gemm) {
   bool by_gemm = false;
-  with_cudnn(stream, shape, gemm, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch) {
+  with_cudnn(stream, shape, false, gemm, [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch, void*) {
     by_gemm = gemm && (how == ConvWeightGrad::gemm || (how == ConvWeightGrad::timed && p.weight_grad_by_gemm));
     const float one = 1.0f, zero = 0.0f;
     if (dx)  // overwritten
@@ -404,6 +424,44 @@ bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
                                                    scratch.bytes(), accumulate ? &one : &zero, p.w, dweight));
   });
   return by_gemm;
+}
+
+// bf16 storage: y = conv(x, weight) rounded once (no bias: the caller adds it), in the stream order.
+void cudnn_conv2d_forward_bf16(const Stream& stream, const Conv2dShape& shape, const void* x, const void* weight,
+                               void* y) {
+  with_cudnn(stream, shape, true, GemmWeightGrad(),
+             [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch, void*) {
+               const float one = 1.0f, zero = 0.0f;
+               DP_CUDA_CHECK(cudnnConvolutionForward(handle, &one, p.x, x, p.w, weight, p.conv_fwd, p.fwd,
+                                                     scratch.data(), scratch.bytes(), &zero, p.y, y));
+             });
+}
+
+// bf16 storage: dx (bf16, when not null) and the weight gradient, which cuDNN writes as bf16 (the
+// filter's type) into the workspace's tail: it is widened (exactly) into the fp32 dweight, or added
+// to it with `accumulate`, by dp's own kernels behind it on the stream.
+void cudnn_conv2d_backward_bf16(const Stream& stream, const Conv2dShape& shape, const void* x, const void* weight,
+                                const void* dy, void* dx, float* dweight, bool accumulate) {
+  const auto weights = static_cast<index_t>(shape.c_out) * shape.c_in * shape.kh * shape.kw;
+  std::uint16_t* dweight16 = nullptr;
+  with_cudnn(
+      stream, shape, true, GemmWeightGrad(),
+      [&](cudnnHandle_t handle, const Plan& p, const Workspace& scratch, void* extra) {
+        const float one = 1.0f, zero = 0.0f;
+        if (dx)
+          DP_CUDA_CHECK(cudnnConvolutionBackwardData(handle, &one, p.w, weight, p.y, dy, p.conv_bwd_data, p.bwd_data,
+                                                     scratch.data(), scratch.bytes(), &zero, p.x, dx));
+        dweight16 = static_cast<std::uint16_t*>(extra);
+        DP_CUDA_CHECK(cudnnConvolutionBackwardFilter(handle, &one, p.x, x, p.y, dy, p.conv, p.bwd_filter,
+                                                     scratch.data(), scratch.bytes(), &zero, p.w, dweight16));
+      },
+      static_cast<std::size_t>(weights) * sizeof(std::uint16_t));
+  // Outside the cuDNN handle's hold; the workspace is the stream's, so stream order keeps the next
+  // cuDNN call from overwriting the bf16 gradient before these read it.
+  if (accumulate)
+    add(stream, weights, dweight, dweight16, dweight);
+  else
+    from_bf16(stream, weights, dweight16, dweight);
 }
 
 }  // namespace dp::kernels::library

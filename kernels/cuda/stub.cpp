@@ -17,4 +17,12 @@ bool cudnn_conv2d_backward(const Stream&, const Conv2dShape&, const float*, cons
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
 }
 
+void cudnn_conv2d_forward_bf16(const Stream&, const Conv2dShape&, const void*, const void*, void*) {
+  throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
+}
+void cudnn_conv2d_backward_bf16(const Stream&, const Conv2dShape&, const void*, const void*, const void*, void*, float*,
+                                bool) {
+  throw Error("cuDNN convolution requested, but dp was built without the cuda backend");
+}
+
 }  // namespace dp::kernels::library

@@ -169,8 +169,23 @@ std::size_t conv2d_workspace_floats(const Stream& stream, const Conv2dShape& sha
 
 bool conv2d_supports_bf16(const Stream& stream, const Conv2dShape& shape) {
   check_conv2d("conv2d_supports_bf16", shape);
-  if (!conv_library_enabled(stream.backend()) || stream.backend() == Backend::cuda) return false;
-  return library::onednn_supports(shape, true);
+  if (!conv_library_enabled(stream.backend())) return false;
+  return stream.backend() == Backend::cuda || library::onednn_supports(shape, true);
+}
+
+void add_channel_bias(const Stream& stream, index_t n, index_t channels, index_t plane, Out y, const float* bias) {
+  if (n < 0 || channels < 0 || plane < 0 || channels > std::numeric_limits<int>::max() ||
+      n * channels > std::numeric_limits<int>::max())
+    checks::fail({"add_channel_bias: extents n=", static_cast<long long>(n),
+                  " channels=", static_cast<long long>(channels), " plane=", static_cast<long long>(plane),
+                  ": need n, channels, plane >= 0 and n * channels below 2^31"});
+  const FastDivmod by_channels(channels > 0 ? static_cast<int>(channels) : 1);
+  with_storage(y.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch_2d(stream, "add_channel_bias", n * channels, plane,
+              AddChannelBias<T>{channels, plane, by_channels, bias, y.as<T>()},
+              {operand(bias, channels), operand(y.as<T>(), n * channels * plane)});
+  });
 }
 
 namespace {
@@ -193,6 +208,13 @@ bool forward_bf16(const Stream& stream, const Conv2dShape& shape, In x, In weigh
       operand(bias, bias ? shape.c_out : 0), operand(y.as<bf16_bits>(), y_count(shape))};
   check_operands(stream, op, operands);
   if (shape.n == 0) return false;
+  if (stream.backend() == Backend::cuda) {
+    library::cudnn_conv2d_forward_bf16(stream, shape, x.data, weight.data, y.data);
+    kernel_api::count_traffic(stream, op, {operands.begin()[0], operands.begin()[1], operands.begin()[3]});
+    if (bias)
+      add_channel_bias(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), y, bias);
+    return false;
+  }
   library::onednn_conv2d_forward(stream, shape, true, x.data, weight.data, bias, y.data);
   kernel_api::count_traffic(stream, op, operands);
   return false;
@@ -221,11 +243,19 @@ void backward_bf16(const Stream& stream, const Conv2dShape& shape, In x, In weig
   if (dbias)
     channel_sum(stream, shape.n, shape.c_out, static_cast<index_t>(shape.h_out()) * shape.w_out(), dy, dbias,
                 accumulate ? 1.0f : 0.0f);
+  const std::initializer_list<Operand> operands = {operand(ws, dxs ? w_count(shape) : 0), operand(dys, y_count(shape)),
+                                                   operand(dxs, dxs ? x_count(shape) : 0), operand(xs, x_count(shape)),
+                                                   operand(dweight, w_count(shape))};
+  if (stream.backend() == Backend::cuda) {
+    // cuDNN writes the weight gradient as bf16; its widening after it counts itself.
+    kernel_api::count_traffic(stream, op,
+                              {operands.begin()[0], operands.begin()[1], operands.begin()[2], operands.begin()[3],
+                               operand(reinterpret_cast<const bf16_bits*>(dweight), w_count(shape))});
+    library::cudnn_conv2d_backward_bf16(stream, shape, xs, ws, dys, dxs, dweight, accumulate);
+    return;
+  }
   library::onednn_conv2d_backward(stream, shape, true, xs, ws, dys, dxs, dweight, accumulate);
-  kernel_api::count_traffic(
-      stream, op,
-      {operand(ws, dxs ? w_count(shape) : 0), operand(dys, y_count(shape)), operand(dxs, dxs ? x_count(shape) : 0),
-       operand(xs, x_count(shape)), operand(dweight, w_count(shape))});
+  kernel_api::count_traffic(stream, op, operands);
 }
 
 }  // namespace

@@ -61,6 +61,16 @@ bool cudnn_conv2d_backward(const Stream& stream, const Conv2dShape& shape, const
                            const float* dy, float* dx, float* dweight, bool accumulate, ConvWeightGrad how,
                            const GemmWeightGrad& gemm);
 
+// bf16 storage on cuda (cuDNN's bf16 convolutions, fp32 compute on tensor cores): y = conv(x,
+// weight) rounded once, no bias; dx (when not null) bf16, and dweight fp32 (the bf16 gradient cuDNN
+// writes, widened: overwritten, or added to with `accumulate`). The plans' algorithms follow the
+// fp32 rules (strict: the fixed orders, deterministic backward; fast: timed); the weight gradient
+// never goes to the shared path.
+void cudnn_conv2d_forward_bf16(const Stream& stream, const Conv2dShape& shape, const void* x, const void* weight,
+                               void* y);
+void cudnn_conv2d_backward_bf16(const Stream& stream, const Conv2dShape& shape, const void* x, const void* weight,
+                                const void* dy, void* dx, float* dweight, bool accumulate);
+
 // The sim's convolution library (sim/onednn_conv.cpp), enqueued on the sim stream: y = conv(x, weight)
 // + bias (bias may be null); dx (when not null) and dweight (when not null; added to with
 // `accumulate`, else overwritten). The bias gradient is the launchers' own reduction. With `bf16`,

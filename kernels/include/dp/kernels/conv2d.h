@@ -52,9 +52,16 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x, In we
                      float* dbias, float* workspace, bool accumulate = true, bool x_lowered = false);
 
 // Whether conv2d_* take bf16 storage for `shape` on `stream` as things are set now: the backend's
-// convolution library is on and takes it (oneDNN on the sim, reordering bf16 into its fp32 blocked
-// layouts and back). Elsewhere a caller widens into fp32 and runs the fp32 path (Bf16Operands).
+// convolution library is on and takes it (cuDNN's bf16 convolutions on cuda, fp32 compute on tensor
+// cores, then the bias added by add_channel_bias: the output rounded twice with a bias, as torch's
+// cuDNN convolution does; oneDNN on the sim, reordering bf16 into its fp32 blocked layouts and back,
+// the bias added before the one rounding, as torch's CPU convolution does). Elsewhere a caller
+// widens into fp32 and runs the fp32 path (Bf16Operands).
 bool conv2d_supports_bf16(const Stream& stream, const Conv2dShape& shape);
+
+// y (N, C, plane) += bias[c], each element computed in fp32 and stored in y's storage (bf16: rounded
+// once).
+void add_channel_bias(const Stream& stream, index_t n, index_t channels, index_t plane, Out y, const float* bias);
 
 // Whether conv2d_* use the backend's convolution library (default: true). On cuda that is cuDNN,
 // when dp was built with it (else the shared path); on the sim it is oneDNN, except under
@@ -250,6 +257,21 @@ struct MatToNchwBias {
     const float* src = mat + c * g.cols + n * g.hw;
     float* dst = y + row * g.hw;
     for (int q = q0; q < q1; ++q) dst[q] = src[q] + b;
+  }
+};
+
+// add_channel_bias: row = the plane n*C + c, col = the element within it.
+template <class T = float>
+struct AddChannelBias {
+  index_t channels, plane;
+  FastDivmod by_channels;
+  const float* bias;
+  T* y;
+  DP_HD void operator()(index_t row, index_t col) const {
+    int c = 0;
+    by_channels.divmod(static_cast<int>(row), c);
+    const index_t i = row * plane + col;
+    store(y, i, load(y, i) + bias[c]);
   }
 };
 
