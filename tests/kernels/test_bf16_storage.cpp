@@ -74,14 +74,14 @@ TEST_P(Bf16Storage, ElementwiseKernelsGiveTheHostsBits) {
   // The host: the same functors, per element, on the device's statistics.
   const kernels::ChannelElement at{c, plane};
   std::vector<std::uint16_t> y_host(n), dx_host(n);
-  const kernels::BnNormalize<std::uint16_t> normalize{
-      at, x.data(), stats.data(), stats.data() + 3, gamma.data(), beta.data(), y_host.data(), true};
+  const kernels::BnNormalize<std::uint16_t> normalize{at,           x.data(),    stats.data(),  stats.data() + 3,
+                                                      gamma.data(), beta.data(), y_host.data(), true};
   for (index_t r = 0; r < 4 * c; ++r)
     for (index_t j = 0; j < plane; ++j) normalize(r, j);
   EXPECT_EQ(y_dev, y_host);
-  const kernels::BnInputGradTerm<std::uint16_t> term{
-      x.data(), dy.data(), gamma.data(), stats.data(), stats.data() + 3, 1.0f / static_cast<float>(count),
-      y_host.data()};
+  const kernels::BnInputGradTerm<std::uint16_t> term{x.data(),     dy.data(),        gamma.data(),
+                                                     stats.data(), stats.data() + 3, 1.0f / static_cast<float>(count),
+                                                     y_host.data()};
   const kernels::BnInputGrad<std::uint16_t> input_grad{at, term, grad_sums.data(), dx_host.data()};
   for (index_t r = 0; r < 4 * c; ++r)
     for (index_t j = 0; j < plane; ++j) input_grad(r, j);
@@ -192,9 +192,8 @@ TEST_P(Bf16Storage, TrafficCountsTwoBytesPerBf16Element) {
   // gemm dx {dy 32, W 64} bf16 + {dx 128} fp32
   auto t = traffic();
   EXPECT_EQ(t.at("linear_bias"), (std::pair<std::uint64_t, std::uint64_t>{(4 + 32) * 4, 1}));
-  EXPECT_EQ(t.at("gemm"), (std::pair<std::uint64_t, std::uint64_t>{(128 + 64) * 2 + 32 * 4 + (32 + 128) * 2 + 64 * 4 +
-                                                                       (32 + 64) * 2 + 128 * 4,
-                                                                   3}));
+  EXPECT_EQ(t.at("gemm"), (std::pair<std::uint64_t, std::uint64_t>{
+                              (128 + 64) * 2 + 32 * 4 + (32 + 128) * 2 + 64 * 4 + (32 + 64) * 2 + 128 * 4, 3}));
   EXPECT_EQ(t.at("column_sum"), (std::pair<std::uint64_t, std::uint64_t>{32 * 2 + 4 * 4, 1}));
   EXPECT_EQ(t.size(), 3u);
 
@@ -237,12 +236,11 @@ TEST_P(Bf16Storage, MixedStorageIsRefused) {
     kernels::relu_forward(stream_, 16, a.as<float>(), h.as<std::uint16_t>());
     FAIL() << "relu_forward took fp32 in, bf16 out";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("relu_forward: operands of different storage"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("relu_forward: operands of different storage"), std::string::npos) << e.what();
   }
   const kernels::Conv2dShape s{1, 1, 4, 4, 1, 3, 3, 1, 1};
-  EXPECT_THROW(kernels::conv2d_forward(stream_, s, h.as<std::uint16_t>(), a.as<float>(), nullptr,
-                                       h.as<std::uint16_t>(), nullptr),
+  EXPECT_THROW(kernels::conv2d_forward(stream_, s, h.as<std::uint16_t>(), a.as<float>(), nullptr, h.as<std::uint16_t>(),
+                                       nullptr),
                InvalidArgument);
 }
 
