@@ -28,38 +28,39 @@ void Layer::backward_relu(const LayerContext&, const float*, const float*, const
 
 namespace {
 
-// A Linear's or Conv2d's parameters as its arithmetic sees them, for one forward or backward. Its
-// parameters are contiguous, weight then bias (the model lays each layer's out in order).
-// Without autocast: the parameters and gradient buffers themselves, gradients accumulated as
-// ctx says. Under autocast: a bf16-rounded copy of the parameters; the backward writes the
-// gradients apart and finish() rounds them to bf16 into the fp32 buffer (torch: the bf16 gradient
-// of the bf16 weight, widened by the cast's backward); the GEMMs enqueued meanwhile are marked as
-// taking bf16 values (kernels::Bf16Operands: tensor cores on cuda).
 // A tensor of a layer that keeps its input's dtype (native_bf16): bf16 bits behind the float
 // pointer when the input is bf16.
 kernels::In in(const LayerContext& ctx, const float* p) { return {p, ctx.bf16}; }
 kernels::Out out(const LayerContext& ctx, float* p) { return {p, ctx.bf16}; }
 
+// A Linear's or Conv2d's parameters as its arithmetic sees them, for one forward or backward. Its
+// parameters are contiguous, weight then bias (the model lays each layer's out in order).
+// Without autocast: the parameters and gradient buffers themselves, gradients accumulated as
+// ctx says. Under autocast: the parameters cast to bf16, as bf16 storage (bits(): the layer's own
+// copy, made by each forward and read again by the backward that follows it, as torch's autocast
+// keeps its cast weights for the backward) or, for the bias and for a path that takes fp32 words,
+// as fp32 values rounded to bf16; the backward writes the gradients apart and finish() rounds them
+// to bf16 into the fp32 buffer (torch: the bf16 gradient of the bf16 weight, widened by the cast's
+// backward); the GEMMs enqueued meanwhile are marked as taking bf16 values (kernels::Bf16Operands:
+// tensor cores on cuda).
 class LayerParams {
  public:
-  // `grads`: null for a forward.
-  LayerParams(const LayerContext& ctx, float* params, float* grads, std::int64_t count)
-      : ctx_(ctx), params_(params), grads_(grads), computed_(grads), count_(count) {
+  // `grads`: null for a forward. `cast`: the layer's scratch for its bf16 copy.
+  LayerParams(const LayerContext& ctx, float* params, float* grads, std::int64_t count, Scratch& cast)
+      : ctx_(ctx), params_(params), grads_(grads), computed_(grads), count_(count), cast_(cast) {
     if (!ctx.amp) return;
     tensor_cores_.emplace();
-    float* rounded = ctx.amp->get<float>(ctx.amp->weight, ctx.device, count);
-    kernels::round_to_bf16(ctx.stream, count, params, rounded);
-    params_ = rounded;
     if (grads) computed_ = ctx.amp->get<float>(ctx.amp->grad, ctx.device, count);
   }
-  const float* params() const { return params_; }
-  // Autocast: the parameters as bf16 storage (the rounded values' bits), made on first ask.
+  // fp32 words: the parameters, or under autocast their bf16 values (rounded on first ask).
+  const float* params() const { return rounded(0); }
+  // The same from element `offset` on (the bias): under autocast only those are rounded.
+  const float* params_from(std::int64_t offset) const { return rounded(offset) + offset; }
+  // Autocast: the parameters as bf16 storage.
   const std::uint16_t* bits() const {
-    if (!bits_) {
-      bits_ = ctx_.amp->get<std::uint16_t>(ctx_.amp->weight_bits, ctx_.device, count_);
-      kernels::to_bf16(ctx_.stream, count_, params_, bits_);
-    }
-    return bits_;
+    auto* bits = cast_.get<std::uint16_t>(ctx_.device, static_cast<std::size_t>(count_));
+    if (!grads_) kernels::to_bf16(ctx_.stream, count_, params_, bits);  // a forward casts; its backward reads
+    return bits;
   }
   float* grads() const { return computed_; }
   // The backward kernel's `accumulate`: under autocast it writes, finish() adds.
@@ -69,12 +70,25 @@ class LayerParams {
   }
 
  private:
+  // Elements [offset, count) rounded into the model's scratch (its start: the whole, or a tail).
+  const float* rounded(std::int64_t offset) const {
+    if (!ctx_.amp) return params_;
+    if (rounded_ && rounded_from_ <= offset) return rounded_;
+    float* out = ctx_.amp->get<float>(ctx_.amp->weight, ctx_.device, count_);
+    kernels::round_to_bf16(ctx_.stream, count_ - offset, params_ + offset, out + offset);
+    rounded_ = out;
+    rounded_from_ = offset;
+    return out;
+  }
+
   const LayerContext& ctx_;
   const float* params_;
   float* grads_;
   float* computed_;
   std::int64_t count_;
-  mutable std::uint16_t* bits_ = nullptr;
+  Scratch& cast_;
+  mutable float* rounded_ = nullptr;
+  mutable std::int64_t rounded_from_ = 0;
   std::optional<kernels::Bf16Operands> tensor_cores_;
 };
 
@@ -111,8 +125,8 @@ class Linear final : public Layer {
   // and write fp32, which the layer rounds once into the bf16 output (dx: into the input's dtype).
   bool native_bf16() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    const LayerParams p(ctx, param(0), nullptr, count());
-    const float* bias = p.params() + weights();
+    const LayerParams p(ctx, param(0), nullptr, count(), cast_);
+    const float* bias = p.params_from(weights());
     if (!ctx.amp) {
       kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), bias, y);
       return;
@@ -124,7 +138,7 @@ class Linear final : public Layer {
     kernels::to_bf16(ctx.stream, n_out, y32, reinterpret_cast<std::uint16_t*>(y));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
-    const LayerParams p(ctx, param(0), grad(0), count());
+    const LayerParams p(ctx, param(0), grad(0), count(), cast_);
     if (!ctx.amp) {
       kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), dy, dx, p.grads(), p.grads() + weights(),
                                p.accumulate());
@@ -146,6 +160,7 @@ class Linear final : public Layer {
   std::int64_t count() const { return weights() + out_; }
 
   int in_, out_;
+  Scratch cast_;  // autocast: the parameters as bf16, from the forward to its backward
 };
 
 class Conv2d final : public Layer {
@@ -184,8 +199,8 @@ class Conv2d final : public Layer {
       return;
     }
     float* workspace = this->workspace(ctx, s);
-    const LayerParams p(ctx, param(0), nullptr, count());
-    const float* bias = has_bias() ? p.params() + weights() : nullptr;
+    const LayerParams p(ctx, param(0), nullptr, count(), cast_);
+    const float* bias = has_bias() ? p.params_from(weights()) : nullptr;
     const bool lowered = kernels::conv2d_forward(ctx.stream, s, x, p.params(), bias, y, workspace);
     lowered_ = lowered ? Lowered{x, workspace, s} : Lowered{};
   }
@@ -200,7 +215,7 @@ class Conv2d final : public Layer {
     // step then lower each input once.
     const bool x_lowered = lowered_.matches(x, workspace, s);
     lowered_ = Lowered{};
-    const LayerParams p(ctx, param(0), grad(0), count());
+    const LayerParams p(ctx, param(0), grad(0), count(), cast_);
     float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
     kernels::conv2d_backward(ctx.stream, s, x, p.params(), dy, dx, p.grads(), bias_grad, workspace, p.accumulate(),
                              x_lowered);
@@ -212,8 +227,8 @@ class Conv2d final : public Layer {
   // bf16 values (Bf16Operands), rounding y and dx back.
   void forward_autocast(const LayerContext& ctx, const kernels::Conv2dShape& s, const float* x, float* y) {
     lowered_ = Lowered{};
-    const LayerParams p(ctx, param(0), nullptr, count());
-    const float* bias = has_bias() ? p.params() + weights() : nullptr;
+    const LayerParams p(ctx, param(0), nullptr, count(), cast_);
+    const float* bias = has_bias() ? p.params_from(weights()) : nullptr;
     const std::int64_t n_in = ctx.in.numel(), n_out = output_shape(ctx.in).numel();
     auto* y16 = reinterpret_cast<std::uint16_t*>(y);
     if (kernels::conv2d_supports_bf16(ctx.stream, s)) {
@@ -227,7 +242,7 @@ class Conv2d final : public Layer {
   }
   void backward_autocast(const LayerContext& ctx, const kernels::Conv2dShape& s, const float* x, const float* dy,
                          float* dx) {
-    const LayerParams p(ctx, param(0), grad(0), count());
+    const LayerParams p(ctx, param(0), grad(0), count(), cast_);
     float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
     const std::int64_t n_in = ctx.in.numel(), n_out = output_shape(ctx.in).numel();
     AutocastScratch& amp = *ctx.amp;
@@ -285,6 +300,7 @@ class Conv2d final : public Layer {
 
   int in_, out_, kernel_, stride_, pad_;
   Scratch workspace_;
+  Scratch cast_;  // autocast: the parameters as bf16, from the forward to its backward
 };
 
 class BatchNorm2d final : public Layer {

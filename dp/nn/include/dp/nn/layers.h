@@ -42,14 +42,17 @@ struct TensorDecl {
 
 // Autocast's device scratch, one per model (Model::set_autocast(Autocast::bf16)), which its layers
 // use one after another on the model's stream. Between layers, every tensor after the first Linear
-// or Conv2d is bf16 (16-bit storage: half the activation memory); a chain widens a layer's bf16
-// inputs into `x`/`y`/`dy` and runs the layer's fp32 arithmetic into `out`/`dx`, then rounds that
-// back. Linear and Conv2d multiply their bf16-rounded weights (`weight`) and inputs in fp32, which is
-// exact (two 8-bit mantissas fit a 24-bit one), so only the accumulation order can differ from a bf16
-// GEMM; their gradients go through `grad` to be rounded to bf16 before they reach the fp32 buffer.
-// MaxPool2d's indices (`indices`) are found again in the backward instead of kept.
+// or Conv2d is bf16 (16-bit storage: half the activation memory and traffic). The built-in layers
+// read and write it as it is (native_bf16: their kernels load bf16, compute in fp32, round once);
+// for any other leaf a chain widens the bf16 inputs into `x`/`y`/`dy`, runs the layer's fp32
+// arithmetic into `out`/`dx` and rounds that back. Linear and Conv2d take their weights as bf16
+// (as bf16 storage, their own; `weight`: fp32 words holding bf16 values) and multiply them with their bf16
+// inputs in fp32, which is exact (two 8-bit mantissas fit a 24-bit one), so only the accumulation
+// order can differ from torch's; their gradients go through `grad` to be rounded to bf16 before they
+// reach the fp32 buffer. `workspace` is the shared path's convolution scratch, only where no library
+// convolves bf16 storage (conv2d_supports_bf16).
 struct AutocastScratch {
-  Scratch x, y, dy, out, dx, weight, weight_bits, grad, workspace;
+  Scratch x, y, dy, out, dx, weight, grad, workspace;
   // Buffers outgrown during a step: kept until the next forward, since work queued before the
   // growth (maybe waiting on a SyncBatchNorm collective) still reads them.
   std::vector<DeviceBuffer> retired;
