@@ -53,7 +53,7 @@ tests_out='^(cuda_fatbin_architectures|find_package_consumer)$|[/_]sim( |$)'
 # --quick: those comparing cuda's bits with the sim's (reductions, fused kernels, the device ring) and
 # the CUDA rules (test_cuda_rules: CudaRules, ForbiddenInCapture; test_graph: Graphs) and bf16 storage
 # (test_bf16_storage: the bf16 kernels, cuDNN and cuBLAS on bf16 operands).
-tests_quick='^(ReduceCudaMatchesSim|FusionCudaMatchesSim|DeviceRing)\.'
+tests_quick='^(ReduceCudaMatchesSim|FusionCudaMatchesSim|TransformerKernelsCudaMatchesSim|DeviceRing)\.'
 tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage)\.[^ ]*[/_]cuda( |$)'
 if [ "$list" = 1 ]; then
   if [ "$quick" = 1 ]; then select=$tests_quick; else select=$tests_all; fi

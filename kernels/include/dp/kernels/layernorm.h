@@ -1,0 +1,148 @@
+// dp/kernels/layernorm.h — LayerNorm over the last dimension (torch.nn.LayerNorm(C): per row of C
+// values, the biased variance, eps inside the square root, fp32 statistics, an elementwise affine
+// gamma and beta), forward and backward, on a (rows, C) row-major tensor: a transformer's (B*T, C)
+// activations. The row statistics, the row sums of the backward and the column sums of the
+// parameter gradients follow the reduction plan (launch_row_reduce, reduce_plan.h): summed in one
+// order on cuda and sim. Activations (x, y, dy, dx) are fp32 or all bf16 storage (storage.h).
+#pragma once
+
+#include <cmath>
+
+#include "dp/kernels/batchnorm.h"
+#include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
+#include "dp/runtime/device.h"
+
+namespace dp::kernels {
+
+// y = (x - mean) * rstd * gamma + beta per row; mean and rstd (rows each) kept for the backward.
+// rows >= 0, cols >= 1, eps >= 0, else InvalidArgument.
+void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, const float* gamma, const float* beta,
+                       Out y, float* mean, float* rstd, float eps = 1e-5f);
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma (overwritten; skipped when
+// null); dgamma (+)= sum over rows of dy * xhat, dbeta (+)= sum of dy (`accumulate`, else stored).
+// row_sums: scratch of 2 * rows floats.
+void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, const float* gamma, const float* mean,
+                        const float* rstd, In dy, Out dx, float* dgamma, float* dbeta, float* row_sums,
+                        bool accumulate = true);
+
+// ------------------------------------------------------------------------------------------------
+// functors
+
+// Row r's values, as reduction terms (map(row, col)).
+template <class T>
+struct LnRowValue {
+  const T* x;
+  index_t cols;
+  DP_HD float operator()(index_t row, index_t col) const { return load(x, row * cols + col); }
+};
+// Deviations from the row's pass-1 mean, plain and squared (BatchNorm's corrected two-pass form).
+template <class T>
+struct LnRowMoments {
+  const T* x;
+  index_t cols;
+  const float* mean;
+  DP_HD SumPair operator()(index_t row, index_t col) const {
+    const float d = load(x, row * cols + col) - mean[row];
+    return SumPair{d, d * d};
+  }
+};
+struct LnStoreMean {
+  float* mean;
+  float inv_cols;
+  DP_HD void operator()(index_t row, float sum) const { mean[row] = sum * inv_cols; }
+};
+struct LnStoreRstd {
+  float* rstd;
+  float cols, eps;
+  DP_HD void operator()(index_t row, SumPair s) const {
+    float centered = s.b - s.a * s.a / cols;
+    if (centered < 0.0f) centered = 0.0f;
+    rstd[row] = 1.0f / sqrtf(centered / cols + eps);
+  }
+};
+
+template <class T>
+struct LnNormalize {
+  index_t cols;
+  const T* x;
+  const float* mean;
+  const float* rstd;
+  const float* gamma;
+  const float* beta;
+  T* y;
+  DP_HD void operator()(index_t row, index_t col) const {
+    const index_t i = row * cols + col;
+    store(y, i, (load(x, i) - mean[row]) * rstd[row] * gamma[col] + beta[col]);
+  }
+};
+
+// Backward row sums: a = sum(g), b = sum(g * xhat), g = dy * gamma.
+template <class T>
+struct LnGradTerms {
+  const T* x;
+  const T* dy;
+  const float* gamma;
+  const float* mean;
+  const float* rstd;
+  index_t cols;
+  DP_HD SumPair operator()(index_t row, index_t col) const {
+    const index_t i = row * cols + col;
+    const float g = load(dy, i) * gamma[col];
+    return SumPair{g, g * ((load(x, i) - mean[row]) * rstd[row])};
+  }
+};
+struct LnStoreRowSums {
+  index_t rows;
+  float* sums;
+  DP_HD void operator()(index_t row, SumPair s) const {
+    sums[row] = s.a;
+    sums[rows + row] = s.b;
+  }
+};
+
+template <class T>
+struct LnInputGrad {
+  index_t rows, cols;
+  const T* x;
+  const T* dy;
+  const float* gamma;
+  const float* mean;
+  const float* rstd;
+  const float* sums;
+  float inv_cols;
+  T* dx;
+  DP_HD void operator()(index_t row, index_t col) const {
+    const index_t i = row * cols + col;
+    const float xhat = (load(x, i) - mean[row]) * rstd[row];
+    const float g = load(dy, i) * gamma[col];
+    store(dx, i, rstd[row] * (g - sums[row] * inv_cols - xhat * (sums[rows + row] * inv_cols)));
+  }
+};
+
+// Parameter gradients: column c's terms over the rows, a = dy * xhat (dgamma), b = dy (dbeta).
+template <class T>
+struct LnParamTerms {
+  const T* x;
+  const T* dy;
+  const float* mean;
+  const float* rstd;
+  index_t cols;
+  DP_HD SumPair operator()(index_t col, index_t row) const {
+    const index_t i = row * cols + col;
+    const float g = load(dy, i);
+    return SumPair{g * ((load(x, i) - mean[row]) * rstd[row]), g};
+  }
+};
+struct LnStoreParamGrads {
+  float* dgamma;
+  float* dbeta;
+  bool accumulate;
+  DP_HD void operator()(index_t col, SumPair s) const {
+    dgamma[col] = accumulate ? dgamma[col] + s.a : s.a;
+    dbeta[col] = accumulate ? dbeta[col] + s.b : s.b;
+  }
+};
+
+}  // namespace dp::kernels

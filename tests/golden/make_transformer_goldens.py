@@ -1,0 +1,68 @@
+#!/usr/bin/python3
+"""Golden values for a transformer's layers (torch 1.13, CPU, fp32): LayerNorm and GELU.
+
+transformer_layers.safetensors:
+  layernorm.<name>: nn.LayerNorm(C) (eps 1e-5) with random gamma and beta on x (rows, C):
+    .x, .gamma, .beta, .y, .dy (a random upstream gradient), .dx, .dgamma, .dbeta (after
+    y.backward(dy)); metadata <name>: {"rows", "cols"}.
+  gelu.<form>: F.gelu(x, approximate=<form>) for form 'none' and 'tanh' on values from -6 to 6 and
+    random ones: .x, .y, .dy, .dx.
+
+Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_goldens.py
+"""
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from make_goldens import encode_safetensors  # the one safetensors writer of the golden scripts
+
+# name -> (rows, cols): one row, a GPT's (B*T, C) shapes, a row longer than a reduction pass, two values
+# a row. (One value a row is left out: torch then gives its own rounding noise times 1/sqrt(eps) where
+# the result is exactly beta; the test checks that case itself.)
+LAYERNORM_CASES = {"r1c8": (1, 8), "r64c32": (64, 32), "r6c300": (6, 300), "r5c2": (5, 2)}
+
+
+def goldens():
+    torch.set_num_threads(1)
+    tensors, meta = {}, {}
+    gen = torch.Generator().manual_seed(41)
+    for name, (rows, cols) in LAYERNORM_CASES.items():
+        ln = torch.nn.LayerNorm(cols)
+        with torch.no_grad():
+            ln.weight.copy_(torch.rand(cols, generator=gen) + 0.5)
+            ln.bias.copy_(torch.randn(cols, generator=gen) * 0.1)
+        # An offset and a scale per row, so the statistics are not those of standard normals.
+        x = (torch.randn(rows, cols, generator=gen) * 3 + torch.randn(rows, 1, generator=gen) * 5).requires_grad_()
+        y = ln(x)
+        dy = torch.randn(rows, cols, generator=gen)
+        y.backward(dy)
+        p = f"layernorm.{name}"
+        tensors.update({f"{p}.x": x.detach().clone(), f"{p}.gamma": ln.weight.detach().clone(),
+                        f"{p}.beta": ln.bias.detach().clone(), f"{p}.y": y.detach().clone(), f"{p}.dy": dy,
+                        f"{p}.dx": x.grad.clone(), f"{p}.dgamma": ln.weight.grad.clone(),
+                        f"{p}.dbeta": ln.bias.grad.clone()})
+        meta[p] = json.dumps({"rows": rows, "cols": cols})
+    for form in ("none", "tanh"):
+        x = torch.cat([torch.linspace(-6, 6, 241), torch.randn(259, generator=gen) * 2]).requires_grad_()
+        y = F.gelu(x, approximate=form)
+        dy = torch.randn(x.shape, generator=gen)
+        y.backward(dy)
+        p = f"gelu.{form}"
+        tensors.update({f"{p}.x": x.detach().clone(), f"{p}.y": y.detach().clone(), f"{p}.dy": dy,
+                        f"{p}.dx": x.grad.clone()})
+        meta[p] = json.dumps({"form": form})
+    meta["torch"] = torch.__version__
+    return tensors, meta
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    tensors, meta = goldens()
+    with open(os.path.join(here, "transformer_layers.safetensors"), "wb") as f:
+        f.write(encode_safetensors(tensors, meta))
+
+
+if __name__ == "__main__":
+    main()
