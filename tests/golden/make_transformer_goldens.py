@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""Golden values for a transformer's layers (torch 1.13, CPU, fp32): LayerNorm and GELU.
+"""Golden values for a transformer's layers (torch 1.13, CPU, fp32): LayerNorm, GELU, Embedding and
+causal self-attention's core.
 
 transformer_layers.safetensors:
   layernorm.<name>: nn.LayerNorm(C) (eps 1e-5) with random gamma and beta on x (rows, C):
@@ -7,10 +8,16 @@ transformer_layers.safetensors:
     y.backward(dy)); metadata <name>: {"rows", "cols"}.
   gelu.<form>: F.gelu(x, approximate=<form>) for form 'none' and 'tanh' on values from -6 to 6 and
     random ones: .x, .y, .dy, .dx.
+  embedding: nn.Embedding(11, 5) on 23 token ids (repeats, one id unused): .ids (int64), .weight, .y,
+    .dy, .dweight.
+  attention.<name>: nanoGPT's CausalSelfAttention between its Linears (q, k, v split from qkv (B, T,
+    3C), heads of D columns, att = softmax(q k^T / sqrt(D)) masked to j <= i, y = att v, heads merged):
+    .qkv, .probs (B, H, T, T), .y, .dy, .dqkv; metadata {"batch", "tokens", "heads", "head_dim"}.
 
 Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_goldens.py
 """
 import json
+import math
 import os
 
 import torch
@@ -21,6 +28,8 @@ from make_goldens import encode_safetensors  # the one safetensors writer of the
 # name -> (rows, cols): one row, a GPT's (B*T, C) shapes, a row longer than a reduction pass, two values
 # a row. (One value a row is left out: torch then gives its own rounding noise times 1/sqrt(eps) where
 # the result is exactly beta; the test checks that case itself.)
+# name -> (B, T, H, D): one token, nanoGPT's tiny shapes, one head.
+ATTENTION_CASES = {"b2t5h2d3": (2, 5, 2, 3), "b1t1h2d4": (1, 1, 2, 4), "b3t16h1d8": (3, 16, 1, 8)}
 LAYERNORM_CASES = {"r1c8": (1, 8), "r64c32": (64, 32), "r6c300": (6, 300), "r5c2": (5, 2)}
 
 
@@ -53,6 +62,34 @@ def goldens():
         tensors.update({f"{p}.x": x.detach().clone(), f"{p}.y": y.detach().clone(), f"{p}.dy": dy,
                         f"{p}.dx": x.grad.clone()})
         meta[p] = json.dumps({"form": form})
+    emb = torch.nn.Embedding(11, 5)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(11, 5, generator=gen))
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6])  # no 0, no 10
+    y = emb(ids)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    tensors.update({"embedding.ids": ids, "embedding.weight": emb.weight.detach().clone(),
+                    "embedding.y": y.detach().clone(), "embedding.dy": dy,
+                    "embedding.dweight": emb.weight.grad.clone()})
+    for name, (b, t, h, d) in ATTENTION_CASES.items():
+        c = h * d
+        qkv = torch.randn(b, t, 3 * c, generator=gen).requires_grad_()
+        q, k, v = qkv.split(c, dim=2)
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k = k.view(b, t, h, d).transpose(1, 2)
+        v = v.view(b, t, h, d).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+        att = att.masked_fill(torch.tril(torch.ones(t, t)).view(1, 1, t, t) == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att.retain_grad()
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        dy = torch.randn(y.shape, generator=gen)
+        y.backward(dy)
+        p = f"attention.{name}"
+        tensors.update({f"{p}.qkv": qkv.detach().clone(), f"{p}.probs": att.detach().clone(),
+                        f"{p}.y": y.detach().clone(), f"{p}.dy": dy, f"{p}.dqkv": qkv.grad.clone()})
+        meta[p] = json.dumps({"batch": b, "tokens": t, "heads": h, "head_dim": d})
     meta["torch"] = torch.__version__
     return tensors, meta
 

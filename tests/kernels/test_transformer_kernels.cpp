@@ -1,4 +1,5 @@
-// test_transformer_kernels.cpp — a transformer's kernels (LayerNorm, GELU) on each backend against
+// test_transformer_kernels.cpp — a transformer's kernels (LayerNorm, GELU, Embedding, causal
+// attention) on each backend against
 // PyTorch (tests/golden/make_transformer_goldens.py), their bf16 storage against the fp32 kernels
 // on the widened values, and cuda's results against the sim's.
 #include <cmath>
@@ -9,10 +10,13 @@
 #include <vector>
 
 #include "dp/io/safetensors.h"
+#include "dp/kernels/attention.h"
+#include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
 #include "dp/kernels/layernorm.h"
 #include "dp/runtime/bfloat16.h"
 #include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 #include "test_util.h"
 
 namespace dp {
@@ -82,6 +86,71 @@ TEST_P(TransformerKernels, GeluMatchesPyTorchInBothForms) {
     EXPECT_TRUE(all_close(down<float>(y), golden.at(p + ".y").to_f32(), 4e-6, 1e-6)) << p;
     EXPECT_TRUE(all_close(down<float>(dx), golden.at(p + ".dx").to_f32(), 4e-6, 1e-6)) << p;
   }
+}
+
+TEST_P(TransformerKernels, EmbeddingMatchesPyTorch) {
+  const auto golden = safetensors::read(test::golden_path("transformer_layers"));
+  const auto ids64 = golden.at("embedding.ids").to_i64();
+  std::vector<std::int32_t> ids(ids64.begin(), ids64.end());
+  const auto weight = golden.at("embedding.weight").to_f32(), dy = golden.at("embedding.dy").to_f32();
+  const index_t tokens = static_cast<index_t>(ids.size()), vocab = 11, dim = 5;
+  DeviceBuffer idd = up(ids), w = up(weight), dyd = up(dy), y = floats(ids.size() * 5),
+               dw = up(std::vector<float>(55, 9.0f));
+  DeviceBuffer order = device_->allocate(ids.size() * 4), offsets = device_->allocate((vocab + 1) * 4);
+  kernels::embedding_forward(stream_, tokens, vocab, dim, idd.as<std::int32_t>(), w.as<float>(), y.as<float>());
+  kernels::embedding_backward(stream_, tokens, vocab, dim, idd.as<std::int32_t>(), dyd.as<float>(), dw.as<float>(),
+                              order.as<std::int32_t>(), offsets.as<std::int32_t>(), false);
+  EXPECT_EQ(down<float>(y), golden.at("embedding.y").to_f32()) << "a gather is exact";
+  // Rows no token names are written 0 (ids 0 and 10); the others sum up to 4 terms in token order.
+  EXPECT_TRUE(all_close(down<float>(dw), golden.at("embedding.dweight").to_f32(), 1e-6, 1e-7));
+  const auto got = down<float>(dw);
+  for (int c = 0; c < 5; ++c) EXPECT_EQ(got[static_cast<std::size_t>(c)], 0.0f);
+  // Accumulating adds the same sums to what the gradient held.
+  kernels::embedding_backward(stream_, tokens, vocab, dim, idd.as<std::int32_t>(), dyd.as<float>(), dw.as<float>(),
+                              order.as<std::int32_t>(), offsets.as<std::int32_t>(), true);
+  const auto twice = down<float>(dw);
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(twice[i], got[i] + got[i]) << i;
+}
+
+TEST_P(TransformerKernels, AnEmbeddingIdOutsideTheVocabularyIsRefusedOnTheSim) {
+  if (GetParam() != "sim") GTEST_SKIP() << "cuda writes NaN for it instead (no device-side assert)";
+  const std::vector<std::int32_t> ids = {1, 2, 11};
+  DeviceBuffer idd = up(ids), w = floats(55), y = floats(15);
+  kernels::embedding_forward(stream_, 3, 11, 5, idd.as<std::int32_t>(), w.as<float>(), y.as<float>());
+  try {
+    stream_.synchronize();
+    FAIL() << "id 11 of a vocabulary of 11 was gathered";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("token 2 has id 11, outside the vocabulary [0, 11)"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_P(TransformerKernels, CausalAttentionMatchesPyTorch) {
+  const auto golden = safetensors::read(test::golden_path("transformer_layers"));
+  int cases = 0;
+  for (const auto& [name, text] : golden.metadata) {
+    if (name.rfind("attention.", 0) != 0) continue;
+    ++cases;
+    const auto meta = nlohmann::json::parse(text);
+    const kernels::AttentionShape s{meta.at("batch"), meta.at("tokens"), meta.at("heads"), meta.at("head_dim")};
+    const auto qkv = golden.at(name + ".qkv").to_f32(), dy = golden.at(name + ".dy").to_f32();
+    DeviceBuffer q = up(qkv), dyd = up(dy), probs = floats(static_cast<std::size_t>(s.probs())), y = floats(dy.size()),
+                 dqkv = floats(qkv.size()), scratch = floats(static_cast<std::size_t>(s.probs()));
+    kernels::attention_forward(stream_, s, q.as<float>(), probs.as<float>(), y.as<float>());
+    kernels::attention_backward(stream_, s, q.as<float>(), probs.as<float>(), dyd.as<float>(), dqkv.as<float>(),
+                                scratch.as<float>());
+    EXPECT_TRUE(all_close(down<float>(probs), golden.at(name + ".probs").to_f32(), 1e-5, 1e-7)) << name;
+    EXPECT_TRUE(all_close(down<float>(y), golden.at(name + ".y").to_f32(), 1e-5, 1e-6)) << name;
+    EXPECT_TRUE(all_close(down<float>(dqkv), golden.at(name + ".dqkv").to_f32(), 1e-4, 1e-6)) << name;
+    // The mask: nothing above the diagonal, exactly.
+    const auto p = down<float>(probs);
+    for (index_t m = 0; m < static_cast<index_t>(s.batch) * s.heads; ++m)
+      for (int i = 0; i < s.tokens; ++i)
+        for (int j = i + 1; j < s.tokens; ++j)
+          ASSERT_EQ(p[static_cast<std::size_t>((m * s.tokens + i) * s.tokens + j)], 0.0f);
+  }
+  EXPECT_EQ(cases, 3);
 }
 
 // bf16 storage: the fp32 kernels' values on the widened inputs, rounded once (the statistics, the
@@ -163,6 +232,48 @@ TEST(TransformerKernelsCudaMatchesSim, LayerNorm) {
       results[k].push_back(test::download<float>(stream, *buffer));
   }
   for (std::size_t i = 0; i < results[0].size(); ++i) EXPECT_EQ(results[0][i], results[1][i]) << "tensor " << i;
+}
+
+// The embedding's gradient sums in token order: cuda's bits are the sim's. Attention's GEMMs are
+// cuBLAS's and its softmax uses the platform's expf: within fp32 rounding of the sim's.
+TEST(TransformerKernelsCudaMatchesSim, EmbeddingAndAttention) {
+  auto sim = test::sim_runtime(1);
+  auto cuda = test::runtime_or_skip("cuda", 1);
+  if (!cuda) GTEST_SKIP() << "no CUDA device";
+  const index_t tokens = 3000, vocab = 256, dim = 48;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(tokens));
+  for (std::size_t t = 0; t < ids.size(); ++t) ids[t] = static_cast<std::int32_t>((t * 7919 + t / 5) % vocab);
+  const auto weight = test::random_vector(static_cast<std::size_t>(vocab * dim), 9),
+             dy = test::random_vector(static_cast<std::size_t>(tokens * dim), 10);
+  const kernels::AttentionShape s{2, 24, 3, 8};
+  const auto qkv = test::random_vector(static_cast<std::size_t>(2 * 24 * 3 * 24), 11),
+             ady = test::random_vector(static_cast<std::size_t>(2 * 24 * 24), 12);
+  std::vector<std::vector<float>> results[2];
+  Runtime* runtimes[2] = {sim.get(), cuda.get()};
+  for (int k = 0; k < 2; ++k) {
+    Device& device = runtimes[k]->device(0);
+    const Stream stream = device.create_stream();
+    DeviceBuffer idd = test::upload(device, stream, ids), w = test::upload(device, stream, weight),
+                 dyd = test::upload(device, stream, dy), y = device.allocate(dy.size() * 4),
+                 dw = device.allocate(weight.size() * 4), order = device.allocate(ids.size() * 4),
+                 offsets = device.allocate((vocab + 1) * 4);
+    kernels::embedding_forward(stream, tokens, vocab, dim, idd.as<std::int32_t>(), w.as<float>(), y.as<float>());
+    kernels::embedding_backward(stream, tokens, vocab, dim, idd.as<std::int32_t>(), dyd.as<float>(), dw.as<float>(),
+                                order.as<std::int32_t>(), offsets.as<std::int32_t>(), false);
+    DeviceBuffer q = test::upload(device, stream, qkv), ad = test::upload(device, stream, ady),
+                 probs = device.allocate(static_cast<std::size_t>(s.probs()) * 4), ay = device.allocate(ady.size() * 4),
+                 dq = device.allocate(qkv.size() * 4),
+                 scratch = device.allocate(static_cast<std::size_t>(s.probs()) * 4);
+    kernels::attention_forward(stream, s, q.as<float>(), probs.as<float>(), ay.as<float>());
+    kernels::attention_backward(stream, s, q.as<float>(), probs.as<float>(), ad.as<float>(), dq.as<float>(),
+                                scratch.as<float>());
+    for (const DeviceBuffer* buffer : {&y, &dw, &probs, &ay, &dq})
+      results[k].push_back(test::download<float>(stream, *buffer));
+  }
+  EXPECT_EQ(results[0][0], results[1][0]) << "embedding forward";
+  EXPECT_EQ(results[0][1], results[1][1]) << "embedding weight gradient";
+  for (std::size_t i = 2; i < 5; ++i)
+    EXPECT_TRUE(all_close(results[1][i], results[0][i], 1e-5, 1e-6)) << "attention " << i;
 }
 
 }  // namespace
