@@ -13,6 +13,9 @@ transformer_layers.safetensors:
   attention.<name>: nanoGPT's CausalSelfAttention between its Linears (q, k, v split from qkv (B, T,
     3C), heads of D columns, att = softmax(q k^T / sqrt(D)) masked to j <= i, y = att v, heads merged):
     .qkv, .probs (B, H, T, T), .y, .dy, .dqkv; metadata {"batch", "tokens", "heads", "head_dim"}.
+transformer_block.safetensors: nanoGPT's Block (ln_1, attn, ln_2, mlp with exact GELU, bias, no
+  dropout; C 8, 2 heads) on x (2, 5, 8): init.h.0.<nanoGPT's names>, data.x, data.y, data.dy and
+  grad.h.0.<name> after y.backward(dy).
 
 Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_goldens.py
 """
@@ -94,10 +97,76 @@ def goldens():
     return tensors, meta
 
 
+class CausalSelfAttention(torch.nn.Module):
+    """nanoGPT's (model.py), without dropout and without flash attention: the manual path."""
+
+    def __init__(self, c, h):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(c, 3 * c)
+        self.c_proj = torch.nn.Linear(c, c)
+        self.n_head, self.n_embd = h, c
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(torch.tril(torch.ones(t, t)).view(1, 1, t, t) == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.c_proj(y)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c_fc = torch.nn.Linear(c, 4 * c)
+        self.gelu = torch.nn.GELU()
+        self.c_proj = torch.nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, c, h):
+        super().__init__()
+        self.ln_1 = torch.nn.LayerNorm(c)
+        self.attn = CausalSelfAttention(c, h)
+        self.ln_2 = torch.nn.LayerNorm(c)
+        self.mlp = MLP(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def block_goldens():
+    torch.manual_seed(42)
+    block = Block(8, 2)
+    with torch.no_grad():  # LayerNorm's affine parameters away from 1 and 0
+        for ln in (block.ln_1, block.ln_2):
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.normal_(0.0, 0.1)
+    tensors = {f"init.h.0.{k}": v.detach().clone() for k, v in block.state_dict().items()}
+    x = torch.randn(2, 5, 8)
+    y = block(x)
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    tensors.update({"data.x": x, "data.y": y.detach().clone(), "data.dy": dy})
+    tensors.update({f"grad.h.0.{k}": p.grad.clone() for k, p in block.named_parameters()})
+    return tensors, {"torch": torch.__version__}
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     tensors, meta = goldens()
     with open(os.path.join(here, "transformer_layers.safetensors"), "wb") as f:
+        f.write(encode_safetensors(tensors, meta))
+    tensors, meta = block_goldens()
+    with open(os.path.join(here, "transformer_block.safetensors"), "wb") as f:
         f.write(encode_safetensors(tensors, meta))
 
 

@@ -15,7 +15,7 @@ Chain::Chain(Layers layers) : layers_(std::move(layers)) {
   std::set<std::string> names;
   for (const auto& layer : layers_) {
     if (!layer) throw InvalidArgument("a layer list holds a null layer");
-    if (!names.insert(layer->name()).second)
+    if (!layer->name().empty() && !names.insert(layer->name()).second)  // an unnamed residual adds no name
       throw InvalidArgument(fmt::format("two layers of one list are named '{}'", layer->name()));
   }
 }
@@ -47,11 +47,11 @@ std::int64_t Chain::multiply_adds(ActShape in) const {
 void Chain::collect(std::vector<TensorDecl>& params, std::vector<TensorDecl>& buffers) const {
   for (const auto& layer : layers_) {
     for (TensorDecl p : layer->params()) {
-      p.name = layer->name() + "." + p.name;
+      p.name = qualified_name(*layer, p.name);
       params.push_back(std::move(p));
     }
     for (TensorDecl b : layer->buffers()) {
-      b.name = layer->name() + "." + b.name;
+      b.name = qualified_name(*layer, b.name);
       buffers.push_back(std::move(b));
     }
   }

@@ -115,11 +115,11 @@ class Linear final : public Layer {
     params_.push_back({"bias", DType::f32, {out}, Init::fan_in_uniform, in});
   }
   ActShape output_shape(const ActShape& in) const override {
-    if (in.per_sample() != in_)
-      throw InvalidArgument(fmt::format("{}: expects {} input features, got {}", name(), in_, in.per_sample()));
-    return ActShape{in.n, out_, 1, 1};
+    if (in.per_sample() == in_) return ActShape{in.n, out_, 1, 1};
+    if (in.w == in_) return ActShape{in.n, in.c, in.h, out_};  // each token of a sequence
+    throw InvalidArgument(fmt::format("{}: expects {} input features, got {}", name(), in_, in.per_sample()));
   }
-  std::int64_t multiply_adds(const ActShape&) const override { return weights(); }
+  std::int64_t multiply_adds(const ActShape& in) const override { return weights() * (in.per_sample() / in_); }
   bool autocasts() const override { return true; }
   // Under autocast it takes the chain's storage: its GEMMs read bf16 operands (x, the weight, dy)
   // and write fp32, which the layer rounds once into the bf16 output (dx: into the input's dtype).
@@ -128,26 +128,26 @@ class Linear final : public Layer {
     const LayerParams p(ctx, param(0), nullptr, count(), cast_);
     const float* bias = p.params_from(weights());
     if (!ctx.amp) {
-      kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), bias, y);
+      kernels::linear_forward(ctx.stream, rows(ctx.in, in_), in_, out_, x, p.params(), bias, y);
       return;
     }
-    const std::int64_t n_out = static_cast<std::int64_t>(ctx.in.n) * out_;
+    const std::int64_t n_out = static_cast<std::int64_t>(rows(ctx.in, in_)) * out_;
     float* y32 = ctx.amp->get<float>(ctx.amp->out, ctx.device, n_out);
-    kernels::linear_forward(ctx.stream, ctx.in.n, in_, out_, bf16_input(ctx, ctx.amp->x, x, ctx.in.numel()), p.bits(),
-                            bias, y32);
+    kernels::linear_forward(ctx.stream, rows(ctx.in, in_), in_, out_, bf16_input(ctx, ctx.amp->x, x, ctx.in.numel()),
+                            p.bits(), bias, y32);
     kernels::to_bf16(ctx.stream, n_out, y32, reinterpret_cast<std::uint16_t*>(y));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const LayerParams p(ctx, param(0), grad(0), count(), cast_);
     if (!ctx.amp) {
-      kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, x, p.params(), dy, dx, p.grads(), p.grads() + weights(),
-                               p.accumulate());
+      kernels::linear_backward(ctx.stream, rows(ctx.in, in_), in_, out_, x, p.params(), dy, dx, p.grads(),
+                               p.grads() + weights(), p.accumulate());
       p.finish();
       return;
     }
     const std::int64_t n_in = ctx.in.numel();
     float* dx32 = dx && ctx.bf16 ? ctx.amp->get<float>(ctx.amp->dx, ctx.device, n_in) : dx;
-    kernels::linear_backward(ctx.stream, ctx.in.n, in_, out_, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(),
+    kernels::linear_backward(ctx.stream, rows(ctx.in, in_), in_, out_, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(),
                              reinterpret_cast<const std::uint16_t*>(dy), dx32, p.grads(), p.grads() + weights(),
                              p.accumulate());
     if (dx32 != dx) kernels::to_bf16(ctx.stream, n_in, dx32, reinterpret_cast<std::uint16_t*>(dx));
@@ -158,6 +158,8 @@ class Linear final : public Layer {
  private:
   std::int64_t weights() const { return static_cast<std::int64_t>(in_) * out_; }
   std::int64_t count() const { return weights() + out_; }
+  // The rows it multiplies: one per sample, or one per token of a sequence.
+  static int rows(const ActShape& in, int features) { return static_cast<int>(in.numel() / features); }
 
   int in_, out_;
   Scratch cast_;  // autocast: the parameters as bf16, from the forward to its backward
@@ -590,8 +592,9 @@ class Container : public Layer {
     std::size_t p = 0, b = 0;
     for (detail::Chain* chain : chains()) chain->bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
   }
+  // An unnamed container stays unnamed: its children take the prefix as they are.
   void add_prefix(const std::string& prefix) override {
-    Layer::add_prefix(prefix);
+    if (!name().empty()) Layer::add_prefix(prefix);
     for (detail::Chain* chain : chains()) chain->add_prefix(prefix);
   }
   void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
@@ -623,7 +626,8 @@ class Container : public Layer {
   // Called by the derived constructor once its chains exist.
   void adopt_children() {
     for (detail::Chain* chain : chains()) chain->collect(params_, buffers_);
-    for (detail::Chain* chain : chains()) chain->add_prefix(name());
+    if (!name().empty())
+      for (detail::Chain* chain : chains()) chain->add_prefix(name());
   }
 };
 
@@ -754,6 +758,10 @@ class Flatten final : public Layer {
 };
 
 }  // namespace
+
+std::string qualified_name(const Layer& layer, const std::string& tensor) {
+  return layer.name().empty() ? tensor : layer.name() + "." + tensor;
+}
 
 std::unique_ptr<Layer> make_linear(std::string name, int in_features, int out_features) {
   return std::make_unique<Linear>(std::move(name), in_features, out_features);

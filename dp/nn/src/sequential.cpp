@@ -45,8 +45,8 @@ SequentialModel::SequentialModel(std::string name, Device& device, Layers layers
   std::set<std::string> names;
   for (const auto& layer : chain_->layers()) {
     for (auto& p : layer->params()) {
-      if (!names.insert(layer->name() + "." + p.name).second)
-        throw InvalidArgument(fmt::format("{}: two parameters are named '{}.{}'", name_, layer->name(), p.name));
+      if (!names.insert(qualified_name(*layer, p.name)).second)
+        throw InvalidArgument(fmt::format("{}: two parameters are named '{}'", name_, qualified_name(*layer, p.name)));
       p.offset = param_count_;
       param_count_ += numel(p.shape);
     }
@@ -117,7 +117,7 @@ std::vector<TensorRef> SequentialModel::views(bool gradients) const {
   for (const auto& layer : chain_->layers())
     for (const auto& p : layer->params())
       out.push_back(
-          TensorRef{layer->name() + "." + p.name, DType::f32, p.shape, base + p.offset, device_.index(), p.offset});
+          TensorRef{qualified_name(*layer, p.name), DType::f32, p.shape, base + p.offset, device_.index(), p.offset});
   return out;
 }
 
@@ -127,7 +127,7 @@ std::vector<TensorRef> SequentialModel::buffers() const {
   for (const auto& layer : chain_->layers())
     for (const auto& b : layer->buffers())
       out.push_back(
-          TensorRef{layer->name() + "." + b.name, b.dtype, b.shape, base + b.offset, device_.index(), b.offset});
+          TensorRef{qualified_name(*layer, b.name), b.dtype, b.shape, base + b.offset, device_.index(), b.offset});
   return out;
 }
 

@@ -176,7 +176,13 @@ class Layer {
 
 using Layers = std::vector<std::unique_ptr<Layer>>;
 
+// A layer's tensor `tensor` ("weight") as the state dict names it: "<layer>.weight", or the tensor's
+// own name for an unnamed container (whose declarations already carry its children's names).
+std::string qualified_name(const Layer& layer, const std::string& tensor);
+
 // torch.nn.Linear(in_features, out_features).
+// On (N, F, 1, 1) (or any input of in_features per sample: flattened), or on the last dimension of
+// (N, T, 1, in_features), one token at a time (torch's Linear on a (N, T, C) tensor).
 std::unique_ptr<Layer> make_linear(std::string name, int in_features, int out_features);
 // torch.nn.Conv2d(in, out, kernel, stride, pad, bias): square kernel, dilation 1, groups 1.
 std::unique_ptr<Layer> make_conv2d(std::string name, int in_channels, int out_channels, int kernel, int stride, int pad,
@@ -192,6 +198,13 @@ std::unique_ptr<Layer> make_avgpool2d(std::string name, int kernel, int stride, 
 std::unique_ptr<Layer> make_global_avgpool2d(std::string name);
 // torch.nn.Flatten(): (N, C, H, W) -> (N, C*H*W), a view (no copy).
 std::unique_ptr<Layer> make_flatten(std::string name);
+// A transformer's layers on sequences, (N, T, 1, C) per batch (T tokens of C features), each token
+// on its own: torch.nn.LayerNorm(width) (eps 1e-5, fp32 under autocast, as torch's), torch.nn.GELU
+// (approximate 'none', or 'tanh' as GPT-2's), and nanoGPT's CausalSelfAttention without dropout
+// (c_attn and c_proj Linears named as its state dict names them, `heads` heads of width/heads).
+std::unique_ptr<Layer> make_layernorm(std::string name, int width);
+std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation = false);
+std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads);
 // torch.nn.Dropout(p): in train mode zeroes each element with probability p and scales the rest by
 // 1/(1-p); identity in eval mode. The mask comes from Philox4x32-10 (Random123) keyed by the
 // model's RandomContext (seed, step), this layer's name and the element's index in the step's
@@ -203,7 +216,9 @@ std::unique_ptr<Layer> make_dropout(std::string name, double p = 0.5);
 std::unique_ptr<Layer> make_sequential(std::string name, Layers children);
 // A residual block: out = body(x) + shortcut(x) (element-wise Add), then ReLU when `relu_after`,
 // as torchvision's BasicBlock. An empty shortcut is the identity. Parameters: the body's, then the
-// shortcut's, as torchvision registers conv1, bn1, conv2, bn2, then downsample.
+// shortcut's, as torchvision registers conv1, bn1, conv2, bn2, then downsample. An empty name adds
+// no level to its children's names: nanoGPT's Block h.0 is a Sequential "h.0" of two unnamed
+// residuals (x + attn(ln_1(x)), x + mlp(ln_2(x))) whose children are h.0.ln_1, h.0.attn, ....
 std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut = {}, bool relu_after = true);
 
 }  // namespace dp::nn
