@@ -16,6 +16,10 @@ transformer_layers.safetensors:
 transformer_block.safetensors: nanoGPT's Block (ln_1, attn, ln_2, mlp with exact GELU, bias, no
   dropout; C 8, 2 heads) on x (2, 5, 8): init.h.0.<nanoGPT's names>, data.x, data.y, data.dy and
   grad.h.0.<name> after y.backward(dy).
+transformer_gpt.safetensors: nanoGPT's GPT (vocab 32, context 8, width 16, 2 layers of 2 heads, bias,
+  no dropout, lm_head tied to transformer.wte) on 3 sequences of 6 tokens: init.<state dict names>
+  (lm_head.weight left out: it is transformer.wte.weight), data.idx, data.targets (I64), data.logits
+  (3, 6, 32), data.loss (F.cross_entropy over the 18 tokens, mean), data.dlogits, grad.<name>.
 
 Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_goldens.py
 """
@@ -160,6 +164,41 @@ def block_goldens():
     return tensors, {"torch": torch.__version__}
 
 
+class GPT(torch.nn.Module):
+    def __init__(self, vocab, context, width, layers, heads):
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(dict(
+            wte=torch.nn.Embedding(vocab, width),
+            wpe=torch.nn.Embedding(context, width),
+            h=torch.nn.ModuleList([Block(width, heads) for _ in range(layers)]),
+            ln_f=torch.nn.LayerNorm(width)))
+        self.lm_head = torch.nn.Linear(width, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as nanoGPT
+
+    def forward(self, idx):
+        t = idx.size(1)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(t))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def gpt_goldens():
+    torch.manual_seed(43)
+    model = GPT(32, 8, 16, 2, 2)
+    tensors = {f"init.{k}": v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    idx = torch.randint(0, 32, (3, 6))
+    targets = torch.randint(0, 32, (3, 6))
+    logits = model(idx)
+    logits.retain_grad()
+    loss = F.cross_entropy(logits.view(-1, 32), targets.view(-1))
+    loss.backward()
+    tensors.update({"data.idx": idx, "data.targets": targets, "data.logits": logits.detach().clone(),
+                    "data.loss": loss.detach().clone(), "data.dlogits": logits.grad.clone()})
+    tensors.update({f"grad.{k}": p.grad.clone() for k, p in model.named_parameters()})
+    return tensors, {"torch": torch.__version__}
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     tensors, meta = goldens()
@@ -167,6 +206,9 @@ def main():
         f.write(encode_safetensors(tensors, meta))
     tensors, meta = block_goldens()
     with open(os.path.join(here, "transformer_block.safetensors"), "wb") as f:
+        f.write(encode_safetensors(tensors, meta))
+    tensors, meta = gpt_goldens()
+    with open(os.path.join(here, "transformer_gpt.safetensors"), "wb") as f:
         f.write(encode_safetensors(tensors, meta))
 
 

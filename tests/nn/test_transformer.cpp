@@ -8,6 +8,7 @@
 
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
+#include "dp/kernels/loss.h"
 #include "dp/nn/layers.h"
 #include "dp/nn/sequential.h"
 #include "dp/runtime/error.h"
@@ -57,6 +58,60 @@ TEST_P(Transformer, ANanoGptBlockMatchesPyTorch) {
     ++checked;
   }
   EXPECT_EQ(checked, 12);  // ln_1 (2), attn (4), ln_2 (2), mlp (4)
+}
+
+// nanoGPT's GPT (vocab 32, context 8, width 16, 2 blocks of 2 heads) on 3 sequences of 6 tokens:
+// logits, the loss over every token (the cross-entropy kernel over 18 rows) and every gradient,
+// the tied table's with both of its parts, against torch's.
+Layers gpt_body() {
+  Layers body;
+  for (int i = 0; i < 2; ++i) {
+    Layers attn, mlp, branches;
+    attn.push_back(nn::make_layernorm("ln_1", 16));
+    attn.push_back(nn::make_causal_self_attention("attn", 16, 2));
+    mlp.push_back(nn::make_layernorm("ln_2", 16));
+    mlp.push_back(nn::make_linear("mlp.c_fc", 16, 64));
+    mlp.push_back(nn::make_gelu("mlp.gelu"));
+    mlp.push_back(nn::make_linear("mlp.c_proj", 64, 16));
+    branches.push_back(nn::make_residual("", std::move(attn), {}, false));
+    branches.push_back(nn::make_residual("", std::move(mlp), {}, false));
+    body.push_back(nn::make_sequential("transformer.h." + std::to_string(i), std::move(branches)));
+  }
+  body.push_back(nn::make_layernorm("transformer.ln_f", 16));
+  return body;
+}
+
+TEST_P(Transformer, ATinyGptMatchesPyTorch) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt"));
+  Layers layers;
+  layers.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
+  nn::SequentialModel concrete("gpt", *device_, std::move(layers), {6});
+  Model& model = concrete;
+  const auto keys = load_state_dict(model, stream_, golden, "init.");  // strict
+  EXPECT_TRUE(keys.missing.empty());
+  EXPECT_TRUE(keys.unexpected.empty());
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());  // token ids as the model's float input
+  DeviceBuffer input = up(ids), targets = up(golden.at("data.targets").to_i64());
+  const float* logits = model.forward(stream_, input.as<float>(), 3, Mode::train);
+  EXPECT_TRUE(test::all_close(test::to_host(stream_, logits, 18 * 32), golden.at("data.logits").to_f32(), 1e-5, 1e-5));
+
+  // The loss per token: the cross-entropy over the 18 (sample, position) rows, and its gradient.
+  DeviceBuffer per_token = floats(18), loss = floats(1), dlogits = floats(18 * 32);
+  kernels::cross_entropy_forward_backward(stream_, 18, 32, logits, targets.as<std::int64_t>(), per_token.as<float>(),
+                                          loss.as<float>(), 1.0f, 18, dlogits.as<float>());
+  EXPECT_NEAR(down<float>(loss)[0], golden.at("data.loss").to_f32()[0], 1e-5);
+  EXPECT_TRUE(test::all_close(down<float>(dlogits), golden.at("data.dlogits").to_f32(), 1e-4, 1e-7));
+
+  model.zero_grad(stream_);
+  model.backward(stream_, dlogits.as<float>());
+  int checked = 0;
+  for (const TensorRef& g : model.gradients()) {
+    const auto want = golden.at("grad." + g.name).to_f32();
+    EXPECT_TRUE(test::all_close(test::to_host(stream_, g.as<float>(), g.numel()), want, 1e-4, 2e-6)) << g.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2 + 2 * 12 + 2);  // wte, wpe, two blocks, ln_f
 }
 
 TEST_P(Transformer, ShapesThatDoNotFitAreRefusedNamingTheLayer) {

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "chain.h"
+#include "container.h"
 #include "dp/kernels/avgpool.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
@@ -583,56 +584,8 @@ class Dropout final : public Layer {
   double p_;
 };
 
-// A layer made of chains of layers: its declarations are its children's (in chain order, named
-// "<child>.<name>"), its name prefixes theirs, and binding passes their offsets on to them.
-class Container : public Layer {
- public:
-  void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) override {
-    Layer::bind(params_flat, grads_flat, buffers_flat);
-    std::size_t p = 0, b = 0;
-    for (detail::Chain* chain : chains()) chain->bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
-  }
-  // An unnamed container stays unnamed: its children take the prefix as they are.
-  void add_prefix(const std::string& prefix) override {
-    if (!name().empty()) Layer::add_prefix(prefix);
-    for (detail::Chain* chain : chains()) chain->add_prefix(prefix);
-  }
-  void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
-    backward_reporting(ctx, x, y, dy, dx, {});
-  }
-  bool is_container() const override { return true; }
-  // Every chain of a container (Sequential's one, Residual's body and shortcut) reads its input.
-  std::int64_t multiply_adds(const ActShape& in) const override {
-    std::int64_t sum = 0;
-    for (const detail::Chain* chain : const_cast<Container*>(this)->chains()) sum += chain->multiply_adds(in);
-    return sum;
-  }
-  std::size_t saved_bytes() const override {
-    std::size_t bytes = 0;
-    for (const detail::Chain* chain : const_cast<Container*>(this)->chains()) bytes += chain->saved_bytes();
-    return bytes;
-  }
-  bool stochastic() const override {
-    // chains() hands out the derived class's members mutably; asking them changes nothing.
-    for (const detail::Chain* chain : const_cast<Container*>(this)->chains())
-      if (chain->stochastic()) return true;
-    return false;
-  }
-
- protected:
-  using Layer::Layer;
-  // The chains, in parameter order; they are members of the derived class.
-  virtual std::vector<detail::Chain*> chains() = 0;
-  // Called by the derived constructor once its chains exist.
-  void adopt_children() {
-    for (detail::Chain* chain : chains()) chain->collect(params_, buffers_);
-    if (!name().empty())
-      for (detail::Chain* chain : chains()) chain->add_prefix(name());
-  }
-};
-
 // torch.nn.Sequential as a layer (nested containers: torchvision's layer1 = Sequential(BasicBlock)).
-class SequentialLayer final : public Container {
+class SequentialLayer final : public detail::Container {
  public:
   SequentialLayer(std::string name, Layers children) : Container(std::move(name)), chain_(std::move(children)) {
     adopt_children();
@@ -656,7 +609,7 @@ class SequentialLayer final : public Container {
 
 // out = body(x) + shortcut(x), then ReLU, in one pass into `y`; backward recomputes nothing: ReLU's
 // gradient needs only y.
-class Residual final : public Container {
+class Residual final : public detail::Container {
  public:
   Residual(std::string name, Layers body, Layers shortcut, bool relu_after)
       : Container(std::move(name)), body_(std::move(body)), shortcut_(std::move(shortcut)), relu_after_(relu_after) {

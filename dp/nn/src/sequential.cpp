@@ -75,6 +75,7 @@ ActShape SequentialModel::input_act_shape(int batch) const {
 
 void SequentialModel::initialize(std::uint64_t seed) {
   std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> params(param_count_);
   std::vector<std::byte> buffers(buffers_bytes_);
   for (const auto& layer : chain_->layers()) {
@@ -90,6 +91,7 @@ void SequentialModel::initialize(std::uint64_t seed) {
           case Init::fan_in_uniform: out[i] = uniform(rng, -bound, bound); break;
           case Init::ones: out[i] = 1.0f; break;
           case Init::zeros: out[i] = 0.0f; break;
+          case Init::normal: out[i] = normal(rng); break;
         }
       }
     }

@@ -4,10 +4,13 @@
 // last dimension, one token (row) at a time, as torch's do.
 #include <fmt/format.h>
 
+#include "container.h"
 #include "dp/kernels/attention.h"
+#include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
 #include "dp/kernels/layernorm.h"
 #include "dp/kernels/linear.h"
+#include "dp/kernels/ops.h"
 #include "dp/nn/layers.h"
 #include "dp/runtime/error.h"
 
@@ -145,6 +148,120 @@ class CausalSelfAttention final : public Layer {
   std::size_t kept_ = 0;
 };
 
+// nanoGPT's token and position embeddings, transformer.wte (vocab, C) and transformer.wpe (context, C):
+// y[b, t] = wte[id] + wpe[t] for the token ids of (N, T, 1, 1) (floats holding integers). Under a
+// tied head (LanguageModel) the table's gradient already holds the head's part: its own is added.
+class TokenEmbedding final : public Layer {
+ public:
+  TokenEmbedding(std::string name, int vocab, int context, int width)
+      : Layer(std::move(name)), vocab_(vocab), context_(context), width_(width) {
+    if (vocab < 1 || context < 1 || width < 1)
+      throw InvalidArgument(
+          fmt::format("{}: embeddings of {} tokens, {} positions, {} features", this->name(), vocab, context, width));
+    params_.push_back({"wte.weight", DType::f32, {vocab, width}, Init::normal, 0});
+    params_.push_back({"wpe.weight", DType::f32, {context, width}, Init::normal, 0});
+  }
+  ActShape output_shape(const ActShape& in) const override {
+    if (in.h != 1 || in.w != 1 || in.c < 1 || in.c > context_)
+      throw InvalidArgument(fmt::format("{}: expects 1 to {} token ids per sample, got ({}, {}, {})", name(), context_,
+                                        in.c, in.h, in.w));
+    return ActShape{in.n, in.c, 1, width_};
+  }
+  void forward(const LayerContext& ctx, const float* x, float* y) override {
+    const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.c;
+    std::int32_t* ids = ids_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows));
+    kernels::token_ids(ctx.stream, rows, vocab_, x, ids);
+    kernels::embedding_forward(ctx.stream, rows, vocab_, width_, ids, param(0), y);
+    kernels::add_positions(ctx.stream, ctx.in.n, ctx.in.c, width_, param(1), y);
+  }
+  // The ids have no gradient (dx stays as it is).
+  void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float*) override {
+    const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.c;
+    const std::int32_t* ids = ids_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows));
+    std::int32_t* order = order_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows + vocab_ + 1));
+    kernels::embedding_backward(ctx.stream, rows, vocab_, width_, ids, dy, grad(0), order, order + rows,
+                                tied_ || ctx.accumulate_grads);
+    // wpe: rows [0, T) sum over the batch; a shorter sequence leaves the rest, written 0 if writing.
+    const kernels::index_t used = static_cast<kernels::index_t>(ctx.in.c) * width_;
+    kernels::column_sum(ctx.stream, ctx.in.n, used, dy, grad(1), ctx.accumulate_grads ? 1.0f : 0.0f);
+    if (!ctx.accumulate_grads && ctx.in.c < context_)
+      kernels::fill(ctx.stream, grad(1) + used, static_cast<kernels::index_t>(context_) * width_ - used, 0.0f);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<TokenEmbedding>(*this); }
+
+  int vocab() const { return vocab_; }
+  const float* table() const { return param(0); }
+  float* table_grad() const { return grad(0); }
+  // Whether the table's gradient was written by a tied head in this backward.
+  void set_tied(bool tied) { tied_ = tied; }
+
+ private:
+  int vocab_, context_, width_;
+  bool tied_ = false;
+  Scratch ids_;    // the forward's ids, for the backward
+  Scratch order_;  // the backward's sort: order (rows), then offsets (vocab + 1)
+};
+
+// nanoGPT's GPT without dropout: TokenEmbedding "transformer", the body (blocks transformer.h.*, then
+// transformer.ln_f), and lm_head tied to wte: logits (N, T, 1, vocab) = x wte^T (no bias); its
+// gradient dlogits^T x is written (or added) to wte's first, the embedding's own added after it,
+// and the embedding reports the table ready last. Unnamed: its children keep their names. fp32
+// (under autocast the blocks' Linears take bf16; the head reads the fp32 output of ln_f).
+class LanguageModel final : public detail::Container {
+ public:
+  LanguageModel(int vocab, int context, int width, Layers body)
+      : detail::Container(""), chain_(with_embedding(vocab, context, width, std::move(body))), width_(width) {
+    adopt_children();
+  }
+  LanguageModel(const LanguageModel&) = default;
+  ActShape output_shape(const ActShape& in) const override {
+    const ActShape h = chain_.output_shape(in);
+    if (h.w != width_ || h.h != 1)
+      throw InvalidArgument(fmt::format("the language model's body gives ({}, {}, {}) per sample, not (T, 1, {})", h.c,
+                                        h.h, h.w, width_));
+    return ActShape{h.n, h.c, 1, embedding().vocab()};
+  }
+  std::int64_t multiply_adds(const ActShape& in) const override {
+    return detail::Container::multiply_adds(in) + static_cast<std::int64_t>(in.c) * width_ * embedding().vocab();
+  }
+  bool output_bf16(bool) const override { return false; }
+  void forward(const LayerContext& ctx, const float* x, float* y) override {
+    hidden_ = static_cast<const float*>(chain_.forward(ctx, x, nullptr));
+    const int rows = ctx.in.n * ctx.in.c, vocab = embedding().vocab();
+    kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, hidden_, width_, embedding().table(), width_,
+                  0.0f, y, vocab);
+  }
+  void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float*,
+                          const std::function<void(Layer&)>& done) override {
+    TokenEmbedding& table = embedding();
+    const int rows = ctx.in.n * ctx.in.c, vocab = table.vocab();
+    float* dhidden = dhidden_.get<float>(ctx.device, static_cast<std::size_t>(rows) * width_);
+    kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dy, vocab, table.table(), width_, 0.0f, dhidden,
+                  width_);
+    kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dy, vocab, hidden_, width_,
+                  ctx.accumulate_grads ? 1.0f : 0.0f, table.table_grad(), width_);
+    table.set_tied(true);
+    chain_.backward(ctx, dhidden, nullptr, done);
+    table.set_tied(false);
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<LanguageModel>(*this); }
+
+ private:
+  static Layers with_embedding(int vocab, int context, int width, Layers body) {
+    Layers all;
+    all.push_back(std::make_unique<TokenEmbedding>("transformer", vocab, context, width));
+    for (auto& layer : body) all.push_back(std::move(layer));
+    return all;
+  }
+  std::vector<detail::Chain*> chains() override { return {&chain_}; }
+  TokenEmbedding& embedding() const { return static_cast<TokenEmbedding&>(*chain_.layers().front()); }
+
+  detail::Chain chain_;
+  int width_;
+  const float* hidden_ = nullptr;  // the last forward's ln_f output (the chain's memory)
+  Scratch dhidden_;
+};
+
 }  // namespace
 
 std::unique_ptr<Layer> make_layernorm(std::string name, int width) {
@@ -156,6 +273,10 @@ std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation) {
 }
 std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads) {
   return std::make_unique<CausalSelfAttention>(std::move(name), width, heads);
+}
+
+std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body) {
+  return std::make_unique<LanguageModel>(vocab, context, width, std::move(body));
 }
 
 }  // namespace dp::nn

@@ -28,8 +28,8 @@ struct ActShape {
   std::int64_t numel() const { return per_sample() * n; }
 };
 
-// How a parameter or buffer starts (PyTorch's defaults).
-enum class Init { kaiming_uniform, fan_in_uniform, ones, zeros };
+// How a parameter or buffer starts (PyTorch's defaults; normal: N(0, 1), nn.Embedding's).
+enum class Init { kaiming_uniform, fan_in_uniform, ones, zeros, normal };
 
 struct TensorDecl {
   std::string name;  // relative to the layer, e.g. "weight"
@@ -205,6 +205,12 @@ std::unique_ptr<Layer> make_flatten(std::string name);
 std::unique_ptr<Layer> make_layernorm(std::string name, int width);
 std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation = false);
 std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads);
+// nanoGPT's GPT around `body` (its blocks, named transformer.h.0, ..., then transformer.ln_f): token
+// ids per sample (T floats holding integers in [0, vocab), T <= context) through the token and
+// position embeddings transformer.wte (vocab, width) and transformer.wpe (context, width), the body,
+// and lm_head tied to wte (no bias): logits (T, 1, vocab) per sample. The tied lm_head is wte itself,
+// one tensor (torch's state dict names it twice).
+std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body);
 // torch.nn.Dropout(p): in train mode zeroes each element with probability p and scales the rest by
 // 1/(1-p); identity in eval mode. The mask comes from Philox4x32-10 (Random123) keyed by the
 // model's RandomContext (seed, step), this layer's name and the element's index in the step's
