@@ -2,7 +2,9 @@
 // (x + attn(ln_1(x)), then x + mlp(ln_2(x)), exact GELU) built from dp's layers under nanoGPT's
 // parameter names, loaded from torch's state dict, its output and every parameter gradient against
 // torch's (tests/golden/make_transformer_goldens.py), on each backend.
+#include <algorithm>
 #include <gtest/gtest.h>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -112,6 +114,51 @@ TEST_P(Transformer, ATinyGptMatchesPyTorch) {
     ++checked;
   }
   EXPECT_EQ(checked, 2 + 2 * 12 + 2);  // wte, wpe, two blocks, ln_f
+}
+
+// What DataParallel and DDP rely on: a replica on another device computes the same bits, a second
+// backward accumulates, and the tied table (offset 0) is reported ready once, last, after both of
+// its parts are in.
+TEST_P(Transformer, AGptReplicatesAccumulatesAndReportsTheTiedTableLast) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt"));
+  Layers layers;
+  layers.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
+  nn::SequentialModel concrete("gpt", *device_, std::move(layers), {6});
+  Model& model = concrete;
+  load_state_dict(model, stream_, golden, "init.");
+  Device& other = runtime_->device(0);
+  const std::unique_ptr<Model> replica = model.replicate(other);
+  const Stream other_stream = other.create_stream();
+  other_stream.copy(replica->params_flat(), model.params_flat(), model.param_count() * sizeof(float));
+  other_stream.synchronize();
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());
+  const auto dlogits = golden.at("data.dlogits").to_f32();
+  std::vector<std::vector<float>> grads;
+  std::vector<std::size_t> reported;
+  for (Model* m : {&model, replica.get()}) {
+    Device& d = m == &model ? *device_ : other;
+    const Stream s = d.create_stream();
+    DeviceBuffer in = test::upload(d, s, ids), dl = test::upload(d, s, dlogits);
+    m->zero_grad(s);
+    for (int pass = 0; pass < 2; ++pass) {
+      m->forward(s, in.as<float>(), 3, Mode::train);
+      m->backward(s, dl.as<float>(), [&](std::size_t offset, std::size_t) {
+        if (m == &model && pass == 0) reported.push_back(offset);
+      });
+    }
+    grads.push_back(test::to_host(s, m->grads_flat(), m->param_count()));
+  }
+  EXPECT_EQ(grads[0], grads[1]) << "the replica's gradients";
+  ASSERT_FALSE(reported.empty());
+  EXPECT_EQ(reported.back(), 0u) << "wte (offset 0) is reported last";
+  EXPECT_EQ(std::count(reported.begin(), reported.end(), 0u), 1) << "and once";
+  // Two backwards of the same batch: twice torch's gradient.
+  const auto want = golden.at("grad.transformer.wte.weight").to_f32();
+  std::vector<float> twice(want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) twice[i] = 2.0f * want[i];
+  const std::vector<float> wte(grads[0].begin(), grads[0].begin() + static_cast<std::ptrdiff_t>(want.size()));
+  EXPECT_TRUE(test::all_close(wte, twice, 1e-4, 4e-6));
 }
 
 TEST_P(Transformer, ShapesThatDoNotFitAreRefusedNamingTheLayer) {
