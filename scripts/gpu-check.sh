@@ -53,9 +53,9 @@ tests_out='^(cuda_fatbin_architectures|find_package_consumer)$|[/_]sim( |$)'
 # --quick: those comparing cuda's bits with the sim's (reductions, fused kernels, the device ring) and
 # the CUDA rules (test_cuda_rules: CudaRules, ForbiddenInCapture; test_graph: Graphs) and bf16 storage
 # (test_bf16_storage: the bf16 kernels, cuDNN and cuBLAS on bf16 operands) and the transformer kernels
-# (test_transformer_kernels).
+# (test_transformer_kernels, test_transformer).
 tests_quick='^(ReduceCudaMatchesSim|FusionCudaMatchesSim|TransformerKernelsCudaMatchesSim|DeviceRing)\.'
-tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage|TransformerKernels)\.[^ ]*[/_]cuda( |$)'
+tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage|TransformerKernels|Transformer)\.[^ ]*[/_]cuda( |$)'
 if [ "$list" = 1 ]; then
   if [ "$quick" = 1 ]; then select=$tests_quick; else select=$tests_all; fi
   names=$(cd "$build" && timeout 60 ctest -N -R "$select" -E "$tests_out") ||
