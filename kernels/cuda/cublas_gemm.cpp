@@ -1,6 +1,6 @@
-// cublas_gemm.cpp — kernels::gemm on cuda streams: one cublasSgemm with the device's handle, which
-// the runtime owns (pedantic fp32 math: no TF32, so results match the host within fp32 rounding), or
-// under autocast one cublasGemmEx on bf16 tensor cores.
+// cublas_gemm.cpp — kernels::gemm on cuda streams: one cublasSgemm (strided batched for a batch) with
+// the device's handle, which the runtime owns (pedantic fp32 math: no TF32, so results match the
+// host within fp32 rounding), or under autocast one cublasGemmEx on bf16 tensor cores.
 #include "dp/runtime/detail/cuda_status.h"
 #include "dp/runtime/detail/kernel_api.h"
 #include "library_calls.h"
@@ -14,8 +14,13 @@ void cublas_gemm(const Stream& stream, const GemmArgs& g) {
     auto handle = static_cast<cublasHandle_t>(call.handle);
     const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (!g.bf16_operands && !g.bf16_storage) {
-      DP_CUDA_CHECK(cublasSgemm(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, static_cast<const float*>(g.b), g.ldb,
-                                static_cast<const float*>(g.a), g.lda, &g.beta, g.c, g.ldc));
+      if (g.batch == 1)
+        DP_CUDA_CHECK(cublasSgemm(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, static_cast<const float*>(g.b), g.ldb,
+                                  static_cast<const float*>(g.a), g.lda, &g.beta, g.c, g.ldc));
+      else
+        DP_CUDA_CHECK(cublasSgemmStridedBatched(
+            handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, static_cast<const float*>(g.b), g.ldb, g.stride_b,
+            static_cast<const float*>(g.a), g.lda, g.stride_a, &g.beta, g.c, g.ldc, g.stride_c, g.batch));
       return;
     }
     // Operands that are bf16 values (autocast): bf16 tensor cores, fp32 accumulation. bf16 storage
@@ -29,8 +34,11 @@ void cublas_gemm(const Stream& stream, const GemmArgs& g) {
     const cudaDataType operands = g.bf16_storage ? CUDA_R_16BF : CUDA_R_32F;
     const cublasComputeType_t compute = g.bf16_storage ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_16BF;
     const cublasStatus_t status =
-        cublasGemmEx(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, operands, g.ldb, g.a, operands, g.lda, &g.beta,
-                     g.c, CUDA_R_32F, g.ldc, compute, CUBLAS_GEMM_DEFAULT);
+        g.batch == 1 ? cublasGemmEx(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, operands, g.ldb, g.a, operands,
+                                    g.lda, &g.beta, g.c, CUDA_R_32F, g.ldc, compute, CUBLAS_GEMM_DEFAULT)
+                     : cublasGemmStridedBatchedEx(handle, op_b, op_a, g.n, g.m, g.k, &g.alpha, g.b, operands, g.ldb,
+                                                  g.stride_b, g.a, operands, g.lda, g.stride_a, &g.beta, g.c,
+                                                  CUDA_R_32F, g.ldc, g.stride_c, g.batch, compute, CUBLAS_GEMM_DEFAULT);
     DP_CUDA_CHECK(cublasSetMathMode(handle, mode));
     DP_CUDA_CHECK(status);
   });

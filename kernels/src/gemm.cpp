@@ -62,21 +62,39 @@ float round_to_tf32(float x) {
 
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
           int ldb, float beta, float* c, int ldc) {
-  if (m < 0 || n < 0 || k < 0) throw InvalidArgument(fmt::format("gemm: negative extent m={} n={} k={}", m, n, k));
+  gemm_batched(stream, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
+}
+
+void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda,
+                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, float* c, int ldc,
+                  std::int64_t stride_c, int batch) {
+  if (m < 0 || n < 0 || k < 0 || batch < 0)
+    throw InvalidArgument(fmt::format("gemm: negative extent m={} n={} k={} batch={}", m, n, k, batch));
+  if (stride_a < 0 || stride_b < 0 || stride_c < 0)
+    throw InvalidArgument(fmt::format("gemm: negative stride {} {} {}", stride_a, stride_b, stride_c));
   if (a.bf16 != b.bf16) throw InvalidArgument("gemm: A and B of different storage (fp32 and bf16)");
   const int a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
   if (lda < std::max(1, a_cols) || ldb < std::max(1, b_cols) || ldc < std::max(1, n))
     throw InvalidArgument(
         fmt::format("gemm: leading dimension too small (lda={} needs {}, ldb={} needs {}, ldc={} needs {})", lda,
                     a_cols, ldb, b_cols, ldc, n));
-  if (m == 0 || n == 0) return;
+  if (m == 0 || n == 0 || batch == 0) return;
+  // Each operand's range over the batch: its first matrix, then batch - 1 strides further on.
+  const auto over_batch = [batch](kernel_api::Operand o, std::int64_t stride, std::size_t element) {
+    if (o.bytes) o.bytes += static_cast<std::size_t>(batch - 1) * static_cast<std::size_t>(stride) * element;
+    return o;
+  };
   const std::initializer_list<kernel_api::Operand> operands = {
-      matrix(a.data, trans_a ? k : m, a_cols, lda, a.element_size()),
-      matrix(b.data, trans_b ? n : k, b_cols, ldb, b.element_size()), matrix(c, m, n, ldc)};
+      over_batch(matrix(a.data, trans_a ? k : m, a_cols, lda, a.element_size()), stride_a, a.element_size()),
+      over_batch(matrix(b.data, trans_b ? n : k, b_cols, ldb, b.element_size()), stride_b, b.element_size()),
+      over_batch(matrix(c, m, n, ldc), stride_c, sizeof(float))};
   kernel_api::check_operands(stream, "gemm", operands);
   kernel_api::count_traffic(stream, "gemm", operands);
-  const library::GemmArgs g{trans_a, trans_b, m,    n, k,   alpha,         a.data, lda,
-                            b.data,  ldb,     beta, c, ldc, bf16_operands, a.bf16};
+  library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a.data, lda, b.data, ldb, beta, c, ldc, bf16_operands, a.bf16};
+  g.batch = batch;
+  g.stride_a = stride_a;
+  g.stride_b = stride_b;
+  g.stride_c = stride_c;
   if (stream.backend() == Backend::cuda) {
     library::cublas_gemm(stream, g);
     return;
@@ -88,19 +106,25 @@ void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k,
   kernel_api::enqueue_host(
       stream, "gemm",
       [g, tf32] {
-        const auto* a = static_cast<const float*>(g.a);
-        const auto* b = static_cast<const float*>(g.b);
-        if (g.bf16_storage && g.k > 0) {  // bf16 values: exact in fp32 (and in TF32)
-          thread_local std::vector<float> a_wide, b_wide;
-          a = widened_copy(g.a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_wide);
-          b = widened_copy(g.b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_wide);
-        } else if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
-          thread_local std::vector<float> a_tf32, b_tf32;
-          a = tf32_copy(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
-          b = tf32_copy(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
+        const std::size_t element = g.bf16_storage ? 2 : sizeof(float);
+        for (int item = 0; item < g.batch; ++item) {
+          const void* a_at = static_cast<const std::byte*>(g.a) + static_cast<std::size_t>(item) * g.stride_a * element;
+          const void* b_at = static_cast<const std::byte*>(g.b) + static_cast<std::size_t>(item) * g.stride_b * element;
+          float* c_at = g.c + static_cast<std::size_t>(item) * g.stride_c;
+          const auto* a = static_cast<const float*>(a_at);
+          const auto* b = static_cast<const float*>(b_at);
+          if (g.bf16_storage && g.k > 0) {  // bf16 values: exact in fp32 (and in TF32)
+            thread_local std::vector<float> a_wide, b_wide;
+            a = widened_copy(a_at, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_wide);
+            b = widened_copy(b_at, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_wide);
+          } else if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
+            thread_local std::vector<float> a_tf32, b_tf32;
+            a = tf32_copy(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
+            b = tf32_copy(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
+          }
+          cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
+                      g.n, g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, c_at, g.ldc);
         }
-        cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
-                    g.n, g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, g.c, g.ldc);
       },
       SpanKind::gemm);
 }

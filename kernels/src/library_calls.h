@@ -4,6 +4,8 @@
 // where cudnn_available() is false.
 #pragma once
 
+#include <cstdint>
+
 #include "dp/kernels/conv2d.h"
 #include "dp/runtime/device.h"
 
@@ -24,6 +26,9 @@ struct GemmArgs {
   int ldc = 0;
   bool bf16_operands = false;  // A and B are fp32 words holding bf16 values (kernels::Bf16Operands)
   bool bf16_storage = false;   // A and B are bf16 bits (autocast's storage)
+  // `batch` such products, operand i of each `stride_*` elements after operand i - 1 (strided batched).
+  int batch = 1;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;
 };
 
 void cublas_gemm(const Stream& stream, const GemmArgs& args);

@@ -63,7 +63,7 @@ EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& 
   const auto env = [&](int rank) {
     return fmt::format(
         "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} {} {} >{} 2>&1",
+        "MASTER_PORT={} DP_TIMEOUT_S=60 {} {} >{} 2>&1",
         rank, port, DP_TRAIN_BIN, args, (dir / fmt::format("pair{}.txt", rank)).string());
   };
   const std::string script = env(0) + " & p0=$!; " + env(1) + " & p1=$!; t=0; " + meanwhile +
@@ -86,9 +86,11 @@ EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& 
 // A process stopped for 5 s in the middle of training (SIGSTOP, as a debugger, a swapped-out node
 // or a slow decode would hold it) is waited for: the job goes on and writes the checkpoint of an
 // undisturbed run, byte for byte. A process killed outright (kill -9) ends the other within 5 s.
+// The stop and the kill come 3 s in, once the two have met even on a loaded machine (a kill before
+// they meet leaves the other waiting for its peer: DP_TIMEOUT_S bounds that at 60 s, not 10 min).
 TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
   const std::string common =
-      "--model mlp --hidden 64 --mode ddp --backend sim --devices 2 --synthetic 2000 --batch-size 16 --steps 1500 "
+      "--model mlp --hidden 64 --mode ddp --backend sim --devices 2 --synthetic 2000 --batch-size 16 --steps 3000 "
       "--log-every 500";
   const EnvJob calm = env_job(dir_, dp::test::free_tcp_port(), common + " --save " + path("calm.safetensors"),
                               common + " --save " + path("calm.safetensors"));
@@ -97,7 +99,7 @@ TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
     SCOPED_TRACE(stopped);
     const std::string saved = path(fmt::format("stopped{}.safetensors", stopped[2]));
     const EnvPair job = env_pair(dir_, dp::test::free_tcp_port(), common + " --save " + saved,
-                                 fmt::format("sleep 1.5; kill -STOP {0}; sleep 5; kill -CONT {0}", stopped));
+                                 fmt::format("sleep 3; kill -STOP {0}; sleep 5; kill -CONT {0}", stopped));
     EXPECT_EQ(job.code0, 0) << job.out0 << job.out1;
     EXPECT_EQ(job.code1, 0) << job.out1;
     EXPECT_GT(job.seconds, 5.0) << "the stop fell after the run";
@@ -105,8 +107,8 @@ TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
   }
   for (const char* killed : {"$p1", "$p0"}) {
     SCOPED_TRACE(killed);
-    const EnvPair job = env_pair(dir_, dp::test::free_tcp_port(), common,
-                                 fmt::format("sleep 1.5; kill -9 {}; t=$(date +%s%N)", killed));
+    const EnvPair job =
+        env_pair(dir_, dp::test::free_tcp_port(), common, fmt::format("sleep 3; kill -9 {}; t=$(date +%s%N)", killed));
     EXPECT_NE(job.code0, 0) << job.out0;
     EXPECT_NE(job.code1, 0) << job.out1;
     ASSERT_GT(job.killed_at_ns, 0);

@@ -14,6 +14,7 @@
 #include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
 #include "dp/kernels/layernorm.h"
+#include "dp/kernels/ops.h"
 #include "dp/runtime/bfloat16.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
@@ -151,6 +152,52 @@ TEST_P(TransformerKernels, CausalAttentionMatchesPyTorch) {
           ASSERT_EQ(p[static_cast<std::size_t>((m * s.tokens + i) * s.tokens + j)], 0.0f);
   }
   EXPECT_EQ(cases, 3);
+}
+
+// A strided batched GEMM (attention's per-head products over the batch) is the loop of its GEMMs:
+// bit for bit on the sim (the same library call per product), within fp32 rounding on cuda (cuBLAS
+// may pick another kernel for the batched call), on fp32 and bf16 operands, transposed or not; and it
+// counts each product's operands.
+TEST_P(TransformerKernels, GemmBatchedIsTheLoopOfGemms) {
+  const int m = 5, n = 7, k = 4, batch = 3;
+  const std::int64_t stride_a = 40, stride_b = 50, stride_c = 45;  // a gap after each operand
+  const auto a = test::random_vector(static_cast<std::size_t>(stride_a * batch), 21),
+             b = test::random_vector(static_cast<std::size_t>(stride_b * batch), 22);
+  std::vector<std::uint16_t> a16(a.size()), b16(b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) a16[i] = bf16_from_float(a[i]);
+  for (std::size_t i = 0; i < b.size(); ++i) b16[i] = bf16_from_float(b[i]);
+  DeviceBuffer ad = up(a), bd = up(b), a16d = up(a16), b16d = up(b16);
+  for (const bool bf16 : {false, true})
+    for (const bool trans_a : {false, true}) {
+      const int lda = trans_a ? m : k;
+      const kernels::In in_a = bf16 ? kernels::In(a16d.as<std::uint16_t>()) : kernels::In(ad.as<float>());
+      const kernels::In in_b = bf16 ? kernels::In(b16d.as<std::uint16_t>()) : kernels::In(bd.as<float>());
+      DeviceBuffer batched = up(std::vector<float>(static_cast<std::size_t>(stride_c * batch), 0.5f)),
+                   looped = up(std::vector<float>(static_cast<std::size_t>(stride_c * batch), 0.5f));
+      stream_.synchronize();
+      runtime_->reset_memory_traffic();
+      kernels::gemm_batched(stream_, trans_a, false, m, n, k, 0.75f, in_a, lda, stride_a, in_b, n, stride_b, 0.5f,
+                            batched.as<float>(), n, stride_c, batch);
+      stream_.synchronize();
+      std::uint64_t bytes = 0;
+      for (const KernelTraffic& t : runtime_->memory_traffic(device_->index()))
+        if (t.kernel == std::string("gemm")) bytes = t.bytes;
+      const std::uint64_t element = bf16 ? 2 : 4;
+      // Each operand's range over the batch: its first matrix plus batch - 1 strides.
+      EXPECT_EQ(bytes, ((m * k + (batch - 1) * stride_a) + (k * n + (batch - 1) * stride_b)) * element +
+                           (m * n + (batch - 1) * stride_c) * 4u)
+          << bf16 << trans_a;
+      for (int i = 0; i < batch; ++i) {
+        const auto* ap = static_cast<const std::byte*>(in_a.data) + i * stride_a * static_cast<std::int64_t>(element);
+        const auto* bp = static_cast<const std::byte*>(in_b.data) + i * stride_b * static_cast<std::int64_t>(element);
+        kernels::gemm(stream_, trans_a, false, m, n, k, 0.75f, kernels::In(ap, bf16), lda, kernels::In(bp, bf16), n,
+                      0.5f, looped.as<float>() + i * stride_c, n);
+      }
+      if (GetParam() == "sim")
+        EXPECT_EQ(down<float>(batched), down<float>(looped)) << "bf16 " << bf16 << " trans_a " << trans_a;
+      else
+        EXPECT_TRUE(all_close(down<float>(batched), down<float>(looped), 1e-6, 1e-6)) << bf16 << trans_a;
+    }
 }
 
 // bf16 storage: the fp32 kernels' values on the widened inputs, rounded once (the statistics, the

@@ -3,9 +3,9 @@
 // side by side in each row, head h the columns [h*D, (h+1)*D) of each (C = H*D),
 //   att = softmax(mask(q k^T / sqrt(D))) per (batch, head), the mask keeping key j <= query i,
 //   y (B, T, C) = att v with the heads side by side again (torch's transpose(1, 2).view(B, T, C)).
-// The products are kernels::gemm's (cuBLAS / OpenBLAS) one (batch, head) at a time; the softmax and
-// its backward are one thread per row, summing the row in order: the same bits on both backends.
-// fp32 throughout.
+// The products are kernels::gemm_batched (cuBLAS / OpenBLAS), one call per head over the batch;
+// the softmax and its backward are one thread per row, summing the row in order: the same bits on
+// both backends. fp32 throughout.
 #pragma once
 
 #include <cmath>

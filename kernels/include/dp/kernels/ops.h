@@ -73,5 +73,11 @@ class Bf16Operands {
 // widens them, exactly, for OpenBLAS's sgemm); C is fp32.
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
           int ldb, float beta, float* c, int ldc);
+// `batch` GEMMs of one shape in one call, the i-th on A + i * stride_a, B + i * stride_b and
+// C + i * stride_c (strides in elements): cuBLAS's strided batched GEMM on cuda (one launch), the
+// same sgemm per product on the sim. gemm is the batch of one.
+void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda,
+                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, float* c, int ldc,
+                  std::int64_t stride_c, int batch);
 
 }  // namespace dp::kernels
