@@ -85,7 +85,7 @@ void relu_backward(const Stream& stream, index_t n, In y, In dy, Out dx) {
 }
 
 void row_sum(const Stream& stream, index_t rows, index_t cols, const float* x, float* out, float beta) {
-  launch_row_reduce<float>(stream, "row_sum", rows, cols, RowElement{x, cols}, StoreSum{out, beta},
+  launch_row_reduce<float>(stream, "row_sum", rows, cols, RowElement<float>{x, cols}, StoreSum{out, beta},
                            {operand(x, rows * cols), operand(out, rows)});
 }
 

@@ -27,8 +27,8 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
   with_storage(x.bf16, [&](auto t) {
     using T = decltype(t);
     const T* xs = x.as<T>();
-    launch_row_reduce<float>(stream, "layernorm_mean", rows, cols, LnRowValue<T>{xs, cols},
-                             LnStoreMean{mean, 1.0f / static_cast<float>(cols)},
+    launch_row_reduce<float>(stream, "layernorm_mean", rows, cols, RowElement<T>{xs, cols},
+                             BnStoreMean{mean, 1.0f / static_cast<float>(cols)},
                              {operand(xs, total), operand(mean, rows)});
     launch_row_reduce<SumPair>(stream, "layernorm_variance", rows, cols, LnRowMoments<T>{xs, cols, mean},
                                LnStoreRstd{rstd, static_cast<float>(cols), eps},

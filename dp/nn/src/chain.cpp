@@ -87,11 +87,6 @@ float* widen(const LayerContext& ctx, Scratch& into, const void* bits, std::int6
   return out;
 }
 
-namespace {
-
-// An fp32 view of a boundary for a leaf under autocast: bf16 storage widened (exact), or, before a
-// layer that autocasts, fp32 rounded to bf16 values (autocast's cast of its input); else the
-// boundary itself.
 const float* widened(const LayerContext& ctx, const void* data, bool bf16, bool round, std::int64_t n, Scratch& into) {
   if (bf16) return widen(ctx, into, data, n);
   if (!round) return static_cast<const float*>(data);
@@ -99,8 +94,6 @@ const float* widened(const LayerContext& ctx, const void* data, bool bf16, bool 
   kernels::round_to_bf16(ctx.stream, n, static_cast<const float*>(data), out);
   return out;
 }
-
-}  // namespace
 
 const void* Chain::forward(const LayerContext& ctx, const void* x, void* y) {
   const std::size_t count = layers_.size();

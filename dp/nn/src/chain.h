@@ -12,6 +12,10 @@ namespace dp::nn::detail {
 
 // Autocast: `n` bf16 values (their bits at `bits`) widened, exactly, into the model's scratch `into`.
 float* widen(const LayerContext& ctx, Scratch& into, const void* bits, std::int64_t n);
+// An fp32 view of `n` values for arithmetic under autocast: bf16 storage widened (exact), or with
+// `round`, fp32 rounded to bf16 values into `into` (autocast's cast of a Linear's or Conv2d's
+// input); else the data itself.
+const float* widened(const LayerContext& ctx, const void* data, bool bf16, bool round, std::int64_t n, Scratch& into);
 
 class Chain {
  public:

@@ -93,14 +93,6 @@ class LayerParams {
   std::optional<kernels::Bf16Operands> tensor_cores_;
 };
 
-// Autocast, around a layer that cannot take bf16 storage: an fp32 view of a tensor of `n` values,
-// bf16 storage widened (exact) or fp32 rounded to bf16 values (autocast's cast of its input).
-const float* widened_input(const LayerContext& ctx, Scratch& into, const void* x, std::int64_t n) {
-  if (ctx.bf16) return detail::widen(ctx, into, x, n);
-  float* out = ctx.amp->get<float>(into, ctx.device, n);
-  kernels::round_to_bf16(ctx.stream, n, static_cast<const float*>(x), out);
-  return out;
-}
 // Autocast: a tensor as bf16 storage, fp32 rounded (the cast) where it is not already.
 const std::uint16_t* bf16_input(const LayerContext& ctx, Scratch& into, const void* x, std::int64_t n) {
   if (ctx.bf16) return static_cast<const std::uint16_t*>(x);
@@ -239,8 +231,8 @@ class Conv2d final : public Layer {
       return;
     }
     float* y32 = ctx.amp->get<float>(ctx.amp->out, ctx.device, n_out);
-    kernels::conv2d_forward(ctx.stream, s, widened_input(ctx, ctx.amp->x, x, n_in), p.params(), bias, y32,
-                            workspace(ctx, s));
+    kernels::conv2d_forward(ctx.stream, s, detail::widened(ctx, x, ctx.bf16, true, n_in, ctx.amp->x), p.params(), bias,
+                            y32, workspace(ctx, s));
     kernels::to_bf16(ctx.stream, n_out, y32, y16);
   }
   void backward_autocast(const LayerContext& ctx, const kernels::Conv2dShape& s, const float* x, const float* dy,
@@ -260,7 +252,7 @@ class Conv2d final : public Layer {
       if (dx && !ctx.bf16) kernels::from_bf16(ctx.stream, n_in, dx16, dx);
     } else {
       float* dx32 = dx && ctx.bf16 ? amp.get<float>(amp.dx, ctx.device, n_in) : dx;
-      kernels::conv2d_backward(ctx.stream, s, widened_input(ctx, amp.x, x, n_in), p.params(),
+      kernels::conv2d_backward(ctx.stream, s, detail::widened(ctx, x, ctx.bf16, true, n_in, amp.x), p.params(),
                                detail::widen(ctx, amp.dy, dy, n_out), dx32, p.grads(), bias_grad, workspace(ctx, s),
                                p.accumulate());
       if (dx32 != dx) kernels::to_bf16(ctx.stream, n_in, dx32, reinterpret_cast<std::uint16_t*>(dx));

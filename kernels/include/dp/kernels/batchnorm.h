@@ -113,6 +113,13 @@ struct BnCenteredMoments {
     });
   }
 };
+// The sum of squared deviations from the exact mean, from the deviations' plain (a) and squared (b)
+// sums around a rounded mean over `count` values; rounding can push a constant set below 0.
+DP_HD inline float centered_squares(SumPair s, float count) {
+  const float centered = s.b - s.a * s.a / count;
+  return centered < 0.0f ? 0.0f : centered;
+}
+
 // Finishes the statistics of channel c: invstd for this batch and the momentum update of the
 // running statistics (unbiased variance, M/(M-1), as PyTorch). One thread per channel runs it;
 // channel 0's also counts the batch (num_batches_tracked += 1): the counter lives on the device,
@@ -127,8 +134,7 @@ struct BnStoreVariance {
   float eps, momentum;
   DP_HD void operator()(index_t c, SumPair s) const {
     if (c == 0) *num_batches_tracked += 1;
-    float centered = s.b - s.a * s.a / count;  // sum of squared deviations from the exact mean
-    if (centered < 0.0f) centered = 0.0f;      // rounding can push a constant channel below 0
+    const float centered = centered_squares(s, count);
     invstd[c] = 1.0f / sqrtf(centered / count + eps);
     running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean[c];
     running_var[c] = (1.0f - momentum) * running_var[c] + momentum * (centered / (count - 1.0f));

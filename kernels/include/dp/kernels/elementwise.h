@@ -181,13 +181,14 @@ struct ChannelValue {
 };
 
 // Row-wise sum of a (rows, cols) row-major matrix: map(row, col) = x[row*cols + col].
+template <class T = float>
 struct RowElement {
-  const float* x;
+  const T* x;
   index_t cols;
-  DP_HD float operator()(index_t row, index_t col) const { return x[row * cols + col]; }
+  DP_HD float operator()(index_t row, index_t col) const { return load(x, row * cols + col); }
   void host_add_terms(index_t row, index_t col, index_t count, float* lanes) const {
-    const float* at = x + row * cols + col;
-    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + at[k];
+    const T* at = x + row * cols + col;
+    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + load(at, k);
   }
 };
 // Column-wise sum of a (rows, cols) matrix seen as reductions over rows for each column.

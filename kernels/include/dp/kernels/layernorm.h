@@ -30,14 +30,12 @@ void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, 
 // ------------------------------------------------------------------------------------------------
 // functors
 
-// Row r's values, as reduction terms (map(row, col)).
+// The statistics are BatchNorm's over rows instead of channels: the row sums (RowElement) times 1/C
+// (BnStoreMean), then the deviations from that mean, plain and squared (the corrected two-pass form).
 template <class T>
-struct LnRowValue {
-  const T* x;
-  index_t cols;
-  DP_HD float operator()(index_t row, index_t col) const { return load(x, row * cols + col); }
-};
-// Deviations from the row's pass-1 mean, plain and squared (BatchNorm's corrected two-pass form).
+DP_HD float ln_xhat(const T* x, index_t i, const float* mean, const float* rstd, index_t row) {
+  return (load(x, i) - mean[row]) * rstd[row];
+}
 template <class T>
 struct LnRowMoments {
   const T* x;
@@ -48,18 +46,11 @@ struct LnRowMoments {
     return SumPair{d, d * d};
   }
 };
-struct LnStoreMean {
-  float* mean;
-  float inv_cols;
-  DP_HD void operator()(index_t row, float sum) const { mean[row] = sum * inv_cols; }
-};
 struct LnStoreRstd {
   float* rstd;
   float cols, eps;
   DP_HD void operator()(index_t row, SumPair s) const {
-    float centered = s.b - s.a * s.a / cols;
-    if (centered < 0.0f) centered = 0.0f;
-    rstd[row] = 1.0f / sqrtf(centered / cols + eps);
+    rstd[row] = 1.0f / sqrtf(centered_squares(s, cols) / cols + eps);
   }
 };
 
@@ -74,7 +65,7 @@ struct LnNormalize {
   T* y;
   DP_HD void operator()(index_t row, index_t col) const {
     const index_t i = row * cols + col;
-    store(y, i, (load(x, i) - mean[row]) * rstd[row] * gamma[col] + beta[col]);
+    store(y, i, ln_xhat(x, i, mean, rstd, row) * gamma[col] + beta[col]);
   }
 };
 
@@ -90,7 +81,7 @@ struct LnGradTerms {
   DP_HD SumPair operator()(index_t row, index_t col) const {
     const index_t i = row * cols + col;
     const float g = load(dy, i) * gamma[col];
-    return SumPair{g, g * ((load(x, i) - mean[row]) * rstd[row])};
+    return SumPair{g, g * ln_xhat(x, i, mean, rstd, row)};
   }
 };
 struct LnStoreRowSums {
@@ -115,7 +106,7 @@ struct LnInputGrad {
   T* dx;
   DP_HD void operator()(index_t row, index_t col) const {
     const index_t i = row * cols + col;
-    const float xhat = (load(x, i) - mean[row]) * rstd[row];
+    const float xhat = ln_xhat(x, i, mean, rstd, row);
     const float g = load(dy, i) * gamma[col];
     store(dx, i, rstd[row] * (g - sums[row] * inv_cols - xhat * (sums[rows + row] * inv_cols)));
   }
@@ -132,7 +123,7 @@ struct LnParamTerms {
   DP_HD SumPair operator()(index_t col, index_t row) const {
     const index_t i = row * cols + col;
     const float g = load(dy, i);
-    return SumPair{g * ((load(x, i) - mean[row]) * rstd[row]), g};
+    return SumPair{g * ln_xhat(x, i, mean, rstd, row), g};
   }
 };
 struct LnStoreParamGrads {
