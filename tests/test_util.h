@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <map>
 #include <memory>
 #include <netinet/in.h>
 #include <random>
@@ -21,6 +22,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "dp/runtime/bfloat16.h"
 #include "dp/runtime/device.h"
 
 namespace dp::test {
@@ -135,11 +137,31 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
     return download<T>(stream_, buffer);
   }
   DeviceBuffer floats(std::size_t n) { return device_->allocate(n * sizeof(float)); }
+  // Bytes and launches by kernel on the test's device since the last reset_memory_traffic, once
+  // the stream's work is done (Runtime::memory_traffic).
+  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> traffic() {
+    stream_.synchronize();
+    std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> out;
+    for (const KernelTraffic& k : runtime_->memory_traffic(device_->index())) out[k.kernel] = {k.bytes, k.launches};
+    return out;
+  }
 
   std::unique_ptr<Runtime> runtime_;
   Device* device_ = nullptr;
   Stream stream_;
 };
+
+// Values as bf16 bits (rounded to nearest even, as the GPU rounds), and bf16 bits as floats (exact).
+inline std::vector<std::uint16_t> bf16_bits(const std::vector<float>& v) {
+  std::vector<std::uint16_t> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16_from_float(v[i]);
+  return b;
+}
+inline std::vector<float> bf16_values(const std::vector<std::uint16_t>& b) {
+  std::vector<float> v(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
+  return v;
+}
 
 inline std::vector<float> random_vector(std::size_t n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);

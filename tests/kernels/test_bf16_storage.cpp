@@ -23,28 +23,14 @@ namespace {
 
 using kernels::index_t;
 
-std::vector<std::uint16_t> bits_of(const std::vector<float>& v) {
-  std::vector<std::uint16_t> b(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16_from_float(v[i]);
-  return b;
-}
-std::vector<float> values_of(const std::vector<std::uint16_t>& b) {
-  std::vector<float> v(b.size());
-  for (std::size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
-  return v;
-}
+using test::bf16_bits;
+using test::bf16_values;
 
 class Bf16Storage : public test::BackendTest {
  protected:
-  DeviceBuffer bf16(const std::vector<float>& v) { return up(bits_of(v)); }
+  DeviceBuffer bf16(const std::vector<float>& v) { return up(bf16_bits(v)); }
   DeviceBuffer halves(std::size_t n) { return device_->allocate(n * sizeof(std::uint16_t)); }
   bool cuda() const { return GetParam() == "cuda"; }
-  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> traffic() {
-    stream_.synchronize();
-    std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> out;
-    for (const KernelTraffic& k : runtime_->memory_traffic(device_->index())) out[k.kernel] = {k.bytes, k.launches};
-    return out;
-  }
 };
 INSTANTIATE_TEST_SUITE_P(Backends, Bf16Storage, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
@@ -55,8 +41,8 @@ TEST_P(Bf16Storage, ElementwiseKernelsGiveTheHostsBits) {
   const kernels::BatchNormShape s{4, 3, 6, 6};
   const index_t c = s.c, plane = 36, count = 4 * 36, total = count * c;
   const auto n = static_cast<std::size_t>(total);
-  const std::vector<std::uint16_t> x = bits_of(test::random_vector(n, 1, -2.0f, 2.0f));
-  const std::vector<std::uint16_t> dy = bits_of(test::random_vector(n, 2));
+  const std::vector<std::uint16_t> x = bf16_bits(test::random_vector(n, 1, -2.0f, 2.0f));
+  const std::vector<std::uint16_t> dy = bf16_bits(test::random_vector(n, 2));
   const std::vector<float> gamma = test::random_vector(3, 3, 0.5f, 1.5f), beta = test::random_vector(3, 4);
   DeviceBuffer xd = up(x), dyd = up(dy), g = up(gamma), b = up(beta), y = halves(n), dx = halves(n);
   DeviceBuffer saved = floats(4 * 3), rm = up(std::vector<float>(3, 0.0f)), rv = up(std::vector<float>(3, 1.0f));
@@ -133,17 +119,17 @@ TEST_P(Bf16Storage, ElementwiseKernelsGiveTheHostsBits) {
 TEST_P(Bf16Storage, ConvolutionsAreFp32ArithmeticOnTheBf16Values) {
   const kernels::Conv2dShape s{2, 3, 8, 8, 4, 3, 3, 1, 1};
   if (!kernels::conv2d_supports_bf16(stream_, s)) GTEST_SKIP() << "no convolution library takes bf16 here";
-  const std::vector<float> x = values_of(bits_of(test::random_vector(384, 11))),
-                           w = values_of(bits_of(test::random_vector(108, 12))),
-                           bias = values_of(bits_of(test::random_vector(4, 13))),
-                           dy = values_of(bits_of(test::random_vector(512, 14)));
+  const std::vector<float> x = bf16_values(bf16_bits(test::random_vector(384, 11))),
+                           w = bf16_values(bf16_bits(test::random_vector(108, 12))),
+                           bias = bf16_values(bf16_bits(test::random_vector(4, 13))),
+                           dy = bf16_values(bf16_bits(test::random_vector(512, 14)));
   DeviceBuffer x16 = bf16(x), w16 = bf16(w), dy16 = bf16(dy), y16 = halves(512), dx16 = halves(384);
   DeviceBuffer b = up(bias), dw = floats(108), db = floats(4);
   kernels::conv2d_forward(stream_, s, x16.as<std::uint16_t>(), w16.as<std::uint16_t>(), b.as<float>(),
                           y16.as<std::uint16_t>(), nullptr);
   kernels::conv2d_backward(stream_, s, x16.as<std::uint16_t>(), w16.as<std::uint16_t>(), dy16.as<std::uint16_t>(),
                            dx16.as<std::uint16_t>(), dw.as<float>(), db.as<float>(), nullptr, false);
-  const std::vector<float> y = values_of(down<std::uint16_t>(y16)), dx = values_of(down<std::uint16_t>(dx16));
+  const std::vector<float> y = bf16_values(down<std::uint16_t>(y16)), dx = bf16_values(down<std::uint16_t>(dx16));
   const std::vector<float> dweight = down<float>(dw);
 
   // The fp32 path on the same values, on the same backend.

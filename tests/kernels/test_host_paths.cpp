@@ -17,6 +17,7 @@
 #include "dp/kernels/linear.h"
 #include "dp/kernels/maxpool.h"
 #include "dp/kernels/optimizer.h"
+#include "test_util.h"
 
 namespace dp::kernels {
 namespace {
@@ -44,7 +45,7 @@ constexpr bool kHostBodies =
 static_assert(kHostBodies<float> && kHostBodies<std::uint16_t>);
 static_assert(HasHostRun<Im2col> && HasHostRun<Col2im>);
 static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
-static_assert(HasHostAddTerms<RowElement, float>);
+static_assert(HasHostAddTerms<RowElement<float>, float> && HasHostAddTerms<RowElement<std::uint16_t>, float>);
 
 const Pool2dShape kPools[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 9, 8, 3, 2, 1},
                               {1, 2, 7, 5, 3, 2, 1},   {1, 2, 6, 7, 3, 1, 1}, {2, 1, 4, 3, 3, 3, 0}};
@@ -180,24 +181,16 @@ TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
 // bf16 storage (autocast): each functor reading and writing bf16 bits gives what its fp32 form gives
 // on the widened values, rounded once (the chain's widen / compute / round), and its host body
 // agrees with the per-element form, overlapping pooling windows included.
-std::vector<std::uint16_t> to_bits16(const std::vector<float>& v) {
-  std::vector<std::uint16_t> b(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16_from_float(v[i]);
-  return b;
-}
-std::vector<float> widened(const std::vector<std::uint16_t>& b) {
-  std::vector<float> v(b.size());
-  for (std::size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
-  return v;
-}
+using test::bf16_bits;
+using test::bf16_values;
 
 TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
   unsigned seed = 300;
   for (const Pool2dShape& s : kPools) {
     const std::size_t in = static_cast<std::size_t>(s.n) * s.c * s.h * s.w;
     const std::size_t rows = static_cast<std::size_t>(s.n) * s.c * s.h_out(), out = rows * s.w_out();
-    const std::vector<std::uint16_t> x = to_bits16(random_floats(in, ++seed, true));
-    const std::vector<float> x32 = widened(x);
+    const std::vector<std::uint16_t> x = bf16_bits(random_floats(in, ++seed, true));
+    const std::vector<float> x32 = bf16_values(x);
     std::vector<float> y32(out);
     std::vector<std::uint16_t> y1(out), y2(out);
     std::vector<std::int32_t> a32(out), a1(out), a2(out);
@@ -207,13 +200,13 @@ TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
     for (std::size_t r = 0; r < rows; ++r)
       for (int c = 0; c < s.w_out(); ++c) f1(static_cast<index_t>(r), c);
     f2.host_run(static_cast<index_t>(rows), s.w_out());
-    EXPECT_EQ(y1, to_bits16(y32));
+    EXPECT_EQ(y1, bf16_bits(y32));
     EXPECT_EQ(y1, y2);
     EXPECT_EQ(a1, a32);
     EXPECT_EQ(a1, a2);
 
-    const std::vector<std::uint16_t> dy = to_bits16(random_floats(out, ++seed));
-    const std::vector<float> dy32 = widened(dy);
+    const std::vector<std::uint16_t> dy = bf16_bits(random_floats(out, ++seed));
+    const std::vector<float> dy32 = bf16_values(dy);
     std::vector<float> dx32(in);
     std::vector<std::uint16_t> dx1(in, 7), dx2(in, 7);
     const MaxPoolBackward<float> b32{s, a1.data(), dy32.data(), dx32.data()};
@@ -222,15 +215,15 @@ TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
     b32.host_run(static_cast<index_t>(in));
     for (std::size_t i = 0; i < in; ++i) b1(static_cast<index_t>(i));
     b2.host_run(static_cast<index_t>(in));
-    EXPECT_EQ(dx1, to_bits16(dx32));
+    EXPECT_EQ(dx1, bf16_bits(dx32));
     EXPECT_EQ(dx1, dx2);
   }
 
   const index_t n = 3, c = 4, plane = 49, count = n * c * plane;
   const auto size = static_cast<std::size_t>(count);
-  const std::vector<std::uint16_t> x = to_bits16(random_floats(size, 40)), dy = to_bits16(random_floats(size, 41)),
-                                   relu_y = to_bits16(random_floats(size, 42));
-  const std::vector<float> x32 = widened(x), dy32 = widened(dy), relu_y32 = widened(relu_y);
+  const std::vector<std::uint16_t> x = bf16_bits(random_floats(size, 40)), dy = bf16_bits(random_floats(size, 41)),
+                                   relu_y = bf16_bits(random_floats(size, 42));
+  const std::vector<float> x32 = bf16_values(x), dy32 = bf16_values(dy), relu_y32 = bf16_values(relu_y);
   const std::vector<float> mean = random_floats(4, 43), gamma = random_floats(4, 44), beta = random_floats(4, 45);
   const std::vector<float> sums = random_floats(8, 46);
   std::vector<float> invstd = random_floats(4, 47);
@@ -249,7 +242,7 @@ TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
     for (index_t r = 0; r < n * c; ++r)
       for (index_t j = 0; j < plane; ++j) f1(r, j);
     f2.host_run(n * c, plane);
-    EXPECT_EQ(y1, to_bits16(y32));
+    EXPECT_EQ(y1, bf16_bits(y32));
     EXPECT_EQ(y1, y2);
 
     const BnInputGradTerm<float> t32{x32.data(),
@@ -269,7 +262,7 @@ TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
     for (index_t r = 0; r < n * c; ++r)
       for (index_t j = 0; j < plane; ++j) g1(r, j);
     g2.host_run(n * c, plane);
-    EXPECT_EQ(d1, to_bits16(d32));
+    EXPECT_EQ(d1, bf16_bits(d32));
     EXPECT_EQ(d1, d2);
 
     // The backward's sums read bf16 as the fp32 terms of the widened values.
@@ -340,7 +333,7 @@ TEST(HostPaths, LinearBiasAndRowColumnTerms) {
   for (index_t i = 0; i < 35; ++i) f1(i);
   f2.host_run(35);
   EXPECT_EQ(bits(y1), bits(y2));
-  const RowElement rows{x.data(), 300};
+  const RowElement<float> rows{x.data(), 300};
   const ColumnElement columns{x.data(), 7};
   const std::vector<float> start = random_floats(kReduceLanes, 42);
   for (index_t r = 0; r < 7; ++r) {

@@ -15,16 +15,7 @@
 namespace dp {
 namespace {
 
-class TrafficTest : public test::BackendTest {
- protected:
-  // bytes and launches by kernel on the test's device since the last reset
-  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> traffic() {
-    stream_.synchronize();
-    std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> out;
-    for (const KernelTraffic& k : runtime_->memory_traffic(device_->index())) out[k.kernel] = {k.bytes, k.launches};
-    return out;
-  }
-};
+class TrafficTest : public test::BackendTest {};
 INSTANTIATE_TEST_SUITE_P(Backends, TrafficTest, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
 

@@ -163,10 +163,7 @@ TEST_P(TransformerKernels, GemmBatchedIsTheLoopOfGemms) {
   const std::int64_t stride_a = 40, stride_b = 50, stride_c = 45;  // a gap after each operand
   const auto a = test::random_vector(static_cast<std::size_t>(stride_a * batch), 21),
              b = test::random_vector(static_cast<std::size_t>(stride_b * batch), 22);
-  std::vector<std::uint16_t> a16(a.size()), b16(b.size());
-  for (std::size_t i = 0; i < a.size(); ++i) a16[i] = bf16_from_float(a[i]);
-  for (std::size_t i = 0; i < b.size(); ++i) b16[i] = bf16_from_float(b[i]);
-  DeviceBuffer ad = up(a), bd = up(b), a16d = up(a16), b16d = up(b16);
+  DeviceBuffer ad = up(a), bd = up(b), a16d = up(test::bf16_bits(a)), b16d = up(test::bf16_bits(b));
   for (const bool bf16 : {false, true})
     for (const bool trans_a : {false, true}) {
       const int lda = trans_a ? m : k;
@@ -178,10 +175,7 @@ TEST_P(TransformerKernels, GemmBatchedIsTheLoopOfGemms) {
       runtime_->reset_memory_traffic();
       kernels::gemm_batched(stream_, trans_a, false, m, n, k, 0.75f, in_a, lda, stride_a, in_b, n, stride_b, 0.5f,
                             batched.as<float>(), n, stride_c, batch);
-      stream_.synchronize();
-      std::uint64_t bytes = 0;
-      for (const KernelTraffic& t : runtime_->memory_traffic(device_->index()))
-        if (t.kernel == std::string("gemm")) bytes = t.bytes;
+      const std::uint64_t bytes = traffic().at("gemm").first;
       const std::uint64_t element = bf16 ? 2 : 4;
       // Each operand's range over the batch: its first matrix plus batch - 1 strides.
       EXPECT_EQ(bytes, ((m * k + (batch - 1) * stride_a) + (k * n + (batch - 1) * stride_b)) * element +
@@ -205,15 +199,9 @@ TEST_P(TransformerKernels, GemmBatchedIsTheLoopOfGemms) {
 TEST_P(TransformerKernels, Bf16StorageIsTheFp32ResultRounded) {
   const index_t rows = 12, cols = 40;
   const auto size = static_cast<std::size_t>(rows * cols);
-  std::vector<std::uint16_t> x16(size), dy16(size);
-  std::vector<float> x(size), dy(size);
-  const auto xr = test::random_vector(size, 1, -3.0f, 3.0f), dyr = test::random_vector(size, 2);
-  for (std::size_t i = 0; i < size; ++i) {
-    x16[i] = bf16_from_float(xr[i]);
-    dy16[i] = bf16_from_float(dyr[i]);
-    x[i] = bf16_to_float(x16[i]);
-    dy[i] = bf16_to_float(dy16[i]);
-  }
+  const auto x16 = test::bf16_bits(test::random_vector(size, 1, -3.0f, 3.0f)),
+             dy16 = test::bf16_bits(test::random_vector(size, 2));
+  const auto x = test::bf16_values(x16), dy = test::bf16_values(dy16);
   const auto gamma = test::random_vector(static_cast<std::size_t>(cols), 3, 0.5f, 1.5f),
              beta = test::random_vector(static_cast<std::size_t>(cols), 4);
   const LayerNormResult want = layernorm(rows, cols, x, gamma, beta, dy);
@@ -225,11 +213,7 @@ TEST_P(TransformerKernels, Bf16StorageIsTheFp32ResultRounded) {
   kernels::layernorm_backward(stream_, rows, cols, xd.as<std::uint16_t>(), g.as<float>(), mean.as<float>(),
                               rstd.as<float>(), dyd.as<std::uint16_t>(), dx.as<std::uint16_t>(), dg.as<float>(),
                               db.as<float>(), sums.as<float>(), false);
-  const auto rounded = [](const std::vector<float>& v) {
-    std::vector<std::uint16_t> r(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) r[i] = bf16_from_float(v[i]);
-    return r;
-  };
+  const auto rounded = test::bf16_bits;
   EXPECT_EQ(down<std::uint16_t>(y), rounded(want.y));
   EXPECT_EQ(down<std::uint16_t>(dx), rounded(want.dx));
   EXPECT_EQ(down<float>(mean), want.mean);

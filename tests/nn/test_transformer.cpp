@@ -21,19 +21,25 @@ namespace {
 
 using nn::Layers;
 
-// nanoGPT's Block h.0 of width 8 and 2 heads: two unnamed residual branches (identity shortcuts, no
-// ReLU) in a Sequential named h.0.
-Layers block() {
-  Layers attn, mlp, branches, layers;
-  attn.push_back(nn::make_layernorm("ln_1", 8));
-  attn.push_back(nn::make_causal_self_attention("attn", 8, 2));
-  mlp.push_back(nn::make_layernorm("ln_2", 8));
-  mlp.push_back(nn::make_linear("mlp.c_fc", 8, 32));
+// nanoGPT's Block of `width` features and `heads` heads, named `name`: two unnamed residual
+// branches (identity shortcuts, no ReLU) in a Sequential.
+std::unique_ptr<nn::Layer> block(const std::string& name, int width, int heads) {
+  Layers attn, mlp, branches;
+  attn.push_back(nn::make_layernorm("ln_1", width));
+  attn.push_back(nn::make_causal_self_attention("attn", width, heads));
+  mlp.push_back(nn::make_layernorm("ln_2", width));
+  mlp.push_back(nn::make_linear("mlp.c_fc", width, 4 * width));
   mlp.push_back(nn::make_gelu("mlp.gelu"));
-  mlp.push_back(nn::make_linear("mlp.c_proj", 32, 8));
+  mlp.push_back(nn::make_linear("mlp.c_proj", 4 * width, width));
   branches.push_back(nn::make_residual("", std::move(attn), {}, false));
   branches.push_back(nn::make_residual("", std::move(mlp), {}, false));
-  layers.push_back(nn::make_sequential("h.0", std::move(branches)));
+  return nn::make_sequential(name, std::move(branches));
+}
+
+// Block h.0 of width 8 and 2 heads.
+Layers block() {
+  Layers layers;
+  layers.push_back(block("h.0", 8, 2));
   return layers;
 }
 
@@ -67,18 +73,7 @@ TEST_P(Transformer, ANanoGptBlockMatchesPyTorch) {
 // the tied table's with both of its parts, against torch's.
 Layers gpt_body() {
   Layers body;
-  for (int i = 0; i < 2; ++i) {
-    Layers attn, mlp, branches;
-    attn.push_back(nn::make_layernorm("ln_1", 16));
-    attn.push_back(nn::make_causal_self_attention("attn", 16, 2));
-    mlp.push_back(nn::make_layernorm("ln_2", 16));
-    mlp.push_back(nn::make_linear("mlp.c_fc", 16, 64));
-    mlp.push_back(nn::make_gelu("mlp.gelu"));
-    mlp.push_back(nn::make_linear("mlp.c_proj", 64, 16));
-    branches.push_back(nn::make_residual("", std::move(attn), {}, false));
-    branches.push_back(nn::make_residual("", std::move(mlp), {}, false));
-    body.push_back(nn::make_sequential("transformer.h." + std::to_string(i), std::move(branches)));
-  }
+  for (int i = 0; i < 2; ++i) body.push_back(block("transformer.h." + std::to_string(i), 16, 2));
   body.push_back(nn::make_layernorm("transformer.ln_f", 16));
   return body;
 }
