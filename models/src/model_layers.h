@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/models/gpt.h"
 #include "dp/nn/layers.h"
 
 namespace dp::models::detail {
@@ -16,5 +17,7 @@ nn::Layers resnet8_layers();
 // torchvision's ResNet of BasicBlocks, `blocks_per_stage` in layer1..layer4; `name` for messages.
 nn::Layers basic_resnet_layers(const std::string& name, const std::array<int, 4>& blocks_per_stage, int num_classes,
                                int image_size);
+// The GPT as one language-model layer (make_gpt's, without a device).
+nn::Layers gpt_layers(const GptConfig& config);
 
 }  // namespace dp::models::detail

@@ -4,10 +4,12 @@
 #include <cmath>
 #include <fmt/format.h>
 #include <numbers>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "dp/models/convnet.h"
+#include "dp/models/gpt.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/sequential.h"
@@ -94,21 +96,21 @@ std::unique_ptr<Layer> basic_block(const std::string& name, int in, int out, int
   return make_residual(name, std::move(body), std::move(shortcut));
 }
 
-// torchvision's ResNet.__init__ re-initialises every convolution with
-// kaiming_normal_(mode="fan_out", nonlinearity="relu"): N(0, 2 / (out_channels * kh * kw)). Without
-// it the 7x7 stem and 16 blocks of the default (fan-in uniform, a = sqrt(5)) init shrink the signal
-// layer after layer. Normals by Box-Muller from 24-bit uniforms of a seeded mt19937_64: the same
+// Re-initialises the parameters `std_of` gives a standard deviation with N(0, std^2) (0: zeros), in
+// parameters() order; nullopt keeps a parameter as it is. Normals by Box-Muller from 24-bit uniforms of a seeded mt19937_64: the same
 // values on every platform (std::normal_distribution's are the library's own). torch's generator
 // differs, so the values do, not their distribution.
-void torchvision_conv_init(Model& model, std::uint64_t seed) {
+template <class StdOf>
+void normal_init(Model& model, std::uint64_t seed, StdOf std_of) {
   std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ULL);
   const auto uniform = [&] { return (static_cast<double>(rng() >> 40) + 0.5) / 16777216.0; };  // (0, 1)
   const Stream stream = model.device().create_stream();
   for (const TensorRef& p : model.parameters()) {
-    if (p.shape.size() != 4) continue;  // the convolutions' weights: out x in x kh x kw
-    const double std = std::sqrt(2.0 / static_cast<double>(p.shape[0] * p.shape[2] * p.shape[3]));
-    std::vector<float> values(p.numel());
-    for (std::size_t i = 0; i < values.size(); i += 2) {
+    const std::optional<double> std_or = std_of(p);
+    if (!std_or) continue;
+    const double std = *std_or;
+    std::vector<float> values(p.numel(), 0.0f);
+    for (std::size_t i = 0; std > 0.0 && i < values.size(); i += 2) {
       const double r = std::sqrt(-2.0 * std::log(uniform())), angle = 2.0 * std::numbers::pi * uniform();
       values[i] = static_cast<float>(std * r * std::cos(angle));
       if (i + 1 < values.size()) values[i + 1] = static_cast<float>(std * r * std::sin(angle));
@@ -116,6 +118,17 @@ void torchvision_conv_init(Model& model, std::uint64_t seed) {
     stream.copy(p.data, values.data(), p.bytes());
     stream.synchronize();
   }
+}
+
+// torchvision's ResNet.__init__ re-initialises every convolution with
+// kaiming_normal_(mode="fan_out", nonlinearity="relu"): N(0, 2 / (out_channels * kh * kw)). Without
+// it the 7x7 stem and 16 blocks of the default (fan-in uniform, a = sqrt(5)) init shrink the signal
+// layer after layer.
+void torchvision_conv_init(Model& model, std::uint64_t seed) {
+  normal_init(model, seed, [](const TensorRef& p) -> std::optional<double> {
+    if (p.shape.size() != 4) return std::nullopt;  // the convolutions' weights: out x in x kh x kw
+    return std::sqrt(2.0 / static_cast<double>(p.shape[0] * p.shape[2] * p.shape[3]));
+  });
 }
 
 }  // namespace
@@ -188,6 +201,58 @@ std::unique_ptr<Model> make_resnet34(Device& device, int num_classes, int image_
 
 std::unique_ptr<Model> make_resnet8(Device& device, std::uint64_t seed) {
   return initialized("resnet8", device, detail::resnet8_layers(), {1, 28, 28}, seed);
+}
+
+std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads) {
+  Layers attn, mlp, branches;
+  attn.push_back(make_layernorm("ln_1", width));
+  attn.push_back(make_causal_self_attention("attn", width, heads));
+  mlp.push_back(make_layernorm("ln_2", width));
+  mlp.push_back(make_linear("mlp.c_fc", width, 4 * width));
+  mlp.push_back(make_gelu("mlp.gelu"));
+  mlp.push_back(make_linear("mlp.c_proj", 4 * width, width));
+  // Unnamed residual branches with identity shortcuts and no ReLU: the Block's own names.
+  branches.push_back(make_residual("", std::move(attn), {}, false));
+  branches.push_back(make_residual("", std::move(mlp), {}, false));
+  return make_sequential(name, std::move(branches));
+}
+
+nn::Layers gpt_body(const GptConfig& c) {
+  const auto positive = [](const char* field, int value) {
+    if (value < 1) throw InvalidArgument(fmt::format("gpt: {} must be at least 1, got {}", field, value));
+  };
+  positive("vocab", c.vocab);
+  positive("context", c.context);
+  positive("layers", c.layers);
+  positive("heads", c.heads);
+  positive("width", c.width);
+  if (c.width % c.heads != 0)
+    throw InvalidArgument(fmt::format("gpt: width {} is not a multiple of heads {}", c.width, c.heads));
+  Layers body;
+  for (int i = 0; i < c.layers; ++i) body.push_back(gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads));
+  body.push_back(make_layernorm("transformer.ln_f", c.width));
+  return body;
+}
+
+namespace detail {
+
+nn::Layers gpt_layers(const GptConfig& config) {
+  Layers layers;
+  layers.push_back(make_language_model(config.vocab, config.context, config.width, gpt_body(config)));
+  return layers;
+}
+
+}  // namespace detail
+
+std::unique_ptr<Model> make_gpt(Device& device, const GptConfig& config, std::uint64_t seed) {
+  auto model = initialized("gpt", device, detail::gpt_layers(config), {config.context}, seed);
+  const double residual_std = 0.02 / std::sqrt(2.0 * config.layers);
+  normal_init(*model, seed, [&](const TensorRef& p) -> std::optional<double> {
+    if (p.shape.size() == 2) return p.name.ends_with(".c_proj.weight") ? residual_std : 0.02;
+    if (p.name.find(".ln_") != std::string::npos) return std::nullopt;  // LayerNorms 1 and 0, as initialised
+    return 0.0;                                                          // the Linears' biases
+  });
+  return model;
 }
 
 }  // namespace dp::models

@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "dp/models/convnet.h"
+#include "dp/models/gpt.h"
 #include "dp/models/mlp.h"
 #include "dp/models/resnet.h"
 #include "dp/runtime/error.h"
@@ -20,9 +21,11 @@ namespace {
 std::vector<std::int64_t> grey_28x28(const ModelArgs&) { return {1, 28, 28}; }
 std::vector<std::int64_t> rgb_square(const ModelArgs& args) { return {3, args.image_size, args.image_size}; }
 
+std::vector<std::int64_t> tokens(const ModelArgs& args) { return {args.gpt.context}; }
+
 // A function's static: the tools' own static tables may ask for it while they are initialised.
-const std::array<ModelSpec, 5>& models() {
-  static const std::array<ModelSpec, 5> specs = {{
+const std::array<ModelSpec, 6>& models() {
+  static const std::array<ModelSpec, 6> specs = {{
       {"mlp",
        "Flatten, then Linear+ReLU per --hidden size (optional Dropout), Linear to 10 classes; 1x28x28 inputs",
        {ModelArg::hidden, ModelArg::dropout},
@@ -61,13 +64,27 @@ const std::array<ModelSpec, 5>& models() {
        [](Device& d, const ModelArgs& a, std::uint64_t seed) {
          return make_resnet34(d, a.num_classes, a.image_size, seed);
        }},
+      {"gpt",
+       "nanoGPT's GPT (GPT-2 init, tied lm_head) on byte tokens: --vocab, --context, --layers, --heads, --width",
+       {ModelArg::gpt},
+       [](const ModelArgs& a) { return detail::gpt_layers(a.gpt); },
+       tokens,
+       [](Device& d, const ModelArgs& a, std::uint64_t seed) { return make_gpt(d, a.gpt, seed); }},
   }};
   return specs;
 }
 
-// One sample of (C, H, W).
+// One sample of (C), (C, H) or (C, H, W), as SequentialModel reads its input shape.
 nn::ActShape input_act_shape(const std::vector<std::int64_t>& input) {
-  return {1, static_cast<int>(input[0]), static_cast<int>(input[1]), static_cast<int>(input[2])};
+  const auto at = [&](std::size_t i) { return i < input.size() ? static_cast<int>(input[i]) : 1; };
+  return {1, at(0), at(1), at(2)};
+}
+
+nn::ActShape output_act_shape(const ModelSpec::LayersFn layers, const ModelArgs& args,
+                              const std::vector<std::int64_t>& input) {
+  nn::ActShape shape = input_act_shape(input);
+  for (const auto& layer : layers(args)) shape = layer->output_shape(shape);
+  return shape;
 }
 
 std::uint64_t checked_add(std::uint64_t a, std::uint64_t b, std::string_view model) {
@@ -86,9 +103,11 @@ std::uint64_t ModelSpec::input_floats(const ModelArgs& args) const {
 }
 
 int ModelSpec::num_classes(const ModelArgs& args) const {
-  nn::ActShape shape = input_act_shape(input_shape(args));
-  for (const auto& layer : layers_(args)) shape = layer->output_shape(shape);
-  return static_cast<int>(shape.per_sample());
+  return static_cast<int>(output_act_shape(layers_, args, input_shape(args)).row_features());
+}
+
+int ModelSpec::targets_per_sample(const ModelArgs& args) const {
+  return output_act_shape(layers_, args, input_shape(args)).rows();
 }
 
 std::uint64_t ModelSpec::param_count(const ModelArgs& args) const {
@@ -104,7 +123,7 @@ double ModelSpec::gemm_flops_per_sample(const ModelArgs& args) const {
   double total = 0, first = -1;
   for (const auto& layer : layers_(args)) {
     const auto multiply_adds = static_cast<double>(layer->multiply_adds(shape));
-    if (first < 0 && multiply_adds > 0) first = multiply_adds;
+    if (first < 0 && multiply_adds > 0) first = static_cast<double>(layer->first_layer_skipped_multiply_adds(shape));
     total += multiply_adds;
     shape = layer->output_shape(shape);
   }

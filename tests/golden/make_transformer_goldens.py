@@ -20,6 +20,10 @@ transformer_gpt.safetensors: nanoGPT's GPT (vocab 32, context 8, width 16, 2 lay
   no dropout, lm_head tied to transformer.wte) on 3 sequences of 6 tokens: init.<state dict names>
   (lm_head.weight left out: it is transformer.wte.weight), data.idx, data.targets (I64), data.logits
   (3, 6, 32), data.loss (F.cross_entropy over the 18 tokens, mean), data.dlogits, grad.<name>.
+transformer_gpt_train.safetensors: the tiny GPT (vocab 32, context 16, width 32, 2 layers of 2 heads)
+  on 4 sequences of 16 tokens, one torch.optim.SGD(lr 0.5) step, fp32 and under
+  torch.autocast("cpu", bfloat16): init.<names>, data.idx, data.targets, <mode>.loss,
+  and <mode>.step.<name> (the parameters after the step) for mode fp32 and amp.
 
 Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_goldens.py
 """
@@ -199,6 +203,31 @@ def gpt_goldens():
     return tensors, {"torch": torch.__version__}
 
 
+def gpt_train_goldens():
+    """One SGD step of the issue's tiny GPT on 4 sequences of 16 tokens, fp32 and under bf16 autocast."""
+    torch.manual_seed(44)
+    vocab, context, width, layers, heads, batch, lr = 32, 16, 32, 2, 2, 4, 0.5
+    model = GPT(vocab, context, width, layers, heads)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tensors = {f"init.{k}": v for k, v in init.items()}
+    idx = torch.randint(0, vocab, (batch, context))
+    targets = torch.randint(0, vocab, (batch, context))
+    tensors.update({"data.idx": idx, "data.targets": targets})
+    for mode, amp in (("fp32", False), ("amp", True)):
+        model.load_state_dict({**init, "lm_head.weight": init["transformer.wte.weight"]})
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = model(idx)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=lr).step()
+        tensors[f"{mode}.loss"] = loss.detach().clone()
+        tensors.update({f"{mode}.step.{k}": p.detach().clone() for k, p in model.named_parameters()})
+    meta = {"torch": torch.__version__, "vocab": str(vocab), "context": str(context), "width": str(width),
+            "layers": str(layers), "heads": str(heads), "batch": str(batch), "lr": str(lr)}
+    return tensors, meta
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     tensors, meta = goldens()
@@ -209,6 +238,9 @@ def main():
         f.write(encode_safetensors(tensors, meta))
     tensors, meta = gpt_goldens()
     with open(os.path.join(here, "transformer_gpt.safetensors"), "wb") as f:
+        f.write(encode_safetensors(tensors, meta))
+    tensors, meta = gpt_train_goldens()
+    with open(os.path.join(here, "transformer_gpt_train.safetensors"), "wb") as f:
         f.write(encode_safetensors(tensors, meta))
 
 

@@ -621,7 +621,9 @@ TEST(Registry, EveryModelAnswersAsItsBuiltModel) {
   args.hidden = {32, 16};
   args.num_classes = 7;
   args.image_size = 32;
-  ASSERT_EQ(models::model_names(), (std::vector<std::string>{"mlp", "convnet", "resnet8", "resnet18", "resnet34"}));
+  args.gpt = {32, 8, 2, 2, 16};
+  ASSERT_EQ(models::model_names(),
+            (std::vector<std::string>{"mlp", "convnet", "resnet8", "resnet18", "resnet34", "gpt"}));
   for (const models::ModelSpec& spec : models::all_models()) {
     SCOPED_TRACE(std::string(spec.name()));
     EXPECT_FALSE(spec.description().empty());
@@ -631,6 +633,7 @@ TEST(Registry, EveryModelAnswersAsItsBuiltModel) {
     EXPECT_EQ(spec.input_shape(args), model->input_shape());
     EXPECT_EQ(spec.input_floats(args), static_cast<std::uint64_t>(numel(model->input_shape())));
     EXPECT_EQ(spec.num_classes(args), model->output_features());
+    EXPECT_EQ(spec.targets_per_sample(args), model->targets_per_sample());
     EXPECT_EQ(models::find_model(spec.name()), &spec);
   }
 }
@@ -646,6 +649,9 @@ TEST(Registry, ParameterCountsAreTorchs) {
   args.num_classes = 1000;
   EXPECT_EQ(count("resnet18"), 11689512u) << "torchvision.models.resnet18()";
   EXPECT_EQ(count("resnet34"), 21797672u) << "torchvision.models.resnet34()";
+  // nanoGPT's GPT(vocab 256, block_size 64, n_layer 4, n_head 4, n_embd 128, bias=True): the tied
+  // lm_head counted once, as model.parameters() yields it.
+  EXPECT_EQ(count("gpt"), 834304u);
   args.hidden = {1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30,
                  1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30};
   EXPECT_THROW(count("mlp"), InvalidArgument) << "2^64 parameters and more";
@@ -669,6 +675,13 @@ TEST(Registry, GemmFlopsFollowTheLayersShapes) {
   args.image_size = 64;
   const double fc_flops = 2.0 * 3 * 512 * 10;  // forward and both gradients
   EXPECT_EQ(models::model_spec("resnet18").gemm_flops_per_sample(args) - fc_flops, 4.0 * (at32 - fc_flops));
+  // GPT: per block the four Linears of each token and attention's q k^T and att v (the whole T x T,
+  // as nanoGPT's estimate counts it), then the tied head; every input gradient runs (the first layer
+  // is the embedding).
+  const models::GptConfig g = args.gpt;
+  const double t = g.context, c = g.width;
+  const double block = t * (3 * c * c + c * c + 4 * c * c + 4 * c * c) + 2 * t * t * c;
+  EXPECT_EQ(models::model_spec("gpt").gemm_flops_per_sample(args), 6.0 * (g.layers * block + t * c * g.vocab));
 }
 
 TEST(Registry, AnUnknownNameIsRefusedNamingTheKnownOnes) {
@@ -677,7 +690,8 @@ TEST(Registry, AnUnknownNameIsRefusedNamingTheKnownOnes) {
     models::model_spec("nosuch");
     FAIL() << "no throw";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("unknown model 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34)"),
+    EXPECT_NE(
+        std::string(e.what()).find("unknown model 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34, gpt)"),
               std::string::npos)
         << e.what();
   }

@@ -11,6 +11,7 @@
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
 #include "dp/kernels/loss.h"
+#include "dp/models/gpt.h"
 #include "dp/nn/layers.h"
 #include "dp/nn/sequential.h"
 #include "dp/runtime/error.h"
@@ -21,25 +22,10 @@ namespace {
 
 using nn::Layers;
 
-// nanoGPT's Block of `width` features and `heads` heads, named `name`: two unnamed residual
-// branches (identity shortcuts, no ReLU) in a Sequential.
-std::unique_ptr<nn::Layer> block(const std::string& name, int width, int heads) {
-  Layers attn, mlp, branches;
-  attn.push_back(nn::make_layernorm("ln_1", width));
-  attn.push_back(nn::make_causal_self_attention("attn", width, heads));
-  mlp.push_back(nn::make_layernorm("ln_2", width));
-  mlp.push_back(nn::make_linear("mlp.c_fc", width, 4 * width));
-  mlp.push_back(nn::make_gelu("mlp.gelu"));
-  mlp.push_back(nn::make_linear("mlp.c_proj", 4 * width, width));
-  branches.push_back(nn::make_residual("", std::move(attn), {}, false));
-  branches.push_back(nn::make_residual("", std::move(mlp), {}, false));
-  return nn::make_sequential(name, std::move(branches));
-}
-
 // Block h.0 of width 8 and 2 heads.
 Layers block() {
   Layers layers;
-  layers.push_back(block("h.0", 8, 2));
+  layers.push_back(models::gpt_block("h.0", 8, 2));
   return layers;
 }
 
@@ -71,12 +57,7 @@ TEST_P(Transformer, ANanoGptBlockMatchesPyTorch) {
 // nanoGPT's GPT (vocab 32, context 8, width 16, 2 blocks of 2 heads) on 3 sequences of 6 tokens:
 // logits, the loss over every token (the cross-entropy kernel over 18 rows) and every gradient,
 // the tied table's with both of its parts, against torch's.
-Layers gpt_body() {
-  Layers body;
-  for (int i = 0; i < 2; ++i) body.push_back(block("transformer.h." + std::to_string(i), 16, 2));
-  body.push_back(nn::make_layernorm("transformer.ln_f", 16));
-  return body;
-}
+Layers gpt_body() { return models::gpt_body({32, 8, 2, 2, 16}); }
 
 TEST_P(Transformer, ATinyGptMatchesPyTorch) {
   const auto golden = safetensors::read(test::golden_path("transformer_gpt"));

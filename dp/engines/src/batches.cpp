@@ -8,7 +8,11 @@
 
 namespace dp::engines {
 
-std::size_t sample_floats(const Model& model) { return numel(model.input_shape()); }
+SampleSize sample_size(const Model& model) {
+  const int classes = model.output_features();
+  const auto targets = static_cast<std::size_t>(model.targets_per_sample());
+  return {numel(model.input_shape()), targets, targets * static_cast<std::size_t>(classes), classes};
+}
 
 void check_batch(const Batch& batch) {
   if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
@@ -20,13 +24,15 @@ void expect_batches(std::size_t got, int expected, const char* engine) {
     throw InvalidArgument(fmt::format("{} step needs {} batch(es), got {}", engine, expected, got));
 }
 
-void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample) {
+void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch, const SampleSize& sample) {
   check_batch(batch);
   const auto samples = static_cast<std::size_t>(batch.size);
-  stream.copy(inputs_.get<float>(device, samples * floats_per_sample), batch.inputs,
-              samples * floats_per_sample * sizeof(float));
-  if (batch.targets)
-    stream.copy(targets_.get<std::int64_t>(device, samples), batch.targets, samples * sizeof(std::int64_t));
+  stream.copy(inputs_.get<float>(device, samples * sample.floats), batch.inputs,
+              samples * sample.floats * sizeof(float));
+  if (batch.targets) {
+    const std::size_t targets = samples * sample.targets;
+    stream.copy(targets_.get<std::int64_t>(device, targets), batch.targets, targets * sizeof(std::int64_t));
+  }
 }
 
 }  // namespace dp::engines

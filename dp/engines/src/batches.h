@@ -11,8 +11,13 @@
 
 namespace dp::engines {
 
-// Floats per sample of the model's input.
-std::size_t sample_floats(const Model& model);
+// One sample of the model in an engine's buffers: its input floats, its class targets (one per row
+// of logits: Model::targets_per_sample) and the logits of its rows.
+struct SampleSize {
+  std::size_t floats = 0, targets = 1, logits = 0;
+  int classes = 0;  // logits per row
+};
+SampleSize sample_size(const Model& model);
 
 // Throws InvalidArgument for an empty batch or null inputs.
 void check_batch(const Batch& batch);
@@ -23,9 +28,9 @@ void expect_batches(std::size_t got, int expected, const char* engine);
 // A host batch copied to one device, into grow-only buffers (evaluation, DDP's forward_backward).
 class StagedBatch {
  public:
-  // Enqueues on `stream` the copies of batch.size samples of `floats_per_sample` inputs, and of the
-  // targets when batch.targets is set. Throws InvalidArgument for an empty batch or null inputs.
-  void stage(Device& device, const Stream& stream, const Batch& batch, std::size_t floats_per_sample);
+  // Enqueues on `stream` the copies of batch.size samples' inputs, and of their targets when
+  // batch.targets is set. Throws InvalidArgument for an empty batch or null inputs.
+  void stage(Device& device, const Stream& stream, const Batch& batch, const SampleSize& sample);
   const float* inputs() const { return static_cast<const float*>(inputs_.data()); }
   const std::int64_t* targets() const { return static_cast<const std::int64_t*>(targets_.data()); }
 

@@ -177,7 +177,7 @@ void DataParallel::receive_broadcast(int rank) {
 // pipeline slot, copied in before the source began the step.
 void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro) {
   const int used = static_cast<int>(chunks_.size());
-  const std::size_t sample_floats = engines::sample_floats(module_);
+  const engines::SampleSize sample = engines::sample_size(module_);
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
   Device& device = group_.device(rank);
   if (rank == 0)
@@ -186,8 +186,8 @@ void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int s
   const int rows = chunks_[static_cast<std::size_t>(rank)];
   const float* chunk_inputs = nullptr;
   if (inputs) {
-    const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample_floats;
-    r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample_floats);
+    const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample.floats;
+    r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample);
     chunk_inputs = r.inputs.inputs();
   } else {
     chunk_inputs = r.rings[static_cast<std::size_t>(micro)]->inputs(slot);
@@ -213,16 +213,16 @@ void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mo
 
 void DataParallel::gather_outputs() {
   const int used = static_cast<int>(chunks_.size());
-  const std::size_t classes = static_cast<std::size_t>(module_.output_features());
+  const std::size_t logits = engines::sample_size(module_).logits;
   Device& out_device = group_.device(output_rank_);
-  float* gathered = gathered_.get<float>(out_device, static_cast<std::size_t>(batch_) * classes);
+  float* gathered = gathered_.get<float>(out_device, static_cast<std::size_t>(batch_) * logits);
   Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
   mark(time_phases_, out.stream, gather_start_);
   for (int rank = 0; rank < used; ++rank) {
     const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
     if (rank != output_rank_) out.stream.wait(r.forward_done);
-    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes, r.output,
-                    static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * classes * sizeof(float));
+    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits, r.output,
+                    static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * logits * sizeof(float));
   }
   mark(time_phases_, out.stream, gather_end_);
 }
@@ -248,16 +248,16 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     const Event& done = step_done_[static_cast<std::size_t>(slot)];
     // Every chunk into its device's ring, the targets into the output device's: copied in on their
     // copy streams while the step in flight computes, no later than this step's source waits for them.
-    const std::size_t floats = engines::sample_floats(module_);
+    const engines::SampleSize sample = engines::sample_size(module_);
     for (std::size_t m = 0; m < batches.size(); ++m) {
       const Batch& micro = batches[m];
       for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
         engines::push_batch(*replicas_[rank]->rings[m], group_.device(static_cast<int>(rank)), slot,
-                            Batch{micro.inputs + static_cast<std::size_t>(offsets_[rank]) * floats, nullptr,
+                            Batch{micro.inputs + static_cast<std::size_t>(offsets_[rank]) * sample.floats, nullptr,
                                   chunks_[rank], micro.lease},
-                            floats, done);
+                            sample, done);
       targets_rings_[m]->push(group_.device(output_rank_), slot, nullptr, 0, micro.targets,
-                              static_cast<std::size_t>(batch), done, micro.lease);
+                              static_cast<std::size_t>(batch) * sample.targets, done, micro.lease);
     }
 
     std::vector<Device*> devices;
@@ -382,7 +382,8 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
 }
 
 void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {
-  const int classes = module_.output_features();
+  const engines::SampleSize sample = engines::sample_size(module_);
+  const int rows = batch * static_cast<int>(sample.targets);
   Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
   Device& device = group_.device(output_rank_);
   // The previous micro-batch's output gradient is read by every replica's backward: this one's
@@ -391,13 +392,12 @@ void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {
     for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
       if (static_cast<int>(rank) != output_rank_) out.stream.wait(replicas_[rank]->backward_done);
   gather_outputs();
-  float* grad_output =
-      grad_output_.get<float>(device, static_cast<std::size_t>(batch) * static_cast<std::size_t>(classes));
+  float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * sample.logits);
   const auto* gathered = static_cast<const float*>(gathered_.data());
   // torch's accumulation loop: (loss / K).backward().
   const float* loss_value =
       loss_->forward_backward(out.stream, gathered, targets_rings_[static_cast<std::size_t>(micro)]->targets(slot),
-                              batch, classes, grad_output, batch, 1.0f / static_cast<float>(accumulate_));
+                              rows, sample.classes, grad_output, rows, 1.0f / static_cast<float>(accumulate_));
   // Pinned: asynchronous; the slot's own floats, so a later step never overwrites them.
   out.stream.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + micro), loss_value,
                   sizeof(float));
@@ -407,16 +407,16 @@ void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {
 }
 
 void DataParallel::enqueue_backward(int rank, int micro) {
-  const std::size_t classes = static_cast<std::size_t>(module_.output_features());
+  const std::size_t logits = engines::sample_size(module_).logits;
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
-  const std::size_t rows = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
+  const std::size_t samples = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
   const float* slice = static_cast<const float*>(grad_output_.data()) +
-                       static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * classes;
+                       static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits;
   const float* dy = slice;
   if (rank != output_rank_) {
     r.stream.wait(grad_output_ready_);
-    float* local = r.grad_output.get<float>(group_.device(rank), rows * classes);
-    r.stream.copy(local, slice, rows * classes * sizeof(float));
+    float* local = r.grad_output.get<float>(group_.device(rank), samples * logits);
+    r.stream.copy(local, slice, samples * logits * sizeof(float));
     dy = local;
   }
   mark(time_phases_, r.stream, r.backward_start);
@@ -464,7 +464,7 @@ void DataParallel::synchronize() {
 std::vector<float> DataParallel::predict(const float* inputs, int batch) {
   pipeline_->drain();  // a failed step is reported here, not by a forward behind it
   broadcast_and_forward(inputs, batch, Mode::eval);
-  std::vector<float> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(module_.output_features()));
+  std::vector<float> out(static_cast<std::size_t>(batch) * engines::sample_size(module_).logits);
   group_.run_on(output_rank_, [&] {
     gather_outputs();
     replicas_[static_cast<std::size_t>(output_rank_)]->stream.copy(out.data(), gathered_.data(),

@@ -350,20 +350,21 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;
   Device& device = group_.device(r);
-  const int classes = m.output_features();
-  if (!ring) rank.batch.stage(device, rank.compute, batch, engines::sample_floats(m));
+  const engines::SampleSize sample = engines::sample_size(m);
+  const int rows = batch.size * static_cast<int>(sample.targets);
+  if (!ring) rank.batch.stage(device, rank.compute, batch, sample);
   const auto i = static_cast<std::size_t>(index);
   const float* inputs = ring ? rank.rings[i]->inputs(slot) : rank.batch.inputs();
   const std::int64_t* targets = ring ? rank.rings[i]->targets(slot) : rank.batch.targets();
-  float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * classes);
+  float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * sample.logits);
   // seed + global rank, as each torch process seeds itself; forwards accumulated without a step
   // (no_sync) continue the step's samples, as one larger batch would.
   m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(comm_->first_rank() + r),
                         static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
   rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
   const float* logits = m.forward(rank.compute, inputs, batch.size, Mode::train);
-  const float* loss = rank.loss->forward_backward(rank.compute, logits, targets, batch.size, classes, grad_output,
-                                                  batch.size, loss_scale);
+  const float* loss = rank.loss->forward_backward(rank.compute, logits, targets, rows, sample.classes, grad_output,
+                                                  rows, loss_scale);
   GradientsReady on_ready;
   if (sync) {
     // Not grads_flat(): that would fill in a pending zero_grad the backward is about to overwrite.
@@ -402,13 +403,14 @@ void DistributedDataParallel::enqueue_sharded_forward_backward(int r, std::span<
   Rank& rank = *ranks_[static_cast<std::size_t>(r)];
   Model& m = *rank.model;
   Device& device = group_.device(r);
-  const int classes = m.output_features();
+  const engines::SampleSize sample = engines::sample_size(m);
   const std::size_t n = m.param_count();
   const auto count = static_cast<std::size_t>(batches_per_rank_);
   const int shard_size = shards[0].size;
   const int global_batch = shard_size * options_.shards;
   const int first_shard = (comm_->first_rank() + r) * batches_per_rank_;
-  float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * classes);
+  float* grad_output = rank.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * sample.logits);
+  const int rows = shard_size * static_cast<int>(sample.targets);
   float* mine = rank.shard_grads.get<float>(device, count * n);
   float* all = rank.all_grads.get<float>(device, static_cast<std::size_t>(options_.shards) * n);
   const bool keep_shard0_buffers = first_shard == 0 && count > 1 && m.buffers_bytes() > 0;
@@ -420,8 +422,9 @@ void DistributedDataParallel::enqueue_sharded_forward_backward(int r, std::span<
                           static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
     const float* logits = m.forward(rank.compute, rank.rings[i]->inputs(slot), shard_size, Mode::train);
     if (saved && i == 0) rank.compute.copy(saved, m.buffers_flat(), m.buffers_bytes());
-    const float* loss = rank.loss->forward_backward(rank.compute, logits, rank.rings[i]->targets(slot), shard_size,
-                                                    classes, grad_output, global_batch, 1.0f);
+    const float* loss = rank.loss->forward_backward(rank.compute, logits, rank.rings[i]->targets(slot), rows,
+                                                    sample.classes, grad_output,
+                                                    global_batch * static_cast<int>(sample.targets), 1.0f);
     rank.compute.copy(rank.host_loss.as<float>() + static_cast<std::size_t>(slot) * count + i, loss, sizeof(float));
     m.backward(rank.compute, grad_output, {});
     rank.compute.copy(mine + i * n, m.grads_flat(), n * sizeof(float));
@@ -515,12 +518,12 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
   check_batches(batches, true);
   const int slot = pipeline_->next_slot();
   return pipeline_->enqueue([&] {
-    const std::size_t floats = engines::sample_floats(*ranks_[0]->model);
+    const engines::SampleSize sample = engines::sample_size(*ranks_[0]->model);
     for (int r = 0; r < group_.size(); ++r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
       const auto mine = batches_of(r, batches);
       for (std::size_t i = 0; i < mine.size(); ++i)
-        engines::push_batch(*rank.rings[i], group_.device(r), slot, mine[i], floats,
+        engines::push_batch(*rank.rings[i], group_.device(r), slot, mine[i], sample,
                             rank.step_done[static_cast<std::size_t>(slot)]);
     }
     bool broadcast = false;
@@ -618,10 +621,10 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
   // As torch's DDP forward: buffers (BatchNorm running statistics) come from rank 0 first.
   if ((options_.broadcast_buffers || options_.shards > 0) && require_forward_param_sync_)
     broadcast_from_rank0(false, true);
-  const auto classes = static_cast<std::size_t>(ranks_[0]->model->output_features());
+  const engines::SampleSize sample = engines::sample_size(*ranks_[0]->model);
   std::vector<std::size_t> offsets(batches.size() + 1, 0);
   for (std::size_t r = 0; r < batches.size(); ++r)
-    offsets[r + 1] = offsets[r] + static_cast<std::size_t>(batches[r].size) * classes;
+    offsets[r + 1] = offsets[r] + static_cast<std::size_t>(batches[r].size) * sample.logits;
   std::vector<float> out(offsets.back());
   run_ranks([&](int r) {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
@@ -629,12 +632,11 @@ std::vector<float> DistributedDataParallel::predict(std::span<const Batch> batch
       const auto b = static_cast<std::size_t>(r * forwards_per_rank() + i);
       const Batch& batch = batches[b];
       if (batch.size == 0) continue;
-      rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size},
-                       engines::sample_floats(*rank.model));
+      rank.batch.stage(group_.device(r), rank.compute, Batch{batch.inputs, nullptr, batch.size}, sample);
       const float* logits = rank.model->forward(rank.compute, rank.batch.inputs(), batch.size, Mode::eval);
       // Pageable destination: the copy returns once written.
       rank.compute.copy(out.data() + offsets[b], logits,
-                        static_cast<std::size_t>(batch.size) * classes * sizeof(float));
+                        static_cast<std::size_t>(batch.size) * sample.logits * sizeof(float));
     }
   });
   return out;

@@ -41,12 +41,14 @@ EvalTotals Engine::evaluate(std::span<const Batch> batches, std::vector<std::int
     if (batch.size > 0 && !batch.targets) throw InvalidArgument("evaluation batch without targets (null pointer)");
   const std::vector<float> logits = predict(batches);
   const auto classes = static_cast<std::size_t>(model().output_features());
+  const auto targets_per_sample = static_cast<std::size_t>(model().targets_per_sample());
   std::vector<EvalTotals> per_batch(batches.size());
   std::size_t row = 0;
   for (std::size_t b = 0; b < batches.size(); ++b) {
     const Batch& batch = batches[b];
     EvalTotals& totals = per_batch[b];
-    for (int i = 0; i < batch.size; ++i, ++row) {
+    const std::size_t rows = static_cast<std::size_t>(batch.size) * targets_per_sample;
+    for (std::size_t i = 0; i < rows; ++i, ++row) {
       const float* x = logits.data() + row * classes;
       const std::int64_t target = batch.targets[i];
       if (target < 0 || static_cast<std::size_t>(target) >= classes)

@@ -79,11 +79,11 @@ void InputRing::push(Device& device, int slot, const float* inputs, std::size_t 
 
 void InputRing::acquire(int slot, const Stream& stream) const { stream.wait(slots_[idx(slot)].copied); }
 
-void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, std::size_t floats_per_sample,
+void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, const SampleSize& sample,
                 const Event& slot_free) {
   const auto samples = static_cast<std::size_t>(batch.size);
-  ring.push(device, slot, batch.inputs, samples * floats_per_sample, batch.targets, batch.targets ? samples : 0,
-            slot_free, batch.lease);
+  ring.push(device, slot, batch.inputs, samples * sample.floats, batch.targets,
+            batch.targets ? samples * sample.targets : 0, slot_free, batch.lease);
 }
 
 }  // namespace dp::engines

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "batches.h"
 #include "dp/nn/batch.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/scratch.h"
@@ -62,7 +63,7 @@ class InputRing {
 
 // A batch of a training step on one device: inputs and targets, pushed into `ring`'s `slot` (with
 // its lease). The engine has checked it (check_batch) once, before waiting for anything.
-void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, std::size_t floats_per_sample,
+void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, const SampleSize& sample,
                 const Event& slot_free);
 
 }  // namespace dp::engines

@@ -48,19 +48,20 @@ SingleDeviceTrainer::~SingleDeviceTrainer() {
 
 void SingleDeviceTrainer::enqueue_step(const std::vector<int>& sizes, int slot) {
   Device& device = model_.device();
-  const int classes = model_.output_features();
+  const engines::SampleSize sample = engines::sample_size(model_);
   const auto micro = static_cast<int>(sizes.size());
   std::uint64_t offset = 0;  // micro-batches continue the step's samples, as one larger batch would
   for (int m = 0; m < micro; ++m) {
     const int batch = sizes[static_cast<std::size_t>(m)];
+    const int rows = batch * static_cast<int>(sample.targets);
     const engines::InputRing& ring = *rings_[static_cast<std::size_t>(m)];
-    float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * classes);
+    float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * sample.logits);
     model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), offset});
     offset += static_cast<std::uint64_t>(batch);
     const float* logits = model_.forward(stream_, ring.inputs(slot), batch, Mode::train);
     // torch's accumulation loop: (loss / K).backward(), the gradients adding up in micro-batch order.
-    const float* loss = loss_.forward_backward(stream_, logits, ring.targets(slot), batch, classes, grad_output, batch,
-                                               1.0f / static_cast<float>(micro));
+    const float* loss = loss_.forward_backward(stream_, logits, ring.targets(slot), rows, sample.classes, grad_output,
+                                               rows, 1.0f / static_cast<float>(micro));
     if (m == 0) model_.zero_grad(stream_);
     model_.backward(stream_, grad_output);
     // Pinned: asynchronous and capturable; the slot's own floats, so a later step never overwrites them.
@@ -88,7 +89,7 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
   return pipeline_->enqueue([&] {
     const Event& done = step_done_[static_cast<std::size_t>(slot)];
     for (std::size_t m = 0; m < batches.size(); ++m) {
-      engines::push_batch(*rings_[m], device, slot, batches[m], engines::sample_floats(model_), done);
+      engines::push_batch(*rings_[m], device, slot, batches[m], engines::sample_size(model_), done);
       rings_[m]->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
     }
     engines::StepWork work;
@@ -122,9 +123,10 @@ std::uint64_t SingleDeviceTrainer::graph_replays() const { return graphs_->repla
 
 std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) {
   pipeline_->drain();  // a failed step is reported here, not by a forward behind it
-  batch_->stage(model_.device(), stream_, Batch{inputs, nullptr, batch}, engines::sample_floats(model_));
+  const engines::SampleSize sample = engines::sample_size(model_);
+  batch_->stage(model_.device(), stream_, Batch{inputs, nullptr, batch}, sample);
   const float* logits = model_.forward(stream_, batch_->inputs(), batch, Mode::eval);
-  std::vector<float> out(static_cast<std::size_t>(batch) * model_.output_features());
+  std::vector<float> out(static_cast<std::size_t>(batch) * sample.logits);
   stream_.copy(out.data(), logits, out.size() * sizeof(float));
   return out;
 }

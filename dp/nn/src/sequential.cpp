@@ -56,8 +56,10 @@ SequentialModel::SequentialModel(std::string name, Device& device, Layers layers
       buffers_bytes_ += numel(b.shape) * dtype_size(b.dtype);
     }
   }
-  // Output features from a one-sample shape walk (also validates the chain).
-  output_features_ = static_cast<int>(chain_->output_shape(input_act_shape(1)).per_sample());
+  // Output rows and features from a one-sample shape walk (also validates the chain).
+  const ActShape out = chain_->output_shape(input_act_shape(1));
+  targets_per_sample_ = out.rows();
+  output_features_ = static_cast<int>(out.row_features());
   params_ = device_.allocate(param_count_ * sizeof(float));
   grads_ = device_.allocate(param_count_ * sizeof(float));
   buffers_ = device_.allocate(buffers_bytes_);
@@ -144,7 +146,7 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
       nullptr);
   if (!amp_ || !chain_->output_bf16(false)) return static_cast<const float*>(out);
   // The loss is fp32: the bf16 logits widened, as `logits.float()`.
-  const auto n = static_cast<kernels::index_t>(batch) * output_features_;
+  const auto n = static_cast<kernels::index_t>(batch) * targets_per_sample_ * output_features_;
   float* logits = logits_.get<float>(device_, static_cast<std::size_t>(n), &amp_->retired);
   kernels::from_bf16(stream, n, static_cast<const std::uint16_t*>(out), logits);
   return logits;
@@ -158,7 +160,7 @@ void SequentialModel::backward(const Stream& stream, const float* grad_output, c
     const void* dy = grad_output;
     if (amp_ && chain_->output_bf16(false)) {
       // The backward of `logits.float()`: the fp32 gradient rounded to bf16.
-      const auto n = static_cast<kernels::index_t>(chain_->batch()) * output_features_;
+      const auto n = static_cast<kernels::index_t>(chain_->batch()) * targets_per_sample_ * output_features_;
       auto* bits = grad_output_.get<std::uint16_t>(device_, static_cast<std::size_t>(n), &amp_->retired);
       kernels::to_bf16(stream, n, grad_output, bits);
       dy = bits;

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dp/models/gpt.h"
 #include "dp/nn/layers.h"
 #include "dp/nn/model.h"
 
@@ -21,9 +22,10 @@ struct ModelArgs {
   double dropout = 0.0;                  // mlp: Dropout(p) after each hidden ReLU (0: none)
   int num_classes = 10;                  // resnet18/34: fc's outputs
   int image_size = 224;                  // resnet18/34: inputs 3 x S x S
+  GptConfig gpt;                         // gpt: vocab, context, layers, heads, width
 };
 
-enum class ModelArg { hidden, dropout, num_classes, image_size };
+enum class ModelArg { hidden, dropout, num_classes, image_size, gpt };
 
 class ModelSpec {
  public:
@@ -43,11 +45,13 @@ class ModelSpec {
   std::string_view name() const { return name_; }
   std::string_view description() const { return description_; }  // one line
   bool takes(ModelArg arg) const;
-  // Per sample: (C, H, W).
+  // Per sample: (C, H, W), or (T) token ids.
   std::vector<std::int64_t> input_shape(const ModelArgs& args) const { return input_shape_(args); }
   std::uint64_t input_floats(const ModelArgs& args) const;
-  // The last layer's outputs.
+  // The classes of each target: the logits per row (a language model's vocabulary).
   int num_classes(const ModelArgs& args) const;
+  // Targets per sample (Model::targets_per_sample): 1, or a language model's positions.
+  int targets_per_sample(const ModelArgs& args) const;
   // Initialised from `seed` as dp initialises every model. Throws InvalidArgument on bad arguments.
   std::unique_ptr<Model> build(Device& device, const ModelArgs& args, std::uint64_t seed) const {
     return build_(device, args, seed);

@@ -34,7 +34,8 @@ struct StepOptions {
   double clip_grad_norm = 0.0;
 };
 
-// Evaluation totals over some samples: summed cross-entropy, correct top-1 predictions, samples.
+// Evaluation totals over some samples: summed cross-entropy, correct top-1 predictions, and the
+// targets scored in `samples` (a sample's one; a sequence model's one per position: per token).
 // Totals of batches (and of ranks) add up; divide only at the end.
 struct EvalTotals {
   double loss_sum = 0.0;

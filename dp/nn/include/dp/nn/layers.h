@@ -26,6 +26,11 @@ struct ActShape {
   int n = 0, c = 0, h = 1, w = 1;
   std::int64_t per_sample() const { return static_cast<std::int64_t>(c) * h * w; }
   std::int64_t numel() const { return per_sample() * n; }
+  // A model's output per sample as rows of logits, each with its own class target: (T, 1, F) with
+  // F > 1 is T rows of F (a Linear or a language model on each token of a sequence); any other
+  // shape one row of C*H*W (a classifier's (K, 1, 1)).
+  int rows() const { return h == 1 && w > 1 ? c : 1; }
+  std::int64_t row_features() const { return per_sample() / rows(); }
 };
 
 // How a parameter or buffer starts (PyTorch's defaults; normal: N(0, 1), nn.Embedding's).
@@ -108,6 +113,10 @@ class Layer {
   // Multiply-adds per sample of the forward's GEMMs and convolutions on input `in` (a container:
   // its children's): what a model's FLOP count is made of. Elementwise layers count none.
   virtual std::int64_t multiply_adds(const ActShape&) const { return 0; }
+  // Of those, the multiply-adds whose input-gradient GEMMs a model skips when this is its first layer
+  // that computes (the model's input needs no gradient): a Linear's or Conv2d's all of them; a
+  // language model's none (its first layer, the embedding, computes no input gradient anyway).
+  virtual std::int64_t first_layer_skipped_multiply_adds(const ActShape& in) const { return multiply_adds(in); }
   // Output aliases the input (Flatten): no buffer, no kernel.
   virtual bool is_view() const { return false; }
   // y = layer(x). In train mode keeps what backward needs (it may also read x and y there).

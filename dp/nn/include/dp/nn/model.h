@@ -83,12 +83,17 @@ class Model {
   virtual std::vector<TensorRef> gradients() const = 0;  // same names and layout as parameters()
   virtual std::vector<TensorRef> buffers() const = 0;
 
-  // Per-sample input shape, e.g. {1, 28, 28}, and number of output features (logits).
+  // Per-sample input shape, e.g. {1, 28, 28}, and number of output features (logits) per target.
   virtual std::vector<std::int64_t> input_shape() const = 0;
   virtual int output_features() const = 0;
+  // Each sample's output is this many rows of output_features() logits, one class target each: 1 for
+  // a classifier, the sequence length for a language model (a next-token prediction per position,
+  // nanoGPT's logits.view(-1, vocab)). Its loss is the mean over all rows of the batch.
+  virtual int targets_per_sample() const { return 1; }
 
   // Enqueues the forward pass on `stream` for `batch` samples at `input` (device memory, batch x
-  // input_shape). Returns the (batch, output_features) output, valid until the next forward.
+  // input_shape). Returns the (batch x targets_per_sample, output_features) output, valid until the
+  // next forward.
   // In train mode, layers keep what backward needs and BatchNorm updates its running stats.
   virtual const float* forward(const Stream& stream, const float* input, int batch, Mode mode) = 0;
 

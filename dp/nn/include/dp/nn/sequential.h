@@ -46,7 +46,9 @@ class SequentialModel final : public Model {
   std::vector<TensorRef> gradients() const override;
   std::vector<TensorRef> buffers() const override;
   std::vector<std::int64_t> input_shape() const override { return input_shape_; }
+  // The last layer's output per sample as ActShape::rows() rows of row_features() logits.
   int output_features() const override { return output_features_; }
+  int targets_per_sample() const override { return targets_per_sample_; }
 
   const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override;
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
@@ -73,6 +75,7 @@ class SequentialModel final : public Model {
   std::unique_ptr<detail::Chain> chain_;
   std::vector<std::int64_t> input_shape_;
   int output_features_ = 0;
+  int targets_per_sample_ = 1;
   std::size_t param_count_ = 0;
   std::size_t buffers_bytes_ = 0;
   DeviceBuffer params_, grads_, buffers_;

@@ -1,0 +1,40 @@
+// dp/models/gpt.h — nanoGPT's GPT (Karpathy's model.py, bias=True): token and position embeddings
+// transformer.wte (vocab, width) and transformer.wpe (context, width); `layers` Blocks
+// transformer.h.i = x + attn(ln_1(x)), then x + mlp(ln_2(x)) with attn a causal self-attention of
+// `heads` heads (c_attn, c_proj) and mlp c_fc (width -> 4 width), GELU (exact, as nn.GELU()), c_proj;
+// transformer.ln_f; lm_head tied to wte. Input: T <= context token ids per sample (floats holding
+// integers in [0, vocab)); output: T rows of vocab logits, one next-token target each
+// (Model::targets_per_sample). State-dict names are nanoGPT's, so a checkpoint loads into its GPT
+// with strict=True (lm_head.weight being wte's tensor, as torch's tie makes it).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dp/nn/layers.h"
+#include "dp/nn/model.h"
+
+namespace dp::models {
+
+struct GptConfig {
+  int vocab = 256;    // bytes as tokens
+  int context = 64;   // block_size: the longest sequence, and wpe's rows
+  int layers = 4;     // n_layer
+  int heads = 4;      // n_head; width % heads == 0
+  int width = 128;    // n_embd
+};
+
+// The Blocks and ln_f of `config` (what make_language_model wraps); throws InvalidArgument naming
+// the field for a size < 1 or a width that the heads do not divide.
+nn::Layers gpt_body(const GptConfig& config);
+// nanoGPT's Block `name` of `width` features and `heads` heads.
+std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads);
+
+// GPT-2's initialisation as nanoGPT's _init_weights applies it: every Linear weight and both
+// embeddings N(0, 0.02^2), the residual projections (attn.c_proj, mlp.c_proj) N(0, (0.02 /
+// sqrt(2 layers))^2), biases 0, LayerNorms 1 and 0. Normals from dp's seeded generator (the same
+// values on every platform), not torch's.
+std::unique_ptr<Model> make_gpt(Device& device, const GptConfig& config, std::uint64_t seed = 0);
+
+}  // namespace dp::models

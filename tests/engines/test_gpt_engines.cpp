@@ -1,0 +1,112 @@
+// test_gpt_engines.cpp — a language model through every engine: nanoGPT's tiny GPT (vocab 32,
+// context 16, width 32, 2 layers of 2 heads) takes one SGD step on 4 sequences of 16 tokens, a
+// next-token target per position, single, DataParallel and DDP over 2 devices, fp32 and under bf16
+// autocast, against torch's step (tests/golden/make_transformer_goldens.py). The loss is the mean
+// over all 64 tokens in each engine (DDP: the mean of the ranks' equal-sized means).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/io/checkpoint.h"
+#include "dp/io/safetensors.h"
+#include "dp/models/gpt.h"
+#include "test_util.h"
+
+namespace dp {
+namespace {
+
+models::GptConfig tiny_gpt(const safetensors::File& golden) {
+  const auto at = [&](const char* key) { return std::stoi(golden.metadata.at(key)); };
+  return {at("vocab"), at("context"), at("layers"), at("heads"), at("width")};
+}
+
+struct EngineRun {
+  EngineKind kind;
+  int devices;
+};
+
+class GptEngines : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GptEngines, OneStepInEveryEngineIsTorchs) {
+  const bool amp = GetParam();
+  const std::string mode = amp ? "amp" : "fp32";
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  const models::GptConfig config = tiny_gpt(golden);
+  const int batch = std::stoi(golden.metadata.at("batch"));
+  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), 0.0f, 0.0f, false};
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());  // the token ids as the model's float inputs
+  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
+  ASSERT_EQ(targets.size(), static_cast<std::size_t>(batch * config.context));
+  std::vector<std::vector<float>> results;
+  for (const EngineRun run : {EngineRun{EngineKind::single, 1}, EngineRun{EngineKind::dp, 2}, EngineRun{EngineKind::ddp, 2}}) {
+    SCOPED_TRACE(fmt::format("{} on {} device(s), {}", to_string(run.kind), run.devices, mode));
+    auto rt = test::sim_runtime(run.devices);
+    auto model = models::make_gpt(rt->device(0), config, 1);
+    EXPECT_EQ(model->targets_per_sample(), config.context);
+    EXPECT_EQ(model->output_features(), config.vocab);
+    const Stream s = rt->device(0).create_stream();
+    const auto keys = load_state_dict(*model, s, golden, "init.");  // strict: nanoGPT's names
+    EXPECT_TRUE(keys.missing.empty());
+    EXPECT_TRUE(keys.unexpected.empty());
+    EngineOptions options;
+    options.kind = run.kind;
+    options.amp = amp ? Autocast::bf16 : Autocast::off;
+    auto engine = make_engine(*rt, *model, sgd, options);
+    std::vector<Batch> batches;
+    const int per_batch = batch / engine->batches_per_step();
+    const auto tokens = static_cast<std::size_t>(per_batch * config.context);
+    for (int b = 0; b < engine->batches_per_step(); ++b)
+      batches.emplace_back(ids.data() + b * tokens, targets.data() + b * tokens, per_batch);
+    const float loss = engine->train_step(batches);
+    EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-3 : 2e-6);
+    engine->synchronize();
+    std::vector<float> all;
+    int checked = 0;
+    for (const TensorRef& p : engine->model().parameters()) {
+      const auto got = test::to_host(s, p.as<float>(), p.numel());
+      const auto want = golden.at(mode + ".step." + p.name).to_f32();
+      // fp32: torch's arithmetic to rounding. Autocast: torch also multiplies attention's q k^T and
+      // att v in bf16, which dp keeps in fp32; the step moves a parameter by up to ~1e-2.
+      EXPECT_TRUE(test::all_close(got, want, amp ? 2e-2 : 1e-4, amp ? 2e-4 : 2e-6)) << p.name;
+      all.insert(all.end(), got.begin(), got.end());
+      ++checked;
+    }
+    EXPECT_EQ(checked, 2 + 2 * 12 + 2);
+    results.push_back(all);
+  }
+  // One device's step and two replicas' are the same arithmetic on the same rows, but for the order
+  // of the gradients' sums; under autocast each replica also rounds its weight gradients to bf16
+  // before they add up (as torch's replicas do), one rounding of the gradient more.
+  const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 5e-5 : 1e-7;
+  EXPECT_TRUE(test::all_close(results[1], results[0], rtol, atol)) << "dp against single";
+  EXPECT_TRUE(test::all_close(results[2], results[0], rtol, atol)) << "ddp against single";
+}
+
+INSTANTIATE_TEST_SUITE_P(Precision, GptEngines, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("bf16") : std::string("fp32"); });
+
+// Evaluation scores every position: the mean loss over the tokens, and per-token top-1 accuracy.
+TEST(GptEngines, EvaluationScoresEveryToken) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  const models::GptConfig config = tiny_gpt(golden);
+  auto rt = test::sim_runtime(1);
+  auto model = models::make_gpt(rt->device(0), config, 1);
+  const Stream s = rt->device(0).create_stream();
+  load_state_dict(*model, s, golden, "init.");
+  auto engine = make_engine(*rt, *model, SgdOptions{0.1f, 0.0f, 0.0f, false}, {});
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());
+  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
+  const Batch all{ids.data(), targets.data(), 4};
+  const EvalTotals totals = engine->evaluate(std::span<const Batch>(&all, 1));
+  EXPECT_EQ(totals.samples, 4 * config.context);
+  EXPECT_NEAR(totals.mean_loss(), golden.at("fp32.loss").to_f32()[0], 1e-5);
+}
+
+}  // namespace
+}  // namespace dp
