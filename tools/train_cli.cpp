@@ -42,6 +42,34 @@ FlagGroup<O> model_flags() {
                .saved = Saved::always,
                .structural = true,
                .model_arg = dp::models::ModelArg::hidden},
+              {.name = "--context",
+               .value = flag::integer<O>(&O::context, 1, 1 << 16, "T"),
+               .help = "gpt: tokens per sample (block_size; wpe's rows)",
+               .torch = "GPTConfig(block_size=T)",
+               .saved = Saved::always,
+               .structural = true,
+               .model_arg = dp::models::ModelArg::gpt},
+              {.name = "--layers",
+               .value = flag::integer<O>(&O::layers, 1, 1 << 10, "L"),
+               .help = "gpt: transformer blocks",
+               .torch = "GPTConfig(n_layer=L)",
+               .saved = Saved::always,
+               .structural = true,
+               .model_arg = dp::models::ModelArg::gpt},
+              {.name = "--heads",
+               .value = flag::integer<O>(&O::heads, 1, 1 << 10, "H"),
+               .help = "gpt: attention heads per block (dividing --width)",
+               .torch = "GPTConfig(n_head=H)",
+               .saved = Saved::always,
+               .structural = true,
+               .model_arg = dp::models::ModelArg::gpt},
+              {.name = "--width",
+               .value = flag::integer<O>(&O::width, 1, 1 << 16, "C"),
+               .help = "gpt: features per token",
+               .torch = "GPTConfig(n_embd=C)",
+               .saved = Saved::always,
+               .structural = true,
+               .model_arg = dp::models::ModelArg::gpt},
               {.name = "--num-classes",
                .value = flag::integer<O>(&O::num_classes, 1, 1 << 20, "K"),
                .help = "resnet18/34: fc's outputs",
@@ -192,6 +220,10 @@ FlagGroup<O> data_flags() {
            .value = flag::text<O>(&O::data, "DIR"),
            .help = "IDX files (train-*, t10k-* to evaluate; plain or .gz), an installed set (fashion-mnist, mnist), "
                    "or an image folder holding train/ and val/"},
+          {.name = "--text",
+           .value = flag::text<O>(&O::text, "FILE"),
+           .help = "a text file for --model gpt: its bytes are the tokens, the last 10 % held out, windows of "
+                   "--context + 1 bytes"},
           {.name = "--train-dir",
            .value = flag::text<O>(&O::train_dir, "DIR"),
            .help = "an image folder to train on: a subfolder of JPEG/PNG files per class",
@@ -320,6 +352,7 @@ void relate(dp::tools::CommandLine& cli) {
   cli.option("--devices")->excludes(cli.option("--device-ids"));
   for (const char* flag : {"--train-dir", "--val-dir", "--synthetic"}) cli.option("--data")->excludes(flag);
   for (const char* flag : {"--train-dir", "--val-dir"}) cli.option("--synthetic")->excludes(flag);
+  for (const char* flag : {"--data", "--train-dir", "--val-dir", "--synthetic"}) cli.option("--text")->excludes(flag);
   cli.option("--steps")->excludes(cli.option("--epochs"));
   cli.option("--eval")->excludes(cli.option("--no-eval"));
   cli.option("--init-non-strict")->needs(cli.option("--init"));

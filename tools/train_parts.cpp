@@ -17,6 +17,7 @@
 
 #include "address_space.h"
 #include "dp/io/image_folder.h"
+#include "dp/io/text.h"
 #include "dp/models/registry.h"
 #include "dp/runtime/device.h"
 
@@ -279,6 +280,7 @@ dp::models::ModelArgs model_args(const Options& o, const std::vector<int>& hidde
   args.dropout = o.dropout;
   args.num_classes = o.num_classes.value_or(args.num_classes);
   args.image_size = o.image_size;
+  args.gpt = {dp::kByteVocabulary, o.context, o.layers, o.heads, o.width};
   return args;
 }
 

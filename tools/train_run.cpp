@@ -31,6 +31,7 @@
 #include "dp/io/checkpoint.h"
 #include "dp/io/data.h"
 #include "dp/io/image_folder.h"
+#include "dp/io/text.h"
 #include "dp/io/safetensors.h"
 #include "dp/io/training_state.h"
 #include "dp/models/registry.h"
@@ -176,6 +177,15 @@ bool image_folders(const Options& o) { return !o.train_dir.empty() || !o.val_dir
 // Image folders feed the models that take an image size (RGB, any size); the IDX sets and the
 // synthetic one the others.
 void check_image_options(const Options& o) {
+  const bool text_model = model_of(o).takes(dp::models::ModelArg::gpt);
+  if (text_model && o.text.empty() && !o.eval_only)
+    throw UsageError(fmt::format("--model {} trains on text: give --text FILE (its bytes are the tokens)", o.model));
+  if (text_model && o.text.empty())
+    throw UsageError(fmt::format("--model {} evaluates on text: give --text FILE (its last 10 % is scored)", o.model));
+  if (!o.text.empty() && !text_model)
+    throw UsageError(fmt::format("--text trains a language model (--model {}), not --model {}",
+                                 models_taking(dp::models::ModelArg::gpt), o.model));
+  if (text_model) return;  // no images, no IDX files
   const bool images = image_folders(o) || (!o.data.empty() && std::filesystem::is_directory(o.data + "/train"));
   if (takes_image_folders(o) && !images)
     throw UsageError(
@@ -355,7 +365,13 @@ Inputs load_image_folders(Options& o, const Normalization& normalize) {
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
 Inputs load_inputs(Options& o, const Normalization& normalize) {
   Inputs inputs;
-  if (takes_image_folders(o)) {
+  if (!o.text.empty()) {
+    const auto corpus = as_usage_error([&] { return std::make_shared<const dp::TextCorpus>(dp::load_text(o.text, o.context)); });
+    using Split = dp::TextWindows::Split;
+    if (!o.eval_only) inputs.data = std::make_shared<const dp::TextWindows>(corpus, Split::train, o.context);
+    if (o.eval_only || o.eval.value_or(true))
+      inputs.test = std::make_shared<const dp::TextWindows>(corpus, Split::held_out, o.context);
+  } else if (takes_image_folders(o)) {
     inputs = load_image_folders(o, normalize);
   } else {
     std::string data_dir;
@@ -559,6 +575,18 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   return engine;
 }
 
+// Text: the test loss (nats per byte predicted) in bits per byte, the unit byte-level models are
+// compared in; nothing for other data.
+std::optional<double> bits_per_byte(const Options& o, const dp::EvalTotals& totals) {
+  if (o.text.empty()) return std::nullopt;
+  return totals.mean_loss() / std::log(2.0);
+}
+
+std::string bits_per_byte_text(const Options& o, const dp::EvalTotals& totals) {
+  const auto bpb = bits_per_byte(o, totals);
+  return bpb ? fmt::format(" | test {:.4f} bits/byte", *bpb) : std::string();
+}
+
 // --eval-only: the checkpoint's test loss and accuracy, and with --predictions each sample's class.
 int evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
                   MetricsLog& metrics) {
@@ -575,14 +603,17 @@ int evaluate_only(const Options& o, dp::Engine& engine, dp::Runtime& runtime, co
     dp::write_atomically(o.predictions, text);
   }
   const double seconds = since(t0);
-  say("dp_train: {} on {} test samples: test loss {:.6f}, test accuracy {:.2f}% ({} correct) in {}\n", checkpoint,
-      totals.samples, totals.mean_loss(), 100.0 * totals.accuracy(), totals.correct, duration_text(seconds));
-  metrics.write({{"kind", "eval"},
-                 {"checkpoint", checkpoint},
-                 {"test_loss", totals.mean_loss()},
-                 {"test_accuracy", totals.accuracy()},
-                 {"test_correct", totals.correct},
-                 {"test_samples", totals.samples}});
+  say("dp_train: {} on {} test {}: test loss {:.6f}, test accuracy {:.2f}% ({} correct){} in {}\n", checkpoint,
+      totals.samples, o.text.empty() ? "samples" : "tokens", totals.mean_loss(), 100.0 * totals.accuracy(),
+      totals.correct, bits_per_byte_text(o, totals), duration_text(seconds));
+  nlohmann::json record = {{"kind", "eval"},
+                           {"checkpoint", checkpoint},
+                           {"test_loss", totals.mean_loss()},
+                           {"test_accuracy", totals.accuracy()},
+                           {"test_correct", totals.correct},
+                           {"test_samples", totals.samples}};
+  if (const auto bpb = bits_per_byte(o, totals)) record["test_bits_per_byte"] = *bpb;
+  metrics.write(record);
   g_job.agree_or_stop();
   return 0;
 }
@@ -1073,8 +1104,8 @@ int TrainLoop::evaluate_at(long s, long epoch) {
   const dp::EvalTotals totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
   if (const int code = diverged(o_, totals.mean_loss(), fmt::format("the test loss after step {}", s + 1))) return code;
   if (terminal_) say("\r\x1b[K");  // the progress line cleared
-  say("eval  step {:>6} epoch {:>3} | test loss {:.4f} | test acc {:.2f}%\n", s + 1, epoch + 1, totals.mean_loss(),
-      100.0 * totals.accuracy());
+  say("eval  step {:>6} epoch {:>3} | test loss {:.4f} | test acc {:.2f}%{}\n", s + 1, epoch + 1, totals.mean_loss(),
+      100.0 * totals.accuracy(), bits_per_byte_text(o_, totals));
   std::fflush(stdout);
   nlohmann::json record = {{"kind", "eval"},
                            {"step", s + 1},
@@ -1082,6 +1113,7 @@ int TrainLoop::evaluate_at(long s, long epoch) {
                            {"test_loss", totals.mean_loss()},
                            {"test_accuracy", totals.accuracy()},
                            {"test_samples", totals.samples}};
+  if (const auto bpb = bits_per_byte(o_, totals)) record["test_bits_per_byte"] = *bpb;
   if (save_if_best(totals, s + 1)) record["saved_best"] = o_.save_best;
   metrics_.write(record);
   pause(began);
@@ -1113,7 +1145,8 @@ int TrainLoop::end_epoch(long s, long epoch) {
   if (terminal_) say("\r\x1b[K");  // the progress line cleared
   say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
       complete ? "" : " (partial)", train_loss,
-      totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%", totals->mean_loss(), 100.0 * totals->accuracy())
+      totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%{}", totals->mean_loss(), 100.0 * totals->accuracy(),
+                           bits_per_byte_text(o_, *totals))
              : "",
       rate, duration_text(elapsed), duration_text(eta));
   std::fflush(stdout);
@@ -1125,6 +1158,7 @@ int TrainLoop::end_epoch(long s, long epoch) {
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
   if (totals) record["test_samples"] = totals->samples;
+  if (const auto bpb = totals ? bits_per_byte(o_, *totals) : std::nullopt) record["test_bits_per_byte"] = *bpb;
   if (totals && save_if_best(*totals, s + 1)) record["saved_best"] = o_.save_best;
   metrics_.write(record);
   epoch_loss_sum_ = 0.0;

@@ -28,6 +28,8 @@ struct Options : dp::tools::SharedOptions {
   std::string device_ids;
   std::optional<int> output_device;
   std::string data;
+  std::string text;  // a text file: byte tokens for --model gpt (the last 10 % held out)
+  int context = 64, layers = 4, heads = 4, width = 128;  // gpt
   std::string train_dir, val_dir;  // image folders (--data DIR with train/ and val/ names both)
   int image_size = 224;            // image folders: RandomResizedCrop's (train) and CenterCrop's (eval) size
   std::optional<int> resize;       // image folders, eval: Resize's shorter side (default image_size * 256 / 224)

@@ -387,7 +387,8 @@ BatchLoader::BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> s
 std::shared_ptr<BatchLoader::Memory> BatchLoader::make_memory() const {
   auto memory = std::make_shared<Memory>();
   memory->inputs = runtime_.allocate_pinned(max_batch_ * sample_floats_ * sizeof(float));
-  memory->targets = runtime_.allocate_pinned(max_batch_ * sizeof(std::int64_t));
+  memory->targets = runtime_.allocate_pinned(
+      max_batch_ * static_cast<std::size_t>(source_->targets_per_sample()) * sizeof(std::int64_t));
   return memory;
 }
 
@@ -497,7 +498,8 @@ void BatchLoader::produce() {
         if (indices[i] < 0 || static_cast<std::size_t>(indices[i]) >= source_->size())
           throw InvalidArgument(fmt::format("BatchLoader: sample {} of batch {} is outside the {} samples", indices[i],
                                             k, source_->size()));
-        targets[i] = source_->label(static_cast<std::size_t>(indices[i]));
+        source_->fill_targets(static_cast<std::size_t>(indices[i]),
+                              targets + i * static_cast<std::size_t>(source_->targets_per_sample()));
       }
       fill_batch(k, indices, slot.memory->inputs.as<float>());
       slot.size = static_cast<int>(indices.size());

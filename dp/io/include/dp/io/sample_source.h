@@ -1,6 +1,6 @@
 // dp/io/sample_source.h — what a BatchLoader fills its batches from: N samples of one shape {C, H, W},
-// each made on demand as float32 (an MNIST image divided and normalised, or an image file decoded
-// and augmented) with its class. torch.utils.data.Dataset's __getitem__, with the random draws of
+// each made on demand as float32 (an MNIST image divided and normalised, an image file decoded and
+// augmented, a window of text's byte ids) with its class, or its classes (a text window's next bytes). torch.utils.data.Dataset's __getitem__, with the random draws of
 // an augmentation keyed rather than taken from a generator's state.
 #pragma once
 
@@ -30,6 +30,10 @@ class SampleSource {
   // The number of classes; labels lie in [0, num_classes()).
   virtual int num_classes() const = 0;
   virtual std::int64_t label(std::size_t index) const = 0;
+  // Class targets per sample: 1 (label()), or a sequence's one per position (next-token targets).
+  virtual int targets_per_sample() const { return 1; }
+  // Writes sample `index`'s targets_per_sample() targets to `out` (by default its label).
+  virtual void fill_targets(std::size_t index, std::int64_t* out) const { *out = label(index); }
   // Writes sample `index` (< size()) as C*H*W floats (CHW) to `out`. Called from several loader
   // threads at once for different samples; throws dp::Error naming what is wrong with the sample
   // (an unreadable file).
