@@ -322,6 +322,20 @@ FlagGroup<O> output_flags() {
            .value = flag::on<O>(&O::eval_only),
            .help = "evaluate the --init checkpoint on the test set, train nothing",
            .torch_spellings = {"-e", "--evaluate"}},
+          {.name = "--generate",
+           .value = flag::integer<O>(&O::generate, 1, std::uint64_t{1} << 30, "N"),
+           .help = "gpt: print N bytes sampled from the --init checkpoint after --prompt, train nothing",
+           .torch = "model.generate(idx, N, temperature, top_k) (nanoGPT)"},
+          {.name = "--prompt",
+           .value = flag::text<O>(&O::prompt, "TEXT"),
+           .help = "--generate: the text the sample continues",
+           .default_text = "a newline"},
+          {.name = "--temperature",
+           .value = flag::number<O>(&O::temperature, flag::kPositive, "T"),
+           .help = "--generate: the logits divided by T before the softmax"},
+          {.name = "--top-k",
+           .value = flag::integer<O>(&O::top_k, 0, 256, "K"),
+           .help = "--generate: sample among the K likeliest bytes only (0: all 256)"},
           {.name = "--predictions",
            .value = flag::text<O>(&O::predictions, "FILE"),
            .help = "--eval-only: each test sample's predicted class, one per line"},
@@ -356,6 +370,7 @@ void relate(dp::tools::CommandLine& cli) {
   cli.option("--steps")->excludes(cli.option("--epochs"));
   cli.option("--eval")->excludes(cli.option("--no-eval"));
   cli.option("--init-non-strict")->needs(cli.option("--init"));
+  for (const char* flag : {"--prompt", "--temperature", "--top-k"}) cli.option(flag)->needs("--generate");
   for (const char* flag : {"--save-every", "--save-every-epoch", "--keep"}) cli.option(flag)->needs("--save");
 }
 

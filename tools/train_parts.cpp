@@ -2,6 +2,7 @@
 // so that the steps read as the run's order of events.
 #include "train_parts.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -181,6 +183,30 @@ void MetricsLog::write(const nlohmann::json& record) {
   const std::string line = record.dump() + "\n";
   if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
     throw dp::Error(fmt::format("--metrics-json {}: write failed ({})", path_, std::strerror(errno)));
+}
+
+int sample_token(std::span<const float> logits, double temperature, int top_k, double u) {
+  const std::size_t n = logits.size();
+  double cutoff = -std::numeric_limits<double>::infinity();
+  if (top_k > 0 && static_cast<std::size_t>(top_k) < n) {
+    std::vector<float> sorted(logits.begin(), logits.end());
+    std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<>());
+    cutoff = sorted[static_cast<std::size_t>(top_k - 1)];
+  }
+  const double top = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> weights(n, 0.0);
+  double total = 0.0;
+  for (std::size_t i = 0; i < n; ++i)
+    if (logits[i] >= cutoff) total += weights[i] = std::exp((logits[i] - top) / temperature);
+  double below = 0.0;
+  std::size_t last = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (weights[i] == 0.0) continue;
+    below += weights[i] / total;
+    last = i;
+    if (u < below) return static_cast<int>(i);
+  }
+  return static_cast<int>(last);  // u within rounding of 1
 }
 
 dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_ptr<const dp::SampleSource> test,

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -101,6 +102,11 @@ class MetricsLog {
 // evaluates its ranks' shards and the engine sums the totals.
 // With `predictions`, it is resized to the test set and gets each sample's predicted class.
 // The samples come normalised from `test` (made by `workers` threads per loader).
+// The token a uniform draw `u` in [0, 1) picks from softmax(logits / temperature), among the top_k
+// largest logits (0: all; values tied with the k-th stay in, as nanoGPT's logits < v[-1] mask):
+// the inverse of the cumulative distribution, in double, in token order.
+int sample_token(std::span<const float> logits, double temperature, int top_k, double u);
+
 dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_ptr<const dp::SampleSource> test,
                         int batch_size, int workers, std::vector<std::int32_t>* predictions = nullptr);
 

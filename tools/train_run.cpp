@@ -18,7 +18,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <set>
+#include <span>
 #include <signal.h>
 #include <unistd.h>
 #include <utility>
@@ -178,6 +180,10 @@ bool image_folders(const Options& o) { return !o.train_dir.empty() || !o.val_dir
 // synthetic one the others.
 void check_image_options(const Options& o) {
   const bool text_model = model_of(o).takes(dp::models::ModelArg::gpt);
+  if (o.generate && !text_model)
+    throw UsageError(fmt::format("--generate samples from a language model (--model {}), not --model {}",
+                                 models_taking(dp::models::ModelArg::gpt), o.model));
+  if (o.generate) return;  // no data: the prompt is its input
   if (text_model && o.text.empty() && !o.eval_only)
     throw UsageError(fmt::format("--model {} trains on text: give --text FILE (its bytes are the tokens)", o.model));
   if (text_model && o.text.empty())
@@ -236,6 +242,11 @@ Checked validate_options(const Options& o) {
     throw UsageError("--eval-only trains nothing: it takes no --steps, --epochs or --save");
   if (o.eval_only && o.eval == false) throw UsageError("--eval-only and --no-eval contradict each other");
   if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
+  if (o.generate && o.init.empty()) throw UsageError("--generate samples from a checkpoint: give it with --init");
+  if (o.generate && (o.eval_only || o.steps || o.epochs || !o.save.empty() || !o.text.empty()))
+    throw UsageError("--generate trains and evaluates nothing: it takes no --eval-only, --steps, --epochs, --save or --text");
+  if (o.generate && o.mode != "single")
+    throw UsageError(fmt::format("--generate samples one sequence on one device: leave out --mode {}", o.mode));
   check_writable(o.predictions, "--predictions");
   check_writable(o.save, "--save");
   check_writable(o.save_best, "--save-best");
@@ -365,6 +376,7 @@ Inputs load_image_folders(Options& o, const Normalization& normalize) {
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
 Inputs load_inputs(Options& o, const Normalization& normalize) {
   Inputs inputs;
+  if (o.generate) return inputs;  // the prompt is the input
   if (!o.text.empty()) {
     const auto corpus = as_usage_error([&] { return std::make_shared<const dp::TextCorpus>(dp::load_text(o.text, o.context)); });
     using Split = dp::TextWindows::Split;
@@ -585,6 +597,35 @@ std::optional<double> bits_per_byte(const Options& o, const dp::EvalTotals& tota
 std::string bits_per_byte_text(const Options& o, const dp::EvalTotals& totals) {
   const auto bpb = bits_per_byte(o, totals);
   return bpb ? fmt::format(" | test {:.4f} bits/byte", *bpb) : std::string();
+}
+
+// --generate: nanoGPT's sample.py on the --init checkpoint. The prompt's bytes (the last --context
+// of them), then N bytes, each drawn from the softmax of the last position's logits over T (among
+// the K likeliest), printed and fed back. A shorter sequence sits at the window's start with zeros
+// after it: causal attention keeps them out of every position up to its last.
+int generate_text(const Options& o, dp::Engine& engine) {
+  const dp::Model& model = engine.model();
+  const auto context = static_cast<std::size_t>(model.targets_per_sample());
+  const auto vocab = static_cast<std::size_t>(model.output_features());
+  std::vector<std::uint8_t> tokens(o.prompt.begin(), o.prompt.end());
+  if (tokens.empty()) tokens.push_back('\n');
+  std::mt19937_64 rng(o.seed);
+  std::vector<float> window(context);
+  for (long i = 0; i < o.generate; ++i) {
+    const std::size_t n = std::min(tokens.size(), context);
+    std::fill(window.begin(), window.end(), 0.0f);
+    std::copy(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin());
+    const dp::Batch batch{window.data(), nullptr, 1};
+    const std::vector<float> logits = engine.predict(std::span<const dp::Batch>(&batch, 1));
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)
+    const int next = sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, vocab), o.temperature,
+                                  o.top_k, u);
+    tokens.push_back(static_cast<std::uint8_t>(next));
+    if (g_job.primary()) std::fputc(next, stdout);
+  }
+  say("\n");
+  std::fflush(stdout);
+  return 0;
 }
 
 // --eval-only: the checkpoint's test loss and accuracy, and with --predictions each sample's class.
@@ -1289,6 +1330,7 @@ int run(Options o) {
   if (o.eval_only) {
     return evaluate_only(o, *engine, *built.runtime, inputs, metrics);
   }
+  if (o.generate) return generate_text(o, *engine);
   const Plan plan = plan_run(o, *engine, *inputs.data, world, resumed);
   if (plan.total_steps == 0) return nothing_to_train(o, plan);
   say_plan(o, plan, *built.runtime, *inputs.data, devices);
