@@ -168,6 +168,7 @@ std::vector<dp::StepLoss> run_steps(dp::Runtime& rt, const Options& o, Run& run,
 void summarise_steps(const Options& o, Run& run) {
   run.wall_ms = ms_between(run.t0, run.t1);
   run.samples_per_s = static_cast<double>(run.global_batch) * o.steps / (run.wall_ms / 1e3);
+  run.tokens_per_s = run.samples_per_s * run.tokens_per_sample;
   run.step_ms_median = median(run.step_ms);
   run.step_ms_p90 = percentile(run.step_ms, 0.9);
   double sum = 0;
@@ -334,17 +335,28 @@ std::vector<dp::Batch> pinned_batches(dp::Runtime& rt, dp::Engine& engine, const
   struct Pinned {
     dp::PinnedBuffer inputs, labels;
   };
+  const auto targets = static_cast<std::size_t>(engine.model().targets_per_sample());
   auto pinned = std::make_shared<Pinned>();
   pinned->inputs = rt.allocate_pinned(rows * floats * sizeof(float));
-  pinned->labels = rt.allocate_pinned(rows * sizeof(std::int64_t));
-  std::memcpy(pinned->inputs.data(), data.inputs.data(), pinned->inputs.size());
-  std::memcpy(pinned->labels.data(), data.labels.data(), pinned->labels.size());
+  pinned->labels = rt.allocate_pinned(rows * targets * sizeof(std::int64_t));
+  auto* inputs = pinned->inputs.as<float>();
+  auto* labels = pinned->labels.as<std::int64_t>();
+  std::memcpy(inputs, data.inputs.data(), pinned->inputs.size());
+  if (targets == 1) {
+    std::memcpy(labels, data.labels.data(), pinned->labels.size());
+  } else {
+    // A sequence model: its inputs are token ids (the data's values in [0, 1) scaled to the
+    // vocabulary) and each position's target is the next token, as in a text's windows.
+    const auto vocab = static_cast<float>(engine.model().output_features());
+    for (std::size_t i = 0; i < rows * floats; ++i) inputs[i] = std::floor(inputs[i] * vocab);
+    for (std::size_t i = 0; i < rows * targets; ++i)
+      labels[i] = static_cast<std::int64_t>(inputs[(i + 1) % (rows * floats)]);
+  }
   std::vector<dp::Batch> batches;
   for (int i = 0; i < pieces; ++i) {
     const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(piece);
     // Never written again: the lease only keeps the memory alive while a copy may read it.
-    batches.push_back(
-        dp::Batch{pinned->inputs.as<float>() + row * floats, pinned->labels.as<std::int64_t>() + row, piece, pinned});
+    batches.push_back(dp::Batch{inputs + row * floats, labels + row * targets, piece, pinned});
   }
   return batches;
 }
@@ -402,6 +414,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   Run run = new_run(o, model_name, kind, kind == dp::EngineKind::single ? 1 : devices, across ? processes->size() : 1);
   auto model = dp::models::model_spec(model_name).build(rt.device(0), model_args(), o.seed);
   run.param_count = model->param_count();
+  run.tokens_per_sample = model->targets_per_sample();
   run.buffers_bytes = model->buffers_bytes();
   const dp::EngineOptions options = engine_options(o, kind, run, across ? processes : nullptr);
   const dp::OptimizerOptions optimizer = o.optimizer == "adamw" ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}

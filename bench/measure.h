@@ -97,6 +97,7 @@ struct Run {
   int devices = 0;              // every process's (ddp across processes), else device_ids.size()
   int batch_per_device = 0, global_batch = 0;
   std::size_t param_count = 0, buffers_bytes = 0;
+  int tokens_per_sample = 1;  // a sequence model's positions (Model::targets_per_sample)
   // What a train forward keeps for the backward, per sample (the model on device 0: DP's source,
   // DDP's rank 0): activations between layers and layers' saved state (Model::saved_activation_bytes).
   std::size_t activation_bytes_per_sample = 0;
@@ -104,6 +105,7 @@ struct Run {
   std::size_t optimizer_state_bytes = 0;
   std::vector<double> step_ms;
   double wall_ms = 0, samples_per_s = 0, step_ms_median = 0, step_ms_p90 = 0, step_ms_mean = 0;
+  double tokens_per_s = 0;  // samples_per_s x tokens_per_sample
   std::optional<double> scaling_efficiency;
   std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
   std::optional<std::size_t> buckets;            // ddp only: gradient buckets (all-reduces per step)

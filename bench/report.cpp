@@ -23,6 +23,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, optimiz
                                    broadcast_buffers, first_bucket_mb, seed, precision, amp)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
+                                   tokens_per_sample, tokens_per_s,
                                    buffers_bytes, activation_bytes_per_sample, optimizer_state_bytes, samples_per_s,
                                    wall_ms, step_ms, step_ms_median, step_ms_p90, step_ms_mean, loss_first, loss_last,
                                    graphs, pipelined, trace_offset_ms)
@@ -152,6 +153,10 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
       "  forward keeps for the backward, per sample (bf16 under --amp bf16); opt state = the optimizer state\n"
       "  a device keeps (--zero 1: its slice)\n",
       have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
+  for (const Run& r : runs)
+    if (r.tokens_per_sample > 1)
+      fmt::print("  {} {}: {} tokens per sample, {:.0f} tokens/s\n", r.model, r.mode, r.tokens_per_sample,
+                 r.tokens_per_s);
   if (setup.backend == "sim") {
     // Simulated devices run on host threads: more devices than cores share them.
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());

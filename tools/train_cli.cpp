@@ -327,7 +327,7 @@ FlagGroup<O> output_flags() {
            .help = "gpt: print N bytes sampled from the --init checkpoint after --prompt, train nothing",
            .torch = "model.generate(idx, N, temperature, top_k) (nanoGPT)"},
           {.name = "--prompt",
-           .value = flag::text<O>(&O::prompt, "TEXT"),
+           .value = flag::text<O>(&O::prompt, "BYTES"),
            .help = "--generate: the text the sample continues",
            .default_text = "a newline"},
           {.name = "--temperature",

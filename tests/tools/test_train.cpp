@@ -1530,7 +1530,7 @@ TEST_F(TrainTest, SelfContradictoryCheckpointsAreRefused) {
   dp::safetensors::write(path("nosuch.safetensors"), file);
   const std::pair<std::string, std::string> cases[] = {
       {"nosuch.safetensors",
-       "metadata 'dp.model' = 'nosuch': unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18 or resnet34)"},
+       "metadata 'dp.model' = 'nosuch': unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34 or gpt)"},
       {"twice.safetensors", "header names 'dp.dropout' twice in one object"},
       {"hidden64.safetensors",
        "metadata 'dp.hidden' = '64' contradicts the tensors: fc1.weight has shape [16, 784] (expected 64 rows)"},
@@ -1736,7 +1736,7 @@ TEST_F(TrainTest, UnknownFlagsSuggestTheirNearestFlag) {
   expect_refused(base + "stray", "unexpected argument 'stray'");
   // An unknown model is refused naming the known ones, on the command line and in a checkpoint.
   expect_refused(base + "--model nosuch",
-                 "--model: unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18 or resnet34)");
+                 "--model: unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34 or gpt)");
 }
 
 // --freeze PREFIX keeps those parameters bit-identical through training, in every mode (torch's
