@@ -134,6 +134,12 @@ FlagGroup<O> optimizer_flags() {
                .torch = "weight_decay=X",
                .torch_spellings = {"--wd"},
                .saved = Saved::on_resume},
+              {.name = "--decay",
+               .value = flag::choice<O>(&O::decay, {"all", "matrices"}),
+               .help = "what --weight-decay applies to: every parameter, or the matrices only (biases and "
+                       "norm weights in a group without decay, as nanoGPT's configure_optimizers)",
+               .torch = "AdamW([{'params': 2-D, 'weight_decay': X}, {'params': 1-D, 'weight_decay': 0}])",
+               .saved = Saved::on_resume},
               {.name = "--nesterov",
                .value = flag::on<O>(&O::nesterov),
                .help = "sgd: Nesterov momentum",

@@ -577,6 +577,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   engine_options.output_device = o.output_device;
   engine_options.processes = g_job.processes();
   engine_options.frozen = o.freeze;
+  engine_options.weight_decay_on = o.decay == "matrices" ? dp::WeightDecayOn::matrices : dp::WeightDecayOn::all;
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)
     as_usage_error([&] {

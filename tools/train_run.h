@@ -43,6 +43,7 @@ struct Options : dp::tools::SharedOptions {
   double lr = 0.01;           // in double, as Python's; each optimizer rounds it as torch's kernels do
   float momentum = 0.9f;
   double weight_decay = 0.0;
+  std::string decay = "all";  // what weight decay applies to: all parameters, or "matrices" only
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   bool nesterov = false, scale_lr = false, no_shuffle = false;
   long warmup_steps = 0;

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dp/engines/engine.h"
@@ -89,6 +90,42 @@ TEST_P(GptEngines, OneStepInEveryEngineIsTorchs) {
 
 INSTANTIATE_TEST_SUITE_P(Precision, GptEngines, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("bf16") : std::string("fp32"); });
+
+// nanoGPT's optimizer: AdamW with weight decay on the matrices only (EngineOptions::weight_decay_on),
+// in every engine and with ZeRO-1's slices, against torch's step with those two parameter groups.
+TEST(GptEngines, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  const models::GptConfig config = tiny_gpt(golden);
+  const int batch = std::stoi(golden.metadata.at("batch"));
+  const AdamWOptions adamw{1e-2, 0.9, 0.95, 1e-3, 0.1};  // eps: see make_transformer_goldens.py
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());
+  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
+  for (const auto& [kind, devices, zero] : {std::tuple{EngineKind::single, 1, 0}, std::tuple{EngineKind::dp, 2, 0},
+                                            std::tuple{EngineKind::ddp, 2, 0}, std::tuple{EngineKind::ddp, 2, 1}}) {
+    SCOPED_TRACE(fmt::format("{} on {} device(s), zero {}", to_string(kind), devices, zero));
+    auto rt = test::sim_runtime(devices);
+    auto model = models::make_gpt(rt->device(0), config, 1);
+    const Stream s = rt->device(0).create_stream();
+    load_state_dict(*model, s, golden, "init.");
+    EngineOptions options;
+    options.kind = kind;
+    options.zero = zero;
+    options.weight_decay_on = WeightDecayOn::matrices;
+    auto engine = make_engine(*rt, *model, adamw, options);
+    std::vector<Batch> batches;
+    const int per_batch = batch / engine->batches_per_step();
+    const auto tokens = static_cast<std::size_t>(per_batch * config.context);
+    for (int b = 0; b < engine->batches_per_step(); ++b)
+      batches.emplace_back(ids.data() + b * tokens, targets.data() + b * tokens, per_batch);
+    engine->train_step(batches);
+    engine->synchronize();
+    for (const TensorRef& p : engine->model().parameters())
+      EXPECT_TRUE(test::all_close(test::to_host(s, p.as<float>(), p.numel()),
+                                  golden.at("adamw.step." + p.name).to_f32(), 1e-5, 1e-6))
+          << p.name;
+  }
+}
 
 // Evaluation scores every position: the mean loss over the tokens, and per-token top-1 accuracy.
 TEST(GptEngines, EvaluationScoresEveryToken) {

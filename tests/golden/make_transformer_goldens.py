@@ -23,7 +23,9 @@ transformer_gpt.safetensors: nanoGPT's GPT (vocab 32, context 8, width 16, 2 lay
 transformer_gpt_train.safetensors: the tiny GPT (vocab 32, context 16, width 32, 2 layers of 2 heads)
   on 4 sequences of 16 tokens, one torch.optim.SGD(lr 0.5) step, fp32 and under
   torch.autocast("cpu", bfloat16): init.<names>, data.idx, data.targets, <mode>.loss,
-  and <mode>.step.<name> (the parameters after the step) for mode fp32 and amp.
+  and <mode>.step.<name> (the parameters after the step) for mode fp32 and amp; adamw.step.<name>:
+  fp32, one torch.optim.AdamW(lr 1e-2, betas (0.9, 0.95), eps 1e-3) step with nanoGPT's parameter
+  groups (weight decay 0.1 on the matrices, 0 on the vectors).
 
 Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_goldens.py
 """
@@ -203,6 +205,12 @@ def gpt_goldens():
     return tensors, {"torch": torch.__version__}
 
 
+# Adam's first step moves each parameter by about lr * sign(grad): a gradient that is rounding noise
+# (the key bias's is 0 in exact arithmetic: softmax ignores a constant added to a row) would move by
+# lr either way. eps 1e-3 keeps such a step below 1e-6 and the others' (|grad| ~ 1e-3) near lr.
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-3, "weight_decay": 0.1}
+
+
 def gpt_train_goldens():
     """One SGD step of the issue's tiny GPT on 4 sequences of 16 tokens, fp32 and under bf16 autocast."""
     torch.manual_seed(44)
@@ -223,6 +231,15 @@ def gpt_train_goldens():
         torch.optim.SGD(model.parameters(), lr=lr).step()
         tensors[f"{mode}.loss"] = loss.detach().clone()
         tensors.update({f"{mode}.step.{k}": p.detach().clone() for k, p in model.named_parameters()})
+    # nanoGPT's configure_optimizers: AdamW, weight decay on the matrices only.
+    model.load_state_dict({**init, "lm_head.weight": init["transformer.wte.weight"]})
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(idx).view(-1, vocab), targets.view(-1)).backward()
+    params = [p for p in model.parameters()]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": ADAMW["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    torch.optim.AdamW(groups, lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"]).step()
+    tensors.update({f"adamw.step.{k}": p.detach().clone() for k, p in model.named_parameters()})
     meta = {"torch": torch.__version__, "vocab": str(vocab), "context": str(context), "width": str(width),
             "layers": str(layers), "heads": str(heads), "batch": str(batch), "lr": str(lr)}
     return tensors, meta

@@ -259,5 +259,46 @@ TEST_P(OptimizerTest, AdamWRejectsWhatTorchRejects) {
   EXPECT_THROW(adamw_kernel(stream_, 4, {}, 0, x, x, x, x), InvalidArgument) << "steps count from 1";
 }
 
+// Weight decay excluded from some parameters (torch's parameter group of weight_decay 0): those are
+// the bits of an optimizer without decay, the others of one with it, frozen ones untouched; the
+// update runs in one launch per stretch of the same group.
+TEST_P(OptimizerTest, ExcludedFromWeightDecayIsAGroupWithoutDecay) {
+  constexpr std::size_t n = 10;
+  std::vector<float> init(n), grad(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    init[i] = 0.5f + 0.1f * static_cast<float>(i);
+    grad[i] = 0.01f * static_cast<float>(i + 1) * (i % 2 ? -1.0f : 1.0f);
+  }
+  const auto run = [&](const OptimizerOptions& options, bool groups) {
+    DeviceBuffer params = upload(*device_, stream_, init), grads = upload(*device_, stream_, grad);
+    auto optimizer = make_optimizer(*device_, n, options);
+    if (groups) {
+      optimizer->freeze({{2, 2}});
+      optimizer->exclude_from_weight_decay({{3, 4}, {9, 1}});
+    }
+    for (int step = 0; step < 2; ++step) optimizer->step(stream_, params.as<float>(), grads.as<float>());
+    std::vector<std::pair<std::size_t, bool>> segments;
+    for (const auto& [range, decay] : optimizer->segments()) segments.emplace_back(range.offset, decay);
+    return std::pair{download<float>(stream_, params), segments};
+  };
+  for (const bool adamw : {false, true}) {
+    SCOPED_TRACE(adamw ? "adamw" : "sgd");
+    const auto options = [&](double wd) -> OptimizerOptions {
+      if (adamw) return AdamWOptions{1e-2, 0.9, 0.95, 1e-8, wd};
+      return SgdOptions{0.1f, 0.9f, static_cast<float>(wd), false};
+    };
+    const auto [grouped, segments] = run(options(0.5), true);
+    const auto decayed = run(options(0.5), false).first, plain = run(options(0.0), false).first;
+    EXPECT_EQ(segments, (std::vector<std::pair<std::size_t, bool>>{{0, true}, {4, false}, {7, true}, {9, false}}));
+    for (std::size_t i = 0; i < n; ++i) {
+      const bool frozen = i == 2 || i == 3, excluded = (i >= 4 && i < 7) || i == 9;
+      EXPECT_EQ(grouped[i], frozen ? init[i] : excluded ? plain[i] : decayed[i]) << "parameter " << i;
+    }
+    EXPECT_NE(decayed[5], plain[5]) << "the decay changes what it applies to";
+  }
+  auto optimizer = make_optimizer(*device_, n, SgdOptions{});
+  EXPECT_THROW(optimizer->exclude_from_weight_decay({{8, 3}}), InvalidArgument) << "past the parameters";
+}
+
 }  // namespace
 }  // namespace dp

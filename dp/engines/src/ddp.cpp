@@ -242,16 +242,29 @@ void DistributedDataParallel::freeze(const std::vector<Optimizer::ParamRange>& f
   }
   trainable_ = trainable_ranges(ranks_[0]->model->param_count(), frozen);
   frozen_ = frozen;
-  for (auto& rank : ranks_) {
-    // Each frozen range's part inside the rank's slice, in the slice's own offsets.
-    std::vector<Optimizer::ParamRange> mine;
-    for (const Optimizer::ParamRange& f : frozen) {
-      const std::size_t lo = std::max(f.offset, rank->zero_begin);
-      const std::size_t hi = std::min(f.offset + f.count, rank->zero_begin + rank->zero_count);
-      if (lo < hi) mine.push_back({lo - rank->zero_begin, hi - lo});
-    }
-    rank->optimizer->freeze(mine);
+  for (auto& rank : ranks_) rank->optimizer->freeze(in_slice(*rank, frozen));
+}
+
+void DistributedDataParallel::exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) {
+  if (!options_.zero) {
+    Engine::exclude_from_weight_decay(ranges);
+    return;
   }
+  (void)trainable_ranges(ranks_[0]->model->param_count(), ranges);  // the bounds check, before any rank
+  no_decay_ = ranges;
+  for (auto& rank : ranks_) rank->optimizer->exclude_from_weight_decay(in_slice(*rank, ranges));
+}
+
+// ZeRO-1: each of the whole buffer's `ranges`' part inside the rank's slice, in the slice's offsets.
+std::vector<Optimizer::ParamRange> DistributedDataParallel::in_slice(const Rank& rank,
+                                                                     const std::vector<Optimizer::ParamRange>& ranges) {
+  std::vector<Optimizer::ParamRange> mine;
+  for (const Optimizer::ParamRange& f : ranges) {
+    const std::size_t lo = std::max(f.offset, rank.zero_begin);
+    const std::size_t hi = std::min(f.offset + f.count, rank.zero_begin + rank.zero_count);
+    if (lo < hi) mine.push_back({lo - rank.zero_begin, hi - lo});
+  }
+  return mine;
 }
 
 std::vector<Optimizer*> DistributedDataParallel::whole_optimizers() {
@@ -260,6 +273,7 @@ std::vector<Optimizer*> DistributedDataParallel::whole_optimizers() {
   const std::size_t n = ranks_[0]->model->param_count();
   whole_ = make_optimizer(group_.device(0), n, optimizer_options_);
   whole_->freeze(frozen_);
+  whole_->exclude_from_weight_decay(no_decay_);
   const std::size_t buffers = ranks_[0]->optimizer->state().size();
   for (std::size_t k = 0; k < buffers; ++k) {
     float* whole = whole_->state()[k].data;

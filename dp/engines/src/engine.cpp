@@ -100,6 +100,10 @@ void Engine::freeze(const std::vector<Optimizer::ParamRange>& frozen) {
   for (Optimizer* o : optimizers()) o->freeze(frozen);
 }
 
+void Engine::exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) {
+  for (Optimizer* o : optimizers()) o->exclude_from_weight_decay(ranges);
+}
+
 void Engine::set_lr(double lr) {
   for (Optimizer* optimizer : optimizers()) optimizer->set_lr(lr);
 }
@@ -146,6 +150,12 @@ std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const Optimi
   model.set_autocast(options.amp);
   auto engine = make_unfrozen_engine(runtime, model, optimizer, options);
   if (!frozen.empty()) engine->freeze(frozen);
+  if (options.weight_decay_on == WeightDecayOn::matrices) {
+    std::vector<Optimizer::ParamRange> vectors;  // nanoGPT's no-decay group: p.dim() < 2
+    for (const TensorRef& p : model.parameters())
+      if (p.shape.size() < 2) vectors.push_back({p.offset, p.numel()});
+    engine->exclude_from_weight_decay(vectors);
+  }
   return engine;
 }
 

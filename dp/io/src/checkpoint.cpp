@@ -51,6 +51,10 @@ safetensors::File state_dict(const Model& model, const Stream& stream) {
     stream.copy(t.data.data(), view.data, view.bytes());  // pageable destination: synchronous
     file.add(view.name, std::move(t));
   }
+  for (const auto& [alias, name] : model.aliases()) {
+    safetensors::Tensor copy = file.at(name);
+    file.add(alias, std::move(copy));
+  }
   return file;
 }
 
@@ -61,17 +65,40 @@ StateDictKeys load_state_dict(Model& model, const Stream& stream, const safetens
   std::vector<std::pair<const TensorRef*, const safetensors::Tensor*>> plan;
   std::set<std::string> used;
   const auto views = state_views(model);
+  const auto aliases = model.aliases();
+  // The file's name for a model name: plain or under "module.", or "" when it has neither.
+  const auto find = [&](const std::string& name) {
+    const std::string plain = prefix + name, wrapped = prefix + "module." + name;
+    if (file.has(plain)) return plain;
+    if (file.has(wrapped)) {
+      keys.module_prefix = true;
+      return wrapped;
+    }
+    return std::string();
+  };
   for (const TensorRef& view : views) {
-    const std::string plain = prefix + view.name, wrapped = prefix + "module." + view.name;
-    const bool has_plain = file.has(plain), has_wrapped = !has_plain && file.has(wrapped);
-    if (!has_plain && !has_wrapped) {
+    const std::string plain = prefix + view.name;
+    std::string name = find(view.name);
+    // A tied parameter under its alias alone (a file written by torch from another module's view).
+    for (const auto& [alias, tied] : aliases)
+      if (name.empty() && tied == view.name) name = find(alias);
+    if (name.empty()) {
       keys.missing.push_back(view.name);
       continue;
     }
-    keys.module_prefix = keys.module_prefix || has_wrapped;
-    const std::string& name = has_plain ? plain : wrapped;
     used.insert(name);
     const safetensors::Tensor* t = &file.tensors.at(name);
+    // torch's state dict holds a tied tensor under each name: the copies must be the same tensor.
+    for (const auto& [alias, tied] : aliases) {
+      if (tied != view.name) continue;
+      const std::string other = find(alias);
+      if (other.empty() || other == name) continue;
+      used.insert(other);
+      const safetensors::Tensor& copy = file.tensors.at(other);
+      if (copy.dtype != t->dtype || copy.shape != t->shape || copy.data != t->data)
+        throw Error(fmt::format("checkpoint tensors '{}' and '{}' differ, but the model ties them (one tensor)",
+                                name, other));
+    }
     if (t->dtype != dtype_name(view.dtype))
       throw Error(fmt::format("checkpoint tensor '{}' has dtype {}, the model expects {}", plain, t->dtype,
                               dtype_name(view.dtype)));

@@ -2,6 +2,7 @@
 #include "dp/nn/optim.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
@@ -21,8 +22,10 @@ template <class... F>
 Overloaded(F...) -> Overloaded<F...>;  // clang 14 (the fuzz build) has no aggregate deduction yet
 
 kernels::AdamWConstants constants_of(const AdamWOptions& o) { return {o.beta1, o.beta2, o.eps}; }
-kernels::AdamWScalars adamw_values(const AdamWOptions& o, std::int64_t step) {
-  return kernels::adamw_scalars(constants_of(o), o.lr, o.weight_decay, step);
+// The step's values with the weight decay, then without (the excluded parameters').
+std::array<kernels::AdamWScalars, 2> adamw_values(const AdamWOptions& o, std::int64_t step) {
+  return {kernels::adamw_scalars(constants_of(o), o.lr, o.weight_decay, step),
+          kernels::adamw_scalars(constants_of(o), o.lr, 0.0, step)};
 }
 }  // namespace
 
@@ -30,6 +33,7 @@ Optimizer::Optimizer(Device& device, std::size_t param_count)
     : device_(device),
       param_count_(param_count),
       trainable_{{0, param_count}},
+      segments_{{{0, param_count}, true}},
       slots_(device.allocate_pinned(kSlots * kMaxScalarBytes)),
       scalars_(device.allocate(kMaxScalarBytes)) {
   for (Event& free : slot_free_) free = device.create_event();
@@ -76,6 +80,40 @@ std::vector<Optimizer::ParamRange> trainable_ranges(std::size_t param_count,
 
 void Optimizer::freeze(std::vector<ParamRange> frozen) {
   trainable_ = trainable_ranges(param_count_, std::move(frozen));
+  cut_segments();
+}
+
+void Optimizer::exclude_from_weight_decay(std::vector<ParamRange> ranges) {
+  (void)trainable_ranges(param_count_, ranges);  // the same bounds check as freeze's
+  std::sort(ranges.begin(), ranges.end(), [](const ParamRange& a, const ParamRange& b) { return a.offset < b.offset; });
+  no_decay_ = std::move(ranges);
+  cut_segments();
+}
+
+void Optimizer::cut_segments() {
+  // Decay applies where no excluded range does: the trainable stretches cut at their edges.
+  const std::vector<ParamRange> decayed = trainable_ranges(param_count_, no_decay_);
+  segments_.clear();
+  for (const ParamRange& t : trainable_) {
+    std::size_t at = t.offset;
+    const std::size_t end = t.offset + t.count;
+    while (at < end) {
+      bool decay = false;
+      std::size_t next = end;
+      for (const ParamRange& d : decayed) {
+        if (d.offset + d.count <= at) continue;
+        if (d.offset <= at) {
+          decay = true;
+          next = std::min(end, d.offset + d.count);
+        } else {
+          next = std::min(end, d.offset);
+        }
+        break;
+      }
+      segments_.push_back({{at, next - at}, decay});
+      at = next;
+    }
+  }
 }
 
 DeviceBuffer Optimizer::zeroed_buffer() const {
@@ -131,11 +169,12 @@ std::vector<Optimizer::StateBuffer> Sgd::state() const {
 void Sgd::step(const Stream& stream, float* params, const float* grads) {
   const kernels::SgdScalars values = kernels::sgd_scalars(options_.lr, steps_ == 0);
   const auto* scalars = static_cast<const kernels::SgdScalars*>(upload_scalars(stream, &values, sizeof values));
-  const kernels::SgdConstants constants{options_.momentum, options_.weight_decay, options_.nesterov};
   float* momentum = momentum_.as<float>();
-  for (const ParamRange& r : trainable())
+  for (const auto& [r, decay] : segments()) {
+    const kernels::SgdConstants constants{options_.momentum, decay ? options_.weight_decay : 0.0f, options_.nesterov};
     kernels::sgd_step_capturable(stream, static_cast<kernels::index_t>(r.count), constants, scalars, params + r.offset,
                                  grads + r.offset, momentum ? momentum + r.offset : nullptr);
+  }
   ++steps_;
 }
 
@@ -165,18 +204,18 @@ std::vector<Optimizer::StateBuffer> AdamW::state() const {
 
 void AdamW::step(const Stream& stream, float* params, const float* grads) {
   // torch increments state['step'] before the update: the first step's bias correction uses 1.
-  const kernels::AdamWScalars values = adamw_values(options_, steps_ + 1);
-  const auto* scalars = static_cast<const kernels::AdamWScalars*>(upload_scalars(stream, &values, sizeof values));
-  for (const ParamRange& r : trainable())
-    kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(r.count), constants_of(options_), scalars,
-                                   params + r.offset, grads + r.offset, exp_avg_.as<float>() + r.offset,
-                                   exp_avg_sq_.as<float>() + r.offset);
+  const auto values = adamw_values(options_, steps_ + 1);
+  const auto* scalars = static_cast<const kernels::AdamWScalars*>(upload_scalars(stream, values.data(), sizeof values));
+  for (const auto& [r, decay] : segments())
+    kernels::adamw_step_capturable(stream, static_cast<kernels::index_t>(r.count), constants_of(options_),
+                                   decay ? scalars : scalars + 1, params + r.offset, grads + r.offset,
+                                   exp_avg_.as<float>() + r.offset, exp_avg_sq_.as<float>() + r.offset);
   ++steps_;
 }
 
 void AdamW::replayed_step(const Stream& stream) {
-  const kernels::AdamWScalars values = adamw_values(options_, steps_ + 1);
-  (void)upload_scalars(stream, &values, sizeof values);
+  const auto values = adamw_values(options_, steps_ + 1);
+  (void)upload_scalars(stream, values.data(), sizeof values);
   ++steps_;
 }
 

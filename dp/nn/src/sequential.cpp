@@ -125,6 +125,14 @@ std::vector<TensorRef> SequentialModel::views(bool gradients) const {
   return out;
 }
 
+std::vector<std::pair<std::string, std::string>> SequentialModel::aliases() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& layer : chain_->layers())
+    for (const auto& [alias, name] : layer->aliases())
+      out.emplace_back(qualified_name(*layer, alias), qualified_name(*layer, name));
+  return out;
+}
+
 std::vector<TensorRef> SequentialModel::buffers() const {
   std::vector<TensorRef> out;
   auto* base = static_cast<std::byte*>(buffers_.data());

@@ -225,6 +225,9 @@ class LanguageModel final : public detail::Container {
     return detail::Container::multiply_adds(in) + static_cast<std::int64_t>(in.c) * width_ * embedding().vocab();
   }
   std::int64_t first_layer_skipped_multiply_adds(const ActShape&) const override { return 0; }
+  std::vector<std::pair<std::string, std::string>> aliases() const override {
+    return {{"lm_head.weight", "transformer.wte.weight"}};
+  }
   bool output_bf16(bool) const override { return false; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     hidden_ = static_cast<const float*>(chain_.forward(ctx, x, nullptr));

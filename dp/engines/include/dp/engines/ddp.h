@@ -109,6 +109,7 @@ class DistributedDataParallel final : public Engine {
   std::uint64_t graph_replays() const override;
   std::optional<float> last_grad_norm() override;
   void freeze(const std::vector<Optimizer::ParamRange>& frozen) override;
+  void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) override;
   std::vector<Optimizer*> whole_optimizers() override;
   void whole_optimizers_loaded() override;
 
@@ -119,6 +120,7 @@ class DistributedDataParallel final : public Engine {
   void enqueue_broadcast(int r, bool parameters, bool buffers);
   void enqueue_zero_grad(int r);
   void enqueue_step(int r);
+  static std::vector<Optimizer::ParamRange> in_slice(const Rank& rank, const std::vector<Optimizer::ParamRange>& ranges);
   // ZeRO-1, on rank r's compute stream: every global rank's slice (rank r's is `slice`, zero_count
   // floats) gathered in rank order; returns the whole buffer (its first param_count() floats).
   const float* gather_slices(int r, const float* slice);
@@ -167,7 +169,7 @@ class DistributedDataParallel final : public Engine {
   std::vector<Optimizer::ParamRange> trainable_;  // of the whole buffer (clipping), with ZeRO-1
   std::unique_ptr<Communicator> param_comm_;      // ZeRO-1's all-gathers, on the compute streams
   std::unique_ptr<Optimizer> whole_;
-  std::vector<Optimizer::ParamRange> frozen_;
+  std::vector<Optimizer::ParamRange> frozen_, no_decay_;  // of the whole buffer, with ZeRO-1
   std::shared_ptr<ProcessGroup> processes_;
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;

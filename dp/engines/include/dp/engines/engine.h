@@ -149,6 +149,9 @@ class Engine {
   // Keeps the flat parameters in `frozen` fixed (EngineOptions::frozen, as make_engine applies it):
   // no update, no optimizer state.
   virtual void freeze(const std::vector<Optimizer::ParamRange>& frozen);
+  // Updates the flat parameters in `ranges` without weight decay (EngineOptions::weight_decay_on,
+  // as make_engine applies it): Optimizer::exclude_from_weight_decay on every optimizer.
+  virtual void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges);
   // The optimizer state as a checkpoint holds it, every parameter's: optimizers() (their first is
   // saved), or with ZeRO-1 one whole optimizer gathered from the ranks' slices (a collective: every
   // process calls it, and waits for the steps in flight). Valid until the next call.
@@ -166,6 +169,9 @@ class Engine {
   // added in global batch order (so that how batches are spread over processes changes no bit).
   virtual EvalTotals reduce_totals(std::span<const EvalTotals> per_batch);
 };
+
+// Which parameters an optimizer decays (EngineOptions::weight_decay_on).
+enum class WeightDecayOn { all, matrices };
 
 // The one configuration of every engine: make_engine's, and the DataParallel and
 // DistributedDataParallel constructors' (which are their own kind and ignore `kind`). Each field
@@ -208,6 +214,11 @@ struct EngineOptions {
   // state, and DDP does not all-reduce their gradients (which are still computed). A prefix that
   // names no parameter is an InvalidArgument.
   std::vector<std::string> frozen = {};
+  // Every kind: which parameters the optimizer's weight decay applies to: all of them
+  // (torch.optim's default, one parameter group), or the matrices only -- the parameters of two
+  // or more dimensions -- as nanoGPT's configure_optimizers groups them (biases and LayerNorm and
+  // BatchNorm weights in a group of weight_decay 0).
+  WeightDecayOn weight_decay_on = WeightDecayOn::all;
   // Every kind: gradient accumulation, K micro-batches per optimizer step (torch's loop of K
   // forward/backward with loss / K, DDP's no_sync for all but the last): a step takes K times
   // batches_per_forward() batches, each micro-batch's loss scaled by 1/K, the gradients summed in

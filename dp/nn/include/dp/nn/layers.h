@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dp/nn/model.h"
@@ -149,6 +150,9 @@ class Layer {
   // Bytes the last train forward kept for the backward beyond the activations a chain holds
   // (max-pool indices, BatchNorm statistics; a container: its chains').
   virtual std::size_t saved_bytes() const { return 0; }
+  // Parameters torch's state dict also lists under another name, relative to the layer: {alias,
+  // parameter} (a tied head: {"lm_head.weight", "transformer.wte.weight"}).
+  virtual std::vector<std::pair<std::string, std::string>> aliases() const { return {}; }
 
   // Fusion with a following ReLU, which a list of layers (Chain) applies by itself: when a layer
   // that fuses_relu() is followed by one that is_relu(), the chain runs forward_relu (y = relu of

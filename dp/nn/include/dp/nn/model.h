@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dp/nn/tensor.h"
@@ -82,6 +83,10 @@ class Model {
   virtual std::vector<TensorRef> parameters() const = 0;
   virtual std::vector<TensorRef> gradients() const = 0;  // same names and layout as parameters()
   virtual std::vector<TensorRef> buffers() const = 0;
+  // A tied parameter's other names, as torch's state_dict() lists the one tensor under each module
+  // that holds it: {alias, parameters()' name}. Checkpoints write the alias too, so that torch loads
+  // them with strict=True; loading accepts it (equal to the parameter) or its absence.
+  virtual std::vector<std::pair<std::string, std::string>> aliases() const { return {}; }
 
   // Per-sample input shape, e.g. {1, 28, 28}, and number of output features (logits) per target.
   virtual std::vector<std::int64_t> input_shape() const = 0;

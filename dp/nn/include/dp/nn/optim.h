@@ -80,10 +80,21 @@ class Optimizer {
     std::size_t offset = 0, count = 0;
   };
   void freeze(std::vector<ParamRange> frozen);
+  // Parameters without weight decay, as torch's second parameter group {"weight_decay": 0.0}
+  // (nanoGPT's biases and LayerNorm weights): [offset, offset + count) of the flat buffer, updated
+  // with the optimizer's other hyper-parameters and no decay. Throws InvalidArgument for a range
+  // past the parameters.
+  void exclude_from_weight_decay(std::vector<ParamRange> ranges);
   Device& device() const { return device_; }
   std::size_t param_count() const { return param_count_; }
   // The stretches of the flat buffer step() updates: all of it unless some are frozen.
   const std::vector<ParamRange>& trainable() const { return trainable_; }
+  // trainable() cut where weight decay starts or stops applying: one launch of the update each.
+  struct Segment {
+    ParamRange range;
+    bool decay = true;
+  };
+  const std::vector<Segment>& segments() const { return segments_; }
   // Steps taken: torch's state['step'] (AdamW's bias correction uses it; SGD only asks whether it is 0).
   std::int64_t steps() const { return steps_; }
   // Restoring a checkpoint: the state buffers are written by the caller, then the step count set.
@@ -109,7 +120,9 @@ class Optimizer {
   static constexpr int kSlots = 2;
   Device& device_;
   std::size_t param_count_;
-  std::vector<ParamRange> trainable_;
+  void cut_segments();
+  std::vector<ParamRange> trainable_, no_decay_;
+  std::vector<Segment> segments_;
   PinnedBuffer slots_;       // kSlots x the host's values of a step (pinned: the copy is asynchronous)
   DeviceBuffer scalars_;     // what the update reads
   Event slot_free_[kSlots];  // recorded after each copy out of the slot

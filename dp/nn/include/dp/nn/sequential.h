@@ -45,6 +45,7 @@ class SequentialModel final : public Model {
   std::vector<TensorRef> parameters() const override { return views(false); }
   std::vector<TensorRef> gradients() const override;
   std::vector<TensorRef> buffers() const override;
+  std::vector<std::pair<std::string, std::string>> aliases() const override;
   std::vector<std::int64_t> input_shape() const override { return input_shape_; }
   // The last layer's output per sample as ActShape::rows() rows of row_features() logits.
   int output_features() const override { return output_features_; }
