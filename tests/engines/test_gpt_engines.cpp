@@ -127,6 +127,41 @@ TEST(GptEngines, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
   }
 }
 
+// torch's state dict lists the tied table twice (transformer.wte.weight, lm_head.weight): a dp
+// checkpoint writes both, so torch loads it with strict=True; a load takes either name, and refuses
+// a file whose two copies differ.
+TEST(GptEngines, TheTiedTableIsSavedUnderBothNamesAndLoadedFromEither) {
+  auto rt = test::sim_runtime(1);
+  const models::GptConfig config{32, 8, 1, 2, 16};
+  auto model = models::make_gpt(rt->device(0), config, 5);
+  const Stream s = rt->device(0).create_stream();
+  const safetensors::File saved = state_dict(*model, s);
+  ASSERT_TRUE(saved.has("lm_head.weight"));
+  EXPECT_EQ(saved.at("lm_head.weight").data, saved.at("transformer.wte.weight").data);
+  EXPECT_EQ(saved.order.back(), "lm_head.weight") << "last, as torch's state_dict() lists it";
+
+  auto other = models::make_gpt(rt->device(0), config, 6);
+  const auto keys = load_state_dict(*other, s, saved);  // strict: the alias is the model's
+  EXPECT_TRUE(keys.unexpected.empty());
+  EXPECT_EQ(state_dict(*other, s).at("transformer.wte.weight").data, saved.at("transformer.wte.weight").data);
+
+  safetensors::File alias_only = saved;  // a file that names the table as the head only
+  alias_only.tensors.erase("transformer.wte.weight");
+  auto third = models::make_gpt(rt->device(0), config, 7);
+  EXPECT_TRUE(load_state_dict(*third, s, alias_only).missing.empty());
+  EXPECT_EQ(state_dict(*third, s).at("transformer.wte.weight").data, saved.at("transformer.wte.weight").data);
+
+  safetensors::File differ = saved;
+  differ.tensors.at("lm_head.weight").data[0] ^= std::byte{1};
+  try {
+    load_state_dict(*other, s, differ);
+    FAIL() << "loaded two different tied tensors";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'transformer.wte.weight' and 'lm_head.weight' differ"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Evaluation scores every position: the mean loss over the tokens, and per-token top-1 accuracy.
 TEST(GptEngines, EvaluationScoresEveryToken) {
   const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));

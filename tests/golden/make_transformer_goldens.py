@@ -32,11 +32,15 @@ Run with Debian's python3-torch: /usr/bin/python3 tests/golden/make_transformer_
 import json
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from make_goldens import encode_safetensors  # the one safetensors writer of the golden scripts
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from nanogpt import GPT, Block  # noqa: E402  the reference model, as the recipe trains it
 
 # name -> (rows, cols): one row, a GPT's (B*T, C) shapes, a row longer than a reduction pass, two values
 # a row. (One value a row is left out: torch then gives its own rounding noise times 1/sqrt(eps) where
@@ -107,52 +111,6 @@ def goldens():
     return tensors, meta
 
 
-class CausalSelfAttention(torch.nn.Module):
-    """nanoGPT's (model.py), without dropout and without flash attention: the manual path."""
-
-    def __init__(self, c, h):
-        super().__init__()
-        self.c_attn = torch.nn.Linear(c, 3 * c)
-        self.c_proj = torch.nn.Linear(c, c)
-        self.n_head, self.n_embd = h, c
-
-    def forward(self, x):
-        b, t, c = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(torch.tril(torch.ones(t, t)).view(1, 1, t, t) == 0, float("-inf"))
-        att = F.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        return self.c_proj(y)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.c_fc = torch.nn.Linear(c, 4 * c)
-        self.gelu = torch.nn.GELU()
-        self.c_proj = torch.nn.Linear(4 * c, c)
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, c, h):
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm(c)
-        self.attn = CausalSelfAttention(c, h)
-        self.ln_2 = torch.nn.LayerNorm(c)
-        self.mlp = MLP(c)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
 def block_goldens():
     torch.manual_seed(42)
     block = Block(8, 2)
@@ -168,25 +126,6 @@ def block_goldens():
     tensors.update({"data.x": x, "data.y": y.detach().clone(), "data.dy": dy})
     tensors.update({f"grad.h.0.{k}": p.grad.clone() for k, p in block.named_parameters()})
     return tensors, {"torch": torch.__version__}
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab, context, width, layers, heads):
-        super().__init__()
-        self.transformer = torch.nn.ModuleDict(dict(
-            wte=torch.nn.Embedding(vocab, width),
-            wpe=torch.nn.Embedding(context, width),
-            h=torch.nn.ModuleList([Block(width, heads) for _ in range(layers)]),
-            ln_f=torch.nn.LayerNorm(width)))
-        self.lm_head = torch.nn.Linear(width, vocab, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as nanoGPT
-
-    def forward(self, idx):
-        t = idx.size(1)
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(t))
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
 
 
 def gpt_goldens():

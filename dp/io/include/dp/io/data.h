@@ -119,6 +119,8 @@ class FirstSamples : public SampleSource {
   std::vector<std::int64_t> sample_shape() const override { return source_->sample_shape(); }
   int num_classes() const override { return source_->num_classes(); }
   std::int64_t label(std::size_t index) const override { return source_->label(index); }
+  int targets_per_sample() const override { return source_->targets_per_sample(); }
+  void fill_targets(std::size_t index, std::int64_t* out) const override { source_->fill_targets(index, out); }
   void fill(std::size_t index, const SampleKey& key, float* out) const override { source_->fill(index, key, out); }
 
  private:
