@@ -96,7 +96,7 @@ FlagGroup<O> model_flags() {
                .saved = Saved::always},
               {.name = "--dropout",
                .value = flag::number<O>(&O::dropout, flag::kUnitInterval, "P"),
-               .help = "mlp: Dropout(P) after each hidden ReLU (0: none)",
+               .help = "mlp: Dropout(P) after each hidden ReLU; gpt: nanoGPT's dropout (0: none)",
                .torch = "nn.Dropout(p=P)",
                .saved = Saved::always},
               {.name = "--accumulate",

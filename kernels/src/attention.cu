@@ -42,10 +42,12 @@ struct Layout {
 
 // One head's products over the whole batch: strided batched GEMMs (one launch each on cuda) whose
 // batch index is the sample.
-void attention_forward(const Stream& stream, const AttentionShape& s, const float* qkv, float* probs, float* y) {
+void attention_forward(const Stream& stream, const AttentionShape& s, const float* qkv, float* probs, float* y,
+                       const AttentionDropout& dropout) {
   const char* op = "attention_forward";
   check_attention(op, s);
   checks::present(op, {{"qkv", qkv}, {"probs", probs}, {"y", y}});
+  if (dropout.p > 0.0) checks::present(op, {{"dropout.dropped", dropout.dropped}});
   if (s.batch == 0) return;
   const Layout l(s);
   const int t = l.t, d = l.d, c = l.c;
@@ -57,30 +59,41 @@ void attention_forward(const Stream& stream, const AttentionShape& s, const floa
   }
   launch(stream, "attention_softmax", static_cast<index_t>(s.batch) * s.heads * t, CausalSoftmax{t, probs},
          {operand(probs, s.probs())});
+  // att = attn_dropout(att): what weights the values, the softmax's own output kept for its backward.
+  const float* att = probs;
+  if (dropout.p > 0.0) {
+    dropout_forward(stream, s.probs(), dropout.p, dropout.key, dropout.element_offset, probs, dropout.dropped);
+    att = dropout.dropped;
+  }
   for (int h = 0; h < s.heads; ++h) {
     // y's head columns (T, D) = att (T, T) . v (T, D)
-    gemm_batched(stream, false, false, t, d, t, 1.0f, probs + l.matrix(h), t, l.p_stride, qkv + l.column(h) + 2 * c,
+    gemm_batched(stream, false, false, t, d, t, 1.0f, att + l.matrix(h), t, l.p_stride, qkv + l.column(h) + 2 * c,
                  3 * c, l.qkv_stride, 0.0f, y + l.column(h), c, l.y_stride, s.batch);
   }
 }
 
 void attention_backward(const Stream& stream, const AttentionShape& s, const float* qkv, const float* probs,
-                        const float* dy, float* dqkv, float* scratch) {
+                        const float* dy, float* dqkv, float* scratch, const AttentionDropout& dropout) {
   const char* op = "attention_backward";
   check_attention(op, s);
   checks::present(op, {{"qkv", qkv}, {"probs", probs}, {"dy", dy}, {"dqkv", dqkv}, {"scratch", scratch}});
+  if (dropout.p > 0.0) checks::present(op, {{"dropout.dropped", dropout.dropped}});
   if (s.batch == 0) return;
   const Layout l(s);
   const int t = l.t, d = l.d, c = l.c;
+  const float* att = dropout.p > 0.0 ? dropout.dropped : probs;  // what weighted the values
   for (int h = 0; h < s.heads; ++h) {
     const index_t col = l.column(h);
     // d att (T, T) = dy (T, D) . v^T
     gemm_batched(stream, false, true, t, t, d, 1.0f, dy + col, c, l.y_stride, qkv + col + 2 * c, 3 * c, l.qkv_stride,
                  0.0f, scratch + l.matrix(h), t, l.p_stride, s.batch);
     // dv (T, D) = att^T . dy
-    gemm_batched(stream, true, false, t, d, t, 1.0f, probs + l.matrix(h), t, l.p_stride, dy + col, c, l.y_stride, 0.0f,
+    gemm_batched(stream, true, false, t, d, t, 1.0f, att + l.matrix(h), t, l.p_stride, dy + col, c, l.y_stride, 0.0f,
                  dqkv + col + 2 * c, 3 * c, l.qkv_stride, s.batch);
   }
+  // Through the dropout: d probs = d att * noise, the same mask.
+  if (dropout.p > 0.0)
+    dropout_backward(stream, s.probs(), dropout.p, dropout.key, dropout.element_offset, scratch, scratch);
   launch(stream, "attention_softmax_backward", static_cast<index_t>(s.batch) * s.heads * t,
          CausalSoftmaxBackward{t, probs, scratch}, {operand(probs, s.probs()), operand(scratch, s.probs())});
   for (int h = 0; h < s.heads; ++h) {

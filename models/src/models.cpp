@@ -203,14 +203,16 @@ std::unique_ptr<Model> make_resnet8(Device& device, std::uint64_t seed) {
   return initialized("resnet8", device, detail::resnet8_layers(), {1, 28, 28}, seed);
 }
 
-std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads) {
+std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout) {
   Layers attn, mlp, branches;
   attn.push_back(make_layernorm("ln_1", width));
-  attn.push_back(make_causal_self_attention("attn", width, heads));
+  attn.push_back(make_causal_self_attention("attn", width, heads, dropout));
+  if (dropout > 0.0) attn.push_back(make_dropout("attn.resid_dropout", dropout));
   mlp.push_back(make_layernorm("ln_2", width));
   mlp.push_back(make_linear("mlp.c_fc", width, 4 * width));
   mlp.push_back(make_gelu("mlp.gelu"));
   mlp.push_back(make_linear("mlp.c_proj", 4 * width, width));
+  if (dropout > 0.0) mlp.push_back(make_dropout("mlp.dropout", dropout));
   // Unnamed residual branches with identity shortcuts and no ReLU: the Block's own names.
   branches.push_back(make_residual("", std::move(attn), {}, false));
   branches.push_back(make_residual("", std::move(mlp), {}, false));
@@ -228,8 +230,12 @@ nn::Layers gpt_body(const GptConfig& c) {
   positive("width", c.width);
   if (c.width % c.heads != 0)
     throw InvalidArgument(fmt::format("gpt: width {} is not a multiple of heads {}", c.width, c.heads));
+  if (!(c.dropout >= 0.0 && c.dropout <= 1.0))
+    throw InvalidArgument(fmt::format("gpt: dropout must be in [0, 1], got {}", c.dropout));
   Layers body;
-  for (int i = 0; i < c.layers; ++i) body.push_back(gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads));
+  if (c.dropout > 0.0) body.push_back(make_dropout("transformer.drop", c.dropout));
+  for (int i = 0; i < c.layers; ++i)
+    body.push_back(gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads, c.dropout));
   body.push_back(make_layernorm("transformer.ln_f", c.width));
   return body;
 }

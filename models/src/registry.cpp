@@ -22,6 +22,12 @@ std::vector<std::int64_t> grey_28x28(const ModelArgs&) { return {1, 28, 28}; }
 std::vector<std::int64_t> rgb_square(const ModelArgs& args) { return {3, args.image_size, args.image_size}; }
 
 std::vector<std::int64_t> tokens(const ModelArgs& args) { return {args.gpt.context}; }
+// The GPT's configuration with the one dropout argument every model takes.
+GptConfig gpt_config(const ModelArgs& args) {
+  GptConfig config = args.gpt;
+  config.dropout = args.dropout;
+  return config;
+}
 
 // A function's static: the tools' own static tables may ask for it while they are initialised.
 const std::array<ModelSpec, 6>& models() {
@@ -65,11 +71,11 @@ const std::array<ModelSpec, 6>& models() {
          return make_resnet34(d, a.num_classes, a.image_size, seed);
        }},
       {"gpt",
-       "nanoGPT's GPT (GPT-2 init, tied lm_head) on byte tokens: --vocab, --context, --layers, --heads, --width",
-       {ModelArg::gpt},
-       [](const ModelArgs& a) { return detail::gpt_layers(a.gpt); },
+       "nanoGPT's GPT (GPT-2 init, tied lm_head) on byte tokens: --context, --layers, --heads, --width, --dropout",
+       {ModelArg::gpt, ModelArg::dropout},
+       [](const ModelArgs& a) { return detail::gpt_layers(gpt_config(a)); },
        tokens,
-       [](Device& d, const ModelArgs& a, std::uint64_t seed) { return make_gpt(d, a.gpt, seed); }},
+       [](Device& d, const ModelArgs& a, std::uint64_t seed) { return make_gpt(d, gpt_config(a), seed); }},
   }};
   return specs;
 }

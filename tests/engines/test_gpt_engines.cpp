@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
 #include "dp/models/gpt.h"
+#include "dp/nn/sequential.h"
 #include "test_util.h"
 
 namespace dp {
@@ -160,6 +162,66 @@ TEST(GptEngines, TheTiedTableIsSavedUnderBothNamesAndLoadedFromEither) {
     EXPECT_NE(std::string(e.what()).find("'transformer.wte.weight' and 'lm_head.weight' differ"), std::string::npos)
         << e.what();
   }
+}
+
+// nanoGPT's dropout: attn_dropout on the probabilities. With p = 1 every probability is dropped in
+// training: attention's output is c_proj's bias at every token and nothing reaches c_attn (its
+// gradients are 0); in evaluation it is the plain attention.
+TEST(GptEngines, AttentionDropoutDropsTheProbabilitiesInTrainingOnly) {
+  auto rt = test::sim_runtime(1);
+  Device& device = rt->device(0);
+  const Stream s = device.create_stream();
+  nn::Layers all, none;
+  all.push_back(nn::make_causal_self_attention("attn", 8, 2, 1.0));
+  none.push_back(nn::make_causal_self_attention("attn", 8, 2, 0.0));
+  nn::SequentialModel dropping("a", device, std::move(all), {5, 1, 8}), plain("b", device, std::move(none), {5, 1, 8});
+  dropping.initialize(3);
+  plain.initialize(3);
+  std::vector<float> x(2 * 5 * 8);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.7f * static_cast<float>(i));
+  DeviceBuffer in = test::upload(device, s, x);
+  const auto bias = test::to_host(s, dropping.parameters()[3].as<float>(), 8);  // attn.c_proj.bias
+  const auto y = test::to_host(s, dropping.forward(s, in.as<float>(), 2, Mode::train), x.size());
+  for (std::size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], bias[i % 8]) << "element " << i;
+  DeviceBuffer dy = test::upload(device, s, x);
+  dropping.zero_grad(s);
+  dropping.backward(s, dy.as<float>(), {});
+  for (const TensorRef& g : dropping.gradients()) {
+    if (!g.name.starts_with("attn.c_attn")) continue;
+    for (const float v : test::to_host(s, g.as<float>(), g.numel())) ASSERT_EQ(v, 0.0f) << g.name;
+  }
+  EXPECT_EQ(test::to_host(s, dropping.forward(s, in.as<float>(), 2, Mode::eval), x.size()),
+            test::to_host(s, plain.forward(s, in.as<float>(), 2, Mode::eval), x.size()));
+}
+
+// With dropout the masks are keyed by the sample's place in the step's batch: DataParallel over two
+// devices draws one device's masks on the whole batch and takes its step; the masks change the step.
+TEST(GptEngines, DropoutDrawsOneDevicesMasksInDataParallel) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  models::GptConfig config = tiny_gpt(golden);
+  config.dropout = 0.3;
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());
+  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
+  std::vector<std::vector<float>> steps;
+  for (const auto& [kind, devices, p] :
+       {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3}, std::tuple{EngineKind::single, 1, 0.0}}) {
+    config.dropout = p;
+    auto rt = test::sim_runtime(devices);
+    auto model = models::make_gpt(rt->device(0), config, 1);
+    EXPECT_EQ(model->capturable(), p == 0.0) << "dropout draws per step";
+    const Stream s = rt->device(0).create_stream();
+    load_state_dict(*model, s, golden, "init.");
+    EngineOptions options;
+    options.kind = kind;
+    auto engine = make_engine(*rt, *model, SgdOptions{0.5f, 0.0f, 0.0f, false}, options);
+    const Batch batch{ids.data(), targets.data(), 4};
+    engine->train_step(std::span<const Batch>(&batch, 1));
+    engine->synchronize();
+    steps.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
+  }
+  EXPECT_TRUE(test::all_close(steps[1], steps[0], 1e-5, 1e-7)) << "dp's masks are single's";
+  EXPECT_FALSE(test::all_close(steps[2], steps[0], 1e-3, 1e-5)) << "the masks changed the step";
 }
 
 // Evaluation scores every position: the mean loss over the tokens, and per-token top-1 accuracy.

@@ -7,6 +7,7 @@
 
 #include "chain.h"
 #include "container.h"
+#include "dropout_draw.h"
 #include "dp/kernels/avgpool.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
@@ -528,17 +529,6 @@ class GlobalAvgPool2d final : public Layer {
   bool native_bf16() const override { return true; }
 };
 
-// 32-bit FNV-1a of the layer's full name: Dropout's stream of random numbers, the same in every
-// replica and on every run, different for every Dropout of a model.
-std::uint32_t name_hash(const std::string& name) {
-  std::uint32_t h = 2166136261u;
-  for (const char c : name) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 16777619u;
-  }
-  return h;
-}
-
 class Dropout final : public Layer {
  public:
   Dropout(std::string name, double p) : Layer(std::move(name)), p_(p) {
@@ -553,12 +543,12 @@ class Dropout final : public Layer {
       ctx.stream.copy(y, x, static_cast<std::size_t>(ctx.in.numel()) * in(ctx, x).element_size());
       return;
     }
-    const auto [key, offset] = draw(ctx);
+    const auto [key, offset] = detail::dropout_draw(ctx, name(), ctx.in.per_sample());
     kernels::dropout_forward(ctx.stream, ctx.in.numel(), p_, key, offset, in(ctx, x), out(ctx, y));
   }
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx) override {
     if (!dx) return;
-    const auto [key, offset] = draw(ctx);
+    const auto [key, offset] = detail::dropout_draw(ctx, name(), ctx.in.per_sample());
     kernels::dropout_backward(ctx.stream, ctx.in.numel(), p_, key, offset, in(ctx, dy), out(ctx, dx));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(*this); }
@@ -566,13 +556,6 @@ class Dropout final : public Layer {
   bool native_bf16() const override { return true; }
 
  private:
-  // The key of this step's masks and the index of this batch's first element in the step's batch.
-  std::pair<kernels::DropoutKey, std::uint64_t> draw(const LayerContext& ctx) const {
-    const RandomContext random = ctx.random ? *ctx.random : RandomContext{};
-    const kernels::DropoutKey key{random.seed, name_hash(name()), static_cast<std::uint32_t>(random.step)};
-    return {key, random.sample_offset * static_cast<std::uint64_t>(ctx.in.per_sample())};
-  }
-
   double p_;
 };
 
@@ -738,5 +721,27 @@ std::unique_ptr<Layer> make_sequential(std::string name, Layers children) {
 std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut, bool relu_after) {
   return std::make_unique<Residual>(std::move(name), std::move(body), std::move(shortcut), relu_after);
 }
+
+namespace detail {
+
+// 32-bit FNV-1a of the layer's full name: a stochastic layer's stream of random numbers, the same in
+// every replica and on every run, different for every layer of a model.
+static std::uint32_t name_hash(const std::string& name) {
+  std::uint32_t h = 2166136261u;
+  for (const char c : name) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 16777619u;
+  }
+  return h;
+}
+
+std::pair<kernels::DropoutKey, std::uint64_t> dropout_draw(const LayerContext& ctx, const std::string& name,
+                                                           std::int64_t per_sample) {
+  const RandomContext random = ctx.random ? *ctx.random : RandomContext{};
+  const kernels::DropoutKey key{random.seed, name_hash(name), static_cast<std::uint32_t>(random.step)};
+  return {key, random.sample_offset * static_cast<std::uint64_t>(per_sample)};
+}
+
+}  // namespace detail
 
 }  // namespace dp::nn

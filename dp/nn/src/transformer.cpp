@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "container.h"
+#include "dropout_draw.h"
 #include "dp/kernels/attention.h"
 #include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
@@ -78,14 +79,19 @@ class Gelu final : public Layer {
   kernels::GeluForm form_;
 };
 
-// nanoGPT's CausalSelfAttention without dropout: c_attn (C -> 3C), the causal attention of `heads`
-// heads (dp/kernels/attention.h), c_proj (C -> C), its parameters named as nanoGPT's state dict
-// names them. fp32 inside (under autocast the chain widens its input and rounds its output).
+// nanoGPT's CausalSelfAttention: c_attn (C -> 3C), the causal attention of `heads` heads
+// (dp/kernels/attention.h) with its attn_dropout on the probabilities in training, c_proj (C -> C),
+// its parameters named as nanoGPT's state dict names them (its resid_dropout is a Dropout layer after
+// it). fp32 inside (under autocast the chain widens its input and rounds its output).
 class CausalSelfAttention final : public Layer {
  public:
-  CausalSelfAttention(std::string name, int width, int heads) : Layer(std::move(name)), width_(width), heads_(heads) {
+  CausalSelfAttention(std::string name, int width, int heads, double dropout)
+      : Layer(std::move(name)), width_(width), heads_(heads), dropout_(dropout) {
     if (width < 1 || heads < 1 || width % heads != 0)
       throw InvalidArgument(fmt::format("{}: {} features do not split into {} heads", this->name(), width, heads));
+    if (!(dropout >= 0.0 && dropout <= 1.0))
+      throw InvalidArgument(
+          fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", this->name(), dropout));
     params_.push_back({"c_attn.weight", DType::f32, {3 * width, width}, Init::kaiming_uniform, width});
     params_.push_back({"c_attn.bias", DType::f32, {3 * width}, Init::fan_in_uniform, width});
     params_.push_back({"c_proj.weight", DType::f32, {width, width}, Init::kaiming_uniform, width});
@@ -103,11 +109,12 @@ class CausalSelfAttention final : public Layer {
     const std::int64_t t = in.c, c = width_;
     return t * 4 * c * c + 2 * t * t * c;
   }
+  bool stochastic() const override { return dropout_ > 0.0; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const Buffers b = buffers(ctx);
     const auto rows = static_cast<int>(token_rows(ctx.in));
     kernels::linear_forward(ctx.stream, rows, width_, 3 * width_, x, param(0), param(1), b.qkv);
-    kernels::attention_forward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.heads);
+    kernels::attention_forward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.heads, attn_dropout(ctx, b));
     kernels::linear_forward(ctx.stream, rows, width_, width_, b.heads, param(2), param(3), y);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
@@ -115,7 +122,8 @@ class CausalSelfAttention final : public Layer {
     const auto rows = static_cast<int>(token_rows(ctx.in));
     kernels::linear_backward(ctx.stream, rows, width_, width_, b.heads, param(2), dy, b.dheads, grad(2), grad(3),
                              ctx.accumulate_grads);
-    kernels::attention_backward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.dheads, b.dqkv, b.dprobs);
+    kernels::attention_backward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.dheads, b.dqkv, b.dprobs,
+                                attn_dropout(ctx, b));
     kernels::linear_backward(ctx.stream, rows, width_, 3 * width_, x, param(0), b.dqkv, dx, grad(0), grad(1),
                              ctx.accumulate_grads);
   }
@@ -133,18 +141,33 @@ class CausalSelfAttention final : public Layer {
     float* dqkv;
     float* dprobs;
     float* dheads;
+    float* dropped;  // the probabilities after attn_dropout (training with dropout only)
   };
   Buffers buffers(const LayerContext& ctx) {
     const auto rows = static_cast<std::size_t>(token_rows(ctx.in)), c = static_cast<std::size_t>(width_);
     const auto probs = static_cast<std::size_t>(shape(ctx.in).probs());
-    kept_ = (rows * 4 * c + probs) * sizeof(float);
-    return {qkv_.get<float>(ctx.device, rows * 3 * c),   probs_.get<float>(ctx.device, probs),
-            heads_out_.get<float>(ctx.device, rows * c), dqkv_.get<float>(ctx.device, rows * 3 * c),
-            dprobs_.get<float>(ctx.device, probs),       dheads_.get<float>(ctx.device, rows * c)};
+    const bool dropping = ctx.mode == Mode::train && dropout_ > 0.0;
+    kept_ = (rows * 4 * c + probs * (dropping ? 2 : 1)) * sizeof(float);
+    return {qkv_.get<float>(ctx.device, rows * 3 * c),
+            probs_.get<float>(ctx.device, probs),
+            heads_out_.get<float>(ctx.device, rows * c),
+            dqkv_.get<float>(ctx.device, rows * 3 * c),
+            dprobs_.get<float>(ctx.device, probs),
+            dheads_.get<float>(ctx.device, rows * c),
+            dropping ? dropped_.get<float>(ctx.device, probs) : nullptr};
+  }
+
+  // nanoGPT's attn_dropout ("<name>.attn_dropout"), in training only.
+  kernels::AttentionDropout attn_dropout(const LayerContext& ctx, const Buffers& b) const {
+    if (ctx.mode != Mode::train || dropout_ == 0.0) return {};
+    const auto per_sample = static_cast<std::int64_t>(shape(ctx.in).probs() / ctx.in.n);
+    const auto [key, offset] = detail::dropout_draw(ctx, name() + ".attn_dropout", per_sample);
+    return {dropout_, key, static_cast<kernels::index_t>(offset), b.dropped};
   }
 
   int width_, heads_;
-  Scratch qkv_, probs_, heads_out_, dqkv_, dprobs_, dheads_;
+  double dropout_;
+  Scratch qkv_, probs_, heads_out_, dqkv_, dprobs_, dheads_, dropped_;
   std::size_t kept_ = 0;
 };
 
@@ -275,8 +298,8 @@ std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation) {
   return std::make_unique<Gelu>(std::move(name),
                                 tanh_approximation ? kernels::GeluForm::tanh : kernels::GeluForm::exact);
 }
-std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads) {
-  return std::make_unique<CausalSelfAttention>(std::move(name), width, heads);
+std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout) {
+  return std::make_unique<CausalSelfAttention>(std::move(name), width, heads, dropout);
 }
 
 std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body) {

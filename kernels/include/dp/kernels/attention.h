@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "dp/kernels/dropout.h"
 #include "dp/kernels/platform.h"
 #include "dp/runtime/device.h"
 
@@ -21,12 +22,24 @@ struct AttentionShape {
   index_t probs() const { return static_cast<index_t>(batch) * heads * tokens * tokens; }
 };
 
-// y (B, T, C) and probs (B, H, T, T: att, kept for the backward; zeros above the diagonal).
-void attention_forward(const Stream& stream, const AttentionShape& shape, const float* qkv, float* probs, float* y);
+// nanoGPT's attn_dropout: Dropout(p) on the attention probabilities before they weight the values,
+// drawn as dropout_forward draws (dropout.h) over the (B, H, T, T) probabilities, the batch's first
+// element at `element_offset` of the step's; `dropped` (B*H*T*T floats) holds the dropped
+// probabilities from the forward to the backward. p = 0: none (`dropped` unused).
+struct AttentionDropout {
+  double p = 0.0;
+  DropoutKey key;
+  index_t element_offset = 0;
+  float* dropped = nullptr;
+};
 
-// dqkv (B, T, 3C) overwritten from dy (B, T, C); scratch: B*H*T*T floats.
+// y (B, T, C) and probs (B, H, T, T: att, kept for the backward; zeros above the diagonal).
+void attention_forward(const Stream& stream, const AttentionShape& shape, const float* qkv, float* probs, float* y,
+                       const AttentionDropout& dropout = {});
+
+// dqkv (B, T, 3C) overwritten from dy (B, T, C); scratch: B*H*T*T floats. `dropout`: the forward's.
 void attention_backward(const Stream& stream, const AttentionShape& shape, const float* qkv, const float* probs,
-                        const float* dy, float* dqkv, float* scratch);
+                        const float* dy, float* dqkv, float* scratch, const AttentionDropout& dropout = {});
 
 // ------------------------------------------------------------------------------------------------
 // functors: one thread per row of a (T, T) matrix; row r of the launch is query r % T.

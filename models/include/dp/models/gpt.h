@@ -23,13 +23,18 @@ struct GptConfig {
   int layers = 4;     // n_layer
   int heads = 4;      // n_head; width % heads == 0
   int width = 128;    // n_embd
+  // nanoGPT's dropout in training: after the embeddings (transformer.drop), on the attention
+  // probabilities (attn.attn_dropout), after each residual branch's projection (attn.resid_dropout,
+  // mlp.dropout). Its masks are dp's (dp/kernels/dropout.h), not torch's.
+  double dropout = 0.0;
 };
 
-// The Blocks and ln_f of `config` (what make_language_model wraps); throws InvalidArgument naming
-// the field for a size < 1 or a width that the heads do not divide.
+// transformer.drop, the Blocks and ln_f of `config` (what make_language_model wraps); throws
+// InvalidArgument naming the field for a size < 1, a width that the heads do not divide or a dropout
+// outside [0, 1].
 nn::Layers gpt_body(const GptConfig& config);
-// nanoGPT's Block `name` of `width` features and `heads` heads.
-std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads);
+// nanoGPT's Block `name` of `width` features and `heads` heads, with its dropouts.
+std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout = 0.0);
 
 // GPT-2's initialisation as nanoGPT's _init_weights applies it: every Linear weight and both
 // embeddings N(0, 0.02^2), the residual projections (attn.c_proj, mlp.c_proj) N(0, (0.02 /

@@ -19,10 +19,10 @@ namespace dp::models {
 // The arguments a model may take; each model reads only those its spec says it takes.
 struct ModelArgs {
   std::vector<int> hidden = {256, 256};  // mlp: hidden layer sizes
-  double dropout = 0.0;                  // mlp: Dropout(p) after each hidden ReLU (0: none)
+  double dropout = 0.0;                  // mlp: Dropout(p) after each hidden ReLU; gpt: its dropout (0: none)
   int num_classes = 10;                  // resnet18/34: fc's outputs
   int image_size = 224;                  // resnet18/34: inputs 3 x S x S
-  GptConfig gpt;                         // gpt: vocab, context, layers, heads, width
+  GptConfig gpt;                         // gpt: vocab, context, layers, heads, width (dropout: above)
 };
 
 enum class ModelArg { hidden, dropout, num_classes, image_size, gpt };

@@ -213,11 +213,12 @@ std::unique_ptr<Layer> make_global_avgpool2d(std::string name);
 std::unique_ptr<Layer> make_flatten(std::string name);
 // A transformer's layers on sequences, (N, T, 1, C) per batch (T tokens of C features), each token
 // on its own: torch.nn.LayerNorm(width) (eps 1e-5, fp32 under autocast, as torch's), torch.nn.GELU
-// (approximate 'none', or 'tanh' as GPT-2's), and nanoGPT's CausalSelfAttention without dropout
-// (c_attn and c_proj Linears named as its state dict names them, `heads` heads of width/heads).
+// (approximate 'none', or 'tanh' as GPT-2's), and nanoGPT's CausalSelfAttention (c_attn and c_proj
+// Linears named as its state dict names them, `heads` heads of width/heads, its attn_dropout on the
+// attention probabilities in training; resid_dropout is a make_dropout after it).
 std::unique_ptr<Layer> make_layernorm(std::string name, int width);
 std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation = false);
-std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads);
+std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout = 0.0);
 // nanoGPT's GPT around `body` (its blocks, named transformer.h.0, ..., then transformer.ln_f): token
 // ids per sample (T floats holding integers in [0, vocab), T <= context) through the token and
 // position embeddings transformer.wte (vocab, width) and transformer.wpe (context, width), the body,
