@@ -23,10 +23,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, optimiz
                                    broadcast_buffers, first_bucket_mb, seed, precision, amp)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
-                                   tokens_per_sample, tokens_per_s,
-                                   buffers_bytes, activation_bytes_per_sample, optimizer_state_bytes, samples_per_s,
-                                   wall_ms, step_ms, step_ms_median, step_ms_p90, step_ms_mean, loss_first, loss_last,
-                                   graphs, pipelined, trace_offset_ms)
+                                   tokens_per_sample, tokens_per_s, buffers_bytes, activation_bytes_per_sample,
+                                   optimizer_state_bytes, samples_per_s, wall_ms, step_ms, step_ms_median, step_ms_p90,
+                                   step_ms_mean, loss_first, loss_last, graphs, pipelined, trace_offset_ms)
 
 namespace {
 

@@ -164,9 +164,11 @@ def train(args):
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print(f"step {step + 1:6d} loss {float(loss):.6f} lr {lr_at(step, args):.3g} "
                   f"{(step + 1) * args.batch_size / (time.time() - began):.1f} samples/s", flush=True)
+    print(f"torch: {args.steps} steps in {time.time() - began:.1f} s", flush=True)
+    if args.no_eval:
+        return
     loss = held_out_loss(model, held_out, args.context)
-    print(f"torch: {args.steps} steps in {time.time() - began:.1f} s, held-out loss {loss:.6f}, "
-          f"{loss / math.log(2):.4f} bits/byte")
+    print(f"torch: held-out loss {loss:.6f}, {loss / math.log(2):.4f} bits/byte")
 
 
 def check(args):
@@ -200,6 +202,7 @@ def main(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--no-eval", action="store_true", help="train: skip the held-out evaluation")
     args = parser.parse_args(argv)
     if args.command == "check":
         if not args.checkpoint:

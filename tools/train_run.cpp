@@ -20,8 +20,8 @@
 #include <optional>
 #include <random>
 #include <set>
-#include <span>
 #include <signal.h>
+#include <span>
 #include <unistd.h>
 #include <utility>
 #include <variant>
@@ -33,8 +33,8 @@
 #include "dp/io/checkpoint.h"
 #include "dp/io/data.h"
 #include "dp/io/image_folder.h"
-#include "dp/io/text.h"
 #include "dp/io/safetensors.h"
+#include "dp/io/text.h"
 #include "dp/io/training_state.h"
 #include "dp/models/registry.h"
 #include "dp/nn/lr_schedule.h"
@@ -244,7 +244,8 @@ Checked validate_options(const Options& o) {
   if (!o.predictions.empty() && !o.eval_only) throw UsageError("--predictions goes with --eval-only");
   if (o.generate && o.init.empty()) throw UsageError("--generate samples from a checkpoint: give it with --init");
   if (o.generate && (o.eval_only || o.steps || o.epochs || !o.save.empty() || !o.text.empty()))
-    throw UsageError("--generate trains and evaluates nothing: it takes no --eval-only, --steps, --epochs, --save or --text");
+    throw UsageError(
+        "--generate trains and evaluates nothing: it takes no --eval-only, --steps, --epochs, --save or --text");
   if (o.generate && o.mode != "single")
     throw UsageError(fmt::format("--generate samples one sequence on one device: leave out --mode {}", o.mode));
   check_writable(o.predictions, "--predictions");
@@ -378,7 +379,8 @@ Inputs load_inputs(Options& o, const Normalization& normalize) {
   Inputs inputs;
   if (o.generate) return inputs;  // the prompt is the input
   if (!o.text.empty()) {
-    const auto corpus = as_usage_error([&] { return std::make_shared<const dp::TextCorpus>(dp::load_text(o.text, o.context)); });
+    const auto corpus =
+        as_usage_error([&] { return std::make_shared<const dp::TextCorpus>(dp::load_text(o.text, o.context)); });
     using Split = dp::TextWindows::Split;
     if (!o.eval_only) inputs.data = std::make_shared<const dp::TextWindows>(corpus, Split::train, o.context);
     if (o.eval_only || o.eval.value_or(true))
@@ -619,8 +621,8 @@ int generate_text(const Options& o, dp::Engine& engine) {
     const dp::Batch batch{window.data(), nullptr, 1};
     const std::vector<float> logits = engine.predict(std::span<const dp::Batch>(&batch, 1));
     const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)
-    const int next = sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, vocab), o.temperature,
-                                  o.top_k, u);
+    const int next =
+        sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, vocab), o.temperature, o.top_k, u);
     tokens.push_back(static_cast<std::uint8_t>(next));
     if (g_job.primary()) std::fputc(next, stdout);
   }

@@ -30,7 +30,7 @@ struct Options : dp::tools::SharedOptions {
   std::string data;
   std::string text;  // a text file: byte tokens for --model gpt (the last 10 % held out)
   int context = 64, layers = 4, heads = 4, width = 128;  // gpt
-  std::string train_dir, val_dir;  // image folders (--data DIR with train/ and val/ names both)
+  std::string train_dir, val_dir;                        // image folders (--data DIR with train/ and val/ names both)
   int image_size = 224;            // image folders: RandomResizedCrop's (train) and CenterCrop's (eval) size
   std::optional<int> resize;       // image folders, eval: Resize's shorter side (default image_size * 256 / 224)
   int workers = 0;                 // threads decoding and augmenting each batch (DataLoader's num_workers)
@@ -63,7 +63,7 @@ struct Options : dp::tools::SharedOptions {
   std::string metrics_json;  // JSON lines, one per logged step and per epoch
   std::string predictions;   // --eval-only: each test sample's predicted class, one per line
   long generate = 0;         // gpt: print this many bytes sampled from the --init checkpoint, train nothing
-  std::string prompt;         // --generate: the bytes the sample continues (empty: a newline)
+  std::string prompt;        // --generate: the bytes the sample continues (empty: a newline)
   double temperature = 1.0;  // --generate: logits / T before the softmax
   int top_k = 0;             // --generate: sample among the K likeliest bytes only (0: all)
   long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would

@@ -97,8 +97,8 @@ std::unique_ptr<Layer> basic_block(const std::string& name, int in, int out, int
 }
 
 // Re-initialises the parameters `std_of` gives a standard deviation with N(0, std^2) (0: zeros), in
-// parameters() order; nullopt keeps a parameter as it is. Normals by Box-Muller from 24-bit uniforms of a seeded mt19937_64: the same
-// values on every platform (std::normal_distribution's are the library's own). torch's generator
+// parameters() order; nullopt keeps a parameter as it is. Normals by Box-Muller from 24-bit uniforms of a seeded
+// mt19937_64: the same values on every platform (std::normal_distribution's are the library's own). torch's generator
 // differs, so the values do, not their distribution.
 template <class StdOf>
 void normal_init(Model& model, std::uint64_t seed, StdOf std_of) {
@@ -256,7 +256,7 @@ std::unique_ptr<Model> make_gpt(Device& device, const GptConfig& config, std::ui
   normal_init(*model, seed, [&](const TensorRef& p) -> std::optional<double> {
     if (p.shape.size() == 2) return p.name.ends_with(".c_proj.weight") ? residual_std : 0.02;
     if (p.name.find(".ln_") != std::string::npos) return std::nullopt;  // LayerNorms 1 and 0, as initialised
-    return 0.0;                                                          // the Linears' biases
+    return 0.0;                                                         // the Linears' biases
   });
   return model;
 }

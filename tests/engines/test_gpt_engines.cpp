@@ -3,10 +3,9 @@
 // next-token target per position, single, DataParallel and DDP over 2 devices, fp32 and under bf16
 // autocast, against torch's step (tests/golden/make_transformer_goldens.py). The loss is the mean
 // over all 64 tokens in each engine (DDP: the mean of the ranks' equal-sized means).
+#include <cmath>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-
-#include <cmath>
 #include <span>
 #include <string>
 #include <tuple>
@@ -46,7 +45,8 @@ TEST_P(GptEngines, OneStepInEveryEngineIsTorchs) {
   const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
   ASSERT_EQ(targets.size(), static_cast<std::size_t>(batch * config.context));
   std::vector<std::vector<float>> results;
-  for (const EngineRun run : {EngineRun{EngineKind::single, 1}, EngineRun{EngineKind::dp, 2}, EngineRun{EngineKind::ddp, 2}}) {
+  for (const EngineRun run :
+       {EngineRun{EngineKind::single, 1}, EngineRun{EngineKind::dp, 2}, EngineRun{EngineKind::ddp, 2}}) {
     SCOPED_TRACE(fmt::format("{} on {} device(s), {}", to_string(run.kind), run.devices, mode));
     auto rt = test::sim_runtime(run.devices);
     auto model = models::make_gpt(rt->device(0), config, 1);
@@ -204,8 +204,8 @@ TEST(GptEngines, DropoutDrawsOneDevicesMasksInDataParallel) {
   const std::vector<float> ids(idx.begin(), idx.end());
   const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
   std::vector<std::vector<float>> steps;
-  for (const auto& [kind, devices, p] :
-       {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3}, std::tuple{EngineKind::single, 1, 0.0}}) {
+  for (const auto& [kind, devices, p] : {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3},
+                                         std::tuple{EngineKind::single, 1, 0.0}}) {
     config.dropout = p;
     auto rt = test::sim_runtime(devices);
     auto model = models::make_gpt(rt->device(0), config, 1);

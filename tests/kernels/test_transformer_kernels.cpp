@@ -11,6 +11,7 @@
 
 #include "dp/io/safetensors.h"
 #include "dp/kernels/attention.h"
+#include "dp/kernels/dropout.h"
 #include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
 #include "dp/kernels/layernorm.h"
@@ -300,11 +301,69 @@ TEST(TransformerKernelsCudaMatchesSim, EmbeddingAndAttention) {
                                 scratch.as<float>());
     for (const DeviceBuffer* buffer : {&y, &dw, &probs, &ay, &dq})
       results[k].push_back(test::download<float>(stream, *buffer));
+    // With attn_dropout: the same Philox masks on both backends.
+    DeviceBuffer dropped = device.allocate(static_cast<std::size_t>(s.probs()) * 4);
+    const kernels::AttentionDropout dropout{0.25, {7, 11, 3}, 40, dropped.as<float>()};
+    kernels::attention_forward(stream, s, q.as<float>(), probs.as<float>(), ay.as<float>(), dropout);
+    kernels::attention_backward(stream, s, q.as<float>(), probs.as<float>(), ad.as<float>(), dq.as<float>(),
+                                scratch.as<float>(), dropout);
+    for (const DeviceBuffer* buffer : {&dropped, &ay, &dq})
+      results[k].push_back(test::download<float>(stream, *buffer));
   }
   EXPECT_EQ(results[0][0], results[1][0]) << "embedding forward";
   EXPECT_EQ(results[0][1], results[1][1]) << "embedding weight gradient";
-  for (std::size_t i = 2; i < 5; ++i)
+  for (std::size_t i = 2; i < 8; ++i)
     EXPECT_TRUE(all_close(results[1][i], results[0][i], 1e-5, 1e-6)) << "attention " << i;
+}
+
+// attn_dropout is dropout_forward on the probabilities: y = dropped . v, with dropped the kept
+// probabilities over 1 - p (from the same key and element offset), and the backward's dv that
+// product's transpose; checked against the pieces on the host.
+TEST(TransformerKernels, AttentionDropoutWeighsTheValuesWithTheDroppedProbabilities) {
+  auto rt = test::sim_runtime(1);
+  Device& device = rt->device(0);
+  const Stream stream = device.create_stream();
+  const kernels::AttentionShape s{2, 5, 2, 3};
+  const std::size_t n = static_cast<std::size_t>(s.probs()), c = static_cast<std::size_t>(s.width());
+  const auto qkv = test::random_vector(2 * 5 * 3 * c, 21), dy = test::random_vector(2 * 5 * c, 22);
+  DeviceBuffer q = test::upload(device, stream, qkv), d = test::upload(device, stream, dy),
+               probs = device.allocate(n * 4), dropped = device.allocate(n * 4), y = device.allocate(dy.size() * 4),
+               dq = device.allocate(qkv.size() * 4), scratch = device.allocate(n * 4), ones = device.allocate(n * 4),
+               mask = device.allocate(n * 4);
+  const kernels::DropoutKey key{5, 9, 2};
+  const kernels::AttentionDropout dropout{0.5, key, 100, dropped.as<float>()};
+  kernels::attention_forward(stream, s, q.as<float>(), probs.as<float>(), y.as<float>(), dropout);
+  kernels::attention_backward(stream, s, q.as<float>(), probs.as<float>(), d.as<float>(), dq.as<float>(),
+                              scratch.as<float>(), dropout);
+  kernels::fill(stream, ones.as<float>(), static_cast<index_t>(n), 1.0f);
+  kernels::dropout_forward(stream, static_cast<index_t>(n), 0.5, key, 100, ones.as<float>(), mask.as<float>());
+  const auto p = test::download<float>(stream, probs), m = test::download<float>(stream, mask),
+             got_dropped = test::download<float>(stream, dropped), got_y = test::download<float>(stream, y),
+             got_dq = test::download<float>(stream, dq);
+  int kept = 0, dropped_count = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got_dropped[i], p[i] * m[i]) << i;
+    if (p[i] > 0.0f) (m[i] == 0.0f ? dropped_count : kept)++;
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(dropped_count, 0);
+  // y[b, i, h*D + e] = sum_j dropped[b, h, i, j] v[b, j, h*D + e]; dv[b, j, hD+e] = sum_i dropped[b,h,i,j]
+  // dy[b,i,hD+e].
+  const int T = s.tokens, D = s.head_dim, H = s.heads;
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i)
+        for (int e = 0; e < D; ++e) {
+          double want_y = 0.0, want_dv = 0.0;
+          for (int j = 0; j < T; ++j) {
+            const std::size_t pij = ((static_cast<std::size_t>(b) * H + h) * T + i) * T + j;
+            const std::size_t pji = ((static_cast<std::size_t>(b) * H + h) * T + j) * T + i;
+            want_y += got_dropped[pij] * qkv[(static_cast<std::size_t>(b) * T + j) * 3 * c + 2 * c + h * D + e];
+            want_dv += got_dropped[pji] * dy[(static_cast<std::size_t>(b) * T + j) * c + h * D + e];
+          }
+          EXPECT_NEAR(got_y[(static_cast<std::size_t>(b) * T + i) * c + h * D + e], want_y, 1e-5);
+          EXPECT_NEAR(got_dq[(static_cast<std::size_t>(b) * T + i) * 3 * c + 2 * c + h * D + e], want_dv, 1e-5);
+        }
 }
 
 }  // namespace

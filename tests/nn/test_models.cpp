@@ -692,7 +692,7 @@ TEST(Registry, AnUnknownNameIsRefusedNamingTheKnownOnes) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(
         std::string(e.what()).find("unknown model 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34, gpt)"),
-              std::string::npos)
+        std::string::npos)
         << e.what();
   }
 }

@@ -1530,7 +1530,8 @@ TEST_F(TrainTest, SelfContradictoryCheckpointsAreRefused) {
   dp::safetensors::write(path("nosuch.safetensors"), file);
   const std::pair<std::string, std::string> cases[] = {
       {"nosuch.safetensors",
-       "metadata 'dp.model' = 'nosuch': unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34 or gpt)"},
+       "metadata 'dp.model' = 'nosuch': unknown value 'nosuch' (expected mlp, convnet, resnet8, resnet18, resnet34 or "
+       "gpt)"},
       {"twice.safetensors", "header names 'dp.dropout' twice in one object"},
       {"hidden64.safetensors",
        "metadata 'dp.hidden' = '64' contradicts the tensors: fc1.weight has shape [16, 784] (expected 64 rows)"},

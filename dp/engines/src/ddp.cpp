@@ -377,8 +377,8 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
                         static_cast<std::uint64_t>(rank.optimizer->steps()), rank.accumulated_samples});
   rank.accumulated_samples += static_cast<std::uint64_t>(batch.size);
   const float* logits = m.forward(rank.compute, inputs, batch.size, Mode::train);
-  const float* loss = rank.loss->forward_backward(rank.compute, logits, targets, rows, sample.classes, grad_output,
-                                                  rows, loss_scale);
+  const float* loss =
+      rank.loss->forward_backward(rank.compute, logits, targets, rows, sample.classes, grad_output, rows, loss_scale);
   GradientsReady on_ready;
   if (sync) {
     // Not grads_flat(): that would fill in a pending zero_grad the backward is about to overwrite.
@@ -436,9 +436,9 @@ void DistributedDataParallel::enqueue_sharded_forward_backward(int r, std::span<
                           static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
     const float* logits = m.forward(rank.compute, rank.rings[i]->inputs(slot), shard_size, Mode::train);
     if (saved && i == 0) rank.compute.copy(saved, m.buffers_flat(), m.buffers_bytes());
-    const float* loss = rank.loss->forward_backward(rank.compute, logits, rank.rings[i]->targets(slot), rows,
-                                                    sample.classes, grad_output,
-                                                    global_batch * static_cast<int>(sample.targets), 1.0f);
+    const float* loss =
+        rank.loss->forward_backward(rank.compute, logits, rank.rings[i]->targets(slot), rows, sample.classes,
+                                    grad_output, global_batch * static_cast<int>(sample.targets), 1.0f);
     rank.compute.copy(rank.host_loss.as<float>() + static_cast<std::size_t>(slot) * count + i, loss, sizeof(float));
     m.backward(rank.compute, grad_output, {});
     rank.compute.copy(mine + i * n, m.grads_flat(), n * sizeof(float));

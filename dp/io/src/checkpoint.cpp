@@ -96,8 +96,8 @@ StateDictKeys load_state_dict(Model& model, const Stream& stream, const safetens
       used.insert(other);
       const safetensors::Tensor& copy = file.tensors.at(other);
       if (copy.dtype != t->dtype || copy.shape != t->shape || copy.data != t->data)
-        throw Error(fmt::format("checkpoint tensors '{}' and '{}' differ, but the model ties them (one tensor)",
-                                name, other));
+        throw Error(
+            fmt::format("checkpoint tensors '{}' and '{}' differ, but the model ties them (one tensor)", name, other));
     }
     if (t->dtype != dtype_name(view.dtype))
       throw Error(fmt::format("checkpoint tensor '{}' has dtype {}, the model expects {}", plain, t->dtype,

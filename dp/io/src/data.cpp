@@ -387,8 +387,8 @@ BatchLoader::BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> s
 std::shared_ptr<BatchLoader::Memory> BatchLoader::make_memory() const {
   auto memory = std::make_shared<Memory>();
   memory->inputs = runtime_.allocate_pinned(max_batch_ * sample_floats_ * sizeof(float));
-  memory->targets = runtime_.allocate_pinned(
-      max_batch_ * static_cast<std::size_t>(source_->targets_per_sample()) * sizeof(std::int64_t));
+  memory->targets = runtime_.allocate_pinned(max_batch_ * static_cast<std::size_t>(source_->targets_per_sample()) *
+                                             sizeof(std::int64_t));
   return memory;
 }
 

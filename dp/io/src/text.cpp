@@ -24,9 +24,10 @@ TextCorpus load_text(const std::string& path, int context) {
   if (in.bad()) throw Error(fmt::format("{}: read error", path));
   const std::size_t n = corpus.bytes.size(), window = static_cast<std::size_t>(context) + 1;
   if (n < 10 * window)
-    throw Error(fmt::format("{}: {} bytes is too short for --context {}: the held-out last 10 % must hold a window "
-                            "of {} bytes (at least {} bytes in all)",
-                            path, n, context, window, 10 * window));
+    throw Error(
+        fmt::format("{}: {} bytes is too short for --context {}: the held-out last 10 % must hold a window "
+                    "of {} bytes (at least {} bytes in all)",
+                    path, n, context, window, 10 * window));
   corpus.split = n - n / 10;
   return corpus;
 }
@@ -37,8 +38,8 @@ TextWindows::TextWindows(std::shared_ptr<const TextCorpus> corpus, Split split, 
   const std::size_t end = split == Split::train ? corpus_->split : n;
   begin_ = split == Split::train ? 0 : corpus_->split;
   if (context < 1 || corpus_->split > n || end - begin_ < window)
-    throw InvalidArgument(fmt::format("text of {} bytes (split at {}) holds no window of {} bytes", n,
-                                      corpus_->split, window));
+    throw InvalidArgument(
+        fmt::format("text of {} bytes (split at {}) holds no window of {} bytes", n, corpus_->split, window));
   stride_ = split == Split::train ? 1 : static_cast<std::size_t>(context);
   count_ = split == Split::train ? end - begin_ - static_cast<std::size_t>(context)
                                  : (end - begin_ - 1) / static_cast<std::size_t>(context);

@@ -7,7 +7,6 @@
 
 #include "chain.h"
 #include "container.h"
-#include "dropout_draw.h"
 #include "dp/kernels/avgpool.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
@@ -18,6 +17,7 @@
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/scratch.h"
+#include "dropout_draw.h"
 
 namespace dp::nn {
 

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include "container.h"
-#include "dropout_draw.h"
 #include "dp/kernels/attention.h"
 #include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
@@ -14,6 +13,7 @@
 #include "dp/kernels/ops.h"
 #include "dp/nn/layers.h"
 #include "dp/runtime/error.h"
+#include "dropout_draw.h"
 
 namespace dp::nn {
 namespace {

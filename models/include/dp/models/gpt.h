@@ -18,11 +18,11 @@
 namespace dp::models {
 
 struct GptConfig {
-  int vocab = 256;    // bytes as tokens
-  int context = 64;   // block_size: the longest sequence, and wpe's rows
-  int layers = 4;     // n_layer
-  int heads = 4;      // n_head; width % heads == 0
-  int width = 128;    // n_embd
+  int vocab = 256;   // bytes as tokens
+  int context = 64;  // block_size: the longest sequence, and wpe's rows
+  int layers = 4;    // n_layer
+  int heads = 4;     // n_head; width % heads == 0
+  int width = 128;   // n_embd
   // nanoGPT's dropout in training: after the embeddings (transformer.drop), on the attention
   // probabilities (attn.attn_dropout), after each residual branch's projection (attn.resid_dropout,
   // mlp.dropout). Its masks are dp's (dp/kernels/dropout.h), not torch's.

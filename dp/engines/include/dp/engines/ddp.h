@@ -120,7 +120,8 @@ class DistributedDataParallel final : public Engine {
   void enqueue_broadcast(int r, bool parameters, bool buffers);
   void enqueue_zero_grad(int r);
   void enqueue_step(int r);
-  static std::vector<Optimizer::ParamRange> in_slice(const Rank& rank, const std::vector<Optimizer::ParamRange>& ranges);
+  static std::vector<Optimizer::ParamRange> in_slice(const Rank& rank,
+                                                     const std::vector<Optimizer::ParamRange>& ranges);
   // ZeRO-1, on rank r's compute stream: every global rank's slice (rank r's is `slice`, zero_count
   // floats) gathered in rank order; returns the whole buffer (its first param_count() floats).
   const float* gather_slices(int r, const float* slice);

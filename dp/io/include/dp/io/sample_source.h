@@ -1,7 +1,8 @@
 // dp/io/sample_source.h — what a BatchLoader fills its batches from: N samples of one shape {C, H, W},
 // each made on demand as float32 (an MNIST image divided and normalised, an image file decoded and
-// augmented, a window of text's byte ids) with its class, or its classes (a text window's next bytes). torch.utils.data.Dataset's __getitem__, with the random draws of
-// an augmentation keyed rather than taken from a generator's state.
+// augmented, a window of text's byte ids) with its class, or its classes (a text window's next bytes).
+// torch.utils.data.Dataset's __getitem__, with the random draws of an augmentation keyed rather than taken from a
+// generator's state.
 #pragma once
 
 #include <cstddef>
