@@ -677,6 +677,13 @@ TEST_F(TrainTest, GptLearnsTextAndSamplesWhatItLearned) {
     ASSERT_EQ(eval.code, 0) << eval.output;
     EXPECT_NE(eval.output.find("on 1984 test tokens"), std::string::npos) << eval.output;
   }
+  // A GPT resumes bit for bit (the tied table under both names, AdamW's state per parameter).
+  const std::string half = train + "--mode ddp --devices 2 --no-eval ";
+  ASSERT_EQ(run(half + "--save " + path("full.safetensors")).code, 0);
+  ASSERT_EQ(run(half + "--steps 70 --save " + path("part.safetensors")).code, 0);
+  const Result resumed = run(half + "--resume " + path("part.safetensors") + " --save " + path("resumed.safetensors"));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(read_file(path("full.safetensors")), read_file(path("resumed.safetensors"))) << "resume is bit-exact";
   const Result sample = run(gpt + "--init " + path("abc.safetensors") + " --generate 25 --prompt cde --top-k 1");
   ASSERT_EQ(sample.code, 0) << sample.output;
   EXPECT_NE(sample.output.find("fghijabcdefghijabcdefghij\n"), std::string::npos) << sample.output;
