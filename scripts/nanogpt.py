@@ -105,6 +105,13 @@ def gpt2_init(model, layers):
             torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
 
 
+def param_groups(model, weight_decay):
+    """nanoGPT's configure_optimizers: weight decay on the matrices, none on biases and norm weights."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def read_text(path, context):
     with open(path, "rb") as f:
         data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
@@ -145,10 +152,8 @@ def train(args):
     train_part, held_out = read_text(args.text, args.context)
     model = GPT(256, args.context, args.width, args.layers, args.heads)
     gpt2_init(model, args.layers)
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8)
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(args.beta1, args.beta2),
+                                  eps=1e-8)
     began = time.time()
     for step in range(args.steps):
         for group in optimizer.param_groups:

@@ -176,9 +176,9 @@ std::string models_taking(dp::models::ModelArg arg) {
 bool takes_image_folders(const Options& o) { return model_of(o).takes(dp::models::ModelArg::image_size); }
 bool image_folders(const Options& o) { return !o.train_dir.empty() || !o.val_dir.empty(); }
 
-// Image folders feed the models that take an image size (RGB, any size); the IDX sets and the
-// synthetic one the others.
-void check_image_options(const Options& o) {
+// Which data feeds which model: text the language model (or, sampling, none), image folders the
+// models that take an image size (RGB, any size), the IDX sets and the synthetic one the others.
+void check_data_options(const Options& o) {
   const bool text_model = model_of(o).takes(dp::models::ModelArg::gpt);
   if (o.generate && !text_model)
     throw UsageError(fmt::format("--generate samples from a language model (--model {}), not --model {}",
@@ -235,7 +235,7 @@ Checked validate_options(const Options& o) {
   if (const std::string why = dp::tools::misapplied_flag(o, o.mode); !why.empty()) throw UsageError(why);
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
-  check_image_options(o);
+  check_data_options(o);
   if (o.eval_only && o.init.empty() && o.resume.empty())
     throw UsageError("--eval-only evaluates a checkpoint: give it with --init (or --resume)");
   if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))

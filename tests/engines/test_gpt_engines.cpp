@@ -6,7 +6,6 @@
 #include <cmath>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -26,6 +25,26 @@ models::GptConfig tiny_gpt(const safetensors::File& golden) {
   return {at("vocab"), at("context"), at("layers"), at("heads"), at("width")};
 }
 
+// The golden's sequences: token ids as the model's float inputs and their next-token targets, and
+// the batches one engine's step takes of them (DDP: a share per rank).
+struct GoldenTokens {
+  explicit GoldenTokens(const safetensors::File& golden)
+      : batch(std::stoi(golden.metadata.at("batch"))), targets(golden.at("data.targets").to_i64()) {
+    const auto idx = golden.at("data.idx").to_i64();
+    ids.assign(idx.begin(), idx.end());
+  }
+  std::vector<Batch> batches(const Engine& engine) const {
+    const int pieces = engine.batches_per_step(), per_batch = batch / pieces;
+    const std::size_t tokens = ids.size() / static_cast<std::size_t>(pieces);
+    std::vector<Batch> out;
+    for (int b = 0; b < pieces; ++b) out.emplace_back(ids.data() + b * tokens, targets.data() + b * tokens, per_batch);
+    return out;
+  }
+  int batch;
+  std::vector<float> ids;
+  std::vector<std::int64_t> targets;
+};
+
 struct EngineRun {
   EngineKind kind;
   int devices;
@@ -38,12 +57,9 @@ TEST_P(GptEngines, OneStepInEveryEngineIsTorchs) {
   const std::string mode = amp ? "amp" : "fp32";
   const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
   const models::GptConfig config = tiny_gpt(golden);
-  const int batch = std::stoi(golden.metadata.at("batch"));
   const SgdOptions sgd{std::stof(golden.metadata.at("lr")), 0.0f, 0.0f, false};
-  const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());  // the token ids as the model's float inputs
-  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
-  ASSERT_EQ(targets.size(), static_cast<std::size_t>(batch * config.context));
+  const GoldenTokens data(golden);
+  ASSERT_EQ(data.targets.size(), static_cast<std::size_t>(data.batch * config.context));
   std::vector<std::vector<float>> results;
   for (const EngineRun run :
        {EngineRun{EngineKind::single, 1}, EngineRun{EngineKind::dp, 2}, EngineRun{EngineKind::ddp, 2}}) {
@@ -60,12 +76,7 @@ TEST_P(GptEngines, OneStepInEveryEngineIsTorchs) {
     options.kind = run.kind;
     options.amp = amp ? Autocast::bf16 : Autocast::off;
     auto engine = make_engine(*rt, *model, sgd, options);
-    std::vector<Batch> batches;
-    const int per_batch = batch / engine->batches_per_step();
-    const auto tokens = static_cast<std::size_t>(per_batch * config.context);
-    for (int b = 0; b < engine->batches_per_step(); ++b)
-      batches.emplace_back(ids.data() + b * tokens, targets.data() + b * tokens, per_batch);
-    const float loss = engine->train_step(batches);
+    const float loss = engine->train_step(data.batches(*engine));
     EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-3 : 2e-6);
     engine->synchronize();
     std::vector<float> all;
@@ -98,11 +109,8 @@ INSTANTIATE_TEST_SUITE_P(Precision, GptEngines, ::testing::Values(false, true),
 TEST(GptEngines, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
   const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
   const models::GptConfig config = tiny_gpt(golden);
-  const int batch = std::stoi(golden.metadata.at("batch"));
   const AdamWOptions adamw{1e-2, 0.9, 0.95, 1e-3, 0.1};  // eps: see make_transformer_goldens.py
-  const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());
-  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
+  const GoldenTokens data(golden);
   for (const auto& [kind, devices, zero] : {std::tuple{EngineKind::single, 1, 0}, std::tuple{EngineKind::dp, 2, 0},
                                             std::tuple{EngineKind::ddp, 2, 0}, std::tuple{EngineKind::ddp, 2, 1}}) {
     SCOPED_TRACE(fmt::format("{} on {} device(s), zero {}", to_string(kind), devices, zero));
@@ -115,12 +123,7 @@ TEST(GptEngines, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
     options.zero = zero;
     options.weight_decay_on = WeightDecayOn::matrices;
     auto engine = make_engine(*rt, *model, adamw, options);
-    std::vector<Batch> batches;
-    const int per_batch = batch / engine->batches_per_step();
-    const auto tokens = static_cast<std::size_t>(per_batch * config.context);
-    for (int b = 0; b < engine->batches_per_step(); ++b)
-      batches.emplace_back(ids.data() + b * tokens, targets.data() + b * tokens, per_batch);
-    engine->train_step(batches);
+    engine->train_step(data.batches(*engine));
     engine->synchronize();
     for (const TensorRef& p : engine->model().parameters())
       EXPECT_TRUE(test::all_close(test::to_host(s, p.as<float>(), p.numel()),
@@ -199,10 +202,7 @@ TEST(GptEngines, AttentionDropoutDropsTheProbabilitiesInTrainingOnly) {
 TEST(GptEngines, DropoutDrawsOneDevicesMasksInDataParallel) {
   const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
   models::GptConfig config = tiny_gpt(golden);
-  config.dropout = 0.3;
-  const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());
-  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
+  const GoldenTokens data(golden);
   std::vector<std::vector<float>> steps;
   for (const auto& [kind, devices, p] : {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3},
                                          std::tuple{EngineKind::single, 1, 0.0}}) {
@@ -215,8 +215,7 @@ TEST(GptEngines, DropoutDrawsOneDevicesMasksInDataParallel) {
     EngineOptions options;
     options.kind = kind;
     auto engine = make_engine(*rt, *model, SgdOptions{0.5f, 0.0f, 0.0f, false}, options);
-    const Batch batch{ids.data(), targets.data(), 4};
-    engine->train_step(std::span<const Batch>(&batch, 1));
+    engine->train_step(data.batches(*engine));
     engine->synchronize();
     steps.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
   }
@@ -233,12 +232,9 @@ TEST(GptEngines, EvaluationScoresEveryToken) {
   const Stream s = rt->device(0).create_stream();
   load_state_dict(*model, s, golden, "init.");
   auto engine = make_engine(*rt, *model, SgdOptions{0.1f, 0.0f, 0.0f, false}, {});
-  const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());
-  const std::vector<std::int64_t> targets = golden.at("data.targets").to_i64();
-  const Batch all{ids.data(), targets.data(), 4};
-  const EvalTotals totals = engine->evaluate(std::span<const Batch>(&all, 1));
-  EXPECT_EQ(totals.samples, 4 * config.context);
+  const GoldenTokens data(golden);
+  const EvalTotals totals = engine->evaluate(data.batches(*engine));
+  EXPECT_EQ(totals.samples, data.batch * config.context);
   EXPECT_NEAR(totals.mean_loss(), golden.at("fp32.loss").to_f32()[0], 1e-5);
 }
 

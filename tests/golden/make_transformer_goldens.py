@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from make_goldens import encode_safetensors  # the one safetensors writer of the golden scripts
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-from nanogpt import GPT, Block  # noqa: E402  the reference model, as the recipe trains it
+from nanogpt import GPT, Block, param_groups  # noqa: E402  the reference model, as the recipe trains it
 
 # name -> (rows, cols): one row, a GPT's (B*T, C) shapes, a row longer than a reduction pass, two values
 # a row. (One value a row is left out: torch then gives its own rounding noise times 1/sqrt(eps) where
@@ -160,25 +160,22 @@ def gpt_train_goldens():
     idx = torch.randint(0, vocab, (batch, context))
     targets = torch.randint(0, vocab, (batch, context))
     tensors.update({"data.idx": idx, "data.targets": targets})
-    for mode, amp in (("fp32", False), ("amp", True)):
+    # SGD in fp32 and under autocast; AdamW with nanoGPT's configure_optimizers groups in fp32.
+    steps = (("fp32", False, lambda: torch.optim.SGD(model.parameters(), lr=lr)),
+             ("amp", True, lambda: torch.optim.SGD(model.parameters(), lr=lr)),
+             ("adamw", False, lambda: torch.optim.AdamW(param_groups(model, ADAMW["weight_decay"]), lr=ADAMW["lr"],
+                                                        betas=ADAMW["betas"], eps=ADAMW["eps"])))
+    for mode, amp, optimizer in steps:
         model.load_state_dict({**init, "lm_head.weight": init["transformer.wte.weight"]})
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = model(idx)
         loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
         loss.backward()
-        torch.optim.SGD(model.parameters(), lr=lr).step()
-        tensors[f"{mode}.loss"] = loss.detach().clone()
+        optimizer().step()
+        if mode != "adamw":
+            tensors[f"{mode}.loss"] = loss.detach().clone()
         tensors.update({f"{mode}.step.{k}": p.detach().clone() for k, p in model.named_parameters()})
-    # nanoGPT's configure_optimizers: AdamW, weight decay on the matrices only.
-    model.load_state_dict({**init, "lm_head.weight": init["transformer.wte.weight"]})
-    model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(idx).view(-1, vocab), targets.view(-1)).backward()
-    params = [p for p in model.parameters()]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": ADAMW["weight_decay"]},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    torch.optim.AdamW(groups, lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"]).step()
-    tensors.update({f"adamw.step.{k}": p.detach().clone() for k, p in model.named_parameters()})
     meta = {"torch": torch.__version__, "vocab": str(vocab), "context": str(context), "width": str(width),
             "layers": str(layers), "heads": str(heads), "batch": str(batch), "lr": str(lr)}
     return tensors, meta
@@ -186,18 +183,11 @@ def gpt_train_goldens():
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
-    tensors, meta = goldens()
-    with open(os.path.join(here, "transformer_layers.safetensors"), "wb") as f:
-        f.write(encode_safetensors(tensors, meta))
-    tensors, meta = block_goldens()
-    with open(os.path.join(here, "transformer_block.safetensors"), "wb") as f:
-        f.write(encode_safetensors(tensors, meta))
-    tensors, meta = gpt_goldens()
-    with open(os.path.join(here, "transformer_gpt.safetensors"), "wb") as f:
-        f.write(encode_safetensors(tensors, meta))
-    tensors, meta = gpt_train_goldens()
-    with open(os.path.join(here, "transformer_gpt_train.safetensors"), "wb") as f:
-        f.write(encode_safetensors(tensors, meta))
+    for name, make in (("layers", goldens), ("block", block_goldens), ("gpt", gpt_goldens),
+                       ("gpt_train", gpt_train_goldens)):
+        tensors, meta = make()
+        with open(os.path.join(here, f"transformer_{name}.safetensors"), "wb") as f:
+            f.write(encode_safetensors(tensors, meta))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,24 @@ Layers block() {
   return layers;
 }
 
+// Loads the golden's init.* strictly: every tensor is the model's under nanoGPT's names, and all of them.
+void load_all(Model& model, const Stream& stream, const safetensors::File& golden) {
+  const auto keys = load_state_dict(model, stream, golden, "init.");
+  EXPECT_TRUE(keys.missing.empty());
+  EXPECT_TRUE(keys.unexpected.empty());
+}
+
+// Every parameter gradient against the golden's grad.<name> (rtol 1e-4); returns how many.
+int expect_gradients(const Model& model, const Stream& stream, const safetensors::File& golden, double atol) {
+  int checked = 0;
+  for (const TensorRef& g : model.gradients()) {
+    const auto want = golden.at("grad." + g.name).to_f32();
+    EXPECT_TRUE(test::all_close(test::to_host(stream, g.as<float>(), g.numel()), want, 1e-4, atol)) << g.name;
+    ++checked;
+  }
+  return checked;
+}
+
 class Transformer : public test::BackendTest {};
 INSTANTIATE_TEST_SUITE_P(Backends, Transformer, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
@@ -37,21 +55,13 @@ TEST_P(Transformer, ANanoGptBlockMatchesPyTorch) {
   const auto golden = safetensors::read(test::golden_path("transformer_block"));
   nn::SequentialModel concrete("block", *device_, block(), {5, 1, 8});
   Model& model = concrete;
-  const auto keys = load_state_dict(model, stream_, golden, "init.");  // strict: nanoGPT's names, all of them
-  EXPECT_TRUE(keys.missing.empty());
-  EXPECT_TRUE(keys.unexpected.empty());
+  load_all(model, stream_, golden);
   DeviceBuffer x = up(golden.at("data.x").to_f32()), dy = up(golden.at("data.dy").to_f32());
   const float* y = model.forward(stream_, x.as<float>(), 2, Mode::train);
   EXPECT_TRUE(test::all_close(test::to_host(stream_, y, 80), golden.at("data.y").to_f32(), 1e-5, 1e-5));
   model.zero_grad(stream_);
   model.backward(stream_, dy.as<float>());
-  int checked = 0;
-  for (const TensorRef& g : model.gradients()) {
-    const auto want = golden.at("grad." + g.name).to_f32();
-    EXPECT_TRUE(test::all_close(test::to_host(stream_, g.as<float>(), g.numel()), want, 1e-4, 1e-5)) << g.name;
-    ++checked;
-  }
-  EXPECT_EQ(checked, 12);  // ln_1 (2), attn (4), ln_2 (2), mlp (4)
+  EXPECT_EQ(expect_gradients(model, stream_, golden, 1e-5), 12);  // ln_1 (2), attn (4), ln_2 (2), mlp (4)
 }
 
 // nanoGPT's GPT (vocab 32, context 8, width 16, 2 blocks of 2 heads) on 3 sequences of 6 tokens:
@@ -65,9 +75,7 @@ TEST_P(Transformer, ATinyGptMatchesPyTorch) {
   layers.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
   nn::SequentialModel concrete("gpt", *device_, std::move(layers), {6});
   Model& model = concrete;
-  const auto keys = load_state_dict(model, stream_, golden, "init.");  // strict
-  EXPECT_TRUE(keys.missing.empty());
-  EXPECT_TRUE(keys.unexpected.empty());
+  load_all(model, stream_, golden);
   const auto idx = golden.at("data.idx").to_i64();
   const std::vector<float> ids(idx.begin(), idx.end());  // token ids as the model's float input
   DeviceBuffer input = up(ids), targets = up(golden.at("data.targets").to_i64());
@@ -83,13 +91,7 @@ TEST_P(Transformer, ATinyGptMatchesPyTorch) {
 
   model.zero_grad(stream_);
   model.backward(stream_, dlogits.as<float>());
-  int checked = 0;
-  for (const TensorRef& g : model.gradients()) {
-    const auto want = golden.at("grad." + g.name).to_f32();
-    EXPECT_TRUE(test::all_close(test::to_host(stream_, g.as<float>(), g.numel()), want, 1e-4, 2e-6)) << g.name;
-    ++checked;
-  }
-  EXPECT_EQ(checked, 2 + 2 * 12 + 2);  // wte, wpe, two blocks, ln_f
+  EXPECT_EQ(expect_gradients(model, stream_, golden, 2e-6), 2 + 2 * 12 + 2);  // wte, wpe, two blocks, ln_f
 }
 
 // What DataParallel and DDP rely on: a replica on another device computes the same bits, a second
