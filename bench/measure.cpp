@@ -412,7 +412,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   const dp::EngineKind kind = dp::parse_engine_kind(mode);
   const bool across = kind == dp::EngineKind::ddp && processes->size() > 1;
   Run run = new_run(o, model_name, kind, kind == dp::EngineKind::single ? 1 : devices, across ? processes->size() : 1);
-  auto model = dp::models::model_spec(model_name).build(rt.device(0), model_args(), o.seed);
+  auto model = dp::models::model_spec(model_name).build(rt.device(0), model_args(o.dropout), o.seed);
   run.param_count = model->param_count();
   run.tokens_per_sample = model->targets_per_sample();
   run.buffers_bytes = model->buffers_bytes();

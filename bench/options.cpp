@@ -25,6 +25,10 @@ FlagGroup<O> bench_flags() {
               {.name = "--modes",
                .value = flag::list_of<O>(&O::modes, kModes, "M1,M2,..."),
                .help = "the engines each model runs with: single, dp (DataParallel), ddp (DistributedDataParallel)"},
+              {.name = "--dropout",
+               .value = flag::number<O>(&O::dropout, flag::kUnitInterval, "P"),
+               .help = "mlp: Dropout(P) after each hidden ReLU; gpt: nanoGPT's dropout (0: none); its masks are "
+                       "read from device memory, so steps with it replay from graphs"},
               {.name = "--warmup",
                .value = flag::integer<O>(&O::warmup, 0),
                .help = "warm-up steps per run, before the measured --steps"},
@@ -57,10 +61,11 @@ FlagGroup<O> bench_flags() {
 
 }  // namespace
 
-dp::models::ModelArgs model_args() {
+dp::models::ModelArgs model_args(double dropout) {
   dp::models::ModelArgs args;
   args.num_classes = 10;
   args.image_size = 32;
+  args.dropout = dropout;
   return args;
 }
 

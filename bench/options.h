@@ -21,10 +21,6 @@ namespace dp_bench {
 
 inline const std::vector<std::string> kModes = {"single", "dp", "ddp"};
 
-// What dp_bench builds each model of the registry with: the MLP's default sizes; torchvision's
-// ResNets with 10 classes on 3 x 32 x 32 inputs (CIFAR's).
-dp::models::ModelArgs model_args();
-
 using dp::tools::UsageError;  // a bad command line: "dp_bench: <message>", exit code 2
 
 // The shared flags' members (backend, devices, batch_size, ...) are SharedOptions' (tools/flags.h).
@@ -42,7 +38,13 @@ struct Options : dp::tools::SharedOptions {
   std::string trace_path;
   std::uint64_t seed = 1;
   std::string roofline = "h100";  // the GPU whose peaks the roofline estimate uses (roofline.h)
+  double dropout = 0.0;           // mlp and gpt: their Dropout (as dp_train's --dropout)
 };
+
+// What dp_bench builds each model of the registry with: the MLP's default sizes; torchvision's
+// ResNets with 10 classes on 3 x 32 x 32 inputs (CIFAR's); the run's --dropout (which changes no
+// model's inputs or FLOPs).
+dp::models::ModelArgs model_args(double dropout = 0.0);
 
 // Reads argv into `o`. Returns the exit code when the program stops here: --help (0) or a command
 // line CLI11 refuses (2, its message printed), each agreed with the job's other processes.

@@ -53,9 +53,11 @@ tests_out='^(cuda_fatbin_architectures|find_package_consumer)$|[/_]sim( |$)'
 # --quick: those comparing cuda's bits with the sim's (reductions, fused kernels, the device ring) and
 # the CUDA rules (test_cuda_rules: CudaRules, ForbiddenInCapture; test_graph: Graphs) and bf16 storage
 # (test_bf16_storage: the bf16 kernels, cuDNN and cuBLAS on bf16 operands) and the transformer kernels
-# (test_transformer_kernels, test_transformer).
+# (test_transformer_kernels, test_transformer) and the GPT through every engine (test_gpt_engines:
+# torch's step, AdamW's decay groups, dropout's masks, graphs with dropout against eager).
 tests_quick='^(ReduceCudaMatchesSim|FusionCudaMatchesSim|TransformerKernelsCudaMatchesSim|DeviceRing)\.'
-tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage|TransformerKernels|Transformer)\.[^ ]*[/_]cuda( |$)'
+tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage|TransformerKernels|Transformer|GptOnBackend)\.'
+tests_quick+='[^ ]*[/_]cuda( |$)'
 if [ "$list" = 1 ]; then
   if [ "$quick" = 1 ]; then select=$tests_quick; else select=$tests_all; fi
   names=$(cd "$build" && timeout 60 ctest -N -R "$select" -E "$tests_out") ||
@@ -347,9 +349,18 @@ steps=4
 # The initial state of MODEL (dp_train seeds its initialisation on the host: the same on sim and cuda):
 # one sim step at --lr 0 (parameters as initialised; BatchNorm statistics after one batch, a common
 # reference for both runs). 0.1 s here.
+# A model's dp_train flags and data: the GPT small (2 layers of width 64, context 32) on the bytes of
+# this checkout's README (the last 10 % held out), the others on 256 synthetic images.
+model_flags() {  # model -> flags
+  case $1 in
+    gpt) echo "--model gpt --context 32 --layers 2 --heads 2 --width 64 --text $PWD/README.md" ;;
+    *) echo "--model $1 --synthetic 256" ;;
+  esac
+}
 initial() {  # model -> $work/init_MODEL.st
   [ -s "$work/init_$1.st" ] && return 0
-  tmo "$(cap 60)" "$train" --backend sim --model "$1" --mode single --synthetic 256 --batch-size 16 \
+  # shellcheck disable=SC2046  # model_flags' words
+  tmo "$(cap 60)" "$train" --backend sim $(model_flags "$1") --mode single --batch-size 16 \
     --steps 1 --lr 0 --no-shuffle --save "$work/init_$1.st" > "$work/init_$1.txt" 2>&1
 }
 # A row: dp_train on sim and on the GPU with the same arguments (the GPU's with DP_GPU_CHECK_SELFTEST_LR0's
@@ -369,7 +380,8 @@ train_row() {  # model mode devices graphs amp est [extra dp_train flags]
   fits compare "$check" "$est" || return
   jsonw running "$check"
   start=$EPOCHREALTIME
-  local args=(--model "$model" --mode "$mode" --devices "$devices" --synthetic 256 --batch-size 16 --steps "$steps"
+  # shellcheck disable=SC2207  # model_flags' words
+  local args=($(model_flags "$model") --mode "$mode" --devices "$devices" --batch-size 16 --steps "$steps"
               --lr 0.01 --log-every 1 --no-shuffle --graphs "$graphs" --amp "$amp")
   # shellcheck disable=SC2206  # the extra flags are words
   [ -n "$extra" ] && args+=($extra)
@@ -398,10 +410,11 @@ train_row() {  # model mode devices graphs amp est [extra dp_train flags]
   fi
 }
 
-# ---- 1. quick: the cuda tests comparing bits with the sim, and the CUDA rules: 36 tests, one process
-# each (a CUDA context, cuBLAS/cuDNN handles), 4 at a time: ~40 s on one H100 (estimate).
-echo "== cuda tests: bit equality with the sim, CUDA rules"
-ctest_row "cuda tests: sim bits, CUDA rules" 40 4 "$tests_quick" "$tests_out" ctest-quick.txt
+# ---- 1. quick: the cuda tests comparing bits with the sim, the CUDA rules and the GPT through the
+# engines: 58 tests (--list counts them), one process each (a CUDA context, cuBLAS/cuDNN handles), 4 at
+# a time: ~70 s on one H100 (estimate: 36 of them took ~40 s on the H200; the GPT's ~1 s each).
+echo "== cuda tests: bit equality with the sim, CUDA rules, the GPT"
+ctest_row "cuda tests: sim bits, CUDA rules, GPT" 70 4 "$tests_quick" "$tests_out" ctest-quick.txt
 
 # ---- 2. quick: dp_train on the GPU against sim, graphs on (the default), strict fp32. A row: ~10 s on
 # the GPU (start-up, cuDNN's plan search, capture; estimate); its sim side 0.5 s here (2 cores).
@@ -410,6 +423,12 @@ train_row mlp single 1 on off 10
 train_row mlp ddp 2 on off 10
 train_row convnet single 1 on off 10
 train_row convnet ddp 2 on off 10
+# The GPT (tokens in, T targets per sample, the tied head, attention and LayerNorm kernels), SGD, with
+# and without dropout (its masks the same Philox bits on both; with graphs on, its step read from
+# device memory at each replay).
+train_row gpt single 1 on off 12
+train_row gpt ddp 2 on off 12
+train_row gpt ddp 2 on off 12 "--dropout 0.1"
 
 if [ "$quick" = 0 ]; then
   # ---- 3. the rest of the cuda tests (~110: kernels, layers, engines, graphs against eager, collectives),
@@ -431,23 +450,27 @@ if [ "$quick" = 0 ]; then
   train_row convnet ddp 2 on bf16 12
 
   # ---- 5b. the training-loop options against sim: ZeRO-1's parameter all-gather, accumulation and
-  # clipping on the device. ~12 s a row (estimate).
+  # clipping on the device. ~12 s a row (estimate). SGD with momentum, not AdamW: a convolution bias
+  # before a BatchNorm has an exact gradient of 0, so its fp32 gradient is rounding noise of another
+  # summation order on each library, which AdamW (g / (sqrt(v) + eps), eps 1e-8 far below that noise)
+  # turns into updates of +-lr whose signs differ between cuDNN and oneDNN (docs/gpu.md).
   echo "== dp_train --zero 1, --accumulate, --clip-grad-norm: $device against sim"
-  train_row convnet ddp 2 on off 12 "--zero 1 --optimizer adamw"
+  train_row convnet ddp 2 on off 12 "--zero 1 --momentum 0.9"
+  train_row gpt single 1 off off 12 "--dropout 0.1"
   train_row convnet dp 2 on off 12 "--accumulate 2 --clip-grad-norm 0.5"
   train_row mlp ddp 2 on off 12 "--accumulate 3 --clip-grad-norm 0.1"
 
-  # ---- 6. dp_bench --profile, graphs on: busy time is seen through replayed graphs. 6 runs (mlp,
-  # convnet x single, dp, ddp) on 2 devices: ~25 s on the GPU (estimate); 0.7 s on sim here.
+  # ---- 6. dp_bench --profile, graphs on: busy time is seen through replayed graphs. 9 runs (mlp,
+  # convnet, gpt x single, dp, ddp) on 2 devices: ~35 s on the GPU (estimate); 2 s on sim here.
   echo "== dp_bench --profile (graphs on)"
   check="dp_bench --profile busy %"
-  if fits bench "$check" 25; then
+  if fits bench "$check" 35; then
     jsonw running "$check"
     start=$EPOCHREALTIME
     per_gpu=1
     [ 2 -gt "$gpus" ] && per_gpu=2
     tmo "$(cap 90)" "$bench" --backend "$device" --devices 2 --devices-per-gpu "$per_gpu" --steps 10 --warmup 3 \
-      --profile --json "$work/bench.json" > "$work/bench.txt" 2>&1
+      --models mlp,convnet,gpt --profile --json "$work/bench.json" > "$work/bench.txt" 2>&1
     bench_rc=$?
     cp "$work/bench.txt" "$out/gpu-check-bench.txt"
     if [ $bench_rc -ne 0 ]; then

@@ -43,6 +43,10 @@ class ForwardingModel : public Model {
   Autocast autocast() const override { return inner_->autocast(); }
   std::size_t saved_activation_bytes() const override { return inner_->saved_activation_bytes(); }
   bool capturable() const override { return inner_->capturable(); }
+  std::uint32_t* random_step_on_device() const override { return inner_->random_step_on_device(); }
+  void upload_random_step(const Stream& stream, std::uint64_t step) override {
+    inner_->upload_random_step(stream, step);
+  }
 
  protected:
   Model& inner() const { return *inner_; }

@@ -132,9 +132,36 @@ void check_writable(const std::string& path, const char* flag) {
   }
 }
 
+// --save-every's series beside --save: NAME.safetensors -> NAME.step<S>.safetensors (NAME.step<S>
+// without that extension). The step S when `file` is one of them, else none.
+std::optional<long> periodic_step(const std::string& save, const std::filesystem::path& file) {
+  const std::filesystem::path path(save);
+  const bool safetensors = path.extension() == ".safetensors";
+  const std::string stem = (safetensors ? path.stem() : path.filename()).string() + ".step";
+  const std::string tail = safetensors ? ".safetensors" : "";
+  const std::string name = file.filename().string();
+  if (name.size() <= stem.size() + tail.size() || !name.starts_with(stem) || !name.ends_with(tail)) return std::nullopt;
+  std::error_code ec;
+  const auto dir = [&](const std::filesystem::path& p) {
+    return std::filesystem::weakly_canonical(p.parent_path().empty() ? "." : p.parent_path(), ec);
+  };
+  if (dir(path) != dir(file)) return std::nullopt;
+  const std::string digits = name.substr(stem.size(), name.size() - stem.size() - tail.size());
+  long step = 0;
+  const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+  if (error != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
+  return step;
+}
+
 // Every output names a file of its own, and none overwrites an input (--resume and --save may name
-// one checkpoint: a resumed run saves over the one it started from).
+// one checkpoint: a resumed run saves over the one it started from), nor one of --save's periodic
+// series (which --save-every overwrites and --keep deletes).
 void check_distinct_files(const Options& o) {
+  if (!o.save.empty() && !o.save_best.empty() && periodic_step(o.save, o.save_best))
+    throw UsageError(
+        fmt::format("--save-best {} is a file of --save {}'s periodic series (--save-every writes "
+                    "and --keep deletes those): name another file",
+                    o.save_best, o.save));
   const std::pair<const char*, const std::string*> outputs[] = {{"--save", &o.save},
                                                                 {"--metrics-json", &o.metrics_json},
                                                                 {"--predictions", &o.predictions},
@@ -875,21 +902,12 @@ std::filesystem::path periodic_path(const std::string& save, long step) {
 void prune_periodic(const std::string& save, long keep) {
   if (keep <= 0) return;
   const std::filesystem::path path(save);
-  const bool safetensors = path.extension() == ".safetensors";
-  const std::string stem = (safetensors ? path.stem() : path.filename()).string() + ".step";
-  const std::string tail = safetensors ? ".safetensors" : "";
   std::vector<std::pair<long, std::filesystem::path>> found;
   std::error_code ec;
   const auto dir = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!entry.is_regular_file(ec) || name.size() <= stem.size() + tail.size() || !name.starts_with(stem) ||
-        !name.ends_with(tail))
-      continue;
-    const std::string digits = name.substr(stem.size(), name.size() - stem.size() - tail.size());
-    long step = 0;
-    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
-    if (error == std::errc() && end == digits.data() + digits.size()) found.emplace_back(step, entry.path());
+    if (!entry.is_regular_file(ec)) continue;
+    if (const auto step = periodic_step(save, entry.path())) found.emplace_back(*step, entry.path());
   }
   std::sort(found.begin(), found.end());
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < found.size(); ++i)

@@ -10,6 +10,9 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
+#include <span>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -68,6 +71,12 @@ struct Choice {
 // Forward: IMPLICIT_GEMM first, measured faster than PRECOMP_GEMM on an H100 (../shared/perf/H100.md).
 constexpr cudnnConvolutionFwdAlgo_t kStrictForward[] = {
     CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+    CUDNN_CONVOLUTION_FWD_ALGO_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_DIRECT};
+// bf16 storage: IMPLICIT_PRECOMP_GEMM first, the forward algorithm cuDNN runs on tensor cores for
+// half-precision data (its legacy API's tensor-op list: IMPLICIT_PRECOMP_GEMM forward, BWD_DATA_ALGO_1,
+// BWD_FILTER_ALGO_1); IMPLICIT_GEMM, first for fp32, would keep the convolution off them.
+constexpr cudnnConvolutionFwdAlgo_t kStrictForwardBf16[] = {
+    CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
     CUDNN_CONVOLUTION_FWD_ALGO_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_DIRECT};
 constexpr cudnnConvolutionBwdDataAlgo_t kStrictData[] = {CUDNN_CONVOLUTION_BWD_DATA_ALGO_1};
 constexpr cudnnConvolutionBwdFilterAlgo_t kStrictFilter[] = {CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1};
@@ -242,37 +251,43 @@ bool gemm_is_faster(kernel_api::LibraryCall& call, cudnnHandle_t handle, const P
 }
 
 // The first of `order` whose workspace size cuDNN reports (it refuses unsupported ones) within
-// kMaxWorkspaceBytes, and that size; else the last of `order`, which supports every 2-D shape.
-template <class Algo, std::size_t N, class Size>
-std::pair<Algo, std::size_t> first_supported(const Algo (&order)[N], const Size& workspace_size) {
+// kMaxWorkspaceBytes, and that size; none when cuDNN supports no algorithm of `order` for the shape.
+template <class Algo, class Size>
+std::optional<std::pair<Algo, std::size_t>> first_supported(std::span<const Algo> order, const Size& workspace_size) {
   for (Algo algo : order) {
     std::size_t bytes = 0;
-    if (workspace_size(algo, &bytes) == CUDNN_STATUS_SUCCESS && bytes <= kMaxWorkspaceBytes) return {algo, bytes};
+    if (workspace_size(algo, &bytes) == CUDNN_STATUS_SUCCESS && bytes <= kMaxWorkspaceBytes)
+      return std::pair{algo, bytes};
   }
-  std::size_t bytes = 0;
-  DP_CUDA_CHECK(workspace_size(order[N - 1], &bytes));
-  return {order[N - 1], bytes};
+  return std::nullopt;
 }
 
-// The strict plan for `s`: the fixed orders above, no search, nothing run on the GPU. The weight
-// gradient goes to the shared im2col + cuBLAS path where it fits (`gemm` given): cuDNN's one
+// The strict plan for `s`: the fixed orders above, no search, nothing run on the GPU; null where one
+// direction has no algorithm of its order for the shape (cuDNN refuses it in that storage). The
+// weight gradient goes to the shared im2col + cuBLAS path where it fits (`gemm` given): cuDNN's one
 // deterministic dot-product algorithm took ~3.5x its time for the ConvNet on an H100.
 std::unique_ptr<Plan> make_strict_plan(cudnnHandle_t handle, const Conv2dShape& s, bool bf16,
                                        const GemmWeightGrad& gemm) {
   auto plan = std::make_unique<Plan>();
   Plan& p = *plan;
   make_descriptors(p, s, Precision::strict, bf16);
-  std::tie(p.fwd, p.fwd_bytes) = first_supported(kStrictForward, [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* b) {
-    return cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv_fwd, p.y, algo, b);
-  });
-  std::tie(p.bwd_data, p.bwd_data_bytes) =
-      first_supported(kStrictData, [&](cudnnConvolutionBwdDataAlgo_t algo, std::size_t* b) {
+  const auto fwd = first_supported<cudnnConvolutionFwdAlgo_t>(
+      bf16 ? std::span(kStrictForwardBf16) : std::span(kStrictForward),
+      [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* b) {
+        return cudnnGetConvolutionForwardWorkspaceSize(handle, p.x, p.w, p.conv_fwd, p.y, algo, b);
+      });
+  const auto data = first_supported<cudnnConvolutionBwdDataAlgo_t>(
+      kStrictData, [&](cudnnConvolutionBwdDataAlgo_t algo, std::size_t* b) {
         return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, p.w, p.y, p.conv_bwd_data, p.x, algo, b);
       });
-  std::tie(p.bwd_filter, p.bwd_filter_bytes) =
-      first_supported(kStrictFilter, [&](cudnnConvolutionBwdFilterAlgo_t algo, std::size_t* b) {
+  const auto filter = first_supported<cudnnConvolutionBwdFilterAlgo_t>(
+      kStrictFilter, [&](cudnnConvolutionBwdFilterAlgo_t algo, std::size_t* b) {
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, p.x, p.y, p.conv, p.w, algo, b);
       });
+  if (!fwd || !data || !filter) return nullptr;
+  std::tie(p.fwd, p.fwd_bytes) = *fwd;
+  std::tie(p.bwd_data, p.bwd_data_bytes) = *data;
+  std::tie(p.bwd_filter, p.bwd_filter_bytes) = *filter;
   p.weight_grad_by_gemm = static_cast<bool>(gemm);
   return plan;
 }
@@ -356,7 +371,16 @@ using PlanKey = std::tuple<std::array<int, 9>, Precision, bool>;
 PlanKey key_of(const Conv2dShape& s, Precision precision, bool bf16) {
   return {{s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad}, precision, bf16};
 }
-using Plans = std::map<PlanKey, std::unique_ptr<Plan>>;
+// A GPU's plans, and which bf16 shapes cuDNN has a strict plan for (cudnn_supports_bf16).
+struct Plans {
+  std::map<PlanKey, std::unique_ptr<Plan>> built;
+  std::map<std::array<int, 9>, bool> bf16_supported;
+};
+
+std::string describe(const Conv2dShape& s) {
+  return fmt::format("x ({}, {}, {}, {}), weight ({}, {}, {}, {}), stride {}, pad {}", s.n, s.c_in, s.h, s.w, s.c_out,
+                     s.c_in, s.kh, s.kw, s.stride, s.pad);
+}
 
 // The stream's cuDNN workspace for one call: the runtime's grow-only scratch of (stream, cuDNN),
 // grown to the plan's largest need when a plan is first used on the stream, reused by every
@@ -379,11 +403,14 @@ void with_cudnn(const Stream& stream, const Conv2dShape& shape, bool bf16, const
   kernel_api::with_library(stream, kernel_api::Library::cudnn, [&](kernel_api::LibraryCall& call) {
     if (!call.cache) call.cache = std::make_shared<Plans>();
     auto handle = static_cast<cudnnHandle_t>(call.handle);
-    std::unique_ptr<Plan>& plan = (*static_cast<Plans*>(call.cache.get()))[key_of(shape, precision, bf16)];
+    std::unique_ptr<Plan>& plan = static_cast<Plans*>(call.cache.get())->built[key_of(shape, precision, bf16)];
     const GemmWeightGrad shared = bf16 ? GemmWeightGrad() : gemm;
     if (!plan)
       plan = precision == Precision::strict ? make_strict_plan(handle, shape, bf16, shared)
                                             : make_plan(call, handle, shape, precision, bf16, shared);
+    if (!plan)
+      throw InvalidArgument(fmt::format("cuDNN has no {} convolution algorithm of dp's strict order for {}",
+                                        bf16 ? "bf16" : "fp32", describe(shape)));
     const std::size_t bytes = (plan->workspace_bytes() + 255) / 256 * 256;
     void* base = call.workspace(bytes + extra);
     f(handle, *plan, Workspace{base, plan->workspace_bytes()}, extra ? static_cast<std::byte*>(base) + bytes : nullptr);
@@ -391,6 +418,23 @@ void with_cudnn(const Stream& stream, const Conv2dShape& shape, bool bf16, const
 }
 
 }  // namespace
+
+bool cudnn_supports_bf16(const Stream& stream, const Conv2dShape& shape) {
+  bool supported = false;
+  kernel_api::with_library(stream, kernel_api::Library::cudnn, [&](kernel_api::LibraryCall& call) {
+    if (!call.cache) call.cache = std::make_shared<Plans>();
+    auto& known = static_cast<Plans*>(call.cache.get())->bf16_supported;
+    const auto key = std::get<0>(key_of(shape, Precision::strict, true));
+    const auto it = known.find(key);
+    if (it != known.end()) {
+      supported = it->second;
+      return;
+    }
+    // The strict orders' algorithms are what the plans of every precision fall back on.
+    supported = known[key] = make_strict_plan(static_cast<cudnnHandle_t>(call.handle), shape, true, {}) != nullptr;
+  });
+  return supported;
+}
 
 bool cudnn_available() {
   // The library loaded is the one linked against; its major version must match the headers.

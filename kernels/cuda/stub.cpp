@@ -8,6 +8,7 @@ void cublas_gemm(const Stream&, const GemmArgs&) {
   throw Error("cuBLAS GEMM requested, but dp was built without the cuda backend");
 }
 bool cudnn_available() { return false; }
+bool cudnn_supports_bf16(const Stream&, const Conv2dShape&) { return false; }
 void cudnn_conv2d_forward(const Stream&, const Conv2dShape&, const float*, const float*, const float*, float*,
                           const GemmWeightGrad&) {
   throw Error("cuDNN convolution requested, but dp was built without the cuda backend");

@@ -170,7 +170,8 @@ std::size_t conv2d_workspace_floats(const Stream& stream, const Conv2dShape& sha
 bool conv2d_supports_bf16(const Stream& stream, const Conv2dShape& shape) {
   check_conv2d("conv2d_supports_bf16", shape);
   if (!conv_library_enabled(stream.backend())) return false;
-  return stream.backend() == Backend::cuda || library::onednn_supports(shape, true);
+  return stream.backend() == Backend::cuda ? library::cudnn_supports_bf16(stream, shape)
+                                           : library::onednn_supports(shape, true);
 }
 
 void add_channel_bias(const Stream& stream, index_t n, index_t channels, index_t plane, Out y, const float* bias) {

@@ -40,7 +40,7 @@ void apply(const Stream& stream, const char* op, index_t n, double p, const Drop
     using T = decltype(t);
     launch(stream, op, blocks,
            DropoutApply<T>{key, threshold, noise_kept, element_offset, n, first_block, x.as<T>(), y.as<T>()},
-           {operand(x.as<T>(), n), operand(y.as<T>(), n)});
+           {operand(x.as<T>(), n), operand(y.as<T>(), n), operand(key.step_on_device, key.step_on_device ? 1 : 0)});
   });
 }
 

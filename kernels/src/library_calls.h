@@ -34,6 +34,10 @@ struct GemmArgs {
 void cublas_gemm(const Stream& stream, const GemmArgs& args);
 
 bool cudnn_available();
+// Whether cuDNN has a plan for `shape` on bf16 storage on the stream's GPU: an algorithm of dp's
+// strict order in each direction (asked once per shape and GPU, then remembered). Where it has none,
+// autocast widens the convolution to fp32 (conv2d_supports_bf16).
+bool cudnn_supports_bf16(const Stream& stream, const Conv2dShape& shape);
 
 // The shared path's weight gradient, enqueued on the stream the caller bound: dweight = the gradient
 // for input x and output gradient dy (beta 0). Given to the cuDNN calls so that a plan, when it is

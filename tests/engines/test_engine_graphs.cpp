@@ -1,7 +1,8 @@
 // test_engine_graphs.cpp — training steps captured once and replayed (EngineOptions::graphs): every
 // engine's losses, parameters and buffers equal its eager run bit for bit, through batch-size changes
-// and a learning rate that changes every step; a steady-state replay costs one launch, no
-// allocation, no pageable copy and one host synchronisation; models a graph cannot hold run eagerly.
+// and a learning rate that changes every step, Dropout's masks included; a steady-state replay costs
+// one launch, no allocation, no pageable copy and one host synchronisation; models a graph cannot
+// hold run eagerly.
 #include <atomic>
 #include <cstring>
 #include <fmt/format.h>
@@ -168,7 +169,10 @@ INSTANTIATE_TEST_SUITE_P(Engines, GraphsEqualEager,
                                            Case{"ddp1_mlp", EngineKind::ddp, 1, Net::mlp},
                                            Case{"ddp1_convnet", EngineKind::ddp, 1, Net::convnet},
                                            Case{"ddp3_mlp", EngineKind::ddp, 3, Net::mlp},
-                                           Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet}),
+                                           Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet},
+                                           Case{"single_dropout", EngineKind::single, 1, Net::mlp_dropout},
+                                           Case{"dp3_dropout", EngineKind::dp, 3, Net::mlp_dropout},
+                                           Case{"ddp3_dropout", EngineKind::ddp, 3, Net::mlp_dropout}),
                          [](const auto& info) { return std::string(info.param.name); });
 // The same on GPUs: DP's one graph over every device and DDP's graph per rank, with its collectives
 // inside (several devices on one GPU where there are fewer GPUs).
@@ -178,7 +182,10 @@ INSTANTIATE_TEST_SUITE_P(Cuda, GraphsEqualEager,
                                            Case{"dp3_convnet", EngineKind::dp, 3, Net::convnet, true},
                                            Case{"ddp1_convnet", EngineKind::ddp, 1, Net::convnet, true},
                                            Case{"ddp3_mlp", EngineKind::ddp, 3, Net::mlp, true},
-                                           Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet, true}),
+                                           Case{"ddp3_convnet", EngineKind::ddp, 3, Net::convnet, true},
+                                           Case{"single_dropout", EngineKind::single, 1, Net::mlp_dropout, true},
+                                           Case{"dp3_dropout", EngineKind::dp, 3, Net::mlp_dropout, true},
+                                           Case{"ddp3_dropout", EngineKind::ddp, 3, Net::mlp_dropout, true}),
                          [](const auto& info) { return std::string(info.param.name) + "_cuda"; });
 
 TEST_P(GraphsEqualEager, AnEvaluationThatMovesMemoryBetweenStepsIsSeen) {
@@ -192,15 +199,17 @@ TEST_P(GraphsEqualEager, AnEvaluationThatMovesMemoryBetweenStepsIsSeen) {
   expect_identical(eager, graphs);
 }
 
-TEST(EngineGraphs, ModelsThatDrawRandomNumbersRunEagerly) {
-  // Dropout's masks depend on the step: a replay would repeat the captured step's masks.
+// Dropout's masks depend on the step, which its kernels read from device memory: each replay draws
+// its own step's masks (a replay that repeated the captured step's would differ from eager), and
+// the step's value is uploaded before every replay, so a run that only replays still moves on.
+TEST(EngineGraphs, ModelsThatDrawRandomNumbersReplayEachStepsMasks) {
   for (EngineKind kind : {EngineKind::single, EngineKind::dp, EngineKind::ddp}) {
     SCOPED_TRACE(std::string(to_string(kind)));
     const int devices = kind == EngineKind::single ? 1 : 2;
     const OptimizerOptions sgd = SgdOptions{0.05f};
-    const TrainRun eager = train(kind, devices, false, Net::mlp_dropout, sgd, {8, 8, 8});
-    const TrainRun graphs = train(kind, devices, true, Net::mlp_dropout, sgd, {8, 8, 8});
-    EXPECT_EQ(graphs.replays, 0u);
+    const TrainRun eager = train(kind, devices, false, Net::mlp_dropout, sgd, {8, 8, 8, 8, 8});
+    const TrainRun graphs = train(kind, devices, true, Net::mlp_dropout, sgd, {8, 8, 8, 8, 8});
+    EXPECT_EQ(graphs.replays, 4u);
     expect_identical(eager, graphs);
   }
 }

@@ -2,10 +2,12 @@
 // context 16, width 32, 2 layers of 2 heads) takes one SGD step on 4 sequences of 16 tokens, a
 // next-token target per position, single, DataParallel and DDP over 2 devices, fp32 and under bf16
 // autocast, against torch's step (tests/golden/make_transformer_goldens.py). The loss is the mean
-// over all 64 tokens in each engine (DDP: the mean of the ranks' equal-sized means).
+// over all 64 tokens in each engine (DDP: the mean of the ranks' equal-sized means). The engines'
+// tests run on each backend (Backends/GptOnBackend.*/sim and /cuda), the model's own on the sim.
 #include <cmath>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -50,71 +52,87 @@ struct EngineRun {
   int devices;
 };
 
-class GptEngines : public ::testing::TestWithParam<bool> {};
+// The engines on each backend (cuda: two dp devices on one GPU where there is one, their
+// collectives on the device ring), against torch's step; the sim's instances run everywhere.
+class GptOnBackend : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::unique_ptr<Runtime> runtime(int devices) const { return test::runtime_or_skip(GetParam(), devices); }
+  bool skip() const { return GetParam() == "cuda" && Runtime::cuda_device_count() == 0; }
+};
+INSTANTIATE_TEST_SUITE_P(Backends, GptOnBackend, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+#define DP_SKIP_WITHOUT_GPU() \
+  if (skip()) GTEST_SKIP() << "no CUDA device: the cuda instances train on a GPU"
 
-TEST_P(GptEngines, OneStepInEveryEngineIsTorchs) {
-  const bool amp = GetParam();
-  const std::string mode = amp ? "amp" : "fp32";
-  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
-  const models::GptConfig config = tiny_gpt(golden);
-  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), 0.0f, 0.0f, false};
-  const GoldenTokens data(golden);
-  ASSERT_EQ(data.targets.size(), static_cast<std::size_t>(data.batch * config.context));
-  std::vector<std::vector<float>> results;
-  for (const EngineRun run :
-       {EngineRun{EngineKind::single, 1}, EngineRun{EngineKind::dp, 2}, EngineRun{EngineKind::ddp, 2}}) {
-    SCOPED_TRACE(fmt::format("{} on {} device(s), {}", to_string(run.kind), run.devices, mode));
-    auto rt = test::sim_runtime(run.devices);
-    auto model = models::make_gpt(rt->device(0), config, 1);
-    EXPECT_EQ(model->targets_per_sample(), config.context);
-    EXPECT_EQ(model->output_features(), config.vocab);
-    const Stream s = rt->device(0).create_stream();
-    const auto keys = load_state_dict(*model, s, golden, "init.");  // strict: nanoGPT's names
-    EXPECT_TRUE(keys.missing.empty());
-    EXPECT_TRUE(keys.unexpected.empty());
-    EngineOptions options;
-    options.kind = run.kind;
-    options.amp = amp ? Autocast::bf16 : Autocast::off;
-    auto engine = make_engine(*rt, *model, sgd, options);
-    const float loss = engine->train_step(data.batches(*engine));
-    EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-3 : 2e-6);
-    engine->synchronize();
-    std::vector<float> all;
-    int checked = 0;
-    for (const TensorRef& p : engine->model().parameters()) {
-      const auto got = test::to_host(s, p.as<float>(), p.numel());
-      const auto want = golden.at(mode + ".step." + p.name).to_f32();
-      // fp32: torch's arithmetic to rounding. Autocast: torch also multiplies attention's q k^T and
-      // att v in bf16, which dp keeps in fp32; the step moves a parameter by up to ~1e-2.
-      EXPECT_TRUE(test::all_close(got, want, amp ? 2e-2 : 1e-4, amp ? 2e-4 : 2e-6)) << p.name;
-      all.insert(all.end(), got.begin(), got.end());
-      ++checked;
+TEST_P(GptOnBackend, OneStepInEveryEngineIsTorchs) {
+  DP_SKIP_WITHOUT_GPU();
+  for (const bool amp : {false, true}) {
+    const std::string mode = amp ? "amp" : "fp32";
+    const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+    const models::GptConfig config = tiny_gpt(golden);
+    const SgdOptions sgd{std::stof(golden.metadata.at("lr")), 0.0f, 0.0f, false};
+    const GoldenTokens data(golden);
+    ASSERT_EQ(data.targets.size(), static_cast<std::size_t>(data.batch * config.context));
+    std::vector<std::vector<float>> results;
+    for (const EngineRun run :
+         {EngineRun{EngineKind::single, 1}, EngineRun{EngineKind::dp, 2}, EngineRun{EngineKind::ddp, 2}}) {
+      SCOPED_TRACE(fmt::format("{} on {} device(s), {}", to_string(run.kind), run.devices, mode));
+      auto rt = runtime(run.devices);
+      auto model = models::make_gpt(rt->device(0), config, 1);
+      EXPECT_EQ(model->targets_per_sample(), config.context);
+      EXPECT_EQ(model->output_features(), config.vocab);
+      const Stream s = rt->device(0).create_stream();
+      const auto keys = load_state_dict(*model, s, golden, "init.");  // strict: nanoGPT's names
+      EXPECT_TRUE(keys.missing.empty());
+      EXPECT_TRUE(keys.unexpected.empty());
+      EngineOptions options;
+      options.kind = run.kind;
+      options.amp = amp ? Autocast::bf16 : Autocast::off;
+      if (run.kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+      auto engine = make_engine(*rt, *model, sgd, options);
+      const float loss = engine->train_step(data.batches(*engine));
+      EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-3 : 2e-6);
+      engine->synchronize();
+      std::vector<float> all;
+      int checked = 0;
+      for (const TensorRef& p : engine->model().parameters()) {
+        const auto got = test::to_host(s, p.as<float>(), p.numel());
+        const auto want = golden.at(mode + ".step." + p.name).to_f32();
+        // fp32: torch's arithmetic to rounding (cuda: cuBLAS's strict fp32 GEMMs sum in their own
+        // order, a few ulps). Autocast: torch also multiplies attention's q k^T and att v in bf16,
+        // which dp keeps in fp32; the step moves a parameter by up to ~1e-2.
+        EXPECT_TRUE(test::all_close(got, want, amp ? 2e-2 : 1e-4, amp ? 2e-4 : 2e-6)) << p.name;
+        all.insert(all.end(), got.begin(), got.end());
+        ++checked;
+      }
+      EXPECT_EQ(checked, 2 + 2 * 12 + 2);
+      results.push_back(all);
     }
-    EXPECT_EQ(checked, 2 + 2 * 12 + 2);
-    results.push_back(all);
+    // One device's step and two replicas' are the same arithmetic on the same rows, but for the order
+    // of the gradients' sums; under autocast each replica also rounds its weight gradients to bf16
+    // before they add up (as torch's replicas do), one rounding of the gradient more.
+    const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 5e-5 : 1e-7;
+    EXPECT_TRUE(test::all_close(results[1], results[0], rtol, atol)) << "dp against single, " << mode;
+    EXPECT_TRUE(test::all_close(results[2], results[0], rtol, atol)) << "ddp against single, " << mode;
   }
-  // One device's step and two replicas' are the same arithmetic on the same rows, but for the order
-  // of the gradients' sums; under autocast each replica also rounds its weight gradients to bf16
-  // before they add up (as torch's replicas do), one rounding of the gradient more.
-  const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 5e-5 : 1e-7;
-  EXPECT_TRUE(test::all_close(results[1], results[0], rtol, atol)) << "dp against single";
-  EXPECT_TRUE(test::all_close(results[2], results[0], rtol, atol)) << "ddp against single";
 }
-
-INSTANTIATE_TEST_SUITE_P(Precision, GptEngines, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? std::string("bf16") : std::string("fp32"); });
 
 // nanoGPT's optimizer: AdamW with weight decay on the matrices only (EngineOptions::weight_decay_on),
 // in every engine and with ZeRO-1's slices, against torch's step with those two parameter groups.
-TEST(GptEngines, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
+// The golden's eps (1e-3, make_transformer_goldens.py) dominates the rounding noise of gradients
+// whose true value is 0 (the key bias: softmax is shift-invariant), so the step is comparable
+// across libraries too (docs/gpu.md).
+TEST_P(GptOnBackend, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
+  DP_SKIP_WITHOUT_GPU();
   const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
   const models::GptConfig config = tiny_gpt(golden);
   const AdamWOptions adamw{1e-2, 0.9, 0.95, 1e-3, 0.1};  // eps: see make_transformer_goldens.py
   const GoldenTokens data(golden);
+  const bool cuda = GetParam() == "cuda";
   for (const auto& [kind, devices, zero] : {std::tuple{EngineKind::single, 1, 0}, std::tuple{EngineKind::dp, 2, 0},
                                             std::tuple{EngineKind::ddp, 2, 0}, std::tuple{EngineKind::ddp, 2, 1}}) {
     SCOPED_TRACE(fmt::format("{} on {} device(s), zero {}", to_string(kind), devices, zero));
-    auto rt = test::sim_runtime(devices);
+    auto rt = runtime(devices);
     auto model = models::make_gpt(rt->device(0), config, 1);
     const Stream s = rt->device(0).create_stream();
     load_state_dict(*model, s, golden, "init.");
@@ -122,13 +140,78 @@ TEST(GptEngines, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
     options.kind = kind;
     options.zero = zero;
     options.weight_decay_on = WeightDecayOn::matrices;
+    if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
     auto engine = make_engine(*rt, *model, adamw, options);
     engine->train_step(data.batches(*engine));
     engine->synchronize();
     for (const TensorRef& p : engine->model().parameters())
       EXPECT_TRUE(test::all_close(test::to_host(s, p.as<float>(), p.numel()),
-                                  golden.at("adamw.step." + p.name).to_f32(), 1e-5, 1e-6))
+                                  golden.at("adamw.step." + p.name).to_f32(), cuda ? 1e-4 : 1e-5, cuda ? 1e-5 : 1e-6))
           << p.name;
+  }
+}
+
+// With dropout the masks are keyed by the sample's place in the step's batch: DataParallel over two
+// devices draws one device's masks on the whole batch and takes its step; the masks change the step.
+TEST_P(GptOnBackend, DropoutDrawsOneDevicesMasksInDataParallel) {
+  DP_SKIP_WITHOUT_GPU();
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  models::GptConfig config = tiny_gpt(golden);
+  const GoldenTokens data(golden);
+  std::vector<std::vector<float>> steps;
+  for (const auto& [kind, devices, p] : {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3},
+                                         std::tuple{EngineKind::single, 1, 0.0}}) {
+    config.dropout = p;
+    auto rt = runtime(devices);
+    auto model = models::make_gpt(rt->device(0), config, 1);
+    EXPECT_TRUE(model->capturable()) << "dropout reads its step from device memory";
+    EXPECT_EQ(model->random_step_on_device() != nullptr, p > 0.0);
+    const Stream s = rt->device(0).create_stream();
+    load_state_dict(*model, s, golden, "init.");
+    EngineOptions options;
+    options.kind = kind;
+    if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+    auto engine = make_engine(*rt, *model, SgdOptions{0.5f, 0.0f, 0.0f, false}, options);
+    engine->train_step(data.batches(*engine));
+    engine->synchronize();
+    steps.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
+  }
+  EXPECT_TRUE(test::all_close(steps[1], steps[0], 1e-5, 1e-7)) << "dp's masks are single's";
+  EXPECT_FALSE(test::all_close(steps[2], steps[0], 1e-3, 1e-5)) << "the masks changed the step";
+}
+
+// A GPT with dropout (embedding, attention's probabilities, residuals) captured into a graph: each
+// replay reads its step's masks from device memory, so six steps replayed (after the eager one that
+// sizes the buffers, the first of them the captured one) equal six eager steps bit for bit, in
+// every engine.
+TEST_P(GptOnBackend, DropoutStepsReplayedFromAGraphAreEagerStepsBitForBit) {
+  DP_SKIP_WITHOUT_GPU();
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  models::GptConfig config = tiny_gpt(golden);
+  config.dropout = 0.1;
+  const GoldenTokens data(golden);
+  for (const auto& [kind, devices] :
+       {std::pair{EngineKind::single, 1}, std::pair{EngineKind::dp, 2}, std::pair{EngineKind::ddp, 2}}) {
+    SCOPED_TRACE(fmt::format("{} on {} device(s)", to_string(kind), devices));
+    std::vector<std::vector<float>> params, losses;
+    for (const bool graphs : {false, true}) {
+      auto rt = runtime(devices);
+      auto model = models::make_gpt(rt->device(0), config, 1);
+      const Stream s = rt->device(0).create_stream();
+      load_state_dict(*model, s, golden, "init.");
+      EngineOptions options;
+      options.kind = kind;
+      options.graphs = graphs;
+      if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+      auto engine = make_engine(*rt, *model, SgdOptions{0.1f, 0.9f, 0.0f, false}, options);
+      losses.emplace_back();
+      for (int step = 0; step < 7; ++step) losses.back().push_back(engine->train_step(data.batches(*engine)));
+      engine->synchronize();
+      EXPECT_EQ(engine->graph_replays(), graphs ? 6u : 0u);
+      params.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+    EXPECT_EQ(params[0], params[1]);
   }
 }
 
@@ -195,32 +278,6 @@ TEST(GptEngines, AttentionDropoutDropsTheProbabilitiesInTrainingOnly) {
   }
   EXPECT_EQ(test::to_host(s, dropping.forward(s, in.as<float>(), 2, Mode::eval), x.size()),
             test::to_host(s, plain.forward(s, in.as<float>(), 2, Mode::eval), x.size()));
-}
-
-// With dropout the masks are keyed by the sample's place in the step's batch: DataParallel over two
-// devices draws one device's masks on the whole batch and takes its step; the masks change the step.
-TEST(GptEngines, DropoutDrawsOneDevicesMasksInDataParallel) {
-  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
-  models::GptConfig config = tiny_gpt(golden);
-  const GoldenTokens data(golden);
-  std::vector<std::vector<float>> steps;
-  for (const auto& [kind, devices, p] : {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3},
-                                         std::tuple{EngineKind::single, 1, 0.0}}) {
-    config.dropout = p;
-    auto rt = test::sim_runtime(devices);
-    auto model = models::make_gpt(rt->device(0), config, 1);
-    EXPECT_EQ(model->capturable(), p == 0.0) << "dropout draws per step";
-    const Stream s = rt->device(0).create_stream();
-    load_state_dict(*model, s, golden, "init.");
-    EngineOptions options;
-    options.kind = kind;
-    auto engine = make_engine(*rt, *model, SgdOptions{0.5f, 0.0f, 0.0f, false}, options);
-    engine->train_step(data.batches(*engine));
-    engine->synchronize();
-    steps.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
-  }
-  EXPECT_TRUE(test::all_close(steps[1], steps[0], 1e-5, 1e-7)) << "dp's masks are single's";
-  EXPECT_FALSE(test::all_close(steps[2], steps[0], 1e-3, 1e-5)) << "the masks changed the step";
 }
 
 // Evaluation scores every position: the mean loss over the tokens, and per-token top-1 accuracy.

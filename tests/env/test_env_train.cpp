@@ -172,6 +172,39 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
   EXPECT_FALSE(std::filesystem::exists(path("p0.st")) || std::filesystem::exists(path("p1.st")));
 }
 
+// Two processes handed the same GPU (the sim's stand-in: DP_SIM_GPU_UUID alike in both, as two
+// processes of one machine that both take its GPU 0): both refuse before any collective, exit 2,
+// naming the GPU and the way out (one process with --devices-per-gpu); nothing is written. The
+// same job with a GPU each (prefixes that differ) trains.
+TEST_F(EnvTrain, TwoProcessesOnOneGpuAreRefusedNamingIt) {
+  const std::string args =
+      "--model mlp --hidden 8 --mode ddp --backend sim --devices 1 --synthetic 40 --batch-size 4 --steps 2";
+  const auto job = [&](const std::string& uuid0, const std::string& uuid1, const std::string& tag) {
+    const int port = dp::test::free_tcp_port();
+    const auto launch = [&](int rank, const std::string& uuid) {
+      return fmt::format(
+          "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE DP_SIM_GPU_UUID={} RANK={} WORLD_SIZE=2 "
+          "MASTER_ADDR=127.0.0.1 MASTER_PORT={} DP_TIMEOUT_S=10 {} {} --save {} >{} 2>&1",
+          uuid, rank, port, DP_TRAIN_BIN, args, path(fmt::format("{}{}.st", tag, rank)),
+          path(fmt::format("{}{}.txt", tag, rank)));
+    };
+    return dp::test::run_command("bash -c '" + launch(0, uuid0) + " & p0=$!; " + launch(1, uuid1) +
+                                 "; c1=$?; wait $p0; echo codes $? $c1'")
+        .output;
+  };
+  const std::string shared = job("GPU-shared", "GPU-shared", "same");
+  EXPECT_NE(shared.find("codes 2 2"), std::string::npos) << shared << read_file(path("same0.txt"));
+  for (const char* out : {"same0.txt", "same1.txt"}) {
+    const std::string text = read_file(path(out));
+    EXPECT_NE(text.find("processes 0 and 1 drive the same GPU GPU-shared-0"), std::string::npos) << text;
+    EXPECT_NE(text.find("--devices-per-gpu"), std::string::npos) << text;
+  }
+  EXPECT_FALSE(std::filesystem::exists(path("same0.st")) || std::filesystem::exists(path("same1.st")));
+  const std::string apart = job("GPU-a", "GPU-b", "apart");
+  EXPECT_NE(apart.find("codes 0 0"), std::string::npos) << apart << read_file(path("apart0.txt"));
+  EXPECT_TRUE(std::filesystem::exists(path("apart0.st")));
+}
+
 // Two env:// processes of 2 simulated devices write the checkpoint of one process of 4, byte for
 // byte, with and without SyncBatchNorm, with fixed shards, and with ZeRO-1 (its state gathered
 // across the processes for the checkpoint); a bad file on one stops both within seconds; a process

@@ -14,6 +14,7 @@
 #include "dp/engines/engine.h"
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
+#include "dp/kernels/conv2d.h"
 #include "dp/kernels/ops.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
@@ -462,6 +463,60 @@ TEST_P(AutocastOnBackend, ConvNetStepMatchesTheSim) {
       EXPECT_EQ(got, want) << g.name;
     } else if (g.name != "layer1.0.bias" && g.name != "layer2.0.bias") {
       EXPECT_TRUE(close_in_norm(got, want, norm(want) / 64)) << g.name;
+    }
+  }
+}
+
+// The convolution shapes a library is likeliest to refuse on bf16 storage (one input channel, as the
+// ConvNet's first layer; three, as an RGB stem; a 1x1 stride-2 downsample): under autocast each runs
+// on this backend, on the library's bf16 path where it says it has one (conv2d_supports_bf16) and
+// widened to fp32 where it does not, and gives the sim's output and gradients (the sim's bits on
+// the sim; within bf16's rounding of them on cuda).
+TEST_P(AutocastOnBackend, ConvolutionsALibraryMayRefuseRunWidenedOrNot) {
+  struct Case {
+    const char* name;
+    int in, out, kernel, stride, pad, side;
+  };
+  auto sim = test::sim_runtime(1);
+  const Stream sim_stream = sim->device(0).create_stream();
+  for (const Case c : {Case{"c_in 1, 5x5", 1, 16, 5, 1, 2, 28}, Case{"c_in 3, 3x3", 3, 16, 3, 1, 1, 32},
+                       Case{"1x1 stride 2", 16, 32, 1, 2, 0, 14}}) {
+    SCOPED_TRACE(c.name);
+    const int batch = 4;
+    const kernels::Conv2dShape shape{batch, c.in, c.side, c.side, c.out, c.kernel, c.kernel, c.stride, c.pad};
+    const auto make = [&](Device& device) {
+      nn::Layers layers;
+      layers.push_back(nn::make_conv2d("conv", c.in, c.out, c.kernel, c.stride, c.pad));
+      auto model = std::make_unique<nn::SequentialModel>("conv", device, std::move(layers),
+                                                         std::vector<std::int64_t>{c.in, c.side, c.side});
+      model->initialize(3);
+      model->set_autocast(Autocast::bf16);
+      return model;
+    };
+    auto here = make(*device_), there = make(sim->device(0));
+    const auto in_count = static_cast<std::size_t>(batch) * c.in * c.side * c.side;
+    const auto out_count = static_cast<std::size_t>(batch) * c.out * shape.h_out() * shape.w_out();
+    const auto x = test::random_vector(in_count, 5, 0.0f, 1.0f), dy = test::random_vector(out_count, 6);
+    const DeviceBuffer x_here = up(x), d_here = up(dy);
+    const DeviceBuffer x_there = test::upload(sim->device(0), sim_stream, x),
+                       d_there = test::upload(sim->device(0), sim_stream, dy);
+    const auto y_here =
+        test::to_host(stream_, here->forward(stream_, x_here.as<float>(), batch, Mode::train), out_count);
+    const auto y_there =
+        test::to_host(sim_stream, there->forward(sim_stream, x_there.as<float>(), batch, Mode::train), out_count);
+    here->zero_grad(stream_);
+    here->backward(stream_, d_here.as<float>(), {});
+    there->zero_grad(sim_stream);
+    there->backward(sim_stream, d_there.as<float>(), {});
+    const auto dw_here = test::to_host(stream_, here->gradients()[0].as<float>(), here->gradients()[0].numel());
+    const auto dw_there = test::to_host(sim_stream, there->gradients()[0].as<float>(), there->gradients()[0].numel());
+    RecordProperty(c.name, kernels::conv2d_supports_bf16(stream_, shape) ? "library bf16" : "widened to fp32");
+    if (GetParam() == "sim") {
+      EXPECT_EQ(y_here, y_there);
+      EXPECT_EQ(dw_here, dw_there);
+    } else {
+      EXPECT_TRUE(close_in_norm(y_here, y_there, norm(y_there) / 64)) << "output";
+      EXPECT_TRUE(close_in_norm(dw_here, dw_there, norm(dw_there) / 64)) << "weight gradient";
     }
   }
 }

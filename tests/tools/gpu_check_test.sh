@@ -4,7 +4,7 @@
 #   1. it says it found none and exits 0;
 #   2. --list names the cuda = sim bit-equality tests, not the fatbin check (a packed build has no *.o);
 #   3. its self-test, the simulator standing in for the GPU (--quick, a few seconds each): every dp_train
-#      comparison row PASSes; with DP_GPU_CHECK_SELFTEST_LR0=1 (the "GPU" runs at --lr 0, so its
+#      comparison row (the GPT's included) PASSes; with DP_GPU_CHECK_SELFTEST_LR0=1 (the "GPU" runs at --lr 0, so its
 #      parameters never move) every one FAILs, so the comparison can fail; with a budget too small for
 #      any row, every one is a SKIP row saying so. The JSON is checked each time.
 set -uo pipefail
@@ -33,6 +33,8 @@ grep -q '^FusionCudaMatchesSim\.' <<<"$list" || fail "--list names no FusionCuda
 grep -q 'cuda_fatbin_architectures' <<<"$list" && fail "--list names cuda_fatbin_architectures"
 quick=$(timeout 60 "$script" --quick --list "$build" 2>&1) || fail "--quick --list failed"
 grep -q '^ReduceCudaMatchesSim\.' <<<"$quick" || fail "--quick --list names no ReduceCudaMatchesSim test"
+grep -qE '^Backends/GptOnBackend\..*/cuda( |$)' <<<"$quick" || fail "--quick --list names no GptOnBackend cuda test"
+grep -qE '^Cuda/GraphsEqualEager\..*dropout_cuda( |$)' <<<"$list" || fail "--list names no graph-with-dropout cuda test"
 [ "$(wc -l <<<"$quick")" -lt "$(wc -l <<<"$list")" ] || fail "--quick --list is not shorter than --list"
 
 # ---- 3. the self-test: sim as the GPU. selftest NAME EXPECTED_RC ROW_VERDICT [VAR=VALUE...]
@@ -53,8 +55,10 @@ if not doc["finished"] or doc["running"]:
     problems.append("the JSON says the run did not finish")
 if doc["backend"] != "sim" or doc["mode"] != "quick":
     problems.append("header: backend %s, mode %s" % (doc["backend"], doc["mode"]))
-if len(compare) != 4:
-    problems.append("%d comparison rows, expected 4" % len(compare))
+if len(compare) != 7:  # mlp, convnet: single, ddp x2; gpt: single, ddp x2, ddp x2 with dropout
+    problems.append("%d comparison rows, expected 7" % len(compare))
+if not any(r["check"].startswith("dp_train gpt") for r in compare):
+    problems.append("no GPT row")
 problems += ["%s: %s, expected %s" % (r["check"], r["verdict"], sys.argv[2])
              for r in compare if r["verdict"] != sys.argv[2]]
 problems += ["%s: %s, expected SKIP (no GPU)" % (r["check"], r["verdict"]) for r in doc["checks"]

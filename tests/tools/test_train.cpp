@@ -1289,6 +1289,10 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--eval-every 2", "--eval-every evaluates on the test set, and this run has none");
   expect_refused(base + "--accumulate 3", "--accumulate 3: an epoch of 2 batch(es) of 8 per rank holds no step");
   expect_refused(base + "--save-best " + path("existing.safetensors"), "--save and --save-best name the same file");
+  // A file of --save's periodic series: --save-every would overwrite it and --keep delete it.
+  expect_refused(base + "--save-every 1 --keep 1 --save-best " + path("existing.step3.safetensors"),
+                 "is a file of --save " + path("existing.safetensors") + "'s periodic series");
+  expect_refused(base + "--save-best " + path("existing.step12.safetensors"), "'s periodic series");
   expect_refused(base + "--zero 2", "--zero");
   expect_refused(base + "--mode dp --devices 2 --zero 1", "--zero applies to --mode ddp");
   expect_refused(base + "--mode ddp --devices 5 --shards 12", "12 shards cannot be spread evenly over 5 device(s)");

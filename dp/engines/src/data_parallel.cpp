@@ -167,6 +167,10 @@ void DataParallel::receive_broadcast(int rank) {
     r.stream.copy(r.model->params_flat(), module_.params_flat(), module_.param_count() * sizeof(float));
     if (module_.buffers_bytes())
       r.stream.copy(r.model->buffers_flat(), module_.buffers_flat(), module_.buffers_bytes());
+    // The dropout step too: a captured replica forward reads it where the replay's own upload
+    // (onto the source, before the graph) cannot reach; an eager forward uploads it again itself.
+    if (const std::uint32_t* step = module_.random_step_on_device())
+      r.stream.copy(r.model->random_step_on_device(), step, sizeof *step);
   }
   r.stream.record(r.broadcast_done);
 }
@@ -267,6 +271,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     work.capture = [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; };
     work.replay = [&](const std::vector<Graph>& graphs) {
       wait_for_batches(slot);
+      module_.upload_random_step(source, static_cast<std::uint64_t>(optimizer_->steps()));  // before the count moves
       optimizer_->replayed_step(source);
       graphs[0].replay();  // every device's part: one launch, from this thread
       for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->model->replayed_backward();

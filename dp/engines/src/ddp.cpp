@@ -547,6 +547,8 @@ StepLoss DistributedDataParallel::submit_step(std::span<const Batch> batches) {
     key.push_back(sync);
     key.push_back(broadcast);
     key.push_back(options_.sync_batchnorm ? ranks_[0]->bn_sync.global_samples : 0);  // baked into BatchNorm
+    // Samples forwarded without a step (no_sync) before this one: baked into the dropout masks' offset.
+    key.push_back(static_cast<std::int64_t>(ranks_[0]->accumulated_samples));
     std::vector<Device*> devices;
     std::vector<Optimizer*> optimizers;
     for (int r = 0; r < group_.size(); ++r) {
@@ -608,6 +610,7 @@ engines::StepWork DistributedDataParallel::step_work(int slot, std::span<const B
     run_ranks([&](int r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
       for (auto& ring : rank.rings) ring->acquire(slot, rank.compute);
+      rank.model->upload_random_step(rank.compute, static_cast<std::uint64_t>(rank.optimizer->steps()));
       rank.optimizer->replayed_step(rank.compute);
       rank.accumulated_samples = 0;
       graphs[static_cast<std::size_t>(r)].replay();

@@ -738,7 +738,8 @@ static std::uint32_t name_hash(const std::string& name) {
 std::pair<kernels::DropoutKey, std::uint64_t> dropout_draw(const LayerContext& ctx, const std::string& name,
                                                            std::int64_t per_sample) {
   const RandomContext random = ctx.random ? *ctx.random : RandomContext{};
-  const kernels::DropoutKey key{random.seed, name_hash(name), static_cast<std::uint32_t>(random.step)};
+  const kernels::DropoutKey key{random.seed, name_hash(name), static_cast<std::uint32_t>(random.step),
+                                random.step_on_device};
   return {key, random.sample_offset * static_cast<std::uint64_t>(per_sample)};
 }
 

@@ -34,32 +34,7 @@ Optimizer::Optimizer(Device& device, std::size_t param_count)
       param_count_(param_count),
       trainable_{{0, param_count}},
       segments_{{{0, param_count}, true}},
-      slots_(device.allocate_pinned(kSlots * kMaxScalarBytes)),
-      scalars_(device.allocate(kMaxScalarBytes)) {
-  for (Event& free : slot_free_) free = device.create_event();
-}
-
-void Optimizer::stage_scalars(const void* values, std::size_t bytes) {
-  if (bytes > kMaxScalarBytes) throw InvalidArgument("optimizer scalars exceed their slot");
-  slot_ = (slot_ + 1) % kSlots;
-  if (slot_pending_[slot_]) {
-    // Rare: the update of two steps ago has not started yet.
-    if (!slot_free_[slot_].query()) slot_free_[slot_].synchronize();
-    slot_pending_[slot_] = false;
-  }
-  std::memcpy(slots_.as<std::byte>() + static_cast<std::size_t>(slot_) * kMaxScalarBytes, values, bytes);
-}
-
-const void* Optimizer::upload_scalars(const Stream& stream, const void* values, std::size_t bytes) {
-  // A captured copy out of slot_ would read it when the replay runs, by then maybe rewritten for a
-  // later step still to be submitted: replayed_step() enqueues the copy ahead of each replay instead.
-  if (stream.capturing()) return scalars_.data();
-  stage_scalars(values, bytes);
-  stream.copy(scalars_.data(), slots_.as<std::byte>() + static_cast<std::size_t>(slot_) * kMaxScalarBytes, bytes);
-  stream.record(slot_free_[slot_]);
-  slot_pending_[slot_] = true;
-  return scalars_.data();
-}
+      scalars_(device, kMaxScalarBytes) {}
 
 std::vector<Optimizer::ParamRange> trainable_ranges(std::size_t param_count,
                                                     std::vector<Optimizer::ParamRange> frozen) {

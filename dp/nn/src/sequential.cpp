@@ -63,6 +63,7 @@ SequentialModel::SequentialModel(std::string name, Device& device, Layers layers
   params_ = device_.allocate(param_count_ * sizeof(float));
   grads_ = device_.allocate(param_count_ * sizeof(float));
   buffers_ = device_.allocate(buffers_bytes_);
+  if (chain_->stochastic()) random_step_ = std::make_unique<StagedValues>(device_, sizeof(std::uint32_t));
   for (const auto& layer : chain_->layers())
     layer->bind(params_.as<float>(), grads_.as<float>(), static_cast<std::byte*>(buffers_.data()));
 }
@@ -149,6 +150,10 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
   release_outgrown(stream);  // what an eval forward outgrew (a training step frees it in its backward)
+  if (mode == Mode::train && random_step_) {
+    upload_random_step(stream, random_.step);  // nothing while capturing: the replay's engine uploads
+    random_.step_on_device = random_step_on_device();
+  }
   const void* out = chain_->forward(
       LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false}, input,
       nullptr);
@@ -255,6 +260,17 @@ std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
   return copy;
 }
 
-bool SequentialModel::capturable() const { return !chain_->stochastic(); }
+bool SequentialModel::capturable() const { return true; }
+
+std::uint32_t* SequentialModel::random_step_on_device() const {
+  return random_step_ ? static_cast<std::uint32_t*>(random_step_->device()) : nullptr;
+}
+
+void SequentialModel::upload_random_step(const Stream& stream, std::uint64_t step) {
+  if (!random_step_) return;
+  // DropoutKey's step is 32 bits: the masks repeat after 2^32 steps, as they did with the step baked in.
+  const auto value = static_cast<std::uint32_t>(step);
+  random_step_->upload(stream, &value, sizeof value);
+}
 
 }  // namespace dp::nn

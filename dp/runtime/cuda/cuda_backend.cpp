@@ -410,6 +410,11 @@ class CudaDevice final : public DeviceImpl {
                      : fmt::format("cuda:{} ({})", index_, prop.name);
       sm_count_ = prop.multiProcessorCount;
       compute_major_ = prop.major;
+      // nvidia-smi's form: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, the same in every process.
+      const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+      uuid_ = fmt::format(
+          "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+          u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
       std::size_t free_bytes = 0, total_bytes = 0;
       DP_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
       memory_.set_capacity(total_bytes);
@@ -437,6 +442,7 @@ class CudaDevice final : public DeviceImpl {
   }
   Backend backend() const override { return Backend::cuda; }
   std::string name() const override { return name_; }
+  std::string gpu_uuid() const override { return uuid_; }
   // Devices that share a GPU take their memory from the GPU's pool on their own memory stream, and
   // free it there once their own streams are done with it: cudaFree waits for the whole GPU, where
   // another device's ring kernel may be waiting for work this device's worker has yet to launch.
@@ -533,6 +539,7 @@ class CudaDevice final : public DeviceImpl {
   std::set<void*> pooled_allocations_;  // under streams_mutex_
   std::mutex capture_mutex_;
   std::string name_;
+  std::string uuid_;
   int sm_count_ = 1;
   MemoryCounter memory_;
   int compute_major_ = 0;

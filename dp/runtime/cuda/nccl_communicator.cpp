@@ -89,12 +89,7 @@ class NcclCommunicator final : public Communicator {
       DP_CUDA_CHECK(ncclCommInitAll(comms.data(), group.size(), gpus.data()));
       return;
     }
-    const std::vector<int> sizes = processes.all_gather(group.size());
-    for (std::size_t p = 0; p < sizes.size(); ++p)
-      if (sizes[p] != group.size())
-        throw InvalidArgument(fmt::format(
-            "every process must drive the same number of GPUs: process {} has {}, process {} (host {}) has {}", p,
-            sizes[p], processes.rank(), processes.host(), group.size()));
+    // Communicator::create has checked the processes: the same number of GPUs each, no GPU in two.
     ncclUniqueId id{};
     if (processes.rank() == 0) DP_CUDA_CHECK(ncclGetUniqueId(&id));
     processes.broadcast_bytes(&id, sizeof(id), 0);

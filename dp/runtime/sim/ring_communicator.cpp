@@ -57,10 +57,7 @@ class RingCommunicator final : public Communicator {
         turns_(group.size(), 0),
         host_calls_(group.size(), 0) {
     staging_.resize(static_cast<std::size_t>(local_));
-    if (processes_->size() > 1) {
-      check_same_local_size(*processes_, local_);
-      channel_ = processes_->open_channel();
-    }
+    if (processes_->size() > 1) channel_ = processes_->open_channel();  // sizes checked by Communicator::create
   }
   ~RingCommunicator() override {
     // Tasks of this communicator may still sit in the ranks' streams: fail them rather than let
@@ -243,15 +240,6 @@ class RingCommunicator final : public Communicator {
               }
               if (op == ReduceOp::avg) scale_to_mean(mine, count, n);
             });
-  }
-
-  static void check_same_local_size(ProcessGroup& processes, int local) {
-    const std::vector<int> sizes = processes.all_gather(local);
-    for (std::size_t p = 0; p < sizes.size(); ++p)
-      if (sizes[p] != local)
-        throw InvalidArgument(fmt::format(
-            "every process must drive the same number of devices: process {} has {}, process {} (host {}) has {}", p,
-            sizes[p], processes.rank(), processes.host(), local));
   }
 
   bool is_local(int global) const { return global >= first_ && global < first_ + local_; }

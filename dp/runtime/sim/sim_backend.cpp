@@ -10,6 +10,7 @@
 #include <set>
 #include <shared_mutex>
 #include <thread>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -601,6 +602,14 @@ class SimDevice final : public DeviceImpl {
   std::string name() const override {
     return runtime_.devices_per_gpu() > 1 ? fmt::format("sim:{} (GPU {})", index_, runtime_.gpu_of(index_))
                                           : fmt::format("sim:{}", index_);
+  }
+  std::string gpu_uuid() const override {
+    const int gpu = runtime_.gpu_of(index_);
+    if (const char* prefix = std::getenv("DP_SIM_GPU_UUID"); prefix && *prefix)
+      return fmt::format("{}-{}", prefix, gpu);
+    char host[256] = {};
+    if (gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+    return fmt::format("sim-{}-{}-{}", host, getpid(), gpu);
   }
 
   void* allocate(std::size_t bytes) override {

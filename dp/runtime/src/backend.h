@@ -140,6 +140,7 @@ class DeviceImpl {
   virtual ~DeviceImpl() = default;
   virtual Backend backend() const = 0;
   virtual std::string name() const = 0;
+  virtual std::string gpu_uuid() const = 0;  // Device::gpu_uuid
   virtual void* allocate(std::size_t bytes) = 0;
   virtual void free(void* ptr, std::size_t bytes) noexcept = 0;
   virtual MemoryStats memory() const = 0;

@@ -98,6 +98,7 @@ Device::Device(int index, std::unique_ptr<detail::DeviceImpl> impl, detail::Runt
 Device::~Device() = default;
 Backend Device::backend() const { return impl_->backend(); }
 std::string Device::name() const { return impl_->name(); }
+std::string Device::gpu_uuid() const { return impl_->gpu_uuid(); }
 int Device::gpu() const noexcept { return runtime_.gpu_of(index_); }
 DeviceBuffer Device::allocate(std::size_t bytes) {
   if (bytes == 0) return {};

@@ -52,9 +52,10 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x, In we
                      float* dbias, float* workspace, bool accumulate = true, bool x_lowered = false);
 
 // Whether conv2d_* take bf16 storage for `shape` on `stream` as things are set now: the backend's
-// convolution library is on and takes it (cuDNN's bf16 convolutions on cuda, fp32 compute on tensor
-// cores, then the bias added by add_channel_bias: the output rounded twice with a bias, as torch's
-// cuDNN convolution does; oneDNN on the sim, reordering bf16 into its fp32 blocked layouts and back,
+// convolution library is on and takes it for that shape (cuDNN's bf16 convolutions on cuda, where
+// cuDNN reports a plan for the shape: fp32 compute on tensor cores, then the bias added by
+// add_channel_bias: the output rounded twice with a bias, as torch's cuDNN convolution does; oneDNN
+// on the sim, reordering bf16 into its fp32 blocked layouts and back,
 // the bias added before the one rounding, as torch's CPU convolution does). Elsewhere a caller
 // widens into fp32 and runs the fp32 path (Bf16Operands).
 bool conv2d_supports_bf16(const Stream& stream, const Conv2dShape& shape);

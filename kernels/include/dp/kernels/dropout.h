@@ -20,10 +20,13 @@ namespace dp::kernels {
 // - a data-parallel rank holding elements [offset, offset + n) of the global batch draws exactly
 //   the bits one device holding the whole batch would.
 // torch's masks come from its own generator: the masks differ from torch's, the arithmetic not.
+// The step may live in device memory (`step_on_device`, of the stream's device): read when the kernel
+// runs, not baked into its launch, so a step captured into a graph draws the step of each replay.
 struct DropoutKey {
-  std::uint64_t seed = 0;      // the run's seed: Philox's 64-bit key
-  std::uint32_t layer_id = 0;  // which dropout layer: distinct layers draw independent masks
-  std::uint32_t step = 0;      // the training step: a fresh mask every step
+  std::uint64_t seed = 0;                         // the run's seed: Philox's 64-bit key
+  std::uint32_t layer_id = 0;                     // which dropout layer: distinct layers draw independent masks
+  std::uint32_t step = 0;                         // the training step: a fresh mask every step
+  const std::uint32_t* step_on_device = nullptr;  // when set, the step is read from here instead
 };
 
 // y[i] = x[i] * noise(element_offset + i) for i in [0, n), as torch's `input * noise` with
@@ -47,8 +50,9 @@ void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKe
 // {block (low, high 32 bits), layer_id, step} under key {seed (low, high 32 bits)}. Element e
 // takes word e % 4 of block e / 4; u = (word >> 8) * 2^-24 in [0, 1) and it is kept iff u >= p.
 DP_HD inline r123::Philox4x32::ctr_type dropout_words(const DropoutKey& key, std::uint64_t block) {
+  const std::uint32_t step = key.step_on_device ? *key.step_on_device : key.step;
   const r123::Philox4x32::ctr_type counter = {
-      {static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32), key.layer_id, key.step}};
+      {static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32), key.layer_id, step}};
   const r123::Philox4x32::key_type philox_key = {
       {static_cast<std::uint32_t>(key.seed), static_cast<std::uint32_t>(key.seed >> 32)}};
   return r123::Philox4x32()(counter, philox_key);

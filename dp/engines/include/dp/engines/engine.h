@@ -207,7 +207,7 @@ struct EngineOptions {
   // Every kind: capture each training step into a graph (CUDA graphs; emulated on sim) once per
   // batch size, after one eager step of that size, and replay it from then on -- the same work
   // with one launch per step, bit for bit the eager results. Steps run eagerly where a graph cannot
-  // hold them: a model that is not capturable() (Dropout), dp with time_phases, ddp across processes.
+  // hold them: a model that is not capturable(), dp with time_phases, ddp across processes.
   bool graphs = false;
   // Every kind: parameters kept fixed, by name prefix ("layer1" holds layer1.0.weight, not
   // layer10.weight), as torch's requires_grad_(False) for fine-tuning: never updated, no optimizer

@@ -164,9 +164,10 @@ class Layer {
   virtual void forward_relu(const LayerContext& ctx, const float* x, float* y);
   virtual void backward_relu(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx);
 
-  // Whether train-mode forwards draw random numbers (ctx.random): their work then differs from step
-  // to step, so a captured step cannot be replayed (Model::capturable). A layer that reads
-  // ctx.random must say so.
+  // Whether train-mode forwards draw random numbers (ctx.random): the model then keeps the step in
+  // device memory (RandomContext::step_on_device), which the layer's kernels must read instead of a
+  // step baked into their launches, so that a captured step replays with each step's masks. A layer
+  // that reads ctx.random must say so.
   virtual bool stochastic() const { return false; }
 
  protected:

@@ -39,6 +39,10 @@ struct RandomContext {
   std::uint64_t seed = 0;
   std::uint64_t step = 0;           // optimizer steps taken before this forward
   std::uint64_t sample_offset = 0;  // index of the batch's first sample in the step's batch
+  // Where the kernels read `step` when they run (the model's device memory, set by the model: see
+  // Model::upload_random_step), so that a captured step draws the step of each replay; null: `step`
+  // itself goes into the launches.
+  const std::uint32_t* step_on_device = nullptr;
 };
 
 // SyncBatchNorm (torch.nn.SyncBatchNorm under DDP): BatchNorm layers in train mode normalise with
@@ -148,10 +152,19 @@ class Model {
   // Whether an engine may capture a training step of this model into a graph once and replay it
   // for later steps (EngineOptions::graphs): true only when forward, backward and zero_grad enqueue
   // the same work with the same arguments at every step of one batch size that makes the same
-  // calls (a step's backward after its own zero_grad always writes the gradients; nothing drawn from
-  // RandomContext's step, no host value baked into a launch), and allocate nothing once a step of
+  // calls (a step's backward after its own zero_grad always writes the gradients; RandomContext's
+  // step read from random_step_on_device(), no host value that changes baked into a launch), and
+  // allocate nothing once a step of
   // that batch size has run. Models that do not say so run every step eagerly.
   virtual bool capturable() const { return false; }
+
+  // A stochastic model's step on its device (RandomContext::step_on_device): what its train-mode
+  // kernels read when they run; null for a model that draws nothing. An eager training forward
+  // copies the step of its RandomContext there itself; a captured one copies nothing, and an engine
+  // replaying it calls upload_random_step(stream, step) first, on the stream the replay is launched
+  // on, or copies another replica's (DataParallel's broadcast, inside the graph).
+  virtual std::uint32_t* random_step_on_device() const { return nullptr; }
+  virtual void upload_random_step(const Stream& /*stream*/, std::uint64_t /*step*/) {}
 
   // The same architecture on another device, with its own buffers (values uninitialised: the
   // engine broadcasts them).

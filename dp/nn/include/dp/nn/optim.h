@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dp/runtime/device.h"
+#include "dp/runtime/staged_values.h"
 
 namespace dp {
 
@@ -105,29 +106,23 @@ class Optimizer {
   // A zero-filled state buffer on the device: a state saved before any step holds zeros, not
   // whatever the allocation held (which may well read as NaN).
   DeviceBuffer zeroed_buffer() const;
-  // This step's scalar values (at most kMaxScalarBytes) into the next of two pinned slots, once the
-  // copy out of it two steps ago has run (two slots: a step submitted while the previous one still
-  // runs finds its slot free).
-  void stage_scalars(const void* values, std::size_t bytes);
-  // stage_scalars, then their copy into device memory on `stream`; returns that device copy. While
-  // `stream` captures, only returns it: replayed_step() copies before each replay.
-  const void* upload_scalars(const Stream& stream, const void* values, std::size_t bytes);
+  // This step's scalar values (at most kMaxScalarBytes) copied into device memory on `stream`
+  // (StagedValues::upload); returns that device copy. While `stream` captures, only returns it:
+  // replayed_step() copies before each replay.
+  const void* upload_scalars(const Stream& stream, const void* values, std::size_t bytes) {
+    return scalars_.upload(stream, values, bytes);
+  }
 
   std::int64_t steps_ = 0;
 
  private:
   static constexpr std::size_t kMaxScalarBytes = 64;
-  static constexpr int kSlots = 2;
   Device& device_;
   std::size_t param_count_;
   void cut_segments();
   std::vector<ParamRange> trainable_, no_decay_;
   std::vector<Segment> segments_;
-  PinnedBuffer slots_;       // kSlots x the host's values of a step (pinned: the copy is asynchronous)
-  DeviceBuffer scalars_;     // what the update reads
-  Event slot_free_[kSlots];  // recorded after each copy out of the slot
-  bool slot_pending_[kSlots] = {false, false};
-  int slot_ = 0;  // the slot stage_scalars wrote last
+  StagedValues scalars_;  // what the update reads
 };
 
 // g = grad + weight_decay*p; buf = first step ? g : momentum*buf + g; g = nesterov ? g + momentum*buf : buf;

@@ -14,6 +14,7 @@
 
 #include "dp/nn/layers.h"
 #include "dp/nn/model.h"
+#include "dp/runtime/staged_values.h"
 
 namespace dp::nn {
 
@@ -60,8 +61,11 @@ class SequentialModel final : public Model {
   void set_autocast(Autocast autocast) override;
   Autocast autocast() const override { return amp_ ? Autocast::bf16 : Autocast::off; }
   std::size_t saved_activation_bytes() const override;
-  // Its layers enqueue fixed work per batch size into grow-only scratch; Dropout draws per step.
+  // Its layers enqueue fixed work per batch size into grow-only scratch; Dropout reads the step from
+  // device memory (random_step_on_device).
   bool capturable() const override;
+  std::uint32_t* random_step_on_device() const override;
+  void upload_random_step(const Stream& stream, std::uint64_t step) override;
   std::unique_ptr<Model> replicate(Device& device) const override;
 
  private:
@@ -81,6 +85,7 @@ class SequentialModel final : public Model {
   std::size_t buffers_bytes_ = 0;
   DeviceBuffer params_, grads_, buffers_;
   RandomContext random_;
+  std::unique_ptr<StagedValues> random_step_;  // models with Dropout: the step their kernels read
   const BatchNormSync* sync_ = nullptr;
   std::unique_ptr<AutocastScratch> amp_;  // under autocast (Autocast::bf16) only
   Scratch logits_, grad_output_;          // autocast: the fp32 output, the bf16 gradient of it

@@ -141,6 +141,11 @@ class Device {
   int gpu() const noexcept;
   Backend backend() const;
   std::string name() const;
+  // What names the GPU across processes: cuda, its UUID as nvidia-smi prints it (GPU-…); sim, a
+  // simulated GPU of this process alone ("sim-<host>-<pid>-<gpu>"), or, with DP_SIM_GPU_UUID=PREFIX
+  // set, "PREFIX-<gpu>": processes given the same prefix stand for processes sharing the GPUs of one
+  // machine (what the check that two processes do not drive one GPU is tested with).
+  std::string gpu_uuid() const;
 
   // Device memory, owned by the returned buffer. Throws OutOfMemory naming the device.
   DeviceBuffer allocate(std::size_t bytes);
