@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <exception>
 #include <fmt/format.h>
 #include <map>
 #include <set>
@@ -54,6 +55,13 @@ void check_processes(const DeviceGroup& group, ProcessGroup& processes) {
     const int process = static_cast<int>(i) / local;
     const auto [first, fresh] = process_of.emplace(uuid, process);
     if (fresh || first->second == process) continue;
+    // Every process throws the same error here. A process that throws at once may end its part of
+    // the job before a peer has read the gathered identities (process 0 serves env://'s store): a
+    // barrier first, whose own failure (that peer gone after it) is no news.
+    try {
+      processes.barrier();
+    } catch (const std::exception&) {
+    }
     const bool here = process == processes.rank() || first->second == processes.rank();
     const int device_here = here ? group.device(static_cast<int>(i) % local).gpu() : -1;
     throw InvalidArgument(fmt::format(
