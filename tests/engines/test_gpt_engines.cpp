@@ -58,6 +58,29 @@ class GptOnBackend : public ::testing::TestWithParam<std::string> {
  protected:
   std::unique_ptr<Runtime> runtime(int devices) const { return test::runtime_or_skip(GetParam(), devices); }
   bool skip() const { return GetParam() == "cuda" && Runtime::cuda_device_count() == 0; }
+
+  // The golden's GPT (its initial parameters; `config` says the dropout) on `devices` devices of this
+  // backend, in an engine of `options` (single: on device 0).
+  struct Run {
+    std::unique_ptr<Runtime> runtime;
+    std::unique_ptr<Model> model;
+    Stream stream;  // device 0's
+    std::unique_ptr<Engine> engine;
+    std::vector<float> params() const {
+      return test::to_host(stream, engine->model().params_flat(), engine->model().param_count());
+    }
+  };
+  Run gpt_run(const safetensors::File& golden, const models::GptConfig& config, int devices, EngineOptions options,
+              const OptimizerOptions& optimizer) const {
+    Run run;
+    run.runtime = runtime(devices);
+    run.model = models::make_gpt(run.runtime->device(0), config, 1);
+    run.stream = run.runtime->device(0).create_stream();
+    load_state_dict(*run.model, run.stream, golden, "init.");
+    if (options.kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+    run.engine = make_engine(*run.runtime, *run.model, optimizer, options);
+    return run;
+  }
 };
 INSTANTIATE_TEST_SUITE_P(Backends, GptOnBackend, ::testing::Values("sim", "cuda"),
                          [](const auto& info) { return info.param; });
@@ -132,20 +155,15 @@ TEST_P(GptOnBackend, AdamWDecaysTheMatricesOnlyAsNanoGptsGroups) {
   for (const auto& [kind, devices, zero] : {std::tuple{EngineKind::single, 1, 0}, std::tuple{EngineKind::dp, 2, 0},
                                             std::tuple{EngineKind::ddp, 2, 0}, std::tuple{EngineKind::ddp, 2, 1}}) {
     SCOPED_TRACE(fmt::format("{} on {} device(s), zero {}", to_string(kind), devices, zero));
-    auto rt = runtime(devices);
-    auto model = models::make_gpt(rt->device(0), config, 1);
-    const Stream s = rt->device(0).create_stream();
-    load_state_dict(*model, s, golden, "init.");
     EngineOptions options;
     options.kind = kind;
     options.zero = zero;
     options.weight_decay_on = WeightDecayOn::matrices;
-    if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
-    auto engine = make_engine(*rt, *model, adamw, options);
-    engine->train_step(data.batches(*engine));
-    engine->synchronize();
-    for (const TensorRef& p : engine->model().parameters())
-      EXPECT_TRUE(test::all_close(test::to_host(s, p.as<float>(), p.numel()),
+    const Run run = gpt_run(golden, config, devices, options, adamw);
+    run.engine->train_step(data.batches(*run.engine));
+    run.engine->synchronize();
+    for (const TensorRef& p : run.engine->model().parameters())
+      EXPECT_TRUE(test::all_close(test::to_host(run.stream, p.as<float>(), p.numel()),
                                   golden.at("adamw.step." + p.name).to_f32(), cuda ? 1e-4 : 1e-5, cuda ? 1e-5 : 1e-6))
           << p.name;
   }
@@ -162,19 +180,14 @@ TEST_P(GptOnBackend, DropoutDrawsOneDevicesMasksInDataParallel) {
   for (const auto& [kind, devices, p] : {std::tuple{EngineKind::single, 1, 0.3}, std::tuple{EngineKind::dp, 2, 0.3},
                                          std::tuple{EngineKind::single, 1, 0.0}}) {
     config.dropout = p;
-    auto rt = runtime(devices);
-    auto model = models::make_gpt(rt->device(0), config, 1);
-    EXPECT_TRUE(model->capturable()) << "dropout reads its step from device memory";
-    EXPECT_EQ(model->random_step_on_device() != nullptr, p > 0.0);
-    const Stream s = rt->device(0).create_stream();
-    load_state_dict(*model, s, golden, "init.");
     EngineOptions options;
     options.kind = kind;
-    if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
-    auto engine = make_engine(*rt, *model, SgdOptions{0.5f, 0.0f, 0.0f, false}, options);
-    engine->train_step(data.batches(*engine));
-    engine->synchronize();
-    steps.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
+    const Run run = gpt_run(golden, config, devices, options, SgdOptions{0.5f, 0.0f, 0.0f, false});
+    EXPECT_TRUE(run.model->capturable()) << "dropout reads its step from device memory";
+    EXPECT_EQ(run.model->random_step_on_device() != nullptr, p > 0.0);
+    run.engine->train_step(data.batches(*run.engine));
+    run.engine->synchronize();
+    steps.push_back(run.params());
   }
   EXPECT_TRUE(test::all_close(steps[1], steps[0], 1e-5, 1e-7)) << "dp's masks are single's";
   EXPECT_FALSE(test::all_close(steps[2], steps[0], 1e-3, 1e-5)) << "the masks changed the step";
@@ -195,20 +208,15 @@ TEST_P(GptOnBackend, DropoutStepsReplayedFromAGraphAreEagerStepsBitForBit) {
     SCOPED_TRACE(fmt::format("{} on {} device(s)", to_string(kind), devices));
     std::vector<std::vector<float>> params, losses;
     for (const bool graphs : {false, true}) {
-      auto rt = runtime(devices);
-      auto model = models::make_gpt(rt->device(0), config, 1);
-      const Stream s = rt->device(0).create_stream();
-      load_state_dict(*model, s, golden, "init.");
       EngineOptions options;
       options.kind = kind;
       options.graphs = graphs;
-      if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
-      auto engine = make_engine(*rt, *model, SgdOptions{0.1f, 0.9f, 0.0f, false}, options);
+      const Run run = gpt_run(golden, config, devices, options, SgdOptions{0.1f, 0.9f, 0.0f, false});
       losses.emplace_back();
-      for (int step = 0; step < 7; ++step) losses.back().push_back(engine->train_step(data.batches(*engine)));
-      engine->synchronize();
-      EXPECT_EQ(engine->graph_replays(), graphs ? 6u : 0u);
-      params.push_back(test::to_host(s, engine->model().params_flat(), engine->model().param_count()));
+      for (int step = 0; step < 7; ++step) losses.back().push_back(run.engine->train_step(data.batches(*run.engine)));
+      run.engine->synchronize();
+      EXPECT_EQ(run.engine->graph_replays(), graphs ? 6u : 0u);
+      params.push_back(run.params());
     }
     EXPECT_EQ(losses[0], losses[1]);
     EXPECT_EQ(params[0], params[1]);

@@ -271,8 +271,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     work.capture = [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; };
     work.replay = [&](const std::vector<Graph>& graphs) {
       wait_for_batches(slot);
-      module_.upload_random_step(source, static_cast<std::uint64_t>(optimizer_->steps()));  // before the count moves
-      optimizer_->replayed_step(source);
+      engines::upload_replayed_step(module_, *optimizer_, source);
       graphs[0].replay();  // every device's part: one launch, from this thread
       for (std::size_t rank = 0; rank < chunks_.size(); ++rank) replicas_[rank]->model->replayed_backward();
     };

@@ -610,8 +610,7 @@ engines::StepWork DistributedDataParallel::step_work(int slot, std::span<const B
     run_ranks([&](int r) {
       Rank& rank = *ranks_[static_cast<std::size_t>(r)];
       for (auto& ring : rank.rings) ring->acquire(slot, rank.compute);
-      rank.model->upload_random_step(rank.compute, static_cast<std::uint64_t>(rank.optimizer->steps()));
-      rank.optimizer->replayed_step(rank.compute);
+      engines::upload_replayed_step(*rank.model, *rank.optimizer, rank.compute);
       rank.accumulated_samples = 0;
       graphs[static_cast<std::size_t>(r)].replay();
       rank.model->replayed_backward();

@@ -1,10 +1,16 @@
 // step_graphs.cpp — captures, replays and the eager fallback of the engines' training steps.
 #include "step_graphs.h"
 
+#include "dp/nn/model.h"
 #include "dp/nn/optim.h"
 #include "dp/runtime/error.h"
 
 namespace dp::engines {
+
+void upload_replayed_step(Model& model, Optimizer& optimizer, const Stream& stream) {
+  model.upload_random_step(stream, static_cast<std::uint64_t>(optimizer.steps()));
+  optimizer.replayed_step(stream);
+}
 
 void abandon_capture(const Stream& stream) noexcept {
   try {

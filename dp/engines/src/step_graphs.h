@@ -14,8 +14,9 @@
 #include "step_pipeline.h"
 
 namespace dp {
+class Model;
 class Optimizer;
-}
+}  // namespace dp
 
 namespace dp::engines {
 
@@ -36,6 +37,12 @@ MemorySnapshot snapshot(const std::vector<Device*>& devices, std::uint64_t stagi
 // the step; DDP: each rank's worker, for its own), and a capture that fails part-way is ended on
 // that thread before the error goes on (capture_on, abandon_capture). Other threads (a loader's
 // pinned buffers, another device's worker) may allocate meanwhile. docs/cuda-rules.md.
+
+// What a replayed training step reads from device memory and no launch of the graph carries: the
+// model's dropout step (Model::upload_random_step: the optimizer's count before this step, as an eager
+// forward takes it) and the optimizer's scalars (Optimizer::replayed_step, which counts the step),
+// copied on `stream` just before the replay is launched on it.
+void upload_replayed_step(Model& model, Optimizer& optimizer, const Stream& stream);
 
 // `enqueue` captured on `stream` (begin_capture .. end_capture) on the calling thread; a failure
 // ends the capture here first. See Note [capture thread].

@@ -95,8 +95,7 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
     engines::StepWork work;
     work.capture = [&] { return std::vector<Graph>{engines::capture_on(stream_, [&] { enqueue_step(sizes, slot); })}; };
     work.replay = [&](const std::vector<Graph>& graphs) {
-      model_.upload_random_step(stream_, static_cast<std::uint64_t>(optimizer_->steps()));  // before the count moves
-      optimizer_->replayed_step(stream_);
+      engines::upload_replayed_step(model_, *optimizer_, stream_);
       graphs[0].replay();
       model_.replayed_backward();
     };

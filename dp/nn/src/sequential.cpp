@@ -63,7 +63,10 @@ SequentialModel::SequentialModel(std::string name, Device& device, Layers layers
   params_ = device_.allocate(param_count_ * sizeof(float));
   grads_ = device_.allocate(param_count_ * sizeof(float));
   buffers_ = device_.allocate(buffers_bytes_);
-  if (chain_->stochastic()) random_step_ = std::make_unique<StagedValues>(device_, sizeof(std::uint32_t));
+  if (chain_->stochastic()) {
+    random_step_ = std::make_unique<StagedValues>(device_, sizeof(std::uint32_t));
+    random_.step_on_device = random_step_on_device();
+  }
   for (const auto& layer : chain_->layers())
     layer->bind(params_.as<float>(), grads_.as<float>(), static_cast<std::byte*>(buffers_.data()));
 }
@@ -150,10 +153,8 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
   release_outgrown(stream);  // what an eval forward outgrew (a training step frees it in its backward)
-  if (mode == Mode::train && random_step_) {
-    upload_random_step(stream, random_.step);  // nothing while capturing: the replay's engine uploads
-    random_.step_on_device = random_step_on_device();
-  }
+  // Nothing while capturing: the engine replaying the step uploads it.
+  if (mode == Mode::train) upload_random_step(stream, random_.step);
   const void* out = chain_->forward(
       LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false}, input,
       nullptr);
@@ -260,7 +261,10 @@ std::unique_ptr<Model> SequentialModel::replicate(Device& device) const {
   return copy;
 }
 
-bool SequentialModel::capturable() const { return true; }
+void SequentialModel::set_random_context(const RandomContext& random) {
+  random_ = random;
+  random_.step_on_device = random_step_on_device();  // the engine's step reaches the kernels through it
+}
 
 std::uint32_t* SequentialModel::random_step_on_device() const {
   return random_step_ ? static_cast<std::uint32_t*>(random_step_->device()) : nullptr;

@@ -154,8 +154,8 @@ class Model {
   // the same work with the same arguments at every step of one batch size that makes the same
   // calls (a step's backward after its own zero_grad always writes the gradients; RandomContext's
   // step read from random_step_on_device(), no host value that changes baked into a launch), and
-  // allocate nothing once a step of
-  // that batch size has run. Models that do not say so run every step eagerly.
+  // allocate nothing once a step of that batch size has run. Models that do not say so run every
+  // step eagerly.
   virtual bool capturable() const { return false; }
 
   // A stochastic model's step on its device (RandomContext::step_on_device): what its train-mode

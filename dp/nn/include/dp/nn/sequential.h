@@ -55,7 +55,7 @@ class SequentialModel final : public Model {
   const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override;
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
   void zero_grad(const Stream& stream) override;
-  void set_random_context(const RandomContext& random) override { random_ = random; }
+  void set_random_context(const RandomContext& random) override;
   void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
   void replayed_backward() override;
   void set_autocast(Autocast autocast) override;
@@ -63,7 +63,7 @@ class SequentialModel final : public Model {
   std::size_t saved_activation_bytes() const override;
   // Its layers enqueue fixed work per batch size into grow-only scratch; Dropout reads the step from
   // device memory (random_step_on_device).
-  bool capturable() const override;
+  bool capturable() const override { return true; }
   std::uint32_t* random_step_on_device() const override;
   void upload_random_step(const Stream& stream, std::uint64_t step) override;
   std::unique_ptr<Model> replicate(Device& device) const override;
