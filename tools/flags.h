@@ -198,6 +198,15 @@ struct FlagGroup {
   std::vector<Flag<O>> flags;
 };
 
+// One --help group of several tables, their flags in order.
+template <class O>
+FlagGroup<O> joined(std::string title, std::vector<std::vector<Flag<O>>> tables) {
+  FlagGroup<O> group{std::move(title), {}};
+  for (auto& table : tables)
+    for (Flag<O>& flag : table) group.flags.push_back(std::move(flag));
+  return group;
+}
+
 // The tag a checkpoint records a flag's value under: "--weight-decay" -> "weight_decay".
 std::string tag_of(const std::string& flag);
 
@@ -235,113 +244,125 @@ bool applies(const Flag<O>& flag, std::string_view mode, const O& o) {
   return flag.applies_to.empty() || flag.applies_to == mode || (flag.also_applies && flag.also_applies(o, mode));
 }
 
+// The shared flags that place a run: the backend, its devices, their precision and how the steps
+// are launched.
+template <class O>
+std::vector<Flag<O>> placement_flags() {
+  return {
+      {.name = "--backend",
+       .value = choice<O>(&O::backend, {"auto", "cuda", "sim"}),
+       .help = "auto (cuda when a GPU is visible, else sim), cuda, or sim (simulated devices on the host)"},
+      {.name = "--devices",
+       .value = integer<O>(&O::devices, 1, 1 << 20),
+       .help = "use devices 0..N-1 (single: device 0 alone)",
+       .torch = "DataParallel(device_ids=range(N)); torchrun --nproc-per-node=N",
+       .default_text = fmt::format("every visible GPU, else {} simulated", kDefaultSimDevices),
+       .torch_spellings = {"--nproc-per-node", "--nproc_per_node", "--world-size", "--gpus"}},
+      {.name = "--devices-per-gpu",
+       .value = integer<O>(&O::devices_per_gpu, 1, 64, "K"),
+       .help = "K dp devices on each GPU (device d on GPU d/K), so that multi-device runs fit one; same results"},
+      {.name = "--precision",
+       .value = choice<O>(&O::precision, {"strict", "fast", "tf32"}),
+       .help = "strict: exact fp32, deterministic; fast: cuDNN's fastest, TF32 convolutions; tf32: fast, and TF32 "
+               "matmuls",
+       .torch = "fast: torch's defaults; tf32: torch.backends.cuda.matmul.allow_tf32 = True"},
+      {.name = "--graphs",
+       .value = choice<O>(&O::graphs, {"on", "off"}),
+       .help = "on: capture the step once per batch size and replay it (emulated on sim); off: launch every "
+               "kernel every step",
+       .torch = "torch.cuda.CUDAGraph",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.graphs = o.graphs == "on"; }},
+      {.name = "--pipeline",
+       .value = choice<O>(&O::pipeline, {"on", "off"}),
+       .help = "on: submit each step before reading the previous step's loss (the same results); off: wait for "
+               "each loss"},
+  };
+}
+
+// The shared flags of the training step: its batch and length, the engines' settings, the optimizer.
+template <class O>
+std::vector<Flag<O>> step_flags() {
+  return {
+      {.name = "--batch-size",
+       .value = integer<O>(&O::batch_size, 1, std::numeric_limits<int>::max()),
+       .help = "samples per step: the global batch in single and dp, per device in ddp, per shard with --shards",
+       .torch = "DataLoader(batch_size=N): global for DataParallel, per process for DDP",
+       .torch_spellings = {"-b", "--batch_size"},
+       .saved = Saved::on_resume},
+      {.name = "--steps",
+       .value = integer<O>(&O::steps, 1),
+       .help = "optimizer steps in all, from step 0 with --resume too (dp_bench: measured steps per run, after "
+               "--warmup)",
+       .default_text = "one epoch"},
+      {.name = "--sync-bn",
+       .value = on<O>(&O::sync_bn),
+       .help = "ddp (and dp with --shards): BatchNorm statistics over every rank's batch",
+       .torch = "nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.sync_batchnorm = o.sync_bn; },
+       .applies_to = "ddp",
+       .also_applies = [](const O& o, std::string_view mode) { return mode == "dp" && o.shards > 0; }},
+      {.name = "--amp",
+       .value = choice<O>(&O::amp, {"off", "bf16"}),
+       .help = "bf16: Linear and Conv2d on bf16 inputs and weights; fp32 accumulation, loss and master weights",
+       .torch = "torch.autocast(device_type, dtype=torch.bfloat16)",
+       .saved = Saved::on_resume,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.amp = dp::parse_autocast(o.amp); },
+       .per_epoch = true},
+      {.name = "--grad-reduce",
+       .value = choice<O>(&O::grad_reduce, {"fp32", "bf16"}),
+       .help = "ddp: all-reduce the gradients in fp32, or in bf16 (half the bytes)",
+       .torch = "ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
+       .saved = Saved::on_resume,
+       .engine =
+           [](const O& o, dp::EngineOptions& e) {
+             e.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
+           },
+       .applies_to = "ddp",
+       .per_epoch = true,
+       .banner = "gradients all-reduced in {}"},
+      {.name = "--shards",
+       .value = integer<O>(&O::shards, 0, 1 << 20, "V"),
+       .help = "fix each step's result to V shards of --batch-size samples: the same bits on any device count "
+               "dividing V, in every mode, and a checkpoint resumes on any of them",
+       .torch = "DataParallel over V devices",
+       .default_text = "0 (off)",
+       .saved = Saved::on_resume,
+       .structural = true,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.shards = o.shards; },
+       .per_epoch = true},
+      {.name = "--clip-grad-norm",
+       .value = number<O>(&O::clip_grad_norm, kNonNegative, "MAX"),
+       .help = "scale the gradients so that their total L2 norm is at most MAX, before each optimizer step "
+               "(on the device, no host sync)",
+       .torch = "torch.nn.utils.clip_grad_norm_(model.parameters(), MAX)",
+       .default_text = "0 (off)",
+       .saved = Saved::on_resume,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.step.clip_grad_norm = o.clip_grad_norm; },
+       .per_epoch = true},
+      {.name = "--zero",
+       .value = integer<O>(&O::zero, 0, 1, "STAGE"),
+       .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): each rank updates its slice, "
+               "then the parameters are all-gathered; the same bits, state memory / ranks",
+       .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...)",
+       .default_text = "0 (off)",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },
+       .applies_to = "ddp"},
+      {.name = "--optimizer",
+       .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
+       .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",
+       .torch = "torch.optim.SGD, torch.optim.AdamW",
+       .saved = Saved::optimizer_kind},
+      {.name = "--seed",
+       .value = integer<O>(&O::seed),
+       .help = "seed of the initialisation, the synthetic data and the shuffling",
+       .torch = "torch.manual_seed(S)"},
+  };
+}
+
 template <class O>
 FlagGroup<O> shared_flags() {
   static_assert(std::is_base_of_v<SharedOptions, O>);
-  return {
-      "run (dp_train and dp_bench alike)",
-      {
-          {.name = "--backend",
-           .value = choice<O>(&O::backend, {"auto", "cuda", "sim"}),
-           .help = "auto (cuda when a GPU is visible, else sim), cuda, or sim (simulated devices on the host)"},
-          {.name = "--devices",
-           .value = integer<O>(&O::devices, 1, 1 << 20),
-           .help = "use devices 0..N-1 (single: device 0 alone)",
-           .torch = "DataParallel(device_ids=range(N)); torchrun --nproc-per-node=N",
-           .default_text = fmt::format("every visible GPU, else {} simulated", kDefaultSimDevices),
-           .torch_spellings = {"--nproc-per-node", "--nproc_per_node", "--world-size", "--gpus"}},
-          {.name = "--devices-per-gpu",
-           .value = integer<O>(&O::devices_per_gpu, 1, 64, "K"),
-           .help = "K dp devices on each GPU (device d on GPU d/K), so that multi-device runs fit one; same results"},
-          {.name = "--precision",
-           .value = choice<O>(&O::precision, {"strict", "fast", "tf32"}),
-           .help = "strict: exact fp32, deterministic; fast: cuDNN's fastest, TF32 convolutions; tf32: fast, and TF32 "
-                   "matmuls",
-           .torch = "fast: torch's defaults; tf32: torch.backends.cuda.matmul.allow_tf32 = True"},
-          {.name = "--graphs",
-           .value = choice<O>(&O::graphs, {"on", "off"}),
-           .help = "on: capture the step once per batch size and replay it (emulated on sim); off: launch every "
-                   "kernel every step",
-           .torch = "torch.cuda.CUDAGraph",
-           .engine = [](const O& o, dp::EngineOptions& e) { e.graphs = o.graphs == "on"; }},
-          {.name = "--pipeline",
-           .value = choice<O>(&O::pipeline, {"on", "off"}),
-           .help = "on: submit each step before reading the previous step's loss (the same results); off: wait for "
-                   "each loss"},
-          {.name = "--batch-size",
-           .value = integer<O>(&O::batch_size, 1, std::numeric_limits<int>::max()),
-           .help = "samples per step: the global batch in single and dp, per device in ddp, per shard with --shards",
-           .torch = "DataLoader(batch_size=N): global for DataParallel, per process for DDP",
-           .torch_spellings = {"-b", "--batch_size"},
-           .saved = Saved::on_resume},
-          {.name = "--steps",
-           .value = integer<O>(&O::steps, 1),
-           .help = "optimizer steps in all, from step 0 with --resume too (dp_bench: measured steps per run, after "
-                   "--warmup)",
-           .default_text = "one epoch"},
-          {.name = "--sync-bn",
-           .value = on<O>(&O::sync_bn),
-           .help = "ddp (and dp with --shards): BatchNorm statistics over every rank's batch",
-           .torch = "nn.SyncBatchNorm.convert_sync_batchnorm(model)",
-           .engine = [](const O& o, dp::EngineOptions& e) { e.sync_batchnorm = o.sync_bn; },
-           .applies_to = "ddp",
-           .also_applies = [](const O& o, std::string_view mode) { return mode == "dp" && o.shards > 0; }},
-          {.name = "--amp",
-           .value = choice<O>(&O::amp, {"off", "bf16"}),
-           .help = "bf16: Linear and Conv2d on bf16 inputs and weights; fp32 accumulation, loss and master weights",
-           .torch = "torch.autocast(device_type, dtype=torch.bfloat16)",
-           .saved = Saved::on_resume,
-           .engine = [](const O& o, dp::EngineOptions& e) { e.amp = dp::parse_autocast(o.amp); },
-           .per_epoch = true},
-          {.name = "--grad-reduce",
-           .value = choice<O>(&O::grad_reduce, {"fp32", "bf16"}),
-           .help = "ddp: all-reduce the gradients in fp32, or in bf16 (half the bytes)",
-           .torch = "ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
-           .saved = Saved::on_resume,
-           .engine =
-               [](const O& o, dp::EngineOptions& e) {
-                 e.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
-               },
-           .applies_to = "ddp",
-           .per_epoch = true,
-           .banner = "gradients all-reduced in {}"},
-          {.name = "--shards",
-           .value = integer<O>(&O::shards, 0, 1 << 20, "V"),
-           .help = "fix each step's result to V shards of --batch-size samples: the same bits on any device count "
-                   "dividing V, in every mode, and a checkpoint resumes on any of them",
-           .torch = "DataParallel over V devices",
-           .default_text = "0 (off)",
-           .saved = Saved::on_resume,
-           .structural = true,
-           .engine = [](const O& o, dp::EngineOptions& e) { e.shards = o.shards; },
-           .per_epoch = true},
-          {.name = "--clip-grad-norm",
-           .value = number<O>(&O::clip_grad_norm, kNonNegative, "MAX"),
-           .help = "scale the gradients so that their total L2 norm is at most MAX, before each optimizer step "
-                   "(on the device, no host sync)",
-           .torch = "torch.nn.utils.clip_grad_norm_(model.parameters(), MAX)",
-           .default_text = "0 (off)",
-           .saved = Saved::on_resume,
-           .engine = [](const O& o, dp::EngineOptions& e) { e.step.clip_grad_norm = o.clip_grad_norm; },
-           .per_epoch = true},
-          {.name = "--zero",
-           .value = integer<O>(&O::zero, 0, 1, "STAGE"),
-           .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): each rank updates its slice, "
-                   "then the parameters are all-gathered; the same bits, state memory / ranks",
-           .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...)",
-           .default_text = "0 (off)",
-           .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },
-           .applies_to = "ddp"},
-          {.name = "--optimizer",
-           .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
-           .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",
-           .torch = "torch.optim.SGD, torch.optim.AdamW",
-           .saved = Saved::optimizer_kind},
-          {.name = "--seed",
-           .value = integer<O>(&O::seed),
-           .help = "seed of the initialisation, the synthetic data and the shuffling",
-           .torch = "torch.manual_seed(S)"},
-      }};
+  return joined<O>("run (dp_train and dp_bench alike)", {placement_flags<O>(), step_flags<O>()});
 }
 
 // The engine settings of the shared flags that apply to options.kind.

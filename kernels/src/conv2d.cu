@@ -309,6 +309,25 @@ bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, In x_in, In 
   return true;  // col (x lowered) stays at the start of the workspace; mat came after it
 }
 
+namespace {
+
+// The shared path's backward: dweight (beta: added to or written), then dx (when not null) as
+// col2im of W^T . dy, in the workspace where col was.
+void shared_backward(const Stream& stream, const ConvGeometry& g, const float* x, const float* weight, const float* dy,
+                     float* dx, float* dweight, float beta, float* workspace, bool x_lowered) {
+  const Conv2dShape& shape = g.s;
+  const int t = static_cast<int>(taps(shape)), p = g.cols;
+  float* col = workspace;
+  const float* mat = shared_weight_grad(stream, g, x, dy, dweight, beta, workspace, x_lowered);
+  if (dx == nullptr) return;
+  // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
+  gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);
+  launch(stream, "conv2d_col2im", x_count(shape), Col2im{g, col, dx},
+         {operand(col, col_count(shape)), operand(dx, x_count(shape))});
+}
+
+}  // namespace
+
 void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, In dy_in, Out dx_out,
                      float* dweight, float* dbias, float* workspace, bool accumulate, bool x_lowered) {
   const char* op = "conv2d_backward";
@@ -380,15 +399,7 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x_in, In
       return;
     }
   }
-  const ConvGeometry g = shared_geometry(shape, op);
-  const int t = static_cast<int>(taps(shape)), p = g.cols;
-  float* col = workspace;
-  const float* mat = shared_weight_grad(stream, g, x, dy, dweight, beta, workspace, x_lowered);
-  if (dx == nullptr) return;
-  // dcol = W^T . dy overwrites col: stream order puts it after the dweight GEMM that reads col.
-  gemm(stream, true, false, t, p, shape.c_out, 1.0f, weight, t, mat, p, 0.0f, col, p);
-  launch(stream, "conv2d_col2im", x_count(shape), Col2im{g, col, dx},
-         {operand(col, col_count(shape)), operand(dx, x_count(shape))});
+  shared_backward(stream, shared_geometry(shape, op), x, weight, dy, dx, dweight, beta, workspace, x_lowered);
 }
 
 }  // namespace dp::kernels

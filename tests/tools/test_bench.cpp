@@ -627,6 +627,7 @@ TEST(Bench, BadFlagsAreClearErrors) {
       {"--backend sim --grad-reduce fp16", "--grad-reduce"},
       {"--backend sim --broadcast-buffers maybe", "--broadcast-buffers"},
       {"--backend sim --graphs maybe", "--graphs: unknown value 'maybe' (expected on or off)"},
+      {"--backend sim --dropout 1.5", "--dropout: '1.5' is not a finite number in [0, 1]"},
       {"--backend sim --no-such-flag", "unknown flag --no-such-flag"},
       {"--backend sim -b 8", "unknown flag -b (did you mean --batch-size?)"},
       {"--backend sim --models nosuch", "--models: unknown value 'nosuch' (expected a comma list of mlp, convnet"},

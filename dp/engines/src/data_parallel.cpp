@@ -321,7 +321,6 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   std::atomic<bool> failed{false};
   group_.run(
       [&](int rank) {
-        const bool has_chunk = rank < used;
         std::exception_ptr error;
         const auto run_phase = [&](const auto& work) {
           if (!failed.load()) {
@@ -343,31 +342,8 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
         });
         // Phases 2-6 once per micro-batch (accumulation: torch's loop of DataParallel forwards, each
         // replicating the module afresh, the gradients adding up on the source; one update at the end).
-        for (int micro = 0; micro < accumulate_; ++micro) {
-          // The source's state as a later micro-batch's forwards must see it (its BatchNorm buffers move).
-          if (micro > 0)
-            run_phase([&] {
-              if (rank == 0) replicas_[0]->stream.record(params_ready_);
-            });
-          run_phase([&] {
-            if (has_chunk) receive_broadcast(rank);  // phase 2
-          });
-          run_phase([&] {
-            if (has_chunk) forward_chunk(rank, nullptr, Mode::train, slot, micro);  // phase 3
-          });
-          // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
-          run_phase([&] {
-            if (rank == output_rank_) enqueue_loss(batch, slot, capture, micro);
-          });
-          // Phase 5, every used device: its slice of the output gradient, backward.
-          run_phase([&] {
-            if (has_chunk) enqueue_backward(rank, micro);
-          });
-          // Phase 6, source: reduce-add the replicas' gradients, then (after the last) the optimizer step.
-          run_phase([&] {
-            if (rank == 0) enqueue_reduce_and_update(used, micro + 1 == accumulate_);
-          });
-        }
+        for (int micro = 0; micro < accumulate_; ++micro)
+          micro_batch_phases(rank, batch, slot, capture, micro, run_phase);
         if (rank == 0 && capture) {
           if (failed.load()) {
             engines::abandon_capture(replicas_[0]->stream);
@@ -383,6 +359,35 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
       },
       participants);
   return graph;
+}
+
+void DataParallel::micro_batch_phases(int rank, int batch, int slot, bool capture, int micro,
+                                      const std::function<void(const std::function<void()>&)>& run_phase) {
+  const int used = static_cast<int>(chunks_.size());
+  const bool has_chunk = rank < used;
+  // The source's state as a later micro-batch's forwards must see it (its BatchNorm buffers move).
+  if (micro > 0)
+    run_phase([&] {
+      if (rank == 0) replicas_[0]->stream.record(params_ready_);
+    });
+  run_phase([&] {
+    if (has_chunk) receive_broadcast(rank);  // phase 2
+  });
+  run_phase([&] {
+    if (has_chunk) forward_chunk(rank, nullptr, Mode::train, slot, micro);  // phase 3
+  });
+  // Phase 4, output device: gather, loss over the whole batch, its gradient, the loss out.
+  run_phase([&] {
+    if (rank == output_rank_) enqueue_loss(batch, slot, capture, micro);
+  });
+  // Phase 5, every used device: its slice of the output gradient, backward.
+  run_phase([&] {
+    if (has_chunk) enqueue_backward(rank, micro);
+  });
+  // Phase 6, source: reduce-add the replicas' gradients, then (after the last) the optimizer step.
+  run_phase([&] {
+    if (rank == 0) enqueue_reduce_and_update(used, micro + 1 == accumulate_);
+  });
 }
 
 void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {

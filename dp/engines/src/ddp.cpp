@@ -89,41 +89,45 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
       *comm_, group_,
       assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb, options_.frozen),
       options_.grad_reduce);
-  for (int r = 0; r < group_.size(); ++r) {
-    auto rank = std::make_unique<Rank>();
-    Device& device = group_.device(r);
-    rank->model = &(*replicas_)[r];
-    if (options_.zero) {
-      const auto g = static_cast<std::size_t>(comm_->first_rank() + r);
-      rank->zero_begin = std::min(n, g * zero_chunk_);
-      rank->zero_count = std::min(zero_chunk_, n - rank->zero_begin);
-      if (rank->zero_count == 0)
-        throw InvalidArgument(
-            fmt::format("ZeRO-1: the model's {} parameters leave global rank {} of {} no slice", n, g, comm_->size()));
-    }
-    rank->optimizer = make_optimizer(device, options_.zero ? rank->zero_count : n, optimizer);
-    rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
-    if (options_.step.clip_grad_norm > 0.0)
-      rank->clipper = std::make_unique<GradNormClipper>(device, options_.step.clip_grad_norm);
-    rank->compute = device.create_stream();
-    if (bn_comm_) {
-      rank->bn_sync.comm = bn_comm_.get();
-      rank->bn_sync.rank = r;
-      rank->bn_sync.ordered = options_.shards > 0;
-      rank->model->set_batchnorm_sync(&rank->bn_sync);
-    }
-    for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
-    rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * batches_per_rank_ * sizeof(float));
-    for (Event& ready : rank->loss_ready) ready = device.create_event();
-    for (Event& done : rank->step_done) done = device.create_event();
-    ranks_.push_back(std::move(rank));
-  }
+  for (int r = 0; r < group_.size(); ++r) ranks_.push_back(make_rank(r, runtime, optimizer, n));
   loss_join_ = group_.device(0).create_stream();
   for (Event& ready : losses_ready_) ready = group_.device(0).create_event();
   pipeline_ = std::make_unique<engines::StepPipeline>();
   graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1);
   broadcast_from_rank0(true, true);
   zero_grad();  // on each rank's worker: its device is the current one there
+}
+
+std::unique_ptr<DistributedDataParallel::Rank> DistributedDataParallel::make_rank(int r, Runtime& runtime,
+                                                                                  const OptimizerOptions& optimizer,
+                                                                                  std::size_t params) {
+  auto rank = std::make_unique<Rank>();
+  Device& device = group_.device(r);
+  rank->model = &(*replicas_)[r];
+  if (options_.zero) {
+    const auto g = static_cast<std::size_t>(comm_->first_rank() + r);
+    rank->zero_begin = std::min(params, g * zero_chunk_);
+    rank->zero_count = std::min(zero_chunk_, params - rank->zero_begin);
+    if (rank->zero_count == 0)
+      throw InvalidArgument(fmt::format("ZeRO-1: the model's {} parameters leave global rank {} of {} no slice", params,
+                                        g, comm_->size()));
+  }
+  rank->optimizer = make_optimizer(device, options_.zero ? rank->zero_count : params, optimizer);
+  rank->loss = std::make_unique<CrossEntropyLoss>(device, options_.step.label_smoothing);
+  if (options_.step.clip_grad_norm > 0.0)
+    rank->clipper = std::make_unique<GradNormClipper>(device, options_.step.clip_grad_norm);
+  rank->compute = device.create_stream();
+  if (bn_comm_) {
+    rank->bn_sync.comm = bn_comm_.get();
+    rank->bn_sync.rank = r;
+    rank->bn_sync.ordered = options_.shards > 0;
+    rank->model->set_batchnorm_sync(&rank->bn_sync);
+  }
+  for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
+  rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * batches_per_rank_ * sizeof(float));
+  for (Event& ready : rank->loss_ready) ready = device.create_event();
+  for (Event& done : rank->step_done) done = device.create_event();
+  return rank;
 }
 
 std::uint64_t DistributedDataParallel::graph_replays() const { return graphs_->replays(); }

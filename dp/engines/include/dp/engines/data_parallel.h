@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -96,6 +97,10 @@ class DataParallel final : public Engine {
   // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
   // `capture`: recorded into a graph (returned) instead of run.
   Graph enqueue_step(int batch, int slot, bool capture);
+  // enqueue_step's phases 2-6 of micro-batch `micro` on device `rank`, each through `run_phase`
+  // (which runs it unless the step failed, then meets the other workers at the phase's barrier).
+  void micro_batch_phases(int rank, int batch, int slot, bool capture, int micro,
+                          const std::function<void(const std::function<void()>&)>& run_phase);
   // enqueue_step's phases 4-6: the loss on the output device, a device's backward, the reduction
   // onto the source and the optimizer step.
   void enqueue_loss(int batch, int slot, bool capture, int micro);

@@ -115,6 +115,8 @@ class DistributedDataParallel final : public Engine {
 
  private:
   struct Rank;
+  // Rank r's replica, optimizer (over its ZeRO slice, or all `params`), loss, streams and slots.
+  std::unique_ptr<Rank> make_rank(int r, Runtime& runtime, const OptimizerOptions& optimizer, std::size_t params);
   void broadcast_from_rank0(bool parameters, bool buffers);
   // Rank r's share of broadcast_from_rank0, zero_grad and step, enqueued on its compute stream.
   void enqueue_broadcast(int r, bool parameters, bool buffers);
