@@ -145,6 +145,7 @@ void set_scaling_efficiency(std::vector<Run>& runs) {
 int run_bench(const Options& o, dp::tools::Job& job) {
   const auto models = dp::tools::split_list(o.models);
   const auto modes = dp::tools::split_list(o.modes);
+  if (const std::string why = dp::tools::misapplied_flag(o, modes); !why.empty()) throw UsageError(why);
   check_outputs(o, job);
   Setup setup;
   const auto rt = open_runtime(o, job, setup);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <fmt/format.h>
@@ -236,6 +237,10 @@ struct SharedOptions {
 // visible GPU (torch's DataParallel: every visible device), or kDefaultSimDevices on sim.
 inline constexpr int kDefaultSimDevices = 2;
 inline constexpr int kMaxSimDevices = 64;
+// The most shards a step may have (--shards V, times --accumulate K in dp_train): each is a loader
+// thread with its pinned batches and an input ring on its device, so a bound keeps a mistyped V
+// from starting a million threads; 1024 is a shard for each of 1024 GPUs.
+inline constexpr int kMaxShards = 1024;
 int default_devices(bool cuda, int cuda_devices);
 
 // Whether `flag` applies to `mode` ("single", "dp", "ddp") with the options `o`.
@@ -321,7 +326,7 @@ std::vector<Flag<O>> step_flags() {
        .per_epoch = true,
        .banner = "gradients all-reduced in {}"},
       {.name = "--shards",
-       .value = integer<O>(&O::shards, 0, 1 << 20, "V"),
+       .value = integer<O>(&O::shards, 0, kMaxShards, "V"),
        .help = "fix each step's result to V shards of --batch-size samples: the same bits on any device count "
                "dividing V, in every mode, and a checkpoint resumes on any of them",
        .torch = "DataParallel over V devices",
@@ -372,14 +377,34 @@ void set_engine_options(const O& o, dp::EngineOptions& options) {
     if (flag.engine && applies(flag, dp::to_string(options.kind), o)) flag.engine(o, options);
 }
 
+// The first shared flag the command line sets (a value other than its default) that applies to
+// none of `modes`, or null.
+template <class O>
+const Flag<O>* first_misapplied(const O& o, const std::vector<std::string>& modes) {
+  static const FlagGroup<O> shared = shared_flags<O>();
+  for (const Flag<O>& flag : shared.flags)
+    if (flag.value.text(o) != flag.value.text(O{}) &&
+        std::none_of(modes.begin(), modes.end(), [&](const std::string& mode) { return applies(flag, mode, o); }))
+      return &flag;
+  return nullptr;
+}
+
 // dp_train: why the command line sets a flag for a mode it does not apply to ("--sync-bn applies
 // to --mode ddp"), or "".
 template <class O>
 std::string misapplied_flag(const O& o, std::string_view mode) {
-  for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (!applies(flag, mode, o) && flag.value.text(o) != flag.value.text(O{}))
-      return fmt::format("{} applies to --mode {}", flag.name, flag.applies_to);
-  return "";
+  const Flag<O>* flag = first_misapplied(o, {std::string(mode)});
+  return flag ? fmt::format("{} applies to --mode {}", flag->name, flag->applies_to) : "";
+}
+
+// dp_bench: why the command line sets a flag for none of the modes it runs ("--zero applies to
+// --mode ddp, which --modes single,dp leaves out"), or "".
+template <class O>
+std::string misapplied_flag(const O& o, const std::vector<std::string>& modes) {
+  const Flag<O>* flag = first_misapplied(o, modes);
+  return flag ? fmt::format("{} applies to --mode {}, which --modes {} leaves out", flag->name, flag->applies_to,
+                            fmt::join(modes, ","))
+              : "";
 }
 
 // dp_train's per-epoch record of the shared flags (Flag::per_epoch), by tag; "none" where one does

@@ -426,6 +426,23 @@ const std::vector<FlagGroup<Options>>& train_flags() {
   return groups;
 }
 
+std::string models_taking(dp::models::ModelArg arg) {
+  std::vector<std::string> names;
+  for (const dp::models::ModelSpec& spec : dp::models::all_models())
+    if (spec.takes(arg)) names.emplace_back(spec.name());
+  return dp::tools::or_list(names);
+}
+
+std::string misapplied_model_flag(const Options& o) {
+  const dp::models::ModelSpec& model = dp::models::model_spec(o.model);
+  for (const FlagGroup<Options>& group : train_flags())
+    for (const Flag<Options>& flag : group.flags)
+      if (flag.model_arg && o.given.count(flag.name) && !model.takes(*flag.model_arg))
+        return fmt::format("{} applies to --model {}, not --model {}", flag.name, models_taking(*flag.model_arg),
+                           o.model);
+  return "";
+}
+
 Parsed parse_command_line(int argc, const char* const* argv, Options& o) {
   dp::tools::CommandLine cli(
       "dp_train", "dp_train: train a reference model on one device, with DataParallel or with DistributedDataParallel",

@@ -43,6 +43,7 @@
 #include "dp/runtime/shape.h"
 #include "dp_cli.h"
 #include "run_settings.h"
+#include "train_cli.h"
 #include "train_parts.h"
 
 namespace dp_train {
@@ -191,14 +192,6 @@ std::vector<int> parse_hidden(const Options& o) {
   return hidden;
 }
 
-// The models that take an argument, for a refusal: "--model resnet18 or resnet34".
-std::string models_taking(dp::models::ModelArg arg) {
-  std::vector<std::string> names;
-  for (const dp::models::ModelSpec& spec : dp::models::all_models())
-    if (spec.takes(arg)) names.emplace_back(spec.name());
-  return dp::tools::or_list(names);
-}
-
 // The models whose inputs are S x S RGB images (--image-size): torchvision's, fed by image folders.
 bool takes_image_folders(const Options& o) { return model_of(o).takes(dp::models::ModelArg::image_size); }
 bool image_folders(const Options& o) { return !o.train_dir.empty() || !o.val_dir.empty(); }
@@ -263,6 +256,12 @@ Checked validate_options(const Options& o) {
   if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
   check_data_options(o);
+  if (const std::string why = misapplied_model_flag(o); !why.empty()) throw UsageError(why);
+  if (o.shards > 0 && static_cast<long>(o.shards) * o.accumulate > dp::tools::kMaxShards)
+    throw UsageError(
+        fmt::format("--shards {} x --accumulate {}: {} shards per step (a loader thread each), more "
+                    "than the {} dp allows",
+                    o.shards, o.accumulate, static_cast<long>(o.shards) * o.accumulate, dp::tools::kMaxShards));
   if (o.eval_only && o.init.empty() && o.resume.empty())
     throw UsageError("--eval-only evaluates a checkpoint: give it with --init (or --resume)");
   if (o.eval_only && (o.steps || o.epochs || !o.save.empty()))

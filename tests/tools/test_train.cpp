@@ -1276,6 +1276,25 @@ TEST_F(TrainTest, ABadCollectiveTimeoutIsRefused) {
   }
 }
 
+// Shards are bounded (dp::tools::kMaxShards: a loader thread each): a V or a V x K beyond it, from
+// the command line or from a checkpoint's settings on --resume, is refused before any work, exit 2,
+// the files as they were.
+TEST_F(TrainTest, ShardsBeyondTheBoundAreRefusedAtOnce) {
+  const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 2 ";
+  expect_refused(base + "--shards 1000000", "--shards: '1000000' is out of range (at most 1024)");
+  expect_refused(base + "--shards 64 --accumulate 32", "--shards 64 x --accumulate 32: 2048 shards per step");
+  ASSERT_EQ(run(base + "--steps 1 --shards 2 --save " + path("two.safetensors")).code, 0);
+  auto file = dp::safetensors::read(path("two.safetensors"));
+  ASSERT_EQ(file.metadata.at("dp.shards"), "2");
+  file.metadata["dp.shards"] = "1000000";
+  dp::safetensors::write(path("forged.safetensors"), file);
+  const std::string forged = read_file(path("forged.safetensors"));
+  const Result r = run(base + "--resume " + path("forged.safetensors") + " --save " + path("forged.safetensors"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("metadata 'dp.shards' = '1000000'"), std::string::npos) << r.output;
+  EXPECT_EQ(read_file(path("forged.safetensors")), forged) << "the checkpoint was touched";
+}
+
 TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   const std::string base = "--backend sim --synthetic 16 --batch-size 8 --steps 1 ";
   expect_refused(base + "--lr nan", "--lr: 'nan' is not a finite number >= 0");
@@ -1293,6 +1312,9 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--save-every 1 --keep 1 --save-best " + path("existing.step3.safetensors"),
                  "is a file of --save " + path("existing.safetensors") + "'s periodic series");
   expect_refused(base + "--save-best " + path("existing.step12.safetensors"), "'s periodic series");
+  // A flag of another model's argument (the flag table's model_arg) is refused, not ignored.
+  expect_refused(base + "--model convnet --heads 4", "--heads applies to --model gpt, not --model convnet");
+  expect_refused(base + "--model convnet --hidden 8", "--hidden applies to --model mlp, not --model convnet");
   expect_refused(base + "--zero 2", "--zero");
   expect_refused(base + "--mode dp --devices 2 --zero 1", "--zero applies to --mode ddp");
   expect_refused(base + "--mode ddp --devices 5 --shards 12", "12 shards cannot be spread evenly over 5 device(s)");

@@ -141,25 +141,53 @@ void check_coverage(const std::string& path, std::vector<Range>& ranges, std::ui
         fmt::format("{}: {} bytes of trailing data after the tensors ({} bytes)", path, data_size - covered, covered));
 }
 
+// A SAX pass over the header that finds a key named twice in one object (each object's keys in a
+// set: linear in the header). A parser callback could refuse it during the DOM parse, but with a
+// callback nlohmann's parser scans the enclosing object at every object's end, quadratic in the
+// tensors a header lists.
+class DuplicateKeys final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit DuplicateKeys(const std::string& path) : path_(path) {}
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    keys_.emplace_back();
+    return true;
+  }
+  bool key(string_t& name) override {
+    if (!keys_.back().insert(name).second)
+      throw Error(fmt::format("{}: header names '{}' twice in one object", path_, name));
+    return true;
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    throw Error(fmt::format("{}: header is not valid JSON: {}", path_, e.what()));
+  }
+
+ private:
+  const std::string& path_;
+  std::vector<std::set<std::string>> keys_;  // per open object, the keys seen so far
+};
+
 // The header as JSON, refused when it is not an object or when an object names a key twice: JSON
 // parsers keep one of the two (nlohmann::json the last, others the first), so two readers of one
 // file would load different tensors.
 nlohmann::json parse_header(const std::string& path, const std::string& header) {
-  std::vector<std::set<std::string>> keys;  // per open object, the keys seen so far
-  const nlohmann::json::parser_callback_t no_duplicates = [&](int, nlohmann::json::parse_event_t event,
-                                                              nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start) keys.emplace_back();
-    if (event == Event::object_end) keys.pop_back();
-    if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second)
-      throw Error(fmt::format("{}: header names '{}' twice in one object", path, parsed.get<std::string>()));
-    return true;
-  };
+  DuplicateKeys duplicates(path);
+  nlohmann::json::sax_parse(header, &duplicates);
   nlohmann::json json;
   try {
-    json = nlohmann::json::parse(header, no_duplicates);
-  } catch (const Error&) {
-    throw;
+    json = nlohmann::json::parse(header);
   } catch (const std::exception& e) {
     throw Error(fmt::format("{}: header is not valid JSON: {}", path, e.what()));
   }
