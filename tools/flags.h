@@ -329,7 +329,7 @@ std::vector<Flag<O>> step_flags() {
        .value = integer<O>(&O::shards, 0, kMaxShards, "V"),
        .help = "fix each step's result to V shards of --batch-size samples: the same bits on any device count "
                "dividing V, in every mode, and a checkpoint resumes on any of them",
-       .torch = "DataParallel over V devices",
+       .torch = "DistributedDataParallel over V ranks (one shard each)",
        .default_text = "0 (off)",
        .saved = Saved::on_resume,
        .structural = true,

@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fmt/format.h>
 #include <iterator>
@@ -115,11 +116,14 @@ struct Plan {
 
 // A non-finite evaluation loss is divergence, as a non-finite training loss is: the run stops with
 // exit code 3 and saves nothing. Every process sees the same summed loss, so every process stops.
-int diverged(const Options& o, double loss, const std::string& what) {
+// `what` is `loss` (`where`: " at step 3"): exit code 3, naming what stays on disk: --save is not
+// written; `kept` says what this run wrote before (its --save-best).
+int diverged(const Options& o, double loss, const std::string& what, const std::string& where = "",
+             const std::string& kept = "") {
   if (std::isfinite(loss)) return 0;
   if (g_job.primary())
-    fmt::print(stderr, "\ndp_train: error: {} is {}; stopping{}\n", what, loss,
-               o.save.empty() ? "" : fmt::format(", {} was not written", o.save));
+    fmt::print(stderr, "\ndp_train: error: {} is {}{}; stopping{}{}\n", what, loss, where,
+               o.save.empty() ? "" : fmt::format(", {} was not written", o.save), kept);
   return 3;
 }
 
@@ -975,7 +979,10 @@ class TrainLoop {
     const double seconds = since(from);
     since_log_.paused += seconds;
     this_epoch_.paused += seconds;
+    paused_total_ += seconds;
   }
+  // Seconds of training since the loop began (pauses left out): when each step's loss was read.
+  double training_clock() const { return since(t0_) - paused_total_; }
   // The stop signal every process agrees on before step s (0: none): under several processes the
   // first signalled process's, so that all stop at the same step.
   int agreed_stop(long s) const;
@@ -997,13 +1004,26 @@ class TrainLoop {
   const std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
   TrainingTime since_log_, this_epoch_;
   std::chrono::steady_clock::time_point drawn_ = t0_;  // the progress line's last update
-  long samples_since_log_ = 0;
+  long samples_since_log_ = 0, steps_since_log_ = 0;
+  // The rate of a log line spans at least kRateSteps steps: losses are read as the pipeline gives
+  // them back, two of them at times back to back, and a window of one such step would log a rate of
+  // millions of samples/s. `recent_`: (training_clock(), samples) of the last kRateSteps + 1 steps.
+  static constexpr std::size_t kRateSteps = 4;
+  std::deque<std::pair<double, long>> recent_;
+  double paused_total_ = 0.0;
   float loss_ = 0.0f;
   double epoch_loss_sum_ = 0.0;  // sum of step loss x step samples: the epoch's mean per sample
   long epoch_samples_ = 0;
   long reached_ = 0;
   int stop_signal_ = 0;
   std::optional<double> best_accuracy_;  // --save-best: of this run's evaluations
+  long best_step_ = 0;                   // and the step of the checkpoint it wrote
+  // A diverged run's note on the best checkpoint it wrote before (it stays: a good model), or "".
+  std::string kept() const {
+    return best_accuracy_ ? fmt::format("; --save-best {} holds step {}'s model (test accuracy {:.2f}%)", o_.save_best,
+                                        best_step_, 100.0 * *best_accuracy_)
+                          : "";
+  }
 };
 
 int TrainLoop::agreed_stop(long s) const {
@@ -1101,13 +1121,13 @@ int TrainLoop::finish(Submitted& step) {
   const long s = step.s;
   loss_ = step.loss.get();
   const long epoch = plan_.epochs.of(s);
-  if (!std::isfinite(loss_)) {  // the loss of every rank: every process stops here
-    if (g_job.primary())
-      fmt::print(stderr, "\ndp_train: error: loss is {} at step {} (epoch {}); stopping{}\n", loss_, s + 1, epoch + 1,
-                 o_.save.empty() ? "" : fmt::format(", {} was not written", o_.save));
-    return 3;
-  }
+  // The loss of every rank: every process stops here.
+  if (const int code = diverged(o_, loss_, "loss", fmt::format(" at step {} (epoch {})", s + 1, epoch + 1), kept()))
+    return code;
   samples_since_log_ += step.samples;
+  ++steps_since_log_;
+  recent_.emplace_back(training_clock(), step.samples);
+  if (recent_.size() > kRateSteps + 1) recent_.pop_front();
   epoch_loss_sum_ += static_cast<double>(loss_) * static_cast<double>(step.samples);
   epoch_samples_ += step.samples;
   const bool last = s + 1 == end_step();
@@ -1121,7 +1141,14 @@ int TrainLoop::finish(Submitted& step) {
 }
 
 void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
-  const double rate = static_cast<double>(samples_since_log_) / since_log_.seconds();
+  double rate = static_cast<double>(samples_since_log_) / since_log_.seconds();
+  if (steps_since_log_ < static_cast<long>(kRateSteps)) {
+    // The last kRateSteps steps, or every step since the loop began while there are fewer.
+    const bool full = recent_.size() == kRateSteps + 1;
+    long samples = 0;
+    for (std::size_t i = full ? 1 : 0; i < recent_.size(); ++i) samples += recent_[i].second;
+    rate = static_cast<double>(samples) / std::max(1e-9, recent_.back().first - (full ? recent_.front().first : 0.0));
+  }
   // --clip-grad-norm: the step's norm before clipping (a wait for the step's update: at log lines only).
   const std::optional<float> grad_norm = engine_.last_grad_norm();
   const std::string line =
@@ -1140,6 +1167,7 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   }
   since_log_ = TrainingTime{};
   samples_since_log_ = 0;
+  steps_since_log_ = 0;
 }
 
 void TrainLoop::draw_progress(long s, long epoch, double lr, const std::string& extra) {
@@ -1163,7 +1191,8 @@ void TrainLoop::draw_progress(long s, long epoch, double lr, const std::string& 
 int TrainLoop::evaluate_at(long s, long epoch) {
   const auto began = std::chrono::steady_clock::now();
   const dp::EvalTotals totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
-  if (const int code = diverged(o_, totals.mean_loss(), fmt::format("the test loss after step {}", s + 1))) return code;
+  if (const int code = diverged(o_, totals.mean_loss(), fmt::format("the test loss after step {}", s + 1), "", kept()))
+    return code;
   if (terminal_) say("\r\x1b[K");  // the progress line cleared
   say("eval  step {:>6} epoch {:>3} | test loss {:.4f} | test acc {:.2f}%{}\n", s + 1, epoch + 1, totals.mean_loss(),
       100.0 * totals.accuracy(), bits_per_byte_text(o_, totals));
@@ -1184,6 +1213,7 @@ int TrainLoop::evaluate_at(long s, long epoch) {
 bool TrainLoop::save_if_best(const dp::EvalTotals& totals, long steps) {
   if (o_.save_best.empty() || (best_accuracy_ && totals.accuracy() <= *best_accuracy_)) return false;
   best_accuracy_ = totals.accuracy();
+  best_step_ = steps;
   write_checkpoint(o_, engine_, plan_, o_.save_best, steps);
   say("dp_train: saved {} (test accuracy {:.2f}%, the best so far) at step {}\n", o_.save_best,
       100.0 * totals.accuracy(), steps);
@@ -1196,7 +1226,8 @@ int TrainLoop::end_epoch(long s, long epoch) {
   std::optional<dp::EvalTotals> totals;
   if (test_) totals = evaluate(engine_, runtime_, test_, o_.batch_size, o_.workers);
   if (totals)
-    if (const int code = diverged(o_, totals->mean_loss(), fmt::format("the test loss after step {}", s + 1)))
+    if (const int code =
+            diverged(o_, totals->mean_loss(), fmt::format("the test loss after step {}", s + 1), "", kept()))
       return code;
   const double done = static_cast<double>(s + 1 - plan_.start_step), elapsed = since(t0_);
   const double eta = elapsed / done * static_cast<double>(end_step() - (s + 1));

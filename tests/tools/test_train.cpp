@@ -891,6 +891,28 @@ TEST_F(TrainTest, PipelineOnEqualsPipelineOffBitForBit) {
   }
 }
 
+// A run that diverges after --save-best wrote a checkpoint says so: exit 3, --save not written, and
+// the best checkpoint (a model from before the divergence) named with its step; it stays as written.
+TEST_F(TrainTest, ADivergedRunNamesTheBestCheckpointItKeeps) {
+  write_idx("data", 96);
+  write_idx("data", 29, 28, 28, 0x803, -1, 0, "t10k");
+  // lr 0.1 for 4 steps, then 1e14: the loss is no longer finite a few steps later.
+  const Result r = run("--model mlp --hidden 16 --backend sim --data " + path("data") +
+                       " --batch-size 8 --steps 12 --lr 0.1 --schedule step --step-size 4 --gamma 1e15 --eval-every 2"
+                       " --save-best " +
+                       path("best.st") + " --save " + path("last.st"));
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_NE(r.output.find("was not written"), std::string::npos) << r.output;
+  const std::size_t at = r.output.find("--save-best " + path("best.st") + " holds step ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const auto saved = dp::safetensors::read(path("best.st"));
+  const std::string step = saved.metadata.at("dp.step");
+  EXPECT_EQ(r.output.substr(at).find("holds step " + step + "'s model"),
+            std::string("--save-best " + path("best.st") + " ").size())
+      << r.output;
+  EXPECT_FALSE(std::filesystem::exists(path("last.st")));
+}
+
 TEST_F(TrainTest, NonFiniteLossStopsAndKeepsTheLastCheckpoint) {
   const std::string guard = path("last_good.safetensors");
   ASSERT_EQ(run("--backend sim --synthetic 32 --batch-size 8 --steps 1 --save " + guard).code, 0);

@@ -225,7 +225,7 @@ class TokenEmbedding final : public Layer {
   Scratch order_;  // the backward's sort: order (rows), then offsets (vocab + 1)
 };
 
-// nanoGPT's GPT without dropout: TokenEmbedding "transformer", the body (blocks transformer.h.*, then
+// nanoGPT's GPT around its body: TokenEmbedding "transformer", the body (blocks transformer.h.*, then
 // transformer.ln_f), and lm_head tied to wte: logits (N, T, 1, vocab) = x wte^T (no bias); its
 // gradient dlogits^T x is written (or added) to wte's first, the embedding's own added after it,
 // and the embedding reports the table ready last. Unnamed: its children keep their names. fp32

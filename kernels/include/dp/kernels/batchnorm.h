@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "dp/kernels/elementwise.h"
+#include "dp/kernels/moments.h"
 #include "dp/kernels/platform.h"
 #include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
@@ -80,19 +81,6 @@ void sync_batchnorm_backward_dx(const Stream& stream, const BatchNormShape& shap
 // ------------------------------------------------------------------------------------------------
 // functors
 
-// Two sums reduced in one pass (launch_row_reduce's T): value-initialised to zeros.
-struct SumPair {
-  float a, b;
-  DP_HD SumPair operator+(const SumPair& o) const { return SumPair{a + o.a, b + o.b}; }
-};
-
-// Pass 1 of the batch statistics: sum of x per channel (ChannelValue), times 1/M.
-struct BnStoreMean {
-  float* mean;
-  float inv_count;  // 1/M
-  DP_HD void operator()(index_t c, float sum) const { mean[c] = sum * inv_count; }
-};
-
 // Pass 2: deviations from the pass-1 mean, summed plain (a) and squared (b). Squared deviations
 // avoid E[x^2]-E[x]^2 cancellation; the plain sum corrects for the rounding of the mean itself
 // (the "corrected two-pass" variance: sum d^2 - (sum d)^2 / M).
@@ -113,12 +101,6 @@ struct BnCenteredMoments {
     });
   }
 };
-// The sum of squared deviations from the exact mean, from the deviations' plain (a) and squared (b)
-// sums around a rounded mean over `count` values; rounding can push a constant set below 0.
-DP_HD inline float centered_squares(SumPair s, float count) {
-  const float centered = s.b - s.a * s.a / count;
-  return centered < 0.0f ? 0.0f : centered;
-}
 
 // Finishes the statistics of channel c: invstd for this batch and the momentum update of the
 // running statistics (unbiased variance, M/(M-1), as PyTorch). One thread per channel runs it;

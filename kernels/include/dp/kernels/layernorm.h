@@ -8,7 +8,8 @@
 
 #include <cmath>
 
-#include "dp/kernels/batchnorm.h"
+#include "dp/kernels/elementwise.h"
+#include "dp/kernels/moments.h"
 #include "dp/kernels/platform.h"
 #include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
