@@ -15,4 +15,4 @@ if [ -t 2 ]; then
 else
   scripts/setup.sh build -DCMAKE_BUILD_TYPE=Release >/dev/null
 fi
-exec build/bench/dp_bench "$@"
+exec build/bin/dp_bench "$@"

@@ -8,7 +8,7 @@ dp_bench runs with --broadcast-buffers off.
 A benchmark, not a test: the figures move with whatever else the machine runs, which is why the
 runs alternate and the median of the pairs' ratios is the figure to quote.
 
-Usage: scripts/compare_pytorch.py [--dp-bench build-sim/bench/dp_bench]
+Usage: scripts/compare_pytorch.py [--dp-bench build-sim/bin/dp_bench]
            [--torch-bench scripts/torch_bench.py] [--rounds 5] [--cases convnet:single,...]
 """
 import argparse
@@ -45,7 +45,7 @@ def torch_run(script, model, mode, steps, batch):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dp-bench", default=os.path.join(ROOT, "build-sim", "bench", "dp_bench"))
+    ap.add_argument("--dp-bench", default=os.path.join(ROOT, "build-sim", "bin", "dp_bench"))
     ap.add_argument("--torch-bench", default=os.path.join(ROOT, "scripts", "torch_bench.py"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="per device / rank")

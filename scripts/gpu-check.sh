@@ -42,8 +42,8 @@ build_arg=${build_arg:-build}
 # Relative to where it was called from, else to the checkout (the default, build, from anywhere).
 build=$(cd "$here" && cd "$build_arg" 2>/dev/null && pwd) || build=$(cd "$build_arg" 2>/dev/null && pwd) ||
   { echo "gpu-check: no build directory '$build_arg'" >&2; exit 2; }
-train=$build/examples/dp_train
-bench=$build/bench/dp_bench
+train=$build/bin/dp_train
+bench=$build/bin/dp_bench
 
 # The cuda tests, by ctest name (gtest's, with CMake's "  # GetParam() = ..." where it appends it).
 # Every name with cuda/Cuda or DeviceRing, but the sim instances of the CudaRules suite, the fatbin
