@@ -55,7 +55,8 @@ void print_banner(const Options& o, const Setup& setup, const dp::tools::Job& jo
   fmt::print(
       "dp_bench: backend {} (precision {}, autocast {}, graphs {}, pipeline {}), {} device(s) [{}]{}, batch {} "
       "(single, dp: global; ddp: per device), {} warm-up + {} measured steps, DDP buckets {} MiB (first {} MiB)\n",
-      setup.backend, o.precision, o.amp, o.graphs, o.pipeline, setup.devices, fmt::join(setup.device_names, ", "),
+      setup.backend, o.precision, dp::to_string(o.amp), o.graphs ? "on" : "off", o.pipeline ? "on" : "off",
+      setup.devices, fmt::join(setup.device_names, ", "),
       job.several() ? fmt::format(" in each of {} processes (single and dp: process 0 alone)", setup.processes) : "",
       o.batch_size, o.warmup, o.steps, o.bucket_cap_mb, o.first_bucket_mb);
   std::fflush(stdout);
@@ -93,7 +94,7 @@ void agree_to_start(const dp::tools::Job& job, const Options& o, const Setup& se
       {"--modes", fmt::format("{}", fmt::join(modes, ","))},
       {"--warmup", fmt::format("{}", o.warmup)},
       {"buckets", fmt::format("{} {}", o.bucket_cap_mb, o.first_bucket_mb)},
-      {"--broadcast-buffers", o.broadcast_buffers}};
+      {"--broadcast-buffers", o.broadcast_buffers ? "on" : "off"}};
   for (auto& field : dp::tools::shared_configuration(o)) fields.push_back(std::move(field));
   job.agree_on_configuration(fields);
 }

@@ -220,7 +220,7 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const Submit& submit, 
              dp::ProcessGroup* processes) {
   warm_up(rt, o, run, submit, processes);
   const bool have_spans = open_window(rt, o, run);
-  run.pipelined = o.pipeline == "on" && !after_step;
+  run.pipelined = o.pipeline && !after_step;
   run.t0 = now_ns();
   HostWork work(rt, run.device_ids);
   const std::vector<dp::StepLoss> losses = run_steps(rt, o, run, submit, after_step, work);
@@ -313,7 +313,7 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
   // Phase times come from events between the phases, which a replayed graph does not record.
   options.time_phases = kind == dp::EngineKind::dp && !options.graphs;
   options.bucket_cap_mb = o.bucket_cap_mb;
-  options.broadcast_buffers = o.broadcast_buffers == "on";
+  options.broadcast_buffers = o.broadcast_buffers;
   options.first_bucket_mb = o.first_bucket_mb;
   options.processes = std::move(processes);
   return options;
@@ -417,8 +417,9 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   run.tokens_per_sample = model->targets_per_sample();
   run.buffers_bytes = model->buffers_bytes();
   const dp::EngineOptions options = engine_options(o, kind, run, across ? processes : nullptr);
-  const dp::OptimizerOptions optimizer = o.optimizer == "adamw" ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
-                                                                : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
+  const dp::OptimizerOptions optimizer = o.optimizer == dp::tools::OptimizerKind::adamw
+                                             ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
+                                             : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
   auto engine = dp::make_engine(rt, *model, optimizer, options);
   const std::vector<dp::Batch> batches = pinned_batches(rt, *engine, data, run.global_batch);
 

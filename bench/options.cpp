@@ -41,7 +41,7 @@ FlagGroup<O> bench_flags() {
                .help = "ddp: the first bucket's cap (lower it to see all-reduce overlap the backward)",
                .torch = "dist._DEFAULT_FIRST_BUCKET_BYTES"},
               {.name = "--broadcast-buffers",
-               .value = flag::choice<O>(&O::broadcast_buffers, {"on", "off"}),
+               .value = flag::on_off<O>(&O::broadcast_buffers),
                .help = "ddp: broadcast the buffers (BatchNorm's running statistics) from rank 0 before each forward",
                .torch = "DistributedDataParallel(broadcast_buffers=...)"},
               {.name = "--profile",
@@ -86,7 +86,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o, const d
 }
 
 std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
-  std::string backend = o.backend;
+  std::string backend(dp::tools::to_string(o.backend));
   const int gpus = backend == "sim" ? 0 : dp::Runtime::cuda_device_count();
   if (backend == "auto") backend = gpus > 0 ? "cuda" : "sim";
   dp::RuntimeOptions options;

@@ -28,7 +28,7 @@ using dp::tools::UsageError;  // a bad command line: "dp_bench: <message>", exit
 struct Options : dp::tools::SharedOptions {
   bool profile = false;
   std::string models = "mlp,convnet";
-  std::string broadcast_buffers = "on";  // ddp: buffers broadcast from rank 0 before each forward
+  bool broadcast_buffers = true;  // ddp: buffers broadcast from rank 0 before each forward
   std::string modes = "single,dp,ddp";
   int steps = 20;
   int warmup = 5;

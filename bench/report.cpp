@@ -19,8 +19,8 @@ namespace dp_bench {
 using json = nlohmann::json;
 
 // The report's fields that are members of the same name; the others are written below.
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, optimizer, steps, warmup, bucket_cap_mb,
-                                   broadcast_buffers, first_bucket_mb, seed, precision, amp)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, steps, warmup, bucket_cap_mb, first_bucket_mb,
+                                   seed, precision)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
                                    tokens_per_sample, tokens_per_s, buffers_bytes, activation_bytes_per_sample,
@@ -313,6 +313,10 @@ std::vector<std::string> hosts(const std::vector<Run>& runs) {
 
 json report_json(const Options& o, const Setup& setup, const std::vector<Run>& runs) {
   json j = o;
+  // The named values as their flags spell them.
+  j["amp"] = std::string(dp::to_string(o.amp));
+  j["optimizer"] = std::string(dp::tools::to_string(o.optimizer));
+  j["broadcast_buffers"] = o.broadcast_buffers ? "on" : "off";
   // The settings of one mode (--sync-bn, --grad-reduce), as given: a switch as a bool.
   for (const auto& flag : dp::tools::shared_flags<Options>().flags)
     if (!flag.applies_to.empty())
@@ -320,8 +324,8 @@ json report_json(const Options& o, const Setup& setup, const std::vector<Run>& r
           flag.value.metavar.empty() ? json(flag.value.text(o) == "true") : json(flag.value.text(o));
   j.update(setup);
   j["hosts"] = hosts(runs);
-  j["graphs_requested"] = o.graphs == "on";
-  j["pipeline_requested"] = o.pipeline == "on";
+  j["graphs_requested"] = o.graphs;
+  j["pipeline_requested"] = o.pipeline;
   j["runs"] = json::array();
   for (const Run& r : runs) j["runs"].push_back(run_json(r));
   return j;

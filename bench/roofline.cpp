@@ -20,13 +20,12 @@ const GpuPeaks& gpu_peaks(std::string_view name) {
   throw dp::InvalidArgument(fmt::format("no peaks known for GPU '{}'", name));
 }
 
-Roofline roofline(const GpuPeaks& gpu, double bytes, double flops, const std::string& precision,
-                  const std::string& amp) {
+Roofline roofline(const GpuPeaks& gpu, double bytes, double flops, const std::string& precision, dp::Autocast amp) {
   Roofline r;
   r.gpu = gpu.name;
   double peak = gpu.fp32_flops;
   r.peak = "fp32";
-  if (amp == "bf16") {
+  if (amp == dp::Autocast::bf16) {
     peak = gpu.bf16_flops;
     r.peak = "bf16";
   } else if (precision == "tf32") {

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "dp/runtime/precision.h"
+
 namespace dp_bench {
 
 // Peaks from NVIDIA's data sheets (SXM parts, dense: no structured-sparsity doubling).
@@ -33,7 +35,6 @@ struct Roofline {
 };
 // `precision` and `amp` as the run's flags say: strict and fast GEMMs run at the fp32 peak (no TF32),
 // tf32 at the TF32 tensor-core peak, --amp bf16 at the BF16 one.
-Roofline roofline(const GpuPeaks& gpu, double bytes, double flops, const std::string& precision,
-                  const std::string& amp);
+Roofline roofline(const GpuPeaks& gpu, double bytes, double flops, const std::string& precision, dp::Autocast amp);
 
 }  // namespace dp_bench

@@ -28,6 +28,15 @@ namespace dp::tools {
 // ---------------------------------------------------------------------------------------------
 // Values: how a flag's text is checked, stored into the options and read back as text.
 
+// The values of the shared flags that are one of a few names: parsed into these once, in the flag
+// table (named), and compared as enums everywhere else.
+enum class BackendChoice { automatic, cuda, sim };
+inline std::string_view to_string(BackendChoice b) {
+  return b == BackendChoice::cuda ? "cuda" : b == BackendChoice::sim ? "sim" : "auto";
+}
+enum class OptimizerKind { sgd, adamw };
+inline std::string_view to_string(OptimizerKind k) { return k == OptimizerKind::adamw ? "adamw" : "sgd"; }
+
 template <class O>
 struct Value {
   std::string metavar;                                     // after the name in --help; empty for a switch
@@ -71,6 +80,43 @@ Value<O> choice(std::string C::*member, std::vector<std::string> choices, std::s
     for (const auto& c : choices) metavar += (metavar.empty() ? "" : "|") + c;
   return {metavar, [choices](const std::string& text) { return choice_refusal(text, choices); },
           [member](O& o, const std::string& text) { o.*member = text; }, [member](const O& o) { return o.*member; }};
+}
+
+// One of `names`, into an enum member: the text becomes the enum here, at the edge, so the code
+// compares enums, never text; the member's text (a checkpoint's settings, --help) is its name.
+template <class O, class C, class E>
+Value<O> named(E C::*member, std::vector<std::pair<std::string, E>> names) {
+  static_assert(std::is_base_of_v<C, O>);
+  std::vector<std::string> choices;
+  std::string metavar;
+  for (const auto& [name, value] : names) {
+    choices.push_back(name);
+    metavar += (metavar.empty() ? "" : "|") + name;
+  }
+  return {metavar, [choices](const std::string& text) { return choice_refusal(text, choices); },
+          [member, names](O& o, const std::string& text) {
+            for (const auto& [name, value] : names)
+              if (name == text) o.*member = value;
+          },
+          [member, names](const O& o) {
+            for (const auto& [name, value] : names)
+              if (value == o.*member) return name;
+            return std::string();
+          }};
+}
+
+// The same, the names being to_string's of `values`.
+template <class O, class C, class E>
+Value<O> named(E C::*member, std::initializer_list<E> values) {
+  std::vector<std::pair<std::string, E>> names;
+  for (const E value : values) names.emplace_back(std::string(to_string(value)), value);
+  return named<O>(member, std::move(names));
+}
+
+// on | off, into a bool member.
+template <class O, class C>
+Value<O> on_off(bool C::*member) {
+  return named<O>(member, std::vector<std::pair<std::string, bool>>{{"on", true}, {"off", false}});
 }
 
 // A decimal integer in [least, most] (most: at most the member type's largest value), into an
@@ -217,20 +263,20 @@ std::string tag_of(const std::string& flag);
 // What both tools' options hold of the shared flags (seed and steps are each tool's own: their
 // defaults differ, as dp_train's steps default to whole epochs).
 struct SharedOptions {
-  std::string backend = "auto";
+  BackendChoice backend = BackendChoice::automatic;
   std::string precision = "strict";
-  std::string graphs = "on";
-  std::string pipeline = "on";
+  bool graphs = true;          // --graphs on
+  bool pipeline = true;        // --pipeline on
   std::optional<int> devices;  // unset: default_devices()
   int devices_per_gpu = 1;
-  std::string optimizer = "sgd";
+  OptimizerKind optimizer = OptimizerKind::sgd;
   int batch_size = 64;  // global in single and dp, per device in ddp (torch's DataParallel and DDP)
   bool sync_bn = false;
-  std::string amp = "off";           // torch.autocast(dtype=bfloat16) around the forward: off or bf16
-  std::string grad_reduce = "fp32";  // ddp: the gradient all-reduce in fp32 or bf16 (bf16_compress_hook)
-  int shards = 0;                    // every mode: a step's result fixed to this many shards; 0: off
-  double clip_grad_norm = 0.0;       // every mode: clip_grad_norm_(max_norm) before each update; 0: off
-  int zero = 0;                      // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
+  dp::Autocast amp = dp::Autocast::off;               // torch.autocast(dtype=bfloat16) around the forward
+  dp::GradReduce grad_reduce = dp::GradReduce::fp32;  // ddp: the gradient all-reduce (bf16: bf16_compress_hook)
+  int shards = 0;                                     // every mode: a step's result fixed to this many shards; 0: off
+  double clip_grad_norm = 0.0;  // every mode: clip_grad_norm_(max_norm) before each update; 0: off
+  int zero = 0;                 // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -255,7 +301,7 @@ template <class O>
 std::vector<Flag<O>> placement_flags() {
   return {
       {.name = "--backend",
-       .value = choice<O>(&O::backend, {"auto", "cuda", "sim"}),
+       .value = named<O>(&O::backend, {BackendChoice::automatic, BackendChoice::cuda, BackendChoice::sim}),
        .help = "auto (cuda when a GPU is visible, else sim), cuda, or sim (simulated devices on the host)"},
       {.name = "--devices",
        .value = integer<O>(&O::devices, 1, 1 << 20),
@@ -272,13 +318,13 @@ std::vector<Flag<O>> placement_flags() {
                "matmuls",
        .torch = "fast: torch's defaults; tf32: torch.backends.cuda.matmul.allow_tf32 = True"},
       {.name = "--graphs",
-       .value = choice<O>(&O::graphs, {"on", "off"}),
+       .value = on_off<O>(&O::graphs),
        .help = "on: capture the step once per batch size and replay it (emulated on sim); off: launch every "
                "kernel every step",
        .torch = "torch.cuda.CUDAGraph",
-       .engine = [](const O& o, dp::EngineOptions& e) { e.graphs = o.graphs == "on"; }},
+       .engine = [](const O& o, dp::EngineOptions& e) { e.graphs = o.graphs; }},
       {.name = "--pipeline",
-       .value = choice<O>(&O::pipeline, {"on", "off"}),
+       .value = on_off<O>(&O::pipeline),
        .help = "on: submit each step before reading the previous step's loss (the same results); off: wait for "
                "each loss"},
   };
@@ -307,21 +353,18 @@ std::vector<Flag<O>> step_flags() {
        .applies_to = "ddp",
        .also_applies = [](const O& o, std::string_view mode) { return mode == "dp" && o.shards > 0; }},
       {.name = "--amp",
-       .value = choice<O>(&O::amp, {"off", "bf16"}),
+       .value = named<O>(&O::amp, {{"off", dp::Autocast::off}, {"bf16", dp::Autocast::bf16}}),
        .help = "bf16: Linear and Conv2d on bf16 inputs and weights; fp32 accumulation, loss and master weights",
        .torch = "torch.autocast(device_type, dtype=torch.bfloat16)",
        .saved = Saved::on_resume,
-       .engine = [](const O& o, dp::EngineOptions& e) { e.amp = dp::parse_autocast(o.amp); },
+       .engine = [](const O& o, dp::EngineOptions& e) { e.amp = o.amp; },
        .per_epoch = true},
       {.name = "--grad-reduce",
-       .value = choice<O>(&O::grad_reduce, {"fp32", "bf16"}),
+       .value = named<O>(&O::grad_reduce, {{"fp32", dp::GradReduce::fp32}, {"bf16", dp::GradReduce::bf16}}),
        .help = "ddp: all-reduce the gradients in fp32, or in bf16 (half the bytes)",
        .torch = "ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
        .saved = Saved::on_resume,
-       .engine =
-           [](const O& o, dp::EngineOptions& e) {
-             e.grad_reduce = o.grad_reduce == "bf16" ? dp::GradReduce::bf16 : dp::GradReduce::fp32;
-           },
+       .engine = [](const O& o, dp::EngineOptions& e) { e.grad_reduce = o.grad_reduce; },
        .applies_to = "ddp",
        .per_epoch = true,
        .banner = "gradients all-reduced in {}"},
@@ -353,7 +396,7 @@ std::vector<Flag<O>> step_flags() {
        .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },
        .applies_to = "ddp"},
       {.name = "--optimizer",
-       .value = choice<O>(&O::optimizer, {"sgd", "adamw"}),
+       .value = named<O>(&O::optimizer, {OptimizerKind::sgd, OptimizerKind::adamw}),
        .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",
        .torch = "torch.optim.SGD, torch.optim.AdamW",
        .saved = Saved::optimizer_kind},

@@ -38,7 +38,8 @@ std::string current(const Flag<Options>& flag, const Options& o) {
 // Takes a checkpoint's value as the flag's own text; empty, it leaves a flag whose default is
 // empty (an optional, --normalize) unset.
 void take(const Flag<Options>& flag, Options& o, const std::string& value) {
-  const bool may_be_unset = flag.value.text(Options{}).empty();
+  static const Options defaults;
+  const bool may_be_unset = flag.value.text(defaults).empty();
   if (const std::string why = flag.value.refusal(value); !why.empty() && !(value.empty() && may_be_unset))
     throw UsageError(fmt::format("metadata 'dp.{}' = '{}': {}", dp::tools::tag_of(flag.name), value, why));
   flag.value.store(o, value);
@@ -48,7 +49,8 @@ void take(const Flag<Options>& flag, Options& o, const std::string& value) {
 
 std::map<std::string, std::string> run_settings(const Options& o, long t_max) {
   Options resolved = o;
-  resolved.t_max = o.schedule == "cosine" ? std::optional<long>(t_max) : std::nullopt;  // T_max is cosine's alone
+  resolved.t_max =
+      o.schedule == Schedule::cosine ? std::optional<long>(t_max) : std::nullopt;  // T_max is cosine's alone
   std::map<std::string, std::string> tags;
   for (const Flag<Options>* flag : saved_flags())
     if (flag->saved != Saved::optimizer_kind) tags[dp::tools::tag_of(flag->name)] = current(*flag, resolved);
@@ -56,7 +58,7 @@ std::map<std::string, std::string> run_settings(const Options& o, long t_max) {
 }
 
 void apply_optimizer_defaults(Options& o) {
-  const bool adamw = o.optimizer == "adamw";
+  const bool adamw = o.optimizer == dp::tools::OptimizerKind::adamw;
   if (!o.given.count("--lr")) o.lr = adamw ? 1e-3 : 0.01;
   if (!o.given.count("--weight-decay")) o.weight_decay = adamw ? 1e-2 : 0.0;
 }

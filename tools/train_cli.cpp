@@ -147,7 +147,7 @@ std::vector<Flag<O>> optimizer_setting_flags() {
        .torch_spellings = {"--wd"},
        .saved = Saved::on_resume},
       {.name = "--decay",
-       .value = flag::choice<O>(&O::decay, {"all", "matrices"}),
+       .value = flag::named<O>(&O::decay, {{"all", dp::WeightDecayOn::all}, {"matrices", dp::WeightDecayOn::matrices}}),
        .help = "what --weight-decay applies to: every parameter, or the matrices only (biases and "
                "norm weights in a group without decay, as nanoGPT's configure_optimizers)",
        .torch = "AdamW([{'params': 2-D, 'weight_decay': X}, {'params': 1-D, 'weight_decay': 0}])",
@@ -184,7 +184,7 @@ std::vector<Flag<O>> optimizer_setting_flags() {
 std::vector<Flag<O>> schedule_flags() {
   return {
       {.name = "--schedule",
-       .value = flag::choice<O>(&O::schedule, {"none", "step", "cosine"}),
+       .value = flag::named<O>(&O::schedule, {Schedule::none, Schedule::step, Schedule::cosine}),
        .help = "the lr per step after the warm-up",
        .torch = "StepLR, CosineAnnealingLR",
        .saved = Saved::on_resume},
@@ -224,7 +224,9 @@ FlagGroup<O> engine_flags() {
   return {"engine and devices",
           {
               {.name = "--mode",
-               .value = flag::choice<O>(&O::mode, {"single", "dp", "ddp"}),
+               .value = flag::named<O>(
+                   &O::mode,
+                   {{"single", dp::EngineKind::single}, {"dp", dp::EngineKind::dp}, {"ddp", dp::EngineKind::ddp}}),
                .help = "one device, DataParallel, or DistributedDataParallel (a rank per device)",
                .torch = "nn.DataParallel(model), DistributedDataParallel(model)"},
               {.name = "--device-ids",
@@ -404,13 +406,13 @@ void relate(dp::tools::CommandLine& cli) {
 
 // Each optimizer's flags are refused with the other; false once a refusal is printed.
 bool check_optimizer_flags(const Options& o) {
-  const bool adamw = o.optimizer == "adamw";
+  const bool adamw = o.optimizer == dp::tools::OptimizerKind::adamw;
   const std::vector<std::string> other_optimizers_flags = adamw
                                                               ? std::vector<std::string>{"--momentum", "--nesterov"}
                                                               : std::vector<std::string>{"--beta1", "--beta2", "--eps"};
   for (const std::string& flag : other_optimizers_flags) {
     if (o.given.count(flag)) {
-      fmt::print(stderr, "dp_train: error: {} does not apply to --optimizer {}\n", flag, o.optimizer);
+      fmt::print(stderr, "dp_train: error: {} does not apply to --optimizer {}\n", flag, to_string(o.optimizer));
       return false;
     }
   }

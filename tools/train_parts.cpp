@@ -76,7 +76,8 @@ double lr_at(const Options& o, int world, long step, const dp::LrSchedule& sched
 }
 
 dp::OptimizerOptions optimizer_options(const Options& o, double lr) {
-  if (o.optimizer == "adamw") return dp::AdamWOptions{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
+  if (o.optimizer == dp::tools::OptimizerKind::adamw)
+    return dp::AdamWOptions{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
   return dp::SgdOptions{static_cast<float>(lr), o.momentum, static_cast<float>(o.weight_decay), o.nesterov};
 }
 
@@ -86,11 +87,11 @@ long resolved_t_max(const Options& o, long last_step) {
 
 dp::LrSchedule make_schedule(const Options& o, long last_step) {
   try {
-    if (o.schedule == "step") return dp::LrSchedule::step(o.step_size, o.gamma);
-    if (o.schedule == "cosine") return dp::LrSchedule::cosine(resolved_t_max(o, last_step), o.eta_min);
+    if (o.schedule == Schedule::step) return dp::LrSchedule::step(o.step_size, o.gamma);
+    if (o.schedule == Schedule::cosine) return dp::LrSchedule::cosine(resolved_t_max(o, last_step), o.eta_min);
     return dp::LrSchedule::constant();
   } catch (const dp::Error& e) {
-    throw UsageError(fmt::format("--schedule {}: {}", o.schedule, e.what()));
+    throw UsageError(fmt::format("--schedule {}: {}", to_string(o.schedule), e.what()));
   }
 }
 
@@ -100,7 +101,7 @@ void check_schedule(const Options& o, int world, long end_step, const dp::LrSche
     throw UsageError(
         fmt::format("--schedule {}: the learning rate of step {} would be {:g}, past the largest float "
                     "({:g}): a smaller --gamma or fewer steps",
-                    o.schedule, end_step, last, std::numeric_limits<float>::max()));
+                    to_string(o.schedule), end_step, last, std::numeric_limits<float>::max()));
 }
 
 std::string ids_of(const std::vector<int>& v) { return fmt::format("{}", fmt::join(v, ",")); }
@@ -263,7 +264,7 @@ void check_file_size_limit(const Options& o, std::uint64_t params) {
 void check_memory(const Options& o, const std::vector<int>& hidden, const std::vector<int>& ids, bool cuda,
                   int processes) {
   const std::uint64_t devices = ids.size(), batch = static_cast<std::uint64_t>(o.batch_size);
-  const std::uint64_t shards = o.mode == "ddp" ? devices * static_cast<std::uint64_t>(processes) : 1;
+  const std::uint64_t shards = o.mode == dp::EngineKind::ddp ? devices * static_cast<std::uint64_t>(processes) : 1;
   if (times(batch, shards, "the global batch") > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))
     throw UsageError(fmt::format("--batch-size {} x {} device(s): a global batch of {} samples is more than {}",
                                  o.batch_size, shards, batch * shards, std::numeric_limits<int>::max()));
@@ -273,11 +274,11 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   check_file_size_limit(o, params);
   const std::uint64_t sample_floats = model.input_floats(args);
   const auto classes = static_cast<std::uint64_t>(model.num_classes(args));
-  const std::uint64_t rows = o.mode == "dp" ? (batch + devices - 1) / devices : batch;  // per device
+  const std::uint64_t rows = o.mode == dp::EngineKind::dp ? (batch + devices - 1) / devices : batch;  // per device
   const std::uint64_t per_device = plus(times(times(params, 4, "the model"),
-                                              o.optimizer == "adamw" ? 4
-                                              : o.momentum > 0       ? 3
-                                                                     : 2,
+                                              o.optimizer == dp::tools::OptimizerKind::adamw ? 4
+                                              : o.momentum > 0                               ? 3
+                                                                                             : 2,
                                               "the model"),
                                         times(rows, (sample_floats + classes) * 4, "the batch"), "the device memory");
   const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
@@ -347,14 +348,14 @@ std::vector<std::pair<std::string, std::string>> configuration(const Options& o,
   std::vector<std::pair<std::string, std::string>> fields = {
       {"backend", cuda ? "cuda" : "sim"},
       {"devices per process", fmt::format("{}", ids.size())},
-      {"--mode", o.mode},
+      {"--mode", std::string(dp::to_string(o.mode))},
       {"--model", fmt::format("{} {} dropout {} classes {}", o.model, takes_hidden ? o.hidden : "", o.dropout,
                               o.num_classes.value_or(0))},
       {"--epochs", fmt::format("{}", o.epochs.value_or(0))},
       {"optimizer", fmt::format("lr {} momentum {} wd {} nesterov {} betas {} {} eps {} scale-lr {}", o.lr, o.momentum,
                                 o.weight_decay, o.nesterov, o.beta1, o.beta2, o.eps, o.scale_lr)},
-      {"schedule", fmt::format("{} warm-up {} step {} gamma {} t-max {} eta-min {}", o.schedule, o.warmup_steps,
-                               o.step_size, o.gamma, o.t_max.value_or(0), o.eta_min)},
+      {"schedule", fmt::format("{} warm-up {} step {} gamma {} t-max {} eta-min {}", to_string(o.schedule),
+                               o.warmup_steps, o.step_size, o.gamma, o.t_max.value_or(0), o.eta_min)},
       {"--label-smoothing", fmt::format("{}", o.label_smoothing)},
       {"--seed, --no-shuffle", fmt::format("{} {}", o.seed, o.no_shuffle)},
       {"--normalize", o.normalize},

@@ -247,17 +247,17 @@ void check_data_options(const Options& o) {
 // Everything is validated before any work, so bad input never leaves a file behind.
 Checked validate_options(const Options& o) {
   const int processes = g_job.processes()->size();
-  if (processes > 1 && o.mode != "ddp")
+  if (processes > 1 && o.mode != dp::EngineKind::ddp)
     throw UsageError(
         fmt::format("--mode {} is single-process, but mpirun started {} processes: use --mode ddp across processes",
-                    o.mode, processes));
+                    dp::to_string(o.mode), processes));
   if (processes > 1 && !o.predictions.empty())
     throw UsageError("--predictions writes one process's test-set order: run --eval-only without mpirun");
   Checked checked{parse_hidden(o), {}};
   if (o.dropout > 0.0 && !model_of(o).takes(dp::models::ModelArg::dropout))
     throw UsageError(fmt::format("--dropout applies to --model {}", models_taking(dp::models::ModelArg::dropout)));
-  if (const std::string why = dp::tools::misapplied_flag(o, o.mode); !why.empty()) throw UsageError(why);
-  if (o.output_device && o.mode != "dp") throw UsageError("--output-device applies to --mode dp only");
+  if (const std::string why = dp::tools::misapplied_flag(o, dp::to_string(o.mode)); !why.empty()) throw UsageError(why);
+  if (o.output_device && o.mode != dp::EngineKind::dp) throw UsageError("--output-device applies to --mode dp only");
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
   check_data_options(o);
   if (const std::string why = misapplied_model_flag(o); !why.empty()) throw UsageError(why);
@@ -276,8 +276,9 @@ Checked validate_options(const Options& o) {
   if (o.generate && (o.eval_only || o.steps || o.epochs || !o.save.empty() || !o.text.empty()))
     throw UsageError(
         "--generate trains and evaluates nothing: it takes no --eval-only, --steps, --epochs, --save or --text");
-  if (o.generate && o.mode != "single")
-    throw UsageError(fmt::format("--generate samples one sequence on one device: leave out --mode {}", o.mode));
+  if (o.generate && o.mode != dp::EngineKind::single)
+    throw UsageError(
+        fmt::format("--generate samples one sequence on one device: leave out --mode {}", dp::to_string(o.mode)));
   check_writable(o.predictions, "--predictions");
   check_writable(o.save, "--save");
   check_writable(o.save_best, "--save-best");
@@ -303,7 +304,9 @@ std::vector<int> parse_device_ids(const Options& o) {
 
 Devices choose_devices(const Options& o) {
   Devices d{parse_device_ids(o), false, 0};
-  d.cuda = o.backend == "cuda" || (o.backend == "auto" && dp::Runtime::cuda_device_count() > 0);
+  using dp::tools::BackendChoice;
+  d.cuda = o.backend == BackendChoice::cuda ||
+           (o.backend == BackendChoice::automatic && dp::Runtime::cuda_device_count() > 0);
   // Several dp devices may share a GPU (--devices-per-gpu): every device of every GPU is one.
   const int available = d.cuda ? dp::Runtime::cuda_device_count() * o.devices_per_gpu : dp::tools::kMaxSimDevices;
   if (d.cuda && available == 0)
@@ -319,11 +322,12 @@ Devices choose_devices(const Options& o) {
       throw UsageError(fmt::format("LOCAL_RANK='{}' is not a device index", text));
     d.ids.push_back(rank);
   }
-  const int count = o.devices.value_or(o.mode == "single" ? 1 : dp::tools::default_devices(d.cuda, available));
+  const int count =
+      o.devices.value_or(o.mode == dp::EngineKind::single ? 1 : dp::tools::default_devices(d.cuda, available));
   if (d.ids.empty()) {
     for (int i = 0; i < count; ++i) d.ids.push_back(i);
   }
-  if (o.mode == "single" && d.ids.size() > 1) d.ids.erase(d.ids.begin() + 1, d.ids.end());
+  if (o.mode == dp::EngineKind::single && d.ids.size() > 1) d.ids.erase(d.ids.begin() + 1, d.ids.end());
   d.highest = *std::max_element(d.ids.begin(), d.ids.end());
   if (d.cuda && d.highest >= available)
     throw UsageError(fmt::format("{} device(s) requested (up to device {}), but only {} CUDA device(s) are available",
@@ -486,7 +490,7 @@ void check_resumed_settings(const Options& o, const dp::TrainingState& state, in
   const bool saved_momentum =
       std::any_of(state.file().tensors.begin(), state.file().tensors.end(),
                   [](const auto& entry) { return entry.first.starts_with("optimizer.momentum."); });
-  if (saved_momentum && o.optimizer == "sgd" && o.momentum == 0.0f)
+  if (saved_momentum && o.optimizer == dp::tools::OptimizerKind::sgd && o.momentum == 0.0f)
     throw UsageError(
         fmt::format("--resume {}: the checkpoint holds SGD momentum buffers, which --momentum 0 would "
                     "drop: resume with the momentum it was trained with",
@@ -535,8 +539,9 @@ Resumed read_resume(Options& o, int world) {
   const auto& tags = progress.tags;
   if (tags.count("model") && tags.at("model") != o.model)
     throw UsageError(fmt::format("--resume {}: the checkpoint is a {}, not a {}", o.resume, tags.at("model"), o.model));
-  if (tags.count("mode") && tags.at("mode") != o.mode)
-    say("note: the checkpoint was trained in {} mode; continuing in {} mode ({})\n", tags.at("mode"), o.mode,
+  if (tags.count("mode") && tags.at("mode") != dp::to_string(o.mode))
+    say("note: the checkpoint was trained in {} mode; continuing in {} mode ({})\n", tags.at("mode"),
+        dp::to_string(o.mode),
         o.shards > 0 ? fmt::format("the same trajectory: its {} shards fix it", o.shards) : "a different data order");
   if (o.given.count("--seed") && progress.seed != o.seed)
     say("note: the checkpoint was trained with --seed {}; continuing with its seed, not {}\n", progress.seed, o.seed);
@@ -600,7 +605,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   const dp::OptimizerOptions optimizer =
       optimizer_options(o, lr_at(o, world, resumed.start_step, dp::LrSchedule::constant()));
   dp::EngineOptions engine_options;
-  engine_options.kind = dp::parse_engine_kind(o.mode);
+  engine_options.kind = o.mode;
   engine_options.device_ids = devices.ids;
   dp::tools::set_engine_options(o, engine_options);
   engine_options.step.label_smoothing = o.label_smoothing;
@@ -609,7 +614,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   engine_options.output_device = o.output_device;
   engine_options.processes = g_job.processes();
   engine_options.frozen = o.freeze;
-  engine_options.weight_decay_on = o.decay == "matrices" ? dp::WeightDecayOn::matrices : dp::WeightDecayOn::all;
+  engine_options.weight_decay_on = o.decay;
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)
     as_usage_error([&] {
@@ -775,9 +780,10 @@ void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, co
   say("dp_train: {} {} on {} device(s) [{}]{} ({} backend, precision {}{}{}), {} samples, global batch {}{}, {} "
       "step(s) "
       "from step {}\n",
-      o.model, o.mode, plan.world, ids_of(devices.ids),
+      o.model, dp::to_string(o.mode), plan.world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
-      o.precision, o.amp == "bf16" ? ", autocast bf16" : "", dp::tools::banner_settings(o, o.mode), data.size(),
+      o.precision, o.amp == dp::Autocast::bf16 ? ", autocast bf16" : "",
+      dp::tools::banner_settings(o, dp::to_string(o.mode)), data.size(),
       o.batch_size * plan.shards * (o.shards > 0 ? 1 : o.accumulate), batch_text(o, plan), plan.total_steps,
       plan.start_step);
 }
@@ -1083,7 +1089,7 @@ int TrainLoop::run() {
     const bool ends_epoch = plan_.epochs.into(s + 1) == 0 || s + 1 == end_step();
     const bool checkpoint = periodic_due(s + 1) && s + 1 < end_step();
     const bool evaluation = eval_due(s);
-    if (o_.pipeline == "on" && !ends_epoch && !checkpoint && !evaluation) {
+    if (o_.pipeline && !ends_epoch && !checkpoint && !evaluation) {
       pending = std::move(*submitted);
     } else if (const int code = finish(*submitted)) {
       return code;
@@ -1246,7 +1252,7 @@ int TrainLoop::end_epoch(long s, long epoch) {
       {"kind", "epoch"},          {"epoch", epoch + 1},    {"step", s + 1},        {"complete", complete},
       {"train_loss", train_loss}, {"samples_per_s", rate}, {"elapsed_s", elapsed}, {"eta_s", eta},
       {"precision", o_.precision}};
-  for (const auto& [tag, value] : dp::tools::per_epoch_settings(o_, o_.mode)) record[tag] = value;
+  for (const auto& [tag, value] : dp::tools::per_epoch_settings(o_, dp::to_string(o_.mode))) record[tag] = value;
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);
   if (totals) record["test_samples"] = totals->samples;
@@ -1285,7 +1291,7 @@ void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, co
   progress.epoch = plan.epochs.of(step);
   progress.seed = o.seed;
   progress.tags = run_settings(o, resolved_t_max(o, plan.end_step()));
-  progress.tags["mode"] = o.mode;
+  progress.tags["mode"] = dp::to_string(o.mode);
   progress.tags["world"] = fmt::format("{}", plan.world);
   progress.tags["end_step"] = fmt::format("{}", plan.end_step());
   if (plan.end_epoch) progress.tags["end_epoch"] = fmt::format("{}", *plan.end_epoch);
@@ -1338,7 +1344,8 @@ int train(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& r
 void check_options(const Options& o) {
   const Checked checked = validate_options(o);
   const Devices devices = choose_devices(o);
-  const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
+  const int world =
+      static_cast<int>(devices.ids.size()) * (o.mode == dp::EngineKind::ddp ? g_job.processes()->size() : 1);
   check_learning_rate(o, world);
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
 }
@@ -1362,7 +1369,8 @@ int run(Options o) {
   adopt_checkpoint_settings(o);
   const Checked checked = validate_options(o);
   const Devices devices = choose_devices(o);
-  const int world = static_cast<int>(devices.ids.size()) * (o.mode == "ddp" ? g_job.processes()->size() : 1);
+  const int world =
+      static_cast<int>(devices.ids.size()) * (o.mode == dp::EngineKind::ddp ? g_job.processes()->size() : 1);
   check_learning_rate(o, world);
   // Its file is opened at the first record (validate_options checked the path); a resumed run appends.
   MetricsLog metrics(g_job.primary() ? o.metrics_json : std::string(), !o.resume.empty());

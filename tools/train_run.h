@@ -18,13 +18,19 @@
 namespace dp_train {
 
 // The shared flags' members (backend, devices, batch_size, ...) are SharedOptions' (tools/flags.h).
+// --schedule: the learning rate after the warm-up.
+enum class Schedule { none, step, cosine };
+inline std::string_view to_string(Schedule s) {
+  return s == Schedule::step ? "step" : s == Schedule::cosine ? "cosine" : "none";
+}
+
 struct Options : dp::tools::SharedOptions {
   std::string model = "mlp";
   std::string hidden = "256,256";
   double dropout = 0.0;
   double label_smoothing = 0.0;
   int accumulate = 1;  // micro-batches per optimizer step (gradient accumulation)
-  std::string mode = "single";
+  dp::EngineKind mode = dp::EngineKind::single;
   std::string device_ids;
   std::optional<int> output_device;
   std::string data;
@@ -43,7 +49,7 @@ struct Options : dp::tools::SharedOptions {
   double lr = 0.01;           // in double, as Python's; each optimizer rounds it as torch's kernels do
   float momentum = 0.9f;
   double weight_decay = 0.0;
-  std::string decay = "all";  // what weight decay applies to: all parameters, or "matrices" only
+  dp::WeightDecayOn decay = dp::WeightDecayOn::all;  // what weight decay applies to: all parameters, or "matrices" only
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   bool nesterov = false, scale_lr = false, no_shuffle = false;
   long warmup_steps = 0;
@@ -52,7 +58,7 @@ struct Options : dp::tools::SharedOptions {
   bool init_non_strict = false;
   std::vector<std::string> freeze;  // parameter name prefixes kept fixed
   long log_every = 10;
-  std::string schedule = "none";
+  Schedule schedule = Schedule::none;
   long step_size = 1;
   double gamma = 0.1, eta_min = 0.0;
   std::optional<long> t_max;
