@@ -309,12 +309,9 @@ dp::EngineOptions engine_options(const Options& o, dp::EngineKind kind, const Ru
   options.kind = kind;
   options.device_ids = run.device_ids;
   options.output_device = kind == dp::EngineKind::dp && o.shards == 0 ? std::optional<int>(0) : std::nullopt;
-  dp::tools::set_engine_options(o, options);
+  dp::tools::set_engine_options(o, options, flag_groups());
   // Phase times come from events between the phases, which a replayed graph does not record.
   options.time_phases = kind == dp::EngineKind::dp && !options.graphs;
-  options.bucket_cap_mb = o.bucket_cap_mb;
-  options.broadcast_buffers = o.broadcast_buffers;
-  options.first_bucket_mb = o.first_bucket_mb;
   options.processes = std::move(processes);
   return options;
 }

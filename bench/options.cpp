@@ -35,15 +35,18 @@ FlagGroup<O> bench_flags() {
               {.name = "--bucket-cap-mb",
                .value = flag::number<O>(&O::bucket_cap_mb, flag::kPositive, "MIB"),
                .help = "ddp: the gradient buckets' cap",
-               .torch = "DistributedDataParallel(bucket_cap_mb=X)"},
+               .torch = "DistributedDataParallel(bucket_cap_mb=X)",
+               .engine = [](const O& o, dp::EngineOptions& e) { e.bucket_cap_mb = o.bucket_cap_mb; }},
               {.name = "--first-bucket-mb",
                .value = flag::number<O>(&O::first_bucket_mb, flag::kPositive, "MIB"),
                .help = "ddp: the first bucket's cap (lower it to see all-reduce overlap the backward)",
-               .torch = "dist._DEFAULT_FIRST_BUCKET_BYTES"},
+               .torch = "dist._DEFAULT_FIRST_BUCKET_BYTES",
+               .engine = [](const O& o, dp::EngineOptions& e) { e.first_bucket_mb = o.first_bucket_mb; }},
               {.name = "--broadcast-buffers",
                .value = flag::on_off<O>(&O::broadcast_buffers),
                .help = "ddp: broadcast the buffers (BatchNorm's running statistics) from rank 0 before each forward",
-               .torch = "DistributedDataParallel(broadcast_buffers=...)"},
+               .torch = "DistributedDataParallel(broadcast_buffers=...)",
+               .engine = [](const O& o, dp::EngineOptions& e) { e.broadcast_buffers = o.broadcast_buffers; }},
               {.name = "--profile",
                .value = flag::on<O>(&O::profile),
                .help = "cuda: record device spans (busy %, GEMM rates); --trace implies it, the sim always records"},
@@ -61,6 +64,11 @@ FlagGroup<O> bench_flags() {
 
 }  // namespace
 
+const std::vector<FlagGroup<Options>>& flag_groups() {
+  static const std::vector<FlagGroup<Options>> groups = {dp::tools::shared_flags<O>(), bench_flags()};
+  return groups;
+}
+
 dp::models::ModelArgs model_args(double dropout) {
   dp::models::ModelArgs args;
   args.num_classes = 10;
@@ -74,7 +82,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o, const d
                              "dp_bench: DP vs DDP throughput and per-device imbalance (single, dp, ddp for each model)",
                              "dp_bench: ");
   static const Options defaults;
-  cli.add({dp::tools::shared_flags<O>(), bench_flags()}, o, defaults);
+  cli.add(flag_groups(), o, defaults);
   cli.footer(dp::tools::models_help());
   switch (cli.parse(argc, argv)) {
     // --help: 0, on stdout; a bad command line: its message on stderr and 2, as every bad input.

@@ -46,6 +46,9 @@ struct Options : dp::tools::SharedOptions {
 // model's inputs or FLOPs).
 dp::models::ModelArgs model_args(double dropout = 0.0);
 
+// Every flag of dp_bench, in --help's order: the shared ones, then its own.
+const std::vector<dp::tools::FlagGroup<Options>>& flag_groups();
+
 // Reads argv into `o`. Returns the exit code when the program stops here: --help (0) or a command
 // line CLI11 refuses (2, its message printed), each agreed with the job's other processes.
 std::optional<int> parse_command_line(int argc, char** argv, Options& o, const dp::tools::Job& job);

@@ -400,10 +400,12 @@ std::vector<Flag<O>> step_flags() {
        .help = "the optimizer (dp_bench: lr 0.01 and momentum 0.9, or AdamW's defaults)",
        .torch = "torch.optim.SGD, torch.optim.AdamW",
        .saved = Saved::optimizer_kind},
+      // Also Dropout's masks (DDP rank r: seed + r).
       {.name = "--seed",
        .value = integer<O>(&O::seed),
        .help = "seed of the initialisation, the synthetic data and the shuffling",
-       .torch = "torch.manual_seed(S)"},
+       .torch = "torch.manual_seed(S)",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.step.seed = o.seed; }},
   };
 }
 
@@ -413,11 +415,13 @@ FlagGroup<O> shared_flags() {
   return joined<O>("run (dp_train and dp_bench alike)", {placement_flags<O>(), step_flags<O>()});
 }
 
-// The engine settings of the shared flags that apply to options.kind.
+// The engine settings of the flags of `groups` (a tool's whole table) that apply to options.kind:
+// the one route from a flag to dp::EngineOptions.
 template <class O>
-void set_engine_options(const O& o, dp::EngineOptions& options) {
-  for (const Flag<O>& flag : shared_flags<O>().flags)
-    if (flag.engine && applies(flag, dp::to_string(options.kind), o)) flag.engine(o, options);
+void set_engine_options(const O& o, dp::EngineOptions& options, const std::vector<FlagGroup<O>>& groups) {
+  for (const FlagGroup<O>& group : groups)
+    for (const Flag<O>& flag : group.flags)
+      if (flag.engine && applies(flag, dp::to_string(options.kind), o)) flag.engine(o, options);
 }
 
 // The first shared flag the command line sets (a value other than its default) that applies to

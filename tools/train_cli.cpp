@@ -112,12 +112,14 @@ std::vector<Flag<O>> model_input_flags() {
                "once (ddp: no_sync for the first K-1); --steps and the schedule count optimizer steps",
        .torch = "(loss / K).backward() per micro-batch, with ddp.no_sync() but for the last; optimizer.step() "
                 "every K",
-       .saved = Saved::on_resume},
+       .saved = Saved::on_resume,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.accumulate = o.accumulate; }},
       {.name = "--label-smoothing",
        .value = flag::number<O>(&O::label_smoothing, flag::kUnitInterval, "S"),
        .help = "the cross-entropy's label smoothing",
        .torch = "CrossEntropyLoss(label_smoothing=S)",
-       .saved = Saved::always},
+       .saved = Saved::always,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.step.label_smoothing = o.label_smoothing; }},
   };
 }
 
@@ -151,7 +153,8 @@ std::vector<Flag<O>> optimizer_setting_flags() {
        .help = "what --weight-decay applies to: every parameter, or the matrices only (biases and "
                "norm weights in a group without decay, as nanoGPT's configure_optimizers)",
        .torch = "AdamW([{'params': 2-D, 'weight_decay': X}, {'params': 1-D, 'weight_decay': 0}])",
-       .saved = Saved::on_resume},
+       .saved = Saved::on_resume,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.weight_decay_on = o.decay; }},
       {.name = "--nesterov",
        .value = flag::on<O>(&O::nesterov),
        .help = "sgd: Nesterov momentum",
@@ -238,7 +241,8 @@ FlagGroup<O> engine_flags() {
                .value = flag::integer<O>(&O::output_device, 0, std::numeric_limits<int>::max(), "D"),
                .help = "dp: the device that gathers the outputs and computes the loss",
                .torch = "DataParallel(output_device=D)",
-               .default_text = "the first device"},
+               .default_text = "the first device",
+               .engine = [](const O& o, dp::EngineOptions& e) { e.output_device = o.output_device; }},
           }};
 }
 
@@ -307,7 +311,8 @@ FlagGroup<O> checkpoint_flags() {
               {.name = "--freeze",
                .value = flag::texts<O>(&O::freeze, "PREFIX"),
                .help = "keep the parameters under PREFIX fixed: no update, no optimizer state (repeatable)",
-               .torch = "p.requires_grad_(False)"},
+               .torch = "p.requires_grad_(False)",
+               .engine = [](const O& o, dp::EngineOptions& e) { e.frozen = o.freeze; }},
               {.name = "--save",
                .value = flag::text<O>(&O::save, "FILE"),
                .help = "write the final state here; also when SIGTERM or SIGINT stops the run (exit 143, 130)",

@@ -607,14 +607,8 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   dp::EngineOptions engine_options;
   engine_options.kind = o.mode;
   engine_options.device_ids = devices.ids;
-  dp::tools::set_engine_options(o, engine_options);
-  engine_options.step.label_smoothing = o.label_smoothing;
-  engine_options.accumulate = o.accumulate;
-  engine_options.step.seed = o.seed;  // Dropout's masks (DDP rank r: seed + r)
-  engine_options.output_device = o.output_device;
   engine_options.processes = g_job.processes();
-  engine_options.frozen = o.freeze;
-  engine_options.weight_decay_on = o.decay;
+  dp::tools::set_engine_options(o, engine_options, train_flags());
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)
     as_usage_error([&] {
