@@ -57,12 +57,6 @@ std::map<std::string, std::string> run_settings(const Options& o, long t_max) {
   return tags;  // the optimizer's kind is the training state's own key
 }
 
-void apply_optimizer_defaults(Options& o) {
-  const bool adamw = o.optimizer == dp::tools::OptimizerKind::adamw;
-  if (!o.given.count("--lr")) o.lr = adamw ? 1e-3 : 0.01;
-  if (!o.given.count("--weight-decay")) o.weight_decay = adamw ? 1e-2 : 0.0;
-}
-
 void adopt_run_settings(Options& o, const std::string& path, const std::map<std::string, std::string>& tags,
                         bool resuming) {
   std::vector<std::string> taken;

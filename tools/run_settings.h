@@ -7,7 +7,7 @@
 #include <map>
 #include <string>
 
-#include "train_run.h"
+#include "train_options.h"
 
 namespace dp_train {
 
@@ -24,9 +24,5 @@ std::map<std::string, std::string> run_settings(const Options& o, long t_max);
 // noted, the given value winning (--lr, --normalize, ...). Says which settings it took.
 void adopt_run_settings(Options& o, const std::string& path, const std::map<std::string, std::string>& tags,
                         bool resuming);
-
-// Each optimizer's defaults where the command line leaves them (torch.optim.AdamW: lr 1e-3,
-// weight_decay 1e-2; SGD: 0.01, 0).
-void apply_optimizer_defaults(Options& o);
 
 }  // namespace dp_train

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "flags.h"
-#include "run_settings.h"
 
 namespace dp_train {
 namespace {

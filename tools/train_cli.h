@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "flags.h"
-#include "train_run.h"
+#include "train_options.h"
 
 namespace dp_train {
 

@@ -15,7 +15,7 @@
 #include "dp/io/data.h"
 #include "dp/models/registry.h"
 #include "dp/nn/lr_schedule.h"
-#include "train_run.h"
+#include "train_options.h"
 
 namespace dp_train {
 
