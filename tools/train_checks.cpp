@@ -1,6 +1,5 @@
-// train_checks.cpp — the checks a dp_train run makes of its options before it reads a file or starts a device (train_stages.h).
-#include "train_stages.h"
-
+// train_checks.cpp — the checks a dp_train run makes of its options before it reads a file or starts a device
+// (train_stages.h).
 #include <algorithm>
 #include <atomic>
 #include <charconv>
@@ -26,6 +25,7 @@
 #include <utility>
 #include <variant>
 #include <vector>
+
 #include "address_space.h"
 #include "dp/engines/engine.h"
 #include "dp/io/atomic_file.h"
@@ -44,6 +44,7 @@
 #include "run_settings.h"
 #include "train_cli.h"
 #include "train_parts.h"
+#include "train_stages.h"
 
 namespace dp_train {
 
@@ -292,6 +293,5 @@ void check_learning_rate(const Options& o, int world) {
     throw UsageError(e.what());
   }
 }
-
 
 }  // namespace dp_train

@@ -1,6 +1,5 @@
-// train_inputs.cpp — a dp_train run's inputs (the data sets, normalised) and the checkpoint it resumes (train_stages.h).
-#include "train_stages.h"
-
+// train_inputs.cpp — a dp_train run's inputs (the data sets, normalised) and the checkpoint it resumes
+// (train_stages.h).
 #include <algorithm>
 #include <atomic>
 #include <charconv>
@@ -26,6 +25,7 @@
 #include <utility>
 #include <variant>
 #include <vector>
+
 #include "address_space.h"
 #include "dp/engines/engine.h"
 #include "dp/io/atomic_file.h"
@@ -44,6 +44,7 @@
 #include "run_settings.h"
 #include "train_cli.h"
 #include "train_parts.h"
+#include "train_stages.h"
 
 namespace dp_train {
 
@@ -236,6 +237,5 @@ Resumed read_resume(Options& o, int world) {
   check_resumed_settings(o, *resumed.state, world);
   return resumed;
 }
-
 
 }  // namespace dp_train

@@ -1,6 +1,5 @@
-// train_loop.cpp — a dp_train run's training loop: steps, logs, evaluations, periodic and final checkpoints, stop signals (train_stages.h).
-#include "train_stages.h"
-
+// train_loop.cpp — a dp_train run's training loop: steps, logs, evaluations, periodic and final checkpoints, stop
+// signals (train_stages.h).
 #include <algorithm>
 #include <atomic>
 #include <charconv>
@@ -26,6 +25,7 @@
 #include <utility>
 #include <variant>
 #include <vector>
+
 #include "address_space.h"
 #include "dp/engines/engine.h"
 #include "dp/io/atomic_file.h"
@@ -44,6 +44,7 @@
 #include "run_settings.h"
 #include "train_cli.h"
 #include "train_parts.h"
+#include "train_stages.h"
 
 namespace dp_train {
 
@@ -532,6 +533,5 @@ int train(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& r
         o.save.empty() ? "" : fmt::format(", {} saved", o.save));
   return 0;
 }
-
 
 }  // namespace dp_train

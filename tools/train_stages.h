@@ -84,7 +84,6 @@ struct Plan {
   long end_step() const { return start_step + total_steps; }
 };
 
-
 // ---- the checks (train_checks.cpp)
 // A non-finite loss (`what` is `loss`, `where` says " at step 3"): exit code 3, naming what stays on
 // disk (--save is not written; `kept`: what this run wrote before, its --save-best); else 0.
