@@ -435,7 +435,8 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
     run.optimizer_state_bytes =
         std::max(run.optimizer_state_bytes, optimizer->state().size() * optimizer->param_count() * sizeof(float));
   if (across) gather_devices(run, *processes);
-  if (kind == dp::EngineKind::ddp) run.buckets = static_cast<dp::DistributedDataParallel&>(*engine).buckets().size();
+  if (const auto* ddp = dynamic_cast<const dp::DistributedDataParallel*>(engine.get()))
+    run.buckets = ddp->buckets().size();
   if (!parallel) return run;
   run.phases = phases.mean();
   apply_chunks(parallel->last_chunks(), run);

@@ -31,10 +31,12 @@ inline void expect_sync_bn_matches_torch(Runtime& rt, const std::vector<int>& de
   options.sync_batchnorm = true;
   options.processes = std::move(processes);
   options.shards = shards;
-  DistributedDataParallel ddp(
+  options.kind = EngineKind::ddp;
+  const auto engine = make_engine(
       rt, *model,
       SgdOptions{std::stof(meta.at("lr")), std::stof(meta.at("momentum")), std::stof(meta.at("weight_decay")), false},
       options);
+  auto& ddp = dynamic_cast<ReplicaEngine&>(*engine);
   const int batch = std::stoi(meta.at("batch")), world = ddp.world_size(), per_rank = batch / world;
   ASSERT_EQ(per_rank * world, batch) << "the ranks must split the golden's batch evenly";
   const auto close = [](const std::vector<float>& got, const std::vector<float>& want) {

@@ -260,13 +260,17 @@ std::string batch_text(const Options& o, const Plan& plan) {
   return per_device.empty() ? "" : " (" + per_device + ")";
 }
 
-void say_plan(const Options& o, const Plan& plan, const dp::Runtime& runtime, const dp::SampleSource& data,
-              const Devices& devices) {
+void say_plan(const Options& o, const Plan& plan, const dp::Engine& engine, const dp::Runtime& runtime,
+              const dp::SampleSource& data, const Devices& devices) {
   const int processes = g_job.processes()->size();
+  // The engine that runs the steps, where it is not the mode's own: "single (fixed shards)".
+  const std::string mode = engine.name() == dp::to_string(o.mode)
+                               ? std::string(engine.name())
+                               : fmt::format("{} ({})", dp::to_string(o.mode), engine.name());
   say("dp_train: {} {} on {} device(s) [{}]{} ({} backend, precision {}{}{}), {} samples, global batch {}{}, {} "
       "step(s) "
       "from step {}\n",
-      o.model, dp::to_string(o.mode), plan.world, ids_of(devices.ids),
+      o.model, mode, plan.world, ids_of(devices.ids),
       processes > 1 ? fmt::format(" in each of {} processes", processes) : "", dp::to_string(runtime.backend()),
       o.precision, o.amp == dp::Autocast::bf16 ? ", autocast bf16" : "",
       dp::tools::banner_settings(o, dp::to_string(o.mode)), data.size(),
@@ -404,7 +408,7 @@ int run(Options o) {
   if (o.generate) return generate_text(o, *engine);
   const Plan plan = plan_run(o, *engine, *inputs.data, world, resumed);
   if (plan.total_steps == 0) return nothing_to_train(o, plan);
-  say_plan(o, plan, *built.runtime, *inputs.data, devices);
+  say_plan(o, plan, *engine, *built.runtime, *inputs.data, devices);
   const auto loaders_made = std::chrono::steady_clock::now();
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
   if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);

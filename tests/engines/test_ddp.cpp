@@ -683,6 +683,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
     options.step.clip_grad_norm = golden_clip(golden);
     auto engine = make_engine(*rt, *model, sgd, options);
     EXPECT_EQ(engine->kind(), kind);
+    EXPECT_EQ(engine->name(), "fixed shards") << "--shards builds the fixed-shards engine, for every kind";
     EXPECT_EQ(engine->world_size(), shards);
     ASSERT_EQ(engine->batches_per_step(), shards);
     GoldenBatches data(golden, shards);

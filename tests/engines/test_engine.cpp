@@ -126,6 +126,7 @@ TEST(Engine, MakeEngineReportsKindDevicesAndBatchesPerStep) {
   // single runs where the model is (device 1 here, to catch a hard-coded device 0).
   auto single = make_engine(*rt, *single_model, sgd, options_for(EngineKind::single));
   EXPECT_EQ(single->kind(), EngineKind::single);
+  EXPECT_EQ(single->name(), "single");
   EXPECT_EQ(single->device_ids(), std::vector<int>{1});
   EXPECT_EQ(single->batches_per_step(), 1);
   EXPECT_EQ(&single->model(), single_model.get());
@@ -136,6 +137,7 @@ TEST(Engine, MakeEngineReportsKindDevicesAndBatchesPerStep) {
   dp_options.device_ids = std::vector<int>{1, 0};
   auto dp = make_engine(*rt, *dp_model, sgd, dp_options);
   EXPECT_EQ(dp->kind(), EngineKind::dp);
+  EXPECT_EQ(dp->name(), "dp");
   EXPECT_EQ(dp->device_ids(), (std::vector<int>{1, 0}));
   EXPECT_EQ(dp->batches_per_step(), 1);  // the global batch, scattered by the engine
   EXPECT_EQ(&dp->model(), dp_model.get());
@@ -144,6 +146,7 @@ TEST(Engine, MakeEngineReportsKindDevicesAndBatchesPerStep) {
   // Unset device_ids: every device of the runtime; one batch and one optimizer per rank.
   auto ddp = make_engine(*rt, *ddp_model, sgd, options_for(EngineKind::ddp));
   EXPECT_EQ(ddp->kind(), EngineKind::ddp);
+  EXPECT_EQ(ddp->name(), "ddp");
   EXPECT_EQ(ddp->device_ids(), (std::vector<int>{0, 1}));
   EXPECT_EQ(ddp->batches_per_step(), 2);
   EXPECT_EQ(&ddp->model(), ddp_model.get());  // rank 0's replica is the module itself
@@ -361,7 +364,7 @@ TEST(Engine, SetLrReachesEveryOptimizerAndTheNextStep) {
   ddp->train_step(shards);
   ddp->synchronize();
   EXPECT_EQ(params_of(*model), before);
-  EXPECT_EQ(params_of(static_cast<DistributedDataParallel&>(*ddp).replica(1)), before);
+  EXPECT_EQ(params_of(dynamic_cast<ReplicaEngine&>(*ddp).replica(1)), before);
 
   // What the constructor refuses, set_lr refuses too, at once and on no rank.
   EXPECT_THROW(ddp->set_lr(-1.0f), InvalidArgument);
@@ -548,7 +551,7 @@ TEST(TrainingState, AdamWResumeIsBitExactOnEveryRank) {
   resumed->synchronize();
   engine->synchronize();
   EXPECT_EQ(params_of(*resumed_model), params_of(*model));
-  EXPECT_EQ(params_of(static_cast<DistributedDataParallel&>(*resumed).replica(1)), params_of(*model));
+  EXPECT_EQ(params_of(dynamic_cast<ReplicaEngine&>(*resumed).replica(1)), params_of(*model));
 
   // Another optimizer's state: refused, nothing written.
   auto sgd_model = models::make_mlp(rt->device(0), {16}, 23);

@@ -154,6 +154,63 @@ TEST_P(Collectives, BroadcastReduceAllGather) {
   }
 }
 
+// reduce_scatter and all_gather_blocks are all_reduce's halves: each rank's owned block holds the
+// sum after the first (on sim, on random floats, all_reduce's very bits; exact small sums on every
+// backend), every block of every rank after the second, and the two move all_reduce's bytes.
+TEST_P(Collectives, ReduceScatterThenAllGatherBlocksIsAllReduce) {
+  DP_SKIP_WITHOUT_DEVICES();
+  const auto bits = [](const std::vector<float>& v, BlockRange range) {
+    return std::vector<std::uint32_t>(reinterpret_cast<const std::uint32_t*>(v.data() + range.begin),
+                                      reinterpret_cast<const std::uint32_t*>(v.data() + range.end));
+  };
+  for (int n = 1; n <= max_world(); ++n) {
+    for (const std::size_t count : {std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{1001}}) {
+      SCOPED_TRACE(fmt::format("N={} count={}", n, count));
+      Fixture f(GetParam(), n);
+      const bool exact = GetParam() != "sim";  // small whole numbers: every order of additions agrees
+      std::vector<std::vector<float>> inputs, reduced(static_cast<std::size_t>(n)), scattered(reduced),
+          gathered(reduced);
+      for (int r = 0; r < n; ++r) {
+        auto input = test::random_vector(count, static_cast<unsigned>(7 * r + count), -3.0f, 3.0f);
+        for (std::size_t i = 0; exact && i < count; ++i) input[i] = value(r, i);
+        inputs.push_back(input);
+      }
+      std::vector<std::uint64_t> all_reduce_bytes(static_cast<std::size_t>(n)), halves_bytes(all_reduce_bytes);
+      const auto sent = [&](int r) {
+        return f.runtime->bytes_sent(f.group->device_ids()[static_cast<std::size_t>(r)]);
+      };
+      f.runtime->reset_link_traffic();
+      f.group->run([&](int r) {
+        const Stream& s = f.streams[static_cast<std::size_t>(r)];
+        DeviceBuffer x = test::upload(f.group->device(r), s, inputs[static_cast<std::size_t>(r)]);
+        f.comm->all_reduce(r, s, x.as<float>(), count, ReduceOp::sum);
+        reduced[static_cast<std::size_t>(r)] = test::download<float>(s, x);
+      });
+      for (int r = 0; r < n; ++r) all_reduce_bytes[static_cast<std::size_t>(r)] = sent(r);
+      f.runtime->reset_link_traffic();
+      f.group->run([&](int r) {
+        const Stream& s = f.streams[static_cast<std::size_t>(r)];
+        DeviceBuffer x = test::upload(f.group->device(r), s, inputs[static_cast<std::size_t>(r)]);
+        f.comm->reduce_scatter(r, s, x.as<float>(), count);
+        scattered[static_cast<std::size_t>(r)] = test::download<float>(s, x);
+        f.comm->all_gather_blocks(r, s, x.as<float>(), count);
+        gathered[static_cast<std::size_t>(r)] = test::download<float>(s, x);
+      });
+      for (int r = 0; r < n; ++r) halves_bytes[static_cast<std::size_t>(r)] = sent(r);
+      const BlockRange all{0, count};
+      for (int r = 0; r < n; ++r) {
+        const auto i = static_cast<std::size_t>(r);
+        const BlockRange mine = ring_block(owned_block(r, n), count, n);
+        EXPECT_EQ(bits(scattered[i], mine), bits(reduced[i], mine)) << "rank " << r << "'s block";
+        EXPECT_EQ(bits(gathered[i], all), bits(reduced[i], all)) << "rank " << r;
+        if (counts_traffic()) {
+          EXPECT_EQ(halves_bytes[i], all_reduce_bytes[i]) << "rank " << r;
+        }
+      }
+    }
+  }
+}
+
 // Simulator semantics: operand checks and a rank waiting for absent peers until abort().
 TEST(SimCollectives, WrongDeviceAndAbort) {
   Fixture f("sim", 2);

@@ -463,23 +463,37 @@ TEST_F(TrainTest, AccumulationCountsOptimizerStepsAndIsShardsWithShards) {
   EXPECT_FALSE(std::filesystem::exists(path("big.st")));
 }
 
-// --zero 1 (ZeRO stage 1): the checkpoint of 10 AdamW steps is byte for byte plain DDP's on 2, 3 and
-// 4 devices (with a frozen layer, and with clipping and accumulation, too); a checkpoint resumes
-// from and to --zero 1; other modes refuse it.
+// --shards V builds the fixed-shards engine in every mode, and the banner names it beside the mode.
+TEST_F(TrainTest, ShardsRunOnTheFixedShardsEngineAndTheBannerSaysSo) {
+  const Result single = run("--backend sim --synthetic 64 --mode single --shards 4 --steps 1");
+  ASSERT_EQ(single.code, 0) << single.output;
+  EXPECT_NE(single.output.find("dp_train: mlp single (fixed shards) on 1 device(s)"), std::string::npos)
+      << single.output;
+  const Result ddp = run("--backend sim --synthetic 64 --mode ddp --devices 2 --steps 1");
+  ASSERT_EQ(ddp.code, 0) << ddp.output;
+  EXPECT_NE(ddp.output.find("dp_train: mlp ddp on 2 device(s)"), std::string::npos) << ddp.output;
+}
+
+// --zero 1 (ZeRO stage 1, the buckets reduce-scattered): the checkpoint of 10 steps is byte for
+// byte plain DDP's on 2, 3 and 4 devices, with SGD's momentum and with AdamW, with a frozen layer and
+// decay groups, with clipping and accumulation, and under --shards; a checkpoint resumes from and
+// to --zero 1; other modes refuse it.
 TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
-  const std::string common =
-      "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --optimizer adamw --mode ddp";
+  const std::string common = "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --mode ddp";
   for (const int devices : {2, 3, 4}) {
-    for (const std::string frozen : {"", " --freeze layer1", " --clip-grad-norm 0.5 --accumulate 2"}) {
-      SCOPED_TRACE(fmt::format("{} devices{}", devices, frozen));
-      const std::string args = fmt::format("{} --devices {} --steps 10{}", common, devices, frozen);
-      ASSERT_EQ(run(args + " --save " + path("plain.st")).code, 0);
-      const Result zero = run(args + " --zero 1 --save " + path("zero.st"));
-      ASSERT_EQ(zero.code, 0) << zero.output;
-      EXPECT_EQ(read_file(path("plain.st")), read_file(path("zero.st"))) << "checkpoint bytes differ";
+    for (const std::string optimizer : {" --optimizer sgd", " --optimizer adamw"}) {
+      for (const std::string more : {"", " --freeze layer1 --decay matrices --weight-decay 0.1",
+                                     " --clip-grad-norm 0.5 --accumulate 2", " --shards 12"}) {
+        SCOPED_TRACE(fmt::format("{} devices{}{}", devices, optimizer, more));
+        const std::string args = fmt::format("{} --devices {} --steps 10{}{}", common, devices, optimizer, more);
+        ASSERT_EQ(run(args + " --save " + path("plain.st")).code, 0);
+        const Result zero = run(args + " --zero 1 --save " + path("zero.st"));
+        ASSERT_EQ(zero.code, 0) << zero.output;
+        EXPECT_EQ(read_file(path("plain.st")), read_file(path("zero.st"))) << "checkpoint bytes differ";
+      }
     }
   }
-  const std::string two = common + " --devices 2";
+  const std::string two = common + " --optimizer adamw --devices 2";
   ASSERT_EQ(run(two + " --steps 10 --save " + path("ten.st")).code, 0);
   for (const std::string first : {" --zero 1", ""}) {
     SCOPED_TRACE("first half" + first);

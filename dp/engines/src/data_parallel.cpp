@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "batches.h"
+#include "device_update.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 #include "input_ring.h"
@@ -49,7 +50,9 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
       group_(runtime, check_applies(EngineKind::dp, options).device_ids.value_or(DeviceGroup::all_devices(runtime))),
       output_device_(options.output_device.value_or(group_.device_ids()[0])),
       output_rank_(-1),
-      optimizer_(make_optimizer(module.device(), module.param_count(), optimizer)) {
+      update_(std::make_unique<engines::DeviceUpdate>(module.device(), module.param_count(), optimizer,
+                                                      options.step.clip_grad_norm)),
+      optimizer_(&update_->optimizer()) {
   const auto& ids = group_.device_ids();
   const auto it = std::find(ids.begin(), ids.end(), output_device_);
   if (it == ids.end())
@@ -59,8 +62,6 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   loss_ = std::make_unique<CrossEntropyLoss>(group_.device(output_rank_), options.step.label_smoothing);
   seed_ = options.step.seed;
   accumulate_ = options.accumulate;
-  if (options.step.clip_grad_norm > 0.0)
-    clipper_ = std::make_unique<GradNormClipper>(module.device(), options.step.clip_grad_norm);
   models_ = std::make_unique<engines::Replicas>(module, group_);
   Device& source = group_.device(0);
   for (int rank = 0; rank < group_.size(); ++rank) {
@@ -101,9 +102,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
 std::uint64_t DataParallel::graph_replays() const { return graphs_->replays(); }
 
 std::optional<float> DataParallel::last_grad_norm() {
-  if (!clipper_) return std::nullopt;
   synchronize();
-  return clipper_->last_norm();
+  return update_->last_grad_norm();
 }
 std::uint64_t DataParallel::staging_growths() const {
   std::uint64_t growths = 0;
@@ -277,7 +277,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     };
     work.eager = [&] { enqueue_step(batch, slot, false); };
     const bool replayed = graphs_->run(
-        {batch}, slot, {optimizer_.get()}, [&] { return engines::snapshot(devices, staging_growths()); }, work);
+        {batch}, slot, {optimizer_}, [&] { return engines::snapshot(devices, staging_growths()); }, work);
     // A record captured into the graph is a dependency inside it: the loss is known when the graph,
     // launched on the source's stream, has run there (its end there is the end of every device's part).
     const Event loss_ready = replayed ? done : loss_ready_[static_cast<std::size_t>(slot)];
@@ -456,8 +456,7 @@ void DataParallel::enqueue_reduce_and_update(int used, bool update) {
   if (!update) return;
   mark(time_phases_, source.stream, reduce_end_);
   // The source holds the reduced gradients: clip_grad_norm_ on the module, as torch's loop calls it.
-  if (clipper_) clipper_->clip(source.stream, module_, optimizer_->trainable(), module_.grads_flat());
-  optimizer_->step(source.stream, module_.params_flat(), module_.grads_flat());
+  update_->run(source.stream, module_);
   mark(time_phases_, source.stream, update_end_);
 }
 

@@ -57,8 +57,11 @@ struct Reducer::Rank {
   std::size_t next_bucket = 0;
 };
 
-Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets, GradReduce reduce)
-    : comm_(comm), buckets_(std::move(buckets)), reduce_(reduce) {
+Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets, GradReduce reduce,
+                 BucketReduction reduction)
+    : comm_(comm), buckets_(std::move(buckets)), reduce_(reduce), reduction_(reduction) {
+  if (reduction_ == BucketReduction::reduce_scatter && reduce_ == GradReduce::bf16)
+    throw InvalidArgument("a bf16 gradient reduction has no reduce-scatter: all-reduce it");
   std::size_t covered = 0;
   for (const GradBucket& bucket : buckets_) covered = std::max(covered, bucket.offset + bucket.count);
   for (int r = 0; r < group.size(); ++r) {
@@ -124,7 +127,10 @@ void Reducer::launch_ready(int r) {
     }
     // torch divides while copying into the bucket (grad * (1/world_size) in fp32), then sums.
     kernels::scale(rank.comm, count, inverse, slice);
-    comm_.all_reduce(r, rank.comm, slice, bucket.count, ReduceOp::sum);
+    if (reduction_ == BucketReduction::reduce_scatter)
+      comm_.reduce_scatter(r, rank.comm, slice, bucket.count);
+    else
+      comm_.all_reduce(r, rank.comm, slice, bucket.count, ReduceOp::sum);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "batches.h"
+#include "device_update.h"
 #include "dp/runtime/error.h"
 #include "input_ring.h"
 #include "replicas.h"
@@ -17,7 +18,9 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
     : model_(model),
       step_options_(step),
       device_ids_{model.device().index()},
-      optimizer_(make_optimizer(model.device(), model.param_count(), options)),
+      update_(
+          std::make_unique<engines::DeviceUpdate>(model.device(), model.param_count(), options, step.clip_grad_norm)),
+      optimizer_(&update_->optimizer()),
       loss_(model.device(), step.label_smoothing),
       stream_(model.device().create_stream()),
       batch_(std::make_unique<engines::StagedBatch>()),
@@ -29,13 +32,11 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
   if (accumulate < 1) throw InvalidArgument(fmt::format("accumulate must be at least 1, not {}", accumulate));
   for (int m = 0; m < accumulate; ++m) rings_.push_back(std::make_unique<engines::InputRing>());
   for (Event& done : step_done_) done = model.device().create_event();
-  if (step.clip_grad_norm > 0.0) clipper_ = std::make_unique<GradNormClipper>(model.device(), step.clip_grad_norm);
 }
 
 std::optional<float> SingleDeviceTrainer::last_grad_norm() {
-  if (!clipper_) return std::nullopt;
   synchronize();
-  return clipper_->last_norm();
+  return update_->last_grad_norm();
 }
 
 SingleDeviceTrainer::~SingleDeviceTrainer() {
@@ -67,8 +68,7 @@ void SingleDeviceTrainer::enqueue_step(const std::vector<int>& sizes, int slot) 
     // Pinned: asynchronous and capturable; the slot's own floats, so a later step never overwrites them.
     stream_.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + m), loss, sizeof(float));
   }
-  if (clipper_) clipper_->clip(stream_, model_, optimizer_->trainable(), model_.grads_flat());
-  optimizer_->step(stream_, model_.params_flat(), model_.grads_flat());
+  update_->run(stream_, model_);
 }
 
 StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
@@ -106,7 +106,7 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
       return total;
     };
     graphs_->run(
-        engines::StepGraphs::Key(sizes.begin(), sizes.end()), slot, {optimizer_.get()},
+        engines::StepGraphs::Key(sizes.begin(), sizes.end()), slot, {optimizer_},
         [&] { return engines::snapshot({&device}, growths()); }, work);
     // The losses are the step's last work (the optimizer before them): one event says both.
     stream_.record(done);

@@ -83,6 +83,16 @@ class RingCommunicator final : public Communicator {
     ring_all_reduce<std::uint16_t>(rank, stream, data, count, ReduceOp::sum, bf16_add);
   }
 
+  // all_reduce's two phases apart: the same steps, so the same bits and bytes.
+  void reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count) override {
+    ring_all_reduce<float>(
+        rank, stream, data, count, ReduceOp::sum, [](float a, float b) { return a + b; }, Phases::reduce_scatter);
+  }
+  void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count) override {
+    ring_all_reduce<float>(
+        rank, stream, data, count, ReduceOp::sum, [](float a, float b) { return a + b; }, Phases::all_gather);
+  }
+
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
     check(rank, stream, data, bytes, "broadcast");
     check_root(root);
@@ -187,12 +197,19 @@ class RingCommunicator final : public Communicator {
 
  private:
   using Body = std::function<void(int rank, Round& round, int tag)>;
+  enum class Phases { both, reduce_scatter, all_gather };
 
   // The ring all-reduce of `count` elements of T: reduce-scatter, each step adding the left
-  // neighbour's partial sum to this rank's (add), then all-gather.
+  // neighbour's partial sum to this rank's (add), then all-gather; or one of the two phases. Chunk
+  // c is ring_block(c): rank g finishes chunk owned_block(g).
   template <class T, class Add>
-  void ring_all_reduce(int rank, const Stream& stream, T* data, std::size_t count, ReduceOp op, Add add) {
-    check(rank, stream, data, count * sizeof(T), "all_reduce");
+  void ring_all_reduce(int rank, const Stream& stream, T* data, std::size_t count, ReduceOp op, Add add,
+                       Phases phases = Phases::both) {
+    const char* name = phases == Phases::both             ? "all_reduce"
+                       : phases == Phases::reduce_scatter ? "reduce_scatter"
+                                                          : "all_gather_blocks";
+    const bool scatter = phases != Phases::all_gather, gather = phases != Phases::reduce_scatter;
+    check(rank, stream, data, count * sizeof(T), name);
     const int n = world_, g = first_ + rank;
     auto* staging = reinterpret_cast<T*>(staging_for(
         rank,
@@ -208,34 +225,38 @@ class RingCommunicator final : public Communicator {
     };
     // Counted when issued, like copies: this rank receives every chunk but its own once in
     // reduce-scatter, and every chunk but its right neighbour's once in all-gather.
-    const auto traffic = [this, n, g, chunk, bytes_of] {
+    const auto traffic = [this, n, g, chunk, bytes_of, scatter, gather] {
       for (int s = 0; s < n - 1; ++s) {
-        count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
-        count_edge(g - 1, g, bytes_of(chunk(g - s)));
-        count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
-        count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
+        if (scatter) {
+          count_edge(g - 1, g, bytes_of(chunk(g - 1 - s)));
+          count_edge(g, g + 1, 0, bytes_of(chunk(g - s)));
+        }
+        if (gather) {
+          count_edge(g - 1, g, bytes_of(chunk(g - s)));
+          count_edge(g, g + 1, 0, bytes_of(chunk(g + 1 - s)));
+        }
       }
     };
-    enqueue(rank, stream, "all_reduce", RankCall{data, nullptr, staging}, traffic,
-            [this, count, op, n, chunk, add](int r, Round& round, int tag) {
+    enqueue(rank, stream, name, RankCall{data, nullptr, staging}, traffic,
+            [this, count, op, n, chunk, add, scatter, gather, name](int r, Round& round, int tag) {
               const int g = first_ + r;
               T* mine = static_cast<T*>(round.calls[static_cast<std::size_t>(r)].data);
               T* stage = static_cast<T*>(round.calls[static_cast<std::size_t>(r)].staging);
               // Reduce-scatter: after step s, rank g holds the sum of s+2 contributions to chunk g-1-s.
-              for (int s = 0; s < n - 1; ++s) {
+              for (int s = 0; scatter && s < n - 1; ++s) {
                 const auto [begin, end] = chunk(g - 1 - s);
                 const auto [send_begin, send_end] = chunk(g - s);
                 transfer(round, r, stage, begin * sizeof(T), (end - begin) * sizeof(T), mine + send_begin,
-                         (send_end - send_begin) * sizeof(T), tag, "all_reduce");
+                         (send_end - send_begin) * sizeof(T), tag, name);
                 for (std::size_t i = begin; i < end; ++i) mine[i] = add(mine[i], stage[i - begin]);
                 step_barrier(round);
               }
               // All-gather: pass the finished chunks around the ring.
-              for (int s = 0; s < n - 1; ++s) {
+              for (int s = 0; gather && s < n - 1; ++s) {
                 const auto [begin, end] = chunk(g - s);
                 const auto [send_begin, send_end] = chunk(g + 1 - s);
                 transfer(round, r, mine + begin, begin * sizeof(T), (end - begin) * sizeof(T), mine + send_begin,
-                         (send_end - send_begin) * sizeof(T), tag, "all_reduce");
+                         (send_end - send_begin) * sizeof(T), tag, name);
                 step_barrier(round);
               }
               if (op == ReduceOp::avg) scale_to_mean(mine, count, n);

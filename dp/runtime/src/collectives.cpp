@@ -24,6 +24,29 @@ bool shares_a_gpu(const DeviceGroup& group) {
   return false;
 }
 
+BlockRange ring_block(int block, std::size_t count, int n) {
+  const auto b = static_cast<std::size_t>(block), parts = static_cast<std::size_t>(n);
+  return {count * b / parts, count * (b + 1) / parts};
+}
+
+// A reduce to each block's owner, then a broadcast from it: every backend's collectives, in the
+// same order on every rank.
+void Communicator::reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count) {
+  const int n = size();
+  for (int owner = 0; owner < n; ++owner) {
+    const BlockRange block = ring_block(owned_block(owner, n), count, n);
+    if (block.size()) reduce(rank, stream, data + block.begin, block.size(), owner);
+  }
+}
+
+void Communicator::all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count) {
+  const int n = size();
+  for (int owner = 0; owner < n; ++owner) {
+    const BlockRange block = ring_block(owned_block(owner, n), count, n);
+    if (block.size()) broadcast(rank, stream, data + block.begin, block.size() * sizeof(float), owner);
+  }
+}
+
 namespace {
 
 // What every communicator across processes needs of its processes, checked once here before one is

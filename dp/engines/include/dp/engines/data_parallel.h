@@ -15,7 +15,6 @@
 
 #include "dp/engines/engine.h"
 #include "dp/nn/batch.h"
-#include "dp/nn/clip.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/model.h"
 #include "dp/nn/optim.h"
@@ -28,6 +27,7 @@ namespace engines {
 class InputRing;
 class Replicas;
 class StepGraphs;
+class DeviceUpdate;
 class StepPipeline;
 }  // namespace engines
 
@@ -73,7 +73,7 @@ class DataParallel final : public Engine {
   // Call this before reading parameters from another stream (checkpoints, evaluation).
   void synchronize() override;
   Model& model() const override { return module_; }
-  std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
+  std::vector<Optimizer*> optimizers() override { return {optimizer_}; }
 
   Optimizer& optimizer() { return *optimizer_; }
   int output_device() const { return output_device_; }
@@ -114,8 +114,8 @@ class DataParallel final : public Engine {
   DeviceGroup group_;
   int output_device_;
   int output_rank_;
-  std::unique_ptr<Optimizer> optimizer_;
-  std::unique_ptr<GradNormClipper> clipper_;        // StepOptions::clip_grad_norm
+  std::unique_ptr<engines::DeviceUpdate> update_;   // clipping and the optimizer's update
+  Optimizer* optimizer_;                            // update_'s
   std::unique_ptr<CrossEntropyLoss> loss_;          // on the output device
   std::unique_ptr<engines::Replicas> models_;       // by rank; rank 0 is `module`
   std::vector<std::unique_ptr<Replica>> replicas_;  // by rank: streams, events, staging

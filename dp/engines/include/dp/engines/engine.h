@@ -94,7 +94,11 @@ class Engine {
  public:
   virtual ~Engine() = default;
 
+  // The kind it was made as (make_engine's EngineOptions::kind), whose launch rules it keeps.
   virtual EngineKind kind() const = 0;
+  // What runs the steps: the kind's own engine ("single", "dp", "ddp"), or "fixed shards" (for
+  // every kind with EngineOptions::shards).
+  virtual std::string_view name() const { return to_string(kind()); }
   // The devices the engine drives, in rank order (single: the model's device).
   virtual const std::vector<int>& device_ids() const = 0;
   // Host batches one forward takes (predict, and each micro-batch of a step): 1 for single and DP
@@ -192,11 +196,11 @@ struct EngineOptions {
   // batches (forward and backward), so N ranks of b samples train as one device on N*b samples.
   bool sync_batchnorm = false;
   bool check_replicas = false;  // ddp, debug: after every step, all replicas' parameters bitwise equal
-  // ddp: ZeRO stage 1 (torch's ZeroRedundancyOptimizer, DeepSpeed stage 1) when 1: global rank g
-  // keeps and updates the optimizer state of the g-th of size() equal slices of the flat parameters
-  // only, after the gradients' all-reduce, then the ranks all-gather the updated parameters. The
-  // same bits as plain DDP (the update is elementwise), optimizer state per device divided by the
-  // ranks; checkpoints stay whole (whole_optimizers()). 0: off.
+  // ddp: ZeRO stage 1 (DeepSpeed's stage 1, torch's ZeroRedundancyOptimizer) when 1: each global
+  // rank keeps and updates the optimizer state of its block of every gradient bucket only (1/n of
+  // it); the buckets are reduce-scattered as backward fills them and the updated blocks
+  // all-gathered: plain DDP's bytes per step, and on the sim its bits (zero.cpp). Checkpoints stay
+  // whole (whole_optimizers()). 0: off.
   int zero = 0;
   // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
   GradReduce grad_reduce = GradReduce::fp32;
@@ -226,7 +230,7 @@ struct EngineOptions {
   // the K micro-batches'. With shards, K micro-batches of V shards are one step of K x V shards.
   int accumulate = 1;
   // Every kind: V > 0 fixes a step's result to V shards, whatever the devices, processes and kind
-  // (Note [fixed shards], ddp.cpp): a step takes V batches, one per shard (DistributedSampler's
+  // (Note [fixed shards], fixed_shards.cpp): a step takes V batches, one per shard (DistributedSampler's
   // rank = shard), each device runs its V/P shards as forwards and backwards of their own, and the
   // gradient is the sum of the V shards' gradients in shard order. P must divide V. 0: off.
   int shards = 0;

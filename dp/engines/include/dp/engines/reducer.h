@@ -36,11 +36,16 @@ std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters,
 // gradients): half the bytes on the links, at bf16's 8-bit precision.
 enum class GradReduce { fp32, bf16 };
 
+// What a bucket's reduction leaves on each rank: the average of the whole bucket (all-reduce), or
+// the average of the rank's own block of it only (Communicator::reduce_scatter, for an optimizer
+// that updates those blocks): all-reduce's first half, half its bytes.
+enum class BucketReduction { all_reduce, reduce_scatter };
+
 class Reducer {
  public:
   // One communication stream per rank of `group`; `comm` and `group` must outlive the reducer.
   Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets,
-          GradReduce reduce = GradReduce::fp32);
+          GradReduce reduce = GradReduce::fp32, BucketReduction reduction = BucketReduction::all_reduce);
   ~Reducer();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
@@ -64,6 +69,7 @@ class Reducer {
   Communicator& comm_;
   std::vector<GradBucket> buckets_;
   GradReduce reduce_;
+  BucketReduction reduction_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "dp/engines/engine.h"
-#include "dp/nn/clip.h"
 #include "dp/nn/loss.h"
 #include "dp/nn/model.h"
 #include "dp/nn/optim.h"
@@ -21,6 +20,7 @@ namespace engines {
 class InputRing;
 class StagedBatch;
 class StepGraphs;
+class DeviceUpdate;
 class StepPipeline;
 }  // namespace engines
 
@@ -52,7 +52,7 @@ class SingleDeviceTrainer final : public Engine {
   // The steps in flight, and work enqueued on stream() by the caller.
   void synchronize() override;
   Model& model() const override { return model_; }
-  std::vector<Optimizer*> optimizers() override { return {optimizer_.get()}; }
+  std::vector<Optimizer*> optimizers() override { return {optimizer_}; }
 
   Optimizer& optimizer() { return *optimizer_; }
   const Stream& stream() const { return stream_; }
@@ -69,8 +69,8 @@ class SingleDeviceTrainer final : public Engine {
   Model& model_;
   StepOptions step_options_;
   std::vector<int> device_ids_;
-  std::unique_ptr<Optimizer> optimizer_;
-  std::unique_ptr<GradNormClipper> clipper_;  // StepOptions::clip_grad_norm
+  std::unique_ptr<engines::DeviceUpdate> update_;  // clipping and the optimizer's update
+  Optimizer* optimizer_;                           // update_'s
   CrossEntropyLoss loss_;
   Stream stream_;
   std::unique_ptr<engines::StagedBatch> batch_;  // predict's

@@ -53,8 +53,28 @@ class Communicator {
   virtual void reduce(int rank, const Stream& stream, float* data, std::size_t count, int root) = 0;
   // recv (size() * count floats) = the ranks' send buffers (count floats each), in rank order.
   virtual void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) = 0;
+  // The two halves of all_reduce(sum), for an optimizer that updates a slice of the parameters on
+  // each rank: `data` (count floats) is cut into size() blocks (ring_block); after reduce_scatter,
+  // block owned_block(g) of global rank g holds the sum over all ranks and the other blocks are
+  // undefined; all_gather_blocks then copies each rank's owned block into every rank's `data`. Each
+  // rank sends (n-1)/n of the buffer in each half, all_reduce's volume in all. The sim ring runs
+  // all_reduce's own two phases, so the summed block has all_reduce's bits; NCCL and the device ring
+  // run a reduce and a broadcast per block, which may add in another order than their all_reduce.
+  virtual void reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count);
+  virtual void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count);
   // Fails every pending and future collective instead of letting ranks wait for absent peers.
   virtual void abort() = 0;
 };
+
+// Block b of a reduce_scatter of `count` elements over n ranks: [count*b/n, count*(b+1)/n), the
+// ring all-reduce's chunks (sizes differ by at most one).
+struct BlockRange {
+  std::size_t begin = 0, end = 0;
+  std::size_t size() const { return end - begin; }
+};
+BlockRange ring_block(int block, std::size_t count, int n);
+// The block a reduce_scatter leaves summed on global rank g: a ring finishes each block on the rank
+// before the one that started it, g + 1.
+inline int owned_block(int global_rank, int n) { return (global_rank + 1) % n; }
 
 }  // namespace dp

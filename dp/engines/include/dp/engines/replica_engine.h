@@ -1,0 +1,153 @@
+// dp/engines/replica_engine.h — what the engines with a persistent replica per device share (DDP,
+// and fixed shards): the replicas, broadcast from rank 0 at construction; each rank's compute
+// stream, input rings and losses on the group's persistent workers; the communicators; the ranks'
+// updates (plain, or ZeRO's); the steps' pipeline and graphs; the loss averaged over every global
+// rank's batches. A derived engine says what a rank's forward and backward of a step are.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/engines/reducer.h"
+#include "dp/nn/batch.h"
+#include "dp/nn/model.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/process_group.h"
+
+namespace dp {
+
+namespace engines {
+class StepGraphs;
+class StepPipeline;
+class Replicas;
+class RankOptimizers;
+struct StepWork;
+struct ReplicaRank;
+}  // namespace engines
+
+class ReplicaEngine : public Engine {
+ public:
+  ~ReplicaEngine() override;
+
+  ProcessGroup& processes() const;
+  Model& replica(int rank) const;
+  Optimizer& optimizer(int rank) const;
+
+  const std::vector<int>& device_ids() const override { return group_.device_ids(); }
+  int batches_per_forward() const override { return group_.size() * forwards_per_rank_; }
+  int batches_per_step() const override { return group_.size() * batches_per_rank_; }
+  using Engine::train_step;
+  // zero_grad + forward and backward (the derived engine's) + the ranks' updates as one submission
+  // per device; the loss is the mean over every global rank's batches, the same on every process.
+  StepLoss submit_step(std::span<const Batch> batches) override;
+  // Each local rank's eval-mode forward of its batches, after the buffers' broadcast from rank 0.
+  std::vector<float> predict(std::span<const Batch> batches) override;
+  // Steps return once the loss is known; the optimizer update may still run on the devices.
+  // Call this before reading parameters from another stream (checkpoints, evaluation).
+  void synchronize() override;
+  Model& model() const override { return replica(0); }
+  std::vector<Optimizer*> optimizers() override;
+  std::uint64_t graph_replays() const override;
+  std::optional<float> last_grad_norm() override;
+  void freeze(const std::vector<Optimizer::ParamRange>& frozen) override;
+  void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) override;
+  std::vector<Optimizer*> whole_optimizers() override;
+  void whole_optimizers_loaded() override;
+
+  // Throws Error naming the first parameter and rank whose values differ from rank 0's.
+  void check_replicas_identical();
+
+ protected:
+  using Rank = engines::ReplicaRank;
+  // Whose step the engine runs: each rank's own batches' (DDP), or the fixed shards' (the only one
+  // that takes EngineOptions::shards).
+  enum class Step { per_rank, fixed_shards };
+  // The group, the replicas and the gradients' communicator (collective across processes).
+  ReplicaEngine(Runtime& runtime, Model& module, const EngineOptions& options, Step step);
+  // The rest, once the derived engine knows its batches per rank: per step (batches_per_rank) and
+  // per forward (forwards_per_rank); `ordered_batchnorm`: BatchNormSync::ordered. Broadcasts the
+  // parameters and buffers from rank 0 and zeroes the gradients. Returns the gradient buckets.
+  std::vector<GradBucket> start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                                int batches_per_rank, int forwards_per_rank, bool ordered_batchnorm);
+
+  // Rank r's forward(s) and backward(s) of a training step's `mine` (its batches_of), reading its
+  // rings' slot `slot`, each loss copied to the rank's host_loss floats of the slot and loss_ready
+  // recorded (not while capturing). `sync`: the gradients are reduced (begin_forward's answer).
+  virtual void enqueue_forward_backward_step(int r, std::span<const Batch> mine, bool sync, int slot) = 0;
+  // Throws InvalidArgument for batches a step (training) or a forward cannot take.
+  virtual void check_batches(std::span<const Batch> batches, bool training) const = 0;
+  // Whether buffers are broadcast from rank 0 before a forward (torch's broadcast_buffers).
+  virtual bool broadcasts_buffers() const = 0;
+  // Whether this forward's backward reduces the gradients (DDP's no_sync says not).
+  virtual bool sync_now() const { return true; }
+  // Work on rank r's side streams that synchronize() waits for too.
+  virtual void synchronize_rank(int /*r*/) {}
+
+  // Before a forward, on the caller: whether buffers are broadcast first (torch 1.13: unless the
+  // previous forward ran inside no_sync), and SyncBatchNorm's global sample count. Returns whether
+  // this forward's backward reduces. `stride`: rank r's (first) batch is batches[r * stride].
+  bool begin_forward(std::span<const Batch> batches, bool& broadcast_buffers, int stride = 1);
+  // Runs task(rank) on every rank; on a failure anywhere, aborts the communicators at once (peers
+  // may be waiting in their collectives) and rethrows.
+  void run_ranks(const std::function<void(int rank)>& task);
+  void abort_communicators();
+  void broadcast_from_rank0(bool parameters, bool buffers);
+  // Rank r's share of broadcast_from_rank0, zero_grad and step, enqueued on its compute stream.
+  void enqueue_broadcast(int r, bool parameters, bool buffers);
+  void enqueue_zero_grad(int r);
+  void enqueue_step(int r);
+  void zero_grads();  // every rank's, after the steps in flight
+  // On the caller: the join stream waits for every rank's loss of `slot` (one host wait then).
+  void join_losses(int slot);
+  const Event& losses_ready(int slot) const;
+  // On the caller: waits for every rank's losses of `slot` and returns their mean over all global ranks.
+  float wait_for_loss(int slot);
+  // Rank r's batches of a step's `batches`.
+  std::span<const Batch> batches_of(int r, std::span<const Batch> batches) const;
+  // Rank r's local state.
+  Rank& rank(int r) const { return *ranks_[static_cast<std::size_t>(r)]; }
+  // Drains the steps in flight (their failures are reported here).
+  void drain();
+  // What the ranks' updates need of the gradients' reduction (ZeRO's blocks, or every gradient).
+  BucketReduction bucket_reduction() const;
+  // The steps in flight ended and every rank's compute stream idle, reporting no failure (the steps
+  // did): a derived engine's destructor calls it before its own members go.
+  void quiesce() noexcept;
+
+  EvalTotals reduce_totals(std::span<const EvalTotals> per_batch) override;
+
+  DeviceGroup group_;
+  EngineOptions options_;
+  std::shared_ptr<ProcessGroup> processes_;
+  std::unique_ptr<Communicator> comm_;  // the gradients'
+  int batches_per_rank_ = 1;
+
+ private:
+  std::unique_ptr<Rank> make_rank(int r, Runtime& runtime, bool ordered_batchnorm);
+  // Rank r's whole train_step (zero_grad, forward, backward, update), enqueued.
+  void enqueue_train_step(int r, std::span<const Batch> batches, bool sync, bool broadcast, int slot);
+  // submit_step's work in its three forms (engines::StepGraphs::run picks one): every rank's step
+  // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
+  engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
+
+  int forwards_per_rank_ = 1;
+  std::unique_ptr<engines::Replicas> replicas_;
+  std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only
+  std::unique_ptr<engines::RankOptimizers> updates_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  bool require_forward_param_sync_ = true;
+  std::unique_ptr<engines::StepGraphs> graphs_;
+  Stream loss_join_;                                 // on rank 0's device: waits for every rank's loss
+  std::array<Event, kStepsInFlight> losses_ready_;   // per pipeline slot, recorded there once it has
+  std::unique_ptr<engines::StepPipeline> pipeline_;  // last: waited for before the rest goes
+};
+
+}  // namespace dp

@@ -1,0 +1,123 @@
+// fixed_shards.cpp — the fixed-shards engine: every shard its own forward and backward, the shards'
+// gradients all-gathered and added in shard order.
+#include "fixed_shards.h"
+
+#include <fmt/format.h>
+
+#include "batches.h"
+#include "dp/kernels/ops.h"
+#include "dp/runtime/error.h"
+#include "replica_rank.h"
+
+namespace dp::engines {
+
+FixedShards::FixedShards(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                         const EngineOptions& options, EngineKind as)
+    : ReplicaEngine(runtime, module, check_applies(as, options), Step::fixed_shards), as_(as) {
+  const int devices = comm_->size();
+  if (options_.shards <= 0) throw InvalidArgument(fmt::format("fixed shards need shards > 0, not {}", options_.shards));
+  if (options_.shards % devices != 0)
+    throw InvalidArgument(
+        fmt::format("{} shards cannot be spread evenly over {} device(s): the device count must divide the shards",
+                    options_.shards, devices));
+  shards_ = options_.shards * options_.accumulate;
+  const int per_rank = shards_ / devices;
+  // SyncBatchNorm needs every shard's forward at each BatchNorm at once: a replica per shard.
+  if (options_.sync_batchnorm && per_rank != 1)
+    throw InvalidArgument(
+        fmt::format("sync_batchnorm with {} shards needs a device per shard, not {}: {} dp devices (on fewer GPUs, "
+                    "several on each: RuntimeOptions::devices_per_gpu)",
+                    options_.shards, devices, options_.shards));
+  scratch_.resize(static_cast<std::size_t>(group_.size()));
+  (void)start(runtime, module, optimizer, per_rank, per_rank, true);
+}
+
+FixedShards::~FixedShards() { quiesce(); }
+
+// Note [fixed shards]
+// With EngineOptions::shards = V, a step is the step of DataParallel over V devices, whatever P
+// devices (and processes) run it: shard s is its own forward and backward (BatchNorm statistics of
+// its own samples, Dropout keyed by the shard's first sample in the step's batch, not by a rank),
+// every shard's loss a mean over the global batch (so its gradient is its share of the global
+// mean's), and the gradient the optimizer sees is
+//     g = (...((g_0 + g_1) + g_2) + ... ) + g_{V-1}     in fp32, in shard order,
+// a function of the V shard gradients alone. Each rank keeps its V/P shards' gradients, an
+// all-gather gives every rank all V in shard order (global rank k holds shards [kV/P, (k+1)V/P)),
+// and each rank adds them in that fixed order: no collective's algorithm or rank count can change
+// a bit, on any backend. Cost per step and rank: V/P + V gradient copies of memory, an all-gather
+// of V gradients (each rank receives (V - V/P) x 4 bytes per parameter, against 2(P-1)/P x 4 for a
+// ring all-reduce: the same at V = P = 2) and V - 1 passes of additions. The sum is the fp32 sum
+// of a sequential loop, as accurate as the ring's. The logged loss is the shards' losses, added in
+// shard order. Running statistics are shard 0's, as DataParallel keeps the source replica's: rank 0
+// saves them after shard 0's forward and puts them back after its other shards'; every replica
+// starts the next step from them (buffers broadcast from rank 0). SyncBatchNorm needs every shard's
+// forward at each BatchNorm at once: there each rank holds one shard (a replica per shard, on fewer
+// GPUs as virtual devices), and BatchNorm's sums over the ranks are order-free as the gradient's
+// (BatchNormSync::ordered); the running statistics are then the combined ones, on every replica.
+void FixedShards::enqueue_forward_backward_step(int r, std::span<const Batch> shards, bool, int slot) {
+  Rank& mine = rank(r);
+  Scratches& scratch = scratch_[static_cast<std::size_t>(r)];
+  Model& m = *mine.model;
+  Device& device = group_.device(r);
+  const SampleSize sample = sample_size(m);
+  const std::size_t n = m.param_count();
+  const auto count = static_cast<std::size_t>(batches_per_rank_);
+  const int shard_size = shards[0].size;
+  const int global_batch = shard_size * shards_;
+  const int first_shard = (comm_->first_rank() + r) * batches_per_rank_;
+  float* grad_output = mine.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * sample.logits);
+  const int rows = shard_size * static_cast<int>(sample.targets);
+  float* own = scratch.shard_grads.get<float>(device, count * n);
+  float* all = scratch.all_grads.get<float>(device, static_cast<std::size_t>(shards_) * n);
+  const bool keep_shard0_buffers = first_shard == 0 && count > 1 && m.buffers_bytes() > 0;
+  void* saved = keep_shard0_buffers ? scratch.saved_buffers.get<char>(device, m.buffers_bytes()) : nullptr;
+  for (std::size_t i = 0; i < count; ++i) {
+    const int shard = first_shard + static_cast<int>(i);
+    if (i > 0) m.zero_grad(mine.compute);
+    m.set_random_context({options_.step.seed, static_cast<std::uint64_t>(mine.optimizer->steps()),
+                          static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
+    const float* logits = m.forward(mine.compute, mine.rings[i]->inputs(slot), shard_size, Mode::train);
+    if (saved && i == 0) mine.compute.copy(saved, m.buffers_flat(), m.buffers_bytes());
+    const float* loss =
+        mine.loss->forward_backward(mine.compute, logits, mine.rings[i]->targets(slot), rows, sample.classes,
+                                    grad_output, global_batch * static_cast<int>(sample.targets), 1.0f);
+    mine.compute.copy(mine.loss_slot(slot, static_cast<int>(i), batches_per_rank_), loss, sizeof(float));
+    m.backward(mine.compute, grad_output, {});
+    mine.compute.copy(own + i * n, m.grads_flat(), n * sizeof(float));
+  }
+  if (saved) mine.compute.copy(m.buffers_flat(), saved, m.buffers_bytes());
+  comm_->all_gather(r, mine.compute, own, all, count * n);
+  float* grads = m.grads_flat();
+  const auto elements = static_cast<kernels::index_t>(n);
+  if (shards_ == 1)
+    mine.compute.copy(grads, all, n * sizeof(float));
+  else
+    kernels::add(mine.compute, elements, all, all + n, grads);
+  for (int s = 2; s < shards_; ++s)
+    kernels::add(mine.compute, elements, grads, all + static_cast<std::size_t>(s) * n, grads);
+  if (!mine.compute.capturing()) mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
+}
+
+void FixedShards::check_batches(std::span<const Batch> batches, bool training) const {
+  const int expected = training ? batches_per_step() : batches_per_forward();
+  if (static_cast<int>(batches.size()) != expected)
+    throw InvalidArgument(
+        fmt::format("a step with {} shards on {} device(s) here takes {} batches, one per shard: got {}", shards_,
+                    group_.size(), expected, batches.size()));
+  // Every shard of a step the same size: the shards, and so the result, are those of every device count.
+  if (training)
+    for (std::size_t b = 1; b < batches.size(); ++b)
+      if (batches[b].size != batches[0].size)
+        throw InvalidArgument(
+            fmt::format("the shards of a step must be the same size: shard {} has {} samples, shard {} has {}",
+                        first_rank(), batches[0].size, first_rank() + static_cast<int>(b), batches[b].size));
+  for (std::size_t r = 0; r < batches.size(); ++r) {
+    if (batches[r].size < (training ? 1 : 0))
+      throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
+    if (batches[r].size == 0) continue;
+    if (!batches[r].inputs || (training && !batches[r].targets))
+      throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
+  }
+}
+
+}  // namespace dp::engines

@@ -1,0 +1,55 @@
+// rank_optimizers.h — how the ranks of a DDP engine turn their reduced gradients into parameters,
+// behind one interface: each rank's own whole update (torch's DDP: every replica steps the same
+// gradients), or each global rank updating its part only (ZeRO, zero.cpp). The engine calls these
+// on each rank's worker and knows neither.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "dp/engines/engine.h"
+#include "dp/engines/reducer.h"
+#include "dp/nn/model.h"
+#include "dp/nn/optim.h"
+#include "dp/runtime/device_group.h"
+#include "dp/runtime/process_group.h"
+
+namespace dp::engines {
+
+class RankOptimizers {
+ public:
+  virtual ~RankOptimizers() = default;
+  // What the Reducer does with each gradient bucket before step() runs.
+  virtual BucketReduction reduction() const = 0;
+  // Rank r's clipping and update, enqueued on `stream` (its compute stream) after the reduction.
+  virtual void step(int r, const Stream& stream, Model& model) = 0;
+  // Rank r's optimizer: the one whose steps() and lr the engine reads and sets.
+  virtual Optimizer& optimizer(int r) const = 0;
+  // Rank 0's total gradient norm of the last step (the steps have run), or none unclipped.
+  virtual std::optional<float> last_grad_norm() const = 0;
+  // Engine::freeze and exclude_from_weight_decay, with ranges of the whole flat buffer.
+  virtual void freeze(const std::vector<Optimizer::ParamRange>& frozen) = 0;
+  virtual void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) = 0;
+  // Engine::whole_optimizers and whole_optimizers_loaded (the steps have run).
+  virtual std::vector<Optimizer*> whole() = 0;
+  virtual void whole_loaded() {}
+  // Fails the collectives of its own communicator, if it has one (a rank failed).
+  virtual void abort() {}
+};
+
+// The ranks' updates for `options` (EngineOptions::zero). Collective across processes when it makes
+// a communicator (every process calls it at the same point). `group` must outlive it.
+std::unique_ptr<RankOptimizers> make_rank_optimizers(const DeviceGroup& group,
+                                                     const std::shared_ptr<ProcessGroup>& processes,
+                                                     const std::vector<GradBucket>& buckets, std::size_t params,
+                                                     const OptimizerOptions& optimizer, const EngineOptions& options);
+
+// ZeRO stage 1 (zero.cpp).
+std::unique_ptr<RankOptimizers> make_zero_optimizers(const DeviceGroup& group,
+                                                     const std::shared_ptr<ProcessGroup>& processes,
+                                                     const std::vector<GradBucket>& buckets, std::size_t params,
+                                                     const OptimizerOptions& optimizer, const EngineOptions& options);
+
+}  // namespace dp::engines

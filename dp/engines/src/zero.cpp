@@ -1,0 +1,207 @@
+// zero.cpp — ZeRO stage 1 (DeepSpeed's stage 1; torch's ZeroRedundancyOptimizer without its extra
+// all-reduce): each global rank keeps and updates the optimizer state of its part of the parameters
+// only. Its part is, in every gradient bucket, the block a reduce-scatter leaves summed on it
+// (Communicator::reduce_scatter): the Reducer reduce-scatters each bucket as backward fills it
+// (overlapped, as DDP's all-reduce), each rank updates its blocks (packed into one slice, so the
+// optimizer's update is one call), and the ranks all-gather the updated blocks. Each rank sends
+// 2(n-1)/n of the parameters per step, DDP's all-reduce volume, and keeps 1/n of the optimizer
+// state (within a bucket's rounding). The sum of a block is all_reduce's on the sim ring and the
+// update elementwise, so the parameters are plain DDP's bit for bit there; NCCL may sum a
+// reduce-scatter in another order than its all-reduce. Clipping needs every tensor's whole
+// averaged gradient (its per-tensor norms), and bf16 compression has no reduce-scatter: with either,
+// the buckets are all-reduced as DDP's and each rank still updates its part only.
+#include <algorithm>
+#include <fmt/format.h>
+
+#include "device_update.h"
+#include "dp/kernels/ops.h"
+#include "dp/runtime/collectives.h"
+#include "dp/runtime/error.h"
+#include "dp/runtime/scratch.h"
+#include "rank_optimizers.h"
+
+namespace dp::engines {
+namespace {
+
+// A rank's block of one bucket: `count` floats at `flat` in the whole buffer, at `packed` in its slice.
+struct Block {
+  std::size_t flat = 0, count = 0, packed = 0;
+};
+
+class ZeroUpdates final : public RankOptimizers {
+ public:
+  ZeroUpdates(const DeviceGroup& group, const std::shared_ptr<ProcessGroup>& processes,
+              const std::vector<GradBucket>& buckets, std::size_t params, const OptimizerOptions& optimizer,
+              const EngineOptions& options)
+      : group_(group),
+        buckets_(buckets),
+        params_(params),
+        optimizer_options_(optimizer),
+        // Its own communicator: the all-gathers run on the compute streams, the buckets' reductions
+        // on the communication streams (one order of collectives per communicator).
+        comm_(Communicator::create(group, processes)),
+        trainable_{{0, params}} {
+    const bool whole_gradients = options.step.clip_grad_norm > 0.0 || options.grad_reduce == GradReduce::bf16;
+    reduction_ = whole_gradients ? BucketReduction::all_reduce : BucketReduction::reduce_scatter;
+    const int n = comm_->size();
+    for (int r = 0; r < group.size(); ++r) {
+      auto rank = std::make_unique<Rank>();
+      const int g = comm_->first_rank() + r;
+      for (const GradBucket& bucket : buckets_) {
+        const BlockRange block = ring_block(owned_block(g, n), bucket.count, n);
+        if (block.size() == 0) continue;
+        rank->blocks.push_back({bucket.offset + block.begin, block.size(), rank->count});
+        rank->count += block.size();
+      }
+      if (rank->count == 0)
+        throw InvalidArgument(
+            fmt::format("ZeRO-1: the model's {} trainable parameters in {} bucket(s) leave global "
+                        "rank {} of {} nothing to update",
+                        params, buckets_.size(), g, n));
+      rank->update =
+          std::make_unique<DeviceUpdate>(group.device(r), rank->count, optimizer, options.step.clip_grad_norm);
+      rank->stream = group.device(r).create_stream();
+      ranks_.push_back(std::move(rank));
+    }
+  }
+
+  BucketReduction reduction() const override { return reduction_; }
+
+  void step(int r, const Stream& stream, Model& model) override {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    Device& device = group_.device(r);
+    rank.update->clip(stream, model, trainable_);
+    float* params = model.params_flat();
+    const float* grads = model.grads_flat();
+    float* slice = rank.params.get<float>(device, rank.count);
+    float* slice_grads = rank.grads.get<float>(device, rank.count);
+    for (const Block& b : rank.blocks) {
+      stream.copy(slice + b.packed, params + b.flat, b.count * sizeof(float));
+      stream.copy(slice_grads + b.packed, grads + b.flat, b.count * sizeof(float));
+    }
+    rank.update->optimizer().step(stream, slice, slice_grads);
+    for (const Block& b : rank.blocks) stream.copy(params + b.flat, slice + b.packed, b.count * sizeof(float));
+    gather(r, stream, params);
+  }
+
+  Optimizer& optimizer(int r) const override { return ranks_.at(static_cast<std::size_t>(r))->update->optimizer(); }
+  std::optional<float> last_grad_norm() const override { return ranks_[0]->update->last_grad_norm(); }
+
+  void freeze(const std::vector<Optimizer::ParamRange>& frozen) override {
+    trainable_ = trainable_ranges(params_, frozen);
+    frozen_ = frozen;
+    for (auto& rank : ranks_) rank->update->optimizer().freeze(in_slice(*rank, frozen));
+  }
+  void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) override {
+    (void)trainable_ranges(params_, ranges);  // the bounds check, before any rank
+    no_decay_ = ranges;
+    for (auto& rank : ranks_) rank->update->optimizer().exclude_from_weight_decay(in_slice(*rank, ranges));
+  }
+
+  // Every state buffer of every rank's slice put at its blocks' places in a zeroed whole buffer (a
+  // parameter in no bucket is frozen: plain DDP's state is zero there too) and gathered.
+  std::vector<Optimizer*> whole() override {
+    whole_ = make_optimizer(group_.device(0), params_, optimizer_options_);
+    whole_->freeze(frozen_);
+    whole_->exclude_from_weight_decay(no_decay_);
+    const std::size_t buffers = ranks_[0]->update->optimizer().state().size();
+    for (std::size_t k = 0; k < buffers; ++k) {
+      float* whole = whole_->state()[k].data;
+      run([&](int r) {
+        Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+        float* all = rank.whole.get<float>(group_.device(r), params_);
+        kernels::fill(rank.stream, all, static_cast<kernels::index_t>(params_), 0.0f);
+        const float* state = rank.update->optimizer().state()[k].data;
+        for (const Block& b : rank.blocks) rank.stream.copy(all + b.flat, state + b.packed, b.count * sizeof(float));
+        gather(r, rank.stream, all);
+        if (r == 0) rank.stream.copy(whole, all, params_ * sizeof(float));
+        rank.stream.synchronize();
+      });
+    }
+    whole_->set_steps(ranks_[0]->update->optimizer().steps());
+    return {whole_.get()};
+  }
+
+  void whole_loaded() override {
+    if (!whole_) return;
+    const std::size_t buffers = whole_->state().size();
+    group_.run([&](int r) {
+      Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+      Optimizer& mine = rank.update->optimizer();
+      for (std::size_t k = 0; k < buffers; ++k)
+        for (const Block& b : rank.blocks)
+          rank.stream.copy(mine.state()[k].data + b.packed, whole_->state()[k].data + b.flat, b.count * sizeof(float));
+      rank.stream.synchronize();
+      mine.set_steps(whole_->steps());
+    });
+    whole_.reset();
+  }
+
+  void abort() override { comm_->abort(); }
+
+ private:
+  struct Rank {
+    std::vector<Block> blocks;  // in bucket order
+    std::size_t count = 0;      // floats in all its blocks
+    std::unique_ptr<DeviceUpdate> update;
+    Scratch params, grads, whole;  // its slice of the parameters and gradients; a whole state buffer
+    Stream stream;                 // checkpoints' gathers
+  };
+
+  // Every rank's blocks of `data` (the whole flat buffer) into every rank's, bucket by bucket.
+  void gather(int r, const Stream& stream, float* data) {
+    if (comm_->size() == 1) return;
+    for (const GradBucket& bucket : buckets_) comm_->all_gather_blocks(r, stream, data + bucket.offset, bucket.count);
+  }
+
+  // Each of the whole buffer's `ranges`' parts inside the rank's blocks, at their places in its slice.
+  static std::vector<Optimizer::ParamRange> in_slice(const Rank& rank,
+                                                     const std::vector<Optimizer::ParamRange>& ranges) {
+    std::vector<Optimizer::ParamRange> mine;
+    for (const Block& b : rank.blocks)
+      for (const Optimizer::ParamRange& f : ranges) {
+        const std::size_t lo = std::max(f.offset, b.flat), hi = std::min(f.offset + f.count, b.flat + b.count);
+        if (lo < hi) mine.push_back({b.packed + (lo - b.flat), hi - lo});
+      }
+    return mine;
+  }
+
+  // task(rank) on every rank; a failure anywhere aborts the gathers its peers may wait in.
+  void run(const std::function<void(int)>& task) {
+    try {
+      group_.run([&](int r) {
+        try {
+          task(r);
+        } catch (...) {
+          comm_->abort();
+          throw;
+        }
+      });
+    } catch (...) {
+      comm_->abort();
+      throw;
+    }
+  }
+
+  const DeviceGroup& group_;
+  std::vector<GradBucket> buckets_;
+  std::size_t params_;
+  OptimizerOptions optimizer_options_;
+  std::unique_ptr<Communicator> comm_;
+  BucketReduction reduction_ = BucketReduction::reduce_scatter;
+  std::vector<Optimizer::ParamRange> trainable_;          // of the whole buffer (clipping)
+  std::vector<Optimizer::ParamRange> frozen_, no_decay_;  // of the whole buffer: the whole optimizer's
+  std::unique_ptr<Optimizer> whole_;                      // while a checkpoint asks for it
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+}  // namespace
+
+std::unique_ptr<RankOptimizers> make_zero_optimizers(const DeviceGroup& group,
+                                                     const std::shared_ptr<ProcessGroup>& processes,
+                                                     const std::vector<GradBucket>& buckets, std::size_t params,
+                                                     const OptimizerOptions& optimizer, const EngineOptions& options) {
+  return std::make_unique<ZeroUpdates>(group, processes, buckets, params, optimizer, options);
+}
+
+}  // namespace dp::engines

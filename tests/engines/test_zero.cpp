@@ -1,0 +1,155 @@
+// test_zero.cpp — ZeRO stage 1 at the engine level, on 2-4 simulated devices: its parameters, whole
+// optimizer state and losses are plain DDP's bit for bit (SGD with momentum and AdamW, several
+// buckets, a frozen layer, decay groups), each rank keeps a 1/n slice of the state, a checkpoint's
+// whole state goes back into the slices, and a step moves plain DDP's bytes.
+#include <cstring>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "ddp_data.h"
+#include "dp/engines/engine.h"
+#include "dp/models/mlp.h"
+#include "dp/runtime/error.h"
+#include "test_util.h"
+
+namespace dp {
+namespace {
+
+std::vector<float> download(const Device& device, const float* data, std::size_t count) {
+  Stream s = const_cast<Device&>(device).create_stream();
+  std::vector<float> out(count);
+  s.copy(out.data(), data, count * sizeof(float));
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct ZeroRun {
+  std::unique_ptr<Runtime> runtime;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Engine> engine;
+  std::vector<float> losses;
+  std::uint64_t sent = 0;  // by every device, over the steps
+
+  ZeroRun(int n, int zero, const OptimizerOptions& optimizer, const std::vector<std::string>& frozen) {
+    runtime = test::sim_runtime(n);
+    model = models::make_mlp(runtime->device(0), {48, 24}, 5);
+    EngineOptions options;
+    options.kind = EngineKind::ddp;
+    options.zero = zero;
+    options.first_bucket_mb = 1000.0 / (1 << 20);  // several buckets, each cut in n blocks
+    options.bucket_cap_mb = 20000.0 / (1 << 20);
+    options.frozen = frozen;
+    options.weight_decay_on = WeightDecayOn::matrices;
+    engine = make_engine(*runtime, *model, optimizer, options);
+  }
+  void train(const test::Data& data, int steps, int per_rank) {
+    const int n = engine->world_size();
+    runtime->reset_link_traffic();
+    for (int s = 0; s < steps; ++s)
+      losses.push_back(engine->train_step(test::shards(data, s * n * per_rank, n, per_rank)));
+    engine->synchronize();
+    for (const int d : engine->device_ids()) sent += runtime->bytes_sent(d);
+  }
+  std::vector<float> params() const {
+    return download(engine->model().device(), engine->model().params_flat(), engine->model().param_count());
+  }
+  // The whole optimizer state, buffer after buffer, as a checkpoint holds it.
+  std::vector<float> whole_state() {
+    std::vector<float> out;
+    Optimizer& whole = *engine->whole_optimizers()[0];
+    for (const auto& buffer : whole.state()) {
+      const auto v = download(runtime->device(engine->device_ids()[0]), buffer.data, whole.param_count());
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+  }
+};
+
+class ZeroOne : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Devices, ZeroOne, ::testing::Values(2, 3, 4));
+
+TEST_P(ZeroOne, IsPlainDdpBitForBitWithASliceOfTheState) {
+  const int n = GetParam();
+  const int steps = 6, per_rank = 3;
+  const test::Data data = test::make_data(steps * n * per_rank, 11);
+  const std::vector<std::pair<std::string, OptimizerOptions>> optimizers = {
+      {"sgd", SgdOptions{0.05f, 0.9f, 1e-3f, false}}, {"adamw", AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1}}};
+  for (const auto& [name, optimizer] : optimizers) {
+    for (const std::vector<std::string>& frozen : {std::vector<std::string>{}, std::vector<std::string>{"fc2"}}) {
+      SCOPED_TRACE(fmt::format("{} devices, {}, {} frozen", n, name, frozen.size()));
+      ZeroRun plain(n, 0, optimizer, frozen), zero(n, 1, optimizer, frozen);
+      plain.train(data, steps, per_rank);
+      zero.train(data, steps, per_rank);
+      EXPECT_TRUE(same_bits(plain.losses, zero.losses));
+      EXPECT_TRUE(same_bits(plain.params(), zero.params())) << "parameters differ";
+      EXPECT_TRUE(same_bits(plain.whole_state(), zero.whole_state())) << "optimizer state differs";
+      // The buckets reduce-scattered, the parameters all-gathered: plain DDP's bytes.
+      EXPECT_EQ(zero.sent, plain.sent);
+      // Each rank's state covers its blocks of every bucket: 1/n of the trainable parameters.
+      std::size_t slices = 0;
+      for (Optimizer* o : zero.engine->optimizers()) {
+        const std::size_t count = o->param_count();
+        EXPECT_LE(count, plain.model->param_count() / static_cast<std::size_t>(n) + 8);
+        slices += count;
+      }
+      std::size_t trainable = 0;
+      for (const auto& range : plain.engine->optimizers()[0]->trainable()) trainable += range.count;
+      EXPECT_EQ(slices, trainable) << "the slices cover the trainable parameters once";
+    }
+  }
+}
+
+// A checkpoint's whole state, loaded back, goes into the slices: training on from it is training
+// on without the round trip.
+TEST_P(ZeroOne, WholeStateGoesBackIntoTheSlices) {
+  const int n = GetParam();
+  const int per_rank = 2;
+  const test::Data data = test::make_data(8 * n * per_rank, 3);
+  const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.0};
+  ZeroRun straight(n, 1, adamw, {}), resumed(n, 1, adamw, {});
+  straight.train(data, 8, per_rank);
+  resumed.train(data, 4, per_rank);
+  // Scramble the slices, then load the whole state gathered before.
+  const std::vector<float> state = resumed.whole_state();
+  Optimizer& whole = *resumed.engine->whole_optimizers()[0];
+  const auto optimizers = resumed.engine->optimizers();
+  for (std::size_t r = 0; r < optimizers.size(); ++r) {
+    Optimizer* o = optimizers[r];
+    Stream s = resumed.runtime->device(resumed.engine->device_ids()[r]).create_stream();
+    const std::vector<float> junk(o->param_count(), 7.0f);
+    for (const auto& buffer : o->state()) s.copy(buffer.data, junk.data(), junk.size() * sizeof(float));
+  }
+  Stream s = resumed.runtime->device(resumed.engine->device_ids()[0]).create_stream();
+  std::size_t at = 0;
+  for (const auto& buffer : whole.state()) {
+    s.copy(buffer.data, state.data() + at, whole.param_count() * sizeof(float));
+    at += whole.param_count();
+  }
+  s.synchronize();
+  resumed.engine->whole_optimizers_loaded();
+  const test::Data rest{std::vector<float>(data.x.begin() + 4 * n * per_rank * 784, data.x.end()),
+                        std::vector<std::int64_t>(data.y.begin() + 4 * n * per_rank, data.y.end())};
+  resumed.train(rest, 4, per_rank);
+  EXPECT_TRUE(same_bits(straight.params(), resumed.params()));
+}
+
+TEST(ZeroOneRefuses, AModelThatLeavesARankNothingToUpdate) {
+  auto runtime = test::sim_runtime(4);
+  auto model = models::make_mlp(runtime->device(0), {}, 1);  // one bucket of 7850 floats: every rank has a block
+  EngineOptions options;
+  options.kind = EngineKind::ddp;
+  options.zero = 1;
+  options.frozen = {"fc1"};  // nothing left to train
+  try {
+    make_engine(*runtime, *model, SgdOptions{}, options);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("leave global rank 0 of 4 nothing to update"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dp
