@@ -11,6 +11,7 @@
 #include "dp/models/convnet.h"
 #include "dp/models/gpt.h"
 #include "dp/models/mlp.h"
+#include "dp/models/registry.h"
 #include "dp/models/resnet.h"
 #include "dp/nn/sequential.h"
 #include "dp/runtime/error.h"
@@ -58,24 +59,15 @@ nn::Layers convnet_layers() {
 
 }  // namespace detail
 
-namespace {
-
-// A SequentialModel of `layers` on `device`, initialised from `seed`.
-std::unique_ptr<SequentialModel> initialized(const std::string& name, Device& device, Layers layers,
-                                             std::vector<std::int64_t> input_shape, std::uint64_t seed) {
-  auto model = std::make_unique<SequentialModel>(name, device, std::move(layers), std::move(input_shape));
-  model->initialize(seed);
-  return model;
-}
-
-}  // namespace
-
 std::unique_ptr<Model> make_mlp(Device& device, const std::vector<int>& hidden, std::uint64_t seed, double dropout) {
-  return initialized("mlp", device, detail::mlp_layers(hidden, dropout), {1, 28, 28}, seed);
+  ModelArgs args;
+  args.hidden = hidden;
+  args.dropout = dropout;
+  return model_spec("mlp").build(device, args, seed);
 }
 
 std::unique_ptr<Model> make_convnet(Device& device, std::uint64_t seed) {
-  return initialized("convnet", device, detail::convnet_layers(), {1, 28, 28}, seed);
+  return model_spec("convnet").build(device, {}, seed);
 }
 
 namespace {
@@ -120,18 +112,18 @@ void normal_init(Model& model, std::uint64_t seed, StdOf std_of) {
   }
 }
 
+}  // namespace
+
 // torchvision's ResNet.__init__ re-initialises every convolution with
 // kaiming_normal_(mode="fan_out", nonlinearity="relu"): N(0, 2 / (out_channels * kh * kw)). Without
 // it the 7x7 stem and 16 blocks of the default (fan-in uniform, a = sqrt(5)) init shrink the signal
 // layer after layer.
-void torchvision_conv_init(Model& model, std::uint64_t seed) {
+void detail::torchvision_conv_init(Model& model, std::uint64_t seed) {
   normal_init(model, seed, [](const TensorRef& p) -> std::optional<double> {
     if (p.shape.size() != 4) return std::nullopt;  // the convolutions' weights: out x in x kh x kw
     return std::sqrt(2.0 / static_cast<double>(p.shape[0] * p.shape[2] * p.shape[3]));
   });
 }
-
-}  // namespace
 
 namespace detail {
 
@@ -178,29 +170,22 @@ nn::Layers resnet8_layers() {
 
 }  // namespace detail
 
-namespace {
-
-std::unique_ptr<Model> make_basic_resnet(const std::string& name, Device& device,
-                                         const std::array<int, 4>& blocks_per_stage, int num_classes, int image_size,
-                                         std::uint64_t seed) {
-  auto model = initialized(name, device, detail::basic_resnet_layers(name, blocks_per_stage, num_classes, image_size),
-                           {3, image_size, image_size}, seed);
-  torchvision_conv_init(*model, seed);
-  return model;
-}
-
-}  // namespace
-
 std::unique_ptr<Model> make_resnet18(Device& device, int num_classes, int image_size, std::uint64_t seed) {
-  return make_basic_resnet("resnet18", device, {2, 2, 2, 2}, num_classes, image_size, seed);
+  ModelArgs args;
+  args.num_classes = num_classes;
+  args.image_size = image_size;
+  return model_spec("resnet18").build(device, args, seed);
 }
 
 std::unique_ptr<Model> make_resnet34(Device& device, int num_classes, int image_size, std::uint64_t seed) {
-  return make_basic_resnet("resnet34", device, {3, 4, 6, 3}, num_classes, image_size, seed);
+  ModelArgs args;
+  args.num_classes = num_classes;
+  args.image_size = image_size;
+  return model_spec("resnet34").build(device, args, seed);
 }
 
 std::unique_ptr<Model> make_resnet8(Device& device, std::uint64_t seed) {
-  return initialized("resnet8", device, detail::resnet8_layers(), {1, 28, 28}, seed);
+  return model_spec("resnet8").build(device, {}, seed);
 }
 
 std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout) {
@@ -250,15 +235,17 @@ nn::Layers gpt_layers(const GptConfig& config) {
 
 }  // namespace detail
 
-std::unique_ptr<Model> make_gpt(Device& device, const GptConfig& config, std::uint64_t seed) {
-  auto model = initialized("gpt", device, detail::gpt_layers(config), {config.context}, seed);
+void detail::gpt_init(Model& model, const GptConfig& config, std::uint64_t seed) {
   const double residual_std = 0.02 / std::sqrt(2.0 * config.layers);
-  normal_init(*model, seed, [&](const TensorRef& p) -> std::optional<double> {
+  normal_init(model, seed, [&](const TensorRef& p) -> std::optional<double> {
     if (p.shape.size() == 2) return p.name.ends_with(".c_proj.weight") ? residual_std : 0.02;
     if (p.name.find(".ln_") != std::string::npos) return std::nullopt;  // LayerNorms 1 and 0, as initialised
     return 0.0;                                                         // the Linears' biases
   });
-  return model;
+}
+
+std::unique_ptr<Model> make_gpt(Device& device, const GptConfig& config, std::uint64_t seed) {
+  return model_spec("gpt").build(device, {.dropout = config.dropout, .gpt = config}, seed);
 }
 
 }  // namespace dp::models

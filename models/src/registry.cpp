@@ -1,5 +1,6 @@
-// registry.cpp — the reference models by name (dp/models/registry.h): their arguments, inputs and
-// builders, and the sizes and FLOPs their layers add up to.
+// registry.cpp — the reference models by name (dp/models/registry.h), each written once here: its
+// arguments, layers, input shape and init, what make_* and the tools build, and the sizes and FLOPs
+// its layers add up to.
 #include "dp/models/registry.h"
 
 #include <algorithm>
@@ -7,10 +8,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "dp/models/convnet.h"
 #include "dp/models/gpt.h"
-#include "dp/models/mlp.h"
-#include "dp/models/resnet.h"
+#include "dp/nn/sequential.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/shape.h"
 #include "model_layers.h"
@@ -36,20 +35,17 @@ const std::array<ModelSpec, 6>& models() {
        "Flatten, then Linear+ReLU per --hidden size (optional Dropout), Linear to 10 classes; 1x28x28 inputs",
        {ModelArg::hidden, ModelArg::dropout},
        [](const ModelArgs& a) { return detail::mlp_layers(a.hidden, a.dropout); },
-       grey_28x28,
-       [](Device& d, const ModelArgs& a, std::uint64_t seed) { return make_mlp(d, a.hidden, seed, a.dropout); }},
+       grey_28x28},
       {"convnet",
        "two Conv2d(5x5)+BatchNorm+ReLU+MaxPool blocks and a Linear to 10 classes; 1x28x28 inputs",
        {},
        [](const ModelArgs&) { return detail::convnet_layers(); },
-       grey_28x28,
-       [](Device& d, const ModelArgs&, std::uint64_t seed) { return make_convnet(d, seed); }},
+       grey_28x28},
       {"resnet8",
        "a ResNet of three BasicBlocks (16, 32, 64 channels), 10 classes; 1x28x28 inputs",
        {},
        [](const ModelArgs&) { return detail::resnet8_layers(); },
-       grey_28x28,
-       [](Device& d, const ModelArgs&, std::uint64_t seed) { return make_resnet8(d, seed); }},
+       grey_28x28},
       {"resnet18",
        "torchvision.models.resnet18(num_classes=K); 3xSxS RGB inputs",
        {ModelArg::num_classes, ModelArg::image_size},
@@ -57,9 +53,7 @@ const std::array<ModelSpec, 6>& models() {
          return detail::basic_resnet_layers("resnet18", {2, 2, 2, 2}, a.num_classes, a.image_size);
        },
        rgb_square,
-       [](Device& d, const ModelArgs& a, std::uint64_t seed) {
-         return make_resnet18(d, a.num_classes, a.image_size, seed);
-       }},
+       [](Model& m, const ModelArgs&, std::uint64_t seed) { detail::torchvision_conv_init(m, seed); }},
       {"resnet34",
        "torchvision.models.resnet34(num_classes=K); 3xSxS RGB inputs",
        {ModelArg::num_classes, ModelArg::image_size},
@@ -67,15 +61,13 @@ const std::array<ModelSpec, 6>& models() {
          return detail::basic_resnet_layers("resnet34", {3, 4, 6, 3}, a.num_classes, a.image_size);
        },
        rgb_square,
-       [](Device& d, const ModelArgs& a, std::uint64_t seed) {
-         return make_resnet34(d, a.num_classes, a.image_size, seed);
-       }},
+       [](Model& m, const ModelArgs&, std::uint64_t seed) { detail::torchvision_conv_init(m, seed); }},
       {"gpt",
        "nanoGPT's GPT (GPT-2 init, tied lm_head) on byte tokens: --context, --layers, --heads, --width, --dropout",
        {ModelArg::gpt, ModelArg::dropout},
        [](const ModelArgs& a) { return detail::gpt_layers(gpt_config(a)); },
        tokens,
-       [](Device& d, const ModelArgs& a, std::uint64_t seed) { return make_gpt(d, gpt_config(a), seed); }},
+       [](Model& m, const ModelArgs& a, std::uint64_t seed) { detail::gpt_init(m, gpt_config(a), seed); }},
   }};
   return specs;
 }
@@ -101,6 +93,13 @@ std::uint64_t checked_add(std::uint64_t a, std::uint64_t b, std::string_view mod
 }
 
 }  // namespace
+
+std::unique_ptr<Model> ModelSpec::build(Device& device, const ModelArgs& args, std::uint64_t seed) const {
+  auto model = std::make_unique<nn::SequentialModel>(std::string(name_), device, layers_(args), input_shape_(args));
+  model->initialize(seed);
+  if (init_) init_(*model, args, seed);
+  return model;
+}
 
 bool ModelSpec::takes(ModelArg arg) const { return std::find(takes_.begin(), takes_.end(), arg) != takes_.end(); }
 

@@ -31,16 +31,18 @@ class ModelSpec {
  public:
   using LayersFn = nn::Layers (*)(const ModelArgs&);
   using InputFn = std::vector<std::int64_t> (*)(const ModelArgs&);
-  using BuildFn = std::unique_ptr<Model> (*)(Device&, const ModelArgs&, std::uint64_t seed);
+  // Re-initialises a built model's parameters where the model's own init differs from its layers'
+  // defaults (torchvision's, nanoGPT's); null: the layers' defaults.
+  using InitFn = void (*)(Model&, const ModelArgs&, std::uint64_t seed);
 
   ModelSpec(std::string_view name, std::string_view description, std::vector<ModelArg> takes, LayersFn layers,
-            InputFn input_shape, BuildFn build)
+            InputFn input_shape, InitFn init = nullptr)
       : name_(name),
         description_(description),
         takes_(std::move(takes)),
         layers_(layers),
         input_shape_(input_shape),
-        build_(build) {}
+        init_(init) {}
 
   std::string_view name() const { return name_; }
   std::string_view description() const { return description_; }  // one line
@@ -53,9 +55,8 @@ class ModelSpec {
   // Targets per sample (Model::targets_per_sample): 1, or a language model's positions.
   int targets_per_sample(const ModelArgs& args) const;
   // Initialised from `seed` as dp initialises every model. Throws InvalidArgument on bad arguments.
-  std::unique_ptr<Model> build(Device& device, const ModelArgs& args, std::uint64_t seed) const {
-    return build_(device, args, seed);
-  }
+  // The model is its layers(args) on `device`, taking input_shape(args): the one list of each.
+  std::unique_ptr<Model> build(Device& device, const ModelArgs& args, std::uint64_t seed) const;
   // From the layers' declarations, without a device; equals the built model's param_count().
   // Throws InvalidArgument when it does not fit in 64 bits.
   std::uint64_t param_count(const ModelArgs& args) const;
@@ -69,7 +70,7 @@ class ModelSpec {
   std::vector<ModelArg> takes_;
   LayersFn layers_;
   InputFn input_shape_;
-  BuildFn build_;
+  InitFn init_;
 };
 
 // Every model, in the order --help lists them.

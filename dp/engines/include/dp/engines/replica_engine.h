@@ -127,6 +127,9 @@ class ReplicaEngine : public Engine {
   DeviceGroup group_;
   EngineOptions options_;
   std::shared_ptr<ProcessGroup> processes_;
+  // Before the communicators: they go first, aborting what still waits in them, before the
+  // replicas' memory does.
+  std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;  // the gradients'
   int batches_per_rank_ = 1;
 
@@ -139,7 +142,6 @@ class ReplicaEngine : public Engine {
   engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
 
   int forwards_per_rank_ = 1;
-  std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only
   std::unique_ptr<engines::RankOptimizers> updates_;
   std::vector<std::unique_ptr<Rank>> ranks_;
