@@ -19,12 +19,12 @@ namespace dp::nn {
 namespace {
 
 // The rows of a (N, T, 1, C) activation: N * T tokens of C features.
-kernels::index_t token_rows(const ActShape& in) { return static_cast<kernels::index_t>(in.n) * in.c * in.h; }
+kernels::index_t token_rows(const ActShape& in) { return static_cast<kernels::index_t>(in.n) * in.positions() * in.h; }
 
 void check_tokens(const std::string& name, const ActShape& in, int width) {
-  if (in.w != width)
+  if (in.features() != width)
     throw InvalidArgument(fmt::format("{}: expects {} features per token (the last dimension), got {} in ({}, {}, {})",
-                                      name, width, in.w, in.c, in.h, in.w));
+                                      name, width, in.features(), in.c, in.h, in.w));
 }
 
 // torch.nn.LayerNorm(width) (eps 1e-5) over each token's features. torch's autocast runs layer_norm
@@ -106,7 +106,7 @@ class CausalSelfAttention final : public Layer {
   }
   // Per sample: the two projections' T * (3C + C) * C, and the scores' and values' 2 * T * T * C.
   std::int64_t multiply_adds(const ActShape& in) const override {
-    const std::int64_t t = in.c, c = width_;
+    const std::int64_t t = in.positions(), c = width_;
     return t * 4 * c * c + 2 * t * t * c;
   }
   bool stochastic() const override { return dropout_ > 0.0; }
@@ -131,7 +131,7 @@ class CausalSelfAttention final : public Layer {
   std::size_t saved_bytes() const override { return kept_; }
 
  private:
-  kernels::AttentionShape shape(const ActShape& in) const { return {in.n, in.c, heads_, width_ / heads_}; }
+  kernels::AttentionShape shape(const ActShape& in) const { return {in.n, in.positions(), heads_, width_ / heads_}; }
   // What the forward keeps for the backward (qkv, the attention probabilities, the heads' output)
   // and the backward's own scratch.
   struct Buffers {
@@ -185,29 +185,29 @@ class TokenEmbedding final : public Layer {
     params_.push_back({"wpe.weight", DType::f32, {context, width}, Init::normal, 0});
   }
   ActShape output_shape(const ActShape& in) const override {
-    if (in.h != 1 || in.w != 1 || in.c < 1 || in.c > context_)
+    if (in.h != 1 || in.features() != 1 || in.positions() < 1 || in.positions() > context_)
       throw InvalidArgument(fmt::format("{}: expects 1 to {} token ids per sample, got ({}, {}, {})", name(), context_,
                                         in.c, in.h, in.w));
-    return ActShape{in.n, in.c, 1, width_};
+    return ActShape::sequence(in.n, in.positions(), width_);
   }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.c;
+    const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.positions();
     std::int32_t* ids = ids_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows));
     kernels::token_ids(ctx.stream, rows, vocab_, x, ids);
     kernels::embedding_forward(ctx.stream, rows, vocab_, width_, ids, param(0), y);
-    kernels::add_positions(ctx.stream, ctx.in.n, ctx.in.c, width_, param(1), y);
+    kernels::add_positions(ctx.stream, ctx.in.n, ctx.in.positions(), width_, param(1), y);
   }
   // The ids have no gradient (dx stays as it is).
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float*) override {
-    const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.c;
+    const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.positions();
     const std::int32_t* ids = ids_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows));
     std::int32_t* order = order_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows + vocab_ + 1));
     kernels::embedding_backward(ctx.stream, rows, vocab_, width_, ids, dy, grad(0), order, order + rows,
                                 tied_ || ctx.accumulate_grads);
     // wpe: rows [0, T) sum over the batch; a shorter sequence leaves the rest, written 0 if writing.
-    const kernels::index_t used = static_cast<kernels::index_t>(ctx.in.c) * width_;
+    const kernels::index_t used = static_cast<kernels::index_t>(ctx.in.positions()) * width_;
     kernels::column_sum(ctx.stream, ctx.in.n, used, dy, grad(1), ctx.accumulate_grads ? 1.0f : 0.0f);
-    if (!ctx.accumulate_grads && ctx.in.c < context_)
+    if (!ctx.accumulate_grads && ctx.in.positions() < context_)
       kernels::fill(ctx.stream, grad(1) + used, static_cast<kernels::index_t>(context_) * width_ - used, 0.0f);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<TokenEmbedding>(*this); }
@@ -239,13 +239,14 @@ class LanguageModel final : public detail::Container {
   LanguageModel(const LanguageModel&) = default;
   ActShape output_shape(const ActShape& in) const override {
     const ActShape h = chain_.output_shape(in);
-    if (h.w != width_ || h.h != 1)
+    if (h.features() != width_ || h.h != 1)
       throw InvalidArgument(fmt::format("the language model's body gives ({}, {}, {}) per sample, not (T, 1, {})", h.c,
                                         h.h, h.w, width_));
-    return ActShape{h.n, h.c, 1, embedding().vocab()};
+    return ActShape::sequence(h.n, h.positions(), embedding().vocab());
   }
   std::int64_t multiply_adds(const ActShape& in) const override {
-    return detail::Container::multiply_adds(in) + static_cast<std::int64_t>(in.c) * width_ * embedding().vocab();
+    return detail::Container::multiply_adds(in) +
+           static_cast<std::int64_t>(in.positions()) * width_ * embedding().vocab();
   }
   std::int64_t first_layer_skipped_multiply_adds(const ActShape&) const override { return 0; }
   std::vector<std::pair<std::string, std::string>> aliases() const override {
@@ -254,14 +255,14 @@ class LanguageModel final : public detail::Container {
   bool output_bf16(bool) const override { return false; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     hidden_ = static_cast<const float*>(chain_.forward(ctx, x, nullptr));
-    const int rows = ctx.in.n * ctx.in.c, vocab = embedding().vocab();
+    const int rows = ctx.in.n * ctx.in.positions(), vocab = embedding().vocab();
     kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, hidden_, width_, embedding().table(), width_,
                   0.0f, y, vocab);
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float*,
                           const std::function<void(Layer&)>& done) override {
     TokenEmbedding& table = embedding();
-    const int rows = ctx.in.n * ctx.in.c, vocab = table.vocab();
+    const int rows = ctx.in.n * ctx.in.positions(), vocab = table.vocab();
     float* dhidden = dhidden_.get<float>(ctx.device, static_cast<std::size_t>(rows) * width_);
     kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dy, vocab, table.table(), width_, 0.0f, dhidden,
                   width_);

@@ -25,12 +25,17 @@ namespace dp::nn {
 // Activation shape (N, C, H, W); a (N, F) matrix is (N, F, 1, 1).
 struct ActShape {
   int n = 0, c = 0, h = 1, w = 1;
+  // A sequence: each sample T positions (tokens) of C features, laid out (T, 1, C); a language
+  // model's input is T token ids, (T, 1, 1). Named so that the transformer layers say T and C.
+  static ActShape sequence(int n, int positions, int features) { return {n, positions, 1, features}; }
+  int positions() const { return c; }  // T
+  int features() const { return w; }   // C, per position
   std::int64_t per_sample() const { return static_cast<std::int64_t>(c) * h * w; }
   std::int64_t numel() const { return per_sample() * n; }
   // A model's output per sample as rows of logits, each with its own class target: (T, 1, F) with
   // F > 1 is T rows of F (a Linear or a language model on each token of a sequence); any other
   // shape one row of C*H*W (a classifier's (K, 1, 1)).
-  int rows() const { return h == 1 && w > 1 ? c : 1; }
+  int rows() const { return h == 1 && w > 1 ? positions() : 1; }
   std::int64_t row_features() const { return per_sample() / rows(); }
 };
 
