@@ -299,12 +299,10 @@ int TrainLoop::run() {
 
 std::vector<dp::Batch> TrainLoop::next_batches(long& samples) {
   std::vector<dp::Batch> batches;
-  // Rank after rank, each rank's micro-batches together (Engine::batches_per_step).
-  for (auto& loader : loaders_) {
-    for (long m = 0; m < plan_.micro; ++m) {
-      batches.push_back(loader->next());
-      samples += batches.back().size;
-    }
+  // Rank after rank, each rank's micro-batches together (Engine::batches_per_step), as the loader makes them.
+  for (long b = 0; b < engine_.batches_per_forward() * plan_.micro; ++b) {
+    batches.push_back(loaders_->next());
+    samples += batches.back().size;
   }
   samples *= plan_.shards / engine_.batches_per_forward();  // every rank's batch has this process's size
   return batches;

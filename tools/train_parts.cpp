@@ -227,17 +227,20 @@ dp::EvalTotals evaluate(dp::Engine& engine, dp::Runtime& runtime, std::shared_pt
   }
   for (auto& plan : plans) plan.resize(steps);  // empty batches for the ranks whose shard is shorter
   const auto order = plans;                     // which sample each prediction belongs to
-  std::vector<std::unique_ptr<dp::BatchLoader>> loaders;
+  // One loader for every local rank, step after step, rank after rank: its threads do not grow with them.
+  std::vector<std::vector<std::int64_t>> in_turn;
+  for (std::size_t k = 0; k < steps; ++k)
+    for (auto& plan : plans) in_turn.push_back(std::move(plan[k]));
   dp::LoaderOptions options;
   options.workers = workers;
-  for (auto& plan : plans)
-    loaders.push_back(std::make_unique<dp::BatchLoader>(runtime, test, std::move(plan), options));
+  options.depth = 2 * local;
+  dp::BatchLoader loader(runtime, test, std::move(in_turn), options);
   if (predictions) predictions->assign(test->size(), -1);
   dp::EvalTotals totals;
   std::vector<std::int32_t> classes;
   for (std::size_t k = 0; k < steps; ++k) {
     std::vector<dp::Batch> batches;
-    for (auto& loader : loaders) batches.push_back(loader->next());
+    for (int l = 0; l < local; ++l) batches.push_back(loader.next());
     classes.clear();
     totals += engine.evaluate(batches, predictions ? &classes : nullptr);
     if (!predictions) continue;

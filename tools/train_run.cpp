@@ -23,6 +23,7 @@
 #include <set>
 #include <signal.h>
 #include <span>
+#include <thread>
 #include <unistd.h>
 #include <utility>
 #include <variant>
@@ -288,51 +289,59 @@ int nothing_to_train(const Options& o, const Plan& plan) {
   return 0;
 }
 
-// The data order: per step, the sample indices of each rank's batch, made by the rank's loader
-// thread just before it fills the batch (constant memory, however many steps).
+// The data order: per step, the sample indices of each local rank's batches, made on the loader's
+// thread just before it fills each batch (constant memory, however many steps). One loader for
+// every rank, so its threads do not grow with the ranks or shards: batch k of the loader is step
+// k / (R x K)'s batch of local rank (k / K) % R, micro-batch k % K.
 Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engine, dp::Runtime& runtime,
                      std::shared_ptr<const dp::SampleSource> data) {
-  Loaders loaders;
-  // Micro-batches per step from each loader (with shards, the engine's shards hold them).
+  // Micro-batches per step of each rank (with shards, the engine's shards hold them).
   const long micro = plan.micro;
-  for (int local = 0; local < engine.batches_per_forward(); ++local) {
-    const int rank = engine.first_rank() + local;
-    struct Order {
-      dp::DistributedSampler sampler;
-      std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
-    };
-    auto order = std::make_shared<Order>(
-        Order{dp::DistributedSampler(data->size(), plan.shards, rank, !o.no_shuffle, o.seed), {}});
-    const auto batch = static_cast<std::size_t>(o.batch_size);
-    const bool log = o.log_batches;
-    const long start_step = plan.start_step;
-    const Epochs epochs = plan.epochs;
-    auto batch_plan = [order, batch, log, rank, start_step, epochs, micro](std::size_t k) {
-      const long s = start_step + static_cast<long>(k) / micro, epoch = epochs.of(s),
-                 in_epoch = epochs.into(s) * micro + static_cast<long>(k) % micro;
-      if (order->indices.empty() || order->sampler.epoch() != epoch) {
-        order->sampler.set_epoch(epoch);
-        order->indices = order->sampler.indices();
-      }
-      const std::size_t begin = static_cast<std::size_t>(in_epoch) * batch;
-      const std::size_t end = std::min(order->indices.size(), begin + batch);
-      std::vector<std::int64_t> mine(order->indices.begin() + static_cast<std::ptrdiff_t>(begin),
-                                     order->indices.begin() + static_cast<std::ptrdiff_t>(end));
-      if (log) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(mine, " "));
-      return mine;
-    };
-    // Augmentations draw from (seed, rank, epoch, sample): reproducible, different on every rank,
-    // and a resumed run draws what the uninterrupted one would have.
-    dp::LoaderOptions options;
-    options.workers = o.workers;
-    options.key = dp::SampleKey{o.seed, rank, 0};
-    options.epoch_of = [start_step, epochs, micro](std::size_t k) {
-      return epochs.of(start_step + static_cast<long>(k) / micro);
-    };
-    loaders.push_back(std::make_unique<dp::BatchLoader>(
-        runtime, data, static_cast<std::size_t>(plan.total_steps * micro), batch, batch_plan, std::move(options)));
-  }
-  return loaders;
+  const long ranks = engine.batches_per_forward(), per_step = ranks * micro;
+  const int first = engine.first_rank();
+  struct Order {
+    dp::DistributedSampler sampler;
+    std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
+  };
+  auto orders = std::make_shared<std::vector<Order>>();
+  for (long local = 0; local < ranks; ++local)
+    orders->push_back(Order{
+        dp::DistributedSampler(data->size(), plan.shards, first + static_cast<int>(local), !o.no_shuffle, o.seed), {}});
+  const auto batch = static_cast<std::size_t>(o.batch_size);
+  const bool log = o.log_batches;
+  const long start_step = plan.start_step;
+  const Epochs epochs = plan.epochs;
+  const auto step_of = [start_step, per_step](std::size_t k) { return start_step + static_cast<long>(k) / per_step; };
+  const auto rank_of = [first, per_step, micro](std::size_t k) {
+    return first + (static_cast<long>(k) % per_step) / micro;
+  };
+  auto batch_plan = [orders, batch, log, step_of, rank_of, first, epochs, per_step, micro](std::size_t k) {
+    const long s = step_of(k), epoch = epochs.of(s), rank = rank_of(k);
+    const long in_epoch = epochs.into(s) * micro + (static_cast<long>(k) % per_step) % micro;
+    Order& order = (*orders)[static_cast<std::size_t>(rank - first)];
+    if (order.indices.empty() || order.sampler.epoch() != epoch) {
+      order.sampler.set_epoch(epoch);
+      order.indices = order.sampler.indices();
+    }
+    const std::size_t begin = static_cast<std::size_t>(in_epoch) * batch;
+    const std::size_t end = std::min(order.indices.size(), begin + batch);
+    std::vector<std::int64_t> mine(order.indices.begin() + static_cast<std::ptrdiff_t>(begin),
+                                   order.indices.begin() + static_cast<std::ptrdiff_t>(end));
+    if (log) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(mine, " "));
+    return mine;
+  };
+  // Augmentations draw from (seed, rank, epoch, sample): reproducible, different on every rank,
+  // and a resumed run draws what the uninterrupted one would have.
+  dp::LoaderOptions options;
+  // --workers is per rank, as torch's num_workers per process, up to the machine's threads.
+  const long hardware = std::max<long>(o.workers, std::thread::hardware_concurrency());
+  options.workers = static_cast<int>(std::min({static_cast<long>(o.workers) * ranks, hardware, 256L}));
+  options.depth = static_cast<int>(2 * per_step);  // two steps ahead, as a pipelined engine holds two
+  options.key = dp::SampleKey{o.seed, first, 0};
+  options.epoch_of = [step_of, epochs](std::size_t k) { return epochs.of(step_of(k)); };
+  options.rank_of = rank_of;
+  return std::make_unique<dp::BatchLoader>(runtime, data, static_cast<std::size_t>(plan.total_steps * per_step), batch,
+                                           batch_plan, std::move(options));
 }
 
 // --loader-only: the run's batches read as training would read them, nothing trained; the loader's
@@ -341,11 +350,10 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
 int read_batches_only(const Options& o, const Plan& plan, Loaders& loaders, MetricsLog& metrics,
                       std::chrono::steady_clock::time_point t0) {
   long images = 0;
-  for (long s = 0; s < plan.total_steps * plan.micro; ++s)
-    for (auto& loader : loaders) images += loader->next().size;
+  for (std::size_t k = 0; k < loaders->count(); ++k) images += loaders->next().size;
   const double seconds = std::max(since(t0), 1e-9);
-  say("dp_train: loader: {} images in {} step(s) in {:.2f} s: {:.1f} images/s ({} loader(s), --workers {})\n", images,
-      plan.total_steps, seconds, static_cast<double>(images) / seconds, loaders.size(), o.workers);
+  say("dp_train: loader: {} images in {} step(s) in {:.2f} s: {:.1f} images/s (--workers {})\n", images,
+      plan.total_steps, seconds, static_cast<double>(images) / seconds, o.workers);
   metrics.write({{"kind", "loader"},
                  {"images", images},
                  {"steps", plan.total_steps},

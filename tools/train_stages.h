@@ -23,7 +23,9 @@
 
 namespace dp_train {
 
-using Loaders = std::vector<std::unique_ptr<dp::BatchLoader>>;
+// The run's one loader: each step's batches of every local rank, rank after rank (each rank's
+// micro-batches together), on one producer thread and its workers however many ranks or shards.
+using Loaders = std::unique_ptr<dp::BatchLoader>;
 
 // What validating the flags works out that later steps use.
 struct Checked {

@@ -158,6 +158,38 @@ TEST(Engine, MakeEngineReportsKindDevicesAndBatchesPerStep) {
     EXPECT_EQ(parse_engine_kind(to_string(kind)), kind);
 }
 
+// The threads of this process (on the sim a stream is a thread).
+std::size_t threads_now() {
+  std::size_t count = 0;
+  for ([[maybe_unused]] const auto& task : std::filesystem::directory_iterator("/proc/self/task")) ++count;
+  return count;
+}
+
+// An engine's streams do not grow with the batches a step takes on a device: 64 fixed shards (or
+// 64 micro-batches) on one device share one copy stream there.
+TEST(Engine, BatchesOfAStepShareTheirDevicesCopyStream) {
+  auto rt = test::sim_runtime(1);
+  std::vector<float> x(64 * 784, 0.5f);
+  std::vector<std::int64_t> y(64, 3);
+  for (const bool shards : {true, false}) {
+    SCOPED_TRACE(shards ? "64 shards" : "64 micro-batches");
+    auto model = models::make_mlp(rt->device(0), {16}, 1);
+    EngineOptions options;
+    options.kind = EngineKind::single;
+    if (shards)
+      options.shards = 64;
+    else
+      options.accumulate = 64;
+    const std::size_t before = threads_now();
+    auto engine = make_engine(*rt, *model, SgdOptions{0.05f}, options);
+    std::vector<Batch> batches;
+    for (int b = 0; b < 64; ++b) batches.push_back(Batch{x.data() + b * 784, y.data() + b, 1});
+    engine->train_step(batches);
+    engine->synchronize();
+    EXPECT_LT(threads_now(), before + 8) << "threads grew with the batches of a step";
+  }
+}
+
 TEST(Engine, SingleThroughTheInterfaceIsTheConcreteTrainerBitForBit) {
   auto rt = test::sim_runtime(1);
   const SgdOptions sgd{0.05f, 0.9f, 1e-3f, false};

@@ -76,7 +76,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
     replica->broadcast_done = device.create_event(EventTiming::on);
     replica->scatter_done = device.create_event(EventTiming::on);
     replica->backward_start = device.create_event(EventTiming::on);
-    for (int m = 0; m < accumulate_; ++m) replica->rings.push_back(std::make_unique<engines::InputRing>());
+    const Stream copies = device.create_stream();  // every micro-batch's copies, on one stream
+    for (int m = 0; m < accumulate_; ++m) replica->rings.push_back(std::make_unique<engines::InputRing>(copies));
     replicas_.push_back(std::move(replica));
   }
   params_ready_ = source.create_event();
@@ -95,7 +96,8 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   update_end_ = source.create_event(EventTiming::on);
   for (Event& done : step_done_) done = source.create_event();
   graphs_ = std::make_unique<engines::StepGraphs>(options.graphs && module.capturable() && !time_phases_);
-  for (int m = 0; m < accumulate_; ++m) targets_rings_.push_back(std::make_unique<engines::InputRing>());
+  const Stream target_copies = out.create_stream();
+  for (int m = 0; m < accumulate_; ++m) targets_rings_.push_back(std::make_unique<engines::InputRing>(target_copies));
   pipeline_ = std::make_unique<engines::StepPipeline>();
 }
 

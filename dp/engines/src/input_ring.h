@@ -24,6 +24,9 @@ namespace dp::engines {
 class InputRing {
  public:
   InputRing() = default;
+  // Copies on `copy` (a stream of the device pushed to), which the rings of one device share: one
+  // copy stream per device, however many batches a step takes there.
+  explicit InputRing(Stream copy) : copy_(std::move(copy)) {}
   InputRing(const InputRing&) = delete;
   InputRing& operator=(const InputRing&) = delete;
   // Lets go of the leases once the copies from them have run (a failure has been reported already).
@@ -57,7 +60,7 @@ class InputRing {
   };
   static std::size_t idx(int slot) { return static_cast<std::size_t>(slot); }
   std::array<Slot, StepPipeline::kSlots> slots_;
-  Stream copy_;  // created on the first push, on the device pushed to
+  Stream copy_;  // given, or created on the first push, on the device pushed to
   std::uint64_t growths_ = 0;
 };
 

@@ -61,7 +61,8 @@ std::unique_ptr<ReplicaEngine::Rank> ReplicaEngine::make_rank(int r, Runtime& ru
     rank->bn_sync.ordered = ordered_batchnorm;
     rank->model->set_batchnorm_sync(&rank->bn_sync);
   }
-  for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>());
+  const Stream copies = device.create_stream();  // the rank's batches' copies, on one stream
+  for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>(copies));
   rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * batches_per_rank_ * sizeof(float));
   for (Event& ready : rank->loss_ready) ready = device.create_event();
   for (Event& done : rank->step_done) done = device.create_event();

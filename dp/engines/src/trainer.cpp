@@ -30,7 +30,8 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
                                                 sizeof(float))),
       pipeline_(std::make_unique<engines::StepPipeline>()) {
   if (accumulate < 1) throw InvalidArgument(fmt::format("accumulate must be at least 1, not {}", accumulate));
-  for (int m = 0; m < accumulate; ++m) rings_.push_back(std::make_unique<engines::InputRing>());
+  const Stream copies = model.device().create_stream();  // every micro-batch's copies, on one stream
+  for (int m = 0; m < accumulate; ++m) rings_.push_back(std::make_unique<engines::InputRing>(copies));
   for (Event& done : step_done_) done = model.device().create_event();
 }
 

@@ -448,6 +448,7 @@ void BatchLoader::take_samples() {
 void BatchLoader::fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, float* inputs) {
   SampleKey key = options_.key;
   key.epoch = options_.epoch_of ? options_.epoch_of(k) : 0;
+  if (options_.rank_of) key.rank = options_.rank_of(k);
   if (workers_.empty()) {
     for (std::size_t i = 0; i < indices.size(); ++i)
       source_->fill(static_cast<std::size_t>(indices[i]), key, inputs + i * sample_floats_);

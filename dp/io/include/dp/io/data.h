@@ -134,12 +134,14 @@ using BatchPlan = std::function<std::vector<std::int64_t>(std::size_t k)>;
 
 // How a BatchLoader works: `depth` batches made ahead of the consumer; `workers` threads making
 // each batch's samples together (torch's DataLoader num_workers; 0: the loader's own thread alone);
-// the key of every sample's random draws, with the epoch batch k belongs to (none: epoch 0).
+// the key of every sample's random draws, with the epoch batch k belongs to (none: epoch 0) and the
+// rank whose batch k is (none: key.rank), for a loader that makes the batches of several ranks in turn.
 struct LoaderOptions {
   int depth = 2;
   int workers = 0;
   SampleKey key;
   std::function<std::int64_t(std::size_t k)> epoch_of;
+  std::function<std::int64_t(std::size_t k)> rank_of;
 };
 
 // Fills batches in a background thread, `depth` ahead of the consumer, into pinned buffers.
