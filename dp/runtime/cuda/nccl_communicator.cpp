@@ -4,6 +4,7 @@
 // broadcasts it, and each process initialises its local ranks inside one NCCL group call.
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <fmt/format.h>
 #include <mutex>
 #include <shared_mutex>
@@ -63,6 +64,33 @@ class NcclCommunicator final : public Communicator {
     const std::shared_lock issuing(issuing_);
     DP_CUDA_CHECK(ncclAllGather(send, recv, count, ncclFloat32, comm(rank), native(rank, stream)));
   }
+  // A reduce to each block's owner (or a broadcast from it) per block, aggregated into one NCCL
+  // launch by a group (NCCL's "aggregated operations"): one launch per bucket, as its all-reduce.
+  void reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count) override {
+    const StreamSpan span(Access::stream(stream), "reduce_scatter", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
+    const ncclComm_t c = comm(rank);
+    const cudaStream_t s = native(rank, stream);
+    const Group group;
+    for (int owner = 0; owner < world_; ++owner) {
+      const BlockRange block = ring_block(owned_block(owner, world_), count, world_);
+      if (block.size())
+        DP_CUDA_CHECK(
+            ncclReduce(data + block.begin, data + block.begin, block.size(), ncclFloat32, ncclSum, owner, c, s));
+    }
+  }
+  void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count) override {
+    const StreamSpan span(Access::stream(stream), "all_gather_blocks", SpanKind::collective);
+    const std::shared_lock issuing(issuing_);
+    const ncclComm_t c = comm(rank);
+    const cudaStream_t s = native(rank, stream);
+    const Group group;
+    for (int owner = 0; owner < world_; ++owner) {
+      const BlockRange block = ring_block(owned_block(owner, world_), count, world_);
+      if (block.size())
+        DP_CUDA_CHECK(ncclBroadcast(data + block.begin, data + block.begin, block.size(), ncclFloat32, owner, c, s));
+    }
+  }
   // Any thread may abort while the ranks' workers issue collectives (a failing rank aborts at once):
   // each communicator is taken out of its slot atomically, so it is aborted exactly once and a
   // worker sees either it or null (then its collective fails with "aborted"). A worker holds the
@@ -78,6 +106,18 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // ncclGroupStart, and its ncclGroupEnd also when a call inside fails (the group is then ended
+  // before the failure propagates; its own error, if any, is the first one's consequence).
+  struct Group {
+    Group() { DP_CUDA_CHECK(ncclGroupStart()); }
+    ~Group() noexcept(false) {
+      const ncclResult_t ended = ncclGroupEnd();
+      if (std::uncaught_exceptions() == 0) DP_CUDA_CHECK(ended);
+    }
+    Group(const Group&) = delete;
+    Group& operator=(const Group&) = delete;
+  };
+
   void init(std::vector<ncclComm_t>& comms, ProcessGroup& processes) {
     const auto& group = group_;
     const DeviceRestore restore;  // initialisation switches devices; the caller's is kept

@@ -58,8 +58,8 @@ class Communicator {
   // block owned_block(g) of global rank g holds the sum over all ranks and the other blocks are
   // undefined; all_gather_blocks then copies each rank's owned block into every rank's `data`. Each
   // rank sends (n-1)/n of the buffer in each half, all_reduce's volume in all. The sim ring runs
-  // all_reduce's own two phases, so the summed block has all_reduce's bits; NCCL and the device ring
-  // run a reduce and a broadcast per block, which may add in another order than their all_reduce.
+  // all_reduce's own two phases, so the summed block has all_reduce's bits; NCCL (grouped) and the
+  // device ring run a reduce and a broadcast per block: maybe in another order than their all_reduce.
   virtual void reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count);
   virtual void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count);
   // Fails every pending and future collective instead of letting ranks wait for absent peers.
