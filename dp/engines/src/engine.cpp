@@ -1,4 +1,5 @@
-// engine.cpp — the Engine interface's shared pieces and make_engine.
+// engine.cpp — the Engine interface's shared pieces (evaluation, the loss handle, check_applies);
+// make_engine, which knows the engines, is make_engine.cpp.
 #include "dp/engines/engine.h"
 
 #include <algorithm>
