@@ -104,6 +104,7 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
 std::uint64_t DataParallel::graph_replays() const { return graphs_->replays(); }
 
 std::optional<float> DataParallel::last_grad_norm() {
+  if (!update_->clips()) return std::nullopt;  // no norm to wait for: the log line does not wait
   synchronize();
   return update_->last_grad_norm();
 }

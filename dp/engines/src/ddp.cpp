@@ -98,14 +98,7 @@ void DistributedDataParallel::check_batches(std::span<const Batch> batches, bool
   if (static_cast<int>(batches.size()) != expected)
     throw InvalidArgument(
         fmt::format("DDP step needs one batch per rank: got {} for {} ranks", batches.size(), group_.size()));
-  for (std::size_t r = 0; r < batches.size(); ++r) {
-    // A forward may find one rank's evaluation data run out; a training step needs every rank.
-    if (batches[r].size < (training ? 1 : 0))
-      throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
-    if (batches[r].size == 0) continue;
-    if (!batches[r].inputs || (training && !batches[r].targets))
-      throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
-  }
+  check_each_batch(batches, training);
 }
 
 }  // namespace dp

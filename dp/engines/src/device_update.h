@@ -27,6 +27,7 @@ class DeviceUpdate {
   void clip(const Stream& stream, Model& model, const std::vector<Optimizer::ParamRange>& trainable);
 
   Optimizer& optimizer() const { return *optimizer_; }
+  bool clips() const { return clipper_ != nullptr; }
   // The total norm before clipping of the last run, once its stream has run it; none unclipped.
   std::optional<float> last_grad_norm() const;
 

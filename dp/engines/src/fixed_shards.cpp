@@ -111,13 +111,7 @@ void FixedShards::check_batches(std::span<const Batch> batches, bool training) c
         throw InvalidArgument(
             fmt::format("the shards of a step must be the same size: shard {} has {} samples, shard {} has {}",
                         first_rank(), batches[0].size, first_rank() + static_cast<int>(b), batches[b].size));
-  for (std::size_t r = 0; r < batches.size(); ++r) {
-    if (batches[r].size < (training ? 1 : 0))
-      throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
-    if (batches[r].size == 0) continue;
-    if (!batches[r].inputs || (training && !batches[r].targets))
-      throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
-  }
+  check_each_batch(batches, training);
 }
 
 }  // namespace dp::engines

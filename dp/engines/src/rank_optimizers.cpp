@@ -18,6 +18,7 @@ class WholeUpdates final : public RankOptimizers {
     updates_[static_cast<std::size_t>(r)]->run(stream, model);
   }
   Optimizer& optimizer(int r) const override { return updates_.at(static_cast<std::size_t>(r))->optimizer(); }
+  bool clips() const override { return updates_[0]->clips(); }
   std::optional<float> last_grad_norm() const override { return updates_[0]->last_grad_norm(); }
   void freeze(const std::vector<Optimizer::ParamRange>& frozen) override {
     for (auto& update : updates_) update->optimizer().freeze(frozen);

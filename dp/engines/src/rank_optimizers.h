@@ -27,6 +27,8 @@ class RankOptimizers {
   virtual void step(int r, const Stream& stream, Model& model) = 0;
   // Rank r's optimizer: the one whose steps() and lr the engine reads and sets.
   virtual Optimizer& optimizer(int r) const = 0;
+  // Whether the ranks clip (then a step has a gradient norm to read).
+  virtual bool clips() const = 0;
   // Rank 0's total gradient norm of the last step (the steps have run), or none unclipped.
   virtual std::optional<float> last_grad_norm() const = 0;
   // Engine::freeze and exclude_from_weight_decay, with ranges of the whole flat buffer.

@@ -86,6 +86,7 @@ BucketReduction ReplicaEngine::bucket_reduction() const { return updates_->reduc
 std::uint64_t ReplicaEngine::graph_replays() const { return graphs_->replays(); }
 
 std::optional<float> ReplicaEngine::last_grad_norm() {
+  if (!updates_->clips()) return std::nullopt;  // no norm to wait for: the log line does not wait
   synchronize();
   return updates_->last_grad_norm();
 }
@@ -169,6 +170,16 @@ void ReplicaEngine::enqueue_step(int r) {
   Rank& mine = rank(r);
   mine.accumulated_samples = 0;
   updates_->step(r, mine.compute, *mine.model);
+}
+
+void ReplicaEngine::check_each_batch(std::span<const Batch> batches, bool training) {
+  for (std::size_t r = 0; r < batches.size(); ++r) {
+    if (batches[r].size < (training ? 1 : 0))
+      throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
+    if (batches[r].size == 0) continue;
+    if (!batches[r].inputs || (training && !batches[r].targets))
+      throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
+  }
 }
 
 std::span<const Batch> ReplicaEngine::batches_of(int r, std::span<const Batch> batches) const {

@@ -36,6 +36,7 @@ SingleDeviceTrainer::SingleDeviceTrainer(Model& model, const OptimizerOptions& o
 }
 
 std::optional<float> SingleDeviceTrainer::last_grad_norm() {
+  if (!update_->clips()) return std::nullopt;  // no norm to wait for: the log line does not wait
   synchronize();
   return update_->last_grad_norm();
 }

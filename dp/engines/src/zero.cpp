@@ -85,6 +85,7 @@ class ZeroUpdates final : public RankOptimizers {
   }
 
   Optimizer& optimizer(int r) const override { return ranks_.at(static_cast<std::size_t>(r))->update->optimizer(); }
+  bool clips() const override { return ranks_[0]->update->clips(); }
   std::optional<float> last_grad_norm() const override { return ranks_[0]->update->last_grad_norm(); }
 
   void freeze(const std::vector<Optimizer::ParamRange>& frozen) override {

@@ -72,12 +72,10 @@ class NcclCommunicator final : public Communicator {
     const ncclComm_t c = comm(rank);
     const cudaStream_t s = native(rank, stream);
     const Group group;
-    for (int owner = 0; owner < world_; ++owner) {
-      const BlockRange block = ring_block(owned_block(owner, world_), count, world_);
-      if (block.size())
-        DP_CUDA_CHECK(
-            ncclReduce(data + block.begin, data + block.begin, block.size(), ncclFloat32, ncclSum, owner, c, s));
-    }
+    for_each_owned_block(count, world_, [&](int owner, BlockRange block) {
+      DP_CUDA_CHECK(
+          ncclReduce(data + block.begin, data + block.begin, block.size(), ncclFloat32, ncclSum, owner, c, s));
+    });
   }
   void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count) override {
     const StreamSpan span(Access::stream(stream), "all_gather_blocks", SpanKind::collective);
@@ -85,11 +83,9 @@ class NcclCommunicator final : public Communicator {
     const ncclComm_t c = comm(rank);
     const cudaStream_t s = native(rank, stream);
     const Group group;
-    for (int owner = 0; owner < world_; ++owner) {
-      const BlockRange block = ring_block(owned_block(owner, world_), count, world_);
-      if (block.size())
-        DP_CUDA_CHECK(ncclBroadcast(data + block.begin, data + block.begin, block.size(), ncclFloat32, owner, c, s));
-    }
+    for_each_owned_block(count, world_, [&](int owner, BlockRange block) {
+      DP_CUDA_CHECK(ncclBroadcast(data + block.begin, data + block.begin, block.size(), ncclFloat32, owner, c, s));
+    });
   }
   // Any thread may abort while the ranks' workers issue collectives (a failing rank aborts at once):
   // each communicator is taken out of its slot atomically, so it is aborted exactly once and a

@@ -32,19 +32,15 @@ BlockRange ring_block(int block, std::size_t count, int n) {
 // A reduce to each block's owner, then a broadcast from it: every backend's collectives, in the
 // same order on every rank.
 void Communicator::reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count) {
-  const int n = size();
-  for (int owner = 0; owner < n; ++owner) {
-    const BlockRange block = ring_block(owned_block(owner, n), count, n);
-    if (block.size()) reduce(rank, stream, data + block.begin, block.size(), owner);
-  }
+  for_each_owned_block(count, size(), [&](int owner, BlockRange block) {
+    reduce(rank, stream, data + block.begin, block.size(), owner);
+  });
 }
 
 void Communicator::all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count) {
-  const int n = size();
-  for (int owner = 0; owner < n; ++owner) {
-    const BlockRange block = ring_block(owned_block(owner, n), count, n);
-    if (block.size()) broadcast(rank, stream, data + block.begin, block.size() * sizeof(float), owner);
-  }
+  for_each_owned_block(count, size(), [&](int owner, BlockRange block) {
+    broadcast(rank, stream, data + block.begin, block.size() * sizeof(float), owner);
+  });
 }
 
 namespace {

@@ -84,6 +84,9 @@ class ReplicaEngine : public Engine {
   virtual void enqueue_forward_backward_step(int r, std::span<const Batch> mine, bool sync, int slot) = 0;
   // Throws InvalidArgument for batches a step (training) or a forward cannot take.
   virtual void check_batches(std::span<const Batch> batches, bool training) const = 0;
+  // check_batches' part every replica engine shares: each batch at least one sample (a forward's
+  // may be empty: that rank's evaluation data ran out), with inputs, and targets to train on.
+  static void check_each_batch(std::span<const Batch> batches, bool training);
   // Whether buffers are broadcast from rank 0 before a forward (torch's broadcast_buffers).
   virtual bool broadcasts_buffers() const = 0;
   // Whether this forward's backward reduces the gradients (DDP's no_sync says not).

@@ -76,5 +76,14 @@ BlockRange ring_block(int block, std::size_t count, int n);
 // The block a reduce_scatter leaves summed on global rank g: a ring finishes each block on the rank
 // before the one that started it, g + 1.
 inline int owned_block(int global_rank, int n) { return (global_rank + 1) % n; }
+// f(owner, block) for every global rank's non-empty block of `count` elements, in rank order: the
+// order of the per-block collectives a reduce_scatter or all_gather_blocks may be made of.
+template <class F>
+void for_each_owned_block(std::size_t count, int n, F&& f) {
+  for (int owner = 0; owner < n; ++owner) {
+    const BlockRange block = ring_block(owned_block(owner, n), count, n);
+    if (block.size()) f(owner, block);
+  }
+}
 
 }  // namespace dp
