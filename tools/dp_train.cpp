@@ -7,8 +7,11 @@
 #include <string>
 
 #include "address_space.h"
+#include "dp/runtime/fault.h"
+#include "dp/runtime/flight_record.h"
 #include "dp_job.h"
 #include "exit_codes.h"
+#include "flight.h"
 #include "train_cli.h"
 #include "train_run.h"
 
@@ -22,15 +25,25 @@ int train_main(int argc, char** argv) {
       return g_job.failed(2);
     case Parsed::run: break;
   }
+  dp::tools::FlightContext& flight = dp::tools::flight_context();
+  flight.tool = "dp_train";
+  flight.process = g_job.processes() ? g_job.processes()->rank() : 0;
+  flight.beside = o.save;
+  dp::set_stuck_worker_handler(dp::tools::end_with_stuck_worker);
   int code = 0;
   try {
+    // The environment's failure settings, refused before any work when malformed (exit 2).
+    dp::FaultPlan::from_environment();
+    (void)dp::collectives_checked();
     code = run(o);
   } catch (const dp::tools::PeerFailed& e) {
     code = e.code;  // agreed with the others; the failing process said why
   } catch (...) {
     // What failed, naming the process, host and global ranks under mpirun; the exit code of its cause.
     const std::exception_ptr error = std::current_exception();
-    code = g_job.failed(dp::tools::report_failure("dp_train", g_job.where(error), error));
+    const int mine = dp::tools::report_failure("dp_train", g_job.where(error), error);
+    if (dp::tools::leaves_flight_record(mine)) dp::tools::write_flight_record(fmt::format("exit code {}", mine));
+    code = g_job.failed(mine);
   }
   return code;
 }

@@ -14,6 +14,7 @@
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/device_group.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/flight_record.h"
 #include "test_util.h"
 
 namespace dp {
@@ -363,6 +364,85 @@ TEST(SimCollectives, CallsOnTwoStreamsOfOneRankDoNotInterfere) {
       EXPECT_EQ(second[static_cast<std::size_t>(r)], std::vector<float>(count, 60.0f)) << "rank " << r;
     }
   }
+}
+
+// Every rank agrees on a call's signature before the backend sees it (Note [collective
+// agreement]): a rank whose call differs (another count, operation or purpose) makes every rank
+// throw CollectiveMismatch naming both ranks, both signatures and the call's number, and no rank's
+// buffer is touched (no backend call ran). The communicator is usable for nothing after that, as a
+// desynchronized NCCL communicator is not; the flight record holds the failed calls.
+TEST_P(Collectives, AMismatchedCallEndsOnEveryRankBeforeItRuns) {
+  DP_SKIP_WITHOUT_DEVICES();
+  if (max_world() < 3) GTEST_SKIP() << "needs 3 devices";
+  Fixture f(GetParam(), 3);
+  FlightRecorder::process().clear();
+  std::vector<std::vector<float>> after(3);
+  std::vector<std::string> errors(3);
+  std::vector<DeviceBuffer> buffers(3);
+  for (int r = 0; r < 3; ++r)
+    buffers[static_cast<std::size_t>(r)] =
+        test::upload(f.group->device(r), f.streams[static_cast<std::size_t>(r)], std::vector<float>(8, 1.0f + r));
+  f.group->run([&](int r) {
+    const Stream& s = f.streams[static_cast<std::size_t>(r)];
+    float* x = buffers[static_cast<std::size_t>(r)].as<float>();
+    {
+      const CollectivePurpose purpose("first");
+      f.comm->all_reduce(r, s, x, 8, ReduceOp::sum);  // agreed: runs
+    }
+    try {
+      const CollectivePurpose purpose(r == 1 ? "bucket 1" : "bucket 0");
+      f.comm->all_reduce(r, s, x, r == 2 ? 7 : 8, ReduceOp::sum);
+    } catch (const CollectiveMismatch& e) {
+      errors[static_cast<std::size_t>(r)] = e.what();
+    }
+    after[static_cast<std::size_t>(r)] = test::download<float>(s, buffers[static_cast<std::size_t>(r)]);
+  });
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE(r);
+    // The first call's sum (1 + 2 + 3), and nothing of the second.
+    EXPECT_EQ(after[static_cast<std::size_t>(r)], std::vector<float>(8, 6.0f));
+    EXPECT_EQ(errors[static_cast<std::size_t>(r)], errors[0]);  // one verdict, on every rank
+  }
+  const std::string& e = errors[0];
+  EXPECT_NE(e.find("call #1"), std::string::npos) << e;
+  EXPECT_NE(e.find("global rank 0"), std::string::npos) << e;
+  EXPECT_NE(e.find("global rank 1"), std::string::npos) << e;  // the first rank that differs
+  EXPECT_NE(e.find("all_reduce f32 x 8 (bucket 0, at test_collectives.cpp:"), std::string::npos) << e;
+  EXPECT_NE(e.find("all_reduce f32 x 8 (bucket 1, at test_collectives.cpp:"), std::string::npos) << e;
+  int failed = 0, done = 0;
+  for (const FlightEntry& entry : FlightRecorder::process().entries()) {
+    failed += entry.state == CollectiveState::failed && entry.seq == 1;
+    done += entry.state == CollectiveState::done && entry.seq == 0;
+  }
+  EXPECT_EQ(failed, 3);
+  EXPECT_EQ(done, 3);
+}
+
+// A rank that ends a unit of work (Communicator::end_of) while its peers issue one more call is
+// named at once, as a desync: never a wait for a call it will not make.
+TEST_P(Collectives, ARankThatIssuesFewerCallsIsNamedAtOnce) {
+  DP_SKIP_WITHOUT_DEVICES();
+  Fixture f(GetParam(), 2);
+  std::vector<std::string> errors(2);
+  std::vector<DeviceBuffer> buffers(2);
+  for (int r = 0; r < 2; ++r)
+    buffers[static_cast<std::size_t>(r)] =
+        test::upload(f.group->device(r), f.streams[static_cast<std::size_t>(r)], std::vector<float>(4, 1.0f));
+  const auto start = std::chrono::steady_clock::now();
+  f.group->run([&](int r) {
+    try {
+      if (r == 0) {
+        const CollectivePurpose purpose("bucket 0");
+        f.comm->all_reduce(r, f.streams[0], buffers[0].as<float>(), 4, ReduceOp::sum);
+      }
+      f.comm->end_of(r, "the step");
+    } catch (const CollectiveMismatch& e) {
+      errors[static_cast<std::size_t>(r)] = e.what();
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(errors[0], errors[1]);
+  EXPECT_NE(errors[0].find("end none x 0 (the step"), std::string::npos) << errors[0];
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "batches.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/progress.h"
 #include "replica_rank.h"
 
 namespace dp {
@@ -74,6 +75,7 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   m.set_random_context({options_.step.seed + static_cast<std::uint64_t>(comm_->first_rank() + r),
                         static_cast<std::uint64_t>(mine.optimizer->steps()), mine.accumulated_samples});
   mine.accumulated_samples += static_cast<std::uint64_t>(batch.size);
+  progress::set_phase("forward");
   const float* logits = m.forward(mine.compute, inputs, batch.size, Mode::train);
   const float* loss =
       mine.loss->forward_backward(mine.compute, logits, targets, rows, sample.classes, grad_output, rows, loss_scale);
@@ -83,6 +85,7 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
     reducer_->prepare(r, mine.compute, m.grads_address());
     on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
   }
+  progress::set_phase("backward");
   m.backward(mine.compute, grad_output, on_ready);
   if (sync) reducer_->finish(r);
   mine.compute.copy(mine.loss_slot(slot, index, batches_per_rank_), loss, sizeof(float));

@@ -6,6 +6,7 @@
 
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/flight_record.h"
 
 namespace dp {
 
@@ -113,6 +114,7 @@ void Reducer::launch_ready(int r) {
     // one device costs what one device costs.
     if (comm_.size() == 1) continue;
     const GradBucket& bucket = buckets_[b];
+    const CollectivePurpose purpose(fmt::format("bucket {}", b));
     rank.compute->record(rank.bucket_ready[b]);
     rank.comm.wait(rank.bucket_ready[b]);
     float* slice = rank.grads + bucket.offset;

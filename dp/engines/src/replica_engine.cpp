@@ -7,6 +7,9 @@
 
 #include "dp/engines/reducer.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/fault.h"
+#include "dp/runtime/flight_record.h"
+#include "dp/runtime/progress.h"
 #include "rank_optimizers.h"
 #include "replica_rank.h"
 #include "replicas.h"
@@ -25,6 +28,11 @@ ReplicaEngine::ReplicaEngine(Runtime& runtime, Model& module, const EngineOption
                     options_.shards));
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
   comm_ = Communicator::create(group_, processes_);
+  FaultPlan::from_environment().check_targets(processes_->size(), group_.size());
+  group_.set_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(processes_->timeout()));
+  // Each worker's progress mark: the process's watch names a rank that stops moving.
+  group_.run([&](int r) { progress::bind(comm_->first_rank() + r, processes_->rank()); });
+  progress::start_watch();
 }
 
 std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -42,7 +50,12 @@ std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, co
   loss_join_ = group_.device(0).create_stream();
   for (Event& ready : losses_ready_) ready = group_.device(0).create_event();
   pipeline_ = std::make_unique<engines::StepPipeline>();
-  graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1);
+  // A desync fault acts on a rank's host calls, which a replayed graph does not make.
+  const FaultPlan& faults = FaultPlan::from_environment();
+  const bool desync_faults =
+      faults.has(FaultKind::desync_extra) || faults.has(FaultKind::desync_skip) || faults.has(FaultKind::desync_count);
+  graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1 &&
+                                                  !desync_faults);
   broadcast_from_rank0(true, true);
   group_.run([&](int r) { enqueue_zero_grad(r); });  // on each rank's worker: its device is the current one there
   return buckets;
@@ -147,6 +160,7 @@ void ReplicaEngine::enqueue_broadcast(int r, bool parameters, bool buffers) {
   Rank& mine = rank(r);
   Model& m = *mine.model;
   // On the compute stream: ordered after the forward that last touched the buffers.
+  const CollectivePurpose purpose(parameters ? "parameters from rank 0" : "buffers from rank 0");
   if (parameters) comm_->broadcast(r, mine.compute, m.params_flat(), m.param_count() * sizeof(float), 0);
   if (buffers && m.buffers_bytes()) comm_->broadcast(r, mine.compute, m.buffers_flat(), m.buffers_bytes(), 0);
 }
@@ -168,6 +182,7 @@ void ReplicaEngine::enqueue_zero_grad(int r) {
 
 void ReplicaEngine::enqueue_step(int r) {
   Rank& mine = rank(r);
+  progress::set_phase("optimizer");
   mine.accumulated_samples = 0;
   updates_->step(r, mine.compute, *mine.model);
 }
@@ -323,6 +338,7 @@ engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batc
   work.replay = [=, this](const std::vector<Graph>& graphs) {
     run_ranks([&](int r) {
       Rank& mine = rank(r);
+      progress::begin_step(mine.optimizer->steps() + 1);
       for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
       engines::upload_replayed_step(*mine.model, *mine.optimizer, mine.compute);
       mine.accumulated_samples = 0;
@@ -332,14 +348,18 @@ engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batc
       // free, once the graph has run.
       mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
       mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
+      progress::set_phase("idle");
     });
   };
   work.eager = [=, this] {
     run_ranks([&](int r) {
       Rank& mine = rank(r);
+      progress::begin_step(mine.optimizer->steps() + 1);
       for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
       enqueue_train_step(r, batches_of(r, batches), sync, broadcast, slot);
+      comm_->end_of(r, "the step");
       mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
+      progress::set_phase("idle");
     });
   };
   return work;

@@ -17,6 +17,7 @@
 #include "dp/kernels/ops.h"
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/flight_record.h"
 #include "dp/runtime/scratch.h"
 #include "rank_optimizers.h"
 
@@ -152,7 +153,10 @@ class ZeroUpdates final : public RankOptimizers {
   // Every rank's blocks of `data` (the whole flat buffer) into every rank's, bucket by bucket.
   void gather(int r, const Stream& stream, float* data) {
     if (comm_->size() == 1) return;
-    for (const GradBucket& bucket : buckets_) comm_->all_gather_blocks(r, stream, data + bucket.offset, bucket.count);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      const CollectivePurpose purpose(fmt::format("ZeRO parameters of bucket {}", b));
+      comm_->all_gather_blocks(r, stream, data + buckets_[b].offset, buckets_[b].count);
+    }
   }
 
   // Each of the whole buffer's `ranges`' parts inside the rank's blocks, at their places in its slice.

@@ -16,6 +16,7 @@
 #include "dp/kernels/ops.h"
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/flight_record.h"
 #include "dp/runtime/scratch.h"
 #include "dropout_draw.h"
 
@@ -387,6 +388,7 @@ class BatchNorm2d final : public Layer {
   void all_reduce(const LayerContext& ctx, float* data, std::size_t per_channel) {
     const std::size_t count = per_channel * static_cast<std::size_t>(channels_);
     Communicator& comm = *ctx.sync->comm;
+    const CollectivePurpose purpose(fmt::format("SyncBatchNorm {}", name()));
     if (!ctx.sync->ordered) {
       comm.all_reduce(ctx.sync->rank, ctx.stream, data, count, ReduceOp::sum);
       return;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "checked_communicator.h"
 #include "dp/runtime/error.h"
 
 namespace dp {
@@ -98,10 +100,15 @@ void check_processes(const DeviceGroup& group, ProcessGroup& processes) {
 std::unique_ptr<Communicator> Communicator::create(const DeviceGroup& group, std::shared_ptr<ProcessGroup> processes) {
   if (!processes) processes = ProcessGroup::single();
   if (processes->size() > 1) check_processes(group, *processes);
+  std::unique_ptr<Communicator> inner;
   if (group.runtime().backend() == Backend::cuda)
-    return shares_a_gpu(group) ? detail::make_device_ring_communicator(group, std::move(processes))
-                               : detail::make_nccl_communicator(group, std::move(processes));
-  return detail::make_ring_communicator(group, std::move(processes));
+    inner = shares_a_gpu(group) ? detail::make_device_ring_communicator(group, processes)
+                                : detail::make_nccl_communicator(group, processes);
+  else
+    inner = detail::make_ring_communicator(group, processes);
+  // Numbered in creation order, which every process follows (creation is collective).
+  static std::atomic<int> created{0};
+  return detail::make_checked_communicator(std::move(inner), group, std::move(processes), created++);
 }
 
 }  // namespace dp

@@ -1,9 +1,14 @@
 // device_group.cpp — fan work out to the per-device workers, gather failures into one error.
 #include "dp/runtime/device_group.h"
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <fmt/format.h>
 #include <functional>
 #include <future>
+#include <optional>
 #include <set>
 
 namespace dp {
@@ -65,14 +70,75 @@ void collect(const std::vector<int>& device_ids, const std::vector<int>& ranks,
                     first, failed);
 }
 
-// Waits for every (rank, future) before reporting: the tasks borrow the caller's function.
-void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std::future<void>>>& done) {
+void default_stuck_worker_handler(const std::exception_ptr& failure, const std::string& stuck) {
+  std::string what = "unknown exception";
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  std::fprintf(stderr, "dp: error: %s; %s does not return (stuck for good): ending the process\n", what.c_str(),
+               stuck.c_str());
+  std::fflush(nullptr);
+  std::_Exit(exit_code(failure));
+}
+
+std::atomic<StuckWorkerHandler> stuck_worker_handler{default_stuck_worker_handler};
+
+// Waits for every (rank, future) before reporting: the tasks borrow the caller's function. Once one
+// failed, the others get kStuckWorkerGrace; a task still running then is stuck for good.
+void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std::future<void>>>& done,
+              std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+  const auto start = std::chrono::steady_clock::now();
   std::vector<int> ranks;
   for (const auto& entry : done) ranks.push_back(entry.first);
-  collect(device_ids, ranks, [&](std::size_t k) { done[k].second.get(); });
+  std::vector<std::exception_ptr> errors(done.size());
+  std::vector<bool> finished(done.size(), false);
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  for (std::size_t remaining = done.size(); remaining > 0;) {
+    for (std::size_t k = 0; k < done.size(); ++k) {
+      if (finished[k]) continue;
+      // One future at a time, briefly: a failure of any is seen within a poll.
+      if (done[k].second.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) continue;
+      finished[k] = true;
+      --remaining;
+      try {
+        done[k].second.get();
+      } catch (...) {
+        errors[k] = std::current_exception();
+        if (!deadline) deadline = std::chrono::steady_clock::now() + kStuckWorkerGrace;
+      }
+    }
+    const auto now = std::chrono::steady_clock::now();
+    const bool timed_out = timeout.count() > 0 && now - start > timeout;
+    if (remaining > 0 && ((deadline && now > *deadline) || timed_out)) {
+      std::string stuck;
+      for (std::size_t k = 0; k < done.size(); ++k)
+        if (!finished[k])
+          stuck +=
+              fmt::format("{}device {}", stuck.empty() ? "" : ", ", device_ids[static_cast<std::size_t>(ranks[k])]);
+      std::exception_ptr first;
+      for (const std::exception_ptr& e : errors)
+        if (e && !first) first = e;
+      if (!first)
+        first = std::make_exception_ptr(
+            CollectiveTimeout(fmt::format("{} did not finish its work within {} s (timeout; DP_TIMEOUT_S sets it)",
+                                          stuck, std::chrono::duration_cast<std::chrono::seconds>(timeout).count())));
+      stuck_worker_handler.load()(first, stuck);
+      std::_Exit(1);  // a handler must not return
+    }
+  }
+  collect(device_ids, ranks, [&](std::size_t k) {
+    if (errors[k]) std::rethrow_exception(errors[k]);
+  });
 }
 
 }  // namespace
+
+void set_stuck_worker_handler(StuckWorkerHandler handler) {
+  stuck_worker_handler.store(handler ? handler : default_stuck_worker_handler);
+}
 
 std::vector<int> DeviceGroup::all_devices(const Runtime& runtime) {
   std::vector<int> ids(static_cast<std::size_t>(runtime.device_count()));
@@ -85,7 +151,7 @@ void DeviceGroup::run(const std::function<void(int rank)>& task, int count) cons
   std::vector<std::pair<int, std::future<void>>> done;
   done.reserve(static_cast<std::size_t>(count));
   for (int rank = 0; rank < count; ++rank) done.emplace_back(rank, device(rank).submit([&task, rank] { task(rank); }));
-  wait_all(device_ids_, done);
+  wait_all(device_ids_, done, timeout_);
 }
 
 void DeviceGroup::for_each_on_caller(const std::function<void(int rank)>& task) const {

@@ -36,6 +36,12 @@ int exit_code(const std::exception_ptr& error) noexcept {
     return 2;
   } catch (const NonFiniteError&) {
     return 3;
+  } catch (const CollectiveMismatch&) {
+    return 4;
+  } catch (const PeerLost&) {
+    return 5;
+  } catch (const CollectiveTimeout&) {
+    return 6;
   } catch (...) {
     return 1;
   }

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <source_location>
+#include <string_view>
 
 #include "dp/runtime/device.h"
 #include "dp/runtime/device_group.h"
@@ -64,6 +66,12 @@ class Communicator {
   virtual void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count);
   // Fails every pending and future collective instead of letting ranks wait for absent peers.
   virtual void abort() = 0;
+  // Rank `rank` has issued every call of a unit of work (an optimizer step): with checked
+  // collectives (flight_record.h) the ranks agree on that too, so a rank that issued fewer calls
+  // than its peers is named at once instead of leaving them waiting. No backend call; host only.
+  // `where`: the call site its signature names.
+  virtual void end_of(int /*rank*/, std::string_view /*what*/,
+                      std::source_location /*where*/ = std::source_location::current()) {}
 };
 
 // Block b of a reduce_scatter of `count` elements over n ranks: [count*b/n, count*(b+1)/n), the

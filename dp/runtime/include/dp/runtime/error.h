@@ -71,6 +71,26 @@ class CollectiveAborted : public Error {
   using Error::Error;
 };
 
+// The ranks issued different collectives at one point of their sequence (a desync: another
+// operation, count, dtype, root or purpose), found before the operation ran: the message names the
+// ranks, the step, the sequence number, both signatures and both call sites.
+class CollectiveMismatch : public Error {
+ public:
+  using Error::Error;
+};
+
+// Another process of the job is gone (ended, killed, unreachable) while this one needed it.
+class PeerLost : public Error {
+ public:
+  using Error::Error;
+};
+
+// A wait for another device or process passed DP_TIMEOUT_S (the peer may be alive but stuck).
+class CollectiveTimeout : public Error {
+ public:
+  using Error::Error;
+};
+
 // What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
 class WorkerError : public Error {
  public:
@@ -85,10 +105,11 @@ class WorkerError : public Error {
   int failed_;
 };
 
-// The exit code a program reports for an error (dp's tools do; the README's table): 2 for bad input
-// or a configuration that does not fit (InvalidArgument, OutOfMemory, a failed host allocation), 3
-// for non-finite values (NonFiniteError), 1 for anything else. A WorkerError is judged by its cause,
-// so a failure on one device of several gets the code it gets on one device.
+// The exit code a program reports for an error (dp's tools do; docs/training.md's table): 2 for bad
+// input or a configuration that does not fit (InvalidArgument, OutOfMemory, a failed host
+// allocation), 3 for non-finite values (NonFiniteError), 4 for a desync (CollectiveMismatch), 5 for
+// a lost peer (PeerLost), 6 for a timeout (CollectiveTimeout), 1 for anything else. A WorkerError is judged by its
+// cause, so a failure on one device of several gets the code it gets on one device.
 int exit_code(const std::exception_ptr& error) noexcept;
 
 }  // namespace dp

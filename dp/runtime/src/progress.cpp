@@ -1,0 +1,211 @@
+// progress.cpp — the device threads' marks and the process's watch thread.
+#include "dp/runtime/progress.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <fmt/format.h>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "dp/runtime/error.h"
+#include "dp/runtime/fault.h"
+
+namespace dp::progress {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct State {
+  int global_rank = -1, process = 0;
+  std::mutex mutex;
+  std::int64_t step = 0;
+  const char* phase = "idle";
+  std::string detail, waiting;
+  Clock::time_point moved = Clock::now(), step_started{};
+  std::deque<double> step_times;  // the last ones, seconds
+  std::uint64_t moves = 0;        // a warning is given once per stall (per value of moves)
+  std::uint64_t warned = ~0ull;
+
+  void move() {
+    moved = Clock::now();
+    ++moves;
+  }
+};
+
+struct Board {
+  std::mutex mutex;
+  std::map<int, std::unique_ptr<State>> states;  // by global rank; never removed (threads outlive engines)
+};
+
+Board& board() {
+  static Board* b = new Board;  // never destroyed: workers may mark progress during exit
+  return *b;
+}
+
+thread_local State* current = nullptr;
+
+double median(std::deque<double> values) {
+  if (values.size() < 3) return 0.0;
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+Mark snapshot(State& s, Clock::time_point now) {
+  std::lock_guard lock(s.mutex);
+  Mark m;
+  m.global_rank = s.global_rank;
+  m.process = s.process;
+  m.step = s.step;
+  m.phase = s.phase;
+  m.detail = s.detail;
+  m.waiting = s.waiting;
+  m.idle_s = std::chrono::duration<double>(now - s.moved).count();
+  m.median_step_s = median(s.step_times);
+  return m;
+}
+
+double min_stall_s() {
+  static const double value = [] {
+    const char* text = std::getenv("DP_STALL_WARN_S");
+    if (!text || !*text) return 10.0;
+    char* end = nullptr;
+    const double v = std::strtod(text, &end);
+    if (end == text || *end || !(v > 0.0))
+      throw InvalidArgument(fmt::format("DP_STALL_WARN_S='{}' is not a positive number of seconds", text));
+    return v;
+  }();
+  return value;
+}
+
+void watch_once() {
+  const auto now = Clock::now();
+  std::vector<State*> states;
+  {
+    std::lock_guard lock(board().mutex);
+    for (auto& [rank, s] : board().states) states.push_back(s.get());
+  }
+  std::vector<Mark> marks;
+  for (State* s : states) marks.push_back(snapshot(*s, now));
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    const Mark& m = marks[i];
+    if (m.phase == "idle" || !m.waiting.empty()) continue;  // between steps, or waiting for a peer
+    const double limit = std::max(min_stall_s(), 3.0 * m.median_step_s);
+    if (m.idle_s < limit) continue;
+    {
+      std::lock_guard lock(states[i]->mutex);
+      if (states[i]->warned == states[i]->moves) continue;
+      states[i]->warned = states[i]->moves;
+    }
+    std::string others;
+    for (const Mark& o : marks)
+      if (o.global_rank != m.global_rank && !o.waiting.empty()) others += fmt::format("; {}", describe(o));
+    std::fprintf(stderr,
+                 "dp: warning: process %d: %s, no progress (still alive; the job ends only at DP_TIMEOUT_S)%s\n",
+                 m.process, describe(m).c_str(), others.c_str());
+    std::fflush(stderr);
+  }
+}
+
+}  // namespace
+
+void bind(int global_rank, int process) {
+  std::lock_guard lock(board().mutex);
+  auto& slot = board().states[global_rank];
+  if (!slot) slot = std::make_unique<State>();
+  slot->global_rank = global_rank;
+  slot->process = process;
+  current = slot.get();
+}
+
+void begin_step(std::int64_t step) {
+  State* s = current;
+  if (!s) return;
+  {
+    std::lock_guard lock(s->mutex);
+    const auto now = Clock::now();
+    if (s->step_started != Clock::time_point{} && s->step + 1 == step) {
+      s->step_times.push_back(std::chrono::duration<double>(now - s->step_started).count());
+      if (s->step_times.size() > 16) s->step_times.pop_front();
+    }
+    s->step = step;
+    s->step_started = now;
+    s->phase = "the step's start";
+    s->detail.clear();
+    s->move();
+  }
+  FaultPlan& plan = FaultPlan::from_environment();
+  if (!plan.empty()) fire_step_faults(plan, s->process, s->global_rank, step);
+}
+
+void set_phase(const char* phase, std::string detail) {
+  State* s = current;
+  if (!s) return;
+  std::lock_guard lock(s->mutex);
+  s->phase = phase;
+  s->detail = std::move(detail);
+  s->move();
+}
+
+int current_rank() { return current ? current->global_rank : -1; }
+int current_process() { return current ? current->process : 0; }
+std::int64_t current_step() {
+  if (!current) return 0;
+  std::lock_guard lock(current->mutex);
+  return current->step;
+}
+
+Waiting::Waiting(std::string what) : bound_(current != nullptr) {
+  if (!bound_) return;
+  std::lock_guard lock(current->mutex);
+  current->waiting = std::move(what);
+  current->move();
+}
+
+Waiting::~Waiting() {
+  if (!bound_ || !current) return;
+  std::lock_guard lock(current->mutex);
+  current->waiting.clear();
+  current->move();
+}
+
+std::vector<Mark> marks() {
+  const auto now = Clock::now();
+  std::vector<State*> states;
+  {
+    std::lock_guard lock(board().mutex);
+    for (auto& [rank, s] : board().states) states.push_back(s.get());
+  }
+  std::vector<Mark> out;
+  for (State* s : states) out.push_back(snapshot(*s, now));
+  return out;
+}
+
+std::string describe(const Mark& m) {
+  std::string where = m.phase;
+  if (!m.detail.empty()) where += fmt::format(" ({})", m.detail);
+  if (m.step > 0) where += fmt::format(" of step {}", m.step);
+  if (!m.waiting.empty())
+    return fmt::format("device {} waits in {} for {:.1f} s ({})", m.global_rank, m.waiting, m.idle_s, where);
+  return fmt::format("device {} in {} for {:.1f} s", m.global_rank, where, m.idle_s);
+}
+
+void start_watch() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    (void)min_stall_s();  // a malformed DP_STALL_WARN_S is the caller's error, here
+    std::thread([] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        watch_once();
+      }
+    }).detach();
+  });
+}
+
+}  // namespace dp::progress

@@ -1,0 +1,105 @@
+// test_fault.cpp — DP_FAULT's grammar (KIND@TARGET:STEP[:ARG][,...]): what it accepts, what it
+// refuses (InvalidArgument naming the item: the tools' exit 2), and when a planned fault fires.
+#include <chrono>
+#include <gtest/gtest.h>
+#include <string>
+#include <vector>
+
+#include "dp/runtime/error.h"
+#include "dp/runtime/fault.h"
+
+namespace dp {
+namespace {
+
+TEST(Fault, TheGrammarIsParsed) {
+  const std::vector<Fault> faults = parse_faults("desync-extra@d1:3,stall@p0:2:1.5,throw@d12:1,exit@p3:40");
+  ASSERT_EQ(faults.size(), 4u);
+  EXPECT_EQ(faults[0].kind, FaultKind::desync_extra);
+  EXPECT_FALSE(faults[0].process_target);
+  EXPECT_EQ(faults[0].target, 1);
+  EXPECT_EQ(faults[0].step, 3);
+  EXPECT_EQ(faults[1].kind, FaultKind::stall);
+  EXPECT_TRUE(faults[1].process_target);
+  EXPECT_DOUBLE_EQ(faults[1].arg, 1.5);
+  EXPECT_EQ(faults[2].target, 12);
+  EXPECT_EQ(faults[3].kind, FaultKind::exit);
+  EXPECT_EQ(faults[3].step, 40);
+  for (const Fault& f : faults) EXPECT_EQ(parse_faults(f.text())[0].text(), f.text());  // the spelling round-trips
+  EXPECT_TRUE(parse_faults("").empty());
+  for (const char* kind : {"desync-extra", "desync-skip", "desync-count", "hang", "exit", "throw"})
+    EXPECT_EQ(fault_kind_name(parse_faults(std::string(kind) + "@d0:1")[0].kind), kind);
+}
+
+TEST(Fault, AMalformedValueIsRefusedNamingTheItem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"hang", "no '@'"},
+      {"explode@d0:1", "unknown kind 'explode'"},
+      {"hang@d0", "no ':STEP'"},
+      {"hang@x0:1", "neither dN nor pN"},
+      {"hang@d:1", "neither dN nor pN"},
+      {"hang@d-1:1", "no valid index"},
+      {"hang@d1:0", "step '0'"},
+      {"hang@d1:-2", "step '-2'"},
+      {"hang@d1:2.5", "step '2.5'"},
+      {"hang@d1:1:5", "hang takes no ARG"},
+      {"stall@d1:1", "stall needs ':ARG'"},
+      {"stall@d1:1:abc", "ARG 'abc'"},
+      {"stall@d1:1:-1", "ARG '-1'"},
+      {"stall@d1:1:nan", "ARG 'nan'"},
+      {"stall@d1:1:2:3", "more than TARGET:STEP:ARG"},
+      {"hang@d0:1,", "item ''"},
+      {"hang@d0:1,,throw@d1:1", "item ''"},
+      {"HANG@d0:1", "unknown kind 'HANG'"},
+  };
+  for (const auto& [text, expected] : cases) {
+    SCOPED_TRACE(text);
+    try {
+      parse_faults(text);
+      ADD_FAILURE() << "accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("KIND@TARGET:STEP"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Fault, AFaultFiresOnceWhereAndWhenItIsDue) {
+  FaultPlan plan(parse_faults("throw@d2:3,hang@p1:2"));
+  EXPECT_TRUE(plan.has(FaultKind::throw_error));
+  EXPECT_FALSE(plan.has(FaultKind::stall));
+  EXPECT_FALSE(plan.take(FaultKind::throw_error, 0, 2, 2));  // not its step
+  EXPECT_FALSE(plan.take(FaultKind::throw_error, 0, 1, 3));  // not its device
+  EXPECT_FALSE(plan.take(FaultKind::hang, 0, 2, 3));         // not its kind
+  EXPECT_TRUE(plan.take(FaultKind::throw_error, 0, 2, 3));
+  EXPECT_FALSE(plan.take(FaultKind::throw_error, 0, 2, 3));  // spent
+  // pN: on each device of process N, once each.
+  EXPECT_FALSE(plan.take(FaultKind::hang, 0, 0, 2));
+  EXPECT_TRUE(plan.take(FaultKind::hang, 1, 2, 2));
+  EXPECT_TRUE(plan.take(FaultKind::hang, 1, 3, 2));
+  EXPECT_FALSE(plan.take(FaultKind::hang, 1, 3, 2));
+}
+
+TEST(Fault, TargetsBeyondTheJobAreRefused) {
+  FaultPlan plan(parse_faults("throw@d3:1,hang@p1:1"));
+  EXPECT_NO_THROW(plan.check_targets(2, 2));
+  EXPECT_THROW(plan.check_targets(1, 4), InvalidArgument);  // p1 of one process
+  try {
+    plan.check_targets(1, 2);
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'throw@d3:1': the job has 2 devices (d0..d1)"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Fault, AThrowFaultThrowsAndAStallSleeps) {
+  FaultPlan plan(parse_faults("throw@d0:1,stall@d1:1:0.2"));
+  EXPECT_THROW(fire_step_faults(plan, 0, 0, 1), Error);
+  EXPECT_NO_THROW(fire_step_faults(plan, 0, 0, 1));  // spent
+  const auto start = std::chrono::steady_clock::now();
+  fire_step_faults(plan, 0, 1, 1);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
+}
+
+}  // namespace
+}  // namespace dp
