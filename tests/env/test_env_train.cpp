@@ -245,4 +245,36 @@ TEST_F(EnvTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   EXPECT_LT(alone.seconds, 30.0);
 }
 
+// A desync on either process (one device's extra all-reduce; every device of process 1 skipping a
+// bucket, which only the processes' exchange can see) ends both processes within 5 s, exit 4, both
+// naming the same call and the two signatures; each leaves its flight record.
+TEST_F(EnvTrain, ADesyncOnEitherProcessEndsBothAtOnce) {
+  const std::string common =
+      "--model mlp --hidden 16 --mode ddp --backend sim --devices 2 --synthetic 64 --batch-size 4 --steps 6";
+  for (const std::string fault : {"desync-extra@d3:2", "desync-skip@p1:3"}) {
+    SCOPED_TRACE(fault);
+    ::setenv("DP_FAULT", fault.c_str(), 1);
+    ::setenv("DP_FLIGHT_DIR", dir_.c_str(), 1);
+    const EnvJob job = env_job(dir_, dp::test::free_tcp_port(), common, common);
+    ::unsetenv("DP_FAULT");
+    ::unsetenv("DP_FLIGHT_DIR");
+    EXPECT_EQ(job.code0, 4) << job.out0 << job.out1;
+    EXPECT_EQ(job.code1, 4) << job.out1;
+    EXPECT_LT(job.seconds, 5.0 + 3.0);  // both starts included
+    for (const std::string* out : {&job.out0, &job.out1}) {
+      EXPECT_NE(out->find("collectives desynchronized at call #"), std::string::npos) << *out;
+      EXPECT_NE(out->find("(bucket 0, at reducer.cpp:"), std::string::npos) << *out;
+    }
+    EXPECT_NE(
+        job.out1.find(fault.starts_with("desync-extra") ? "global rank 3 (step 2) issued all_reduce f32 x 1 (DP_FAULT"
+                                                        : "global rank 2 (step 3) issued end none x 0"),
+        std::string::npos)
+        << job.out1;
+    EXPECT_TRUE(std::filesystem::exists(dir_ / "dp-flight-0.json"));
+    EXPECT_TRUE(std::filesystem::exists(dir_ / "dp-flight-1.json"));
+    std::filesystem::remove(dir_ / "dp-flight-0.json");
+    std::filesystem::remove(dir_ / "dp-flight-1.json");
+  }
+}
+
 }  // namespace

@@ -191,9 +191,9 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
       check_peers(what);
       const auto waited = std::chrono::steady_clock::now() - start;
       if (waited > timeout())
-        throw Error(fmt::format("{}: process {} waited {} s for {} (timeout; DP_TIMEOUT_S sets it)", what, rank_,
-                                std::chrono::duration_cast<std::chrono::seconds>(waited).count(),
-                                waiting_for >= 0 ? fmt::format("process {}", waiting_for) : key));
+        throw CollectiveTimeout(fmt::format("{}: process {} waited {} s for {} (timeout; DP_TIMEOUT_S sets it)", what,
+                                            rank_, std::chrono::duration_cast<std::chrono::seconds>(waited).count(),
+                                            waiting_for >= 0 ? fmt::format("process {}", waiting_for) : key));
       std::this_thread::sleep_for(std::chrono::microseconds(poll < 100 ? 200 : 5000));
     }
   }
@@ -207,7 +207,7 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
                                           text(*why).substr(0, text(*why).find(' ')),
                                           text(*why).substr(text(*why).find(' ') + 1)));
     if (auto dead = store_->try_get(TcpStore::kDeadKey))
-      throw CollectiveAborted(fmt::format("{}: process {} ended without leaving the job", what, text(*dead)));
+      throw PeerLost(fmt::format("{}: process {} ended without leaving the job", what, text(*dead)));
   }
 
   TcpStore& store() { return *store_; }
@@ -277,7 +277,7 @@ bool GlooChannel::wait_for_message(gloo::transport::UnboundBuffer& buffer, bool 
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(group_->timeout() -
                                                                           (std::chrono::steady_clock::now() - start));
   const auto timed_out = [&] {
-    return std::make_exception_ptr(Error(fmt::format(
+    return std::make_exception_ptr(CollectiveTimeout(fmt::format(
         "{}: process {} waited for process {} (timeout; DP_TIMEOUT_S sets it)", what, group_->rank(), peer)));
   };
   if (left.count() <= 0) {
@@ -304,8 +304,8 @@ bool GlooChannel::wait_for_message(gloo::transport::UnboundBuffer& buffer, bool 
   if (!failure)
     failure = io_error.find("Timed out") != std::string::npos
                   ? timed_out()
-                  : std::make_exception_ptr(Error(fmt::format("{}: process {}: {}", what, peer,
-                                                              io_error.empty() ? "the wait was ended" : io_error)));
+                  : std::make_exception_ptr(PeerLost(fmt::format("{}: process {}: {}", what, peer,
+                                                                 io_error.empty() ? "the wait was ended" : io_error)));
   return false;
 }
 

@@ -169,8 +169,9 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
       if (stop || waited > timeout()) {
         if (!is_receive.empty()) give_up(requests, is_receive);
         if (stop) throw CollectiveAborted(fmt::format("{}: aborted while waiting for another process", what));
-        throw Error(fmt::format("{}: process {} (host {}) waited {} s for its peers (timeout; DP_TIMEOUT_S sets it)",
-                                what, rank_, host_, std::chrono::duration_cast<std::chrono::seconds>(waited).count()));
+        throw CollectiveTimeout(
+            fmt::format("{}: process {} (host {}) waited {} s for its peers (timeout; DP_TIMEOUT_S sets it)", what,
+                        rank_, host_, std::chrono::duration_cast<std::chrono::seconds>(waited).count()));
       }
       // Messages usually arrive within microseconds: spin briefly, then back off.
       if (spin < 64)
