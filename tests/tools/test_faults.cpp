@@ -86,7 +86,8 @@ TEST_F(Faults, AThrowOnADeviceThreadEndsTheJobNamingTheDevice) {
 // A device thread that stops for good in a live process: the watch names it (and its phase) after
 // DP_STALL_WARN_S while the job goes on waiting; DP_TIMEOUT_S then ends it, exit 6, naming it.
 TEST_F(Faults, AStuckDeviceThreadIsNamedThenEndedAtTheTimeout) {
-  const Timed t = train("DP_FAULT=hang@d1:3 DP_STALL_WARN_S=1 DP_TIMEOUT_S=4");
+  // Eager steps (no graph replays): every call is a host call in the record.
+  const Timed t = train("DP_FAULT=hang@d1:3 DP_STALL_WARN_S=1 DP_TIMEOUT_S=4", "--graphs off");
   EXPECT_EQ(t.r.code, 6) << t.r.output;
   EXPECT_GT(t.seconds, 4.0);
   EXPECT_LT(t.seconds, 4.0 + 2.0 + 2.0);  // the timeout, the grace of the stuck worker, the start
@@ -97,6 +98,13 @@ TEST_F(Faults, AStuckDeviceThreadIsNamedThenEndedAtTheTimeout) {
   const nlohmann::json record = flight_record();
   ASSERT_TRUE(record.is_object()) << t.r.output;
   expect_has(record["summary"].get<std::string>(), "device 1 in the step's start of step 3");
+  expect_has(record["summary"].get<std::string>(), "process 0 device 1 last issued end #");
+  // The reader merges the records and names the rank that did not reach the call the others wait in.
+  const Result reader =
+      dp::test::run_command(fmt::format("python3 {}/scripts/flight_record.py {}", DP_SOURCE_DIR, dir_.string()));
+  EXPECT_EQ(reader.code, 0) << reader.output;
+  expect_has(reader.output, "communicator 0: rank(s) 1 did not reach all_reduce #");
+  expect_has(reader.output, "(bucket 0, f32 x 25450); rank(s) 0, 2, 3 wait in it");
 }
 
 // A stall shorter than the timeout is waited for: a warning, then the run ends as an undisturbed one

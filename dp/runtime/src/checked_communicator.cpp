@@ -22,6 +22,7 @@
 #include <optional>
 #include <vector>
 
+#include "backend.h"
 #include "channel.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
@@ -68,35 +69,47 @@ class CheckedCommunicator final : public Communicator {
   int first_rank() const override { return inner_->first_rank(); }
 
   void all_reduce(int rank, const Stream& stream, float* data, std::size_t count, ReduceOp op) override {
+    check(rank, stream, data, count * sizeof(float), "all_reduce");
     call(rank, stream, make_signature(op == ReduceOp::sum ? "all_reduce" : "all_reduce avg", "f32", count),
          count * sizeof(float), [&] { inner_->all_reduce(rank, stream, data, count, op); });
   }
   void all_reduce_bf16(int rank, const Stream& stream, std::uint16_t* data, std::size_t count) override {
+    check(rank, stream, data, count * 2, "all_reduce_bf16");
     call(rank, stream, make_signature("all_reduce", "bf16", count), count * 2,
          [&] { inner_->all_reduce_bf16(rank, stream, data, count); });
   }
   void broadcast(int rank, const Stream& stream, void* data, std::size_t bytes, int root) override {
+    check(rank, stream, data, bytes, "broadcast");
+    check_root(root);
     call(rank, stream, make_signature("broadcast", "bytes", bytes, root), bytes,
          [&] { inner_->broadcast(rank, stream, data, bytes, root); });
   }
   void reduce(int rank, const Stream& stream, float* data, std::size_t count, int root) override {
+    check(rank, stream, data, count * sizeof(float), "reduce");
+    check_root(root);
     call(rank, stream, make_signature("reduce", "f32", count, root), count * sizeof(float),
          [&] { inner_->reduce(rank, stream, data, count, root); });
   }
   void all_gather(int rank, const Stream& stream, const float* send, float* recv, std::size_t count) override {
+    check(rank, stream, send, count * sizeof(float), "all_gather");
+    check(rank, stream, recv, count * sizeof(float) * static_cast<std::size_t>(size()), "all_gather");
     call(rank, stream, make_signature("all_gather", "f32", count), count * sizeof(float) * size(),
          [&] { inner_->all_gather(rank, stream, send, recv, count); });
   }
   void reduce_scatter(int rank, const Stream& stream, float* data, std::size_t count) override {
+    check(rank, stream, data, count * sizeof(float), "reduce_scatter");
     call(rank, stream, make_signature("reduce_scatter", "f32", count), count * sizeof(float),
          [&] { inner_->reduce_scatter(rank, stream, data, count); });
   }
   void all_gather_blocks(int rank, const Stream& stream, float* data, std::size_t count) override {
+    check(rank, stream, data, count * sizeof(float), "all_gather_blocks");
     call(rank, stream, make_signature("all_gather_blocks", "f32", count), count * sizeof(float),
          [&] { inner_->all_gather_blocks(rank, stream, data, count); });
   }
   void end_of(int rank, std::string_view what, std::source_location where) override {
     if (!checked_) return;
+    if (rank < 0 || rank >= local_size())
+      throw InvalidArgument(fmt::format("end_of: local rank {} of {}", rank, local_size()));
     const CollectivePurpose purpose(what, where);
     const CollectiveSignature signature = make_signature("end", "none", 0);
     const std::uint64_t seq = seq_[static_cast<std::size_t>(rank)]++;
@@ -127,6 +140,22 @@ class CheckedCommunicator final : public Communicator {
   }
 
  private:
+  // The arguments the backends refuse, refused before the ranks meet (a rank that would fail in the
+  // backend must not leave its peers waiting for it in the agreement): the sim ring's rules.
+  void check(int rank, const Stream& stream, const void* ptr, std::size_t bytes, const char* op) const {
+    if (rank < 0 || rank >= local_size())
+      throw InvalidArgument(fmt::format("{}: local rank {} of {}", op, rank, local_size()));
+    const int device = group_.device_ids()[static_cast<std::size_t>(rank)];
+    if (stream.device() != device)
+      throw DeviceMismatch(
+          fmt::format("{}: rank {} is device {} but the stream is on device {}", op, rank, device, stream.device()));
+    if (bytes) Access::stream(stream).check_access(ptr, bytes, op);
+  }
+
+  void check_root(int root) const {
+    if (root < 0 || root >= size()) throw InvalidArgument(fmt::format("collective root {} of {} ranks", root, size()));
+  }
+
   template <class Run>
   void call(int rank, const Stream& stream, CollectiveSignature signature, std::uint64_t bytes, Run&& run) {
     const int global = first_rank() + rank;
