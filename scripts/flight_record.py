@@ -66,12 +66,12 @@ def main():
         ranks = {r: e for (c, r), e in last.items() if c == comm}
         furthest = max(e["seq"] for e in ranks.values())
         behind = sorted(r for r, e in ranks.items() if e["seq"] < furthest)
-        waiting = sorted(r for r, e in ranks.items() if e["seq"] == furthest and e["state"] == "issued")
+        waiting = sorted(r for r, e in ranks.items() if e["seq"] == furthest and e["state"] != "done")
         failed = sorted(r for r, e in ranks.items() if e["state"] == "failed")
         call = describe(next(e for e in ranks.values() if e["seq"] == furthest))
         if behind:
             print(f"communicator {comm}: rank(s) {', '.join(map(str, behind))} did not reach {call}; "
-                  f"rank(s) {', '.join(map(str, waiting)) or 'none'} wait in it")
+                  f"rank(s) {', '.join(map(str, waiting)) or 'none'} waited in it")
         elif failed:
             print(f"communicator {comm}: {call} failed on rank(s) {', '.join(map(str, failed))}")
         else:

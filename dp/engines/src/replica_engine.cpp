@@ -29,7 +29,10 @@ ReplicaEngine::ReplicaEngine(Runtime& runtime, Model& module, const EngineOption
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
   comm_ = Communicator::create(group_, processes_);
   FaultPlan::from_environment().check_targets(processes_->size(), group_.size());
-  group_.set_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(processes_->timeout()));
+  // A second past the collectives' own timeout: a rank waiting in a call names the missing peer
+  // first; this ends what no call waits for (a rank stuck while its peers replay a graph).
+  group_.set_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(processes_->timeout()) +
+                     std::chrono::seconds(1));
   // Each worker's progress mark: the process's watch names a rank that stops moving.
   group_.run([&](int r) { progress::bind(comm_->first_rank() + r, processes_->rank()); });
   progress::start_watch();

@@ -118,9 +118,19 @@ void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std
         if (!finished[k])
           stuck +=
               fmt::format("{}device {}", stuck.empty() ? "" : ", ", device_ids[static_cast<std::size_t>(ranks[k])]);
-      std::exception_ptr first;
-      for (const std::exception_ptr& e : errors)
-        if (e && !first) first = e;
+      // A cause before a collective aborted because of it, as collect() reports.
+      std::exception_ptr first, consequence;
+      for (const std::exception_ptr& e : errors) {
+        if (!e) continue;
+        try {
+          std::rethrow_exception(e);
+        } catch (const CollectiveAborted&) {
+          if (!consequence) consequence = e;
+        } catch (...) {
+          if (!first) first = e;
+        }
+      }
+      if (!first) first = consequence;
       if (!first)
         first = std::make_exception_ptr(
             CollectiveTimeout(fmt::format("{} did not finish its work within {} s (timeout; DP_TIMEOUT_S sets it)",
