@@ -277,4 +277,33 @@ TEST_F(EnvTrain, ADesyncOnEitherProcessEndsBothAtOnce) {
   }
 }
 
+// Launch mistakes process 0 says at once: a DP_JOB_TOKEN that only one side has (process 0 names
+// the refused connection instead of waiting silently), and MASTER_ADDR 0.0.0.0 (every interface).
+TEST_F(EnvTrain, TokenMismatchesAndWildcardAddressesAreSaid) {
+  const std::string args =
+      "--model mlp --hidden 8 --mode ddp --backend sim --devices 1 --synthetic 16 --batch-size 4 --steps 2";
+  const auto launch = [&](int rank, const std::string& addr, int port, const std::string& token,
+                          const std::string& out) {
+    return fmt::format(
+        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE -u DP_JOB_TOKEN {} RANK={} WORLD_SIZE=2 MASTER_ADDR={} "
+        "MASTER_PORT={} DP_TIMEOUT_S=4 timeout 60 {} {} >{} 2>&1",
+        token.empty() ? "" : "DP_JOB_TOKEN=" + token, rank, addr, port, DP_TRAIN_BIN, args, path(out));
+  };
+  int port = dp::test::free_tcp_port();
+  auto r = dp::test::run_command("sh -c '" + launch(0, "127.0.0.1", port, "abc", "t0.txt") + " & p0=$!; sleep 0.3; " +
+                                 launch(1, "127.0.0.1", port, "", "t1.txt") + "; c1=$?; wait $p0; echo codes $? $c1'");
+  const std::string t0 = read_file(path("t0.txt")), t1 = read_file(path("t1.txt"));
+  EXPECT_NE(t0.find("refused a connection whose DP_JOB_TOKEN differs from process 0's"), std::string::npos) << t0;
+  EXPECT_NE(t1.find("DP_JOB_TOKEN differs"), std::string::npos) << t1;
+  port = dp::test::free_tcp_port();
+  r = dp::test::run_command("sh -c '" + launch(0, "0.0.0.0", port, "", "w0.txt") + " & p0=$!; " +
+                            launch(1, "127.0.0.1", port, "", "w1.txt") + "; c1=$?; wait $p0; echo codes $? $c1'");
+  EXPECT_NE(r.output.find("codes 0 0"), std::string::npos) << r.output << read_file(path("w0.txt"));
+  EXPECT_NE(read_file(path("w0.txt"))
+                .find("MASTER_ADDR 0.0.0.0: process 0 listens for the job on every interface of "
+                      "this host; anyone who reaches the port may join: set DP_JOB_TOKEN"),
+            std::string::npos)
+      << read_file(path("w0.txt"));
+}
+
 }  // namespace

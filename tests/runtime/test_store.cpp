@@ -123,6 +123,55 @@ TEST(Store, ASilentConnectionIsDroppedAfterTheHelloTime) {
   EXPECT_EQ(text_of(server.try_get(TcpStore::kDeadKey)), "(none)");
 }
 
+// A hello has one deadline for the whole message: a connection that trickles a byte every second
+// (each recv in time) is still dropped after kHelloSeconds; and slow strangers filling every slot
+// cannot keep a process of the job out: the oldest leaves for each newcomer.
+TEST(Store, TrickledHellosNeitherHoldASlotNorKeepTheRanksOut) {
+  const int port = next_port();
+  TcpStore server("127.0.0.1", port, 0, 2, "s3cret", 5s);
+  const int trickler = raw_connect(port);
+  const auto start = std::chrono::steady_clock::now();
+  bool closed = false;
+  for (int i = 0; i < TcpStore::kHelloSeconds + 4 && !closed; ++i) {
+    send_bytes(trickler, "H");
+    closed = closed_within(trickler, 1s);
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(TcpStore::kHelloSeconds + 2));
+  ::close(trickler);
+  std::vector<int> slow;
+  for (int i = 0; i < 16; ++i) {
+    slow.push_back(raw_connect(port));
+    send_bytes(slow.back(), "H");
+  }
+  TcpStore rank1 = client(port, 1, 2, "s3cret");  // gets in at once, every slot held
+  server.set("k", {'v'});
+  EXPECT_EQ(text_of(rank1.try_get("k")), "v");
+  for (const int fd : slow) ::close(fd);
+}
+
+// The store holds at most kMaxStoredBytes: a process (or a stranger in a free rank slot) that
+// stores more is dropped, and the store's memory stays bounded.
+TEST(Store, TheStoreIsBounded) {
+  const int port = next_port();
+  TcpStore server("127.0.0.1", port, 0, 3, "", 5s);
+  TcpStore greedy = client(port, 2, 3);
+  const std::vector<char> mib(std::size_t{1} << 20, 'x');
+  bool dropped = false;
+  for (int i = 0; i < 100 && !dropped; ++i) {
+    try {
+      greedy.set("key" + std::to_string(i), mib);
+      (void)greedy.try_get("key0");  // the reply that says whether it was kept
+    } catch (const Error&) {
+      dropped = true;
+    }
+  }
+  EXPECT_TRUE(dropped);
+  TcpStore rank1 = client(port, 1, 3);
+  rank1.set("small", {'s'});
+  EXPECT_EQ(text_of(server.try_get("small")), "s");
+}
+
 TEST(Store, OnlyAProcessThatSaidHelloCanBeDead) {
   const int port = next_port();
   TcpStore server("127.0.0.1", port, 0, 3, "", 5s);

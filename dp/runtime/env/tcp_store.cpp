@@ -6,12 +6,14 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fmt/format.h>
 #include <map>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <set>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -26,6 +28,9 @@ namespace {
 
 // Connections that have not said hello yet, at most: more are closed as they come (a flood).
 constexpr int kMaxStrangers = 16;
+// The store's total (keys and values): a job's host collectives keep a few small values at a time;
+// a connection that would store more is dropped (a stranger in a free rank slot cannot fill memory).
+constexpr std::size_t kMaxStoredBytes = std::size_t{64} << 20;
 
 bool write_all(int fd, const void* data, std::size_t bytes) {
   const auto* p = static_cast<const char*>(data);
@@ -104,18 +109,28 @@ struct TcpStore::Server {
   std::mutex mutex;
   std::condition_variable ended;  // a connection's thread ended
   std::map<std::string, std::vector<char>> values;
+  std::size_t stored_bytes = 0;  // of `values`, keys included
   int listener = -1;
   int world_size;
   std::string token;
   std::set<int> ranks_in;  // ranks that said hello and have not said goodbye
   std::set<int> fds;       // open connections
   int strangers = 0;       // connections that have not said hello
+  // Each stranger's arrival: its whole hello must come within kHelloSeconds (a per-recv limit would
+  // let one byte every few seconds hold a slot), and when the slots are full the oldest one leaves
+  // for the newcomer, so that slow strangers cannot keep the job's processes out.
+  std::map<int, std::chrono::steady_clock::time_point> stranger_since;
+  int token_refusals = 0;  // warned about (the first few)
   int threads = 0;         // connection threads running
   std::thread acceptor;
   bool stopping = false;
 
   Server(const std::string& host, int port, int world, std::string job_token)
       : listener(listen_on(host, port)), world_size(world), token(std::move(job_token)) {
+    if (host == "0.0.0.0" || host == "::" || host == "[::]")
+      std::fprintf(stderr,
+                   "dp: warning: MASTER_ADDR %s: process 0 listens for the job on every interface of this host%s\n",
+                   host.c_str(), token.empty() ? "; anyone who reaches the port may join: set DP_JOB_TOKEN" : "");
     acceptor = std::thread([this] { accept_loop(); });
   }
 
@@ -131,8 +146,41 @@ struct TcpStore::Server {
     ended.wait(lock, [this] { return threads == 0; });
   }
 
+  // values[key] = value, counted in stored_bytes; false (nothing stored) when `bounded` and the
+  // store would pass kMaxStoredBytes. Under the mutex.
+  bool put(const std::string& key, std::vector<char> value, bool bounded) {
+    const auto it = values.find(key);
+    const std::size_t old = it == values.end() ? 0 : key.size() + it->second.size();
+    const std::size_t total = stored_bytes - old + key.size() + value.size();
+    if (bounded && total > kMaxStoredBytes) return false;
+    stored_bytes = total;
+    values[key] = std::move(value);
+    return true;
+  }
+  void remove(const std::string& key) {
+    if (const auto it = values.find(key); it != values.end()) {
+      stored_bytes -= key.size() + it->second.size();
+      values.erase(it);
+    }
+  }
+
+  // Shuts the connections of strangers past their hello's deadline (their reads then fail).
+  void expire_strangers() {
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto& [fd, since] : stranger_since)
+      if (now - since > std::chrono::seconds(TcpStore::kHelloSeconds)) ::shutdown(fd, SHUT_RDWR);
+  }
+
   void accept_loop() {
     for (;;) {
+      pollfd ready{listener, POLLIN, 0};
+      const int polled = ::poll(&ready, 1, 250);
+      {
+        std::lock_guard lock(mutex);
+        expire_strangers();
+        if (stopping) return;
+      }
+      if (polled == 0 || (polled < 0 && errno == EINTR)) continue;
       const int fd = ::accept(listener, nullptr, nullptr);
       std::lock_guard lock(mutex);
       if (stopping) {
@@ -148,11 +196,16 @@ struct TcpStore::Server {
         }
         return;  // the listener was shut down
       }
-      if (strangers >= kMaxStrangers) {
-        ::close(fd);
-        continue;
+      if (strangers >= kMaxStrangers && !stranger_since.empty()) {
+        // The oldest stranger leaves: a newcomer (maybe a process of the job) always gets a slot.
+        auto oldest = stranger_since.begin();
+        for (auto it = stranger_since.begin(); it != stranger_since.end(); ++it)
+          if (it->second < oldest->second) oldest = it;
+        ::shutdown(oldest->first, SHUT_RDWR);
+        stranger_since.erase(oldest);
       }
       ++strangers;
+      stranger_since[fd] = std::chrono::steady_clock::now();
       ++threads;
       fds.insert(fd);
       std::thread([this, fd] { serve(fd); }).detach();
@@ -173,6 +226,14 @@ struct TcpStore::Server {
     if (!token.empty() || !request.value.empty()) {
       if (!store::same_token(request.value, token)) {
         refuse(fd, "its DP_JOB_TOKEN differs from process 0's");
+        // Said here too: a process of the job started without process 0's token (or with one that
+        // process 0 lacks) would otherwise leave process 0 waiting silently until DP_TIMEOUT_S.
+        std::lock_guard lock(mutex);
+        if (token_refusals++ < 3)
+          std::fprintf(stderr,
+                       "dp: warning: env:// store: process 0 refused a connection whose DP_JOB_TOKEN %s (a process "
+                       "of this job started with another DP_JOB_TOKEN, or a stranger)\n",
+                       token.empty() ? "is set while process 0 has none" : "differs from process 0's");
         return -1;
       }
     }
@@ -183,7 +244,7 @@ struct TcpStore::Server {
       if (hello.world_size != world_size) {
         refused =
             fmt::format("process {} has WORLD_SIZE {}, process 0 has {}", hello.rank, hello.world_size, world_size);
-        if (!values.count(kRefusedKey)) values[kRefusedKey] = std::vector<char>(refused.begin(), refused.end());
+        if (!values.count(kRefusedKey)) put(kRefusedKey, std::vector<char>(refused.begin(), refused.end()), false);
       } else if (hello.rank < 1 || hello.rank >= world_size) {
         refused =
             fmt::format("RANK {} is not a rank of a job of WORLD_SIZE {} served by process 0", hello.rank, world_size);
@@ -212,12 +273,13 @@ struct TcpStore::Server {
     {
       std::lock_guard lock(mutex);
       --strangers;
+      stranger_since.erase(fd);
     }
     const bool goodbye = rank >= 0 && serve_requests(fd);
     std::lock_guard lock(mutex);
     if (rank >= 0 && !goodbye && !stopping && !values.count(kDeadKey)) {
       const std::string who = std::to_string(rank);
-      values[kDeadKey] = std::vector<char>(who.begin(), who.end());
+      put(kDeadKey, std::vector<char>(who.begin(), who.end()), false);
     }
     if (rank >= 0 && goodbye) ranks_in.erase(rank);
     fds.erase(fd);
@@ -239,9 +301,9 @@ struct TcpStore::Server {
       {
         std::lock_guard lock(mutex);
         if (request.op == 'S') {
-          values[request.key] = std::move(request.value);
+          if (!put(request.key, std::move(request.value), true)) return false;  // dropped: kMaxStoredBytes
         } else if (request.op == 'D') {
-          values.erase(request.key);
+          remove(request.key);
         } else if (request.op == 'G') {
           const auto it = values.find(request.key);
           reply = it == values.end() ? 'n' : 'f';
@@ -360,7 +422,7 @@ void TcpStore::set(const std::string& key, const std::vector<char>& value) {
                                       key.substr(0, 64), value.size()));
   if (server_) {
     std::lock_guard lock(server_->mutex);
-    server_->values[key] = value;
+    server_->put(key, value, false);  // process 0's own: the job's, unbounded
     return;
   }
   request('S', key, value);
@@ -379,7 +441,7 @@ std::optional<std::vector<char>> TcpStore::try_get(const std::string& key) {
 void TcpStore::erase(const std::string& key) {
   if (server_) {
     std::lock_guard lock(server_->mutex);
-    server_->values.erase(key);
+    server_->remove(key);
     return;
   }
   request('D', key, {});
