@@ -306,4 +306,30 @@ TEST_F(EnvTrain, TokenMismatchesAndWildcardAddressesAreSaid) {
       << read_file(path("w0.txt"));
 }
 
+// Process 0 frozen for good (SIGSTOP: it serves the store too): the survivor ends within
+// DP_TIMEOUT_S + 2 s of the stop, exit 6 (a timeout), its abort not waiting for process 0 again.
+TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
+  const int port = dp::test::free_tcp_port();
+  const auto env = [&](int rank) {
+    return fmt::format(
+        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+        "MASTER_PORT={} DP_TIMEOUT_S=4 DP_FLIGHT_DIR={} {} --model mlp --hidden 64 --mode ddp --backend sim "
+        "--devices 2 --synthetic 2000 --batch-size 16 --steps 100000 --log-every 1000 >{} 2>&1",
+        rank, port, dir_.string(), DP_TRAIN_BIN, path(fmt::format("frozen{}.txt", rank)));
+  };
+  const auto r = dp::test::run_command(
+      "bash -c '" + env(0) + " & p0=$!; " + env(1) +
+      " & p1=$!; sleep 3; kill -STOP $p0; t=$(date +%s%N); wait $p1; c1=$?; e1=$(date +%s%N); kill -9 $p0; "
+      "wait $p0; echo codes $c1 $t $e1'");
+  int code1 = -1;
+  long long stopped = 0, ended = 0;
+  ASSERT_NE(r.output.find("codes"), std::string::npos) << r.output;
+  std::sscanf(r.output.substr(r.output.find("codes")).c_str(), "codes %d %lld %lld", &code1, &stopped, &ended);
+  const std::string out1 = read_file(path("frozen1.txt"));
+  EXPECT_EQ(code1, 6) << out1;
+  EXPECT_LT(static_cast<double>(ended - stopped) / 1e9, 4.0 + 2.0) << out1;
+  EXPECT_NE(out1.find("timeout; DP_TIMEOUT_S sets it"), std::string::npos) << out1;
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "dp-flight-1.json")) << out1;
+}
+
 }  // namespace

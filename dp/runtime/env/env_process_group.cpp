@@ -154,6 +154,9 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
 
   [[noreturn]] void abort(int exit_code) override {
     try {
+      // Said within a second or not at all: process 0 may be the one that is frozen, and the
+      // survivor's end must not wait DP_TIMEOUT_S again.
+      store_->limit_wait(std::chrono::seconds(1));
       const std::string why = fmt::format("{} {}", rank_, exit_code);
       store_->set(kAbortKey, std::vector<char>(why.begin(), why.end()));
     } catch (...) {
@@ -302,7 +305,7 @@ bool GlooChannel::wait_for_message(gloo::transport::UnboundBuffer& buffer, bool 
   }
   if (done) return true;
   if (!failure)
-    failure = io_error.find("Timed out") != std::string::npos
+    failure = io_error.find("Timed out") != std::string::npos || io_error.find("timeout") != std::string::npos
                   ? timed_out()
                   : std::make_exception_ptr(PeerLost(fmt::format("{}: process {}: {}", what, peer,
                                                                  io_error.empty() ? "the wait was ended" : io_error)));

@@ -13,6 +13,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <optional>
 #include <poll.h>
 #include <set>
 #include <sys/socket.h>
@@ -44,9 +45,24 @@ bool write_all(int fd, const void* data, std::size_t bytes) {
   return true;
 }
 
-bool read_all(int fd, void* data, std::size_t bytes) {
+using Deadline = std::optional<std::chrono::steady_clock::time_point>;
+
+// `bytes` bytes from `fd`; with a deadline, all of them before it (a peer that trickles a byte
+// at a time gets no longer than one that is silent): false, errno EAGAIN, when it passes.
+bool read_all(int fd, void* data, std::size_t bytes, Deadline deadline = std::nullopt) {
   auto* p = static_cast<char*>(data);
   while (bytes > 0) {
+    if (deadline) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - std::chrono::steady_clock::now());
+      pollfd ready{fd, POLLIN, 0};
+      const int polled = left.count() > 0 ? ::poll(&ready, 1, static_cast<int>(left.count())) : 0;
+      if (polled < 0 && errno == EINTR) continue;
+      if (polled == 0) {
+        errno = EAGAIN;
+        return false;
+      }
+    }
     const ssize_t n = ::recv(fd, p, bytes, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
@@ -61,8 +77,8 @@ bool write_blob(int fd, const void* data, std::size_t bytes) {
   return write_all(fd, &length, sizeof length) && write_all(fd, data, bytes);
 }
 
-store::ReadExact reader(int fd) {
-  return [fd](void* data, std::size_t bytes) { return read_all(fd, data, bytes); };
+store::ReadExact reader(int fd, Deadline deadline = std::nullopt) {
+  return [fd, deadline](void* data, std::size_t bytes) { return read_all(fd, data, bytes, deadline); };
 }
 
 // Reads and writes on `fd` give up after `timeout` (0: never).
@@ -318,7 +334,7 @@ struct TcpStore::Server {
 
 TcpStore::TcpStore(const std::string& host, int port, int rank, int world_size, const std::string& token,
                    std::chrono::milliseconds timeout)
-    : rank_(rank), timeout_(timeout) {
+    : rank_(rank), timeout_ms_(timeout.count()) {
   if (rank == 0) {
     server_ = std::make_unique<Server>(host, port, world_size, token);
     return;
@@ -373,8 +389,9 @@ void TcpStore::say_hello(const std::string& host, int port, int world_size, cons
   std::vector<char> text;
   const bool sent = write_all(socket_, "H", 1) && write_blob(socket_, key.data(), key.size()) &&
                     write_blob(socket_, token.data(), token.size());
-  const bool answered = sent && read_all(socket_, &reply, 1) && (reply == 'h' || reply == 'r') &&
-                        store::read_blob(reader(socket_), store::kMaxReasonBytes, text);
+  const Deadline deadline = std::chrono::steady_clock::now() + wait_limit();
+  const bool answered = sent && read_all(socket_, &reply, 1, deadline) && (reply == 'h' || reply == 'r') &&
+                        store::read_blob(reader(socket_, deadline), store::kMaxReasonBytes, text);
   const std::string answer(text.begin(), text.end());
   if (answered && reply == 'h' && answer == store::kMagic) return;
   if (answered && reply == 'r')
@@ -382,7 +399,8 @@ void TcpStore::say_hello(const std::string& host, int port, int world_size, cons
   throw Error(fmt::format(
       "env:// store: process {} reached {}:{} (MASTER_ADDR:MASTER_PORT), but what answers there is not process 0 "
       "of a dp job{}: is the port another program's?",
-      rank_, host, port, sent && reply == 0 ? fmt::format(" (no answer within {} s)", timeout_.count() / 1000) : ""));
+      rank_, host, port,
+      sent && reply == 0 ? fmt::format(" (no answer within {} s)", wait_limit().count() / 1000) : ""));
 }
 
 TcpStore::~TcpStore() {
@@ -401,19 +419,26 @@ std::optional<std::vector<char>> TcpStore::request(char op, const std::string& k
   std::vector<char> found;
   const bool sent = write_all(socket_, &op, 1) && write_blob(socket_, key.data(), key.size()) &&
                     (op != 'S' || write_blob(socket_, value.data(), value.size()));
-  const bool ok = sent && read_all(socket_, &reply, 1) && (reply == 'k' || reply == 'n' || reply == 'f') &&
-                  (reply != 'f' || store::read_blob(reader(socket_), store::kMaxValueBytes, found));
+  const Deadline deadline = std::chrono::steady_clock::now() + wait_limit();
+  const bool ok = sent && read_all(socket_, &reply, 1, deadline) && (reply == 'k' || reply == 'n' || reply == 'f') &&
+                  (reply != 'f' || store::read_blob(reader(socket_, deadline), store::kMaxValueBytes, found));
   if (!ok) {
     const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
     const std::string message = fmt::format(
         "env:// store: process {} {}", rank_,
-        timed_out ? fmt::format("had no answer from process 0 within {} s (DP_TIMEOUT_S)", timeout_.count() / 1000)
+        timed_out ? fmt::format("had no answer from process 0 within {} s (DP_TIMEOUT_S)", wait_limit().count() / 1000)
                   : std::string("lost its connection to process 0"));
     if (timed_out) throw CollectiveTimeout(message);
     throw PeerLost(message);
   }
   if (reply == 'f') return found;
   return std::nullopt;
+}
+
+void TcpStore::limit_wait(std::chrono::milliseconds timeout) {
+  // Not under socket_mutex_: a request may hold it, waiting for the process 0 this is about.
+  timeout_ms_.store(std::min<long long>(timeout_ms_.load(), timeout.count()));
+  if (socket_ >= 0) set_timeouts(socket_, wait_limit());
 }
 
 void TcpStore::set(const std::string& key, const std::vector<char>& value) {

@@ -17,6 +17,7 @@
 // waiting for it. Clients give up on any reply that takes longer than the job's timeout.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -43,6 +44,9 @@ class TcpStore {
   void set(const std::string& key, const std::vector<char>& value);
   std::optional<std::vector<char>> try_get(const std::string& key);
   void erase(const std::string& key);
+  // From here on, a request waits at most `timeout` for its answer (an aborting process tells
+  // process 0 within moments, or not at all).
+  void limit_wait(std::chrono::milliseconds timeout);
 
  private:
   struct Server;
@@ -52,9 +56,10 @@ class TcpStore {
   std::optional<std::vector<char>> request(char op, const std::string& key, const std::vector<char>& value);
 
   int rank_;
-  std::chrono::milliseconds timeout_;
-  std::unique_ptr<Server> server_;  // rank 0
-  int socket_ = -1;                 // the others
+  std::chrono::milliseconds wait_limit() const { return std::chrono::milliseconds(timeout_ms_.load()); }
+  std::atomic<long long> timeout_ms_;  // a request's wait for its answer (limit_wait may lower it)
+  std::unique_ptr<Server> server_;     // rank 0
+  int socket_ = -1;                    // the others
   std::mutex socket_mutex_;
 };
 

@@ -169,9 +169,14 @@ std::string FlightRecorder::summary(int process) const {
     if (m.phase != "idle" && m.waiting.empty() && m.idle_s >= 1.0)  // still for a while: not a rank just failing
       out += fmt::format("{}{}{}", out.empty() ? "" : "; ", process >= 0 ? fmt::format("process {} ", m.process) : "",
                          progress::describe(m));
-  std::map<int, FlightEntry> last;
-  for (const FlightEntry& e : entries())
-    if (e.state != CollectiveState::captured) last[e.global_rank] = e;
+  // Each device's oldest call still in flight (where it is stuck), else its last one.
+  std::map<int, FlightEntry> last, open;
+  for (const FlightEntry& e : entries()) {
+    if (e.state == CollectiveState::captured) continue;
+    last[e.global_rank] = e;
+    if (e.state == CollectiveState::issued && !open.count(e.global_rank)) open[e.global_rank] = e;
+  }
+  for (const auto& [rank, e] : open) last[rank] = e;
   if (last.empty()) return out.empty() ? "no collective was issued" : out;
   const double now = now_s();
   const auto name = [](const FlightEntry& e) {
