@@ -50,7 +50,10 @@ struct Call {
   int arrived = 0, left = 0;
   bool decided = false;
   std::atomic<bool> decided_flag{false};  // `decided`, read without the lock while spinning
-  std::exception_ptr failure;             // null: agreed
+  // The verdict, as what each rank throws its own copy of (no exception object is shared between
+  // the ranks' threads): none when agreed.
+  enum class Failure { none, mismatch, peer_lost, timeout, aborted, other } failure = Failure::none;
+  std::string failure_text;
 };
 
 class CheckedCommunicator final : public Communicator {
@@ -228,7 +231,21 @@ class CheckedCommunicator final : public Communicator {
         failure = compare_processes(c, seq, local_failure);  // this thread alone touches c until decided
         lock.lock();
       }
-      c.failure = failure;
+      if (failure) {
+        try {
+          std::rethrow_exception(failure);
+        } catch (const CollectiveMismatch& e) {
+          c.failure = Call::Failure::mismatch, c.failure_text = e.what();
+        } catch (const PeerLost& e) {
+          c.failure = Call::Failure::peer_lost, c.failure_text = e.what();
+        } catch (const CollectiveTimeout& e) {
+          c.failure = Call::Failure::timeout, c.failure_text = e.what();
+        } catch (const CollectiveAborted& e) {
+          c.failure = Call::Failure::aborted, c.failure_text = e.what();
+        } catch (const std::exception& e) {
+          c.failure = Call::Failure::other, c.failure_text = e.what();
+        }
+      }
       c.decided = true;
       c.decided_flag.store(true, std::memory_order_release);
       cv_.notify_all();
@@ -256,9 +273,17 @@ class CheckedCommunicator final : public Communicator {
       }
       if (!c.decided) throw CollectiveAborted(fmt::format("{}: communicator was aborted", signature.describe()));
     }
-    const std::exception_ptr failure = c.failure;
+    const Call::Failure failure = c.failure;
+    const std::string text = c.failure_text;
     if (--c.left == 0) calls_.erase(seq);
-    if (failure) std::rethrow_exception(failure);
+    switch (failure) {
+      case Call::Failure::none: return;
+      case Call::Failure::mismatch: throw CollectiveMismatch(text);
+      case Call::Failure::peer_lost: throw PeerLost(text);
+      case Call::Failure::timeout: throw CollectiveTimeout(text);
+      case Call::Failure::aborted: throw CollectiveAborted(text);
+      case Call::Failure::other: throw Error(text);
+    }
   }
 
   std::string mismatch(std::uint64_t seq, int rank_a, std::int64_t step_a, const CollectiveSignature& a, int rank_b,

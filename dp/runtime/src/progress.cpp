@@ -22,7 +22,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct State {
-  int global_rank = -1, process = 0;
+  explicit State(int rank) : global_rank(rank) {}
+  const int global_rank;        // a state per global rank: fixed
+  std::atomic<int> process{0};  // rebinding may change it (another job in the process)
   std::mutex mutex;
   std::int64_t step = 0;
   const char* phase = "idle";
@@ -60,7 +62,7 @@ Mark snapshot(State& s, Clock::time_point now) {
   std::lock_guard lock(s.mutex);
   Mark m;
   m.global_rank = s.global_rank;
-  m.process = s.process;
+  m.process = s.process.load();
   m.step = s.step;
   m.phase = s.phase;
   m.detail = s.detail;
@@ -117,9 +119,8 @@ void watch_once() {
 void bind(int global_rank, int process) {
   std::lock_guard lock(board().mutex);
   auto& slot = board().states[global_rank];
-  if (!slot) slot = std::make_unique<State>();
-  slot->global_rank = global_rank;
-  slot->process = process;
+  if (!slot) slot = std::make_unique<State>(global_rank);
+  slot->process.store(process);
   current = slot.get();
 }
 
@@ -140,7 +141,7 @@ void begin_step(std::int64_t step) {
     s->move();
   }
   FaultPlan& plan = FaultPlan::from_environment();
-  if (!plan.empty()) fire_step_faults(plan, s->process, s->global_rank, step);
+  if (!plan.empty()) fire_step_faults(plan, s->process.load(), s->global_rank, step);
 }
 
 void set_phase(const char* phase, std::string detail) {
@@ -153,7 +154,7 @@ void set_phase(const char* phase, std::string detail) {
 }
 
 int current_rank() { return current ? current->global_rank : -1; }
-int current_process() { return current ? current->process : 0; }
+int current_process() { return current ? current->process.load() : 0; }
 std::int64_t current_step() {
   if (!current) return 0;
   std::lock_guard lock(current->mutex);
