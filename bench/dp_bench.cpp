@@ -14,6 +14,7 @@
 #include "address_space.h"
 #include "dp/io/atomic_file.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/flight_record.h"
 #include "dp_cli.h"
 #include "dp_job.h"
 #include "measure.h"
@@ -122,6 +123,29 @@ std::vector<Run> run_all(dp::Runtime& rt, const Options& o, const std::vector<st
         const Run& r = runs[k];
         fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
                    r.step_ms_median);
+      }
+      if (o.check_cost && mode == "ddp") {
+        // The same run with the collectives' signature check off and on again, in alternation (three
+        // of each, the first checked one above; every process alike), compared by their medians: one
+        // pair alone is within a small host's run-to-run noise.
+        const bool was = dp::collectives_checked();
+        std::vector<double> checked{runs.back().samples_per_s}, unchecked;
+        for (int k = 0; k < 3; ++k) {
+          dp::set_collectives_checked(false);
+          unchecked.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
+          dp::set_collectives_checked(was);
+          if (k < 2) checked.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
+        }
+        const auto median = [](std::vector<double> v) {
+          std::sort(v.begin(), v.end());
+          return v[v.size() / 2];
+        };
+        const double on = median(checked), off = median(unchecked);
+        runs.back().unchecked_samples_per_s = off;
+        fmt::print(
+            "  {:<8} the collectives' check costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} "
+            "samples/s checked, {:.1f} unchecked)\n",
+            model, 100.0 * (off / std::max(on, 1e-9) - 1.0), on, off);
       }
       if (against_plain) {
         const Run &base = runs[runs.size() - 2], &sharded = runs.back();

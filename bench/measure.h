@@ -107,10 +107,11 @@ struct Run {
   double wall_ms = 0, samples_per_s = 0, step_ms_median = 0, step_ms_p90 = 0, step_ms_mean = 0;
   double tokens_per_s = 0;  // samples_per_s x tokens_per_sample
   std::optional<double> scaling_efficiency;
-  std::optional<dp::DataParallelPhases> phases;  // dp only: averaged over the measured steps
-  std::optional<std::size_t> buckets;            // ddp only: gradient buckets (all-reduces per step)
-  bool graphs = false;                           // every measured step was a replayed graph
-  bool pipelined = false;                        // measured steps submitted without waiting (--pipeline)
+  std::optional<dp::DataParallelPhases> phases;   // dp only: averaged over the measured steps
+  std::optional<std::size_t> buckets;             // ddp only: gradient buckets (all-reduces per step)
+  std::optional<double> unchecked_samples_per_s;  // --check-cost: the same run with the check off
+  bool graphs = false;                            // every measured step was a replayed graph
+  bool pipelined = false;                         // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;
   // The memory traffic of one eager step (the first warm-up step's, Runtime::memory_traffic) on the
   // device that moves the most, every kernel of it, the most bytes first; none without warm-up.

@@ -47,6 +47,10 @@ FlagGroup<O> bench_flags() {
                .help = "ddp: broadcast the buffers (BatchNorm's running statistics) from rank 0 before each forward",
                .torch = "DistributedDataParallel(broadcast_buffers=...)",
                .engine = [](const O& o, dp::EngineOptions& e) { e.broadcast_buffers = o.broadcast_buffers; }},
+              {.name = "--check-cost",
+               .value = flag::on<O>(&O::check_cost),
+               .help = "ddp: measure each ddp run a second time with the collectives' signature check off "
+                       "(DP_CHECK_COLLECTIVES=0), and print what the check costs"},
               {.name = "--profile",
                .value = flag::on<O>(&O::profile),
                .help = "cuda: record device spans (busy %, GEMM rates); --trace implies it, the sim always records"},

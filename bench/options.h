@@ -39,6 +39,7 @@ struct Options : dp::tools::SharedOptions {
   std::uint64_t seed = 1;
   std::string roofline = "h100";  // the GPU whose peaks the roofline estimate uses (roofline.h)
   double dropout = 0.0;           // mlp and gpt: their Dropout (as dp_train's --dropout)
+  bool check_cost = false;        // ddp: also measured with the collectives' check off
 };
 
 // What dp_bench builds each model of the registry with: the MLP's default sizes; torchvision's

@@ -195,6 +195,19 @@ TEST_F(MpiTrain, AFailingRankStopsEveryProcessWithinSeconds) {
   EXPECT_FALSE(fs::exists(path("out.safetensors")));
 }
 
+// Under mpirun too, a desync on one process ends both within seconds, exit 4, naming the call.
+TEST_F(MpiTrain, ADesyncEndsEveryProcessNamingTheCall) {
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r = each_its_own(
+      "--model mlp --hidden 16 --mode ddp --backend sim --devices 2 --synthetic 64 --batch-size 4 --steps 8", "", "",
+      "DP_FAULT=desync-count@d2:3 DP_FLIGHT_DIR=" + path(""));
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.code, 4) << r.output;
+  EXPECT_LT(seconds, 30.0) << r.output;
+  EXPECT_NE(r.output.find("collectives desynchronized at call #"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("global rank 2 (step 3) issued all_reduce f32 x "), std::string::npos) << r.output;
+}
+
 // dp_bench across processes: ddp over all 4 ranks, every device's figures on process 0, the
 // traffic split into intra- and inter-node bytes; single runs on process 0 alone.
 TEST_F(MpiTrain, BenchGathersEveryProcesssDevices) {

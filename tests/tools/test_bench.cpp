@@ -479,6 +479,22 @@ TEST(Bench, ZeroOneSendsDdpsBytesAndKeepsASliceOfTheState) {
   EXPECT_EQ(zero.at("loss_last"), plain.at("loss_last"));
 }
 
+// --check-cost: each ddp run is measured with the collectives' signature check off too, in
+// alternation, and the cost is printed and in the JSON beside the checked figure.
+TEST(Bench, TheCheckCostIsMeasuredBesideTheCheckedRun) {
+  TempDir dir("check_cost");
+  const fs::path json_path = dir / "report.json";
+  const Result r = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp --modes ddp --batch-size 4 "
+                                              "--steps 2 --warmup 1 --check-cost --json '{}'",
+                                              json_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("mlp      the collectives' check costs "), std::string::npos) << r.out;
+  const json report = json::parse(read_file(json_path));
+  const json& ddp = find_run(report, "mlp", "ddp");
+  EXPECT_GT(ddp.at("unchecked_samples_per_s").get<double>(), 0.0);
+  EXPECT_GT(ddp.at("samples_per_s").get<double>(), 0.0);
+}
+
 // --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named
 // "mode/V"); ddp is also measured without shards in the same run, and a line gives the ratio. With
 // V = P the sharded ddp step all-gathers V gradients: each device receives (V - 1) gradient copies.

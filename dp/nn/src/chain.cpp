@@ -6,6 +6,7 @@
 
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/progress.h"
 
 namespace dp::nn::detail {
 
@@ -121,6 +122,7 @@ const void* Chain::forward(const LayerContext& ctx, const void* x, void* y) {
       outputs_[i + 1] = outputs_[i];
       continue;
     }
+    progress::set_phase("forward", layers_[i]->name());  // where a thread stuck here stands
     // Layer i and a ReLU after it run in one pass, into the ReLU's output; the boundary between
     // them is never written (nothing reads it: see backward).
     const bool fused = i + 1 < count && layers_[i]->fuses_relu() && layers_[i + 1]->is_relu();
@@ -187,6 +189,7 @@ void Chain::backward(const LayerContext& ctx, const void* dy, void* dx, const st
 void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, const void* dy, void* dx,
                            const std::function<void(Layer&)>& after) {
   Layer& layer = *layers_[i];
+  progress::set_phase("backward", layer.name());
   // Fused, dy is dL/d(ReLU's output) and outputs_[i + 2] that output.
   const std::size_t end = fused ? i + 2 : i + 1;
   const LayerContext child{ctx.stream, ctx.device,           shapes_[i], Mode::train, ctx.random,

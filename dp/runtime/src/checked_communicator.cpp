@@ -13,7 +13,6 @@
 // Captured calls are checked when captured; their replays repeat the same sequence on every rank.
 #include "checked_communicator.h"
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -21,7 +20,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "backend.h"
@@ -49,7 +47,6 @@ struct Call {
   std::vector<std::int64_t> steps;
   int arrived = 0, left = 0;
   bool decided = false;
-  std::atomic<bool> decided_flag{false};  // `decided`, read without the lock while spinning
   // The verdict, as what each rank throws its own copy of (no exception object is shared between
   // the ranks' threads): none when agreed.
   enum class Failure { none, mismatch, peer_lost, timeout, aborted, other } failure = Failure::none;
@@ -57,8 +54,6 @@ struct Call {
 };
 
 class CheckedCommunicator final : public Communicator {
-  static constexpr int kSpins = 200;
-
  public:
   CheckedCommunicator(std::unique_ptr<Communicator> inner, const DeviceGroup& group,
                       std::shared_ptr<ProcessGroup> processes, int index)
@@ -247,15 +242,8 @@ class CheckedCommunicator final : public Communicator {
         }
       }
       c.decided = true;
-      c.decided_flag.store(true, std::memory_order_release);
       cv_.notify_all();
     } else {
-      // The peers are usually a few microseconds behind: a short spin first saves the two context
-      // switches of a blocking wait (most of the check's cost on small steps).
-      lock.unlock();
-      for (int spin = 0; spin < kSpins && !c.decided_flag.load(std::memory_order_acquire); ++spin)
-        std::this_thread::yield();
-      lock.lock();
       const progress::Waiting waiting(fmt::format("{} #{} ({})", signature.op.data(), seq, signature.purpose.data()));
       const auto deadline = std::chrono::steady_clock::now() + processes_->timeout();
       if (!cv_.wait_until(lock, deadline, [&] { return c.decided || aborted_; })) {

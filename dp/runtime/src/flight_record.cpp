@@ -2,6 +2,7 @@
 #include "dp/runtime/flight_record.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -78,7 +79,14 @@ CollectivePurpose::~CollectivePurpose() {
   site_now = saved_site_;
 }
 
+namespace {
+std::atomic<int> checked_override{-1};  // -1: DP_CHECK_COLLECTIVES decides
+}  // namespace
+
+void set_collectives_checked(bool on) { checked_override.store(on ? 1 : 0); }
+
 bool collectives_checked() {
+  if (const int forced = checked_override.load(); forced >= 0) return forced == 1;
   static const int value = [] {
     const char* text = std::getenv("DP_CHECK_COLLECTIVES");
     if (!text || !*text || std::strcmp(text, "1") == 0) return 1;

@@ -49,6 +49,9 @@ class CollectivePurpose {
 // Whether the communicators check every collective's signature across the ranks before it runs:
 // on unless DP_CHECK_COLLECTIVES=0 (anything else but 0 or 1 is InvalidArgument).
 bool collectives_checked();
+// Overrides DP_CHECK_COLLECTIVES for the communicators created from here on (dp_bench measures the
+// check's cost by running a configuration both ways).
+void set_collectives_checked(bool on);
 
 // captured: issued into a graph being captured (its replays run it without the host: not recorded).
 enum class CollectiveState { issued, done, failed, captured };
