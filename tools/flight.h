@@ -54,13 +54,7 @@ inline void write_flight_record(std::string_view reason) noexcept {
 
 // DeviceGroup's stuck-worker handler for the tools: the failure, the record, the failure's code.
 [[noreturn]] inline void end_with_stuck_worker(const std::exception_ptr& failure, const std::string& stuck) {
-  std::string what = "unknown exception";
-  try {
-    std::rethrow_exception(failure);
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
-  }
+  const std::string what = message_of(failure);
   std::fprintf(stderr, "%s: error: %s; %s does not return (stuck for good): ending the process\n",
                flight_context().tool, what.c_str(), stuck.c_str());
   write_flight_record(fmt::format("{}; {} stuck", what, stuck));

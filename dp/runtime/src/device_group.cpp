@@ -1,6 +1,7 @@
 // device_group.cpp — fan work out to the per-device workers, gather failures into one error.
 #include "dp/runtime/device_group.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -27,59 +28,53 @@ DeviceGroup::DeviceGroup(Runtime& runtime, std::vector<int> device_ids)
 
 namespace {
 
-// Runs wait(k) for every k (the k-th of `ranks`), all of them, then throws WorkerError for the
-// first failing one, preferring a cause to a collective aborted because of it.
-void collect(const std::vector<int>& device_ids, const std::vector<int>& ranks,
-             const std::function<void(std::size_t)>& wait) {
-  int failed = 0, first_rank = -1;
-  std::exception_ptr first;
-  bool first_is_consequence = false;  // a CollectiveAborted: a failure found later is the cause
-  for (std::size_t k = 0; k < ranks.size(); ++k) {
-    const int rank = ranks[k];
+// Which of `errors` (null where a task succeeded) to report: the first cause, else the first
+// collective aborted because of another failure; npos when none failed.
+std::size_t reported(const std::vector<std::exception_ptr>& errors) {
+  std::size_t consequence = std::string::npos;
+  for (std::size_t k = 0; k < errors.size(); ++k) {
+    if (!errors[k]) continue;
     try {
-      wait(k);
+      std::rethrow_exception(errors[k]);
     } catch (const CollectiveAborted&) {
-      ++failed;
-      if (!first) {
-        first = std::current_exception();
-        first_rank = rank;
-        first_is_consequence = true;
-      }
+      if (consequence == std::string::npos) consequence = k;
     } catch (...) {
-      ++failed;
-      if (!first || first_is_consequence) {
-        first = std::current_exception();
-        first_rank = rank;
-        first_is_consequence = false;
-      }
+      return k;
     }
   }
-  if (!first) return;
-  const int device_id = device_ids[static_cast<std::size_t>(first_rank)];
-  std::string what;
-  try {
-    std::rethrow_exception(first);
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
-    what = "unknown exception";
-  }
+  return consequence;
+}
+
+// Throws WorkerError for the reported one of `errors` (the k-th is ranks[k]'s), if any failed.
+void throw_reported(const std::vector<int>& device_ids, const std::vector<int>& ranks,
+                    const std::vector<std::exception_ptr>& errors) {
+  const std::size_t k = reported(errors);
+  if (k == std::string::npos) return;
+  const auto failed = static_cast<int>(std::count_if(errors.begin(), errors.end(), [](const auto& e) { return e; }));
+  const int device_id = device_ids[static_cast<std::size_t>(ranks[k])];
   throw WorkerError(device_id,
-                    fmt::format("device {}: {}{}", device_id, what,
+                    fmt::format("device {}: {}{}", device_id, message_of(errors[k]),
                                 failed > 1 ? fmt::format(" (and {} more device(s) failed)", failed - 1) : ""),
-                    first, failed);
+                    errors[k], failed);
+}
+
+// Runs wait(k) for every k (the k-th of `ranks`), all of them, then throws as throw_reported.
+void collect(const std::vector<int>& device_ids, const std::vector<int>& ranks,
+             const std::function<void(std::size_t)>& wait) {
+  std::vector<std::exception_ptr> errors(ranks.size());
+  for (std::size_t k = 0; k < ranks.size(); ++k) {
+    try {
+      wait(k);
+    } catch (...) {
+      errors[k] = std::current_exception();
+    }
+  }
+  throw_reported(device_ids, ranks, errors);
 }
 
 void default_stuck_worker_handler(const std::exception_ptr& failure, const std::string& stuck) {
-  std::string what = "unknown exception";
-  try {
-    std::rethrow_exception(failure);
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
-  }
-  std::fprintf(stderr, "dp: error: %s; %s does not return (stuck for good): ending the process\n", what.c_str(),
-               stuck.c_str());
+  std::fprintf(stderr, "dp: error: %s; %s does not return (stuck for good): ending the process\n",
+               message_of(failure).c_str(), stuck.c_str());
   std::fflush(nullptr);
   std::_Exit(exit_code(failure));
 }
@@ -118,19 +113,8 @@ void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std
         if (!finished[k])
           stuck +=
               fmt::format("{}device {}", stuck.empty() ? "" : ", ", device_ids[static_cast<std::size_t>(ranks[k])]);
-      // A cause before a collective aborted because of it, as collect() reports.
-      std::exception_ptr first, consequence;
-      for (const std::exception_ptr& e : errors) {
-        if (!e) continue;
-        try {
-          std::rethrow_exception(e);
-        } catch (const CollectiveAborted&) {
-          if (!consequence) consequence = e;
-        } catch (...) {
-          if (!first) first = e;
-        }
-      }
-      if (!first) first = consequence;
+      const std::size_t k = reported(errors);
+      std::exception_ptr first = k == std::string::npos ? nullptr : errors[k];
       if (!first)
         first = std::make_exception_ptr(
             CollectiveTimeout(fmt::format("{} did not finish its work within {} s (timeout; DP_TIMEOUT_S sets it)",
@@ -139,9 +123,7 @@ void wait_all(const std::vector<int>& device_ids, std::vector<std::pair<int, std
       std::_Exit(1);  // a handler must not return
     }
   }
-  collect(device_ids, ranks, [&](std::size_t k) {
-    if (errors[k]) std::rethrow_exception(errors[k]);
-  });
+  throw_reported(device_ids, ranks, errors);
 }
 
 }  // namespace

@@ -72,6 +72,14 @@ Mark snapshot(State& s, Clock::time_point now) {
   return m;
 }
 
+// Every bound thread's state, by global rank (states are never removed: the pointers stay valid).
+std::vector<State*> all_states() {
+  std::lock_guard lock(board().mutex);
+  std::vector<State*> states;
+  for (auto& [rank, s] : board().states) states.push_back(s.get());
+  return states;
+}
+
 double min_stall_s() {
   static const double value = [] {
     const char* text = std::getenv("DP_STALL_WARN_S");
@@ -87,11 +95,7 @@ double min_stall_s() {
 
 void watch_once() {
   const auto now = Clock::now();
-  std::vector<State*> states;
-  {
-    std::lock_guard lock(board().mutex);
-    for (auto& [rank, s] : board().states) states.push_back(s.get());
-  }
+  const std::vector<State*> states = all_states();
   std::vector<Mark> marks;
   for (State* s : states) marks.push_back(snapshot(*s, now));
   for (std::size_t i = 0; i < states.size(); ++i) {
@@ -177,11 +181,7 @@ Waiting::~Waiting() {
 
 std::vector<Mark> marks() {
   const auto now = Clock::now();
-  std::vector<State*> states;
-  {
-    std::lock_guard lock(board().mutex);
-    for (auto& [rank, s] : board().states) states.push_back(s.get());
-  }
+  const std::vector<State*> states = all_states();
   std::vector<Mark> out;
   for (State* s : states) out.push_back(snapshot(*s, now));
   return out;

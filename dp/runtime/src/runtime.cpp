@@ -21,6 +21,16 @@ OutOfMemory::OutOfMemory(int device, std::size_t requested, std::size_t in_use, 
 WorkerError::WorkerError(int device, const std::string& message, std::exception_ptr cause, int failed_devices)
     : Error(message), device_(device), cause_(std::move(cause)), failed_(failed_devices) {}
 
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
 int exit_code(const std::exception_ptr& error) noexcept {
   try {
     std::rethrow_exception(error);

@@ -112,4 +112,7 @@ class WorkerError : public Error {
 // cause, so a failure on one device of several gets the code it gets on one device.
 int exit_code(const std::exception_ptr& error) noexcept;
 
+// The error's what() ("unknown exception" for one that is no std::exception).
+std::string message_of(const std::exception_ptr& error);
+
 }  // namespace dp
