@@ -424,10 +424,11 @@ std::optional<std::vector<char>> TcpStore::request(char op, const std::string& k
                   (reply != 'f' || store::read_blob(reader(socket_, deadline), store::kMaxValueBytes, found));
   if (!ok) {
     const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
-    const std::string message = fmt::format(
-        "env:// store: process {} {}", rank_,
-        timed_out ? fmt::format("had no answer from process 0 within {} s (DP_TIMEOUT_S)", wait_limit().count() / 1000)
-                  : std::string("lost its connection to process 0"));
+    const std::string message =
+        fmt::format("env:// store: process {} {}", rank_,
+                    timed_out ? fmt::format("had no answer from process 0 within {} s (timeout; DP_TIMEOUT_S sets it)",
+                                            wait_limit().count() / 1000)
+                              : std::string("lost its connection to process 0"));
     if (timed_out) throw CollectiveTimeout(message);
     throw PeerLost(message);
   }

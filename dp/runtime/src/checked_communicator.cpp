@@ -111,27 +111,10 @@ class CheckedCommunicator final : public Communicator {
   }
   void end_of(int rank, std::string_view what, std::source_location where) override {
     if (!checked_) return;
-    if (rank < 0 || rank >= local_size())
-      throw InvalidArgument(fmt::format("end_of: local rank {} of {}", rank, local_size()));
+    check_rank(rank, "end_of");
     const CollectivePurpose purpose(what, where);
-    const CollectiveSignature signature = make_signature("end", "none", 0);
-    const std::uint64_t seq = seq_[static_cast<std::size_t>(rank)]++;
-    const int global = first_rank() + rank;
-    FlightRecorder& record = FlightRecorder::process();
-    FlightEntry entry;
-    entry.communicator = index_;
-    entry.seq = seq;
-    entry.global_rank = global;
-    entry.step = progress::current_step();
-    entry.signature = signature;
-    const std::uint64_t id = record.issued(entry);
-    try {
-      agree(rank, seq, entry.step, signature);
-    } catch (...) {
-      record.done(global, id, true);
-      throw;
-    }
-    record.done(global, id);
+    const std::uint64_t id = begin_call(rank, progress::current_step(), make_signature("end", "none", 0), 0);
+    FlightRecorder::process().done(first_rank() + rank, id);  // nothing to run
   }
   void abort() override {
     {
@@ -145,9 +128,12 @@ class CheckedCommunicator final : public Communicator {
  private:
   // The arguments the backends refuse, refused before the ranks meet (a rank that would fail in the
   // backend must not leave its peers waiting for it in the agreement): the sim ring's rules.
-  void check(int rank, const Stream& stream, const void* ptr, std::size_t bytes, const char* op) const {
+  void check_rank(int rank, const char* op) const {
     if (rank < 0 || rank >= local_size())
       throw InvalidArgument(fmt::format("{}: local rank {} of {}", op, rank, local_size()));
+  }
+  void check(int rank, const Stream& stream, const void* ptr, std::size_t bytes, const char* op) const {
+    check_rank(rank, op);
     const int device = group_.device_ids()[static_cast<std::size_t>(rank)];
     if (stream.device() != device)
       throw DeviceMismatch(
@@ -173,18 +159,9 @@ class CheckedCommunicator final : public Communicator {
       // Only the signature grows: were the check off, the backend would overrun the buffer.
       if (plan.take(FaultKind::desync_count, process, global, step)) ++signature.count;
     }
-    const std::uint64_t seq = seq_[static_cast<std::size_t>(rank)]++;
+    const std::uint64_t id = begin_call(rank, step, signature, bytes);
     FlightRecorder& record = FlightRecorder::process();
-    FlightEntry entry;
-    entry.communicator = index_;
-    entry.seq = seq;
-    entry.global_rank = global;
-    entry.step = step;
-    entry.signature = signature;
-    entry.bytes = bytes;
-    const std::uint64_t id = record.issued(entry);
     try {
-      if (checked_) agree(rank, seq, step, signature);
       run();
     } catch (...) {
       record.done(global, id, true);
@@ -194,6 +171,28 @@ class CheckedCommunicator final : public Communicator {
       record.captured(global, id);
     else
       stream.launch_host_func([global, id] { FlightRecorder::process().done(global, id); });
+  }
+
+  // Numbers the rank's next call, notes it in the flight record (issued) and, when checked, has the
+  // ranks agree on it; a failed agreement is noted failed and rethrown. Returns the record's id.
+  std::uint64_t begin_call(int rank, std::int64_t step, const CollectiveSignature& signature, std::uint64_t bytes) {
+    const std::uint64_t seq = seq_[static_cast<std::size_t>(rank)]++;
+    FlightEntry entry;
+    entry.communicator = index_;
+    entry.seq = seq;
+    entry.global_rank = first_rank() + rank;
+    entry.step = step;
+    entry.signature = signature;
+    entry.bytes = bytes;
+    FlightRecorder& record = FlightRecorder::process();
+    const std::uint64_t id = record.issued(entry);
+    try {
+      if (checked_) agree(rank, seq, step, signature);
+    } catch (...) {
+      record.done(entry.global_rank, id, true);
+      throw;
+    }
+    return id;
   }
 
   // DP_FAULT desync-extra: one all-reduce of one float more on this rank (not a template: call()
@@ -223,7 +222,11 @@ class CheckedCommunicator final : public Communicator {
           local_failure.empty() ? nullptr : std::make_exception_ptr(CollectiveMismatch(local_failure));
       if (channel_) {
         lock.unlock();
-        failure = compare_processes(c, seq, local_failure);  // this thread alone touches c until decided
+        {
+          const progress::Waiting waiting(fmt::format("{} #{} ({}): the other processes' verdicts", signature.op.data(),
+                                                      seq, signature.purpose.data()));
+          failure = compare_processes(c, seq, local_failure);  // this thread alone touches c until decided
+        }
         lock.lock();
       }
       if (failure) {
@@ -245,8 +248,11 @@ class CheckedCommunicator final : public Communicator {
       cv_.notify_all();
     } else {
       const progress::Waiting waiting(fmt::format("{} #{} ({})", signature.op.data(), seq, signature.purpose.data()));
+      // A deadline only while a local rank has not arrived: once all have, the last one decides
+      // (its exchange with the other processes has the timeout of its own), and the others wait for
+      // that verdict rather than time out beside it.
       const auto deadline = std::chrono::steady_clock::now() + processes_->timeout();
-      if (!cv_.wait_until(lock, deadline, [&] { return c.decided || aborted_; })) {
+      if (!cv_.wait_until(lock, deadline, [&] { return c.decided || aborted_ || c.arrived == local; })) {
         std::string missing;
         for (int r = 0; r < local; ++r)
           if (!c.signatures[static_cast<std::size_t>(r)]) missing += fmt::format(" {}", first_rank() + r);
@@ -259,6 +265,7 @@ class CheckedCommunicator final : public Communicator {
             signature.op.data(), seq, index_, step, first_rank() + rank,
             std::chrono::duration_cast<std::chrono::seconds>(processes_->timeout()).count(), missing, where));
       }
+      cv_.wait(lock, [&] { return c.decided || aborted_; });
       if (!c.decided) throw CollectiveAborted(fmt::format("{}: communicator was aborted", signature.describe()));
     }
     const Call::Failure failure = c.failure;
