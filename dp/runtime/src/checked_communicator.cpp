@@ -109,7 +109,7 @@ class CheckedCommunicator final : public Communicator {
     call(rank, stream, make_signature("all_gather_blocks", "f32", count), count * sizeof(float),
          [&] { inner_->all_gather_blocks(rank, stream, data, count); });
   }
-  void end_of(int rank, std::string_view what, std::source_location where) override {
+  void end_of(int rank, std::string_view what, CallSite where) override {
     if (!checked_) return;
     check_rank(rank, "end_of");
     const CollectivePurpose purpose(what, where);

@@ -66,12 +66,12 @@ CollectiveSignature make_signature(std::string_view op, std::string_view dtype, 
   return s;
 }
 
-CollectivePurpose::CollectivePurpose(std::string_view what, std::source_location where)
+CollectivePurpose::CollectivePurpose(std::string_view what, CallSite where)
     : saved_purpose_(purpose_now), saved_site_(site_now) {
   put(purpose_now, what);
-  std::string_view file = where.file_name();
+  std::string_view file = where.file;
   if (const auto slash = file.rfind('/'); slash != std::string_view::npos) file.remove_prefix(slash + 1);
-  put(site_now, fmt::format("{}:{}", file, where.line()));
+  put(site_now, fmt::format("{}:{}", file, where.line));
 }
 
 CollectivePurpose::~CollectivePurpose() {

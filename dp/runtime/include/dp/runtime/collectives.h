@@ -9,9 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <source_location>
 #include <string_view>
 
+#include "dp/runtime/call_site.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/device_group.h"
 #include "dp/runtime/process_group.h"
@@ -70,8 +70,7 @@ class Communicator {
   // collectives (flight_record.h) the ranks agree on that too, so a rank that issued fewer calls
   // than its peers is named at once instead of leaving them waiting. No backend call; host only.
   // `where`: the call site its signature names.
-  virtual void end_of(int /*rank*/, std::string_view /*what*/,
-                      std::source_location /*where*/ = std::source_location::current()) {}
+  virtual void end_of(int /*rank*/, std::string_view /*what*/, CallSite /*where*/ = CallSite::here()) {}
 };
 
 // Block b of a reduce_scatter of `count` elements over n ranks: [count*b/n, count*(b+1)/n), the

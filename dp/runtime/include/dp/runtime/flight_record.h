@@ -8,10 +8,11 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "dp/runtime/call_site.h"
 
 namespace dp {
 
@@ -36,7 +37,7 @@ CollectiveSignature make_signature(std::string_view op, std::string_view dtype, 
 // previous purpose when it goes (nestable). `where` is the call site the signature names.
 class CollectivePurpose {
  public:
-  explicit CollectivePurpose(std::string_view what, std::source_location where = std::source_location::current());
+  explicit CollectivePurpose(std::string_view what, CallSite where = CallSite::here());
   ~CollectivePurpose();
   CollectivePurpose(const CollectivePurpose&) = delete;
   CollectivePurpose& operator=(const CollectivePurpose&) = delete;
