@@ -63,7 +63,7 @@ EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& 
   const auto env = [&](int rank) {
     return fmt::format(
         "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} DP_TIMEOUT_S=60 {} {} >{} 2>&1",
+        "MASTER_PORT={} DP_TIMEOUT_S=60 DP_STALL_WARN_S=2 {} {} >{} 2>&1",
         rank, port, DP_TRAIN_BIN, args, (dir / fmt::format("pair{}.txt", rank)).string());
   };
   const std::string script = env(0) + " & p0=$!; " + env(1) + " & p1=$!; t=0; " + meanwhile +
@@ -84,7 +84,8 @@ EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& 
 }
 
 // A process stopped for 5 s in the middle of training (SIGSTOP, as a debugger, a swapped-out node
-// or a slow decode would hold it) is waited for: the job goes on and writes the checkpoint of an
+// or a slow decode would hold it) is named by the other (its beat stood still past the 3 s that
+// DP_STALL_WARN_S=2 leaves beats) and waited for: the job goes on and writes the checkpoint of an
 // undisturbed run, byte for byte. A process killed outright (kill -9) ends the other within 5 s.
 // The stop and the kill come 3 s in, once the two have met even on a loaded machine (a kill before
 // they meet leaves the other waiting for its peer: DP_TIMEOUT_S bounds that at 60 s, not 10 min).
@@ -104,6 +105,14 @@ TEST_F(EnvTrain, ASlowProcessIsWaitedForAndAGoneOneEndsTheJob) {
     EXPECT_EQ(job.code1, 0) << job.out1;
     EXPECT_GT(job.seconds, 5.0) << "the stop fell after the run";
     EXPECT_EQ(read_file(path("calm.safetensors")), read_file(saved)) << "checkpoint bytes differ";
+    const int other = stopped[2] == '1' ? 0 : 1;
+    const std::string& survivor = other == 0 ? job.out0 : job.out1;
+    EXPECT_NE(survivor.find(fmt::format("process {} has given no sign of life", 1 - other)), std::string::npos)
+        << survivor;
+    EXPECT_NE(survivor.find("the job waits for it until DP_TIMEOUT_S"), std::string::npos) << survivor;
+    const std::string& resumed = other == 0 ? job.out1 : job.out0;
+    EXPECT_EQ(resumed.find("has given no sign of life"), std::string::npos) << "the stopped process blamed its peer\n"
+                                                                            << resumed;
   }
   for (const char* killed : {"$p1", "$p0"}) {
     SCOPED_TRACE(killed);
@@ -306,14 +315,15 @@ TEST_F(EnvTrain, TokenMismatchesAndWildcardAddressesAreSaid) {
       << read_file(path("w0.txt"));
 }
 
-// Process 0 frozen for good (SIGSTOP: it serves the store too): the survivor ends within
-// DP_TIMEOUT_S + 2 s of the stop, exit 6 (a timeout), its abort not waiting for process 0 again.
+// Process 0 frozen for good (SIGSTOP: it serves the store too): the survivor names it, and ends
+// within DP_TIMEOUT_S + 2 s of the stop, exit 6 (a timeout), its abort not waiting for process 0 again.
 TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
   const int port = dp::test::free_tcp_port();
   const auto env = [&](int rank) {
     return fmt::format(
         "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} DP_TIMEOUT_S=4 DP_FLIGHT_DIR={} {} --model mlp --hidden 64 --mode ddp --backend sim "
+        "MASTER_PORT={} DP_TIMEOUT_S=4 DP_STALL_WARN_S=1 DP_FLIGHT_DIR={} {} --model mlp --hidden 64 --mode ddp "
+        "--backend sim "
         "--devices 2 --synthetic 2000 --batch-size 16 --steps 100000 --log-every 1000 >{} 2>&1",
         rank, port, dir_.string(), DP_TRAIN_BIN, path(fmt::format("frozen{}.txt", rank)));
   };
@@ -329,7 +339,35 @@ TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
   EXPECT_EQ(code1, 6) << out1;
   EXPECT_LT(static_cast<double>(ended - stopped) / 1e9, 4.0 + 2.0) << out1;
   EXPECT_NE(out1.find("timeout; DP_TIMEOUT_S sets it"), std::string::npos) << out1;
+  // Named 3 s into the stop (beats leave 3 s), before the timeout ends the survivor.
+  EXPECT_NE(out1.find("process 0 has given no sign of life"), std::string::npos) << out1;
   EXPECT_TRUE(std::filesystem::exists(dir_ / "dp-flight-1.json")) << out1;
+}
+
+// A device thread of process 1 stuck for good (its process alive, beating): process 0 names it,
+// where it is, from process 1's own report, while both wait; DP_TIMEOUT_S then ends both.
+TEST_F(EnvTrain, AStuckDeviceOfAnotherProcessIsNamedByEveryProcess) {
+  const int port = dp::test::free_tcp_port();
+  const auto env = [&](int rank) {
+    return fmt::format(
+        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+        "MASTER_PORT={} DP_TIMEOUT_S=8 DP_STALL_WARN_S=2 DP_FAULT=hang@d3:3 {} --model mlp --hidden 64 --mode ddp "
+        "--backend sim --devices 2 --synthetic 2000 --batch-size 16 --steps 100 --graphs off >{} 2>&1",
+        rank, port, DP_TRAIN_BIN, path(fmt::format("stuck{}.txt", rank)));
+  };
+  const auto r = dp::test::run_command("bash -c '" + env(0) + " & p0=$!; " + env(1) +
+                                       " & p1=$!; wait $p0; c0=$?; wait $p1; c1=$?; echo codes $c0 $c1'");
+  int code0 = -1, code1 = -1;
+  ASSERT_NE(r.output.find("codes"), std::string::npos) << r.output;
+  std::sscanf(r.output.substr(r.output.find("codes")).c_str(), "codes %d %d", &code0, &code1);
+  const std::string out0 = read_file(path("stuck0.txt")), out1 = read_file(path("stuck1.txt"));
+  EXPECT_NE(code0, 0) << out0;
+  EXPECT_NE(code1, 0) << out1;
+  EXPECT_NE(out1.find("dp: warning: process 1: device 3 in the step's start of step 3 for "), std::string::npos)
+      << out1;
+  EXPECT_NE(out0.find("dp: warning: process 1 reports: device 3 in the step's start of step 3 for "), std::string::npos)
+      << out0;
+  EXPECT_EQ(out0.find("has given no sign of life"), std::string::npos) << "a live process called silent\n" << out0;
 }
 
 }  // namespace

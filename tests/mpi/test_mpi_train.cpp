@@ -208,6 +208,28 @@ TEST_F(MpiTrain, ADesyncEndsEveryProcessNamingTheCall) {
   EXPECT_NE(r.output.find("global rank 2 (step 3) issued all_reduce f32 x "), std::string::npos) << r.output;
 }
 
+// Under mpirun a stopped process (SIGSTOP for 5 s) is named by the other from its beats, which
+// travel apart from the collectives, and waited for: the checkpoint is one process of four's.
+TEST_F(MpiTrain, AStoppedProcessIsNamedAndWaitedFor) {
+  const std::string common =
+      "--model mlp --hidden 64 --mode ddp --backend sim --synthetic 2000 --batch-size 16 --seed 7 --steps 8000 "
+      "--log-every 500";
+  const CommandResult one = one_process(common + " --devices 4 --save " + path("one.safetensors"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  const std::string train = fmt::format("{} {} --devices 2 --save {}", DP_TRAIN_BIN, common, path("two.safetensors"));
+  const std::string pid = path("pid1"), script = path("stop.sh");
+  std::ofstream(script) << fmt::format(
+      "export DP_STALL_WARN_S=2 DP_TIMEOUT_S=60\n"
+      "{} -np 1 {} : -np 1 sh -c 'echo $$ > {}; exec {}' & m=$!\n"
+      "sleep 3; kill -STOP $(cat {}); sleep 5; kill -CONT $(cat {}); wait $m\n",
+      DP_MPIRUN, train, pid, train, pid, pid);
+  const CommandResult r = dp::test::run_command("bash " + script);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("process 1 has given no sign of life"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("process 0 has given no sign of life"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(path("one.safetensors")), slurp(path("two.safetensors"))) << "checkpoint bytes differ";
+}
+
 // dp_bench across processes: ddp over all 4 ranks, every device's figures on process 0, the
 // traffic split into intra- and inter-node bytes; single runs on process 0 alone.
 TEST_F(MpiTrain, BenchGathersEveryProcesssDevices) {

@@ -33,9 +33,11 @@ ReplicaEngine::ReplicaEngine(Runtime& runtime, Model& module, const EngineOption
   // first; this ends what no call waits for (a rank stuck while its peers replay a graph).
   group_.set_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(processes_->timeout()) +
                      std::chrono::seconds(1));
-  // Each worker's progress mark: the process's watch names a rank that stops moving.
+  // Each worker's progress mark: the process's watch names a rank that stops moving, and a peer
+  // process that gives no sign of life.
   group_.run([&](int r) { progress::bind(comm_->first_rank() + r, processes_->rank()); });
   progress::start_watch();
+  progress::watch_processes(processes_);
 }
 
 std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,

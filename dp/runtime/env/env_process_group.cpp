@@ -19,6 +19,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unistd.h>
 
@@ -113,6 +114,37 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
       barrier();
     } catch (...) {
     }
+    {
+      std::lock_guard lock(beat_mutex_);
+      closing_ = true;
+    }
+    beat_cv_.notify_all();
+    if (beat_thread_.joinable()) beat_thread_.join();
+  }
+
+  void start_beats(std::function<std::string()> status) override {
+    std::lock_guard lock(beat_mutex_);
+    if (beat_thread_.joinable() || size_ == 1) return;
+    const auto now = std::chrono::steady_clock::now();
+    beats_.assign(static_cast<std::size_t>(size_), Beat{-1, now, now, {}});
+    beat_thread_ = std::thread([this, status = std::move(status)] { beat(status); });
+  }
+
+  std::vector<PeerBeat> peer_beats() const override {
+    std::lock_guard lock(beat_mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    const auto seconds = [](auto d) { return std::max(0.0, std::chrono::duration<double>(d).count()); };
+    std::vector<PeerBeat> out;
+    for (int p = 0; p < static_cast<int>(beats_.size()); ++p) {
+      if (p == rank_) continue;
+      const Beat& b = beats_[static_cast<std::size_t>(p)];
+      // A counter is still between two reads that saw it (a stop of this process is no silence of
+      // its peers); process 0 serves the store, so requests it leaves unanswered are its silence.
+      double silent = seconds(b.read - b.moved);
+      if (p == 0 && unanswered_ && now - *unanswered_ > std::chrono::seconds(1)) silent = seconds(now - b.moved);
+      out.push_back({p, silent, b.status});
+    }
+    return out;
   }
 
   int rank() const override { return rank_; }
@@ -155,7 +187,9 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   [[noreturn]] void abort(int exit_code) override {
     try {
       // Said within a second or not at all: process 0 may be the one that is frozen, and the
-      // survivor's end must not wait DP_TIMEOUT_S again.
+      // survivor's end must not wait DP_TIMEOUT_S again (nor behind a beat's request: the beats
+      // stop, and the lowered limit cuts a request under way).
+      aborting_.store(true);
       store_->limit_wait(std::chrono::seconds(1));
       const std::string why = fmt::format("{} {}", rank_, exit_code);
       store_->set(kAbortKey, std::vector<char>(why.begin(), why.end()));
@@ -216,6 +250,58 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   TcpStore& store() { return *store_; }
 
  private:
+  struct Beat {
+    long long count = -1;
+    std::chrono::steady_clock::time_point moved, read;  // when `count` last changed; last read
+    std::string status;
+  };
+
+  // About once a second: this process's counter and status under dp/beat/<rank>, the others' read.
+  // A failed request is no verdict (the collectives' own waits decide that): the next beat retries.
+  void beat(const std::function<std::string()>& status) {
+    long long count = 0;
+    auto last_round = std::chrono::steady_clock::now();
+    std::unique_lock lock(beat_mutex_);
+    while (!closing_ && !aborting_.load()) {
+      if (!unanswered_) unanswered_ = std::chrono::steady_clock::now();
+      lock.unlock();
+      const std::string mine = fmt::format("{} {}", ++count, status());
+      std::vector<std::string> keys;
+      std::vector<int> whose;
+      for (int p = 0; p < size_; ++p)
+        if (p != rank_) {
+          keys.push_back(fmt::format("dp/beat/{}", p));
+          whose.push_back(p);
+        }
+      std::vector<std::optional<std::vector<char>>> read;
+      // Brief: a beat never holds up the job's own requests, nor waits long for a silent process 0.
+      const bool answered =
+          store_->try_brief(fmt::format("dp/beat/{}", rank_), std::vector<char>(mine.begin(), mine.end()), keys, read,
+                            std::chrono::milliseconds(500));
+      lock.lock();
+      const auto now = std::chrono::steady_clock::now();
+      if (answered) unanswered_.reset();
+      // A round long after the last one: this process itself stood still (stopped, starved), and
+      // its peers' beats could not reach it (nor, env://, process 0's store while it was the one
+      // stopped): their silence counts from now.
+      if (now - last_round > std::chrono::milliseconds(2500))
+        for (Beat& b : beats_) b.moved = now;
+      last_round = now;
+      for (std::size_t k = 0; answered && k < keys.size(); ++k) {
+        if (!read[k]) continue;
+        const std::string value = text(*read[k]);
+        Beat& b = beats_[static_cast<std::size_t>(whose[k])];
+        const std::size_t space = value.find(' ');
+        const long long c = std::atoll(value.substr(0, space).c_str());
+        if (c != b.count) b.moved = now;
+        b.read = now;
+        b.count = c;
+        b.status = space == std::string::npos ? std::string() : value.substr(space + 1);
+      }
+      beat_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_; });
+    }
+  }
+
   int rank_, size_;
   std::string host_, pair_address_;
   std::unique_ptr<TcpStore> store_;
@@ -223,6 +309,14 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   std::mutex channels_mutex_;
   int channels_ = 0;
   std::shared_ptr<gloo::transport::Device> device_;
+  mutable std::mutex beat_mutex_;
+  std::condition_variable beat_cv_;
+  bool closing_ = false;
+  std::vector<Beat> beats_;  // by process
+  // Since when the store has not answered a beat (requests under way or failed since).
+  std::optional<std::chrono::steady_clock::time_point> unanswered_;
+  std::atomic<bool> aborting_{false};
+  std::thread beat_thread_;
 };
 
 void StoreForGloo::set(const std::string& key, const std::vector<char>& data) { group_.store().set(key, data); }

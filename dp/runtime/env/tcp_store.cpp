@@ -25,6 +25,18 @@
 #include "store_protocol.h"
 
 namespace dp::detail {
+
+// A wait's end: `limit_ms` after `start`, read anew while it lasts, so that a limit lowered meanwhile
+// (TcpStore::limit_wait, by a process that aborts) also cuts a wait already under way.
+struct Limit {
+  std::chrono::steady_clock::time_point start;
+  const std::atomic<long long>* limit_ms = nullptr;
+  long long cap_ms = 0;  // a shorter wait of the caller's own (0: none)
+  std::chrono::steady_clock::time_point end() const {
+    const long long ms = cap_ms > 0 ? std::min(cap_ms, limit_ms->load()) : limit_ms->load();
+    return start + std::chrono::milliseconds(ms);
+  }
+};
 namespace {
 
 // Connections that have not said hello yet, at most: more are closed as they come (a flood).
@@ -45,19 +57,22 @@ bool write_all(int fd, const void* data, std::size_t bytes) {
   return true;
 }
 
-using Deadline = std::optional<std::chrono::steady_clock::time_point>;
+using Deadline = std::optional<Limit>;
 
 // `bytes` bytes from `fd`; with a deadline, all of them before it (a peer that trickles a byte
 // at a time gets no longer than one that is silent): false, errno EAGAIN, when it passes.
 bool read_all(int fd, void* data, std::size_t bytes, Deadline deadline = std::nullopt) {
   auto* p = static_cast<char*>(data);
+  constexpr long long kSliceMs = 100;  // how soon a lowered limit is seen
   while (bytes > 0) {
     if (deadline) {
       const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - std::chrono::steady_clock::now());
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline->end() - std::chrono::steady_clock::now());
       pollfd ready{fd, POLLIN, 0};
-      const int polled = left.count() > 0 ? ::poll(&ready, 1, static_cast<int>(left.count())) : 0;
+      const int polled =
+          left.count() > 0 ? ::poll(&ready, 1, static_cast<int>(std::min<long long>(left.count(), kSliceMs))) : 0;
       if (polled < 0 && errno == EINTR) continue;
+      if (polled == 0 && left.count() > kSliceMs) continue;
       if (polled == 0) {
         errno = EAGAIN;
         return false;
@@ -389,7 +404,7 @@ void TcpStore::say_hello(const std::string& host, int port, int world_size, cons
   std::vector<char> text;
   const bool sent = write_all(socket_, "H", 1) && write_blob(socket_, key.data(), key.size()) &&
                     write_blob(socket_, token.data(), token.size());
-  const Deadline deadline = std::chrono::steady_clock::now() + wait_limit();
+  const Deadline deadline = Limit{std::chrono::steady_clock::now(), &timeout_ms_};
   const bool answered = sent && read_all(socket_, &reply, 1, deadline) && (reply == 'h' || reply == 'r') &&
                         store::read_blob(reader(socket_, deadline), store::kMaxReasonBytes, text);
   const std::string answer(text.begin(), text.end());
@@ -413,27 +428,65 @@ TcpStore::~TcpStore() {
   }
 }
 
+// Under socket_mutex_: the answers that brief requests left unread, read and dropped, then this
+// request sent and its answer read, all before `deadline`.
+TcpStore::Answer TcpStore::ask(char op, const std::string& key, const std::vector<char>& value, const Limit& deadline) {
+  Answer a;
+  const auto read_answer = [&] {
+    a.found.clear();
+    const bool ok = read_all(socket_, &a.reply, 1, deadline) && (a.reply == 'k' || a.reply == 'n' || a.reply == 'f') &&
+                    (a.reply != 'f' || store::read_blob(reader(socket_, deadline), store::kMaxValueBytes, a.found));
+    a.timed_out = !ok && (errno == EAGAIN || errno == EWOULDBLOCK);
+    return ok;
+  };
+  for (; owed_ > 0; --owed_)
+    if (!read_answer()) return a;
+  a.sent = write_all(socket_, &op, 1) && write_blob(socket_, key.data(), key.size()) &&
+           (op != 'S' || write_blob(socket_, value.data(), value.size()));
+  if (!a.sent) {
+    a.timed_out = false;  // a request cut off midway: the connection is of no more use
+    return a;
+  }
+  a.ok = read_answer();
+  return a;
+}
+
 std::optional<std::vector<char>> TcpStore::request(char op, const std::string& key, const std::vector<char>& value) {
   std::lock_guard lock(socket_mutex_);
-  char reply = 0;
-  std::vector<char> found;
-  const bool sent = write_all(socket_, &op, 1) && write_blob(socket_, key.data(), key.size()) &&
-                    (op != 'S' || write_blob(socket_, value.data(), value.size()));
-  const Deadline deadline = std::chrono::steady_clock::now() + wait_limit();
-  const bool ok = sent && read_all(socket_, &reply, 1, deadline) && (reply == 'k' || reply == 'n' || reply == 'f') &&
-                  (reply != 'f' || store::read_blob(reader(socket_, deadline), store::kMaxValueBytes, found));
-  if (!ok) {
-    const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
-    const std::string message =
-        fmt::format("env:// store: process {} {}", rank_,
-                    timed_out ? fmt::format("had no answer from process 0 within {} s (timeout; DP_TIMEOUT_S sets it)",
-                                            wait_limit().count() / 1000)
-                              : std::string("lost its connection to process 0"));
-    if (timed_out) throw CollectiveTimeout(message);
+  Answer a = ask(op, key, value, Limit{std::chrono::steady_clock::now(), &timeout_ms_});
+  if (!a.ok) {
+    const std::string message = fmt::format(
+        "env:// store: process {} {}", rank_,
+        a.timed_out ? fmt::format("had no answer from process 0 within {} s (timeout; DP_TIMEOUT_S sets it)",
+                                  wait_limit().count() / 1000)
+                    : std::string("lost its connection to process 0"));
+    if (a.timed_out) throw CollectiveTimeout(message);
     throw PeerLost(message);
   }
-  if (reply == 'f') return found;
+  if (a.reply == 'f') return std::move(a.found);
   return std::nullopt;
+}
+
+bool TcpStore::try_brief(const std::string& key, const std::vector<char>& value, const std::vector<std::string>& keys,
+                         std::vector<std::optional<std::vector<char>>>& values, std::chrono::milliseconds limit) {
+  values.assign(keys.size(), std::nullopt);
+  if (server_) {
+    set(key, value);
+    for (std::size_t i = 0; i < keys.size(); ++i) values[i] = try_get(keys[i]);
+    return true;
+  }
+  std::unique_lock lock(socket_mutex_, limit);
+  if (!lock.owns_lock()) return false;
+  const Limit deadline{std::chrono::steady_clock::now(), &timeout_ms_, std::max<long long>(1, limit.count())};
+  for (std::size_t i = 0; i <= keys.size(); ++i) {
+    Answer a = i == 0 ? ask('S', key, value, deadline) : ask('G', keys[i - 1], {}, deadline);
+    if (!a.ok) {
+      if (a.sent && a.timed_out) ++owed_;  // its answer may still come: the next request drops it
+      return false;
+    }
+    if (i > 0 && a.reply == 'f') values[i - 1] = std::move(a.found);
+  }
+  return true;
 }
 
 void TcpStore::limit_wait(std::chrono::milliseconds timeout) {

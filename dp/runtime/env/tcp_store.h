@@ -27,6 +27,8 @@
 
 namespace dp::detail {
 
+struct Limit;  // a request's deadline (tcp_store.cpp)
+
 class TcpStore {
  public:
   static constexpr const char* kDeadKey = "dp/dead";
@@ -44,6 +46,12 @@ class TcpStore {
   void set(const std::string& key, const std::vector<char>& value);
   std::optional<std::vector<char>> try_get(const std::string& key);
   void erase(const std::string& key);
+  // For a caller that must never hold up the job's own requests for long (the processes' beats):
+  // sets `key` and reads `keys` (into `values`), waiting at most `limit` for its turn and `limit`
+  // for all the answers; false when its turn or an answer did not come (a late answer is read and
+  // dropped by the next request).
+  bool try_brief(const std::string& key, const std::vector<char>& value, const std::vector<std::string>& keys,
+                 std::vector<std::optional<std::vector<char>>>& values, std::chrono::milliseconds limit);
   // From here on, a request waits at most `timeout` for its answer (an aborting process tells
   // process 0 within moments, or not at all).
   void limit_wait(std::chrono::milliseconds timeout);
@@ -54,13 +62,20 @@ class TcpStore {
   void say_hello(const std::string& host, int port, int world_size, const std::string& token);
   // A request to the server (not on rank 0): op, key, value; the reply's value, if any.
   std::optional<std::vector<char>> request(char op, const std::string& key, const std::vector<char>& value);
+  struct Answer {
+    bool sent = false, ok = false, timed_out = false;
+    char reply = 0;
+    std::vector<char> found;
+  };
+  Answer ask(char op, const std::string& key, const std::vector<char>& value, const Limit& deadline);
 
   int rank_;
   std::chrono::milliseconds wait_limit() const { return std::chrono::milliseconds(timeout_ms_.load()); }
   std::atomic<long long> timeout_ms_;  // a request's wait for its answer (limit_wait may lower it)
   std::unique_ptr<Server> server_;     // rank 0
   int socket_ = -1;                    // the others
-  std::mutex socket_mutex_;
+  std::timed_mutex socket_mutex_;      // timed: a brief request waits for it only so long
+  int owed_ = 0;                       // answers of brief requests not read yet (under socket_mutex_)
 };
 
 }  // namespace dp::detail

@@ -4,6 +4,9 @@
 // collectives, and no thread ever blocks inside MPI holding the lock another one needs to make
 // progress. Waits give up on abort or after the group's timeout, cancelling their receives.
 #include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fmt/format.h>
 #include <functional>
@@ -64,6 +67,8 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &beat_comm_), "MPI_Comm_dup");  // while no other thread uses MPI
+    MPI_Comm_set_errhandler(beat_comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     char name[MPI_MAX_PROCESSOR_NAME] = {};
@@ -76,8 +81,34 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
     max_tag_ = found && upper ? *upper : 32767;  // the standard's guaranteed minimum
   }
   ~MpiWorld() override {
+    stop_beats();
+    MPI_Comm_free(&beat_comm_);
     MPI_Comm_free(&comm_);
     MPI_Finalize();
+  }
+
+  // The beats travel on a communicator of their own, one small message per peer and beat: each
+  // peer has one receive posted and at most one send in flight, so a stopped peer costs nothing
+  // but the beats it does not answer.
+  void start_beats(std::function<std::string()> status) override {
+    std::lock_guard lock(beat_mutex_);
+    if (beat_thread_.joinable() || size_ == 1) return;
+    const auto now = std::chrono::steady_clock::now();
+    beats_ = std::vector<Beat>(static_cast<std::size_t>(size_));
+    for (Beat& b : beats_) b.moved = b.read = now;
+    beat_thread_ = std::thread([this, status = std::move(status)] { beat(status); });
+  }
+
+  std::vector<PeerBeat> peer_beats() const override {
+    std::lock_guard lock(beat_mutex_);
+    std::vector<PeerBeat> out;
+    for (int p = 0; p < static_cast<int>(beats_.size()); ++p) {
+      if (p == rank_) continue;
+      const Beat& b = beats_[static_cast<std::size_t>(p)];
+      // A counter is still between two looks that saw it (a stop of this process is no silence of its peers).
+      out.push_back({p, std::max(0.0, std::chrono::duration<double>(b.read - b.moved).count()), b.status});
+    }
+    return out;
   }
 
   int rank() const override { return rank_; }
@@ -184,6 +215,84 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   std::mutex& mutex() { return mutex_; }
 
  private:
+  static constexpr int kBeatBytes = 256;
+  struct Beat {
+    std::array<char, kBeatBytes> in{}, out{};
+    MPI_Request receive = MPI_REQUEST_NULL, send = MPI_REQUEST_NULL;
+    long long count = -1;
+    std::chrono::steady_clock::time_point moved, read;  // when `count` last changed; last look
+    std::string status;
+  };
+
+  // About once a second: every arrived beat taken (the last one counts), this process's sent to
+  // each peer whose previous one has left.
+  void beat(const std::function<std::string()>& status) {
+    long long count = 0;
+    auto last_round = std::chrono::steady_clock::now();
+    std::unique_lock lock(beat_mutex_);
+    while (!closing_) {
+      lock.unlock();
+      const std::string mine = fmt::format("{} {}", ++count, status()).substr(0, kBeatBytes - 1);
+      lock.lock();
+      const auto now = std::chrono::steady_clock::now();
+      // A round long after the last one: this process itself stood still (stopped, starved), and
+      // its peers' beats could not reach it (nor, env://, process 0's store while it was the one
+      // stopped): their silence counts from now.
+      if (now - last_round > std::chrono::milliseconds(2500))
+        for (Beat& b : beats_) b.moved = now;
+      last_round = now;
+      {
+        std::lock_guard mpi(mutex_);
+        for (int p = 0; p < size_; ++p) {
+          if (p == rank_) continue;
+          Beat& b = beats_[static_cast<std::size_t>(p)];
+          for (;;) {
+            int arrived = 0;
+            if (b.receive != MPI_REQUEST_NULL && MPI_Test(&b.receive, &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+              break;
+            if (arrived) {
+              const std::string value(b.in.data(), strnlen(b.in.data(), b.in.size()));
+              const std::size_t space = value.find(' ');
+              const long long c = std::atoll(value.substr(0, space).c_str());
+              if (c != b.count) b.moved = now;
+              b.count = c;
+              b.status = space == std::string::npos ? std::string() : value.substr(space + 1);
+            }
+            if (b.receive != MPI_REQUEST_NULL) break;
+            b.in.fill(0);
+            if (MPI_Irecv(b.in.data(), kBeatBytes, MPI_CHAR, p, 0, beat_comm_, &b.receive) != MPI_SUCCESS) break;
+          }
+          b.read = now;
+          int sent = 1;
+          if (b.send != MPI_REQUEST_NULL && MPI_Test(&b.send, &sent, MPI_STATUS_IGNORE) != MPI_SUCCESS) continue;
+          if (!sent) continue;
+          b.out.fill(0);
+          std::memcpy(b.out.data(), mine.data(), mine.size());
+          MPI_Isend(b.out.data(), kBeatBytes, MPI_CHAR, p, 0, beat_comm_, &b.send);
+        }
+      }
+      beat_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_; });
+    }
+  }
+
+  void stop_beats() {
+    {
+      std::lock_guard lock(beat_mutex_);
+      closing_ = true;
+    }
+    beat_cv_.notify_all();
+    if (!beat_thread_.joinable()) return;
+    beat_thread_.join();
+    std::lock_guard mpi(mutex_);
+    for (Beat& b : beats_) {
+      if (b.receive != MPI_REQUEST_NULL) {
+        MPI_Cancel(&b.receive);
+        MPI_Wait(&b.receive, MPI_STATUS_IGNORE);  // a cancelled receive completes locally
+      }
+      if (b.send != MPI_REQUEST_NULL) MPI_Request_free(&b.send);
+    }
+  }
+
   void give_up(std::vector<MPI_Request>& requests, const std::vector<bool>& is_receive) {
     std::lock_guard lock(mutex_);
     for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -203,6 +312,12 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, max_tag_ = 32767;
   std::string host_;
+  mutable std::mutex beat_mutex_;  // before mutex_ where both are held
+  std::condition_variable beat_cv_;
+  bool closing_ = false;
+  std::vector<Beat> beats_;  // by process
+  MPI_Comm beat_comm_ = MPI_COMM_NULL;
+  std::thread beat_thread_;
 };
 
 MpiChannel::MpiChannel(std::shared_ptr<MpiWorld> world, MPI_Comm comm, int max_tag)

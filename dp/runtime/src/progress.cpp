@@ -15,6 +15,7 @@
 
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
+#include "dp/runtime/process_group.h"
 
 namespace dp::progress {
 namespace {
@@ -93,16 +94,100 @@ double min_stall_s() {
   return value;
 }
 
-void watch_once() {
+// How long a mark may stand still before it is called stalled: max(DP_STALL_WARN_S, 3x the
+// longest median step of this process's ranks).
+double stall_limit(const std::vector<Mark>& marks) {
+  double longest = 0.0;
+  for (const Mark& m : marks) longest = std::max(longest, m.median_step_s);
+  return std::max(min_stall_s(), 3.0 * longest);
+}
+
+// A thread at work (not between steps, not waiting for a peer) whose mark has stood still for
+// max(DP_STALL_WARN_S, 3x its median step).
+bool stalled(const Mark& m) {
+  return m.phase != "idle" && m.waiting.empty() && m.idle_s >= std::max(min_stall_s(), 3.0 * m.median_step_s);
+}
+
+// What the process's beat says of it: "1 <a stalled mark>" when one of its threads makes no
+// progress, else "0 <its stillest mark>" (the one a peer waiting for it most likely waits for).
+std::string local_status() {
+  const std::vector<Mark> all = marks();
+  const Mark* still = nullptr;
+  for (const Mark& m : all) {
+    if (stalled(m)) return "1 " + describe(m);
+    if (m.phase != "idle" && (!still || m.idle_s > still->idle_s)) still = &m;
+  }
+  return still ? "0 " + describe(*still) : std::string("0 between steps");
+}
+
+// The process group whose peers the watch names (a weak reference: the watch never keeps a job's
+// group alive), and what it said of each peer so far.
+struct Peers {
+  std::mutex mutex;
+  std::weak_ptr<ProcessGroup> group;
+  std::map<int, std::pair<bool, bool>> warned;  // by process: {silent, stalled} warned this episode
+};
+Peers& peers() {
+  static Peers* p = new Peers;  // never destroyed, like the board
+  return *p;
+}
+
+std::string waits_here(const std::vector<Mark>& marks) {
+  std::string here;
+  for (const Mark& m : marks)
+    if (!m.waiting.empty()) here += fmt::format("; here {}", describe(m));
+  return here;
+}
+
+// A peer that gave no sign of life (its beat's counter still) or says that one of its threads
+// makes no progress is named once per episode, with what this process's threads wait in.
+void watch_peers(const std::vector<Mark>& marks) {
+  std::shared_ptr<ProcessGroup> group;
+  {
+    std::lock_guard lock(peers().mutex);
+    group = peers().group.lock();
+  }
+  if (!group) return;
+  // Beats come about once a second: a counter read twice unchanged is no silence yet.
+  const double limit = std::max(stall_limit(marks), 3.0);
+  for (const ProcessGroup::PeerBeat& beat : group->peer_beats()) {
+    const bool silent = beat.silent_s >= limit;
+    const bool stalled_there = !silent && beat.status.starts_with("1 ");
+    const std::string said = beat.status.size() > 2 ? beat.status.substr(2) : std::string("nothing yet");
+    bool warn_silent = false, warn_stalled = false;
+    {
+      std::lock_guard lock(peers().mutex);
+      auto& [was_silent, was_stalled] = peers().warned[beat.process];
+      warn_silent = silent && !was_silent;
+      warn_stalled = stalled_there && !was_stalled;
+      was_silent = silent;
+      was_stalled = stalled_there;
+    }
+    if (warn_silent)
+      std::fprintf(stderr,
+                   "dp: warning: process %d has given no sign of life for %.1f s (stopped or swapped out?); the job "
+                   "waits for it until DP_TIMEOUT_S; its last word: %s%s\n",
+                   beat.process, beat.silent_s, said.c_str(), waits_here(marks).c_str());
+    if (warn_stalled)
+      std::fprintf(stderr,
+                   "dp: warning: process %d reports: %s, no progress (still alive; the job ends only at "
+                   "DP_TIMEOUT_S)%s\n",
+                   beat.process, said.c_str(), waits_here(marks).c_str());
+    if (warn_silent || warn_stalled) std::fflush(stderr);
+  }
+}
+
+// `peers`: whether to judge the other processes (not right after this process itself stood still:
+// then its peers' beats are merely unread).
+void watch_once(bool peers) {
   const auto now = Clock::now();
   const std::vector<State*> states = all_states();
   std::vector<Mark> marks;
   for (State* s : states) marks.push_back(snapshot(*s, now));
+  if (peers) watch_peers(marks);
   for (std::size_t i = 0; i < states.size(); ++i) {
     const Mark& m = marks[i];
-    if (m.phase == "idle" || !m.waiting.empty()) continue;  // between steps, or waiting for a peer
-    const double limit = std::max(min_stall_s(), 3.0 * m.median_step_s);
-    if (m.idle_s < limit) continue;
+    if (!stalled(m)) continue;
     {
       std::lock_guard lock(states[i]->mutex);
       if (states[i]->warned == states[i]->moves) continue;
@@ -196,14 +281,29 @@ std::string describe(const Mark& m) {
   return fmt::format("device {} in {} for {:.1f} s", m.global_rank, where, m.idle_s);
 }
 
+void watch_processes(const std::shared_ptr<ProcessGroup>& processes) {
+  if (!processes || processes->size() == 1) return;
+  start_watch();
+  {
+    std::lock_guard lock(peers().mutex);
+    if (peers().group.lock() == processes) return;
+    peers().group = processes;
+    peers().warned.clear();
+  }
+  processes->start_beats(local_status);
+}
+
 void start_watch() {
   static std::once_flag once;
   std::call_once(once, [] {
     (void)min_stall_s();  // a malformed DP_STALL_WARN_S is the caller's error, here
     std::thread([] {
+      auto last = Clock::now();
       for (;;) {
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
-        watch_once();
+        const auto now = Clock::now();
+        watch_once(now - last < std::chrono::milliseconds(1500));  // a longer gap: this process was stopped
+        last = now;
       }
     }).detach();
   });

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -85,6 +86,20 @@ class ProcessGroup {
   // After a host collective timed out the group refuses every later one (MPI cannot take it back).
   std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeout_ms_.load()); }
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ms_.store(timeout.count()); }
+
+  // Liveness apart from the collectives (progress.h's watch): once started, the group posts this
+  // process's beat about once a second (a counter and the line `status` gives) and reads the
+  // others', on a thread of its own, so that a process that is stopped (SIGSTOP, swapped out) or
+  // alive without progress is named while the collectives still wait for it. The env:// group
+  // beats through its store, the MPI world on a communicator of its own; one process has no peers.
+  struct PeerBeat {
+    int process = 0;
+    double silent_s = 0.0;  // since its counter last moved (or, process 0 serving the store, since it last answered)
+    std::string status;     // what it last said of itself
+  };
+  virtual void start_beats(std::function<std::string()> /*status*/) {}
+  // Every other process's last beat (empty before start_beats, or without beats).
+  virtual std::vector<PeerBeat> peer_beats() const { return {}; }
 
   // For the runtime's communicators: a point-to-point channel between the processes, separate
   // from every other channel's messages. Collective: every process opens its channels in the same

@@ -6,10 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace dp {
+
+class ProcessGroup;
 
 namespace progress {
 
@@ -56,6 +59,12 @@ std::string describe(const Mark& mark);
 // stall, when a mark stays still for max(min_s, 3x its median step). DP_STALL_WARN_S sets min_s
 // (default 10).
 void start_watch();
+
+// Also watches the other processes of `processes` (a job of several): starts its beats
+// (ProcessGroup::start_beats), saying whether one of this process's threads makes no progress, and
+// warns on stderr, once per episode, when a peer has given no sign of life for the same limit
+// (stopped, swapped out) or reports a thread without progress. A warning never ends the job.
+void watch_processes(const std::shared_ptr<ProcessGroup>& processes);
 
 }  // namespace progress
 
