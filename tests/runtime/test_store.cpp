@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
@@ -287,6 +288,65 @@ TEST(Store, RunningOutOfDescriptorsDoesNotEndTheServer) {
   TcpStore rank1 = client(port, 1);
   rank1.set("after", {'1'});
   EXPECT_EQ(text_of(server.try_get("after")), "1");
+}
+
+// A brief request (the processes' beats) gives up on a slow process 0 after its limit, without
+// holding the connection, and the next request reads and drops the late answer before its own:
+// no request ever gets another's answer. A lowered limit also cuts a request already waiting.
+TEST(Store, ABriefRequestGivesUpAndItsLateAnswerIsDropped) {
+  const int port = next_port();
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  // A process 0 that answers in order, each answer `delay` late: the hello at once.
+  std::thread slow([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    const auto bytes = [&](std::size_t n) {
+      std::string b(n, '\0');
+      return n == 0 || ::recv(fd, b.data(), n, MSG_WAITALL) == static_cast<ssize_t>(n) ? b : std::string();
+    };
+    const auto blob = [&] {
+      std::uint32_t n = 0;
+      std::memcpy(&n, bytes(4).data(), 4);
+      return bytes(n);
+    };
+    const auto request = [&] {
+      const std::string op = bytes(1);
+      const std::string key = blob();
+      if (op == "H" || op == "S") (void)blob();
+      return op + key;
+    };
+    EXPECT_EQ(request().substr(0, 1), "H");
+    send_bytes(fd, "h" + u32(static_cast<std::uint32_t>(std::strlen(store::kMagic))) + store::kMagic);
+    EXPECT_EQ(request(), "Sbeat");  // the brief set: answered 700 ms late
+    std::this_thread::sleep_for(700ms);
+    send_bytes(fd, "k");
+    EXPECT_EQ(request(), "Gx");  // the next request's own
+    send_bytes(fd, "f" + u32(5) + "value");
+    EXPECT_EQ(request(), "Gy");  // left unanswered: the limit lowered meanwhile ends its wait
+    std::this_thread::sleep_for(3s);
+    ::close(fd);
+  });
+  TcpStore rank1 = client(port, 1, 2, "", 10s);
+  std::vector<std::optional<std::vector<char>>> values;
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(rank1.try_brief("beat", {'1'}, {"dp/beat/0"}, values, 300ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 650ms);
+  EXPECT_EQ(text_of(rank1.try_get("x")), "value");
+  start = std::chrono::steady_clock::now();
+  std::thread lower([&] {
+    std::this_thread::sleep_for(1500ms);
+    rank1.limit_wait(1s);
+  });
+  EXPECT_THROW((void)rank1.try_get("y"), CollectiveTimeout);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2500ms) << "the lowered limit did not cut the wait";
+  lower.join();
+  slow.join();
+  ::close(listener);
 }
 
 TEST(StoreProtocol, HelloKeysAreExact) {
