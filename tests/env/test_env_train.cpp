@@ -53,6 +53,17 @@ EnvJob env_job(const std::filesystem::path& dir, int port, const std::string& fi
   return job;
 }
 
+// The shell command of process `rank` of an env:// job of `world` on 127.0.0.1:`port`, started as
+// torchrun starts it (no mpirun variables), with `settings` (VAR=value ...) in its environment and
+// its output in `out`.
+std::string env_process(int rank, int world, int port, const std::string& settings, const std::string& args,
+                        const std::string& out) {
+  return fmt::format(
+      "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE={} MASTER_ADDR=127.0.0.1 "
+      "MASTER_PORT={} {} {} {} >{} 2>&1",
+      rank, world, port, settings, DP_TRAIN_BIN, args, out);
+}
+
 // Both processes started at once, with the same arguments, and `meanwhile` run by the shell while
 // they train (it sees their pids as $p0 and $p1: dp_train's own, no wrapper between); `killed_at_ns` and `ended_at_ns`
 // bracket what `meanwhile` marks with `t=$(date +%s%N)` and the end of the process that was not killed.
@@ -61,10 +72,8 @@ struct EnvPair : EnvJob {
 };
 EnvPair env_pair(const std::filesystem::path& dir, int port, const std::string& args, const std::string& meanwhile) {
   const auto env = [&](int rank) {
-    return fmt::format(
-        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} DP_TIMEOUT_S=60 DP_STALL_WARN_S=2 {} {} >{} 2>&1",
-        rank, port, DP_TRAIN_BIN, args, (dir / fmt::format("pair{}.txt", rank)).string());
+    return env_process(rank, 2, port, "DP_TIMEOUT_S=60 DP_STALL_WARN_S=2", args,
+                       (dir / fmt::format("pair{}.txt", rank)).string());
   };
   const std::string script = env(0) + " & p0=$!; " + env(1) + " & p1=$!; t=0; " + meanwhile +
                              "; wait $p0; c0=$?; e0=$(date +%s%N); wait $p1; c1=$?; e1=$(date +%s%N); "
@@ -135,10 +144,7 @@ TEST_F(EnvTrain, LaunchMistakesEndAtOnceNamingTheCause) {
   const std::string args =
       "--model mlp --hidden 8 --mode ddp --backend sim --devices 1 --synthetic 400 --batch-size 4 --steps 1500";
   const auto launch = [&](int rank, int world, int on_port, const std::string& out, const std::string& save) {
-    return fmt::format(
-        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE={} MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} DP_TIMEOUT_S=3 {} {} --save {} >{} 2>&1",
-        rank, world, on_port, DP_TRAIN_BIN, args, path(save), path(out));
+    return env_process(rank, world, on_port, "DP_TIMEOUT_S=3", args + " --save " + path(save), path(out));
   };
   const auto slurp = [&](const std::string& name) { return read_file(path(name)); };
   const auto timed = [](const std::string& script) {
@@ -191,11 +197,9 @@ TEST_F(EnvTrain, TwoProcessesOnOneGpuAreRefusedNamingIt) {
   const auto job = [&](const std::string& uuid0, const std::string& uuid1, const std::string& tag) {
     const int port = dp::test::free_tcp_port();
     const auto launch = [&](int rank, const std::string& uuid) {
-      return fmt::format(
-          "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE DP_SIM_GPU_UUID={} RANK={} WORLD_SIZE=2 "
-          "MASTER_ADDR=127.0.0.1 MASTER_PORT={} DP_TIMEOUT_S=10 {} {} --save {} >{} 2>&1",
-          uuid, rank, port, DP_TRAIN_BIN, args, path(fmt::format("{}{}.st", tag, rank)),
-          path(fmt::format("{}{}.txt", tag, rank)));
+      return env_process(rank, 2, port, fmt::format("DP_SIM_GPU_UUID={} DP_TIMEOUT_S=10", uuid),
+                         args + " --save " + path(fmt::format("{}{}.st", tag, rank)),
+                         path(fmt::format("{}{}.txt", tag, rank)));
     };
     return dp::test::run_command("bash -c '" + launch(0, uuid0) + " & p0=$!; " + launch(1, uuid1) +
                                  "; c1=$?; wait $p0; echo codes $? $c1'")
@@ -320,12 +324,10 @@ TEST_F(EnvTrain, TokenMismatchesAndWildcardAddressesAreSaid) {
 TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
   const int port = dp::test::free_tcp_port();
   const auto env = [&](int rank) {
-    return fmt::format(
-        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} DP_TIMEOUT_S=4 DP_STALL_WARN_S=1 DP_FLIGHT_DIR={} {} --model mlp --hidden 64 --mode ddp "
-        "--backend sim "
-        "--devices 2 --synthetic 2000 --batch-size 16 --steps 100000 --log-every 1000 >{} 2>&1",
-        rank, port, dir_.string(), DP_TRAIN_BIN, path(fmt::format("frozen{}.txt", rank)));
+    return env_process(rank, 2, port, "DP_TIMEOUT_S=4 DP_STALL_WARN_S=1 DP_FLIGHT_DIR=" + dir_.string(),
+                       "--model mlp --hidden 64 --mode ddp --backend sim --devices 2 --synthetic 2000 "
+                       "--batch-size 16 --steps 100000 --log-every 1000",
+                       path(fmt::format("frozen{}.txt", rank)));
   };
   const auto r = dp::test::run_command(
       "bash -c '" + env(0) + " & p0=$!; " + env(1) +
@@ -349,11 +351,10 @@ TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
 TEST_F(EnvTrain, AStuckDeviceOfAnotherProcessIsNamedByEveryProcess) {
   const int port = dp::test::free_tcp_port();
   const auto env = [&](int rank) {
-    return fmt::format(
-        "env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_SIZE RANK={} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-        "MASTER_PORT={} DP_TIMEOUT_S=8 DP_STALL_WARN_S=2 DP_FAULT=hang@d3:3 {} --model mlp --hidden 64 --mode ddp "
-        "--backend sim --devices 2 --synthetic 2000 --batch-size 16 --steps 100 --graphs off >{} 2>&1",
-        rank, port, DP_TRAIN_BIN, path(fmt::format("stuck{}.txt", rank)));
+    return env_process(rank, 2, port, "DP_TIMEOUT_S=8 DP_STALL_WARN_S=2 DP_FAULT=hang@d3:3",
+                       "--model mlp --hidden 64 --mode ddp --backend sim --devices 2 --synthetic 2000 "
+                       "--batch-size 16 --steps 100 --graphs off",
+                       path(fmt::format("stuck{}.txt", rank)));
   };
   const auto r = dp::test::run_command("bash -c '" + env(0) + " & p0=$!; " + env(1) +
                                        " & p1=$!; wait $p0; c0=$?; wait $p1; c1=$?; echo codes $c0 $c1'");

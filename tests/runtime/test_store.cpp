@@ -43,6 +43,20 @@ int raw_connect(int port) {
   return fd;
 }
 
+// A raw TCP listener on 127.0.0.1:port, as another program on MASTER_PORT would be (-1 when it cannot).
+int raw_listen(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 4) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 void send_bytes(int fd, const std::string& bytes) { (void)::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL); }
 std::string u32(std::uint32_t n) { return std::string(reinterpret_cast<const char*>(&n), sizeof n); }
 
@@ -245,13 +259,8 @@ TEST(Store, AForeignProgramOnMasterPortIsNamed) {
   // A listener that accepts and never answers, then one that answers something else.
   for (const std::string& answer : {std::string(), std::string("HTTP/1.1 400 Bad Request\r\n\r\n")}) {
     const int port = next_port();
-    const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<std::uint16_t>(port));
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-    ASSERT_EQ(::listen(listener, 4), 0);
+    const int listener = raw_listen(port);
+    ASSERT_GE(listener, 0);
     std::thread foreign([&] {
       const int fd = ::accept(listener, nullptr, nullptr);
       if (!answer.empty()) send_bytes(fd, answer);
@@ -295,13 +304,8 @@ TEST(Store, RunningOutOfDescriptorsDoesNotEndTheServer) {
 // no request ever gets another's answer. A lowered limit also cuts a request already waiting.
 TEST(Store, ABriefRequestGivesUpAndItsLateAnswerIsDropped) {
   const int port = next_port();
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<std::uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-  ASSERT_EQ(::listen(listener, 4), 0);
+  const int listener = raw_listen(port);
+  ASSERT_GE(listener, 0);
   // A process 0 that answers in order, each answer `delay` late: the hello at once.
   std::thread slow([&] {
     const int fd = ::accept(listener, nullptr, nullptr);

@@ -23,6 +23,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "beat_board.h"
 #include "channel.h"
 #include "dp/runtime/error.h"
 #include "process_backend.h"
@@ -125,26 +126,16 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   void start_beats(std::function<std::string()> status) override {
     std::lock_guard lock(beat_mutex_);
     if (beat_thread_.joinable() || size_ == 1) return;
-    const auto now = std::chrono::steady_clock::now();
-    beats_.assign(static_cast<std::size_t>(size_), Beat{-1, now, now, {}});
+    board_.start(size_);
     beat_thread_ = std::thread([this, status = std::move(status)] { beat(status); });
   }
 
   std::vector<PeerBeat> peer_beats() const override {
     std::lock_guard lock(beat_mutex_);
     const auto now = std::chrono::steady_clock::now();
-    const auto seconds = [](auto d) { return std::max(0.0, std::chrono::duration<double>(d).count()); };
-    std::vector<PeerBeat> out;
-    for (int p = 0; p < static_cast<int>(beats_.size()); ++p) {
-      if (p == rank_) continue;
-      const Beat& b = beats_[static_cast<std::size_t>(p)];
-      // A counter is still between two reads that saw it (a stop of this process is no silence of
-      // its peers); process 0 serves the store, so requests it leaves unanswered are its silence.
-      double silent = seconds(b.read - b.moved);
-      if (p == 0 && unanswered_ && now - *unanswered_ > std::chrono::seconds(1)) silent = seconds(now - b.moved);
-      out.push_back({p, silent, b.status});
-    }
-    return out;
+    // Process 0 serves the store: requests it leaves unanswered are its silence too.
+    const bool unanswered = unanswered_ && now - *unanswered_ > std::chrono::seconds(1);
+    return board_.peers(rank_, now, unanswered ? 0 : -1);
   }
 
   int rank() const override { return rank_; }
@@ -250,54 +241,33 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   TcpStore& store() { return *store_; }
 
  private:
-  struct Beat {
-    long long count = -1;
-    std::chrono::steady_clock::time_point moved, read;  // when `count` last changed; last read
-    std::string status;
-  };
-
   // About once a second: this process's counter and status under dp/beat/<rank>, the others' read.
   // A failed request is no verdict (the collectives' own waits decide that): the next beat retries.
   void beat(const std::function<std::string()>& status) {
+    std::vector<std::string> keys;
+    std::vector<int> whose;
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) {
+        keys.push_back(fmt::format("dp/beat/{}", p));
+        whose.push_back(p);
+      }
+    const std::string key = fmt::format("dp/beat/{}", rank_);
     long long count = 0;
-    auto last_round = std::chrono::steady_clock::now();
     std::unique_lock lock(beat_mutex_);
     while (!closing_ && !aborting_.load()) {
       if (!unanswered_) unanswered_ = std::chrono::steady_clock::now();
       lock.unlock();
-      const std::string mine = fmt::format("{} {}", ++count, status());
-      std::vector<std::string> keys;
-      std::vector<int> whose;
-      for (int p = 0; p < size_; ++p)
-        if (p != rank_) {
-          keys.push_back(fmt::format("dp/beat/{}", p));
-          whose.push_back(p);
-        }
+      const std::string mine = BeatBoard::text(++count, status());
       std::vector<std::optional<std::vector<char>>> read;
       // Brief: a beat never holds up the job's own requests, nor waits long for a silent process 0.
-      const bool answered =
-          store_->try_brief(fmt::format("dp/beat/{}", rank_), std::vector<char>(mine.begin(), mine.end()), keys, read,
-                            std::chrono::milliseconds(500));
+      const bool answered = store_->try_brief(key, std::vector<char>(mine.begin(), mine.end()), keys, read,
+                                              std::chrono::milliseconds(500));
       lock.lock();
       const auto now = std::chrono::steady_clock::now();
+      board_.round(now);
       if (answered) unanswered_.reset();
-      // A round long after the last one: this process itself stood still (stopped, starved), and
-      // its peers' beats could not reach it (nor, env://, process 0's store while it was the one
-      // stopped): their silence counts from now.
-      if (now - last_round > std::chrono::milliseconds(2500))
-        for (Beat& b : beats_) b.moved = now;
-      last_round = now;
-      for (std::size_t k = 0; answered && k < keys.size(); ++k) {
-        if (!read[k]) continue;
-        const std::string value = text(*read[k]);
-        Beat& b = beats_[static_cast<std::size_t>(whose[k])];
-        const std::size_t space = value.find(' ');
-        const long long c = std::atoll(value.substr(0, space).c_str());
-        if (c != b.count) b.moved = now;
-        b.read = now;
-        b.count = c;
-        b.status = space == std::string::npos ? std::string() : value.substr(space + 1);
-      }
+      for (std::size_t k = 0; answered && k < keys.size(); ++k)
+        if (read[k]) board_.heard(whose[k], text(*read[k]), now);
       beat_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_; });
     }
   }
@@ -312,7 +282,7 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   mutable std::mutex beat_mutex_;
   std::condition_variable beat_cv_;
   bool closing_ = false;
-  std::vector<Beat> beats_;  // by process
+  BeatBoard board_;
   // Since when the store has not answered a beat (requests under way or failed since).
   std::optional<std::chrono::steady_clock::time_point> unanswered_;
   std::atomic<bool> aborting_{false};

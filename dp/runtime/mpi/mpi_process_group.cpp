@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "beat_board.h"
 #include "channel.h"
 #include "dp/runtime/error.h"
 #include "process_backend.h"
@@ -93,22 +94,14 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   void start_beats(std::function<std::string()> status) override {
     std::lock_guard lock(beat_mutex_);
     if (beat_thread_.joinable() || size_ == 1) return;
-    const auto now = std::chrono::steady_clock::now();
-    beats_ = std::vector<Beat>(static_cast<std::size_t>(size_));
-    for (Beat& b : beats_) b.moved = b.read = now;
+    board_.start(size_);
+    links_ = std::vector<BeatLink>(static_cast<std::size_t>(size_));
     beat_thread_ = std::thread([this, status = std::move(status)] { beat(status); });
   }
 
   std::vector<PeerBeat> peer_beats() const override {
     std::lock_guard lock(beat_mutex_);
-    std::vector<PeerBeat> out;
-    for (int p = 0; p < static_cast<int>(beats_.size()); ++p) {
-      if (p == rank_) continue;
-      const Beat& b = beats_[static_cast<std::size_t>(p)];
-      // A counter is still between two looks that saw it (a stop of this process is no silence of its peers).
-      out.push_back({p, std::max(0.0, std::chrono::duration<double>(b.read - b.moved).count()), b.status});
-    }
-    return out;
+    return board_.peers(rank_, std::chrono::steady_clock::now());
   }
 
   int rank() const override { return rank_; }
@@ -216,59 +209,44 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
 
  private:
   static constexpr int kBeatBytes = 256;
-  struct Beat {
+  // A peer's beats in flight: the receive posted for its next, this process's last one sent.
+  struct BeatLink {
     std::array<char, kBeatBytes> in{}, out{};
     MPI_Request receive = MPI_REQUEST_NULL, send = MPI_REQUEST_NULL;
-    long long count = -1;
-    std::chrono::steady_clock::time_point moved, read;  // when `count` last changed; last look
-    std::string status;
   };
 
   // About once a second: every arrived beat taken (the last one counts), this process's sent to
   // each peer whose previous one has left.
   void beat(const std::function<std::string()>& status) {
     long long count = 0;
-    auto last_round = std::chrono::steady_clock::now();
     std::unique_lock lock(beat_mutex_);
     while (!closing_) {
       lock.unlock();
-      const std::string mine = fmt::format("{} {}", ++count, status()).substr(0, kBeatBytes - 1);
+      const std::string mine = BeatBoard::text(++count, status()).substr(0, kBeatBytes - 1);
       lock.lock();
       const auto now = std::chrono::steady_clock::now();
-      // A round long after the last one: this process itself stood still (stopped, starved), and
-      // its peers' beats could not reach it (nor, env://, process 0's store while it was the one
-      // stopped): their silence counts from now.
-      if (now - last_round > std::chrono::milliseconds(2500))
-        for (Beat& b : beats_) b.moved = now;
-      last_round = now;
+      board_.round(now);
       {
         std::lock_guard mpi(mutex_);
         for (int p = 0; p < size_; ++p) {
           if (p == rank_) continue;
-          Beat& b = beats_[static_cast<std::size_t>(p)];
+          BeatLink& link = links_[static_cast<std::size_t>(p)];
           for (;;) {
             int arrived = 0;
-            if (b.receive != MPI_REQUEST_NULL && MPI_Test(&b.receive, &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            if (link.receive != MPI_REQUEST_NULL && MPI_Test(&link.receive, &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS)
               break;
-            if (arrived) {
-              const std::string value(b.in.data(), strnlen(b.in.data(), b.in.size()));
-              const std::size_t space = value.find(' ');
-              const long long c = std::atoll(value.substr(0, space).c_str());
-              if (c != b.count) b.moved = now;
-              b.count = c;
-              b.status = space == std::string::npos ? std::string() : value.substr(space + 1);
-            }
-            if (b.receive != MPI_REQUEST_NULL) break;
-            b.in.fill(0);
-            if (MPI_Irecv(b.in.data(), kBeatBytes, MPI_CHAR, p, 0, beat_comm_, &b.receive) != MPI_SUCCESS) break;
+            if (arrived) board_.heard(p, std::string_view(link.in.data(), strnlen(link.in.data(), kBeatBytes)), now);
+            if (link.receive != MPI_REQUEST_NULL) break;
+            link.in.fill(0);
+            if (MPI_Irecv(link.in.data(), kBeatBytes, MPI_CHAR, p, 0, beat_comm_, &link.receive) != MPI_SUCCESS) break;
           }
-          b.read = now;
+          board_.looked(p, now);
           int sent = 1;
-          if (b.send != MPI_REQUEST_NULL && MPI_Test(&b.send, &sent, MPI_STATUS_IGNORE) != MPI_SUCCESS) continue;
+          if (link.send != MPI_REQUEST_NULL && MPI_Test(&link.send, &sent, MPI_STATUS_IGNORE) != MPI_SUCCESS) continue;
           if (!sent) continue;
-          b.out.fill(0);
-          std::memcpy(b.out.data(), mine.data(), mine.size());
-          MPI_Isend(b.out.data(), kBeatBytes, MPI_CHAR, p, 0, beat_comm_, &b.send);
+          link.out.fill(0);
+          std::memcpy(link.out.data(), mine.data(), mine.size());
+          MPI_Isend(link.out.data(), kBeatBytes, MPI_CHAR, p, 0, beat_comm_, &link.send);
         }
       }
       beat_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_; });
@@ -284,12 +262,12 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
     if (!beat_thread_.joinable()) return;
     beat_thread_.join();
     std::lock_guard mpi(mutex_);
-    for (Beat& b : beats_) {
-      if (b.receive != MPI_REQUEST_NULL) {
-        MPI_Cancel(&b.receive);
-        MPI_Wait(&b.receive, MPI_STATUS_IGNORE);  // a cancelled receive completes locally
+    for (BeatLink& link : links_) {
+      if (link.receive != MPI_REQUEST_NULL) {
+        MPI_Cancel(&link.receive);
+        MPI_Wait(&link.receive, MPI_STATUS_IGNORE);  // a cancelled receive completes locally
       }
-      if (b.send != MPI_REQUEST_NULL) MPI_Request_free(&b.send);
+      if (link.send != MPI_REQUEST_NULL) MPI_Request_free(&link.send);
     }
   }
 
@@ -315,7 +293,8 @@ class MpiWorld final : public ProcessGroup, public std::enable_shared_from_this<
   mutable std::mutex beat_mutex_;  // before mutex_ where both are held
   std::condition_variable beat_cv_;
   bool closing_ = false;
-  std::vector<Beat> beats_;  // by process
+  BeatBoard board_;
+  std::vector<BeatLink> links_;  // by process
   MPI_Comm beat_comm_ = MPI_COMM_NULL;
   std::thread beat_thread_;
 };
