@@ -24,8 +24,12 @@ void embedding_forward(const Stream& stream, index_t tokens, index_t vocab, inde
   const char* op = "embedding_forward";
   check_embedding(op, tokens, vocab, dim);
   checks::present(op, {{"ids", ids}, {"weight", weight}, {"y", y}});
+  launch_2d(stream, op, tokens, dim, EmbeddingGather{vocab, dim, ids, weight, y},
+            {operand(ids, tokens), operand(weight, vocab * dim), operand(y, tokens * dim)});
   if (stream.backend() == Backend::sim) {
     // torch's "index out of range in self", checked where the ids are host memory in stream order.
+    // Queued after the gather (which writes NaN for such a row, as on cuda), so what the gather
+    // writes does not depend on when the failure is noticed: a later launch would be refused.
     kernel_api::enqueue_host(stream, "embedding_check_ids", [ids, tokens, vocab] {
       for (index_t t = 0; t < tokens; ++t)
         if (ids[t] < 0 || ids[t] >= vocab)
@@ -33,8 +37,6 @@ void embedding_forward(const Stream& stream, index_t tokens, index_t vocab, inde
                         ", outside the vocabulary [0, ", static_cast<long long>(vocab), ")"});
     });
   }
-  launch_2d(stream, op, tokens, dim, EmbeddingGather{vocab, dim, ids, weight, y},
-            {operand(ids, tokens), operand(weight, vocab * dim), operand(y, tokens * dim)});
 }
 
 void embedding_backward(const Stream& stream, index_t tokens, index_t vocab, index_t dim, const std::int32_t* ids,
