@@ -22,7 +22,7 @@ struct UsageError : dp::Error {
   using dp::Error::Error;
 };
 
-enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitBadInput = 2, kExitDiverged = 3 };
+enum ExitCode : int { kExitOk = 0, kExitFailure = 1, kExitBadInput = 2, kExitDiverged = 3, kExitDeviceLost = 7 };
 
 struct Verdict {
   int code = kExitFailure;

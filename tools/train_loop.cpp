@@ -474,11 +474,7 @@ int check_final_model(const Options& o, dp::Engine& engine, dp::Runtime& runtime
 // equal). The schedule's T_max and the end it is planned to reach are the whole run's, so a run
 // resumed from a checkpoint taken part-way continues the same curve to the same end; where the
 // epoch of its next step began and the epochs' length let it number its epochs on.
-void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step) {
-  engine.synchronize();
-  // Every process: with ZeRO-1 the whole state is gathered from every rank.
-  const std::vector<dp::Optimizer*> whole = engine.whole_optimizers();
-  if (!g_job.primary()) return;
+dp::TrainingProgress checkpoint_progress(const Options& o, const Plan& plan, long step) {
   dp::TrainingProgress progress;
   progress.step = step;
   progress.epoch = plan.epochs.of(step);
@@ -490,7 +486,15 @@ void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, co
   if (plan.end_epoch) progress.tags["end_epoch"] = fmt::format("{}", *plan.end_epoch);
   progress.tags["epoch_start"] = fmt::format("{}", plan.epochs.start(step));
   progress.tags["epoch_steps"] = fmt::format("{}", plan.epochs.steps);
-  dp::TrainingState::save(path, engine.model(), *whole.front(), progress);
+  return progress;
+}
+
+void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step) {
+  engine.synchronize();
+  // Every process: with ZeRO-1 the whole state is gathered from every rank.
+  const std::vector<dp::Optimizer*> whole = engine.whole_optimizers();
+  if (!g_job.primary()) return;
+  dp::TrainingState::save(path, engine.model(), *whole.front(), checkpoint_progress(o, plan, step));
 }
 
 void save(const Options& o, dp::Engine& engine, const Plan& plan, long step) {

@@ -104,7 +104,7 @@ void join_collectives(const Options& o, const Devices& devices, const Inputs& in
 
 // The engine, picked once: everything after it runs through dp::Engine.
 std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& devices, int world, Built& built,
-                                         const Resumed& resumed) {
+                                         const Resumed& resumed, bool uneven_shards = false) {
   // The schedule needs the run's length, known later; the optimizer starts at the warm-up's first lr
   // and every step sets its own.
   const dp::OptimizerOptions optimizer =
@@ -114,6 +114,7 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   engine_options.device_ids = devices.ids;
   engine_options.processes = g_job.processes();
   dp::tools::set_engine_options(o, engine_options, train_flags());
+  engine_options.uneven_shards = uneven_shards;  // the survivors of a lost device
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)
     as_usage_error([&] {
@@ -389,27 +390,20 @@ void adopt_checkpoint_settings(Options& o) {
   adopt_run_settings(o, path, tags, resuming);
 }
 
-int run(Options o) {
-  adopt_checkpoint_settings(o);
-  const Checked checked = validate_options(o);
-  const Devices devices = choose_devices(o);
+namespace {
+
+// One try at training from `resumed` on `devices`: the model, the engine, the plan and the loop.
+// A lost device (with --shards) sets `resumed` and `devices` for the next try and returns none.
+// `lost_at`: when the try before lost a device (none: this is the first).
+std::optional<int> train_once(Options& o, const Checked& checked, Devices& devices, Resumed& resumed,
+                              const Inputs& inputs, MetricsLog& metrics,
+                              std::optional<std::chrono::steady_clock::time_point> lost_at) {
   const int world =
       static_cast<int>(devices.ids.size()) * (o.mode == dp::EngineKind::ddp ? g_job.processes()->size() : 1);
-  check_learning_rate(o, world);
-  // Its file is opened at the first record (validate_options checked the path); a resumed run appends.
-  MetricsLog metrics(g_job.primary() ? o.metrics_json : std::string(), !o.resume.empty());
-  // What the run needs at the least, in 64 bits, before anything is allocated.
-  check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
-  g_job.set_devices(devices.ids);
-  const Resumed resumed = read_resume(o, world);  // first: its seed draws the synthetic data
-  const Inputs inputs = load_inputs(o, checked.normalize);
-  if ((o.eval_every || !o.save_best.empty()) && !inputs.test)
-    throw UsageError(fmt::format("{} evaluates on the test set, and this run has none (no test split, or --no-eval)",
-                                 o.eval_every ? "--eval-every" : "--save-best"));
   Built built = build_model(o, checked, devices, resumed);
-  join_collectives(o, devices, inputs);
+  if (!lost_at) join_collectives(o, devices, inputs);
   Loaders loaders;  // outlives the engine: its streams read their pinned batches
-  const auto engine = build_engine(o, devices, world, built, resumed);
+  const auto engine = build_engine(o, devices, world, built, resumed, lost_at.has_value());
   if (o.eval_only) {
     return evaluate_only(o, *engine, *built.runtime, inputs, metrics);
   }
@@ -421,7 +415,45 @@ int run(Options o) {
   loaders = make_loaders(o, plan, *engine, *built.runtime, inputs.data);
   if (o.loader_only) return read_batches_only(o, plan, loaders, metrics, loaders_made);
   check_address_space_left(o, devices, inputs);
-  return train(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
+  if (lost_at) {
+    // The pause: the state to the host, a new runtime, model and engine, the state back.
+    const double seconds = since(*lost_at);
+    say("dp_train: training again {:.2f} s after the loss\n", seconds);
+    metrics.write({{"kind", "recovered"}, {"step", plan.start_step}, {"devices", devices.ids}, {"seconds", seconds}});
+  }
+  const std::int64_t steps_at_start = engine->optimizers().front()->steps();
+  try {
+    return train(o, plan, *engine, *built.runtime, inputs, metrics, loaders);
+  } catch (...) {
+    return after_training_failed(o, plan, *engine, steps_at_start, std::current_exception(), devices, resumed, metrics);
+  }
+}
+
+}  // namespace
+
+int run(Options o) {
+  adopt_checkpoint_settings(o);
+  const Checked checked = validate_options(o);
+  Devices devices = choose_devices(o);
+  const int world =
+      static_cast<int>(devices.ids.size()) * (o.mode == dp::EngineKind::ddp ? g_job.processes()->size() : 1);
+  check_learning_rate(o, world);
+  // Its file is opened at the first record (validate_options checked the path); a resumed run appends.
+  MetricsLog metrics(g_job.primary() ? o.metrics_json : std::string(), !o.resume.empty());
+  // What the run needs at the least, in 64 bits, before anything is allocated.
+  check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
+  g_job.set_devices(devices.ids);
+  Resumed resumed = read_resume(o, world);  // first: its seed draws the synthetic data
+  const Inputs inputs = load_inputs(o, checked.normalize);
+  if ((o.eval_every || !o.save_best.empty()) && !inputs.test)
+    throw UsageError(fmt::format("{} evaluates on the test set, and this run has none (no test split, or --no-eval)",
+                                 o.eval_every ? "--eval-every" : "--save-best"));
+  std::optional<std::chrono::steady_clock::time_point> lost_at;
+  for (;;) {
+    if (const std::optional<int> code = train_once(o, checked, devices, resumed, inputs, metrics, lost_at))
+      return *code;
+    lost_at = std::chrono::steady_clock::now();  // a device was lost and the survivors go on
+  }
 }
 
 }  // namespace dp_train

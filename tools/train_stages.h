@@ -4,6 +4,8 @@
 // resume (train_inputs.cpp), the training loop and the save (train_loop.cpp).
 #pragma once
 
+#include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -112,15 +114,29 @@ Inputs load_inputs(Options& o, const Normalization& normalize);
 void check_hidden_tag(const std::string& path, const dp::safetensors::File& file);
 // --resume's checkpoint: its settings adopted into `o`, where its run stood, its training state.
 Resumed read_resume(Options& o, int world);
+// Where the run of resumed.state stood (its step and epoch tags); `path` names it in messages.
+void read_progress(const std::string& path, Resumed& resumed);
 
 // ---- the training loop and the save (train_loop.cpp)
 // Text: the test loss in bits per byte (none for other data), and as a log line's text ("").
 std::optional<double> bits_per_byte(const Options& o, const dp::EvalTotals& totals);
 std::string bits_per_byte_text(const Options& o, const dp::EvalTotals& totals);
+// What a checkpoint after `step` steps records of the run (its step, epoch, seed and settings).
+dp::TrainingProgress checkpoint_progress(const Options& o, const Plan& plan, long step);
 // The training state after `step` steps into `path` (process 0 writes it).
 void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step);
 // The address space left once data, model and loaders are in (ulimit -v), checked: UsageError.
 void check_address_space_left(const Options& o, const Devices& devices, const Inputs& inputs);
+// ---- after a lost device or process (train_recovery.cpp)
+// A failure of train() on `engine` (whose optimizers had taken `steps_at_start` steps when it
+// began): another process lost, process 0 writes its devices' last complete step to --save and the
+// failure is rethrown; a device lost, the run goes on (--shards, one process: `devices` and
+// `resumed` set for the next try, none returned) or the state goes to --save (exit 7 returned);
+// any other failure is rethrown.
+std::optional<int> after_training_failed(const Options& o, const Plan& plan, dp::Engine& engine,
+                                         std::int64_t steps_at_start, const std::exception_ptr& error, Devices& devices,
+                                         Resumed& resumed, MetricsLog& metrics);
+
 // Trains, checks the final model and saves it; SIGTERM and SIGINT stop it after the step in flight.
 int train(const Options& o, const Plan& plan, dp::Engine& engine, dp::Runtime& runtime, const Inputs& inputs,
           MetricsLog& metrics, Loaders& loaders);

@@ -18,6 +18,7 @@
 #include "dp/engines/trainer.h"
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
+#include "dp/io/training_state.h"
 #include "dp/kernels/ops.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
@@ -657,8 +658,25 @@ namespace {
 // Fixed shards (EngineOptions::shards = R) are DataParallel over R devices, which is what torch's
 // DDP over R ranks without buffer broadcast computes (each rank's BatchNorm over its own batch,
 // rank 0's running statistics, the mean of the ranks' gradients): every kind, on every device
-// count that divides R, matches the golden, and all of them give the same bits.
+// count (those that do not divide R with uneven_shards), matches the golden, and all of them give
+// the same bits.
 class ShardsGolden : public ::testing::TestWithParam<std::string> {};
+
+// The golden's parameters and buffers as floats, by name (its step counters left out).
+std::vector<std::pair<std::string, std::vector<float>>> float_tensors(const safetensors::File& state) {
+  std::vector<std::pair<std::string, std::vector<float>>> values;
+  for (const auto& name : state.order)
+    if (state.at(name).dtype != "I64") values.emplace_back(name, state.at(name).to_f32());
+  return values;
+}
+
+void expect_same_bits(const std::vector<std::pair<std::string, std::vector<float>>>& got,
+                      const std::vector<std::pair<std::string, std::vector<float>>>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t t = 0; t < got.size(); ++t)
+    EXPECT_EQ(0, std::memcmp(got[t].second.data(), want[t].second.data(), got[t].second.size() * sizeof(float)))
+        << got[t].first << " differs from the single-device run's bits";
+}
 
 TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit) {
   const auto golden = safetensors::read(test::golden_path(GetParam()));
@@ -667,8 +685,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
   const SgdOptions sgd = golden_sgd(golden);
   std::vector<std::pair<EngineKind, int>> runs = {{EngineKind::single, 1}};
   for (const EngineKind kind : {EngineKind::dp, EngineKind::ddp})
-    for (int devices = 1; devices <= shards; ++devices)
-      if (shards % devices == 0) runs.emplace_back(kind, devices);
+    for (int devices = 1; devices <= shards; ++devices) runs.emplace_back(kind, devices);
   std::vector<std::pair<std::string, std::vector<float>>> first;
   for (const auto& [kind, devices] : runs) {
     SCOPED_TRACE(fmt::format("{} on {} device(s)", to_string(kind), devices));
@@ -679,6 +696,7 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
     EngineOptions options;
     options.kind = kind;
     options.shards = shards;
+    options.uneven_shards = shards % devices != 0;
     options.graphs = true;
     options.step.clip_grad_norm = golden_clip(golden);
     auto engine = make_engine(*rt, *model, sgd, options);
@@ -694,15 +712,52 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
     engine->synchronize();
     const auto got = state_dict(engine->model(), s);
     expect_matches_golden(golden, got, "final.", true);
-    std::vector<std::pair<std::string, std::vector<float>>> values;
-    for (const auto& name : got.order)
-      if (got.at(name).dtype != "I64") values.emplace_back(name, got.at(name).to_f32());
-    if (first.empty()) first = values;
-    ASSERT_EQ(values.size(), first.size());
-    for (std::size_t t = 0; t < values.size(); ++t)
-      EXPECT_EQ(0,
-                std::memcmp(values[t].second.data(), first[t].second.data(), values[t].second.size() * sizeof(float)))
-          << values[t].first << " differs from the single-device run's bits";
+    if (first.empty()) first = float_tensors(got);
+    expect_same_bits(float_tensors(got), first);
+  }
+  // A device lost before step 1 (Device::lose: every call on it fails from then on): the step fails
+  // with DeviceLost, a survivor holds the state of step 1 whole, and an engine on the survivors
+  // (uneven where they do not divide the shards) goes on from it with the failed step's batches
+  // to the same bits.
+  for (const bool graphs : {true, false}) {
+    SCOPED_TRACE(fmt::format("device 1 of {} lost, graphs {}", shards, graphs));
+    auto rt = test::sim_runtime(shards);
+    auto model = test::golden_model(golden, rt->device(0));
+    load_state_dict(*model, rt->device(0).create_stream(), golden, "init.");
+    EngineOptions options;
+    options.kind = EngineKind::ddp;
+    options.shards = shards;
+    options.graphs = graphs;
+    options.step.clip_grad_norm = golden_clip(golden);
+    auto engine = make_engine(*rt, *model, sgd, options);
+    GoldenBatches data(golden, shards);
+    (void)engine->train_step(data.next());
+    rt->device(1).lose("the test's");
+    const auto batches = data.next();
+    EXPECT_THROW((void)engine->train_step(batches), Error);
+    const auto survivor = engine->survivor();
+    ASSERT_TRUE(survivor.has_value());
+    EXPECT_EQ(survivor->steps, 1);
+    EXPECT_NE(survivor->device, 1);
+    const TrainingState state = TrainingState::capture(*survivor->model, *survivor->optimizer, {});
+    engine.reset();
+    auto again = test::golden_model(golden, rt->device(0));
+    state.load_model(*again);
+    std::vector<int> survivors;
+    for (int d = 0; d < shards; ++d)
+      if (d != 1) survivors.push_back(d);
+    options.device_ids = survivors;
+    options.uneven_shards = true;
+    auto on = make_engine(*rt, *again, sgd, options);
+    state.load_optimizers(*again, on->whole_optimizers());
+    on->whole_optimizers_loaded();
+    EXPECT_EQ(on->optimizers().front()->steps(), 1);
+    for (int k = 1; k < steps; ++k) {
+      const float loss = on->train_step(k == 1 ? batches : data.next());  // the failed step's batches first
+      expect_golden_step(golden, k, loss, on->last_grad_norm());
+    }
+    on->synchronize();
+    expect_same_bits(float_tensors(state_dict(on->model(), rt->device(0).create_stream())), first);
   }
 }
 
@@ -790,6 +845,10 @@ TEST(Shards, RefusalsNameTheProblem) {
   options.device_ids = std::vector<int>{0, 1, 2, 3};
   EXPECT_NE(refusal(options).find("6 shards cannot be spread evenly over 4 device(s)"), std::string::npos)
       << refusal(options);
+  options.shards = 3;
+  options.uneven_shards = true;  // uneven shares, but not none
+  EXPECT_NE(refusal(options).find("3 shards leave some of 4 devices none"), std::string::npos) << refusal(options);
+  options.uneven_shards = false;
   options.shards = 4;
   options.grad_reduce = GradReduce::bf16;
   EXPECT_NE(refusal(options).find("a bf16 gradient all-reduce cannot be used with shards"), std::string::npos);

@@ -5,8 +5,10 @@
 #include <string>
 #include <vector>
 
+#include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
+#include "test_util.h"
 
 namespace dp {
 namespace {
@@ -26,8 +28,66 @@ TEST(Fault, TheGrammarIsParsed) {
   EXPECT_EQ(faults[3].step, 40);
   for (const Fault& f : faults) EXPECT_EQ(parse_faults(f.text())[0].text(), f.text());  // the spelling round-trips
   EXPECT_TRUE(parse_faults("").empty());
-  for (const char* kind : {"desync-extra", "desync-skip", "desync-count", "hang", "exit", "throw"})
+  for (const char* kind : {"desync-extra", "desync-skip", "desync-count", "hang", "exit", "throw", "lose"})
     EXPECT_EQ(fault_kind_name(parse_faults(std::string(kind) + "@d0:1")[0].kind), kind);
+}
+
+// lose@dN:STEP[:PHASE]: the phase is a name, backward unless given, and spelled out in text().
+TEST(Fault, ALoseFaultNamesItsPhase) {
+  const std::vector<Fault> faults = parse_faults("lose@d2:3,lose@d0:5:collective,lose@p1:1:forward");
+  ASSERT_EQ(faults.size(), 3u);
+  EXPECT_EQ(faults[0].kind, FaultKind::lose);
+  EXPECT_EQ(faults[0].phase, FaultPhase::backward);
+  EXPECT_EQ(faults[0].text(), "lose@d2:3:backward");
+  EXPECT_EQ(faults[1].phase, FaultPhase::collective);
+  EXPECT_EQ(faults[2].phase, FaultPhase::forward);
+  EXPECT_TRUE(faults[2].process_target);
+  for (const Fault& f : faults) EXPECT_EQ(parse_faults(f.text())[0].text(), f.text());
+  for (const FaultPhase p : {FaultPhase::forward, FaultPhase::backward, FaultPhase::collective, FaultPhase::optimizer})
+    EXPECT_EQ(parse_faults("lose@d0:1:" + std::string(fault_phase_name(p)))[0].phase, p);
+  // Taken at its phase only, or at any (a replayed step's), once.
+  FaultPlan plan(parse_faults("lose@d1:2:optimizer,lose@d3:2"));
+  EXPECT_FALSE(plan.take(FaultKind::lose, 0, 1, 2, FaultPhase::backward));
+  EXPECT_TRUE(plan.take(FaultKind::lose, 0, 1, 2, FaultPhase::optimizer));
+  EXPECT_FALSE(plan.take(FaultKind::lose, 0, 1, 2, FaultPhase::optimizer));
+  EXPECT_TRUE(plan.take(FaultKind::lose, 0, 3, 2, std::nullopt));
+}
+
+// A lose fault makes its device lost (every later call there throws DeviceLost, exit code 7)
+// and leaves the others as they were.
+TEST(Fault, ALoseFaultLosesTheDeviceAndOnlyIt) {
+  auto runtime = test::sim_runtime(2);
+  Device& doomed = runtime->device(1);
+  Device& other = runtime->device(0);
+  const Stream stream = doomed.create_stream();
+  DeviceBuffer buffer = doomed.allocate(64);
+  FaultPlan plan(parse_faults("lose@d1:4:forward"));
+  EXPECT_NO_THROW(fire_lose_faults(plan, 0, 1, 4, FaultPhase::backward, doomed));  // not its phase
+  EXPECT_FALSE(doomed.lost());
+  try {
+    fire_lose_faults(plan, 0, 1, 4, FaultPhase::forward, doomed);
+    ADD_FAILURE() << "not lost";
+  } catch (const DeviceLost& e) {
+    EXPECT_EQ(e.device(), 1);
+    EXPECT_STREQ(e.what(), "device 1 is lost (DP_FAULT lose@d1:4:forward, in the forward of step 4)");
+    EXPECT_EQ(exit_code(std::current_exception()), 7);
+  }
+  EXPECT_TRUE(doomed.lost());
+  float value = 0.0f;
+  EXPECT_THROW(stream.copy(&value, buffer.data(), sizeof(float)), DeviceLost);
+  EXPECT_THROW(stream.synchronize(), DeviceLost);
+  EXPECT_THROW((void)doomed.create_stream(), DeviceLost);
+  EXPECT_THROW((void)doomed.allocate(4), DeviceLost);
+  EXPECT_THROW(doomed.synchronize(), DeviceLost);
+  EXPECT_EQ(stream.device(), 1) << "what a stream is can still be asked";
+  // The other device works on.
+  DeviceBuffer mine = other.allocate(sizeof(float));
+  const Stream fine = other.create_stream();
+  value = 2.5f;
+  fine.copy(mine.data(), &value, sizeof(float));
+  float back = 0.0f;
+  fine.copy(&back, mine.data(), sizeof(float));
+  EXPECT_EQ(back, 2.5f);
 }
 
 TEST(Fault, AMalformedValueIsRefusedNamingTheItem) {
@@ -50,6 +110,8 @@ TEST(Fault, AMalformedValueIsRefusedNamingTheItem) {
       {"hang@d0:1,", "item ''"},
       {"hang@d0:1,,throw@d1:1", "item ''"},
       {"HANG@d0:1", "unknown kind 'HANG'"},
+      {"lose@d1:2:loss", "phase 'loss' is none of forward, backward, collective, optimizer"},
+      {"lose@d1:2:backward:1", "more than TARGET:STEP:ARG"},
   };
   for (const auto& [text, expected] : cases) {
     SCOPED_TRACE(text);

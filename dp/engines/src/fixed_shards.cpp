@@ -2,11 +2,13 @@
 // gradients all-gathered and added in shard order.
 #include "fixed_shards.h"
 
+#include <algorithm>
 #include <fmt/format.h>
 
 #include "batches.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/flight_record.h"
 #include "replica_rank.h"
 
 namespace dp::engines {
@@ -16,20 +18,29 @@ FixedShards::FixedShards(Runtime& runtime, Model& module, const OptimizerOptions
     : ReplicaEngine(runtime, module, check_applies(as, options), Step::fixed_shards), as_(as) {
   const int devices = comm_->size();
   if (options_.shards <= 0) throw InvalidArgument(fmt::format("fixed shards need shards > 0, not {}", options_.shards));
-  if (options_.shards % devices != 0)
+  const bool uneven = options_.uneven_shards && processes_->size() == 1;
+  if (options_.shards % devices != 0 && !uneven)
     throw InvalidArgument(
         fmt::format("{} shards cannot be spread evenly over {} device(s): the device count must divide the shards",
                     options_.shards, devices));
+  if (options_.shards < devices)
+    throw InvalidArgument(fmt::format("{} shards leave some of {} devices none", options_.shards, devices));
   shards_ = options_.shards * options_.accumulate;
-  const int per_rank = shards_ / devices;
   // SyncBatchNorm needs every shard's forward at each BatchNorm at once: a replica per shard.
-  if (options_.sync_batchnorm && per_rank != 1)
+  if (options_.sync_batchnorm && shards_ != devices)
     throw InvalidArgument(
         fmt::format("sync_batchnorm with {} shards needs a device per shard, not {}: {} dp devices (on fewer GPUs, "
                     "several on each: RuntimeOptions::devices_per_gpu)",
                     options_.shards, devices, options_.shards));
+  // Consecutive shards per rank, the first ranks one more where the count does not divide them: the
+  // sum runs in shard order whoever holds which (Note [fixed shards]).
+  std::vector<int> counts;
+  for (int r = 0; r < group_.size(); ++r) {
+    counts.push_back(shards_ / devices + (r < shards_ % devices ? 1 : 0));
+    first_shard_.push_back(r == 0 ? 0 : first_shard_.back() + counts[counts.size() - 2]);
+  }
   scratch_.resize(static_cast<std::size_t>(group_.size()));
-  (void)start(runtime, module, optimizer, per_rank, per_rank, true);
+  (void)start(runtime, module, optimizer, counts, counts, true);
 }
 
 FixedShards::~FixedShards() { quiesce(); }
@@ -44,13 +55,16 @@ FixedShards::~FixedShards() { quiesce(); }
 // a function of the V shard gradients alone. Each rank keeps its V/P shards' gradients, an
 // all-gather gives every rank all V in shard order (global rank k holds shards [kV/P, (k+1)V/P)),
 // and each rank adds them in that fixed order: no collective's algorithm or rank count can change
-// a bit, on any backend. Cost per step and rank: V/P + V gradient copies of memory, an all-gather
+// a bit, on any backend. Rank 0's buffers ride in the same all-gather, so a step ends with every
+// replica holding shard 0's running statistics, at the moment it holds every gradient: a rank has
+// either all of a step or none of it (what a survivor of a lost device goes on from,
+// ReplicaEngine::survivor). Cost per step and rank: V/P + V gradient copies of memory, an all-gather
 // of V gradients (each rank receives (V - V/P) x 4 bytes per parameter, against 2(P-1)/P x 4 for a
 // ring all-reduce: the same at V = P = 2) and V - 1 passes of additions. The sum is the fp32 sum
 // of a sequential loop, as accurate as the ring's. The logged loss is the shards' losses, added in
 // shard order. Running statistics are shard 0's, as DataParallel keeps the source replica's: rank 0
 // saves them after shard 0's forward and puts them back after its other shards'; every replica
-// starts the next step from them (buffers broadcast from rank 0). SyncBatchNorm needs every shard's
+// takes them from the all-gather and starts the next step from them. SyncBatchNorm needs every shard's
 // forward at each BatchNorm at once: there each rank holds one shard (a replica per shard, on fewer
 // GPUs as virtual devices), and BatchNorm's sums over the ranks are order-free as the gradient's
 // (BatchNormSync::ordered); the running statistics are then the combined ones, on every replica.
@@ -61,14 +75,29 @@ void FixedShards::enqueue_forward_backward_step(int r, std::span<const Batch> sh
   Device& device = group_.device(r);
   const SampleSize sample = sample_size(m);
   const std::size_t n = m.param_count();
-  const auto count = static_cast<std::size_t>(batches_per_rank_);
+  const auto count = shards.size();
+  const std::size_t most = static_cast<std::size_t>(batches_per_rank_);
   const int shard_size = shards[0].size;
   const int global_batch = shard_size * shards_;
-  const int first_shard = (comm_->first_rank() + r) * batches_per_rank_;
+  const int first_shard = comm_->first_rank() * batches_per_rank_ + first_shard_[static_cast<std::size_t>(r)];
   float* grad_output = mine.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * sample.logits);
   const int rows = shard_size * static_cast<int>(sample.targets);
-  float* own = scratch.shard_grads.get<float>(device, count * n);
-  float* all = scratch.all_grads.get<float>(device, static_cast<std::size_t>(shards_) * n);
+  // Each rank's block of the all-gather: its shards' gradients, then its buffers (rank 0's are
+  // shard 0's statistics, which every rank takes with the gradients: Note [fixed shards]).
+  const std::size_t buffer_floats =
+      options_.sync_batchnorm ? 0 : (m.buffers_bytes() + sizeof(float) - 1) / sizeof(float);
+  // Ranks with fewer shards than the most leave the rest of their block unused.
+  const std::size_t block = most * n + buffer_floats;
+  const auto ranks = static_cast<std::size_t>(comm_->size());
+  float* own = scratch.shard_grads.get<float>(device, block);
+  float* all = scratch.all_grads.get<float>(device, ranks * block);
+  const auto shard_grads = [&](int s) {
+    const auto k = static_cast<std::size_t>(s);
+    if (processes_->size() > 1) return all + (k / most) * block + (k % most) * n;  // even: checked above
+    const auto owner = static_cast<std::size_t>(std::upper_bound(first_shard_.begin(), first_shard_.end(), s) -
+                                                first_shard_.begin() - 1);
+    return all + owner * block + (k - static_cast<std::size_t>(first_shard_[owner])) * n;
+  };
   const bool keep_shard0_buffers = first_shard == 0 && count > 1 && m.buffers_bytes() > 0;
   void* saved = keep_shard0_buffers ? scratch.saved_buffers.get<char>(device, m.buffers_bytes()) : nullptr;
   for (std::size_t i = 0; i < count; ++i) {
@@ -86,15 +115,19 @@ void FixedShards::enqueue_forward_backward_step(int r, std::span<const Batch> sh
     mine.compute.copy(own + i * n, m.grads_flat(), n * sizeof(float));
   }
   if (saved) mine.compute.copy(m.buffers_flat(), saved, m.buffers_bytes());
-  comm_->all_gather(r, mine.compute, own, all, count * n);
+  if (buffer_floats > 0) mine.compute.copy(own + most * n, m.buffers_flat(), m.buffers_bytes());
+  {
+    const CollectivePurpose purpose("the shards' gradients");
+    comm_->all_gather(r, mine.compute, own, all, block);
+  }
+  if (buffer_floats > 0) mine.compute.copy(m.buffers_flat(), all + most * n, m.buffers_bytes());
   float* grads = m.grads_flat();
   const auto elements = static_cast<kernels::index_t>(n);
   if (shards_ == 1)
-    mine.compute.copy(grads, all, n * sizeof(float));
+    mine.compute.copy(grads, shard_grads(0), n * sizeof(float));
   else
-    kernels::add(mine.compute, elements, all, all + n, grads);
-  for (int s = 2; s < shards_; ++s)
-    kernels::add(mine.compute, elements, grads, all + static_cast<std::size_t>(s) * n, grads);
+    kernels::add(mine.compute, elements, shard_grads(0), shard_grads(1), grads);
+  for (int s = 2; s < shards_; ++s) kernels::add(mine.compute, elements, grads, shard_grads(s), grads);
   if (!mine.compute.capturing()) mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
 }
 

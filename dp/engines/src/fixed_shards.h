@@ -29,14 +29,17 @@ class FixedShards final : public ReplicaEngine {
  private:
   void enqueue_forward_backward_step(int r, std::span<const Batch> shards, bool sync, int slot) override;
   void check_batches(std::span<const Batch> batches, bool training) const override;
-  // Rank 0 holds shard 0's running statistics, which every replica starts the step from.
-  bool broadcasts_buffers() const override { return true; }
+  // Every replica ends a step holding shard 0's running statistics (taken from rank 0 with the
+  // gradients, or SyncBatchNorm's combined ones): nothing to broadcast before a forward.
+  bool broadcasts_buffers() const override { return false; }
+  bool replicas_share_buffers() const override { return true; }
 
   struct Scratches {
     Scratch shard_grads, all_grads, saved_buffers;
   };
   EngineKind as_;
   int shards_ = 0;                  // per step: K x V
+  std::vector<int> first_shard_;    // per local rank: its first shard's index in this process
   std::vector<Scratches> scratch_;  // per local rank
 };
 

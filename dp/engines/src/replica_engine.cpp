@@ -2,10 +2,12 @@
 // share; what a rank's forward and backward are is theirs.
 #include "dp/engines/replica_engine.h"
 
+#include <algorithm>
 #include <cstring>
 #include <fmt/format.h>
 
 #include "dp/engines/reducer.h"
+#include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
 #include "dp/runtime/flight_record.h"
@@ -28,22 +30,50 @@ ReplicaEngine::ReplicaEngine(Runtime& runtime, Model& module, const EngineOption
                     options_.shards));
   replicas_ = std::make_unique<engines::Replicas>(module, group_);
   comm_ = Communicator::create(group_, processes_);
-  FaultPlan::from_environment().check_targets(processes_->size(), group_.size());
+  // DP_FAULT's dN: device l of process p is p x (devices per process) + l, as --device-ids numbers
+  // them (a process that lost devices keeps its numbering).
+  const std::vector<int>& ids = group_.device_ids();
+  const int devices_per_process = *std::max_element(ids.begin(), ids.end()) + 1;
+  FaultPlan::from_environment().check_targets(processes_->size(), devices_per_process);
   // A second past the collectives' own timeout: a rank waiting in a call names the missing peer
   // first; this ends what no call waits for (a rank stuck while its peers replay a graph).
   group_.set_timeout(std::chrono::duration_cast<std::chrono::milliseconds>(processes_->timeout()) +
                      std::chrono::seconds(1));
   // Each worker's progress mark: the process's watch names a rank that stops moving, and a peer
   // process that gives no sign of life.
-  group_.run([&](int r) { progress::bind(comm_->first_rank() + r, processes_->rank()); });
+  group_.run([&](int r) {
+    progress::bind(comm_->first_rank() + r, processes_->rank(), &group_.device(r),
+                   processes_->rank() * devices_per_process + ids[static_cast<std::size_t>(r)]);
+  });
   progress::start_watch();
   progress::watch_processes(processes_);
 }
 
+int ReplicaEngine::total(const std::vector<int>& counts) {
+  int sum = 0;
+  for (const int c : counts) sum += c;
+  return sum;
+}
+
+std::size_t ReplicaEngine::first_of(const std::vector<int>& counts, int r) {
+  std::size_t first = 0;
+  for (int k = 0; k < r; ++k) first += static_cast<std::size_t>(counts[static_cast<std::size_t>(k)]);
+  return first;
+}
+
 std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
                                              int batches_per_rank, int forwards_per_rank, bool ordered_batchnorm) {
-  batches_per_rank_ = batches_per_rank;
-  forwards_per_rank_ = forwards_per_rank;
+  const auto ranks = static_cast<std::size_t>(group_.size());
+  return start(runtime, module, optimizer, std::vector<int>(ranks, batches_per_rank),
+               std::vector<int>(ranks, forwards_per_rank), ordered_batchnorm);
+}
+
+std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                                             std::vector<int> step_batches, std::vector<int> forward_batches,
+                                             bool ordered_batchnorm) {
+  step_batches_ = std::move(step_batches);
+  forward_batches_ = std::move(forward_batches);
+  batches_per_rank_ = *std::max_element(step_batches_.begin(), step_batches_.end());
   // SyncBatchNorm's collectives run on the compute streams, the gradient buckets' on the
   // communication streams: each kind gets its own communicator, so the two sequences never
   // interleave on one (NCCL requires one order of collectives per communicator).
@@ -63,6 +93,7 @@ std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, co
                                                   !desync_faults);
   broadcast_from_rank0(true, true);
   group_.run([&](int r) { enqueue_zero_grad(r); });  // on each rank's worker: its device is the current one there
+  restart_update_counts(0);
   return buckets;
 }
 
@@ -80,11 +111,86 @@ std::unique_ptr<ReplicaEngine::Rank> ReplicaEngine::make_rank(int r, Runtime& ru
     rank->model->set_batchnorm_sync(&rank->bn_sync);
   }
   const Stream copies = device.create_stream();  // the rank's batches' copies, on one stream
-  for (int i = 0; i < batches_per_rank_; ++i) rank->rings.push_back(std::make_unique<engines::InputRing>(copies));
+  for (int i = 0; i < step_batches_[static_cast<std::size_t>(r)]; ++i)
+    rank->rings.push_back(std::make_unique<engines::InputRing>(copies));
   rank->host_loss = runtime.allocate_pinned(engines::StepPipeline::kSlots * batches_per_rank_ * sizeof(float));
   for (Event& ready : rank->loss_ready) ready = device.create_event();
   for (Event& done : rank->step_done) done = device.create_event();
+  rank->updates_done = device.allocate(3 * sizeof(float));
   return rank;
+}
+
+void ReplicaEngine::restart_update_counts(std::int64_t steps) {
+  counted_from_ = steps;
+  group_.run([&](int r) {
+    // Updates completed, the 1 added per update, and the count when the buffers were last copied.
+    float* count = rank(r).updates_done.as<float>();
+    kernels::fill(rank(r).compute, count, 1, 0.0f);
+    kernels::fill(rank(r).compute, count + 1, 1, 1.0f);
+    kernels::fill(rank(r).compute, count + 2, 1, -1.0f);
+  });
+}
+
+std::optional<Engine::Survivor> ReplicaEngine::survivor() {
+  // ZeRO's optimizer state is spread over the ranks, the lost one's part with it. Under several
+  // processes each judges its own ranks (a lost peer process leaves them all).
+  if (options_.zero > 0) return std::nullopt;
+  // Note [a survivor's state]
+  // Every survivor holds the parameters and optimizer state of the steps it completed (the update
+  // follows the reduction, which needs every rank's gradients). Its buffers (running statistics)
+  // are the state's only where they are rank 0's of that step: rank 0's own, when no later step
+  // has begun there; or a rank's copy of rank 0's, taken as the next step began, after the
+  // buffers' broadcast from rank 0 (in stream order: a step whose broadcast failed never took its
+  // copy, which then still names the step before). The latest step a survivor holds whole is the
+  // one to go on from. Stream order is what makes this hold: on the sim a failed collective stops
+  // the work behind it on that stream, as a faulting kernel stops a CUDA context.
+  const bool buffers = rank(0).model->buffers_bytes() > 0;
+  std::optional<int> best;
+  std::int64_t best_steps = -1;
+  bool best_restores = false;
+  for (int r = 0; r < group_.size(); ++r) {
+    Device& device = group_.device(r);
+    if (device.lost()) continue;
+    Rank& mine = rank(r);
+    try {
+      // The failure a survivor's streams saw (a collective aborted for the lost device) is the
+      // step's, reported there; here only the end of their work matters.
+      mine.compute.synchronize();
+    } catch (...) {
+    }
+    try {
+      synchronize_rank(r);
+    } catch (...) {
+    }
+    float counts[3] = {};
+    try {
+      const Stream reader = device.create_stream();
+      reader.copy(counts, mine.updates_done.as<float>(), sizeof(counts));
+    } catch (...) {
+      continue;
+    }
+    const std::int64_t done = counted_from_ + static_cast<std::int64_t>(counts[0]);
+    // A step began after the last one completed here (its copy ran, so its forward may have too):
+    // the copy holds rank 0's buffers of the completed step. Else nothing has touched them since.
+    const bool began_another = counts[2] == counts[0] && mine.step_start_buffers.size() > 0;
+    const bool global_rank0 = comm_->first_rank() + r == 0;
+    const bool copy_is_rank0s = global_rank0 || replicas_share_buffers();
+    const bool whole = !buffers || (began_another ? copy_is_rank0s : global_rank0);
+    if (!whole || done <= best_steps) continue;
+    best = r;
+    best_steps = done;
+    best_restores = buffers && began_another;
+  }
+  if (!best) return std::nullopt;
+  Rank& mine = rank(*best);
+  Device& device = group_.device(*best);
+  if (best_restores) {
+    const Stream writer = device.create_stream();
+    writer.copy(mine.model->buffers_flat(), mine.step_start_buffers.data(), mine.model->buffers_bytes());
+    writer.synchronize();
+  }
+  mine.optimizer->set_steps(best_steps);
+  return Survivor{mine.model, mine.optimizer, best_steps, group_.device_ids()[static_cast<std::size_t>(*best)]};
 }
 
 ReplicaEngine::~ReplicaEngine() { quiesce(); }
@@ -131,7 +237,10 @@ std::vector<Optimizer*> ReplicaEngine::whole_optimizers() {
   return updates_->whole();
 }
 
-void ReplicaEngine::whole_optimizers_loaded() { updates_->whole_loaded(); }
+void ReplicaEngine::whole_optimizers_loaded() {
+  updates_->whole_loaded();
+  restart_update_counts(rank(0).optimizer->steps());
+}
 
 void ReplicaEngine::run_ranks(const std::function<void(int rank)>& task) {
   try {
@@ -190,6 +299,8 @@ void ReplicaEngine::enqueue_step(int r) {
   progress::set_phase("optimizer");
   mine.accumulated_samples = 0;
   updates_->step(r, mine.compute, *mine.model);
+  float* count = mine.updates_done.as<float>();
+  kernels::add(mine.compute, 1, count, count + 1, count);  // Note [a survivor's state]
 }
 
 void ReplicaEngine::check_each_batch(std::span<const Batch> batches, bool training) {
@@ -203,7 +314,8 @@ void ReplicaEngine::check_each_batch(std::span<const Batch> batches, bool traini
 }
 
 std::span<const Batch> ReplicaEngine::batches_of(int r, std::span<const Batch> batches) const {
-  return batches.subspan(static_cast<std::size_t>(r * batches_per_rank_), static_cast<std::size_t>(batches_per_rank_));
+  return batches.subspan(first_of(step_batches_, r),
+                         static_cast<std::size_t>(step_batches_[static_cast<std::size_t>(r)]));
 }
 
 bool ReplicaEngine::begin_forward(std::span<const Batch> batches, bool& broadcast_buffers, int stride) {
@@ -258,11 +370,13 @@ float ReplicaEngine::wait_for_loss(int slot) {
   // The mean over every global rank's batches, summed in global rank order: each process (and one
   // process with all the ranks) gets the same bits.
   std::vector<float> local;
-  for (auto& r : ranks_)
-    for (int i = 0; i < batches_per_rank_; ++i) local.push_back(*r->loss_slot(slot, i, batches_per_rank_));
-  float total = 0.0f;
-  for (const float loss : processes_->all_gather(std::span<const float>(local))) total += loss;
-  return total / static_cast<float>(comm_->size() * batches_per_rank_);
+  for (int r = 0; r < group_.size(); ++r)
+    for (int i = 0; i < step_batches_[static_cast<std::size_t>(r)]; ++i)
+      local.push_back(*rank(r).loss_slot(slot, i, batches_per_rank_));
+  float sum = 0.0f;
+  const std::vector<float> all = processes_->all_gather(std::span<const float>(local));
+  for (const float loss : all) sum += loss;
+  return sum / static_cast<float>(all.size());
 }
 
 EvalTotals ReplicaEngine::reduce_totals(std::span<const EvalTotals> per_batch) {
@@ -323,6 +437,14 @@ StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
 
 void ReplicaEngine::enqueue_train_step(int r, std::span<const Batch> batches, bool sync, bool broadcast, int slot) {
   if (broadcast) enqueue_broadcast(r, false, true);
+  if (Model& m = *rank(r).model; m.buffers_bytes() > 0) {
+    // The buffers every rank begins the step with, and which step's they are (Note [a survivor's state]).
+    Rank& mine = rank(r);
+    mine.compute.copy(mine.step_start_buffers.get<char>(group_.device(r), m.buffers_bytes()), m.buffers_flat(),
+                      m.buffers_bytes());
+    float* count = mine.updates_done.as<float>();
+    mine.compute.copy(count + 2, count, sizeof(float));
+  }
   enqueue_zero_grad(r);
   enqueue_forward_backward_step(r, batches, sync, slot);
   enqueue_step(r);
@@ -344,6 +466,7 @@ engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batc
     run_ranks([&](int r) {
       Rank& mine = rank(r);
       progress::begin_step(mine.optimizer->steps() + 1);
+      progress::fault_point(std::nullopt);  // a replayed step has no phases on the host
       for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
       engines::upload_replayed_step(*mine.model, *mine.optimizer, mine.compute);
       mine.accumulated_samples = 0;
@@ -382,8 +505,8 @@ std::vector<float> ReplicaEngine::predict(std::span<const Batch> batches) {
   std::vector<float> out(offsets.back());
   run_ranks([&](int r) {
     Rank& mine = rank(r);
-    for (int i = 0; i < forwards_per_rank_; ++i) {
-      const auto b = static_cast<std::size_t>(r * forwards_per_rank_ + i);
+    for (int i = 0; i < forward_batches_[static_cast<std::size_t>(r)]; ++i) {
+      const std::size_t b = first_of(forward_batches_, r) + static_cast<std::size_t>(i);
       const Batch& batch = batches[b];
       if (batch.size == 0) continue;
       mine.batch.stage(group_.device(r), mine.compute, Batch{batch.inputs, nullptr, batch.size}, sample);

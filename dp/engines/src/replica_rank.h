@@ -31,6 +31,11 @@ struct ReplicaRank {
   PinnedBuffer host_loss;                        // per pipeline slot, a float per batch; pinned: copied asynchronously
   std::array<Event, kStepsInFlight> loss_ready;  // per slot: host_loss written
   std::array<Event, kStepsInFlight> step_done;   // per slot: the rank's step has run
+  // What a lost device leaves the survivors to go on from (ReplicaEngine::survivor): two floats,
+  // the optimizer updates completed here since the count began (exact to 2^24) and the constant 1
+  // it adds; and the buffers as the step began (after their broadcast from rank 0).
+  DeviceBuffer updates_done;
+  Scratch step_start_buffers;
 
   // Where the loss of the rank's `index`-th batch of pipeline slot `slot` lands.
   float* loss_slot(int slot, int index, int per_step) {

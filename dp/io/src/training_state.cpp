@@ -63,8 +63,17 @@ void TrainingState::save(const std::string& path, const Model& model, const Opti
   // The state as the devices last left it: every stream of both devices finishes first.
   model.device().synchronize();
   optimizer.device().synchronize();
+  capture(model, optimizer, progress).write(path);
+}
+
+TrainingState TrainingState::capture(const Model& model, const Optimizer& optimizer, const TrainingProgress& progress) {
+  for (const auto& [key, value] : progress.tags)
+    if (reserved(key)) throw InvalidArgument(fmt::format("training state tag '{}' would overwrite dp.{}", key, key));
+  TrainingState state;
+  state.path_ = "the training state in memory";
   const Stream model_stream = model.device().create_stream();
-  safetensors::File file = state_dict(model, model_stream);
+  safetensors::File& file = state.file_;
+  file = state_dict(model, model_stream);
   const Stream stream = optimizer.device().create_stream();
   for (const Optimizer::StateBuffer& buffer : optimizer.state()) {
     for (const TensorRef& p : model.parameters()) {
@@ -80,12 +89,19 @@ void TrainingState::save(const std::string& path, const Model& model, const Opti
   file.metadata["dp.epoch"] = std::to_string(progress.epoch);
   file.metadata["dp.seed"] = std::to_string(progress.seed);
   for (const auto& [key, value] : progress.tags) file.metadata[fmt::format("dp.{}", key)] = value;
+  state.progress_ = progress;
+  state.optimizer_steps_ = static_cast<std::int64_t>(optimizer.steps());
+  state.optimizer_kind_ = std::string(optimizer.kind());
+  return state;
+}
+
+void TrainingState::write(const std::string& path) const {
   // A diverged model is not a checkpoint: the file already there is worth more than NaNs.
-  for (const auto& [name, tensor] : file.tensors)
+  for (const auto& [name, tensor] : file_.tensors)
     if (const std::size_t at = tensor.first_non_finite(); at != safetensors::Tensor::npos)
       throw NonFiniteError(fmt::format("{}: not written: '{}' holds a non-finite value ({}) at element {}", path, name,
                                        tensor.to_f32()[at], at));
-  safetensors::write(path, file);
+  safetensors::write(path, file_);
 }
 
 TrainingState TrainingState::read(const std::string& path) {

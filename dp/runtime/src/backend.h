@@ -262,7 +262,9 @@ std::int64_t now_ns();
 
 // The private side of the public handles, for the runtime's own code (backends, kernel_api).
 struct Access {
-  static StreamImpl& stream(const Stream& stream);  // throws InvalidArgument for an empty handle
+  // Throws InvalidArgument for an empty handle, DeviceLost for a stream of a lost device.
+  static StreamImpl& stream(const Stream& stream);
+  static StreamImpl& unchecked_stream(const Stream& stream);  // a lost device's too
   static EventImpl& event(const Event& event);
   static DeviceImpl& device(const Device& device) { return *device.impl_; }
   static RuntimeImpl& runtime(const Runtime& runtime) { return *runtime.impl_; }

@@ -149,15 +149,17 @@ class CheckedCommunicator final : public Communicator {
   void call(int rank, const Stream& stream, CollectiveSignature signature, std::uint64_t bytes, Run&& run) {
     const int global = first_rank() + rank;
     const std::int64_t step = progress::current_step();
+    progress::fault_point(FaultPhase::collective);
     FaultPlan& plan = FaultPlan::from_environment();
     if (!plan.empty()) {
       const int process = processes_->rank();
+      const int device = progress::current_fault_device() >= 0 ? progress::current_fault_device() : global;
       if (std::string_view(signature.purpose.data()).starts_with("bucket") &&
-          plan.take(FaultKind::desync_skip, process, global, step))
+          plan.take(FaultKind::desync_skip, process, device, step))
         return;  // the bucket's reduction never issued on this rank
-      if (auto fault = plan.take(FaultKind::desync_extra, process, global, step)) issue_extra(rank, stream, *fault);
+      if (auto fault = plan.take(FaultKind::desync_extra, process, device, step)) issue_extra(rank, stream, *fault);
       // Only the signature grows: were the check off, the backend would overrun the buffer.
-      if (plan.take(FaultKind::desync_count, process, global, step)) ++signature.count;
+      if (plan.take(FaultKind::desync_count, process, device, step)) ++signature.count;
     }
     const std::uint64_t id = begin_call(rank, step, signature, bytes);
     FlightRecorder& record = FlightRecorder::process();

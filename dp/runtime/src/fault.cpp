@@ -1,6 +1,7 @@
 // fault.cpp — DP_FAULT's grammar, its plan and the step faults' actions.
 #include "dp/runtime/fault.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -13,26 +14,36 @@
 #include <unistd.h>
 #include <utility>
 
+#include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
 
 namespace dp {
 namespace {
 
+// What a kind's ARG is: none, seconds, or a phase of the step (optional, backward by default).
+enum class Arg { none, seconds, phase };
 struct KindInfo {
   FaultKind kind;
   std::string_view name;
-  bool takes_arg;
+  Arg arg;
 };
-// The one list of kinds: their spellings and whether ARG belongs to them.
+// The one list of kinds: their spellings and what ARG is to them.
 constexpr std::array kFaultKinds{
-    KindInfo{FaultKind::desync_extra, "desync-extra", false},
-    KindInfo{FaultKind::desync_skip, "desync-skip", false},
-    KindInfo{FaultKind::desync_count, "desync-count", false},
-    KindInfo{FaultKind::hang, "hang", false},
-    KindInfo{FaultKind::stall, "stall", true},
-    KindInfo{FaultKind::exit, "exit", false},
-    KindInfo{FaultKind::throw_error, "throw", false},
+    KindInfo{FaultKind::desync_extra, "desync-extra", Arg::none},
+    KindInfo{FaultKind::desync_skip, "desync-skip", Arg::none},
+    KindInfo{FaultKind::desync_count, "desync-count", Arg::none},
+    KindInfo{FaultKind::hang, "hang", Arg::none},
+    KindInfo{FaultKind::stall, "stall", Arg::seconds},
+    KindInfo{FaultKind::exit, "exit", Arg::none},
+    KindInfo{FaultKind::throw_error, "throw", Arg::none},
+    KindInfo{FaultKind::lose, "lose", Arg::phase},
 };
+constexpr std::array<std::pair<FaultPhase, std::string_view>, 4> kFaultPhases{{
+    {FaultPhase::forward, "forward"},
+    {FaultPhase::backward, "backward"},
+    {FaultPhase::collective, "collective"},
+    {FaultPhase::optimizer, "optimizer"},
+}};
 
 const KindInfo& info(FaultKind kind) {
   for (const KindInfo& k : kFaultKinds)
@@ -90,7 +101,15 @@ Fault parse_one(std::string_view item) {
   const auto step = whole_number(fields[1]);
   if (!step || *step < 1) throw bad(fmt::format("step '{}' is not a whole number >= 1", fields[1]));
   fault.step = *step;
-  if (kind->takes_arg) {
+  if (kind->arg == Arg::phase) {
+    if (fields.size() == 3) {
+      const auto it =
+          std::find_if(kFaultPhases.begin(), kFaultPhases.end(), [&](const auto& p) { return p.second == fields[2]; });
+      if (it == kFaultPhases.end())
+        throw bad(fmt::format("phase '{}' is none of forward, backward, collective, optimizer", fields[2]));
+      fault.phase = it->first;
+    }
+  } else if (kind->arg == Arg::seconds) {
     if (fields.size() < 3) throw bad(fmt::format("{} needs ':ARG' (seconds)", kind->name));
     const std::string arg(fields[2]);
     char* end = nullptr;
@@ -108,9 +127,16 @@ Fault parse_one(std::string_view item) {
 
 std::string_view fault_kind_name(FaultKind kind) { return info(kind).name; }
 
+std::string_view fault_phase_name(FaultPhase phase) {
+  for (const auto& [p, name] : kFaultPhases)
+    if (p == phase) return name;
+  return "?";
+}
+
 std::string Fault::text() const {
   std::string out = fmt::format("{}@{}{}:{}", fault_kind_name(kind), process_target ? 'p' : 'd', target, step);
-  if (info(kind).takes_arg) out += fmt::format(":{}", arg);
+  if (info(kind).arg == Arg::seconds) out += fmt::format(":{}", arg);
+  if (info(kind).arg == Arg::phase) out += fmt::format(":{}", fault_phase_name(phase));
   return out;
 }
 
@@ -163,10 +189,12 @@ bool FaultPlan::has(FaultKind kind) const {
   return false;
 }
 
-std::optional<Fault> FaultPlan::take(FaultKind kind, int process, int device, std::int64_t step) {
+std::optional<Fault> FaultPlan::take(FaultKind kind, int process, int device, std::int64_t step,
+                                     std::optional<FaultPhase> phase) {
   for (std::size_t i = 0; i < faults_.size(); ++i) {
     const Fault& f = faults_[i];
     if (f.kind != kind || f.step != step || f.target != (f.process_target ? process : device)) continue;
+    if (phase && f.phase != *phase) continue;
     std::lock_guard lock(state_->mutex);
     if (state_->fired.insert({i, device}).second) return f;
   }
@@ -185,6 +213,21 @@ void fire_step_faults(FaultPlan& plan, int process, int device, std::int64_t ste
     std::this_thread::sleep_for(std::chrono::duration<double>(f->arg));
   if (auto f = plan.take(FaultKind::hang, process, device, step))
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+void fire_lose_faults(FaultPlan& plan, int process, int device, std::int64_t step, std::optional<FaultPhase> phase,
+                      Device& target) {
+  if (plan.empty()) return;
+  const auto f = plan.take(FaultKind::lose, process, device, step, phase);
+  if (!f) return;
+  const auto where = [&]() -> std::string {
+    if (!phase) return fmt::format("as step {}'s graph was replayed", step);
+    if (*phase == FaultPhase::collective) return fmt::format("at a collective of step {}", step);
+    return fmt::format("in the {} of step {}", fault_phase_name(*phase), step);
+  };
+  const std::string why = fmt::format("DP_FAULT {}, {}", f->text(), where());
+  target.lose(why);
+  target.throw_if_lost();
 }
 
 }  // namespace dp

@@ -76,9 +76,21 @@ namespace dp::cuda {
 // engine: the capture asked for something a graph cannot hold (it falls back to eager work), or the
 // caller ended or used a capture the wrong way (a bug, as on the simulator). docs/cuda-rules.md.
 namespace {
-enum class CaptureErrorKind { none, capture, misuse };
+enum class CaptureErrorKind { none, capture, misuse, fatal };
 CaptureErrorKind classify_cuda_error(int code) {
   switch (code) {
+    // The errors after which, the CUDA documentation says, "any further CUDA work will return the
+    // same error": the device is lost to this process (DeviceLost).
+    case 214:  // cudaErrorECCUncorrectable
+    case 700:  // cudaErrorIllegalAddress
+    case 710:  // cudaErrorAssert
+    case 714:  // cudaErrorHardwareStackError
+    case 715:  // cudaErrorIllegalInstruction
+    case 716:  // cudaErrorMisalignedAddress
+    case 717:  // cudaErrorInvalidAddressSpace
+    case 718:  // cudaErrorInvalidPc
+    case 719:  // cudaErrorLaunchFailure
+      return CaptureErrorKind::fatal;
     case 900:  // cudaErrorStreamCaptureUnsupported: not permitted while the stream captures
     case 901:  // cudaErrorStreamCaptureInvalidated: an earlier error invalidated the capture
     case 902:  // cudaErrorStreamCaptureMerge: two independent captures would merge
@@ -101,6 +113,7 @@ void throw_call_error(const char* library, int code, const char* message, const 
   const auto kind = std::string_view(library) == "CUDA" ? classify_cuda_error(code) : CaptureErrorKind::none;
   if (kind == CaptureErrorKind::capture) throw CaptureError(what);
   if (kind == CaptureErrorKind::misuse) throw InvalidArgument(what);
+  if (kind == CaptureErrorKind::fatal) throw DeviceLost(-1, what + ": the GPU is lost to this process");
   throw Error(what);
 }
 

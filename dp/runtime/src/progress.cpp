@@ -52,6 +52,8 @@ Board& board() {
 }
 
 thread_local State* current = nullptr;
+thread_local Device* t_device = nullptr;  // what a lose fault makes lost
+thread_local int t_fault_device = -1;
 
 double median(std::deque<double> values) {
   if (values.size() < 3) return 0.0;
@@ -205,12 +207,27 @@ void watch_once(bool peers) {
 
 }  // namespace
 
-void bind(int global_rank, int process) {
+void bind(int global_rank, int process, Device* device, int fault_device) {
   std::lock_guard lock(board().mutex);
   auto& slot = board().states[global_rank];
   if (!slot) slot = std::make_unique<State>(global_rank);
   slot->process.store(process);
   current = slot.get();
+  t_device = device;
+  t_fault_device = fault_device >= 0 ? fault_device : global_rank;
+}
+
+void fault_point(std::optional<FaultPhase> phase) {
+  State* s = current;
+  if (!s || !t_device) return;
+  FaultPlan& plan = FaultPlan::from_environment();
+  if (plan.empty()) return;
+  std::int64_t step = 0;
+  {
+    std::lock_guard lock(s->mutex);
+    step = s->step;
+  }
+  fire_lose_faults(plan, s->process.load(), t_fault_device, step, phase, *t_device);
 }
 
 void begin_step(std::int64_t step) {
@@ -230,19 +247,25 @@ void begin_step(std::int64_t step) {
     s->move();
   }
   FaultPlan& plan = FaultPlan::from_environment();
-  if (!plan.empty()) fire_step_faults(plan, s->process.load(), s->global_rank, step);
+  if (!plan.empty()) fire_step_faults(plan, s->process.load(), t_fault_device, step);
 }
 
 void set_phase(const char* phase, std::string detail) {
   State* s = current;
   if (!s) return;
-  std::lock_guard lock(s->mutex);
-  s->phase = phase;
-  s->detail = std::move(detail);
-  s->move();
+  {
+    std::lock_guard lock(s->mutex);
+    s->phase = phase;
+    s->detail = std::move(detail);
+    s->move();
+  }
+  const std::string_view name(phase);
+  for (const FaultPhase p : {FaultPhase::forward, FaultPhase::backward, FaultPhase::optimizer})
+    if (name == fault_phase_name(p)) fault_point(p);
 }
 
 int current_rank() { return current ? current->global_rank : -1; }
+int current_fault_device() { return current ? t_fault_device : -1; }
 int current_process() { return current ? current->process.load() : 0; }
 std::int64_t current_step() {
   if (!current) return 0;

@@ -52,6 +52,8 @@ int exit_code(const std::exception_ptr& error) noexcept {
     return 5;
   } catch (const CollectiveTimeout&) {
     return 6;
+  } catch (const DeviceLost&) {
+    return 7;
   } catch (...) {
     return 1;
   }
@@ -80,8 +82,9 @@ double Event::elapsed_ms(const Event& start, const Event& end) {
 // ---- Stream
 using detail::Access;
 
-int Stream::device() const { return Access::stream(*this).device(); }
-Backend Stream::backend() const { return Access::stream(*this).backend(); }
+// What a stream is, answered for a lost device's too (messages name it).
+int Stream::device() const { return Access::unchecked_stream(*this).device(); }
+Backend Stream::backend() const { return Access::unchecked_stream(*this).backend(); }
 void Stream::record(const Event& event) const { Access::stream(*this).record(Access::event(event)); }
 void Stream::wait(const Event& event) const { Access::stream(*this).wait(Access::event(event)); }
 bool Stream::query() const {
@@ -117,14 +120,31 @@ std::string Device::name() const { return impl_->name(); }
 std::string Device::gpu_uuid() const { return impl_->gpu_uuid(); }
 int Device::gpu() const noexcept { return runtime_.gpu_of(index_); }
 DeviceBuffer Device::allocate(std::size_t bytes) {
+  throw_if_lost();
   if (bytes == 0) return {};
   return impl_->wrap(index_, impl_->allocate(bytes), bytes);
 }
 MemoryStats Device::memory() const { return impl_->memory(); }
 void Device::reset_peak_memory() { impl_->reset_peak_memory(); }
-Stream Device::create_stream() { return Stream(impl_->create_stream()); }
-Event Device::create_event(EventTiming timing) { return Event(impl_->create_event(timing)); }
-void Device::synchronize() { impl_->synchronize(); }
+Stream Device::create_stream() {
+  throw_if_lost();
+  return Stream(impl_->create_stream());
+}
+Event Device::create_event(EventTiming timing) {
+  throw_if_lost();
+  return Event(impl_->create_event(timing));
+}
+void Device::synchronize() {
+  throw_if_lost();
+  impl_->synchronize();
+}
+void Device::lose(const std::string& why) {
+  std::lock_guard lock(lose_mutex_);
+  if (lost()) return;
+  lost_why_ = why;
+  lost_.store(true, std::memory_order_release);
+}
+void Device::throw_lost() const { throw DeviceLost(index_, fmt::format("device {} is lost ({})", index_, lost_why_)); }
 std::future<void> Device::submit(std::function<void()> task) { return impl_->submit(std::move(task)); }
 
 // ---- buffers
@@ -247,8 +267,15 @@ std::vector<TraceSpan> Runtime::take_trace() {
 
 namespace detail {
 
+StreamImpl& Access::unchecked_stream(const Stream& stream) {
+  if (!stream.impl_) throw InvalidArgument("use of an empty dp::Stream (create it with Device::create_stream)");
+  return *stream.impl_;
+}
 StreamImpl& Access::stream(const Stream& stream) {
   if (!stream.impl_) throw InvalidArgument("use of an empty dp::Stream (create it with Device::create_stream)");
+  // Every call on a stream passes here: a lost device refuses them all, as a CUDA context does
+  // after an error that ends it.
+  stream.impl_->runtime().device(stream.impl_->device()).throw_if_lost();
   return *stream.impl_;
 }
 EventImpl& Access::event(const Event& event) {

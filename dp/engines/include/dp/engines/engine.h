@@ -168,6 +168,20 @@ class Engine {
   // Training steps that ran as a replay of a captured graph (EngineOptions::graphs), so far.
   virtual std::uint64_t graph_replays() const { return 0; }
 
+  // After a step failed because a device was lost (DeviceLost) or another process was (PeerLost):
+  // the state of the last step that completed on a surviving device of this process, where one
+  // holds the whole state (a replica engine without ZeRO), else none. Parameters change only after a step's reduction,
+  // which needs every device's gradients, so a survivor holds either the failed step's inputs or, when it already had
+  // every gradient, its outputs; `steps` says which. The survivor's optimizer counts `steps` from here on. Waits for
+  // the survivors' streams and reports none of their failures.
+  struct Survivor {
+    const Model* model = nullptr;
+    const Optimizer* optimizer = nullptr;
+    std::int64_t steps = 0;  // optimizer steps completed there
+    int device = 0;
+  };
+  virtual std::optional<Survivor> survivor() { return std::nullopt; }
+
  protected:
   // evaluate()'s totals, one per batch of this process -> the totals of every process's batches,
   // added in global batch order (so that how batches are spread over processes changes no bit).
@@ -234,6 +248,10 @@ struct EngineOptions {
   // rank = shard), each device runs its V/P shards as forwards and backwards of their own, and the
   // gradient is the sum of the V shards' gradients in shard order. P must divide V. 0: off.
   int shards = 0;
+  // Every kind, with shards, in one process: a device count that does not divide V takes uneven
+  // shares (the first ranks one shard more), the same bits at the pace of the busiest device: what
+  // the survivors of a lost device go on with. Off, such a count is refused as a likely mistake.
+  bool uneven_shards = false;
   // ddp: the processes of the job (ProcessGroup::from_environment() under mpirun); null: this one.
   // single and dp are single-process: a group of several processes is refused for them.
   std::shared_ptr<ProcessGroup> processes = {};

@@ -42,8 +42,8 @@ class ReplicaEngine : public Engine {
   Optimizer& optimizer(int rank) const;
 
   const std::vector<int>& device_ids() const override { return group_.device_ids(); }
-  int batches_per_forward() const override { return group_.size() * forwards_per_rank_; }
-  int batches_per_step() const override { return group_.size() * batches_per_rank_; }
+  int batches_per_forward() const override { return total(forward_batches_); }
+  int batches_per_step() const override { return total(step_batches_); }
   using Engine::train_step;
   // zero_grad + forward and backward (the derived engine's) + the ranks' updates as one submission
   // per device; the loss is the mean over every global rank's batches, the same on every process.
@@ -57,6 +57,7 @@ class ReplicaEngine : public Engine {
   std::vector<Optimizer*> optimizers() override;
   std::uint64_t graph_replays() const override;
   std::optional<float> last_grad_norm() override;
+  std::optional<Survivor> survivor() override;
   void freeze(const std::vector<Optimizer::ParamRange>& frozen) override;
   void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) override;
   std::vector<Optimizer*> whole_optimizers() override;
@@ -77,6 +78,10 @@ class ReplicaEngine : public Engine {
   // parameters and buffers from rank 0 and zeroes the gradients. Returns the gradient buckets.
   std::vector<GradBucket> start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
                                 int batches_per_rank, int forwards_per_rank, bool ordered_batchnorm);
+  // The same with each local rank's own counts (fixed shards spread unevenly over the devices).
+  std::vector<GradBucket> start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
+                                std::vector<int> step_batches, std::vector<int> forward_batches,
+                                bool ordered_batchnorm);
 
   // Rank r's forward(s) and backward(s) of a training step's `mine` (its batches_of), reading its
   // rings' slot `slot`, each loss copied to the rank's host_loss floats of the slot and loss_ready
@@ -89,6 +94,8 @@ class ReplicaEngine : public Engine {
   static void check_each_batch(std::span<const Batch> batches, bool training);
   // Whether buffers are broadcast from rank 0 before a forward (torch's broadcast_buffers).
   virtual bool broadcasts_buffers() const = 0;
+  // Whether every replica begins each step with rank 0's buffers (broadcast, or kept equal).
+  virtual bool replicas_share_buffers() const { return broadcasts_buffers(); }
   // Whether this forward's backward reduces the gradients (DDP's no_sync says not).
   virtual bool sync_now() const { return true; }
   // Work on rank r's side streams that synchronize() waits for too.
@@ -134,7 +141,7 @@ class ReplicaEngine : public Engine {
   // replicas' memory does.
   std::unique_ptr<engines::Replicas> replicas_;
   std::unique_ptr<Communicator> comm_;  // the gradients'
-  int batches_per_rank_ = 1;
+  int batches_per_rank_ = 1;            // the most any local rank takes per step (its losses' stride)
 
  private:
   std::unique_ptr<Rank> make_rank(int r, Runtime& runtime, bool ordered_batchnorm);
@@ -144,7 +151,15 @@ class ReplicaEngine : public Engine {
   // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
   engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
 
-  int forwards_per_rank_ = 1;
+  // Counts every rank's completed updates from zero, `steps` being the optimizers' count there.
+  void restart_update_counts(std::int64_t steps);
+
+  static int total(const std::vector<int>& counts);
+  // The first of rank r's batches among `counts`' (a step's or a forward's).
+  static std::size_t first_of(const std::vector<int>& counts, int r);
+
+  std::vector<int> step_batches_ = {1}, forward_batches_ = {1};  // per local rank
+  std::int64_t counted_from_ = 0;          // the optimizers' steps when the update counts were zero
   std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only
   std::unique_ptr<engines::RankOptimizers> updates_;
   std::vector<std::unique_ptr<Rank>> ranks_;

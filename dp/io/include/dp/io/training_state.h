@@ -34,6 +34,12 @@ class TrainingState {
   // the model's and the optimizer's devices first, so the state saved is the one the last step left.
   static void save(const std::string& path, const Model& model, const Optimizer& optimizer,
                    const TrainingProgress& progress);
+  // The same state, read into memory without waiting for the devices' streams: for a caller that
+  // knows the model's and the optimizer's work is done, on devices whose streams may have failed
+  // (the survivors of a lost device). Reads through streams of its own.
+  static TrainingState capture(const Model& model, const Optimizer& optimizer, const TrainingProgress& progress);
+  // Writes the state to `path` as save() does (atomically; none of it if a value is not finite).
+  void write(const std::string& path) const;
 
   // Reads `path` and its training metadata. Throws Error naming the file and the problem: not a
   // training checkpoint, a missing key, a number out of range.

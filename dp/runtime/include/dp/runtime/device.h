@@ -3,11 +3,13 @@
 // enough that a missing event wait is a real data race and a cross-device pointer a real error.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -166,13 +168,28 @@ class Device {
   // current once, at start). Exceptions come back through the future.
   std::future<void> submit(std::function<void()> task);
 
+  // The device is lost on purpose (fault injection: DP_FAULT lose@dN), as a GPU is after an error
+  // that ends its context: from now on every call on it (its streams' work and waits, allocations,
+  // new streams and events) throws DeviceLost with `why`. Work already queued may still run, as on a
+  // GPU; the other devices are untouched. Only the first call's reason is kept.
+  void lose(const std::string& why);
+  bool lost() const noexcept { return lost_.load(std::memory_order_acquire); }
+  // Throws DeviceLost when lost().
+  void throw_if_lost() const {
+    if (lost()) throw_lost();
+  }
+
  private:
+  [[noreturn]] void throw_lost() const;
   friend class detail::RuntimeImpl;
   friend struct detail::Access;
   Device(int index, std::unique_ptr<detail::DeviceImpl> impl, detail::RuntimeImpl& runtime);
   int index_;
   detail::RuntimeImpl& runtime_;
   std::unique_ptr<detail::DeviceImpl> impl_;
+  std::atomic<bool> lost_{false};
+  std::string lost_why_;  // written once, before lost_ is set
+  std::mutex lose_mutex_;
 
  public:
   ~Device();

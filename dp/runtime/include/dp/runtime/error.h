@@ -91,6 +91,20 @@ class CollectiveTimeout : public Error {
   using Error::Error;
 };
 
+// A device is gone: on cuda an error that leaves its context unusable (an uncorrectable ECC error,
+// an illegal address or launch failure: every later call there fails the same way), on either
+// backend a device lost on purpose (Device::lose, DP_FAULT lose@dN). Its memory is gone with it; the
+// other devices of the process are untouched.
+class DeviceLost : public Error {
+ public:
+  // `device` -1: the device that failed is the one the failing call ran on (a WorkerError names it).
+  DeviceLost(int device, const std::string& message) : Error(message), device_(device) {}
+  int device() const noexcept { return device_; }
+
+ private:
+  int device_;
+};
+
 // What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
 class WorkerError : public Error {
  public:
@@ -108,7 +122,8 @@ class WorkerError : public Error {
 // The exit code a program reports for an error (dp's tools do; docs/training.md's table): 2 for bad
 // input or a configuration that does not fit (InvalidArgument, OutOfMemory, a failed host
 // allocation), 3 for non-finite values (NonFiniteError), 4 for a desync (CollectiveMismatch), 5 for
-// a lost peer (PeerLost), 6 for a timeout (CollectiveTimeout), 1 for anything else. A WorkerError is judged by its
+// a lost peer (PeerLost), 6 for a timeout (CollectiveTimeout), 7 for a lost device (DeviceLost), 1 for
+// anything else. A WorkerError is judged by its
 // cause, so a failure on one device of several gets the code it gets on one device.
 int exit_code(const std::exception_ptr& error) noexcept;
 

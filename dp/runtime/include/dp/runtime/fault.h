@@ -4,7 +4,8 @@
 //
 //   DP_FAULT=KIND@TARGET:STEP[:ARG][,KIND@TARGET:STEP[:ARG]...]
 //
-// TARGET: dN (global device N: process p's local device l is p * devices per process + l) or pN
+// TARGET: dN (global device N: process p's device l, as --device-ids numbers it, is p * devices per
+// process + l; with every device of each process, global rank N) or pN
 // (process N, all of its devices). STEP: the 1-based optimizer step at which it fires (once). ARG:
 // a number, for the kinds that take one. The kinds and what they do are in kFaultKinds (fault.cpp):
 // one table, which the parser, the messages and docs/training.md's list follow.
@@ -19,6 +20,8 @@
 
 namespace dp {
 
+class Device;
+
 enum class FaultKind {
   desync_extra,  // the target issues one extra all-reduce
   desync_skip,   // the target skips one gradient bucket's reduction
@@ -27,7 +30,14 @@ enum class FaultKind {
   stall,         // the device thread (or the process) sleeps ARG seconds, then goes on
   exit,          // the process ends at once, as by SIGKILL
   throw_error,   // an exception on the device thread ("throw")
+  lose,          // the device is lost as a GPU is after a fatal error (Device::lose), at ARG's phase
 };
+
+// Where in its step a lose fault strikes: lose@dN:STEP[:PHASE], PHASE one of these names
+// (default backward). A step replayed from a graph has no phases of its own on the host: there
+// the device is lost as the replay starts, whatever the phase.
+enum class FaultPhase { forward, backward, collective, optimizer };
+std::string_view fault_phase_name(FaultPhase phase);
 
 // DP_FAULT's spelling of a kind ("desync-extra", "throw").
 std::string_view fault_kind_name(FaultKind kind);
@@ -38,6 +48,7 @@ struct Fault {
   int target = 0;
   std::int64_t step = 1;
   double arg = 0.0;
+  FaultPhase phase = FaultPhase::backward;  // lose
   // DP_FAULT's spelling of this one fault ("stall@d1:3:2.5").
   std::string text() const;
 };
@@ -61,7 +72,9 @@ class FaultPlan {
   // The fault of `kind` due on global device `device` of process `process` at optimizer step `step`
   // (a dN fault on that device, a pN fault on each of its process's devices), if it has not fired
   // there yet; it is then spent there. Thread-safe.
-  std::optional<Fault> take(FaultKind kind, int process, int device, std::int64_t step);
+  // `phase`: only a fault of that phase (lose); none: any.
+  std::optional<Fault> take(FaultKind kind, int process, int device, std::int64_t step,
+                            std::optional<FaultPhase> phase = std::nullopt);
   // Whether any fault of `kind` is planned (a cheap test before computing a step number).
   bool has(FaultKind kind) const;
 
@@ -75,5 +88,9 @@ class FaultPlan {
 // (sleeps for good), stall (sleeps ARG s), throw (Error naming the fault), exit (SIGKILL to this
 // process). Returns at once when nothing is due.
 void fire_step_faults(FaultPlan& plan, int process, int device, std::int64_t step);
+// A lose fault due at `phase` (none: any, a replayed step) of step `step` on global device `device`:
+// `target` is lost (Device::lose, naming the fault) and DeviceLost thrown. Returns at once otherwise.
+void fire_lose_faults(FaultPlan& plan, int process, int device, std::int64_t step, std::optional<FaultPhase> phase,
+                      Device& target);
 
 }  // namespace dp

@@ -7,18 +7,28 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "dp/runtime/fault.h"
+
 namespace dp {
 
+class Device;
 class ProcessGroup;
 
 namespace progress {
 
 // This thread now works for global rank `global_rank` of process `process` (engines call it on
 // their device workers; the main thread is "the process"). Its mark exists from here on.
-void bind(int global_rank, int process);
+// `device`: the device the thread drives, which DP_FAULT's lose faults for `fault_device` (its
+// global device index, dN; -1: global_rank) make lost.
+void bind(int global_rank, int process, Device* device = nullptr, int fault_device = -1);
+// A point of the thread's step where DP_FAULT's lose faults of `phase` strike (fire_lose_faults;
+// none: any phase, for a step replayed from a graph). set_phase reaches forward, backward and
+// optimizer by itself.
+void fault_point(std::optional<FaultPhase> phase);
 // The thread's rank starts optimizer step `step` (1-based): the mark moves, and DP_FAULT's faults
 // due there fire (fire_step_faults). Threads not bound do nothing.
 void begin_step(std::int64_t step);
@@ -27,6 +37,8 @@ void begin_step(std::int64_t step);
 void set_phase(const char* phase, std::string detail = {});
 // The thread's rank (-1 when not bound) and step (0 outside a step).
 int current_rank();
+// The thread's global device index for DP_FAULT's dN (-1 when not bound).
+int current_fault_device();
 int current_process();
 std::int64_t current_step();
 

@@ -1,0 +1,133 @@
+// test_lost_device.cpp — a device lost in training (DP_FAULT lose@dN:STEP[:PHASE]), as
+// docs/training.md ("When a device fails") says: under --shards the survivors take its shards and
+// the run ends with the checkpoint of an undisturbed run, byte for byte, in every mode, with graphs
+// on and off, whatever the phase; without --shards the last completed step is saved (exit 7) and
+// resumes on the remaining devices; where no survivor holds the whole state nothing is written.
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dp/io/safetensors.h"
+#include "test_util.h"
+#include "tool_test.h"
+
+namespace {
+
+using Result = dp::test::CommandResult;
+
+class LostDevice : public dp::test::ToolTest {
+ protected:
+  // dp_train on simulated devices with `env` (DP_FAULT=...) in front.
+  Result train(const std::string& env, const std::string& args) const {
+    return dp::test::run_command(
+        fmt::format("cd {} && {} timeout 120 {} --backend sim --synthetic 240 --batch-size 2 "
+                    "--seed 5 --lr 0.02 --momentum 0.9 --no-eval {}",
+                    dir_.string(), env, DP_TRAIN_BIN, args));
+  }
+  // The tensors of two checkpoints, byte for byte (their tags may differ: the device count).
+  void expect_same_tensors(const std::string& a_path, const std::string& b_path) const {
+    const auto a = dp::safetensors::read(path(a_path)), b = dp::safetensors::read(path(b_path));
+    ASSERT_EQ(a.order, b.order);
+    for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs";
+  }
+  std::vector<nlohmann::json> records(const std::string& kind, const std::string& json) const {
+    std::vector<nlohmann::json> out;
+    std::istringstream in(read_file(path(json)));
+    for (std::string line; std::getline(in, line);)
+      if (auto record = nlohmann::json::parse(line); record.value("kind", "") == kind) out.push_back(record);
+    return out;
+  }
+};
+
+void expect_has(const std::string& text, const std::string& part) {
+  EXPECT_NE(text.find(part), std::string::npos) << "no '" << part << "' in:\n" << text;
+}
+
+// 4 devices, 12 shards: device 2 lost at step 3, then device 0 at step 5; the survivors (3, then 2)
+// go on and step 8's checkpoint is the undisturbed run's.
+TEST_F(LostDevice, UnderShardsTheSurvivorsGoOnAndKeepTheBits) {
+  for (const std::string model : {"--model convnet", "--model mlp --hidden 16 --dropout 0.25"}) {
+    const std::string common = model + " --shards 12 --steps 8 --devices 4";
+    for (const std::string mode : {"ddp", "dp"}) {
+      ASSERT_EQ(train("", common + " --mode " + mode + " --save ref.st").code, 0);
+      for (const std::string graphs : {"on", "off"})
+        for (const std::string phase : {"backward", "collective"}) {
+          SCOPED_TRACE(fmt::format("{} {} graphs {} {}", model, mode, graphs, phase));
+          std::filesystem::remove(path("lost.st"));
+          std::filesystem::remove(path("lost.json"));
+          const Result r = train(
+              fmt::format("DP_FAULT=lose@d2:3:{},lose@d0:5", phase),
+              fmt::format("{} --mode {} --graphs {} --save lost.st --metrics-json lost.json", common, mode, graphs));
+          ASSERT_EQ(r.code, 0) << r.output;
+          expect_has(r.output, fmt::format("device 2 is lost (DP_FAULT lose@d2:3:{}", phase));
+          expect_has(r.output, "12 shards go on from step 2 on device(s) [0,1,3], 4 shard(s) each");
+          expect_has(r.output, "12 shards go on from step 4 on device(s) [1,3], 6 shard(s) each");
+          expect_same_tensors("ref.st", "lost.st");
+          const auto lost = records("device_lost", "lost.json");
+          ASSERT_EQ(lost.size(), 2u);
+          EXPECT_EQ(lost[0].at("device"), 2);
+          EXPECT_EQ(lost[0].at("step"), 2);
+          EXPECT_EQ(lost[0].at("devices"), nlohmann::json::parse("[0,1,3]"));
+          EXPECT_EQ(lost[1].at("device"), 0);
+          EXPECT_EQ(lost[1].at("devices"), nlohmann::json::parse("[1,3]"));
+          for (const auto& back : records("recovered", "lost.json")) EXPECT_LT(back.at("seconds").get<double>(), 2.0);
+        }
+    }
+  }
+}
+
+// Each phase of a step, one device lost: the same bits (the optimizer's may leave the step done).
+TEST_F(LostDevice, EveryPhaseOfTheStepIsSurvived) {
+  const std::string common = "--model convnet --shards 4 --steps 5 --devices 4 --mode ddp --graphs off";
+  ASSERT_EQ(train("", common + " --save ref.st").code, 0);
+  for (const std::string phase : {"forward", "backward", "collective", "optimizer"}) {
+    SCOPED_TRACE(phase);
+    const Result r = train("DP_FAULT=lose@d1:2:" + phase, common + " --save lost.st");
+    ASSERT_EQ(r.code, 0) << r.output;
+    expect_has(r.output, "4 shards go on from step ");
+    expect_has(r.output, "on device(s) [0,2,3]");
+    expect_same_tensors("ref.st", "lost.st");
+  }
+}
+
+// Without --shards the global batch cannot be kept: the last completed step goes to --save (the
+// step a run of that length saves), exit 7 names how to resume, and the resume works.
+TEST_F(LostDevice, WithoutShardsTheLastCompletedStepIsSavedAndResumes) {
+  for (const std::string model : {"--model convnet", "--model mlp --hidden 16"}) {
+    SCOPED_TRACE(model);
+    const std::string common = model + " --mode ddp --devices 4";
+    ASSERT_EQ(train("", common + " --steps 2 --save two.st").code, 0);
+    const Result r = train("DP_FAULT=lose@d2:3", common + " --steps 8 --save lost.st");
+    ASSERT_EQ(r.code, 7) << r.output;
+    expect_has(r.output, "device 2 is lost (DP_FAULT lose@d2:3:backward");
+    expect_has(r.output,
+               "wrote lost.st at step 2: resume it on the remaining device(s) with --resume lost.st "
+               "--device-ids 0,1,3 (with --shards the run would have gone on by itself, bit for bit)");
+    expect_same_tensors("two.st", "lost.st");
+    EXPECT_EQ(dp::safetensors::read(path("lost.st")).metadata.at("dp.step"), "2");
+    const Result resumed = dp::test::run_command(
+        fmt::format("cd {} && {} --backend sim --synthetic 240 --resume lost.st --steps 8 --device-ids 0,1,3 "
+                    "--save resumed.st",
+                    dir_.string(), DP_TRAIN_BIN));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_EQ(dp::safetensors::read(path("resumed.st")).metadata.at("dp.step"), "8");
+  }
+}
+
+// Rank 0 of DDP alone holds the running statistics of its step (as in torch): lost, nothing holds
+// the whole state, and nothing is written; a file already at --save stays as it was.
+TEST_F(LostDevice, WhereNoSurvivorHoldsTheWholeStateNothingIsWritten) {
+  std::ofstream(path("kept.st")) << "an earlier file";
+  const Result r = train("DP_FAULT=lose@d0:3", "--model convnet --mode ddp --devices 4 --steps 8 --save kept.st");
+  ASSERT_EQ(r.code, 7) << r.output;
+  expect_has(r.output, "device 0 is lost (DP_FAULT lose@d0:3:backward");
+  expect_has(r.output, "no surviving device holds the whole training state");
+  EXPECT_EQ(read_file(path("kept.st")), "an earlier file");
+}
+
+}  // namespace
