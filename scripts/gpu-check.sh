@@ -432,6 +432,49 @@ train_row gpt single 1 on off 12
 train_row gpt ddp 2 on off 12
 train_row gpt ddp 2 on off 12 "--dropout 0.1"
 
+# ---- 2b. quick: failures injected on the GPU (docs/training.md, "When a job stops", "When a device
+# fails"): dp_train ddp on 4 dp devices of the GPU(s), --shards 4, 4 steps, with DP_FAULT set, must
+# end with the exit code and say the text; where the run goes on (a stall, a lost device) its
+# checkpoint must be the undisturbed run's on the same GPU, byte for byte. ~10 s a row (estimate).
+echo "== injected failures on $device"
+fault_args=(--model convnet --synthetic 256 --mode ddp --devices 4 --devices-per-gpu "$((gpus >= 4 ? 1 : 4))"
+            --shards 4 --batch-size 4 --steps 4 --lr 0.01 --momentum 0.9 --no-eval)
+fault_row() {  # check fault code text same(0/1) est
+  local check="DP_FAULT $1" start rc same=""
+  fits fault "$check" "$6" || return
+  jsonw running "$check"
+  start=$EPOCHREALTIME
+  if [ "$5" = 1 ] && [ ! -s "$work/fault_ref.st" ]; then
+    tmo "$(cap 60)" "$train" --backend "$device" "${fault_args[@]}" --save "$work/fault_ref.st" \
+      > "$work/fault_ref.txt" 2>&1
+  fi
+  rm -f "$work/fault.st"
+  DP_FAULT=$2 DP_STALL_WARN_S=1 tmo "$(cap 60)" "$train" --backend "$device" "${fault_args[@]}" \
+    --save "$work/fault.st" > "$work/fault.txt" 2>&1
+  rc=$?
+  [ "$5" = 1 ] && same=$(timeout 30 python3 - "$work/fault_ref.st" "$work/fault.st" 2>&1 <<'EOF2'
+import json, struct, sys
+def tensors(path):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in h.items() if k != "__metadata__"}
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+bad = [k for k in a if a[k] != b.get(k)]
+print("equal %d tensors" % len(a) if not bad and a.keys() == b.keys() else "differ: " + ", ".join(bad[:4]))
+EOF2
+)
+  if [ "$rc" = "$3" ] && grep -qF "$4" "$work/fault.txt" && { [ "$5" = 0 ] || [[ $same == equal* ]]; }; then
+    row fault "$check" PASS "exit $rc${same:+, $same}" "$(since "$start")"
+  else
+    cp "$work/fault.txt" "$out/gpu-check-fault-$(tr -c 'a-z0-9' _ <<<"$1").txt"
+    row fault "$check" FAIL "exit $rc (expected $3)${same:+, $same}: $(tail -1 "$work/fault.txt")" "$(since "$start")"
+  fi
+}
+fault_row "desync-extra@d1:3" desync-extra@d1:3 4 "collectives desynchronized" 0 10
+fault_row "stall@d1:2:3" stall@d1:2:3 0 "no progress" 1 15
+fault_row "lose@d2:2 (one of 4 devices)" lose@d2:2 0 "4 shards go on from step" 1 15
+
 if [ "$quick" = 0 ]; then
   # ---- 3. the rest of the cuda tests (~110: kernels, layers, engines, graphs against eager, collectives),
   # 6 at a time: ~120 s on one H100 (estimate; the biggest step: a slow GPU is cut at twice that).
@@ -462,40 +505,6 @@ if [ "$quick" = 0 ]; then
   train_row convnet dp 2 on off 12 "--accumulate 2 --clip-grad-norm 0.5"
   train_row mlp ddp 2 on off 12 "--accumulate 3 --clip-grad-norm 0.1"
 
-  # ---- 5b. a lost device (DP_FAULT lose): 4 dp devices on the GPU(s), --shards 4, device 2 lost at
-  # step 2; the survivors go on and the checkpoint must equal the undisturbed run's on the same
-  # device, byte for byte (docs/training.md, "When a device fails"). Two short runs: ~15 s (estimate).
-  check="dp_train lose@d2:2 --shards 4 x4"
-  if fits lose "$check" 15; then
-    jsonw running "$check"
-    start=$EPOCHREALTIME
-    lose_args=(--model convnet --synthetic 256 --mode ddp --devices 4 --devices-per-gpu "$((gpus >= 4 ? 1 : 4))"
-               --shards 4 --batch-size 4 --steps 4 --lr 0.01 --momentum 0.9 --no-eval)
-    tmo "$(cap 60)" "$train" --backend "$device" "${lose_args[@]}" --save "$work/lose_ref.st" > "$work/lose_ref.txt" 2>&1
-    ref_rc=$?
-    DP_FAULT=lose@d2:2 tmo "$(cap 60)" "$train" --backend "$device" "${lose_args[@]}" --save "$work/lose.st" \
-      > "$work/lose.txt" 2>&1
-    lose_rc=$?
-    lose_same=$(timeout 30 python3 - "$work/lose_ref.st" "$work/lose.st" 2>&1 <<'EOF2'
-import json, struct, sys
-def tensors(path):
-    b = open(path, "rb").read()
-    n = struct.unpack("<Q", b[:8])[0]
-    h = json.loads(b[8:8 + n])
-    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in h.items() if k != "__metadata__"}
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-bad = [k for k in a if a[k] != b.get(k)]
-print("equal %d tensors" % len(a) if not bad and a.keys() == b.keys() else "differ: " + ", ".join(bad[:4]))
-EOF2
-)
-    if [ $ref_rc -eq 0 ] && [ $lose_rc -eq 0 ] && [[ $lose_same == equal* ]] && grep -q "go on from step" "$work/lose.txt"; then
-      row lose "$check" PASS "$lose_same; $(grep -o 'training again.*' "$work/lose.txt" | head -1)" "$(since "$start")"
-    else
-      cp "$work/lose.txt" "$out/gpu-check-lose.txt"
-      row lose "$check" FAIL "exit codes $ref_rc, $lose_rc; ${lose_same:-no comparison}: $(tail -1 "$work/lose.txt")" \
-        "$(since "$start")"
-    fi
-  fi
 
   # ---- 6. dp_bench --profile, graphs on: busy time is seen through replayed graphs. 9 runs (mlp,
   # convnet, gpt x single, dp, ddp) on 2 devices: ~35 s on the GPU (estimate); 2 s on sim here.
