@@ -81,10 +81,12 @@ std::optional<int> after_device_lost(const Options& o, const Plan& plan, dp::Eng
     if (id != lost) survivors.push_back(id);
   const std::optional<dp::Engine::Survivor> survivor = engine.survivor();
   if (!survivor) {
+    const std::string_view kind = engine.name();
     say("dp_train: {}; no surviving device holds the whole training state ({}): nothing written\n", why,
-        o.zero > 0        ? "ZeRO spreads it over the devices"
-        : g_job.several() ? "the surviving processes do not recover a lost device"
-                          : "the running statistics of the last step were on the lost device only");
+        o.zero > 0 ? std::string("ZeRO spreads the optimizer state over the devices")
+        : kind == "ddp" || kind == "fixed shards"
+            ? std::string("rank 0 alone held the last step's running statistics")
+            : fmt::format("{} keeps no replica of the state to go on from", kind));
     return dp::tools::kExitDeviceLost;
   }
   const long step = plan.start_step + static_cast<long>(survivor->steps - steps_at_start);
