@@ -432,13 +432,13 @@ train_row gpt single 1 on off 12
 train_row gpt ddp 2 on off 12
 train_row gpt ddp 2 on off 12 "--dropout 0.1"
 
-# ---- 2b. quick: failures injected on the GPU (docs/training.md, "When a job stops", "When a device
-# fails"): dp_train ddp on 4 dp devices of the GPU(s), --shards 4, 4 steps, with DP_FAULT set, must
+# ---- 2b. quick: failures injected on the GPU (docs/training.md, "When a job stops", "Silent
+# corruption", "When a device fails"): dp_train ddp on 4 dp devices of the GPU(s), --shards 4, 4 steps, with DP_FAULT set, must
 # end with the exit code and say the text; where the run goes on (a stall, a lost device) its
 # checkpoint must be the undisturbed run's on the same GPU, byte for byte. ~10 s a row (estimate).
 echo "== injected failures on $device"
 fault_args=(--model convnet --synthetic 256 --mode ddp --devices 4 --devices-per-gpu "$((gpus >= 4 ? 1 : 4))"
-            --shards 4 --batch-size 4 --steps 4 --lr 0.01 --momentum 0.9 --no-eval)
+            --shards 4 --batch-size 4 --steps 4 --lr 0.01 --momentum 0.9 --no-eval --check-replicas 1)
 fault_row() {  # check fault code text same(0/1) est
   local check="DP_FAULT $1" start rc same=""
   fits fault "$check" "$6" || return
@@ -474,6 +474,7 @@ EOF2
 fault_row "desync-extra@d1:3" desync-extra@d1:3 4 "collectives desynchronized" 0 10
 fault_row "stall@d1:2:3" stall@d1:2:3 0 "no progress" 1 15
 fault_row "lose@d2:2 (one of 4 devices)" lose@d2:2 0 "4 shards go on from step" 1 15
+fault_row "flip-param@d1:2" flip-param@d1:2 8 "global rank 1 (device 1) holds other bits" 0 10
 
 if [ "$quick" = 0 ]; then
   # ---- 3. the rest of the cuda tests (~110: kernels, layers, engines, graphs against eager, collectives),

@@ -260,6 +260,10 @@ std::string tag_of(const std::string& flag);
 // ---------------------------------------------------------------------------------------------
 // The flags dp_train and dp_bench share: one meaning, torch's where torch has one.
 
+// --check-replicas' default: a fingerprint of the parameters and optimizer state every 100 steps,
+// one read of them on each device and 8 bytes a part between processes.
+inline constexpr int kCheckReplicasEvery = 100;
+
 // What both tools' options hold of the shared flags (seed and steps are each tool's own: their
 // defaults differ, as dp_train's steps default to whole epochs).
 struct SharedOptions {
@@ -277,6 +281,8 @@ struct SharedOptions {
   int shards = 0;                                     // every mode: a step's result fixed to this many shards; 0: off
   double clip_grad_norm = 0.0;  // every mode: clip_grad_norm_(max_norm) before each update; 0: off
   int zero = 0;                 // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
+  // ddp and shards: the replicas' fingerprints compared every N steps (silent corruption); 0: off.
+  int check_replicas = kCheckReplicasEvery;
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -387,6 +393,15 @@ std::vector<Flag<O>> step_flags() {
        .saved = Saved::on_resume,
        .engine = [](const O& o, dp::EngineOptions& e) { e.step.clip_grad_norm = o.clip_grad_norm; },
        .per_epoch = true},
+      {.name = "--check-replicas",
+       .value = integer<O>(&O::check_replicas, 0, 1'000'000'000, "N"),
+       .help = "every N steps, compare the replicas' parameters and optimizer state by fingerprints made on "
+               "their devices: silent corruption ends the run (exit 8) naming the device and the tensor",
+       .torch = "Megatron's check_param_hashes_across_dp_replicas",
+       .default_text = "100 (0: off)",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.check_replicas = o.check_replicas; },
+       .applies_to = "ddp",
+       .also_applies = [](const O& o, std::string_view) { return o.shards > 0; }},
       {.name = "--zero",
        .value = integer<O>(&O::zero, 0, 1, "STAGE"),
        .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): each rank updates its slice, "

@@ -19,6 +19,7 @@
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
 #include "dp/io/training_state.h"
+#include "dp/kernels/fingerprint.h"
 #include "dp/kernels/ops.h"
 #include "dp/models/convnet.h"
 #include "dp/models/mlp.h"
@@ -375,6 +376,43 @@ TEST(Ddp, ReplicasStayIdenticalAndDivergenceIsCaught) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'layer1.0.weight'[5]"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
+  }
+}
+
+// EngineOptions::check_replicas: one bit flipped on one device, in a parameter or in the optimizer
+// state, is named at the next check (the device, the part, the tensor), ReplicaMismatch (exit 8);
+// between checks it goes unseen.
+TEST(Ddp, AFlippedBitIsNamedByTheReplicasFingerprints) {
+  for (const bool state : {false, true}) {
+    SCOPED_TRACE(state ? "optimizer state" : "parameters");
+    auto rt = test::sim_runtime(3);
+    auto model = models::make_convnet(rt->device(0), 3);
+    EngineOptions options;
+    options.check_replicas = 2;
+    // lr 0 for the state: its flipped bit then stays out of the parameters (the update adds lr x it).
+    DistributedDataParallel ddp(*rt, *model, SgdOptions{state ? 0.0f : 0.05f, 0.9f, 0.0f, false}, options);
+    const Data data = make_data(3 * 4 * 4, 6);
+    for (int step = 0; step < 2; ++step) EXPECT_NO_THROW(ddp.train_step(shards(data, step * 12, 3, 4)));
+    ddp.synchronize();
+    // The fc layer's weight, far from where layer1 starts.
+    const TensorRef fc = ddp.replica(1).parameters().back();
+    float* base = state ? ddp.optimizer(1).state()[0].data : ddp.replica(1).params_flat();
+    // Bit 22, the mantissa's highest: a low bit may be rounded away by the next update, healing it.
+    kernels::flip_bit(rt->device(1).create_stream(), reinterpret_cast<std::uint32_t*>(base + fc.offset), 22);
+    ddp.synchronize();
+    EXPECT_NO_THROW(ddp.train_step(shards(data, 24, 3, 4))) << "step 3: no check";
+    try {
+      ddp.train_step(shards(data, 36, 3, 4));
+      FAIL() << "the flipped bit went unseen";
+    } catch (const ReplicaMismatch& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(fmt::format("after step 4 the replicas' {} differ: global rank 1 (device 1) holds other "
+                                      "bits than the other 2 of 3 replicas, first in '{}'",
+                                      state ? "optimizer momentum" : "parameters", fc.name)),
+                std::string::npos)
+          << what;
+      EXPECT_EQ(exit_code(std::current_exception()), 8);
+    }
   }
 }
 

@@ -408,4 +408,29 @@ TEST_F(EnvTrain, AProcessLostUnderShardsLeavesACheckpointThatResumesOnFewerProce
   for (const auto& name : a.order) EXPECT_EQ(a.at(name).data, b.at(name).data) << name << " differs";
 }
 
+// A bit flipped on process 1's first device (global device 2) at step 3 is named by both processes
+// at that step's replica check: exit 8, the global rank, its device and process, and the tensor.
+TEST_F(EnvTrain, AFlippedBitOnAnotherProcessIsNamedByBoth) {
+  const int port = dp::test::free_tcp_port();
+  const auto env = [&](int rank) {
+    return env_process(rank, 2, port, "DP_TIMEOUT_S=30 DP_FAULT=flip-param@d2:3",
+                       "--model convnet --mode ddp --backend sim --devices 2 --synthetic 160 --batch-size 2 --steps 6 "
+                       "--no-eval --check-replicas 1",
+                       path(fmt::format("flip{}.txt", rank)));
+  };
+  const auto r = dp::test::run_command("bash -c '" + env(0) + " & p0=$!; " + env(1) +
+                                       " & p1=$!; wait $p0; c0=$?; wait $p1; c1=$?; echo codes $c0 $c1'");
+  int code0 = -1, code1 = -1;
+  ASSERT_NE(r.output.find("codes"), std::string::npos) << r.output;
+  std::sscanf(r.output.substr(r.output.find("codes")).c_str(), "codes %d %d", &code0, &code1);
+  for (const auto& [code, out] :
+       {std::pair{code0, read_file(path("flip0.txt"))}, {code1, read_file(path("flip1.txt"))}}) {
+    EXPECT_EQ(code, 8) << out;
+    EXPECT_NE(out.find("after step 3 the replicas' parameters differ: global rank 2 (device 0 of process 1) holds "
+                       "other bits than the other 3 of 4 replicas, first in 'fc.weight'"),
+              std::string::npos)
+        << out;
+  }
+}
+
 }  // namespace

@@ -47,7 +47,8 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
 void DistributedDataParallel::optimizer_step() {
   drain();
   group_.run([&](int r) { enqueue_step(r); });
-  if (options_.check_replicas) check_replicas_identical();
+  const std::int64_t step = optimizer(0).steps();
+  if (options_.check_replicas > 0 && step % options_.check_replicas == 0) check_replica_fingerprints();
 }
 
 void DistributedDataParallel::enqueue_forward_backward_step(int r, std::span<const Batch> mine, bool sync, int slot) {

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "dp/engines/reducer.h"
+#include "dp/kernels/fingerprint.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
@@ -41,9 +42,10 @@ ReplicaEngine::ReplicaEngine(Runtime& runtime, Model& module, const EngineOption
                      std::chrono::seconds(1));
   // Each worker's progress mark: the process's watch names a rank that stops moving, and a peer
   // process that gives no sign of life.
+  for (const int id : ids) fault_devices_.push_back(processes_->rank() * devices_per_process + id);
   group_.run([&](int r) {
     progress::bind(comm_->first_rank() + r, processes_->rank(), &group_.device(r),
-                   processes_->rank() * devices_per_process + ids[static_cast<std::size_t>(r)]);
+                   fault_devices_[static_cast<std::size_t>(r)]);
   });
   progress::start_watch();
   progress::watch_processes(processes_);
@@ -424,9 +426,12 @@ StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
     join_losses(slot);
     // Across processes the mean loss is a collective of the hosts, which every process must call for
     // the same step in the same order: at once, then. And checking the replicas reads the parameters.
-    if (processes_->size() > 1 || options_.check_replicas) {
+    const std::int64_t step = rank(0).optimizer->steps();
+    const bool check = options_.check_replicas > 0 && step % options_.check_replicas == 0;
+    if (FaultPlan::from_environment().has(FaultKind::flip_param)) inject_update_faults();
+    if (processes_->size() > 1 || check) {
       const float loss = wait_for_loss(slot);
-      if (options_.check_replicas) check_replicas_identical();
+      if (check) check_replica_fingerprints();
       return pipeline_->known(slot, loss);
     }
     const Event ready = losses_ready(slot);
@@ -526,6 +531,126 @@ void ReplicaEngine::synchronize() {
     synchronize_rank(r);
     for (auto& ring : rank(r).rings) ring->release_copied();  // the lent batches' copies have run
   });
+}
+
+void ReplicaEngine::inject_update_faults() {
+  FaultPlan& faults = FaultPlan::from_environment();
+  if (!faults.has(FaultKind::flip_param)) return;
+  run_ranks([&](int r) {
+    Rank& mine = rank(r);
+    const std::int64_t step = mine.optimizer->steps();
+    if (!faults.take(FaultKind::flip_param, processes_->rank(), fault_devices_[static_cast<std::size_t>(r)], step))
+      return;
+    // Bit 22 (the mantissa's highest) of the parameter in the middle of the flat buffer: a value
+    // off by up to half of itself, still finite, as a flipped bit in memory leaves it.
+    auto* middle = reinterpret_cast<std::uint32_t*>(mine.model->params_flat() + mine.model->param_count() / 2);
+    kernels::flip_bit(mine.compute, middle, 22);
+  });
+}
+
+std::vector<ReplicaEngine::Part> ReplicaEngine::fingerprint_parts(int r) const {
+  const Rank& mine = rank(r);
+  std::vector<Part> parts{{"parameters", mine.model->params_flat()}};
+  // Under ZeRO each rank holds its own part of the optimizer state: nothing to compare.
+  if (options_.zero == 0)
+    for (const Optimizer::StateBuffer& state : mine.optimizer->state())
+      parts.push_back({fmt::format("optimizer {}", state.name), state.data});
+  return parts;
+}
+
+std::vector<std::uint64_t> ReplicaEngine::gather_fingerprints(
+    std::size_t per_rank, const std::function<void(int r, std::uint64_t* out)>& enqueue) {
+  std::vector<std::uint64_t> local(per_rank * static_cast<std::size_t>(group_.size()));
+  run_ranks([&](int r) {
+    Rank& mine = rank(r);
+    std::uint64_t* out = mine.fingerprints.get<std::uint64_t>(group_.device(r), per_rank);
+    enqueue(r, out);
+    // Pageable: returns once written, after the step's update in stream order.
+    mine.compute.copy(local.data() + static_cast<std::size_t>(r) * per_rank, out, per_rank * sizeof(std::uint64_t));
+  });
+  return processes_->all_gather(std::span<const std::uint64_t>(local));
+}
+
+namespace {
+
+// Which of `values` (one per global rank) differ from the most common one, when more than half
+// agree on it (the odd ones out); else none is the majority and every rank is named.
+struct Odd {
+  std::vector<std::size_t> ranks;
+  bool majority = true;
+};
+Odd odd_ones(const std::vector<std::uint64_t>& values) {
+  std::size_t best = 0, best_count = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const auto count = static_cast<std::size_t>(std::count(values.begin(), values.end(), values[i]));
+    if (count > best_count) best = i, best_count = count;
+  }
+  Odd odd;
+  if (best_count == values.size()) return odd;
+  odd.majority = 2 * best_count > values.size();
+  for (std::size_t i = 0; i < values.size(); ++i)
+    if (!odd.majority || values[i] != values[best]) odd.ranks.push_back(i);
+  return odd;
+}
+
+}  // namespace
+
+// Note [replica fingerprints]
+// Each part (the parameters, each optimizer state buffer) is fingerprinted on every replica's
+// device (kernels::fingerprint: one read, a sum that no order changes) and the fingerprints, 8 bytes
+// a part, gathered from every process. Only where they differ is more read: the part's tensors
+// fingerprinted one by one, to name the first that differs. The replicas' buffers are not compared:
+// under DDP each rank's running statistics are its own until rank 0's are broadcast.
+void ReplicaEngine::check_replica_fingerprints() {
+  const std::size_t parts = fingerprint_parts(0).size();
+  const auto words = static_cast<kernels::index_t>(rank(0).model->param_count());
+  const std::vector<std::uint64_t> all = gather_fingerprints(parts, [&](int r, std::uint64_t* out) {
+    const std::vector<Part> mine = fingerprint_parts(r);
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      kernels::fingerprint(rank(r).compute, words, reinterpret_cast<const std::uint32_t*>(mine[i].data), 0, out + i,
+                           false);
+  });
+  const std::size_t ranks = all.size() / parts;
+  for (std::size_t part = 0; part < parts; ++part) {
+    std::vector<std::uint64_t> values;
+    for (std::size_t g = 0; g < ranks; ++g) values.push_back(all[g * parts + part]);
+    const Odd found = odd_ones(values);
+    if (found.ranks.empty()) continue;
+    const std::vector<std::size_t>& odd = found.ranks;
+    // The part's tensors one by one, on every rank: the first that differs on an odd rank.
+    const std::vector<TensorRef> tensors = rank(0).model->parameters();
+    const std::vector<std::uint64_t> each = gather_fingerprints(tensors.size(), [&](int r, std::uint64_t* out) {
+      const auto* data = reinterpret_cast<const std::uint32_t*>(fingerprint_parts(r)[part].data);
+      for (std::size_t t = 0; t < tensors.size(); ++t)
+        kernels::fingerprint(rank(r).compute, static_cast<kernels::index_t>(tensors[t].numel()),
+                             data + tensors[t].offset, 0, out + t, false);
+    });
+    std::string tensor = "(no single tensor)";
+    std::size_t other = 0;  // a rank of the majority, or rank 0's neighbour where none is
+    while (other < ranks && found.majority && std::find(odd.begin(), odd.end(), other) != odd.end()) ++other;
+    if (!found.majority) other = odd.front() == 0 ? 1 : 0;
+    for (std::size_t t = 0; t < tensors.size(); ++t)
+      if (each[odd.front() * tensors.size() + t] != each[other * tensors.size() + t]) {
+        tensor = tensors[t].name;
+        break;
+      }
+    const int local = group_.size();
+    std::string who;
+    for (const std::size_t g : odd) {
+      const int process = static_cast<int>(g) / local, r = static_cast<int>(g) % local;
+      who += fmt::format("{}global rank {} (device {}{})", who.empty() ? "" : ", ", g,
+                         process == processes_->rank() ? group_.device_ids()[static_cast<std::size_t>(r)] : r,
+                         processes_->size() > 1 ? fmt::format(" of process {}", process) : "");
+    }
+    const std::string which = found.majority
+                                  ? fmt::format("{} {} other bits than the other {} of {} replicas", who,
+                                                odd.size() == 1 ? "holds" : "hold", ranks - odd.size(), ranks)
+                                  : fmt::format("no majority of the {} replicas agrees ({})", ranks, who);
+    throw ReplicaMismatch(fmt::format(
+        "silent corruption: after step {} the replicas' {} differ: {}, first in '{}' (compared every {} "
+        "step(s)); nothing after this step is saved",
+        rank(0).optimizer->steps(), fingerprint_parts(0)[part].name, which, tensor, options_.check_replicas));
+  }
 }
 
 void ReplicaEngine::check_replicas_identical() {

@@ -36,6 +36,7 @@ struct ReplicaRank {
   // it adds; and the buffers as the step began (after their broadcast from rank 0).
   DeviceBuffer updates_done;
   Scratch step_start_buffers;
+  Scratch fingerprints;  // EngineOptions::check_replicas: one per part (or per tensor) compared
 
   // Where the loss of the rank's `index`-th batch of pipeline slot `slot` lands.
   float* loss_slot(int slot, int index, int per_step) {

@@ -37,6 +37,7 @@ constexpr std::array kFaultKinds{
     KindInfo{FaultKind::exit, "exit", Arg::none},
     KindInfo{FaultKind::throw_error, "throw", Arg::none},
     KindInfo{FaultKind::lose, "lose", Arg::phase},
+    KindInfo{FaultKind::flip_param, "flip-param", Arg::none},
 };
 constexpr std::array<std::pair<FaultPhase, std::string_view>, 4> kFaultPhases{{
     {FaultPhase::forward, "forward"},

@@ -54,6 +54,8 @@ int exit_code(const std::exception_ptr& error) noexcept {
     return 6;
   } catch (const DeviceLost&) {
     return 7;
+  } catch (const ReplicaMismatch&) {
+    return 8;
   } catch (...) {
     return 1;
   }

@@ -209,7 +209,12 @@ struct EngineOptions {
   // ddp: torch.nn.SyncBatchNorm.convert_sync_batchnorm: BatchNorm statistics over all ranks'
   // batches (forward and backward), so N ranks of b samples train as one device on N*b samples.
   bool sync_batchnorm = false;
-  bool check_replicas = false;  // ddp, debug: after every step, all replicas' parameters bitwise equal
+  // ddp and shards: silent corruption caught. Every N steps each replica fingerprints its parameters
+  // and optimizer state on its device (kernels::fingerprint: one read, no host copy) and the
+  // replicas compare the fingerprints (8 bytes per device across processes); a difference throws
+  // ReplicaMismatch naming the device that differs (the odd one out of three or more) and the first
+  // tensor. Under ZeRO the parameters alone (each rank holds its own part of the state). 0: off.
+  int check_replicas = 0;
   // ddp: ZeRO stage 1 (DeepSpeed's stage 1, torch's ZeroRedundancyOptimizer) when 1: each global
   // rank keeps and updates the optimizer state of its block of every gradient bucket only (1/n of
   // it); the buckets are reduce-scattered as backward fills them and the updated blocks

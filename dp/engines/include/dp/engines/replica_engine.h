@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "dp/engines/engine.h"
@@ -65,6 +66,9 @@ class ReplicaEngine : public Engine {
 
   // Throws Error naming the first parameter and rank whose values differ from rank 0's.
   void check_replicas_identical();
+  // EngineOptions::check_replicas: the replicas' fingerprints compared (every process calls it at
+  // the same step); ReplicaMismatch names the device that differs and the first tensor.
+  void check_replica_fingerprints();
 
  protected:
   using Rank = engines::ReplicaRank;
@@ -153,12 +157,24 @@ class ReplicaEngine : public Engine {
 
   // Counts every rank's completed updates from zero, `steps` being the optimizers' count there.
   void restart_update_counts(std::int64_t steps);
+  // DP_FAULT's flip-param faults due at the step just enqueued, after its update.
+  void inject_update_faults();
+  // What every replica must hold the same bits of (parameters; optimizer state without ZeRO).
+  struct Part {
+    std::string name;
+    const float* data;
+  };
+  std::vector<Part> fingerprint_parts(int r) const;
+  // Every global rank's fingerprints of rank r's `per_rank` words (enqueued by `enqueue`), gathered.
+  std::vector<std::uint64_t> gather_fingerprints(std::size_t per_rank,
+                                                 const std::function<void(int r, std::uint64_t* out)>& enqueue);
 
   static int total(const std::vector<int>& counts);
   // The first of rank r's batches among `counts`' (a step's or a forward's).
   static std::size_t first_of(const std::vector<int>& counts, int r);
 
   std::vector<int> step_batches_ = {1}, forward_batches_ = {1};  // per local rank
+  std::vector<int> fault_devices_;                               // per local rank: DP_FAULT's dN
   std::int64_t counted_from_ = 0;          // the optimizers' steps when the update counts were zero
   std::unique_ptr<Communicator> bn_comm_;  // sync_batchnorm only
   std::unique_ptr<engines::RankOptimizers> updates_;

@@ -105,6 +105,14 @@ class DeviceLost : public Error {
   int device_;
 };
 
+// The replicas of a model, which must hold the same bits, do not: silent corruption (a bit flipped
+// in memory, a faulty unit), found by comparing their fingerprints (EngineOptions::check_replicas).
+// The message names the device that differs and the first tensor that does.
+class ReplicaMismatch : public Error {
+ public:
+  using Error::Error;
+};
+
 // What DeviceGroup::run throws when work failed on a member: names the device, keeps the cause.
 class WorkerError : public Error {
  public:
@@ -122,8 +130,8 @@ class WorkerError : public Error {
 // The exit code a program reports for an error (dp's tools do; docs/training.md's table): 2 for bad
 // input or a configuration that does not fit (InvalidArgument, OutOfMemory, a failed host
 // allocation), 3 for non-finite values (NonFiniteError), 4 for a desync (CollectiveMismatch), 5 for
-// a lost peer (PeerLost), 6 for a timeout (CollectiveTimeout), 7 for a lost device (DeviceLost), 1 for
-// anything else. A WorkerError is judged by its
+// a lost peer (PeerLost), 6 for a timeout (CollectiveTimeout), 7 for a lost device (DeviceLost), 8 for
+// replicas that differ (ReplicaMismatch), 1 for anything else. A WorkerError is judged by its
 // cause, so a failure on one device of several gets the code it gets on one device.
 int exit_code(const std::exception_ptr& error) noexcept;
 

@@ -31,6 +31,7 @@ enum class FaultKind {
   exit,          // the process ends at once, as by SIGKILL
   throw_error,   // an exception on the device thread ("throw")
   lose,          // the device is lost as a GPU is after a fatal error (Device::lose), at ARG's phase
+  flip_param,    // one bit of one parameter of the device's replica flips after the step's update
 };
 
 // Where in its step a lose fault strikes: lose@dN:STEP[:PHASE], PHASE one of these names
