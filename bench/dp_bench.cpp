@@ -146,6 +146,22 @@ std::vector<Run> run_all(dp::Runtime& rt, const Options& o, const std::vector<st
             "  {:<8} the collectives' check costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} "
             "samples/s checked, {:.1f} unchecked)\n",
             model, 100.0 * (off / std::max(on, 1e-9) - 1.0), on, off);
+        // The replicas' fingerprints (--check-replicas N) the same way, where a measured window holds a check.
+        if (o.check_replicas > 0 && o.steps >= o.check_replicas) {
+          Options without = o;
+          without.check_replicas = 0;
+          std::vector<double> with_check, without_check;
+          for (int k = 0; k < 3; ++k) {
+            without_check.push_back(bench(rt, without, model, mode, data, devices, job.processes()).samples_per_s);
+            with_check.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
+          }
+          const double a = median(with_check), b = median(without_check);
+          runs.back().unchecked_replicas_samples_per_s = b;
+          fmt::print(
+              "  {:<8} the replicas' check every {} step(s) costs {:+.1f}% of ddp's time per sample (medians of 3: "
+              "{:.1f} samples/s checked, {:.1f} unchecked)\n",
+              model, o.check_replicas, 100.0 * (b / std::max(a, 1e-9) - 1.0), a, b);
+        }
       }
       if (against_plain) {
         const Run &base = runs[runs.size() - 2], &sharded = runs.back();

@@ -110,8 +110,10 @@ struct Run {
   std::optional<dp::DataParallelPhases> phases;   // dp only: averaged over the measured steps
   std::optional<std::size_t> buckets;             // ddp only: gradient buckets (all-reduces per step)
   std::optional<double> unchecked_samples_per_s;  // --check-cost: the same run with the check off
-  bool graphs = false;                            // every measured step was a replayed graph
-  bool pipelined = false;                         // measured steps submitted without waiting (--pipeline)
+  // --check-cost with --check-replicas N <= --steps: the same run without the replicas' check.
+  std::optional<double> unchecked_replicas_samples_per_s;
+  bool graphs = false;     // every measured step was a replayed graph
+  bool pipelined = false;  // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;
   // The memory traffic of one eager step (the first warm-up step's, Runtime::memory_traffic) on the
   // device that moves the most, every kernel of it, the most bytes first; none without warm-up.

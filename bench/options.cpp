@@ -49,8 +49,9 @@ FlagGroup<O> bench_flags() {
                .engine = [](const O& o, dp::EngineOptions& e) { e.broadcast_buffers = o.broadcast_buffers; }},
               {.name = "--check-cost",
                .value = flag::on<O>(&O::check_cost),
-               .help = "ddp: measure each ddp run a second time with the collectives' signature check off "
-                       "(DP_CHECK_COLLECTIVES=0), and print what the check costs"},
+               .help = "ddp: measure each ddp run again with the collectives' signature check off "
+                       "(DP_CHECK_COLLECTIVES=0), and with --check-replicas 0 where --steps holds a replica check, "
+                       "and print what each check costs"},
               {.name = "--profile",
                .value = flag::on<O>(&O::profile),
                .help = "cuda: record device spans (busy %, GEMM rates); --trace implies it, the sim always records"},

@@ -493,6 +493,16 @@ TEST(Bench, TheCheckCostIsMeasuredBesideTheCheckedRun) {
   const json& ddp = find_run(report, "mlp", "ddp");
   EXPECT_GT(ddp.at("unchecked_samples_per_s").get<double>(), 0.0);
   EXPECT_GT(ddp.at("samples_per_s").get<double>(), 0.0);
+  EXPECT_TRUE(ddp.at("unchecked_replicas_samples_per_s").is_null()) << "no replica check within 2 steps";
+  // With a replica check inside the measured steps, its cost is measured the same way.
+  const Result every = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp --modes ddp --batch-size 4 "
+                                                  "--steps 2 --warmup 1 --check-cost --check-replicas 1 --json '{}'",
+                                                  json_path.string()));
+  ASSERT_EQ(every.exit_code, 0) << every.out << every.err;
+  EXPECT_NE(every.out.find("mlp      the replicas' check every 1 step(s) costs "), std::string::npos) << every.out;
+  EXPECT_GT(
+      find_run(json::parse(read_file(json_path)), "mlp", "ddp").at("unchecked_replicas_samples_per_s").get<double>(),
+      0.0);
 }
 
 // --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named
