@@ -37,33 +37,43 @@ std::optional<Lost> lost_device(const std::exception_ptr& error) {
   }
 }
 
-// Whether a failure is another process's loss (PeerLost, as such or as a device's cause).
-bool peer_lost(const std::exception_ptr& error) {
+// Another process's loss (PeerLost, as such or as a device's cause): which process, -1 where the
+// error does not say; none for another failure.
+std::optional<int> peer_lost(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const dp::WorkerError& w) {
-    return w.cause() && peer_lost(w.cause());
-  } catch (const dp::PeerLost&) {
-    return true;
+    return w.cause() ? peer_lost(w.cause()) : std::nullopt;
+  } catch (const dp::PeerLost& lost) {
+    return lost.process();
   } catch (...) {
-    return false;
+    return std::nullopt;
   }
 }
 
-// Another process is gone: process 0, where it survives, writes the last step its devices hold
-// whole to --save (no collective: its peers may be gone), for a relaunch on fewer processes to
-// resume; then the failure ends the run as before (exit 5 on every survivor).
-void save_after_peer_lost(const Options& o, const Plan& plan, dp::Engine& engine, std::int64_t steps_at_start,
+// Another process is gone: the lowest surviving process (process 0, or process 1 where process 0
+// is the one lost) writes the last step its devices hold whole to --save (no collective: its peers
+// may be gone), for a relaunch on fewer processes to resume; then the failure ends the run as
+// before (exit 5 on every survivor).
+void save_after_peer_lost(const Options& o, const Plan& plan, dp::Engine& engine, std::int64_t steps_at_start, int lost,
                           MetricsLog& metrics) {
-  if (!g_job.primary() || o.save.empty()) return;
+  const int rank = g_job.processes()->rank();
+  if (o.save.empty() || rank != (lost == 0 ? 1 : 0)) return;
   const std::optional<dp::Engine::Survivor> survivor = engine.survivor();
-  if (!survivor) return;
+  if (!survivor) {
+    fmt::print(
+        "dp_train: a process of the job is lost; no device of this process holds the whole training "
+        "state: nothing written\n");
+    return;
+  }
   const long step = plan.start_step + static_cast<long>(survivor->steps - steps_at_start);
   dp::TrainingState::capture(*survivor->model, *survivor->optimizer, checkpoint_progress(o, plan, step)).write(o.save);
   metrics.write({{"kind", "peer_lost"}, {"step", step}, {"saved", o.save}});
-  say("dp_train: a process of the job is lost; wrote {} at step {}: relaunch on the remaining processes with "
+  // Said by the process that wrote it, process 0 or not.
+  fmt::print(
+      "dp_train: {} of the job is lost; wrote {} at step {}: relaunch on the remaining processes with "
       "--resume {}{}\n",
-      o.save, step, o.save,
+      lost >= 0 ? fmt::format("process {}", lost) : std::string("a process"), o.save, step, o.save,
       o.shards > 0 ? fmt::format(" (--shards {}: the same trajectory on any count)", o.shards) : "");
 }
 
@@ -129,9 +139,9 @@ std::optional<int> after_device_lost(const Options& o, const Plan& plan, dp::Eng
 std::optional<int> after_training_failed(const Options& o, const Plan& plan, dp::Engine& engine,
                                          std::int64_t steps_at_start, const std::exception_ptr& error, Devices& devices,
                                          Resumed& resumed, MetricsLog& metrics) {
-  if (peer_lost(error)) {
+  if (const std::optional<int> process = peer_lost(error)) {
     try {
-      save_after_peer_lost(o, plan, engine, steps_at_start, metrics);
+      save_after_peer_lost(o, plan, engine, steps_at_start, *process, metrics);
     } catch (const std::exception& e) {
       say("dp_train: the state after the lost process was not written: {}\n", e.what());
     }

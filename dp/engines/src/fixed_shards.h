@@ -33,6 +33,7 @@ class FixedShards final : public ReplicaEngine {
   // gradients, or SyncBatchNorm's combined ones): nothing to broadcast before a forward.
   bool broadcasts_buffers() const override { return false; }
   bool replicas_share_buffers() const override { return true; }
+  bool buffers_end_steps_as_rank0s() const override { return true; }
 
   struct Scratches {
     Scratch shard_grads, all_grads, saved_buffers;

@@ -140,13 +140,16 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
   // Note [a survivor's state]
   // Every survivor holds the parameters and optimizer state of the steps it completed (the update
   // follows the reduction, which needs every rank's gradients). Its buffers (running statistics)
-  // are the state's only where they are rank 0's of that step: rank 0's own, when no later step
-  // has begun there; or a rank's copy of rank 0's, taken as the next step began, after the
+  // are the state's only where they are rank 0's of that step: rank 0's own (every rank's, where
+  // the step ends with rank 0's: fixed shards), when no later step has begun there; or a rank's
+  // copy of rank 0's, taken as the next step began, after the
   // buffers' broadcast from rank 0 (in stream order: a step whose broadcast failed never took its
   // copy, which then still names the step before). The latest step a survivor holds whole is the
   // one to go on from. Stream order is what makes this hold: on the sim a failed collective stops
   // the work behind it on that stream, as a faulting kernel stops a CUDA context.
   const bool buffers = rank(0).model->buffers_bytes() > 0;
+  // The step that failed may still wait in a collective for what will never come.
+  abort_communicators();
   std::optional<int> best;
   std::int64_t best_steps = -1;
   bool best_restores = false;
@@ -177,7 +180,8 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
     const bool began_another = counts[2] == counts[0] && mine.step_start_buffers.size() > 0;
     const bool global_rank0 = comm_->first_rank() + r == 0;
     const bool copy_is_rank0s = global_rank0 || replicas_share_buffers();
-    const bool whole = !buffers || (began_another ? copy_is_rank0s : global_rank0);
+    const bool own_are_rank0s = global_rank0 || buffers_end_steps_as_rank0s();
+    const bool whole = !buffers || (began_another ? copy_is_rank0s : own_are_rank0s);
     if (!whole || done <= best_steps) continue;
     best = r;
     best_steps = done;

@@ -235,7 +235,8 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
                                           text(*why).substr(0, text(*why).find(' ')),
                                           text(*why).substr(text(*why).find(' ') + 1)));
     if (auto dead = store_->try_get(TcpStore::kDeadKey))
-      throw PeerLost(fmt::format("{}: process {} ended without leaving the job", what, text(*dead)));
+      throw PeerLost(fmt::format("{}: process {} ended without leaving the job", what, text(*dead)),
+                     std::atoi(text(*dead).c_str()));
   }
 
   TcpStore& store() { return *store_; }
@@ -372,7 +373,8 @@ bool GlooChannel::wait_for_message(gloo::transport::UnboundBuffer& buffer, bool 
     failure = io_error.find("Timed out") != std::string::npos || io_error.find("timeout") != std::string::npos
                   ? timed_out()
                   : std::make_exception_ptr(PeerLost(fmt::format("{}: process {}: {}", what, peer,
-                                                                 io_error.empty() ? "the wait was ended" : io_error)));
+                                                                 io_error.empty() ? "the wait was ended" : io_error),
+                                                     peer));
   return false;
 }
 

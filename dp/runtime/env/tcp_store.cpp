@@ -461,7 +461,7 @@ std::optional<std::vector<char>> TcpStore::request(char op, const std::string& k
                                   wait_limit().count() / 1000)
                     : std::string("lost its connection to process 0"));
     if (a.timed_out) throw CollectiveTimeout(message);
-    throw PeerLost(message);
+    throw PeerLost(message, 0);  // the store is process 0's
   }
   if (a.reply == 'f') return std::move(a.found);
   return std::nullopt;

@@ -51,6 +51,7 @@ struct Call {
   // the ranks' threads): none when agreed.
   enum class Failure { none, mismatch, peer_lost, timeout, aborted, other } failure = Failure::none;
   std::string failure_text;
+  int failure_process = -1;  // peer_lost: the process that is gone, where known
 };
 
 class CheckedCommunicator final : public Communicator {
@@ -237,7 +238,7 @@ class CheckedCommunicator final : public Communicator {
         } catch (const CollectiveMismatch& e) {
           c.failure = Call::Failure::mismatch, c.failure_text = e.what();
         } catch (const PeerLost& e) {
-          c.failure = Call::Failure::peer_lost, c.failure_text = e.what();
+          c.failure = Call::Failure::peer_lost, c.failure_text = e.what(), c.failure_process = e.process();
         } catch (const CollectiveTimeout& e) {
           c.failure = Call::Failure::timeout, c.failure_text = e.what();
         } catch (const CollectiveAborted& e) {
@@ -272,11 +273,12 @@ class CheckedCommunicator final : public Communicator {
     }
     const Call::Failure failure = c.failure;
     const std::string text = c.failure_text;
+    const int lost_process = c.failure_process;
     if (--c.left == 0) calls_.erase(seq);
     switch (failure) {
       case Call::Failure::none: return;
       case Call::Failure::mismatch: throw CollectiveMismatch(text);
-      case Call::Failure::peer_lost: throw PeerLost(text);
+      case Call::Failure::peer_lost: throw PeerLost(text, lost_process);
       case Call::Failure::timeout: throw CollectiveTimeout(text);
       case Call::Failure::aborted: throw CollectiveAborted(text);
       case Call::Failure::other: throw Error(text);

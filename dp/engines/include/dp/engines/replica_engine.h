@@ -98,8 +98,10 @@ class ReplicaEngine : public Engine {
   static void check_each_batch(std::span<const Batch> batches, bool training);
   // Whether buffers are broadcast from rank 0 before a forward (torch's broadcast_buffers).
   virtual bool broadcasts_buffers() const = 0;
-  // Whether every replica begins each step with rank 0's buffers (broadcast, or kept equal).
+  // Whether every replica begins each step with rank 0's buffers (broadcast, or kept equal), and
+  // whether it ends each step with them.
   virtual bool replicas_share_buffers() const { return broadcasts_buffers(); }
+  virtual bool buffers_end_steps_as_rank0s() const { return false; }
   // Whether this forward's backward reduces the gradients (DDP's no_sync says not).
   virtual bool sync_now() const { return true; }
   // Work on rank r's side streams that synchronize() waits for too.

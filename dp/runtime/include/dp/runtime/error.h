@@ -79,10 +79,15 @@ class CollectiveMismatch : public Error {
   using Error::Error;
 };
 
-// Another process of the job is gone (ended, killed, unreachable) while this one needed it.
+// Another process of the job is gone (ended, killed, unreachable) while this one needed it;
+// `process()` is which, where known (-1: not).
 class PeerLost : public Error {
  public:
-  using Error::Error;
+  explicit PeerLost(const std::string& message, int process = -1) : Error(message), process_(process) {}
+  int process() const noexcept { return process_; }
+
+ private:
+  int process_;
 };
 
 // A wait for another device or process passed DP_TIMEOUT_S (the peer may be alive but stuck).
