@@ -336,7 +336,7 @@ std::vector<Flag<O>> placement_flags() {
   };
 }
 
-// The shared flags of the training step: its batch and length, the engines' settings, the optimizer.
+// The shared flags of the training step: its batch and length, the engines' settings.
 template <class O>
 std::vector<Flag<O>> step_flags() {
   return {
@@ -393,6 +393,13 @@ std::vector<Flag<O>> step_flags() {
        .saved = Saved::on_resume,
        .engine = [](const O& o, dp::EngineOptions& e) { e.step.clip_grad_norm = o.clip_grad_norm; },
        .per_epoch = true},
+  };
+}
+
+// The shared flags of the replicas and their update: what each keeps and checks, the optimizer.
+template <class O>
+std::vector<Flag<O>> update_flags() {
+  return {
       {.name = "--check-replicas",
        .value = integer<O>(&O::check_replicas, 0, 1'000'000'000, "N"),
        .help = "every N steps, compare the replicas' parameters and optimizer state by fingerprints made on "
@@ -427,7 +434,7 @@ std::vector<Flag<O>> step_flags() {
 template <class O>
 FlagGroup<O> shared_flags() {
   static_assert(std::is_base_of_v<SharedOptions, O>);
-  return joined<O>("run (dp_train and dp_bench alike)", {placement_flags<O>(), step_flags<O>()});
+  return joined<O>("run (dp_train and dp_bench alike)", {placement_flags<O>(), step_flags<O>(), update_flags<O>()});
 }
 
 // The engine settings of the flags of `groups` (a tool's whole table) that apply to options.kind:

@@ -29,14 +29,20 @@ using namespace std::chrono_literals;
 
 int next_port() { return test::free_tcp_port(); }
 
-// A raw TCP client of 127.0.0.1:port, as a stranger would connect (-1 when refused).
-int raw_connect(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+// 127.0.0.1:port.
+sockaddr_in loopback(int port) {
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<std::uint16_t>(port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+  return address;
+}
+
+// A raw TCP client of 127.0.0.1:port, as a stranger would connect (-1 when refused).
+int raw_connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const sockaddr_in address = loopback(port);
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
     ::close(fd);
     return -1;
   }
@@ -46,11 +52,8 @@ int raw_connect(int port) {
 // A raw TCP listener on 127.0.0.1:port, as another program on MASTER_PORT would be (-1 when it cannot).
 int raw_listen(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<std::uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 4) != 0) {
+  const sockaddr_in address = loopback(port);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 4) != 0) {
     ::close(fd);
     return -1;
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fmt/format.h>
+#include <numeric>
 
 #include "dp/engines/reducer.h"
 #include "dp/kernels/ops.h"
@@ -50,16 +51,10 @@ ReplicaEngine::ReplicaEngine(Runtime& runtime, Model& module, const EngineOption
   progress::watch_processes(processes_);
 }
 
-int ReplicaEngine::total(const std::vector<int>& counts) {
-  int sum = 0;
-  for (const int c : counts) sum += c;
-  return sum;
-}
+int ReplicaEngine::total(const std::vector<int>& counts) { return std::accumulate(counts.begin(), counts.end(), 0); }
 
 std::size_t ReplicaEngine::first_of(const std::vector<int>& counts, int r) {
-  std::size_t first = 0;
-  for (int k = 0; k < r; ++k) first += static_cast<std::size_t>(counts[static_cast<std::size_t>(k)]);
-  return first;
+  return static_cast<std::size_t>(std::accumulate(counts.begin(), counts.begin() + r, 0));
 }
 
 std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -354,7 +349,7 @@ StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
     // the same step in the same order: at once, then. And checking the replicas reads the parameters.
     const std::int64_t step = rank(0).optimizer->steps();
     const bool check = options_.check_replicas > 0 && step % options_.check_replicas == 0;
-    if (FaultPlan::from_environment().has(FaultKind::flip_param)) inject_update_faults();
+    inject_update_faults();
     if (processes_->size() > 1 || check) {
       const float loss = wait_for_loss(slot);
       if (check) check_replica_fingerprints();

@@ -35,11 +35,11 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
   // follows the reduction, which needs every rank's gradients). Its buffers (running statistics)
   // are the state's only where they are rank 0's of that step: rank 0's own (every rank's, where
   // the step ends with rank 0's: fixed shards), when no later step has begun there; or a rank's
-  // copy of rank 0's, taken as the next step began, after the
-  // buffers' broadcast from rank 0 (in stream order: a step whose broadcast failed never took its
-  // copy, which then still names the step before). The latest step a survivor holds whole is the
-  // one to go on from. Stream order is what makes this hold: on the sim a failed collective stops
-  // the work behind it on that stream, as a faulting kernel stops a CUDA context.
+  // copy of rank 0's, taken as the next step began, after the buffers' broadcast from rank 0 (in
+  // stream order: a step whose broadcast failed never took its copy, which then still names the
+  // step before). The latest step a survivor holds whole is the one to go on from. Stream order is what makes this
+  // hold: on the sim a failed collective stops the work behind it on that stream, as a faulting kernel stops a CUDA
+  // context.
   const bool buffers = rank(0).model->buffers_bytes() > 0;
   // The step that failed may still wait in a collective for what will never come.
   abort_communicators();

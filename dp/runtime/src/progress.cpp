@@ -259,6 +259,7 @@ void set_phase(const char* phase, std::string detail) {
     s->detail = std::move(detail);
     s->move();
   }
+  if (!t_device || FaultPlan::from_environment().empty()) return;  // per layer: no fault, no search
   const std::string_view name(phase);
   for (const FaultPhase p : {FaultPhase::forward, FaultPhase::backward, FaultPhase::optimizer})
     if (name == fault_phase_name(p)) fault_point(p);
