@@ -125,7 +125,7 @@ TEST_F(Faults, AStallIsWaitedForAndChangesNoBit) {
 
 TEST_F(Faults, MalformedSettingsAreRefusedBeforeAnyWork) {
   for (const std::string env : {"DP_FAULT=hang@d1", "DP_FAULT=bogus@d0:1", "DP_FAULT=hang@d4:1",
-                                "DP_CHECK_COLLECTIVES=yes", "DP_STALL_WARN_S=0"}) {
+                                "DP_FAULT=lose@d1:2:loss", "DP_CHECK_COLLECTIVES=yes", "DP_STALL_WARN_S=0"}) {
     SCOPED_TRACE(env);
     const Timed t = train(env, "--save " + path("never.safetensors"));
     EXPECT_EQ(t.r.code, 2) << t.r.output;
