@@ -116,6 +116,7 @@ std::vector<Run> run_all(dp::Runtime& rt, const Options& o, const std::vector<st
       // --shards: ddp is measured without them too, in the same run, for the cost of fixed shards.
       Options plain = o;
       plain.shards = 0;
+      plain.shadow_shards = 0;  // checks fixed shards: plain ddp has none
       const bool against_plain = o.shards > 0 && mode == "ddp";
       if (against_plain) runs.push_back(bench(rt, plain, model, mode, data, devices, job.processes()));
       runs.push_back(bench(rt, o, model, mode, data, devices, job.processes()));
@@ -146,21 +147,32 @@ std::vector<Run> run_all(dp::Runtime& rt, const Options& o, const std::vector<st
             "  {:<8} the collectives' check costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} "
             "samples/s checked, {:.1f} unchecked)\n",
             model, 100.0 * (off / std::max(on, 1e-9) - 1.0), on, off);
-        // The replicas' fingerprints (--check-replicas N) the same way, where a measured window holds a check.
-        if (o.check_replicas > 0 && o.steps >= o.check_replicas) {
-          Options without = o;
-          without.check_replicas = 0;
+        // A check that runs every N steps the same way, against the run `without` it, where a measured
+        // window holds one: the replicas' fingerprints (--check-replicas N), shadow shards (--shadow-shards K).
+        const auto cost = [&](const Options& without, const std::string& what) {
           std::vector<double> with_check, without_check;
           for (int k = 0; k < 3; ++k) {
             without_check.push_back(bench(rt, without, model, mode, data, devices, job.processes()).samples_per_s);
             with_check.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
           }
           const double a = median(with_check), b = median(without_check);
-          runs.back().unchecked_replicas_samples_per_s = b;
           fmt::print(
-              "  {:<8} the replicas' check every {} step(s) costs {:+.1f}% of ddp's time per sample (medians of 3: "
-              "{:.1f} samples/s checked, {:.1f} unchecked)\n",
-              model, o.check_replicas, 100.0 * (b / std::max(a, 1e-9) - 1.0), a, b);
+              "  {:<8} {} costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} samples/s checked, {:.1f} "
+              "unchecked)\n",
+              model, what, 100.0 * (b / std::max(a, 1e-9) - 1.0), a, b);
+          return b;
+        };
+        if (o.check_replicas > 0 && o.steps >= o.check_replicas) {
+          Options without = o;
+          without.check_replicas = 0;
+          runs.back().unchecked_replicas_samples_per_s =
+              cost(without, fmt::format("the replicas' check every {} step(s)", o.check_replicas));
+        }
+        if (o.shadow_shards > 0 && o.shards > 0 && o.steps >= o.shadow_shards) {
+          Options without = o;
+          without.shadow_shards = 0;
+          runs.back().unshadowed_samples_per_s =
+              cost(without, fmt::format("shadow shards every {} step(s)", o.shadow_shards));
         }
       }
       if (against_plain) {

@@ -112,6 +112,8 @@ struct Run {
   std::optional<double> unchecked_samples_per_s;  // --check-cost: the same run with the check off
   // --check-cost with --check-replicas N <= --steps: the same run without the replicas' check.
   std::optional<double> unchecked_replicas_samples_per_s;
+  // --check-cost with --shards and --shadow-shards K <= --steps: the same run without shadow shards.
+  std::optional<double> unshadowed_samples_per_s;
   bool graphs = false;     // every measured step was a replayed graph
   bool pipelined = false;  // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;

@@ -439,8 +439,8 @@ train_row gpt ddp 2 on off 12 "--dropout 0.1"
 echo "== injected failures on $device"
 fault_args=(--model convnet --synthetic 256 --mode ddp --devices 4 --devices-per-gpu "$((gpus >= 4 ? 1 : 4))"
             --shards 4 --batch-size 4 --steps 4 --lr 0.01 --momentum 0.9 --no-eval --check-replicas 1)
-fault_row() {  # check fault code text same(0/1) est
-  local check="DP_FAULT $1" start rc same=""
+fault_row() {  # check fault code text same(0/1) est [extra dp_train args]
+  local check="DP_FAULT $1" start rc same="" extra=("${@:7}")
   fits fault "$check" "$6" || return
   jsonw running "$check"
   start=$EPOCHREALTIME
@@ -449,7 +449,7 @@ fault_row() {  # check fault code text same(0/1) est
       > "$work/fault_ref.txt" 2>&1
   fi
   rm -f "$work/fault.st"
-  DP_FAULT=$2 DP_STALL_WARN_S=1 tmo "$(cap 60)" "$train" --backend "$device" "${fault_args[@]}" \
+  DP_FAULT=$2 DP_STALL_WARN_S=1 tmo "$(cap 60)" "$train" --backend "$device" "${fault_args[@]}" "${extra[@]}" \
     --save "$work/fault.st" > "$work/fault.txt" 2>&1
   rc=$?
   [ "$5" = 1 ] && same=$(timeout 30 python3 - "$work/fault_ref.st" "$work/fault.st" 2>&1 <<'EOF2'
@@ -475,6 +475,8 @@ fault_row "desync-extra@d1:3" desync-extra@d1:3 4 "collectives desynchronized" 0
 fault_row "stall@d1:2:3" stall@d1:2:3 0 "no progress" 1 15
 fault_row "lose@d2:2 (one of 4 devices)" lose@d2:2 0 "4 shards go on from step" 1 15
 fault_row "flip-param@d1:2" flip-param@d1:2 8 "global rank 1 (device 1) holds other bits" 0 10
+# Shadow shards: step 2 checks device 2's shard on device 3, device 0 settles it; the run goes on.
+fault_row "flip-gemm@d2:2 (shadow shards)" flip-gemm@d2:2 0 "device 2 computes wrong" 1 15 --shadow-shards 1
 
 if [ "$quick" = 0 ]; then
   # ---- 3. the rest of the cuda tests (~110: kernels, layers, engines, graphs against eager, collectives),

@@ -283,6 +283,8 @@ struct SharedOptions {
   int zero = 0;                 // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
   // ddp and shards: the replicas' fingerprints compared every N steps (silent corruption); 0: off.
   int check_replicas = kCheckReplicasEvery;
+  // shards: every K steps one shard computed again on another device and compared; 0: off.
+  int shadow_shards = 0;
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -409,6 +411,13 @@ std::vector<Flag<O>> update_flags() {
        .engine = [](const O& o, dp::EngineOptions& e) { e.check_replicas = o.check_replicas; },
        .applies_to = "ddp",
        .also_applies = [](const O& o, std::string_view) { return o.shards > 0; }},
+      {.name = "--shadow-shards",
+       .value = integer<O>(&O::shadow_shards, 0, 1'000'000'000, "K"),
+       .help = "with --shards: every K steps one shard (rotating over the devices) is computed again on another "
+               "device of its process and compared bit for bit before the update; a device that computes wrong is "
+               "named by a third and dropped as lost, else the run ends (exit 8)",
+       .default_text = "0 (off)",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.shadow_shards = o.shadow_shards; }},
       {.name = "--zero",
        .value = integer<O>(&O::zero, 0, 1, "STAGE"),
        .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): each rank updates its slice, "

@@ -103,7 +103,9 @@ std::optional<int> after_device_lost(const Options& o, const Plan& plan, dp::Eng
   dp::TrainingState state =
       dp::TrainingState::capture(*survivor->model, *survivor->optimizer, checkpoint_progress(o, plan, step));
   const int count = static_cast<int>(survivors.size());
-  const bool go_on = o.shards > 0 && !g_job.several() && count > 0 && !(o.sync_bn && o.shards != count);
+  // Shadow shards need a second device to recompute a shard on.
+  const bool go_on =
+      o.shards > 0 && !g_job.several() && count > (o.shadow_shards > 0 ? 1 : 0) && !(o.sync_bn && o.shards != count);
   metrics.write({{"kind", "device_lost"},
                  {"device", lost},
                  {"step", step},

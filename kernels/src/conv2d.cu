@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "dp/kernels/conv2d.h"
 #include "dp/kernels/detail/launch.h"
+#include "dp/kernels/fingerprint.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/shape.h"
 #include "library_calls.h"
@@ -259,10 +260,8 @@ void backward_bf16(const Stream& stream, const Conv2dShape& shape, In x, In weig
   kernel_api::count_traffic(stream, op, operands);
 }
 
-}  // namespace
-
-bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, const float* bias, Out y_out,
-                    float* workspace) {
+bool conv2d_forward_unchecked_faults(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in,
+                                     const float* bias, Out y_out, float* workspace) {
   const char* op = "conv2d_forward";
   check_conv2d(op, shape);
   if (x_in.bf16 || weight_in.bf16 || y_out.bf16) return forward_bf16(stream, shape, x_in, weight_in, bias, y_out);
@@ -308,6 +307,15 @@ bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, In x_in, In 
            {operand(mat, y_count(shape)), operand(bias, bias ? shape.c_out : 0), operand(y, y_count(shape))});
   return true;  // col (x lowered) stays at the start of the workspace; mat came after it
 }
+}  // namespace
+
+bool conv2d_forward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, const float* bias, Out y_out,
+                    float* workspace) {
+  const bool lowered = conv2d_forward_unchecked_faults(stream, shape, x_in, weight_in, bias, y_out, workspace);
+  if (y_count(shape) > 0)
+    flip_if_faulty(stream, y_out.data, static_cast<std::size_t>(y_count(shape)) * (y_out.bf16 ? 2 : sizeof(float)));
+  return lowered;
+}
 
 namespace {
 
@@ -326,10 +334,9 @@ void shared_backward(const Stream& stream, const ConvGeometry& g, const float* x
          {operand(col, col_count(shape)), operand(dx, x_count(shape))});
 }
 
-}  // namespace
-
-void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, In dy_in, Out dx_out,
-                     float* dweight, float* dbias, float* workspace, bool accumulate, bool x_lowered) {
+void conv2d_backward_unchecked_faults(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, In dy_in,
+                                      Out dx_out, float* dweight, float* dbias, float* workspace, bool accumulate,
+                                      bool x_lowered) {
   const char* op = "conv2d_backward";
   check_conv2d(op, shape);
   if (x_in.bf16 || weight_in.bf16 || dy_in.bf16 || dx_out.bf16) {
@@ -400,6 +407,14 @@ void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x_in, In
     }
   }
   shared_backward(stream, shared_geometry(shape, op), x, weight, dy, dx, dweight, beta, workspace, x_lowered);
+}
+}  // namespace
+
+void conv2d_backward(const Stream& stream, const Conv2dShape& shape, In x_in, In weight_in, In dy_in, Out dx_out,
+                     float* dweight, float* dbias, float* workspace, bool accumulate, bool x_lowered) {
+  conv2d_backward_unchecked_faults(stream, shape, x_in, weight_in, dy_in, dx_out, dweight, dbias, workspace, accumulate,
+                                   x_lowered);
+  if (w_count(shape) > 0) flip_if_faulty(stream, dweight, sizeof(float) * static_cast<std::size_t>(w_count(shape)));
 }
 
 }  // namespace dp::kernels

@@ -2,6 +2,7 @@
 #include "checks.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/fingerprint.h"
+#include "dp/runtime/progress.h"
 
 namespace dp::kernels {
 
@@ -25,6 +26,11 @@ void flip_bit(const Stream& stream, std::uint32_t* word, int bit) {
   if (bit < 0 || bit > 31) checks::fail({"flip_bit: bit must be in [0, 31], got ", bit});
   checks::present("flip_bit", {{"word", word}});
   launch(stream, "flip_bit", 1, FlipBit{word, std::uint32_t{1} << bit}, {operand(word, 1)});
+}
+
+void flip_if_faulty(const Stream& stream, void* output, std::size_t bytes) {
+  if (bytes >= sizeof(std::uint32_t) && progress::flip_this_output(stream))
+    flip_bit(stream, static_cast<std::uint32_t*>(output), 31);
 }
 
 }  // namespace dp::kernels

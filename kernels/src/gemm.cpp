@@ -8,6 +8,7 @@
 #include <mutex>
 #include <vector>
 
+#include "dp/kernels/fingerprint.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/bfloat16.h"
 #include "dp/runtime/detail/kernel_api.h"
@@ -60,14 +61,11 @@ float round_to_tf32(float x) {
   return x;
 }
 
-void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
-          int ldb, float beta, float* c, int ldc) {
-  gemm_batched(stream, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
-}
-
-void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda,
-                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, float* c, int ldc,
-                  std::int64_t stride_c, int batch) {
+namespace {
+// The product alone; gemm_batched adds DP_FAULT flip-gemm's strike on its output.
+void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                                   In a, int lda, std::int64_t stride_a, In b, int ldb, std::int64_t stride_b,
+                                   float beta, float* c, int ldc, std::int64_t stride_c, int batch) {
   if (m < 0 || n < 0 || k < 0 || batch < 0)
     throw InvalidArgument(fmt::format("gemm: negative extent m={} n={} k={} batch={}", m, n, k, batch));
   if (stride_a < 0 || stride_b < 0 || stride_c < 0)
@@ -127,6 +125,20 @@ void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n
         }
       },
       SpanKind::gemm);
+}
+}  // namespace
+
+void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
+          int ldb, float beta, float* c, int ldc) {
+  gemm_batched(stream, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
+}
+
+void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda,
+                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, float* c, int ldc,
+                  std::int64_t stride_c, int batch) {
+  gemm_batched_unchecked_faults(stream, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
+                                ldc, stride_c, batch);
+  if (m > 0 && n > 0 && batch > 0) flip_if_faulty(stream, c, sizeof(float));
 }
 
 }  // namespace dp::kernels

@@ -441,4 +441,29 @@ TEST_F(EnvTrain, AFlippedBitOnAnotherProcessIsNamedByBoth) {
   }
 }
 
+// Shadow shards across processes: step 3 checks global device 3's shard (process 1's device 1) on
+// process 1's device 0; a GEMM of device 3 flips a bit in that step, and with no third device in
+// process 1 both processes end (exit 8), each naming the two devices, and nothing is saved.
+TEST_F(EnvTrain, AShadowShardMismatchOnOneProcessEndsBoth) {
+  const int port = dp::test::free_tcp_port();
+  const auto env = [&](int rank) {
+    return env_process(rank, 2, port, "DP_TIMEOUT_S=30 DP_FAULT=flip-gemm@d3:3",
+                       fmt::format("--model mlp --hidden 16 --mode ddp --backend sim --devices 2 --synthetic 160 "
+                                   "--batch-size 2 --steps 6 --no-eval --shards 4 --shadow-shards 1 --save {}",
+                                   path("shadow.st")),
+                       path(fmt::format("shadow{}.txt", rank)));
+  };
+  const auto [code0, code1] = run_both(env(0), env(1));
+  const std::string out0 = read_file(path("shadow0.txt")), out1 = read_file(path("shadow1.txt"));
+  EXPECT_EQ(code0, 8) << out0;
+  EXPECT_EQ(code1, 8) << out1;
+  EXPECT_NE(out1.find("shard 3 of step 3 computed by device 1 of process 1 and again by device 0 of process 1 differs"),
+            std::string::npos)
+      << out1;
+  EXPECT_NE(out0.find("process 1 found a shadow shard of step 3 differing between devices d3 and d2"),
+            std::string::npos)
+      << out0;
+  EXPECT_FALSE(std::filesystem::exists(path("shadow.st")));
+}
+
 }  // namespace

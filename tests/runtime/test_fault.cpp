@@ -28,7 +28,8 @@ TEST(Fault, TheGrammarIsParsed) {
   EXPECT_EQ(faults[3].step, 40);
   for (const Fault& f : faults) EXPECT_EQ(parse_faults(f.text())[0].text(), f.text());  // the spelling round-trips
   EXPECT_TRUE(parse_faults("").empty());
-  for (const char* kind : {"desync-extra", "desync-skip", "desync-count", "hang", "exit", "throw", "lose"})
+  for (const char* kind :
+       {"desync-extra", "desync-skip", "desync-count", "hang", "exit", "throw", "lose", "flip-param", "flip-gemm"})
     EXPECT_EQ(fault_kind_name(parse_faults(std::string(kind) + "@d0:1")[0].kind), kind);
 }
 
@@ -51,6 +52,34 @@ TEST(Fault, ALoseFaultNamesItsPhase) {
   EXPECT_TRUE(plan.take(FaultKind::lose, 0, 1, 2, FaultPhase::optimizer));
   EXPECT_FALSE(plan.take(FaultKind::lose, 0, 1, 2, FaultPhase::optimizer));
   EXPECT_TRUE(plan.take(FaultKind::lose, 0, 3, 2, std::nullopt));
+}
+
+// flip-gemm@dN:STEP[:forward|backward]: the pass is backward unless given; it is due in every
+// pass of its step (due() spends nothing), and no other phase is a pass.
+TEST(Fault, AFlipGemmFaultNamesItsPassAndIsDueWithoutBeingSpent) {
+  const std::vector<Fault> faults = parse_faults("flip-gemm@d1:5,flip-gemm@d2:3:forward");
+  ASSERT_EQ(faults.size(), 2u);
+  EXPECT_EQ(faults[0].kind, FaultKind::flip_gemm);
+  EXPECT_EQ(faults[0].phase, FaultPhase::backward);
+  EXPECT_EQ(faults[0].text(), "flip-gemm@d1:5:backward");
+  EXPECT_EQ(faults[1].phase, FaultPhase::forward);
+  for (const Fault& f : faults) EXPECT_EQ(parse_faults(f.text())[0].text(), f.text());
+  const FaultPlan plan(faults);
+  for (int again = 0; again < 3; ++again) EXPECT_TRUE(plan.due(FaultKind::flip_gemm, 0, 1, 5, FaultPhase::backward));
+  EXPECT_FALSE(plan.due(FaultKind::flip_gemm, 0, 1, 5, FaultPhase::forward));
+  EXPECT_FALSE(plan.due(FaultKind::flip_gemm, 0, 1, 4, FaultPhase::backward));
+  EXPECT_FALSE(plan.due(FaultKind::flip_gemm, 0, 0, 5, FaultPhase::backward));
+  EXPECT_TRUE(plan.due(FaultKind::flip_gemm, 0, 2, 3, FaultPhase::forward));
+  for (const char* text : {"flip-gemm@d1:2:collective", "flip-gemm@d1:2:optimizer"}) {
+    SCOPED_TRACE(text);
+    try {
+      parse_faults(text);
+      ADD_FAILURE() << "accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("is none of forward, backward"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("collective, optimizer"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // A lose fault makes its device lost (every later call there throws DeviceLost, exit code 7)

@@ -503,6 +503,15 @@ TEST(Bench, TheCheckCostIsMeasuredBesideTheCheckedRun) {
   EXPECT_GT(
       find_run(json::parse(read_file(json_path)), "mlp", "ddp").at("unchecked_replicas_samples_per_s").get<double>(),
       0.0);
+  // Shadow shards (with --shards) too.
+  const Result shadow = run_bench(dir, fmt::format("--backend sim --devices 2 --models mlp --modes ddp --batch-size 4 "
+                                                   "--steps 2 --warmup 1 --check-cost --shards 2 --shadow-shards 1 "
+                                                   "--json '{}'",
+                                                   json_path.string()));
+  ASSERT_EQ(shadow.exit_code, 0) << shadow.out << shadow.err;
+  EXPECT_NE(shadow.out.find("mlp      shadow shards every 1 step(s) costs "), std::string::npos) << shadow.out;
+  EXPECT_GT(find_run(json::parse(read_file(json_path)), "mlp", "ddp/2").at("unshadowed_samples_per_s").get<double>(),
+            0.0);
 }
 
 // --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named

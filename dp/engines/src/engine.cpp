@@ -122,6 +122,10 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
           kind == EngineKind::dp ? "DataParallel" : "single-device training", options.processes->size()));
   }
   if (kind != EngineKind::dp && options.output_device) refuse("output_device", "dp");
+  if (options.shadow_shards < 0)
+    throw InvalidArgument(fmt::format("shadow_shards must be 0 (off) or a step count, not {}", options.shadow_shards));
+  if (options.shadow_shards > 0 && options.shards == 0)
+    throw InvalidArgument("shadow_shards recomputes one of the fixed shards: it needs shards > 0");
   if (options.zero != 0 && options.zero != 1)
     throw InvalidArgument(fmt::format("zero must be 0 (off) or 1 (ZeRO stage 1), not {}", options.zero));
   if (kind != EngineKind::ddp && options.zero) refuse("ZeRO-1 (zero)", "ddp");

@@ -9,6 +9,7 @@
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/flight_record.h"
+#include "dp/runtime/progress.h"
 #include "replica_rank.h"
 
 namespace dp::engines {
@@ -41,6 +42,7 @@ FixedShards::FixedShards(Runtime& runtime, Model& module, const OptimizerOptions
   }
   scratch_.resize(static_cast<std::size_t>(group_.size()));
   (void)start(runtime, module, optimizer, counts, counts, true);
+  if (options_.shadow_shards > 0) start_shadow_shards(runtime);
 }
 
 FixedShards::~FixedShards() { quiesce(); }
@@ -68,67 +70,107 @@ FixedShards::~FixedShards() { quiesce(); }
 // forward at each BatchNorm at once: there each rank holds one shard (a replica per shard, on fewer
 // GPUs as virtual devices), and BatchNorm's sums over the ranks are order-free as the gradient's
 // (BatchNormSync::ordered); the running statistics are then the combined ones, on every replica.
+
+// Rank r's block of the shards' all-gather, and where shard s's gradient lands in the gathered
+// blocks (s a global shard index).
+FixedShards::Layout FixedShards::layout(int r) {
+  Rank& mine = rank(r);
+  Scratches& scratch = scratch_[static_cast<std::size_t>(r)];
+  Model& m = *mine.model;
+  Device& device = group_.device(r);
+  Layout out;
+  out.n = m.param_count();
+  out.most = static_cast<std::size_t>(batches_per_rank_);
+  // Each rank's block of the all-gather: its shards' gradients, then its buffers (rank 0's are
+  // shard 0's statistics, which every rank takes with the gradients: Note [fixed shards]).
+  out.buffer_floats = options_.sync_batchnorm ? 0 : (m.buffers_bytes() + sizeof(float) - 1) / sizeof(float);
+  // Ranks with fewer shards than the most leave the rest of their block unused.
+  out.block = out.most * out.n + out.buffer_floats;
+  const auto ranks = static_cast<std::size_t>(comm_->size());
+  out.own = scratch.shard_grads.get<float>(device, out.block);
+  out.all = scratch.all_grads.get<float>(device, ranks * out.block);
+  return out;
+}
+
+const float* FixedShards::Layout::shard_grads(const FixedShards& engine, int s) const {
+  const auto k = static_cast<std::size_t>(s);
+  if (engine.processes_->size() > 1) return all + (k / most) * block + (k % most) * n;  // even: checked above
+  const auto& first = engine.first_shard_;
+  const auto owner = static_cast<std::size_t>(std::upper_bound(first.begin(), first.end(), s) - first.begin() - 1);
+  return all + owner * block + (k - static_cast<std::size_t>(first[owner])) * n;
+}
+
+int FixedShards::first_shard_of(int r) const {
+  return comm_->first_rank() * batches_per_rank_ + first_shard_[static_cast<std::size_t>(r)];
+}
+
 void FixedShards::enqueue_forward_backward_step(int r, std::span<const Batch> shards, bool, int slot) {
   Rank& mine = rank(r);
   Scratches& scratch = scratch_[static_cast<std::size_t>(r)];
   Model& m = *mine.model;
   Device& device = group_.device(r);
-  const SampleSize sample = sample_size(m);
-  const std::size_t n = m.param_count();
+  const Layout l = layout(r);
   const auto count = shards.size();
-  const std::size_t most = static_cast<std::size_t>(batches_per_rank_);
   const int shard_size = shards[0].size;
-  const int global_batch = shard_size * shards_;
-  const int first_shard = comm_->first_rank() * batches_per_rank_ + first_shard_[static_cast<std::size_t>(r)];
-  float* grad_output = mine.grad_output.get<float>(device, static_cast<std::size_t>(shard_size) * sample.logits);
-  const int rows = shard_size * static_cast<int>(sample.targets);
-  // Each rank's block of the all-gather: its shards' gradients, then its buffers (rank 0's are
-  // shard 0's statistics, which every rank takes with the gradients: Note [fixed shards]).
-  const std::size_t buffer_floats =
-      options_.sync_batchnorm ? 0 : (m.buffers_bytes() + sizeof(float) - 1) / sizeof(float);
-  // Ranks with fewer shards than the most leave the rest of their block unused.
-  const std::size_t block = most * n + buffer_floats;
-  const auto ranks = static_cast<std::size_t>(comm_->size());
-  float* own = scratch.shard_grads.get<float>(device, block);
-  float* all = scratch.all_grads.get<float>(device, ranks * block);
-  const auto shard_grads = [&](int s) {
-    const auto k = static_cast<std::size_t>(s);
-    if (processes_->size() > 1) return all + (k / most) * block + (k % most) * n;  // even: checked above
-    const auto owner = static_cast<std::size_t>(std::upper_bound(first_shard_.begin(), first_shard_.end(), s) -
-                                                first_shard_.begin() - 1);
-    return all + owner * block + (k - static_cast<std::size_t>(first_shard_[owner])) * n;
-  };
+  const int first_shard = first_shard_of(r);
   const bool keep_shard0_buffers = first_shard == 0 && count > 1 && m.buffers_bytes() > 0;
   void* saved = keep_shard0_buffers ? scratch.saved_buffers.get<char>(device, m.buffers_bytes()) : nullptr;
   for (std::size_t i = 0; i < count; ++i) {
-    const int shard = first_shard + static_cast<int>(i);
     if (i > 0) m.zero_grad(mine.compute);
-    m.set_random_context({options_.step.seed, static_cast<std::uint64_t>(mine.optimizer->steps()),
-                          static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
-    const float* logits = m.forward(mine.compute, mine.rings[i]->inputs(slot), shard_size, Mode::train);
-    if (saved && i == 0) mine.compute.copy(saved, m.buffers_flat(), m.buffers_bytes());
-    const float* loss =
-        mine.loss->forward_backward(mine.compute, logits, mine.rings[i]->targets(slot), rows, sample.classes,
-                                    grad_output, global_batch * static_cast<int>(sample.targets), 1.0f);
+    const float* loss = enqueue_shard(r, first_shard + static_cast<int>(i), shard_size, mine.rings[i]->inputs(slot),
+                                      mine.rings[i]->targets(slot), [&] {
+                                        if (saved && i == 0)
+                                          mine.compute.copy(saved, m.buffers_flat(), m.buffers_bytes());
+                                      });
     mine.compute.copy(mine.loss_slot(slot, static_cast<int>(i), batches_per_rank_), loss, sizeof(float));
-    m.backward(mine.compute, grad_output, {});
-    mine.compute.copy(own + i * n, m.grads_flat(), n * sizeof(float));
+    mine.compute.copy(l.own + i * l.n, m.grads_flat(), l.n * sizeof(float));
   }
   if (saved) mine.compute.copy(m.buffers_flat(), saved, m.buffers_bytes());
-  if (buffer_floats > 0) mine.compute.copy(own + most * n, m.buffers_flat(), m.buffers_bytes());
+  if (l.buffer_floats > 0) mine.compute.copy(l.own + l.most * l.n, m.buffers_flat(), m.buffers_bytes());
   {
     const CollectivePurpose purpose("the shards' gradients");
-    comm_->all_gather(r, mine.compute, own, all, block);
+    comm_->all_gather(r, mine.compute, l.own, l.all, l.block);
   }
-  if (buffer_floats > 0) mine.compute.copy(m.buffers_flat(), all + most * n, m.buffers_bytes());
-  float* grads = m.grads_flat();
-  const auto elements = static_cast<kernels::index_t>(n);
-  if (shards_ == 1)
-    mine.compute.copy(grads, shard_grads(0), n * sizeof(float));
-  else
-    kernels::add(mine.compute, elements, shard_grads(0), shard_grads(1), grads);
-  for (int s = 2; s < shards_; ++s) kernels::add(mine.compute, elements, grads, shard_grads(s), grads);
+  if (shadow_ && shadow_->twin == r) enqueue_shadow(r, slot);
   if (!mine.compute.capturing()) mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
+}
+
+const float* FixedShards::enqueue_shard(int r, int shard, int shard_size, const float* inputs,
+                                        const std::int64_t* targets, const std::function<void()>& after_forward) {
+  Rank& mine = rank(r);
+  Model& m = *mine.model;
+  const SampleSize sample = sample_size(m);
+  const int global_batch = shard_size * shards_;
+  float* grad_output =
+      mine.grad_output.get<float>(group_.device(r), static_cast<std::size_t>(shard_size) * sample.logits);
+  m.set_random_context({options_.step.seed, static_cast<std::uint64_t>(mine.optimizer->steps()),
+                        static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
+  // Each shard its own passes (where a thread stands; DP_FAULT's flip-gemm strikes each pass).
+  progress::set_phase("forward");
+  const float* logits = m.forward(mine.compute, inputs, shard_size, Mode::train);
+  after_forward();
+  const float* loss =
+      mine.loss->forward_backward(mine.compute, logits, targets, shard_size * static_cast<int>(sample.targets),
+                                  sample.classes, grad_output, global_batch * static_cast<int>(sample.targets), 1.0f);
+  progress::set_phase("backward");
+  m.backward(mine.compute, grad_output, {});
+  return loss;
+}
+
+void FixedShards::enqueue_reduction(int r, int) {
+  Rank& mine = rank(r);
+  Model& m = *mine.model;
+  const Layout l = layout(r);
+  // Every replica takes rank 0's buffers from its block (after a shadow shard's forward, which
+  // moved the twin's own).
+  if (l.buffer_floats > 0) mine.compute.copy(m.buffers_flat(), l.all + l.most * l.n, m.buffers_bytes());
+  float* grads = m.grads_flat();
+  const auto elements = static_cast<kernels::index_t>(l.n);
+  if (shards_ == 1)
+    mine.compute.copy(grads, l.shard_grads(*this, 0), l.n * sizeof(float));
+  else
+    kernels::add(mine.compute, elements, l.shard_grads(*this, 0), l.shard_grads(*this, 1), grads);
+  for (int s = 2; s < shards_; ++s) kernels::add(mine.compute, elements, grads, l.shard_grads(*this, s), grads);
 }
 
 void FixedShards::check_batches(std::span<const Batch> batches, bool training) const {

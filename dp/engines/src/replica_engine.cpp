@@ -81,10 +81,10 @@ std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, co
   loss_join_ = group_.device(0).create_stream();
   for (Event& ready : losses_ready_) ready = group_.device(0).create_event();
   pipeline_ = std::make_unique<engines::StepPipeline>();
-  // A desync fault acts on a rank's host calls, which a replayed graph does not make.
+  // A desync or flip-gemm fault acts on a rank's host calls, which a replayed graph does not make.
   const FaultPlan& faults = FaultPlan::from_environment();
-  const bool desync_faults =
-      faults.has(FaultKind::desync_extra) || faults.has(FaultKind::desync_skip) || faults.has(FaultKind::desync_count);
+  const bool desync_faults = faults.has(FaultKind::desync_extra) || faults.has(FaultKind::desync_skip) ||
+                             faults.has(FaultKind::desync_count) || faults.has(FaultKind::flip_gemm);
   graphs_ = std::make_unique<engines::StepGraphs>(options_.graphs && module.capturable() && processes_->size() == 1 &&
                                                   !desync_faults);
   broadcast_from_rank0(true, true);
@@ -343,7 +343,10 @@ StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
         for (auto& ring : r->rings) growths += ring->growths();
       return engines::snapshot(devices, growths);
     };
-    graphs_->run(key, slot, optimizers, memory, step_work(slot, batches, sync, broadcast));
+    const bool verified = verifies_step(batches, slot);
+    graphs_->run(
+        key, slot, optimizers, memory,
+        verified ? verified_step_work(slot, batches, sync, broadcast) : step_work(slot, batches, sync, broadcast));
     join_losses(slot);
     // Across processes the mean loss is a collective of the hosts, which every process must call for
     // the same step in the same order: at once, then. And checking the replicas reads the parameters.
@@ -362,6 +365,17 @@ StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
 }
 
 void ReplicaEngine::enqueue_train_step(int r, std::span<const Batch> batches, bool sync, bool broadcast, int slot) {
+  enqueue_forward_backward_half(r, batches, sync, broadcast, slot);
+  enqueue_update_half(r, slot);
+}
+
+void ReplicaEngine::enqueue_update_half(int r, int slot) {
+  enqueue_reduction(r, slot);
+  enqueue_step(r);
+}
+
+void ReplicaEngine::enqueue_forward_backward_half(int r, std::span<const Batch> batches, bool sync, bool broadcast,
+                                                  int slot) {
   if (broadcast) enqueue_broadcast(r, false, true);
   if (Model& m = *rank(r).model; m.buffers_bytes() > 0) {
     // The buffers every rank begins the step with, and which step's they are (Note [a survivor's state]).
@@ -373,7 +387,6 @@ void ReplicaEngine::enqueue_train_step(int r, std::span<const Batch> batches, bo
   }
   enqueue_zero_grad(r);
   enqueue_forward_backward_step(r, batches, sync, slot);
-  enqueue_step(r);
 }
 
 engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast) {
@@ -411,6 +424,29 @@ engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batc
       progress::begin_step(mine.optimizer->steps() + 1);
       for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
       enqueue_train_step(r, batches_of(r, batches), sync, broadcast, slot);
+      comm_->end_of(r, "the step");
+      mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
+      progress::set_phase("idle");
+    });
+  };
+  return work;
+}
+
+engines::StepWork ReplicaEngine::verified_step_work(int slot, std::span<const Batch> batches, bool sync,
+                                                    bool broadcast) {
+  engines::StepWork work;  // no capture: StepGraphs runs it eagerly, every time
+  work.eager = [=, this] {
+    run_ranks([&](int r) {
+      Rank& mine = rank(r);
+      progress::begin_step(mine.optimizer->steps() + 1);
+      for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
+      enqueue_forward_backward_half(r, batches_of(r, batches), sync, broadcast, slot);
+      progress::set_phase("idle");
+    });
+    verify_step(slot);
+    run_ranks([&](int r) {
+      Rank& mine = rank(r);
+      enqueue_update_half(r, slot);
       comm_->end_of(r, "the step");
       mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
       progress::set_phase("idle");

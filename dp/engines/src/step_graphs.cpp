@@ -94,7 +94,7 @@ void StepGraphs::drop_graphs() {
 
 bool StepGraphs::run(const Key& key, int slot, const std::vector<Optimizer*>& optimizers,
                      const std::function<MemorySnapshot()>& memory, const StepWork& work) {
-  if (!enabled_) {
+  if (!enabled_ || !work.capture) {  // a step with no capture form: eager (a later one sees what it grew)
     work.eager();
     return false;
   }

@@ -60,6 +60,7 @@ struct StepWork {
   std::function<void(const std::vector<Graph>&)> replay;
   // Enqueues the step kernel by kernel.
   std::function<void()> eager;
+  // (A step with no `capture` always runs eagerly.)
 };
 
 // When a training step runs eagerly, is captured, or is replayed (EngineOptions::graphs): the one

@@ -20,8 +20,9 @@
 namespace dp {
 namespace {
 
-// What a kind's ARG is: none, seconds, or a phase of the step (optional, backward by default).
-enum class Arg { none, seconds, phase };
+// What a kind's ARG is: none, seconds, a phase of the step, or a pass (forward or backward); the
+// last two optional, backward by default.
+enum class Arg { none, seconds, phase, pass };
 struct KindInfo {
   FaultKind kind;
   std::string_view name;
@@ -38,6 +39,7 @@ constexpr std::array kFaultKinds{
     KindInfo{FaultKind::throw_error, "throw", Arg::none},
     KindInfo{FaultKind::lose, "lose", Arg::phase},
     KindInfo{FaultKind::flip_param, "flip-param", Arg::none},
+    KindInfo{FaultKind::flip_gemm, "flip-gemm", Arg::pass},
 };
 constexpr std::array<std::pair<FaultPhase, std::string_view>, 4> kFaultPhases{{
     {FaultPhase::forward, "forward"},
@@ -102,12 +104,15 @@ Fault parse_one(std::string_view item) {
   const auto step = whole_number(fields[1]);
   if (!step || *step < 1) throw bad(fmt::format("step '{}' is not a whole number >= 1", fields[1]));
   fault.step = *step;
-  if (kind->arg == Arg::phase) {
+  if (kind->arg == Arg::phase || kind->arg == Arg::pass) {
     if (fields.size() == 3) {
-      const auto it =
-          std::find_if(kFaultPhases.begin(), kFaultPhases.end(), [&](const auto& p) { return p.second == fields[2]; });
-      if (it == kFaultPhases.end())
-        throw bad(fmt::format("phase '{}' is none of forward, backward, collective, optimizer", fields[2]));
+      const std::size_t phases = kind->arg == Arg::pass ? 2 : kFaultPhases.size();  // forward, backward first
+      const auto end = kFaultPhases.begin() + static_cast<std::ptrdiff_t>(phases);
+      const auto it = std::find_if(kFaultPhases.begin(), end, [&](const auto& p) { return p.second == fields[2]; });
+      if (it == end)
+        throw bad(
+            fmt::format("{} '{}' is none of {}", kind->arg == Arg::pass ? "pass" : "phase", fields[2],
+                        kind->arg == Arg::pass ? "forward, backward" : "forward, backward, collective, optimizer"));
       fault.phase = it->first;
     }
   } else if (kind->arg == Arg::seconds) {
@@ -137,7 +142,7 @@ std::string_view fault_phase_name(FaultPhase phase) {
 std::string Fault::text() const {
   std::string out = fmt::format("{}@{}{}:{}", fault_kind_name(kind), process_target ? 'p' : 'd', target, step);
   if (info(kind).arg == Arg::seconds) out += fmt::format(":{}", arg);
-  if (info(kind).arg == Arg::phase) out += fmt::format(":{}", fault_phase_name(phase));
+  if (info(kind).arg == Arg::phase || info(kind).arg == Arg::pass) out += fmt::format(":{}", fault_phase_name(phase));
   return out;
 }
 
@@ -199,6 +204,15 @@ std::optional<Fault> FaultPlan::take(FaultKind kind, int process, int device, st
     std::lock_guard lock(state_->mutex);
     if (state_->fired.insert({i, device}).second) return f;
   }
+  return std::nullopt;
+}
+
+std::optional<Fault> FaultPlan::due(FaultKind kind, int process, int device, std::int64_t step,
+                                    std::optional<FaultPhase> phase) const {
+  for (const Fault& f : faults_)
+    if (f.kind == kind && f.step == step && f.target == (f.process_target ? process : device) &&
+        (!phase || f.phase == *phase))
+      return f;
   return std::nullopt;
 }
 

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
 #include "dp/runtime/process_group.h"
@@ -54,6 +55,9 @@ Board& board() {
 thread_local State* current = nullptr;
 thread_local Device* t_device = nullptr;  // what a lose fault makes lost
 thread_local int t_fault_device = -1;
+// flip-gemm's pass: the forward or backward the thread is in (set_phase), and whether a flip hit it.
+thread_local std::optional<FaultPhase> t_pass;
+thread_local bool t_pass_flipped = false;
 
 double median(std::deque<double> values) {
   if (values.size() < 3) return 0.0;
@@ -261,8 +265,28 @@ void set_phase(const char* phase, std::string detail) {
   }
   if (!t_device || FaultPlan::from_environment().empty()) return;  // per layer: no fault, no search
   const std::string_view name(phase);
+  for (const FaultPhase p : {FaultPhase::forward, FaultPhase::backward}) {
+    if (name != fault_phase_name(p) || t_pass == p) continue;
+    t_pass = p;  // a new pass (its layers share the phase): flip-gemm may strike it
+    t_pass_flipped = false;
+  }
   for (const FaultPhase p : {FaultPhase::forward, FaultPhase::backward, FaultPhase::optimizer})
     if (name == fault_phase_name(p)) fault_point(p);
+}
+
+bool flip_this_output(const Stream& stream) {
+  State* s = current;
+  if (!s || !t_pass || t_pass_flipped) return false;
+  FaultPlan& plan = FaultPlan::from_environment();
+  if (!plan.has(FaultKind::flip_gemm) || stream.capturing()) return false;
+  std::int64_t step = 0;
+  {
+    std::lock_guard lock(s->mutex);
+    step = s->step;
+  }
+  if (!plan.due(FaultKind::flip_gemm, s->process.load(), t_fault_device, step, t_pass)) return false;
+  t_pass_flipped = true;
+  return true;
 }
 
 int current_rank() { return current ? current->global_rank : -1; }

@@ -1,9 +1,10 @@
 // dp/kernels/fingerprint.h — a 64-bit fingerprint of device memory, computed on the device in one
 // read (no host copy), the same bits on every backend: what the replicas of a step compare to catch
 // silent corruption (EngineOptions::check_replicas). And flip_bit, the corruption fault injection
-// makes (DP_FAULT flip-param).
+// makes (DP_FAULT flip-param and flip-gemm).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "dp/kernels/platform.h"
@@ -37,6 +38,11 @@ void fingerprint(const Stream& stream, index_t n, const std::uint32_t* words, st
 
 // Flips bit `bit` (0..31) of the word at `word`: a silent corruption, on purpose.
 void flip_bit(const Stream& stream, std::uint32_t* word, int bit);
+// DP_FAULT flip-gemm (progress::flip_this_output): bit 31 of the first word of the `bytes` (>= 4)
+// of output that the GEMM or convolution just enqueued on `stream` wrote, when the fault strikes:
+// the sign of an fp32 output, which a ReLU after it cannot hide (a mantissa bit of a negative
+// pre-activation would be zeroed away).
+void flip_if_faulty(const Stream& stream, void* output, std::size_t bytes);
 
 // The launchers' functors, here for the tests' host references.
 struct FingerprintWords {

@@ -215,6 +215,16 @@ struct EngineOptions {
   // ReplicaMismatch naming the device that differs (the odd one out of three or more) and the first
   // tensor. Under ZeRO the parameters alone (each rank holds its own part of the state). 0: off.
   int check_replicas = 0;
+  // shards: silent corruption in a step's arithmetic caught, which check_replicas cannot see (a
+  // wrong gradient is summed into every replica's update alike). Every K steps one shard, rotating
+  // over the devices and their shards, is computed a second time by the next device of its process
+  // and the two gradients and losses compared bit for bit before the update (such a step runs
+  // eagerly, waiting for the verdict between backward and update). On a mismatch a third device of
+  // the process recomputes the shard and the one it disagrees with is dropped as lost (DeviceLost:
+  // nothing was updated; the survivors redo the step); with no third device, or no majority,
+  // ReplicaMismatch names both. Needs two devices in each process; not with sync_batchnorm
+  // (Note [shadow shards], shadow_shards.cpp). 0: off.
+  int shadow_shards = 0;
   // ddp: ZeRO stage 1 (DeepSpeed's stage 1, torch's ZeroRedundancyOptimizer) when 1: each global
   // rank keeps and updates the optimizer state of its block of every gradient bucket only (1/n of
   // it); the buckets are reduce-scattered as backward fills them and the updated blocks

@@ -91,6 +91,19 @@ class ReplicaEngine : public Engine {
   // rings' slot `slot`, each loss copied to the rank's host_loss floats of the slot and loss_ready
   // recorded (not while capturing). `sync`: the gradients are reduced (begin_forward's answer).
   virtual void enqueue_forward_backward_step(int r, std::span<const Batch> mine, bool sync, int slot) = 0;
+  // Rank r's part of a training step between its forward and backward and its update: what
+  // turns the gradients into the ones the update reads (fixed shards' ordered sum; DDP reduces
+  // during backward and has none).
+  virtual void enqueue_reduction(int /*r*/, int /*slot*/) {}
+  // Whether this training step's gradients are checked before its update (fixed shards' shadow
+  // shards), asked on the caller once the step's batches are pushed to slot `slot`, on every
+  // process at the same steps. Such a step runs eagerly in two halves: every rank's forward and
+  // backward (enqueue_forward_backward_step), then verify_step on the caller, then every rank's
+  // reduction and update. verify_step throws to end the step before any update.
+  virtual bool verifies_step(std::span<const Batch> /*batches*/, int /*slot*/) { return false; }
+  virtual void verify_step(int /*slot*/) {}
+  // DP_FAULT's dN of local rank r.
+  int fault_device(int r) const { return fault_devices_[static_cast<std::size_t>(r)]; }
   // Throws InvalidArgument for batches a step (training) or a forward cannot take.
   virtual void check_batches(std::span<const Batch> batches, bool training) const = 0;
   // check_batches' part every replica engine shares: each batch at least one sample (a forward's
@@ -153,9 +166,14 @@ class ReplicaEngine : public Engine {
   std::unique_ptr<Rank> make_rank(int r, Runtime& runtime, bool ordered_batchnorm);
   // Rank r's whole train_step (zero_grad, forward, backward, update), enqueued.
   void enqueue_train_step(int r, std::span<const Batch> batches, bool sync, bool broadcast, int slot);
+  // Its halves: up to the gradients of the step's batches, and from their reduction on.
+  void enqueue_forward_backward_half(int r, std::span<const Batch> batches, bool sync, bool broadcast, int slot);
+  void enqueue_update_half(int r, int slot);
   // submit_step's work in its three forms (engines::StepGraphs::run picks one): every rank's step
   // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
   engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
+  // A step verifies_step asked to check: eager, in two halves around verify_step.
+  engines::StepWork verified_step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
 
   // Counts every rank's completed updates from zero, `steps` being the optimizers' count there.
   void restart_update_counts(std::int64_t steps);

@@ -32,6 +32,9 @@ enum class FaultKind {
   throw_error,   // an exception on the device thread ("throw")
   lose,          // the device is lost as a GPU is after a fatal error (Device::lose), at ARG's phase
   flip_param,    // one bit of one parameter of the device's replica flips after the step's update
+  // one bit of the first GEMM or convolution output of each forward (or backward: ARG's pass,
+  // default backward) pass the device runs in the step: a device that computes wrong for a step
+  flip_gemm,
 };
 
 // Where in its step a lose fault strikes: lose@dN:STEP[:PHASE], PHASE one of these names
@@ -76,6 +79,10 @@ class FaultPlan {
   // `phase`: only a fault of that phase (lose); none: any.
   std::optional<Fault> take(FaultKind kind, int process, int device, std::int64_t step,
                             std::optional<FaultPhase> phase = std::nullopt);
+  // Whether a fault of `kind` is planned there (as take, of that phase), without spending it: for
+  // the kinds that act more than once in their step (flip-gemm, once per pass).
+  std::optional<Fault> due(FaultKind kind, int process, int device, std::int64_t step,
+                           std::optional<FaultPhase> phase = std::nullopt) const;
   // Whether any fault of `kind` is planned (a cheap test before computing a step number).
   bool has(FaultKind kind) const;
 

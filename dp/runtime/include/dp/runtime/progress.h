@@ -17,6 +17,7 @@ namespace dp {
 
 class Device;
 class ProcessGroup;
+class Stream;
 
 namespace progress {
 
@@ -35,6 +36,11 @@ void begin_step(std::int64_t step);
 // The thread's phase: a string literal (kept as a pointer), with an optional detail (a layer's
 // name, a bucket). Threads not bound do nothing.
 void set_phase(const char* phase, std::string detail = {});
+// DP_FAULT flip-gemm: whether the GEMM or convolution output this thread just enqueued gets a
+// flipped bit, the first of each forward (or backward) pass of the fault's step on its device.
+// Never while `stream` captures (a graph would flip at every replay: the engines run eagerly
+// when such a fault is planned).
+bool flip_this_output(const Stream& stream);
 // The thread's rank (-1 when not bound) and step (0 outside a step).
 int current_rank();
 // The thread's global device index for DP_FAULT's dN (-1 when not bound).
