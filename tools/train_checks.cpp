@@ -142,13 +142,19 @@ void check_data_options(const Options& o) {
     throw UsageError(fmt::format("--generate samples from a language model (--model {}), not --model {}",
                                  models_taking(dp::models::ModelArg::gpt), o.model));
   if (o.generate) return;  // no data: the prompt is its input
-  if (text_model && o.text.empty() && !o.eval_only)
-    throw UsageError(fmt::format("--model {} trains on text: give --text FILE (its bytes are the tokens)", o.model));
-  if (text_model && o.text.empty())
+  const bool tokens = !o.text.empty() || !o.tokens.empty();
+  if (text_model && !tokens && !o.eval_only)
+    throw UsageError(fmt::format(
+        "--model {} trains on text: give --text FILE (its bytes are the tokens) or --tokens PATTERN (llm.c's shards)",
+        o.model));
+  if (text_model && !tokens)
     throw UsageError(fmt::format("--model {} evaluates on text: give --text FILE (its last 10 % is scored)", o.model));
-  if (!o.text.empty() && !text_model)
-    throw UsageError(fmt::format("--text trains a language model (--model {}), not --model {}",
-                                 models_taking(dp::models::ModelArg::gpt), o.model));
+  if (tokens && !text_model)
+    throw UsageError(fmt::format("{} trains a language model (--model {}), not --model {}",
+                                 o.text.empty() ? "--tokens" : "--text", models_taking(dp::models::ModelArg::gpt),
+                                 o.model));
+  if (!o.text.empty() && o.vocab < dp::kByteVocabulary)
+    throw UsageError(fmt::format("--text: its tokens are bytes, ids up to 255; --vocab {} cannot hold them", o.vocab));
   if (text_model) return;  // no images, no IDX files
   const bool images = image_folders(o) || (!o.data.empty() && std::filesystem::is_directory(o.data + "/train"));
   if (takes_image_folders(o) && !images)

@@ -69,6 +69,21 @@ std::vector<Flag<O>> model_architecture_flags() {
        .saved = Saved::always,
        .structural = true,
        .model_arg = dp::models::ModelArg::gpt},
+      {.name = "--vocab",
+       .value = flag::integer<O>(&O::vocab, 1, 1 << 24, "V"),
+       .help = "gpt: token ids 0..V-1 (--text: bytes, 256; GPT-2: 50257); wte's rows padded to a multiple of 128 "
+               "as llm.c pads them, the padding without logits",
+       .torch = "GPTConfig(vocab_size=V)",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = dp::models::ModelArg::gpt},
+      {.name = "--gelu",
+       .value = flag::choice<O>(&O::gelu, {"exact", "tanh"}, "FORM"),
+       .help = "gpt: the MLP's GELU, exact (nanoGPT's nn.GELU()) or tanh (GPT-2's and llm.c's approximation)",
+       .torch = "nn.GELU(approximate='none' | 'tanh')",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = dp::models::ModelArg::gpt},
   };
 }
 
@@ -257,6 +272,14 @@ FlagGroup<O> data_flags() {
            .value = flag::text<O>(&O::text, "FILE"),
            .help = "a text file for --model gpt: its bytes are the tokens, the last 10 % held out, windows of "
                    "--context + 1 bytes"},
+          {.name = "--tokens",
+           .value = flag::text<O>(&O::tokens, "PATTERN"),
+           .help = "llm.c token shards for --model gpt (a glob, e.g. 'fineweb_train_*.bin'): samples of --context + "
+                   "1 tokens in llm.c's DataLoader order (its batches of the global batch, shuffled as train_gpt2.c "
+                   "shuffles them unless --no-shuffle)"},
+          {.name = "--val-tokens",
+           .value = flag::text<O>(&O::val_tokens, "PATTERN"),
+           .help = "llm.c token shards to evaluate on, in order"},
           {.name = "--train-dir",
            .value = flag::text<O>(&O::train_dir, "DIR"),
            .help = "an image folder to train on: a subfolder of JPEG/PNG files per class",
@@ -400,7 +423,12 @@ void relate(dp::tools::CommandLine& cli) {
   cli.option("--devices")->excludes(cli.option("--device-ids"));
   for (const char* flag : {"--train-dir", "--val-dir", "--synthetic"}) cli.option("--data")->excludes(flag);
   for (const char* flag : {"--train-dir", "--val-dir"}) cli.option("--synthetic")->excludes(flag);
-  for (const char* flag : {"--data", "--train-dir", "--val-dir", "--synthetic"}) cli.option("--text")->excludes(flag);
+  for (const char* flag : {"--data", "--train-dir", "--val-dir", "--synthetic"}) {
+    cli.option("--text")->excludes(flag);
+    cli.option("--tokens")->excludes(flag);
+  }
+  cli.option("--text")->excludes("--tokens");
+  cli.option("--val-tokens")->needs(cli.option("--tokens"));
   cli.option("--steps")->excludes(cli.option("--epochs"));
   cli.option("--eval")->excludes(cli.option("--no-eval"));
   cli.option("--init-non-strict")->needs(cli.option("--init"));

@@ -33,6 +33,7 @@
 #include "dp/io/data.h"
 #include "dp/io/image_folder.h"
 #include "dp/io/safetensors.h"
+#include "dp/io/llmc.h"
 #include "dp/io/text.h"
 #include "dp/io/training_state.h"
 #include "dp/models/registry.h"
@@ -97,10 +98,30 @@ Inputs load_image_folders(Options& o, const Normalization& normalize) {
 }
 
 // The training split (not needed to evaluate a checkpoint), and the test split when there is one.
-Inputs load_inputs(Options& o, const Normalization& normalize) {
+Inputs load_inputs(Options& o, const Normalization& normalize, int global_batch) {
   Inputs inputs;
   if (o.generate) return inputs;  // the prompt is the input
-  if (!o.text.empty()) {
+  if (!o.tokens.empty()) {
+    // llm.c's shards: its batches are the global batch's (a step's samples are consecutive here).
+    const auto shards = [&](const std::string& pattern) {
+      return as_usage_error([&] {
+        std::vector<std::shared_ptr<const dp::llmc::TokenShard>> out;
+        for (const std::string& path : dp::llmc::glob_shards(pattern))
+          out.push_back(std::make_shared<const dp::llmc::TokenShard>(path, o.vocab));
+        return out;
+      });
+    };
+    if (!o.eval_only)
+      inputs.data = as_usage_error([&] {
+        return std::make_shared<const dp::llmc::TokenSamples>(shards(o.tokens), o.context, global_batch, o.vocab,
+                                                              !o.no_shuffle);
+      });
+    if (!o.val_tokens.empty())
+      inputs.test = as_usage_error([&] {
+        return std::make_shared<const dp::llmc::TokenSamples>(shards(o.val_tokens), o.context, global_batch, o.vocab,
+                                                              false);
+      });
+  } else if (!o.text.empty()) {
     const auto corpus =
         as_usage_error([&] { return std::make_shared<const dp::TextCorpus>(dp::load_text(o.text, o.context)); });
     using Split = dp::TextWindows::Split;

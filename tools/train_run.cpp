@@ -36,6 +36,7 @@
 #include "dp/io/data.h"
 #include "dp/io/image_folder.h"
 #include "dp/io/safetensors.h"
+#include "dp/io/llmc.h"
 #include "dp/io/text.h"
 #include "dp/io/training_state.h"
 #include "dp/models/registry.h"
@@ -69,6 +70,31 @@ void report_init(const std::string& path, const dp::StateDictKeys& keys) {
     say("dp_train: --init {}: missing_keys={} unexpected_keys={}\n", path, list(keys.missing), list(keys.unexpected));
 }
 
+// --init's tensors: a safetensors file, or llm.c's model file (train_gpt2.c's gpt2_124M.bin and its
+// kind), whose sizes must be the run's and whose GELU is GPT-2's tanh form.
+dp::safetensors::File read_init(const Options& o) {
+  if (!dp::llmc::is_model_file(o.init)) return dp::safetensors::read(o.init);
+  dp::llmc::Model file = dp::llmc::read_model(o.init);
+  const dp::llmc::ModelConfig& c = file.config;
+  if (o.model != "gpt") throw UsageError(fmt::format("--init {}: an llm.c GPT-2 loads into --model gpt", o.init));
+  const std::string wanted =
+      fmt::format("--context {} --vocab {} --layers {} --heads {} --width {}", c.max_seq_len, c.vocab, c.layers,
+                  c.heads, c.channels);
+  const std::string have = fmt::format("--context {} --vocab {} --layers {} --heads {} --width {}", o.context,
+                                       o.vocab, o.layers, o.heads, o.width);
+  if (wanted != have)
+    throw UsageError(fmt::format("--init {}: an llm.c GPT-2 of maxT {}, V {}, L {}, NH {}, C {}: run it with {} (this "
+                                 "run has {})",
+                                 o.init, c.max_seq_len, c.vocab, c.layers, c.heads, c.channels, wanted, have));
+  if (c.padded_vocab != dp::models::llmc_padded_vocab(c.vocab))
+    throw UsageError(fmt::format("--init {}: its table has {} rows for a vocabulary of {}; dp pads it to {} as llm.c's "
+                                 "own scripts do",
+                                 o.init, c.padded_vocab, c.vocab, dp::models::llmc_padded_vocab(c.vocab)));
+  if (o.gelu != "tanh")
+    throw UsageError(fmt::format("--init {}: llm.c's GPT-2 computes GELU's tanh form: add --gelu tanh", o.init));
+  return std::move(file.tensors);
+}
+
 Built build_model(const Options& o, const Checked& checked, const Devices& devices, const Resumed& resumed) {
   dp::RuntimeOptions runtime_options;
   runtime_options.backend = devices.cuda ? "cuda" : "sim";
@@ -82,7 +108,7 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
   dp::Model& model = *built.model;
   as_usage_error([&] {
     if (!o.init.empty()) {
-      const dp::safetensors::File init = dp::safetensors::read(o.init);
+      const dp::safetensors::File init = read_init(o);
       check_hidden_tag(o.init, init);
       const dp::StateDictKeys keys = dp::load_state_dict(model, source.create_stream(), init, "", !o.init_non_strict);
       report_init(o.init, keys);
@@ -307,7 +333,8 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
   auto orders = std::make_shared<std::vector<Order>>();
   for (long local = 0; local < ranks; ++local)
     orders->push_back(Order{
-        dp::DistributedSampler(data->size(), plan.shards, first + static_cast<int>(local), !o.no_shuffle, o.seed), {}});
+        dp::DistributedSampler(data->size(), plan.shards, first + static_cast<int>(local),
+                                             !o.no_shuffle && !data->keeps_its_order(), o.seed), {}});
   const auto batch = static_cast<std::size_t>(o.batch_size);
   const bool log = o.log_batches;
   const long start_step = plan.start_step;
@@ -382,6 +409,20 @@ void adopt_checkpoint_settings(Options& o) {
   const std::string& path = resuming ? o.resume : o.init;
   if (path.empty()) return;
   check_distinct_files(o);  // an output naming the checkpoint is that mistake, not a bad checkpoint
+  if (!resuming && dp::llmc::is_model_file(path)) {
+    // llm.c's header says what its GPT-2 is, and GPT-2 computes GELU's tanh form.
+    const dp::llmc::ModelConfig c = as_usage_error([&] { return dp::llmc::read_model_header(path).first; });
+    adopt_run_settings(o, path,
+                       {{"model", "gpt"},
+                        {"context", std::to_string(c.max_seq_len)},
+                        {"vocab", std::to_string(c.vocab)},
+                        {"layers", std::to_string(c.layers)},
+                        {"heads", std::to_string(c.heads)},
+                        {"width", std::to_string(c.channels)},
+                        {"gelu", "tanh"}},
+                       false);
+    return;
+  }
   const dp::safetensors::File file = as_usage_error([&] { return dp::safetensors::read(path); });
   check_hidden_tag(path, file);  // a file contradicting itself is refused before its tags are taken
   std::map<std::string, std::string> tags;
@@ -444,7 +485,9 @@ int run(Options o) {
   check_memory(o, checked.hidden, devices.ids, devices.cuda, g_job.processes()->size());
   g_job.set_devices(devices.ids);
   Resumed resumed = read_resume(o, world);  // first: its seed draws the synthetic data
-  const Inputs inputs = load_inputs(o, checked.normalize);
+  // A step's samples (one micro-batch's): --batch-size per shard, per ddp rank, or in all.
+  const int global_batch = o.batch_size * (o.shards > 0 ? o.shards : o.mode == dp::EngineKind::ddp ? world : 1);
+  const Inputs inputs = load_inputs(o, checked.normalize, global_batch);
   if ((o.eval_every || !o.save_best.empty()) && !inputs.test)
     throw UsageError(fmt::format("{} evaluates on the test set, and this run has none (no test split, or --no-eval)",
                                  o.eval_every ? "--eval-every" : "--save-best"));

@@ -108,8 +108,9 @@ Devices choose_devices(const Options& o);
 void check_learning_rate(const Options& o, int world);
 
 // ---- the inputs and the checkpoint to resume (train_inputs.cpp)
-// The training data and the test split (image folders, IDX files, text, synthetic), normalised.
-Inputs load_inputs(Options& o, const Normalization& normalize);
+// The training data and the test split (image folders, IDX files, text, llm.c token shards,
+// synthetic), normalised. `global_batch`: a step's samples (llm.c's batch, for its shards' order).
+Inputs load_inputs(Options& o, const Normalization& normalize, int global_batch);
 // A checkpoint's hidden sizes (its "dp.hidden" tag) against its tensors' shapes: UsageError.
 void check_hidden_tag(const std::string& path, const dp::safetensors::File& file);
 // --resume's checkpoint: its settings adopted into `o`, where its run stood, its training state.

@@ -188,14 +188,14 @@ std::unique_ptr<Model> make_resnet8(Device& device, std::uint64_t seed) {
   return model_spec("resnet8").build(device, {}, seed);
 }
 
-std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout) {
+std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout, bool tanh_gelu) {
   Layers attn, mlp, branches;
   attn.push_back(make_layernorm("ln_1", width));
   attn.push_back(make_causal_self_attention("attn", width, heads, dropout));
   if (dropout > 0.0) attn.push_back(make_dropout("attn.resid_dropout", dropout));
   mlp.push_back(make_layernorm("ln_2", width));
   mlp.push_back(make_linear("mlp.c_fc", width, 4 * width));
-  mlp.push_back(make_gelu("mlp.gelu"));
+  mlp.push_back(make_gelu("mlp.gelu", tanh_gelu));
   mlp.push_back(make_linear("mlp.c_proj", 4 * width, width));
   if (dropout > 0.0) mlp.push_back(make_dropout("mlp.dropout", dropout));
   // Unnamed residual branches with identity shortcuts and no ReLU: the Block's own names.
@@ -213,6 +213,9 @@ nn::Layers gpt_body(const GptConfig& c) {
   positive("layers", c.layers);
   positive("heads", c.heads);
   positive("width", c.width);
+  if (c.vocab_rows != 0 && c.vocab_rows < c.vocab)
+    throw InvalidArgument(fmt::format("gpt: the table's {} rows are fewer than the vocabulary's {}", c.vocab_rows,
+                                      c.vocab));
   if (c.width % c.heads != 0)
     throw InvalidArgument(fmt::format("gpt: width {} is not a multiple of heads {}", c.width, c.heads));
   if (!(c.dropout >= 0.0 && c.dropout <= 1.0))
@@ -220,7 +223,7 @@ nn::Layers gpt_body(const GptConfig& c) {
   Layers body;
   if (c.dropout > 0.0) body.push_back(make_dropout("transformer.drop", c.dropout));
   for (int i = 0; i < c.layers; ++i)
-    body.push_back(gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads, c.dropout));
+    body.push_back(gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads, c.dropout, c.tanh_gelu));
   body.push_back(make_layernorm("transformer.ln_f", c.width));
   return body;
 }
@@ -229,7 +232,8 @@ namespace detail {
 
 nn::Layers gpt_layers(const GptConfig& config) {
   Layers layers;
-  layers.push_back(make_language_model(config.vocab, config.context, config.width, gpt_body(config)));
+  layers.push_back(
+      make_language_model(config.rows(), config.context, config.width, gpt_body(config), config.vocab));
   return layers;
 }
 

@@ -232,8 +232,13 @@ class TokenEmbedding final : public Layer {
 // (under autocast the blocks' Linears take bf16; the head reads the fp32 output of ln_f).
 class LanguageModel final : public detail::Container {
  public:
-  LanguageModel(int vocab, int context, int width, Layers body)
-      : detail::Container(""), chain_(with_embedding(vocab, context, width, std::move(body))), width_(width) {
+  LanguageModel(int vocab, int context, int width, Layers body, int classes)
+      : detail::Container(""),
+        chain_(with_embedding(vocab, context, width, std::move(body))),
+        width_(width),
+        classes_(classes > 0 ? classes : vocab) {
+    if (classes_ > vocab)
+      throw InvalidArgument(fmt::format("a language model of {} table rows cannot give {} logits", vocab, classes_));
     adopt_children();
   }
   LanguageModel(const LanguageModel&) = default;
@@ -242,11 +247,11 @@ class LanguageModel final : public detail::Container {
     if (h.features() != width_ || h.h != 1)
       throw InvalidArgument(fmt::format("the language model's body gives ({}, {}, {}) per sample, not (T, 1, {})", h.c,
                                         h.h, h.w, width_));
-    return ActShape::sequence(h.n, h.positions(), embedding().vocab());
+    return ActShape::sequence(h.n, h.positions(), classes_);
   }
   std::int64_t multiply_adds(const ActShape& in) const override {
     return detail::Container::multiply_adds(in) +
-           static_cast<std::int64_t>(in.positions()) * width_ * embedding().vocab();
+           static_cast<std::int64_t>(in.positions()) * width_ * classes_;
   }
   std::int64_t first_layer_skipped_multiply_adds(const ActShape&) const override { return 0; }
   std::vector<std::pair<std::string, std::string>> aliases() const override {
@@ -255,19 +260,23 @@ class LanguageModel final : public detail::Container {
   bool output_bf16(bool) const override { return false; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     hidden_ = static_cast<const float*>(chain_.forward(ctx, x, nullptr));
-    const int rows = ctx.in.n * ctx.in.positions(), vocab = embedding().vocab();
+    const int rows = ctx.in.n * ctx.in.positions(), vocab = classes_;
     kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, hidden_, width_, embedding().table(), width_,
                   0.0f, y, vocab);
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float*,
                           const std::function<void(Layer&)>& done) override {
     TokenEmbedding& table = embedding();
-    const int rows = ctx.in.n * ctx.in.positions(), vocab = table.vocab();
+    const int rows = ctx.in.n * ctx.in.positions(), vocab = classes_;
     float* dhidden = dhidden_.get<float>(ctx.device, static_cast<std::size_t>(rows) * width_);
     kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dy, vocab, table.table(), width_, 0.0f, dhidden,
                   width_);
     kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dy, vocab, hidden_, width_,
                   ctx.accumulate_grads ? 1.0f : 0.0f, table.table_grad(), width_);
+    // The padded rows have no logit: a written gradient is 0 there (the embedding adds nothing to them).
+    if (!ctx.accumulate_grads && classes_ < table.vocab())
+      kernels::fill(ctx.stream, table.table_grad() + static_cast<std::size_t>(classes_) * width_,
+                    static_cast<kernels::index_t>(table.vocab() - classes_) * width_, 0.0f);
     table.set_tied(true);
     chain_.backward(ctx, dhidden, nullptr, done);
     table.set_tied(false);
@@ -286,6 +295,7 @@ class LanguageModel final : public detail::Container {
 
   detail::Chain chain_;
   int width_;
+  int classes_;                    // the logits per position: the table's first rows
   const float* hidden_ = nullptr;  // the last forward's ln_f output (the chain's memory)
   Scratch dhidden_;
 };
@@ -303,8 +313,8 @@ std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, i
   return std::make_unique<CausalSelfAttention>(std::move(name), width, heads, dropout);
 }
 
-std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body) {
-  return std::make_unique<LanguageModel>(vocab, context, width, std::move(body));
+std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body, int classes) {
+  return std::make_unique<LanguageModel>(vocab, context, width, std::move(body), classes);
 }
 
 }  // namespace dp::nn

@@ -40,6 +40,10 @@ class SampleSource {
   // (an unreadable file).
   virtual void fill(std::size_t index, const SampleKey& key, float* out) const = 0;
 
+  // Whether the source orders its samples itself (llm.c's token shards): the sampler then visits
+  // them in index order instead of shuffling them.
+  virtual bool keeps_its_order() const { return false; }
+
   std::size_t sample_floats() const { return numel(sample_shape()); }
 };
 

@@ -229,8 +229,9 @@ std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, i
 // ids per sample (T floats holding integers in [0, vocab), T <= context) through the token and
 // position embeddings transformer.wte (vocab, width) and transformer.wpe (context, width), the body,
 // and lm_head tied to wte (no bias): logits (T, 1, vocab) per sample. The tied lm_head is wte itself,
-// one tensor (torch's state dict names it twice).
-std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body);
+// one tensor (torch's state dict names it twice). `classes` (0: vocab) < vocab gives logits for the
+// first `classes` rows only, as llm.c pads its table: the rows past them get no gradient.
+std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body, int classes = 0);
 // torch.nn.Dropout(p): in train mode zeroes each element with probability p and scales the rest by
 // 1/(1-p); identity in eval mode. The mask comes from Philox4x32-10 (Random123) keyed by the
 // model's RandomContext (seed, step), this layer's name and the element's index in the step's

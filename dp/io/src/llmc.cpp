@@ -1,0 +1,283 @@
+// llmc.cpp — llm.c's model files and token shards (dp/io/llmc.h).
+#include "dp/io/llmc.h"
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <glob.h>
+#include <numeric>
+#include <random>
+#include <span>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <tuple>
+#include <unistd.h>
+
+#include "dp/io/atomic_file.h"
+#include "dp/runtime/error.h"
+
+namespace dp::llmc {
+namespace {
+
+// Bounds that keep every size product inside 64 bits and every shape inside dp's int extents.
+constexpr std::int64_t kMaxSize = std::int64_t{1} << 24;
+
+void check_regular(const std::string& path, const char* what) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) throw Error(fmt::format("{}: no such {}", path, what));
+  // A FIFO or a device would block or never end: only a file whose size is known is read.
+  if (!std::filesystem::is_regular_file(status)) throw Error(fmt::format("{}: not a regular file", path));
+}
+
+// The 256 header ints of `path`, and its size in bytes.
+std::pair<std::array<std::int32_t, 256>, std::uint64_t> read_header(const std::string& path, const char* what) {
+  check_regular(path, what);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot be opened for reading", path));
+  std::array<std::int32_t, 256> header{};
+  in.read(reinterpret_cast<char*>(header.data()), kHeaderBytes);
+  if (in.gcount() != static_cast<std::streamsize>(kHeaderBytes))
+    throw Error(fmt::format("{}: {} bytes, shorter than llm.c's {}-byte header", path, in.gcount(), kHeaderBytes));
+  std::error_code ec;
+  const std::uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec) throw Error(fmt::format("{}: its size cannot be read ({})", path, ec.message()));
+  return {header, size};
+}
+
+std::uint64_t parameter_count(const ModelConfig& config) {
+  std::uint64_t total = 0;
+  for (const auto& [name, shape] : parameter_layout(config)) {
+    std::uint64_t n = 1;
+    for (const std::int64_t d : shape) n *= static_cast<std::uint64_t>(d);
+    total += n;
+  }
+  return total;
+}
+
+void check_config(const std::string& path, const ModelConfig& c) {
+  const auto in_range = [&](const char* field, std::int64_t value, std::int64_t most) {
+    if (value < 1 || value > most)
+      throw Error(fmt::format("{}: llm.c header field {} is {}, not in [1, {}]", path, field, value, most));
+  };
+  in_range("maxT", c.max_seq_len, kMaxSize);
+  in_range("V", c.vocab, kMaxSize);
+  in_range("L", c.layers, 4096);
+  in_range("NH", c.heads, 4096);
+  in_range("C", c.channels, 65536);
+  in_range("Vp", c.padded_vocab, kMaxSize);
+  if (c.channels % c.heads != 0)
+    throw Error(fmt::format("{}: llm.c header: C = {} is not a multiple of NH = {}", path, c.channels, c.heads));
+  if (c.padded_vocab < c.vocab)
+    throw Error(fmt::format("{}: llm.c header: the padded vocabulary Vp = {} is below V = {}", path, c.padded_vocab,
+                            c.vocab));
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_layout(const ModelConfig& c) {
+  const std::int64_t C = c.channels;
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> out;
+  out.push_back({"transformer.wte.weight", {c.padded_vocab, C}});
+  out.push_back({"transformer.wpe.weight", {c.max_seq_len, C}});
+  // train_gpt2.c's order: each per-layer tensor for all layers before the next tensor.
+  const std::array<std::pair<const char*, std::vector<std::int64_t>>, 12> per_layer{{
+      {"ln_1.weight", {C}},
+      {"ln_1.bias", {C}},
+      {"attn.c_attn.weight", {3 * C, C}},
+      {"attn.c_attn.bias", {3 * C}},
+      {"attn.c_proj.weight", {C, C}},
+      {"attn.c_proj.bias", {C}},
+      {"ln_2.weight", {C}},
+      {"ln_2.bias", {C}},
+      {"mlp.c_fc.weight", {4 * C, C}},
+      {"mlp.c_fc.bias", {4 * C}},
+      {"mlp.c_proj.weight", {C, 4 * C}},
+      {"mlp.c_proj.bias", {C}},
+  }};
+  for (const auto& [name, shape] : per_layer)
+    for (int l = 0; l < c.layers; ++l) out.push_back({fmt::format("transformer.h.{}.{}", l, name), shape});
+  out.push_back({"transformer.ln_f.weight", {C}});
+  out.push_back({"transformer.ln_f.bias", {C}});
+  return out;
+}
+
+bool is_model_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  std::ifstream in(path, std::ios::binary);
+  std::int32_t magic = 0;
+  in.read(reinterpret_cast<char*>(&magic), sizeof(magic));
+  return in.gcount() == sizeof(magic) && magic == kModelMagic;
+}
+
+std::pair<ModelConfig, int> read_model_header(const std::string& path) {
+  const auto [header, size] = read_header(path, "llm.c model file");
+  if (header[0] != kModelMagic)
+    throw Error(fmt::format("{}: not an llm.c model file (magic {}, expected {})", path, header[0], kModelMagic));
+  const int version = header[1];
+  if (version != 3 && version != 5)
+    throw Error(fmt::format("{}: llm.c model version {}, not 3 (fp32) or 5 (bf16)", path, version));
+  const ModelConfig config{header[2], header[3], header[4], header[5], header[6], header[7]};
+  check_config(path, config);
+  const std::uint64_t element = version == 3 ? 4 : 2;
+  const std::uint64_t expected = kHeaderBytes + parameter_count(config) * element;
+  if (size != expected)
+    throw Error(fmt::format("{}: {} bytes, but its header's sizes make {} ({})", path, size, expected,
+                            size < expected ? "truncated" : "trailing bytes"));
+  return {config, version};
+}
+
+Model read_model(const std::string& path) {
+  Model model;
+  std::tie(model.config, model.version) = read_model_header(path);
+  std::ifstream in(path, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(kHeaderBytes));
+  std::vector<std::uint16_t> bits;
+  for (const auto& [name, shape] : parameter_layout(model.config)) {
+    safetensors::Tensor t{"F32", shape, {}};
+    const std::size_t n = t.numel();
+    t.data.resize(n * sizeof(float));
+    if (model.version == 3) {
+      in.read(reinterpret_cast<char*>(t.data.data()), static_cast<std::streamsize>(t.data.size()));
+    } else {  // bf16: the high half of the fp32 word
+      bits.resize(n);
+      in.read(reinterpret_cast<char*>(bits.data()), static_cast<std::streamsize>(n * 2));
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint32_t word = static_cast<std::uint32_t>(bits[i]) << 16;
+        std::memcpy(t.data.data() + i * sizeof(float), &word, sizeof(word));
+      }
+    }
+    if (!in) throw Error(fmt::format("{}: read error in {}", path, name));
+    model.tensors.add(name, std::move(t));
+  }
+  return model;
+}
+
+void write_model(const std::string& path, const ModelConfig& config, const safetensors::File& tensors) {
+  check_config(path, config);
+  std::array<std::int32_t, 256> header{};
+  header[0] = kModelMagic;
+  header[1] = 3;
+  header[2] = config.max_seq_len;
+  header[3] = config.vocab;
+  header[4] = config.layers;
+  header[5] = config.heads;
+  header[6] = config.channels;
+  header[7] = config.padded_vocab;
+  std::vector<std::span<const std::byte>> pieces{std::as_bytes(std::span(header))};
+  for (const auto& [name, shape] : parameter_layout(config)) {
+    if (!tensors.has(name)) throw InvalidArgument(fmt::format("{}: no tensor '{}' to write", path, name));
+    const safetensors::Tensor& t = tensors.at(name);
+    if (t.dtype != "F32" || t.shape != shape)
+      throw InvalidArgument(fmt::format("{}: '{}' is {} of shape [{}], llm.c's layout needs F32 [{}]", path, name,
+                                        t.dtype, fmt::join(t.shape, ", "), fmt::join(shape, ", ")));
+    pieces.push_back(std::span(t.data));
+  }
+  write_atomically(path, pieces);
+}
+
+TokenShard::TokenShard(const std::string& path, int vocab) : path_(path) {
+  const auto [header, size] = read_header(path, "token shard");
+  if (header[0] != kTokensMagic)
+    throw Error(fmt::format("{}: not an llm.c token shard (magic {}, expected {})", path, header[0], kTokensMagic));
+  if (header[1] != 1) throw Error(fmt::format("{}: llm.c token shard version {}, not 1", path, header[1]));
+  if (header[2] < 1) throw Error(fmt::format("{}: an llm.c token shard of {} tokens", path, header[2]));
+  count_ = static_cast<std::size_t>(header[2]);
+  const std::uint64_t expected = kHeaderBytes + 2 * static_cast<std::uint64_t>(count_);
+  if (size != expected)
+    throw Error(fmt::format("{}: {} bytes, but its header's {} tokens make {} ({})", path, size, count_, expected,
+                            size < expected ? "truncated" : "trailing bytes"));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(fmt::format("{}: cannot be opened for reading ({})", path, std::strerror(errno)));
+  bytes_ = static_cast<std::size_t>(size);
+  mapping_ = ::mmap(nullptr, bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int mapped_errno = errno;
+  ::close(fd);
+  if (mapping_ == MAP_FAILED) {
+    mapping_ = nullptr;
+    throw Error(fmt::format("{}: cannot be mapped ({})", path, std::strerror(mapped_errno)));
+  }
+  tokens_ = reinterpret_cast<const std::uint16_t*>(static_cast<const std::byte*>(mapping_) + kHeaderBytes);
+  // One pass over the ids: an id outside the vocabulary would index past the embedding's table.
+  const auto highest = *std::max_element(tokens_, tokens_ + count_);
+  if (highest >= vocab) {
+    const std::size_t at = static_cast<std::size_t>(std::find(tokens_, tokens_ + count_, highest) - tokens_);
+    ::munmap(mapping_, bytes_);
+    mapping_ = nullptr;
+    throw Error(fmt::format("{}: token {} is id {}, outside the vocabulary of {} (--vocab)", path, at, highest, vocab));
+  }
+}
+
+TokenShard::~TokenShard() {
+  if (mapping_) ::munmap(mapping_, bytes_);
+}
+
+std::vector<std::string> glob_shards(const std::string& pattern) {
+  glob_t found{};
+  const int status = ::glob(pattern.c_str(), 0, nullptr, &found);
+  std::vector<std::string> out;
+  for (std::size_t i = 0; status == 0 && i < found.gl_pathc; ++i) out.emplace_back(found.gl_pathv[i]);
+  ::globfree(&found);
+  if (out.empty()) throw Error(fmt::format("{}: no token shard matches", pattern));
+  return out;
+}
+
+TokenSamples::TokenSamples(std::vector<std::shared_ptr<const TokenShard>> shards, int context, int batch, int vocab,
+                           bool shuffle)
+    : shards_(std::move(shards)), context_(context), batch_(batch), vocab_(vocab) {
+  if (context < 1 || batch < 1 || shards_.empty())
+    throw InvalidArgument(fmt::format("token samples of {} tokens in batches of {} from {} shard(s)", context, batch,
+                                      shards_.size()));
+  const std::size_t span = static_cast<std::size_t>(context) * static_cast<std::size_t>(batch);
+  for (const auto& shard : shards_)
+    if (shard->size() < span + 1)
+      throw Error(fmt::format("{}: {} tokens hold no batch of {} x {} + 1 (--batch-size x --context + 1)",
+                              shard->path(), shard->size(), batch, context));
+  // llm.c's DataLoader: shard_indices permuted once the shards are counted, then each shard's
+  // batches permuted as that shard is loaded; both with random_permutation (Fisher-Yates from the
+  // end, j = randint32 % (i + 1)) over one mt19937 seeded 42 (std::mt19937 is the same generator).
+  std::mt19937 rng(42);
+  const auto permute = [&](std::vector<std::uint32_t>& v) {
+    for (std::size_t i = v.size(); i-- > 1;) std::swap(v[i], v[rng() % (i + 1)]);
+  };
+  std::vector<std::uint32_t> shard_order(shards_.size());
+  std::iota(shard_order.begin(), shard_order.end(), 0u);
+  if (shuffle) permute(shard_order);
+  for (const std::uint32_t s : shard_order) {
+    std::vector<std::uint32_t> batches((shards_[s]->size() - 1) / span);
+    std::iota(batches.begin(), batches.end(), 0u);
+    if (shuffle) permute(batches);
+    for (const std::uint32_t b : batches) order_.push_back({s, b});
+  }
+}
+
+std::pair<const TokenShard*, std::size_t> TokenSamples::start(std::size_t index) const {
+  const auto per_batch = static_cast<std::size_t>(batch_);
+  const Batch& b = order_.at(index / per_batch);
+  const std::size_t first = (static_cast<std::size_t>(b.first) * per_batch + index % per_batch) *
+                            static_cast<std::size_t>(context_);
+  return {shards_[b.shard].get(), first};
+}
+
+std::int64_t TokenSamples::label(std::size_t index) const {
+  const auto [shard, first] = start(index);
+  return (*shard)[first + 1];
+}
+
+void TokenSamples::fill(std::size_t index, const SampleKey&, float* out) const {
+  const auto [shard, first] = start(index);
+  for (int t = 0; t < context_; ++t) out[t] = static_cast<float>((*shard)[first + static_cast<std::size_t>(t)]);
+}
+
+void TokenSamples::fill_targets(std::size_t index, std::int64_t* out) const {
+  const auto [shard, first] = start(index);
+  for (int t = 0; t < context_; ++t) out[t] = (*shard)[first + 1 + static_cast<std::size_t>(t)];
+}
+
+}  // namespace dp::llmc
