@@ -6,6 +6,7 @@ and token shards (magic 20240520, uint16 tokens), and the comparison with llm.c'
     scripts/llmc.py to-llmc gpt2.safetensors gpt2_124M.bin          # and back (version 3, fp32)
     scripts/llmc.py tokens input.txt tokens.bin                      # a text's bytes as a token shard
     scripts/llmc.py parity ~/llm.c                                   # losses and speed against train_gpt2.c
+    scripts/llmc.py golden ~/llm.c README.md tests/golden/llmc       # the test's token shard and losses
 
 The safetensors file holds nanoGPT's tensor names (what dp_train --init and nanoGPT's GPT load) and,
 in its metadata, the llm.c header's sizes as dp_train's tags (dp.context, dp.vocab, dp.layers,
@@ -238,20 +239,24 @@ def gpt_flags(size):
 
 
 def make_files(work, size, text, steps):
-    """dp's initial GPT as llm.c's gpt2_124M.bin, and the text's bytes as both token shards."""
-    os.makedirs(os.path.join(work, "dev/data/tinyshakespeare"), exist_ok=True)
-    init = os.path.join(work, "init.safetensors")
-    # One step at learning rate 0 leaves dp's initialisation as it is; its checkpoint is the start.
-    subprocess.run([dp_train_bin(), "--backend", "sim", "--text", text, "--steps", "1", "--lr", "0", "--no-eval",
-                    "--save", init] + gpt_flags(size), check=True, stdout=subprocess.DEVNULL)
-    to_llmc(init, os.path.join(work, "gpt2_124M.bin"))
+    """The text's bytes as both token shards where train_gpt2.c looks for them (enough for `steps`
+    batches of 4 x T without wrapping around: llm.c reshuffles then), and dp's initial GPT as its
+    gpt2_124M.bin."""
+    shards = os.path.join(work, "dev/data/tinyshakespeare")
+    os.makedirs(shards, exist_ok=True)
     with open(text, "rb") as f:
         data = list(f.read())
     need = steps * 4 * size["context"] + 1
     while len(data) < need:
         data += data
     for split in ("train", "val"):
-        write_tokens(os.path.join(work, "dev/data/tinyshakespeare/tiny_shakespeare_%s.bin" % split), data)
+        write_tokens(os.path.join(shards, "tiny_shakespeare_%s.bin" % split), data[:need])
+    init = os.path.join(work, "init.safetensors")
+    # One step at learning rate 0 leaves dp's initialisation (of --seed's default) as it is.
+    subprocess.run([dp_train_bin(), "--backend", "sim", "--tokens", os.path.join(shards, "tiny_shakespeare_train.bin"),
+                    "--steps", "1", "--lr", "0", "--no-eval", "--save", init] + gpt_flags(size),
+                   check=True, stdout=subprocess.DEVNULL)
+    to_llmc(init, os.path.join(work, "gpt2_124M.bin"))
 
 
 def llmc_losses(binary, work, threads):
@@ -279,14 +284,42 @@ def dp_losses(work, size, steps, extra):
     return [r["loss"] for r in records if r.get("kind") == "step"], seconds
 
 
-def parity(llmc_dir, text):
+def build_llmc(llmc_dir):
+    """train_gpt2 built by llm.c's own Makefile in the user's checkout; None without one."""
     if not llmc_dir or not os.path.isfile(os.path.join(llmc_dir, "train_gpt2.c")):
+        return None
+    subprocess.run(["make", "train_gpt2"], cwd=llmc_dir, check=True, stdout=subprocess.DEVNULL)
+    return os.path.join(os.path.abspath(llmc_dir), "train_gpt2")
+
+
+def golden(llmc_dir, text, out_dir):
+    """tests/golden/llmc: the small GPT's token shard and train_gpt2.c's 41 losses on it (steps 0..40)
+    from dp's initialisation: what dp_train must reproduce without llm.c at hand."""
+    binary = build_llmc(llmc_dir)
+    if not binary:
+        raise Refused("no llm.c checkout at %r (train_gpt2.c)" % llmc_dir)
+    with tempfile.TemporaryDirectory() as work:
+        make_files(work, SMALL, text, 41)
+        losses, _ = llmc_losses(binary, work, os.cpu_count() or 1)
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.copyfile(os.path.join(work, "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"),
+                        os.path.join(out_dir, "tokens.bin"))
+    commit = subprocess.run(["git", "-C", llmc_dir, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(out_dir, "train_gpt2_losses.json"), "w") as f:
+        json.dump({"model": SMALL, "batch": 4, "optimizer": "AdamW lr 1e-4 betas 0.9,0.999 eps 1e-8 wd 0",
+                   "llm.c": commit or "unknown", "losses": losses}, f, indent=1)
+        f.write("\n")
+    print("llmc.py golden: %d losses into %s" % (len(losses), out_dir))
+    return 0
+
+
+def parity(llmc_dir, text):
+    binary = build_llmc(llmc_dir)
+    if not binary:
         print("llmc.py parity: no llm.c checkout at %r (train_gpt2.c): skipped" % llmc_dir)
         return 0
-    subprocess.run(["make", "train_gpt2"], cwd=llmc_dir, check=True, stdout=subprocess.DEVNULL)
-    binary = os.path.join(os.path.abspath(llmc_dir), "train_gpt2")
     threads = os.cpu_count() or 1
-    steps = 40
+    steps = 41
     for label, size in (("small", SMALL), ("10.8M", LARGE)):
         with tempfile.TemporaryDirectory() as work:
             make_files(work, size, text, steps)
@@ -312,6 +345,8 @@ def main(argv):
             to_llmc(argv[2], argv[3])
         elif len(argv) == 4 and argv[1] == "tokens":
             tokens_of_text(argv[2], argv[3])
+        elif len(argv) == 5 and argv[1] == "golden":
+            return golden(argv[2], argv[3], argv[4])
         elif len(argv) in (3, 4) and argv[1] == "parity":
             return parity(argv[2], argv[3] if len(argv) == 4 else os.path.join(HERE, "..", "README.md"))
         else:

@@ -35,7 +35,7 @@ struct Options : dp::tools::SharedOptions {
   std::string device_ids;
   std::optional<int> output_device;
   std::string data;
-  std::string text;  // a text file: byte tokens for --model gpt (the last 10 % held out)
+  std::string text;                // a text file: byte tokens for --model gpt (the last 10 % held out)
   std::string tokens, val_tokens;  // llm.c token shards (a glob each) for --model gpt
   int context = 64, layers = 4, heads = 4, width = 128;  // gpt
   int vocab = 256;                                       // gpt: token ids [0, vocab) (bytes: 256)

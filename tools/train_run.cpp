@@ -35,8 +35,8 @@
 #include "dp/io/checkpoint.h"
 #include "dp/io/data.h"
 #include "dp/io/image_folder.h"
-#include "dp/io/safetensors.h"
 #include "dp/io/llmc.h"
+#include "dp/io/safetensors.h"
 #include "dp/io/text.h"
 #include "dp/io/training_state.h"
 #include "dp/models/registry.h"
@@ -77,19 +77,20 @@ dp::safetensors::File read_init(const Options& o) {
   dp::llmc::Model file = dp::llmc::read_model(o.init);
   const dp::llmc::ModelConfig& c = file.config;
   if (o.model != "gpt") throw UsageError(fmt::format("--init {}: an llm.c GPT-2 loads into --model gpt", o.init));
-  const std::string wanted =
-      fmt::format("--context {} --vocab {} --layers {} --heads {} --width {}", c.max_seq_len, c.vocab, c.layers,
-                  c.heads, c.channels);
-  const std::string have = fmt::format("--context {} --vocab {} --layers {} --heads {} --width {}", o.context,
-                                       o.vocab, o.layers, o.heads, o.width);
+  const std::string wanted = fmt::format("--context {} --vocab {} --layers {} --heads {} --width {}", c.max_seq_len,
+                                         c.vocab, c.layers, c.heads, c.channels);
+  const std::string have = fmt::format("--context {} --vocab {} --layers {} --heads {} --width {}", o.context, o.vocab,
+                                       o.layers, o.heads, o.width);
   if (wanted != have)
-    throw UsageError(fmt::format("--init {}: an llm.c GPT-2 of maxT {}, V {}, L {}, NH {}, C {}: run it with {} (this "
-                                 "run has {})",
-                                 o.init, c.max_seq_len, c.vocab, c.layers, c.heads, c.channels, wanted, have));
+    throw UsageError(
+        fmt::format("--init {}: an llm.c GPT-2 of maxT {}, V {}, L {}, NH {}, C {}: run it with {} (this "
+                    "run has {})",
+                    o.init, c.max_seq_len, c.vocab, c.layers, c.heads, c.channels, wanted, have));
   if (c.padded_vocab != dp::models::llmc_padded_vocab(c.vocab))
-    throw UsageError(fmt::format("--init {}: its table has {} rows for a vocabulary of {}; dp pads it to {} as llm.c's "
-                                 "own scripts do",
-                                 o.init, c.padded_vocab, c.vocab, dp::models::llmc_padded_vocab(c.vocab)));
+    throw UsageError(
+        fmt::format("--init {}: its table has {} rows for a vocabulary of {}; dp pads it to {} as llm.c's "
+                    "own scripts do",
+                    o.init, c.padded_vocab, c.vocab, dp::models::llmc_padded_vocab(c.vocab)));
   if (o.gelu != "tanh")
     throw UsageError(fmt::format("--init {}: llm.c's GPT-2 computes GELU's tanh form: add --gelu tanh", o.init));
   return std::move(file.tensors);
@@ -332,9 +333,9 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
   };
   auto orders = std::make_shared<std::vector<Order>>();
   for (long local = 0; local < ranks; ++local)
-    orders->push_back(Order{
-        dp::DistributedSampler(data->size(), plan.shards, first + static_cast<int>(local),
-                                             !o.no_shuffle && !data->keeps_its_order(), o.seed), {}});
+    orders->push_back(Order{dp::DistributedSampler(data->size(), plan.shards, first + static_cast<int>(local),
+                                                   !o.no_shuffle && !data->keeps_its_order(), o.seed),
+                            {}});
   const auto batch = static_cast<std::size_t>(o.batch_size);
   const bool log = o.log_batches;
   const long start_step = plan.start_step;

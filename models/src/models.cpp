@@ -214,8 +214,8 @@ nn::Layers gpt_body(const GptConfig& c) {
   positive("heads", c.heads);
   positive("width", c.width);
   if (c.vocab_rows != 0 && c.vocab_rows < c.vocab)
-    throw InvalidArgument(fmt::format("gpt: the table's {} rows are fewer than the vocabulary's {}", c.vocab_rows,
-                                      c.vocab));
+    throw InvalidArgument(
+        fmt::format("gpt: the table's {} rows are fewer than the vocabulary's {}", c.vocab_rows, c.vocab));
   if (c.width % c.heads != 0)
     throw InvalidArgument(fmt::format("gpt: width {} is not a multiple of heads {}", c.width, c.heads));
   if (!(c.dropout >= 0.0 && c.dropout <= 1.0))
@@ -232,8 +232,7 @@ namespace detail {
 
 nn::Layers gpt_layers(const GptConfig& config) {
   Layers layers;
-  layers.push_back(
-      make_language_model(config.rows(), config.context, config.width, gpt_body(config), config.vocab));
+  layers.push_back(make_language_model(config.rows(), config.context, config.width, gpt_body(config), config.vocab));
   return layers;
 }
 

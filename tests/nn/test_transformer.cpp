@@ -139,6 +139,44 @@ TEST_P(Transformer, AGptReplicatesAccumulatesAndReportsTheTiedTableLast) {
   EXPECT_TRUE(test::all_close(wte, twice, 1e-4, 4e-6));
 }
 
+// llm.c's padded table (GPTConfig's 50257 tokens in 50304 rows): rows past the vocabulary get no
+// logit, so the logits and every gradient are the unpadded model's, bit for bit, and the padding's
+// gradient is 0 (written, and still 0 after a second, accumulating backward).
+TEST_P(Transformer, APaddedTableGivesTheUnpaddedLogitsAndGradients) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt"));
+  Layers plain_layers, padded_layers;
+  plain_layers.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
+  padded_layers.push_back(nn::make_language_model(40, 8, 16, gpt_body(), 32));
+  nn::SequentialModel plain("gpt", *device_, std::move(plain_layers), {6});
+  nn::SequentialModel padded("gpt", *device_, std::move(padded_layers), {6});
+  ASSERT_EQ(padded.param_count(), plain.param_count() + 8 * 16);
+  load_state_dict(plain, stream_, golden, "init.");
+  // wte leads both: the padded one's first 32 rows are plain's, then 8 rows of 0.5, then the rest.
+  std::vector<float> values = test::to_host(stream_, plain.params_flat(), plain.param_count());
+  values.insert(values.begin() + 32 * 16, 8 * 16, 0.5f);
+  stream_.copy(padded.params_flat(), values.data(), values.size() * sizeof(float));
+  const auto idx = golden.at("data.idx").to_i64();
+  const std::vector<float> ids(idx.begin(), idx.end());
+  const auto dlogits = golden.at("data.dlogits").to_f32();
+  DeviceBuffer in = test::upload(*device_, stream_, ids), dl = test::upload(*device_, stream_, dlogits);
+  std::vector<std::vector<float>> logits, grads;
+  for (Model* m : std::initializer_list<Model*>{&plain, &padded}) {
+    ASSERT_EQ(m->output_features(), 32);
+    m->zero_grad(stream_);
+    for (int pass = 0; pass < 2; ++pass) {
+      const float* y = m->forward(stream_, in.as<float>(), 3, Mode::train);
+      if (pass == 0) logits.push_back(test::to_host(stream_, y, dlogits.size()));
+      m->backward(stream_, dl.as<float>(), {});
+    }
+    grads.push_back(test::to_host(stream_, m->grads_flat(), m->param_count()));
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+  std::vector<float> expected = grads[0];
+  expected.insert(expected.begin() + 32 * 16, 8 * 16, 0.0f);
+  EXPECT_EQ(grads[1], expected);
+  EXPECT_THROW(nn::make_language_model(8, 8, 16, gpt_body(), 9), InvalidArgument);
+}
+
 TEST_P(Transformer, ShapesThatDoNotFitAreRefusedNamingTheLayer) {
   Layers wrong;
   wrong.push_back(nn::make_layernorm("ln_f", 16));

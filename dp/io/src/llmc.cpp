@@ -74,8 +74,8 @@ void check_config(const std::string& path, const ModelConfig& c) {
   if (c.channels % c.heads != 0)
     throw Error(fmt::format("{}: llm.c header: C = {} is not a multiple of NH = {}", path, c.channels, c.heads));
   if (c.padded_vocab < c.vocab)
-    throw Error(fmt::format("{}: llm.c header: the padded vocabulary Vp = {} is below V = {}", path, c.padded_vocab,
-                            c.vocab));
+    throw Error(
+        fmt::format("{}: llm.c header: the padded vocabulary Vp = {} is below V = {}", path, c.padded_vocab, c.vocab));
 }
 
 }  // namespace
@@ -205,12 +205,13 @@ TokenShard::TokenShard(const std::string& path, int vocab) : path_(path) {
   }
   tokens_ = reinterpret_cast<const std::uint16_t*>(static_cast<const std::byte*>(mapping_) + kHeaderBytes);
   // One pass over the ids: an id outside the vocabulary would index past the embedding's table.
-  const auto highest = *std::max_element(tokens_, tokens_ + count_);
-  if (highest >= vocab) {
-    const std::size_t at = static_cast<std::size_t>(std::find(tokens_, tokens_ + count_, highest) - tokens_);
+  const std::uint16_t* bad = std::find_if(tokens_, tokens_ + count_, [vocab](std::uint16_t t) { return t >= vocab; });
+  if (bad != tokens_ + count_) {
+    const std::uint16_t id = *bad;
+    const auto at = static_cast<std::size_t>(bad - tokens_);
     ::munmap(mapping_, bytes_);
     mapping_ = nullptr;
-    throw Error(fmt::format("{}: token {} is id {}, outside the vocabulary of {} (--vocab)", path, at, highest, vocab));
+    throw Error(fmt::format("{}: token {} is id {}, outside the vocabulary of {} (--vocab)", path, at, id, vocab));
   }
 }
 
@@ -232,8 +233,8 @@ TokenSamples::TokenSamples(std::vector<std::shared_ptr<const TokenShard>> shards
                            bool shuffle)
     : shards_(std::move(shards)), context_(context), batch_(batch), vocab_(vocab) {
   if (context < 1 || batch < 1 || shards_.empty())
-    throw InvalidArgument(fmt::format("token samples of {} tokens in batches of {} from {} shard(s)", context, batch,
-                                      shards_.size()));
+    throw InvalidArgument(
+        fmt::format("token samples of {} tokens in batches of {} from {} shard(s)", context, batch, shards_.size()));
   const std::size_t span = static_cast<std::size_t>(context) * static_cast<std::size_t>(batch);
   for (const auto& shard : shards_)
     if (shard->size() < span + 1)
@@ -260,8 +261,8 @@ TokenSamples::TokenSamples(std::vector<std::shared_ptr<const TokenShard>> shards
 std::pair<const TokenShard*, std::size_t> TokenSamples::start(std::size_t index) const {
   const auto per_batch = static_cast<std::size_t>(batch_);
   const Batch& b = order_.at(index / per_batch);
-  const std::size_t first = (static_cast<std::size_t>(b.first) * per_batch + index % per_batch) *
-                            static_cast<std::size_t>(context_);
+  const std::size_t first =
+      (static_cast<std::size_t>(b.first) * per_batch + index % per_batch) * static_cast<std::size_t>(context_);
   return {shards_[b.shard].get(), first};
 }
 

@@ -250,8 +250,7 @@ class LanguageModel final : public detail::Container {
     return ActShape::sequence(h.n, h.positions(), classes_);
   }
   std::int64_t multiply_adds(const ActShape& in) const override {
-    return detail::Container::multiply_adds(in) +
-           static_cast<std::int64_t>(in.positions()) * width_ * classes_;
+    return detail::Container::multiply_adds(in) + static_cast<std::int64_t>(in.positions()) * width_ * classes_;
   }
   std::int64_t first_layer_skipped_multiply_adds(const ActShape&) const override { return 0; }
   std::vector<std::pair<std::string, std::string>> aliases() const override {

@@ -20,9 +20,6 @@ namespace dp::models {
 
 struct GptConfig {
   int vocab = 256;   // token ids [0, vocab): the logits per position (bytes as tokens: 256)
-  // wte's rows (0: vocab). llm.c pads GPT-2's 50257 to 50304: the rows past vocab are never an
-  // input and get no logit, so they keep their values (and train_gpt2.c's arithmetic is kept).
-  int vocab_rows = 0;
   int context = 64;  // block_size: the longest sequence, and wpe's rows
   int layers = 4;    // n_layer
   int heads = 4;     // n_head; width % heads == 0
@@ -34,6 +31,9 @@ struct GptConfig {
   // GPT-2's GELU, the tanh approximation (llm.c's, nn.GELU(approximate='tanh')); false: nanoGPT's
   // exact nn.GELU().
   bool tanh_gelu = false;
+  // wte's rows (0: vocab). llm.c pads GPT-2's 50257 to 50304: the rows past vocab are never an
+  // input and get no logit, so they keep their values (and train_gpt2.c's arithmetic is kept).
+  int vocab_rows = 0;
   int rows() const { return vocab_rows > 0 ? vocab_rows : vocab; }
 };
 

@@ -45,7 +45,7 @@ std::pair<ModelConfig, int> read_model_header(const std::string& path);
 
 struct Model {
   ModelConfig config;
-  int version = 3;          // 3: fp32 values; 5: bf16, read here into fp32
+  int version = 3;            // 3: fp32 values; 5: bf16, read here into fp32
   safetensors::File tensors;  // F32, parameter_layout's names and shapes, in its order
 };
 // Throws dp::Error naming `path` and what is wrong: not a regular file, a short header, the wrong
