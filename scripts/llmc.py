@@ -259,13 +259,17 @@ def make_files(work, size, text, steps):
     to_llmc(init, os.path.join(work, "gpt2_124M.bin"))
 
 
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def llmc_losses(binary, work, threads):
+    """train_gpt2.c's losses, and its median step's seconds (its own "took" timings)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    start = time.perf_counter()
     out = subprocess.run([binary], cwd=work, env=env, capture_output=True, text=True, check=True).stdout
-    seconds = time.perf_counter() - start
-    losses = [float(m.group(1)) for m in re.finditer(r"step \d+: train loss ([-0-9.e]+)", out)]
-    return losses, seconds
+    steps = re.findall(r"step \d+: train loss ([-0-9.e]+) \(took ([0-9.]+) ms\)", out)
+    return [float(loss) for loss, _ in steps], median([float(ms) for _, ms in steps[1:]]) / 1000
 
 
 def dp_losses(work, size, steps, extra):
@@ -276,12 +280,11 @@ def dp_losses(work, size, steps, extra):
            os.path.join(work, "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"), "--batch-size", "4",
            "--steps", str(steps), "--optimizer", "adamw", "--lr", "1e-4", "--beta1", "0.9", "--beta2", "0.999", "--eps", "1e-8",
            "--weight-decay", "0", "--no-eval", "--log-every", "1", "--metrics-json", metrics] + extra
-    start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - start
     with open(metrics) as f:
-        records = [json.loads(line) for line in f]
-    return [r["loss"] for r in records if r.get("kind") == "step"], seconds
+        records = [json.loads(line) for line in f if '"kind":"step"' in line.replace(" ", "")]
+    # The median step's seconds, from each logged step's samples/s (4 samples a step).
+    return [r["loss"] for r in records], median([4.0 / r["samples_per_s"] for r in records[1:]])
 
 
 def build_llmc(llmc_dir):
@@ -330,9 +333,18 @@ def parity(llmc_dir, text):
                   (label, size["layers"], size["heads"], size["width"], len(reference), gap))
             for i, (a, b) in enumerate(zip(reference, ours)):
                 print("  step %2d  llm.c %.6f  dp %.6f" % (i, a, b))
-            tokens = len(reference) * 4 * size["context"]
-            print("  tokens/s: llm.c %.0f (OMP_NUM_THREADS=%d), dp single %.0f (process wall time, set-up included)" %
-                  (tokens / llmc_s, threads, tokens / dp_s))
+            # Alternating runs, each side's median step: llm.c's own timing, dp's from its step log.
+            llmc_times, single, ddp = [llmc_s], [dp_s], []
+            for _ in range(2):
+                ddp.append(dp_losses(work, size, len(reference), ["--backend", "sim", "--mode", "ddp", "--devices",
+                                                                  str(threads), "--batch-size", str(4 // threads)])[1]
+                           if 4 % threads == 0 else float("nan"))
+                llmc_times.append(llmc_losses(binary, work, threads)[1])
+                single.append(dp_losses(work, size, len(reference), ["--backend", "sim"])[1])
+            tokens = 4 * size["context"]
+            a, b, c = tokens / median(llmc_times), tokens / median(single), tokens / median(ddp)
+            print("  tokens/s (median step of 3 alternating runs): llm.c %.0f (OMP_NUM_THREADS=%d), dp single %.0f "
+                  "(%.2fx), dp ddp over %d sim devices %.0f (%.2fx)" % (a, threads, b, b / a, threads, c, c / a))
     return 0
 
 
