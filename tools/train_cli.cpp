@@ -383,6 +383,11 @@ FlagGroup<O> output_flags() {
            .value = flag::integer<O>(&O::generate, 1, std::uint64_t{1} << 30, "N"),
            .help = "gpt: print N bytes sampled from the --init checkpoint after --prompt, train nothing",
            .torch = "model.generate(idx, N, temperature, top_k) (nanoGPT)"},
+          {.name = "--num-samples",
+           .value = flag::integer<O>(&O::num_samples, 1, 1 << 20, "N"),
+           .help = "--generate: N samples, each printed after the prompt, a rule of dashes between them",
+           .torch = "sample.py's num_samples (nanoGPT's default 10)",
+           .default_text = "1"},
           {.name = "--prompt",
            .value = flag::text<O>(&O::prompt, "BYTES"),
            .help = "--generate: the text the sample continues",
@@ -432,7 +437,8 @@ void relate(dp::tools::CommandLine& cli) {
   cli.option("--steps")->excludes(cli.option("--epochs"));
   cli.option("--eval")->excludes(cli.option("--no-eval"));
   cli.option("--init-non-strict")->needs(cli.option("--init"));
-  for (const char* flag : {"--prompt", "--temperature", "--top-k"}) cli.option(flag)->needs("--generate");
+  for (const char* flag : {"--prompt", "--temperature", "--top-k", "--num-samples"})
+    cli.option(flag)->needs("--generate");
   for (const char* flag : {"--save-every", "--save-every-epoch", "--keep"}) cli.option(flag)->needs("--save");
 }
 

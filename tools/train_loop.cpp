@@ -217,13 +217,27 @@ class TrainLoop {
   long epoch_samples_ = 0;
   long reached_ = 0;
   int stop_signal_ = 0;
-  std::optional<double> best_accuracy_;  // --save-best: of this run's evaluations
-  long best_step_ = 0;                   // and the step of the checkpoint it wrote
+  // --save-best's measure of an evaluation: a language model's held-out loss (nanoGPT's
+  // best_val_loss: lower is better), else the test accuracy (higher is better).
+  bool language_model() const { return model_of(o_).takes(dp::models::ModelArg::gpt); }
+  double measure(const dp::EvalTotals& totals) const {
+    return language_model() ? totals.mean_loss() : totals.accuracy();
+  }
+  std::string measure_text(double value) const {
+    return language_model() ? fmt::format("test loss {:.4f}", value)
+                            : fmt::format("test accuracy {:.2f}%", 100 * value);
+  }
+  // A language model's tokens per second beside its samples, in the step and epoch lines.
+  std::string tokens_text(double samples_per_s) const {
+    return language_model() ? fmt::format(" tokens/s {:.0f}", samples_per_s * o_.context) : std::string();
+  }
+  std::optional<double> best_;  // --save-best: the best measure of this run's evaluations
+  long best_step_ = 0;          // and the step of the checkpoint it wrote
   // A diverged run's note on the best checkpoint it wrote before (it stays: a good model), or "".
   std::string kept() const {
-    return best_accuracy_ ? fmt::format("; --save-best {} holds step {}'s model (test accuracy {:.2f}%)", o_.save_best,
-                                        best_step_, 100.0 * *best_accuracy_)
-                          : "";
+    return best_ ? fmt::format("; --save-best {} holds step {}'s model ({})", o_.save_best, best_step_,
+                               measure_text(*best_))
+                 : "";
   }
 };
 
@@ -293,7 +307,10 @@ int TrainLoop::run() {
       if (const int code = evaluate_at(s, plan_.epochs.of(s))) return code;
     if (checkpoint) save_periodic(s + 1);
   }
-  say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}\n", plan_.total_steps, since(t0_), loss_);
+  // The training's time; evaluations and checkpoints (paused) apart.
+  const double all = since(t0_);
+  say("dp_train: {} step(s) in {:.2f} s, final loss {:.6f}{}\n", plan_.total_steps, training_clock(), loss_,
+      paused_total_ > 0.005 ? fmt::format(" ({:.2f} s more evaluating and saving)", all - training_clock()) : "");
   return 0;
 }
 
@@ -351,11 +368,12 @@ void TrainLoop::log_step(long s, long epoch, double lr, bool last) {
   // --clip-grad-norm: the step's norm before clipping (a wait for the step's update: at log lines only).
   const std::optional<float> grad_norm = engine_.last_grad_norm();
   const std::string line =
-      fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g}{} samples/s {:.1f}", s + 1, epoch + 1, loss_, lr,
-                  grad_norm ? fmt::format(" grad-norm {:.4g}", *grad_norm) : "", rate);
+      fmt::format("step {:>6} epoch {:>3} loss {:.6f} lr {:.5g}{} samples/s {:.1f}{}", s + 1, epoch + 1, loss_, lr,
+                  grad_norm ? fmt::format(" grad-norm {:.4g}", *grad_norm) : "", rate, tokens_text(rate));
   nlohmann::json record = {{"kind", "step"}, {"step", s + 1},         {"epoch", epoch + 1},     {"loss", loss_},
                            {"lr", lr},       {"samples_per_s", rate}, {"elapsed_s", since(t0_)}};
   if (grad_norm) record["grad_norm"] = *grad_norm;
+  if (language_model()) record["tokens_per_s"] = rate * o_.context;
   metrics_.write(record);
   if (terminal_) {
     draw_progress(s, epoch, lr, grad_norm ? fmt::format(" | grad-norm {:.4g}", *grad_norm) : "");
@@ -410,12 +428,12 @@ int TrainLoop::evaluate_at(long s, long epoch) {
 }
 
 bool TrainLoop::save_if_best(const dp::EvalTotals& totals, long steps) {
-  if (o_.save_best.empty() || (best_accuracy_ && totals.accuracy() <= *best_accuracy_)) return false;
-  best_accuracy_ = totals.accuracy();
+  const double value = measure(totals);
+  if (o_.save_best.empty() || (best_ && (language_model() ? value >= *best_ : value <= *best_))) return false;
+  best_ = value;
   best_step_ = steps;
   write_checkpoint(o_, engine_, plan_, o_.save_best, steps);
-  say("dp_train: saved {} (test accuracy {:.2f}%, the best so far) at step {}\n", o_.save_best,
-      100.0 * totals.accuracy(), steps);
+  say("dp_train: saved {} ({}, the best so far) at step {}\n", o_.save_best, measure_text(value), steps);
   return true;
 }
 
@@ -434,17 +452,19 @@ int TrainLoop::end_epoch(long s, long epoch) {
   const double rate = static_cast<double>(epoch_samples_) / std::max(1e-9, train_seconds);
   const bool complete = plan_.epochs.into(s + 1) == 0;
   if (terminal_) say("\r\x1b[K");  // the progress line cleared
-  say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s | elapsed {} | ETA {}\n", epoch + 1,
+  say("epoch {:>3}{} | train loss {:.4f}{} | {:.1f} samples/s{} | elapsed {} | ETA {}\n", epoch + 1,
       complete ? "" : " (partial)", train_loss,
       totals ? fmt::format(" | test loss {:.4f} | test acc {:.2f}%{}", totals->mean_loss(), 100.0 * totals->accuracy(),
                            bits_per_byte_text(o_, *totals))
              : "",
-      rate, duration_text(elapsed), duration_text(eta));
+      rate, language_model() ? fmt::format(" | {:.0f} tokens/s", rate * o_.context) : std::string(),
+      duration_text(elapsed), duration_text(eta));
   std::fflush(stdout);
   nlohmann::json record = {
       {"kind", "epoch"},          {"epoch", epoch + 1},    {"step", s + 1},        {"complete", complete},
       {"train_loss", train_loss}, {"samples_per_s", rate}, {"elapsed_s", elapsed}, {"eta_s", eta},
       {"precision", o_.precision}};
+  if (language_model()) record["tokens_per_s"] = rate * o_.context;
   for (const auto& [tag, value] : dp::tools::per_epoch_settings(o_, dp::to_string(o_.mode))) record[tag] = value;
   record["test_loss"] = totals ? nlohmann::json(totals->mean_loss()) : nlohmann::json(nullptr);
   record["test_accuracy"] = totals ? nlohmann::json(totals->accuracy()) : nlohmann::json(nullptr);

@@ -74,6 +74,7 @@ struct Options : dp::tools::SharedOptions {
   std::string predictions;   // --eval-only: each test sample's predicted class, one per line
   long generate = 0;         // gpt: print this many bytes sampled from the --init checkpoint, train nothing
   std::string prompt;        // --generate: the bytes the sample continues (empty: a newline)
+  int num_samples = 1;       // --generate: samples drawn, one after another
   double temperature = 1.0;  // --generate: logits / T before the softmax
   int top_k = 0;             // --generate: sample among the K likeliest bytes only (0: all)
   long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would

@@ -160,23 +160,27 @@ int generate_text(const Options& o, dp::Engine& engine) {
   const dp::Model& model = engine.model();
   const auto context = static_cast<std::size_t>(model.targets_per_sample());
   const auto vocab = static_cast<std::size_t>(model.output_features());
-  std::vector<std::uint8_t> tokens(o.prompt.begin(), o.prompt.end());
-  if (tokens.empty()) tokens.push_back('\n');
-  std::mt19937_64 rng(o.seed);
+  std::mt19937_64 rng(o.seed);  // one stream over every sample
   std::vector<float> window(context);
-  for (long i = 0; i < o.generate; ++i) {
-    const std::size_t n = std::min(tokens.size(), context);
-    std::fill(window.begin(), window.end(), 0.0f);
-    std::copy(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin());
-    const dp::Batch batch{window.data(), nullptr, 1};
-    const std::vector<float> logits = engine.predict(std::span<const dp::Batch>(&batch, 1));
-    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)
-    const int next =
-        sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, vocab), o.temperature, o.top_k, u);
-    tokens.push_back(static_cast<std::uint8_t>(next));
-    if (g_job.primary()) std::fputc(next, stdout);
+  // As nanoGPT's sample.py prints them: the prompt, then its continuation; samples apart by a rule.
+  for (int sample = 0; sample < o.num_samples; ++sample) {
+    std::vector<std::uint8_t> tokens(o.prompt.begin(), o.prompt.end());
+    if (tokens.empty()) tokens.push_back('\n');
+    say("{}", o.prompt);
+    for (long i = 0; i < o.generate; ++i) {
+      const std::size_t n = std::min(tokens.size(), context);
+      std::fill(window.begin(), window.end(), 0.0f);
+      std::copy(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin());
+      const dp::Batch batch{window.data(), nullptr, 1};
+      const std::vector<float> logits = engine.predict(std::span<const dp::Batch>(&batch, 1));
+      const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)
+      const int next =
+          sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, vocab), o.temperature, o.top_k, u);
+      tokens.push_back(static_cast<std::uint8_t>(next));
+      if (g_job.primary()) std::fputc(next, stdout);
+    }
+    say("{}", o.num_samples > 1 ? "\n---------------\n" : "\n");
   }
-  say("\n");
   std::fflush(stdout);
   return 0;
 }

@@ -74,6 +74,18 @@ TEST_F(SilentCorruption, HealthyRunsNeverTripItAndItChangesNoBit) {
   ASSERT_EQ(train("", convnet + "--check-replicas 1 --save checked.st").code, 0);
   ASSERT_EQ(train("", convnet + "--check-replicas 0 --save unchecked.st").code, 0);
   EXPECT_EQ(read_file(path("checked.st")), read_file(path("unchecked.st")));
+  // Shadow shards every step: 2,000 steps of MLP and 300 of ConvNet (with BatchNorm, whose running
+  // statistics the twin's extra forward must not move), graphs on; the same checkpoint as unchecked.
+  const Result shadow_mlp = train("",
+                                  "--model mlp --hidden 16 --synthetic 512 --batch-size 8 --mode ddp --devices 2 "
+                                  "--shards 2 --shadow-shards 1 --steps 2000");
+  EXPECT_EQ(shadow_mlp.code, 0) << shadow_mlp.output;
+  const std::string sharded =
+      "--model convnet --synthetic 256 --batch-size 4 --mode ddp --devices 3 --shards 6 --steps 300 --check-replicas "
+      "0 ";
+  ASSERT_EQ(train("", sharded + "--shadow-shards 1 --save shadowed.st").code, 0);
+  ASSERT_EQ(train("", sharded + "--save plain.st").code, 0);
+  EXPECT_EQ(read_file(path("shadowed.st")), read_file(path("plain.st")));
 }
 
 // 4 devices, 8 shards, a shard checked every step: at step 5 the check is device 1's second shard

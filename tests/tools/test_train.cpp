@@ -352,6 +352,37 @@ TEST_F(TrainTest, ShardsMakeTheDeviceCountADeploymentDetail) {
       << uneven.output;
 }
 
+// A language model's --save-best keeps the lowest held-out loss (nanoGPT's best_val_loss), not the
+// best top-1 byte accuracy; its step lines and records carry tokens/s (samples/s x context).
+TEST_F(TrainTest, ALanguageModelSavesItsLowestHeldOutLoss) {
+  const Result r =
+      run(fmt::format("--model gpt --context 16 --layers 1 --heads 2 --width 32 --text {}/README.md "
+                      "--backend sim --batch-size 8 --steps 24 --lr 0.003 --optimizer adamw "
+                      "--eval-every 4 --save-best {} --metrics-json {}",
+                      DP_SOURCE_DIR, path("best.st"), path("m.json")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find(", the best so far) at step"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(test loss "), std::string::npos) << r.output;
+  std::istringstream in(read_file(path("m.json")));
+  double best = 1e30;
+  int saves = 0, token_rates = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.at("kind") == "step") {
+      EXPECT_DOUBLE_EQ(record.at("tokens_per_s").get<double>(), 16 * record.at("samples_per_s").get<double>());
+      ++token_rates;
+    }
+    if (!record.contains("test_loss") || record.at("test_loss").is_null()) continue;
+    const double loss = record.at("test_loss").get<double>();
+    EXPECT_EQ(record.contains("saved_best"), loss < best) << line;
+    saves += loss < best;
+    best = std::min(best, loss);
+  }
+  EXPECT_GT(saves, 1);
+  EXPECT_GT(token_rates, 0);
+  EXPECT_NE(r.output.find(" tokens/s "), std::string::npos) << r.output;
+}
+
 // --eval-every N evaluates between epochs too (an "eval" record), and --save-best keeps the
 // checkpoint of the best test accuracy logged: its step is the first evaluation that reached the
 // best, and evaluating it again gives that accuracy. Without a test set both are refused at once.
@@ -700,7 +731,15 @@ TEST_F(TrainTest, GptLearnsTextAndSamplesWhatItLearned) {
   EXPECT_EQ(read_file(path("full.safetensors")), read_file(path("resumed.safetensors"))) << "resume is bit-exact";
   const Result sample = run(gpt + "--init " + path("abc.safetensors") + " --generate 25 --prompt cde --top-k 1");
   ASSERT_EQ(sample.code, 0) << sample.output;
-  EXPECT_NE(sample.output.find("fghijabcdefghijabcdefghij\n"), std::string::npos) << sample.output;
+  EXPECT_NE(sample.output.find("cdefghijabcdefghijabcdefghij\n"), std::string::npos)
+      << sample.output << " (the prompt echoed)";
+  // --num-samples: nanoGPT's sample.py's samples, each after the prompt, a rule after each.
+  const Result three =
+      run(gpt + "--init " + path("abc.safetensors") + " --generate 5 --prompt cde --top-k 1 --num-samples 3");
+  ASSERT_EQ(three.code, 0) << three.output;
+  EXPECT_NE(three.output.find("cdefghij\n---------------\ncdefghij\n---------------\ncdefghij\n---------------\n"),
+            std::string::npos)
+      << three.output;
   // Sampling at a temperature draws from the seed: the same bytes again, other bytes with another.
   const std::string warm = gpt + "--init " + path("abc.safetensors") + " --generate 40 --temperature 5 --seed ";
   EXPECT_EQ(run(warm + "1").output, run(warm + "1").output);
