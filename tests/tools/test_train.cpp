@@ -383,6 +383,16 @@ TEST_F(TrainTest, ALanguageModelSavesItsLowestHeldOutLoss) {
   EXPECT_NE(r.output.find(" tokens/s "), std::string::npos) << r.output;
 }
 
+// A context of one token (a bigram model) is a sequence like any other: it trains, evaluates and
+// samples.
+TEST_F(TrainTest, AOneTokenContextTrains) {
+  const std::string gpt = "--model gpt --context 1 --layers 1 --heads 1 --width 8 --backend sim ";
+  const Result r = run(gpt + fmt::format("--text {}/README.md --steps 3 --save {}", DP_SOURCE_DIR, path("one.st")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const Result sample = run(gpt + "--init " + path("one.st") + " --generate 4 --prompt ab");
+  EXPECT_EQ(sample.code, 0) << sample.output;
+}
+
 // --eval-every N evaluates between epochs too (an "eval" record), and --save-best keeps the
 // checkpoint of the best test accuracy logged: its step is the first evaluation that reached the
 // best, and evaluating it again gives that accuracy. Without a test set both are refused at once.

@@ -110,8 +110,9 @@ class Linear final : public Layer {
     params_.push_back({"bias", DType::f32, {out}, Init::fan_in_uniform, in});
   }
   ActShape output_shape(const ActShape& in) const override {
+    // Each token of a sequence, one token long included ((1, 1, C), where a flat vector is (C, 1, 1)).
+    if (in.w == in_ && (in_ > 1 || in.per_sample() != in_)) return ActShape{in.n, in.c, in.h, out_};
     if (in.per_sample() == in_) return ActShape{in.n, out_, 1, 1};
-    if (in.w == in_) return ActShape{in.n, in.c, in.h, out_};  // each token of a sequence
     throw InvalidArgument(fmt::format("{}: expects {} input features, got {}", name(), in_, in.per_sample()));
   }
   std::int64_t multiply_adds(const ActShape& in) const override { return weights() * (in.per_sample() / in_); }
