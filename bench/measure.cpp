@@ -112,7 +112,7 @@ void take_traffic(dp::Runtime& rt, const Options& o, Run& run) {
   run.bytes_per_step = most;
   run.top_kernels = std::move(busiest);
   const double samples = static_cast<double>(run.global_batch) / std::max(1, run.devices);
-  run.roofline = roofline(gpu_peaks(o.roofline), most, gemm_flops_per_sample(run.model) * samples, o.precision, o.amp);
+  run.roofline = roofline(gpu_peaks(o.roofline), most, run.gemm_flops_per_sample * samples, o.precision, o.amp);
 }
 
 void warm_up(dp::Runtime& rt, const Options& o, Run& run, const Submit& submit, dp::ProcessGroup* processes) {
@@ -205,8 +205,7 @@ void add_span_figures(const Run& run, int steps, PerDevice& pd) {
   const double gemm_ns = static_cast<double>(union_ns(gemm, run.t0, run.t1));
   pd.gemm_ms_per_step = gemm_ns / 1e6 / steps;
   // Over the window's wall time: a pipelined step's interval between submissions is not its work.
-  if (run.wall_ms > 0)
-    pd.model_gflops = gemm_flops_per_sample(run.model) * pd.samples_per_step * steps / (run.wall_ms * 1e6);
+  if (run.wall_ms > 0) pd.model_gflops = run.gemm_flops_per_sample * pd.samples_per_step * steps / (run.wall_ms * 1e6);
 }
 
 // Warm-up, then the measured steps with profiling on and the counters reset; fills the timing,
@@ -400,18 +399,15 @@ Data make_data(int samples, std::size_t sample_floats, std::uint64_t seed) {
   return d;
 }
 
-double gemm_flops_per_sample(const std::string& model) {
-  return dp::models::model_spec(model).gemm_flops_per_sample(model_args());
-}
-
 Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
           int devices, const std::shared_ptr<dp::ProcessGroup>& processes) {
   const dp::EngineKind kind = dp::parse_engine_kind(mode);
   const bool across = kind == dp::EngineKind::ddp && processes->size() > 1;
   Run run = new_run(o, model_name, kind, kind == dp::EngineKind::single ? 1 : devices, across ? processes->size() : 1);
-  auto model = dp::models::model_spec(model_name).build(rt.device(0), model_args(o.dropout), o.seed);
+  auto model = model_spec(model_name).build(rt.device(0), model_args(o, model_name), o.seed);
   run.param_count = model->param_count();
   run.tokens_per_sample = model->targets_per_sample();
+  run.gemm_flops_per_sample = model_spec(model_name).gemm_flops_per_sample(model_args(o, model_name));
   run.buffers_bytes = model->buffers_bytes();
   const dp::EngineOptions options = engine_options(o, kind, run, across ? processes : nullptr);
   const dp::OptimizerOptions optimizer = o.optimizer == dp::tools::OptimizerKind::adamw

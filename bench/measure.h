@@ -98,6 +98,8 @@ struct Run {
   int batch_per_device = 0, global_batch = 0;
   std::size_t param_count = 0, buffers_bytes = 0;
   int tokens_per_sample = 1;  // a sequence model's positions (Model::targets_per_sample)
+  // GEMM FLOPs per sample of one training step of the model as this run built it (the registry's).
+  double gemm_flops_per_sample = 0;
   // What a train forward keeps for the backward, per sample (the model on device 0: DP's source,
   // DDP's rank 0): activations between layers and layers' saved state (Model::saved_activation_bytes).
   std::size_t activation_bytes_per_sample = 0;
@@ -129,9 +131,6 @@ struct Run {
   std::vector<dp::TraceSpan> spans;
   double trace_offset_ms = 0;
 };
-
-// GEMM FLOPs per sample of one training step of `model` as dp_bench builds it (the registry's).
-double gemm_flops_per_sample(const std::string& model);
 
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
 // source and output device, DDP's rank 0), picked once as an Engine and driven through it.

@@ -16,19 +16,24 @@ using dp::tools::FlagGroup;
 using O = Options;
 namespace flag = dp::tools;
 
+// The registry's models, and gpt2.
+constexpr const char* kGpt2 = "gpt2";
+std::vector<std::string> bench_models() {
+  std::vector<std::string> names = dp::models::model_names();
+  names.emplace_back(kGpt2);
+  return names;
+}
+
 FlagGroup<O> bench_flags() {
   return {"dp_bench",
           {
               {.name = "--models",
-               .value = flag::list_of<O>(&O::models, dp::models::model_names(), "M1,M2,..."),
-               .help = "the models to run (listed below; the ResNets: 10 classes, 3x32x32 inputs)"},
+               .value = flag::list_of<O>(&O::models, bench_models(), "M1,M2,..."),
+               .help = "the models to run (listed below; the ResNets: 10 classes, 3x32x32 inputs; gpt2: the gpt at "
+                       "GPT-2 124M's shape, 12 x 12 x 768, context 1024, vocabulary 50304)"},
               {.name = "--modes",
                .value = flag::list_of<O>(&O::modes, kModes, "M1,M2,..."),
                .help = "the engines each model runs with: single, dp (DataParallel), ddp (DistributedDataParallel)"},
-              {.name = "--dropout",
-               .value = flag::number<O>(&O::dropout, flag::kUnitInterval, "P"),
-               .help = "mlp: Dropout(P) after each hidden ReLU; gpt: nanoGPT's dropout (0: none); its masks are "
-                       "read from device memory, so steps with it replay from graphs"},
               {.name = "--warmup",
                .value = flag::integer<O>(&O::warmup, 0),
                .help = "warm-up steps per run, before the measured --steps"},
@@ -70,16 +75,26 @@ FlagGroup<O> bench_flags() {
 }  // namespace
 
 const std::vector<FlagGroup<Options>>& flag_groups() {
-  static const std::vector<FlagGroup<Options>> groups = {dp::tools::shared_flags<O>(), bench_flags()};
+  static const std::vector<FlagGroup<Options>> groups = {
+      dp::tools::shared_flags<O>(),
+      {"the model's shape (dp_train's)", dp::tools::model_shape_flags<O>()},
+      bench_flags()};
   return groups;
 }
 
-dp::models::ModelArgs model_args(double dropout) {
-  dp::models::ModelArgs args;
+dp::models::ModelArgs model_args(const Options& o, const std::string& model) {
+  dp::models::ModelArgs args = dp::tools::shape_model_args(o);
   args.num_classes = 10;
   args.image_size = 32;
-  args.dropout = dropout;
+  if (model == kGpt2) {
+    args.gpt = {50304, 1024, 12, 12, 768};
+    args.gpt.tanh_gelu = true;
+  }
   return args;
+}
+
+const dp::models::ModelSpec& model_spec(const std::string& model) {
+  return dp::models::model_spec(model == kGpt2 ? "gpt" : model);
 }
 
 std::optional<int> parse_command_line(int argc, char** argv, Options& o, const dp::tools::Job& job) {

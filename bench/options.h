@@ -38,14 +38,16 @@ struct Options : dp::tools::SharedOptions {
   std::string trace_path;
   std::uint64_t seed = 1;
   std::string roofline = "h100";  // the GPU whose peaks the roofline estimate uses (roofline.h)
-  double dropout = 0.0;           // mlp and gpt: their Dropout (as dp_train's --dropout)
   bool check_cost = false;        // ddp: also measured with the collectives' check off
 };
 
 // What dp_bench builds each model of the registry with: the MLP's default sizes; torchvision's
-// ResNets with 10 classes on 3 x 32 x 32 inputs (CIFAR's); the run's --dropout (which changes no
-// model's inputs or FLOPs).
-dp::models::ModelArgs model_args(double dropout = 0.0);
+// ResNets with 10 classes on 3 x 32 x 32 inputs (CIFAR's); the run's model shape flags (the GPT's
+// sizes and GELU, --dropout), dp_train's.
+// `model` is a registry model's name or gpt2: the registry's gpt at GPT-2 124M's shape (12 layers,
+// 12 heads, 768 wide, context 1024, vocabulary 50304, GELU's tanh form), whatever the shape flags say.
+dp::models::ModelArgs model_args(const Options& o, const std::string& model);
+const dp::models::ModelSpec& model_spec(const std::string& model);
 
 // Every flag of dp_bench, in --help's order: the shared ones, then its own.
 const std::vector<dp::tools::FlagGroup<Options>>& flag_groups();

@@ -275,7 +275,7 @@ json run_json(const Run& r) {
   j["unchecked_samples_per_s"] = optional_json(r.unchecked_samples_per_s);
   j["unchecked_replicas_samples_per_s"] = optional_json(r.unchecked_replicas_samples_per_s);
   j["unshadowed_samples_per_s"] = optional_json(r.unshadowed_samples_per_s);
-  j["gemm_flops_per_sample"] = gemm_flops_per_sample(r.model);
+  j["gemm_flops_per_sample"] = r.gemm_flops_per_sample;
   j["busy_pct_mean"] = optional_json(busy_mean(r));
   j["per_device"] = json::array();
   for (const auto& pd : r.per_device) j["per_device"].push_back(device_json(pd));

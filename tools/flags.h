@@ -285,6 +285,11 @@ struct SharedOptions {
   int check_replicas = kCheckReplicasEvery;
   // shards: every K steps one shard computed again on another device and compared; 0: off.
   int shadow_shards = 0;
+  // The model's shape where it has one: the GPT's (model_shape_flags), and the Dropout of mlp and gpt.
+  int context = 64, layers = 4, heads = 4, width = 128;
+  int vocab = 256;             // gpt: token ids [0, vocab) (bytes: 256)
+  std::string gelu = "exact";  // gpt: nn.GELU() or GPT-2's tanh form
+  double dropout = 0.0;
 };
 
 // The devices a run takes when --devices is not given, in both tools: every dp device of every
@@ -438,6 +443,75 @@ std::vector<Flag<O>> update_flags() {
        .torch = "torch.manual_seed(S)",
        .engine = [](const O& o, dp::EngineOptions& e) { e.step.seed = o.seed; }},
   };
+}
+
+// The model's shape, dp_train's and dp_bench's alike: the GPT's sizes, its GELU, and the Dropout
+// of mlp and gpt. A checkpoint records them all (and refuses another GPT shape on resume).
+template <class O>
+std::vector<Flag<O>> model_shape_flags() {
+  using dp::models::ModelArg;
+  return {
+      {.name = "--context",
+       .value = integer<O>(&O::context, 1, 1 << 16, "T"),
+       .help = "gpt: tokens per sample (block_size; wpe's rows)",
+       .torch = "GPTConfig(block_size=T)",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = ModelArg::gpt},
+      {.name = "--layers",
+       .value = integer<O>(&O::layers, 1, 1 << 10, "L"),
+       .help = "gpt: transformer blocks",
+       .torch = "GPTConfig(n_layer=L)",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = ModelArg::gpt},
+      {.name = "--heads",
+       .value = integer<O>(&O::heads, 1, 1 << 10, "H"),
+       .help = "gpt: attention heads per block (dividing --width)",
+       .torch = "GPTConfig(n_head=H)",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = ModelArg::gpt},
+      {.name = "--width",
+       .value = integer<O>(&O::width, 1, 1 << 16, "C"),
+       .help = "gpt: features per token",
+       .torch = "GPTConfig(n_embd=C)",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = ModelArg::gpt},
+      {.name = "--vocab",
+       .value = integer<O>(&O::vocab, 1, 1 << 24, "V"),
+       .help = "gpt: token ids 0..V-1 (--text: bytes, 256; GPT-2: 50257); wte's rows padded to a multiple of 128 "
+               "as llm.c pads them, the padding without logits",
+       .torch = "GPTConfig(vocab_size=V)",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = ModelArg::gpt},
+      {.name = "--gelu",
+       .value = choice<O>(&O::gelu, {"exact", "tanh"}, "FORM"),
+       .help = "gpt: the MLP's GELU, exact (nanoGPT's nn.GELU()) or tanh (GPT-2's and llm.c's approximation)",
+       .torch = "nn.GELU(approximate='none' | 'tanh')",
+       .saved = Saved::always,
+       .structural = true,
+       .model_arg = ModelArg::gpt},
+      {.name = "--dropout",
+       .value = number<O>(&O::dropout, kUnitInterval, "P"),
+       .help = "mlp: Dropout(P) after each hidden ReLU; gpt: nanoGPT's dropout (0: none); its masks are read from "
+               "device memory, so steps with it replay from graphs",
+       .torch = "nn.Dropout(p=P)",
+       .saved = Saved::always},
+  };
+}
+
+// The model arguments of the shape flags: the GPT's configuration (its table padded as llm.c's) and
+// the Dropout.
+inline dp::models::ModelArgs shape_model_args(const SharedOptions& o) {
+  dp::models::ModelArgs args;
+  args.dropout = o.dropout;
+  args.gpt = {o.vocab, o.context, o.layers, o.heads, o.width};
+  args.gpt.vocab_rows = dp::models::llmc_padded_vocab(o.vocab);
+  args.gpt.tanh_gelu = o.gelu == "tanh";
+  return args;
 }
 
 template <class O>

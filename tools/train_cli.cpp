@@ -25,9 +25,9 @@ dp::tools::Value<O> evaluation(bool value) {
           [](const O& o) { return o.eval ? fmt::format("{}", *o.eval) : std::string(); }};
 }
 
-// The model and its shape: which one, its sizes.
+// The model and its shape: which one, its sizes (the GPT's and the Dropout: dp_bench's too).
 std::vector<Flag<O>> model_architecture_flags() {
-  return {
+  std::vector<Flag<O>> flags = {
       {.name = "--model",
        .value = flag::choice<O>(&O::model, dp::models::model_names(), "NAME"),
        .help = "the model (listed below)",
@@ -41,50 +41,9 @@ std::vector<Flag<O>> model_architecture_flags() {
        .saved = Saved::always,
        .structural = true,
        .model_arg = dp::models::ModelArg::hidden},
-      {.name = "--context",
-       .value = flag::integer<O>(&O::context, 1, 1 << 16, "T"),
-       .help = "gpt: tokens per sample (block_size; wpe's rows)",
-       .torch = "GPTConfig(block_size=T)",
-       .saved = Saved::always,
-       .structural = true,
-       .model_arg = dp::models::ModelArg::gpt},
-      {.name = "--layers",
-       .value = flag::integer<O>(&O::layers, 1, 1 << 10, "L"),
-       .help = "gpt: transformer blocks",
-       .torch = "GPTConfig(n_layer=L)",
-       .saved = Saved::always,
-       .structural = true,
-       .model_arg = dp::models::ModelArg::gpt},
-      {.name = "--heads",
-       .value = flag::integer<O>(&O::heads, 1, 1 << 10, "H"),
-       .help = "gpt: attention heads per block (dividing --width)",
-       .torch = "GPTConfig(n_head=H)",
-       .saved = Saved::always,
-       .structural = true,
-       .model_arg = dp::models::ModelArg::gpt},
-      {.name = "--width",
-       .value = flag::integer<O>(&O::width, 1, 1 << 16, "C"),
-       .help = "gpt: features per token",
-       .torch = "GPTConfig(n_embd=C)",
-       .saved = Saved::always,
-       .structural = true,
-       .model_arg = dp::models::ModelArg::gpt},
-      {.name = "--vocab",
-       .value = flag::integer<O>(&O::vocab, 1, 1 << 24, "V"),
-       .help = "gpt: token ids 0..V-1 (--text: bytes, 256; GPT-2: 50257); wte's rows padded to a multiple of 128 "
-               "as llm.c pads them, the padding without logits",
-       .torch = "GPTConfig(vocab_size=V)",
-       .saved = Saved::always,
-       .structural = true,
-       .model_arg = dp::models::ModelArg::gpt},
-      {.name = "--gelu",
-       .value = flag::choice<O>(&O::gelu, {"exact", "tanh"}, "FORM"),
-       .help = "gpt: the MLP's GELU, exact (nanoGPT's nn.GELU()) or tanh (GPT-2's and llm.c's approximation)",
-       .torch = "nn.GELU(approximate='none' | 'tanh')",
-       .saved = Saved::always,
-       .structural = true,
-       .model_arg = dp::models::ModelArg::gpt},
   };
+  for (Flag<O>& shape : dp::tools::model_shape_flags<O>()) flags.push_back(std::move(shape));
+  return flags;
 }
 
 // What the model's inputs and its loss are made of: classes, image sizes and transforms, dropout,
@@ -114,11 +73,6 @@ std::vector<Flag<O>> model_input_flags() {
        .value = flag::text<O>(&O::normalize, "MEAN,STD"),
        .help = "inputs (pixel/255 - MEAN) / STD; per RGB channel as MEANS/STDS (0.485,0.456,0.406/0.229,...)",
        .torch = "transforms.Normalize(mean, std)",
-       .saved = Saved::always},
-      {.name = "--dropout",
-       .value = flag::number<O>(&O::dropout, flag::kUnitInterval, "P"),
-       .help = "mlp: Dropout(P) after each hidden ReLU; gpt: nanoGPT's dropout (0: none)",
-       .torch = "nn.Dropout(p=P)",
        .saved = Saved::always},
       {.name = "--accumulate",
        .value = flag::integer<O>(&O::accumulate, 1, 1 << 20, "K"),

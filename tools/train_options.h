@@ -28,7 +28,6 @@ inline std::string_view to_string(Schedule s) {
 struct Options : dp::tools::SharedOptions {
   std::string model = "mlp";
   std::string hidden = "256,256";
-  double dropout = 0.0;
   double label_smoothing = 0.0;
   int accumulate = 1;  // micro-batches per optimizer step (gradient accumulation)
   dp::EngineKind mode = dp::EngineKind::single;
@@ -37,10 +36,7 @@ struct Options : dp::tools::SharedOptions {
   std::string data;
   std::string text;                // a text file: byte tokens for --model gpt (the last 10 % held out)
   std::string tokens, val_tokens;  // llm.c token shards (a glob each) for --model gpt
-  int context = 64, layers = 4, heads = 4, width = 128;  // gpt
-  int vocab = 256;                                       // gpt: token ids [0, vocab) (bytes: 256)
-  std::string gelu = "exact";                            // gpt: nn.GELU() or GPT-2's tanh form
-  std::string train_dir, val_dir;                        // image folders (--data DIR with train/ and val/ names both)
+  std::string train_dir, val_dir;  // image folders (--data DIR with train/ and val/ names both)
   int image_size = 224;            // image folders: RandomResizedCrop's (train) and CenterCrop's (eval) size
   std::optional<int> resize;       // image folders, eval: Resize's shorter side (default image_size * 256 / 224)
   int workers = 0;                 // threads decoding and augmenting each batch (DataLoader's num_workers)

@@ -305,14 +305,10 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
 }
 
 dp::models::ModelArgs model_args(const Options& o, const std::vector<int>& hidden) {
-  dp::models::ModelArgs args;
+  dp::models::ModelArgs args = dp::tools::shape_model_args(o);
   args.hidden = hidden;
-  args.dropout = o.dropout;
   args.num_classes = o.num_classes.value_or(args.num_classes);
   args.image_size = o.image_size;
-  args.gpt = {o.vocab, o.context, o.layers, o.heads, o.width};
-  args.gpt.vocab_rows = dp::models::llmc_padded_vocab(o.vocab);
-  args.gpt.tanh_gelu = o.gelu == "tanh";
   return args;
 }
 

@@ -643,6 +643,27 @@ TEST(Bench, FusedKernelsCutLaunchesPerEagerStep) {
   }
 }
 
+// The GPT's shape comes from dp_train's flags (one table): --context --layers --heads --width
+// --vocab (its table padded to 128 rows as llm.c's) --gelu; the run reports that model's size, its
+// tokens per sample and a GEMM FLOP count that grows with it.
+TEST(Bench, TheGptTakesDpTrainsShapeFlags) {
+  TempDir dir("gpt_shape");
+  const fs::path json_path = dir / "report.json";
+  const auto run_gpt = [&](const std::string& shape) {
+    const Result r = run_bench(dir, fmt::format("--backend sim --devices 1 --models gpt --modes single --batch-size 2 "
+                                                "--steps 1 --warmup 0 {} --json '{}'",
+                                                shape, json_path.string()));
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return find_run(json::parse(read_file(json_path)), "gpt", "single");
+  };
+  const json small = run_gpt("--context 8 --layers 1 --heads 2 --width 16 --vocab 50 --gelu tanh");
+  // wte 128 x 16 (50 padded), wpe 8 x 16, one block (12 C^2 + 13 C), ln_f (2 C).
+  EXPECT_EQ(small.at("param_count").get<std::int64_t>(), 128 * 16 + 8 * 16 + (12 * 16 * 16 + 13 * 16) + 2 * 16);
+  EXPECT_EQ(small.at("tokens_per_sample").get<int>(), 8);
+  const json wider = run_gpt("--context 8 --layers 2 --heads 2 --width 16 --vocab 50");
+  EXPECT_GT(wider.at("gemm_flops_per_sample").get<double>(), small.at("gemm_flops_per_sample").get<double>());
+}
+
 TEST(Bench, BadFlagsAreClearErrors) {
   TempDir dir("bad");
   struct Case {
