@@ -209,13 +209,20 @@ def main(argv):
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--no-eval", action="store_true", help="train: skip the held-out evaluation")
     args = parser.parse_args(argv)
-    if args.command == "check":
-        if not args.checkpoint:
-            parser.error("check takes the dp checkpoint to load")
-        check(args)
-    else:
-        train(args)
+    try:
+        if args.command == "check":
+            if not args.checkpoint:
+                parser.error("check takes the dp checkpoint to load")
+            check(args)
+        else:
+            train(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        # What dp refuses (a malformed or hostile checkpoint, one of another shape, an unreadable
+        # text) is a message and exit 2, as dp_train's, not a traceback.
+        print(f"nanogpt.py: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -3,6 +3,7 @@
 SGD momentum) after two steps; the reader's state_dict loads into torch's ConvNet with strict=True,
 every value the file's bytes, the optimizer's state and metadata kept by --all, a truncated file
 refused. Exit 77 (ctest: skipped) without torch. Usage: test_dp_checkpoint.py DP_TRAIN WORK_DIR"""
+import json
 import os
 import struct
 import subprocess
@@ -56,7 +57,42 @@ def main():
         raise AssertionError("a truncated file was read")
     except ValueError as e:
         assert "header claims" in str(e), e
-    print("dp_checkpoint: a dp checkpoint loads into torch with strict=True")
+    # What dp refuses, the script refuses: exit 2 and a line naming the problem, no traceback, no output.
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    body = raw[8 + n:]
+
+    def variant(label, change, says):
+        h = json.loads(json.dumps(header))
+        data = bytearray(body)
+        change(h, data)
+        text = json.dumps(h).encode()
+        bad = os.path.join(work, label + ".safetensors")
+        with open(bad, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text + bytes(data))
+        out = os.path.join(work, label + ".pt")
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "dp_checkpoint.py"), bad, out],
+                           capture_output=True, text=True)
+        assert r.returncode == 2, (label, r.returncode, r.stderr)
+        assert says in r.stderr and "Traceback" not in r.stderr, (label, r.stderr)
+        assert not os.path.exists(out), label
+
+    first_offsets = header["fc.bias"]["data_offsets"]
+    other = next(k for k in header if k not in ("__metadata__", "fc.bias") and header[k]["dtype"] == "F32")
+
+    def nan(h, data):
+        data[first_offsets[0]:first_offsets[0] + 4] = struct.pack("<f", float("nan"))
+
+    def overlap(h, data):
+        h[other]["data_offsets"] = list(first_offsets) if h[other]["shape"] == h["fc.bias"]["shape"] else \
+            [first_offsets[0], first_offsets[0] + h[other]["data_offsets"][1] - h[other]["data_offsets"][0]]
+
+    variant("nan", nan, "holds a non-finite value (nan) at element 0")
+    variant("dtype", lambda h, d: h["fc.bias"].update(dtype="Q8"), "has dtype 'Q8'")
+    variant("overlap", overlap, "overlap")
+    variant("shape", lambda h, d: h["fc.bias"].update(shape=[-1]), "has shape [-1]")
+    variant("json", lambda h, d: h.update({"x": 1}), "is not a dtype, shape and data_offsets")
+    print("dp_checkpoint: a dp checkpoint loads into torch with strict=True; bad files are refused")
 
 
 if __name__ == "__main__":
