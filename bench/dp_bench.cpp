@@ -100,6 +100,59 @@ void agree_to_start(const dp::tools::Job& job, const Options& o, const Setup& se
   job.agree_on_configuration(fields);
 }
 
+// --check-cost: `run` (ddp, just measured) against the same run without each check it holds, in
+// alternation, compared by their medians; the unchecked figures go into `run`.
+void measure_check_costs(dp::Runtime& rt, const Options& o, const std::string& model, const std::string& mode,
+                         const Data& data, int devices, const dp::tools::Job& job, Run& run) {
+  // The same run with the collectives' signature check off and on again, in alternation (three
+  // of each, the first checked one above; every process alike), compared by their medians: one
+  // pair alone is within a small host's run-to-run noise.
+  const bool was = dp::collectives_checked();
+  std::vector<double> checked{run.samples_per_s}, unchecked;
+  for (int k = 0; k < 3; ++k) {
+    dp::set_collectives_checked(false);
+    unchecked.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
+    dp::set_collectives_checked(was);
+    if (k < 2) checked.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double on = median(checked), off = median(unchecked);
+  run.unchecked_samples_per_s = off;
+  fmt::print(
+      "  {:<8} the collectives' check costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} "
+      "samples/s checked, {:.1f} unchecked)\n",
+      model, 100.0 * (off / std::max(on, 1e-9) - 1.0), on, off);
+  // A check that runs every N steps the same way, against the run `without` it, where a measured
+  // window holds one: the replicas' fingerprints (--check-replicas N), shadow shards (--shadow-shards K).
+  const auto cost = [&](const Options& without, const std::string& what) {
+    std::vector<double> with_check, without_check;
+    for (int k = 0; k < 3; ++k) {
+      without_check.push_back(bench(rt, without, model, mode, data, devices, job.processes()).samples_per_s);
+      with_check.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
+    }
+    const double a = median(with_check), b = median(without_check);
+    fmt::print(
+        "  {:<8} {} costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} samples/s checked, {:.1f} "
+        "unchecked)\n",
+        model, what, 100.0 * (b / std::max(a, 1e-9) - 1.0), a, b);
+    return b;
+  };
+  if (o.check_replicas > 0 && o.steps >= o.check_replicas) {
+    Options without = o;
+    without.check_replicas = 0;
+    run.unchecked_replicas_samples_per_s =
+        cost(without, fmt::format("the replicas' check every {} step(s)", o.check_replicas));
+  }
+  if (o.shadow_shards > 0 && o.shards > 0 && o.steps >= o.shadow_shards) {
+    Options without = o;
+    without.shadow_shards = 0;
+    run.unshadowed_samples_per_s = cost(without, fmt::format("shadow shards every {} step(s)", o.shadow_shards));
+  }
+}
+
 // Under mpirun (one process per node, --devices K each), ddp runs over every process's devices and
 // every device's figures end up on process 0, the traffic split into intra-node (between the
 // devices of one process) and inter-node (between processes) bytes. single and dp are
@@ -125,56 +178,7 @@ std::vector<Run> run_all(dp::Runtime& rt, const Options& o, const std::vector<st
         fmt::print("  {:<8} {:<6} {:>10.1f} samples/s  (median step {:.2f} ms)\n", r.model, r.mode, r.samples_per_s,
                    r.step_ms_median);
       }
-      if (o.check_cost && mode == "ddp") {
-        // The same run with the collectives' signature check off and on again, in alternation (three
-        // of each, the first checked one above; every process alike), compared by their medians: one
-        // pair alone is within a small host's run-to-run noise.
-        const bool was = dp::collectives_checked();
-        std::vector<double> checked{runs.back().samples_per_s}, unchecked;
-        for (int k = 0; k < 3; ++k) {
-          dp::set_collectives_checked(false);
-          unchecked.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
-          dp::set_collectives_checked(was);
-          if (k < 2) checked.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
-        }
-        const auto median = [](std::vector<double> v) {
-          std::sort(v.begin(), v.end());
-          return v[v.size() / 2];
-        };
-        const double on = median(checked), off = median(unchecked);
-        runs.back().unchecked_samples_per_s = off;
-        fmt::print(
-            "  {:<8} the collectives' check costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} "
-            "samples/s checked, {:.1f} unchecked)\n",
-            model, 100.0 * (off / std::max(on, 1e-9) - 1.0), on, off);
-        // A check that runs every N steps the same way, against the run `without` it, where a measured
-        // window holds one: the replicas' fingerprints (--check-replicas N), shadow shards (--shadow-shards K).
-        const auto cost = [&](const Options& without, const std::string& what) {
-          std::vector<double> with_check, without_check;
-          for (int k = 0; k < 3; ++k) {
-            without_check.push_back(bench(rt, without, model, mode, data, devices, job.processes()).samples_per_s);
-            with_check.push_back(bench(rt, o, model, mode, data, devices, job.processes()).samples_per_s);
-          }
-          const double a = median(with_check), b = median(without_check);
-          fmt::print(
-              "  {:<8} {} costs {:+.1f}% of ddp's time per sample (medians of 3: {:.1f} samples/s checked, {:.1f} "
-              "unchecked)\n",
-              model, what, 100.0 * (b / std::max(a, 1e-9) - 1.0), a, b);
-          return b;
-        };
-        if (o.check_replicas > 0 && o.steps >= o.check_replicas) {
-          Options without = o;
-          without.check_replicas = 0;
-          runs.back().unchecked_replicas_samples_per_s =
-              cost(without, fmt::format("the replicas' check every {} step(s)", o.check_replicas));
-        }
-        if (o.shadow_shards > 0 && o.shards > 0 && o.steps >= o.shadow_shards) {
-          Options without = o;
-          without.shadow_shards = 0;
-          runs.back().unshadowed_samples_per_s =
-              cost(without, fmt::format("shadow shards every {} step(s)", o.shadow_shards));
-        }
-      }
+      if (o.check_cost && mode == "ddp") measure_check_costs(rt, o, model, mode, data, devices, job, runs.back());
       if (against_plain) {
         const Run &base = runs[runs.size() - 2], &sharded = runs.back();
         fmt::print("  {:<8} {} costs {:.2f}x plain ddp's time per sample (global batches {} and {})\n", model,

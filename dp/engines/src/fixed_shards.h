@@ -80,10 +80,13 @@ class FixedShards final : public ReplicaEngine {
   };
   // Checks the layout and makes each rank's ShadowRank.
   void start_shadow_shards(Runtime& runtime);
+  // The checked shard's batch into rank r's ShadowRank ring, slot `slot` (the twin's, the referee's).
+  void push_shadow_batch(int r, int slot, const Batch& batch);
   // On the twin, after the all-gather: the shard recomputed, both gradients fingerprinted.
   void enqueue_shadow(int r, int slot);
-  // Rank r's recomputation of `check`'s shard (twin or referee), fingerprinted into its
-  // ShadowRank's `out` (with the owner's gathered gradient, `owners`, when given), `ready` recorded.
+  // Rank r's recomputation of `check`'s shard (twin or referee) from its pushed batch, its gradients
+  // zeroed first, fingerprinted into its ShadowRank's `out` (with the owner's gathered gradient,
+  // `owners`, when given), `ready` recorded.
   void enqueue_shadow_shard(int r, int slot, const Shadow& check, const float* owners);
   struct Result {
     std::uint64_t grads = 0;

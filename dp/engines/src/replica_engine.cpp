@@ -343,10 +343,12 @@ StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
         for (auto& ring : r->rings) growths += ring->growths();
       return engines::snapshot(devices, growths);
     };
-    const bool verified = verifies_step(batches, slot);
-    graphs_->run(
-        key, slot, optimizers, memory,
-        verified ? verified_step_work(slot, batches, sync, broadcast) : step_work(slot, batches, sync, broadcast));
+    engines::StepWork work;  // a verified step has no capture form: StepGraphs runs it eagerly, every time
+    if (verifies_step(batches, slot))
+      work.eager = [=, this] { run_eager_step(slot, batches, sync, broadcast, true); };
+    else
+      work = step_work(slot, batches, sync, broadcast);
+    graphs_->run(key, slot, optimizers, memory, work);
     join_losses(slot);
     // Across processes the mean loss is a collective of the hosts, which every process must call for
     // the same step in the same order: at once, then. And checking the replicas reads the parameters.
@@ -418,41 +420,31 @@ engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batc
       progress::set_phase("idle");
     });
   };
-  work.eager = [=, this] {
-    run_ranks([&](int r) {
-      Rank& mine = rank(r);
-      progress::begin_step(mine.optimizer->steps() + 1);
-      for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
-      enqueue_train_step(r, batches_of(r, batches), sync, broadcast, slot);
-      comm_->end_of(r, "the step");
-      mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
-      progress::set_phase("idle");
-    });
-  };
+  work.eager = [=, this] { run_eager_step(slot, batches, sync, broadcast, false); };
   return work;
 }
 
-engines::StepWork ReplicaEngine::verified_step_work(int slot, std::span<const Batch> batches, bool sync,
-                                                    bool broadcast) {
-  engines::StepWork work;  // no capture: StepGraphs runs it eagerly, every time
-  work.eager = [=, this] {
-    run_ranks([&](int r) {
-      Rank& mine = rank(r);
-      progress::begin_step(mine.optimizer->steps() + 1);
-      for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
-      enqueue_forward_backward_half(r, batches_of(r, batches), sync, broadcast, slot);
-      progress::set_phase("idle");
-    });
-    verify_step(slot);
-    run_ranks([&](int r) {
-      Rank& mine = rank(r);
-      enqueue_update_half(r, slot);
-      comm_->end_of(r, "the step");
-      mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
-      progress::set_phase("idle");
-    });
+void ReplicaEngine::run_eager_step(int slot, std::span<const Batch> batches, bool sync, bool broadcast, bool verified) {
+  const auto finish = [&](int r) {
+    Rank& mine = rank(r);
+    enqueue_update_half(r, slot);
+    comm_->end_of(r, "the step");
+    mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
+    progress::set_phase("idle");
   };
-  return work;
+  run_ranks([&](int r) {
+    Rank& mine = rank(r);
+    progress::begin_step(mine.optimizer->steps() + 1);
+    for (auto& ring : mine.rings) ring->acquire(slot, mine.compute);
+    enqueue_forward_backward_half(r, batches_of(r, batches), sync, broadcast, slot);
+    if (verified)
+      progress::set_phase("idle");
+    else
+      finish(r);
+  });
+  if (!verified) return;
+  verify_step(slot);  // throws to end the step before any rank's update
+  run_ranks(finish);
 }
 
 std::vector<float> ReplicaEngine::predict(std::span<const Batch> batches) {

@@ -68,17 +68,18 @@ bool FixedShards::verifies_step(std::span<const Batch> batches, int slot) {
   shadow.twin = (owner + 1) % group_.size();
   shadow.referee = group_.size() >= 3 ? (owner + 2) % group_.size() : -1;
   shadow.batch = batches[static_cast<std::size_t>(first_shard_[at] + shadow.index)];
-  const Rank& twin = rank(shadow.twin);
-  push_batch(*shadow_ranks_[static_cast<std::size_t>(shadow.twin)].ring, group_.device(shadow.twin), slot, shadow.batch,
-             sample_size(*twin.model), twin.step_done[static_cast<std::size_t>(slot)]);
+  push_shadow_batch(shadow.twin, slot, shadow.batch);
   shadow_ = shadow;
   return true;
 }
 
+void FixedShards::push_shadow_batch(int r, int slot, const Batch& batch) {
+  const Rank& mine = rank(r);
+  push_batch(*shadow_ranks_[static_cast<std::size_t>(r)].ring, group_.device(r), slot, batch, sample_size(*mine.model),
+             mine.step_done[static_cast<std::size_t>(slot)]);
+}
+
 void FixedShards::enqueue_shadow(int r, int slot) {
-  Rank& mine = rank(r);
-  shadow_ranks_[static_cast<std::size_t>(r)].ring->acquire(slot, mine.compute);
-  mine.model->zero_grad(mine.compute);
   enqueue_shadow_shard(r, slot, *shadow_, layout(r).shard_grads(*this, shadow_->shard));
 }
 
@@ -87,6 +88,8 @@ void FixedShards::enqueue_shadow_shard(int r, int slot, const Shadow& check, con
   ShadowRank& shadow = shadow_ranks_[static_cast<std::size_t>(r)];
   Model& m = *mine.model;
   const InputRing& ring = *shadow.ring;
+  ring.acquire(slot, mine.compute);
+  m.zero_grad(mine.compute);
   const float* loss = enqueue_shard(r, check.shard, check.batch.size, ring.inputs(slot), ring.targets(slot), [] {});
   auto* fingerprints = shadow.fingerprints.get<std::uint64_t>(group_.device(r), 2);
   const auto words = static_cast<kernels::index_t>(m.param_count());
@@ -138,12 +141,7 @@ void FixedShards::verify_step(int slot) {
       if (shadow->referee >= 0) {
         const int referee = shadow->referee;
         group_.run_on(referee, [&] {
-          Rank& mine = rank(referee);
-          ShadowRank& ring = shadow_ranks_[static_cast<std::size_t>(referee)];
-          push_batch(*ring.ring, group_.device(referee), slot, shadow->batch, sample_size(*mine.model),
-                     mine.step_done[static_cast<std::size_t>(slot)]);
-          ring.ring->acquire(slot, mine.compute);
-          mine.model->zero_grad(mine.compute);
+          push_shadow_batch(referee, slot, shadow->batch);
           enqueue_shadow_shard(referee, slot, *shadow, nullptr);
         });
         const Result third = shadow_result(referee);

@@ -172,8 +172,9 @@ class ReplicaEngine : public Engine {
   // submit_step's work in its three forms (engines::StepGraphs::run picks one): every rank's step
   // captured on its own worker, the ranks' graphs replayed, or enqueued eagerly.
   engines::StepWork step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
-  // A step verifies_step asked to check: eager, in two halves around verify_step.
-  engines::StepWork verified_step_work(int slot, std::span<const Batch> batches, bool sync, bool broadcast);
+  // Every rank's step enqueued eagerly; `verified` (verifies_step's answer): in two halves, with
+  // verify_step on the caller between them.
+  void run_eager_step(int slot, std::span<const Batch> batches, bool sync, bool broadcast, bool verified);
 
   // Counts every rank's completed updates from zero, `steps` being the optimizers' count there.
   void restart_update_counts(std::int64_t steps);
