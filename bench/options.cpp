@@ -87,8 +87,10 @@ dp::models::ModelArgs model_args(const Options& o, const std::string& model) {
   args.num_classes = 10;
   args.image_size = 32;
   if (model == kGpt2) {
+    const bool fused = args.gpt.fused_attention;
     args.gpt = {50304, 1024, 12, 12, 768};
     args.gpt.tanh_gelu = true;
+    args.gpt.fused_attention = fused;
   }
   return args;
 }

@@ -287,8 +287,9 @@ struct SharedOptions {
   int shadow_shards = 0;
   // The model's shape where it has one: the GPT's (model_shape_flags), and the Dropout of mlp and gpt.
   int context = 64, layers = 4, heads = 4, width = 128;
-  int vocab = 256;             // gpt: token ids [0, vocab) (bytes: 256)
-  std::string gelu = "exact";  // gpt: nn.GELU() or GPT-2's tanh form
+  int vocab = 256;                  // gpt: token ids [0, vocab) (bytes: 256)
+  std::string gelu = "exact";       // gpt: nn.GELU() or GPT-2's tanh form
+  std::string attention = "fused";  // gpt: the attention without (T, T) matrices, or the reference
   double dropout = 0.0;
 };
 
@@ -494,6 +495,12 @@ std::vector<Flag<O>> model_shape_flags() {
        .saved = Saved::always,
        .structural = true,
        .model_arg = ModelArg::gpt},
+      {.name = "--attention",
+       .value = choice<O>(&O::attention, {"fused", "unfused"}, "FORM"),
+       .help = "gpt: fused (an online softmax over key tiles, no (T, T) matrix in memory; heads of up to 128 "
+               "features) or unfused (the score and value GEMMs and the softmax apart: the reference)",
+       .torch = "F.scaled_dot_product_attention(is_causal=True) | the explicit softmax(q k^T) v",
+       .model_arg = ModelArg::gpt},
       {.name = "--dropout",
        .value = number<O>(&O::dropout, kUnitInterval, "P"),
        .help = "mlp: Dropout(P) after each hidden ReLU; gpt: nanoGPT's dropout (0: none); its masks are read from "
@@ -511,6 +518,7 @@ inline dp::models::ModelArgs shape_model_args(const SharedOptions& o) {
   args.gpt = {o.vocab, o.context, o.layers, o.heads, o.width};
   args.gpt.vocab_rows = dp::models::llmc_padded_vocab(o.vocab);
   args.gpt.tanh_gelu = o.gelu == "tanh";
+  args.gpt.fused_attention = o.attention == "fused";
   return args;
 }
 

@@ -106,4 +106,71 @@ void attention_backward(const Stream& stream, const AttentionShape& s, const flo
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// fused
+
+namespace {
+
+AttentionRows attention_rows(const char* op, const AttentionShape& s, const AttentionDropout& dropout) {
+  check_attention(op, s);
+  if (s.head_dim > kAttentionMaxHeadDim)
+    checks::fail({op, ": the fused attention takes head dims up to ", kAttentionMaxHeadDim, ", got D=", s.head_dim,
+                  " (--attention unfused takes any)"});
+  if (!(dropout.p >= 0.0 && dropout.p <= 1.0) || dropout.element_offset < 0)
+    checks::fail({op, ": attn_dropout needs p in [0, 1] and element_offset >= 0, got p=", dropout.p,
+                  " element_offset=", dropout.element_offset});
+  const Layout l(s);
+  return {s.tokens,
+          s.heads,
+          s.head_dim,
+          s.width(),
+          l.scale,
+          dropout.p > 0.0,
+          dropout.key,
+          dropout_threshold(dropout.p),
+          dropout_noise_kept(dropout.p),
+          dropout.element_offset};
+}
+
+index_t row_count(const AttentionShape& s) { return static_cast<index_t>(s.batch) * s.heads * s.tokens; }
+
+}  // namespace
+
+index_t attention_fused_rows(const AttentionShape& s) { return row_count(s); }
+
+// One thread per query row (rows of a warp are consecutive queries of one head, reading the same
+// key and value rows at the same time).
+void attention_fused_forward(const Stream& stream, const AttentionShape& s, const float* qkv, float* y, float* lse,
+                             const AttentionDropout& dropout) {
+  const char* op = "attention_fused_forward";
+  const AttentionRows rows = attention_rows(op, s, dropout);
+  checks::present(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}});
+  if (s.batch == 0) return;
+  const index_t n = row_count(s), tokens = static_cast<index_t>(s.batch) * s.tokens;
+  launch(stream, op, n, AttentionFusedForward{rows, qkv, y, lse},
+         {operand(qkv, tokens * 3 * s.width()), operand(y, tokens * s.width()), operand(lse, n),
+          operand(dropout.key.step_on_device, rows.dropping && dropout.key.step_on_device ? 1 : 0)});
+}
+
+// The query pass (dq and each row's delta), then the key pass (dk and dv): each sum has one owner
+// and a fixed order, so the result does not depend on the launch (no atomics). Traffic as each pass
+// moves it: the query pass writes dq's third of dqkv, the key pass dk's and dv's two thirds.
+void attention_fused_backward(const Stream& stream, const AttentionShape& s, const float* qkv, const float* y,
+                              const float* lse, const float* dy, float* dqkv, float* delta,
+                              const AttentionDropout& dropout) {
+  const char* op = "attention_fused_backward";
+  const AttentionRows rows = attention_rows(op, s, dropout);
+  checks::present(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}, {"dy", dy}, {"dqkv", dqkv}, {"delta", delta}});
+  if (s.batch == 0) return;
+  const index_t n = row_count(s), tokens = static_cast<index_t>(s.batch) * s.tokens;
+  const index_t wide = tokens * 3 * s.width(), narrow = tokens * s.width();
+  const index_t step = rows.dropping && dropout.key.step_on_device ? 1 : 0;
+  launch(stream, "attention_fused_backward_query", n, AttentionFusedBackwardQuery{rows, qkv, y, lse, dy, dqkv, delta},
+         {operand(qkv, wide), operand(y, narrow), operand(lse, n), operand(dy, narrow), operand(dqkv, narrow),
+          operand(delta, n), operand(dropout.key.step_on_device, step)});
+  launch(stream, "attention_fused_backward_key", n, AttentionFusedBackwardKey{rows, qkv, lse, dy, delta, dqkv},
+         {operand(qkv, wide), operand(lse, n), operand(dy, narrow), operand(delta, n), operand(dqkv, 2 * narrow),
+          operand(dropout.key.step_on_device, step)});
+}
+
 }  // namespace dp::kernels

@@ -30,10 +30,8 @@ void apply(const Stream& stream, const char* op, index_t n, double p, const Drop
     });
     return;
   }
-  // ceil(p * 2^24) in [1, 2^24]; p = 1 gives 2^24, above every 24-bit draw: nothing is kept.
-  const auto threshold = static_cast<std::uint32_t>(std::ceil(p * 16777216.0));
-  // torch's noise.div_(1 - p): 1 - p in double, rounded to float, then a float division.
-  const float noise_kept = p < 1.0 ? 1.0f / static_cast<float>(1.0 - p) : 0.0f;
+  const std::uint32_t threshold = dropout_threshold(p);
+  const float noise_kept = dropout_noise_kept(p);
   const auto first_block = static_cast<std::uint64_t>(element_offset / 4);
   const index_t blocks = n == 0 ? 0 : (element_offset + n - 1) / 4 - element_offset / 4 + 1;
   with_storage(x.bf16, [&](auto t) {

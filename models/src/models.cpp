@@ -188,10 +188,11 @@ std::unique_ptr<Model> make_resnet8(Device& device, std::uint64_t seed) {
   return model_spec("resnet8").build(device, {}, seed);
 }
 
-std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout, bool tanh_gelu) {
+std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout, bool tanh_gelu,
+                                     bool fused_attention) {
   Layers attn, mlp, branches;
   attn.push_back(make_layernorm("ln_1", width));
-  attn.push_back(make_causal_self_attention("attn", width, heads, dropout));
+  attn.push_back(make_causal_self_attention("attn", width, heads, dropout, fused_attention));
   if (dropout > 0.0) attn.push_back(make_dropout("attn.resid_dropout", dropout));
   mlp.push_back(make_layernorm("ln_2", width));
   mlp.push_back(make_linear("mlp.c_fc", width, 4 * width));
@@ -223,7 +224,8 @@ nn::Layers gpt_body(const GptConfig& c) {
   Layers body;
   if (c.dropout > 0.0) body.push_back(make_dropout("transformer.drop", c.dropout));
   for (int i = 0; i < c.layers; ++i)
-    body.push_back(gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads, c.dropout, c.tanh_gelu));
+    body.push_back(
+        gpt_block(fmt::format("transformer.h.{}", i), c.width, c.heads, c.dropout, c.tanh_gelu, c.fused_attention));
   body.push_back(make_layernorm("transformer.ln_f", c.width));
   return body;
 }

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "dp/kernels/attention.h"
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
 #include "dp/kernels/detail/launch.h"
@@ -44,6 +45,8 @@ constexpr bool kHostBodies =
         HasHostAddTerms<BnCenteredMoments<T>, SumPair>&& HasHostAddTerms<BnGradTerms<T>, SumPair>;
 static_assert(kHostBodies<float> && kHostBodies<std::uint16_t>);
 static_assert(HasHostRun<Im2col> && HasHostRun<Col2im>);
+static_assert(HasHostRun<AttentionFusedForward> && HasHostRun<AttentionFusedBackwardQuery> &&
+              HasHostRun<AttentionFusedBackwardKey>);
 static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
 static_assert(HasHostAddTerms<RowElement<float>, float> && HasHostAddTerms<RowElement<std::uint16_t>, float>);
 
@@ -353,6 +356,53 @@ TEST(HostPaths, LinearBiasAndRowColumnTerms) {
     }
     ASSERT_EQ(bits({got[200]}), bits({start[200]}));  // lanes past count untouched
   }
+}
+
+// The fused attention's three passes, per row (the GPU's form: every dot read where its rows lie)
+// against the host's (each matrix's rows transposed, a tile's dots as independent chains), with
+// and without attn_dropout, T past and not a multiple of the key tile, and T = 1.
+TEST(HostPaths, FusedAttention) {
+  for (const AttentionShape s : {AttentionShape{2, 45, 2, 8}, AttentionShape{1, 1, 3, 4}, AttentionShape{1, 64, 1, 33}})
+    for (const double p : {0.0, 0.3}) {
+      const index_t c = s.width(), tokens = static_cast<index_t>(s.batch) * s.tokens, rows = attention_fused_rows(s);
+      const auto n = static_cast<std::size_t>(tokens * c), r = static_cast<std::size_t>(rows);
+      const std::vector<float> qkv = random_floats(3 * n, 50), dy = random_floats(n, 51);
+      const AttentionRows shape{s.tokens,
+                                s.heads,
+                                s.head_dim,
+                                c,
+                                1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                                p > 0.0,
+                                {3, 4, 5},
+                                dropout_threshold(p),
+                                dropout_noise_kept(p),
+                                12};
+      std::vector<float> y[2], lse[2], dqkv[2], delta[2];
+      for (int form = 0; form < 2; ++form) {
+        y[form].assign(n, 0.0f);
+        lse[form].assign(r, 0.0f);
+        dqkv[form].assign(3 * n, 0.0f);
+        delta[form].assign(r, 0.0f);
+        const AttentionFusedForward forward{shape, qkv.data(), y[form].data(), lse[form].data()};
+        const AttentionFusedBackwardQuery query{shape,     qkv.data(),        y[form].data(),    lse[form].data(),
+                                                dy.data(), dqkv[form].data(), delta[form].data()};
+        const AttentionFusedBackwardKey key{shape,     qkv.data(),         lse[form].data(),
+                                            dy.data(), delta[form].data(), dqkv[form].data()};
+        if (form == 0) {
+          for (index_t i = 0; i < rows; ++i) forward(i);
+          for (index_t i = 0; i < rows; ++i) query(i);
+          for (index_t i = 0; i < rows; ++i) key(i);
+        } else {
+          forward.host_run(rows);
+          query.host_run(rows);
+          key.host_run(rows);
+        }
+      }
+      EXPECT_EQ(bits(y[0]), bits(y[1])) << s.tokens << " " << p;
+      EXPECT_EQ(bits(lse[0]), bits(lse[1])) << s.tokens << " " << p;
+      EXPECT_EQ(bits(dqkv[0]), bits(dqkv[1])) << s.tokens << " " << p;
+      EXPECT_EQ(bits(delta[0]), bits(delta[1])) << s.tokens << " " << p;
+    }
 }
 
 }  // namespace

@@ -675,13 +675,19 @@ TEST(Registry, GemmFlopsFollowTheLayersShapes) {
   args.image_size = 64;
   const double fc_flops = 2.0 * 3 * 512 * 10;  // forward and both gradients
   EXPECT_EQ(models::model_spec("resnet18").gemm_flops_per_sample(args) - fc_flops, 4.0 * (at32 - fc_flops));
-  // GPT: per block the four Linears of each token and attention's q k^T and att v (the whole T x T,
-  // as nanoGPT's estimate counts it), then the tied head; every input gradient runs (the first layer
-  // is the embedding).
+  // GPT: per block the four Linears of each token and attention's products, then the tied head;
+  // every input gradient runs (the first layer is the embedding). Unfused, q k^T and att v over the
+  // whole T x T (as nanoGPT's estimate counts it); fused, the 9 products (2 forward, 7 backward) it
+  // runs over the T(T+1)/2 causal pairs.
   const models::GptConfig g = args.gpt;
   const double t = g.context, c = g.width;
-  const double block = t * (3 * c * c + c * c + 4 * c * c + 4 * c * c) + 2 * t * t * c;
-  EXPECT_EQ(models::model_spec("gpt").gemm_flops_per_sample(args), 6.0 * (g.layers * block + t * c * g.vocab));
+  const double linears = t * (3 * c * c + c * c + 4 * c * c + 4 * c * c);
+  EXPECT_TRUE(g.fused_attention);
+  EXPECT_EQ(models::model_spec("gpt").gemm_flops_per_sample(args),
+            6.0 * (g.layers * linears + t * c * g.vocab) + 2.0 * g.layers * 9 * t * (t + 1) / 2 * c);
+  args.gpt.fused_attention = false;
+  EXPECT_EQ(models::model_spec("gpt").gemm_flops_per_sample(args),
+            6.0 * (g.layers * (linears + 2 * t * t * c) + t * c * g.vocab));
 }
 
 TEST(Registry, AnUnknownNameIsRefusedNamingTheKnownOnes) {

@@ -82,13 +82,19 @@ class Gelu final : public Layer {
 // nanoGPT's CausalSelfAttention: c_attn (C -> 3C), the causal attention of `heads` heads
 // (dp/kernels/attention.h) with its attn_dropout on the probabilities in training, c_proj (C -> C),
 // its parameters named as nanoGPT's state dict names them (its resid_dropout is a Dropout layer after
-// it). fp32 inside (under autocast the chain widens its input and rounds its output).
+// it). fp32 inside (under autocast the chain widens its input and rounds its output). Fused, the
+// attention keeps each query row's log-sum-exp where the unfused form keeps the (T, T) probabilities.
 class CausalSelfAttention final : public Layer {
  public:
-  CausalSelfAttention(std::string name, int width, int heads, double dropout)
-      : Layer(std::move(name)), width_(width), heads_(heads), dropout_(dropout) {
+  CausalSelfAttention(std::string name, int width, int heads, double dropout, bool fused)
+      : Layer(std::move(name)), width_(width), heads_(heads), dropout_(dropout), fused_(fused) {
     if (width < 1 || heads < 1 || width % heads != 0)
       throw InvalidArgument(fmt::format("{}: {} features do not split into {} heads", this->name(), width, heads));
+    if (fused && width / heads > kernels::kAttentionMaxHeadDim)
+      throw InvalidArgument(
+          fmt::format("{}: the fused attention takes heads of up to {} features, got {} (--attention "
+                      "unfused takes any)",
+                      this->name(), kernels::kAttentionMaxHeadDim, width / heads));
     if (!(dropout >= 0.0 && dropout <= 1.0))
       throw InvalidArgument(
           fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", this->name(), dropout));
@@ -104,17 +110,24 @@ class CausalSelfAttention final : public Layer {
           fmt::format("{}: expects (tokens, 1, features) per sample, got ({}, {}, {})", name(), in.c, in.h, in.w));
     return in;
   }
-  // Per sample: the two projections' T * (3C + C) * C, and the scores' and values' 2 * T * T * C.
+  // Per sample: the two projections' T * (3C + C) * C, and the attention's products. Unfused: the
+  // scores' and values' 2 * T * T * C (GEMMs over the whole (T, T) matrices). Fused, only the T(T+1)/2
+  // causal pairs, each D multiply-adds per product: 2 forward and 7 backward products (the query
+  // pass recomputes the score and dy.v, the key pass both again), counted as a third of the 9 since
+  // the step's count is three times the forward's.
   std::int64_t multiply_adds(const ActShape& in) const override {
     const std::int64_t t = in.positions(), c = width_;
-    return t * 4 * c * c + 2 * t * t * c;
+    return t * 4 * c * c + (fused_ ? 3 * t * (t + 1) * c / 2 : 2 * t * t * c);
   }
   bool stochastic() const override { return dropout_ > 0.0; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const Buffers b = buffers(ctx);
     const auto rows = static_cast<int>(token_rows(ctx.in));
     kernels::linear_forward(ctx.stream, rows, width_, 3 * width_, x, param(0), param(1), b.qkv);
-    kernels::attention_forward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.heads, attn_dropout(ctx, b));
+    if (fused_)
+      kernels::attention_fused_forward(ctx.stream, shape(ctx.in), b.qkv, b.heads, b.probs, attn_dropout(ctx, b));
+    else
+      kernels::attention_forward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.heads, attn_dropout(ctx, b));
     kernels::linear_forward(ctx.stream, rows, width_, width_, b.heads, param(2), param(3), y);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
@@ -122,8 +135,12 @@ class CausalSelfAttention final : public Layer {
     const auto rows = static_cast<int>(token_rows(ctx.in));
     kernels::linear_backward(ctx.stream, rows, width_, width_, b.heads, param(2), dy, b.dheads, grad(2), grad(3),
                              ctx.accumulate_grads);
-    kernels::attention_backward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.dheads, b.dqkv, b.dprobs,
-                                attn_dropout(ctx, b));
+    if (fused_)
+      kernels::attention_fused_backward(ctx.stream, shape(ctx.in), b.qkv, b.heads, b.probs, b.dheads, b.dqkv, b.dprobs,
+                                        attn_dropout(ctx, b));
+    else
+      kernels::attention_backward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.dheads, b.dqkv, b.dprobs,
+                                  attn_dropout(ctx, b));
     kernels::linear_backward(ctx.stream, rows, width_, 3 * width_, x, param(0), b.dqkv, dx, grad(0), grad(1),
                              ctx.accumulate_grads);
   }
@@ -133,7 +150,8 @@ class CausalSelfAttention final : public Layer {
  private:
   kernels::AttentionShape shape(const ActShape& in) const { return {in.n, in.positions(), heads_, width_ / heads_}; }
   // What the forward keeps for the backward (qkv, the attention probabilities, the heads' output)
-  // and the backward's own scratch.
+  // and the backward's own scratch. Fused: `probs` holds the rows' log-sum-exp, `dprobs` their
+  // delta, and nothing is dropped in memory.
   struct Buffers {
     float* qkv;
     float* probs;
@@ -145,8 +163,9 @@ class CausalSelfAttention final : public Layer {
   };
   Buffers buffers(const LayerContext& ctx) {
     const auto rows = static_cast<std::size_t>(token_rows(ctx.in)), c = static_cast<std::size_t>(width_);
-    const auto probs = static_cast<std::size_t>(shape(ctx.in).probs());
-    const bool dropping = ctx.mode == Mode::train && dropout_ > 0.0;
+    const auto probs =
+        static_cast<std::size_t>(fused_ ? kernels::attention_fused_rows(shape(ctx.in)) : shape(ctx.in).probs());
+    const bool dropping = !fused_ && ctx.mode == Mode::train && dropout_ > 0.0;
     kept_ = (rows * 4 * c + probs * (dropping ? 2 : 1)) * sizeof(float);
     return {qkv_.get<float>(ctx.device, rows * 3 * c),
             probs_.get<float>(ctx.device, probs),
@@ -167,6 +186,7 @@ class CausalSelfAttention final : public Layer {
 
   int width_, heads_;
   double dropout_;
+  bool fused_;
   Scratch qkv_, probs_, heads_out_, dqkv_, dprobs_, dheads_, dropped_;
   std::size_t kept_ = 0;
 };
@@ -308,8 +328,8 @@ std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation) {
   return std::make_unique<Gelu>(std::move(name),
                                 tanh_approximation ? kernels::GeluForm::tanh : kernels::GeluForm::exact);
 }
-std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout) {
-  return std::make_unique<CausalSelfAttention>(std::move(name), width, heads, dropout);
+std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout, bool fused) {
+  return std::make_unique<CausalSelfAttention>(std::move(name), width, heads, dropout, fused);
 }
 
 std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body, int classes) {

@@ -4,11 +4,19 @@
 //   att = softmax(mask(q k^T / sqrt(D))) per (batch, head), the mask keeping key j <= query i,
 //   y (B, T, C) = att v with the heads side by side again (torch's transpose(1, 2).view(B, T, C)).
 // The products are kernels::gemm_batched (cuBLAS / OpenBLAS), one call per head over the batch;
-// the softmax and its backward are one thread per row, summing the row in order: the same bits on
-// both backends. fp32 throughout.
+// the softmax and its backward are one thread per row, summing the row in order. fp32 throughout.
+//
+// The fused form (attention_fused_*) never holds a (T, T) matrix: one thread per query row walks
+// the keys in tiles of kAttentionKeyTile with an online softmax (a running max and sum), keeping
+// only the output and each row's log-sum-exp; the backward recomputes each probability from it.
+// Its arithmetic is one __host__ __device__ body with its own exp and log (exp_portable,
+// log_portable): cuda and sim give the same bits. The unfused form is the reference it is tested against.
 #pragma once
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
 #include "dp/kernels/dropout.h"
 #include "dp/kernels/platform.h"
@@ -40,6 +48,22 @@ void attention_forward(const Stream& stream, const AttentionShape& shape, const 
 // dqkv (B, T, 3C) overwritten from dy (B, T, C); scratch: B*H*T*T floats. `dropout`: the forward's.
 void attention_backward(const Stream& stream, const AttentionShape& shape, const float* qkv, const float* probs,
                         const float* dy, float* dqkv, float* scratch, const AttentionDropout& dropout = {});
+
+// The fused attention's rows, B * H * T: the size of its log-sum-exp (one float per query row,
+// (B, H, T)) and of the backward's delta.
+index_t attention_fused_rows(const AttentionShape& shape);
+
+// y (B, T, C) and each query row's log-sum-exp lse = log sum_j exp(score_j); `dropout.dropped` is not
+// used (the mask is recomputed where it is needed). Head dims above kAttentionMaxHeadDim:
+// InvalidArgument (the unfused form takes any).
+void attention_fused_forward(const Stream& stream, const AttentionShape& shape, const float* qkv, float* y, float* lse,
+                             const AttentionDropout& dropout = {});
+
+// dqkv (B, T, 3C) overwritten from dy, from the forward's y and lse; `delta` (rows floats): scratch
+// for each row's dy . y.
+void attention_fused_backward(const Stream& stream, const AttentionShape& shape, const float* qkv, const float* y,
+                              const float* lse, const float* dy, float* dqkv, float* delta,
+                              const AttentionDropout& dropout = {});
 
 // ------------------------------------------------------------------------------------------------
 // functors: one thread per row of a (T, T) matrix; row r of the launch is query r % T.
@@ -76,6 +100,314 @@ struct CausalSoftmaxBackward {
     for (int j = 0; j <= i; ++j) dot += p[j] * g[j];
     for (int j = 0; j <= i; ++j) g[j] = p[j] * (g[j] - dot);
     for (int j = i + 1; j < tokens; ++j) g[j] = 0.0f;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// the fused form's arithmetic: one body for both backends
+
+inline constexpr int kAttentionKeyTile = 32;      // keys per online-softmax update
+inline constexpr int kAttentionMaxHeadDim = 128;  // a row's q and accumulators live in registers
+
+// 2^n for n in [-126, 127], from its bits.
+DP_HD inline float pow2_bits(int n) {
+  const auto bits = static_cast<std::uint32_t>(n + 127) << 23;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  return std::bit_cast<float>(bits);
+#endif
+}
+
+// e^x for fp32 in the same bits on host and device: the platform's expf differs between glibc and
+// CUDA's libdevice in the last bit. Cody-Waite reduction x = n ln2 + r (ln2 split in two so n ln2 is
+// exact), Cephes' degree-6 polynomial for e^r on |r| <= ln2/2 (within 2 ulps of e^x), then e^r 2^n
+// as two products by powers of two: the first exact, the second rounding once, so the result is
+// e^r 2^n correctly rounded (ldexpf's) without a library call. Every step is a correctly rounded
+// operation that both compilers honour as written; no branch, so the host vectorises it over a tile.
+DP_HD inline float exp_portable(float x) {
+  // Clamped by selects rather than fminf (a libm call on the host); NaN goes to the bound and is
+  // replaced at the end.
+  const float xc =
+      x >= -103.972084045410156f ? (x <= 88.72283935546875f ? x : 88.72283935546875f) : -103.972084045410156f;
+  const float n = rintf(mul_unfused(xc, 1.44269502162933349609f));
+  float r = fmaf(-n, 0.693359375f, xc);
+  r = fmaf(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = fmaf(p, r, 1.3981999507e-3f);
+  p = fmaf(p, r, 8.3334519073e-3f);
+  p = fmaf(p, r, 4.1665795894e-2f);
+  p = fmaf(p, r, 1.6666665459e-1f);
+  p = fmaf(p, r, 5.0000001201e-1f);
+  const float e = fmaf(p, mul_unfused(r, r), r) + 1.0f;  // in [0.7, 1.42]
+  const int ni = static_cast<int>(n), half = ni / 2;     // ni in [-150, 128]: both halves in [-75, 64]
+  const float scaled = mul_unfused(mul_unfused(e, pow2_bits(half)), pow2_bits(ni - half));
+  return x != x ? x : (x > 88.72283935546875f ? INFINITY : (x < -103.972084045410156f ? 0.0f : scaled));
+}
+
+// log x for fp32 in the same bits on host and device (Cephes' logf: x = f 2^e with f in
+// [sqrt(1/2), sqrt(2)), a degree-9 polynomial in f - 1, e ln2 added in two parts), within 2 ulps.
+DP_HD inline float log_portable(float x) {
+  if (!(x > 0.0f) || x == INFINITY) return x == 0.0f ? -INFINITY : (x == INFINITY ? x : NAN);
+  int e = 0;
+  float f = frexpf(x, &e);  // [0.5, 1)
+  if (f < 0.707106781186547524f) {
+    e -= 1;
+    f = f + f - 1.0f;
+  } else {
+    f = f - 1.0f;
+  }
+  const float z = mul_unfused(f, f);
+  float p = 7.0376836292e-2f;
+  p = fmaf(p, f, -1.1514610310e-1f);
+  p = fmaf(p, f, 1.1676998740e-1f);
+  p = fmaf(p, f, -1.2420140846e-1f);
+  p = fmaf(p, f, 1.4249322787e-1f);
+  p = fmaf(p, f, -1.6668057665e-1f);
+  p = fmaf(p, f, 2.0000714765e-1f);
+  p = fmaf(p, f, -2.4999993993e-1f);
+  p = fmaf(p, f, 3.3333331174e-1f);
+  const float ef = static_cast<float>(e);
+  float y = mul_unfused(mul_unfused(p, f), z);
+  y = fmaf(ef, -2.12194440e-4f, y);
+  y = fmaf(-0.5f, z, y);
+  return fmaf(ef, 0.693359375f, f + y);
+}
+
+// Where one (batch, head)'s rows lie in qkv, y and the statistics, and attn_dropout's draw: row r of
+// the launch is query (or key) r % T of matrix r / T = b * H + h.
+struct AttentionRows {
+  int tokens, heads, head_dim;
+  index_t width;  // C
+  float scale;    // 1/sqrt(D)
+  // attn_dropout: kept iff the element's 24-bit draw >= threshold, a kept one weighs noise_kept.
+  bool dropping;
+  DropoutKey key;
+  std::uint32_t threshold;
+  float noise_kept;
+  index_t element_offset;
+
+  DP_HD index_t token_row(index_t matrix, int t) const { return (matrix / heads) * tokens + t; }
+  DP_HD index_t head_column(index_t matrix) const { return (matrix % heads) * head_dim; }
+  DP_HD const float* q(const float* qkv, index_t matrix, int t) const {
+    return qkv + token_row(matrix, t) * 3 * width + head_column(matrix);
+  }
+  // attn_dropout's factor for probability (i, j) of `matrix`: the element (matrix, i, j) of the
+  // (B, H, T, T) probabilities, as dropout_forward draws it over them.
+  DP_HD float noise(index_t matrix, int i, int j) const {
+    const auto e = static_cast<std::uint64_t>(element_offset + (matrix * tokens + i) * tokens + j);
+    const auto words = dropout_words(key, e / 4);
+    return (words.v[e % 4] >> 8) >= threshold ? noise_kept : 0.0f;
+  }
+};
+
+DP_HD inline float dot_in_order(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int k = 0; k < n; ++k) s = fmaf(a[k], b[k], s);
+  return s;
+}
+
+// The unscaled dots of a with rows first..first+n-1 of one matrix's keys (values, queries, dy), into
+// out. RowDots reads each row where it lies (on the GPU a warp's threads read the same row at the
+// same time); ColumnDots reads a (D, T) transposed copy, n independent chains the host vectorises.
+// Both add each dot's terms in feature order, as dot_in_order does: the same bits.
+struct RowDots {
+  const float* base;  // row 0
+  index_t stride;     // from one row to the next
+  int d;
+  DP_HD void operator()(const float* a, int first, int n, float* out) const {
+    for (int j = 0; j < n; ++j) out[j] = dot_in_order(a, base + (first + j) * stride, d);
+  }
+};
+struct ColumnDots {
+  const float* columns;  // feature k of row j at columns[k * tokens + j]
+  int tokens, d;
+  DP_HD void operator()(const float* a, int first, int n, float* out) const {
+    for (int j = 0; j < n; ++j) out[j] = 0.0f;
+    for (int k = 0; k < d; ++k) {
+      const float ak = a[k];
+      const float* column = columns + static_cast<index_t>(k) * tokens + first;
+      for (int j = 0; j < n; ++j) out[j] = fmaf(ak, column[j], out[j]);
+    }
+  }
+};
+
+// sim: the (D, T) copy of one matrix's rows (q, k or v columns of qkv, or dy's), for ColumnDots.
+inline void transpose_head(const float* row0, index_t stride, int tokens, int d, float* columns) {
+  for (int j = 0; j < tokens; ++j)
+    for (int k = 0; k < d; ++k) columns[static_cast<index_t>(k) * tokens + j] = row0[j * stride + k];
+}
+
+// One query row: the keys 0..i in tiles, each tile's scores, then the running max m, sum l and
+// output o rescaled by e^(m_old - m_new) and the tile's exp(s - m_new) added.
+struct AttentionFusedForward {
+  AttentionRows rows;
+  const float* qkv;
+  float* y;
+  float* lse;
+  template <class Dots>
+  DP_HD void row(index_t matrix, int i, const Dots& keys) const {
+    const int d = rows.head_dim;
+    const index_t c = rows.width;
+    const float* q = rows.q(qkv, matrix, i);
+    float o[kAttentionMaxHeadDim];
+    for (int k = 0; k < d; ++k) o[k] = 0.0f;
+    float m = -INFINITY, l = 0.0f, s[kAttentionKeyTile];
+    for (int start = 0; start <= i; start += kAttentionKeyTile) {
+      const int n = i + 1 - start < kAttentionKeyTile ? i + 1 - start : kAttentionKeyTile;
+      keys(q, start, n, s);
+      float tile_max = -INFINITY;
+      for (int j = 0; j < n; ++j) {
+        s[j] = mul_unfused(s[j], rows.scale);
+        tile_max = fmaxf(tile_max, s[j]);
+      }
+      const float m_new = fmaxf(m, tile_max);
+      const float correction = exp_portable(m - m_new);  // 0 for the first tile (m = -inf)
+      l = mul_unfused(l, correction);
+      for (int k = 0; k < d; ++k) o[k] = mul_unfused(o[k], correction);
+      for (int j = 0; j < n; ++j) s[j] = exp_portable(s[j] - m_new);
+      for (int j = 0; j < n; ++j) {
+        const float p = s[j];
+        l = l + p;
+        const float w = rows.dropping ? mul_unfused(p, rows.noise(matrix, i, start + j)) : p;
+        const float* v = rows.q(qkv, matrix, start + j) + 2 * c;
+        for (int k = 0; k < d; ++k) o[k] = fmaf(w, v[k], o[k]);
+      }
+      m = m_new;
+    }
+    float* out = y + rows.token_row(matrix, i) * c + rows.head_column(matrix);
+    for (int k = 0; k < d; ++k) out[k] = o[k] / l;
+    lse[matrix * rows.tokens + i] = m + log_portable(l);
+  }
+  DP_HD void operator()(index_t r) const {
+    const index_t matrix = r / rows.tokens;
+    row(matrix, static_cast<int>(r % rows.tokens),
+        RowDots{rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, rows.head_dim});
+  }
+  void host_run(index_t n) const {
+    const int t = rows.tokens, d = rows.head_dim;
+    std::vector<float> keys(static_cast<std::size_t>(t) * d);
+    for (index_t matrix = 0; matrix * t < n; ++matrix) {
+      transpose_head(rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, t, d, keys.data());
+      for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t, d});
+    }
+  }
+};
+
+// p = exp(s - lse), the forward's probability recomputed from its row's log-sum-exp.
+DP_HD inline float attention_probability(float score, float lse) { return exp_portable(score - lse); }
+
+// Backward, per query row i: delta_i = dy_i . y_i, then over keys j <= i
+//   ds = p (noise * (dy_i . v_j) - delta_i),  dq_i = scale * sum_j ds k_j.
+// (delta = sum_j p_ij noise_ij (dy_i . v_j) = dy_i . y_i, with dropout too.)
+struct AttentionFusedBackwardQuery {
+  AttentionRows rows;
+  const float *qkv, *y, *lse, *dy;
+  float *dqkv, *delta;
+  template <class Dots>
+  DP_HD void row(index_t matrix, int i, const Dots& keys, const Dots& values) const {
+    const int d = rows.head_dim;
+    const index_t c = rows.width, r = matrix * rows.tokens + i;
+    const index_t token = rows.token_row(matrix, i), column = rows.head_column(matrix);
+    const float* q = rows.q(qkv, matrix, i);
+    const float* g = dy + token * c + column;
+    const float dl = dot_in_order(g, y + token * c + column, d);
+    const float row_lse = lse[r];
+    float dq[kAttentionMaxHeadDim], s[kAttentionKeyTile], dp[kAttentionKeyTile];
+    for (int k = 0; k < d; ++k) dq[k] = 0.0f;
+    for (int start = 0; start <= i; start += kAttentionKeyTile) {
+      const int n = i + 1 - start < kAttentionKeyTile ? i + 1 - start : kAttentionKeyTile;
+      keys(q, start, n, s);
+      values(g, start, n, dp);
+      for (int j = 0; j < n; ++j) s[j] = attention_probability(mul_unfused(s[j], rows.scale), row_lse);
+      for (int j = 0; j < n; ++j) {
+        const float p = s[j];
+        const float dpj = rows.dropping ? mul_unfused(dp[j], rows.noise(matrix, i, start + j)) : dp[j];
+        const float ds = mul_unfused(p, dpj - dl);
+        const float* kj = rows.q(qkv, matrix, start + j) + c;
+        for (int k = 0; k < d; ++k) dq[k] = fmaf(ds, kj[k], dq[k]);
+      }
+    }
+    float* out = dqkv + token * 3 * c + column;
+    for (int k = 0; k < d; ++k) out[k] = mul_unfused(dq[k], rows.scale);
+    delta[r] = dl;
+  }
+  DP_HD void operator()(index_t r) const {
+    const index_t matrix = r / rows.tokens, c = rows.width;
+    const float* k0 = rows.q(qkv, matrix, 0) + c;
+    row(matrix, static_cast<int>(r % rows.tokens), RowDots{k0, 3 * c, rows.head_dim},
+        RowDots{k0 + c, 3 * c, rows.head_dim});
+  }
+  void host_run(index_t n) const {
+    const int t = rows.tokens, d = rows.head_dim;
+    const index_t c = rows.width;
+    std::vector<float> keys(static_cast<std::size_t>(t) * d), values(keys.size());
+    for (index_t matrix = 0; matrix * t < n; ++matrix) {
+      transpose_head(rows.q(qkv, matrix, 0) + c, 3 * c, t, d, keys.data());
+      transpose_head(rows.q(qkv, matrix, 0) + 2 * c, 3 * c, t, d, values.data());
+      for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t, d}, ColumnDots{values.data(), t, d});
+    }
+  }
+};
+
+// Backward, per key row j, over queries i >= j: dv_j = sum_i noise p dy_i, dk_j = scale * sum_i ds q_i,
+// with p and ds computed as the query pass computes them (the same bits).
+struct AttentionFusedBackwardKey {
+  AttentionRows rows;
+  const float *qkv, *lse, *dy, *delta;
+  float* dqkv;
+  template <class Dots>
+  DP_HD void row(index_t matrix, int j, const Dots& queries, const Dots& grads) const {
+    const int d = rows.head_dim, t = rows.tokens;
+    const index_t c = rows.width, first = matrix * t;
+    const float* kj = rows.q(qkv, matrix, j) + c;
+    const float* vj = kj + c;
+    const float* g0 = dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix);
+    float dk[kAttentionMaxHeadDim], dv[kAttentionMaxHeadDim], s[kAttentionKeyTile], dp[kAttentionKeyTile];
+    for (int k = 0; k < d; ++k) dk[k] = dv[k] = 0.0f;
+    for (int start = j; start < t; start += kAttentionKeyTile) {
+      const int n = t - start < kAttentionKeyTile ? t - start : kAttentionKeyTile;
+      queries(kj, start, n, s);
+      grads(vj, start, n, dp);
+      for (int u = 0; u < n; ++u) s[u] = attention_probability(mul_unfused(s[u], rows.scale), lse[first + start + u]);
+      for (int u = 0; u < n; ++u) {
+        const int i = start + u;
+        const float* qi = rows.q(qkv, matrix, i);
+        const float* g = g0 + static_cast<index_t>(i) * c;
+        const float p = s[u];
+        float dpi = dp[u], w = p;
+        if (rows.dropping) {
+          const float noise = rows.noise(matrix, i, j);
+          dpi = mul_unfused(dpi, noise);
+          w = mul_unfused(p, noise);
+        }
+        const float ds = mul_unfused(p, dpi - delta[first + i]);
+        for (int k = 0; k < d; ++k) {
+          dv[k] = fmaf(w, g[k], dv[k]);
+          dk[k] = fmaf(ds, qi[k], dk[k]);
+        }
+      }
+    }
+    float* out = dqkv + rows.token_row(matrix, j) * 3 * c + rows.head_column(matrix);
+    for (int k = 0; k < d; ++k) {
+      out[c + k] = mul_unfused(dk[k], rows.scale);
+      out[2 * c + k] = dv[k];
+    }
+  }
+  DP_HD void operator()(index_t r) const {
+    const index_t matrix = r / rows.tokens, c = rows.width;
+    row(matrix, static_cast<int>(r % rows.tokens), RowDots{rows.q(qkv, matrix, 0), 3 * c, rows.head_dim},
+        RowDots{dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, rows.head_dim});
+  }
+  void host_run(index_t n) const {
+    const int t = rows.tokens, d = rows.head_dim;
+    const index_t c = rows.width;
+    std::vector<float> queries(static_cast<std::size_t>(t) * d), grads(queries.size());
+    for (index_t matrix = 0; matrix * t < n; ++matrix) {
+      transpose_head(rows.q(qkv, matrix, 0), 3 * c, t, d, queries.data());
+      transpose_head(dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, t, d, grads.data());
+      for (int j = 0; j < t; ++j) row(matrix, j, ColumnDots{queries.data(), t, d}, ColumnDots{grads.data(), t, d});
+    }
   }
 };
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <Random123/philox.h>
+#include <cmath>
 #include <cstdint>
 
 #include "dp/kernels/platform.h"
@@ -42,6 +43,12 @@ void dropout_forward(const Stream& stream, index_t n, double p, const DropoutKey
 // dx = dy * noise, the mask recomputed from the same key and offset (torch: grad * noise).
 void dropout_backward(const Stream& stream, index_t n, double p, const DropoutKey& key, index_t element_offset, In dy,
                       Out dx);
+
+// An element is kept iff its 24-bit draw (word >> 8) is at least ceil(p * 2^24), in [1, 2^24] (p = 1:
+// 2^24, above every draw); a kept one is multiplied by torch's noise.div_(1 - p): 1 - p in double,
+// rounded to float, then a float division.
+inline std::uint32_t dropout_threshold(double p) { return static_cast<std::uint32_t>(std::ceil(p * 16777216.0)); }
+inline float dropout_noise_kept(double p) { return p < 1.0 ? 1.0f / static_cast<float>(1.0 - p) : 0.0f; }
 
 // ------------------------------------------------------------------------------------------------
 // functors

@@ -34,6 +34,8 @@ struct GptConfig {
   // wte's rows (0: vocab). llm.c pads GPT-2's 50257 to 50304: the rows past vocab are never an
   // input and get no logit, so they keep their values (and train_gpt2.c's arithmetic is kept).
   int vocab_rows = 0;
+  // The attention without a (T, T) matrix in memory (nn::make_causal_self_attention's `fused`).
+  bool fused_attention = true;
   int rows() const { return vocab_rows > 0 ? vocab_rows : vocab; }
 };
 
@@ -46,7 +48,7 @@ constexpr int llmc_padded_vocab(int vocab) { return (vocab + 127) / 128 * 128; }
 nn::Layers gpt_body(const GptConfig& config);
 // nanoGPT's Block `name` of `width` features and `heads` heads, with its dropouts.
 std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int heads, double dropout = 0.0,
-                                     bool tanh_gelu = false);
+                                     bool tanh_gelu = false, bool fused_attention = true);
 
 // GPT-2's initialisation as nanoGPT's _init_weights applies it: every Linear weight and both
 // embeddings N(0, 0.02^2), the residual projections (attn.c_proj, mlp.c_proj) N(0, (0.02 /

@@ -224,7 +224,10 @@ std::unique_ptr<Layer> make_flatten(std::string name);
 // attention probabilities in training; resid_dropout is a make_dropout after it).
 std::unique_ptr<Layer> make_layernorm(std::string name, int width);
 std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation = false);
-std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout = 0.0);
+// `fused`: the attention without a (T, T) matrix in memory (attention_fused_*, head dims up to
+// kernels::kAttentionMaxHeadDim); false: the products and softmax apart, the reference.
+std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout = 0.0,
+                                                  bool fused = true);
 // nanoGPT's GPT around `body` (its blocks, named transformer.h.0, ..., then transformer.ln_f): token
 // ids per sample (T floats holding integers in [0, vocab), T <= context) through the token and
 // position embeddings transformer.wte (vocab, width) and transformer.wpe (context, width), the body,
