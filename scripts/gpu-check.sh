@@ -55,8 +55,8 @@ tests_out='^(cuda_fatbin_architectures|find_package_consumer)$|[/_]sim( |$)'
 # (test_bf16_storage: the bf16 kernels, cuDNN and cuBLAS on bf16 operands) and the transformer kernels
 # (test_transformer_kernels, test_transformer) and the GPT through every engine (test_gpt_engines:
 # torch's step, AdamW's decay groups, dropout's masks, graphs with dropout against eager).
-tests_quick='^(ReduceCudaMatchesSim|FusionCudaMatchesSim|TransformerKernelsCudaMatchesSim|DeviceRing)\.'
-tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage|TransformerKernels|Transformer|GptOnBackend)\.'
+tests_quick='^(ReduceCudaMatchesSim|FusionCudaMatchesSim|TransformerKernelsCudaMatchesSim|FusedAttentionCudaMatchesSim|DeviceRing)\.'
+tests_quick+='|^Backends/(CudaRules|ForbiddenInCapture|Graphs|Bf16Storage|TransformerKernels|FusedAttention|Transformer|GptOnBackend)\.'
 tests_quick+='[^ ]*[/_]cuda( |$)'
 # ... and the collectives' agreement on cuda's ranks (a desync named before the backend sees the call).
 tests_quick+='|^Backends/Collectives\.(AMismatchedCallEndsOnEveryRankBeforeItRuns|ARankThatIssuesFewerCallsIsNamedAtOnce)/cuda( |$)'
@@ -477,6 +477,31 @@ fault_row "lose@d2:2 (one of 4 devices)" lose@d2:2 0 "4 shards go on from step" 
 fault_row "flip-param@d1:2" flip-param@d1:2 8 "global rank 1 (device 1) holds other bits" 0 10
 # Shadow shards: step 2 checks device 2's shard on device 3, device 0 settles it; the run goes on.
 fault_row "flip-gemm@d2:2 (shadow shards)" flip-gemm@d2:2 0 "device 2 computes wrong" 1 15 --shadow-shards 1
+
+# ---- 2c. quick: GPT-2 124M's shape (context 1024), one device, batch 8, the fused attention: its step
+# beside its roofline and its bytes (dp_bench). ~20 s on one H100 (estimate: start-up, 3 steps).
+check="dp_bench gpt2 (fused attention)"
+if fits bench "$check" 25; then
+  jsonw running "$check"
+  start=$EPOCHREALTIME
+  roofline_gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+    grep -oiE 'h200|h100|a100' | head -1 | tr 'A-Z' 'a-z')
+  tmo "$(cap 60)" "$bench" --backend "$device" --devices 1 --models gpt2 --modes single --batch-size 8 \
+    --steps 2 --warmup 1 --roofline "${roofline_gpu:-h100}" --json "$work/gpt2.json" > "$work/gpt2.txt" 2>&1
+  gpt2_rc=$?
+  cp "$work/gpt2.txt" "$out/gpu-check-gpt2.txt"
+  detail=$(timeout 30 python3 - "$work/gpt2.json" 2>&1 <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+roof = r.get("roofline") or {}
+print("%.1f ms/step, %.0f tokens/s, roofline %s ms (%s), %.2f GiB/step, peak %.2f GiB" % (
+    r["step_ms_median"], r["samples_per_s"] * 1024, "%.1f" % roof["estimate_ms"] if roof else "n/a",
+    roof.get("bound", "?"), (r.get("bytes_per_step") or 0) / 2**30, r["per_device"][0]["peak_bytes"] / 2**30))
+EOF
+) || gpt2_rc=1
+  if [ $gpt2_rc -eq 0 ]; then v=PASS; else v=FAIL; fi
+  row bench "$check" $v "$(tail -1 <<<"$detail")" "$(since "$start")"
+fi
 
 if [ "$quick" = 0 ]; then
   # ---- 3. the rest of the cuda tests (~110: kernels, layers, engines, graphs against eager, collectives),

@@ -140,37 +140,47 @@ index_t attention_fused_rows(const AttentionShape& s) { return row_count(s); }
 
 // One thread per query row (rows of a warp are consecutive queries of one head, reading the same
 // key and value rows at the same time).
-void attention_fused_forward(const Stream& stream, const AttentionShape& s, const float* qkv, float* y, float* lse,
+void attention_fused_forward(const Stream& stream, const AttentionShape& s, In qkv, Out y, float* lse,
                              const AttentionDropout& dropout) {
   const char* op = "attention_fused_forward";
   const AttentionRows rows = attention_rows(op, s, dropout);
-  checks::present(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}});
+  checks::present(op, {{"qkv", qkv.data}, {"y", y.data}, {"lse", lse}});
+  checks::same_storage(op, {qkv.bf16, y.bf16});
   if (s.batch == 0) return;
   const index_t n = row_count(s), tokens = static_cast<index_t>(s.batch) * s.tokens;
-  launch(stream, op, n, AttentionFusedForward{rows, qkv, y, lse},
-         {operand(qkv, tokens * 3 * s.width()), operand(y, tokens * s.width()), operand(lse, n),
-          operand(dropout.key.step_on_device, rows.dropping && dropout.key.step_on_device ? 1 : 0)});
+  with_storage(qkv.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch(stream, op, n, AttentionFusedForward<T>{rows, qkv.as<T>(), y.as<T>(), lse},
+           {operand(qkv.as<T>(), tokens * 3 * s.width()), operand(y.as<T>(), tokens * s.width()), operand(lse, n),
+            operand(dropout.key.step_on_device, rows.dropping && dropout.key.step_on_device ? 1 : 0)});
+  });
 }
 
 // The query pass (dq and each row's delta), then the key pass (dk and dv): each sum has one owner
 // and a fixed order, so the result does not depend on the launch (no atomics). Traffic as each pass
 // moves it: the query pass writes dq's third of dqkv, the key pass dk's and dv's two thirds.
-void attention_fused_backward(const Stream& stream, const AttentionShape& s, const float* qkv, const float* y,
-                              const float* lse, const float* dy, float* dqkv, float* delta,
-                              const AttentionDropout& dropout) {
+void attention_fused_backward(const Stream& stream, const AttentionShape& s, In qkv, In y, const float* lse, In dy,
+                              Out dqkv, float* delta, const AttentionDropout& dropout) {
   const char* op = "attention_fused_backward";
   const AttentionRows rows = attention_rows(op, s, dropout);
-  checks::present(op, {{"qkv", qkv}, {"y", y}, {"lse", lse}, {"dy", dy}, {"dqkv", dqkv}, {"delta", delta}});
+  checks::present(
+      op, {{"qkv", qkv.data}, {"y", y.data}, {"lse", lse}, {"dy", dy.data}, {"dqkv", dqkv.data}, {"delta", delta}});
+  checks::same_storage(op, {qkv.bf16, y.bf16, dy.bf16, dqkv.bf16});
   if (s.batch == 0) return;
   const index_t n = row_count(s), tokens = static_cast<index_t>(s.batch) * s.tokens;
   const index_t wide = tokens * 3 * s.width(), narrow = tokens * s.width();
   const index_t step = rows.dropping && dropout.key.step_on_device ? 1 : 0;
-  launch(stream, "attention_fused_backward_query", n, AttentionFusedBackwardQuery{rows, qkv, y, lse, dy, dqkv, delta},
-         {operand(qkv, wide), operand(y, narrow), operand(lse, n), operand(dy, narrow), operand(dqkv, narrow),
-          operand(delta, n), operand(dropout.key.step_on_device, step)});
-  launch(stream, "attention_fused_backward_key", n, AttentionFusedBackwardKey{rows, qkv, lse, dy, delta, dqkv},
-         {operand(qkv, wide), operand(lse, n), operand(dy, narrow), operand(delta, n), operand(dqkv, 2 * narrow),
-          operand(dropout.key.step_on_device, step)});
+  with_storage(qkv.bf16, [&](auto t) {
+    using T = decltype(t);
+    const T *q = qkv.as<T>(), *out = y.as<T>(), *g = dy.as<T>();
+    T* dq = dqkv.as<T>();
+    launch(stream, "attention_fused_backward_query", n, AttentionFusedBackwardQuery<T>{rows, q, out, lse, g, dq, delta},
+           {operand(q, wide), operand(out, narrow), operand(lse, n), operand(g, narrow), operand(dq, narrow),
+            operand(delta, n), operand(dropout.key.step_on_device, step)});
+    launch(stream, "attention_fused_backward_key", n, AttentionFusedBackwardKey<T>{rows, q, lse, g, delta, dq},
+           {operand(q, wide), operand(lse, n), operand(g, narrow), operand(delta, n), operand(dq, 2 * narrow),
+            operand(dropout.key.step_on_device, step)});
+  });
 }
 
 }  // namespace dp::kernels

@@ -13,6 +13,7 @@
 
 #include "dp/io/safetensors.h"
 #include "dp/kernels/attention.h"
+#include "dp/runtime/bfloat16.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/error.h"
 #include "test_util.h"
@@ -190,6 +191,47 @@ TEST_P(FusedAttention, MovesNoScoreMatrix) {
   for (const auto& [kernel, counted] : moved) EXPECT_EQ(kernel.find("softmax"), std::string::npos) << kernel;
 }
 
+// Under autocast qkv, y, dy and dqkv are bf16: read widened, the arithmetic the fp32 kernel's on the
+// widened values, each output rounded once. So the bf16 results are the fp32 kernel's on the same
+// (widened) inputs, rounded: bit for bit, with attn_dropout too; the lse is the fp32 one exactly.
+TEST_P(FusedAttention, Bf16StorageIsTheFp32ResultRounded) {
+  const kernels::AttentionShape s{2, 37, 2, 16};
+  const auto n = static_cast<std::size_t>(s.batch) * s.tokens * s.width();
+  const auto rows = static_cast<std::size_t>(kernels::attention_fused_rows(s));
+  std::vector<std::uint16_t> qkv16(3 * n), dy16(n);
+  std::vector<float> qkv(3 * n), dy(n);
+  const auto q0 = qkv_of(s, 70), g0 = dy_of(s, 71);
+  for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = bf16_to_float(qkv16[i] = bf16_from_float(q0[i]));
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = bf16_to_float(dy16[i] = bf16_from_float(g0[i]));
+  for (const double p : {0.0, 0.25}) {
+    const kernels::AttentionDropout dropout{p, {7, 11, 3}, 40, nullptr};
+    DeviceBuffer q = up(qkv), g = up(dy), y = floats(n), lse = floats(rows), delta = floats(rows), dq = floats(3 * n);
+    kernels::attention_fused_forward(stream_, s, q.as<float>(), y.as<float>(), lse.as<float>(), dropout);
+    // The fp32 backward reads y as bf16 storage would hold it.
+    std::vector<float> y32 = down<float>(y), y_rounded(n);
+    for (std::size_t i = 0; i < n; ++i) y_rounded[i] = bf16_to_float(bf16_from_float(y32[i]));
+    DeviceBuffer yr = up(y_rounded);
+    kernels::attention_fused_backward(stream_, s, q.as<float>(), yr.as<float>(), lse.as<float>(), g.as<float>(),
+                                      dq.as<float>(), delta.as<float>(), dropout);
+    DeviceBuffer q16 = up(qkv16), g16 = up(dy16), y16 = device_->allocate(n * 2), lse16 = floats(rows),
+                 dq16 = device_->allocate(3 * n * 2);
+    kernels::attention_fused_forward(stream_, s, q16.as<std::uint16_t>(), y16.as<std::uint16_t>(), lse16.as<float>(),
+                                     dropout);
+    kernels::attention_fused_backward(stream_, s, q16.as<std::uint16_t>(), y16.as<std::uint16_t>(), lse16.as<float>(),
+                                      g16.as<std::uint16_t>(), dq16.as<std::uint16_t>(), delta.as<float>(), dropout);
+    const auto got_y = down<std::uint16_t>(y16), got_dq = down<std::uint16_t>(dq16);
+    const auto want_dq = down<float>(dq);
+    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got_y[i], bf16_from_float(y32[i])) << "y " << i << " p=" << p;
+    for (std::size_t i = 0; i < 3 * n; ++i)
+      ASSERT_EQ(got_dq[i], bf16_from_float(want_dq[i])) << "dqkv " << i << " p=" << p;
+    EXPECT_EQ(down<float>(lse16), down<float>(lse)) << p;
+  }
+  // One storage for all four: a bf16 qkv with an fp32 y is refused.
+  DeviceBuffer q16 = up(qkv16), y = floats(n), lse = floats(rows);
+  EXPECT_THROW(kernels::attention_fused_forward(stream_, s, q16.as<std::uint16_t>(), y.as<float>(), lse.as<float>()),
+               InvalidArgument);
+}
+
 TEST_P(FusedAttention, RefusesAHeadPastItsRegisters) {
   const kernels::AttentionShape s{1, 2, 1, kernels::kAttentionMaxHeadDim + 1};
   DeviceBuffer q = floats(static_cast<std::size_t>(2 * 3 * s.width())),
@@ -230,8 +272,31 @@ TEST(FusedAttentionCudaMatchesSim, BitForBit) {
       }
     }
   }
+  // bf16 storage (autocast), with attn_dropout.
+  const kernels::AttentionShape s{2, 70, 2, 64};
+  const auto n = static_cast<std::size_t>(s.batch) * s.tokens * s.width();
+  const auto rows = static_cast<std::size_t>(kernels::attention_fused_rows(s));
+  std::vector<std::uint16_t> qkv(3 * n), dy(n);
+  for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = bf16_from_float(2.0f * std::sin(0.37f * static_cast<float>(i)));
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = bf16_from_float(std::cos(0.91f * static_cast<float>(i)));
+  std::vector<std::uint16_t> bf16_results[2][2];
+  for (int k = 0; k < 2; ++k) {
+    Device& device = runtimes[k]->device(0);
+    const Stream stream = device.create_stream();
+    DeviceBuffer q = test::upload(device, stream, qkv), g = test::upload(device, stream, dy),
+                 y = device.allocate(n * 2), lse = device.allocate(rows * 4), delta = device.allocate(rows * 4),
+                 dqkv = device.allocate(3 * n * 2);
+    const kernels::AttentionDropout dropout{0.1, {5, 6, 7}, 8, nullptr};
+    kernels::attention_fused_forward(stream, s, q.as<std::uint16_t>(), y.as<std::uint16_t>(), lse.as<float>(), dropout);
+    kernels::attention_fused_backward(stream, s, q.as<std::uint16_t>(), y.as<std::uint16_t>(), lse.as<float>(),
+                                      g.as<std::uint16_t>(), dqkv.as<std::uint16_t>(), delta.as<float>(), dropout);
+    bf16_results[k][0] = test::download<std::uint16_t>(stream, y);
+    bf16_results[k][1] = test::download<std::uint16_t>(stream, dqkv);
+  }
   ASSERT_EQ(results[0].size(), results[1].size());
   for (std::size_t i = 0; i < results[0].size(); ++i) EXPECT_EQ(results[0][i], results[1][i]) << "tensor " << i;
+  EXPECT_EQ(bf16_results[0][0], bf16_results[1][0]) << "bf16 y";
+  EXPECT_EQ(bf16_results[0][1], bf16_results[1][1]) << "bf16 dqkv";
 }
 
 }  // namespace

@@ -45,8 +45,8 @@ constexpr bool kHostBodies =
         HasHostAddTerms<BnCenteredMoments<T>, SumPair>&& HasHostAddTerms<BnGradTerms<T>, SumPair>;
 static_assert(kHostBodies<float> && kHostBodies<std::uint16_t>);
 static_assert(HasHostRun<Im2col> && HasHostRun<Col2im>);
-static_assert(HasHostRun<AttentionFusedForward> && HasHostRun<AttentionFusedBackwardQuery> &&
-              HasHostRun<AttentionFusedBackwardKey>);
+static_assert(HasHostRun<AttentionFusedForward<float>> && HasHostRun<AttentionFusedBackwardQuery<float>> &&
+              HasHostRun<AttentionFusedBackwardKey<std::uint16_t>>);
 static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
 static_assert(HasHostAddTerms<RowElement<float>, float> && HasHostAddTerms<RowElement<std::uint16_t>, float>);
 
@@ -383,11 +383,11 @@ TEST(HostPaths, FusedAttention) {
         lse[form].assign(r, 0.0f);
         dqkv[form].assign(3 * n, 0.0f);
         delta[form].assign(r, 0.0f);
-        const AttentionFusedForward forward{shape, qkv.data(), y[form].data(), lse[form].data()};
-        const AttentionFusedBackwardQuery query{shape,     qkv.data(),        y[form].data(),    lse[form].data(),
-                                                dy.data(), dqkv[form].data(), delta[form].data()};
-        const AttentionFusedBackwardKey key{shape,     qkv.data(),         lse[form].data(),
-                                            dy.data(), delta[form].data(), dqkv[form].data()};
+        const AttentionFusedForward<float> forward{shape, qkv.data(), y[form].data(), lse[form].data()};
+        const AttentionFusedBackwardQuery<float> query{
+            shape, qkv.data(), y[form].data(), lse[form].data(), dy.data(), dqkv[form].data(), delta[form].data()};
+        const AttentionFusedBackwardKey<float> key{shape,     qkv.data(),         lse[form].data(),
+                                                   dy.data(), delta[form].data(), dqkv[form].data()};
         if (form == 0) {
           for (index_t i = 0; i < rows; ++i) forward(i);
           for (index_t i = 0; i < rows; ++i) query(i);

@@ -79,115 +79,86 @@ class Gelu final : public Layer {
   kernels::GeluForm form_;
 };
 
-// nanoGPT's CausalSelfAttention: c_attn (C -> 3C), the causal attention of `heads` heads
-// (dp/kernels/attention.h) with its attn_dropout on the probabilities in training, c_proj (C -> C),
-// its parameters named as nanoGPT's state dict names them (its resid_dropout is a Dropout layer after
-// it). fp32 inside (under autocast the chain widens its input and rounds its output). Fused, the
-// attention keeps each query row's log-sum-exp where the unfused form keeps the (T, T) probabilities.
-class CausalSelfAttention final : public Layer {
+// The attention between nanoGPT's CausalSelfAttention's two Linears (dp/kernels/attention.h): qkv
+// (N, T, 1, 3C) in, the heads side by side (N, T, 1, C) out, its attn_dropout on the probabilities
+// in training. Fused, it keeps each query row's log-sum-exp where the unfused form keeps the (T, T)
+// probabilities, and takes autocast's bf16 storage as it is (torch runs scaled_dot_product_attention
+// in bf16 there); unfused, it is fp32 inside (the chain widens and rounds around it).
+class CausalAttention final : public Layer {
  public:
-  CausalSelfAttention(std::string name, int width, int heads, double dropout, bool fused)
-      : Layer(std::move(name)), width_(width), heads_(heads), dropout_(dropout), fused_(fused) {
-    if (width < 1 || heads < 1 || width % heads != 0)
-      throw InvalidArgument(fmt::format("{}: {} features do not split into {} heads", this->name(), width, heads));
-    if (fused && width / heads > kernels::kAttentionMaxHeadDim)
-      throw InvalidArgument(
-          fmt::format("{}: the fused attention takes heads of up to {} features, got {} (--attention "
-                      "unfused takes any)",
-                      this->name(), kernels::kAttentionMaxHeadDim, width / heads));
-    if (!(dropout >= 0.0 && dropout <= 1.0))
-      throw InvalidArgument(
-          fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", this->name(), dropout));
-    params_.push_back({"c_attn.weight", DType::f32, {3 * width, width}, Init::kaiming_uniform, width});
-    params_.push_back({"c_attn.bias", DType::f32, {3 * width}, Init::fan_in_uniform, width});
-    params_.push_back({"c_proj.weight", DType::f32, {width, width}, Init::kaiming_uniform, width});
-    params_.push_back({"c_proj.bias", DType::f32, {width}, Init::fan_in_uniform, width});
-  }
+  CausalAttention(std::string name, int width, int heads, double dropout, bool fused)
+      : Layer(std::move(name)), width_(width), heads_(heads), dropout_(dropout), fused_(fused) {}
   ActShape output_shape(const ActShape& in) const override {
-    check_tokens(name(), in, width_);
-    if (in.h != 1)
+    if (in.h != 1 || in.features() != 3 * width_)
       throw InvalidArgument(
-          fmt::format("{}: expects (tokens, 1, features) per sample, got ({}, {}, {})", name(), in.c, in.h, in.w));
-    return in;
+          fmt::format("{}: expects (tokens, 1, {}) per sample (q, k, v of {} features), got ({}, "
+                      "{}, {})",
+                      name(), 3 * width_, width_, in.c, in.h, in.w));
+    return ActShape::sequence(in.n, in.positions(), width_);
   }
-  // Per sample: the two projections' T * (3C + C) * C, and the attention's products. Unfused: the
-  // scores' and values' 2 * T * T * C (GEMMs over the whole (T, T) matrices). Fused, only the T(T+1)/2
-  // causal pairs, each D multiply-adds per product: 2 forward and 7 backward products (the query
-  // pass recomputes the score and dy.v, the key pass both again), counted as a third of the 9 since
-  // the step's count is three times the forward's.
+  // Per sample. Unfused: the scores' and values' 2 * T * T * C (GEMMs over the whole (T, T)
+  // matrices). Fused, only the T(T+1)/2 causal pairs, D multiply-adds each per product: 2 forward
+  // and 7 backward products (the query pass recomputes the score and dy.v, the key pass both again),
+  // counted as a third of the 9 since a step's count is three times the forward's.
   std::int64_t multiply_adds(const ActShape& in) const override {
     const std::int64_t t = in.positions(), c = width_;
-    return t * 4 * c * c + (fused_ ? 3 * t * (t + 1) * c / 2 : 2 * t * t * c);
+    return fused_ ? 3 * t * (t + 1) * c / 2 : 2 * t * t * c;
   }
   bool stochastic() const override { return dropout_ > 0.0; }
+  bool native_bf16() const override { return fused_; }
+  bool backward_reads_output() const override { return fused_; }  // delta = dy . y
   void forward(const LayerContext& ctx, const float* x, float* y) override {
-    const Buffers b = buffers(ctx);
-    const auto rows = static_cast<int>(token_rows(ctx.in));
-    kernels::linear_forward(ctx.stream, rows, width_, 3 * width_, x, param(0), param(1), b.qkv);
+    const kernels::AttentionShape s = shape(ctx.in);
     if (fused_)
-      kernels::attention_fused_forward(ctx.stream, shape(ctx.in), b.qkv, b.heads, b.probs, attn_dropout(ctx, b));
+      kernels::attention_fused_forward(ctx.stream, s, {x, ctx.bf16}, {y, ctx.bf16}, saved(ctx),
+                                       attn_dropout(ctx, nullptr));
     else
-      kernels::attention_forward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.heads, attn_dropout(ctx, b));
-    kernels::linear_forward(ctx.stream, rows, width_, width_, b.heads, param(2), param(3), y);
+      kernels::attention_forward(ctx.stream, s, x, saved(ctx), y, attn_dropout(ctx, dropped(ctx)));
   }
-  void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
-    const Buffers b = buffers(ctx);
-    const auto rows = static_cast<int>(token_rows(ctx.in));
-    kernels::linear_backward(ctx.stream, rows, width_, width_, b.heads, param(2), dy, b.dheads, grad(2), grad(3),
-                             ctx.accumulate_grads);
+  void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) override {
+    const kernels::AttentionShape s = shape(ctx.in);
+    float* scratch = scratch_.get<float>(ctx.device, static_cast<std::size_t>(held(s)));
     if (fused_)
-      kernels::attention_fused_backward(ctx.stream, shape(ctx.in), b.qkv, b.heads, b.probs, b.dheads, b.dqkv, b.dprobs,
-                                        attn_dropout(ctx, b));
+      kernels::attention_fused_backward(ctx.stream, s, {x, ctx.bf16}, {y, ctx.bf16}, saved(ctx), {dy, ctx.bf16},
+                                        {dx, ctx.bf16}, scratch, attn_dropout(ctx, nullptr));
     else
-      kernels::attention_backward(ctx.stream, shape(ctx.in), b.qkv, b.probs, b.dheads, b.dqkv, b.dprobs,
-                                  attn_dropout(ctx, b));
-    kernels::linear_backward(ctx.stream, rows, width_, 3 * width_, x, param(0), b.dqkv, dx, grad(0), grad(1),
-                             ctx.accumulate_grads);
+      kernels::attention_backward(ctx.stream, s, x, saved(ctx), dy, dx, scratch, attn_dropout(ctx, dropped(ctx)));
   }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<CausalSelfAttention>(*this); }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<CausalAttention>(*this); }
   std::size_t saved_bytes() const override { return kept_; }
 
  private:
   kernels::AttentionShape shape(const ActShape& in) const { return {in.n, in.positions(), heads_, width_ / heads_}; }
-  // What the forward keeps for the backward (qkv, the attention probabilities, the heads' output)
-  // and the backward's own scratch. Fused: `probs` holds the rows' log-sum-exp, `dprobs` their
-  // delta, and nothing is dropped in memory.
-  struct Buffers {
-    float* qkv;
-    float* probs;
-    float* heads;
-    float* dqkv;
-    float* dprobs;
-    float* dheads;
-    float* dropped;  // the probabilities after attn_dropout (training with dropout only)
-  };
-  Buffers buffers(const LayerContext& ctx) {
-    const auto rows = static_cast<std::size_t>(token_rows(ctx.in)), c = static_cast<std::size_t>(width_);
-    const auto probs =
-        static_cast<std::size_t>(fused_ ? kernels::attention_fused_rows(shape(ctx.in)) : shape(ctx.in).probs());
-    const bool dropping = !fused_ && ctx.mode == Mode::train && dropout_ > 0.0;
-    kept_ = (rows * 4 * c + probs * (dropping ? 2 : 1)) * sizeof(float);
-    return {qkv_.get<float>(ctx.device, rows * 3 * c),
-            probs_.get<float>(ctx.device, probs),
-            heads_out_.get<float>(ctx.device, rows * c),
-            dqkv_.get<float>(ctx.device, rows * 3 * c),
-            dprobs_.get<float>(ctx.device, probs),
-            dheads_.get<float>(ctx.device, rows * c),
-            dropping ? dropped_.get<float>(ctx.device, probs) : nullptr};
+  // What the forward keeps for the backward: fused, each query row's log-sum-exp (the backward's
+  // delta the same size, in scratch); unfused, the (T, T) probabilities (their gradients in scratch).
+  kernels::index_t held(const kernels::AttentionShape& s) const {
+    return fused_ ? kernels::attention_fused_rows(s) : s.probs();
   }
-
-  // nanoGPT's attn_dropout ("<name>.attn_dropout"), in training only.
-  kernels::AttentionDropout attn_dropout(const LayerContext& ctx, const Buffers& b) const {
+  float* saved(const LayerContext& ctx) {
+    const auto n = static_cast<std::size_t>(held(shape(ctx.in)));
+    const bool dropping = !fused_ && ctx.mode == Mode::train && dropout_ > 0.0;
+    kept_ = n * sizeof(float) * (dropping ? 2 : 1);
+    return saved_.get<float>(ctx.device, n);
+  }
+  // Unfused training with dropout: the dropped probabilities, from the forward to the backward.
+  float* dropped(const LayerContext& ctx) {
+    if (fused_ || ctx.mode != Mode::train || dropout_ == 0.0) return nullptr;
+    return dropped_.get<float>(ctx.device, static_cast<std::size_t>(shape(ctx.in).probs()));
+  }
+  // nanoGPT's attn_dropout, a sibling of this layer in its CausalSelfAttention ("<attn>.attn_dropout"),
+  // in training only; drawn over the (B, H, T, T) probabilities in both forms.
+  kernels::AttentionDropout attn_dropout(const LayerContext& ctx, float* dropped) const {
     if (ctx.mode != Mode::train || dropout_ == 0.0) return {};
     const auto per_sample = static_cast<std::int64_t>(shape(ctx.in).probs() / ctx.in.n);
-    const auto [key, offset] = detail::dropout_draw(ctx, name() + ".attn_dropout", per_sample);
-    return {dropout_, key, static_cast<kernels::index_t>(offset), b.dropped};
+    const std::string attn = name().substr(0, name().rfind('.'));
+    const auto [key, offset] = detail::dropout_draw(ctx, attn + ".attn_dropout", per_sample);
+    return {dropout_, key, static_cast<kernels::index_t>(offset), dropped};
   }
 
   int width_, heads_;
   double dropout_;
   bool fused_;
-  Scratch qkv_, probs_, heads_out_, dqkv_, dprobs_, dheads_, dropped_;
+  Scratch saved_, scratch_, dropped_;
   std::size_t kept_ = 0;
 };
 
@@ -328,8 +299,24 @@ std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation) {
   return std::make_unique<Gelu>(std::move(name),
                                 tanh_approximation ? kernels::GeluForm::tanh : kernels::GeluForm::exact);
 }
+// nanoGPT's CausalSelfAttention as the Sequential of its parts: c_attn (C -> 3C), the attention,
+// c_proj (C -> C), so that under autocast its Linears run in bf16 as torch's do; its state-dict
+// names are nanoGPT's (attn.c_attn.weight, ...).
 std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout, bool fused) {
-  return std::make_unique<CausalSelfAttention>(std::move(name), width, heads, dropout, fused);
+  if (width < 1 || heads < 1 || width % heads != 0)
+    throw InvalidArgument(fmt::format("{}: {} features do not split into {} heads", name, width, heads));
+  if (fused && width / heads > kernels::kAttentionMaxHeadDim)
+    throw InvalidArgument(
+        fmt::format("{}: the fused attention takes heads of up to {} features, got {} (--attention "
+                    "unfused takes any)",
+                    name, kernels::kAttentionMaxHeadDim, width / heads));
+  if (!(dropout >= 0.0 && dropout <= 1.0))
+    throw InvalidArgument(fmt::format("{}: dropout probability has to be between 0 and 1, but got {}", name, dropout));
+  Layers parts;
+  parts.push_back(make_linear("c_attn", width, 3 * width));
+  parts.push_back(std::make_unique<CausalAttention>("attention", width, heads, dropout, fused));
+  parts.push_back(make_linear("c_proj", width, width));
+  return make_sequential(std::move(name), std::move(parts));
 }
 
 std::unique_ptr<Layer> make_language_model(int vocab, int context, int width, Layers body, int classes) {

@@ -20,6 +20,7 @@
 
 #include "dp/kernels/dropout.h"
 #include "dp/kernels/platform.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -56,14 +57,16 @@ index_t attention_fused_rows(const AttentionShape& shape);
 // y (B, T, C) and each query row's log-sum-exp lse = log sum_j exp(score_j); `dropout.dropped` is not
 // used (the mask is recomputed where it is needed). Head dims above kAttentionMaxHeadDim:
 // InvalidArgument (the unfused form takes any).
-void attention_fused_forward(const Stream& stream, const AttentionShape& shape, const float* qkv, float* y, float* lse,
+// qkv, y (and dy, dqkv) of one storage: fp32, or bf16 under autocast (torch runs
+// scaled_dot_product_attention in bf16 there), read widened and computed in fp32, each output
+// rounded once; lse and delta fp32.
+void attention_fused_forward(const Stream& stream, const AttentionShape& shape, In qkv, Out y, float* lse,
                              const AttentionDropout& dropout = {});
 
 // dqkv (B, T, 3C) overwritten from dy, from the forward's y and lse; `delta` (rows floats): scratch
 // for each row's dy . y.
-void attention_fused_backward(const Stream& stream, const AttentionShape& shape, const float* qkv, const float* y,
-                              const float* lse, const float* dy, float* dqkv, float* delta,
-                              const AttentionDropout& dropout = {});
+void attention_fused_backward(const Stream& stream, const AttentionShape& shape, In qkv, In y, const float* lse, In dy,
+                              Out dqkv, float* delta, const AttentionDropout& dropout = {});
 
 // ------------------------------------------------------------------------------------------------
 // functors: one thread per row of a (T, T) matrix; row r of the launch is query r % T.
@@ -189,7 +192,8 @@ struct AttentionRows {
 
   DP_HD index_t token_row(index_t matrix, int t) const { return (matrix / heads) * tokens + t; }
   DP_HD index_t head_column(index_t matrix) const { return (matrix % heads) * head_dim; }
-  DP_HD const float* q(const float* qkv, index_t matrix, int t) const {
+  template <class T>
+  DP_HD T* q(T* qkv, index_t matrix, int t) const {
     return qkv + token_row(matrix, t) * 3 * width + head_column(matrix);
   }
   // attn_dropout's factor for probability (i, j) of `matrix`: the element (matrix, i, j) of the
@@ -201,19 +205,29 @@ struct AttentionRows {
   }
 };
 
-DP_HD inline float dot_in_order(const float* a, const float* b, int n) {
+// sum_k a[k] b[k] in feature order, each term one fused multiply-add; a in fp32, b either storage.
+template <class T>
+DP_HD float dot_in_order(const float* a, const T* b, int n) {
   float s = 0.0f;
-  for (int k = 0; k < n; ++k) s = fmaf(a[k], b[k], s);
+  for (int k = 0; k < n; ++k) s = fmaf(a[k], load(b, k), s);
   return s;
 }
 
-// The unscaled dots of a with rows first..first+n-1 of one matrix's keys (values, queries, dy), into
-// out. RowDots reads each row where it lies (on the GPU a warp's threads read the same row at the
-// same time); ColumnDots reads a (D, T) transposed copy, n independent chains the host vectorises.
-// Both add each dot's terms in feature order, as dot_in_order does: the same bits.
+// A head's row of either storage, widened into fp32 registers.
+template <class T>
+DP_HD void widen_row(const T* from, int n, float* to) {
+  for (int k = 0; k < n; ++k) to[k] = load(from, k);
+}
+
+// The unscaled dots of a (fp32) with rows first..first+n-1 of one matrix's keys (values, queries,
+// dy), into out. RowDots reads each row where it lies, in its storage (on the GPU a warp's threads
+// read the same row at the same time); ColumnDots reads a (D, T) fp32 copy, n independent chains
+// the host vectorises. Both add each dot's terms in feature order, as dot_in_order does: the same
+// bits.
+template <class T>
 struct RowDots {
-  const float* base;  // row 0
-  index_t stride;     // from one row to the next
+  const T* base;   // row 0
+  index_t stride;  // from one row to the next
   int d;
   DP_HD void operator()(const float* a, int first, int n, float* out) const {
     for (int j = 0; j < n; ++j) out[j] = dot_in_order(a, base + (first + j) * stride, d);
@@ -232,25 +246,29 @@ struct ColumnDots {
   }
 };
 
-// sim: the (D, T) copy of one matrix's rows (q, k or v columns of qkv, or dy's), for ColumnDots.
-inline void transpose_head(const float* row0, index_t stride, int tokens, int d, float* columns) {
+// sim: the (D, T) fp32 copy of one matrix's rows (q, k or v columns of qkv, or dy's), for ColumnDots.
+template <class T>
+void transpose_head(const T* row0, index_t stride, int tokens, int d, std::vector<float>& columns) {
+  columns.resize(static_cast<std::size_t>(tokens) * d);
   for (int j = 0; j < tokens; ++j)
-    for (int k = 0; k < d; ++k) columns[static_cast<index_t>(k) * tokens + j] = row0[j * stride + k];
+    for (int k = 0; k < d; ++k) columns[static_cast<std::size_t>(k) * tokens + j] = load(row0, j * stride + k);
 }
 
 // One query row: the keys 0..i in tiles, each tile's scores, then the running max m, sum l and
-// output o rescaled by e^(m_old - m_new) and the tile's exp(s - m_new) added.
+// output o rescaled by e^(m_old - m_new) and the tile's exp(s - m_new) added. qkv and y in storage T
+// (fp32, or bf16 under autocast: read widened, y rounded once), the arithmetic fp32.
+template <class T = float>
 struct AttentionFusedForward {
   AttentionRows rows;
-  const float* qkv;
-  float* y;
+  const T* qkv;
+  T* y;
   float* lse;
   template <class Dots>
   DP_HD void row(index_t matrix, int i, const Dots& keys) const {
     const int d = rows.head_dim;
     const index_t c = rows.width;
-    const float* q = rows.q(qkv, matrix, i);
-    float o[kAttentionMaxHeadDim];
+    float q[kAttentionMaxHeadDim], o[kAttentionMaxHeadDim];
+    widen_row(rows.q(qkv, matrix, i), d, q);
     for (int k = 0; k < d; ++k) o[k] = 0.0f;
     float m = -INFINITY, l = 0.0f, s[kAttentionKeyTile];
     for (int start = 0; start <= i; start += kAttentionKeyTile) {
@@ -270,25 +288,25 @@ struct AttentionFusedForward {
         const float p = s[j];
         l = l + p;
         const float w = rows.dropping ? mul_unfused(p, rows.noise(matrix, i, start + j)) : p;
-        const float* v = rows.q(qkv, matrix, start + j) + 2 * c;
-        for (int k = 0; k < d; ++k) o[k] = fmaf(w, v[k], o[k]);
+        const T* v = rows.q(qkv, matrix, start + j) + 2 * c;
+        for (int k = 0; k < d; ++k) o[k] = fmaf(w, load(v, k), o[k]);
       }
       m = m_new;
     }
-    float* out = y + rows.token_row(matrix, i) * c + rows.head_column(matrix);
-    for (int k = 0; k < d; ++k) out[k] = o[k] / l;
+    T* out = y + rows.token_row(matrix, i) * c + rows.head_column(matrix);
+    for (int k = 0; k < d; ++k) store(out, k, o[k] / l);
     lse[matrix * rows.tokens + i] = m + log_portable(l);
   }
   DP_HD void operator()(index_t r) const {
     const index_t matrix = r / rows.tokens;
     row(matrix, static_cast<int>(r % rows.tokens),
-        RowDots{rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, rows.head_dim});
+        RowDots<T>{rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, rows.head_dim});
   }
   void host_run(index_t n) const {
     const int t = rows.tokens, d = rows.head_dim;
-    std::vector<float> keys(static_cast<std::size_t>(t) * d);
+    std::vector<float> keys;
     for (index_t matrix = 0; matrix * t < n; ++matrix) {
-      transpose_head(rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, t, d, keys.data());
+      transpose_head(rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, t, d, keys);
       for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t, d});
     }
   }
@@ -300,20 +318,25 @@ DP_HD inline float attention_probability(float score, float lse) { return exp_po
 // Backward, per query row i: delta_i = dy_i . y_i, then over keys j <= i
 //   ds = p (noise * (dy_i . v_j) - delta_i),  dq_i = scale * sum_j ds k_j.
 // (delta = sum_j p_ij noise_ij (dy_i . v_j) = dy_i . y_i, with dropout too.)
+template <class T = float>
 struct AttentionFusedBackwardQuery {
   AttentionRows rows;
-  const float *qkv, *y, *lse, *dy;
-  float *dqkv, *delta;
+  const T *qkv, *y;
+  const float* lse;
+  const T* dy;
+  T* dqkv;
+  float* delta;
   template <class Dots>
   DP_HD void row(index_t matrix, int i, const Dots& keys, const Dots& values) const {
     const int d = rows.head_dim;
     const index_t c = rows.width, r = matrix * rows.tokens + i;
     const index_t token = rows.token_row(matrix, i), column = rows.head_column(matrix);
-    const float* q = rows.q(qkv, matrix, i);
-    const float* g = dy + token * c + column;
+    float q[kAttentionMaxHeadDim], g[kAttentionMaxHeadDim], dq[kAttentionMaxHeadDim];
+    widen_row(rows.q(qkv, matrix, i), d, q);
+    widen_row(dy + token * c + column, d, g);
     const float dl = dot_in_order(g, y + token * c + column, d);
     const float row_lse = lse[r];
-    float dq[kAttentionMaxHeadDim], s[kAttentionKeyTile], dp[kAttentionKeyTile];
+    float s[kAttentionKeyTile], dp[kAttentionKeyTile];
     for (int k = 0; k < d; ++k) dq[k] = 0.0f;
     for (int start = 0; start <= i; start += kAttentionKeyTile) {
       const int n = i + 1 - start < kAttentionKeyTile ? i + 1 - start : kAttentionKeyTile;
@@ -324,27 +347,27 @@ struct AttentionFusedBackwardQuery {
         const float p = s[j];
         const float dpj = rows.dropping ? mul_unfused(dp[j], rows.noise(matrix, i, start + j)) : dp[j];
         const float ds = mul_unfused(p, dpj - dl);
-        const float* kj = rows.q(qkv, matrix, start + j) + c;
-        for (int k = 0; k < d; ++k) dq[k] = fmaf(ds, kj[k], dq[k]);
+        const T* kj = rows.q(qkv, matrix, start + j) + c;
+        for (int k = 0; k < d; ++k) dq[k] = fmaf(ds, load(kj, k), dq[k]);
       }
     }
-    float* out = dqkv + token * 3 * c + column;
-    for (int k = 0; k < d; ++k) out[k] = mul_unfused(dq[k], rows.scale);
+    T* out = dqkv + token * 3 * c + column;
+    for (int k = 0; k < d; ++k) store(out, k, mul_unfused(dq[k], rows.scale));
     delta[r] = dl;
   }
   DP_HD void operator()(index_t r) const {
     const index_t matrix = r / rows.tokens, c = rows.width;
-    const float* k0 = rows.q(qkv, matrix, 0) + c;
-    row(matrix, static_cast<int>(r % rows.tokens), RowDots{k0, 3 * c, rows.head_dim},
-        RowDots{k0 + c, 3 * c, rows.head_dim});
+    const T* k0 = rows.q(qkv, matrix, 0) + c;
+    row(matrix, static_cast<int>(r % rows.tokens), RowDots<T>{k0, 3 * c, rows.head_dim},
+        RowDots<T>{k0 + c, 3 * c, rows.head_dim});
   }
   void host_run(index_t n) const {
     const int t = rows.tokens, d = rows.head_dim;
     const index_t c = rows.width;
-    std::vector<float> keys(static_cast<std::size_t>(t) * d), values(keys.size());
+    std::vector<float> keys, values;
     for (index_t matrix = 0; matrix * t < n; ++matrix) {
-      transpose_head(rows.q(qkv, matrix, 0) + c, 3 * c, t, d, keys.data());
-      transpose_head(rows.q(qkv, matrix, 0) + 2 * c, 3 * c, t, d, values.data());
+      transpose_head(rows.q(qkv, matrix, 0) + c, 3 * c, t, d, keys);
+      transpose_head(rows.q(qkv, matrix, 0) + 2 * c, 3 * c, t, d, values);
       for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t, d}, ColumnDots{values.data(), t, d});
     }
   }
@@ -352,17 +375,22 @@ struct AttentionFusedBackwardQuery {
 
 // Backward, per key row j, over queries i >= j: dv_j = sum_i noise p dy_i, dk_j = scale * sum_i ds q_i,
 // with p and ds computed as the query pass computes them (the same bits).
+template <class T = float>
 struct AttentionFusedBackwardKey {
   AttentionRows rows;
-  const float *qkv, *lse, *dy, *delta;
-  float* dqkv;
+  const T* qkv;
+  const float* lse;
+  const T* dy;
+  const float* delta;
+  T* dqkv;
   template <class Dots>
   DP_HD void row(index_t matrix, int j, const Dots& queries, const Dots& grads) const {
     const int d = rows.head_dim, t = rows.tokens;
     const index_t c = rows.width, first = matrix * t;
-    const float* kj = rows.q(qkv, matrix, j) + c;
-    const float* vj = kj + c;
-    const float* g0 = dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix);
+    float kj[kAttentionMaxHeadDim], vj[kAttentionMaxHeadDim];
+    widen_row(rows.q(qkv, matrix, j) + c, d, kj);
+    widen_row(rows.q(qkv, matrix, j) + 2 * c, d, vj);
+    const T* g0 = dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix);
     float dk[kAttentionMaxHeadDim], dv[kAttentionMaxHeadDim], s[kAttentionKeyTile], dp[kAttentionKeyTile];
     for (int k = 0; k < d; ++k) dk[k] = dv[k] = 0.0f;
     for (int start = j; start < t; start += kAttentionKeyTile) {
@@ -372,8 +400,8 @@ struct AttentionFusedBackwardKey {
       for (int u = 0; u < n; ++u) s[u] = attention_probability(mul_unfused(s[u], rows.scale), lse[first + start + u]);
       for (int u = 0; u < n; ++u) {
         const int i = start + u;
-        const float* qi = rows.q(qkv, matrix, i);
-        const float* g = g0 + static_cast<index_t>(i) * c;
+        const T* qi = rows.q(qkv, matrix, i);
+        const T* g = g0 + static_cast<index_t>(i) * c;
         const float p = s[u];
         float dpi = dp[u], w = p;
         if (rows.dropping) {
@@ -383,29 +411,29 @@ struct AttentionFusedBackwardKey {
         }
         const float ds = mul_unfused(p, dpi - delta[first + i]);
         for (int k = 0; k < d; ++k) {
-          dv[k] = fmaf(w, g[k], dv[k]);
-          dk[k] = fmaf(ds, qi[k], dk[k]);
+          dv[k] = fmaf(w, load(g, k), dv[k]);
+          dk[k] = fmaf(ds, load(qi, k), dk[k]);
         }
       }
     }
-    float* out = dqkv + rows.token_row(matrix, j) * 3 * c + rows.head_column(matrix);
+    T* out = dqkv + rows.token_row(matrix, j) * 3 * c + rows.head_column(matrix);
     for (int k = 0; k < d; ++k) {
-      out[c + k] = mul_unfused(dk[k], rows.scale);
-      out[2 * c + k] = dv[k];
+      store(out, c + k, mul_unfused(dk[k], rows.scale));
+      store(out, 2 * c + k, dv[k]);
     }
   }
   DP_HD void operator()(index_t r) const {
     const index_t matrix = r / rows.tokens, c = rows.width;
-    row(matrix, static_cast<int>(r % rows.tokens), RowDots{rows.q(qkv, matrix, 0), 3 * c, rows.head_dim},
-        RowDots{dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, rows.head_dim});
+    row(matrix, static_cast<int>(r % rows.tokens), RowDots<T>{rows.q(qkv, matrix, 0), 3 * c, rows.head_dim},
+        RowDots<T>{dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, rows.head_dim});
   }
   void host_run(index_t n) const {
     const int t = rows.tokens, d = rows.head_dim;
     const index_t c = rows.width;
-    std::vector<float> queries(static_cast<std::size_t>(t) * d), grads(queries.size());
+    std::vector<float> queries, grads;
     for (index_t matrix = 0; matrix * t < n; ++matrix) {
-      transpose_head(rows.q(qkv, matrix, 0), 3 * c, t, d, queries.data());
-      transpose_head(dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, t, d, grads.data());
+      transpose_head(rows.q(qkv, matrix, 0), 3 * c, t, d, queries);
+      transpose_head(dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, t, d, grads);
       for (int j = 0; j < t; ++j) row(matrix, j, ColumnDots{queries.data(), t, d}, ColumnDots{grads.data(), t, d});
     }
   }
