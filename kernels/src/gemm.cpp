@@ -65,12 +65,13 @@ namespace {
 // The product alone; gemm_batched adds DP_FAULT flip-gemm's strike on its output.
 void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                                    In a, int lda, std::int64_t stride_a, In b, int ldb, std::int64_t stride_b,
-                                   float beta, float* c, int ldc, std::int64_t stride_c, int batch) {
+                                   float beta, Out c, int ldc, std::int64_t stride_c, int batch) {
   if (m < 0 || n < 0 || k < 0 || batch < 0)
     throw InvalidArgument(fmt::format("gemm: negative extent m={} n={} k={} batch={}", m, n, k, batch));
   if (stride_a < 0 || stride_b < 0 || stride_c < 0)
     throw InvalidArgument(fmt::format("gemm: negative stride {} {} {}", stride_a, stride_b, stride_c));
   if (a.bf16 != b.bf16) throw InvalidArgument("gemm: A and B of different storage (fp32 and bf16)");
+  if (c.bf16 && !a.bf16) throw InvalidArgument("gemm: a bf16 C takes bf16 A and B");
   const int a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
   if (lda < std::max(1, a_cols) || ldb < std::max(1, b_cols) || ldc < std::max(1, n))
     throw InvalidArgument(
@@ -85,10 +86,11 @@ void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool tran
   const std::initializer_list<kernel_api::Operand> operands = {
       over_batch(matrix(a.data, trans_a ? k : m, a_cols, lda, a.element_size()), stride_a, a.element_size()),
       over_batch(matrix(b.data, trans_b ? n : k, b_cols, ldb, b.element_size()), stride_b, b.element_size()),
-      over_batch(matrix(c, m, n, ldc), stride_c, sizeof(float))};
+      over_batch(matrix(c.data, m, n, ldc, c.element_size()), stride_c, c.element_size())};
   kernel_api::check_operands(stream, "gemm", operands);
   kernel_api::count_traffic(stream, "gemm", operands);
-  library::GemmArgs g{trans_a, trans_b, m, n, k, alpha, a.data, lda, b.data, ldb, beta, c, ldc, bf16_operands, a.bf16};
+  library::GemmArgs g{trans_a, trans_b, m,    n,      k,   alpha,         a.data, lda,
+                      b.data,  ldb,     beta, c.data, ldc, bf16_operands, a.bf16, c.bf16};
   g.batch = batch;
   g.stride_a = stride_a;
   g.stride_b = stride_b;
@@ -108,7 +110,19 @@ void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool tran
         for (int item = 0; item < g.batch; ++item) {
           const void* a_at = static_cast<const std::byte*>(g.a) + static_cast<std::size_t>(item) * g.stride_a * element;
           const void* b_at = static_cast<const std::byte*>(g.b) + static_cast<std::size_t>(item) * g.stride_b * element;
-          float* c_at = g.c + static_cast<std::size_t>(item) * g.stride_c;
+          const std::size_t c_offset = static_cast<std::size_t>(item) * g.stride_c;
+          float* c_at = static_cast<float*>(g.c) + c_offset;
+          // A bf16 C: the product in fp32 (C widened first where beta reads it), then rounded once.
+          thread_local std::vector<float> c_wide;
+          auto* c_bits = static_cast<std::uint16_t*>(g.c) + c_offset;
+          if (g.c_bf16) {
+            c_wide.assign(static_cast<std::size_t>(g.m - 1) * g.ldc + g.n, 0.0f);
+            if (g.beta != 0.0f)
+              for (int r = 0; r < g.m; ++r)
+                for (int col = 0; col < g.n; ++col)
+                  c_wide[static_cast<std::size_t>(r) * g.ldc + col] = bf16_to_float(c_bits[r * g.ldc + col]);
+            c_at = c_wide.data();
+          }
           const auto* a = static_cast<const float*>(a_at);
           const auto* b = static_cast<const float*>(b_at);
           if (g.bf16_storage && g.k > 0) {  // bf16 values: exact in fp32 (and in TF32)
@@ -122,6 +136,10 @@ void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool tran
           }
           cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
                       g.n, g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, c_at, g.ldc);
+          if (g.c_bf16)
+            for (int r = 0; r < g.m; ++r)
+              for (int col = 0; col < g.n; ++col)
+                c_bits[r * g.ldc + col] = bf16_from_float(c_wide[static_cast<std::size_t>(r) * g.ldc + col]);
         }
       },
       SpanKind::gemm);
@@ -129,16 +147,17 @@ void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool tran
 }  // namespace
 
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
-          int ldb, float beta, float* c, int ldc) {
+          int ldb, float beta, Out c, int ldc) {
   gemm_batched(stream, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
 }
 
 void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda,
-                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, float* c, int ldc,
+                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, Out c, int ldc,
                   std::int64_t stride_c, int batch) {
   gemm_batched_unchecked_faults(stream, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
                                 ldc, stride_c, batch);
-  if (m > 0 && n > 0 && batch > 0) flip_if_faulty(stream, c, sizeof(float));
+  if (m > 0 && n > 0 && batch > 0)
+    flip_if_faulty(stream, c.data, static_cast<std::size_t>(m) * static_cast<std::size_t>(n) * c.element_size());
 }
 
 }  // namespace dp::kernels

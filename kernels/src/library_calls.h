@@ -22,10 +22,11 @@ struct GemmArgs {
   const void* b = nullptr;
   int ldb = 0;
   float beta = 0.0f;
-  float* c = nullptr;
+  void* c = nullptr;  // fp32, or bf16 bits with c_bf16 (only with bf16_storage operands)
   int ldc = 0;
   bool bf16_operands = false;  // A and B are fp32 words holding bf16 values (kernels::Bf16Operands)
   bool bf16_storage = false;   // A and B are bf16 bits (autocast's storage)
+  bool c_bf16 = false;         // C is bf16 bits
   // `batch` such products, operand i of each `stride_*` elements after operand i - 1 (strided batched).
   int batch = 1;
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;

@@ -15,13 +15,16 @@ void check_linear(const char* op, int n, int in, int out) {
 }
 }  // namespace
 
-void linear_forward(const Stream& stream, int n, int in, int out, In x, In weight, const float* bias, float* y) {
+void linear_forward(const Stream& stream, int n, int in, int out, In x, In weight, const float* bias, Out y) {
   check_linear("linear_forward", n, in, out);
   const index_t y_elements = static_cast<index_t>(n) * out;
   float beta = 0.0f;
   if (bias != nullptr) {
-    launch(stream, "linear_bias", y_elements, BroadcastBias{bias, out, y},
-           {operand(bias, out), operand(y, y_elements)});
+    with_storage(y.bf16, [&](auto t) {
+      using T = decltype(t);
+      launch(stream, "linear_bias", y_elements, BroadcastBias<T>{bias, out, y.as<T>()},
+             {operand(bias, out), operand(y.as<T>(), y_elements)});
+    });
     beta = 1.0f;
   }
   // y (n, out) = x (n, in) · W^T: W is stored (out, in), so op(B) = transpose with ldb = in.
@@ -29,7 +32,7 @@ void linear_forward(const Stream& stream, int n, int in, int out, In x, In weigh
   gemm(stream, false, true, n, out, in, 1.0f, x, std::max(in, 1), weight, std::max(in, 1), beta, y, std::max(out, 1));
 }
 
-void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, float* dx, float* dweight,
+void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, Out dx, float* dweight,
                      float* dbias, bool accumulate) {
   check_linear("linear_backward", n, in, out);
   checks::same_storage("linear_backward", {x.bf16, weight.bf16, dy.bf16});
@@ -43,7 +46,7 @@ void linear_backward(const Stream& stream, int n, int in, int out, In x, In weig
   // db (out) (+)= column sums of dy (n, out)
   if (dbias != nullptr) column_sum(stream, n, out, dy, dbias, beta);
   // dx (n, in) = dy (n, out) · W (out, in)
-  if (dx != nullptr) gemm(stream, false, false, n, in, out, 1.0f, dy, ld_out, weight, ld_in, 0.0f, dx, ld_in);
+  if (dx) gemm(stream, false, false, n, in, out, 1.0f, dy, ld_out, weight, ld_in, 0.0f, dx, ld_in);
 }
 
 }  // namespace dp::kernels

@@ -47,7 +47,8 @@ static_assert(kHostBodies<float> && kHostBodies<std::uint16_t>);
 static_assert(HasHostRun<Im2col> && HasHostRun<Col2im>);
 static_assert(HasHostRun<AttentionFusedForward<float>> && HasHostRun<AttentionFusedBackwardQuery<float>> &&
               HasHostRun<AttentionFusedBackwardKey<std::uint16_t>>);
-static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias>);
+static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias<float>> &&
+              HasHostRun<BroadcastBias<std::uint16_t>>);
 static_assert(HasHostAddTerms<RowElement<float>, float> && HasHostAddTerms<RowElement<std::uint16_t>, float>);
 
 const Pool2dShape kPools[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 9, 8, 3, 2, 1},
@@ -332,7 +333,7 @@ TEST(HostPaths, OptimizerUpdates) {
 TEST(HostPaths, LinearBiasAndRowColumnTerms) {
   const std::vector<float> bias = random_floats(7, 40), x = random_floats(7 * 300, 41);
   std::vector<float> y1(7 * 5), y2(7 * 5);
-  const BroadcastBias f1{bias.data(), 7, y1.data()}, f2{bias.data(), 7, y2.data()};
+  const BroadcastBias<float> f1{bias.data(), 7, y1.data()}, f2{bias.data(), 7, y2.data()};
   for (index_t i = 0; i < 35; ++i) f1(i);
   f2.host_run(35);
   EXPECT_EQ(bits(y1), bits(y2));

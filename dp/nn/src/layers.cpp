@@ -118,7 +118,8 @@ class Linear final : public Layer {
   std::int64_t multiply_adds(const ActShape& in) const override { return weights() * (in.per_sample() / in_); }
   bool autocasts() const override { return true; }
   // Under autocast it takes the chain's storage: its GEMMs read bf16 operands (x, the weight, dy)
-  // and write fp32, which the layer rounds once into the bf16 output (dx: into the input's dtype).
+  // and write the bf16 output (and a bf16 dx where the input is bf16) directly, each element
+  // computed in fp32 and rounded once (an fp32 input's dx is written fp32).
   bool native_bf16() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const LayerParams p(ctx, param(0), nullptr, count(), cast_);
@@ -127,11 +128,8 @@ class Linear final : public Layer {
       kernels::linear_forward(ctx.stream, rows(ctx.in, in_), in_, out_, x, p.params(), bias, y);
       return;
     }
-    const std::int64_t n_out = static_cast<std::int64_t>(rows(ctx.in, in_)) * out_;
-    float* y32 = ctx.amp->get<float>(ctx.amp->out, ctx.device, n_out);
     kernels::linear_forward(ctx.stream, rows(ctx.in, in_), in_, out_, bf16_input(ctx, ctx.amp->x, x, ctx.in.numel()),
-                            p.bits(), bias, y32);
-    kernels::to_bf16(ctx.stream, n_out, y32, reinterpret_cast<std::uint16_t*>(y));
+                            p.bits(), bias, kernels::Out(y, true));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const LayerParams p(ctx, param(0), grad(0), count(), cast_);
@@ -142,11 +140,9 @@ class Linear final : public Layer {
       return;
     }
     const std::int64_t n_in = ctx.in.numel();
-    float* dx32 = dx && ctx.bf16 ? ctx.amp->get<float>(ctx.amp->dx, ctx.device, n_in) : dx;
     kernels::linear_backward(ctx.stream, rows(ctx.in, in_), in_, out_, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(),
-                             reinterpret_cast<const std::uint16_t*>(dy), dx32, p.grads(), p.grads() + weights(),
-                             p.accumulate());
-    if (dx32 != dx) kernels::to_bf16(ctx.stream, n_in, dx32, reinterpret_cast<std::uint16_t*>(dx));
+                             reinterpret_cast<const std::uint16_t*>(dy), kernels::Out(dx, ctx.bf16 && dx), p.grads(),
+                             p.grads() + weights(), p.accumulate());
     p.finish();
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }

@@ -10,8 +10,10 @@ namespace dp::kernels {
 
 // y (n, out) = x (n, in) · weight (out, in)^T + bias (out). bias may be null (no bias term).
 // x and weight (and dy below) are fp32, or all bf16 storage (autocast: the GEMMs take bf16
-// operands and accumulate in fp32); y, dx and the gradients are fp32, for the caller to round.
-void linear_forward(const Stream& stream, int n, int in, int out, In x, In weight, const float* bias, float* y);
+// operands and accumulate in fp32). y and dx are fp32, or with bf16 operands also bf16 storage: the
+// bias rounded to bf16 and the product added in fp32 and rounded once (torch's autocast addmm, whose
+// bias is cast to bf16 too). The parameter gradients are fp32.
+void linear_forward(const Stream& stream, int n, int in, int out, In x, In weight, const float* bias, Out y);
 
 // Gradients of linear_forward given dy (n, out). With `accumulate`, dweight and dbias accumulate
 // (+=), as autograd accumulates into .grad; without, they are overwritten (the first backward after
@@ -19,7 +21,7 @@ void linear_forward(const Stream& stream, int n, int in, int out, In x, In weigh
 // dx is always overwritten. dx null: not computed (the first layer's input needs no gradient);
 // dbias null: the layer has no bias.
 //   dx = dy · W,  dW (+)= dy^T · x,  db (+)= sum over the batch of dy.
-void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, float* dx, float* dweight,
+void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, Out dx, float* dweight,
                      float* dbias, bool accumulate = true);
 
 // ------------------------------------------------------------------------------------------------
@@ -27,14 +29,16 @@ void linear_backward(const Stream& stream, int n, int in, int out, In x, In weig
 
 // y[r, c] = bias[c]: the gemm then adds x·W^T onto it (beta = 1), which is how PyTorch's addmm
 // composes the bias, so the one rounding of the sum happens in the same place.
+// y of either storage (bf16: the bias rounded).
+template <class T = float>
 struct BroadcastBias {
   const float* bias;
   index_t out;
-  float* y;
-  DP_HD void operator()(index_t i) const { y[i] = bias[i % out]; }
+  T* y;
+  DP_HD void operator()(index_t i) const { store(y, i, bias[i % out]); }
   void host_run(index_t n) const {  // the sim: row by row, no modulo per element
     for (index_t row = 0; row < n; row += out)
-      for (index_t j = 0; j < out && row + j < n; ++j) y[row + j] = bias[j];
+      for (index_t j = 0; j < out && row + j < n; ++j) store(y, row + j, bias[j]);
   }
 };
 

@@ -70,14 +70,16 @@ class Bf16Operands {
 // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op = transpose when trans_*.
 // lda/ldb/ldc are row strides of A, B, C as stored. cuBLAS on cuda, OpenBLAS on sim. A and B are
 // both fp32 or both bf16 storage (autocast: bf16 tensor cores on cuda, fp32 accumulation; the sim
-// widens them, exactly, for OpenBLAS's sgemm); C is fp32.
+// widens them, exactly, for OpenBLAS's sgemm); C is fp32, or with bf16 operands also bf16 storage:
+// alpha * A B + beta * C computed in fp32 and rounded once to bf16, as cuBLAS's bf16 output (and
+// torch's autocast addmm) gives it, without an fp32 copy of C in memory.
 void gemm(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda, In b,
-          int ldb, float beta, float* c, int ldc);
+          int ldb, float beta, Out c, int ldc);
 // `batch` GEMMs of one shape in one call, the i-th on A + i * stride_a, B + i * stride_b and
 // C + i * stride_c (strides in elements): cuBLAS's strided batched GEMM on cuda (one launch), the
 // same sgemm per product on the sim. gemm is the batch of one.
 void gemm_batched(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha, In a, int lda,
-                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, float* c, int ldc,
+                  std::int64_t stride_a, In b, int ldb, std::int64_t stride_b, float beta, Out c, int ldc,
                   std::int64_t stride_c, int batch);
 
 }  // namespace dp::kernels
