@@ -171,6 +171,8 @@ void summarise_steps(const Options& o, Run& run) {
   run.tokens_per_s = run.samples_per_s * run.tokens_per_sample;
   run.step_ms_median = median(run.step_ms);
   run.step_ms_p90 = percentile(run.step_ms, 0.9);
+  run.step_ms_p10 = percentile(run.step_ms, 0.1);
+  run.step_spread = run.step_ms_p10 > 0 ? run.step_ms_p90 / run.step_ms_p10 : 0;
   double sum = 0;
   for (double t : run.step_ms) sum += t;
   run.step_ms_mean = sum / static_cast<double>(run.step_ms.size());

@@ -107,6 +107,9 @@ struct Run {
   std::size_t optimizer_state_bytes = 0;
   std::vector<double> step_ms;
   double wall_ms = 0, samples_per_s = 0, step_ms_median = 0, step_ms_p90 = 0, step_ms_mean = 0;
+  // The spread of the measured steps: the 90th percentile over the 10th (1: every step alike), so a
+  // run that two steps' noise would not move still shows how steady it was.
+  double step_ms_p10 = 0, step_spread = 0;
   double tokens_per_s = 0;  // samples_per_s x tokens_per_sample
   std::optional<double> scaling_efficiency;
   std::optional<dp::DataParallelPhases> phases;   // dp only: averaged over the measured steps

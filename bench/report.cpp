@@ -25,7 +25,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_na
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
                                    tokens_per_sample, tokens_per_s, buffers_bytes, activation_bytes_per_sample,
                                    optimizer_state_bytes, samples_per_s, wall_ms, step_ms, step_ms_median, step_ms_p90,
-                                   step_ms_mean, loss_first, loss_last, graphs, pipelined, trace_offset_ms)
+                                   step_ms_p10, step_spread, step_ms_mean, loss_first, loss_last, graphs, pipelined,
+                                   trace_offset_ms)
 
 namespace {
 
@@ -130,8 +131,8 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
     const auto peak = column(r, &PerDevice::peak_bytes);
     rows.push_back({r.model, r.mode, fmt::format("{}", r.devices), fmt::format("{}", r.global_batch),
                     fixed(r.samples_per_s, 1), fixed(r.step_ms_median, 2), fixed(r.step_ms_p90, 2),
-                    opt(r.scaling_efficiency, 2), opt(busy_mean(r), 1), opt(busy_imbalance(r), 2),
-                    human_bytes(max_of(column(r, &PerDevice::bytes_sent))),
+                    fixed(r.step_spread, 2), opt(r.scaling_efficiency, 2), opt(busy_mean(r), 1),
+                    opt(busy_imbalance(r), 2), human_bytes(max_of(column(r, &PerDevice::bytes_sent))),
                     human_bytes(max_of(column(r, &PerDevice::bytes_received))),
                     human_bytes(max_of(column(r, [](const PerDevice& p) { return p.net_sent + p.net_received; }))),
                     fixed(imbalance(traffic), 2), human_bytes(max_of(peak)), fixed(imbalance(peak), 2),
@@ -139,13 +140,15 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
                     human_bytes(static_cast<double>(r.optimizer_state_bytes))});
   }
   fmt::print("\n");
-  const std::vector<Column> columns = {
-      {"model", -8},    {"mode", -6},   {"dev", 3},       {"batch", 6}, {"samples/s", 11},  {"step ms", 9},
-      {"p90 ms", 9},    {"scaling", 7}, {"busy %", 7},    {"imb", 5},   {"sent/step", 11},  {"recv/step", 11},
-      {"net/step", 11}, {"imb", 5},     {"peak mem", 11}, {"imb", 5},   {"act/sample", 11}, {"opt state", 11}};
+  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},       {"dev", 3},       {"batch", 6},
+                                       {"samples/s", 11}, {"step ms", 9},     {"p90 ms", 9},    {"spread", 6},
+                                       {"scaling", 7},    {"busy %", 7},      {"imb", 5},       {"sent/step", 11},
+                                       {"recv/step", 11}, {"net/step", 11},   {"imb", 5},       {"peak mem", 11},
+                                       {"imb", 5},        {"act/sample", 11}, {"opt state", 11}};
   print_table(columns, rows);
   fmt::print(
-      "  batch = global samples per step; scaling = samples/s / (devices x samples/s of single);\n"
+      "  batch = global samples per step; spread = p90 / p10 of the measured steps' times;\n"
+      "  scaling = samples/s / (devices x samples/s of single);\n"
       "  busy % = mean over devices of the time covered by kernel/gemm/copy/collective spans{};\n"
       "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
       "  from other processes (inter-node, under mpirun); imb = max/mean over devices; act/sample = what a\n"

@@ -88,7 +88,21 @@ void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool tran
       over_batch(matrix(b.data, trans_b ? n : k, b_cols, ldb, b.element_size()), stride_b, b.element_size()),
       over_batch(matrix(c.data, m, n, ldc, c.element_size()), stride_c, c.element_size())};
   kernel_api::check_operands(stream, "gemm", operands);
-  kernel_api::count_traffic(stream, "gemm", operands);
+  // The traffic: each matrix's own elements once (rows x cols, not the rows' stride: a head's
+  // columns of qkv are a third of a row's head), once per product, and never more than the span
+  // (a shared operand, stride 0, is read once).
+  const auto touched = [batch](kernel_api::Operand span, int rows, int cols, std::size_t element) {
+    const std::size_t own = rows > 0 && cols > 0 ? static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) *
+                                                       element * static_cast<std::size_t>(batch)
+                                                 : 0;
+    span.bytes = std::min(span.bytes, own);
+    return span;
+  };
+  const auto* spans = operands.begin();
+  kernel_api::count_traffic(
+      stream, "gemm",
+      {touched(spans[0], trans_a ? k : m, a_cols, a.element_size()),
+       touched(spans[1], trans_b ? n : k, b_cols, b.element_size()), touched(spans[2], m, n, c.element_size())});
   library::GemmArgs g{trans_a, trans_b, m,    n,      k,   alpha,         a.data, lda,
                       b.data,  ldb,     beta, c.data, ldc, bf16_operands, a.bf16, c.bf16};
   g.batch = batch;

@@ -153,6 +153,9 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
     EXPECT_GT(run.at("samples_per_s").get<double>(), 0.0);
     EXPECT_GT(run.at("step_ms_median").get<double>(), 0.0);
     EXPECT_GE(run.at("step_ms_p90").get<double>(), run.at("step_ms_median").get<double>());
+    EXPECT_LE(run.at("step_ms_p10").get<double>(), run.at("step_ms_median").get<double>());
+    EXPECT_DOUBLE_EQ(run.at("step_spread").get<double>(),
+                     run.at("step_ms_p90").get<double>() / run.at("step_ms_p10").get<double>());
     EXPECT_GT(run.at("scaling_efficiency").get<double>(), 0.0);
     if (single) {
       EXPECT_EQ(run.at("scaling_efficiency").get<double>(), 1.0);
