@@ -267,8 +267,9 @@ struct AttentionFusedForward {
   DP_HD void row(index_t matrix, int i, const Dots& keys) const {
     const int d = rows.head_dim;
     const index_t c = rows.width;
+    const T* head = rows.q(qkv, matrix, 0);  // the matrix's q of token 0: rows 3C apart
     float q[kAttentionMaxHeadDim], o[kAttentionMaxHeadDim];
-    widen_row(rows.q(qkv, matrix, i), d, q);
+    widen_row(head + i * 3 * c, d, q);
     for (int k = 0; k < d; ++k) o[k] = 0.0f;
     float m = -INFINITY, l = 0.0f, s[kAttentionKeyTile];
     for (int start = 0; start <= i; start += kAttentionKeyTile) {
@@ -288,7 +289,7 @@ struct AttentionFusedForward {
         const float p = s[j];
         l = l + p;
         const float w = rows.dropping ? mul_unfused(p, rows.noise(matrix, i, start + j)) : p;
-        const T* v = rows.q(qkv, matrix, start + j) + 2 * c;
+        const T* v = head + (start + j) * 3 * c + 2 * c;
         for (int k = 0; k < d; ++k) o[k] = fmaf(w, load(v, k), o[k]);
       }
       m = m_new;
@@ -331,8 +332,9 @@ struct AttentionFusedBackwardQuery {
     const int d = rows.head_dim;
     const index_t c = rows.width, r = matrix * rows.tokens + i;
     const index_t token = rows.token_row(matrix, i), column = rows.head_column(matrix);
+    const T* head = rows.q(qkv, matrix, 0);  // the matrix's q of token 0: rows 3C apart
     float q[kAttentionMaxHeadDim], g[kAttentionMaxHeadDim], dq[kAttentionMaxHeadDim];
-    widen_row(rows.q(qkv, matrix, i), d, q);
+    widen_row(head + i * 3 * c, d, q);
     widen_row(dy + token * c + column, d, g);
     const float dl = dot_in_order(g, y + token * c + column, d);
     const float row_lse = lse[r];
@@ -347,7 +349,7 @@ struct AttentionFusedBackwardQuery {
         const float p = s[j];
         const float dpj = rows.dropping ? mul_unfused(dp[j], rows.noise(matrix, i, start + j)) : dp[j];
         const float ds = mul_unfused(p, dpj - dl);
-        const T* kj = rows.q(qkv, matrix, start + j) + c;
+        const T* kj = head + (start + j) * 3 * c + c;
         for (int k = 0; k < d; ++k) dq[k] = fmaf(ds, load(kj, k), dq[k]);
       }
     }
@@ -388,8 +390,9 @@ struct AttentionFusedBackwardKey {
     const int d = rows.head_dim, t = rows.tokens;
     const index_t c = rows.width, first = matrix * t;
     float kj[kAttentionMaxHeadDim], vj[kAttentionMaxHeadDim];
-    widen_row(rows.q(qkv, matrix, j) + c, d, kj);
-    widen_row(rows.q(qkv, matrix, j) + 2 * c, d, vj);
+    const T* head = rows.q(qkv, matrix, 0);  // the matrix's q of token 0: rows 3C apart
+    widen_row(head + j * 3 * c + c, d, kj);
+    widen_row(head + j * 3 * c + 2 * c, d, vj);
     const T* g0 = dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix);
     float dk[kAttentionMaxHeadDim], dv[kAttentionMaxHeadDim], s[kAttentionKeyTile], dp[kAttentionKeyTile];
     for (int k = 0; k < d; ++k) dk[k] = dv[k] = 0.0f;
@@ -400,7 +403,7 @@ struct AttentionFusedBackwardKey {
       for (int u = 0; u < n; ++u) s[u] = attention_probability(mul_unfused(s[u], rows.scale), lse[first + start + u]);
       for (int u = 0; u < n; ++u) {
         const int i = start + u;
-        const T* qi = rows.q(qkv, matrix, i);
+        const T* qi = head + i * 3 * c;
         const T* g = g0 + static_cast<index_t>(i) * c;
         const float p = s[u];
         float dpi = dp[u], w = p;
