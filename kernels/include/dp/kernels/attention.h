@@ -129,10 +129,13 @@ DP_HD inline float pow2_bits(int n) {
 // e^r 2^n correctly rounded (ldexpf's) without a library call. Every step is a correctly rounded
 // operation that both compilers honour as written; no branch, so the host vectorises it over a tile.
 DP_HD inline float exp_portable(float x) {
-  // Clamped by selects rather than fminf (a libm call on the host); NaN goes to the bound and is
+  // Every comparison made once and unconditionally, the rest selects (not fminf, a libm call on the
+  // host), so the host vectorises the loop over a tile. NaN is computed as the lower bound and
   // replaced at the end.
-  const float xc =
-      x >= -103.972084045410156f ? (x <= 88.72283935546875f ? x : 88.72283935546875f) : -103.972084045410156f;
+  const bool nan = x != x, below = x<-103.972084045410156f, above = x> 88.72283935546875f;
+  float xc = below ? -103.972084045410156f : x;
+  xc = above ? 88.72283935546875f : xc;
+  xc = nan ? -103.972084045410156f : xc;
   const float n = rintf(mul_unfused(xc, 1.44269502162933349609f));
   float r = fmaf(-n, 0.693359375f, xc);
   r = fmaf(-n, -2.12194440e-4f, r);
@@ -145,7 +148,9 @@ DP_HD inline float exp_portable(float x) {
   const float e = fmaf(p, mul_unfused(r, r), r) + 1.0f;  // in [0.7, 1.42]
   const int ni = static_cast<int>(n), half = ni / 2;     // ni in [-150, 128]: both halves in [-75, 64]
   const float scaled = mul_unfused(mul_unfused(e, pow2_bits(half)), pow2_bits(ni - half));
-  return x != x ? x : (x > 88.72283935546875f ? INFINITY : (x < -103.972084045410156f ? 0.0f : scaled));
+  float result = below ? 0.0f : scaled;
+  result = above ? INFINITY : result;
+  return nan ? x : result;
 }
 
 // log x for fp32 in the same bits on host and device (Cephes' logf: x = f 2^e with f in
