@@ -199,9 +199,10 @@ std::unique_ptr<nn::Layer> gpt_block(const std::string& name, int width, int hea
   mlp.push_back(make_gelu("mlp.gelu", tanh_gelu));
   mlp.push_back(make_linear("mlp.c_proj", 4 * width, width));
   if (dropout > 0.0) mlp.push_back(make_dropout("mlp.dropout", dropout));
-  // Unnamed residual branches with identity shortcuts and no ReLU: the Block's own names.
-  branches.push_back(make_residual("", std::move(attn), {}, false));
-  branches.push_back(make_residual("", std::move(mlp), {}, false));
+  // Unnamed residual branches with identity shortcuts and no ReLU: the Block's own names. nanoGPT's
+  // `x = x + self.attn(...)` is an out-of-place add: under autocast the residual stream stays fp32.
+  branches.push_back(make_residual("", std::move(attn), {}, false, ResidualAdd::promote));
+  branches.push_back(make_residual("", std::move(mlp), {}, false, ResidualAdd::promote));
   return make_sequential(name, std::move(branches));
 }
 

@@ -114,7 +114,9 @@ TEST_P(GptOnBackend, OneStepInEveryEngineIsTorchs) {
       if (run.kind == EngineKind::single) options.device_ids = std::vector<int>{0};
       auto engine = make_engine(*rt, *model, sgd, options);
       const float loss = engine->train_step(data.batches(*engine));
-      EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-3 : 2e-6);
+      // Autocast: the residual stream fp32 as torch's type promotion keeps it (x + bf16 branch); with
+      // the stream in bf16 the loss was 4.2e-4 from torch's, now 8e-5.
+      EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-4 : 2e-6);
       engine->synchronize();
       std::vector<float> all;
       int checked = 0;

@@ -308,6 +308,50 @@ TEST(Autocast, KeepsTheActivationsInBf16AndTheMasterWeightsInFp32) {
   EXPECT_EQ(model->autocast(), Autocast::off);
 }
 
+// torch's two adds under autocast: torchvision's in-place `out += identity` keeps the body's bf16;
+// nanoGPT's `x + f(x)` promotes to fp32 when x is fp32. x (fp32) + Linear(x) (bf16): promoted, the
+// output is the fp32 sum of x and the bf16 branch widened (not a bf16 value) and the branch's
+// gradient is the output gradient rounded to bf16 (the cast's backward); in place, the output is
+// the sum rounded to bf16.
+TEST(Autocast, AResidualAddPromotesOrKeepsTheBodysDtypeAsTorchsAddsDo) {
+  auto rt = test::sim_runtime(1);
+  Device& device = rt->device(0);
+  const Stream stream = device.create_stream();
+  const int batch = 4, width = 8;
+  const auto x = test::random_vector(static_cast<std::size_t>(batch) * width, 7);
+  const DeviceBuffer input = test::upload(device, stream, x);
+  std::vector<float> outputs[2], grads[2];
+  for (const nn::ResidualAdd add : {nn::ResidualAdd::in_place, nn::ResidualAdd::promote}) {
+    nn::Layers body, layers;
+    body.push_back(nn::make_linear("fc", width, width));
+    layers.push_back(nn::make_residual("res", std::move(body), {}, false, add));
+    nn::SequentialModel model("res", device, std::move(layers), {width, 1, 1});
+    model.set_autocast(Autocast::bf16);
+    const float* out = model.forward(stream, input.as<float>(), batch, Mode::train);
+    const auto k = static_cast<std::size_t>(add == nn::ResidualAdd::promote);
+    outputs[k] = test::to_host(stream, out, x.size());
+    std::vector<float> dy(x.size());
+    for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = 0.1f + 1e-3f * static_cast<float>(i);  // not bf16 values
+    const DeviceBuffer d = test::upload(device, stream, dy);
+    model.zero_grad(stream);
+    model.backward(stream, d.as<float>(), {});
+    grads[k] = test::to_host(stream, model.gradients()[1].as<float>(), width);  // fc.bias: the summed dy
+    if (add == nn::ResidualAdd::promote) {
+      bool all_bf16 = true;
+      for (float v : outputs[k]) all_bf16 = all_bf16 && bf16_to_float(bf16_from_float(v)) == v;
+      EXPECT_FALSE(all_bf16) << "promoted: the sum is fp32";
+    } else {
+      for (float v : outputs[k]) ASSERT_EQ(bf16_to_float(bf16_from_float(v)), v) << "in place: the sum is bf16";
+    }
+  }
+  // The same sums, one rounded to bf16.
+  for (std::size_t i = 0; i < x.size(); ++i)
+    EXPECT_EQ(outputs[0][i], bf16_to_float(bf16_from_float(outputs[1][i]))) << i;
+  // Either way the branch's gradient is dy rounded to bf16: in place the model's bf16 output rounds
+  // it (the backward of `logits.float()`), promoted the add's cast does: the same gradients.
+  EXPECT_EQ(grads[0], grads[1]);
+}
+
 // A model that does not implement autocast (Model's default) is refused by make_engine, naming it,
 // before anything is built; fp32 it trains.
 TEST(Autocast, AModelWithoutItIsRefused) {

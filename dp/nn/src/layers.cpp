@@ -585,8 +585,12 @@ class SequentialLayer final : public detail::Container {
 // gradient needs only y.
 class Residual final : public detail::Container {
  public:
-  Residual(std::string name, Layers body, Layers shortcut, bool relu_after)
-      : Container(std::move(name)), body_(std::move(body)), shortcut_(std::move(shortcut)), relu_after_(relu_after) {
+  Residual(std::string name, Layers body, Layers shortcut, bool relu_after, ResidualAdd add)
+      : Container(std::move(name)),
+        body_(std::move(body)),
+        shortcut_(std::move(shortcut)),
+        relu_after_(relu_after),
+        add_(add) {
     adopt_children();
   }
   Residual(const Residual&) = default;
@@ -597,16 +601,20 @@ class Residual final : public detail::Container {
                                         name(), a.c, a.h, a.w, b.c, b.h, b.w));
     return a;
   }
-  bool output_bf16(bool input_bf16) const override { return body_.output_bf16(input_bf16); }
+  // In place the sum keeps the body's dtype; promoted it is bf16 only when both sides are.
+  bool output_bf16(bool input_bf16) const override {
+    const bool body = body_.output_bf16(input_bf16);
+    return add_ == ResidualAdd::in_place ? body : body && shortcut_.output_bf16(input_bf16);
+  }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const ActShape out = output_shape(ctx.in);
     const auto n = static_cast<kernels::index_t>(out.numel());
     const void* body = body_.forward(ctx, x, nullptr);
     const void* shortcut = shortcut_.forward(ctx, x, nullptr);
-    // Autocast: torch's `out += identity` adds in fp32 (bf16 values widened) and rounds to the
-    // body's dtype, which the in-place add keeps (then ReLU, exact).
+    // Autocast: torch adds in fp32 (bf16 values widened) and rounds to the output's dtype (then
+    // ReLU, exact).
     const bool bf16 = ctx.amp && body_.output_bf16(ctx.bf16), shortcut16 = ctx.amp && shortcut_.output_bf16(ctx.bf16);
-    add(ctx, n, {body, bf16}, {shortcut, shortcut16}, {y, bf16});
+    add(ctx, n, {body, bf16}, {shortcut, shortcut16}, {y, ctx.amp && output_bf16(ctx.bf16)});
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float* y, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
@@ -614,7 +622,7 @@ class Residual final : public detail::Container {
     const auto n = static_cast<kernels::index_t>(out.numel());
     const auto n_in = static_cast<kernels::index_t>(ctx.in.numel());
     // Autocast: the gradients of bf16 tensors are bf16 (the sum's and the input's).
-    const bool out16 = ctx.amp && body_.output_bf16(ctx.bf16), in16 = ctx.amp && ctx.bf16;
+    const bool out16 = ctx.amp && output_bf16(ctx.bf16), in16 = ctx.amp && ctx.bf16;
     const void* dsum = dy;
     if (relu_after_) {
       void* g = out16 ? static_cast<void*>(dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n)))
@@ -622,21 +630,13 @@ class Residual final : public detail::Container {
       kernels::relu_backward(ctx.stream, n, {y, out16}, {dy, out16}, {g, out16});
       dsum = g;
     }
-    // The Add passes dsum to both branches (to the shortcut in its own dtype, where autocast made
-    // the two differ: widened, or rounded); the input gradient is the sum of theirs.
-    body_.backward(ctx, dsum, dx, done);
+    // The Add passes dsum to both branches, each in its own dtype where autocast made them differ
+    // from the sum's (widened, or rounded as the cast's backward rounds); the input gradient is the
+    // sum of theirs.
+    const bool body16 = ctx.amp && body_.output_bf16(ctx.bf16);
+    body_.backward(ctx, in_dtype(ctx, n, dsum, out16, body16, body_dsum_), dx, done);
     const bool shortcut16 = ctx.amp && shortcut_.output_bf16(ctx.bf16);
-    if (shortcut16 != out16) {
-      if (out16) {
-        float* g = shortcut_dsum_.get<float>(ctx.device, static_cast<std::size_t>(n));
-        kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(dsum), g);
-        dsum = g;
-      } else {
-        auto* g = shortcut_dsum_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
-        kernels::to_bf16(ctx.stream, n, static_cast<const float*>(dsum), g);
-        dsum = g;
-      }
-    }
+    dsum = in_dtype(ctx, n, dsum, out16, shortcut16, shortcut_dsum_);
     if (shortcut_.is_identity()) {
       if (dx) accumulate(ctx, n_in, in16, dsum, dx);
       return;
@@ -662,6 +662,19 @@ class Residual final : public detail::Container {
     else
       kernels::add(ctx.stream, n, body, shortcut, out);
   }
+  // The sum's gradient g in a branch's dtype: itself, widened, or rounded into `scratch`.
+  static const void* in_dtype(const LayerContext& ctx, kernels::index_t n, const void* g, bool g16, bool want16,
+                              Scratch& scratch) {
+    if (g16 == want16) return g;
+    if (g16) {
+      float* wide = scratch.get<float>(ctx.device, static_cast<std::size_t>(n));
+      kernels::from_bf16(ctx.stream, n, static_cast<const std::uint16_t*>(g), wide);
+      return wide;
+    }
+    auto* bits = scratch.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
+    kernels::to_bf16(ctx.stream, n, static_cast<const float*>(g), bits);
+    return bits;
+  }
   // dx += g, in bf16 (rounded sum) when the input is.
   static void accumulate(const LayerContext& ctx, kernels::index_t n, bool bf16, const void* g, float* dx) {
     kernels::add(ctx.stream, n, {dx, bf16}, {g, bf16}, {dx, bf16});
@@ -669,7 +682,8 @@ class Residual final : public detail::Container {
 
   detail::Chain body_, shortcut_;
   bool relu_after_;
-  Scratch dsum_, shortcut_dsum_, shortcut_dx_;
+  ResidualAdd add_;
+  Scratch dsum_, body_dsum_, shortcut_dsum_, shortcut_dx_;
 };
 
 class Flatten final : public Layer {
@@ -717,8 +731,8 @@ std::unique_ptr<Layer> make_dropout(std::string name, double p) {
 std::unique_ptr<Layer> make_sequential(std::string name, Layers children) {
   return std::make_unique<SequentialLayer>(std::move(name), std::move(children));
 }
-std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut, bool relu_after) {
-  return std::make_unique<Residual>(std::move(name), std::move(body), std::move(shortcut), relu_after);
+std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut, bool relu_after, ResidualAdd add) {
+  return std::make_unique<Residual>(std::move(name), std::move(body), std::move(shortcut), relu_after, add);
 }
 
 namespace detail {

@@ -249,6 +249,12 @@ std::unique_ptr<Layer> make_sequential(std::string name, Layers children);
 // shortcut's, as torchvision registers conv1, bn1, conv2, bn2, then downsample. An empty name adds
 // no level to its children's names: nanoGPT's Block h.0 is a Sequential "h.0" of two unnamed
 // residuals (x + attn(ln_1(x)), x + mlp(ln_2(x))) whose children are h.0.ln_1, h.0.attn, ....
-std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut = {}, bool relu_after = true);
+// `add` says which of torch's adds it is, which matters under autocast where the two sides' dtypes
+// differ: in_place is torchvision's `out += identity` (the sum in the body's dtype, bf16 after a
+// convolution); promote is `x + f(x)` (torch's type promotion: fp32 if either side is, so nanoGPT's
+// residual stream stays fp32 while its branches compute in bf16).
+enum class ResidualAdd { in_place, promote };
+std::unique_ptr<Layer> make_residual(std::string name, Layers body, Layers shortcut = {}, bool relu_after = true,
+                                     ResidualAdd add = ResidualAdd::in_place);
 
 }  // namespace dp::nn
