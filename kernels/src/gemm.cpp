@@ -62,6 +62,43 @@ float round_to_tf32(float x) {
 }
 
 namespace {
+// The sim's products: OpenBLAS's sgemm per item of the batch, on fp32 operands (bf16 storage
+// widened, exactly; under tf32 both rounded to TF32 as the tensor cores take them). A bf16 C is
+// computed in fp32 (widened first, which beta may read) and rounded once.
+void host_gemm(const library::GemmArgs& g, bool tf32) {
+  const std::size_t element = g.bf16_storage ? 2 : sizeof(float);
+  for (int item = 0; item < g.batch; ++item) {
+    const void* a_at = static_cast<const std::byte*>(g.a) + static_cast<std::size_t>(item) * g.stride_a * element;
+    const void* b_at = static_cast<const std::byte*>(g.b) + static_cast<std::size_t>(item) * g.stride_b * element;
+    const std::size_t c_offset = static_cast<std::size_t>(item) * g.stride_c;
+    float* c_at = static_cast<float*>(g.c) + c_offset;
+    auto* c_bits = static_cast<std::uint16_t*>(g.c) + c_offset;
+    thread_local std::vector<float> c_wide;
+    if (g.c_bf16) {
+      widened_copy(c_bits, g.m, g.n, g.ldc, c_wide);
+      c_at = c_wide.data();
+    }
+    const auto* a = static_cast<const float*>(a_at);
+    const auto* b = static_cast<const float*>(b_at);
+    if (g.bf16_storage && g.k > 0) {  // bf16 values: exact in fp32 (and in TF32)
+      thread_local std::vector<float> a_wide, b_wide;
+      a = widened_copy(a_at, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_wide);
+      b = widened_copy(b_at, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_wide);
+    } else if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
+      thread_local std::vector<float> a_tf32, b_tf32;
+      a = tf32_copy(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
+      b = tf32_copy(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
+    }
+    cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m, g.n,
+                g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, c_at, g.ldc);
+    if (g.c_bf16)  // C's own elements only: the gaps between its rows may be another tensor's
+      for (int r = 0; r < g.m; ++r)
+        for (int col = 0; col < g.n; ++col)
+          c_bits[static_cast<std::size_t>(r) * g.ldc + col] =
+              bf16_from_float(c_at[static_cast<std::size_t>(r) * g.ldc + col]);
+  }
+}
+
 // The product alone; gemm_batched adds DP_FAULT flip-gemm's strike on its output.
 void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                                    In a, int lda, std::int64_t stride_a, In b, int ldb, std::int64_t stride_b,
@@ -118,45 +155,7 @@ void gemm_batched_unchecked_faults(const Stream& stream, bool trans_a, bool tran
   std::call_once(single_threaded, [] { openblas_set_num_threads(1); });
   const bool tf32 = kernel_api::precision(stream) == Precision::tf32;
   kernel_api::enqueue_host(
-      stream, "gemm",
-      [g, tf32] {
-        const std::size_t element = g.bf16_storage ? 2 : sizeof(float);
-        for (int item = 0; item < g.batch; ++item) {
-          const void* a_at = static_cast<const std::byte*>(g.a) + static_cast<std::size_t>(item) * g.stride_a * element;
-          const void* b_at = static_cast<const std::byte*>(g.b) + static_cast<std::size_t>(item) * g.stride_b * element;
-          const std::size_t c_offset = static_cast<std::size_t>(item) * g.stride_c;
-          float* c_at = static_cast<float*>(g.c) + c_offset;
-          // A bf16 C: the product in fp32 (C widened first where beta reads it), then rounded once.
-          thread_local std::vector<float> c_wide;
-          auto* c_bits = static_cast<std::uint16_t*>(g.c) + c_offset;
-          if (g.c_bf16) {
-            c_wide.assign(static_cast<std::size_t>(g.m - 1) * g.ldc + g.n, 0.0f);
-            if (g.beta != 0.0f)
-              for (int r = 0; r < g.m; ++r)
-                for (int col = 0; col < g.n; ++col)
-                  c_wide[static_cast<std::size_t>(r) * g.ldc + col] = bf16_to_float(c_bits[r * g.ldc + col]);
-            c_at = c_wide.data();
-          }
-          const auto* a = static_cast<const float*>(a_at);
-          const auto* b = static_cast<const float*>(b_at);
-          if (g.bf16_storage && g.k > 0) {  // bf16 values: exact in fp32 (and in TF32)
-            thread_local std::vector<float> a_wide, b_wide;
-            a = widened_copy(a_at, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_wide);
-            b = widened_copy(b_at, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_wide);
-          } else if (tf32 && g.k > 0) {  // the tensor cores' operands: both rounded to TF32 (dp/runtime/precision.h)
-            thread_local std::vector<float> a_tf32, b_tf32;
-            a = tf32_copy(a, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, a_tf32);
-            b = tf32_copy(b, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, b_tf32);
-          }
-          cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
-                      g.n, g.k, g.alpha, a, g.lda, b, g.ldb, g.beta, c_at, g.ldc);
-          if (g.c_bf16)
-            for (int r = 0; r < g.m; ++r)
-              for (int col = 0; col < g.n; ++col)
-                c_bits[r * g.ldc + col] = bf16_from_float(c_wide[static_cast<std::size_t>(r) * g.ldc + col]);
-        }
-      },
-      SpanKind::gemm);
+      stream, "gemm", [g, tf32] { host_gemm(g, tf32); }, SpanKind::gemm);
 }
 }  // namespace
 
