@@ -32,6 +32,28 @@ std::int64_t ulps(float a, float b) {
   return std::llabs(static_cast<std::int64_t>(ia) - ib);
 }
 
+// The fused attention's forward and backward on a new stream of `device`, qkv, dy and the results
+// in storage T (float, or bf16 bits): y, each row's lse and dqkv.
+template <class T>
+struct Fused {
+  std::vector<T> y;
+  std::vector<float> lse;
+  std::vector<T> dqkv;
+};
+template <class T>
+Fused<T> fused_on(Device& device, const kernels::AttentionShape& s, const std::vector<T>& qkv, const std::vector<T>& dy,
+                  const kernels::AttentionDropout& dropout) {
+  const Stream stream = device.create_stream();
+  const auto rows = static_cast<std::size_t>(kernels::attention_fused_rows(s));
+  DeviceBuffer q = test::upload(device, stream, qkv), g = test::upload(device, stream, dy),
+               y = device.allocate(dy.size() * sizeof(T)), lse = device.allocate(rows * 4),
+               delta = device.allocate(rows * 4), dqkv = device.allocate(qkv.size() * sizeof(T));
+  kernels::attention_fused_forward(stream, s, q.as<T>(), y.as<T>(), lse.as<float>(), dropout);
+  kernels::attention_fused_backward(stream, s, q.as<T>(), y.as<T>(), lse.as<float>(), g.as<T>(), dqkv.as<T>(),
+                                    delta.as<float>(), dropout);
+  return {test::download<T>(stream, y), test::download<float>(stream, lse), test::download<T>(stream, dqkv)};
+}
+
 TEST(PortableMath, ExpIsWithinTwoUlpsOfTheTrueValue) {
   std::int64_t worst = 0;
   for (float x = -103.0f; x < 88.7f; x += 0.0137f) {
@@ -213,18 +235,12 @@ TEST_P(FusedAttention, Bf16StorageIsTheFp32ResultRounded) {
     DeviceBuffer yr = up(y_rounded);
     kernels::attention_fused_backward(stream_, s, q.as<float>(), yr.as<float>(), lse.as<float>(), g.as<float>(),
                                       dq.as<float>(), delta.as<float>(), dropout);
-    DeviceBuffer q16 = up(qkv16), g16 = up(dy16), y16 = device_->allocate(n * 2), lse16 = floats(rows),
-                 dq16 = device_->allocate(3 * n * 2);
-    kernels::attention_fused_forward(stream_, s, q16.as<std::uint16_t>(), y16.as<std::uint16_t>(), lse16.as<float>(),
-                                     dropout);
-    kernels::attention_fused_backward(stream_, s, q16.as<std::uint16_t>(), y16.as<std::uint16_t>(), lse16.as<float>(),
-                                      g16.as<std::uint16_t>(), dq16.as<std::uint16_t>(), delta.as<float>(), dropout);
-    const auto got_y = down<std::uint16_t>(y16), got_dq = down<std::uint16_t>(dq16);
+    const Fused<std::uint16_t> got = fused_on(*device_, s, qkv16, dy16, dropout);
     const auto want_dq = down<float>(dq);
-    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got_y[i], bf16_from_float(y32[i])) << "y " << i << " p=" << p;
+    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got.y[i], bf16_from_float(y32[i])) << "y " << i << " p=" << p;
     for (std::size_t i = 0; i < 3 * n; ++i)
-      ASSERT_EQ(got_dq[i], bf16_from_float(want_dq[i])) << "dqkv " << i << " p=" << p;
-    EXPECT_EQ(down<float>(lse16), down<float>(lse)) << p;
+      ASSERT_EQ(got.dqkv[i], bf16_from_float(want_dq[i])) << "dqkv " << i << " p=" << p;
+    EXPECT_EQ(got.lse, down<float>(lse)) << p;
   }
   // One storage for all four: a bf16 qkv with an fp32 y is refused.
   DeviceBuffer q16 = up(qkv16), y = floats(n), lse = floats(rows);
@@ -249,54 +265,33 @@ TEST(FusedAttentionCudaMatchesSim, BitForBit) {
   auto sim = test::sim_runtime(1);
   auto cuda = test::runtime_or_skip("cuda", 1);
   if (!cuda) GTEST_SKIP() << "no CUDA device";
-  std::vector<std::vector<float>> results[2];
   Runtime* runtimes[2] = {sim.get(), cuda.get()};
   unsigned seed = 300;
   for (const auto& s : kEdgeShapes) {
     const auto n = static_cast<std::size_t>(s.batch) * s.tokens * s.width();
     const auto qkv = test::random_vector(3 * n, ++seed, -2.0f, 2.0f), dy = test::random_vector(n, ++seed);
-    const auto rows = static_cast<std::size_t>(kernels::attention_fused_rows(s));
-    for (int k = 0; k < 2; ++k) {
-      Device& device = runtimes[k]->device(0);
-      const Stream stream = device.create_stream();
-      DeviceBuffer q = test::upload(device, stream, qkv), g = test::upload(device, stream, dy),
-                   y = device.allocate(n * 4), lse = device.allocate(rows * 4), delta = device.allocate(rows * 4),
-                   dqkv = device.allocate(3 * n * 4);
-      for (const double p : {0.0, 0.25}) {
-        const kernels::AttentionDropout dropout{p, {7, 11, 3}, 40, nullptr};
-        kernels::attention_fused_forward(stream, s, q.as<float>(), y.as<float>(), lse.as<float>(), dropout);
-        kernels::attention_fused_backward(stream, s, q.as<float>(), y.as<float>(), lse.as<float>(), g.as<float>(),
-                                          dqkv.as<float>(), delta.as<float>(), dropout);
-        for (const DeviceBuffer* buffer : {&y, &lse, &dqkv})
-          results[k].push_back(test::download<float>(stream, *buffer));
-      }
+    for (const double p : {0.0, 0.25}) {
+      const kernels::AttentionDropout dropout{p, {7, 11, 3}, 40, nullptr};
+      const Fused<float> sim_result = fused_on(runtimes[0]->device(0), s, qkv, dy, dropout),
+                         cuda_result = fused_on(runtimes[1]->device(0), s, qkv, dy, dropout);
+      const std::string where = "T=" + std::to_string(s.tokens) + " p=" + std::to_string(p);
+      EXPECT_EQ(sim_result.y, cuda_result.y) << where;
+      EXPECT_EQ(sim_result.lse, cuda_result.lse) << where;
+      EXPECT_EQ(sim_result.dqkv, cuda_result.dqkv) << where;
     }
   }
   // bf16 storage (autocast), with attn_dropout.
   const kernels::AttentionShape s{2, 70, 2, 64};
   const auto n = static_cast<std::size_t>(s.batch) * s.tokens * s.width();
-  const auto rows = static_cast<std::size_t>(kernels::attention_fused_rows(s));
   std::vector<std::uint16_t> qkv(3 * n), dy(n);
   for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = bf16_from_float(2.0f * std::sin(0.37f * static_cast<float>(i)));
   for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = bf16_from_float(std::cos(0.91f * static_cast<float>(i)));
-  std::vector<std::uint16_t> bf16_results[2][2];
-  for (int k = 0; k < 2; ++k) {
-    Device& device = runtimes[k]->device(0);
-    const Stream stream = device.create_stream();
-    DeviceBuffer q = test::upload(device, stream, qkv), g = test::upload(device, stream, dy),
-                 y = device.allocate(n * 2), lse = device.allocate(rows * 4), delta = device.allocate(rows * 4),
-                 dqkv = device.allocate(3 * n * 2);
-    const kernels::AttentionDropout dropout{0.1, {5, 6, 7}, 8, nullptr};
-    kernels::attention_fused_forward(stream, s, q.as<std::uint16_t>(), y.as<std::uint16_t>(), lse.as<float>(), dropout);
-    kernels::attention_fused_backward(stream, s, q.as<std::uint16_t>(), y.as<std::uint16_t>(), lse.as<float>(),
-                                      g.as<std::uint16_t>(), dqkv.as<std::uint16_t>(), delta.as<float>(), dropout);
-    bf16_results[k][0] = test::download<std::uint16_t>(stream, y);
-    bf16_results[k][1] = test::download<std::uint16_t>(stream, dqkv);
-  }
-  ASSERT_EQ(results[0].size(), results[1].size());
-  for (std::size_t i = 0; i < results[0].size(); ++i) EXPECT_EQ(results[0][i], results[1][i]) << "tensor " << i;
-  EXPECT_EQ(bf16_results[0][0], bf16_results[1][0]) << "bf16 y";
-  EXPECT_EQ(bf16_results[0][1], bf16_results[1][1]) << "bf16 dqkv";
+  const kernels::AttentionDropout dropout{0.1, {5, 6, 7}, 8, nullptr};
+  const Fused<std::uint16_t> sim_result = fused_on(runtimes[0]->device(0), s, qkv, dy, dropout),
+                             cuda_result = fused_on(runtimes[1]->device(0), s, qkv, dy, dropout);
+  EXPECT_EQ(sim_result.y, cuda_result.y) << "bf16 y";
+  EXPECT_EQ(sim_result.lse, cuda_result.lse) << "bf16 lse";
+  EXPECT_EQ(sim_result.dqkv, cuda_result.dqkv) << "bf16 dqkv";
 }
 
 }  // namespace

@@ -206,7 +206,7 @@ struct AttentionRows {
   DP_HD float noise(index_t matrix, int i, int j) const {
     const auto e = static_cast<std::uint64_t>(element_offset + (matrix * tokens + i) * tokens + j);
     const auto words = dropout_words(key, e / 4);
-    return (words.v[e % 4] >> 8) >= threshold ? noise_kept : 0.0f;
+    return dropout_noise(words.v[e % 4], threshold, noise_kept);
   }
 };
 

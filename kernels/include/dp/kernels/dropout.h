@@ -65,6 +65,12 @@ DP_HD inline r123::Philox4x32::ctr_type dropout_words(const DropoutKey& key, std
   return r123::Philox4x32()(counter, philox_key);
 }
 
+// An element's noise from its word: noise_kept when the 24-bit draw (word >> 8) reaches the
+// threshold, else 0.
+DP_HD inline float dropout_noise(std::uint32_t word, std::uint32_t threshold, float noise_kept) {
+  return (word >> 8) >= threshold ? noise_kept : 0.0f;
+}
+
 // One thread per block of four elements: one Philox call yields the four words. The blocks at
 // either end may be partly outside [offset, offset + n) when the offset is not a multiple of 4.
 template <class T = float>
@@ -84,7 +90,7 @@ struct DropoutApply {
       const index_t i = static_cast<index_t>(block * 4 + j) - offset;
       if (i < 0 || i >= n) continue;
       // x * 0 rather than 0 for a dropped element: torch multiplies by its noise either way.
-      store(y, i, load(x, i) * ((words.v[j] >> 8) >= threshold ? noise_kept : 0.0f));
+      store(y, i, load(x, i) * dropout_noise(words.v[j], threshold, noise_kept));
     }
   }
 };
