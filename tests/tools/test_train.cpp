@@ -393,6 +393,38 @@ TEST_F(TrainTest, AOneTokenContextTrains) {
   EXPECT_EQ(sample.code, 0) << sample.output;
 }
 
+// The attention's two forms train to the same loss (the same masks, the same function); a head
+// past the fused form's 128 features is refused before anything is written, naming the way out, and
+// --attention takes only its two forms.
+TEST_F(TrainTest, BothAttentionFormsTrainAndAWideHeadIsRefusedForTheFusedOne) {
+  const std::string gpt = fmt::format(
+      "--model gpt --context 8 --layers 1 --heads 2 --width 16 --dropout 0.1 "
+      "--backend sim --text {}/README.md --steps 3 --batch-size 4 ",
+      DP_SOURCE_DIR);
+  const Result fused = run(gpt + "--attention fused"), unfused = run(gpt + "--attention unfused");
+  ASSERT_EQ(fused.code, 0) << fused.output;
+  ASSERT_EQ(unfused.code, 0) << unfused.output;
+  const auto final_loss = [](const std::string& out) {
+    const auto at = out.find("final loss ");
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 11));
+  };
+  ASSERT_GT(final_loss(fused.output), 0.0) << fused.output;
+  EXPECT_NEAR(final_loss(fused.output), final_loss(unfused.output), 1e-5) << fused.output << unfused.output;
+  const Result wide =
+      run(fmt::format("--model gpt --context 8 --layers 1 --heads 1 --width 256 --backend sim --text {}/README.md "
+                      "--steps 1 --save {}",
+                      DP_SOURCE_DIR, path("wide.st")));
+  EXPECT_EQ(wide.code, 2) << wide.output;
+  EXPECT_NE(wide.output.find("the fused attention takes heads of up to 128 features, got 256 (--attention unfused"),
+            std::string::npos)
+      << wide.output;
+  EXPECT_FALSE(std::filesystem::exists(path("wide.st")));
+  const Result bad = run(gpt + "--attention flash");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.output.find("--attention: unknown value 'flash' (expected fused or unfused)"), std::string::npos)
+      << bad.output;
+}
+
 // --eval-every N evaluates between epochs too (an "eval" record), and --save-best keeps the
 // checkpoint of the best test accuracy logged: its step is the first evaluation that reached the
 // best, and evaluating it again gives that accuracy. Without a test set both are refused at once.
