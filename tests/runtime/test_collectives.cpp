@@ -4,17 +4,23 @@
 // devices that share one), else skip.
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <fmt/format.h>
+#include <future>
 #include <gtest/gtest.h>
 #include <map>
 #include <string>
 #include <thread>
 
+#include "backend.h"  // the sim ring itself, under a process group of the test's
+#include "channel.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/collectives.h"
 #include "dp/runtime/device_group.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/flight_record.h"
+#include "dp/runtime/process_group.h"
 #include "test_util.h"
 
 namespace dp {
@@ -446,4 +452,71 @@ TEST_P(Collectives, ARankThatIssuesFewerCallsIsNamedAtOnce) {
 }
 
 }  // namespace
+}  // namespace dp
+
+namespace dp {
+// The sim ring between processes, without processes: this is process 1 of 2, whose channel sends
+// into the void and whose every receive fails, as when process 0 vanished (kill -9) in the middle
+// of an all-reduce. Of the two local ranks, rank 0 receives from process 0 and fails; rank 1 only
+// receives from rank 0 (local) and sends to process 0, which succeeds while the socket takes it,
+// so it goes on to the ring's next step. It must fail too, at once, not wait there for good.
+namespace {
+class VanishedPeerChannel final : public detail::Channel {
+ public:
+  int max_tag() const override { return 1 << 20; }
+  void exchange(std::span<const Message>, std::span<const Message> receives, const std::function<bool()>&,
+                std::string_view what) override {
+    if (!receives.empty()) throw CollectiveAborted(fmt::format("{}: process 0: connection closed by peer", what));
+  }
+};
+class ProcessOneOfTwo final : public ProcessGroup {
+ public:
+  int rank() const override { return 1; }
+  int size() const override { return 2; }
+  const std::string& host() const override { return host_; }
+  void all_gather_bytes(const void* send, std::size_t bytes, void* recv) override {
+    for (int p = 0; p < 2; ++p)
+      std::memcpy(static_cast<char*>(recv) + static_cast<std::size_t>(p) * bytes, send, bytes);
+  }
+  void broadcast_bytes(void*, std::size_t, int) override {}
+  [[noreturn]] void abort(int) override { std::abort(); }
+  std::unique_ptr<detail::Channel> open_channel() override { return std::make_unique<VanishedPeerChannel>(); }
+
+ private:
+  std::string host_ = "here";
+};
+}  // namespace
+
+TEST(SimCollectives, ARankThatFailsMidCallEndsItsLocalPeersToo) {
+  const auto runtime = test::runtime_or_skip("sim", 2);
+  DeviceGroup group(*runtime, {0, 1});
+  const auto comm = detail::make_ring_communicator(group, std::make_shared<ProcessOneOfTwo>());
+  std::vector<Stream> streams;
+  std::vector<DeviceBuffer> data;
+  for (int r = 0; r < 2; ++r) {
+    streams.push_back(group.device(r).create_stream());
+    data.push_back(group.device(r).allocate(64 * sizeof(float)));
+  }
+  std::vector<std::future<std::string>> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.push_back(std::async(std::launch::async, [&, r]() -> std::string {
+      try {
+        comm->all_reduce(r, streams[static_cast<std::size_t>(r)], data[static_cast<std::size_t>(r)].as<float>(), 64,
+                         ReduceOp::sum);
+        streams[static_cast<std::size_t>(r)].synchronize();
+      } catch (const CollectiveAborted& e) {
+        return e.what();
+      }
+      return "finished";
+    }));
+  for (int r = 0; r < 2; ++r) {
+    const bool ended =
+        ranks[static_cast<std::size_t>(r)].wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+    EXPECT_TRUE(ended) << "rank " << r << " still waits in the ring";
+    if (!ended) comm->abort();  // lets the test end after reporting
+    const std::string said = ranks[static_cast<std::size_t>(r)].get();
+    EXPECT_NE(said.find(r == 0 ? "connection closed by peer" : "aborted"), std::string::npos)
+        << "rank " << r << ": " << said;
+  }
+}
 }  // namespace dp

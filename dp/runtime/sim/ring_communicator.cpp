@@ -367,7 +367,16 @@ class RingCommunicator final : public Communicator {
           int rank;
           ~Leave() { comm.leave(id, round, rank); }
         } leave{*this, id, round, rank};
-        body(rank, round, tag);
+        // A rank that fails mid-call (its peer process vanished in the middle of an exchange)
+        // leaves its local peers in a ring step that can never complete: the communicator is
+        // unusable from then on, as an NCCL communicator after an asynchronous error, and its
+        // other ranks must fail now rather than wait for good.
+        try {
+          body(rank, round, tag);
+        } catch (...) {
+          abort();
+          throw;
+        }
       };
     };
     Access::stream(stream).enqueue_reissued(name, std::move(issue), SpanKind::collective);
