@@ -80,6 +80,7 @@ bool read_all(int fd, void* data, std::size_t bytes, Deadline deadline = std::nu
     }
     const ssize_t n = ::recv(fd, p, bytes, 0);
     if (n < 0 && errno == EINTR) continue;
+    if (n == 0) errno = ECONNRESET;  // the peer closed: a loss, never the EAGAIN an earlier call left
     if (n <= 0) return false;
     p += n;
     bytes -= static_cast<std::size_t>(n);
