@@ -331,15 +331,10 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
   const long micro = plan.micro;
   const long ranks = engine.batches_per_forward(), per_step = ranks * micro;
   const int first = engine.first_rank();
-  struct Order {
-    dp::DistributedSampler sampler;
-    std::vector<std::int64_t> indices;  // this epoch's, rebuilt only when the epoch changes
-  };
-  auto orders = std::make_shared<std::vector<Order>>();
+  std::vector<dp::DistributedSampler> samplers;  // index() computes an order: nothing per sample is kept
   for (long local = 0; local < ranks; ++local)
-    orders->push_back(Order{dp::DistributedSampler(data->size(), plan.shards, first + static_cast<int>(local),
-                                                   !o.no_shuffle && !data->keeps_its_order(), o.seed),
-                            {}});
+    samplers.emplace_back(data->size(), plan.shards, first + static_cast<int>(local),
+                          !o.no_shuffle && !data->keeps_its_order(), o.seed);
   const auto batch = static_cast<std::size_t>(o.batch_size);
   const bool log = o.log_batches;
   const long start_step = plan.start_step;
@@ -348,18 +343,15 @@ Loaders make_loaders(const Options& o, const Plan& plan, const dp::Engine& engin
   const auto rank_of = [first, per_step, micro](std::size_t k) {
     return first + (static_cast<long>(k) % per_step) / micro;
   };
-  auto batch_plan = [orders, batch, log, step_of, rank_of, first, epochs, per_step, micro](std::size_t k) {
+  auto batch_plan = [samplers, data, batch, log, step_of, rank_of, first, epochs, per_step, micro](std::size_t k) {
     const long s = step_of(k), epoch = epochs.of(s), rank = rank_of(k);
     const long in_epoch = epochs.into(s) * micro + (static_cast<long>(k) % per_step) % micro;
-    Order& order = (*orders)[static_cast<std::size_t>(rank - first)];
-    if (order.indices.empty() || order.sampler.epoch() != epoch) {
-      order.sampler.set_epoch(epoch);
-      order.indices = order.sampler.indices();
-    }
+    dp::DistributedSampler sampler = samplers[static_cast<std::size_t>(rank - first)];
+    sampler.set_epoch(epoch);
     const std::size_t begin = static_cast<std::size_t>(in_epoch) * batch;
-    const std::size_t end = std::min(order.indices.size(), begin + batch);
-    std::vector<std::int64_t> mine(order.indices.begin() + static_cast<std::ptrdiff_t>(begin),
-                                   order.indices.begin() + static_cast<std::ptrdiff_t>(end));
+    std::vector<std::int64_t> mine;
+    for (std::size_t i = begin; i < std::min(sampler.num_samples(), begin + batch); ++i)
+      mine.push_back(static_cast<std::int64_t>(data->sample_at(static_cast<std::size_t>(sampler.index(i)), epoch)));
     if (log) fmt::print("batch step {} rank {}: {}\n", s, rank, fmt::join(mine, " "));
     return mine;
   };

@@ -55,6 +55,37 @@ TEST(DistributedSampler, ShuffleIsSeededByEpochAndSharedByRanks) {
   EXPECT_EQ(sorted, iota);
 }
 
+// The order is computed a position at a time: a permutation of [0, n) for every n (the domain of
+// the network is a power of 4 above n, so most sizes cycle-walk), seeded, the same from index()
+// as from indices(), and for an epoch of 2^40 samples no table is made (a vector of its indices
+// would need 8 TiB).
+TEST(DistributedSampler, TheShuffleIsAPermutationComputedOnePositionAtATime) {
+  for (const std::size_t n : {1u, 2u, 3u, 5u, 16u, 17u, 1000u, 4097u}) {
+    SCOPED_TRACE(n);
+    auto perm = permutation(n, 11);
+    EXPECT_EQ(perm, permutation(n, 11));
+    std::sort(perm.begin(), perm.end());
+    std::vector<std::int64_t> iota(n);
+    std::iota(iota.begin(), iota.end(), 0);
+    EXPECT_EQ(perm, iota);
+  }
+  EXPECT_NE(permutation(1000, 11), permutation(1000, 12));
+  DistributedSampler sampler(1001, 3, 2, true, 5);
+  sampler.set_epoch(4);
+  const auto all = sampler.indices();
+  for (std::size_t i = 0; i < all.size(); ++i) EXPECT_EQ(sampler.index(i), all[i]);
+  EXPECT_THROW(sampler.index(all.size()), InvalidArgument);
+  const DistributedSampler huge(std::size_t{1} << 40, 2, 1, true, 3);
+  std::set<std::int64_t> seen;
+  for (std::size_t i = 0; i < 1000; ++i) {
+    const std::int64_t index = huge.index(i * 7919);
+    EXPECT_GE(index, 0);
+    EXPECT_LT(index, std::int64_t{1} << 40);
+    seen.insert(index);
+  }
+  EXPECT_EQ(seen.size(), 1000u);
+}
+
 TEST(SyntheticData, IsDeterministicAndValid) {
   const Dataset a = make_synthetic(100, 3), b = make_synthetic(100, 3), c = make_synthetic(100, 4);
   EXPECT_EQ(a.pixels, b.pixels);

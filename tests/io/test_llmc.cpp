@@ -194,8 +194,9 @@ TEST(Llmc, TokenShardsAreCheckedAsTheyAreMapped) {
 
 // llm.c's DataLoader (dataloader.h) for one process, written out here as it is there: the shards
 // permuted once they are counted, each shard's batches permuted as it is loaded, both by
-// random_permutation over one generator seeded 42; a batch's B x T + 1 tokens read from
-// header + index x B x T tokens; sample b of it starts b x T tokens in.
+// random_permutation over one generator seeded 42; past the last shard, dataloader_reset permutes
+// the shard order again in place and the shards are loaded anew; a batch's B x T + 1 tokens read
+// from header + index x B x T tokens; sample b of it starts b x T tokens in.
 std::vector<std::vector<std::uint16_t>> llmc_batches(const std::vector<std::vector<std::uint16_t>>& shards, int B,
                                                      int T, bool shuffle, int count) {
   std::mt19937 rng(42);
@@ -204,17 +205,20 @@ std::vector<std::vector<std::uint16_t>> llmc_batches(const std::vector<std::vect
   };
   std::vector<int> shard_indices(shards.size());
   std::iota(shard_indices.begin(), shard_indices.end(), 0);
-  if (shuffle) random_permutation(shard_indices);
   std::vector<std::vector<std::uint16_t>> out;
-  for (std::size_t s = 0; s < shards.size() && static_cast<int>(out.size()) < count; ++s) {
-    const auto& tokens = shards[static_cast<std::size_t>(shard_indices[s])];
-    const std::size_t batch_tokens = static_cast<std::size_t>(B) * T;
-    std::vector<int> intra((tokens.size() * 2 - 2) / (batch_tokens * 2));
-    std::iota(intra.begin(), intra.end(), 0);
-    if (shuffle) random_permutation(intra);
-    for (const int idx : intra)
-      out.emplace_back(tokens.begin() + static_cast<std::ptrdiff_t>(idx * batch_tokens),
-                       tokens.begin() + static_cast<std::ptrdiff_t>((idx + 1) * batch_tokens + 1));
+  while (static_cast<int>(out.size()) < count) {
+    if (shuffle) random_permutation(shard_indices);
+    for (std::size_t s = 0; s < shards.size() && static_cast<int>(out.size()) < count; ++s) {
+      const auto& tokens = shards[static_cast<std::size_t>(shard_indices[s])];
+      const std::size_t batch_tokens = static_cast<std::size_t>(B) * T;
+      std::vector<int> intra((tokens.size() * 2 - 2) / (batch_tokens * 2));
+      std::iota(intra.begin(), intra.end(), 0);
+      if (shuffle) random_permutation(intra);
+      for (const int idx : intra)
+        if (static_cast<int>(out.size()) < count)
+          out.emplace_back(tokens.begin() + static_cast<std::ptrdiff_t>(idx * batch_tokens),
+                           tokens.begin() + static_cast<std::ptrdiff_t>((idx + 1) * batch_tokens + 1));
+    }
   }
   return out;
 }
@@ -238,13 +242,20 @@ TEST(Llmc, TokenSamplesComeInLlmcsOrder) {
     EXPECT_TRUE(samples.keeps_its_order());
     // (40 - 1) / 12 + (53 - 1) / 12 + (66 - 1) / 12 = 3 + 4 + 5 batches of 3 samples.
     ASSERT_EQ(samples.size(), 12u * B);
-    const auto batches = llmc_batches(contents, B, T, shuffle, 12);
-    ASSERT_EQ(batches.size(), 12u);
+    // Three epochs: llm.c draws a new order at each wrap-around; asked for out of turn (the third
+    // first, then back to the first, as a resumed run may), each epoch's order is the same.
+    const auto batches = llmc_batches(contents, B, T, shuffle, 36);
+    ASSERT_EQ(batches.size(), 36u);
+    if (shuffle) {
+      EXPECT_NE(batches[0], batches[12]) << "a new epoch, a new order";
+    }
     std::vector<float> inputs(T);
     std::vector<std::int64_t> targets(T);
-    for (std::size_t k = 0; k < batches.size(); ++k)
+    for (std::size_t j = 0; j < batches.size(); ++j)
       for (int b = 0; b < B; ++b) {
-        const std::size_t index = k * B + static_cast<std::size_t>(b);
+        const std::size_t k = (j * 7 + 24) % batches.size();  // every batch, the epochs out of turn
+        const std::size_t position = (k % 12) * B + static_cast<std::size_t>(b);
+        const std::size_t index = samples.sample_at(position, static_cast<std::int64_t>(k / 12));
         samples.fill(index, {}, inputs.data());
         samples.fill_targets(index, targets.data());
         for (int t = 0; t < T; ++t) {

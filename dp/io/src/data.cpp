@@ -1,6 +1,7 @@
 // data.cpp — IDX parsing with validation, the synthetic set, the sampler, the background loader.
 #include "dp/io/data.h"
 
+#include <Random123/philox.h>
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -257,15 +258,42 @@ std::vector<std::int64_t> eval_shard(std::size_t size, int replicas, int rank) {
   return mine;
 }
 
-std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed) {
-  std::vector<std::int64_t> out(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<std::int64_t>(i);
-  // Fisher-Yates with our own bounded draws: std::shuffle's use of the engine is unspecified.
-  std::mt19937_64 rng(seed);
-  for (std::size_t i = n; i > 1; --i) {
-    const std::size_t j = static_cast<std::size_t>(rng() % i);
-    std::swap(out[i - 1], out[j]);
+Shuffle::Shuffle(std::uint64_t n, std::uint64_t seed) : n_(n), seed_(seed), half_bits_(1) {
+  if (n == 0) throw InvalidArgument("Shuffle of an empty range");
+  while (half_bits_ < 32 && (std::uint64_t{1} << (2 * half_bits_)) < n) ++half_bits_;
+}
+
+// One pass of the network over the 2 * half_bits_ domain: six rounds, each mixing one half into the
+// other with Philox4x32-10 keyed by the seed (counter: the half, the round).
+std::uint64_t Shuffle::once(std::uint64_t x) const {
+  const std::uint64_t mask = (std::uint64_t{1} << half_bits_) - 1;
+  std::uint64_t left = x >> half_bits_, right = x & mask;
+  const r123::Philox4x32::key_type key = {{static_cast<std::uint32_t>(seed_), static_cast<std::uint32_t>(seed_ >> 32)}};
+  for (std::uint32_t round = 0; round < 6; ++round) {
+    const r123::Philox4x32::ctr_type counter = {
+        {static_cast<std::uint32_t>(right), static_cast<std::uint32_t>(right >> 32), round, 0x5eed}};
+    const auto r = r123::Philox4x32()(counter, key);
+    const std::uint64_t f = (static_cast<std::uint64_t>(r[1]) << 32 | r[0]) & mask;
+    const std::uint64_t next = left ^ f;
+    left = right;
+    right = next;
   }
+  return left << half_bits_ | right;
+}
+
+std::uint64_t Shuffle::operator()(std::uint64_t position) const {
+  if (position >= n_) throw InvalidArgument(fmt::format("Shuffle: position {} of {}", position, n_));
+  // The network permutes the whole domain; following a position's cycle until it lands below n is
+  // a permutation of [0, n) (cycle walking).
+  std::uint64_t x = once(position);
+  while (x >= n_) x = once(x);
+  return x;
+}
+
+std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed) {
+  const Shuffle shuffle(n, seed);
+  std::vector<std::int64_t> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<std::int64_t>(shuffle(i));
   return out;
 }
 
@@ -278,19 +306,18 @@ DistributedSampler::DistributedSampler(std::size_t dataset_size, int num_replica
   num_samples_ = (size_ + static_cast<std::size_t>(replicas_) - 1) / static_cast<std::size_t>(replicas_);
 }
 
+std::int64_t DistributedSampler::index(std::size_t i) const {
+  if (i >= num_samples_)
+    throw InvalidArgument(fmt::format("DistributedSampler: index {} of {} samples", i, num_samples_));
+  // Position i * R + r of the epoch's list, padded to R * num_samples by repeating its head.
+  const std::size_t position = (i * static_cast<std::size_t>(replicas_) + static_cast<std::size_t>(rank_)) % size_;
+  return static_cast<std::int64_t>(shuffle_ ? Shuffle(size_, seed_ + static_cast<std::uint64_t>(epoch_))(position)
+                                            : position);
+}
+
 std::vector<std::int64_t> DistributedSampler::indices() const {
-  std::vector<std::int64_t> all;
-  if (shuffle_) {
-    all = permutation(size_, seed_ + static_cast<std::uint64_t>(epoch_));
-  } else {
-    all.resize(size_);
-    for (std::size_t i = 0; i < size_; ++i) all[i] = static_cast<std::int64_t>(i);
-  }
-  const std::size_t total = num_samples_ * static_cast<std::size_t>(replicas_);
-  for (std::size_t i = 0; all.size() < total; ++i) all.push_back(all[i % size_]);  // pad with the head
-  std::vector<std::int64_t> mine;
-  for (std::size_t i = static_cast<std::size_t>(rank_); i < total; i += static_cast<std::size_t>(replicas_))
-    mine.push_back(all[i]);
+  std::vector<std::int64_t> mine(num_samples_);
+  for (std::size_t i = 0; i < num_samples_; ++i) mine[i] = index(i);
   return mine;
 }
 

@@ -231,39 +231,63 @@ std::vector<std::string> glob_shards(const std::string& pattern) {
 
 TokenSamples::TokenSamples(std::vector<std::shared_ptr<const TokenShard>> shards, int context, int batch, int vocab,
                            bool shuffle)
-    : shards_(std::move(shards)), context_(context), batch_(batch), vocab_(vocab) {
+    : shards_(std::move(shards)), context_(context), batch_(batch), vocab_(vocab), shuffle_(shuffle) {
   if (context < 1 || batch < 1 || shards_.empty())
     throw InvalidArgument(
         fmt::format("token samples of {} tokens in batches of {} from {} shard(s)", context, batch, shards_.size()));
   const std::size_t span = static_cast<std::size_t>(context) * static_cast<std::size_t>(batch);
-  for (const auto& shard : shards_)
+  first_batch_.push_back(0);
+  for (const auto& shard : shards_) {
     if (shard->size() < span + 1)
       throw Error(fmt::format("{}: {} tokens hold no batch of {} x {} + 1 (--batch-size x --context + 1)",
                               shard->path(), shard->size(), batch, context));
-  // llm.c's DataLoader: shard_indices permuted once the shards are counted, then each shard's
-  // batches permuted as that shard is loaded; both with random_permutation (Fisher-Yates from the
-  // end, j = randint32 % (i + 1)) over one mt19937 seeded 42 (std::mt19937 is the same generator).
-  std::mt19937 rng(42);
-  const auto permute = [&](std::vector<std::uint32_t>& v) {
-    for (std::size_t i = v.size(); i-- > 1;) std::swap(v[i], v[rng() % (i + 1)]);
-  };
-  std::vector<std::uint32_t> shard_order(shards_.size());
-  std::iota(shard_order.begin(), shard_order.end(), 0u);
-  if (shuffle) permute(shard_order);
-  for (const std::uint32_t s : shard_order) {
-    std::vector<std::uint32_t> batches((shards_[s]->size() - 1) / span);
-    std::iota(batches.begin(), batches.end(), 0u);
-    if (shuffle) permute(batches);
-    for (const std::uint32_t b : batches) order_.push_back({s, b});
+    first_batch_.push_back(first_batch_.back() + (shard->size() - 1) / span);
   }
+}
+
+// llm.c's dataloader_reset and the loads that follow: its generator permutes the shard order in
+// place, then each shard's batches from the identity as the shard is reached (random_permutation:
+// Fisher-Yates from the end, j = randint32 % (i + 1); std::mt19937 is llm.c's generator).
+void TokenSamples::advance(Epoch& epoch) const {
+  const auto permute = [&](std::vector<std::uint32_t>& v) {
+    for (std::size_t i = v.size(); i-- > 1;) std::swap(v[i], v[epoch.rng() % (i + 1)]);
+  };
+  if (epoch.shard_order.empty()) {
+    epoch.shard_order.resize(shards_.size());
+    std::iota(epoch.shard_order.begin(), epoch.shard_order.end(), 0u);
+  }
+  permute(epoch.shard_order);
+  epoch.batches.clear();
+  for (const std::uint32_t s : epoch.shard_order) {
+    std::vector<std::uint32_t> batches(first_batch_[s + 1] - first_batch_[s]);
+    std::iota(batches.begin(), batches.end(), 0u);
+    permute(batches);
+    for (const std::uint32_t b : batches) epoch.batches.push_back({s, b});
+  }
+  ++epoch.number;
+}
+
+std::size_t TokenSamples::sample_at(std::size_t position, std::int64_t epoch) const {
+  if (position >= size() || epoch < 0)
+    throw InvalidArgument(fmt::format("token samples: position {} of {}, epoch {}", position, size(), epoch));
+  if (!shuffle_) return position;  // every epoch in glob order: the numbering itself
+  std::lock_guard lock(mutex_);
+  if (epoch_.number > epoch) epoch_ = Epoch{};  // an earlier epoch: the generator's stream from its start
+  while (epoch_.number < epoch) advance(epoch_);
+  const auto per_batch = static_cast<std::size_t>(batch_);
+  const Batch& b = epoch_.batches[position / per_batch];
+  return (first_batch_[b.shard] + b.first) * per_batch + position % per_batch;
 }
 
 std::pair<const TokenShard*, std::size_t> TokenSamples::start(std::size_t index) const {
   const auto per_batch = static_cast<std::size_t>(batch_);
-  const Batch& b = order_.at(index / per_batch);
+  const std::size_t batch = index / per_batch;
+  if (batch >= first_batch_.back()) throw InvalidArgument(fmt::format("token samples: sample {} of {}", index, size()));
+  const auto shard = static_cast<std::size_t>(std::upper_bound(first_batch_.begin(), first_batch_.end(), batch) -
+                                              first_batch_.begin() - 1);
   const std::size_t first =
-      (static_cast<std::size_t>(b.first) * per_batch + index % per_batch) * static_cast<std::size_t>(context_);
-  return {shards_[b.shard].get(), first};
+      ((batch - first_batch_[shard]) * per_batch + index % per_batch) * static_cast<std::size_t>(context_);
+  return {shards_[shard].get(), first};
 }
 
 std::int64_t TokenSamples::label(std::size_t index) const {

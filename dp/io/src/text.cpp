@@ -4,7 +4,6 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
-#include <iterator>
 
 #include "dp/runtime/error.h"
 
@@ -19,9 +18,14 @@ TextCorpus load_text(const std::string& path, int context) {
   if (!std::filesystem::is_regular_file(status)) throw Error(fmt::format("{}: not a regular file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("{}: cannot be opened for reading", path));
+  // Read into its final size at once: memory is the file's bytes, never a grown copy of twice that.
   TextCorpus corpus;
-  corpus.bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  if (in.bad()) throw Error(fmt::format("{}: read error", path));
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) throw Error(fmt::format("{}: {}", path, ec.message()));
+  corpus.bytes.resize(size);
+  in.read(reinterpret_cast<char*>(corpus.bytes.data()), static_cast<std::streamsize>(size));
+  if (in.bad() || static_cast<std::uintmax_t>(in.gcount()) != size || in.peek() != std::ifstream::traits_type::eof())
+    throw Error(fmt::format("{}: read error (the file changed or could not be read whole)", path));
   const std::size_t n = corpus.bytes.size(), window = static_cast<std::size_t>(context) + 1;
   if (n < 10 * window)
     throw Error(

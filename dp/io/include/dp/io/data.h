@@ -57,12 +57,17 @@ Dataset make_synthetic(std::size_t samples, std::uint64_t seed);
 // num_samples = ceil(N / R); the index list (a permutation seeded with seed + epoch when shuffling,
 // identical on all ranks) is padded by repeating its head to R * num_samples, and rank r takes
 // indices[r::R]. With R = 1 and no shuffle it is simply 0..N-1 (the order single and DP use).
+// Nothing is stored: index(i) computes the i-th of this rank's indices, so an epoch of a billion
+// samples (every offset of a 1 GiB text) costs no memory.
 class DistributedSampler {
  public:
   DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, bool shuffle, std::uint64_t seed);
   void set_epoch(std::int64_t epoch) { epoch_ = epoch; }
   std::int64_t epoch() const { return epoch_; }
   std::size_t num_samples() const { return num_samples_; }
+  // This rank's i-th index of the current epoch, i < num_samples().
+  std::int64_t index(std::size_t i) const;
+  // All of them (num_samples() values).
   std::vector<std::int64_t> indices() const;
 
  private:
@@ -74,7 +79,21 @@ class DistributedSampler {
   std::size_t num_samples_;
 };
 
-// The permutation of [0, n) used for shuffling (seeded; the same on every platform).
+// The permutation of [0, n) used for shuffling, seeded, the same on every platform, and computed
+// one position at a time: a keyed bijection (a balanced Feistel network of Philox rounds over the
+// smallest domain of an even number of bits that holds n, cycle-walked back into [0, n): fewer
+// than four rounds of the network per position on average), so no table of n indices is kept.
+class Shuffle {
+ public:
+  Shuffle(std::uint64_t n, std::uint64_t seed);
+  std::uint64_t operator()(std::uint64_t position) const;
+
+ private:
+  std::uint64_t once(std::uint64_t x) const;
+  std::uint64_t n_, seed_;
+  int half_bits_;
+};
+// Shuffle's permutation of [0, n), whole.
 std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed);
 
 // Evaluation's share of rank `rank` of `replicas`: indices rank, rank + replicas, ... below `size`.

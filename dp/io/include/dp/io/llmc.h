@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,15 +85,17 @@ std::vector<std::string> glob_shards(const std::string& pattern);
 // Token shards as samples of `context` + 1 tokens the way llm.c's DataLoader serves them to one
 // process: a batch is batch x context + 1 consecutive tokens starting at a multiple of batch x
 // context within a shard (the shard's last partial batch unused), sample j of a batch the
-// context + 1 tokens starting j x context into it. In order: the shards in glob order, each one's
-// batches in turn. Shuffled (llm.c's training loader): mt19937 seeded 42 permutes the shards, then
-// each shard's batches as it is reached (llm.c's random_permutation), and the samples keep their
-// places within a batch; llm.c draws a new order when it wraps around, dp repeats this one.
+// context + 1 tokens starting j x context into it. A sample's index counts batches in the shards'
+// glob order, then its place in its batch. In order, every epoch: the shards in glob order, each
+// one's batches in turn. Shuffled (llm.c's training loader): one mt19937 seeded 42 permutes the
+// shards, then each shard's batches as it is reached (llm.c's random_permutation), and the samples
+// keep their places within a batch; at each wrap-around (a new epoch) the same generator permutes
+// the shards' order again, in place, and each shard's batches anew, as llm.c's dataloader_reset.
 class TokenSamples : public SampleSource {
  public:
   TokenSamples(std::vector<std::shared_ptr<const TokenShard>> shards, int context, int batch, int vocab, bool shuffle);
 
-  std::size_t size() const override { return order_.size() * static_cast<std::size_t>(batch_); }
+  std::size_t size() const override { return first_batch_.back() * static_cast<std::size_t>(batch_); }
   std::vector<std::int64_t> sample_shape() const override { return {context_}; }
   int num_classes() const override { return vocab_; }
   std::int64_t label(std::size_t index) const override;
@@ -99,18 +103,30 @@ class TokenSamples : public SampleSource {
   void fill(std::size_t index, const SampleKey& key, float* out) const override;
   void fill_targets(std::size_t index, std::int64_t* out) const override;
   bool keeps_its_order() const override { return true; }
+  std::size_t sample_at(std::size_t position, std::int64_t epoch) const override;
 
  private:
   struct Batch {
     std::uint32_t shard;
     std::uint32_t first;  // in tokens / (batch x context)
   };
+  // llm.c's loader between epochs: its generator, its shard order, and the epoch's batches.
+  struct Epoch {
+    std::int64_t number = -1;
+    std::mt19937 rng{42};
+    std::vector<std::uint32_t> shard_order;
+    std::vector<Batch> batches;
+  };
+  void advance(Epoch& epoch) const;
   // Sample `index`'s shard and first token.
   std::pair<const TokenShard*, std::size_t> start(std::size_t index) const;
 
   std::vector<std::shared_ptr<const TokenShard>> shards_;
   int context_, batch_, vocab_;
-  std::vector<Batch> order_;
+  bool shuffle_;
+  std::vector<std::size_t> first_batch_;  // per shard, its first batch's number; last: every batch
+  mutable std::mutex mutex_;              // the loader's threads ask for positions
+  mutable Epoch epoch_;                   // the last epoch asked for
 };
 
 }  // namespace dp::llmc

@@ -41,8 +41,11 @@ class SampleSource {
   virtual void fill(std::size_t index, const SampleKey& key, float* out) const = 0;
 
   // Whether the source orders its samples itself (llm.c's token shards): the sampler then visits
-  // them in index order instead of shuffling them.
+  // positions in order instead of shuffling, and sample_at says which sample stands at each.
   virtual bool keeps_its_order() const { return false; }
+  // The sample at `position` of epoch `epoch`'s order, for a source that keeps its own order; for
+  // the others the position is the sample.
+  virtual std::size_t sample_at(std::size_t position, std::int64_t /*epoch*/) const { return position; }
 
   std::size_t sample_floats() const { return numel(sample_shape()); }
 };
