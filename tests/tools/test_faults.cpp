@@ -23,14 +23,14 @@ class Faults : public dp::test::ToolTest {
     Result r;
     double seconds = 0;
   };
-  // dp_train's DDP on 4 simulated devices, 6 steps, with `env` (DP_FAULT=..., ...) in front.
-  Timed train(const std::string& env, const std::string& extra = "") const {
+  // dp_train's DDP (or `mode`) on 4 simulated devices, 6 steps, with `env` (DP_FAULT=..., ...) in front.
+  Timed train(const std::string& env, const std::string& extra = "", const std::string& mode = "ddp") const {
     const auto start = std::chrono::steady_clock::now();
     Timed t;
     t.r = dp::test::run_command(fmt::format(
-        "cd {} && DP_FLIGHT_DIR={} {} timeout 120 {} --model mlp --hidden 32 --mode ddp --backend sim --devices 4 "
+        "cd {} && DP_FLIGHT_DIR={} {} timeout 120 {} --model mlp --hidden 32 --mode {} --backend sim --devices 4 "
         "--synthetic 128 --batch-size 8 --steps 6 --seed 3 {}",
-        dir_.string(), dir_.string(), env, DP_TRAIN_BIN, extra));
+        dir_.string(), dir_.string(), env, DP_TRAIN_BIN, mode, extra));
     t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return t;
   }
@@ -121,6 +121,40 @@ TEST_F(Faults, AStallIsWaitedForAndChangesNoBit) {
   EXPECT_GT(stalled.seconds, 2.5);
   EXPECT_EQ(read_file(path("plain.safetensors")), read_file(path("stalled.safetensors")));
   EXPECT_FALSE(std::filesystem::exists(path("dp-flight-0.json")));  // no abnormal end
+}
+
+// DataParallel's device threads take the faults that act on a device thread as DDP's do, eager or
+// replayed from a graph: a throw ends the run naming the device, a device stuck for good is named
+// and ended at DP_TIMEOUT_S (exit 6), a stall changes no bit. The kinds with nothing to act on in
+// DataParallel (no collectives, one replica) are refused before any work.
+TEST_F(Faults, DataParallelDevicesTakeTheDeviceFaults) {
+  for (const std::string graphs : {"--graphs off", "--graphs on"}) {
+    SCOPED_TRACE(graphs);
+    const Timed thrown = train("DP_FAULT=throw@d2:4", graphs, "dp");
+    EXPECT_EQ(thrown.r.code, 1) << thrown.r.output;
+    expect_has(thrown.r.output, "DP_FAULT throw@d2:4: device 2 fails at step 4");
+  }
+  const Timed hung = train("DP_FAULT=hang@d1:3 DP_STALL_WARN_S=1 DP_TIMEOUT_S=4", "--graphs off", "dp");
+  EXPECT_EQ(hung.r.code, 6) << hung.r.output;
+  EXPECT_GT(hung.seconds, 4.0);
+  EXPECT_LT(hung.seconds, 4.0 + 2.0 + 1.0) << hung.r.output;
+  expect_has(hung.r.output, "dp: warning: process 0: device 1 in the step's start of step 3 for ");
+  expect_has(hung.r.output, "device 0 waits in the step's next phase");
+  expect_has(hung.r.output, "did not finish its work within 4 s (timeout; DP_TIMEOUT_S sets it)");
+  expect_has(hung.r.output, "; process 0 device 1 in the step's start of step 3 for ");  // the culprit
+  const Timed plain = train("", "--save " + path("dp_plain.safetensors"), "dp");
+  ASSERT_EQ(plain.r.code, 0) << plain.r.output;
+  const Timed stalled =
+      train("DP_FAULT=stall@d3:2:2 DP_STALL_WARN_S=1", "--save " + path("dp_stalled.safetensors"), "dp");
+  ASSERT_EQ(stalled.r.code, 0) << stalled.r.output;
+  EXPECT_GT(stalled.seconds, 2.0);
+  EXPECT_EQ(read_file(path("dp_plain.safetensors")), read_file(path("dp_stalled.safetensors")));
+  const Timed refused = train("DP_FAULT=desync-extra@d1:3", "--save " + path("never.safetensors"), "dp");
+  EXPECT_EQ(refused.r.code, 2) << refused.r.output;
+  expect_has(refused.r.output, "DP_FAULT desync-extra@d1:3: DataParallel issues no collectives");
+  expect_has(train("DP_FAULT=lose@d1:3:optimizer", "", "dp").r.output,
+             "DP_FAULT lose@d1:3:optimizer: DataParallel's optimizer runs on the source device (0) alone");
+  EXPECT_FALSE(std::filesystem::exists(path("never.safetensors")));
 }
 
 TEST_F(Faults, MalformedSettingsAreRefusedBeforeAnyWork) {

@@ -13,6 +13,9 @@
 #include "device_update.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/fault.h"
+#include "dp/runtime/process_group.h"
+#include "dp/runtime/progress.h"
 #include "input_ring.h"
 #include "replicas.h"
 #include "step_graphs.h"
@@ -99,6 +102,35 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   const Stream target_copies = out.create_stream();
   for (int m = 0; m < accumulate_; ++m) targets_rings_.push_back(std::make_unique<engines::InputRing>(target_copies));
   pipeline_ = std::make_unique<engines::StepPipeline>();
+  watch_workers();
+}
+
+// DP_FAULT's kinds that act on a device thread (dN: the device of --device-ids' number N), its
+// progress marks (the watch names a device that stops moving) and DP_TIMEOUT_S for a step that
+// never ends. DataParallel issues no collectives and keeps one replica: the kinds that desync a
+// collective or flip a replica's bits have nothing to act on here and are refused.
+void DataParallel::watch_workers() {
+  FaultPlan& faults = FaultPlan::from_environment();
+  const std::vector<int>& ids = group_.device_ids();
+  for (const Fault& f : faults.faults()) {
+    if (f.kind == FaultKind::lose && f.phase == FaultPhase::optimizer && !f.process_target && f.target != ids[0])
+      throw InvalidArgument(fmt::format(
+          "DP_FAULT {}: DataParallel's optimizer runs on the source device ({}) alone; device {} has no optimizer "
+          "phase to be lost in",
+          f.text(), ids[0], f.target));
+    const bool device_thread = f.kind == FaultKind::hang || f.kind == FaultKind::stall || f.kind == FaultKind::exit ||
+                               f.kind == FaultKind::throw_error ||
+                               (f.kind == FaultKind::lose && f.phase != FaultPhase::collective);
+    if (!device_thread)
+      throw InvalidArgument(fmt::format(
+          "DP_FAULT {}: DataParallel issues no collectives and keeps one replica, so the fault has nothing to act "
+          "on (it acts in ddp, or in any mode under --shards)",
+          f.text()));
+  }
+  faults.check_targets(1, *std::max_element(ids.begin(), ids.end()) + 1);
+  group_.set_timeout(ProcessGroup::single()->timeout());
+  group_.run([&](int r) { progress::bind(r, 0, &group_.device(r), ids[static_cast<std::size_t>(r)]); });
+  progress::start_watch();
 }
 
 std::uint64_t DataParallel::graph_replays() const { return graphs_->replays(); }
@@ -273,6 +305,14 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     engines::StepWork work;
     work.capture = [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; };
     work.replay = [&](const std::vector<Graph>& graphs) {
+      // A replayed step makes no host calls on the workers: with faults planned they still meet
+      // the step, so that its faults fire as in an eager one.
+      if (!FaultPlan::from_environment().empty())
+        group_.run([&](int) {
+          progress::begin_step(optimizer_->steps() + 1);
+          progress::fault_point(std::nullopt);
+          progress::set_phase("idle");
+        });
       wait_for_batches(slot);
       engines::upload_replayed_step(module_, *optimizer_, source);
       graphs[0].replay();  // every device's part: one launch, from this thread
@@ -334,10 +374,12 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
               failed.store(true);
             }
           }
+          progress::Waiting waiting("the step's next phase");  // for the watch: a wait, not a stall
           phase.arrive_and_wait();
         };
         // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
         run_phase([&] {
+          progress::begin_step(optimizer_->steps() + 1);  // where DP_FAULT's step faults fire
           if (rank != 0) return;
           wait_for_batches(slot);  // before the capture: those events are recorded outside it
           if (capture) replicas_[0]->stream.begin_capture();
@@ -358,6 +400,7 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
             }
           }
         }
+        progress::set_phase("idle");
         if (error) std::rethrow_exception(error);
       },
       participants);
@@ -459,6 +502,7 @@ void DataParallel::enqueue_reduce_and_update(int used, bool update) {
   if (!update) return;
   mark(time_phases_, source.stream, reduce_end_);
   // The source holds the reduced gradients: clip_grad_norm_ on the module, as torch's loop calls it.
+  progress::set_phase("optimizer");
   update_->run(source.stream, module_);
   mark(time_phases_, source.stream, update_end_);
 }

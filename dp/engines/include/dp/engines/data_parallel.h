@@ -89,6 +89,7 @@ class DataParallel final : public Engine {
   // submit (one batch), and submit_step's micro-batches (the same size)
   StepLoss submit_batches(std::span<const Batch> batches);
   struct Replica;
+  void watch_workers();
   void plan_chunks(int batch);
   void receive_broadcast(int rank);
   void forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro);
