@@ -29,7 +29,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const dp::llmc::TokenSamples samples(shards, context, batch, vocab, (data[0] >> 6) % 2 == 1);
     std::vector<float> inputs(static_cast<std::size_t>(context));
     std::vector<std::int64_t> targets(static_cast<std::size_t>(context));
-    for (std::size_t i = 0; i < samples.size(); ++i) {
+    for (std::size_t position = 0; position < samples.size(); ++position) {
+      const std::size_t i = samples.sample_at(position, data[0] % 3);  // a later epoch's order too
+      if (i >= samples.size()) __builtin_trap();
       samples.fill(i, {}, inputs.data());
       samples.fill_targets(i, targets.data());
       for (int t = 0; t < context; ++t)
