@@ -102,7 +102,31 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   const Stream target_copies = out.create_stream();
   for (int m = 0; m < accumulate_; ++m) targets_rings_.push_back(std::make_unique<engines::InputRing>(target_copies));
   pipeline_ = std::make_unique<engines::StepPipeline>();
+  updates_done_ = source.allocate(2 * sizeof(float));
+  kernels::fill(replicas_[0]->stream, updates_done_.as<float>(), 1, 0.0f);
+  kernels::fill(replicas_[0]->stream, updates_done_.as<float>() + 1, 1, 1.0f);
   watch_workers();
+}
+
+std::optional<Engine::Survivor> DataParallel::survivor() {
+  Device& source = group_.device(0);
+  if (source.lost() || module_.buffers_bytes() > 0) return std::nullopt;
+  // Parameters and optimizer state change only in the source's update, which waits for every
+  // replica's gradients: the failed step's update did not run, and the count says which did.
+  try {
+    replicas_[0]->stream.synchronize();  // its failure is the step's, reported there
+  } catch (...) {
+  }
+  float counts[2] = {};
+  try {
+    const Stream reader = source.create_stream();
+    reader.copy(counts, updates_done_.as<float>(), sizeof(counts));
+  } catch (...) {
+    return std::nullopt;
+  }
+  const std::int64_t steps = counted_from_.value_or(optimizer_->steps()) + static_cast<std::int64_t>(counts[0]);
+  optimizer_->set_steps(steps);
+  return Survivor{&module_, optimizer_, steps, source_device()};
 }
 
 // DP_FAULT's kinds that act on a device thread (dN: the device of --device-ids' number N), its
@@ -282,6 +306,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
   }
   const int batch = batches[0].size;
   const int slot = pipeline_->next_slot();  // a failure of the step before: nothing of this one planned yet
+  if (!counted_from_) counted_from_ = optimizer_->steps();  // a resumed run's state is loaded by now
   plan_chunks(batch);
   return pipeline_->enqueue([&] {
     const Event& done = step_done_[static_cast<std::size_t>(slot)];
@@ -504,6 +529,8 @@ void DataParallel::enqueue_reduce_and_update(int used, bool update) {
   // The source holds the reduced gradients: clip_grad_norm_ on the module, as torch's loop calls it.
   progress::set_phase("optimizer");
   update_->run(source.stream, module_);
+  float* count = updates_done_.as<float>();
+  kernels::add(source.stream, 1, count, count + 1, count);  // DataParallel::survivor
   mark(time_phases_, source.stream, update_end_);
 }
 

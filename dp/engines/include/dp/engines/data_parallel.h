@@ -84,6 +84,11 @@ class DataParallel final : public Engine {
   DataParallelPhases last_phases() const;
   std::uint64_t graph_replays() const override;
   std::optional<float> last_grad_norm() override;
+  // The source holds the whole state (the module and its optimizer); after a device other than
+  // the source was lost it is the state of the last update that ran there. None when the source
+  // is the device lost, or when the module has buffers: the source's forward of the failed step
+  // may already have moved its running statistics.
+  std::optional<Survivor> survivor() override;
 
  private:
   // submit (one batch), and submit_step's micro-batches (the same size)
@@ -128,6 +133,10 @@ class DataParallel final : public Engine {
   std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
   Event grads_read_;  // on the source: the replicas' gradients of the micro-batch so far are reduced
+  // On the source: updates that ran there since the first step, and the 1 added per update (a
+  // count a replayed graph keeps too); counted_from_: the optimizer's steps at the first step.
+  DeviceBuffer updates_done_;
+  std::optional<std::int64_t> counted_from_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   Scratch gathered_, grad_output_;                // on the output device
   PinnedBuffer host_loss_;                        // a float per pipeline slot: the step's loss, without a pageable copy
