@@ -92,13 +92,10 @@ std::optional<int> after_device_lost(const Options& o, const Plan& plan, dp::Eng
   const std::optional<dp::Engine::Survivor> survivor = engine.survivor();
   if (!survivor) {
     const std::string_view kind = engine.name();
-    const bool source_lost = !devices.ids.empty() && lost == devices.ids[0];
     say("dp_train: {}; no surviving device holds the whole training state ({}): nothing written\n", why,
         o.zero > 0                                ? std::string("ZeRO spreads the optimizer state over the devices")
         : kind == "ddp" || kind == "fixed shards" ? std::string("rank 0 alone held the last step's running statistics")
-        : kind == "dp" ? (source_lost ? std::string("DataParallel's state lived on the source device, the one lost")
-                                      : std::string("the source's running statistics may already hold the failed "
-                                                    "step's forward"))
+        : kind == "dp" ? std::string("DataParallel's state lived on the source device, the one lost")
                        : fmt::format("{} keeps no replica of the state to go on from", kind));
     return dp::tools::kExitDeviceLost;
   }

@@ -102,25 +102,34 @@ DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptio
   const Stream target_copies = out.create_stream();
   for (int m = 0; m < accumulate_; ++m) targets_rings_.push_back(std::make_unique<engines::InputRing>(target_copies));
   pipeline_ = std::make_unique<engines::StepPipeline>();
-  updates_done_ = source.allocate(2 * sizeof(float));
+  updates_done_ = source.allocate(3 * sizeof(float));
   kernels::fill(replicas_[0]->stream, updates_done_.as<float>(), 1, 0.0f);
   kernels::fill(replicas_[0]->stream, updates_done_.as<float>() + 1, 1, 1.0f);
+  kernels::fill(replicas_[0]->stream, updates_done_.as<float>() + 2, 1, -1.0f);
+  if (module.buffers_bytes() > 0) step_start_buffers_ = source.allocate(module.buffers_bytes());
   watch_workers();
 }
 
 std::optional<Engine::Survivor> DataParallel::survivor() {
   Device& source = group_.device(0);
-  if (source.lost() || module_.buffers_bytes() > 0) return std::nullopt;
+  if (source.lost()) return std::nullopt;
   // Parameters and optimizer state change only in the source's update, which waits for every
-  // replica's gradients: the failed step's update did not run, and the count says which did.
+  // replica's gradients: the failed step's update did not run, and the count says which did. The
+  // buffers change in the source's forwards, which follow the step's copy of them on its stream:
+  // copied since the last update ran, the copy is that update's step's buffers; else no forward
+  // has run since.
   try {
     replicas_[0]->stream.synchronize();  // its failure is the step's, reported there
   } catch (...) {
   }
-  float counts[2] = {};
+  float counts[3] = {};
   try {
     const Stream reader = source.create_stream();
     reader.copy(counts, updates_done_.as<float>(), sizeof(counts));
+    if (module_.buffers_bytes() > 0 && counts[2] == counts[0]) {
+      reader.copy(module_.buffers_flat(), step_start_buffers_.data(), module_.buffers_bytes());
+      reader.synchronize();
+    }
   } catch (...) {
     return std::nullopt;
   }
@@ -408,6 +417,7 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
           if (rank != 0) return;
           wait_for_batches(slot);  // before the capture: those events are recorded outside it
           if (capture) replicas_[0]->stream.begin_capture();
+          keep_step_start_buffers();
           replicas_[0]->stream.record(params_ready_);
         });
         // Phases 2-6 once per micro-batch (accumulation: torch's loop of DataParallel forwards, each
@@ -459,6 +469,15 @@ void DataParallel::micro_batch_phases(int rank, int batch, int slot, bool captur
   run_phase([&] {
     if (rank == 0) enqueue_reduce_and_update(used, micro + 1 == accumulate_);
   });
+}
+
+// The source's buffers before this step's forwards move them, and the update count they go with
+// (DataParallel::survivor).
+void DataParallel::keep_step_start_buffers() {
+  if (module_.buffers_bytes() == 0) return;
+  const Stream& source = replicas_[0]->stream;
+  source.copy(step_start_buffers_.data(), module_.buffers_flat(), module_.buffers_bytes());
+  source.copy(updates_done_.as<float>() + 2, updates_done_.as<float>(), sizeof(float));
 }
 
 void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {

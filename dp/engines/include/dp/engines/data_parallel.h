@@ -84,10 +84,10 @@ class DataParallel final : public Engine {
   DataParallelPhases last_phases() const;
   std::uint64_t graph_replays() const override;
   std::optional<float> last_grad_norm() override;
-  // The source holds the whole state (the module and its optimizer); after a device other than
-  // the source was lost it is the state of the last update that ran there. None when the source
-  // is the device lost, or when the module has buffers: the source's forward of the failed step
-  // may already have moved its running statistics.
+  // The source holds the whole state (the module, its buffers and its optimizer); after a device
+  // other than the source was lost it is the state of the last update that ran there, its buffers
+  // as they were then (restored from the copy each step takes before its forward moves them). None
+  // when the source is the device lost.
   std::optional<Survivor> survivor() override;
 
  private:
@@ -95,6 +95,7 @@ class DataParallel final : public Engine {
   StepLoss submit_batches(std::span<const Batch> batches);
   struct Replica;
   void watch_workers();
+  void keep_step_start_buffers();
   void plan_chunks(int batch);
   void receive_broadcast(int rank);
   void forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro);
@@ -133,9 +134,11 @@ class DataParallel final : public Engine {
   std::uint64_t seed_ = 0;
   Event params_ready_, grad_output_ready_;
   Event grads_read_;  // on the source: the replicas' gradients of the micro-batch so far are reduced
-  // On the source: updates that ran there since the first step, and the 1 added per update (a
-  // count a replayed graph keeps too); counted_from_: the optimizer's steps at the first step.
+  // On the source: updates that ran there since the first step, the 1 added per update (a count a
+  // replayed graph keeps too), and the count when the buffers were last copied (-1: never);
+  // counted_from_: the optimizer's steps at the first step.
   DeviceBuffer updates_done_;
+  DeviceBuffer step_start_buffers_;  // the module's buffers as the step began (none without buffers)
   std::optional<std::int64_t> counted_from_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   Scratch gathered_, grad_output_;                // on the output device
