@@ -335,7 +335,7 @@ FlagGroup<O> output_flags() {
            .torch_spellings = {"-e", "--evaluate"}},
           {.name = "--generate",
            .value = flag::integer<O>(&O::generate, 1, std::uint64_t{1} << 30, "N"),
-           .help = "gpt: print N bytes sampled from the --init checkpoint after --prompt, train nothing",
+           .help = "gpt: print N tokens sampled from the --init checkpoint after --prompt, train nothing",
            .torch = "model.generate(idx, N, temperature, top_k) (nanoGPT)"},
           {.name = "--num-samples",
            .value = flag::integer<O>(&O::num_samples, 1, 1 << 20, "N"),
@@ -346,12 +346,17 @@ FlagGroup<O> output_flags() {
            .value = flag::text<O>(&O::prompt, "BYTES"),
            .help = "--generate: the text the sample continues",
            .default_text = "a newline"},
+          {.name = "--tokenizer",
+           .value = flag::text<O>(&O::tokenizer, "FILE"),
+           .help = "--generate: llm.c's tokenizer file (gpt2_tokenizer.bin), which decodes a vocabulary larger than "
+                   "bytes (an llm.c checkpoint's); each sample starts at its <|endoftext|>, as llm.c's do",
+           .torch = "llm.c's tokenizer_init and tokenizer_decode"},
           {.name = "--temperature",
            .value = flag::number<O>(&O::temperature, flag::kPositive, "T"),
            .help = "--generate: the logits divided by T before the softmax"},
           {.name = "--top-k",
-           .value = flag::integer<O>(&O::top_k, 0, 256, "K"),
-           .help = "--generate: sample among the K likeliest bytes only (0: all 256)"},
+           .value = flag::integer<O>(&O::top_k, 0, 1 << 24, "K"),
+           .help = "--generate: sample among the K likeliest tokens only (0: all)"},
           {.name = "--predictions",
            .value = flag::text<O>(&O::predictions, "FILE"),
            .help = "--eval-only: each test sample's predicted class, one per line"},
@@ -391,8 +396,9 @@ void relate(dp::tools::CommandLine& cli) {
   cli.option("--steps")->excludes(cli.option("--epochs"));
   cli.option("--eval")->excludes(cli.option("--no-eval"));
   cli.option("--init-non-strict")->needs(cli.option("--init"));
-  for (const char* flag : {"--prompt", "--temperature", "--top-k", "--num-samples"})
+  for (const char* flag : {"--prompt", "--temperature", "--top-k", "--num-samples", "--tokenizer"})
     cli.option(flag)->needs("--generate");
+  cli.option("--tokenizer")->excludes("--prompt");  // llm.c's file decodes only: no prompt can be encoded
   for (const char* flag : {"--save-every", "--save-every-epoch", "--keep"}) cli.option(flag)->needs("--save");
 }
 

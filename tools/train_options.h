@@ -68,11 +68,12 @@ struct Options : dp::tools::SharedOptions {
   std::string normalize;     // "MEAN,STD" or "M1,M2,M3/S1,S2,S3"
   std::string metrics_json;  // JSON lines, one per logged step and per epoch
   std::string predictions;   // --eval-only: each test sample's predicted class, one per line
-  long generate = 0;         // gpt: print this many bytes sampled from the --init checkpoint, train nothing
+  long generate = 0;         // gpt: print this many tokens sampled from the --init checkpoint, train nothing
   std::string prompt;        // --generate: the bytes the sample continues (empty: a newline)
+  std::string tokenizer;     // --generate: llm.c's tokenizer file, for a vocabulary of more than bytes
   int num_samples = 1;       // --generate: samples drawn, one after another
   double temperature = 1.0;  // --generate: logits / T before the softmax
-  int top_k = 0;             // --generate: sample among the K likeliest bytes only (0: all)
+  int top_k = 0;             // --generate: sample among the K likeliest tokens only (0: all)
   long fail_at_step = 0;     // testing only: this process fails at that step, as a crashing rank would
   long signal_at_step = 0;   // testing only: process 0 raises SIGTERM before that step (the last + 1: before the save)
   long save_every = 0;       // also write a checkpoint every N steps (and/or every epoch), keeping the last `keep`

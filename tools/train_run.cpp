@@ -153,31 +153,50 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
 }
 
 // --generate: nanoGPT's sample.py on the --init checkpoint. The prompt's bytes (the last --context
-// of them), then N bytes, each drawn from the softmax of the last position's logits over T (among
+// of them), then N tokens, each drawn from the softmax of the last position's logits over T (among
 // the K likeliest), printed and fed back. A shorter sequence sits at the window's start with zeros
-// after it: causal attention keeps them out of every position up to its last.
+// after it: causal attention keeps them out of every position up to its last. With llm.c's
+// tokenizer, as train_gpt2.c samples: from <|endoftext|>, among the tokenizer's ids (not the padded
+// rows of the vocabulary), each printed as llm.c's safe_printf prints it.
 int generate_text(const Options& o, dp::Engine& engine) {
   const dp::Model& model = engine.model();
   const auto context = static_cast<std::size_t>(model.targets_per_sample());
   const auto vocab = static_cast<std::size_t>(model.output_features());
+  std::optional<dp::llmc::Tokenizer> tokenizer;
+  if (!o.tokenizer.empty()) tokenizer = as_usage_error([&] { return dp::llmc::read_tokenizer(o.tokenizer); });
+  if (!tokenizer && vocab > dp::kByteVocabulary)
+    throw UsageError(
+        fmt::format("--generate: {} has a vocabulary of {} tokens, not bytes: give llm.c's tokenizer file (--tokenizer "
+                    "gpt2_tokenizer.bin) to decode them",
+                    o.init, vocab));
+  const std::size_t drawn = tokenizer ? tokenizer->tokens.size() : vocab;
+  if (drawn > vocab)
+    throw UsageError(fmt::format("--tokenizer {} holds {} tokens, more than the {} of {}'s vocabulary", o.tokenizer,
+                                 drawn, vocab, o.init));
   std::mt19937_64 rng(o.seed);  // one stream over every sample
   std::vector<float> window(context);
   // As nanoGPT's sample.py prints them: the prompt, then its continuation; samples apart by a rule.
   for (int sample = 0; sample < o.num_samples; ++sample) {
-    std::vector<std::uint8_t> tokens(o.prompt.begin(), o.prompt.end());
-    if (tokens.empty()) tokens.push_back('\n');
+    std::vector<int> tokens(o.prompt.begin(), o.prompt.end());
+    for (int& t : tokens) t = static_cast<unsigned char>(t);
+    if (tokens.empty()) tokens.push_back(tokenizer ? tokenizer->eot : '\n');
     say("{}", o.prompt);
     for (long i = 0; i < o.generate; ++i) {
       const std::size_t n = std::min(tokens.size(), context);
       std::fill(window.begin(), window.end(), 0.0f);
-      std::copy(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin());
+      std::transform(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin(),
+                     [](int t) { return static_cast<float>(t); });
       const dp::Batch batch{window.data(), nullptr, 1};
       const std::vector<float> logits = engine.predict(std::span<const dp::Batch>(&batch, 1));
       const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)
       const int next =
-          sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, vocab), o.temperature, o.top_k, u);
-      tokens.push_back(static_cast<std::uint8_t>(next));
-      if (g_job.primary()) std::fputc(next, stdout);
+          sample_token(std::span<const float>(logits.data() + (n - 1) * vocab, drawn), o.temperature, o.top_k, u);
+      tokens.push_back(next);
+      if (!g_job.primary()) continue;
+      if (tokenizer)
+        std::fputs(tokenizer->printable(next).c_str(), stdout);
+      else
+        std::fputc(next, stdout);
     }
     say("{}", o.num_samples > 1 ? "\n---------------\n" : "\n");
   }

@@ -1,5 +1,6 @@
-// fuzz_llmc.cpp — llm.c's readers (dp/io/llmc.h): the first byte chooses a model file (even) or a
-// token shard (odd) and, for a shard, the context and batch of its samples; the rest is the file.
+// fuzz_llmc.cpp — llm.c's readers (dp/io/llmc.h): the first byte chooses a model file (0 mod 4), a
+// tokenizer file (2 mod 4) or a token shard (odd) and, for a shard, the context and batch of its
+// samples; the rest is the file.
 // Whatever it holds, a model read has llm.c's layout and finite sizes, a shard's samples lie inside
 // it with ids below the vocabulary, or the reader throws dp::Error — never a crash or a read out of
 // bounds (the shard is mapped: a read past it would fault).
@@ -15,6 +16,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (size < 1) return 0;
   const std::string path = dp::fuzz::write("llmc.bin", data + 1, size - 1);
   try {
+    if (data[0] % 4 == 2) {
+      const dp::llmc::Tokenizer tokenizer = dp::llmc::read_tokenizer(path);
+      if (tokenizer.eot < 0 || static_cast<std::size_t>(tokenizer.eot) >= tokenizer.tokens.size()) __builtin_trap();
+      for (std::size_t id = 0; id < tokenizer.tokens.size(); ++id)
+        if (tokenizer.tokens[id].empty() || tokenizer.printable(static_cast<int>(id)).size() > 255) __builtin_trap();
+      return 0;
+    }
     if (data[0] % 2 == 0) {
       const dp::llmc::Model model = dp::llmc::read_model(path);
       const auto layout = dp::llmc::parameter_layout(model.config);

@@ -192,6 +192,51 @@ TEST(Llmc, TokenShardsAreCheckedAsTheyAreMapped) {
   EXPECT_EQ(dp::llmc::glob_shards((dir / "g*.bin").string()), std::vector<std::string>{(dir / "good.bin").string()});
 }
 
+// llm.c's tokenizer file: the header (magic 20240328, version, count, <|endoftext|>), then each
+// token as a length byte and its bytes. Read whole, decoded as llm.c prints; every flaw named.
+std::string tokenizer_file(const std::vector<std::string>& tokens, std::int32_t version = 2, std::int32_t eot = 1,
+                           std::int32_t magic = 20240328) {
+  std::string out = header({magic, version, static_cast<std::int32_t>(tokens.size()), eot});
+  for (const std::string& t : tokens) out += static_cast<char>(t.size()) + t;
+  return out;
+}
+
+TEST(Llmc, TheTokenizerFileIsReadAsLlmcReadsItAndItsFlawsNamed) {
+  dp::test::TempDir dir("llmc_tokenizer");
+  const auto file = [&](const std::string& name, const std::string& bytes) {
+    const std::string path = (dir / name).string();
+    put(path, bytes);
+    return path;
+  };
+  const std::vector<std::string> tokens = {"a", "<|endoftext|>", " the", "\x01", "\xe2", "\n", std::string(255, 'x')};
+  const dp::llmc::Tokenizer t = dp::llmc::read_tokenizer(file("good.bin", tokenizer_file(tokens)));
+  EXPECT_EQ(t.tokens, tokens);
+  EXPECT_EQ(t.eot, 1);
+  // safe_printf: a lone byte that is neither printable nor white space prints as nothing.
+  EXPECT_EQ(t.printable(2), " the");
+  EXPECT_EQ(t.printable(3), "");
+  EXPECT_EQ(t.printable(4), "");
+  EXPECT_EQ(t.printable(5), "\n");
+  const auto refused = [&](const std::string& name, const std::string& bytes, const std::string& named) {
+    SCOPED_TRACE(name);
+    try {
+      dp::llmc::read_tokenizer(file(name, bytes));
+      ADD_FAILURE() << "accepted";
+    } catch (const dp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+    }
+  };
+  refused("magic.bin", tokenizer_file(tokens, 2, 1, 20240326), "not llm.c's tokenizer file");
+  refused("version.bin", tokenizer_file(tokens, 3), "tokenizer version 3");
+  refused("v1.bin", tokenizer_file(tokens, 1), "version 1 holds GPT-2's 50257 tokens, not 7");
+  refused("eot.bin", tokenizer_file(tokens, 2, 7), "<|endoftext|> is id 7, outside its 7 tokens");
+  refused("empty.bin", tokenizer_file({"a", "", "b"}, 2, 0), "token 1 is empty");
+  refused("truncated.bin", tokenizer_file(tokens).substr(0, 1024 + 10), "(truncated)");
+  refused("trailing.bin", tokenizer_file(tokens) + "z", "1 bytes after its 7 tokens (trailing bytes)");
+  refused("short.bin", "abc", "shorter than llm.c's 1024-byte header");
+  refused("none.bin", header({20240328, 2, 0, 0}), "0 tokens, outside 1..2^24");
+}
+
 // llm.c's DataLoader (dataloader.h) for one process, written out here as it is there: the shards
 // permuted once they are counted, each shard's batches permuted as it is loaded, both by
 // random_permutation over one generator seeded 42; past the last shard, dataloader_reset permutes

@@ -3,11 +3,14 @@
 // scripts/llmc.py golden made with llm.c's CPU trainer), on one device and under DDP; bad llm.c
 // files end the run with exit 2 naming the problem and write nothing; the converter round-trips a
 // model file byte for byte.
+#include <array>
+#include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -120,6 +123,58 @@ TEST_F(LlmcTrain, BadLlmcFilesAreRefusedAndNothingIsWritten) {
 
 // scripts/llmc.py: llm.c -> safetensors -> llm.c is the same file, byte for byte; the safetensors
 // file trains as the llm.c one does (its metadata carries the sizes and the GELU).
+// A vocabulary larger than bytes (an llm.c checkpoint's) samples with llm.c's tokenizer file: from
+// <|endoftext|>, among the vocabulary's ids only (the padded rows of the table never, though here
+// they would win every draw), each token printed as its bytes. Without the tokenizer, or with a
+// prompt it cannot encode, the run is refused.
+TEST_F(LlmcTrain, GenerationDecodesAnLlmcVocabularyWithItsTokenizer) {
+  const dp::llmc::ModelConfig config{16, 300, 1, 2, 16, 384};  // Vp: 300 padded to 128s, as llm.c pads
+  dp::safetensors::File model;
+  std::uint32_t state = 7;
+  for (const auto& [name, shape] : dp::llmc::parameter_layout(config)) {
+    std::size_t n = 1;
+    for (const std::int64_t d : shape) n *= static_cast<std::size_t>(d);
+    std::vector<float> values(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      state = state * 1664525u + 1013904223u;
+      values[i] = (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 0.2f;
+      if (name == "transformer.wte.weight" && i / 16 >= 300) values[i] = 1.0f;  // the padded rows
+    }
+    dp::safetensors::Tensor t{"F32", shape, std::vector<std::byte>(n * sizeof(float))};
+    std::memcpy(t.data.data(), values.data(), t.data.size());
+    model.add(name, std::move(t));
+  }
+  dp::llmc::write_model(path("model.bin"), config, model);
+  std::array<std::int32_t, 256> header{20240328, 2, 300, 299};
+  std::string tokenizer(reinterpret_cast<const char*>(header.data()), sizeof(header));
+  for (int id = 0; id < 300; ++id) {
+    const std::string token = fmt::format("[{}]", id);
+    tokenizer += static_cast<char>(token.size()) + token;
+  }
+  std::ofstream(path("tokenizer.bin"), std::ios::binary) << tokenizer;
+  const auto generate = [&](const std::string& args) {
+    return dp::test::run_command(fmt::format("cd {} && timeout 120 {} --backend sim --init model.bin --generate 40 {}",
+                                             dir_.string(), DP_TRAIN_BIN, args));
+  };
+  const Result r = generate("--tokenizer tokenizer.bin --seed 3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<int> ids;
+  const std::regex piece(R"(\[(\d+)\])");
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), piece); it != std::sregex_iterator(); ++it)
+    ids.push_back(std::stoi((*it)[1]));
+  ASSERT_EQ(ids.size(), 40u) << r.output;
+  for (const int id : ids) EXPECT_LT(id, 300) << "a padded row was drawn";
+  EXPECT_EQ(generate("--tokenizer tokenizer.bin --seed 3").output, r.output) << "the same seed, the same sample";
+  const Result bytes = generate("");
+  EXPECT_EQ(bytes.code, 2) << bytes.output;
+  expect_has(bytes.output, "has a vocabulary of 300 tokens, not bytes: give llm.c's tokenizer file");
+  const Result prompt = generate("--tokenizer tokenizer.bin --prompt hello");
+  EXPECT_EQ(prompt.code, 2) << prompt.output;
+  const Result broken = generate("--tokenizer model.bin");
+  EXPECT_EQ(broken.code, 2) << broken.output;
+  expect_has(broken.output, "not llm.c's tokenizer file");
+}
+
 TEST_F(LlmcTrain, TheConverterRoundTripsAModelFile) {
   if (dp::test::run_command("/usr/bin/python3 -c 'import numpy'").code != 0)
     GTEST_SKIP() << "no /usr/bin/python3 with numpy for scripts/llmc.py";

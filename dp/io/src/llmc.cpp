@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -227,6 +228,48 @@ std::vector<std::string> glob_shards(const std::string& pattern) {
   ::globfree(&found);
   if (out.empty()) throw Error(fmt::format("{}: no token shard matches", pattern));
   return out;
+}
+
+Tokenizer read_tokenizer(const std::string& path) {
+  const auto [header, size] = read_header(path, "llm.c tokenizer file");
+  if (header[0] != kTokenizerMagic)
+    throw Error(fmt::format("{}: magic {}, not llm.c's tokenizer file ({})", path, header[0], kTokenizerMagic));
+  const std::int32_t version = header[1], count = header[2];
+  if (version != 1 && version != 2)
+    throw Error(fmt::format("{}: tokenizer version {}; llm.c writes 1 and 2", path, version));
+  if (count < 1 || count > (1 << 24)) throw Error(fmt::format("{}: {} tokens, outside 1..2^24", path, count));
+  if (version == 1 && count != 50257)
+    throw Error(fmt::format("{}: version 1 holds GPT-2's 50257 tokens, not {}", path, count));
+  Tokenizer tokenizer;
+  tokenizer.eot = version == 1 ? 50256 : header[3];
+  if (tokenizer.eot < 0 || tokenizer.eot >= count)
+    throw Error(fmt::format("{}: <|endoftext|> is id {}, outside its {} tokens", path, tokenizer.eot, count));
+  std::ifstream in(path, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(kHeaderBytes));
+  std::uint64_t at = kHeaderBytes;
+  tokenizer.tokens.resize(static_cast<std::size_t>(count));
+  for (std::int32_t id = 0; id < count; ++id) {
+    unsigned char length = 0;
+    in.read(reinterpret_cast<char*>(&length), 1);
+    std::string& token = tokenizer.tokens[static_cast<std::size_t>(id)];
+    if (in.gcount() == 1 && length > 0) {
+      token.resize(length);
+      in.read(token.data(), length);
+    }
+    if (in.gcount() != (length > 0 ? length : 1) || !in)
+      throw Error(fmt::format("{}: token {} of {} ends at byte {} of {} (truncated)", path, id, count, at, size));
+    if (length == 0) throw Error(fmt::format("{}: token {} is empty (llm.c's tokens are 1 to 255 bytes)", path, id));
+    at += 1 + length;
+  }
+  if (at != size) throw Error(fmt::format("{}: {} bytes after its {} tokens (trailing bytes)", path, size - at, count));
+  return tokenizer;
+}
+
+std::string Tokenizer::printable(int id) const {
+  const std::string& token = tokens.at(static_cast<std::size_t>(id));
+  const auto byte = static_cast<unsigned char>(token[0]);
+  if (token.size() == 1 && !(std::isprint(byte) || std::isspace(byte))) return {};
+  return token;
 }
 
 TokenSamples::TokenSamples(std::vector<std::shared_ptr<const TokenShard>> shards, int context, int batch, int vocab,

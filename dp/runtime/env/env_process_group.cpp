@@ -178,12 +178,13 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   [[noreturn]] void abort(int exit_code) override {
     try {
       // Said within a second or not at all: process 0 may be the one that is frozen, and the
-      // survivor's end must not wait DP_TIMEOUT_S again (nor behind a beat's request: the beats
-      // stop, and the lowered limit cuts a request under way).
+      // survivor's end must not wait DP_TIMEOUT_S again. Half a second for its turn on the socket
+      // (the beats stop, and the lowered limit cuts a request under way), half for the answer.
       aborting_.store(true);
-      store_->limit_wait(std::chrono::seconds(1));
+      store_->limit_wait(std::chrono::milliseconds(500));
       const std::string why = fmt::format("{} {}", rank_, exit_code);
-      store_->set(kAbortKey, std::vector<char>(why.begin(), why.end()));
+      std::vector<std::optional<std::vector<char>>> none;
+      store_->try_brief(kAbortKey, std::vector<char>(why.begin(), why.end()), {}, none, std::chrono::milliseconds(500));
     } catch (...) {
     }
     std::_Exit(exit_code);

@@ -19,6 +19,7 @@ namespace dp::llmc {
 
 inline constexpr std::int32_t kModelMagic = 20240326;
 inline constexpr std::int32_t kTokensMagic = 20240520;
+inline constexpr std::int32_t kTokenizerMagic = 20240328;
 // Both files begin with 256 int32s of header.
 inline constexpr std::size_t kHeaderBytes = 256 * sizeof(std::int32_t);
 
@@ -77,6 +78,21 @@ class TokenShard {
   std::size_t bytes_ = 0, count_ = 0;
   const std::uint16_t* tokens_ = nullptr;
 };
+
+// llm.c's tokenizer file (gpt2_tokenizer.bin, written by its train_gpt2.py): every token's bytes,
+// and the <|endoftext|> id. Like llm.c's own it decodes only: ids to bytes.
+struct Tokenizer {
+  std::vector<std::string> tokens;  // by id; none empty
+  int eot = 0;                      // <|endoftext|>
+  // llm.c's safe_printf: a token of one byte that is neither printable nor white space prints as
+  // nothing (a lone control byte, half of a UTF-8 character); any other token, its bytes.
+  std::string printable(int id) const;
+};
+// Throws dp::Error naming `path` and what is wrong: not a regular file, a short header, the wrong
+// magic, a version other than 1 (GPT-2's 50257 tokens, <|endoftext|> 50256) or 2 (the id in the
+// header), no tokens or more than 2^24, an <|endoftext|> outside them, an empty token, a file that
+// ends before its last token or goes on after it.
+Tokenizer read_tokenizer(const std::string& path);
 
 // The shards a pattern names (glob(3), as llm.c's DataLoader globs them, in glob's sorted order).
 // Throws dp::Error when none matches.
