@@ -20,6 +20,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unistd.h>
 
@@ -74,6 +75,7 @@ class GlooChannel final : public Channel {
     std::function<bool()> aborted;
     std::string what;
     std::exception_ptr failure;  // why the watcher ended the wait
+    int peer = -1;
   };
   void watch();
   // One message's wait (Note [one wait per message]); false, with `failure` set, when it failed.
@@ -242,6 +244,18 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
 
   TcpStore& store() { return *store_; }
 
+  // A wait for `peer` that ran out its DP_TIMEOUT_S is the job's verdict on that process: a later
+  // wait for it (another channel's, the next call's) fails at once instead of waiting the whole
+  // timeout again.
+  void peer_timed_out(int peer) {
+    std::lock_guard lock(timed_out_mutex_);
+    timed_out_.insert(peer);
+  }
+  bool has_timed_out(int peer) const {
+    std::lock_guard lock(timed_out_mutex_);
+    return timed_out_.count(peer) != 0;
+  }
+
  private:
   // About once a second: this process's counter and status under dp/beat/<rank>, the others' read.
   // A failed request is no verdict (the collectives' own waits decide that): the next beat retries.
@@ -288,6 +302,8 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   // Since when the store has not answered a beat (requests under way or failed since).
   std::optional<std::chrono::steady_clock::time_point> unanswered_;
   std::atomic<bool> aborting_{false};
+  mutable std::mutex timed_out_mutex_;
+  std::set<int> timed_out_;  // the processes a wait gave up on (peer_timed_out)
   std::thread beat_thread_;
 };
 
@@ -320,9 +336,13 @@ void GlooChannel::watch() {
     gloo::transport::UnboundBuffer* buffer = watched_.buffer;
     const std::function<bool()> aborted = watched_.aborted;
     const std::string what = watched_.what;
+    const int peer = watched_.peer;
     lock.unlock();
     std::exception_ptr failure;
     try {
+      if (group_->has_timed_out(peer))  // another wait already gave up on it
+        throw CollectiveTimeout(fmt::format("{}: process {} waited for process {} (timeout; DP_TIMEOUT_S sets it)",
+                                            what, group_->rank(), peer));
       group_->check_peers(what);  // a store request: not under the lock
       if (aborted && aborted())
         throw CollectiveAborted(fmt::format("{}: aborted while waiting for another process", what));
@@ -346,16 +366,17 @@ bool GlooChannel::wait_for_message(gloo::transport::UnboundBuffer& buffer, bool 
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(group_->timeout() -
                                                                           (std::chrono::steady_clock::now() - start));
   const auto timed_out = [&] {
+    group_->peer_timed_out(peer);
     return std::make_exception_ptr(CollectiveTimeout(fmt::format(
         "{}: process {} waited for process {} (timeout; DP_TIMEOUT_S sets it)", what, group_->rank(), peer)));
   };
-  if (left.count() <= 0) {
+  if (left.count() <= 0 || group_->has_timed_out(peer)) {
     failure = timed_out();
     return false;
   }
   {
     std::lock_guard lock(watch_mutex_);
-    watched_ = Watched{&buffer, receive, aborted, std::string(what), nullptr};
+    watched_ = Watched{&buffer, receive, aborted, std::string(what), nullptr, peer};
   }
   bool done = false;
   std::string io_error;
