@@ -230,14 +230,20 @@ class EnvGroup final : public ProcessGroup, public std::enable_shared_from_this<
   }
 
   // Throws naming the process that aborted, was refused or whose connection to the store dropped.
+  // Brief: a store that does not answer within half a second (process 0 frozen) is no news, and the
+  // watcher that asks must get back to its other checks (an abort of the wait) soon.
   void check_peers(std::string_view what) {
-    if (auto why = store_->try_get(TcpStore::kRefusedKey))
+    const std::vector<std::string> keys = {TcpStore::kRefusedKey, kAbortKey, TcpStore::kDeadKey};
+    std::vector<std::optional<std::vector<char>>> read;
+    const std::string mine = fmt::format("dp/watch/{}", rank_);
+    if (!store_->try_brief(mine, {}, keys, read, std::chrono::milliseconds(500))) return;
+    if (const auto& why = read[0])
       throw CollectiveAborted(fmt::format("{}: process 0 refused a process of this job: {}", what, text(*why)));
-    if (auto why = store_->try_get(kAbortKey))
+    if (const auto& why = read[1])
       throw CollectiveAborted(fmt::format("{}: process {} failed (exit code {})", what,
                                           text(*why).substr(0, text(*why).find(' ')),
                                           text(*why).substr(text(*why).find(' ') + 1)));
-    if (auto dead = store_->try_get(TcpStore::kDeadKey))
+    if (const auto& dead = read[2])
       throw PeerLost(fmt::format("{}: process {} ended without leaving the job", what, text(*dead)),
                      std::atoi(text(*dead).c_str()));
   }
