@@ -304,6 +304,7 @@ DistributedSampler::DistributedSampler(std::size_t dataset_size, int num_replica
   if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
     throw InvalidArgument(fmt::format("DistributedSampler: rank {} of {} replicas", rank, num_replicas));
   num_samples_ = (size_ + static_cast<std::size_t>(replicas_) - 1) / static_cast<std::size_t>(replicas_);
+  set_epoch(0);
 }
 
 std::int64_t DistributedSampler::index(std::size_t i) const {
@@ -311,8 +312,7 @@ std::int64_t DistributedSampler::index(std::size_t i) const {
     throw InvalidArgument(fmt::format("DistributedSampler: index {} of {} samples", i, num_samples_));
   // Position i * R + r of the epoch's list, padded to R * num_samples by repeating its head.
   const std::size_t position = (i * static_cast<std::size_t>(replicas_) + static_cast<std::size_t>(rank_)) % size_;
-  return static_cast<std::int64_t>(shuffle_ ? Shuffle(size_, seed_ + static_cast<std::uint64_t>(epoch_))(position)
-                                            : position);
+  return static_cast<std::int64_t>(order_ ? (*order_)(position) : position);
 }
 
 std::vector<std::int64_t> DistributedSampler::indices() const {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,32 +54,6 @@ Dataset load_mnist(const std::string& dir, Split split = Split::train);
 // noise, so a model can learn it quickly. Deterministic in `seed`.
 Dataset make_synthetic(std::size_t samples, std::uint64_t seed);
 
-// torch.utils.data.DistributedSampler(num_replicas, rank, shuffle, seed, drop_last=False):
-// num_samples = ceil(N / R); the index list (a permutation seeded with seed + epoch when shuffling,
-// identical on all ranks) is padded by repeating its head to R * num_samples, and rank r takes
-// indices[r::R]. With R = 1 and no shuffle it is simply 0..N-1 (the order single and DP use).
-// Nothing is stored: index(i) computes the i-th of this rank's indices, so an epoch of a billion
-// samples (every offset of a 1 GiB text) costs no memory.
-class DistributedSampler {
- public:
-  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, bool shuffle, std::uint64_t seed);
-  void set_epoch(std::int64_t epoch) { epoch_ = epoch; }
-  std::int64_t epoch() const { return epoch_; }
-  std::size_t num_samples() const { return num_samples_; }
-  // This rank's i-th index of the current epoch, i < num_samples().
-  std::int64_t index(std::size_t i) const;
-  // All of them (num_samples() values).
-  std::vector<std::int64_t> indices() const;
-
- private:
-  std::size_t size_;
-  int replicas_, rank_;
-  bool shuffle_;
-  std::uint64_t seed_;
-  std::int64_t epoch_ = 0;
-  std::size_t num_samples_;
-};
-
 // The permutation of [0, n) used for shuffling, seeded, the same on every platform, and computed
 // one position at a time: a keyed bijection (a balanced Feistel network of Philox rounds over the
 // smallest domain of an even number of bits that holds n, cycle-walked back into [0, n): fewer
@@ -93,6 +68,37 @@ class Shuffle {
   std::uint64_t n_, seed_;
   int half_bits_;
 };
+
+// torch.utils.data.DistributedSampler(num_replicas, rank, shuffle, seed, drop_last=False):
+// num_samples = ceil(N / R); the index list (a permutation seeded with seed + epoch when shuffling,
+// identical on all ranks) is padded by repeating its head to R * num_samples, and rank r takes
+// indices[r::R]. With R = 1 and no shuffle it is simply 0..N-1 (the order single and DP use).
+// Nothing is stored: index(i) computes the i-th of this rank's indices, so an epoch of a billion
+// samples (every offset of a 1 GiB text) costs no memory.
+class DistributedSampler {
+ public:
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, bool shuffle, std::uint64_t seed);
+  void set_epoch(std::int64_t epoch) {
+    epoch_ = epoch;
+    if (shuffle_) order_ = Shuffle(size_, seed_ + static_cast<std::uint64_t>(epoch));
+  }
+  std::int64_t epoch() const { return epoch_; }
+  std::size_t num_samples() const { return num_samples_; }
+  // This rank's i-th index of the current epoch, i < num_samples().
+  std::int64_t index(std::size_t i) const;
+  // All of them (num_samples() values).
+  std::vector<std::int64_t> indices() const;
+
+ private:
+  std::size_t size_;
+  int replicas_, rank_;
+  bool shuffle_;
+  std::uint64_t seed_;
+  std::int64_t epoch_ = 0;
+  std::size_t num_samples_;
+  std::optional<Shuffle> order_;  // the epoch's order, when shuffling
+};
+
 // Shuffle's permutation of [0, n), whole.
 std::vector<std::int64_t> permutation(std::size_t n, std::uint64_t seed);
 
