@@ -289,6 +289,16 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
       plus(times(samples, dp::Dataset{}.sample_pixels() + sizeof(std::int64_t), "the data set"),
            times(times(3 * shards, batch, "the staging"), sample_floats * 4 + 8, "the staging"), "the host memory");
   if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
+  // ZeRO in one process keeps two host copies of the parameters and optimizer state (Note [ZeRO's
+  // host copies], dp/engines/src/zero.cpp).
+  if (o.zero > 0 && processes == 1 && devices > 1)
+    host = plus(host,
+                times(times(params, 8, "ZeRO's host copies"),
+                      o.optimizer == dp::tools::OptimizerKind::adamw ? 3
+                      : o.momentum > 0                               ? 2
+                                                                     : 1,
+                      "ZeRO's host copies"),
+                "the host memory");
   const std::uint64_t host_memory = dp::Runtime::host_memory_bytes();
   if (host_memory > 0 && host > host_memory)
     throw UsageError(

@@ -22,12 +22,13 @@ using Result = dp::test::CommandResult;
 
 class LostDevice : public dp::test::ToolTest {
  protected:
-  // dp_train on simulated devices with `env` (DP_FAULT=...) in front.
-  Result train(const std::string& env, const std::string& args) const {
+  // dp_train on simulated devices with `env` (DP_FAULT=...) in front, SGD with momentum unless
+  // `optimizer` says otherwise.
+  Result train(const std::string& env, const std::string& args, const std::string& optimizer = "--momentum 0.9") const {
     return dp::test::run_command(
         fmt::format("cd {} && {} timeout 120 {} --backend sim --synthetic 240 --batch-size 2 "
-                    "--seed 5 --lr 0.02 --momentum 0.9 --no-eval {}",
-                    dir_.string(), env, DP_TRAIN_BIN, args));
+                    "--seed 5 --lr 0.02 {} --no-eval {}",
+                    dir_.string(), env, DP_TRAIN_BIN, optimizer, args));
   }
   // The tensors of two checkpoints, byte for byte (their tags may differ: the device count).
   void expect_same_tensors(const std::string& a_path, const std::string& b_path) const {
@@ -92,6 +93,43 @@ TEST_F(LostDevice, EveryPhaseOfTheStepIsSurvived) {
     expect_has(r.output, "4 shards go on from step ");
     expect_has(r.output, "on device(s) [0,2,3]");
     expect_same_tensors("ref.st", "lost.st");
+  }
+}
+
+// ZeRO-1 spreads the optimizer state over the devices; in one process each rank also keeps its part
+// in host memory after every step, so a lost device's part survives it: under --shards the run goes
+// on with the undisturbed run's bits, whatever the phase (the optimizer's may leave the other ranks
+// one step ahead of the lost one), graphs on and off; without --shards the last step every rank
+// kept is saved and resumes.
+TEST_F(LostDevice, ZeroKeepsEachRanksPartOnTheHost) {
+  for (const std::string model :
+       {"--model convnet --momentum 0.9", "--model mlp --hidden 16 --dropout 0.25 --optimizer adamw"}) {
+    const std::string common = model + " --mode ddp --zero 1 --devices 4";
+    const std::string shards = common + " --shards 12 --steps 8";
+    ASSERT_EQ(train("", shards + " --save ref.st", "").code, 0);
+    for (const std::string graphs : {"on", "off"})
+      for (const std::string phase : {"backward", "optimizer"}) {
+        SCOPED_TRACE(fmt::format("{} graphs {} {}", model, graphs, phase));
+        std::filesystem::remove(path("lost.st"));
+        const Result r = train(fmt::format("DP_FAULT=lose@d2:3:{},lose@d0:5:{}", phase, phase),
+                               fmt::format("{} --graphs {} --save lost.st", shards, graphs), "");
+        ASSERT_EQ(r.code, 0) << r.output;
+        expect_has(r.output, "12 shards go on from step 2 on device(s) [0,1,3], 4 shard(s) each");
+        expect_has(r.output, "12 shards go on from step 4 on device(s) [1,3], 6 shard(s) each");
+        expect_same_tensors("ref.st", "lost.st");
+      }
+    SCOPED_TRACE(model + " without --shards");
+    ASSERT_EQ(train("", common + " --steps 2 --save two.st", "").code, 0);
+    const Result r = train("DP_FAULT=lose@d2:3", common + " --steps 8 --save lost.st", "");
+    ASSERT_EQ(r.code, 7) << r.output;
+    expect_has(r.output, "wrote lost.st at step 2: resume it on the remaining device(s) with --resume lost.st");
+    expect_same_tensors("two.st", "lost.st");
+    const Result resumed = dp::test::run_command(
+        fmt::format("cd {} && {} --backend sim --synthetic 240 --resume lost.st --steps 8 --device-ids 0,1,3 "
+                    "--mode ddp --zero 1 --save resumed.st",
+                    dir_.string(), DP_TRAIN_BIN));
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_EQ(dp::safetensors::read(path("resumed.st")).metadata.at("dp.step"), "8");
   }
 }
 

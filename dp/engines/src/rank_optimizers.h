@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -39,6 +40,17 @@ class RankOptimizers {
   virtual void whole_loaded() {}
   // Fails the collectives of its own communicator, if it has one (a rank failed).
   virtual void abort() {}
+
+  // What outlives a lost device where no device holds the whole state (ZeRO's parts: Note [ZeRO's
+  // host copies], zero.cpp). keep: rank r's state once `step` (the optimizers' count) ran, enqueued
+  // on `stream`, its compute stream, after the step (eager or replayed) or a load. kept_steps: the
+  // steps whose every rank's part is kept, latest first. restore_kept: step `step`'s parameters
+  // written into `model` (rank r's replica, on a surviving device) and the whole optimizer state of
+  // that step, valid until the next call.
+  virtual bool keeps() const { return false; }
+  virtual void keep(int /*r*/, const Stream& /*stream*/, const Model& /*model*/, std::int64_t /*step*/) {}
+  virtual std::vector<std::int64_t> kept_steps() const { return {}; }
+  virtual Optimizer* restore_kept(std::int64_t /*step*/, int /*r*/, Model& /*model*/) { return nullptr; }
 };
 
 // The ranks' updates for `options` (EngineOptions::zero). Collective across processes when it makes

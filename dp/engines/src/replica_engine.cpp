@@ -90,6 +90,7 @@ std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, co
   broadcast_from_rank0(true, true);
   group_.run([&](int r) { enqueue_zero_grad(r); });  // on each rank's worker: its device is the current one there
   restart_update_counts(0);
+  keep_updates();
   return buckets;
 }
 
@@ -163,6 +164,7 @@ std::vector<Optimizer*> ReplicaEngine::whole_optimizers() {
 void ReplicaEngine::whole_optimizers_loaded() {
   updates_->whole_loaded();
   restart_update_counts(rank(0).optimizer->steps());
+  keep_updates();
 }
 
 void ReplicaEngine::run_ranks(const std::function<void(int rank)>& task) {
@@ -215,6 +217,15 @@ void ReplicaEngine::enqueue_zero_grad(int r) {
   Rank& mine = rank(r);
   mine.model->zero_grad(mine.compute);
   mine.accumulated_samples = 0;  // gradients thrown away: the next forward starts the step's samples
+}
+
+void ReplicaEngine::keep_updates() {
+  if (updates_->keeps()) run_ranks([&](int r) { keep_update(r); });
+}
+
+void ReplicaEngine::keep_update(int r) {
+  Rank& mine = rank(r);
+  updates_->keep(r, mine.compute, *mine.model, mine.optimizer->steps());
 }
 
 void ReplicaEngine::enqueue_step(int r) {
@@ -417,6 +428,7 @@ engines::StepWork ReplicaEngine::step_work(int slot, std::span<const Batch> batc
       // free, once the graph has run.
       mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
       mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
+      keep_update(r);
       progress::set_phase("idle");
     });
   };
@@ -430,6 +442,7 @@ void ReplicaEngine::run_eager_step(int slot, std::span<const Batch> batches, boo
     enqueue_update_half(r, slot);
     comm_->end_of(r, "the step");
     mine.compute.record(mine.step_done[static_cast<std::size_t>(slot)]);
+    keep_update(r);
     progress::set_phase("idle");
   };
   run_ranks([&](int r) {

@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <cstring>
 #include <fmt/format.h>
+#include <functional>
+#include <optional>
 
 #include "dp/engines/replica_engine.h"
 #include "dp/kernels/fingerprint.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/error.h"
 #include "dp/runtime/fault.h"
+#include "rank_optimizers.h"
 #include "replica_rank.h"
 
 namespace dp {
@@ -27,25 +30,31 @@ void ReplicaEngine::restart_update_counts(std::int64_t steps) {
 }
 
 std::optional<Engine::Survivor> ReplicaEngine::survivor() {
-  // ZeRO's optimizer state is spread over the ranks, the lost one's part with it. Under several
-  // processes each judges its own ranks (a lost peer process leaves them all).
-  if (options_.zero > 0) return std::nullopt;
+  // ZeRO's optimizer state is spread over the ranks, the lost one's part with it, unless the ranks
+  // keep host copies of their parts (one process: Note [ZeRO's host copies], zero.cpp). Under
+  // several processes each judges its own ranks (a lost peer process leaves them all).
+  const bool zero = options_.zero > 0;
+  if (zero && !updates_->keeps()) return std::nullopt;
   // Note [a survivor's state]
   // Every survivor holds the parameters and optimizer state of the steps it completed (the update
-  // follows the reduction, which needs every rank's gradients). Its buffers (running statistics)
-  // are the state's only where they are rank 0's of that step: rank 0's own (every rank's, where
-  // the step ends with rank 0's: fixed shards), when no later step has begun there; or a rank's
-  // copy of rank 0's, taken as the next step began, after the buffers' broadcast from rank 0 (in
-  // stream order: a step whose broadcast failed never took its copy, which then still names the
-  // step before). The latest step a survivor holds whole is the one to go on from. Stream order is what makes this
-  // hold: on the sim a failed collective stops the work behind it on that stream, as a faulting kernel stops a CUDA
-  // context.
+  // follows the reduction, which needs every rank's gradients); under ZeRO the host copies hold the
+  // latest steps every rank completed. The buffers (running statistics) are the state's only where
+  // they are rank 0's of that step: rank 0's own (every rank's, where the step ends with rank 0's:
+  // fixed shards), when no later step has begun there; or a rank's copy of rank 0's, taken as the
+  // next step began, after the buffers' broadcast from rank 0 (in stream order: a step whose
+  // broadcast failed never took its copy, which then still names the step before). The latest step
+  // whose whole state survives is the one to go on from. Stream order is what makes this hold: on
+  // the sim a failed collective stops the work behind it on that stream, as a faulting kernel stops
+  // a CUDA context.
   const bool buffers = rank(0).model->buffers_bytes() > 0;
   // The step that failed may still wait in a collective for what will never come.
   abort_communicators();
-  std::optional<int> best;
-  std::int64_t best_steps = -1;
-  bool best_restores = false;
+  struct Held {
+    int r;
+    std::int64_t done;                      // updates completed
+    std::optional<std::int64_t> own, copy;  // the step whose buffers its own (its copy) are
+  };
+  std::vector<Held> held;
   for (int r = 0; r < group_.size(); ++r) {
     Device& device = group_.device(r);
     if (device.lost()) continue;
@@ -67,29 +76,47 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
     } catch (...) {
       continue;
     }
-    const std::int64_t done = counted_from_ + static_cast<std::int64_t>(counts[0]);
-    // A step began after the last one completed here (its copy ran, so its forward may have too):
-    // the copy holds rank 0's buffers of the completed step. Else nothing has touched them since.
-    const bool began_another = counts[2] == counts[0] && mine.step_start_buffers.size() > 0;
+    Held h{r, counted_from_ + static_cast<std::int64_t>(counts[0]), {}, {}};
+    // A step began after the last one completed here when its copy ran (so its forward may have
+    // too); else nothing has touched the buffers since that step.
+    const bool copied = counts[2] >= 0 && mine.step_start_buffers.size() > 0;
+    const bool began_another = copied && counts[2] == counts[0];
     const bool global_rank0 = comm_->first_rank() + r == 0;
-    const bool copy_is_rank0s = global_rank0 || replicas_share_buffers();
-    const bool own_are_rank0s = global_rank0 || buffers_end_steps_as_rank0s();
-    const bool whole = !buffers || (began_another ? copy_is_rank0s : own_are_rank0s);
-    if (!whole || done <= best_steps) continue;
-    best = r;
-    best_steps = done;
-    best_restores = buffers && began_another;
+    if (!began_another && (global_rank0 || buffers_end_steps_as_rank0s())) h.own = h.done;
+    if (copied && (global_rank0 || replicas_share_buffers()))
+      h.copy = counted_from_ + static_cast<std::int64_t>(counts[2]);
+    held.push_back(h);
+  }
+  // The latest step whose whole state survives: each survivor's own (its update count) or, under
+  // ZeRO, one the host copies hold; and a survivor holding that step's buffers.
+  std::vector<std::int64_t> steps = zero ? updates_->kept_steps() : std::vector<std::int64_t>{};
+  if (!zero)
+    for (const Held& h : held) steps.push_back(h.done);
+  std::ranges::sort(steps, std::greater<>());
+  const Held* best = nullptr;
+  std::int64_t best_steps = -1;
+  bool from_copy = false;
+  for (const std::int64_t step : steps) {
+    for (const Held& h : held) {
+      if (!zero && h.done != step) continue;
+      if (!buffers || h.own == step || h.copy == step) {
+        best = &h, best_steps = step, from_copy = buffers && h.own != step;
+        break;
+      }
+    }
+    if (best) break;
   }
   if (!best) return std::nullopt;
-  Rank& mine = rank(*best);
-  Device& device = group_.device(*best);
-  if (best_restores) {
+  Rank& mine = rank(best->r);
+  Device& device = group_.device(best->r);
+  if (from_copy) {
     const Stream writer = device.create_stream();
     writer.copy(mine.model->buffers_flat(), mine.step_start_buffers.data(), mine.model->buffers_bytes());
     writer.synchronize();
   }
-  mine.optimizer->set_steps(best_steps);
-  return Survivor{mine.model, mine.optimizer, best_steps, group_.device_ids()[static_cast<std::size_t>(*best)]};
+  Optimizer* optimizer = zero ? updates_->restore_kept(best_steps, best->r, *mine.model) : mine.optimizer;
+  optimizer->set_steps(best_steps);
+  return Survivor{mine.model, optimizer, best_steps, group_.device_ids()[static_cast<std::size_t>(best->r)]};
 }
 
 void ReplicaEngine::inject_update_faults() {

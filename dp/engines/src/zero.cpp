@@ -10,8 +10,25 @@
 // reduce-scatter in another order than its all-reduce. Clipping needs every tensor's whole
 // averaged gradient (its per-tensor norms), and bf16 compression has no reduce-scatter: with either,
 // the buckets are all-reduced as DDP's and each rank still updates its part only.
+//
+// Note [ZeRO's host copies]
+// A lost device takes its rank's part of the optimizer state with it, and no other device holds it.
+// In one process of several devices each rank therefore copies its part (its blocks' parameters and
+// optimizer state, 1/n of the whole) to pinned host memory after every step, on its compute stream
+// behind the step's all-gather: the device keeps 1/n of the state, the host one whole copy, twice
+// (the two latest steps, alternately). A copy is marked unfinished by a host function before it is
+// written and named by its step by one after, both under a mutex that the survivor holds while it
+// reads, so a copy is read whole or not at all, even while the lost device's queued work still
+// runs. The ranks' steps differ by at most one (a rank's next reduce-scatter needs every rank's
+// all-gather of the step before), so the latest step every rank kept is in one of its two copies.
+// The copies ride on the compute stream outside any captured graph (the step number is the host's),
+// so the next update waits for them: the cost is one device-to-host copy of 1/n of the state per
+// device per step, not overlapped. Across processes a lost process's host copies die with it: off.
 #include <algorithm>
+#include <array>
 #include <fmt/format.h>
+#include <functional>
+#include <mutex>
 
 #include "device_update.h"
 #include "dp/kernels/ops.h"
@@ -63,6 +80,15 @@ class ZeroUpdates final : public RankOptimizers {
           std::make_unique<DeviceUpdate>(group.device(r), rank->count, optimizer, options.step.clip_grad_norm);
       rank->stream = group.device(r).create_stream();
       ranks_.push_back(std::move(rank));
+    }
+    if (processes->size() == 1 && group.size() > 1) {
+      kept_ = std::make_shared<Kept>();
+      const std::size_t floats_per_param = 1 + ranks_[0]->update->optimizer().state().size();
+      for (const auto& rank : ranks_) {
+        auto& copies = kept_->ranks.emplace_back();
+        for (KeptCopy& copy : copies)
+          copy.data = group.device(0).allocate_pinned(floats_per_param * rank->count * sizeof(float));
+      }
     }
   }
 
@@ -141,7 +167,87 @@ class ZeroUpdates final : public RankOptimizers {
 
   void abort() override { comm_->abort(); }
 
+  bool keeps() const override { return kept_ != nullptr; }
+  void keep(int r, const Stream& stream, const Model& model, std::int64_t step) override {
+    if (!kept_) return;
+    const Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    KeptCopy& copy = kept_->ranks[static_cast<std::size_t>(r)][static_cast<std::size_t>(step % 2)];
+    const std::shared_ptr<Kept> kept = kept_;  // the queued work of a lost device may outlive the engine
+    stream.launch_host_func([kept, &copy] {
+      const std::lock_guard lock(kept->mutex);
+      copy.step = -1;
+    });
+    auto* host = copy.data.as<float>();
+    const float* params = model.params_flat();
+    for (const Block& b : rank.blocks) stream.copy(host + b.packed, params + b.flat, b.count * sizeof(float));
+    std::size_t at = rank.count;
+    for (const Optimizer::StateBuffer& state : rank.update->optimizer().state()) {
+      stream.copy(host + at, state.data, rank.count * sizeof(float));
+      at += rank.count;
+    }
+    stream.launch_host_func([kept, &copy, step] {
+      const std::lock_guard lock(kept->mutex);
+      copy.step = step;
+    });
+  }
+
+  std::vector<std::int64_t> kept_steps() const override {
+    if (!kept_) return {};
+    const std::lock_guard lock(kept_->mutex);
+    std::vector<std::int64_t> steps;
+    for (const KeptCopy& copy : kept_->ranks[0])
+      if (copy.step >= 0 &&
+          std::ranges::all_of(kept_->ranks, [&](const auto& copies) { return find(copies, copy.step); }))
+        steps.push_back(copy.step);
+    std::ranges::sort(steps, std::greater<>());
+    return steps;
+  }
+
+  Optimizer* restore_kept(std::int64_t step, int r, Model& model) override {
+    Device& device = group_.device(r);
+    whole_ = make_optimizer(device, params_, optimizer_options_);
+    whole_->freeze(frozen_);
+    whole_->exclude_from_weight_decay(no_decay_);
+    const Stream writer = device.create_stream();
+    const std::vector<Optimizer::StateBuffer> state = whole_->state();
+    for (const Optimizer::StateBuffer& buffer : state)
+      kernels::fill(writer, buffer.data, static_cast<kernels::index_t>(params_), 0.0f);
+    float* params = model.params_flat();
+    // Held until the copies ran: the lost device's queued work may be about to rewrite a copy.
+    const std::lock_guard lock(kept_->mutex);
+    for (std::size_t q = 0; q < ranks_.size(); ++q) {
+      const Rank& rank = *ranks_[q];
+      const KeptCopy* copy = find(kept_->ranks[q], step);
+      if (!copy) throw Error(fmt::format("ZeRO: rank {} kept no copy of step {}", q, step));
+      const auto* host = copy->data.as<const float>();
+      for (const Block& b : rank.blocks) {
+        writer.copy(params + b.flat, host + b.packed, b.count * sizeof(float));
+        for (std::size_t k = 0; k < state.size(); ++k)
+          writer.copy(state[k].data + b.flat, host + (k + 1) * rank.count + b.packed, b.count * sizeof(float));
+      }
+    }
+    writer.synchronize();
+    whole_->set_steps(step);
+    return whole_.get();
+  }
+
  private:
+  // A rank's part of the state after one step, in host memory (Note [ZeRO's host copies]): its
+  // blocks' parameters, then each optimizer state buffer's, packed as its slice.
+  struct KeptCopy {
+    PinnedBuffer data;
+    std::int64_t step = -1;  // -1: none, or being written
+  };
+  struct Kept {
+    std::mutex mutex;
+    std::vector<std::array<KeptCopy, 2>> ranks;
+  };
+  static const KeptCopy* find(const std::array<KeptCopy, 2>& copies, std::int64_t step) {
+    for (const KeptCopy& copy : copies)
+      if (copy.step == step) return &copy;
+    return nullptr;
+  }
+
   struct Rank {
     std::vector<Block> blocks;  // in bucket order
     std::size_t count = 0;      // floats in all its blocks
@@ -198,6 +304,7 @@ class ZeroUpdates final : public RankOptimizers {
   std::vector<Optimizer::ParamRange> frozen_, no_decay_;  // of the whole buffer: the whole optimizer's
   std::unique_ptr<Optimizer> whole_;                      // while a checkpoint asks for it
   std::vector<std::unique_ptr<Rank>> ranks_;
+  std::shared_ptr<Kept> kept_;  // null: no host copies (several processes, or one device)
 };
 
 }  // namespace

@@ -170,10 +170,11 @@ class Engine {
 
   // After a step failed because a device was lost (DeviceLost) or another process was (PeerLost):
   // the state of the last step that completed on a surviving device of this process, where one
-  // holds the whole state (a replica engine without ZeRO), else none. Parameters change only after a step's reduction,
-  // which needs every device's gradients, so a survivor holds either the failed step's inputs or, when it already had
-  // every gradient, its outputs; `steps` says which. The survivor's optimizer counts `steps` from here on. Waits for
-  // the survivors' streams and reports none of their failures.
+  // holds the whole state (a replica engine; under ZeRO in one process, made from the ranks' host
+  // copies), else none. Parameters change only after a step's reduction, which needs every device's
+  // gradients, so a survivor holds either the failed step's inputs or, when it already had every
+  // gradient, its outputs; `steps` says which. The survivor's optimizer counts `steps` from here on.
+  // Waits for the survivors' streams and reports none of their failures.
   struct Survivor {
     const Model* model = nullptr;
     const Optimizer* optimizer = nullptr;
@@ -229,7 +230,8 @@ struct EngineOptions {
   // rank keeps and updates the optimizer state of its block of every gradient bucket only (1/n of
   // it); the buckets are reduce-scattered as backward fills them and the updated blocks
   // all-gathered: plain DDP's bytes per step, and on the sim its bits (zero.cpp). Checkpoints stay
-  // whole (whole_optimizers()). 0: off.
+  // whole (whole_optimizers()); in one process of several devices each rank also copies its part to
+  // host memory after every step, so that a lost device's part survives it (survivor()). 0: off.
   int zero = 0;
   // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
   GradReduce grad_reduce = GradReduce::fp32;

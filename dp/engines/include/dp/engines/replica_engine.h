@@ -178,6 +178,11 @@ class ReplicaEngine : public Engine {
 
   // Counts every rank's completed updates from zero, `steps` being the optimizers' count there.
   void restart_update_counts(std::int64_t steps);
+  // What the ranks' updates keep of the state beyond the devices once the steps enqueued so far ran
+  // (RankOptimizers::keep: ZeRO's host copies), on every rank's compute stream (keep_update: rank r's,
+  // on its worker, after its step).
+  void keep_updates();
+  void keep_update(int r);
   // DP_FAULT's flip-param faults due at the step just enqueued, after its update.
   void inject_update_faults();
   // What every replica must hold the same bits of (parameters; optimizer state without ZeRO).
