@@ -133,6 +133,11 @@ TEST_F(Faults, DataParallelDevicesTakeTheDeviceFaults) {
     const Timed thrown = train("DP_FAULT=throw@d2:4", graphs, "dp");
     EXPECT_EQ(thrown.r.code, 1) << thrown.r.output;
     expect_has(thrown.r.output, "DP_FAULT throw@d2:4: device 2 fails at step 4");
+    // A batch of 2 over 4 devices leaves devices 2 and 3 without a chunk (torch leaves them out of
+    // the step): a fault aimed at one still meets its step.
+    const Timed idle = train("DP_FAULT=throw@d3:4", graphs + " --batch-size 2", "dp");
+    EXPECT_EQ(idle.r.code, 1) << idle.r.output;
+    expect_has(idle.r.output, "DP_FAULT throw@d3:4: device 3 fails at step 4");
   }
   const Timed hung = train("DP_FAULT=hang@d1:3 DP_STALL_WARN_S=1 DP_TIMEOUT_S=4", "--graphs off", "dp");
   EXPECT_EQ(hung.r.code, 6) << hung.r.output;

@@ -396,8 +396,18 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   const int participants = std::max(used, output_rank_ + 1);  // the output device may hold no chunk
   std::barrier<> phase(participants);
   std::atomic<bool> failed{false};
+  // A device with no chunk of this step (a batch smaller than the devices) takes no part in it, as in
+  // torch; with faults planned it still meets the step, so that a fault aimed at it fires.
+  const int meeting = FaultPlan::from_environment().empty() ? participants : group_.size();
+  const std::int64_t step = optimizer_->steps() + 1;  // read before the source's update counts it
   group_.run(
       [&](int rank) {
+        if (rank >= participants) {
+          progress::begin_step(step);
+          progress::fault_point(std::nullopt);
+          progress::set_phase("idle");
+          return;
+        }
         std::exception_ptr error;
         const auto run_phase = [&](const auto& work) {
           if (!failed.load()) {
@@ -438,7 +448,7 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
         progress::set_phase("idle");
         if (error) std::rethrow_exception(error);
       },
-      participants);
+      meeting);
   return graph;
 }
 
