@@ -429,6 +429,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   engine->synchronize();
   run.activation_bytes_per_sample =
       engine->model().saved_activation_bytes() / static_cast<std::size_t>(run.batch_per_device);
+  run.gradient_bytes = engine->gradient_bytes();
   for (const dp::Optimizer* optimizer : engine->optimizers())
     run.optimizer_state_bytes =
         std::max(run.optimizer_state_bytes, optimizer->state().size() * optimizer->param_count() * sizeof(float));

@@ -105,6 +105,7 @@ struct Run {
   std::size_t activation_bytes_per_sample = 0;
   // Optimizer state per device (the largest of the engine's optimizers): with --zero 1 a 1/ranks slice.
   std::size_t optimizer_state_bytes = 0;
+  std::size_t gradient_bytes = 0;  // Engine::gradient_bytes: what one device keeps
   std::vector<double> step_ms;
   double wall_ms = 0, samples_per_s = 0, step_ms_median = 0, step_ms_p90 = 0, step_ms_mean = 0;
   // The spread of the measured steps: the 90th percentile over the 10th (1: every step alike), so a

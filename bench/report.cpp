@@ -24,9 +24,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, steps, 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
                                    tokens_per_sample, tokens_per_s, buffers_bytes, activation_bytes_per_sample,
-                                   optimizer_state_bytes, samples_per_s, wall_ms, step_ms, step_ms_median, step_ms_p90,
-                                   step_ms_p10, step_spread, step_ms_mean, loss_first, loss_last, graphs, pipelined,
-                                   trace_offset_ms)
+                                   optimizer_state_bytes, gradient_bytes, samples_per_s, wall_ms, step_ms,
+                                   step_ms_median, step_ms_p90, step_ms_p10, step_spread, step_ms_mean, loss_first,
+                                   loss_last, graphs, pipelined, trace_offset_ms)
 
 namespace {
 
@@ -129,22 +129,33 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
     const auto traffic =
         column(r, [](const PerDevice& p) { return p.bytes_sent + p.bytes_received + p.net_sent + p.net_received; });
     const auto peak = column(r, &PerDevice::peak_bytes);
-    rows.push_back({r.model, r.mode, fmt::format("{}", r.devices), fmt::format("{}", r.global_batch),
-                    fixed(r.samples_per_s, 1), fixed(r.step_ms_median, 2), fixed(r.step_ms_p90, 2),
-                    fixed(r.step_spread, 2), opt(r.scaling_efficiency, 2), opt(busy_mean(r), 1),
-                    opt(busy_imbalance(r), 2), human_bytes(max_of(column(r, &PerDevice::bytes_sent))),
+    rows.push_back({r.model,
+                    r.mode,
+                    fmt::format("{}", r.devices),
+                    fmt::format("{}", r.global_batch),
+                    fixed(r.samples_per_s, 1),
+                    fixed(r.step_ms_median, 2),
+                    fixed(r.step_ms_p90, 2),
+                    fixed(r.step_spread, 2),
+                    opt(r.scaling_efficiency, 2),
+                    opt(busy_mean(r), 1),
+                    opt(busy_imbalance(r), 2),
+                    human_bytes(max_of(column(r, &PerDevice::bytes_sent))),
                     human_bytes(max_of(column(r, &PerDevice::bytes_received))),
                     human_bytes(max_of(column(r, [](const PerDevice& p) { return p.net_sent + p.net_received; }))),
-                    fixed(imbalance(traffic), 2), human_bytes(max_of(peak)), fixed(imbalance(peak), 2),
+                    fixed(imbalance(traffic), 2),
+                    human_bytes(max_of(peak)),
+                    fixed(imbalance(peak), 2),
                     human_bytes(static_cast<double>(r.activation_bytes_per_sample)),
-                    human_bytes(static_cast<double>(r.optimizer_state_bytes))});
+                    human_bytes(static_cast<double>(r.optimizer_state_bytes)),
+                    human_bytes(static_cast<double>(r.gradient_bytes))});
   }
   fmt::print("\n");
-  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},       {"dev", 3},       {"batch", 6},
-                                       {"samples/s", 11}, {"step ms", 9},     {"p90 ms", 9},    {"spread", 6},
-                                       {"scaling", 7},    {"busy %", 7},      {"imb", 5},       {"sent/step", 11},
-                                       {"recv/step", 11}, {"net/step", 11},   {"imb", 5},       {"peak mem", 11},
-                                       {"imb", 5},        {"act/sample", 11}, {"opt state", 11}};
+  const std::vector<Column> columns = {{"model", -8},     {"mode", -6},       {"dev", 3},        {"batch", 6},
+                                       {"samples/s", 11}, {"step ms", 9},     {"p90 ms", 9},     {"spread", 6},
+                                       {"scaling", 7},    {"busy %", 7},      {"imb", 5},        {"sent/step", 11},
+                                       {"recv/step", 11}, {"net/step", 11},   {"imb", 5},        {"peak mem", 11},
+                                       {"imb", 5},        {"act/sample", 11}, {"opt state", 11}, {"grads", 11}};
   print_table(columns, rows);
   fmt::print(
       "  batch = global samples per step; spread = p90 / p10 of the measured steps' times;\n"
@@ -153,7 +164,8 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
       "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
       "  from other processes (inter-node, under mpirun); imb = max/mean over devices; act/sample = what a\n"
       "  forward keeps for the backward, per sample (bf16 under --amp bf16); opt state = the optimizer state\n"
-      "  a device keeps (--zero 1: its slice)\n",
+      "  a device keeps (--zero 1: its slice); grads = the gradient memory a device keeps (the model's\n"
+      "  gradients; --zero 1: and its slice of them; --grad-reduce bf16: and their bf16 copy)\n",
       have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
   for (const Run& r : runs)
     if (r.tokens_per_sample > 1)

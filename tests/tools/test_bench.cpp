@@ -473,6 +473,10 @@ TEST(Bench, ZeroOneSendsDdpsBytesAndKeepsASliceOfTheState) {
   const std::uint64_t buckets = u64(plain.at("ddp_buckets"));  // a float of rounding each
   EXPECT_GE(u64(zero.at("optimizer_state_bytes")), 2 * 4 * (params / 4 - buckets));
   EXPECT_LE(u64(zero.at("optimizer_state_bytes")), 2 * 4 * (params / 4 + buckets));
+  // The gradients: the model's flat buffer, and under ZeRO-1 the slice packed for its update too.
+  EXPECT_EQ(u64(plain.at("gradient_bytes")), 4 * params);
+  EXPECT_GE(u64(zero.at("gradient_bytes")), 4 * (params + params / 4 - buckets));
+  EXPECT_LE(u64(zero.at("gradient_bytes")), 4 * (params + params / 4 + buckets));
   for (std::size_t d = 0; d < 4; ++d) {
     EXPECT_EQ(u64(zero.at("per_device")[d].at("bytes_sent")), u64(plain.at("per_device")[d].at("bytes_sent")))
         << "device " << d;

@@ -25,6 +25,10 @@ DistributedDataParallel::~DistributedDataParallel() { quiesce(); }
 
 void DistributedDataParallel::synchronize_rank(int r) { reducer_->synchronize(r); }
 
+std::size_t DistributedDataParallel::gradient_bytes() const {
+  return ReplicaEngine::gradient_bytes() + reducer_->bytes_beside();
+}
+
 void DistributedDataParallel::zero_grad() { zero_grads(); }
 
 float DistributedDataParallel::forward_backward(std::span<const Batch> batches, float loss_scale) {

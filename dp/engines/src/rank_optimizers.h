@@ -30,6 +30,8 @@ class RankOptimizers {
   virtual Optimizer& optimizer(int r) const = 0;
   // Whether the ranks clip (then a step has a gradient norm to read).
   virtual bool clips() const = 0;
+  // Gradient bytes a rank keeps beside the model's flat gradients (ZeRO: its packed slice).
+  virtual std::size_t gradient_bytes_beside() const { return 0; }
   // Rank 0's total gradient norm of the last step (the steps have run), or none unclipped.
   virtual std::optional<float> last_grad_norm() const = 0;
   // Engine::freeze and exclude_from_weight_decay, with ranges of the whole flat buffer.

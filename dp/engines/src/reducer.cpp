@@ -77,6 +77,8 @@ Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradB
   }
 }
 
+std::size_t Reducer::bytes_beside() const { return ranks_.empty() ? 0 : ranks_[0]->compressed.size(); }
+
 Reducer::~Reducer() {
   for (auto& rank : ranks_) {
     try {

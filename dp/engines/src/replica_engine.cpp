@@ -219,6 +219,10 @@ void ReplicaEngine::enqueue_zero_grad(int r) {
   mine.accumulated_samples = 0;  // gradients thrown away: the next forward starts the step's samples
 }
 
+std::size_t ReplicaEngine::gradient_bytes() const {
+  return Engine::gradient_bytes() + updates_->gradient_bytes_beside();
+}
+
 void ReplicaEngine::keep_updates() {
   if (updates_->keeps()) run_ranks([&](int r) { keep_update(r); });
 }

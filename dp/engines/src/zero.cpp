@@ -167,6 +167,11 @@ class ZeroUpdates final : public RankOptimizers {
 
   void abort() override { comm_->abort(); }
 
+  std::size_t gradient_bytes_beside() const override {
+    std::size_t most = 0;
+    for (const auto& rank : ranks_) most = std::max(most, rank->grads.size());
+    return most;
+  }
   bool keeps() const override { return kept_ != nullptr; }
   void keep(int r, const Stream& stream, const Model& model, std::int64_t step) override {
     if (!kept_) return;

@@ -45,6 +45,7 @@ class DistributedDataParallel final : public ReplicaEngine {
   int world_size() const override { return comm_->size(); }
   int first_rank() const override { return comm_->first_rank(); }
   const std::vector<GradBucket>& buckets() const { return reducer_->buckets(); }
+  std::size_t gradient_bytes() const override;
 
   // Engine: one batch per local rank (K with EngineOptions::accumulate, rank after rank).
   // train_step = zero_grad + forward_backward + step; the loss is averaged over all global ranks

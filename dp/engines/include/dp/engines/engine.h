@@ -165,6 +165,9 @@ class Engine {
   // With StepOptions::clip_grad_norm: the total gradient norm of the last step, before clipping
   // (waits for the steps in flight: call it where the host may wait, a log line); else none.
   virtual std::optional<float> last_grad_norm() { return std::nullopt; }
+  // The gradient memory one device keeps, in bytes: the model's flat gradients and what the engine
+  // keeps of them beside (ZeRO: each rank's packed slice; a bf16 reduction: its bf16 copy).
+  virtual std::size_t gradient_bytes() const { return model().param_count() * sizeof(float); }
   // Training steps that ran as a replay of a captured graph (EngineOptions::graphs), so far.
   virtual std::uint64_t graph_replays() const { return 0; }
 

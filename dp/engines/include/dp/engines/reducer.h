@@ -49,6 +49,8 @@ class Reducer {
   ~Reducer();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
+  // Bytes a rank keeps beside the gradients (the bf16 copy a bf16 reduction sends).
+  std::size_t bytes_beside() const;
 
   // Rank r's side of one synchronised backward, each called on rank r's worker:
   // prepare() before the backward is enqueued on `compute` (grads: the rank's flat gradients);

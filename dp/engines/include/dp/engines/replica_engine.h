@@ -59,6 +59,7 @@ class ReplicaEngine : public Engine {
   std::uint64_t graph_replays() const override;
   std::optional<float> last_grad_norm() override;
   std::optional<Survivor> survivor() override;
+  std::size_t gradient_bytes() const override;
   void freeze(const std::vector<Optimizer::ParamRange>& frozen) override;
   void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges) override;
   std::vector<Optimizer*> whole_optimizers() override;
