@@ -1,10 +1,12 @@
 // test_zero.cpp — ZeRO stage 1 at the engine level, on 2-4 simulated devices: its parameters, whole
 // optimizer state and losses are plain DDP's bit for bit (SGD with momentum and AdamW, several
 // buckets, a frozen layer, decay groups), each rank keeps a 1/n slice of the state, a checkpoint's
-// whole state goes back into the slices, and a step moves plain DDP's bytes.
+// whole state goes back into the slices, a step moves plain DDP's bytes, and a lost device's slice
+// survives in its host copy.
 #include <cstring>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <optional>
 
 #include "ddp_data.h"
 #include "dp/engines/engine.h"
@@ -134,6 +136,39 @@ TEST_P(ZeroOne, WholeStateGoesBackIntoTheSlices) {
                         std::vector<std::int64_t>(data.y.begin() + 4 * n * per_rank, data.y.end())};
   resumed.train(rest, 4, per_rank);
   EXPECT_TRUE(same_bits(straight.params(), resumed.params()));
+}
+
+// A lost device takes its rank's slice of the state with it, but in one process each rank also
+// keeps a host copy of its part after every step: survivor() puts the last step that every rank
+// kept together on a surviving device, plain DDP's parameters and optimizer state there, bit for bit.
+TEST_P(ZeroOne, ASurvivorHoldsTheLostRanksPartFromItsHostCopy) {
+  const int n = GetParam();
+  const int per_rank = 2, steps = 3;
+  const test::Data data = test::make_data((steps + 1) * n * per_rank, 5);
+  const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};
+  for (const int lost : {0, n - 1}) {
+    SCOPED_TRACE(fmt::format("{} devices, device {} lost", n, lost));
+    ZeroRun plain(n, 0, adamw, {"fc2"}), zero(n, 1, adamw, {"fc2"});
+    plain.train(data, steps, per_rank);
+    zero.train(data, steps, per_rank);
+    zero.runtime->device(lost).lose("the test's");
+    EXPECT_THROW((void)zero.engine->train_step(test::shards(data, steps * n * per_rank, n, per_rank)), Error);
+    const std::optional<Engine::Survivor> survivor = zero.engine->survivor();
+    ASSERT_TRUE(survivor.has_value());
+    EXPECT_EQ(survivor->steps, steps);
+    EXPECT_NE(survivor->device, lost);
+    const Device& device = survivor->model->device();
+    EXPECT_TRUE(
+        same_bits(download(device, survivor->model->params_flat(), survivor->model->param_count()), plain.params()))
+        << "parameters differ";
+    std::vector<float> state;
+    for (const auto& buffer : survivor->optimizer->state()) {
+      const auto v = download(device, buffer.data, survivor->optimizer->param_count());
+      state.insert(state.end(), v.begin(), v.end());
+    }
+    EXPECT_TRUE(same_bits(state, plain.whole_state())) << "optimizer state differs";
+    EXPECT_EQ(survivor->optimizer->steps(), steps);
+  }
 }
 
 TEST(ZeroOneRefuses, AModelThatLeavesARankNothingToUpdate) {
