@@ -474,6 +474,9 @@ EOF2
 fault_row "desync-extra@d1:3" desync-extra@d1:3 4 "collectives desynchronized" 0 10
 fault_row "stall@d1:2:3" stall@d1:2:3 0 "no progress" 1 15
 fault_row "lose@d2:2 (one of 4 devices)" lose@d2:2 0 "4 shards go on from step" 1 15
+# ZeRO-1: the lost device's part of the state comes back from its host copy (not compared with the
+# plain reference: NCCL may sum a reduce-scatter in another order than its all-reduce).
+fault_row "lose@d2:2 --zero 1 (host copies)" lose@d2:2 0 "4 shards go on from step" 0 15 --zero 1
 fault_row "flip-param@d1:2" flip-param@d1:2 8 "global rank 1 (device 1) holds other bits" 0 10
 # Shadow shards: step 2 checks device 2's shard on device 3, device 0 settles it; the run goes on.
 fault_row "flip-gemm@d2:2 (shadow shards)" flip-gemm@d2:2 0 "device 2 computes wrong" 1 15 --shadow-shards 1
