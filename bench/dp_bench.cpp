@@ -14,6 +14,7 @@
 #include "address_space.h"
 #include "dp/io/atomic_file.h"
 #include "dp/runtime/error.h"
+#include "dp/runtime/fault.h"
 #include "dp/runtime/flight_record.h"
 #include "dp_cli.h"
 #include "dp_job.h"
@@ -210,11 +211,21 @@ int run_bench(const Options& o, dp::tools::Job& job) {
   const Data data = synthetic_data(o, setup.devices, models);
   agree_to_start(job, o, setup, models, modes);
   job.collectives_begin();
+  // A lost device planned: the first model and mode lose it and go on, against the same run
+  // undisturbed, before the other runs (the fault is spent then).
+  std::optional<Recovery> recovery;
+  if (dp::FaultPlan::from_environment().has(dp::FaultKind::lose)) {
+    if (o.shards == 0 || job.several())
+      throw UsageError(
+          "DP_FAULT=lose@...: dp_bench measures how a run goes on without the device, which needs --shards V and one "
+          "process (without them a lost device ends the run)");
+    recovery = measure_recovery(o, models.front(), modes.front(), data, setup.devices);
+  }
   std::vector<Run> runs = run_all(*rt, o, models, modes, data, setup.devices, job);
   set_scaling_efficiency(runs);
   job.processes()->barrier();  // process 0's single and dp runs are over
   job.collectives_end();
-  if (job.primary()) report(o, setup, runs);
+  if (job.primary()) report(o, setup, runs, recovery);
   return job.agree(0).value_or(0);
 }
 

@@ -9,12 +9,14 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <span>
 #include <utility>
 
 #include "dp/engines/ddp.h"
 #include "dp/engines/engine.h"
+#include "dp/io/training_state.h"
 #include "dp/models/registry.h"
 #include "dp/nn/model.h"
 #include "dp/runtime/shape.h"
@@ -440,6 +442,73 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   run.phases = phases.mean();
   apply_chunks(parallel->last_chunks(), run);
   return run;
+}
+
+Recovery measure_recovery(const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
+                          int devices) {
+  using clock = std::chrono::steady_clock;
+  const auto ms = [](clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  Recovery out;
+  out.model = model_name;
+  out.mode = fmt::format("{}/{}", mode, o.shards);
+  out.steps = o.warmup + o.steps;
+  const dp::EngineKind kind = dp::parse_engine_kind(mode);
+  const dp::OptimizerOptions optimizer = o.optimizer == dp::tools::OptimizerKind::adamw
+                                             ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
+                                             : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
+  const auto one_run = [&](bool disturbed) {
+    int count = devices;
+    auto rt = make_runtime(o, count);
+    Run run = new_run(o, model_name, kind, devices, 1);
+    auto model = model_spec(model_name).build(rt->device(0), model_args(o, model_name), o.seed);
+    dp::EngineOptions options = engine_options(o, kind, run, nullptr);
+    auto engine = dp::make_engine(*rt, *model, optimizer, options);
+    std::vector<dp::Batch> batches = pinned_batches(*rt, *engine, data, run.global_batch);
+    const auto start = clock::now();
+    for (int k = 0; k < out.steps; ++k) {
+      try {
+        (void)engine->train_step(batches);
+      } catch (const dp::Error&) {
+        // Lost: the survivors take the state of the last step they hold whole and redo this one.
+        const auto failed = clock::now();
+        std::vector<int> survivors;
+        for (const int id : run.device_ids)
+          if (rt->device(id).lost())
+            out.device = id;
+          else
+            survivors.push_back(id);
+        const std::optional<dp::Engine::Survivor> survivor = engine->survivor();
+        if (!disturbed || out.device < 0 || !survivor) throw;
+        out.step = k + 1;
+        const dp::TrainingState state = dp::TrainingState::capture(*survivor->model, *survivor->optimizer, {});
+        batches.clear();
+        engine.reset();
+        model = model_spec(model_name).build(rt->device(survivors.front()), model_args(o, model_name), o.seed);
+        state.load_model(*model);
+        options.device_ids = survivors;
+        options.uneven_shards = true;
+        engine = dp::make_engine(*rt, *model, optimizer, options);
+        state.load_optimizers(*model, engine->whole_optimizers());
+        engine->whole_optimizers_loaded();
+        batches = pinned_batches(*rt, *engine, data, run.global_batch);
+        out.devices = survivors;
+        const auto rebuilt = clock::now();
+        (void)engine->train_step(batches);
+        out.rebuild_ms = ms(rebuilt - failed);
+        out.redone_step_ms = ms(clock::now() - rebuilt);
+      }
+    }
+    engine->synchronize();
+    return ms(clock::now() - start);
+  };
+  out.disturbed_ms = one_run(true);
+  if (out.device < 0)
+    throw UsageError(
+        fmt::format("DP_FAULT's lose fault did not fire in {} steps of {} {} (its step is counted "
+                    "from 1 over --warmup and --steps)",
+                    out.steps, model_name, out.mode));
+  out.undisturbed_ms = one_run(false);
+  return out;
 }
 
 }  // namespace dp_bench

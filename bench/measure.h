@@ -136,6 +136,26 @@ struct Run {
   double trace_offset_ms = 0;
 };
 
+// A run that loses a device (DP_FAULT=lose@...) under --shards and goes on without it, against the
+// same run undisturbed: what the loss costs (dp_train's recovery, in one process: the survivors' state
+// to the host, an engine on the survivors, the state back, the failed step again).
+struct Recovery {
+  std::string model, mode;
+  int steps = 0;              // warm-up and measured steps, each run
+  int device = -1;            // the device lost
+  std::int64_t step = 0;      // the step that failed (1-based)
+  std::vector<int> devices;   // the survivors
+  double rebuild_ms = 0;      // from the failure to the engine on the survivors, with the state
+  double redone_step_ms = 0;  // the failed step, again, on the survivors
+  double disturbed_ms = 0;    // the whole run with the loss
+  double undisturbed_ms = 0;  // the same steps on every device, none lost
+};
+
+// `mode` with --shards over devices 0..devices-1 in a runtime of its own (the lost device stays
+// lost there), the run with DP_FAULT's lose fault first (the fault is then spent), then undisturbed.
+Recovery measure_recovery(const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
+                          int devices);
+
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
 // source and output device, DDP's rank 0), picked once as an Engine and driven through it.
 // Under mpirun, ddp spans every process (`processes`), and every device's figures end up on all.

@@ -22,6 +22,8 @@ using json = nlohmann::json;
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, steps, warmup, bucket_cap_mb, first_bucket_mb,
                                    seed, precision)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Recovery, model, mode, steps, device, step, devices, rebuild_ms, redone_step_ms,
+                                   disturbed_ms, undisturbed_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
                                    tokens_per_sample, tokens_per_s, buffers_bytes, activation_bytes_per_sample,
                                    optimizer_state_bytes, gradient_bytes, samples_per_s, wall_ms, step_ms,
@@ -120,6 +122,15 @@ void print_table(const std::vector<Column>& columns, const std::vector<std::vect
   };
   line([&](std::size_t i) { return std::string(columns[i].title); });
   for (const auto& row : rows) line([&](std::size_t i) { return row[i]; });
+}
+
+void print_recovery(const Recovery& r) {
+  fmt::print(
+      "\nlost device (DP_FAULT): {} {}, device {} lost in step {} of {}: the survivors [{}] trained again {:.1f} ms "
+      "after the failure (their state to the host, an engine on them, the state back) and redid the step in "
+      "{:.1f} ms; the run took {:.1f} ms against {:.1f} ms undisturbed ({:+.1f} ms)\n",
+      r.model, r.mode, r.device, r.step, r.steps, fmt::join(r.devices, ","), r.rebuild_ms, r.redone_step_ms,
+      r.disturbed_ms, r.undisturbed_ms, r.disturbed_ms - r.undisturbed_ms);
 }
 
 void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
@@ -329,7 +340,8 @@ std::vector<std::string> hosts(const std::vector<Run>& runs) {
   return out;
 }
 
-json report_json(const Options& o, const Setup& setup, const std::vector<Run>& runs) {
+json report_json(const Options& o, const Setup& setup, const std::vector<Run>& runs,
+                 const std::optional<Recovery>& recovery) {
   json j = o;
   // The named values as their flags spell them.
   j["amp"] = std::string(dp::to_string(o.amp));
@@ -346,6 +358,7 @@ json report_json(const Options& o, const Setup& setup, const std::vector<Run>& r
   j["pipeline_requested"] = o.pipeline;
   j["runs"] = json::array();
   for (const Run& r : runs) j["runs"].push_back(run_json(r));
+  if (recovery) j["recovery"] = *recovery;
   return j;
 }
 
@@ -435,9 +448,10 @@ void write_file(const std::string& path, const json& j) {
 
 }  // namespace
 
-void report(const Options& o, const Setup& setup, std::vector<Run>& runs) {
+void report(const Options& o, const Setup& setup, std::vector<Run>& runs, const std::optional<Recovery>& recovery) {
   const json trace = trace_json(runs);
   print_run_table(runs, setup);
+  if (recovery) print_recovery(*recovery);
   print_device_table(runs);
   print_host_work_table(runs);
   print_phase_table(runs);
@@ -450,7 +464,7 @@ void report(const Options& o, const Setup& setup, std::vector<Run>& runs) {
     if (setup.processes > 1) fmt::print("  (the trace holds process 0's devices)\n");
   }
   if (!o.json_path.empty()) {
-    write_file(o.json_path, report_json(o, setup, runs));
+    write_file(o.json_path, report_json(o, setup, runs, recovery));
     fmt::print("json: {}\n", o.json_path);
   }
 }

@@ -2,6 +2,7 @@
 // the Chrome/Perfetto trace of the measured steps.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@ struct Setup {
 
 // Prints the tables, then writes --trace and --json where asked (process 0 alone calls it). The
 // trace is laid out first: it assigns each run's trace offset, which the JSON reports.
-void report(const Options& o, const Setup& setup, std::vector<Run>& runs);
+// `recovery`: the run that lost a device, where DP_FAULT planned it (measure_recovery).
+void report(const Options& o, const Setup& setup, std::vector<Run>& runs, const std::optional<Recovery>& recovery);
 
 }  // namespace dp_bench

@@ -44,10 +44,12 @@ struct Result {
   std::string out, err;
 };
 
-// Runs dp_bench with `args` (already shell-quoted where needed), capturing stdout and stderr.
-Result run_bench(const TempDir& dir, const std::string& args) {
+// Runs dp_bench with `args` (already shell-quoted where needed), capturing stdout and stderr; `env`
+// (VAR=value ...) in its environment.
+Result run_bench(const TempDir& dir, const std::string& args, const std::string& env = "") {
   const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
-  const std::string command = fmt::format("'{}' {} >'{}' 2>'{}'", DP_BENCH_BIN, args, out.string(), err.string());
+  const std::string command =
+      fmt::format("{} '{}' {} >'{}' 2>'{}'", env, DP_BENCH_BIN, args, out.string(), err.string());
   const int status = std::system(command.c_str());
   Result r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
@@ -488,6 +490,37 @@ TEST(Bench, ZeroOneSendsDdpsBytesAndKeepsASliceOfTheState) {
 
 // --check-cost: each ddp run is measured with the collectives' signature check off too, in
 // alternation, and the cost is printed and in the JSON beside the checked figure.
+// DP_FAULT=lose@... with --shards: the first model and mode lose the device and go on without it,
+// timed against the same run undisturbed (the rebuild, the redone step, both runs' time), before
+// the measured runs, which the spent fault leaves whole.
+TEST(Bench, ALostDeviceIsMeasuredAgainstTheUndisturbedRun) {
+  TempDir dir("recovery");
+  const fs::path json_path = dir / "report.json";
+  const std::string args = "--backend sim --devices 3 --models mlp --modes ddp --batch-size 2 --steps 3 --warmup 1";
+  const Result r =
+      run_bench(dir, fmt::format("{} --shards 6 --json '{}'", args, json_path.string()), "DP_FAULT=lose@d1:3");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("lost device (DP_FAULT): mlp ddp/6, device 1 lost in step 3 of 4: the survivors [0,2]"),
+            std::string::npos)
+      << r.out;
+  const json report = json::parse(read_file(json_path));
+  const json& recovery = report.at("recovery");
+  EXPECT_EQ(recovery.at("device"), 1);
+  EXPECT_EQ(recovery.at("step"), 3);
+  EXPECT_EQ(recovery.at("steps"), 4);
+  EXPECT_EQ(recovery.at("devices"), json::parse("[0,2]"));
+  for (const char* figure : {"rebuild_ms", "redone_step_ms", "disturbed_ms", "undisturbed_ms"})
+    EXPECT_GT(recovery.at(figure).get<double>(), 0.0) << figure;
+  EXPECT_EQ(find_run(report, "mlp", "ddp/6").at("devices"), 3);  // the fault is spent
+  // Without --shards a lost device ends the run; a fault past the run's steps never fires.
+  const Result plain = run_bench(dir, args, "DP_FAULT=lose@d1:3");
+  EXPECT_EQ(plain.exit_code, 2) << plain.out << plain.err;
+  EXPECT_NE(plain.err.find("needs --shards V and one process"), std::string::npos) << plain.err;
+  const Result late = run_bench(dir, args + " --shards 6", "DP_FAULT=lose@d1:99");
+  EXPECT_EQ(late.exit_code, 2) << late.out << late.err;
+  EXPECT_NE(late.err.find("did not fire in 4 steps"), std::string::npos) << late.err;
+}
+
 TEST(Bench, TheCheckCostIsMeasuredBesideTheCheckedRun) {
   TempDir dir("check_cost");
   const fs::path json_path = dir / "report.json";
