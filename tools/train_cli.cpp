@@ -349,7 +349,8 @@ FlagGroup<O> output_flags() {
           {.name = "--tokenizer",
            .value = flag::text<O>(&O::tokenizer, "FILE"),
            .help = "--generate: llm.c's tokenizer file (gpt2_tokenizer.bin), which decodes a vocabulary larger than "
-                   "bytes (an llm.c checkpoint's); each sample starts at its <|endoftext|>, as llm.c's do",
+                   "bytes (an llm.c checkpoint's) and encodes --prompt by its longest tokens (the file holds no BPE "
+                   "merges); without --prompt each sample starts at its <|endoftext|>, as llm.c's do",
            .torch = "llm.c's tokenizer_init and tokenizer_decode"},
           {.name = "--temperature",
            .value = flag::number<O>(&O::temperature, flag::kPositive, "T"),
@@ -398,7 +399,6 @@ void relate(dp::tools::CommandLine& cli) {
   cli.option("--init-non-strict")->needs(cli.option("--init"));
   for (const char* flag : {"--prompt", "--temperature", "--top-k", "--num-samples", "--tokenizer"})
     cli.option(flag)->needs("--generate");
-  cli.option("--tokenizer")->excludes("--prompt");  // llm.c's file decodes only: no prompt can be encoded
   for (const char* flag : {"--save-every", "--save-every-epoch", "--keep"}) cli.option(flag)->needs("--save");
 }
 

@@ -173,13 +173,23 @@ int generate_text(const Options& o, dp::Engine& engine) {
   if (drawn > vocab)
     throw UsageError(fmt::format("--tokenizer {} holds {} tokens, more than the {} of {}'s vocabulary", o.tokenizer,
                                  drawn, vocab, o.init));
+  // The prompt's bytes, or with llm.c's tokenizer its longest tokens (Tokenizer::encode: nanoGPT's
+  // sample.py starts from the prompt's tokens alone; llm.c, which has no prompt, from <|endoftext|>).
+  std::vector<int> prompt(o.prompt.begin(), o.prompt.end());
+  for (int& t : prompt) t = static_cast<unsigned char>(t);
+  if (tokenizer) {
+    try {
+      prompt = tokenizer->encode(o.prompt);
+    } catch (const dp::Error& e) {
+      throw UsageError(fmt::format("--prompt: {} {}", e.what(), o.tokenizer));
+    }
+  }
+  if (prompt.empty()) prompt.push_back(tokenizer ? tokenizer->eot : '\n');
   std::mt19937_64 rng(o.seed);  // one stream over every sample
   std::vector<float> window(context);
   // As nanoGPT's sample.py prints them: the prompt, then its continuation; samples apart by a rule.
   for (int sample = 0; sample < o.num_samples; ++sample) {
-    std::vector<int> tokens(o.prompt.begin(), o.prompt.end());
-    for (int& t : tokens) t = static_cast<unsigned char>(t);
-    if (tokens.empty()) tokens.push_back(tokenizer ? tokenizer->eot : '\n');
+    std::vector<int> tokens = prompt;
     say("{}", o.prompt);
     for (long i = 0; i < o.generate; ++i) {
       const std::size_t n = std::min(tokens.size(), context);

@@ -4,8 +4,11 @@
 // Whatever it holds, a model read has llm.c's layout and finite sizes, a shard's samples lie inside
 // it with ids below the vocabulary, or the reader throws dp::Error — never a crash or a read out of
 // bounds (the shard is mapped: a read past it would fault).
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "dp/io/llmc.h"
@@ -21,6 +24,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (tokenizer.eot < 0 || static_cast<std::size_t>(tokenizer.eot) >= tokenizer.tokens.size()) __builtin_trap();
       for (std::size_t id = 0; id < tokenizer.tokens.size(); ++id)
         if (tokenizer.tokens[id].empty() || tokenizer.printable(static_cast<int>(id)).size() > 255) __builtin_trap();
+      // The file's own bytes as a prompt: what encodes decodes back to them.
+      const std::string_view text(reinterpret_cast<const char*>(data + 1), std::min<std::size_t>(size - 1, 4096));
+      try {
+        std::string decoded;
+        for (const int id : tokenizer.encode(text)) decoded += tokenizer.tokens.at(static_cast<std::size_t>(id));
+        if (decoded != text) __builtin_trap();
+      } catch (const dp::Error&) {  // a byte no token starts with
+      }
       return 0;
     }
     if (data[0] % 2 == 0) {

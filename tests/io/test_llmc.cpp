@@ -201,6 +201,28 @@ std::string tokenizer_file(const std::vector<std::string>& tokens, std::int32_t 
   return out;
 }
 
+// The file holds no merges: a text goes in as the longest token at each place (the lowest id of
+// equal ones), and its ids decode to the text's bytes; a byte no token starts with is named.
+TEST(Llmc, TheTokenizerEncodesATextByItsLongestTokens) {
+  dp::llmc::Tokenizer t;
+  t.tokens = {"t", "h", "e", " ", "th", "the", " the", "e ", "the", "x"};
+  t.eot = 9;
+  EXPECT_EQ(t.encode("the the"), (std::vector<int>{5, 6}));
+  EXPECT_EQ(t.encode("thee the"), (std::vector<int>{5, 7, 5}));
+  EXPECT_EQ(t.encode(""), std::vector<int>{});
+  for (const std::string text : {"the the", "thee the", "t h e", "ethe "}) {
+    std::string decoded;
+    for (const int id : t.encode(text)) decoded += t.tokens[static_cast<std::size_t>(id)];
+    EXPECT_EQ(decoded, text);
+  }
+  try {
+    (void)t.encode("the\x01");
+    ADD_FAILURE() << "no error";
+  } catch (const dp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("byte 3 (0x01) of the text starts no token"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Llmc, TheTokenizerFileIsReadAsLlmcReadsItAndItsFlawsNamed) {
   dp::test::TempDir dir("llmc_tokenizer");
   const auto file = [&](const std::string& name, const std::string& bytes) {

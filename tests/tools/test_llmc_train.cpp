@@ -125,8 +125,8 @@ TEST_F(LlmcTrain, BadLlmcFilesAreRefusedAndNothingIsWritten) {
 // file trains as the llm.c one does (its metadata carries the sizes and the GELU).
 // A vocabulary larger than bytes (an llm.c checkpoint's) samples with llm.c's tokenizer file: from
 // <|endoftext|>, among the vocabulary's ids only (the padded rows of the table never, though here
-// they would win every draw), each token printed as its bytes. Without the tokenizer, or with a
-// prompt it cannot encode, the run is refused.
+// they would win every draw), each token printed as its bytes; a prompt encoded by its longest
+// tokens. Without the tokenizer, or with a prompt it cannot encode, the run is refused.
 TEST_F(LlmcTrain, GenerationDecodesAnLlmcVocabularyWithItsTokenizer) {
   const dp::llmc::ModelConfig config{16, 300, 1, 2, 16, 384};  // Vp: 300 padded to 128s, as llm.c pads
   dp::safetensors::File model;
@@ -168,8 +168,20 @@ TEST_F(LlmcTrain, GenerationDecodesAnLlmcVocabularyWithItsTokenizer) {
   const Result bytes = generate("");
   EXPECT_EQ(bytes.code, 2) << bytes.output;
   expect_has(bytes.output, "has a vocabulary of 300 tokens, not bytes: give llm.c's tokenizer file");
+  // A prompt goes in as the longest tokens at each place: "[12][7]" is ids 12 and 7 (not 1 first).
+  const Result prompted = generate("--tokenizer tokenizer.bin --seed 3 --prompt '[12][7]'");
+  ASSERT_EQ(prompted.code, 0) << prompted.output;
+  std::vector<int> continued;
+  for (auto it = std::sregex_iterator(prompted.output.begin(), prompted.output.end(), piece);
+       it != std::sregex_iterator(); ++it)
+    continued.push_back(std::stoi((*it)[1]));
+  ASSERT_EQ(continued.size(), 42u) << prompted.output;
+  EXPECT_EQ(continued[0], 12);
+  EXPECT_EQ(continued[1], 7);
+  EXPECT_NE(std::vector<int>(continued.begin() + 2, continued.end()), ids) << "the prompt changes the sample";
   const Result prompt = generate("--tokenizer tokenizer.bin --prompt hello");
   EXPECT_EQ(prompt.code, 2) << prompt.output;
+  expect_has(prompt.output, "--prompt: byte 0 (0x68) of the text starts no token of the tokenizer tokenizer.bin");
   const Result broken = generate("--tokenizer model.bin");
   EXPECT_EQ(broken.code, 2) << broken.output;
   expect_has(broken.output, "not llm.c's tokenizer file");

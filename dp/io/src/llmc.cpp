@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 #include <tuple>
 #include <unistd.h>
+#include <unordered_map>
 
 #include "dp/io/atomic_file.h"
 #include "dp/runtime/error.h"
@@ -263,6 +264,29 @@ Tokenizer read_tokenizer(const std::string& path) {
   }
   if (at != size) throw Error(fmt::format("{}: {} bytes after its {} tokens (trailing bytes)", path, size - at, count));
   return tokenizer;
+}
+
+std::vector<int> Tokenizer::encode(std::string_view text) const {
+  std::unordered_map<std::string_view, int> ids;
+  std::size_t longest = 0;
+  for (std::size_t id = tokens.size(); id-- > 0;) {  // the lowest id of equal tokens last, so it stays
+    ids[tokens[id]] = static_cast<int>(id);
+    longest = std::max(longest, tokens[id].size());
+  }
+  std::vector<int> out;
+  for (std::size_t at = 0; at < text.size();) {
+    std::size_t length = std::min(longest, text.size() - at);
+    for (; length > 0; --length)
+      if (const auto found = ids.find(text.substr(at, length)); found != ids.end()) {
+        out.push_back(found->second);
+        break;
+      }
+    if (length == 0)
+      throw Error(fmt::format("byte {} (0x{:02x}) of the text starts no token of the tokenizer", at,
+                              static_cast<unsigned char>(text[at])));
+    at += length;
+  }
+  return out;
 }
 
 std::string Tokenizer::printable(int id) const {

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -80,13 +81,18 @@ class TokenShard {
 };
 
 // llm.c's tokenizer file (gpt2_tokenizer.bin, written by its train_gpt2.py): every token's bytes,
-// and the <|endoftext|> id. Like llm.c's own it decodes only: ids to bytes.
+// and the <|endoftext|> id. The file holds no BPE merges, so llm.c's own decodes only.
 struct Tokenizer {
   std::vector<std::string> tokens;  // by id; none empty
   int eot = 0;                      // <|endoftext|>
   // llm.c's safe_printf: a token of one byte that is neither printable nor white space prints as
   // nothing (a lone control byte, half of a UTF-8 character); any other token, its bytes.
   std::string printable(int id) const;
+  // `text` as ids whose bytes, one after another, are `text`: at each place the longest token that
+  // starts there (the lowest id of equal ones). Without GPT-2's merges this is not tiktoken's BPE,
+  // which may cut a word otherwise; every id decodes to the text's own bytes all the same. Throws
+  // dp::Error naming the first byte no token starts with (GPT-2's 256 byte tokens cover them all).
+  std::vector<int> encode(std::string_view text) const;
 };
 // Throws dp::Error naming `path` and what is wrong: not a regular file, a short header, the wrong
 // magic, a version other than 1 (GPT-2's 50257 tokens, <|endoftext|> 50256) or 2 (the id in the
