@@ -49,12 +49,41 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
   const bool buffers = rank(0).model->buffers_bytes() > 0;
   // The step that failed may still wait in a collective for what will never come.
   abort_communicators();
-  struct Held {
-    int r;
-    std::int64_t done;                      // updates completed
-    std::optional<std::int64_t> own, copy;  // the step whose buffers its own (its copy) are
-  };
-  std::vector<Held> held;
+  const std::vector<Holding> held = holdings();
+  // The latest step whose whole state survives: each survivor's own (its update count) or, under
+  // ZeRO, one the host copies hold; and a survivor holding that step's buffers.
+  std::vector<std::int64_t> steps = zero ? updates_->kept_steps() : std::vector<std::int64_t>{};
+  if (!zero)
+    for (const Holding& h : held) steps.push_back(h.done);
+  std::ranges::sort(steps, std::greater<>());
+  const Holding* best = nullptr;
+  std::int64_t best_steps = -1;
+  bool from_copy = false;
+  for (const std::int64_t step : steps) {
+    for (const Holding& h : held) {
+      if (!zero && h.done != step) continue;
+      if (!buffers || h.own == step || h.copy == step) {
+        best = &h, best_steps = step, from_copy = buffers && h.own != step;
+        break;
+      }
+    }
+    if (best) break;
+  }
+  if (!best) return std::nullopt;
+  Rank& mine = rank(best->r);
+  Device& device = group_.device(best->r);
+  if (from_copy) {
+    const Stream writer = device.create_stream();
+    writer.copy(mine.model->buffers_flat(), mine.step_start_buffers.data(), mine.model->buffers_bytes());
+    writer.synchronize();
+  }
+  Optimizer* optimizer = zero ? updates_->restore_kept(best_steps, best->r, *mine.model) : mine.optimizer;
+  optimizer->set_steps(best_steps);
+  return Survivor{mine.model, optimizer, best_steps, group_.device_ids()[static_cast<std::size_t>(best->r)]};
+}
+
+std::vector<ReplicaEngine::Holding> ReplicaEngine::holdings() {
+  std::vector<Holding> held;
   for (int r = 0; r < group_.size(); ++r) {
     Device& device = group_.device(r);
     if (device.lost()) continue;
@@ -76,7 +105,7 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
     } catch (...) {
       continue;
     }
-    Held h{r, counted_from_ + static_cast<std::int64_t>(counts[0]), {}, {}};
+    Holding h{r, counted_from_ + static_cast<std::int64_t>(counts[0]), {}, {}};
     // A step began after the last one completed here when its copy ran (so its forward may have
     // too); else nothing has touched the buffers since that step.
     const bool copied = counts[2] >= 0 && mine.step_start_buffers.size() > 0;
@@ -87,36 +116,7 @@ std::optional<Engine::Survivor> ReplicaEngine::survivor() {
       h.copy = counted_from_ + static_cast<std::int64_t>(counts[2]);
     held.push_back(h);
   }
-  // The latest step whose whole state survives: each survivor's own (its update count) or, under
-  // ZeRO, one the host copies hold; and a survivor holding that step's buffers.
-  std::vector<std::int64_t> steps = zero ? updates_->kept_steps() : std::vector<std::int64_t>{};
-  if (!zero)
-    for (const Held& h : held) steps.push_back(h.done);
-  std::ranges::sort(steps, std::greater<>());
-  const Held* best = nullptr;
-  std::int64_t best_steps = -1;
-  bool from_copy = false;
-  for (const std::int64_t step : steps) {
-    for (const Held& h : held) {
-      if (!zero && h.done != step) continue;
-      if (!buffers || h.own == step || h.copy == step) {
-        best = &h, best_steps = step, from_copy = buffers && h.own != step;
-        break;
-      }
-    }
-    if (best) break;
-  }
-  if (!best) return std::nullopt;
-  Rank& mine = rank(best->r);
-  Device& device = group_.device(best->r);
-  if (from_copy) {
-    const Stream writer = device.create_stream();
-    writer.copy(mine.model->buffers_flat(), mine.step_start_buffers.data(), mine.model->buffers_bytes());
-    writer.synchronize();
-  }
-  Optimizer* optimizer = zero ? updates_->restore_kept(best_steps, best->r, *mine.model) : mine.optimizer;
-  optimizer->set_steps(best_steps);
-  return Survivor{mine.model, optimizer, best_steps, group_.device_ids()[static_cast<std::size_t>(best->r)]};
+  return held;
 }
 
 void ReplicaEngine::inject_update_faults() {

@@ -177,6 +177,15 @@ class ReplicaEngine : public Engine {
   // verify_step on the caller between them.
   void run_eager_step(int slot, std::span<const Batch> batches, bool sync, bool broadcast, bool verified);
 
+  // What a surviving rank holds once its work ended (Note [a survivor's state]): its updates
+  // completed, and the steps whose running statistics its own buffers and its step-start copy are
+  // (rank 0's, or every rank's where they are the same).
+  struct Holding {
+    int r;
+    std::int64_t done;
+    std::optional<std::int64_t> own, copy;
+  };
+  std::vector<Holding> holdings();
   // Counts every rank's completed updates from zero, `steps` being the optimizers' count there.
   void restart_update_counts(std::int64_t steps);
   // What the ranks' updates keep of the state beyond the devices once the steps enqueued so far ran
