@@ -38,6 +38,7 @@
 #include "dp/models/registry.h"
 #include "dp/nn/lr_schedule.h"
 #include "dp/runtime/device.h"
+#include "dp/runtime/fault.h"
 #include "dp/runtime/process_group.h"
 #include "dp/runtime/shape.h"
 #include "dp_cli.h"
@@ -198,6 +199,12 @@ Checked validate_options(const Options& o) {
     throw UsageError(fmt::format("--dropout applies to --model {}", models_taking(dp::models::ModelArg::dropout)));
   if (const std::string why = dp::tools::misapplied_flag(o, dp::to_string(o.mode)); !why.empty()) throw UsageError(why);
   if (o.output_device && o.mode != dp::EngineKind::dp) throw UsageError("--output-device applies to --mode dp only");
+  // The one-device trainer has no device thread or collective for a fault to act on: refused, not ignored.
+  if (o.mode == dp::EngineKind::single && o.shards == 0 && !dp::FaultPlan::from_environment().empty())
+    throw UsageError(
+        fmt::format("DP_FAULT {}: --mode single runs none of its faults (they act on the devices of "
+                    "--mode dp and ddp, and of every mode with --shards)",
+                    dp::FaultPlan::from_environment().faults().front().text()));
   if (!o.normalize.empty()) checked.normalize = parse_normalize(o.normalize);
   check_data_options(o);
   if (const std::string why = misapplied_model_flag(o); !why.empty()) throw UsageError(why);

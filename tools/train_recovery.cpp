@@ -93,7 +93,8 @@ std::optional<int> after_device_lost(const Options& o, const Plan& plan, dp::Eng
   if (!survivor) {
     const std::string_view kind = engine.name();
     say("dp_train: {}; no surviving device holds the whole training state ({}): nothing written\n", why,
-        o.zero > 0 && g_job.several()
+        survivors.empty() ? std::string("it was this process's only device")
+        : o.zero > 0 && g_job.several()
             ? std::string("ZeRO spreads the optimizer state over the processes, and host copies of it are kept in one "
                           "process only")
         : kind == "ddp" || kind == "fixed shards" ? std::string("rank 0 alone held the last step's running statistics")

@@ -160,6 +160,11 @@ TEST_F(Faults, DataParallelDevicesTakeTheDeviceFaults) {
   expect_has(train("DP_FAULT=lose@d1:3:optimizer", "", "dp").r.output,
              "DP_FAULT lose@d1:3:optimizer: DataParallel's optimizer runs on the source device (0) alone");
   EXPECT_FALSE(std::filesystem::exists(path("never.safetensors")));
+  // The one-device trainer has nothing a fault acts on: refused, not ignored.
+  const Timed single = train("DP_FAULT=lose@d0:2", "--save " + path("never.safetensors"), "single");
+  EXPECT_EQ(single.r.code, 2) << single.r.output;
+  expect_has(single.r.output, "DP_FAULT lose@d0:2:backward: --mode single runs none of its faults");
+  EXPECT_FALSE(std::filesystem::exists(path("never.safetensors")));
 }
 
 TEST_F(Faults, MalformedSettingsAreRefusedBeforeAnyWork) {
