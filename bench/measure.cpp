@@ -19,6 +19,7 @@
 #include "dp/io/training_state.h"
 #include "dp/models/registry.h"
 #include "dp/nn/model.h"
+#include "dp/runtime/flight_record.h"
 #include "dp/runtime/shape.h"
 
 namespace dp_bench {
@@ -226,9 +227,15 @@ void measure(dp::Runtime& rt, const Options& o, Run& run, const Submit& submit, 
   run.pipelined = o.pipeline && !after_step;
   run.t0 = now_ns();
   HostWork work(rt, run.device_ids);
+  const dp::CollectiveCheckTotals checks_before = dp::collective_check_totals();
   const std::vector<dp::StepLoss> losses = run_steps(rt, o, run, submit, after_step, work);
   run.loss_first = losses.front().get();
   run.loss_last = losses.back().get();
+  const dp::CollectiveCheckTotals checks_after = dp::collective_check_totals();
+  const double steps = std::max(1, o.steps);
+  run.check_agreements_per_step = static_cast<double>(checks_after.agreements - checks_before.agreements) / steps;
+  run.check_us_per_step = static_cast<double>(checks_after.ns - checks_before.ns) * 1e-3 / steps /
+                          static_cast<double>(std::max<std::size_t>(1, run.device_ids.size()));
   rt.set_profiling(false);
   run.spans = rt.take_trace();
   summarise_steps(o, run);

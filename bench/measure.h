@@ -120,6 +120,9 @@ struct Run {
   std::optional<double> unchecked_replicas_samples_per_s;
   // --check-cost with --shards and --shadow-shards K <= --steps: the same run without shadow shards.
   std::optional<double> unshadowed_samples_per_s;
+  // The collectives' signature check over the measured steps, per step (dp::collective_check_totals,
+  // this process): agreements summed over its ranks, and their host time per rank in microseconds.
+  double check_agreements_per_step = 0, check_us_per_step = 0;
   bool graphs = false;     // every measured step was a replayed graph
   bool pipelined = false;  // measured steps submitted without waiting (--pipeline)
   std::vector<PerDevice> per_device;

@@ -28,7 +28,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_
                                    tokens_per_sample, tokens_per_s, buffers_bytes, activation_bytes_per_sample,
                                    optimizer_state_bytes, gradient_bytes, samples_per_s, wall_ms, step_ms,
                                    step_ms_median, step_ms_p90, step_ms_p10, step_spread, step_ms_mean, loss_first,
-                                   loss_last, graphs, pipelined, trace_offset_ms)
+                                   loss_last, graphs, pipelined, check_agreements_per_step, check_us_per_step,
+                                   trace_offset_ms)
 
 namespace {
 
@@ -216,13 +217,18 @@ void print_host_work_table(const std::vector<Run>& runs) {
     std::vector<std::string> row = {r.model, r.mode};
     for (const auto& f : kCounterFigures) row.push_back(fixed(counter_total(r, f), 1));
     row.push_back(r.graphs ? "yes" : "no");
+    row.push_back(fixed(r.check_agreements_per_step, 1));
+    row.push_back(fixed(r.check_us_per_step, 1));
     rows.push_back(row);
   }
   fmt::print(
-      "\nhost work per step (summed over devices; submits: the busiest device; a replayed graph is one launch)\n");
+      "\nhost work per step (summed over devices; submits: the busiest device; a replayed graph is one launch;\n"
+      "checks: the collectives' signature agreements, summed over this process's ranks, and their host us per rank,\n"
+      "waiting for the last rank included: a captured call is checked once, its replays never)\n");
   // One column per kCounterFigures entry, in its order.
   const std::vector<Column> columns = {{"model", -8},       {"mode", -6},    {"launches", 9}, {"host syncs", 11},
-                                       {"allocations", 12}, {"pageable", 9}, {"submits", 8},  {"graphs", 7}};
+                                       {"allocations", 12}, {"pageable", 9}, {"submits", 8},  {"graphs", 7},
+                                       {"checks", 7},       {"check us", 9}};
   print_table(columns, rows);
 }
 

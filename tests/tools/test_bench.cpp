@@ -552,6 +552,23 @@ TEST(Bench, TheCheckCostIsMeasuredBesideTheCheckedRun) {
   EXPECT_NE(shadow.out.find("mlp      shadow shards every 1 step(s) costs "), std::string::npos) << shadow.out;
   EXPECT_GT(find_run(json::parse(read_file(json_path)), "mlp", "ddp/2").at("unshadowed_samples_per_s").get<double>(),
             0.0);
+  // The check's own figures: eager steps agree on every call (each rank: each bucket, and the step's
+  // end, where a rank that skipped a call is caught), and a run with the check off makes none.
+  const std::string eager =
+      "--backend sim --devices 2 --models mlp --modes ddp --batch-size 4 --steps 2 --warmup 1 "
+      "--graphs off --check-replicas 0 --json '" +
+      json_path.string() + "'";
+  ASSERT_EQ(run_bench(dir, eager).exit_code, 0);
+  const json checked_report = json::parse(read_file(json_path));
+  const json& checked = find_run(checked_report, "mlp", "ddp");
+  EXPECT_EQ(checked.at("check_agreements_per_step").get<double>(),
+            2.0 * (checked.at("ddp_buckets").get<double>() + 1.0));
+  EXPECT_GT(checked.at("check_us_per_step").get<double>(), 0.0);
+  ASSERT_EQ(run_bench(dir, eager, "DP_CHECK_COLLECTIVES=0").exit_code, 0);
+  const json unchecked_report = json::parse(read_file(json_path));
+  const json& unchecked = find_run(unchecked_report, "mlp", "ddp");
+  EXPECT_EQ(unchecked.at("check_agreements_per_step").get<double>(), 0.0);
+  EXPECT_EQ(unchecked.at("check_us_per_step").get<double>(), 0.0);
 }
 
 // --shards V: every mode runs V shards of --batch-size (a global batch of V x --batch-size, named

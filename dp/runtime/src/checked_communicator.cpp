@@ -190,7 +190,12 @@ class CheckedCommunicator final : public Communicator {
     FlightRecorder& record = FlightRecorder::process();
     const std::uint64_t id = record.issued(entry);
     try {
-      if (checked_) agree(rank, seq, step, signature);
+      if (checked_) {
+        const auto arrived = std::chrono::steady_clock::now();
+        agree(rank, seq, step, signature);
+        count_collective_check(static_cast<std::uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - arrived).count()));
+      }
     } catch (...) {
       record.done(entry.global_rank, id, true);
       throw;

@@ -85,6 +85,17 @@ std::atomic<int> checked_override{-1};  // -1: DP_CHECK_COLLECTIVES decides
 
 void set_collectives_checked(bool on) { checked_override.store(on ? 1 : 0); }
 
+namespace {
+std::atomic<std::uint64_t> check_agreements{0}, check_ns{0};
+}  // namespace
+
+CollectiveCheckTotals collective_check_totals() { return {check_agreements.load(), check_ns.load()}; }
+
+void count_collective_check(std::uint64_t ns) {
+  check_agreements.fetch_add(1, std::memory_order_relaxed);
+  check_ns.fetch_add(ns, std::memory_order_relaxed);
+}
+
 bool collectives_checked() {
   if (const int forced = checked_override.load(); forced >= 0) return forced == 1;
   static const int value = [] {

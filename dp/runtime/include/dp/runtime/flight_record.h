@@ -53,6 +53,17 @@ bool collectives_checked();
 // Overrides DP_CHECK_COLLECTIVES for the communicators created from here on (dp_bench measures the
 // check's cost by running a configuration both ways).
 void set_collectives_checked(bool on);
+// What the check has cost this process so far: the agreements its ranks made (one per rank and
+// checked call; a captured call is checked once, its replays never) and the host time they spent in
+// them, from arriving to leaving with the verdict (waiting for the last rank included, which the
+// collective would otherwise wait for on the device: an upper bound of the check's own cost).
+struct CollectiveCheckTotals {
+  std::uint64_t agreements = 0;
+  std::uint64_t ns = 0;
+};
+CollectiveCheckTotals collective_check_totals();
+// Counts one agreement of `ns` nanoseconds (the communicators' check calls it).
+void count_collective_check(std::uint64_t ns);
 
 // captured: issued into a graph being captured (its replays run it without the host: not recorded).
 enum class CollectiveState { issued, done, failed, captured };
