@@ -26,6 +26,7 @@
 // device per step, not overlapped. Across processes a lost process's host copies die with it: off.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <fmt/format.h>
 #include <functional>
 #include <mutex>
@@ -90,6 +91,17 @@ class ZeroUpdates final : public RankOptimizers {
           copy.data = group.device(0).allocate_pinned(floats_per_param * rank->count * sizeof(float));
       }
     }
+  }
+
+  ~ZeroUpdates() override {
+    // The engine waited for its streams, but not for a lost device's, whose queued copies and host
+    // functions may still run: they keep their memory (freed here it would be written after; on
+    // cuda a host function must not free pinned memory itself).
+    if (!kept_ || kept_->pending.load() == 0) return;
+    static std::mutex mutex;
+    static auto* const outliving = new std::vector<std::shared_ptr<Kept>>();  // never freed, on purpose
+    const std::lock_guard lock(mutex);
+    outliving->push_back(kept_);
   }
 
   BucketReduction reduction() const override { return reduction_; }
@@ -177,10 +189,12 @@ class ZeroUpdates final : public RankOptimizers {
     if (!kept_) return;
     const Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     KeptCopy& copy = kept_->ranks[static_cast<std::size_t>(r)][static_cast<std::size_t>(step % 2)];
-    const std::shared_ptr<Kept> kept = kept_;  // the queued work of a lost device may outlive the engine
+    Kept* kept = kept_.get();
+    kept->pending += 2;
     stream.launch_host_func([kept, &copy] {
       const std::lock_guard lock(kept->mutex);
       copy.step = -1;
+      --kept->pending;
     });
     auto* host = copy.data.as<float>();
     const float* params = model.params_flat();
@@ -193,6 +207,7 @@ class ZeroUpdates final : public RankOptimizers {
     stream.launch_host_func([kept, &copy, step] {
       const std::lock_guard lock(kept->mutex);
       copy.step = step;
+      --kept->pending;
     });
   }
 
@@ -246,6 +261,7 @@ class ZeroUpdates final : public RankOptimizers {
   struct Kept {
     std::mutex mutex;
     std::vector<std::array<KeptCopy, 2>> ranks;
+    std::atomic<int> pending{0};  // host functions enqueued and not yet run
   };
   static const KeptCopy* find(const std::array<KeptCopy, 2>& copies, std::int64_t step) {
     for (const KeptCopy& copy : copies)
