@@ -111,12 +111,17 @@ TEST_F(LostDevice, ZeroKeepsEachRanksPartOnTheHost) {
       for (const std::string phase : {"backward", "optimizer"}) {
         SCOPED_TRACE(fmt::format("{} graphs {} {}", model, graphs, phase));
         std::filesystem::remove(path("lost.st"));
-        const Result r = train(fmt::format("DP_FAULT=lose@d2:3:{},lose@d0:5:{}", phase, phase),
-                               fmt::format("{} --graphs {} --save lost.st", shards, graphs), "");
+        std::filesystem::remove(path("lost.json"));
+        const Result r =
+            train(fmt::format("DP_FAULT=lose@d2:3:{},lose@d0:5:{}", phase, phase),
+                  fmt::format("{} --graphs {} --save lost.st --metrics-json lost.json", shards, graphs), "");
         ASSERT_EQ(r.code, 0) << r.output;
         expect_has(r.output, "12 shards go on from step 2 on device(s) [0,1,3], 4 shard(s) each");
         expect_has(r.output, "12 shards go on from step 4 on device(s) [1,3], 6 shard(s) each");
         expect_same_tensors("ref.st", "lost.st");
+        const auto recovered = records("recovered", "lost.json");
+        ASSERT_EQ(recovered.size(), 2u);
+        for (const auto& back : recovered) EXPECT_LT(back.at("seconds").get<double>(), 2.0);
       }
     SCOPED_TRACE(model + " without --shards");
     ASSERT_EQ(train("", common + " --steps 2 --save two.st", "").code, 0);
