@@ -279,8 +279,9 @@ struct SharedOptions {
   dp::Autocast amp = dp::Autocast::off;               // torch.autocast(dtype=bfloat16) around the forward
   dp::GradReduce grad_reduce = dp::GradReduce::fp32;  // ddp: the gradient all-reduce (bf16: bf16_compress_hook)
   int shards = 0;                                     // every mode: a step's result fixed to this many shards; 0: off
-  double clip_grad_norm = 0.0;  // every mode: clip_grad_norm_(max_norm) before each update; 0: off
-  int zero = 0;                 // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
+  double clip_grad_norm = 0.0;   // every mode: clip_grad_norm_(max_norm) before each update; 0: off
+  int zero = 0;                  // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
+  bool zero_host_copies = true;  // --zero 1 in one process: each rank's part also kept on the host
   // ddp and shards: the replicas' fingerprints compared every N steps (silent corruption); 0: off.
   int check_replicas = kCheckReplicasEvery;
   // shards: every K steps one shard computed again on another device and compared; 0: off.
@@ -431,6 +432,14 @@ std::vector<Flag<O>> update_flags() {
        .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...)",
        .default_text = "0 (off)",
        .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },
+       .applies_to = "ddp"},
+      {.name = "--zero-host-copies",
+       .value = on_off<O>(&O::zero_host_copies),
+       .help = "--zero 1 in one process: on: each rank also copies its part of the state to pinned host memory "
+               "after every step, so that a lost device's part survives it (two copies of the parameters and state "
+               "on the host; a device-to-host copy of 1/ranks of them per device and step); off: a lost device "
+               "ends the run with nothing written",
+       .engine = [](const O& o, dp::EngineOptions& e) { e.zero_host_copies = o.zero_host_copies; },
        .applies_to = "ddp"},
       {.name = "--optimizer",
        .value = named<O>(&O::optimizer, {OptimizerKind::sgd, OptimizerKind::adamw}),

@@ -291,7 +291,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
   // ZeRO in one process keeps two host copies of the parameters and optimizer state (Note [ZeRO's
   // host copies], dp/engines/src/zero.cpp).
-  if (o.zero > 0 && processes == 1 && devices > 1)
+  if (o.zero > 0 && o.zero_host_copies && processes == 1 && devices > 1)
     host = plus(host,
                 times(times(params, 8, "ZeRO's host copies"),
                       o.optimizer == dp::tools::OptimizerKind::adamw ? 3

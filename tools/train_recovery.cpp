@@ -97,6 +97,8 @@ std::optional<int> after_device_lost(const Options& o, const Plan& plan, dp::Eng
         : o.zero > 0 && g_job.several()
             ? std::string("ZeRO spreads the optimizer state over the processes, and host copies of it are kept in one "
                           "process only")
+        : o.zero > 0 && !o.zero_host_copies
+            ? std::string("ZeRO spread the optimizer state over the devices, and --zero-host-copies off kept no copy")
         : kind == "ddp" || kind == "fixed shards" ? std::string("rank 0 alone held the last step's running statistics")
         : kind == "dp" ? std::string("DataParallel's state lived on the source device, the one lost")
                        : fmt::format("{} keeps no replica of the state to go on from", kind));

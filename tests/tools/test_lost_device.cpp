@@ -135,6 +135,12 @@ TEST_F(LostDevice, ZeroKeepsEachRanksPartOnTheHost) {
                     dir_.string(), DP_TRAIN_BIN));
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     EXPECT_EQ(dp::safetensors::read(path("resumed.st")).metadata.at("dp.step"), "8");
+    // Without the host copies the lost part is gone: nothing written, a file already there kept.
+    std::ofstream(path("kept.st")) << "an earlier file";
+    const Result off = train("DP_FAULT=lose@d2:3", common + " --steps 8 --zero-host-copies off --save kept.st", "");
+    ASSERT_EQ(off.code, 7) << off.output;
+    expect_has(off.output, "--zero-host-copies off kept no copy): nothing written");
+    EXPECT_EQ(read_file(path("kept.st")), "an earlier file");
   }
 }
 

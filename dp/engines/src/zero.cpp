@@ -82,7 +82,7 @@ class ZeroUpdates final : public RankOptimizers {
       rank->stream = group.device(r).create_stream();
       ranks_.push_back(std::move(rank));
     }
-    if (processes->size() == 1 && group.size() > 1) {
+    if (options.zero_host_copies && processes->size() == 1 && group.size() > 1) {
       kept_ = std::make_shared<Kept>();
       const std::size_t floats_per_param = 1 + ranks_[0]->update->optimizer().state().size();
       for (const auto& rank : ranks_) {

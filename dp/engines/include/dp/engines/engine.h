@@ -233,9 +233,12 @@ struct EngineOptions {
   // rank keeps and updates the optimizer state of its block of every gradient bucket only (1/n of
   // it); the buckets are reduce-scattered as backward fills them and the updated blocks
   // all-gathered: plain DDP's bytes per step, and on the sim its bits (zero.cpp). Checkpoints stay
-  // whole (whole_optimizers()); in one process of several devices each rank also copies its part to
-  // host memory after every step, so that a lost device's part survives it (survivor()). 0: off.
+  // whole (whole_optimizers()). 0: off.
   int zero = 0;
+  // zero, in one process of several devices: each rank also copies its part to pinned host memory
+  // after every step, so that a lost device's part survives it (survivor(); Note [ZeRO's host
+  // copies], zero.cpp). Off: no host copies, and no survivor under ZeRO.
+  bool zero_host_copies = true;
   // ddp: the gradient all-reduce in fp32, or in bf16 as torch's bf16_compress_hook (half the bytes).
   GradReduce grad_reduce = GradReduce::fp32;
   // Every kind: torch.autocast around the forward (Model::set_autocast, set on the model and so on
