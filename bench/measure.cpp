@@ -25,6 +25,12 @@
 namespace dp_bench {
 namespace {
 
+// dp_bench's optimizer (--optimizer): SGD with lr 0.01 and momentum 0.9, or AdamW's defaults.
+dp::OptimizerOptions bench_optimizer(const Options& o) {
+  if (o.optimizer == dp::tools::OptimizerKind::adamw) return dp::AdamWOptions{1e-3};
+  return dp::SgdOptions{0.01f, 0.9f};
+}
+
 using Submit = std::function<dp::StepLoss()>;
 
 std::int64_t now_ns() {
@@ -421,9 +427,7 @@ Run bench(dp::Runtime& rt, const Options& o, const std::string& model_name, cons
   run.gemm_flops_per_sample = model_spec(model_name).gemm_flops_per_sample(model_args(o, model_name));
   run.buffers_bytes = model->buffers_bytes();
   const dp::EngineOptions options = engine_options(o, kind, run, across ? processes : nullptr);
-  const dp::OptimizerOptions optimizer = o.optimizer == dp::tools::OptimizerKind::adamw
-                                             ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
-                                             : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
+  const dp::OptimizerOptions optimizer = bench_optimizer(o);
   auto engine = dp::make_engine(rt, *model, optimizer, options);
   const std::vector<dp::Batch> batches = pinned_batches(rt, *engine, data, run.global_batch);
 
@@ -460,9 +464,7 @@ Recovery measure_recovery(const Options& o, const std::string& model_name, const
   out.mode = fmt::format("{}/{}", mode, o.shards);
   out.steps = o.warmup + o.steps;
   const dp::EngineKind kind = dp::parse_engine_kind(mode);
-  const dp::OptimizerOptions optimizer = o.optimizer == dp::tools::OptimizerKind::adamw
-                                             ? dp::OptimizerOptions{dp::AdamWOptions{1e-3}}
-                                             : dp::OptimizerOptions{dp::SgdOptions{0.01f, 0.9f}};
+  const dp::OptimizerOptions optimizer = bench_optimizer(o);
   const auto one_run = [&](bool disturbed) {
     int count = devices;
     auto rt = make_runtime(o, count);

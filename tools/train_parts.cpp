@@ -278,11 +278,9 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   const std::uint64_t sample_floats = model.input_floats(args);
   const auto classes = static_cast<std::uint64_t>(model.num_classes(args));
   const std::uint64_t rows = o.mode == dp::EngineKind::dp ? (batch + devices - 1) / devices : batch;  // per device
-  const std::uint64_t per_device = plus(times(times(params, 4, "the model"),
-                                              o.optimizer == dp::tools::OptimizerKind::adamw ? 4
-                                              : o.momentum > 0                               ? 3
-                                                                                             : 2,
-                                              "the model"),
+  // The optimizer's state buffers per parameter: AdamW's two moments, SGD's momentum, or none.
+  const std::uint64_t state_buffers = o.optimizer == dp::tools::OptimizerKind::adamw ? 2 : o.momentum > 0 ? 1 : 0;
+  const std::uint64_t per_device = plus(times(times(params, 4, "the model"), 2 + state_buffers, "the model"),
                                         times(rows, (sample_floats + classes) * 4, "the batch"), "the device memory");
   const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
   std::uint64_t host =
@@ -292,12 +290,7 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   // ZeRO in one process keeps two host copies of the parameters and optimizer state (Note [ZeRO's
   // host copies], dp/engines/src/zero.cpp).
   if (o.zero > 0 && o.zero_host_copies && processes == 1 && devices > 1)
-    host = plus(host,
-                times(times(params, 8, "ZeRO's host copies"),
-                      o.optimizer == dp::tools::OptimizerKind::adamw ? 3
-                      : o.momentum > 0                               ? 2
-                                                                     : 1,
-                      "ZeRO's host copies"),
+    host = plus(host, times(times(params, 8, "ZeRO's host copies"), 1 + state_buffers, "ZeRO's host copies"),
                 "the host memory");
   const std::uint64_t host_memory = dp::Runtime::host_memory_bytes();
   if (host_memory > 0 && host > host_memory)

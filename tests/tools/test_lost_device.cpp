@@ -30,6 +30,13 @@ class LostDevice : public dp::test::ToolTest {
                     "--seed 5 --lr 0.02 {} --no-eval {}",
                     dir_.string(), env, DP_TRAIN_BIN, optimizer, args));
   }
+  // lost.st resumed to step 8 on the devices a loss of device 2 left, into resumed.st.
+  Result resume_on_survivors(const std::string& args = "") const {
+    return dp::test::run_command(
+        fmt::format("cd {} && {} --backend sim --synthetic 240 --resume lost.st --steps 8 --device-ids 0,1,3 {} "
+                    "--save resumed.st",
+                    dir_.string(), DP_TRAIN_BIN, args));
+  }
   // The tensors of two checkpoints, byte for byte (their tags may differ: the device count).
   void expect_same_tensors(const std::string& a_path, const std::string& b_path) const {
     const auto a = dp::safetensors::read(path(a_path)), b = dp::safetensors::read(path(b_path));
@@ -129,10 +136,7 @@ TEST_F(LostDevice, ZeroKeepsEachRanksPartOnTheHost) {
     ASSERT_EQ(r.code, 7) << r.output;
     expect_has(r.output, "wrote lost.st at step 2: resume it on the remaining device(s) with --resume lost.st");
     expect_same_tensors("two.st", "lost.st");
-    const Result resumed = dp::test::run_command(
-        fmt::format("cd {} && {} --backend sim --synthetic 240 --resume lost.st --steps 8 --device-ids 0,1,3 "
-                    "--mode ddp --zero 1 --save resumed.st",
-                    dir_.string(), DP_TRAIN_BIN));
+    const Result resumed = resume_on_survivors("--mode ddp --zero 1");
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     EXPECT_EQ(dp::safetensors::read(path("resumed.st")).metadata.at("dp.step"), "8");
     // Without the host copies the lost part is gone: nothing written, a file already there kept.
@@ -159,10 +163,7 @@ TEST_F(LostDevice, WithoutShardsTheLastCompletedStepIsSavedAndResumes) {
                "--device-ids 0,1,3 (with --shards the run would have gone on by itself, bit for bit)");
     expect_same_tensors("two.st", "lost.st");
     EXPECT_EQ(dp::safetensors::read(path("lost.st")).metadata.at("dp.step"), "2");
-    const Result resumed = dp::test::run_command(
-        fmt::format("cd {} && {} --backend sim --synthetic 240 --resume lost.st --steps 8 --device-ids 0,1,3 "
-                    "--save resumed.st",
-                    dir_.string(), DP_TRAIN_BIN));
+    const Result resumed = resume_on_survivors();
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     EXPECT_EQ(dp::safetensors::read(path("resumed.st")).metadata.at("dp.step"), "8");
   }

@@ -182,6 +182,14 @@ std::uint64_t DataParallel::staging_growths() const {
 }
 
 namespace {
+// A device thread that makes no host calls in a step (a replayed step's, a device with no chunk)
+// meets it all the same where faults are planned, so that a fault aimed at it fires as in an eager step.
+void meet_step_faults(std::int64_t step) {
+  progress::begin_step(step);
+  progress::fault_point(std::nullopt);
+  progress::set_phase("idle");
+}
+
 void mark(bool on, const Stream& stream, const Event& event) {
   if (on) stream.record(event);
 }
@@ -339,14 +347,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
     engines::StepWork work;
     work.capture = [&] { return std::vector<Graph>{enqueue_step(batch, slot, true)}; };
     work.replay = [&](const std::vector<Graph>& graphs) {
-      // A replayed step makes no host calls on the workers: with faults planned they still meet
-      // the step, so that its faults fire as in an eager one.
-      if (!FaultPlan::from_environment().empty())
-        group_.run([&](int) {
-          progress::begin_step(optimizer_->steps() + 1);
-          progress::fault_point(std::nullopt);
-          progress::set_phase("idle");
-        });
+      if (!FaultPlan::from_environment().empty()) group_.run([&](int) { meet_step_faults(optimizer_->steps() + 1); });
       wait_for_batches(slot);
       engines::upload_replayed_step(module_, *optimizer_, source);
       graphs[0].replay();  // every device's part: one launch, from this thread
@@ -397,17 +398,12 @@ Graph DataParallel::enqueue_step(int batch, int slot, bool capture) {
   std::barrier<> phase(participants);
   std::atomic<bool> failed{false};
   // A device with no chunk of this step (a batch smaller than the devices) takes no part in it, as in
-  // torch; with faults planned it still meets the step, so that a fault aimed at it fires.
+  // torch, but meets its faults.
   const int meeting = FaultPlan::from_environment().empty() ? participants : group_.size();
   const std::int64_t step = optimizer_->steps() + 1;  // read before the source's update counts it
   group_.run(
       [&](int rank) {
-        if (rank >= participants) {
-          progress::begin_step(step);
-          progress::fault_point(std::nullopt);
-          progress::set_phase("idle");
-          return;
-        }
+        if (rank >= participants) return meet_step_faults(step);
         std::exception_ptr error;
         const auto run_phase = [&](const auto& work) {
           if (!failed.load()) {
