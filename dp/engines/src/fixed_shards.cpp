@@ -124,14 +124,18 @@ void FixedShards::enqueue_forward_backward_step(int r, std::span<const Batch> sh
                                       });
     mine.compute.copy(mine.loss_slot(slot, static_cast<int>(i), batches_per_rank_), loss, sizeof(float));
     mine.compute.copy(l.own + i * l.n, m.grads_flat(), l.n * sizeof(float));
+    if (shadow_ && shadow_->owner == r && shadow_->index == static_cast<int>(i))
+      enqueue_shadow_fingerprint(r, l.own + i * l.n, loss);
   }
   if (saved) mine.compute.copy(m.buffers_flat(), saved, m.buffers_bytes());
   if (l.buffer_floats > 0) mine.compute.copy(l.own + l.most * l.n, m.buffers_flat(), m.buffers_bytes());
+  // The twin recomputes the checked shard beside the other ranks' own shards, before the all-gather
+  // that waits for them all (its buffers already in its block: the recompute's forward moves them).
+  if (shadow_ && shadow_->twin == r) enqueue_shadow(r, slot);
   {
     const CollectivePurpose purpose("the shards' gradients");
     comm_->all_gather(r, mine.compute, l.own, l.all, l.block);
   }
-  if (shadow_ && shadow_->twin == r) enqueue_shadow(r, slot);
   if (!mine.compute.capturing()) mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
 }
 

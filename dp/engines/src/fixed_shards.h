@@ -74,20 +74,22 @@ class FixedShards final : public ReplicaEngine {
   };
   struct ShadowRank {
     std::unique_ptr<InputRing> ring;  // the shard's inputs, on the twin and the referee
-    Scratch fingerprints;             // device: its gradient's fingerprint, then the owner's
-    PinnedBuffer out;                 // host: the two fingerprints, then its loss
+    Scratch fingerprint;              // device: its gradient's fingerprint
+    PinnedBuffer out;                 // host: the fingerprint, then the loss
     Event ready;                      // `out` written
   };
   // Checks the layout and makes each rank's ShadowRank.
   void start_shadow_shards(Runtime& runtime);
   // The checked shard's batch into rank r's ShadowRank ring, slot `slot` (the twin's, the referee's).
   void push_shadow_batch(int r, int slot, const Batch& batch);
-  // On the twin, after the all-gather: the shard recomputed, both gradients fingerprinted.
+  // On the twin, before the all-gather: the checked shard recomputed and fingerprinted.
   void enqueue_shadow(int r, int slot);
   // Rank r's recomputation of `check`'s shard (twin or referee) from its pushed batch, its gradients
-  // zeroed first, fingerprinted into its ShadowRank's `out` (with the owner's gathered gradient,
-  // `owners`, when given), `ready` recorded.
-  void enqueue_shadow_shard(int r, int slot, const Shadow& check, const float* owners);
+  // zeroed first, then enqueue_shadow_fingerprint.
+  void enqueue_shadow_shard(int r, int slot, const Shadow& check);
+  // Rank r's fingerprint of a shard's gradient `grads` and its loss (device memory) into its
+  // ShadowRank's `out`, `ready` recorded: the owner's as computed, the twin's and referee's recomputed.
+  void enqueue_shadow_fingerprint(int r, const float* grads, const float* loss);
   struct Result {
     std::uint64_t grads = 0;
     std::uint32_t loss = 0;  // the float's bits

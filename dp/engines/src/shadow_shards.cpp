@@ -17,19 +17,21 @@ namespace dp::engines {
 // in a GEMM's output: the wrong gradient is summed into every replica's update alike. Fixed shards
 // make a shard's gradient a function of its samples and the step's parameters alone (Note [fixed
 // shards]), the same bits on any device. So every K steps one shard is computed again by the next
-// device of its owner's process (its twin), after the all-gather that brought the twin the owner's
-// gradient; the twin fingerprints both gradients (kernels::fingerprint) and the caller compares them
-// and the two losses. Check c = step / K covers global rank c mod P's shard number (c / P) mod (its
-// shard count): every device is checked once every P checks, every shard once every V. The step is
-// eager and the caller waits for the verdict before any rank enqueues its reduction and update, so
-// on a mismatch nothing has been updated anywhere. A third device of the process (the referee) then
+// device of its owner's process (its twin), after the twin's own shards and before the all-gather,
+// so that the recompute runs while the other ranks compute theirs; the owner fingerprints its
+// gradient (kernels::fingerprint) as it keeps it for the all-gather, the twin its recomputed one,
+// and the caller compares the two fingerprints and the two losses. Check c = step / K covers global
+// rank c mod P's shard number (c / P) mod (its shard count): every device is checked once every P
+// checks, every shard once every V. The step is eager and the caller waits for the two fingerprints
+// (not for the all-gather) before any rank enqueues its reduction and update, so on a mismatch
+// nothing has been updated anywhere. A third device of the process (the referee) then
 // recomputes the shard: the one it disagrees with computes wrong and is dropped as a lost device
 // (DeviceLost: under --shards the survivors redo the step, as after any lost device). Without a
 // third device, or where the referee agrees with neither, ReplicaMismatch names both. Every process
 // learns each verdict from one all-gather of three integers per check. Cost per check: one shard's
-// forward and backward more on the twin (1/V of a step's compute, 1/(V K) per step), two
-// fingerprints, and the host's wait between the halves (a graph cannot wait for the host: a checked
-// step runs eagerly).
+// forward and backward more on the twin (1/V of a step's compute, 1/(V K) per step; on a GPU the
+// twin's V/P + 1 shards set the step's pace), two fingerprints, and the host's wait between the
+// halves (a graph cannot wait for the host: a checked step runs eagerly).
 
 void FixedShards::start_shadow_shards(Runtime& runtime) {
   if (group_.size() < 2)
@@ -42,7 +44,7 @@ void FixedShards::start_shadow_shards(Runtime& runtime) {
     Device& device = group_.device(r);
     ShadowRank mine;
     mine.ring = std::make_unique<InputRing>(device.create_stream());
-    mine.out = runtime.allocate_pinned(2 * sizeof(std::uint64_t) + sizeof(float));
+    mine.out = runtime.allocate_pinned(sizeof(std::uint64_t) + sizeof(float));
     mine.ready = device.create_event();
     shadow_ranks_.push_back(std::move(mine));
   }
@@ -79,27 +81,26 @@ void FixedShards::push_shadow_batch(int r, int slot, const Batch& batch) {
              mine.step_done[static_cast<std::size_t>(slot)]);
 }
 
-void FixedShards::enqueue_shadow(int r, int slot) {
-  enqueue_shadow_shard(r, slot, *shadow_, layout(r).shard_grads(*this, shadow_->shard));
-}
+void FixedShards::enqueue_shadow(int r, int slot) { enqueue_shadow_shard(r, slot, *shadow_); }
 
-void FixedShards::enqueue_shadow_shard(int r, int slot, const Shadow& check, const float* owners) {
+void FixedShards::enqueue_shadow_shard(int r, int slot, const Shadow& check) {
   Rank& mine = rank(r);
-  ShadowRank& shadow = shadow_ranks_[static_cast<std::size_t>(r)];
   Model& m = *mine.model;
-  const InputRing& ring = *shadow.ring;
+  const InputRing& ring = *shadow_ranks_[static_cast<std::size_t>(r)].ring;
   ring.acquire(slot, mine.compute);
   m.zero_grad(mine.compute);
   const float* loss = enqueue_shard(r, check.shard, check.batch.size, ring.inputs(slot), ring.targets(slot), [] {});
-  auto* fingerprints = shadow.fingerprints.get<std::uint64_t>(group_.device(r), 2);
-  const auto words = static_cast<kernels::index_t>(m.param_count());
-  kernels::fingerprint(mine.compute, words, reinterpret_cast<const std::uint32_t*>(m.grads_flat()), 0, fingerprints,
-                       false);
-  if (owners)
-    kernels::fingerprint(mine.compute, words, reinterpret_cast<const std::uint32_t*>(owners), 0, fingerprints + 1,
-                         false);
-  mine.compute.copy(shadow.out.as<std::uint64_t>(), fingerprints, 2 * sizeof(std::uint64_t));
-  mine.compute.copy(shadow.out.as<std::uint64_t>() + 2, loss, sizeof(float));
+  enqueue_shadow_fingerprint(r, m.grads_flat(), loss);
+}
+
+void FixedShards::enqueue_shadow_fingerprint(int r, const float* grads, const float* loss) {
+  Rank& mine = rank(r);
+  ShadowRank& shadow = shadow_ranks_[static_cast<std::size_t>(r)];
+  auto* fingerprint = shadow.fingerprint.get<std::uint64_t>(group_.device(r), 1);
+  kernels::fingerprint(mine.compute, static_cast<kernels::index_t>(mine.model->param_count()),
+                       reinterpret_cast<const std::uint32_t*>(grads), 0, fingerprint, false);
+  mine.compute.copy(shadow.out.as<std::uint64_t>(), fingerprint, sizeof(std::uint64_t));
+  mine.compute.copy(shadow.out.as<std::uint64_t>() + 1, loss, sizeof(float));
   mine.compute.record(shadow.ready);
 }
 
@@ -108,7 +109,7 @@ FixedShards::Result FixedShards::shadow_result(int r) const {
   shadow.ready.synchronize();
   Result out;
   out.grads = shadow.out.as<std::uint64_t>()[0];
-  std::memcpy(&out.loss, shadow.out.as<std::uint64_t>() + 2, sizeof(out.loss));
+  std::memcpy(&out.loss, shadow.out.as<std::uint64_t>() + 1, sizeof(out.loss));
   return out;
 }
 
@@ -126,12 +127,8 @@ void FixedShards::verify_step(int slot) {
   std::string message;
   int faulty = -1;
   if (shadow) {
+    const Result owner = shadow_result(shadow->owner);
     const Result twin = shadow_result(shadow->twin);
-    Rank& owner_rank = rank(shadow->owner);
-    owner_rank.loss_ready[static_cast<std::size_t>(slot)].synchronize();
-    Result owner;
-    owner.grads = shadow_ranks_[static_cast<std::size_t>(shadow->twin)].out.as<std::uint64_t>()[1];
-    std::memcpy(&owner.loss, owner_rank.loss_slot(slot, shadow->index, batches_per_rank_), sizeof(owner.loss));
     if (!(twin == owner)) {
       message = fmt::format(
           "silent corruption: shard {} of step {} computed by {} and again by {} differs (gradient fingerprints "
@@ -142,7 +139,7 @@ void FixedShards::verify_step(int slot) {
         const int referee = shadow->referee;
         group_.run_on(referee, [&] {
           push_shadow_batch(referee, slot, shadow->batch);
-          enqueue_shadow_shard(referee, slot, *shadow, nullptr);
+          enqueue_shadow_shard(referee, slot, *shadow);
         });
         const Result third = shadow_result(referee);
         faulty = third == owner ? shadow->twin : third == twin ? shadow->owner : -1;
