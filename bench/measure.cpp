@@ -480,27 +480,20 @@ Recovery measure_recovery(const Options& o, const std::string& model_name, const
       } catch (const dp::Error&) {
         // Lost: the survivors take the state of the last step they hold whole and redo this one.
         const auto failed = clock::now();
-        std::vector<int> survivors;
         for (const int id : run.device_ids)
-          if (rt->device(id).lost())
-            out.device = id;
-          else
-            survivors.push_back(id);
-        const std::optional<dp::Engine::Survivor> survivor = engine->survivor();
-        if (!disturbed || out.device < 0 || !survivor) throw;
+          if (rt->device(id).lost()) out.device = id;
+        if (!disturbed || out.device < 0) throw;
         out.step = k + 1;
-        const dp::TrainingState state = dp::TrainingState::capture(*survivor->model, *survivor->optimizer, {});
         batches.clear();
-        engine.reset();
-        model = model_spec(model_name).build(rt->device(survivors.front()), model_args(o, model_name), o.seed);
-        state.load_model(*model);
-        options.device_ids = survivors;
-        options.uneven_shards = true;
-        engine = dp::make_engine(*rt, *model, optimizer, options);
-        state.load_optimizers(*model, engine->whole_optimizers());
-        engine->whole_optimizers_loaded();
+        std::optional<dp::Survivors> survivors = dp::go_on_without_lost(
+            *rt, std::move(engine),
+            [&](dp::Device& device) { return model_spec(model_name).build(device, model_args(o, model_name), o.seed); },
+            optimizer, options);
+        if (!survivors) throw;
+        model = std::move(survivors->model);
+        engine = std::move(survivors->engine);
         batches = pinned_batches(*rt, *engine, data, run.global_batch);
-        out.devices = survivors;
+        out.devices = survivors->devices;
         const auto rebuilt = clock::now();
         (void)engine->train_step(batches);
         out.rebuild_ms = ms(rebuilt - failed);

@@ -18,7 +18,6 @@
 #include "dp/engines/trainer.h"
 #include "dp/io/checkpoint.h"
 #include "dp/io/safetensors.h"
-#include "dp/io/training_state.h"
 #include "dp/kernels/fingerprint.h"
 #include "dp/kernels/ops.h"
 #include "dp/models/convnet.h"
@@ -777,18 +776,15 @@ TEST_P(ShardsGolden, EveryKindOnEveryDeviceCountIsTorchDdpOverTheShardsBitForBit
     ASSERT_TRUE(survivor.has_value());
     EXPECT_EQ(survivor->steps, 1);
     EXPECT_NE(survivor->device, 1);
-    const TrainingState state = TrainingState::capture(*survivor->model, *survivor->optimizer, {});
-    engine.reset();
-    auto again = test::golden_model(golden, rt->device(0));
-    state.load_model(*again);
-    std::vector<int> survivors;
+    std::optional<Survivors> survivors = go_on_without_lost(
+        *rt, std::move(engine), [&](Device& device) { return test::golden_model(golden, device); }, sgd, options);
+    ASSERT_TRUE(survivors.has_value());
+    std::vector<int> expected;
     for (int d = 0; d < shards; ++d)
-      if (d != 1) survivors.push_back(d);
-    options.device_ids = survivors;
-    options.uneven_shards = true;
-    auto on = make_engine(*rt, *again, sgd, options);
-    state.load_optimizers(*again, on->whole_optimizers());
-    on->whole_optimizers_loaded();
+      if (d != 1) expected.push_back(d);
+    EXPECT_EQ(survivors->devices, expected);
+    EXPECT_EQ(survivors->steps, 1);
+    auto& on = survivors->engine;
     EXPECT_EQ(on->optimizers().front()->steps(), 1);
     for (int k = 1; k < steps; ++k) {
       const float loss = on->train_step(k == 1 ? batches : data.next());  // the failed step's batches first

@@ -35,10 +35,11 @@ struct ZeroRun {
   std::vector<float> losses;
   std::uint64_t sent = 0;  // by every device, over the steps
 
+  EngineOptions options;
+
   ZeroRun(int n, int zero, const OptimizerOptions& optimizer, const std::vector<std::string>& frozen) {
     runtime = test::sim_runtime(n);
-    model = models::make_mlp(runtime->device(0), {48, 24}, 5);
-    EngineOptions options;
+    model = build(runtime->device(0));
     options.kind = EngineKind::ddp;
     options.zero = zero;
     options.first_bucket_mb = 1000.0 / (1 << 20);  // several buckets, each cut in n blocks
@@ -47,6 +48,7 @@ struct ZeroRun {
     options.weight_decay_on = WeightDecayOn::matrices;
     engine = make_engine(*runtime, *model, optimizer, options);
   }
+  static std::unique_ptr<Model> build(Device& device) { return models::make_mlp(device, {48, 24}, 5); }
   void train(const test::Data& data, int steps, int per_rank) {
     const int n = engine->world_size();
     runtime->reset_link_traffic();
@@ -169,6 +171,57 @@ TEST_P(ZeroOne, ASurvivorHoldsTheLostRanksPartFromItsHostCopy) {
     EXPECT_TRUE(same_bits(state, plain.whole_state())) << "optimizer state differs";
     EXPECT_EQ(survivor->optimizer->steps(), steps);
   }
+}
+
+// go_on_without_lost takes that state to an engine on the survivors: plain DDP's parameters and
+// whole optimizer state there too; a model of another shape is refused, and without host copies
+// there is nothing to go on from.
+TEST(ZeroOneGoesOn, OnTheSurvivorsFromTheHostCopies) {
+  const int n = 3, per_rank = 2, steps = 2;
+  const test::Data data = test::make_data((steps + 1) * n * per_rank, 7);
+  const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};
+  const auto lose = [&](ZeroRun& run, int device) {
+    run.train(data, steps, per_rank);
+    run.runtime->device(device).lose("the test's");
+    EXPECT_THROW((void)run.engine->train_step(test::shards(data, steps * n * per_rank, n, per_rank)), Error);
+  };
+  ZeroRun plain(n, 0, adamw, {}), zero(n, 1, adamw, {});
+  plain.train(data, steps, per_rank);
+  lose(zero, 1);
+  std::optional<Survivors> on =
+      go_on_without_lost(*zero.runtime, std::move(zero.engine), ZeroRun::build, adamw, zero.options);
+  ASSERT_TRUE(on.has_value());
+  EXPECT_EQ(on->devices, (std::vector<int>{0, 2}));
+  EXPECT_EQ(on->steps, steps);
+  zero.engine = std::move(on->engine);
+  zero.model = std::move(on->model);
+  EXPECT_EQ(zero.engine->device_ids(), (std::vector<int>{0, 2}));
+  EXPECT_TRUE(same_bits(zero.params(), plain.params())) << "parameters differ";
+  EXPECT_TRUE(same_bits(zero.whole_state(), plain.whole_state())) << "optimizer state differs";
+  EXPECT_EQ(zero.engine->optimizers().front()->steps(), steps);
+
+  ZeroRun other(n, 1, adamw, {});
+  lose(other, 0);
+  try {
+    (void)go_on_without_lost(
+        *other.runtime, std::move(other.engine),
+        [](Device& device) {
+          return models::make_mlp(device, {48, 12}, 5);
+        },
+        adamw, other.options);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the model built has"), std::string::npos) << e.what();
+  }
+
+  ZeroRun uncopied(n, 1, adamw, {});
+  uncopied.options.zero_host_copies = false;
+  uncopied.engine.reset();
+  uncopied.engine = make_engine(*uncopied.runtime, *uncopied.model, adamw, uncopied.options);
+  lose(uncopied, 2);
+  EXPECT_FALSE(
+      go_on_without_lost(*uncopied.runtime, std::move(uncopied.engine), ZeroRun::build, adamw, uncopied.options)
+          .has_value());
 }
 
 TEST(ZeroOneRefuses, AModelThatLeavesARankNothingToUpdate) {

@@ -290,4 +290,20 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
 std::unique_ptr<Engine> make_engine(Runtime& runtime, Model& model, const OptimizerOptions& optimizer,
                                     const EngineOptions& options);
 
+// Going on after a lost device, in one process (docs/training.md, "When a device fails"): the
+// state of the last step the survivors hold whole (Engine::survivor) taken to the host, `failed`
+// destroyed, and a new engine of `options` over the devices of `failed` that are not lost
+// (uneven_shards: with --shards they share the shards as they can), its model built by `build` on
+// the first of them and given that state, its optimizers too. None where no survivor holds the
+// whole state, or no device survives. `build` makes the failed engine's model afresh.
+struct Survivors {
+  std::unique_ptr<Model> model;    // on devices.front()
+  std::unique_ptr<Engine> engine;  // over `devices`
+  std::vector<int> devices;        // the failed engine's devices that are not lost, in its order
+  std::int64_t steps = 0;          // the optimizer steps the state holds
+};
+std::optional<Survivors> go_on_without_lost(Runtime& runtime, std::unique_ptr<Engine> failed,
+                                            const std::function<std::unique_ptr<Model>(Device&)>& build,
+                                            const OptimizerOptions& optimizer, EngineOptions options);
+
 }  // namespace dp
