@@ -2,6 +2,7 @@
 // matrix) against the unfused reference and PyTorch on each backend, with and without attn_dropout,
 // at the mask's edges (T = 1, T not a multiple of the key tile, the largest head); its own exp and
 // log against libm; what it moves; and cuda's bits against the sim's.
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,6 +89,28 @@ TEST(PortableMath, LogIsWithinTwoUlpsOfTheTrueValue) {
   EXPECT_EQ(kernels::log_portable(INFINITY), INFINITY);
   EXPECT_TRUE(std::isnan(kernels::log_portable(-1.0f)));
   EXPECT_TRUE(std::isnan(kernels::log_portable(NAN)));
+}
+
+// erf and tanh (GELU's): within 2 ulps of the true value over every 257th float of [0, 10) (where
+// glibc's erff is within 1 and its tanhf within 3), odd, and right at the edges.
+TEST(PortableMath, ErfAndTanhAreWithinTwoUlpsOfTheTrueValue) {
+  std::int64_t worst_erf = 0, worst_tanh = 0;
+  for (std::uint32_t bits = 0; bits < 0x41200000u; bits += 257) {  // [0, 10)
+    const auto x = std::bit_cast<float>(bits);
+    worst_erf = std::max(worst_erf, ulps(kernels::erf_portable(x), static_cast<float>(std::erf(double{x}))));
+    worst_tanh = std::max(worst_tanh, ulps(kernels::tanh_portable(x), static_cast<float>(std::tanh(double{x}))));
+    ASSERT_EQ(kernels::erf_portable(-x), -kernels::erf_portable(x)) << x;
+    ASSERT_EQ(kernels::tanh_portable(-x), -kernels::tanh_portable(x)) << x;
+  }
+  EXPECT_LE(worst_erf, 2);
+  EXPECT_LE(worst_tanh, 2);
+  for (const auto& f : {kernels::erf_portable, kernels::tanh_portable}) {
+    EXPECT_EQ(f(0.0f), 0.0f);
+    EXPECT_EQ(f(INFINITY), 1.0f);
+    EXPECT_EQ(f(-INFINITY), -1.0f);
+    EXPECT_EQ(f(1e30f), 1.0f);
+    EXPECT_TRUE(std::isnan(f(NAN)));
+  }
 }
 
 class FusedAttention : public test::BackendTest {

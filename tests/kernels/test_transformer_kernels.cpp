@@ -2,6 +2,7 @@
 // attention) on each backend against
 // PyTorch (tests/golden/make_transformer_goldens.py), their bf16 storage against the fp32 kernels
 // on the widened values, and cuda's results against the sim's.
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <gtest/gtest.h>
@@ -87,6 +88,32 @@ TEST_P(TransformerKernels, GeluMatchesPyTorchInBothForms) {
     // torch's CPU kernel is vectorised (its own tanh/erf/exp); a few ulps apart.
     EXPECT_TRUE(all_close(down<float>(y), golden.at(p + ".y").to_f32(), 4e-6, 1e-6)) << p;
     EXPECT_TRUE(all_close(down<float>(dx), golden.at(p + ".dx").to_f32(), 4e-6, 1e-6)) << p;
+  }
+}
+
+// GELU's arithmetic is one functor for both backends with portable erf, tanh and exp: each backend's
+// kernels give the bits of the functor run on the host, for ordinary values, both tails, zeros,
+// infinities and NaN, in both forms.
+TEST_P(TransformerKernels, GeluGivesTheHostFunctorsBits) {
+  std::vector<float> x = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-30f, -1e-30f, 1e30f, -1e30f};
+  for (float v = -12.0f; v <= 12.0f; v += 0.00731f) x.push_back(v);
+  std::vector<float> dy(x.size());
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = 0.5f + static_cast<float>(i % 17) * 0.125f;
+  const auto n = static_cast<index_t>(x.size());
+  for (const auto form : {kernels::GeluForm::exact, kernels::GeluForm::tanh}) {
+    DeviceBuffer xd = up(x), dyd = up(dy), y = floats(x.size()), dx = floats(x.size());
+    kernels::gelu_forward(stream_, n, form, xd.as<float>(), y.as<float>());
+    kernels::gelu_backward(stream_, n, form, xd.as<float>(), dyd.as<float>(), dx.as<float>());
+    const auto got_y = down<float>(y), got_dx = down<float>(dx);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float want_y = kernels::gelu(x[i], form), want_dx = kernels::gelu_grad(x[i], dy[i], form);
+      // A NaN's payload is the hardware's own: NaN is all that must agree there.
+      const auto same = [](float a, float b) {
+        return (std::isnan(a) && std::isnan(b)) || std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+      };
+      ASSERT_TRUE(same(got_y[i], want_y)) << "gelu(" << x[i] << "): " << got_y[i] << " vs " << want_y;
+      ASSERT_TRUE(same(got_dx[i], want_dx)) << "gelu'(" << x[i] << "): " << got_dx[i] << " vs " << want_dx;
+    }
   }
 }
 

@@ -37,9 +37,10 @@ std::optional<Survivors> go_on_without_lost(Runtime& runtime, std::unique_ptr<En
   failed.reset();  // its replicas and buffers, before the new engine's
   out.model = build(runtime.device(out.devices.front()));
   if (out.model->param_count() != params || out.model->buffers_bytes() != buffers.size())
-    throw InvalidArgument(fmt::format("go_on_without_lost: the model built has {} parameters and {} buffer bytes, the "
-                                      "failed engine's {} and {}",
-                                      out.model->param_count(), out.model->buffers_bytes(), params, buffers.size()));
+    throw InvalidArgument(
+        fmt::format("go_on_without_lost: the model built has {} parameters and {} buffer bytes, the "
+                    "failed engine's {} and {}",
+                    out.model->param_count(), out.model->buffers_bytes(), params, buffers.size()));
   {
     const Stream stream = out.model->device().create_stream();
     stream.copy(out.model->params_flat(), weights.data(), params * sizeof(float));

@@ -20,6 +20,7 @@
 
 #include "dp/kernels/dropout.h"
 #include "dp/kernels/platform.h"
+#include "dp/kernels/portable_math.h"
 #include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
@@ -82,7 +83,7 @@ struct CausalSoftmax {
     for (int j = 1; j <= i; ++j) m = fmaxf(m, s[j]);
     float sum = 0.0f;
     for (int j = 0; j <= i; ++j) {
-      s[j] = expf(s[j] - m);
+      s[j] = exp_portable(s[j] - m);
       sum += s[j];
     }
     for (int j = 0; j <= i; ++j) s[j] = s[j] / sum;
@@ -111,76 +112,6 @@ struct CausalSoftmaxBackward {
 
 inline constexpr int kAttentionKeyTile = 32;      // keys per online-softmax update
 inline constexpr int kAttentionMaxHeadDim = 128;  // a row's q and accumulators live in registers
-
-// 2^n for n in [-126, 127], from its bits.
-DP_HD inline float pow2_bits(int n) {
-  const auto bits = static_cast<std::uint32_t>(n + 127) << 23;
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  return std::bit_cast<float>(bits);
-#endif
-}
-
-// e^x for fp32 in the same bits on host and device: the platform's expf differs between glibc and
-// CUDA's libdevice in the last bit. Cody-Waite reduction x = n ln2 + r (ln2 split in two so n ln2 is
-// exact), Cephes' degree-6 polynomial for e^r on |r| <= ln2/2 (within 2 ulps of e^x), then e^r 2^n
-// as two products by powers of two: the first exact, the second rounding once, so the result is
-// e^r 2^n correctly rounded (ldexpf's) without a library call. Every step is a correctly rounded
-// operation that both compilers honour as written; no branch, so the host vectorises it over a tile.
-DP_HD inline float exp_portable(float x) {
-  // Every comparison made once and unconditionally, the rest selects (not fminf, a libm call on the
-  // host), so the host vectorises the loop over a tile. NaN is computed as the lower bound and
-  // replaced at the end.
-  const bool nan = x != x, below = x<-103.972084045410156f, above = x> 88.72283935546875f;
-  float xc = below ? -103.972084045410156f : x;
-  xc = above ? 88.72283935546875f : xc;
-  xc = nan ? -103.972084045410156f : xc;
-  const float n = rintf(mul_unfused(xc, 1.44269502162933349609f));
-  float r = fmaf(-n, 0.693359375f, xc);
-  r = fmaf(-n, -2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = fmaf(p, r, 1.3981999507e-3f);
-  p = fmaf(p, r, 8.3334519073e-3f);
-  p = fmaf(p, r, 4.1665795894e-2f);
-  p = fmaf(p, r, 1.6666665459e-1f);
-  p = fmaf(p, r, 5.0000001201e-1f);
-  const float e = fmaf(p, mul_unfused(r, r), r) + 1.0f;  // in [0.7, 1.42]
-  const int ni = static_cast<int>(n), half = ni / 2;     // ni in [-150, 128]: both halves in [-75, 64]
-  const float scaled = mul_unfused(mul_unfused(e, pow2_bits(half)), pow2_bits(ni - half));
-  float result = below ? 0.0f : scaled;
-  result = above ? INFINITY : result;
-  return nan ? x : result;
-}
-
-// log x for fp32 in the same bits on host and device (Cephes' logf: x = f 2^e with f in
-// [sqrt(1/2), sqrt(2)), a degree-9 polynomial in f - 1, e ln2 added in two parts), within 2 ulps.
-DP_HD inline float log_portable(float x) {
-  if (!(x > 0.0f) || x == INFINITY) return x == 0.0f ? -INFINITY : (x == INFINITY ? x : NAN);
-  int e = 0;
-  float f = frexpf(x, &e);  // [0.5, 1)
-  if (f < 0.707106781186547524f) {
-    e -= 1;
-    f = f + f - 1.0f;
-  } else {
-    f = f - 1.0f;
-  }
-  const float z = mul_unfused(f, f);
-  float p = 7.0376836292e-2f;
-  p = fmaf(p, f, -1.1514610310e-1f);
-  p = fmaf(p, f, 1.1676998740e-1f);
-  p = fmaf(p, f, -1.2420140846e-1f);
-  p = fmaf(p, f, 1.4249322787e-1f);
-  p = fmaf(p, f, -1.6668057665e-1f);
-  p = fmaf(p, f, 2.0000714765e-1f);
-  p = fmaf(p, f, -2.4999993993e-1f);
-  p = fmaf(p, f, 3.3333331174e-1f);
-  const float ef = static_cast<float>(e);
-  float y = mul_unfused(mul_unfused(p, f), z);
-  y = fmaf(ef, -2.12194440e-4f, y);
-  y = fmaf(-0.5f, z, y);
-  return fmaf(ef, 0.693359375f, f + y);
-}
 
 // Where one (batch, head)'s rows lie in qkv, y and the statistics, and attn_dropout's draw: row r of
 // the launch is query (or key) r % T of matrix r / T = b * H + h.

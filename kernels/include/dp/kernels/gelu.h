@@ -1,14 +1,16 @@
 // dp/kernels/gelu.h — torch.nn.GELU, forward and backward, in both of torch's forms: the exact one
 // (approximate='none', x * Phi(x) with erf) and the tanh approximation GPT-2 uses
 // (approximate='tanh'), written as torch's CPU kernels write them (aten/src/ATen/native/cpu/
-// Activation.cpp). erff, tanhf and expf are the platform's (CUDA's libdevice on the GPU, glibc on the
-// sim): they may differ in the last bit between backends, so cuda and sim agree to within a few ulps,
-// not bit for bit. Activations are fp32 or bf16 storage (storage.h), computed in fp32.
+// Activation.cpp), with erf, tanh and exp from portable_math.h (within 2 ulps), so cuda and sim give
+// the same bits and the sim's loops vectorise; torch's CPU kernel uses its own vectorised erf, tanh
+// and exp, so torch and dp agree within a few ulps. Activations are fp32 or bf16 storage
+// (storage.h), computed in fp32.
 #pragma once
 
 #include <cmath>
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/portable_math.h"
 #include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
@@ -33,9 +35,9 @@ constexpr float kSqrtHalf = 0.7071067811865476f;
 DP_HD inline float gelu(float x, GeluForm form) {
   if (form == GeluForm::tanh) {
     const float inner = kGeluTanhBeta * (x + kGeluKappa * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(inner));
+    return 0.5f * x * (1.0f + tanh_portable(inner));
   }
-  return x * 0.5f * (1.0f + erff(x * kSqrtHalf));
+  return x * 0.5f * (1.0f + erf_portable(x * kSqrtHalf));
 }
 
 DP_HD inline float gelu_grad(float x, float dy, GeluForm form) {
@@ -43,7 +45,7 @@ DP_HD inline float gelu_grad(float x, float dy, GeluForm form) {
     const float x_sq = x * x;
     const float x_cube = x_sq * x;
     const float inner = kGeluTanhBeta * (x + kGeluKappa * x_cube);
-    const float tanh_inner = tanhf(inner);
+    const float tanh_inner = tanh_portable(inner);
     const float left = 0.5f * x;
     const float right = 1.0f + tanh_inner;
     const float left_derivative = 0.5f * right;
@@ -51,8 +53,8 @@ DP_HD inline float gelu_grad(float x, float dy, GeluForm form) {
         left * ((1.0f - tanh_inner * tanh_inner) * (kGeluTanhBeta * (1.0f + 3.0f * kGeluKappa * x_sq)));
     return dy * (left_derivative + right_derivative);
   }
-  const float cdf = 0.5f * (1.0f + erff(x * kSqrtHalf));
-  const float pdf = expf(-0.5f * x * x) * kGeluPdfScale;
+  const float cdf = 0.5f * (1.0f + erf_portable(x * kSqrtHalf));
+  const float pdf = exp_portable(-0.5f * x * x) * kGeluPdfScale;
   return dy * (cdf + x * pdf);
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "dp/kernels/platform.h"
+#include "dp/kernels/portable_math.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -58,7 +59,7 @@ DP_HD inline float row_max(const float* x, int classes) {
 // sum_c exp(x_c - max): in [1, C], so its log is well conditioned.
 DP_HD inline float shifted_exp_sum(const float* x, int classes, float max) {
   float s = 0.0f;
-  for (int c = 0; c < classes; ++c) s += expf(x[c] - max);
+  for (int c = 0; c < classes; ++c) s += exp_portable(x[c] - max);
   return s;
 }
 
@@ -78,7 +79,7 @@ struct CrossEntropyRow {
       return;
     }
     const float m = row_max(x, classes);
-    per_sample[i] = logf(shifted_exp_sum(x, classes, m)) - (x[t] - m);
+    per_sample[i] = log_portable(shifted_exp_sum(x, classes, m)) - (x[t] - m);
   }
 };
 
@@ -109,7 +110,7 @@ DP_HD inline SmoothedTerms smoothed_terms_of_row(const float* x, int classes, st
 DP_HD inline SmoothedTerms smoothed_terms(const float* x, int classes, std::int64_t t) {
   if (t < 0 || t >= classes) return {NAN, NAN};
   const float m = row_max(x, classes);
-  return smoothed_terms_of_row(x, classes, t, m, logf(shifted_exp_sum(x, classes, m)));
+  return smoothed_terms_of_row(x, classes, t, m, log_portable(shifted_exp_sum(x, classes, m)));
 }
 
 // per_sample[i] = (1 - eps) * nll_i + smooth_i * (eps / C), as torch's reduction='none' combines them.
@@ -149,7 +150,7 @@ struct StoreSmoothedMean {
 // dx_c = (exp(x_c - m) / s - q_c) * scale for a valid target t: q_c = target_on at t, else target_off.
 DP_HD inline void softmax_grad_row(const float* x, int classes, std::int64_t t, float m, float s, float scale,
                                    float target_on, float target_off, float* dx) {
-  for (int c = 0; c < classes; ++c) dx[c] = (expf(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
+  for (int c = 0; c < classes; ++c) dx[c] = (exp_portable(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
 }
 
 // A target outside [0, classes): the row's gradient is NaN instead of an out-of-bounds index (the
@@ -204,7 +205,7 @@ struct CrossEntropyForwardBackwardTerm {
     }
     const float m = row_max(x, classes);
     const float s = shifted_exp_sum(x, classes, m);
-    const float term = logf(s) - (x[t] - m);
+    const float term = log_portable(s) - (x[t] - m);
     softmax_grad_row(x, classes, t, m, s, scale, target_on, target_off, dx);
     per_sample[i] = term;
     return term;
@@ -232,7 +233,7 @@ struct SmoothedCrossEntropyForwardBackwardTerm {
     }
     const float m = row_max(x, classes);
     const float s = shifted_exp_sum(x, classes, m);
-    const SmoothedTerms terms = smoothed_terms_of_row(x, classes, t, m, logf(s));
+    const SmoothedTerms terms = smoothed_terms_of_row(x, classes, t, m, log_portable(s));
     softmax_grad_row(x, classes, t, m, s, scale, target_on, target_off, dx);
     per_sample[i] = mul_unfused(one_minus_eps, terms.nll) + mul_unfused(terms.smooth, eps_over_classes);
     return terms;
