@@ -60,7 +60,11 @@ def numel(shape):
 
 def check_finite(name, data):
     """`data`: little-endian fp32 bytes. An exponent of all ones is an infinity or a NaN."""
-    import numpy as np
+    try:
+        import numpy as np
+    except ImportError:
+        raise Refused("checking tensor '%s' needs numpy, which %s lacks (Debian: python3-numpy)" %
+                      (name, sys.executable))
     values = np.frombuffer(data, dtype="<f4")
     bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
