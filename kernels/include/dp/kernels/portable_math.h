@@ -14,6 +14,15 @@
 
 namespace dp::kernels {
 
+// c0 x^n + c1 x^(n-1) + ... + cn by Horner's rule, one fmaf a step: straight-line code (a fold, not
+// a loop), the same steps on both backends, and a loop around it still vectorises.
+template <class... C>
+DP_HD inline float horner(float x, float c0, C... c) {
+  float p = c0;
+  ((p = fmaf(p, x, c)), ...);
+  return p;
+}
+
 // 2^n for n in [-126, 127], from its bits.
 DP_HD inline float pow2_bits(int n) {
   const auto bits = static_cast<std::uint32_t>(n + 127) << 23;
@@ -41,12 +50,8 @@ DP_HD inline float exp_portable(float x) {
   const float n = rintf(mul_unfused(xc, 1.44269502162933349609f));
   float r = fmaf(-n, 0.693359375f, xc);
   r = fmaf(-n, -2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = fmaf(p, r, 1.3981999507e-3f);
-  p = fmaf(p, r, 8.3334519073e-3f);
-  p = fmaf(p, r, 4.1665795894e-2f);
-  p = fmaf(p, r, 1.6666665459e-1f);
-  p = fmaf(p, r, 5.0000001201e-1f);
+  const float p = horner(r, 1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                         5.0000001201e-1f);
   const float e = fmaf(p, mul_unfused(r, r), r) + 1.0f;  // in [0.7, 1.42]
   const int ni = static_cast<int>(n), half = ni / 2;     // ni in [-150, 128]: both halves in [-75, 64]
   const float scaled = mul_unfused(mul_unfused(e, pow2_bits(half)), pow2_bits(ni - half));
@@ -68,15 +73,8 @@ DP_HD inline float log_portable(float x) {
     f = f - 1.0f;
   }
   const float z = mul_unfused(f, f);
-  float p = 7.0376836292e-2f;
-  p = fmaf(p, f, -1.1514610310e-1f);
-  p = fmaf(p, f, 1.1676998740e-1f);
-  p = fmaf(p, f, -1.2420140846e-1f);
-  p = fmaf(p, f, 1.4249322787e-1f);
-  p = fmaf(p, f, -1.6668057665e-1f);
-  p = fmaf(p, f, 2.0000714765e-1f);
-  p = fmaf(p, f, -2.4999993993e-1f);
-  p = fmaf(p, f, 3.3333331174e-1f);
+  const float p = horner(f, 7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
+                         -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f);
   const float ef = static_cast<float>(e);
   float y = mul_unfused(mul_unfused(p, f), z);
   y = fmaf(ef, -2.12194440e-4f, y);
@@ -91,29 +89,16 @@ DP_HD inline float log_portable(float x) {
 // fits on Chebyshev nodes (relative error 4e-10 and 9e-8). Both forms computed, one selected.
 DP_HD inline float erf_portable(float x) {
   const float a = fabsf(x), s = mul_unfused(x, x);
-  float q = 7.954824818e-07f;
-  q = fmaf(q, s, -1.258490035e-05f);
-  q = fmaf(q, s, 1.167793322e-04f);
-  q = fmaf(q, s, -8.511036158e-04f);
-  q = fmaf(q, s, 5.221710291e-03f);
-  q = fmaf(q, s, -2.686534994e-02f);
-  q = fmaf(q, s, 1.128377537e-01f);
-  q = fmaf(q, s, -3.761263741e-01f);
-  const float small = fmaf(x, 1.12837922573089599609375f, fmaf(x, -5.863538344e-08f, mul_unfused(mul_unfused(x, s), q)));
+  const float q = horner(s, 7.954824818e-07f, -1.258490035e-05f, 1.167793322e-04f, -8.511036158e-04f, 5.221710291e-03f,
+                         -2.686534994e-02f, 1.128377537e-01f, -3.761263741e-01f);
+  const float small =
+      fmaf(x, 1.12837922573089599609375f, fmaf(x, -5.863538344e-08f, mul_unfused(mul_unfused(x, s), q)));
   float c = a < 1.25f ? 1.25f : a;
   c = a > 4.0f ? 4.0f : c;
   const float hi = mul_unfused(c, c), lo = fmaf(c, c, -hi);
   const float t = 1.0f / hi;
-  float r = -1.163605855e+00f;
-  r = fmaf(r, t, 4.228268519e+00f);
-  r = fmaf(r, t, -6.840567194e+00f);
-  r = fmaf(r, t, 6.580511298e+00f);
-  r = fmaf(r, t, -4.293813166e+00f);
-  r = fmaf(r, t, 2.112355692e+00f);
-  r = fmaf(r, t, -8.995265556e-01f);
-  r = fmaf(r, t, 4.123669541e-01f);
-  r = fmaf(r, t, -2.816637370e-01f);
-  r = fmaf(r, t, 5.641820957e-01f);
+  const float r = horner(t, -1.163605855e+00f, 4.228268519e+00f, -6.840567194e+00f, 6.580511298e+00f, -4.293813166e+00f,
+                         2.112355692e+00f, -8.995265556e-01f, 4.123669541e-01f, -2.816637370e-01f, 5.641820957e-01f);
   const float tail = mul_unfused(exp_portable(-hi), 1.0f - lo);
   float big = 1.0f - mul_unfused(tail, r) / c;
   big = a >= 4.0f ? 1.0f : big;
@@ -127,12 +112,8 @@ DP_HD inline float erf_portable(float x) {
 // sign of x (+-1 once e^2|x| overflows). Both forms computed, one selected.
 DP_HD inline float tanh_portable(float x) {
   const float a = fabsf(x), s = mul_unfused(x, x);
-  float p = 2.303796420e-03f;
-  p = fmaf(p, s, -8.352449709e-03f);
-  p = fmaf(p, s, 2.177084410e-02f);
-  p = fmaf(p, s, -5.395933054e-02f);
-  p = fmaf(p, s, 1.333330205e-01f);
-  p = fmaf(p, s, -3.333333310e-01f);
+  const float p = horner(s, 2.303796420e-03f, -8.352449709e-03f, 2.177084410e-02f, -5.395933054e-02f, 1.333330205e-01f,
+                         -3.333333310e-01f);
   const float small = fmaf(mul_unfused(x, s), p, x);
   float big = 1.0f - 2.0f / (exp_portable(a + a) + 1.0f);
   big = x < 0.0f ? -big : big;
