@@ -103,7 +103,7 @@ struct Run {
   // What a train forward keeps for the backward, per sample (the model on device 0: DP's source,
   // DDP's rank 0): activations between layers and layers' saved state (Model::saved_activation_bytes).
   std::size_t activation_bytes_per_sample = 0;
-  // Optimizer state per device (the largest of the engine's optimizers): with --zero 1 a 1/ranks slice.
+  // Optimizer state per device (the largest of the engine's optimizers): under --zero a 1/ranks slice.
   std::size_t optimizer_state_bytes = 0;
   std::size_t gradient_bytes = 0;  // Engine::gradient_bytes: what one device keeps
   std::vector<double> step_ms;

@@ -32,8 +32,6 @@ struct Options : dp::tools::SharedOptions {
   std::string modes = "single,dp,ddp";
   int steps = 20;
   int warmup = 5;
-  double bucket_cap_mb = 25.0;
-  double first_bucket_mb = 1.0;
   std::string json_path;
   std::string trace_path;
   std::uint64_t seed = 1;

@@ -176,8 +176,9 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
       "  sent/recv = the busiest device's device-to-device bytes per step (intra-node); net = its bytes to and\n"
       "  from other processes (inter-node, under mpirun); imb = max/mean over devices; act/sample = what a\n"
       "  forward keeps for the backward, per sample (bf16 under --amp bf16); opt state = the optimizer state\n"
-      "  a device keeps (--zero 1: its slice); grads = the gradient memory a device keeps (the model's\n"
-      "  gradients; --zero 1: and its slice of them; --grad-reduce bf16: and their bf16 copy)\n",
+      "  a device keeps (--zero: its slice); grads = the gradient memory a device keeps (the model's\n"
+      "  gradients; --zero 1: and its slice of them; --zero 2: its slice and the backward's bucket slots\n"
+      "  instead; --grad-reduce bf16: and their bf16 copy)\n",
       have_spans ? "" : " (n/a: on cuda, spans are recorded with --profile or --trace)");
   for (const Run& r : runs)
     if (r.tokens_per_sample > 1)

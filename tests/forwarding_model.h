@@ -21,6 +21,7 @@ class ForwardingModel : public Model {
   float* params_flat() const override { return inner_->params_flat(); }
   float* grads_flat() const override { return inner_->grads_flat(); }
   float* grads_address() const override { return inner_->grads_address(); }
+  bool place_gradients(GradientSlots* slots) override { return inner_->place_gradients(slots); }
   std::size_t param_count() const override { return inner_->param_count(); }
   void* buffers_flat() const override { return inner_->buffers_flat(); }
   std::size_t buffers_bytes() const override { return inner_->buffers_bytes(); }

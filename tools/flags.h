@@ -279,9 +279,11 @@ struct SharedOptions {
   dp::Autocast amp = dp::Autocast::off;               // torch.autocast(dtype=bfloat16) around the forward
   dp::GradReduce grad_reduce = dp::GradReduce::fp32;  // ddp: the gradient all-reduce (bf16: bf16_compress_hook)
   int shards = 0;                                     // every mode: a step's result fixed to this many shards; 0: off
-  double clip_grad_norm = 0.0;   // every mode: clip_grad_norm_(max_norm) before each update; 0: off
-  int zero = 0;                  // ddp: ZeRO stage 1 (optimizer state sharded over the ranks); 0: off
-  bool zero_host_copies = true;  // --zero 1 in one process: each rank's part also kept on the host
+  double clip_grad_norm = 0.0;  // every mode: clip_grad_norm_(max_norm) before each update; 0: off
+  int zero = 0;                 // ddp: the ZeRO stage (1: optimizer state sharded; 2: gradients too); 0: off
+  double bucket_cap_mb = dp::EngineOptions{}.bucket_cap_mb;  // ddp: the gradient buckets' caps, MiB
+  double first_bucket_mb = dp::EngineOptions{}.first_bucket_mb;
+  bool zero_host_copies = true;  // --zero in one process: each rank's part also kept on the host
   // ddp and shards: the replicas' fingerprints compared every N steps (silent corruption); 0: off.
   int check_replicas = kCheckReplicasEvery;
   // shards: every K steps one shard computed again on another device and compared; 0: off.
@@ -426,20 +428,38 @@ std::vector<Flag<O>> update_flags() {
        .default_text = "0 (off)",
        .engine = [](const O& o, dp::EngineOptions& e) { e.shadow_shards = o.shadow_shards; }},
       {.name = "--zero",
-       .value = integer<O>(&O::zero, 0, 1, "STAGE"),
-       .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): each rank updates its slice, "
-               "then the parameters are all-gathered; the same bits, state memory / ranks",
-       .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...)",
+       .value = integer<O>(&O::zero, 0, 2, "STAGE"),
+       .help = "ddp: 1 shards the optimizer state over the ranks (ZeRO stage 1): the gradients are "
+               "reduce-scattered, each rank updates its slice, then the parameters are all-gathered; the same "
+               "bits and bytes sent, state memory / ranks. 2: also the gradients (stage 2): backward writes "
+               "into a few bucket-sized slots and each rank keeps its slice; where gradients must stay whole "
+               "(--clip-grad-norm, --grad-reduce bf16, --accumulate, --shards) it is stage 1",
+       .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...) (1); DeepSpeed zero_optimization stage 2",
        .default_text = "0 (off)",
        .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },
        .applies_to = "ddp"},
       {.name = "--zero-host-copies",
        .value = on_off<O>(&O::zero_host_copies),
-       .help = "--zero 1 in one process: on: each rank also copies its part of the state to pinned host memory "
+       .help = "--zero in one process: on: each rank also copies its part of the state to pinned host memory "
                "after every step, so that a lost device's part survives it (two copies of the parameters and state "
                "on the host; a device-to-host copy of 1/ranks of them per device and step); off: a lost device "
                "ends the run with nothing written",
        .engine = [](const O& o, dp::EngineOptions& e) { e.zero_host_copies = o.zero_host_copies; },
+       .applies_to = "ddp"},
+      {.name = "--bucket-cap-mb",
+       .value = number<O>(&O::bucket_cap_mb, kPositive, "MIB"),
+       .help = "ddp: the gradient buckets' cap after the first (each bucket is reduced as soon as backward has "
+               "filled it, in reverse parameter order; --zero 2 keeps a few of them)",
+       .torch = "DistributedDataParallel(model, bucket_cap_mb=MIB)",
+       .saved = Saved::on_resume,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.bucket_cap_mb = o.bucket_cap_mb; },
+       .applies_to = "ddp"},
+      {.name = "--first-bucket-mb",
+       .value = number<O>(&O::first_bucket_mb, kPositive, "MIB"),
+       .help = "ddp: the first gradient bucket's cap (the last parameters, whose gradients backward computes first)",
+       .torch = "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = MIB * 2**20",
+       .saved = Saved::on_resume,
+       .engine = [](const O& o, dp::EngineOptions& e) { e.first_bucket_mb = o.first_bucket_mb; },
        .applies_to = "ddp"},
       {.name = "--optimizer",
        .value = named<O>(&O::optimizer, {OptimizerKind::sgd, OptimizerKind::adamw}),

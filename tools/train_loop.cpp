@@ -511,7 +511,7 @@ dp::TrainingProgress checkpoint_progress(const Options& o, const Plan& plan, lon
 
 void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, const std::string& path, long step) {
   engine.synchronize();
-  // Every process: with ZeRO-1 the whole state is gathered from every rank.
+  // Every process: under ZeRO the whole state is gathered from every rank.
   const std::vector<dp::Optimizer*> whole = engine.whole_optimizers();
   if (!g_job.primary()) return;
   dp::TrainingState::save(path, engine.model(), *whole.front(), checkpoint_progress(o, plan, step));
@@ -520,7 +520,7 @@ void write_checkpoint(const Options& o, dp::Engine& engine, const Plan& plan, co
 void save(const Options& o, dp::Engine& engine, const Plan& plan, long step) {
   engine.synchronize();
   if (!o.save.empty()) {
-    // Every process: the whole optimizer state may be a collective (ZeRO-1); process 0 writes.
+    // Every process: the whole optimizer state may be a collective (ZeRO); process 0 writes.
     write_checkpoint(o, engine, plan, o.save, step);
     say("dp_train: saved {}{}\n", o.save,
         step < plan.start_step + plan.total_steps ? fmt::format(" at step {}", step) : "");

@@ -1,17 +1,23 @@
-// test_zero.cpp — ZeRO stage 1 at the engine level, on 2-4 simulated devices: its parameters, whole
-// optimizer state and losses are plain DDP's bit for bit (SGD with momentum and AdamW, several
-// buckets, a frozen layer, decay groups), each rank keeps a 1/n slice of the state, a checkpoint's
-// whole state goes back into the slices, a step moves plain DDP's bytes, and a lost device's slice
-// survives in its host copy.
+// test_zero.cpp — ZeRO stages 1 and 2 at the engine level, on 2-4 simulated devices: their
+// parameters, whole optimizer state and losses are plain DDP's bit for bit (SGD with momentum and
+// AdamW, several buckets, a frozen layer, decay groups; stage 2 also with clipping, accumulation,
+// autocast and graphs), each rank keeps a 1/n slice of the state (stage 2: and of the gradients,
+// beside a few buckets' slots), a checkpoint's whole state goes back into the slices, a step moves
+// plain DDP's bytes, and a lost device's slice survives in its host copy.
+#include <algorithm>
 #include <cstring>
 #include <fmt/format.h>
+#include <functional>
 #include <gtest/gtest.h>
 #include <optional>
 
 #include "ddp_data.h"
+#include "dp/engines/ddp.h"
 #include "dp/engines/engine.h"
+#include "dp/models/gpt.h"
 #include "dp/models/mlp.h"
 #include "dp/runtime/error.h"
+#include "forwarding_model.h"
 #include "test_util.h"
 
 namespace dp {
@@ -22,6 +28,13 @@ std::vector<float> download(const Device& device, const float* data, std::size_t
   std::vector<float> out(count);
   s.copy(out.data(), data, count * sizeof(float));
   return out;
+}
+
+// The largest rank's slice, in bytes: what a device keeps of the gradients beside the whole under stage 1.
+std::size_t largest_slice(Engine& engine) {
+  std::size_t most = 0;
+  for (Optimizer* o : engine.optimizers()) most = std::max(most, o->param_count() * sizeof(float));
+  return most;
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -37,7 +50,8 @@ struct ZeroRun {
 
   EngineOptions options;
 
-  ZeroRun(int n, int zero, const OptimizerOptions& optimizer, const std::vector<std::string>& frozen) {
+  ZeroRun(int n, int zero, const OptimizerOptions& optimizer, const std::vector<std::string>& frozen,
+          const std::function<void(EngineOptions&)>& more = {}) {
     runtime = test::sim_runtime(n);
     model = build(runtime->device(0));
     options.kind = EngineKind::ddp;
@@ -46,14 +60,20 @@ struct ZeroRun {
     options.bucket_cap_mb = 20000.0 / (1 << 20);
     options.frozen = frozen;
     options.weight_decay_on = WeightDecayOn::matrices;
+    if (more) more(options);
     engine = make_engine(*runtime, *model, optimizer, options);
   }
   static std::unique_ptr<Model> build(Device& device) { return models::make_mlp(device, {48, 24}, 5); }
   void train(const test::Data& data, int steps, int per_rank) {
     const int n = engine->world_size();
+    const int micro = options.accumulate;
     runtime->reset_link_traffic();
-    for (int s = 0; s < steps; ++s)
-      losses.push_back(engine->train_step(test::shards(data, s * n * per_rank, n, per_rank)));
+    for (int s = 0; s < steps; ++s) {
+      // Rank r's micro-batches are batches [r * micro, (r + 1) * micro).
+      std::vector<Batch> batches;
+      for (const Batch& b : test::shards(data, s * n * per_rank * micro, n * micro, per_rank)) batches.push_back(b);
+      losses.push_back(engine->train_step(batches));
+    }
     engine->synchronize();
     for (const int d : engine->device_ids()) sent += runtime->bytes_sent(d);
   }
@@ -72,11 +92,15 @@ struct ZeroRun {
   }
 };
 
-class ZeroOne : public ::testing::TestWithParam<int> {};
-INSTANTIATE_TEST_SUITE_P(Devices, ZeroOne, ::testing::Values(2, 3, 4));
+// Devices and ZeRO stage.
+class Zero : public ::testing::TestWithParam<std::tuple<int, int>> {};
+INSTANTIATE_TEST_SUITE_P(DevicesAndStage, Zero, ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values(1, 2)),
+                         [](const auto& info) {
+                           return fmt::format("{}Devices_Stage{}", std::get<0>(info.param), std::get<1>(info.param));
+                         });
 
-TEST_P(ZeroOne, IsPlainDdpBitForBitWithASliceOfTheState) {
-  const int n = GetParam();
+TEST_P(Zero, IsPlainDdpBitForBitWithASliceOfTheState) {
+  const auto [n, stage] = GetParam();
   const int steps = 6, per_rank = 3;
   const test::Data data = test::make_data(steps * n * per_rank, 11);
   const std::vector<std::pair<std::string, OptimizerOptions>> optimizers = {
@@ -84,7 +108,7 @@ TEST_P(ZeroOne, IsPlainDdpBitForBitWithASliceOfTheState) {
   for (const auto& [name, optimizer] : optimizers) {
     for (const std::vector<std::string>& frozen : {std::vector<std::string>{}, std::vector<std::string>{"fc2"}}) {
       SCOPED_TRACE(fmt::format("{} devices, {}, {} frozen", n, name, frozen.size()));
-      ZeroRun plain(n, 0, optimizer, frozen), zero(n, 1, optimizer, frozen);
+      ZeroRun plain(n, 0, optimizer, frozen), zero(n, stage, optimizer, frozen);
       plain.train(data, steps, per_rank);
       zero.train(data, steps, per_rank);
       EXPECT_TRUE(same_bits(plain.losses, zero.losses));
@@ -102,18 +126,156 @@ TEST_P(ZeroOne, IsPlainDdpBitForBitWithASliceOfTheState) {
       std::size_t trainable = 0;
       for (const auto& range : plain.engine->optimizers()[0]->trainable()) trainable += range.count;
       EXPECT_EQ(slices, trainable) << "the slices cover the trainable parameters once";
+      const std::size_t whole = plain.model->param_count() * sizeof(float);
+      const std::size_t stage_one = whole + largest_slice(*zero.engine);
+      EXPECT_EQ(plain.engine->gradient_bytes(), whole);
+      if (stage == 1) {
+        EXPECT_EQ(zero.engine->gradient_bytes(), stage_one);
+      } else {
+        // Its slice of the gradients and the slots, and no whole buffer. Here fc1's weight is most of
+        // the model and a bucket of its own: a slot as large (ZeroTwo.KeepsASliceOfAGptsGradients
+        // has a model of equal layers).
+        EXPECT_LE(zero.engine->gradient_bytes(), stage_one);
+        EXPECT_THROW((void)zero.model->grads_flat(), Error);
+      }
     }
+  }
+}
+
+// Stage 2 where the gradients must stay whole (clipping needs each tensor's norm; accumulation adds
+// micro-batches into the whole buffer) is stage 1, with its bits; under autocast and with graphs
+// the slots give plain DDP's bits too, with several slots taken in turn (small buckets of a model of
+// several layers), and the model has its whole gradients back once the engine is gone.
+TEST(ZeroTwo, IsPlainDdpBitForBitWhereverItRuns) {
+  const int n = 3, per_rank = 2, steps = 5;
+  const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};
+  const std::vector<std::pair<std::string, std::function<void(EngineOptions&)>>> variants = {
+      {"clipping", [](EngineOptions& o) { o.step.clip_grad_norm = 0.05; }},
+      {"accumulation", [](EngineOptions& o) { o.accumulate = 2; }},
+      {"autocast", [](EngineOptions& o) { o.amp = Autocast::bf16; }},
+      {"graphs", [](EngineOptions& o) { o.graphs = true; }},
+      {"tiny buckets", [](EngineOptions& o) { o.first_bucket_mb = o.bucket_cap_mb = 100.0 / (1 << 20); }}};
+  for (const auto& [name, more] : variants) {
+    SCOPED_TRACE(name);
+    ZeroRun plain(n, 0, adamw, {"fc2"}, more), zero(n, 2, adamw, {"fc2"}, more);
+    const test::Data data = test::make_data(steps * n * per_rank * plain.options.accumulate, 13);
+    plain.train(data, steps, per_rank);
+    zero.train(data, steps, per_rank);
+    EXPECT_TRUE(same_bits(plain.losses, zero.losses));
+    EXPECT_TRUE(same_bits(plain.params(), zero.params())) << "parameters differ";
+    EXPECT_TRUE(same_bits(plain.whole_state(), zero.whole_state())) << "optimizer state differs";
+    // Clipping all-reduces the buckets, then the parameters are all-gathered (as stage 1 does).
+    if (name != "clipping") {
+      EXPECT_EQ(zero.sent, plain.sent);
+    }
+    const bool whole = name == "clipping" || name == "accumulation";
+    const std::size_t stage_one = plain.engine->gradient_bytes() + largest_slice(*zero.engine);
+    if (whole) {
+      EXPECT_EQ(zero.engine->gradient_bytes(), stage_one);
+    } else {
+      EXPECT_THROW((void)zero.model->grads_flat(), Error);
+    }
+    zero.engine.reset();
+    if (whole) continue;
+    const std::vector<TensorRef> gradients = zero.model->gradients();  // the flat buffer back, zeroed
+    ASSERT_FALSE(gradients.empty());
+    const auto first = download(zero.model->device(), static_cast<const float*>(gradients[0].data), 4);
+    EXPECT_EQ(first, std::vector<float>(4, 0.0f));
+  }
+}
+
+// A GPT of equal blocks on 4 devices, buckets of about a block: a device keeps its quarter of the
+// gradients and a few buckets' slots (the tied embedding's, held through the whole backward, and two
+// taken in turn), under half of the whole; the losses and parameters are plain DDP's.
+TEST(ZeroTwo, KeepsASliceOfAGptsGradients) {
+  const int n = 4, batch = 2, steps = 3;
+  const models::GptConfig config{.vocab = 64, .context = 16, .layers = 6, .heads = 2, .width = 32};
+  std::vector<float> tokens;
+  std::vector<std::int64_t> targets;
+  for (int i = 0; i < steps * n * batch * config.context; ++i) {
+    tokens.push_back(static_cast<float>((i * 37 + 11) % config.vocab));
+    targets.push_back((i * 37 + 48) % config.vocab);
+  }
+  const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};
+  std::vector<std::vector<float>> params, losses;
+  std::vector<std::size_t> bytes;
+  for (const int stage : {0, 2}) {
+    auto runtime = test::sim_runtime(n);
+    auto model = models::make_gpt(runtime->device(0), config, 3);
+    EngineOptions options;
+    options.kind = EngineKind::ddp;
+    options.zero = stage;
+    options.graphs = true;
+    options.first_bucket_mb = options.bucket_cap_mb = 8000.0 / (1 << 20);  // a block: 12.6k floats
+    auto engine = make_engine(*runtime, *model, adamw, options);
+    losses.emplace_back();
+    for (int s = 0; s < steps; ++s) {
+      std::vector<Batch> batches;
+      for (int r = 0; r < n; ++r) {
+        const std::size_t at = static_cast<std::size_t>((s * n + r) * batch * config.context);
+        batches.push_back(Batch{tokens.data() + at, targets.data() + at, batch});
+      }
+      losses.back().push_back(engine->train_step(batches));
+    }
+    engine->synchronize();
+    params.push_back(download(model->device(), model->params_flat(), model->param_count()));
+    bytes.push_back(engine->gradient_bytes());
+  }
+  EXPECT_TRUE(same_bits(losses[0], losses[1]));
+  EXPECT_TRUE(same_bits(params[0], params[1])) << "parameters differ";
+  EXPECT_LT(static_cast<double>(bytes[1]), 0.5 * static_cast<double>(bytes[0])) << bytes[1] << " of " << bytes[0];
+}
+
+// no_sync would accumulate into the whole buffer that stage 2 gave up: refused, naming the way out;
+// a model that cannot place its gradients elsewhere is refused when the engine is made.
+TEST(ZeroTwo, RefusesNoSyncAndModelsThatKeepTheirGradients) {
+  const OptimizerOptions sgd = SgdOptions{};
+  ZeroRun zero(2, 2, sgd, {});
+  auto& ddp = dynamic_cast<DistributedDataParallel&>(*zero.engine);
+  const test::Data data = test::make_data(8, 1);
+  const auto batches = test::shards(data, 0, 2, 2);
+  {
+    auto scope = ddp.no_sync();
+    try {
+      (void)ddp.forward_backward(batches);
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("no_sync accumulates gradients in the whole gradient buffer"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  zero.engine.reset();
+
+  class Keeps final : public test::ForwardingModel {
+   public:
+    using ForwardingModel::ForwardingModel;
+    bool place_gradients(GradientSlots* slots) override { return slots == nullptr; }
+    std::unique_ptr<Model> replicate(Device& device) const override {
+      return std::make_unique<Keeps>(inner().replicate(device));
+    }
+  };
+  auto runtime = test::sim_runtime(2);
+  Keeps keeps(ZeroRun::build(runtime->device(0)));
+  EngineOptions options;
+  options.kind = EngineKind::ddp;
+  options.zero = 2;
+  try {
+    make_engine(*runtime, keeps, sgd, options);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot write its gradients elsewhere"), std::string::npos) << e.what();
   }
 }
 
 // A checkpoint's whole state, loaded back, goes into the slices: training on from it is training
 // on without the round trip.
-TEST_P(ZeroOne, WholeStateGoesBackIntoTheSlices) {
-  const int n = GetParam();
+TEST_P(Zero, WholeStateGoesBackIntoTheSlices) {
+  const auto [n, stage] = GetParam();
   const int per_rank = 2;
   const test::Data data = test::make_data(8 * n * per_rank, 3);
   const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.0};
-  ZeroRun straight(n, 1, adamw, {}), resumed(n, 1, adamw, {});
+  ZeroRun straight(n, stage, adamw, {}), resumed(n, stage, adamw, {});
   straight.train(data, 8, per_rank);
   resumed.train(data, 4, per_rank);
   // Scramble the slices, then load the whole state gathered before.
@@ -143,14 +305,14 @@ TEST_P(ZeroOne, WholeStateGoesBackIntoTheSlices) {
 // A lost device takes its rank's slice of the state with it, but in one process each rank also
 // keeps a host copy of its part after every step: survivor() puts the last step that every rank
 // kept together on a surviving device, plain DDP's parameters and optimizer state there, bit for bit.
-TEST_P(ZeroOne, ASurvivorHoldsTheLostRanksPartFromItsHostCopy) {
-  const int n = GetParam();
+TEST_P(Zero, ASurvivorHoldsTheLostRanksPartFromItsHostCopy) {
+  const auto [n, stage] = GetParam();
   const int per_rank = 2, steps = 3;
   const test::Data data = test::make_data((steps + 1) * n * per_rank, 5);
   const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};
   for (const int lost : {0, n - 1}) {
     SCOPED_TRACE(fmt::format("{} devices, device {} lost", n, lost));
-    ZeroRun plain(n, 0, adamw, {"fc2"}), zero(n, 1, adamw, {"fc2"});
+    ZeroRun plain(n, 0, adamw, {"fc2"}), zero(n, stage, adamw, {"fc2"});
     plain.train(data, steps, per_rank);
     zero.train(data, steps, per_rank);
     zero.runtime->device(lost).lose("the test's");

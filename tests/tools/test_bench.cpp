@@ -488,6 +488,32 @@ TEST(Bench, ZeroOneSendsDdpsBytesAndKeepsASliceOfTheState) {
   EXPECT_EQ(zero.at("loss_last"), plain.at("loss_last"));
 }
 
+// --zero 2 on a GPT of equal blocks, buckets of about a block: the backward writes its gradients into
+// a few bucket slots and each device keeps its blocks of them, so a device's gradient memory falls
+// under half of the model's (its quarter, the tied embedding's slot and two taken in turn) and its
+// peak memory with it; the bytes sent and the losses stay plain DDP's.
+TEST(Bench, ZeroTwoKeepsASliceOfTheGradients) {
+  TempDir dir("zero2");
+  RunsPerValue runs;
+  ASSERT_NO_FATAL_FAILURE(run_bench_per_value(dir,
+                                              "--backend sim --devices 4 --models gpt --layers 6 --width 64 --heads 2 "
+                                              "--context 16 --modes ddp --optimizer adamw --batch-size 2 --steps 2 "
+                                              "--warmup 1 --bucket-cap-mb 0.05 --first-bucket-mb 0.05",
+                                              "zero", {"0", "2"}, runs));
+  const json& plain = find_run(runs.reports["0"], "gpt", "ddp");
+  const json& zero = find_run(runs.reports["2"], "gpt", "ddp");
+  const auto params = u64(plain.at("param_count"));
+  EXPECT_EQ(u64(plain.at("gradient_bytes")), 4 * params);
+  EXPECT_GE(u64(zero.at("gradient_bytes")), 4 * (params / 4));
+  EXPECT_LT(u64(zero.at("gradient_bytes")), 4 * params / 2);
+  for (std::size_t d = 0; d < 4; ++d) {
+    const json &z = zero.at("per_device")[d], &p = plain.at("per_device")[d];
+    EXPECT_EQ(u64(z.at("bytes_sent")), u64(p.at("bytes_sent"))) << "device " << d;
+    EXPECT_LT(u64(z.at("peak_bytes")), u64(p.at("peak_bytes"))) << "device " << d;
+  }
+  EXPECT_EQ(zero.at("loss_last"), plain.at("loss_last"));
+}
+
 // --check-cost: each ddp run is measured with the collectives' signature check off too, in
 // alternation, and the cost is printed and in the JSON beside the checked figure.
 // DP_FAULT=lose@... with --shards: the first model and mode lose the device and go on without it,

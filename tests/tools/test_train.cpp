@@ -547,31 +547,36 @@ TEST_F(TrainTest, ShardsRunOnTheFixedShardsEngineAndTheBannerSaysSo) {
   EXPECT_NE(ddp.output.find("dp_train: mlp ddp on 2 device(s)"), std::string::npos) << ddp.output;
 }
 
-// --zero 1 (ZeRO stage 1, the buckets reduce-scattered): the checkpoint of 10 steps is byte for
-// byte plain DDP's on 2, 3 and 4 devices, with SGD's momentum and with AdamW, with a frozen layer and
-// decay groups, with clipping and accumulation, and under --shards; a checkpoint resumes from and
-// to --zero 1; other modes refuse it.
-TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
-  const std::string common = "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --mode ddp";
+// --zero 1 (ZeRO stage 1, the buckets reduce-scattered) and --zero 2 (the gradients in bucket slots
+// too, small buckets): the checkpoint of 10 steps is byte for byte plain DDP's on 2, 3 and 4 devices,
+// with SGD's momentum and with AdamW, with a frozen layer and decay groups, with clipping and
+// accumulation, and under --shards; a checkpoint resumes from and to either stage; other modes
+// refuse it, and a stage past 2.
+TEST_F(TrainTest, ZeroWritesPlainDdpsCheckpointAndResumesEitherWay) {
+  const std::string common =
+      "--model convnet --backend sim --synthetic 240 --batch-size 4 --seed 3 --mode ddp --bucket-cap-mb 0.004 "
+      "--first-bucket-mb 0.002";
   for (const int devices : {2, 3, 4}) {
     for (const std::string optimizer : {" --optimizer sgd", " --optimizer adamw"}) {
       for (const std::string more : {"", " --freeze layer1 --decay matrices --weight-decay 0.1",
                                      " --clip-grad-norm 0.5 --accumulate 2", " --shards 12"}) {
-        SCOPED_TRACE(fmt::format("{} devices{}{}", devices, optimizer, more));
         const std::string args = fmt::format("{} --devices {} --steps 10{}{}", common, devices, optimizer, more);
         ASSERT_EQ(run(args + " --save " + path("plain.st")).code, 0);
-        const Result zero = run(args + " --zero 1 --save " + path("zero.st"));
-        ASSERT_EQ(zero.code, 0) << zero.output;
-        EXPECT_EQ(read_file(path("plain.st")), read_file(path("zero.st"))) << "checkpoint bytes differ";
+        for (const int stage : {1, 2}) {
+          SCOPED_TRACE(fmt::format("{} devices{}{}, --zero {}", devices, optimizer, more, stage));
+          const Result zero = run(args + fmt::format(" --zero {} --save ", stage) + path("zero.st"));
+          ASSERT_EQ(zero.code, 0) << zero.output;
+          EXPECT_EQ(read_file(path("plain.st")), read_file(path("zero.st"))) << "checkpoint bytes differ";
+        }
       }
     }
   }
   const std::string two = common + " --optimizer adamw --devices 2";
   ASSERT_EQ(run(two + " --steps 10 --save " + path("ten.st")).code, 0);
-  for (const std::string first : {" --zero 1", ""}) {
-    SCOPED_TRACE("first half" + first);
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {" --zero 1", ""}, {"", " --zero 1"}, {" --zero 2", ""}, {"", " --zero 2"}, {" --zero 1", " --zero 2"}}) {
+    SCOPED_TRACE("first half" + first + ", second" + second);
     ASSERT_EQ(run(two + " --steps 5" + first + " --save " + path("half.st")).code, 0);
-    const std::string second = first.empty() ? " --zero 1" : "";
     const Result resumed = run("--backend sim --synthetic 240 --mode ddp --devices 2 --resume " + path("half.st") +
                                " --steps 10" + second + " --save " + path("resumed.st"));
     ASSERT_EQ(resumed.code, 0) << resumed.output;
@@ -580,7 +585,7 @@ TEST_F(TrainTest, ZeroOneWritesPlainDdpsCheckpointAndResumesEitherWay) {
   const Result dp = run("--backend sim --synthetic 64 --mode dp --devices 2 --steps 1 --zero 1");
   EXPECT_EQ(dp.code, 2) << dp.output;
   EXPECT_NE(dp.output.find("--zero applies to --mode ddp"), std::string::npos) << dp.output;
-  EXPECT_EQ(run("--backend sim --synthetic 64 --mode ddp --devices 2 --steps 1 --zero 2").code, 2);
+  EXPECT_EQ(run("--backend sim --synthetic 64 --mode ddp --devices 2 --steps 1 --zero 3").code, 2);
 }
 
 // --shards V with --sync-bn: a dp device per shard (V of them), on 4, 2 or 1 simulated GPUs
@@ -1434,7 +1439,7 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   // A flag of another model's argument (the flag table's model_arg) is refused, not ignored.
   expect_refused(base + "--model convnet --heads 4", "--heads applies to --model gpt, not --model convnet");
   expect_refused(base + "--model convnet --hidden 8", "--hidden applies to --model mlp, not --model convnet");
-  expect_refused(base + "--zero 2", "--zero");
+  expect_refused(base + "--zero 3", "--zero");
   expect_refused(base + "--mode dp --devices 2 --zero 1", "--zero applies to --mode ddp");
   expect_refused(base + "--mode ddp --devices 5 --shards 12", "12 shards cannot be spread evenly over 5 device(s)");
   expect_refused(base + "--model convnet --mode ddp --devices 2 --shards 4 --sync-bn",

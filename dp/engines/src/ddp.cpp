@@ -16,7 +16,8 @@ DistributedDataParallel::DistributedDataParallel(Runtime& runtime, Model& module
                                                  const EngineOptions& options)
     : ReplicaEngine(runtime, module, check_applies(EngineKind::ddp, options), Step::per_rank) {
   std::vector<GradBucket> buckets = start(runtime, module, optimizer, options_.accumulate, 1, false);
-  reducer_ = std::make_unique<Reducer>(*comm_, group_, std::move(buckets), options_.grad_reduce, bucket_reduction());
+  reducer_ = std::make_unique<Reducer>(*comm_, group_, std::move(buckets), options_.grad_reduce, bucket_reduction(),
+                                       bucket_home());
 }
 
 // The ranks' compute streams wait for the reducer's events: idle before it goes (it then waits for
@@ -87,7 +88,7 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   GradientsReady on_ready;
   if (sync) {
     // Not grads_flat(): that would fill in a pending zero_grad the backward is about to overwrite.
-    reducer_->prepare(r, mine.compute, m.grads_address());
+    reducer_->prepare(r, mine.compute, bucket_home() ? nullptr : m.grads_address());
     on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
   }
   progress::set_phase("backward");

@@ -126,9 +126,9 @@ const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options
     throw InvalidArgument(fmt::format("shadow_shards must be 0 (off) or a step count, not {}", options.shadow_shards));
   if (options.shadow_shards > 0 && options.shards == 0)
     throw InvalidArgument("shadow_shards recomputes one of the fixed shards: it needs shards > 0");
-  if (options.zero != 0 && options.zero != 1)
-    throw InvalidArgument(fmt::format("zero must be 0 (off) or 1 (ZeRO stage 1), not {}", options.zero));
-  if (kind != EngineKind::ddp && options.zero) refuse("ZeRO-1 (zero)", "ddp");
+  if (options.zero < 0 || options.zero > 2)
+    throw InvalidArgument(fmt::format("zero must be 0 (off), 1 or 2 (the ZeRO stage), not {}", options.zero));
+  if (kind != EngineKind::ddp && options.zero) refuse("ZeRO (zero)", "ddp");
   if (options.accumulate < 1)
     throw InvalidArgument(
         fmt::format("accumulate must be at least 1 (micro-batches per step), not {}", options.accumulate));

@@ -30,8 +30,14 @@ class RankOptimizers {
   virtual Optimizer& optimizer(int r) const = 0;
   // Whether the ranks clip (then a step has a gradient norm to read).
   virtual bool clips() const = 0;
-  // Gradient bytes a rank keeps beside the model's flat gradients (ZeRO: its packed slice).
+  // Gradient bytes a rank keeps beside the model's flat gradients (ZeRO: its packed slice; ZeRO-2:
+  // and its bucket slots), and whether it keeps the model's flat gradients at all.
   virtual std::size_t gradient_bytes_beside() const { return 0; }
+  virtual bool keeps_whole_gradients() const { return true; }
+  // ZeRO-2: where rank r's backward writes its gradients (Model::place_gradients), and where the
+  // Reducer finds each bucket (the same slots); null: in the model's flat gradient buffer.
+  virtual GradientSlots* gradient_slots(int /*r*/) { return nullptr; }
+  virtual BucketHome* bucket_home() { return nullptr; }
   // Rank 0's total gradient norm of the last step (the steps have run), or none unclipped.
   virtual std::optional<float> last_grad_norm() const = 0;
   // Engine::freeze and exclude_from_weight_decay, with ranges of the whole flat buffer.
@@ -62,7 +68,7 @@ std::unique_ptr<RankOptimizers> make_rank_optimizers(const DeviceGroup& group,
                                                      const std::vector<GradBucket>& buckets, std::size_t params,
                                                      const OptimizerOptions& optimizer, const EngineOptions& options);
 
-// ZeRO stage 1 (zero.cpp).
+// ZeRO stages 1 and 2 (zero.cpp).
 std::unique_ptr<RankOptimizers> make_zero_optimizers(const DeviceGroup& group,
                                                      const std::shared_ptr<ProcessGroup>& processes,
                                                      const std::vector<GradBucket>& buckets, std::size_t params,

@@ -59,8 +59,10 @@ struct Reducer::Rank {
 };
 
 Reducer::Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets, GradReduce reduce,
-                 BucketReduction reduction)
-    : comm_(comm), buckets_(std::move(buckets)), reduce_(reduce), reduction_(reduction) {
+                 BucketReduction reduction, BucketHome* home)
+    : comm_(comm), buckets_(std::move(buckets)), reduce_(reduce), reduction_(reduction), home_(home) {
+  if (home_ && reduce_ == GradReduce::bf16)
+    throw InvalidArgument("a bf16 gradient reduction needs the whole gradient buffer: it has no bucket slots");
   if (reduction_ == BucketReduction::reduce_scatter && reduce_ == GradReduce::bf16)
     throw InvalidArgument("a bf16 gradient reduction has no reduce-scatter: all-reduce it");
   std::size_t covered = 0;
@@ -95,6 +97,7 @@ void Reducer::prepare(int r, const Stream& compute, float* grads) {
   rank.pending.clear();
   for (const GradBucket& bucket : buckets_) rank.pending.push_back(bucket.count);
   rank.next_bucket = 0;
+  if (home_) home_->begin(r, compute);
 }
 
 void Reducer::mark_ready(int r, std::size_t offset, std::size_t count) {
@@ -114,12 +117,15 @@ void Reducer::launch_ready(int r) {
     const std::size_t b = rank.next_bucket++;
     // One rank: x * (1/1) and a sum over one rank leave every bit as it is, so neither runs: DDP on
     // one device costs what one device costs.
-    if (comm_.size() == 1) continue;
+    if (comm_.size() == 1) {
+      if (home_) home_->reduced(r, b, *rank.compute);
+      continue;
+    }
     const GradBucket& bucket = buckets_[b];
     const CollectivePurpose purpose(fmt::format("bucket {}", b));
     rank.compute->record(rank.bucket_ready[b]);
     rank.comm.wait(rank.bucket_ready[b]);
-    float* slice = rank.grads + bucket.offset;
+    float* slice = home_ ? home_->bucket(r, b) : rank.grads + bucket.offset;
     const auto count = static_cast<kernels::index_t>(bucket.count);
     const float inverse = 1.0f / static_cast<float>(comm_.size());
     if (reduce_ == GradReduce::bf16) {
@@ -135,6 +141,7 @@ void Reducer::launch_ready(int r) {
       comm_.reduce_scatter(r, rank.comm, slice, bucket.count);
     else
       comm_.all_reduce(r, rank.comm, slice, bucket.count, ReduceOp::sum);
+    if (home_) home_->reduced(r, b, rank.comm);
   }
 }
 

@@ -78,6 +78,12 @@ std::vector<GradBucket> ReplicaEngine::start(Runtime& runtime, Model& module, co
       assign_buckets(module.parameters(), options_.first_bucket_mb, options_.bucket_cap_mb, options_.frozen);
   updates_ = engines::make_rank_optimizers(group_, processes_, buckets, module.param_count(), optimizer, options_);
   for (int r = 0; r < group_.size(); ++r) ranks_.push_back(make_rank(r, runtime, ordered_batchnorm));
+  for (int r = 0; r < group_.size(); ++r)
+    if (GradientSlots* slots = updates_->gradient_slots(r); slots && !rank(r).model->place_gradients(slots))
+      throw InvalidArgument(
+          fmt::format("ZeRO-2 keeps no whole gradient buffer, but model '{}' cannot write its gradients elsewhere "
+                      "(Model::place_gradients): use ZeRO-1",
+                      module.name()));
   loss_join_ = group_.device(0).create_stream();
   for (Event& ready : losses_ready_) ready = group_.device(0).create_event();
   pipeline_ = std::make_unique<engines::StepPipeline>();
@@ -117,7 +123,17 @@ std::unique_ptr<ReplicaEngine::Rank> ReplicaEngine::make_rank(int r, Runtime& ru
   return rank;
 }
 
-ReplicaEngine::~ReplicaEngine() { quiesce(); }
+ReplicaEngine::~ReplicaEngine() {
+  quiesce();
+  // The models outlive the slots they write into (the module is the caller's): their own buffers back.
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+    if (updates_->gradient_slots(r)) {
+      try {
+        rank(r).model->place_gradients(nullptr);
+      } catch (...) {  // a destructor never throws; a device that failed keeps what it had
+      }
+    }
+}
 
 void ReplicaEngine::quiesce() noexcept {
   pipeline_.reset();  // the steps in flight keep their losses
@@ -130,6 +146,8 @@ void ReplicaEngine::quiesce() noexcept {
 }
 
 BucketReduction ReplicaEngine::bucket_reduction() const { return updates_->reduction(); }
+
+BucketHome* ReplicaEngine::bucket_home() const { return updates_->bucket_home(); }
 
 std::uint64_t ReplicaEngine::graph_replays() const { return graphs_->replays(); }
 
@@ -220,7 +238,7 @@ void ReplicaEngine::enqueue_zero_grad(int r) {
 }
 
 std::size_t ReplicaEngine::gradient_bytes() const {
-  return Engine::gradient_bytes() + updates_->gradient_bytes_beside();
+  return (updates_->keeps_whole_gradients() ? Engine::gradient_bytes() : 0) + updates_->gradient_bytes_beside();
 }
 
 void ReplicaEngine::keep_updates() {
@@ -259,8 +277,12 @@ std::span<const Batch> ReplicaEngine::batches_of(int r, std::span<const Batch> b
 bool ReplicaEngine::begin_forward(std::span<const Batch> batches, bool& broadcast_buffers, int stride) {
   // torch 1.13: buffers are broadcast before a forward unless the previous forward ran inside
   // no_sync (require_forward_param_sync).
-  broadcast_buffers = broadcasts_buffers() && require_forward_param_sync_ && comm_->size() > 1;
   const bool sync = sync_now();
+  if (!sync && bucket_home())
+    throw InvalidArgument(
+        "no_sync accumulates gradients in the whole gradient buffer, which ZeRO-2 does not keep: use "
+        "EngineOptions::accumulate (then ZeRO-2 keeps them whole) or ZeRO-1");
+  broadcast_buffers = broadcasts_buffers() && require_forward_param_sync_ && comm_->size() > 1;
   require_forward_param_sync_ = sync;
   if (options_.sync_batchnorm) {
     // SyncBatchNorm normalises over all ranks' samples of this forward, in every process.

@@ -1,5 +1,5 @@
-// zero.cpp — ZeRO stage 1 (DeepSpeed's stage 1; torch's ZeroRedundancyOptimizer without its extra
-// all-reduce): each global rank keeps and updates the optimizer state of its part of the parameters
+// zero.cpp — ZeRO stages 1 and 2 (DeepSpeed's; stage 1 is torch's ZeroRedundancyOptimizer without
+// its extra all-reduce): each global rank keeps and updates the optimizer state of its part of the parameters
 // only. Its part is, in every gradient bucket, the block a reduce-scatter leaves summed on it
 // (Communicator::reduce_scatter): the Reducer reduce-scatters each bucket as backward fills it
 // (overlapped, as DDP's all-reduce), each rank updates its blocks (packed into one slice, so the
@@ -10,6 +10,16 @@
 // reduce-scatter in another order than its all-reduce. Clipping needs every tensor's whole
 // averaged gradient (its per-tensor norms), and bf16 compression has no reduce-scatter: with either,
 // the buckets are all-reduced as DDP's and each rank still updates its part only.
+//
+// Note [ZeRO-2's gradients]
+// Stage 2 also gives up the whole gradient buffer: the model writes its gradients into bucket
+// slots (BucketSlots, Model::place_gradients), the Reducer reduce-scatters each slot and copies the
+// rank's block of it into the rank's packed slice of the gradients, and the slot goes to a later
+// bucket. A device keeps 1/n of the gradients plus a few buckets' slots. It needs each backward's
+// gradients reduced as they are written, so where they must stay whole it keeps them whole, as
+// stage 1 does: under clipping or bf16 compression (above), gradient accumulation (the micro-batches
+// add into the whole buffer, as DDP's no_sync) and fixed shards (each shard's gradients are kept
+// apart and summed in shard order). The bits are stage 1's either way.
 //
 // Note [ZeRO's host copies]
 // A lost device takes its rank's part of the optimizer state with it, and no other device holds it.
@@ -31,6 +41,7 @@
 #include <functional>
 #include <mutex>
 
+#include "bucket_slots.h"
 #include "device_update.h"
 #include "dp/kernels/ops.h"
 #include "dp/runtime/collectives.h"
@@ -47,7 +58,7 @@ struct Block {
   std::size_t flat = 0, count = 0, packed = 0;
 };
 
-class ZeroUpdates final : public RankOptimizers {
+class ZeroUpdates final : public RankOptimizers, public BucketHome {
  public:
   ZeroUpdates(const DeviceGroup& group, const std::shared_ptr<ProcessGroup>& processes,
               const std::vector<GradBucket>& buckets, std::size_t params, const OptimizerOptions& optimizer,
@@ -62,24 +73,32 @@ class ZeroUpdates final : public RankOptimizers {
         trainable_{{0, params}} {
     const bool whole_gradients = options.step.clip_grad_norm > 0.0 || options.grad_reduce == GradReduce::bf16;
     reduction_ = whole_gradients ? BucketReduction::all_reduce : BucketReduction::reduce_scatter;
+    // Stage 2 where a backward's gradients are reduced as it writes them (Note [ZeRO-2's gradients]).
+    slotted_ = options.zero == 2 && !whole_gradients && options.accumulate == 1 && options.shards == 0;
     const int n = comm_->size();
     for (int r = 0; r < group.size(); ++r) {
       auto rank = std::make_unique<Rank>();
       const int g = comm_->first_rank() + r;
-      for (const GradBucket& bucket : buckets_) {
-        const BlockRange block = ring_block(owned_block(g, n), bucket.count, n);
+      rank->block_of.assign(buckets_.size(), -1);
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        const BlockRange block = ring_block(owned_block(g, n), buckets_[b].count, n);
         if (block.size() == 0) continue;
-        rank->blocks.push_back({bucket.offset + block.begin, block.size(), rank->count});
+        rank->block_of[b] = static_cast<int>(rank->blocks.size());
+        rank->blocks.push_back({buckets_[b].offset + block.begin, block.size(), rank->count});
         rank->count += block.size();
       }
       if (rank->count == 0)
         throw InvalidArgument(
-            fmt::format("ZeRO-1: the model's {} trainable parameters in {} bucket(s) leave global "
+            fmt::format("ZeRO: the model's {} trainable parameters in {} bucket(s) leave global "
                         "rank {} of {} nothing to update",
                         params, buckets_.size(), g, n));
       rank->update =
           std::make_unique<DeviceUpdate>(group.device(r), rank->count, optimizer, options.step.clip_grad_norm);
       rank->stream = group.device(r).create_stream();
+      if (slotted_) {
+        rank->slots = std::make_unique<BucketSlots>(group.device(r), buckets_, params);
+        (void)rank->grads.get<float>(group.device(r), rank->count);  // written by the reductions
+      }
       ranks_.push_back(std::move(rank));
     }
     if (options.zero_host_copies && processes->size() == 1 && group.size() > 1) {
@@ -105,18 +124,34 @@ class ZeroUpdates final : public RankOptimizers {
   }
 
   BucketReduction reduction() const override { return reduction_; }
+  GradientSlots* gradient_slots(int r) override {
+    return slotted_ ? ranks_.at(static_cast<std::size_t>(r))->slots.get() : nullptr;
+  }
+  BucketHome* bucket_home() override { return slotted_ ? this : nullptr; }
+
+  void begin(int r, const Stream& compute) override { ranks_[static_cast<std::size_t>(r)]->slots->begin(compute); }
+  float* bucket(int r, std::size_t b) override { return ranks_[static_cast<std::size_t>(r)]->slots->bucket(b); }
+  void reduced(int r, std::size_t b, const Stream& stream) override {
+    Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    if (const int i = rank.block_of[b]; i >= 0) {
+      const Block& block = rank.blocks[static_cast<std::size_t>(i)];
+      stream.copy(rank.grads.get<float>(group_.device(r), rank.count) + block.packed,
+                  rank.slots->bucket(b) + (block.flat - buckets_[b].offset), block.count * sizeof(float));
+    }
+    rank.slots->release(b, stream);
+  }
 
   void step(int r, const Stream& stream, Model& model) override {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Device& device = group_.device(r);
-    rank.update->clip(stream, model, trainable_);
+    if (!slotted_) rank.update->clip(stream, model, trainable_);
     float* params = model.params_flat();
-    const float* grads = model.grads_flat();
+    const float* grads = slotted_ ? nullptr : model.grads_flat();
     float* slice = rank.params.get<float>(device, rank.count);
     float* slice_grads = rank.grads.get<float>(device, rank.count);
     for (const Block& b : rank.blocks) {
       stream.copy(slice + b.packed, params + b.flat, b.count * sizeof(float));
-      stream.copy(slice_grads + b.packed, grads + b.flat, b.count * sizeof(float));
+      if (!slotted_) stream.copy(slice_grads + b.packed, grads + b.flat, b.count * sizeof(float));
     }
     rank.update->optimizer().step(stream, slice, slice_grads);
     for (const Block& b : rank.blocks) stream.copy(params + b.flat, slice + b.packed, b.count * sizeof(float));
@@ -181,9 +216,11 @@ class ZeroUpdates final : public RankOptimizers {
 
   std::size_t gradient_bytes_beside() const override {
     std::size_t most = 0;
-    for (const auto& rank : ranks_) most = std::max(most, rank->grads.size());
+    for (const auto& rank : ranks_)
+      most = std::max(most, rank->grads.size() + (rank->slots ? rank->slots->bytes() : 0));
     return most;
   }
+  bool keeps_whole_gradients() const override { return !slotted_; }
   bool keeps() const override { return kept_ != nullptr; }
   void keep(int r, const Stream& stream, const Model& model, std::int64_t step) override {
     if (!kept_) return;
@@ -271,10 +308,12 @@ class ZeroUpdates final : public RankOptimizers {
 
   struct Rank {
     std::vector<Block> blocks;  // in bucket order
+    std::vector<int> block_of;  // per bucket: its block's index in `blocks`, or -1 (none)
     std::size_t count = 0;      // floats in all its blocks
     std::unique_ptr<DeviceUpdate> update;
-    Scratch params, grads, whole;  // its slice of the parameters and gradients; a whole state buffer
-    Stream stream;                 // checkpoints' gathers
+    Scratch params, grads, whole;        // its slice of the parameters and gradients; a whole state buffer
+    Stream stream;                       // checkpoints' gathers
+    std::unique_ptr<BucketSlots> slots;  // stage 2: where the backward writes the gradients
   };
 
   // Every rank's blocks of `data` (the whole flat buffer) into every rank's, bucket by bucket.
@@ -321,6 +360,7 @@ class ZeroUpdates final : public RankOptimizers {
   OptimizerOptions optimizer_options_;
   std::unique_ptr<Communicator> comm_;
   BucketReduction reduction_ = BucketReduction::reduce_scatter;
+  bool slotted_ = false;                                  // stage 2: no whole gradient buffer (BucketSlots)
   std::vector<Optimizer::ParamRange> trainable_;          // of the whole buffer (clipping)
   std::vector<Optimizer::ParamRange> frozen_, no_decay_;  // of the whole buffer: the whole optimizer's
   std::unique_ptr<Optimizer> whole_;                      // while a checkpoint asks for it

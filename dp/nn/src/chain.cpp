@@ -59,11 +59,11 @@ void Chain::collect(std::vector<TensorDecl>& params, std::vector<TensorDecl>& bu
 }
 
 void Chain::bind(const std::vector<TensorDecl>& params, std::size_t& param, const std::vector<TensorDecl>& buffers,
-                 std::size_t& buffer, float* params_flat, float* grads_flat, std::byte* buffers_flat) {
+                 std::size_t& buffer, float* params_flat, const GradientPlace* grads, std::byte* buffers_flat) {
   for (auto& layer : layers_) {
     for (auto& p : layer->params()) p.offset = params.at(param++).offset;
     for (auto& b : layer->buffers()) b.offset = buffers.at(buffer++).offset;
-    layer->bind(params_flat, grads_flat, buffers_flat);
+    layer->bind(params_flat, grads, buffers_flat);
   }
 }
 

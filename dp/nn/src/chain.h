@@ -43,7 +43,7 @@ class Chain {
   // Takes the offsets the model set on those declarations back to the children (from index
   // `param`/`buffer` on, advancing them) and binds the children.
   void bind(const std::vector<TensorDecl>& params, std::size_t& param, const std::vector<TensorDecl>& buffers,
-            std::size_t& buffer, float* params_flat, float* grads_flat, std::byte* buffers_flat);
+            std::size_t& buffer, float* params_flat, const GradientPlace* grads, std::byte* buffers_flat);
   void add_prefix(const std::string& prefix);
 
   // Whether the output of a chain whose input has the given dtype is bf16 (autocast: after a Linear

@@ -14,10 +14,10 @@ namespace dp::nn::detail {
 // "<child>.<name>"), its name prefixes theirs, and binding passes their offsets on to them.
 class Container : public Layer {
  public:
-  void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) override {
-    Layer::bind(params_flat, grads_flat, buffers_flat);
+  void bind(float* params_flat, const GradientPlace* grads, std::byte* buffers_flat) override {
+    Layer::bind(params_flat, grads, buffers_flat);
     std::size_t p = 0, b = 0;
-    for (Chain* chain : chains()) chain->bind(params_, p, buffers_, b, params_flat, grads_flat, buffers_flat);
+    for (Chain* chain : chains()) chain->bind(params_, p, buffers_, b, params_flat, grads, buffers_flat);
   }
   // An unnamed container stays unnamed: its children take the prefix as they are.
   void add_prefix(const std::string& prefix) override {

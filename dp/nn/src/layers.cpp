@@ -48,9 +48,19 @@ kernels::Out out(const LayerContext& ctx, float* p) { return {p, ctx.bf16}; }
 // tensor cores on cuda).
 class LayerParams {
  public:
-  // `grads`: null for a forward. `cast`: the layer's scratch for its bf16 copy.
-  LayerParams(const LayerContext& ctx, float* params, float* grads, std::int64_t count, Scratch& cast)
-      : ctx_(ctx), params_(params), grads_(grads), computed_(grads), count_(count), cast_(cast) {
+  // `grads`: null for a forward; `bias_grads`: where the gradients of elements [weights, count)
+  // (the bias) go, not necessarily right after the weight's (Model::place_gradients). `cast`: the
+  // layer's scratch for its bf16 copy.
+  LayerParams(const LayerContext& ctx, float* params, float* grads, std::int64_t count, Scratch& cast,
+              float* bias_grads = nullptr, std::int64_t weights = 0)
+      : ctx_(ctx),
+        params_(params),
+        grads_(grads),
+        bias_grads_(bias_grads),
+        computed_(grads),
+        count_(count),
+        weights_(bias_grads ? weights : count),
+        cast_(cast) {
     if (!ctx.amp) return;
     tensor_cores_.emplace();
     if (grads) computed_ = ctx.amp->get<float>(ctx.amp->grad, ctx.device, count);
@@ -65,11 +75,18 @@ class LayerParams {
     if (!grads_) kernels::to_bf16(ctx_.stream, count_, params_, bits);  // a forward casts; its backward reads
     return bits;
   }
+  // Where the backward kernel writes the weight's and the bias's gradients.
   float* grads() const { return computed_; }
+  float* bias_grads() const { return computed_ == grads_ && bias_grads_ ? bias_grads_ : computed_ + weights_; }
   // The backward kernel's `accumulate`: under autocast it writes, finish() adds.
   bool accumulate() const { return !ctx_.amp && ctx_.accumulate_grads; }
   void finish() const {
-    if (computed_ != grads_) kernels::add_bf16_rounded(ctx_.stream, count_, computed_, grads_, ctx_.accumulate_grads);
+    if (computed_ == grads_) return;
+    // Elementwise: the weight's and the bias's parts apart give the bits of one pass over both.
+    kernels::add_bf16_rounded(ctx_.stream, weights_, computed_, grads_, ctx_.accumulate_grads);
+    if (weights_ < count_)
+      kernels::add_bf16_rounded(ctx_.stream, count_ - weights_, computed_ + weights_, bias_grads_,
+                                ctx_.accumulate_grads);
   }
 
  private:
@@ -87,8 +104,10 @@ class LayerParams {
   const LayerContext& ctx_;
   const float* params_;
   float* grads_;
+  float* bias_grads_;
   float* computed_;
   std::int64_t count_;
+  std::int64_t weights_;  // elements whose gradients go to grads_ (the rest: bias_grads_)
   Scratch& cast_;
   mutable float* rounded_ = nullptr;
   mutable std::int64_t rounded_from_ = 0;
@@ -132,17 +151,17 @@ class Linear final : public Layer {
                             p.bits(), bias, kernels::Out(y, true));
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
-    const LayerParams p(ctx, param(0), grad(0), count(), cast_);
+    const LayerParams p(ctx, param(0), grad(0), count(), cast_, grad(1), weights());
     if (!ctx.amp) {
       kernels::linear_backward(ctx.stream, rows(ctx.in, in_), in_, out_, x, p.params(), dy, dx, p.grads(),
-                               p.grads() + weights(), p.accumulate());
+                               p.bias_grads(), p.accumulate());
       p.finish();
       return;
     }
     const std::int64_t n_in = ctx.in.numel();
     kernels::linear_backward(ctx.stream, rows(ctx.in, in_), in_, out_, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(),
                              reinterpret_cast<const std::uint16_t*>(dy), kernels::Out(dx, ctx.bf16 && dx), p.grads(),
-                             p.grads() + weights(), p.accumulate());
+                             p.bias_grads(), p.accumulate());
     p.finish();
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }
@@ -209,8 +228,8 @@ class Conv2d final : public Layer {
     // step then lower each input once.
     const bool x_lowered = lowered_.matches(x, workspace, s);
     lowered_ = Lowered{};
-    const LayerParams p(ctx, param(0), grad(0), count(), cast_);
-    float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
+    const LayerParams p = backward_params(ctx);
+    float* bias_grad = has_bias() ? p.bias_grads() : nullptr;
     kernels::conv2d_backward(ctx.stream, s, x, p.params(), dy, dx, p.grads(), bias_grad, workspace, p.accumulate(),
                              x_lowered);
     p.finish();
@@ -236,8 +255,8 @@ class Conv2d final : public Layer {
   }
   void backward_autocast(const LayerContext& ctx, const kernels::Conv2dShape& s, const float* x, const float* dy,
                          float* dx) {
-    const LayerParams p(ctx, param(0), grad(0), count(), cast_);
-    float* bias_grad = has_bias() ? p.grads() + weights() : nullptr;
+    const LayerParams p = backward_params(ctx);
+    float* bias_grad = has_bias() ? p.bias_grads() : nullptr;
     const std::int64_t n_in = ctx.in.numel(), n_out = output_shape(ctx.in).numel();
     AutocastScratch& amp = *ctx.amp;
     if (kernels::conv2d_supports_bf16(ctx.stream, s)) {
@@ -266,6 +285,9 @@ class Conv2d final : public Layer {
 
  private:
   bool has_bias() const { return params_.size() > 1; }
+  LayerParams backward_params(const LayerContext& ctx) {
+    return LayerParams(ctx, param(0), grad(0), count(), cast_, has_bias() ? grad(1) : nullptr, weights());
+  }
   std::int64_t weights() const { return static_cast<std::int64_t>(numel(params_[0].shape)); }
   std::int64_t count() const { return weights() + (has_bias() ? out_ : 0); }
   // Its own (it may keep x lowered for the backward), or under autocast the model's shared one

@@ -67,8 +67,9 @@ SequentialModel::SequentialModel(std::string name, Device& device, Layers layers
     random_step_ = std::make_unique<StagedValues>(device_, sizeof(std::uint32_t));
     random_.step_on_device = random_step_on_device();
   }
+  place_.flat = grads_.as<float>();
   for (const auto& layer : chain_->layers())
-    layer->bind(params_.as<float>(), grads_.as<float>(), static_cast<std::byte*>(buffers_.data()));
+    layer->bind(params_.as<float>(), &place_, static_cast<std::byte*>(buffers_.data()));
 }
 
 SequentialModel::~SequentialModel() = default;
@@ -115,7 +116,7 @@ void SequentialModel::initialize(std::uint64_t seed) {
   Stream stream = device_.create_stream();
   stream.copy(params_.data(), params.data(), params_.size());
   if (buffers_bytes_) stream.copy(buffers_.data(), buffers.data(), buffers_bytes_);
-  kernels::fill(stream, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
+  if (place_.flat) kernels::fill(stream, place_.flat, static_cast<kernels::index_t>(param_count_), 0.0f);
   stream.synchronize();
 }
 
@@ -168,8 +169,8 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
 
 void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
   // After zero_grad every layer writes its parameter gradients (each one, so nothing the buffer
-  // held survives); otherwise they add to what it holds.
-  const bool accumulate = !zero_grad_pending_;
+  // held survives); otherwise they add to what it holds. Slots hold nothing to add to.
+  const bool accumulate = !zero_grad_pending_ && !place_.slots;
   try {
     const void* dy = grad_output;
     if (amp_ && chain_->output_bf16(false)) {
@@ -230,7 +231,7 @@ void SequentialModel::zero_grad(const Stream& stream) {
 }
 
 bool SequentialModel::materialize_zero_grad() const {
-  if (!zero_grad_pending_) return false;
+  if (!zero_grad_pending_ || !place_.flat) return false;
   // On zero_grad's stream, where an eager zero_grad would have enqueued the fill: before whatever
   // the caller enqueues there with the address it is given. See Note [pending zero_grad].
   kernels::fill(zero_grad_stream_, grads_.as<float>(), static_cast<kernels::index_t>(param_count_), 0.0f);
@@ -239,12 +240,42 @@ bool SequentialModel::materialize_zero_grad() const {
   return true;
 }
 
+void SequentialModel::check_whole_gradients(const char* what) const {
+  if (place_.slots)
+    throw Error(
+        fmt::format("{}: {} asked for, but the gradients are in an engine's bucket slots (ZeRO-2): there is no "
+                    "whole gradient buffer",
+                    name_, what));
+}
+
 float* SequentialModel::grads_flat() const {
+  check_whole_gradients("grads_flat()");
   materialize_zero_grad();
   return grads_.as<float>();
 }
 
+// Freed while no stream of the device still works on them: the caller is between steps, and the
+// device is synchronised first (a zero fill may still be queued).
+bool SequentialModel::place_gradients(GradientSlots* slots) {
+  if (slots == place_.slots) return true;
+  device_.synchronize();
+  zero_grad_pending_ = false;
+  zero_grad_stream_ = Stream{};
+  if (slots) {
+    grads_ = DeviceBuffer{};
+    place_ = {nullptr, slots};
+    return true;
+  }
+  grads_ = device_.allocate(param_count_ * sizeof(float));
+  place_ = {grads_.as<float>(), nullptr};
+  Stream stream = device_.create_stream();
+  kernels::fill(stream, place_.flat, static_cast<kernels::index_t>(param_count_), 0.0f);
+  stream.synchronize();
+  return true;
+}
+
 std::vector<TensorRef> SequentialModel::gradients() const {
+  check_whole_gradients("gradients()");
   const Stream stream = zero_grad_stream_;
   // Views are read on any stream or on the host after the engine's synchronize(), which may
   // already have happened: the zeros must be in memory when they return (unless a capture on

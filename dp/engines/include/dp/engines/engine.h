@@ -229,11 +229,15 @@ struct EngineOptions {
   // ReplicaMismatch names both. Needs two devices in each process; not with sync_batchnorm
   // (Note [shadow shards], shadow_shards.cpp). 0: off.
   int shadow_shards = 0;
-  // ddp: ZeRO stage 1 (DeepSpeed's stage 1, torch's ZeroRedundancyOptimizer) when 1: each global
+  // ddp: ZeRO stage 1 (DeepSpeed's stage 1, torch's ZeroRedundancyOptimizer) from 1: each global
   // rank keeps and updates the optimizer state of its block of every gradient bucket only (1/n of
   // it); the buckets are reduce-scattered as backward fills them and the updated blocks
   // all-gathered: plain DDP's bytes per step, and on the sim its bits (zero.cpp). Checkpoints stay
-  // whole (whole_optimizers()). 0: off.
+  // whole (whole_optimizers()). 2: stage 2, each rank also keeps only its blocks of the gradients
+  // (and a few buckets' slots that the backward writes into), where the gradients need not stay
+  // whole: not under clipping, bf16 compression, accumulate or shards, where it is stage 1 (Note
+  // [ZeRO-2's gradients], zero.cpp); needs a model that places its gradients
+  // (Model::place_gradients), and no no_sync. 0: off.
   int zero = 0;
   // zero, in one process of several devices: each rank also copies its part to pinned host memory
   // after every step, so that a lost device's part survives it (survivor(); Note [ZeRO's host

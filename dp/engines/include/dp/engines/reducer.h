@@ -41,11 +41,27 @@ enum class GradReduce { fp32, bf16 };
 // that updates those blocks): all-reduce's first half, half its bytes.
 enum class BucketReduction { all_reduce, reduce_scatter };
 
+// Where a rank's buckets are when its gradients are no whole buffer (ZeRO-2's slots, which a
+// bucket holds from its first gradient to the end of its reduction), called on the rank's worker.
+class BucketHome {
+ public:
+  virtual ~BucketHome() = default;
+  // A synchronised backward of rank r is about to be enqueued on `compute`.
+  virtual void begin(int rank, const Stream& compute) = 0;
+  // Bucket b's gradients, as that backward wrote them.
+  virtual float* bucket(int rank, std::size_t b) = 0;
+  // Enqueued on `stream` right after bucket b's reduction: what the rank keeps of it taken, and its
+  // memory handed on to the buckets after it.
+  virtual void reduced(int rank, std::size_t b, const Stream& stream) = 0;
+};
+
 class Reducer {
  public:
-  // One communication stream per rank of `group`; `comm` and `group` must outlive the reducer.
+  // One communication stream per rank of `group`; `comm` and `group` (and `home`, if any) must
+  // outlive the reducer. With a `home`, prepare()'s `grads` is not used.
   Reducer(Communicator& comm, const DeviceGroup& group, std::vector<GradBucket> buckets,
-          GradReduce reduce = GradReduce::fp32, BucketReduction reduction = BucketReduction::all_reduce);
+          GradReduce reduce = GradReduce::fp32, BucketReduction reduction = BucketReduction::all_reduce,
+          BucketHome* home = nullptr);
   ~Reducer();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
@@ -72,6 +88,7 @@ class Reducer {
   std::vector<GradBucket> buckets_;
   GradReduce reduce_;
   BucketReduction reduction_;
+  BucketHome* home_;
   std::vector<std::unique_ptr<Rank>> ranks_;
 };
 

@@ -148,6 +148,8 @@ class ReplicaEngine : public Engine {
   void drain();
   // What the ranks' updates need of the gradients' reduction (ZeRO's blocks, or every gradient).
   BucketReduction bucket_reduction() const;
+  // Where the buckets are when the ranks keep no whole gradient buffer (ZeRO-2's slots), or null.
+  BucketHome* bucket_home() const;
   // The steps in flight ended and every rank's compute stream idle, reporting no failure (the steps
   // did): a derived engine's destructor calls it before its own members go.
   void quiesce() noexcept;

@@ -94,6 +94,13 @@ struct LayerContext {
   bool bf16 = false;
 };
 
+// Where a model's layers find their parameters' gradients: its flat buffer, or the slots an engine
+// placed them in (Model::place_gradients).
+struct GradientPlace {
+  float* flat = nullptr;
+  GradientSlots* slots = nullptr;
+};
+
 class Layer {
  public:
   explicit Layer(std::string name) : name_(std::move(name)) {}
@@ -106,9 +113,10 @@ class Layer {
   std::vector<TensorDecl>& buffers() { return buffers_; }
   // Called once the model has allocated its flat buffers and set the offsets of params() and
   // buffers(); a container passes the offsets on to its children.
-  virtual void bind(float* params_flat, float* grads_flat, std::byte* buffers_flat) {
+  // `grads` is the model's, read at every backward.
+  virtual void bind(float* params_flat, const GradientPlace* grads, std::byte* buffers_flat) {
     params_flat_ = params_flat;
-    grads_flat_ = grads_flat;
+    grads_ = grads;
     buffers_flat_ = buffers_flat;
   }
   // A container puts its own name in front of its children's ("layer1.0" + "conv1"), so that
@@ -177,7 +185,12 @@ class Layer {
 
  protected:
   float* param(std::size_t i) const { return params_flat_ + params_[i].offset; }
-  float* grad(std::size_t i) const { return grads_flat_ + params_[i].offset; }
+  // Ask for it in the backward, for each parameter apart: slots need not keep two parameters side
+  // by side.
+  float* grad(std::size_t i) const {
+    const TensorDecl& p = params_[i];
+    return grads_->slots ? grads_->slots->gradient(p.offset, numel(p.shape)) : grads_->flat + p.offset;
+  }
   template <class T>
   T* buffer(std::size_t i) const {
     return reinterpret_cast<T*>(buffers_flat_ + buffers_[i].offset);
@@ -189,7 +202,7 @@ class Layer {
  private:
   std::string name_;
   float* params_flat_ = nullptr;
-  float* grads_flat_ = nullptr;
+  const GradientPlace* grads_ = nullptr;
   std::byte* buffers_flat_ = nullptr;
 };
 

@@ -29,6 +29,18 @@ enum class Mode { train, eval };
 // [offset, offset + count) of the flat gradient buffer are final once that work completes.
 using GradientsReady = std::function<void(std::size_t offset, std::size_t count)>;
 
+// Where a backward writes the parameter gradients when an engine keeps no whole gradient buffer
+// (ZeRO-2: each gradient bucket in a slot of bucket size, held from the first write to a gradient
+// in it until the bucket's reduction has taken it; zero.cpp).
+class GradientSlots {
+ public:
+  virtual ~GradientSlots() = default;
+  // Where this backward writes the gradient of [offset, offset + count) of the flat layout (one
+  // parameter), asked by its layer's backward as it is enqueued; the same address for every ask
+  // until the engine's reduction has taken it. May enqueue a wait on the backward's stream.
+  virtual float* gradient(std::size_t offset, std::size_t count) = 0;
+};
+
 // What stochastic layers (Dropout) draw from. A mask element is a pure function of these, the
 // layer and the element's index, so a run is reproducible, resumes where it stopped (the step is in
 // the checkpoint) and draws the same bits on sim and cuda. The engines set it before every
@@ -77,6 +89,11 @@ class Model {
   // and all-reduces each bucket after the backward wrote it. Models that write no gradients in
   // their backward, or cannot say, keep the default (grads_flat(): the zeros are filled in).
   virtual float* grads_address() const { return grads_flat(); }
+  // Gradients in `slots` from the next backward on (its gradients written, never accumulated: no
+  // gradient accumulation), and the flat gradient buffer freed: grads_flat() and gradients() then
+  // throw and grads_address() is null. Null: the flat buffer back, zeroed. False (the default):
+  // the model cannot place its gradients, and nothing changed. Not during a step.
+  virtual bool place_gradients(GradientSlots* slots) { return slots == nullptr; }
   virtual std::size_t param_count() const = 0;
   virtual void* buffers_flat() const = 0;  // may be null when there are no buffers
   virtual std::size_t buffers_bytes() const = 0;

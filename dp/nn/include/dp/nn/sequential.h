@@ -39,7 +39,8 @@ class SequentialModel final : public Model {
   float* params_flat() const override { return params_.as<float>(); }
   // Both materialise a pending zero_grad (see Model::zero_grad); gradients() also waits for it.
   float* grads_flat() const override;
-  float* grads_address() const override { return grads_.as<float>(); }  // every backward writes every gradient
+  float* grads_address() const override { return place_.flat; }  // every backward writes every gradient
+  bool place_gradients(GradientSlots* slots) override;
   std::size_t param_count() const override { return param_count_; }
   void* buffers_flat() const override { return buffers_.data(); }
   std::size_t buffers_bytes() const override { return buffers_bytes_; }
@@ -73,6 +74,7 @@ class SequentialModel final : public Model {
   ActShape input_act_shape(int batch) const;  // (batch, C, H, W) from input_shape
   // Enqueues the fill a pending zero_grad skipped, on its stream; false when none was pending.
   bool materialize_zero_grad() const;
+  void check_whole_gradients(const char* what) const;
   void release_outgrown(const Stream& stream);
 
   std::string name_;
@@ -84,6 +86,7 @@ class SequentialModel final : public Model {
   std::size_t param_count_ = 0;
   std::size_t buffers_bytes_ = 0;
   DeviceBuffer params_, grads_, buffers_;
+  GradientPlace place_;  // what the layers are bound to: grads_, or the slots that replaced it
   RandomContext random_;
   std::unique_ptr<StagedValues> random_step_;  // models with Dropout: the step their kernels read
   const BatchNormSync* sync_ = nullptr;
