@@ -528,13 +528,14 @@ if [ "$quick" = 0 ]; then
   train_row convnet single 1 on bf16 12
   train_row convnet ddp 2 on bf16 12
 
-  # ---- 5b. the training-loop options against sim: ZeRO-1's parameter all-gather, accumulation and
-  # clipping on the device. ~12 s a row (estimate). SGD with momentum, not AdamW: a convolution bias
+  # ---- 5b. the training-loop options against sim: ZeRO-2 (its gradients in bucket slots, the
+  # compute stream waiting for a slot's reduce-scatter on the communication stream inside the graph;
+  # stage 1's reduce-scatter and parameter all-gather with it), accumulation and clipping on the device. ~12 s a row (estimate). SGD with momentum, not AdamW: a convolution bias
   # before a BatchNorm has an exact gradient of 0, so its fp32 gradient is rounding noise of another
   # summation order on each library, which AdamW (g / (sqrt(v) + eps), eps 1e-8 far below that noise)
   # turns into updates of +-lr whose signs differ between cuDNN and oneDNN (docs/gpu.md).
-  echo "== dp_train --zero 1, --accumulate, --clip-grad-norm: $device against sim"
-  train_row convnet ddp 2 on off 12 "--zero 1 --momentum 0.9"
+  echo "== dp_train --zero 2, --accumulate, --clip-grad-norm: $device against sim"
+  train_row convnet ddp 2 on off 12 "--zero 2 --momentum 0.9 --bucket-cap-mb 0.05 --first-bucket-mb 0.05"
   train_row gpt single 1 off off 12 "--dropout 0.1"
   train_row convnet dp 2 on off 12 "--accumulate 2 --clip-grad-norm 0.5"
   train_row mlp ddp 2 on off 12 "--accumulate 3 --clip-grad-norm 0.1"
