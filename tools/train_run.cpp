@@ -338,6 +338,11 @@ void say_plan(const Options& o, const Plan& plan, const dp::Engine& engine, cons
       dp::tools::banner_settings(o, dp::to_string(o.mode)), data.size(),
       o.batch_size * plan.shards * (o.shards > 0 ? 1 : o.accumulate), batch_text(o, plan), plan.total_steps,
       plan.start_step);
+  dp::EngineOptions options;
+  options.kind = o.mode;
+  dp::tools::set_engine_options(o, options, train_flags());
+  if (const dp::ZeroStage zero = dp::zero_stage(options); zero.stage != o.zero)
+    say("note: --zero {} runs as ZeRO stage {} here, keeping the whole gradients: {}\n", o.zero, zero.stage, zero.why);
 }
 
 // --resume of a run that has reached the end asked for: nothing is trained or written.

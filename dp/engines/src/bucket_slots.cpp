@@ -42,9 +42,10 @@ float* BucketSlots::gradient(std::size_t offset, std::size_t count) {
     if (plan_[b] < 0) plan_[b] = static_cast<int>(take(in->count));
     Slot& slot = slots_[static_cast<std::size_t>(plan_[b])];
     if (slot.busy)
-      throw Error(fmt::format("ZeRO-2: bucket {}'s slot is still held: this backward asked for gradients in "
-                              "another order than the first",
-                              b));
+      throw Error(
+          fmt::format("ZeRO-2: bucket {}'s slot is still held: this backward asked for gradients in "
+                      "another order than the first",
+                      b));
     if (slot.released_here) compute_->wait(slot.released);
     slot.busy = true;
     std::erase(released_, static_cast<std::size_t>(plan_[b]));

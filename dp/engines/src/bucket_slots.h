@@ -35,9 +35,9 @@ class BucketSlots final : public GradientSlots {
 
   void begin(const Stream& compute);  // a backward is about to be enqueued on `compute`
   float* gradient(std::size_t offset, std::size_t count) override;
-  float* bucket(std::size_t b) const;                   // bucket b's slot (it must hold one)
-  void release(std::size_t b, const Stream& stream);    // enqueued after bucket b's reduction
-  std::size_t bytes() const;                            // the slots' and the discard area's
+  float* bucket(std::size_t b) const;                 // bucket b's slot (it must hold one)
+  void release(std::size_t b, const Stream& stream);  // enqueued after bucket b's reduction
+  std::size_t bytes() const;                          // the slots' and the discard area's
 
  private:
   struct Slot {
@@ -55,8 +55,8 @@ class BucketSlots final : public GradientSlots {
   const std::vector<GradBucket>& buckets_;
   std::vector<Slot> slots_;
   std::vector<std::size_t> released_;  // free slots released in this backward, oldest first
-  std::vector<int> held_;  // per bucket: its slot, kFree or kReduced
-  std::vector<int> plan_;  // per bucket: the slot the first backward gave it (-1: none yet)
+  std::vector<int> held_;              // per bucket: its slot, kFree or kReduced
+  std::vector<int> plan_;              // per bucket: the slot the first backward gave it (-1: none yet)
   DeviceBuffer discard_;
   const Stream* compute_ = nullptr;
 };

@@ -106,6 +106,16 @@ void Engine::set_lr(double lr) {
   for (Optimizer* optimizer : optimizers()) optimizer->set_lr(lr);
 }
 
+ZeroStage zero_stage(const EngineOptions& options) {
+  if (options.zero != 2) return {options.zero, {}};
+  const char* why = options.step.clip_grad_norm > 0.0 ? "clipping takes each tensor's norm from its whole gradient"
+                    : options.grad_reduce == GradReduce::bf16 ? "a bf16 gradient reduction all-reduces whole buckets"
+                    : options.accumulate > 1 ? "accumulation adds the micro-batches into the whole gradients"
+                    : options.shards > 0     ? "fixed shards keep each shard's gradients apart and sum them in order"
+                                             : nullptr;
+  return why ? ZeroStage{1, why} : ZeroStage{2, {}};
+}
+
 const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options) {
   const auto refuse = [&](const char* field, const char* applies_to) {
     throw InvalidArgument(fmt::format("{} applies to {}, not {}", field, applies_to, to_string(kind)));

@@ -73,8 +73,7 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
         trainable_{{0, params}} {
     const bool whole_gradients = options.step.clip_grad_norm > 0.0 || options.grad_reduce == GradReduce::bf16;
     reduction_ = whole_gradients ? BucketReduction::all_reduce : BucketReduction::reduce_scatter;
-    // Stage 2 where a backward's gradients are reduced as it writes them (Note [ZeRO-2's gradients]).
-    slotted_ = options.zero == 2 && !whole_gradients && options.accumulate == 1 && options.shards == 0;
+    slotted_ = zero_stage(options).stage == 2;  // Note [ZeRO-2's gradients]
     const int n = comm_->size();
     for (int r = 0; r < group.size(); ++r) {
       auto rank = std::make_unique<Rank>();

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -288,6 +289,14 @@ struct EngineOptions {
 // does not apply to (see EngineOptions), or a process group of several processes for a
 // single-process kind; returns `options` (for the engines' member initializers).
 const EngineOptions& check_applies(EngineKind kind, const EngineOptions& options);
+
+// The ZeRO stage `options` runs (0: none): `zero`, but stage 2 runs as stage 1 where the gradients
+// must stay whole (Note [ZeRO-2's gradients], zero.cpp), and then `why` says what keeps them whole.
+struct ZeroStage {
+  int stage = 0;
+  std::string why;
+};
+ZeroStage zero_stage(const EngineOptions& options);
 
 // `model` lives on device_ids[0] (the source, rank 0, or the one device of single). Throws
 // InvalidArgument for options that do not apply to the kind (check_applies).
