@@ -433,7 +433,7 @@ std::vector<Flag<O>> update_flags() {
                "reduce-scattered, each rank updates its slice, then the parameters are all-gathered; the same "
                "bits and bytes sent, state memory / ranks. 2: also the gradients (stage 2): backward writes "
                "into a few bucket-sized slots and each rank keeps its slice; where gradients must stay whole "
-               "(--clip-grad-norm, --grad-reduce bf16, --accumulate, --shards) it is stage 1",
+               "(--grad-reduce bf16, --accumulate, --shards) it is stage 1",
        .torch = "ZeroRedundancyOptimizer(params, optimizer_class=...) (1); DeepSpeed zero_optimization stage 2",
        .default_text = "0 (off)",
        .engine = [](const O& o, dp::EngineOptions& e) { e.zero = o.zero; },

@@ -142,15 +142,21 @@ TEST_P(Zero, IsPlainDdpBitForBitWithASliceOfTheState) {
   }
 }
 
-// Stage 2 where the gradients must stay whole (clipping needs each tensor's norm; accumulation adds
-// micro-batches into the whole buffer) is stage 1, with its bits; under autocast and with graphs
-// the slots give plain DDP's bits too, with several slots taken in turn (small buckets of a model of
-// several layers), and the model has its whole gradients back once the engine is gone.
+// Stage 2 where the gradients must stay whole (accumulation adds micro-batches into the whole
+// buffer) is stage 1, with its bits; with clipping (each slot all-reduced, its tensors' norms taken
+// from it), under autocast and with graphs the slots give plain DDP's bits too, with several slots
+// taken in turn (small buckets of a model of several layers), and the model has its whole gradients
+// back once the engine is gone.
 TEST(ZeroTwo, IsPlainDdpBitForBitWhereverItRuns) {
   const int n = 3, per_rank = 2, steps = 5;
   const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};
   const std::vector<std::pair<std::string, std::function<void(EngineOptions&)>>> variants = {
       {"clipping", [](EngineOptions& o) { o.step.clip_grad_norm = 0.05; }},
+      {"clipping with graphs",
+       [](EngineOptions& o) {
+         o.step.clip_grad_norm = 0.05;
+         o.graphs = true;
+       }},
       {"accumulation", [](EngineOptions& o) { o.accumulate = 2; }},
       {"autocast", [](EngineOptions& o) { o.amp = Autocast::bf16; }},
       {"graphs", [](EngineOptions& o) { o.graphs = true; }},
@@ -165,10 +171,17 @@ TEST(ZeroTwo, IsPlainDdpBitForBitWhereverItRuns) {
     EXPECT_TRUE(same_bits(plain.params(), zero.params())) << "parameters differ";
     EXPECT_TRUE(same_bits(plain.whole_state(), zero.whole_state())) << "optimizer state differs";
     // Clipping all-reduces the buckets, then the parameters are all-gathered (as stage 1 does).
-    if (name != "clipping") {
+    if (name.find("clipping") != std::string::npos) {
+      // The norm before clipping, from the slots: plain DDP's, and past the bound (it clipped).
+      const std::optional<float> norm = zero.engine->last_grad_norm();
+      ASSERT_TRUE(norm.has_value());
+      EXPECT_EQ(*norm, *plain.engine->last_grad_norm());
+      EXPECT_GT(*norm, 0.05f);
+    }
+    if (name.find("clipping") == std::string::npos) {
       EXPECT_EQ(zero.sent, plain.sent);
     }
-    const bool whole = name == "clipping" || name == "accumulation";
+    const bool whole = name == "accumulation";
     const std::size_t stage_one = plain.engine->gradient_bytes() + largest_slice(*zero.engine);
     if (whole) {
       EXPECT_EQ(zero.engine->gradient_bytes(), stage_one);

@@ -28,6 +28,7 @@ class DeviceUpdate {
 
   Optimizer& optimizer() const { return *optimizer_; }
   bool clips() const { return clipper_ != nullptr; }
+  GradNormClipper* clipper() const { return clipper_.get(); }  // null unclipped
   // The total norm before clipping of the last run, once its stream has run it; none unclipped.
   std::optional<float> last_grad_norm() const;
 

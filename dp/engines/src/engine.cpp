@@ -108,8 +108,7 @@ void Engine::set_lr(double lr) {
 
 ZeroStage zero_stage(const EngineOptions& options) {
   if (options.zero != 2) return {options.zero, {}};
-  const char* why = options.step.clip_grad_norm > 0.0 ? "clipping takes each tensor's norm from its whole gradient"
-                    : options.grad_reduce == GradReduce::bf16 ? "a bf16 gradient reduction all-reduces whole buckets"
+  const char* why = options.grad_reduce == GradReduce::bf16 ? "a bf16 gradient reduction all-reduces whole buckets"
                     : options.accumulate > 1 ? "accumulation adds the micro-batches into the whole gradients"
                     : options.shards > 0     ? "fixed shards keep each shard's gradients apart and sum them in order"
                                              : nullptr;

@@ -35,6 +35,7 @@ std::vector<GradBucket> assign_buckets(const std::vector<TensorRef>& parameters,
     current.offset = it->offset;
     current.count += it->numel();
     current.parameters.push_back(it->name);
+    current.sizes.push_back(it->numel());
     bytes += it->bytes();
     if (static_cast<double>(bytes) >= limit) {
       buckets.push_back(std::move(current));

@@ -17,9 +17,11 @@
 // rank's block of it into the rank's packed slice of the gradients, and the slot goes to a later
 // bucket. A device keeps 1/n of the gradients plus a few buckets' slots. It needs each backward's
 // gradients reduced as they are written, so where they must stay whole it keeps them whole, as
-// stage 1 does: under clipping or bf16 compression (above), gradient accumulation (the micro-batches
-// add into the whole buffer, as DDP's no_sync) and fixed shards (each shard's gradients are kept
-// apart and summed in shard order). The bits are stage 1's either way.
+// stage 1 does: under bf16 compression (above), gradient accumulation (the micro-batches add into
+// the whole buffer, as DDP's no_sync) and fixed shards (each shard's gradients are kept apart and
+// summed in shard order). Clipping all-reduces each slot whole (as stage 1 does), takes its
+// tensors' sums of squares from it before the slot goes, and scales the rank's slice once the
+// coefficient is known (GradNormClipper's pieces). The bits are stage 1's either way.
 //
 // Note [ZeRO's host copies]
 // A lost device takes its rank's part of the optimizer state with it, and no other device holds it.
@@ -132,6 +134,14 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
   float* bucket(int r, std::size_t b) override { return ranks_[static_cast<std::size_t>(r)]->slots->bucket(b); }
   void reduced(int r, std::size_t b, const Stream& stream) override {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
+    // Clipping: the bucket was all-reduced whole, so its tensors' norms are taken here, from the slot.
+    if (GradNormClipper* clipper = rank.update->clipper()) {
+      if (!rank.clipped_tensors) {
+        clipper->set_tensors(trainable_tensors());
+        rank.clipped_tensors = true;
+      }
+      clipper->sum_squares(stream, buckets_[b].offset, buckets_[b].count, rank.slots->bucket(b));
+    }
     if (const int i = rank.block_of[b]; i >= 0) {
       const Block& block = rank.blocks[static_cast<std::size_t>(i)];
       stream.copy(rank.grads.get<float>(group_.device(r), rank.count) + block.packed,
@@ -143,7 +153,12 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
   void step(int r, const Stream& stream, Model& model) override {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Device& device = group_.device(r);
-    if (!slotted_) rank.update->clip(stream, model, trainable_);
+    if (!slotted_) {
+      rank.update->clip(stream, model, trainable_);
+    } else if (GradNormClipper* clipper = rank.update->clipper()) {
+      clipper->coefficient(stream);  // from the sums of squares the reductions took (reduced())
+      clipper->scale(stream, rank.grads.get<float>(device, rank.count), rank.count);
+    }
     float* params = model.params_flat();
     const float* grads = slotted_ ? nullptr : model.grads_flat();
     float* slice = rank.params.get<float>(device, rank.count);
@@ -313,7 +328,22 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
     Scratch params, grads, whole;        // its slice of the parameters and gradients; a whole state buffer
     Stream stream;                       // checkpoints' gathers
     std::unique_ptr<BucketSlots> slots;  // stage 2: where the backward writes the gradients
+    bool clipped_tensors = false;        // stage 2: the clipper knows the tensors
   };
+
+  // The trainable tensors, in parameter order: every bucket's (a frozen one is in none).
+  std::vector<Optimizer::ParamRange> trainable_tensors() const {
+    std::vector<Optimizer::ParamRange> tensors;
+    for (const GradBucket& bucket : buckets_) {
+      std::size_t end = bucket.offset + bucket.count;  // added in reverse order, each before the last
+      for (const std::size_t size : bucket.sizes) {
+        end -= size;
+        tensors.push_back({end, size});
+      }
+    }
+    std::ranges::sort(tensors, {}, &Optimizer::ParamRange::offset);
+    return tensors;
+  }
 
   // Every rank's blocks of `data` (the whole flat buffer) into every rank's, bucket by bucket.
   void gather(int r, const Stream& stream, float* data) {

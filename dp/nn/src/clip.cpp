@@ -21,22 +21,40 @@ GradNormClipper::GradNormClipper(Device& device, double max_norm)
 void GradNormClipper::clip(const Stream& stream, const Model& model,
                            const std::vector<Optimizer::ParamRange>& trainable, float* grads) {
   if (tensors_.empty()) {
+    std::vector<Optimizer::ParamRange> tensors;
     for (const TensorRef& p : model.parameters())
       for (const Optimizer::ParamRange& range : trainable)
         if (p.offset >= range.offset && p.offset + p.numel() <= range.offset + range.count)
-          tensors_.push_back({p.offset, p.numel()});
-    if (tensors_.empty()) throw InvalidArgument("clip_grad_norm: every parameter is frozen");
-    squares_ = device_.allocate(tensors_.size() * sizeof(float));
+          tensors.push_back({p.offset, p.numel()});
+    set_tensors(std::move(tensors));
   }
-  float* squares = squares_.as<float>();
-  for (std::size_t t = 0; t < tensors_.size(); ++t)
-    kernels::sum_of_squares(stream, static_cast<kernels::index_t>(tensors_[t].count), grads + tensors_[t].offset,
-                            squares + t);
-  float* norm_coef = norm_coef_.as<float>();
-  kernels::clip_coefficient(stream, static_cast<kernels::index_t>(tensors_.size()), squares,
-                            static_cast<float>(max_norm_), norm_coef);
+  sum_squares(stream, 0, model.param_count(), grads);
+  coefficient(stream);
+  float* coefficient = norm_coef_.as<float>() + 1;
   for (const Optimizer::ParamRange& tensor : tensors_)
-    kernels::scale_by(stream, static_cast<kernels::index_t>(tensor.count), norm_coef + 1, grads + tensor.offset);
+    kernels::scale_by(stream, static_cast<kernels::index_t>(tensor.count), coefficient, grads + tensor.offset);
+}
+
+void GradNormClipper::set_tensors(std::vector<Optimizer::ParamRange> tensors) {
+  if (tensors.empty()) throw InvalidArgument("clip_grad_norm: every parameter is frozen");
+  tensors_ = std::move(tensors);
+  squares_ = device_.allocate(tensors_.size() * sizeof(float));
+}
+
+void GradNormClipper::sum_squares(const Stream& stream, std::size_t offset, std::size_t count, const float* grads) {
+  for (std::size_t t = 0; t < tensors_.size(); ++t)
+    if (tensors_[t].offset >= offset && tensors_[t].offset + tensors_[t].count <= offset + count)
+      kernels::sum_of_squares(stream, static_cast<kernels::index_t>(tensors_[t].count),
+                              grads + (tensors_[t].offset - offset), squares_.as<float>() + t);
+}
+
+void GradNormClipper::coefficient(const Stream& stream) {
+  kernels::clip_coefficient(stream, static_cast<kernels::index_t>(tensors_.size()), squares_.as<float>(),
+                            static_cast<float>(max_norm_), norm_coef_.as<float>());
+}
+
+void GradNormClipper::scale(const Stream& stream, float* grads, std::size_t count) {
+  kernels::scale_by(stream, static_cast<kernels::index_t>(count), norm_coef_.as<float>() + 1, grads);
 }
 
 float GradNormClipper::last_norm() const {

@@ -236,8 +236,8 @@ struct EngineOptions {
   // all-gathered: plain DDP's bytes per step, and on the sim its bits (zero.cpp). Checkpoints stay
   // whole (whole_optimizers()). 2: stage 2, each rank also keeps only its blocks of the gradients
   // (and a few buckets' slots that the backward writes into), where the gradients need not stay
-  // whole: not under clipping, bf16 compression, accumulate or shards, where it is stage 1 (Note
-  // [ZeRO-2's gradients], zero.cpp); needs a model that places its gradients
+  // whole: not under bf16 compression, accumulate or shards, where it is stage 1 (Note [ZeRO-2's
+  // gradients], zero.cpp; zero_stage()); needs a model that places its gradients
   // (Model::place_gradients), and no no_sync. 0: off.
   int zero = 0;
   // zero, in one process of several devices: each rank also copies its part to pinned host memory

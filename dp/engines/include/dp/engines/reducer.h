@@ -21,6 +21,7 @@ struct GradBucket {
   std::size_t offset = 0;
   std::size_t count = 0;
   std::vector<std::string> parameters;  // in the order they were added (reverse parameter order)
+  std::vector<std::size_t> sizes;       // their element counts, in that order
 };
 
 // torch's steady-state assignment (the rebuilt buckets after the first iteration): parameters in
