@@ -232,13 +232,15 @@ TEST_F(EnvTrain, TwoProcessesOnOneGpuAreRefusedNamingIt) {
 }
 
 // Two env:// processes of 2 simulated devices write the checkpoint of one process of 4, byte for
-// byte, with and without SyncBatchNorm, with fixed shards, and with ZeRO-1 (its state gathered
-// across the processes for the checkpoint); a bad file on one stops both within seconds; a process
-// that never starts ends the other after the timeout, naming it.
+// byte, with and without SyncBatchNorm, with fixed shards, and with ZeRO-1 and ZeRO-2 (the state
+// gathered across the processes for the checkpoint; stage 2 clipping from its slots); a bad file on one stops both
+// within seconds; a process that never starts ends the other after the timeout, naming it.
 TEST_F(EnvTrain, TwoProcessesOfTwoDevicesWriteTheCheckpointOfOneProcessOfFour) {
   for (const std::string model :
        {"--model mlp --hidden 32", "--model convnet --sync-bn", "--model convnet --shards 8 --graphs off",
-        "--model convnet --zero 1 --optimizer adamw", "--model convnet --sync-bn --shards 4"}) {
+        "--model convnet --zero 1 --optimizer adamw", "--model convnet --sync-bn --shards 4",
+        "--model convnet --zero 2 --optimizer adamw --clip-grad-norm 0.5 --bucket-cap-mb 0.004 --first-bucket-mb "
+        "0.002"}) {
     SCOPED_TRACE(model);
     const std::string common =
         model + " --mode ddp --backend sim --synthetic 120 --batch-size 6 --lr 0.01 --seed 7 --steps 6 --log-every 1";
