@@ -125,14 +125,14 @@ std::unique_ptr<ReplicaEngine::Rank> ReplicaEngine::make_rank(int r, Runtime& ru
 
 ReplicaEngine::~ReplicaEngine() {
   quiesce();
-  // The models outlive the slots they write into (the module is the caller's): their own buffers back.
-  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
-    if (updates_->gradient_slots(r)) {
-      try {
-        rank(r).model->place_gradients(nullptr);
-      } catch (...) {  // a destructor never throws; a device that failed keeps what it had
-      }
+  // The module (rank 0's model, the caller's) outlives the slots it writes into: its own buffer
+  // back. The other replicas go with the engine.
+  if (!ranks_.empty() && updates_->gradient_slots(0)) {
+    try {
+      rank(0).model->place_gradients(nullptr);
+    } catch (...) {  // a destructor never throws; a device that failed keeps what it had
     }
+  }
 }
 
 void ReplicaEngine::quiesce() noexcept {
