@@ -313,6 +313,15 @@ TEST_P(Zero, WholeStateGoesBackIntoTheSlices) {
                         std::vector<std::int64_t>(data.y.begin() + 4 * n * per_rank, data.y.end())};
   resumed.train(rest, 4, per_rank);
   EXPECT_TRUE(same_bits(straight.params(), resumed.params()));
+
+  // A checkpoint's whole state is transient: once training goes on, no device keeps more than it did.
+  std::vector<std::size_t> before;
+  for (const int d : straight.engine->device_ids()) before.push_back(straight.runtime->device(d).memory().in_use);
+  (void)straight.whole_state();
+  straight.train(rest, 1, per_rank);
+  const auto ids = straight.engine->device_ids();
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    EXPECT_EQ(straight.runtime->device(ids[i]).memory().in_use, before[i]) << "device " << ids[i];
 }
 
 // A lost device takes its rank's slice of the state with it, but in one process each rank also

@@ -51,6 +51,7 @@ float DistributedDataParallel::forward_backward(std::span<const Batch> batches, 
 
 void DistributedDataParallel::optimizer_step() {
   drain();
+  release_whole_optimizers();
   group_.run([&](int r) { enqueue_step(r); });
   const std::int64_t step = optimizer(0).steps();
   if (options_.check_replicas > 0 && step % options_.check_replicas == 0) check_replica_fingerprints();

@@ -46,6 +46,9 @@ class RankOptimizers {
   // Engine::whole_optimizers and whole_optimizers_loaded (the steps have run).
   virtual std::vector<Optimizer*> whole() = 0;
   virtual void whole_loaded() {}
+  // The whole state whole() gathered, which the caller is done with once it trains on (ZeRO's
+  // transient copy; plain updates hand out their own).
+  virtual void release_whole() {}
   // Fails the collectives of its own communicator, if it has one (a rank failed).
   virtual void abort() {}
 

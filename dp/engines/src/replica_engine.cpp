@@ -149,6 +149,8 @@ BucketReduction ReplicaEngine::bucket_reduction() const { return updates_->reduc
 
 BucketHome* ReplicaEngine::bucket_home() const { return updates_->bucket_home(); }
 
+void ReplicaEngine::release_whole_optimizers() { updates_->release_whole(); }
+
 std::uint64_t ReplicaEngine::graph_replays() const { return graphs_->replays(); }
 
 std::optional<float> ReplicaEngine::last_grad_norm() {
@@ -349,6 +351,7 @@ EvalTotals ReplicaEngine::reduce_totals(std::span<const EvalTotals> per_batch) {
 // step (the optimizer behind the loss's copy), and the returned loss waits for the losses only.
 StepLoss ReplicaEngine::submit_step(std::span<const Batch> batches) {
   check_batches(batches, true);
+  release_whole_optimizers();  // a checkpoint's gathered state: written, or loaded, by now
   const int slot = pipeline_->next_slot();
   return pipeline_->enqueue([&] {
     const engines::SampleSize sample = engines::sample_size(*ranks_[0]->model);

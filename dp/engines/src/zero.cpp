@@ -208,8 +208,10 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
       });
     }
     whole_->set_steps(ranks_[0]->update->optimizer().steps());
+    for (auto& rank : ranks_) rank->whole = Scratch{};  // the gather's buffers, idle now
     return {whole_.get()};
   }
+  void release_whole() override { whole_.reset(); }
 
   void whole_loaded() override {
     if (!whole_) return;

@@ -158,8 +158,9 @@ class Engine {
   // as make_engine applies it): Optimizer::exclude_from_weight_decay on every optimizer.
   virtual void exclude_from_weight_decay(const std::vector<Optimizer::ParamRange>& ranges);
   // The optimizer state as a checkpoint holds it, every parameter's: optimizers() (their first is
-  // saved), or with ZeRO-1 one whole optimizer gathered from the ranks' slices (a collective: every
-  // process calls it, and waits for the steps in flight). Valid until the next call.
+  // saved), or with ZeRO one whole optimizer gathered from the ranks' slices (a collective: every
+  // process calls it, and waits for the steps in flight), on the first device until the next call
+  // or the next training step, which frees it (a transient copy: ZeRO keeps no whole state).
   virtual std::vector<Optimizer*> whole_optimizers() { return optimizers(); }
   // After a checkpoint's state was loaded into whole_optimizers(): the ranks take their parts.
   virtual void whole_optimizers_loaded() {}

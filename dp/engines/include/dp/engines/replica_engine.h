@@ -150,6 +150,9 @@ class ReplicaEngine : public Engine {
   BucketReduction bucket_reduction() const;
   // Where the buckets are when the ranks keep no whole gradient buffer (ZeRO-2's slots), or null.
   BucketHome* bucket_home() const;
+  // Frees what whole_optimizers() gathered for a checkpoint, if the updates keep it apart; called
+  // before a step, when the caller is done with it.
+  void release_whole_optimizers();
   // The steps in flight ended and every rank's compute stream idle, reporting no failure (the steps
   // did): a derived engine's destructor calls it before its own members go.
   void quiesce() noexcept;
