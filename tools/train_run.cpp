@@ -129,6 +129,14 @@ void join_collectives(const Options& o, const Devices& devices, const Inputs& in
   g_job.collectives_begin();
 }
 
+// What the flags say of the engine: its kind and every setting from the flag table.
+dp::EngineOptions engine_options_of(const Options& o) {
+  dp::EngineOptions options;
+  options.kind = o.mode;
+  dp::tools::set_engine_options(o, options, train_flags());
+  return options;
+}
+
 // The engine, picked once: everything after it runs through dp::Engine.
 std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& devices, int world, Built& built,
                                          const Resumed& resumed, bool uneven_shards = false) {
@@ -136,11 +144,9 @@ std::unique_ptr<dp::Engine> build_engine(const Options& o, const Devices& device
   // and every step sets its own.
   const dp::OptimizerOptions optimizer =
       optimizer_options(o, lr_at(o, world, resumed.start_step, dp::LrSchedule::constant()));
-  dp::EngineOptions engine_options;
-  engine_options.kind = o.mode;
+  dp::EngineOptions engine_options = engine_options_of(o);
   engine_options.device_ids = devices.ids;
   engine_options.processes = g_job.processes();
-  dp::tools::set_engine_options(o, engine_options, train_flags());
   engine_options.uneven_shards = uneven_shards;  // the survivors of a lost device
   auto engine = dp::make_engine(*built.runtime, *built.model, optimizer, engine_options);
   if (resumed.state)
@@ -338,10 +344,7 @@ void say_plan(const Options& o, const Plan& plan, const dp::Engine& engine, cons
       dp::tools::banner_settings(o, dp::to_string(o.mode)), data.size(),
       o.batch_size * plan.shards * (o.shards > 0 ? 1 : o.accumulate), batch_text(o, plan), plan.total_steps,
       plan.start_step);
-  dp::EngineOptions options;
-  options.kind = o.mode;
-  dp::tools::set_engine_options(o, options, train_flags());
-  if (const dp::ZeroStage zero = dp::zero_stage(options); zero.stage != o.zero)
+  if (const dp::ZeroStage zero = dp::zero_stage(engine_options_of(o)); zero.stage != o.zero)
     say("note: --zero {} runs as ZeRO stage {} here, keeping the whole gradients: {}\n", o.zero, zero.stage, zero.why);
 }
 

@@ -26,9 +26,9 @@ namespace dp::engines {
 // slot. The host's choices are the same at every step of a batch size, so a captured step replays
 // them: the first backward chooses each bucket's slot and every later one takes the same, so slots
 // are made and grown only in the first (growing waits for the slot's last reduction), never inside
-// a capture. A backward starts with every slot free: the step before ended
-// with the compute stream waiting for all its reductions (Reducer::finish). Parameters in no bucket
-// (frozen) get one discard area, written and never read.
+// a capture. A backward starts with every slot free: the step before ended with the compute stream
+// waiting for all its reductions (Reducer::finish). Parameters in no bucket (frozen) get one
+// discard area, written and never read.
 class BucketSlots final : public GradientSlots {
  public:
   BucketSlots(Device& device, const std::vector<GradBucket>& buckets, std::size_t params);

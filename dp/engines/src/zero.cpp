@@ -137,7 +137,7 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
     // Clipping: the bucket was all-reduced whole, so its tensors' norms are taken here, from the slot.
     if (GradNormClipper* clipper = rank.update->clipper()) {
       if (!rank.clipped_tensors) {
-        clipper->set_tensors(trainable_tensors());
+        clipper->set_tensors(bucket_tensors(), trainable_);
         rank.clipped_tensors = true;
       }
       clipper->sum_squares(stream, buckets_[b].offset, buckets_[b].count, rank.slots->bucket(b));
@@ -153,16 +153,16 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
   void step(int r, const Stream& stream, Model& model) override {
     Rank& rank = *ranks_[static_cast<std::size_t>(r)];
     Device& device = group_.device(r);
+    float* params = model.params_flat();
+    float* slice = rank.params.get<float>(device, rank.count);
+    float* slice_grads = rank.grads.get<float>(device, rank.count);
     if (!slotted_) {
       rank.update->clip(stream, model, trainable_);
     } else if (GradNormClipper* clipper = rank.update->clipper()) {
       clipper->coefficient(stream);  // from the sums of squares the reductions took (reduced())
-      clipper->scale(stream, rank.grads.get<float>(device, rank.count), rank.count);
+      clipper->scale(stream, slice_grads, rank.count);
     }
-    float* params = model.params_flat();
     const float* grads = slotted_ ? nullptr : model.grads_flat();
-    float* slice = rank.params.get<float>(device, rank.count);
-    float* slice_grads = rank.grads.get<float>(device, rank.count);
     for (const Block& b : rank.blocks) {
       stream.copy(slice + b.packed, params + b.flat, b.count * sizeof(float));
       if (!slotted_) stream.copy(slice_grads + b.packed, grads + b.flat, b.count * sizeof(float));
@@ -333,8 +333,8 @@ class ZeroUpdates final : public RankOptimizers, public BucketHome {
     bool clipped_tensors = false;        // stage 2: the clipper knows the tensors
   };
 
-  // The trainable tensors, in parameter order: every bucket's (a frozen one is in none).
-  std::vector<Optimizer::ParamRange> trainable_tensors() const {
+  // The buckets' tensors, in parameter order.
+  std::vector<Optimizer::ParamRange> bucket_tensors() const {
     std::vector<Optimizer::ParamRange> tensors;
     for (const GradBucket& bucket : buckets_) {
       std::size_t end = bucket.offset + bucket.count;  // added in reverse order, each before the last

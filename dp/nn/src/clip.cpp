@@ -22,11 +22,8 @@ void GradNormClipper::clip(const Stream& stream, const Model& model,
                            const std::vector<Optimizer::ParamRange>& trainable, float* grads) {
   if (tensors_.empty()) {
     std::vector<Optimizer::ParamRange> tensors;
-    for (const TensorRef& p : model.parameters())
-      for (const Optimizer::ParamRange& range : trainable)
-        if (p.offset >= range.offset && p.offset + p.numel() <= range.offset + range.count)
-          tensors.push_back({p.offset, p.numel()});
-    set_tensors(std::move(tensors));
+    for (const TensorRef& p : model.parameters()) tensors.push_back({p.offset, p.numel()});
+    set_tensors(tensors, trainable);
   }
   sum_squares(stream, 0, model.param_count(), grads);
   coefficient(stream);
@@ -35,9 +32,14 @@ void GradNormClipper::clip(const Stream& stream, const Model& model,
     kernels::scale_by(stream, static_cast<kernels::index_t>(tensor.count), coefficient, grads + tensor.offset);
 }
 
-void GradNormClipper::set_tensors(std::vector<Optimizer::ParamRange> tensors) {
-  if (tensors.empty()) throw InvalidArgument("clip_grad_norm: every parameter is frozen");
-  tensors_ = std::move(tensors);
+void GradNormClipper::set_tensors(const std::vector<Optimizer::ParamRange>& tensors,
+                                  const std::vector<Optimizer::ParamRange>& trainable) {
+  tensors_.clear();
+  for (const Optimizer::ParamRange& tensor : tensors)
+    for (const Optimizer::ParamRange& range : trainable)
+      if (tensor.offset >= range.offset && tensor.offset + tensor.count <= range.offset + range.count)
+        tensors_.push_back(tensor);
+  if (tensors_.empty()) throw InvalidArgument("clip_grad_norm: every parameter is frozen");
   squares_ = device_.allocate(tensors_.size() * sizeof(float));
 }
 

@@ -28,12 +28,13 @@ class GradNormClipper {
   void clip(const Stream& stream, const Model& model, const std::vector<Optimizer::ParamRange>& trainable,
             float* grads);
   // The same in pieces, for gradients never whole in one buffer (ZeRO-2's bucket slots), over the
-  // trainable `tensors` (ranges of the flat layout, in parameter order: clip()'s, given once):
+  // `tensors` (ranges of the flat layout, in parameter order) inside `trainable`, given once:
   // sum_squares() for each tensor inside [offset, offset + count) of the flat layout, whose gradients
   // are at `grads` (every tensor once a step, on streams the coefficient() stream waits for), then
   // coefficient(), then scale() of any gradients of those tensors, which clip() would have scaled.
   // The same bits as clip(): each tensor's sum and the scaling are elementwise alike.
-  void set_tensors(std::vector<Optimizer::ParamRange> tensors);
+  void set_tensors(const std::vector<Optimizer::ParamRange>& tensors,
+                   const std::vector<Optimizer::ParamRange>& trainable);
   void sum_squares(const Stream& stream, std::size_t offset, std::size_t count, const float* grads);
   void coefficient(const Stream& stream);
   void scale(const Stream& stream, float* grads, std::size_t count);
