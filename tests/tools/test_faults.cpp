@@ -110,6 +110,19 @@ TEST_F(Faults, AStuckDeviceThreadIsNamedThenEndedAtTheTimeout) {
   expect_has(reader.output, "(bucket 0, f32 x 25450); rank(s) 0, 2, 3 waited in it");
 }
 
+// Under ZeRO-2 a rank's compute stream waits for a slot's reduction on the communication stream: a
+// device stuck at a step's start (its peers' reduce-scatters, and their slot waits behind them,
+// never met) still ends the job at DP_TIMEOUT_S, exit 6, naming it, and nothing is saved.
+TEST_F(Faults, AStuckDeviceUnderZeroTwoEndsTheJobAtTheTimeout) {
+  const Timed t =
+      train("DP_FAULT=hang@d1:3 DP_STALL_WARN_S=1 DP_TIMEOUT_S=4",
+            "--graphs off --zero 2 --bucket-cap-mb 0.01 --first-bucket-mb 0.01 --save " + path("zero2.safetensors"));
+  EXPECT_EQ(t.r.code, 6) << t.r.output;
+  EXPECT_LT(t.seconds, 4.0 + 2.0 + 1.0);  // DP_TIMEOUT_S + 2 s at most, the run's start included
+  expect_has(t.r.output, "device 1 does not return (stuck for good)");
+  EXPECT_FALSE(std::filesystem::exists(path("zero2.safetensors")));
+}
+
 // A stall shorter than the timeout is waited for: a warning, then the run ends as an undisturbed one
 // does, its checkpoint byte for byte the same.
 TEST_F(Faults, AStallIsWaitedForAndChangesNoBit) {

@@ -1445,6 +1445,7 @@ TEST_F(TrainTest, OptionValuesAreCheckedBeforeAnyWork) {
   expect_refused(base + "--model convnet --heads 4", "--heads applies to --model gpt, not --model convnet");
   expect_refused(base + "--model convnet --hidden 8", "--hidden applies to --model mlp, not --model convnet");
   expect_refused(base + "--zero 3", "--zero");
+  expect_refused(base + "--mode ddp --devices 2 --bucket-cap-mb 0", "--bucket-cap-mb: '0' is not a finite number > 0");
   expect_refused(base + "--mode dp --devices 2 --zero 1", "--zero applies to --mode ddp");
   expect_refused(base + "--mode ddp --devices 5 --shards 12", "12 shards cannot be spread evenly over 5 device(s)");
   expect_refused(base + "--model convnet --mode ddp --devices 2 --shards 4 --sync-bn",
