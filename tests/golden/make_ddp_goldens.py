@@ -52,7 +52,9 @@ CASES = OrderedDict([
     ("ddp_mlp_w2",     ("mlp", [32, 17], 2, 13, 3, 4, 302)),
     ("ddp_resnet8_w2", ("resnet8", None, 2, 14, 4, 3, 303)),
     ("ddp_mlp_w2_clip",     ("mlp", [32, 17], 2, 13, 3, 4, 304)),
-    ("ddp_convnet_w3_clip", ("convnet", None, 3, 20, 4, 3, 305)),
+    # 317: the widest max-pool margin of seeds 310-329 (tie_margins.py): 305's closest window was
+    # 5e-8 of the activations' range apart, and fp32 on another CPU routed its gradient elsewhere.
+    ("ddp_convnet_w3_clip", ("convnet", None, 3, 20, 4, 3, 317)),
     ("ddp_mlp_w2_acc3",     ("mlp", [32, 17], 2, 36, 3, 2, 306)),
     ("ddp_convnet_w3_acc3", ("convnet", None, 3, 36, 2, 2, 307)),
 ])
