@@ -69,7 +69,7 @@ void print_banner(const Options& o, const Setup& setup, const dp::tools::Job& jo
 Data synthetic_data(const Options& o, int devices, const std::vector<std::string>& models) {
   std::size_t floats = 0;
   for (const std::string& model : models)
-    floats = std::max(floats, model_spec(model).input_floats(model_args(o, model)));
+    floats = std::max(floats, model_spec(model).input_elements(model_args(o, model)));
   const int pieces = std::max(devices, o.shards);  // --shards: a batch per shard
   const std::uint64_t global = static_cast<std::uint64_t>(o.batch_size) * static_cast<std::uint64_t>(pieces);
   if (global > static_cast<std::uint64_t>(std::numeric_limits<int>::max()))

@@ -340,36 +340,38 @@ std::vector<dp::Batch> pinned_batches(dp::Runtime& rt, dp::Engine& engine, const
   const int pieces = engine.batches_per_step(), piece = global_batch / engine.world_size();
   const std::size_t rows = static_cast<std::size_t>(pieces) * static_cast<std::size_t>(piece);
   // The data holds the largest sample of the models measured: this model's samples are its first
-  // floats, read as consecutive samples of its own size.
-  const std::size_t floats = dp::numel(engine.model().input_shape());
-  if (floats > data.sample_floats)
+  // elements, read as consecutive samples of its own size.
+  const std::size_t elements = dp::numel(engine.model().input_shape());
+  if (elements > data.sample_floats)
     throw dp::InvalidArgument(
-        fmt::format("the synthetic data's samples have {} floats, the model's {}", data.sample_floats, floats));
+        fmt::format("the synthetic data's samples have {} values, the model's {}", data.sample_floats, elements));
   struct Pinned {
     dp::PinnedBuffer inputs, labels;
   };
   const auto targets = static_cast<std::size_t>(engine.model().targets_per_sample());
+  const dp::DType dtype = engine.model().input_dtype();
   auto pinned = std::make_shared<Pinned>();
-  pinned->inputs = rt.allocate_pinned(rows * floats * sizeof(float));
+  pinned->inputs = rt.allocate_pinned(rows * elements * dp::dtype_size(dtype));
   pinned->labels = rt.allocate_pinned(rows * targets * sizeof(std::int64_t));
-  auto* inputs = pinned->inputs.as<float>();
   auto* labels = pinned->labels.as<std::int64_t>();
-  std::memcpy(inputs, data.inputs.data(), pinned->inputs.size());
-  if (targets == 1) {
-    std::memcpy(labels, data.labels.data(), pinned->labels.size());
-  } else {
-    // A sequence model: its inputs are token ids (the data's values in [0, 1) scaled to the
-    // vocabulary) and each position's target is the next token, as in a text's windows.
-    const auto vocab = static_cast<float>(engine.model().output_features());
-    for (std::size_t i = 0; i < rows * floats; ++i) inputs[i] = std::floor(inputs[i] * vocab);
-    for (std::size_t i = 0; i < rows * targets; ++i)
-      labels[i] = static_cast<std::int64_t>(inputs[(i + 1) % (rows * floats)]);
-  }
+  if (dtype == dp::DType::f32) std::memcpy(pinned->inputs.data(), data.inputs.data(), pinned->inputs.size());
+  if (targets == 1) std::memcpy(labels, data.labels.data(), pinned->labels.size());
+  // A sequence model's token ids are the data's values in [0, 1) scaled to the vocabulary, and each
+  // position's target is the next token, as in a text's windows.
+  const auto vocab = static_cast<float>(engine.model().output_features());
+  const auto token = [&](std::size_t i) {
+    return static_cast<std::int32_t>(data.inputs[i % (rows * elements)] * vocab);
+  };
+  if (dtype == dp::DType::i32)
+    for (std::size_t i = 0; i < rows * elements; ++i) pinned->inputs.as<std::int32_t>()[i] = token(i);
+  if (targets > 1)
+    for (std::size_t i = 0; i < rows * targets; ++i) labels[i] = token(i + 1);
+  const dp::Inputs inputs{pinned->inputs.data(), dtype};
   std::vector<dp::Batch> batches;
   for (int i = 0; i < pieces; ++i) {
     const std::size_t row = static_cast<std::size_t>(i) * static_cast<std::size_t>(piece);
     // Never written again: the lease only keeps the memory alive while a copy may read it.
-    batches.push_back(dp::Batch{inputs + row * floats, labels + row * targets, piece, pinned});
+    batches.push_back(dp::Batch{inputs.advanced(row * elements), labels + row * targets, piece, pinned});
   }
   return batches;
 }

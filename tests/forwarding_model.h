@@ -29,8 +29,9 @@ class ForwardingModel : public Model {
   std::vector<TensorRef> gradients() const override { return inner_->gradients(); }
   std::vector<TensorRef> buffers() const override { return inner_->buffers(); }
   std::vector<std::int64_t> input_shape() const override { return inner_->input_shape(); }
+  DType input_dtype() const override { return inner_->input_dtype(); }
   int output_features() const override { return inner_->output_features(); }
-  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
+  const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) override {
     return inner_->forward(stream, input, batch, mode);
   }
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override {

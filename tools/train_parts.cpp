@@ -275,17 +275,17 @@ void check_memory(const Options& o, const std::vector<int>& hidden, const std::v
   const dp::models::ModelArgs args = model_args(o, hidden);
   const std::uint64_t params = as_usage_error([&] { return model.param_count(args); });
   check_file_size_limit(o, params);
-  const std::uint64_t sample_floats = model.input_floats(args);
+  const std::uint64_t sample_elements = model.input_elements(args);
   const auto classes = static_cast<std::uint64_t>(model.num_classes(args));
   const std::uint64_t rows = o.mode == dp::EngineKind::dp ? (batch + devices - 1) / devices : batch;  // per device
   // The optimizer's state buffers per parameter: AdamW's two moments, SGD's momentum, or none.
   const std::uint64_t state_buffers = o.optimizer == dp::tools::OptimizerKind::adamw ? 2 : o.momentum > 0 ? 1 : 0;
   const std::uint64_t per_device = plus(times(times(params, 4, "the model"), 2 + state_buffers, "the model"),
-                                        times(rows, (sample_floats + classes) * 4, "the batch"), "the device memory");
+                                        times(rows, (sample_elements + classes) * 4, "the batch"), "the device memory");
   const std::uint64_t samples = o.data.empty() ? o.synthetic.value_or(2048) : 0;
   std::uint64_t host =
       plus(times(samples, dp::Dataset{}.sample_pixels() + sizeof(std::int64_t), "the data set"),
-           times(times(3 * shards, batch, "the staging"), sample_floats * 4 + 8, "the staging"), "the host memory");
+           times(times(3 * shards, batch, "the staging"), sample_elements * 4 + 8, "the staging"), "the host memory");
   if (!cuda) host = plus(host, times(per_device, devices, "the devices' memory"), "the host memory");
   // ZeRO in one process keeps two host copies of the parameters and optimizer state (Note [ZeRO's
   // host copies], dp/engines/src/zero.cpp).

@@ -192,16 +192,15 @@ int generate_text(const Options& o, dp::Engine& engine) {
   }
   if (prompt.empty()) prompt.push_back(tokenizer ? tokenizer->eot : '\n');
   std::mt19937_64 rng(o.seed);  // one stream over every sample
-  std::vector<float> window(context);
+  std::vector<std::int32_t> window(context);
   // As nanoGPT's sample.py prints them: the prompt, then its continuation; samples apart by a rule.
   for (int sample = 0; sample < o.num_samples; ++sample) {
     std::vector<int> tokens = prompt;
     say("{}", o.prompt);
     for (long i = 0; i < o.generate; ++i) {
       const std::size_t n = std::min(tokens.size(), context);
-      std::fill(window.begin(), window.end(), 0.0f);
-      std::transform(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin(),
-                     [](int t) { return static_cast<float>(t); });
+      std::fill(window.begin(), window.end(), 0);
+      std::copy(tokens.end() - static_cast<std::ptrdiff_t>(n), tokens.end(), window.begin());
       const dp::Batch batch{window.data(), nullptr, 1};
       const std::vector<float> logits = engine.predict(std::span<const dp::Batch>(&batch, 1));
       const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;  // [0, 1)

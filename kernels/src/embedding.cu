@@ -54,12 +54,6 @@ void embedding_backward(const Stream& stream, index_t tokens, index_t vocab, ind
       {operand(order, tokens), operand(offsets, vocab + 1), operand(dy, tokens * dim), operand(dweight, vocab * dim)});
 }
 
-void token_ids(const Stream& stream, index_t n, index_t vocab, const float* x, std::int32_t* ids) {
-  kernel_api::check_extents("token_ids", n);
-  checks::present("token_ids", {{"x", x}, {"ids", ids}});
-  launch(stream, "token_ids", n, TokenIds{vocab, x, ids}, {operand(x, n), operand(ids, n)});
-}
-
 void add_positions(const Stream& stream, index_t batch, index_t tokens, index_t dim, const float* positions, float* y) {
   if (batch < 0 || tokens < 1 || dim < 1)
     checks::fail({"add_positions: need batch >= 0, tokens and dim >= 1, got batch=", static_cast<long long>(batch),

@@ -103,7 +103,7 @@ std::unique_ptr<Model> ModelSpec::build(Device& device, const ModelArgs& args, s
 
 bool ModelSpec::takes(ModelArg arg) const { return std::find(takes_.begin(), takes_.end(), arg) != takes_.end(); }
 
-std::uint64_t ModelSpec::input_floats(const ModelArgs& args) const {
+std::uint64_t ModelSpec::input_elements(const ModelArgs& args) const {
   return static_cast<std::uint64_t>(numel(input_shape(args)));
 }
 

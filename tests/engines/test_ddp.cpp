@@ -841,7 +841,7 @@ TEST_P(DataParallelGolden, DataParallelAndOneDeviceMatchPyTorch) {
         int size = 0;
         for (int r = 0; r < world; ++r) {
           const Batch& b = ranks[static_cast<std::size_t>(r * micro + m)];
-          xm.insert(xm.end(), b.inputs, b.inputs + static_cast<std::ptrdiff_t>(b.size) * 784);
+          xm.insert(xm.end(), b.inputs.features(), b.inputs.features() + static_cast<std::ptrdiff_t>(b.size) * 784);
           ym.insert(ym.end(), b.targets, b.targets + b.size);
           size += b.size;
         }

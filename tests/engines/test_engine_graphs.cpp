@@ -36,7 +36,7 @@ enum class Net { mlp, convnet, mlp_dropout, mlp_syncing };
 class SyncingModel final : public test::ForwardingModel {
  public:
   using ForwardingModel::ForwardingModel;
-  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
+  const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) override {
     if (stream.capturing()) ++captured_forwards;
     stream.synchronize();
     return ForwardingModel::forward(stream, input, batch, mode);

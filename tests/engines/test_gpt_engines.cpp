@@ -27,7 +27,7 @@ models::GptConfig tiny_gpt(const safetensors::File& golden) {
   return {at("vocab"), at("context"), at("layers"), at("heads"), at("width")};
 }
 
-// The golden's sequences: token ids as the model's float inputs and their next-token targets, and
+// The golden's sequences: token ids as the model's int32 inputs and their next-token targets, and
 // the batches one engine's step takes of them (DDP: a share per rank).
 struct GoldenTokens {
   explicit GoldenTokens(const safetensors::File& golden)
@@ -43,7 +43,7 @@ struct GoldenTokens {
     return out;
   }
   int batch;
-  std::vector<float> ids;
+  std::vector<std::int32_t> ids;
   std::vector<std::int64_t> targets;
 };
 
@@ -304,6 +304,39 @@ TEST(GptEngines, EvaluationScoresEveryToken) {
   const EvalTotals totals = engine->evaluate(data.batches(*engine));
   EXPECT_EQ(totals.samples, data.batch * config.context);
   EXPECT_NEAR(totals.mean_loss(), golden.at("fp32.loss").to_f32()[0], 1e-5);
+}
+
+// Every engine asks the batch's dtype of the model before it waits for or enqueues anything: token
+// ids sent as floats are refused naming both, and the parameters stay as they were.
+TEST(GptEngines, FeaturesForTokenIdsAreRefusedBeforeAnyWork) {
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  const models::GptConfig config = tiny_gpt(golden);
+  const GoldenTokens data(golden);
+  const std::vector<float> as_floats(data.ids.begin(), data.ids.end());
+  for (const EngineKind kind : {EngineKind::single, EngineKind::dp, EngineKind::ddp}) {
+    auto rt = test::sim_runtime(2);
+    auto model = models::make_gpt(rt->device(0), config, 1);
+    EngineOptions options;
+    options.kind = kind;
+    if (kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+    auto engine = make_engine(*rt, *model, SgdOptions{0.1f, 0.0f, 0.0f, false}, options);
+    const Stream s = rt->device(0).create_stream();
+    const auto before = test::to_host(s, engine->model().params_flat(), engine->model().param_count());
+    std::vector<Batch> batches = data.batches(*engine);
+    const std::size_t tokens = data.ids.size() / batches.size();
+    for (std::size_t b = 0; b < batches.size(); ++b) batches[b].inputs = as_floats.data() + b * tokens;
+    try {
+      engine->train_step(batches);
+      FAIL() << to_string(kind) << " trained on floats";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("holds f32 features but the model reads i32 token ids"), std::string::npos)
+          << to_string(kind) << ": " << e.what();
+    }
+    engine->synchronize();
+    EXPECT_EQ(test::to_host(s, engine->model().params_flat(), engine->model().param_count()), before)
+        << to_string(kind);
+    EXPECT_EQ(engine->train_step(data.batches(*engine)) > 0.0f, true) << to_string(kind) << " trains on ids after";
+  }
 }
 
 }  // namespace

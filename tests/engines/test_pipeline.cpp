@@ -272,7 +272,7 @@ class FailingModel final : public test::ForwardingModel {
  public:
   FailingModel(std::unique_ptr<Model> inner, std::shared_ptr<std::atomic<int>> forwards, int fail_at)
       : ForwardingModel(std::move(inner)), forwards_(std::move(forwards)), fail_at_(fail_at) {}
-  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override {
+  const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) override {
     const float* out = ForwardingModel::forward(stream, input, batch, mode);
     if (++*forwards_ == fail_at_) stream.launch_host_func([] { throw Error("injected device fault"); });
     return out;

@@ -203,10 +203,10 @@ TEST(ZeroTwo, IsPlainDdpBitForBitWhereverItRuns) {
 TEST(ZeroTwo, KeepsASliceOfAGptsGradients) {
   const int n = 4, batch = 2, steps = 3;
   const models::GptConfig config{.vocab = 64, .context = 16, .layers = 6, .heads = 2, .width = 32};
-  std::vector<float> tokens;
+  std::vector<std::int32_t> tokens;
   std::vector<std::int64_t> targets;
   for (int i = 0; i < steps * n * batch * config.context; ++i) {
-    tokens.push_back(static_cast<float>((i * 37 + 11) % config.vocab));
+    tokens.push_back((i * 37 + 11) % config.vocab);
     targets.push_back((i * 37 + 48) % config.vocab);
   }
   const OptimizerOptions adamw = AdamWOptions{1e-2, 0.9, 0.999, 1e-8, 0.1};

@@ -46,7 +46,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::vector<std::shared_ptr<const dp::llmc::TokenShard>> shards{
         std::make_shared<const dp::llmc::TokenShard>(path, vocab)};
     const dp::llmc::TokenSamples samples(shards, context, batch, vocab, (data[0] >> 6) % 2 == 1);
-    std::vector<float> inputs(static_cast<std::size_t>(context));
+    std::vector<std::int32_t> inputs(static_cast<std::size_t>(context));
     std::vector<std::int64_t> targets(static_cast<std::size_t>(context));
     for (std::size_t position = 0; position < samples.size(); ++position) {
       const std::size_t i = samples.sample_at(position, data[0] % 3);  // a later epoch's order too
@@ -54,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       samples.fill(i, {}, inputs.data());
       samples.fill_targets(i, targets.data());
       for (int t = 0; t < context; ++t)
-        if (!(inputs[t] >= 0.0f && inputs[t] < vocab) || targets[t] < 0 || targets[t] >= vocab) __builtin_trap();
+        if (!(inputs[t] >= 0 && inputs[t] < vocab) || targets[t] < 0 || targets[t] >= vocab) __builtin_trap();
     }
   } catch (const dp::Error&) {
   }

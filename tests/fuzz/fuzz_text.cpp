@@ -18,7 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto corpus =
         std::make_shared<const dp::TextCorpus>(dp::load_text((dp::fuzz::scratch() / "text.txt").string(), context));
     if (corpus->bytes.size() != size - 1 || corpus->split > corpus->bytes.size()) __builtin_trap();
-    std::vector<float> inputs(static_cast<std::size_t>(context));
+    std::vector<std::int32_t> inputs(static_cast<std::size_t>(context));
     std::vector<std::int64_t> targets(static_cast<std::size_t>(context));
     for (const auto split : {dp::TextWindows::Split::train, dp::TextWindows::Split::held_out}) {
       const dp::TextWindows windows(corpus, split, context);
@@ -27,9 +27,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         windows.fill(i, {}, inputs.data());
         windows.fill_targets(i, targets.data());
         for (int t = 0; t < context; ++t) {
-          if (!(inputs[t] >= 0.0f && inputs[t] < 256.0f) || targets[t] < 0 || targets[t] >= 256) __builtin_trap();
+          if (!(inputs[t] >= 0 && inputs[t] < 256) || targets[t] < 0 || targets[t] >= 256) __builtin_trap();
           // Each target is the next input: the window's bytes shifted by one.
-          if (t + 1 < context && targets[t] != static_cast<std::int64_t>(inputs[t + 1])) __builtin_trap();
+          if (t + 1 < context && targets[t] != inputs[t + 1]) __builtin_trap();
         }
       }
     }

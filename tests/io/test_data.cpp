@@ -112,11 +112,11 @@ TEST(BatchLoader, DeliversEveryBatchInOrderFromPinnedMemory) {
       const auto index = static_cast<std::size_t>(plan[k][static_cast<std::size_t>(i)]);
       EXPECT_EQ(batch.targets[i], data.labels[index]);
       for (std::size_t p = 0; p < 784; p += 97)
-        EXPECT_EQ(batch.inputs[static_cast<std::size_t>(i) * 784 + p],
+        EXPECT_EQ(batch.inputs.features()[static_cast<std::size_t>(i) * 784 + p],
                   static_cast<float>(data.pixels[index * 784 + p]) / 255.0f);
     }
     // Pinned staging: the copy to the device is asynchronous, finished before the next batch.
-    stream.copy(on_device.data(), batch.inputs, static_cast<std::size_t>(batch.size) * 784 * sizeof(float));
+    stream.copy(on_device.data(), batch.inputs.data(), static_cast<std::size_t>(batch.size) * 784 * sizeof(float));
     stream.synchronize();
   }
   EXPECT_THROW(loader.next(), Error);
@@ -143,7 +143,7 @@ TEST(BatchLoader, ABatchsLeaseKeepsItsMemory) {
     for (std::size_t i = 0; i < 2; ++i) {
       const auto index = static_cast<std::size_t>(plan[k][i]);
       EXPECT_EQ(batch.targets[i], data.labels[index]) << "batch " << k;
-      EXPECT_EQ(batch.inputs[i * 784 + 300], static_cast<float>(data.pixels[index * 784 + 300]) / 255.0f)
+      EXPECT_EQ(batch.inputs.features()[i * 784 + 300], static_cast<float>(data.pixels[index * 784 + 300]) / 255.0f)
           << "batch " << k;
     }
   };
@@ -153,7 +153,7 @@ TEST(BatchLoader, ABatchsLeaseKeepsItsMemory) {
     for (std::size_t k = 0; k < plan.size(); ++k) {
       Batch batch = loader.next();
       ASSERT_TRUE(batch.lease);
-      EXPECT_TRUE(rt->is_pinned(batch.inputs, 2 * 784 * sizeof(float)));
+      EXPECT_TRUE(rt->is_pinned(batch.inputs.data(), 2 * 784 * sizeof(float)));
       EXPECT_TRUE(rt->is_pinned(batch.targets, 2 * sizeof(std::int64_t)));
       expect_batch(batch, k);
       if (k % 2 == 0) kept.push_back(std::move(batch));
@@ -194,7 +194,7 @@ TEST(BatchLoader, NormalizesAsTorchvision) {
     const std::size_t index = p < 784 ? p : 3 * 784 + (p - 784);
     // ToTensor, then Normalize: two fp32 roundings, the same ones torchvision makes.
     const float want = (static_cast<float>(data.pixels[index]) / 255.0f - 0.2860f) / 0.3530f;
-    EXPECT_EQ(batch.inputs[p], want) << p;
+    EXPECT_EQ(batch.inputs.features()[p], want) << p;
   }
   EXPECT_THROW(BatchLoader(*rt, data, {{0}}, 2, Normalize{0.0f, 0.0f}), InvalidArgument);
 }
@@ -208,7 +208,7 @@ class KeyedSource : public SampleSource {
   std::vector<std::int64_t> sample_shape() const override { return {3, 1, 2}; }
   int num_classes() const override { return 7; }
   std::int64_t label(std::size_t index) const override { return static_cast<std::int64_t>(index % 7); }
-  void fill(std::size_t index, const SampleKey& key, float* out) const override {
+  void fill(std::size_t index, const SampleKey& key, InputsOut out) const override {
     if (index == bad_) throw Error(fmt::format("sample {}: unreadable", index));
     std::this_thread::sleep_for(std::chrono::microseconds(200));  // long enough for the workers to share
     const float values[6] = {static_cast<float>(index),
@@ -217,7 +217,7 @@ class KeyedSource : public SampleSource {
                              static_cast<float>(key.seed),
                              1.0f,
                              2.0f};
-    std::memcpy(out, values, sizeof(values));
+    std::memcpy(out.features(), values, sizeof(values));
   }
 
  private:
@@ -246,7 +246,7 @@ TEST(BatchLoader, WorkersFillEachSampleInItsPlaceWithItsEpochsKey) {
       ASSERT_EQ(batch.size, static_cast<int>(16 - k));
       for (std::size_t i = 0; i < 16 - k; ++i) {
         const auto index = static_cast<float>((k * 11 + i * 3) % 100);
-        const float* sample = batch.inputs + i * 6;
+        const float* sample = batch.inputs.features() + i * 6;
         EXPECT_EQ(sample[0], index) << "workers " << workers << " batch " << k << " sample " << i;
         EXPECT_EQ(sample[1], static_cast<float>(k / 3));
         EXPECT_EQ(sample[2], 5.0f);
@@ -360,7 +360,7 @@ TEST_F(IdxFiles, GzipAndPlainGiveTheSameDataAndBothSplitsAreFound) {
   auto rt = test::sim_runtime(1);
   BatchLoader a(*rt, plain, {{0, 29, 5}}), b(*rt, gz, {{0, 29, 5}});
   const Batch x = a.next(), y = b.next();
-  EXPECT_EQ(std::memcmp(x.inputs, y.inputs, 3 * 784 * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(x.inputs.data(), y.inputs.data(), 3 * 784 * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(x.targets, y.targets, 3 * sizeof(std::int64_t)), 0);
 }
 

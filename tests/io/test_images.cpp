@@ -547,7 +547,7 @@ TEST(ImageFolder, FillDecodesAndTransforms) {
   ImageFolderOptions options;
   options.image_size = 12;
   const ImageFolder train(dir.path().string(), options);
-  const std::size_t n = train.sample_floats();
+  const std::size_t n = train.sample_elements();
   ASSERT_EQ(n, 3u * 12 * 12);
   // Train: the pipeline with the sample's keyed draws; the same key twice gives the same sample.
   std::vector<float> a(n), b(n), c(n), want(n);

@@ -316,7 +316,7 @@ TEST(Llmc, TokenSamplesComeInLlmcsOrder) {
     if (shuffle) {
       EXPECT_NE(batches[0], batches[12]) << "a new epoch, a new order";
     }
-    std::vector<float> inputs(T);
+    std::vector<std::int32_t> inputs(T);
     std::vector<std::int64_t> targets(T);
     for (std::size_t j = 0; j < batches.size(); ++j)
       for (int b = 0; b < B; ++b) {

@@ -631,7 +631,7 @@ TEST(Registry, EveryModelAnswersAsItsBuiltModel) {
     EXPECT_EQ(model->name(), spec.name());
     EXPECT_EQ(spec.param_count(args), model->param_count());
     EXPECT_EQ(spec.input_shape(args), model->input_shape());
-    EXPECT_EQ(spec.input_floats(args), static_cast<std::uint64_t>(numel(model->input_shape())));
+    EXPECT_EQ(spec.input_elements(args), static_cast<std::uint64_t>(numel(model->input_shape())));
     EXPECT_EQ(spec.num_classes(args), model->output_features());
     EXPECT_EQ(spec.targets_per_sample(args), model->targets_per_sample());
     EXPECT_EQ(models::find_model(spec.name()), &spec);

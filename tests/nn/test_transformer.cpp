@@ -3,6 +3,7 @@
 // parameter names, loaded from torch's state dict, its output and every parameter gradient against
 // torch's (tests/golden/make_transformer_goldens.py), on each backend.
 #include <algorithm>
+#include <cmath>
 #include <gtest/gtest.h>
 #include <memory>
 #include <string>
@@ -77,9 +78,9 @@ TEST_P(Transformer, ATinyGptMatchesPyTorch) {
   Model& model = concrete;
   load_all(model, stream_, golden);
   const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());  // token ids as the model's float input
+  const std::vector<std::int32_t> ids(idx.begin(), idx.end());
   DeviceBuffer input = up(ids), targets = up(golden.at("data.targets").to_i64());
-  const float* logits = model.forward(stream_, input.as<float>(), 3, Mode::train);
+  const float* logits = model.forward(stream_, input.as<std::int32_t>(), 3, Mode::train);
   EXPECT_TRUE(test::all_close(test::to_host(stream_, logits, 18 * 32), golden.at("data.logits").to_f32(), 1e-5, 1e-5));
 
   // The loss per token: the cross-entropy over the 18 (sample, position) rows, and its gradient.
@@ -110,7 +111,7 @@ TEST_P(Transformer, AGptReplicatesAccumulatesAndReportsTheTiedTableLast) {
   other_stream.copy(replica->params_flat(), model.params_flat(), model.param_count() * sizeof(float));
   other_stream.synchronize();
   const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());
+  const std::vector<std::int32_t> ids(idx.begin(), idx.end());
   const auto dlogits = golden.at("data.dlogits").to_f32();
   std::vector<std::vector<float>> grads;
   std::vector<std::size_t> reported;
@@ -120,7 +121,7 @@ TEST_P(Transformer, AGptReplicatesAccumulatesAndReportsTheTiedTableLast) {
     DeviceBuffer in = test::upload(d, s, ids), dl = test::upload(d, s, dlogits);
     m->zero_grad(s);
     for (int pass = 0; pass < 2; ++pass) {
-      m->forward(s, in.as<float>(), 3, Mode::train);
+      m->forward(s, in.as<std::int32_t>(), 3, Mode::train);
       m->backward(s, dl.as<float>(), [&](std::size_t offset, std::size_t) {
         if (m == &model && pass == 0) reported.push_back(offset);
       });
@@ -156,7 +157,7 @@ TEST_P(Transformer, APaddedTableGivesTheUnpaddedLogitsAndGradients) {
   values.insert(values.begin() + 32 * 16, 8 * 16, 0.5f);
   stream_.copy(padded.params_flat(), values.data(), values.size() * sizeof(float));
   const auto idx = golden.at("data.idx").to_i64();
-  const std::vector<float> ids(idx.begin(), idx.end());
+  const std::vector<std::int32_t> ids(idx.begin(), idx.end());
   const auto dlogits = golden.at("data.dlogits").to_f32();
   DeviceBuffer in = test::upload(*device_, stream_, ids), dl = test::upload(*device_, stream_, dlogits);
   std::vector<std::vector<float>> logits, grads;
@@ -164,7 +165,7 @@ TEST_P(Transformer, APaddedTableGivesTheUnpaddedLogitsAndGradients) {
     ASSERT_EQ(m->output_features(), 32);
     m->zero_grad(stream_);
     for (int pass = 0; pass < 2; ++pass) {
-      const float* y = m->forward(stream_, in.as<float>(), 3, Mode::train);
+      const float* y = m->forward(stream_, in.as<std::int32_t>(), 3, Mode::train);
       if (pass == 0) logits.push_back(test::to_host(stream_, y, dlogits.size()));
       m->backward(stream_, dl.as<float>(), {});
     }
@@ -175,6 +176,43 @@ TEST_P(Transformer, APaddedTableGivesTheUnpaddedLogitsAndGradients) {
   expected.insert(expected.begin() + 32 * 16, 8 * 16, 0.0f);
   EXPECT_EQ(grads[1], expected);
   EXPECT_THROW(nn::make_language_model(8, 8, 16, gpt_body(), 9), InvalidArgument);
+}
+
+// Token ids are int32 from the batch to the embedding: a language model refuses f32 features, a
+// model of features refuses ids, and no layer after the first may read ids.
+TEST_P(Transformer, TokenIdsAreIntegersAndFeaturesAreNot) {
+  Layers layers;
+  layers.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
+  nn::SequentialModel gpt("gpt", *device_, std::move(layers), {6});
+  gpt.initialize(1);
+  EXPECT_EQ(gpt.input_dtype(), DType::i32);
+  const std::vector<std::int32_t> ids{1, 2, 3, 4, 5, 31};
+  const std::vector<float> features(ids.begin(), ids.end());
+  DeviceBuffer as_ids = up(ids), as_features = up(features);
+  try {
+    gpt.forward(stream_, as_features.as<float>(), 1, Mode::eval);
+    FAIL() << "a language model took f32 features";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("gpt reads i32 token ids, got f32 features"), std::string::npos) << e.what();
+  }
+  const auto logits = test::to_host(stream_, gpt.forward(stream_, as_ids.as<std::int32_t>(), 1, Mode::eval), 6 * 32);
+  EXPECT_TRUE(std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
+
+  Layers block_layers = block();
+  nn::SequentialModel features_model("block", *device_, std::move(block_layers), {6, 1, 8});
+  EXPECT_EQ(features_model.input_dtype(), DType::f32);
+  EXPECT_THROW(features_model.forward(stream_, as_ids.as<std::int32_t>(), 1, Mode::eval), InvalidArgument);
+
+  Layers late;
+  late.push_back(nn::make_linear("proj", 1, 1));
+  late.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
+  try {
+    nn::SequentialModel("late", *device_, std::move(late), {6});
+    FAIL() << "an embedding after a Linear";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("reads token ids: it can only be a list's first layer"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_P(Transformer, ShapesThatDoNotFitAreRefusedNamingTheLayer) {

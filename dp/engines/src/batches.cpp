@@ -11,12 +11,16 @@ namespace dp::engines {
 SampleSize sample_size(const Model& model) {
   const int classes = model.output_features();
   const auto targets = static_cast<std::size_t>(model.targets_per_sample());
-  return {numel(model.input_shape()), targets, targets * static_cast<std::size_t>(classes), classes};
+  return {numel(model.input_shape()), targets, targets * static_cast<std::size_t>(classes), classes,
+          model.input_dtype()};
 }
 
-void check_batch(const Batch& batch) {
+void check_batch(const Batch& batch, const SampleSize& sample) {
   if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
   if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
+  if (batch.inputs.dtype() != sample.input)
+    throw InvalidArgument(fmt::format("the batch holds {} but the model reads {}", input_kind(batch.inputs.dtype()),
+                                      input_kind(sample.input)));
 }
 
 void expect_batches(std::size_t got, int expected, const char* engine) {
@@ -25,10 +29,11 @@ void expect_batches(std::size_t got, int expected, const char* engine) {
 }
 
 void StagedBatch::stage(Device& device, const Stream& stream, const Batch& batch, const SampleSize& sample) {
-  check_batch(batch);
+  check_batch(batch, sample);
   const auto samples = static_cast<std::size_t>(batch.size);
-  stream.copy(inputs_.get<float>(device, samples * sample.floats), batch.inputs,
-              samples * sample.floats * sizeof(float));
+  stream.copy(inputs_.get<std::byte>(device, samples * sample.input_bytes()), batch.inputs.data(),
+              samples * sample.input_bytes());
+  dtype_ = sample.input;
   if (batch.targets) {
     const std::size_t targets = samples * sample.targets;
     stream.copy(targets_.get<std::int64_t>(device, targets), batch.targets, targets * sizeof(std::int64_t));

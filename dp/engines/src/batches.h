@@ -11,16 +11,19 @@
 
 namespace dp::engines {
 
-// One sample of the model in an engine's buffers: its input floats, its class targets (one per row
-// of logits: Model::targets_per_sample) and the logits of its rows.
+// One sample of the model in an engine's buffers: its input elements (of `input`: features or token
+// ids, four bytes each), its class targets (one per row of logits: Model::targets_per_sample) and
+// the logits of its rows.
 struct SampleSize {
-  std::size_t floats = 0, targets = 1, logits = 0;
+  std::size_t inputs = 0, targets = 1, logits = 0;
   int classes = 0;  // logits per row
+  DType input = DType::f32;
+  std::size_t input_bytes() const { return inputs * dtype_size(input); }
 };
 SampleSize sample_size(const Model& model);
 
-// Throws InvalidArgument for an empty batch or null inputs.
-void check_batch(const Batch& batch);
+// Throws InvalidArgument for an empty batch, null inputs, or inputs of another dtype than the model's.
+void check_batch(const Batch& batch, const SampleSize& sample);
 
 // Throws InvalidArgument unless `batches` holds `expected` batches.
 void expect_batches(std::size_t got, int expected, const char* engine);
@@ -29,13 +32,14 @@ void expect_batches(std::size_t got, int expected, const char* engine);
 class StagedBatch {
  public:
   // Enqueues on `stream` the copies of batch.size samples' inputs, and of their targets when
-  // batch.targets is set. Throws InvalidArgument for an empty batch or null inputs.
+  // batch.targets is set. Throws as check_batch.
   void stage(Device& device, const Stream& stream, const Batch& batch, const SampleSize& sample);
-  const float* inputs() const { return static_cast<const float*>(inputs_.data()); }
+  Inputs inputs() const { return {inputs_.data(), dtype_}; }
   const std::int64_t* targets() const { return static_cast<const std::int64_t*>(targets_.data()); }
 
  private:
   Scratch inputs_, targets_;
+  DType dtype_ = DType::f32;
 };
 
 }  // namespace dp::engines

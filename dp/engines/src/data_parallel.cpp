@@ -255,7 +255,7 @@ void DataParallel::receive_broadcast(int rank) {
 // replica has read its parameters and buffers: its own forward updates the BatchNorm buffers.
 // Evaluation stages `inputs`' chunk; a training step (null `inputs`) reads the chunk in its
 // pipeline slot, copied in before the source began the step.
-void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro) {
+void DataParallel::forward_chunk(int rank, Inputs inputs, Mode mode, int slot, int micro) {
   const int used = static_cast<int>(chunks_.size());
   const engines::SampleSize sample = engines::sample_size(module_);
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
@@ -264,9 +264,10 @@ void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int s
     for (int other = 1; other < used; ++other)
       r.stream.wait(replicas_[static_cast<std::size_t>(other)]->broadcast_done);
   const int rows = chunks_[static_cast<std::size_t>(rank)];
-  const float* chunk_inputs = nullptr;
+  Inputs chunk_inputs;
   if (inputs) {
-    const float* chunk = inputs + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample.floats;
+    const Inputs chunk =
+        inputs.advanced(static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * sample.inputs);
     r.inputs.stage(device, r.stream, Batch{chunk, nullptr, rows}, sample);
     chunk_inputs = r.inputs.inputs();
   } else {
@@ -282,7 +283,7 @@ void DataParallel::forward_chunk(int rank, const float* inputs, Mode mode, int s
   r.stream.record(r.forward_done);
 }
 
-void DataParallel::broadcast_and_forward(const float* inputs, int batch, Mode mode) {
+void DataParallel::broadcast_and_forward(Inputs inputs, int batch, Mode mode) {
   plan_chunks(batch);
   const int used = static_cast<int>(chunks_.size());
   // Phase 1, source: parameters and buffers are final (last optimizer step) from here on.
@@ -307,7 +308,7 @@ void DataParallel::gather_outputs() {
   mark(time_phases_, out.stream, gather_end_);
 }
 
-StepLoss DataParallel::submit(const float* inputs, const std::int64_t* targets, int batch) {
+StepLoss DataParallel::submit(Inputs inputs, const std::int64_t* targets, int batch) {
   const Batch one{inputs, targets, batch};
   return submit_batches(std::span<const Batch>(&one, 1));
 }
@@ -316,7 +317,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), accumulate_, "DataParallel");
   for (const Batch& micro : batches) {
     if (!micro.inputs || !micro.targets) throw InvalidArgument("DataParallel step: null inputs or targets");
-    engines::check_batch(micro);  // before waiting for the step in flight
+    engines::check_batch(micro, engines::sample_size(module_));  // before waiting for the step in flight
     if (micro.size != batches[0].size)
       throw InvalidArgument(fmt::format("the micro-batches of a DataParallel step must be the same size: {} and {}",
                                         batches[0].size, micro.size));
@@ -334,8 +335,8 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
       const Batch& micro = batches[m];
       for (std::size_t rank = 0; rank < chunks_.size(); ++rank)
         engines::push_batch(*replicas_[rank]->rings[m], group_.device(static_cast<int>(rank)), slot,
-                            Batch{micro.inputs + static_cast<std::size_t>(offsets_[rank]) * sample.floats, nullptr,
-                                  chunks_[rank], micro.lease},
+                            Batch{micro.inputs.advanced(static_cast<std::size_t>(offsets_[rank]) * sample.inputs),
+                                  nullptr, chunks_[rank], micro.lease},
                             sample, done);
       targets_rings_[m]->push(group_.device(output_rank_), slot, nullptr, 0, micro.targets,
                               static_cast<std::size_t>(batch) * sample.targets, done, micro.lease);
@@ -367,7 +368,7 @@ StepLoss DataParallel::submit_batches(std::span<const Batch> batches) {
   });
 }
 
-float DataParallel::train_step(const float* inputs, const std::int64_t* targets, int batch) {
+float DataParallel::train_step(Inputs inputs, const std::int64_t* targets, int batch) {
   return submit(inputs, targets, batch).get();
 }
 
@@ -568,7 +569,8 @@ void DataParallel::synchronize() {
   for (const auto& ring : targets_rings_) ring->release_copied();
 }
 
-std::vector<float> DataParallel::predict(const float* inputs, int batch) {
+std::vector<float> DataParallel::predict(Inputs inputs, int batch) {
+  engines::check_batch(Batch{inputs, nullptr, batch}, engines::sample_size(module_));  // before any replica runs
   pipeline_->drain();  // a failed step is reported here, not by a forward behind it
   broadcast_and_forward(inputs, batch, Mode::eval);
   std::vector<float> out(static_cast<std::size_t>(batch) * engines::sample_size(module_).logits);

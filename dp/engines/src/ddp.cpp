@@ -74,7 +74,7 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
   const int rows = batch.size * static_cast<int>(sample.targets);
   if (!ring) mine.batch.stage(device, mine.compute, batch, sample);
   const auto i = static_cast<std::size_t>(index);
-  const float* inputs = ring ? mine.rings[i]->inputs(slot) : mine.batch.inputs();
+  const Inputs inputs = ring ? mine.rings[i]->inputs(slot) : mine.batch.inputs();
   const std::int64_t* targets = ring ? mine.rings[i]->targets(slot) : mine.batch.targets();
   float* grad_output = mine.grad_output.get<float>(device, static_cast<std::size_t>(batch.size) * sample.logits);
   // seed + global rank, as each torch process seeds itself; forwards accumulated without a step

@@ -139,8 +139,8 @@ void FixedShards::enqueue_forward_backward_step(int r, std::span<const Batch> sh
   if (!mine.compute.capturing()) mine.compute.record(mine.loss_ready[static_cast<std::size_t>(slot)]);
 }
 
-const float* FixedShards::enqueue_shard(int r, int shard, int shard_size, const float* inputs,
-                                        const std::int64_t* targets, const std::function<void()>& after_forward) {
+const float* FixedShards::enqueue_shard(int r, int shard, int shard_size, Inputs inputs, const std::int64_t* targets,
+                                        const std::function<void()>& after_forward) {
   Rank& mine = rank(r);
   Model& m = *mine.model;
   const SampleSize sample = sample_size(m);

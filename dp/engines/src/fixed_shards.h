@@ -61,7 +61,7 @@ class FixedShards final : public ReplicaEngine {
   int first_shard_of(int r) const;
   // Global shard `shard`'s forward (then `after_forward`), loss and backward on rank r's replica,
   // its gradient left in the replica's gradients; returns the loss (device memory).
-  const float* enqueue_shard(int r, int shard, int shard_size, const float* inputs, const std::int64_t* targets,
+  const float* enqueue_shard(int r, int shard, int shard_size, Inputs inputs, const std::int64_t* targets,
                              const std::function<void()>& after_forward);
 
   // This step's shadow check (shadow_shards.cpp): the shard (a global index) computed twice, by

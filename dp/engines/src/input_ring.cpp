@@ -32,16 +32,15 @@ void InputRing::release_copied() {
   }
 }
 
-void InputRing::push(Device& device, int slot, const float* inputs, std::size_t input_floats,
-                     const std::int64_t* targets, std::size_t target_count, const Event& slot_free,
-                     std::shared_ptr<const void> lease) {
+void InputRing::push(Device& device, int slot, Inputs inputs, std::size_t input_count, const std::int64_t* targets,
+                     std::size_t target_count, const Event& slot_free, std::shared_ptr<const void> lease) {
   if (!copy_.valid()) copy_ = device.create_stream();
-  const std::size_t input_bytes = inputs ? input_floats * sizeof(float) : 0;
+  const std::size_t input_bytes = inputs ? input_count * dtype_size(inputs.dtype()) : 0;
   const std::size_t target_bytes = targets ? target_count * sizeof(std::int64_t) : 0;
   release_copied();
   // Lent pinned memory is read in place: the host's copy of a 3.2 MB batch (MLP b1024) would take
   // about as long as the whole step is meant to take on an H100 (a 183 us step at 5.6M samples/s).
-  const bool in_place = lease && (!input_bytes || device.is_pinned(inputs, input_bytes)) &&
+  const bool in_place = lease && (!input_bytes || device.is_pinned(inputs.data(), input_bytes)) &&
                         (!target_bytes || device.is_pinned(targets, target_bytes));
   // A larger batch sizes every slot at once, so that the other slot's first step with it moves no
   // memory (it would make the graphs of this one stale). Its device buffers are reallocated
@@ -53,7 +52,7 @@ void InputRing::push(Device& device, int slot, const float* inputs, std::size_t 
     // The other slot's pinned memory may still be copied out (its step in flight).
     if (stage) s.copied.synchronize();
     if (s.inputs.size() < input_bytes || s.targets.size() < target_bytes) ++growths_;
-    if (input_bytes) (void)s.inputs.get<float>(device, input_floats);
+    if (input_bytes) (void)s.inputs.get<std::byte>(device, input_bytes);
     if (target_bytes) (void)s.targets.get<std::int64_t>(device, target_count);
     if (stage && reserve_pinned(device, s.host_inputs, input_bytes)) ++growths_;
     if (stage && reserve_pinned(device, s.host_targets, target_bytes)) ++growths_;
@@ -63,12 +62,13 @@ void InputRing::push(Device& device, int slot, const float* inputs, std::size_t 
   // step failed after its push, before the pipeline knew of it.
   if (!s.copied.query()) s.copied.synchronize();
   s.lease.reset();
-  const void* from_inputs = inputs;
+  if (inputs) s.dtype = inputs.dtype();
+  const void* from_inputs = inputs.data();
   const void* from_targets = targets;
   if (in_place) {
     s.lease = std::move(lease);  // before the copies are enqueued: kept until they have run
   } else {
-    if (input_bytes) from_inputs = std::memcpy(s.host_inputs.data(), inputs, input_bytes);
+    if (input_bytes) from_inputs = std::memcpy(s.host_inputs.data(), inputs.data(), input_bytes);
     if (target_bytes) from_targets = std::memcpy(s.host_targets.data(), targets, target_bytes);
   }
   copy_.wait(slot_free);
@@ -82,7 +82,7 @@ void InputRing::acquire(int slot, const Stream& stream) const { stream.wait(slot
 void push_batch(InputRing& ring, Device& device, int slot, const Batch& batch, const SampleSize& sample,
                 const Event& slot_free) {
   const auto samples = static_cast<std::size_t>(batch.size);
-  ring.push(device, slot, batch.inputs, samples * sample.floats, batch.targets,
+  ring.push(device, slot, batch.inputs, samples * sample.inputs, batch.targets,
             batch.targets ? samples * sample.targets : 0, slot_free, batch.lease);
 }
 

@@ -32,17 +32,17 @@ class InputRing {
   // Lets go of the leases once the copies from them have run (a failure has been reported already).
   ~InputRing();
 
-  // The inputs (`input_floats`, may be null) and targets (`target_count`, may be null) into
+  // The inputs (`input_count` elements, may be null) and targets (`target_count`, may be null) into
   // `slot`'s device buffers, on the copy stream once `slot_free` has passed (recorded where the
   // slot's previous step ended: its reads of the slot are done). With a `lease` and both in pinned
   // memory the copy reads them in place and the slot keeps the lease until it has run; else the
   // host first copies them into the slot's pinned staging (whose previous copy out has run:
   // StepPipeline::next_slot waited for it).
-  void push(Device& device, int slot, const float* inputs, std::size_t input_floats, const std::int64_t* targets,
+  void push(Device& device, int slot, Inputs inputs, std::size_t input_count, const std::int64_t* targets,
             std::size_t target_count, const Event& slot_free, std::shared_ptr<const void> lease = {});
   // `stream` waits for `slot`'s copy. Never inside a capture: a graph's streams wait before it begins.
   void acquire(int slot, const Stream& stream) const;
-  const float* inputs(int slot) const { return static_cast<const float*>(slots_[idx(slot)].inputs.data()); }
+  Inputs inputs(int slot) const { return {slots_[idx(slot)].inputs.data(), slots_[idx(slot)].dtype}; }
   const std::int64_t* targets(int slot) const {
     return static_cast<const std::int64_t*>(slots_[idx(slot)].targets.data());
   }
@@ -57,6 +57,7 @@ class InputRing {
     Scratch inputs, targets;
     Event copied;                       // on the copy stream: the slot's device buffers hold the pushed batch
     std::shared_ptr<const void> lease;  // of the memory `copied`'s copy reads in place, until it has run
+    DType dtype = DType::f32;           // of the inputs pushed last
   };
   static std::size_t idx(int slot) { return static_cast<std::size_t>(slot); }
   std::array<Slot, StepPipeline::kSlots> slots_;

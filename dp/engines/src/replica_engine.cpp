@@ -261,13 +261,17 @@ void ReplicaEngine::enqueue_step(int r) {
   kernels::add(mine.compute, 1, count, count + 1, count);  // Note [a survivor's state], replica_health.cpp
 }
 
-void ReplicaEngine::check_each_batch(std::span<const Batch> batches, bool training) {
+void ReplicaEngine::check_each_batch(std::span<const Batch> batches, bool training) const {
+  const DType dtype = rank(0).model->input_dtype();
   for (std::size_t r = 0; r < batches.size(); ++r) {
     if (batches[r].size < (training ? 1 : 0))
       throw InvalidArgument(fmt::format("batch size must be at least 1, got {} on rank {}", batches[r].size, r));
     if (batches[r].size == 0) continue;
     if (!batches[r].inputs || (training && !batches[r].targets))
       throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
+    if (batches[r].inputs.dtype() != dtype)
+      throw InvalidArgument(fmt::format("rank {}: the batch holds {} but the model reads {}", r,
+                                        input_kind(batches[r].inputs.dtype()), input_kind(dtype)));
   }
 }
 

@@ -73,7 +73,7 @@ void SingleDeviceTrainer::enqueue_step(const std::vector<int>& sizes, int slot) 
   update_->run(stream_, model_);
 }
 
-StepLoss SingleDeviceTrainer::submit(const float* inputs, const std::int64_t* targets, int batch) {
+StepLoss SingleDeviceTrainer::submit(Inputs inputs, const std::int64_t* targets, int batch) {
   const Batch one{inputs, targets, batch};
   return submit_batches(std::span<const Batch>(&one, 1));
 }
@@ -83,7 +83,7 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
   std::vector<int> sizes;
   for (const Batch& batch : batches) {
     if (!batch.targets) throw InvalidArgument("training step without targets (null pointer)");
-    engines::check_batch(batch);  // before waiting for the step in flight
+    engines::check_batch(batch, engines::sample_size(model_));  // before waiting for the step in flight
     sizes.push_back(batch.size);
   }
   Device& device = model_.device();
@@ -117,13 +117,13 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
   });
 }
 
-float SingleDeviceTrainer::train_step(const float* inputs, const std::int64_t* targets, int batch) {
+float SingleDeviceTrainer::train_step(Inputs inputs, const std::int64_t* targets, int batch) {
   return submit(inputs, targets, batch).get();
 }
 
 std::uint64_t SingleDeviceTrainer::graph_replays() const { return graphs_->replays(); }
 
-std::vector<float> SingleDeviceTrainer::predict(const float* inputs, int batch) {
+std::vector<float> SingleDeviceTrainer::predict(Inputs inputs, int batch) {
   pipeline_->drain();  // a failed step is reported here, not by a forward behind it
   const engines::SampleSize sample = engines::sample_size(model_);
   batch_->stage(model_.device(), stream_, Batch{inputs, nullptr, batch}, sample);

@@ -340,7 +340,8 @@ DatasetSource::DatasetSource(const Dataset* data, Normalize normalize) : data_(d
   check_normalize(normalize);
 }
 
-void DatasetSource::fill(std::size_t index, const SampleKey&, float* out) const {
+void DatasetSource::fill(std::size_t index, const SampleKey&, InputsOut to) const {
+  float* out = to.features();
   const std::size_t pixels = data_->sample_pixels();
   const std::uint8_t* src = data_->pixels.data() + index * pixels;
   // As torchvision: ToTensor divides by 255, Normalize subtracts and divides, each rounded in fp32
@@ -393,7 +394,7 @@ BatchLoader::BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> s
       source_(std::move(source)),
       count_(count),
       max_batch_(std::max<std::size_t>(max_batch, 1)),
-      sample_floats_(source_ ? source_->sample_floats() : 0),
+      sample_elements_(source_ ? source_->sample_elements() : 0),
       plan_(std::move(plan)),
       options_(std::move(options)) {
   if (!source_) throw InvalidArgument("BatchLoader needs a sample source");
@@ -413,7 +414,7 @@ BatchLoader::BatchLoader(Runtime& runtime, std::shared_ptr<const SampleSource> s
 
 std::shared_ptr<BatchLoader::Memory> BatchLoader::make_memory() const {
   auto memory = std::make_shared<Memory>();
-  memory->inputs = runtime_.allocate_pinned(max_batch_ * sample_floats_ * sizeof(float));
+  memory->inputs = runtime_.allocate_pinned(max_batch_ * sample_elements_ * dtype_size(source_->sample_dtype()));
   memory->targets = runtime_.allocate_pinned(max_batch_ * static_cast<std::size_t>(source_->targets_per_sample()) *
                                              sizeof(std::int64_t));
   return memory;
@@ -459,7 +460,7 @@ void BatchLoader::take_samples() {
   std::exception_ptr error;
   for (std::size_t i; (i = job_.next.fetch_add(1, std::memory_order_relaxed)) < indices.size();) {
     try {
-      source_->fill(static_cast<std::size_t>(indices[i]), job_.key, job_.inputs + i * sample_floats_);
+      source_->fill(static_cast<std::size_t>(indices[i]), job_.key, job_.inputs.advanced(i * sample_elements_));
     } catch (...) {
       if (!error) error = std::current_exception();
     }
@@ -472,13 +473,13 @@ void BatchLoader::take_samples() {
   if (job_.active == 0) done_cv_.notify_all();
 }
 
-void BatchLoader::fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, float* inputs) {
+void BatchLoader::fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, InputsOut inputs) {
   SampleKey key = options_.key;
   key.epoch = options_.epoch_of ? options_.epoch_of(k) : 0;
   if (options_.rank_of) key.rank = options_.rank_of(k);
   if (workers_.empty()) {
     for (std::size_t i = 0; i < indices.size(); ++i)
-      source_->fill(static_cast<std::size_t>(indices[i]), key, inputs + i * sample_floats_);
+      source_->fill(static_cast<std::size_t>(indices[i]), key, inputs.advanced(i * sample_elements_));
     return;
   }
   {
@@ -529,7 +530,7 @@ void BatchLoader::produce() {
         source_->fill_targets(static_cast<std::size_t>(indices[i]),
                               targets + i * static_cast<std::size_t>(source_->targets_per_sample()));
       }
-      fill_batch(k, indices, slot.memory->inputs.as<float>());
+      fill_batch(k, indices, {slot.memory->inputs.data(), source_->sample_dtype()});
       slot.size = static_cast<int>(indices.size());
     } catch (...) {
       std::lock_guard lock(mutex_);
@@ -559,9 +560,9 @@ Batch BatchLoader::next() {
   cv_.notify_all();
   // The deleter runs where the last copy goes (an engine's ring, on any thread, maybe after the
   // loader has gone) and keeps the memory until then. (If making the lease throws, it runs at once.)
-  const float* inputs = memory->inputs.as<float>();
+  const Inputs inputs{memory->inputs.data(), source_->sample_dtype()};
   const std::int64_t* targets = memory->targets.as<std::int64_t>();
-  std::shared_ptr<const void> lease(inputs, [memory](const void*) {
+  std::shared_ptr<const void> lease(inputs.data(), [memory](const void*) {
     memory->leases.fetch_sub(1, std::memory_order_release);  // its holder's reads are done
   });
   return Batch{inputs, targets, size, std::move(lease)};

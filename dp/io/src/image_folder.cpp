@@ -189,7 +189,8 @@ std::string ImageFolder::path(std::size_t index) const {
   return root_ == "/" ? "/" + files_[index] : root_ + "/" + files_[index];
 }
 
-void ImageFolder::fill(std::size_t index, const SampleKey& key, float* out) const {
+void ImageFolder::fill(std::size_t index, const SampleKey& key, InputsOut to) const {
+  float* out = to.features();
   const Image image = read_image(path(index));
   if (options_.transform == ImageTransform::train) {
     transforms::PhiloxDraws draws(key, index);

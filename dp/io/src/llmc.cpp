@@ -362,9 +362,10 @@ std::int64_t TokenSamples::label(std::size_t index) const {
   return (*shard)[first + 1];
 }
 
-void TokenSamples::fill(std::size_t index, const SampleKey&, float* out) const {
+void TokenSamples::fill(std::size_t index, const SampleKey&, InputsOut out) const {
   const auto [shard, first] = start(index);
-  for (int t = 0; t < context_; ++t) out[t] = static_cast<float>((*shard)[first + static_cast<std::size_t>(t)]);
+  std::int32_t* ids = out.ids();
+  for (int t = 0; t < context_; ++t) ids[t] = (*shard)[first + static_cast<std::size_t>(t)];
 }
 
 void TokenSamples::fill_targets(std::size_t index, std::int64_t* out) const {

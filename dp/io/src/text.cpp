@@ -49,9 +49,10 @@ TextWindows::TextWindows(std::shared_ptr<const TextCorpus> corpus, Split split, 
                                  : (end - begin_ - 1) / static_cast<std::size_t>(context);
 }
 
-void TextWindows::fill(std::size_t index, const SampleKey&, float* out) const {
+void TextWindows::fill(std::size_t index, const SampleKey&, InputsOut out) const {
   const std::size_t at = start(index);
-  for (int t = 0; t < context_; ++t) out[t] = static_cast<float>(byte(at + static_cast<std::size_t>(t)));
+  std::int32_t* ids = out.ids();
+  for (int t = 0; t < context_; ++t) ids[t] = byte(at + static_cast<std::size_t>(t));
 }
 
 void TextWindows::fill_targets(std::size_t index, std::int64_t* out) const {

@@ -18,6 +18,9 @@ Chain::Chain(Layers layers) : layers_(std::move(layers)) {
     if (!layer) throw InvalidArgument("a layer list holds a null layer");
     if (!layer->name().empty() && !names.insert(layer->name()).second)  // an unnamed residual adds no name
       throw InvalidArgument(fmt::format("two layers of one list are named '{}'", layer->name()));
+    // No layer writes ids: only the input can be ids.
+    if (layer != layers_.front() && layer->input_dtype() != DType::f32)
+      throw InvalidArgument(fmt::format("{} reads token ids: it can only be a list's first layer", layer->name()));
   }
 }
 
@@ -150,12 +153,15 @@ void Chain::forward_child(const LayerContext& ctx, std::size_t i, bool fused, vo
                            ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
   const float* x = static_cast<const float*>(outputs_[i]);
   auto* y = static_cast<float*>(out);
+  const bool ids = layer.input_dtype() == DType::i32;
   if (ctx.amp && !layer.is_container() && !layer.native_bf16()) {  // the others take the storage as it is
     AutocastScratch& amp = *ctx.amp;
-    x = widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), shapes_[i].numel(), amp.x);
+    if (!ids) x = widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), shapes_[i].numel(), amp.x);
     if (bf16_[end]) y = amp.get<float>(amp.out, ctx.device, shapes_[end].numel());
   }
-  if (fused)
+  if (ids)
+    layer.forward_ids(child, static_cast<const std::int32_t*>(outputs_[i]), y);
+  else if (fused)
     layer.forward_relu(child, x, y);
   else
     layer.forward(child, x, y);
@@ -194,15 +200,17 @@ void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, c
   const std::size_t end = fused ? i + 2 : i + 1;
   const LayerContext child{ctx.stream, ctx.device,           shapes_[i], Mode::train, ctx.random,
                            ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
-  const auto* x = static_cast<const float*>(outputs_[i]);
+  const bool ids = layer.input_dtype() == DType::i32;  // no x: the ids are not activations
+  const auto* x = ids ? nullptr : static_cast<const float*>(outputs_[i]);
   const auto* y = static_cast<const float*>(outputs_[end]);
   const auto* dy32 = static_cast<const float*>(dy);
   auto* dx32 = static_cast<float*>(dx);
   if (ctx.amp && !layer.is_container() && !layer.native_bf16()) {
     AutocastScratch& amp = *ctx.amp;
     const std::int64_t n_in = shapes_[i].numel(), n_out = shapes_[end].numel();
-    x = layer.backward_reads_input() || !bf16_[i] ? widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), n_in, amp.x)
-                                                  : nullptr;
+    x = !ids && (layer.backward_reads_input() || !bf16_[i])
+            ? widened(ctx, outputs_[i], bf16_[i], layer.autocasts(), n_in, amp.x)
+            : nullptr;
     y = fused || layer.backward_reads_output() || !bf16_[end]
             ? widened(ctx, outputs_[end], bf16_[end], false, n_out, amp.y)
             : nullptr;

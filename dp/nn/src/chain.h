@@ -32,6 +32,8 @@ class Chain {
       if (layer->stochastic()) return true;
     return false;
   }
+  // What the chain reads: its first child's input (token ids for an embedding, else activations).
+  DType input_dtype() const { return layers_.empty() ? DType::f32 : layers_.front()->input_dtype(); }
   // True when no child computes anything (empty, or views only): the output is the input.
   bool is_identity() const { return first_compute() == layers_.size(); }
   ActShape output_shape(ActShape in) const;
@@ -50,10 +52,9 @@ class Chain {
   // or Conv2d).
   bool output_bf16(bool input_bf16) const;
 
-  // Runs the children on x (shape ctx.in; bf16 storage when ctx.bf16). The last child that computes
-  // writes into `y` when it is given (a container's output), else into the chain's own activation
-  // memory. Returns the output (bf16 storage when output_bf16(ctx.bf16)): x itself for an identity
-  // chain.
+  // Runs the children on x (shape ctx.in; bf16 storage when ctx.bf16; input_dtype()'s elements). The last child that
+  // computes writes into `y` when it is given (a container's output), else into the chain's own activation memory.
+  // Returns the output (bf16 storage when output_bf16(ctx.bf16)): x itself for an identity chain.
   const void* forward(const LayerContext& ctx, const void* x, void* y);
   // Backward of the last forward given dL/d(output) (in the output's dtype): dx (overwritten, in
   // the input's dtype) unless null, parameter gradients accumulated or written

@@ -22,6 +22,9 @@
 
 namespace dp::nn {
 
+void Layer::forward_ids(const LayerContext&, const std::int32_t*, float*) {
+  throw InvalidArgument(fmt::format("{}: reads activations, not token ids", name()));
+}
 void Layer::forward_relu(const LayerContext&, const float*, float*) {
   throw InvalidArgument(fmt::format("{}: cannot fuse a following ReLU", name()));
 }
@@ -591,6 +594,8 @@ class SequentialLayer final : public detail::Container {
   bool is_view() const override { return chain_.is_identity(); }
   bool output_bf16(bool input_bf16) const override { return chain_.output_bf16(input_bf16); }
   void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
+  DType input_dtype() const override { return chain_.input_dtype(); }
+  void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override { chain_.forward(ctx, ids, y); }
   void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float* dx,
                           const std::function<void(Layer&)>& done) override {
     chain_.backward(ctx, dy, dx, done);

@@ -148,8 +148,13 @@ std::vector<TensorRef> SequentialModel::buffers() const {
   return out;
 }
 
-const float* SequentialModel::forward(const Stream& stream, const float* input, int batch, Mode mode) {
+DType SequentialModel::input_dtype() const { return chain_->input_dtype(); }
+
+const float* SequentialModel::forward(const Stream& stream, Inputs input, int batch, Mode mode) {
   if (batch < 1) throw InvalidArgument(fmt::format("{}: batch size must be at least 1, got {}", name_, batch));
+  if (input.dtype() != input_dtype())
+    throw InvalidArgument(
+        fmt::format("{} reads {}, got {}", name_, input_kind(input_dtype()), input_kind(input.dtype())));
   if (stream.device() != device_.index())
     throw DeviceMismatch(fmt::format("{} lives on device {} but forward was issued on a stream of device {}", name_,
                                      device_.index(), stream.device()));
@@ -157,8 +162,8 @@ const float* SequentialModel::forward(const Stream& stream, const float* input, 
   // Nothing while capturing: the engine replaying the step uploads it.
   if (mode == Mode::train) upload_random_step(stream, random_.step);
   const void* out = chain_->forward(
-      LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false}, input,
-      nullptr);
+      LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false},
+      input.data(), nullptr);
   if (!amp_ || !chain_->output_bf16(false)) return static_cast<const float*>(out);
   // The loss is fp32: the bf16 logits widened, as `logits.float()`.
   const auto n = static_cast<kernels::index_t>(batch) * targets_per_sample_ * output_features_;

@@ -163,7 +163,7 @@ class CausalAttention final : public Layer {
 };
 
 // nanoGPT's token and position embeddings, transformer.wte (vocab, C) and transformer.wpe (context, C):
-// y[b, t] = wte[id] + wpe[t] for the token ids of (N, T, 1, 1) (floats holding integers). Under a
+// y[b, t] = wte[id] + wpe[t] for the token ids of (N, T, 1, 1). Under a
 // tied head (LanguageModel) the table's gradient already holds the head's part: its own is added.
 class TokenEmbedding final : public Layer {
  public:
@@ -181,17 +181,22 @@ class TokenEmbedding final : public Layer {
                                         in.c, in.h, in.w));
     return ActShape::sequence(in.n, in.positions(), width_);
   }
-  void forward(const LayerContext& ctx, const float* x, float* y) override {
+  DType input_dtype() const override { return DType::i32; }
+  void forward(const LayerContext&, const float*, float*) override {
+    throw InvalidArgument(fmt::format("{}: reads token ids, not activations", name()));
+  }
+  void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override {
     const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.positions();
-    std::int32_t* ids = ids_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows));
-    kernels::token_ids(ctx.stream, rows, vocab_, x, ids);
     kernels::embedding_forward(ctx.stream, rows, vocab_, width_, ids, param(0), y);
     kernels::add_positions(ctx.stream, ctx.in.n, ctx.in.positions(), width_, param(1), y);
+    ids_ = ids;
   }
-  // The ids have no gradient (dx stays as it is).
+  bool backward_reads_input() const override { return false; }
+  // The ids have no gradient. The backward reads the forward's ids where they are: a model's input
+  // stays until its backward (Model::forward).
   void backward(const LayerContext& ctx, const float*, const float*, const float* dy, float*) override {
     const auto rows = static_cast<kernels::index_t>(ctx.in.n) * ctx.in.positions();
-    const std::int32_t* ids = ids_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows));
+    const std::int32_t* ids = ids_;
     std::int32_t* order = order_.get<std::int32_t>(ctx.device, static_cast<std::size_t>(rows + vocab_ + 1));
     kernels::embedding_backward(ctx.stream, rows, vocab_, width_, ids, dy, grad(0), order, order + rows,
                                 tied_ || ctx.accumulate_grads);
@@ -212,8 +217,8 @@ class TokenEmbedding final : public Layer {
  private:
   int vocab_, context_, width_;
   bool tied_ = false;
-  Scratch ids_;    // the forward's ids, for the backward
-  Scratch order_;  // the backward's sort: order (rows), then offsets (vocab + 1)
+  const std::int32_t* ids_ = nullptr;  // the last forward's ids
+  Scratch order_;                      // the backward's sort: order (rows), then offsets (vocab + 1)
 };
 
 // nanoGPT's GPT around its body: TokenEmbedding "transformer", the body (blocks transformer.h.*, then
@@ -248,8 +253,12 @@ class LanguageModel final : public detail::Container {
     return {{"lm_head.weight", "transformer.wte.weight"}};
   }
   bool output_bf16(bool) const override { return false; }
-  void forward(const LayerContext& ctx, const float* x, float* y) override {
-    hidden_ = static_cast<const float*>(chain_.forward(ctx, x, nullptr));
+  DType input_dtype() const override { return DType::i32; }
+  void forward(const LayerContext&, const float*, float*) override {
+    throw InvalidArgument("a language model reads token ids, not activations");
+  }
+  void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override {
+    hidden_ = static_cast<const float*>(chain_.forward(ctx, ids, nullptr));
     const int rows = ctx.in.n * ctx.in.positions(), vocab = classes_;
     kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, hidden_, width_, embedding().table(), width_,
                   0.0f, y, vocab);

@@ -25,27 +25,11 @@ void embedding_backward(const Stream& stream, index_t tokens, index_t vocab, ind
                         const float* dy, float* dweight, std::int32_t* order, std::int32_t* offsets,
                         bool accumulate = true);
 
-// ids[i] = x[i] for token ids held as floats (a model's input: exact below 2^24); -1 for a value that
-// is not an integer in [0, vocab), which embedding_forward then refuses (sim) or gathers as NaN.
-void token_ids(const Stream& stream, index_t n, index_t vocab, const float* x, std::int32_t* ids);
-
 // y (batch, tokens, dim) += positions (tokens, dim) for every sample: a position embedding.
 void add_positions(const Stream& stream, index_t batch, index_t tokens, index_t dim, const float* positions, float* y);
 
 // ------------------------------------------------------------------------------------------------
 // functors
-
-struct TokenIds {
-  index_t vocab;
-  const float* x;
-  std::int32_t* ids;
-  DP_HD void operator()(index_t i) const {
-    const float v = x[i];
-    const bool valid =
-        v >= 0.0f && v < static_cast<float>(vocab) && v == static_cast<float>(static_cast<std::int32_t>(v));
-    ids[i] = valid ? static_cast<std::int32_t>(v) : -1;
-  }
-};
 
 // row = b * tokens + t, col = c.
 struct AddPositions {

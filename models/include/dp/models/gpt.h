@@ -3,8 +3,8 @@
 // transformer.h.i = x + attn(ln_1(x)), then x + mlp(ln_2(x)) with attn a causal self-attention of
 // `heads` heads (c_attn, c_proj) and mlp c_fc (width -> 4 width), GELU (exact, as nn.GELU(), or GPT-2's
 // tanh form), c_proj;
-// transformer.ln_f; lm_head tied to wte. Input: T <= context token ids per sample (floats holding
-// integers in [0, vocab)); output: T rows of vocab logits, one next-token target each
+// transformer.ln_f; lm_head tied to wte. Input: T <= context token ids per sample (int32 in
+// [0, vocab): Model::input_dtype() is i32); output: T rows of vocab logits, one next-token target each
 // (Model::targets_per_sample). State-dict names are nanoGPT's, so a checkpoint loads into its GPT
 // with strict=True (lm_head.weight being wte's tensor, as torch's tie makes it).
 #pragma once

@@ -49,7 +49,8 @@ class ModelSpec {
   bool takes(ModelArg arg) const;
   // Per sample: (C, H, W), or (T) token ids.
   std::vector<std::int64_t> input_shape(const ModelArgs& args) const { return input_shape_(args); }
-  std::uint64_t input_floats(const ModelArgs& args) const;
+  // Their number: four bytes each (f32 features or i32 token ids).
+  std::uint64_t input_elements(const ModelArgs& args) const;
   // The classes of each target: the logits per row (a language model's vocabulary).
   int num_classes(const ModelArgs& args) const;
   // Targets per sample (Model::targets_per_sample): 1, or a language model's positions.

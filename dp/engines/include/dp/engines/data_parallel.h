@@ -50,15 +50,15 @@ class DataParallel final : public Engine {
   DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer, const EngineOptions& options = {});
   ~DataParallel() override;
 
-  // One training step on a global batch of host inputs (batch x module.input_shape() floats) and
+  // One training step on a global batch of host inputs (batch x module.input_shape() elements of its input_dtype()) and
   // int64 targets, read before it returns (submit_step also takes a lent batch: Batch::lease); the
   // step is enqueued (Engine::submit_step), its mean cross-entropy loss over the batch to come.
-  StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
+  StepLoss submit(Inputs inputs, const std::int64_t* targets, int batch);
   // submit(...).get(): returns the loss once known.
-  float train_step(const float* inputs, const std::int64_t* targets, int batch);
+  float train_step(Inputs inputs, const std::int64_t* targets, int batch);
 
   // Eval-mode forward of a global batch; returns the gathered (batch, outputs) logits.
-  std::vector<float> predict(const float* inputs, int batch);
+  std::vector<float> predict(Inputs inputs, int batch);
 
   // Engine: one global batch per step, scattered over the devices.
   EngineKind kind() const override { return EngineKind::dp; }
@@ -98,8 +98,8 @@ class DataParallel final : public Engine {
   void keep_step_start_buffers();
   void plan_chunks(int batch);
   void receive_broadcast(int rank);
-  void forward_chunk(int rank, const float* inputs, Mode mode, int slot, int micro);
-  void broadcast_and_forward(const float* inputs, int batch, Mode mode);
+  void forward_chunk(int rank, Inputs inputs, Mode mode, int slot, int micro);
+  void broadcast_and_forward(Inputs inputs, int batch, Mode mode);
   void gather_outputs();
   // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
   // `capture`: recorded into a graph (returned) instead of run.

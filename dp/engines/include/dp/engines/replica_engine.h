@@ -108,8 +108,9 @@ class ReplicaEngine : public Engine {
   // Throws InvalidArgument for batches a step (training) or a forward cannot take.
   virtual void check_batches(std::span<const Batch> batches, bool training) const = 0;
   // check_batches' part every replica engine shares: each batch at least one sample (a forward's
-  // may be empty: that rank's evaluation data ran out), with inputs, and targets to train on.
-  static void check_each_batch(std::span<const Batch> batches, bool training);
+  // may be empty: that rank's evaluation data ran out), with inputs of the model's dtype, and targets
+  // to train on.
+  void check_each_batch(std::span<const Batch> batches, bool training) const;
   // Whether buffers are broadcast from rank 0 before a forward (torch's broadcast_buffers).
   virtual bool broadcasts_buffers() const = 0;
   // Whether every replica begins each step with rank 0's buffers (broadcast, or kept equal), and

@@ -31,15 +31,15 @@ class SingleDeviceTrainer final : public Engine {
                       int accumulate = 1);
   ~SingleDeviceTrainer() override;
 
-  // Host inputs (batch x model.input_shape() floats) and int64 targets, read before it returns
+  // Host inputs (batch x model.input_shape() elements of model.input_dtype()) and int64 targets, read before it returns
   // (submit_step also takes a lent batch: Batch::lease); the step is enqueued
   // (Engine::submit_step), its mean loss to come.
-  StepLoss submit(const float* inputs, const std::int64_t* targets, int batch);
+  StepLoss submit(Inputs inputs, const std::int64_t* targets, int batch);
   // submit(...).get(): returns the batch's mean loss, once the step has finished.
-  float train_step(const float* inputs, const std::int64_t* targets, int batch);
+  float train_step(Inputs inputs, const std::int64_t* targets, int batch);
 
   // Eval-mode forward of host inputs; returns the logits on the host.
-  std::vector<float> predict(const float* inputs, int batch);
+  std::vector<float> predict(Inputs inputs, int batch);
 
   // Engine: one batch per step.
   EngineKind kind() const override { return EngineKind::single; }

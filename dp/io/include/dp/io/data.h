@@ -126,7 +126,7 @@ class DatasetSource : public SampleSource {
   std::vector<std::int64_t> sample_shape() const override { return {1, data_->rows, data_->cols}; }
   int num_classes() const override { return 10; }
   std::int64_t label(std::size_t index) const override { return data_->labels[index]; }
-  void fill(std::size_t index, const SampleKey& key, float* out) const override;
+  void fill(std::size_t index, const SampleKey& key, InputsOut out) const override;
   const Dataset& data() const { return *data_; }
 
  private:
@@ -146,7 +146,8 @@ class FirstSamples : public SampleSource {
   std::int64_t label(std::size_t index) const override { return source_->label(index); }
   int targets_per_sample() const override { return source_->targets_per_sample(); }
   void fill_targets(std::size_t index, std::int64_t* out) const override { source_->fill_targets(index, out); }
-  void fill(std::size_t index, const SampleKey& key, float* out) const override { source_->fill(index, key, out); }
+  DType sample_dtype() const override { return source_->sample_dtype(); }
+  void fill(std::size_t index, const SampleKey& key, InputsOut out) const override { source_->fill(index, key, out); }
 
  private:
   std::shared_ptr<const SampleSource> source_;
@@ -197,8 +198,8 @@ class BatchLoader {
 
   std::size_t count() const { return count_; }
   // Throws once all batches were consumed, or what making the batch threw (a bad plan).
-  // One batch ready on the host: the source's samples as float32 (size x C x H x W; for a Dataset,
-  // pixels / 255 normalised) and int64 labels, in pinned memory the batch's lease lends (copies to a
+  // One batch ready on the host: the source's samples (size x C x H x W of its sample_dtype(); for a
+  // Dataset, float32 pixels / 255 normalised) and int64 labels, in pinned memory the batch's lease lends (copies to a
   // device are asynchronous).
   Batch next();
 
@@ -223,13 +224,13 @@ class BatchLoader {
   BatchLoader(Held held, Runtime& runtime, std::shared_ptr<const SampleSource> source, LoaderOptions options);
   void produce();
   // Fills samples [0, n) of batch k on this thread and the workers, each taking the next sample.
-  void fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, float* inputs);
+  void fill_batch(std::size_t k, const std::vector<std::int64_t>& indices, InputsOut inputs);
   void work();
   void take_samples();
 
   Runtime& runtime_;
   std::shared_ptr<const SampleSource> source_;
-  std::size_t count_, max_batch_, sample_floats_;
+  std::size_t count_, max_batch_, sample_elements_;
   BatchPlan plan_;
   LoaderOptions options_;
   // The batch the workers help fill: its samples, where they go, the next one to take, how many
@@ -237,7 +238,7 @@ class BatchLoader {
   // in a job; `next` is taken without it.
   struct Job {
     const std::vector<std::int64_t>* indices = nullptr;
-    float* inputs = nullptr;
+    InputsOut inputs;
     SampleKey key;
     std::atomic<std::size_t> next{0};
     std::size_t done = 0;

@@ -54,7 +54,7 @@ class ImageFolder final : public SampleSource {
   std::int64_t label(std::size_t index) const override;
   // Decodes file `index` and transforms it; throws dp::DataError naming the file when it cannot be
   // read or decoded.
-  void fill(std::size_t index, const SampleKey& key, float* out) const override;
+  void fill(std::size_t index, const SampleKey& key, InputsOut out) const override;
 
   const std::vector<std::string>& classes() const { return classes_; }
   // The path of sample `index`: root / class / ... / file.

@@ -122,7 +122,8 @@ class TokenSamples : public SampleSource {
   int num_classes() const override { return vocab_; }
   std::int64_t label(std::size_t index) const override;
   int targets_per_sample() const override { return context_; }
-  void fill(std::size_t index, const SampleKey& key, float* out) const override;
+  DType sample_dtype() const override { return DType::i32; }
+  void fill(std::size_t index, const SampleKey& key, InputsOut out) const override;
   void fill_targets(std::size_t index, std::int64_t* out) const override;
   bool keeps_its_order() const override { return true; }
   std::size_t sample_at(std::size_t position, std::int64_t epoch) const override;

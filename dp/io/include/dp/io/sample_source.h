@@ -1,6 +1,7 @@
 // dp/io/sample_source.h — what a BatchLoader fills its batches from: N samples of one shape {C, H, W},
-// each made on demand as float32 (an MNIST image divided and normalised, an image file decoded and
-// augmented, a window of text's byte ids) with its class, or its classes (a text window's next bytes).
+// each made on demand as float32 features (an MNIST image divided and normalised, an image file decoded
+// and augmented) or int32 token ids (a window of text) with its class, or its classes (a text window's
+// next tokens).
 // torch.utils.data.Dataset's __getitem__, with the random draws of an augmentation keyed rather than taken from a
 // generator's state.
 #pragma once
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dp/nn/batch.h"
 #include "dp/runtime/shape.h"
 
 namespace dp {
@@ -35,10 +37,12 @@ class SampleSource {
   virtual int targets_per_sample() const { return 1; }
   // Writes sample `index`'s targets_per_sample() targets to `out` (by default its label).
   virtual void fill_targets(std::size_t index, std::int64_t* out) const { *out = label(index); }
-  // Writes sample `index` (< size()) as C*H*W floats (CHW) to `out`. Called from several loader
-  // threads at once for different samples; throws dp::Error naming what is wrong with the sample
-  // (an unreadable file).
-  virtual void fill(std::size_t index, const SampleKey& key, float* out) const = 0;
+  // What a sample's elements are: f32 features, or i32 token ids (a language model's input).
+  virtual DType sample_dtype() const { return DType::f32; }
+  // Writes sample `index` (< size()) as C*H*W elements (CHW) of sample_dtype() to `out` (of that
+  // dtype). Called from several loader threads at once for different samples; throws dp::Error
+  // naming what is wrong with the sample (an unreadable file).
+  virtual void fill(std::size_t index, const SampleKey& key, InputsOut out) const = 0;
 
   // Whether the source orders its samples itself (llm.c's token shards): the sampler then visits
   // positions in order instead of shuffling, and sample_at says which sample stands at each.
@@ -47,7 +51,7 @@ class SampleSource {
   // the others the position is the sample.
   virtual std::size_t sample_at(std::size_t position, std::int64_t /*epoch*/) const { return position; }
 
-  std::size_t sample_floats() const { return numel(sample_shape()); }
+  std::size_t sample_elements() const { return numel(sample_shape()); }
 };
 
 }  // namespace dp

@@ -1,6 +1,6 @@
 // dp/io/text.h — a text file as training data for a byte-level language model: its bytes are the
 // tokens (vocabulary 256, no tokenizer), the first 90 % trained on, the last 10 % held out. A sample
-// is a window of context + 1 bytes: `context` byte ids as the model's float inputs and the `context`
+// is a window of context + 1 bytes: `context` byte ids as the model's int32 token ids and the `context`
 // bytes after each as its next-token targets.
 #pragma once
 
@@ -41,7 +41,8 @@ class TextWindows : public SampleSource {
   int num_classes() const override { return kByteVocabulary; }
   std::int64_t label(std::size_t index) const override { return byte(start(index) + 1); }
   int targets_per_sample() const override { return context_; }
-  void fill(std::size_t index, const SampleKey& key, float* out) const override;
+  DType sample_dtype() const override { return DType::i32; }
+  void fill(std::size_t index, const SampleKey& key, InputsOut out) const override;
   void fill_targets(std::size_t index, std::int64_t* out) const override;
 
  private:

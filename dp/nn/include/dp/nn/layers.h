@@ -135,6 +135,10 @@ class Layer {
   virtual bool is_view() const { return false; }
   // y = layer(x). In train mode keeps what backward needs (it may also read x and y there).
   virtual void forward(const LayerContext& ctx, const float* x, float* y) = 0;
+  // What the layer reads: f32 activations (forward), or i32 token ids (forward_ids: an embedding,
+  // which only a model's first layer can be; its backward is handed no x and writes no dx).
+  virtual DType input_dtype() const { return DType::f32; }
+  virtual void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y);
   // dx = dL/dx (skipped when null), parameter gradients accumulated or written (ctx.accumulate_grads).
   virtual void backward(const LayerContext& ctx, const float* x, const float* y, const float* dy, float* dx) = 0;
   // backward, then `done(layer)` for every layer whose parameter gradients are then enqueued: this
@@ -242,7 +246,7 @@ std::unique_ptr<Layer> make_gelu(std::string name, bool tanh_approximation = fal
 std::unique_ptr<Layer> make_causal_self_attention(std::string name, int width, int heads, double dropout = 0.0,
                                                   bool fused = true);
 // nanoGPT's GPT around `body` (its blocks, named transformer.h.0, ..., then transformer.ln_f): token
-// ids per sample (T floats holding integers in [0, vocab), T <= context) through the token and
+// ids per sample (T int32 ids in [0, vocab), T <= context) through the token and
 // position embeddings transformer.wte (vocab, width) and transformer.wpe (context, width), the body,
 // and lm_head tied to wte (no bias): logits (T, 1, vocab) per sample. The tied lm_head is wte itself,
 // one tensor (torch's state dict names it twice). `classes` (0: vocab) < vocab gives logits for the

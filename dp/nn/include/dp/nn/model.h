@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "dp/nn/batch.h"
 #include "dp/nn/tensor.h"
 #include "dp/runtime/device.h"
 #include "dp/runtime/precision.h"
@@ -111,6 +112,8 @@ class Model {
 
   // Per-sample input shape, e.g. {1, 28, 28}, and number of output features (logits) per target.
   virtual std::vector<std::int64_t> input_shape() const = 0;
+  // What the input's elements are: f32 features, or i32 token ids (a language model's).
+  virtual DType input_dtype() const { return DType::f32; }
   virtual int output_features() const = 0;
   // Each sample's output is this many rows of output_features() logits, one class target each: 1 for
   // a classifier, the sequence length for a language model (a next-token prediction per position,
@@ -118,10 +121,11 @@ class Model {
   virtual int targets_per_sample() const { return 1; }
 
   // Enqueues the forward pass on `stream` for `batch` samples at `input` (device memory, batch x
-  // input_shape). Returns the (batch x targets_per_sample, output_features) output, valid until the
-  // next forward.
+  // input_shape, of input_dtype(): another dtype is refused). Returns the (batch x
+  // targets_per_sample, output_features) output, valid until the next forward. The input must stay
+  // as it is until the backward of a train-mode forward (the first layer may read it there).
   // In train mode, layers keep what backward needs and BatchNorm updates its running stats.
-  virtual const float* forward(const Stream& stream, const float* input, int batch, Mode mode) = 0;
+  virtual const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) = 0;
 
   // Enqueues the backward pass of the last train-mode forward, given dL/doutput. The first backward
   // after zero_grad WRITES every parameter gradient into grads_flat; later ones ACCUMULATE into it

@@ -53,7 +53,8 @@ class SequentialModel final : public Model {
   int output_features() const override { return output_features_; }
   int targets_per_sample() const override { return targets_per_sample_; }
 
-  const float* forward(const Stream& stream, const float* input, int batch, Mode mode) override;
+  DType input_dtype() const override;
+  const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) override;
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
   void zero_grad(const Stream& stream) override;
   void set_random_context(const RandomContext& random) override;

@@ -11,9 +11,10 @@
 
 namespace dp {
 
-enum class DType { f32, i64 };
-inline std::size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 8; }
-inline const char* dtype_name(DType dtype) { return dtype == DType::f32 ? "F32" : "I64"; }
+// i32: token ids, a language model's input.
+enum class DType { f32, i64, i32 };
+inline std::size_t dtype_size(DType dtype) { return dtype == DType::i64 ? 8 : 4; }
+inline const char* dtype_name(DType dtype) { return dtype == DType::f32 ? "F32" : dtype == DType::i64 ? "I64" : "I32"; }
 
 // A view: it does not own `data`. Shape in PyTorch order (e.g. Linear weight (out, in)).
 // Whether `name` is `prefix` or lies under it ("layer1" holds "layer1.0.weight", not
