@@ -36,9 +36,13 @@ struct BroadcastBias {
   index_t out;
   T* y;
   DP_HD void operator()(index_t i) const { store(y, i, bias[i % out]); }
-  void host_run(index_t n) const {  // the sim: row by row, no modulo per element
-    for (index_t row = 0; row < n; row += out)
-      for (index_t j = 0; j < out && row + j < n; ++j) store(y, row + j, bias[j]);
+  // The sim: row by row, no modulo per element, each row's length known before its loop (a loop
+  // with a second exit does not vectorise: 6x slower).
+  void host_run(index_t n) const {
+    for (index_t row = 0; row < n; row += out) {
+      const index_t m = out < n - row ? out : n - row;
+      for (index_t j = 0; j < m; ++j) store(y, row + j, bias[j]);
+    }
   }
 };
 
