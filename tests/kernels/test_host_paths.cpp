@@ -41,7 +41,7 @@ std::vector<std::uint32_t> bits(const std::vector<float>& v) {
 template <class T>
 constexpr bool kHostBodies =
     HasHostRun<MaxPoolBackward<T>>&& HasHostRun2d<MaxPoolForward<T>>&& HasHostRun2d<BnNormalize<T>>&& HasHostRun2d<
-        BnInputGrad<T>>&& HasHostAddTerms<ColumnElement<T>, float>&& HasHostAddTerms<ChannelValue<T>, float>&&
+        BnInputGrad<T>>&& HasHostAddRow<ColumnElement<T>, float>&& HasHostAddTerms<ChannelValue<T>, float>&&
         HasHostAddTerms<BnCenteredMoments<T>, SumPair>&& HasHostAddTerms<BnGradTerms<T>, SumPair>;
 static_assert(kHostBodies<float> && kHostBodies<std::uint16_t>);
 static_assert(HasHostRun<Im2col> && HasHostRun<Col2im>);
@@ -348,14 +348,15 @@ TEST(HostPaths, LinearBiasAndRowColumnTerms) {
       ASSERT_EQ(bits({got[at]}), bits({start[at] + rows(r, 40 + k)}));
     }
   }
-  for (index_t c = 0; c < 7; ++c) {
+  // A column sum's row of terms: columns [1, 6) of matrix row r, each to its own column's lane.
+  for (index_t r = 0; r < 300; r += 37) {
     std::vector<float> got = start;
-    columns.host_add_terms(c, 3, 200, got.data());
-    for (index_t k = 0; k < 200; ++k) {
-      const auto at = static_cast<std::size_t>(k);
-      ASSERT_EQ(bits({got[at]}), bits({start[at] + columns(c, 3 + k)}));
+    columns.host_add_row(r, 1, 5, got.data());
+    for (index_t j = 0; j < 5; ++j) {
+      const auto at = static_cast<std::size_t>(j);
+      ASSERT_EQ(bits({got[at]}), bits({start[at] + columns(1 + j, r)}));
     }
-    ASSERT_EQ(bits({got[200]}), bits({start[200]}));  // lanes past count untouched
+    ASSERT_EQ(bits({got[5]}), bits({start[5]}));  // lanes past count untouched
   }
 }
 

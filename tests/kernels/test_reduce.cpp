@@ -156,8 +156,11 @@ class ReduceSimTest : public testing::Test {
 
 TEST_F(ReduceSimTest, RowAndColumnSumsFollowThePlanBitForBit) {
   // One and two stages, rows of 1 column, a single row, a length that is no multiple of 4 or of the
-  // lanes, a row split into chunks whose last one is short.
+  // lanes, a row split into chunks whose last one is short; column sums of two stages over a full
+  // tile of columns and a short one (the sim sums 16 columns at once).
   for (auto [rows, cols] : {std::pair<index_t, index_t>{3, 70001},
+                            {70001, 3},
+                            {9000, 17},
                             {2, 100003},
                             {1, 4097},
                             {1, 8193},

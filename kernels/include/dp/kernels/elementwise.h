@@ -197,9 +197,10 @@ struct ColumnElement {
   const T* x;
   index_t cols;
   DP_HD float operator()(index_t col, index_t row) const { return load(x, row * cols + col); }
-  void host_add_terms(index_t col, index_t row, index_t count, float* lanes) const {
+  // The sim: term `row` of columns [col, col + count) added to their lanes (host_tile_sums).
+  void host_add_row(index_t row, index_t col, index_t count, float* lanes) const {
     const T* at = x + row * cols + col;
-    for (index_t k = 0; k < count; ++k) lanes[k] = lanes[k] + load(at, k * cols);
+    for (index_t j = 0; j < count; ++j) lanes[j] = lanes[j] + load(at, j);
   }
 };
 // out[row] = beta * out[row] + sum   (beta = 0 overwrites, 1 accumulates gradients)

@@ -44,6 +44,12 @@ concept HasHostRun2d = requires(const F& f, index_t n) {
 // A reduction map may add its terms to the lanes in one call, lanes[k] = lanes[k] + map(row, col + k)
 // for k < count (host_add_terms), so the host walks the row's memory rather than re-deriving each
 // term's address, and adds each term as it is read rather than from a copy.
+// A map whose term k of reductions r, r + 1, ... lie side by side (a column sum): the sim sums a
+// tile of reductions at once (host_tile_sums).
+template <class Map, class T>
+concept HasHostAddRow = requires(const Map& m, index_t i, T* lanes) {
+  m.host_add_row(i, i, i, lanes);
+};
 template <class Map, class T>
 concept HasHostAddTerms = requires(const Map& m, index_t i, T* lanes) {
   m.host_add_terms(i, i, i, lanes);
@@ -108,6 +114,34 @@ T host_block_sum_of_map(const Map& map, index_t row, index_t begin, index_t coun
   }
 }
 
+// host_block_sum_of_map for a tile of reductions at once, for a map whose term k of consecutive
+// reductions lie side by side: term by term, each added to its lane of every reduction of the tile,
+// then the lane tree, pass by pass across the tile. Each reduction adds the same terms to the same
+// lanes in the same order, and its lanes pair up as reduce_lane_tree pairs them: the same sums,
+// from contiguous reads the compiler vectorises instead of one strided read per term (a column
+// sum's every term a cache line of its own). emit(reduction, chunk, sum).
+template <class T, class Map, class Emit>
+void host_tile_sums(const Map& map, const ReducePlan& plan, const Emit& emit) {
+  constexpr index_t kTile = 16;
+  std::vector<T> lanes(static_cast<std::size_t>(kReduceLanes * kTile));
+  for (index_t first = 0; first < plan.rows; first += kTile) {
+    const index_t width = std::min<index_t>(kTile, plan.rows - first);
+    for (index_t chunk = 0; chunk < plan.chunks_per_row; ++chunk) {
+      const index_t begin = chunk * plan.chunk, count = std::min(plan.chunk, plan.cols - begin);
+      std::fill(lanes.begin(), lanes.end(), T{});
+      for (index_t k = 0; k < count; ++k)
+        map.host_add_row(begin + k, first, width, lanes.data() + (k % kReduceLanes) * kTile);
+      for (index_t half = kReduceLanes / 2; half > 0; half /= 2)
+        for (index_t lane = 0; lane < half; ++lane) {
+          T* into = lanes.data() + lane * kTile;
+          const T* from = lanes.data() + (lane + half) * kTile;
+          for (index_t j = 0; j < kTile; ++j) into[j] = into[j] + from[j];
+        }
+      for (index_t j = 0; j < width; ++j) emit(first + j, chunk, lanes[static_cast<std::size_t>(j)]);
+    }
+  }
+}
+
 // sim, stage 1: every chunk's sum, into the partials (two stages) or straight to finalize (one).
 // Blocks run one after another here; each block's sum depends only on its own terms.
 template <class T, class Map, class Finalize>
@@ -118,15 +152,24 @@ struct HostReduceChunks {
   std::shared_ptr<std::vector<T>> partials;  // plan.partials() sums, shared with stage 2
   void operator()() const {
     const Map local = map;
-    for (index_t block = 0; block < plan.blocks(); ++block) {
-      const index_t row = block / plan.chunks_per_row;
-      const index_t begin = (block - row * plan.chunks_per_row) * plan.chunk;
-      const index_t count = std::min(plan.chunk, plan.cols - begin);
-      const T total = host_block_sum_of_map<T>(local, row, begin, count);
-      if (plan.two_stage())
-        (*partials)[static_cast<std::size_t>(block)] = total;
-      else
-        finalize(row, total);
+    if constexpr (HasHostAddRow<Map, T>) {
+      host_tile_sums<T>(local, plan, [&](index_t row, index_t chunk, T total) {
+        if (plan.two_stage())
+          (*partials)[static_cast<std::size_t>(row * plan.chunks_per_row + chunk)] = total;
+        else
+          finalize(row, total);
+      });
+    } else {
+      for (index_t block = 0; block < plan.blocks(); ++block) {
+        const index_t row = block / plan.chunks_per_row;
+        const index_t begin = (block - row * plan.chunks_per_row) * plan.chunk;
+        const index_t count = std::min(plan.chunk, plan.cols - begin);
+        const T total = host_block_sum_of_map<T>(local, row, begin, count);
+        if (plan.two_stage())
+          (*partials)[static_cast<std::size_t>(block)] = total;
+        else
+          finalize(row, total);
+      }
     }
   }
 };
