@@ -18,9 +18,13 @@ SampleSize sample_size(const Model& model) {
 void check_batch(const Batch& batch, const SampleSize& sample) {
   if (batch.size < 1) throw InvalidArgument(fmt::format("batch size must be at least 1, got {}", batch.size));
   if (!batch.inputs) throw InvalidArgument("batch has no inputs (null pointer)");
-  if (batch.inputs.dtype() != sample.input)
-    throw InvalidArgument(fmt::format("the batch holds {} but the model reads {}", input_kind(batch.inputs.dtype()),
-                                      input_kind(sample.input)));
+  check_input_dtype(batch, sample.input);
+}
+
+void check_input_dtype(const Batch& batch, DType model, std::string_view where) {
+  if (batch.inputs.dtype() != model)
+    throw InvalidArgument(fmt::format("{}the batch holds {} but the model reads {}", where,
+                                      input_kind(batch.inputs.dtype()), input_kind(model)));
 }
 
 void expect_batches(std::size_t got, int expected, const char* engine) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string_view>
 
 #include "dp/nn/batch.h"
 #include "dp/nn/model.h"
@@ -24,6 +25,8 @@ SampleSize sample_size(const Model& model);
 
 // Throws InvalidArgument for an empty batch, null inputs, or inputs of another dtype than the model's.
 void check_batch(const Batch& batch, const SampleSize& sample);
+// Throws InvalidArgument, `where` before the message, unless the batch's inputs are of `model`'s dtype.
+void check_input_dtype(const Batch& batch, DType model, std::string_view where = {});
 
 // Throws InvalidArgument unless `batches` holds `expected` batches.
 void expect_batches(std::size_t got, int expected, const char* engine);

@@ -269,9 +269,7 @@ void ReplicaEngine::check_each_batch(std::span<const Batch> batches, bool traini
     if (batches[r].size == 0) continue;
     if (!batches[r].inputs || (training && !batches[r].targets))
       throw InvalidArgument(fmt::format("rank {}: null inputs or targets", r));
-    if (batches[r].inputs.dtype() != dtype)
-      throw InvalidArgument(fmt::format("rank {}: the batch holds {} but the model reads {}", r,
-                                        input_kind(batches[r].inputs.dtype()), input_kind(dtype)));
+    engines::check_input_dtype(batches[r], dtype, fmt::format("rank {}: ", r));
   }
 }
 

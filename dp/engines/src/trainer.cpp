@@ -80,10 +80,11 @@ StepLoss SingleDeviceTrainer::submit(Inputs inputs, const std::int64_t* targets,
 
 StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
   engines::expect_batches(batches.size(), accumulate_, "single-device");
+  const engines::SampleSize sample = engines::sample_size(model_);
   std::vector<int> sizes;
   for (const Batch& batch : batches) {
     if (!batch.targets) throw InvalidArgument("training step without targets (null pointer)");
-    engines::check_batch(batch, engines::sample_size(model_));  // before waiting for the step in flight
+    engines::check_batch(batch, sample);  // before waiting for the step in flight
     sizes.push_back(batch.size);
   }
   Device& device = model_.device();
@@ -91,7 +92,7 @@ StepLoss SingleDeviceTrainer::submit_batches(std::span<const Batch> batches) {
   return pipeline_->enqueue([&] {
     const Event& done = step_done_[static_cast<std::size_t>(slot)];
     for (std::size_t m = 0; m < batches.size(); ++m) {
-      engines::push_batch(*rings_[m], device, slot, batches[m], engines::sample_size(model_), done);
+      engines::push_batch(*rings_[m], device, slot, batches[m], sample, done);
       rings_[m]->acquire(slot, stream_);  // before a capture begins: the graph itself reads the slot's buffers
     }
     engines::StepWork work;

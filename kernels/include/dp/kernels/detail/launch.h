@@ -123,21 +123,20 @@ T host_block_sum_of_map(const Map& map, index_t row, index_t begin, index_t coun
 template <class T, class Map, class Emit>
 void host_tile_sums(const Map& map, const ReducePlan& plan, const Emit& emit) {
   constexpr index_t kTile = 16;
-  std::vector<T> lanes(static_cast<std::size_t>(kReduceLanes * kTile));
+  T lanes[kReduceLanes * kTile];  // lane l of the tile's reduction j at l * kTile + j
   for (index_t first = 0; first < plan.rows; first += kTile) {
     const index_t width = std::min<index_t>(kTile, plan.rows - first);
     for (index_t chunk = 0; chunk < plan.chunks_per_row; ++chunk) {
       const index_t begin = chunk * plan.chunk, count = std::min(plan.chunk, plan.cols - begin);
-      std::fill(lanes.begin(), lanes.end(), T{});
-      for (index_t k = 0; k < count; ++k)
-        map.host_add_row(begin + k, first, width, lanes.data() + (k % kReduceLanes) * kTile);
+      std::fill(lanes, lanes + kReduceLanes * kTile, T{});
+      for (index_t k = 0; k < count; ++k) map.host_add_row(begin + k, first, width, lanes + (k % kReduceLanes) * kTile);
       for (index_t half = kReduceLanes / 2; half > 0; half /= 2)
         for (index_t lane = 0; lane < half; ++lane) {
-          T* into = lanes.data() + lane * kTile;
-          const T* from = lanes.data() + (lane + half) * kTile;
+          T* into = lanes + lane * kTile;
+          const T* from = lanes + (lane + half) * kTile;
           for (index_t j = 0; j < kTile; ++j) into[j] = into[j] + from[j];
         }
-      for (index_t j = 0; j < width; ++j) emit(first + j, chunk, lanes[static_cast<std::size_t>(j)]);
+      for (index_t j = 0; j < width; ++j) emit(first + j, chunk, lanes[j]);
     }
   }
 }
