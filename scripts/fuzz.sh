@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz: IDX, safetensors, state-dict loading, the command line,
 # PNG/JPEG decoding, the env:// store's requests, text files) with clang 14 under AddressSanitizer+UBSan on the sim backend, and runs each for
-# SECONDS (default 60) over its seed corpus. scripts/test.sh runs it with the default; run it longer
-# by hand, e.g. scripts/fuzz.sh 3600.
+# SECONDS (default 60) over its seed corpus. scripts/test.sh runs the same targets for 30 s in its
+# ASan+UBSan build; run them longer by hand, e.g. scripts/fuzz.sh 3600.
 # A crash prints the input's path (build-fuzz/tests/fuzz/found_<target>/crash-*): add that file to
 # tests/fuzz/corpus/<target>/ as a regression input once fixed.
 set -euo pipefail

@@ -141,7 +141,9 @@ struct SyncBnCase {
 class SyncBatchNorm : public ::testing::TestWithParam<SyncBnCase> {};
 
 TEST_P(SyncBatchNorm, DdpEqualsOneDeviceOnTheConcatenatedBatch) {
-  const auto& [name, world, cuda] = GetParam();
+  const std::string name = GetParam().model;
+  const auto world = GetParam().world;
+  const bool cuda = GetParam().cuda;
   if (cuda && Runtime::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: SyncBatchNorm on GPUs needs one";
   auto make = [&](Device& device) {
     return name == "convnet" ? models::make_convnet(device, 6) : models::make_resnet8(device, 6);

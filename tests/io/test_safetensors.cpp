@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fstream>
 #include <gtest/gtest.h>
+#include <iterator>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -61,6 +62,22 @@ TEST_F(SafetensorsTest, RoundTripKeepsOrderDtypesAndMetadata) {
   EXPECT_EQ(back.at("bn.num_batches_tracked").to_i64(), std::vector<std::int64_t>{42});
   EXPECT_EQ(back.metadata.at("dp.step"), "7");
   EXPECT_THROW(back.at("fc.weight").to_i64(), Error) << "dtype checked";
+  // The header as safetensors' own writer lays it out: compact JSON in the file's order, metadata
+  // first, padded with spaces to 8 bytes.
+  std::ifstream in(path("a.safetensors"), std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string header =
+      R"({"__metadata__":{"dp.step":"7"},"fc.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
+      R"("bn.num_batches_tracked":{"dtype":"I64","shape":[],"data_offsets":[24,32]}})";
+  ASSERT_EQ(bytes.size(), 8 + (header.size() + 7) / 8 * 8 + 32);
+  EXPECT_EQ(bytes.substr(8, header.size()), header);
+  EXPECT_EQ(bytes.substr(8 + header.size(), (8 - header.size() % 8) % 8),
+            std::string((8 - header.size() % 8) % 8, ' '));
+  // A tensor may not take the metadata's key; nothing is written.
+  safetensors::File clash;
+  clash.add("__metadata__", safetensors::make_f32({1}, w));
+  EXPECT_THROW(safetensors::write(path("clash.safetensors"), clash), Error);
+  EXPECT_FALSE(fs::exists(path("clash.safetensors")));
   // Empty tensors (torch writes them: a zero in the shape), wherever they fall among the others.
   safetensors::File empty;
   empty.add("a", safetensors::make_f32({2}, w));

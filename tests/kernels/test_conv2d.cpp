@@ -582,7 +582,9 @@ TEST_P(Conv2dTest, WeightGradientPaths) {
   std::vector<std::pair<Conv2dShape, bool>> shapes = kShapes;
   if (library) shapes.push_back({{64, 16, 14, 14, 32, 5, 5, 1, 2}, true});
   unsigned seed = 900;
-  for (const auto& [shape, bias] : shapes) {
+  for (const auto& shape_and_bias : shapes) {
+    const Conv2dShape& shape = shape_and_bias.first;
+    const bool bias = shape_and_bias.second;
     const Inputs in = make_inputs(shape, bias, seed += 10);
     Outputs shared;
     {

@@ -188,7 +188,7 @@ TEST_P(FusedAttention, KeepsEachRowsLogSumExp) {
           for (int e = 0; e < D; ++e)
             dot += double{qkv[(static_cast<std::size_t>(b) * T + i) * 3 * C + h * D + e]} *
                    qkv[(static_cast<std::size_t>(b) * T + j) * 3 * C + C + h * D + e];
-          sum += std::exp(dot / std::sqrt(double{D}));
+          sum += std::exp(dot / std::sqrt(static_cast<double>(D)));
         }
         EXPECT_NEAR(lse[(static_cast<std::size_t>(b) * H + h) * T + i], std::log(sum),
                     2e-6 * (1 + std::abs(std::log(sum))));

@@ -416,8 +416,10 @@ TEST(FusionCudaMatchesSim, CrossEntropyForwardBackwardWithinUlps) {
 TEST(FusionCudaMatchesSim, AddRelu) {
   DP_RUNTIME_OR_SKIP(gpu, "cuda", 1);
   auto sim = test::sim_runtime(1);
-  const auto [a, b] = add_relu_inputs();
-  auto body = [&](Device& device, Stream& stream) { return add_then_relu(device, stream, true, a, b); };
+  const auto inputs = add_relu_inputs();
+  auto body = [&](Device& device, Stream& stream) {
+    return add_then_relu(device, stream, true, inputs.first, inputs.second);
+  };
   expect_same_bits(run_on(*gpu, body), run_on(*sim, body), true);
 }
 

@@ -64,7 +64,7 @@ TEST(HostPaths, MaxPoolForwardAndBackward) {
     x[in / 2] = -std::numeric_limits<float>::infinity();
     std::vector<float> y1(out), y2(out);
     std::vector<std::int32_t> a1(out), a2(out);
-    const MaxPoolForward f1{s, x.data(), y1.data(), a1.data()}, f2{s, x.data(), y2.data(), a2.data()};
+    const MaxPoolForward<float> f1{s, x.data(), y1.data(), a1.data()}, f2{s, x.data(), y2.data(), a2.data()};
     for (std::size_t r = 0; r < rows; ++r)
       for (int c = 0; c < s.w_out(); ++c) f1(static_cast<index_t>(r), c);
     f2.host_run(static_cast<index_t>(rows), s.w_out());
@@ -74,7 +74,7 @@ TEST(HostPaths, MaxPoolForwardAndBackward) {
     std::vector<float> dy = random_floats(out, ++seed);
     dy[0] = -0.0f;  // 0 + -0 is +0 on both paths
     std::vector<float> dx1(in, 7.0f), dx2(in, 7.0f);
-    const MaxPoolBackward b1{s, a1.data(), dy.data(), dx1.data()}, b2{s, a1.data(), dy.data(), dx2.data()};
+    const MaxPoolBackward<float> b1{s, a1.data(), dy.data(), dx1.data()}, b2{s, a1.data(), dy.data(), dx2.data()};
     for (std::size_t i = 0; i < in; ++i) b1(static_cast<index_t>(i));
     b2.host_run(static_cast<index_t>(in));
     EXPECT_EQ(bits(dx1), bits(dx2));
@@ -123,9 +123,9 @@ TEST(HostPaths, ChannelReductionTerms) {
     std::vector<float> invstd = random_floats(static_cast<std::size_t>(k.c), 11);
     for (auto& v : invstd) v = std::fabs(v) + 0.5f;
     const ChannelElement at{k.c, k.plane};
-    const ChannelValue value{at, x.data()};
-    const BnCenteredMoments moments{at, x.data(), mean.data()};
-    const BnGradTerms grads{at, x.data(), dy.data(), mean.data(), invstd.data(), relu_y.data()};
+    const ChannelValue<float> value{at, x.data()};
+    const BnCenteredMoments<float> moments{at, x.data(), mean.data()};
+    const BnGradTerms<float> grads{at, x.data(), dy.data(), mean.data(), invstd.data(), relu_y.data()};
     const BnGradTerms<float> plain{at, x.data(), dy.data(), mean.data(), invstd.data(), nullptr};
     const index_t row_length = k.n * k.plane;
     for (index_t c = 0; c < k.c; ++c)
@@ -164,8 +164,8 @@ TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
   const ChannelElement at{c, plane};
   for (bool relu : {false, true}) {
     std::vector<float> y1(size), y2(size);
-    const BnNormalize f1{at, x.data(), mean.data(), invstd.data(), gamma.data(), beta.data(), y1.data(), relu};
-    const BnNormalize f2{at, x.data(), mean.data(), invstd.data(), gamma.data(), beta.data(), y2.data(), relu};
+    const BnNormalize<float> f1{at, x.data(), mean.data(), invstd.data(), gamma.data(), beta.data(), y1.data(), relu};
+    const BnNormalize<float> f2{at, x.data(), mean.data(), invstd.data(), gamma.data(), beta.data(), y2.data(), relu};
     for (index_t r = 0; r < n * c; ++r)
       for (index_t j = 0; j < plane; ++j) f1(r, j);
     f2.host_run(n * c, plane);
@@ -174,7 +174,7 @@ TEST(HostPaths, BatchNormNormalizeAndInputGradient) {
     const BnInputGradTerm<float> term{
         x.data(), dy.data(), gamma.data(), mean.data(), invstd.data(), 1.0f / 147.0f, relu ? relu_y.data() : nullptr};
     std::vector<float> d1(size), d2(size);
-    const BnInputGrad g1{at, term, sums.data(), d1.data()}, g2{at, term, sums.data(), d2.data()};
+    const BnInputGrad<float> g1{at, term, sums.data(), d1.data()}, g2{at, term, sums.data(), d2.data()};
     for (index_t r = 0; r < n * c; ++r)
       for (index_t j = 0; j < plane; ++j) g1(r, j);
     g2.host_run(n * c, plane);
@@ -338,7 +338,7 @@ TEST(HostPaths, LinearBiasAndRowColumnTerms) {
   f2.host_run(35);
   EXPECT_EQ(bits(y1), bits(y2));
   const RowElement<float> rows{x.data(), 300};
-  const ColumnElement columns{x.data(), 7};
+  const ColumnElement<float> columns{x.data(), 7};
   const std::vector<float> start = random_floats(kReduceLanes, 42);
   for (index_t r = 0; r < 7; ++r) {
     std::vector<float> got = start;

@@ -64,7 +64,7 @@ TEST(ReducePlan, ConvNetBatch1024FillsTheGpu) {
 }
 
 TEST(ReducePlan, ShortRowsAndManyRowsAreOneChunkPerRow) {
-  for (auto [rows, cols] : {std::pair<index_t, index_t>{1, 1},
+  for (const auto& shape : {std::pair<index_t, index_t>{1, 1},
                             {5, 0},
                             {1, 4096},
                             {1, 8191},
@@ -72,6 +72,7 @@ TEST(ReducePlan, ShortRowsAndManyRowsAreOneChunkPerRow) {
                             {7, 1},
                             {8192, 100000},
                             {100000, 5000}}) {
+    const index_t rows = shape.first, cols = shape.second;
     const ReducePlan plan = plan_row_reduce(rows, cols);
     expect_valid(plan, rows, cols);
     EXPECT_FALSE(plan.two_stage()) << rows << " x " << cols;
@@ -81,7 +82,7 @@ TEST(ReducePlan, ShortRowsAndManyRowsAreOneChunkPerRow) {
 
 TEST(ReducePlan, LongRowsSplitUpToTheTarget) {
   // N = 1, C = 1, HW % 4 != 0, a prime length, one huge row, rows that leave room for few chunks.
-  for (auto [rows, cols] : {std::pair<index_t, index_t>{1, 8193},
+  for (const auto& shape : {std::pair<index_t, index_t>{1, 8193},
                             {1, 7 * 7},
                             {1, 1000003},
                             {3, 70001},
@@ -89,6 +90,7 @@ TEST(ReducePlan, LongRowsSplitUpToTheTarget) {
                             {4000, 100000},
                             {2, 100003},
                             {1, 33 * 33 * 1024}}) {
+    const index_t rows = shape.first, cols = shape.second;
     const ReducePlan plan = plan_row_reduce(rows, cols);
     expect_valid(plan, rows, cols);
   }
@@ -158,7 +160,7 @@ TEST_F(ReduceSimTest, RowAndColumnSumsFollowThePlanBitForBit) {
   // One and two stages, rows of 1 column, a single row, a length that is no multiple of 4 or of the
   // lanes, a row split into chunks whose last one is short; column sums of two stages over a full
   // tile of columns and a short one (the sim sums 16 columns at once).
-  for (auto [rows, cols] : {std::pair<index_t, index_t>{3, 70001},
+  for (const auto& shape : {std::pair<index_t, index_t>{3, 70001},
                             {70001, 3},
                             {9000, 17},
                             {2, 100003},
@@ -169,6 +171,7 @@ TEST_F(ReduceSimTest, RowAndColumnSumsFollowThePlanBitForBit) {
                             {64, 10},
                             {1, 1000003},
                             {7, 255}}) {
+    const index_t rows = shape.first, cols = shape.second;
     SCOPED_TRACE(testing::Message() << rows << " x " << cols);
     // Values spread over several binades so that any change of order changes the last bits.
     auto x = test::random_vector(static_cast<std::size_t>(rows * cols), 11, -1.0f, 1.0f);
@@ -316,7 +319,7 @@ void expect_same_bits(const std::vector<std::vector<float>>& on_cuda, const std:
 TEST(ReduceCudaMatchesSim, RowColumnAndChannelSums) {
   DP_RUNTIME_OR_SKIP(gpu, "cuda", 1);
   auto sim = test::sim_runtime(1);
-  for (auto [rows, cols] : {std::pair<index_t, index_t>{3, 70001},
+  for (const auto& shape : {std::pair<index_t, index_t>{3, 70001},
                             {2, 100003},
                             {16, 1024 * 49},
                             {5, 1},
@@ -324,6 +327,7 @@ TEST(ReduceCudaMatchesSim, RowColumnAndChannelSums) {
                             {64, 10},
                             {1, 1000003},
                             {7, 255}}) {
+    const index_t rows = shape.first, cols = shape.second;
     SCOPED_TRACE(testing::Message() << rows << " x " << cols);
     const auto x = test::random_vector(static_cast<std::size_t>(rows * cols), 21);
     auto body = [&](Device& device, Stream& stream) {

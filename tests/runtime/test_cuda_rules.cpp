@@ -26,7 +26,7 @@ using test::BackendTest;
 class ForbiddenInCapture : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(ForbiddenInCapture, ThrowsAndInvalidatesTheCapture) {
-  const auto& [backend, op] = GetParam();
+  const std::string backend = std::get<0>(GetParam()), op = std::get<1>(GetParam());
   DP_RUNTIME_OR_SKIP(runtime, backend, 2);
   Device& device = runtime->device(runtime->device_count() - 1);
   Stream stream = device.create_stream();

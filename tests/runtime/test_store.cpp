@@ -284,6 +284,10 @@ TEST(Store, AForeignProgramOnMasterPortIsNamed) {
 }
 
 TEST(Store, RunningOutOfDescriptorsDoesNotEndTheServer) {
+#ifdef DP_UBSAN_NEEDS_DESCRIPTORS
+  GTEST_SKIP() << "clang's UBSan probes a vtable's memory through a pipe: with no descriptor left it reports "
+                  "a false 'invalid vptr' for the server's next thread (runs in the Release and TSan builds)";
+#endif
   const int port = next_port();
   TcpStore server("127.0.0.1", port, 0, 2, "", 5s);
   rlimit saved{};

@@ -255,19 +255,28 @@ File read(const std::string& path) {
 }
 
 void write(const std::string& path, const File& file) {
-  nlohmann::ordered_json header;
+  // The header is written member by member: an ordered_json object finds each new key by a linear
+  // search, which made a file of 40,000 tensors take seconds. File::add keeps the names unique.
+  std::string text = "{";
+  auto member = [&text](const std::string& key, const nlohmann::ordered_json& value) {
+    if (text.size() > 1) text += ',';
+    text += nlohmann::json(key).dump();
+    text += ':';
+    text += value.dump();
+  };
   if (!file.metadata.empty()) {
     nlohmann::ordered_json meta = nlohmann::ordered_json::object();
     for (auto& [k, v] : file.metadata) meta[k] = v;
-    header["__metadata__"] = meta;
+    member("__metadata__", meta);
   }
   std::uint64_t offset = 0;
   for (const auto& name : file.order) {
+    if (name == "__metadata__") throw Error(fmt::format("{}: a tensor may not be named __metadata__", path));
     const Tensor& t = file.at(name);
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
+    member(name, {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}});
     offset += t.data.size();
   }
-  std::string text = header.dump();
+  text += '}';
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
 
   unsigned char len_bytes[8];
