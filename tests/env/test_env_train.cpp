@@ -335,7 +335,9 @@ TEST_F(EnvTrain, TokenMismatchesAndWildcardAddressesAreSaid) {
 }
 
 // Process 0 frozen for good (SIGSTOP: it serves the store too): the survivor names it, and ends
-// within DP_TIMEOUT_S + 2 s of the stop, exit 6 (a timeout), its abort not waiting for process 0 again.
+// within DP_TIMEOUT_S + 3 s of the stop, exit 6 (a timeout), its abort not waiting for process 0 again
+// (a second wait would take another DP_TIMEOUT_S: 8 s or more; a loaded 2-core machine has taken
+// 2.0 s past the timeout to write the flight record and exit).
 TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
   const int port = dp::test::free_tcp_port();
   const auto env = [&](int rank) {
@@ -354,7 +356,7 @@ TEST_F(EnvTrain, ASurvivorOfAFrozenProcessZeroEndsAtTheTimeout) {
   std::sscanf(r.output.substr(r.output.find("codes")).c_str(), "codes %d %lld %lld", &code1, &stopped, &ended);
   const std::string out1 = read_file(path("frozen1.txt"));
   EXPECT_EQ(code1, 6) << out1;
-  EXPECT_LT(static_cast<double>(ended - stopped) / 1e9, 4.0 + 2.0) << out1;
+  EXPECT_LT(static_cast<double>(ended - stopped) / 1e9, 4.0 + 3.0) << out1;
   EXPECT_NE(out1.find("timeout; DP_TIMEOUT_S sets it"), std::string::npos) << out1;
   // Named 3 s into the stop (beats leave 3 s), before the timeout ends the survivor.
   EXPECT_NE(out1.find("process 0 has given no sign of life"), std::string::npos) << out1;
