@@ -15,6 +15,7 @@
 #include "dp/kernels/conv2d.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/elementwise.h"
+#include "dp/kernels/gelu.h"
 #include "dp/kernels/linear.h"
 #include "dp/kernels/maxpool.h"
 #include "dp/kernels/optimizer.h"
@@ -50,6 +51,7 @@ static_assert(HasHostRun<AttentionFusedForward<float>> && HasHostRun<AttentionFu
 static_assert(HasHostRun<SgdUpdate> && HasHostRun<AdamWUpdate> && HasHostRun<BroadcastBias<float>> &&
               HasHostRun<BroadcastBias<std::uint16_t>>);
 static_assert(HasHostAddTerms<RowElement<float>, float> && HasHostAddTerms<RowElement<std::uint16_t>, float>);
+static_assert(HasHostRun<GeluForward<float>> && HasHostRun<GeluBackward<std::uint16_t>>);
 
 const Pool2dShape kPools[] = {{2, 3, 28, 28, 2, 2, 0}, {2, 2, 7, 5, 2, 2, 0}, {2, 3, 9, 8, 3, 2, 1},
                               {1, 2, 7, 5, 3, 2, 1},   {1, 2, 6, 7, 3, 1, 1}, {2, 1, 4, 3, 3, 3, 0}};
@@ -287,6 +289,45 @@ TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
 }
 
 // Every combination of SGD's options, with the scalars on the host and in (here: host) memory.
+// GELU in both forms, fp32 and bf16 storage, the backward in place too (dx over dy), on values that
+// reach both branches of tanh and erf, their saturation, NaN, infinities and signed zeros.
+TEST(HostPaths, GeluForwardAndBackward) {
+  const std::size_t n = 1003;  // not a multiple of any vector width
+  std::vector<float> x = random_floats(n, 50);
+  for (std::size_t i = 0; i < n; i += 7) x[i] *= 6.0f;
+  x[1] = std::numeric_limits<float>::quiet_NaN();
+  x[2] = std::numeric_limits<float>::infinity();
+  x[3] = -std::numeric_limits<float>::infinity();
+  x[4] = -0.0f;
+  x[5] = 0.0f;
+  x[6] = 1e-30f;
+  const std::vector<float> dy = random_floats(n, 51);
+  for (GeluForm form : {GeluForm::exact, GeluForm::tanh}) {
+    SCOPED_TRACE(form == GeluForm::tanh ? "tanh" : "exact");
+    std::vector<float> y1(n), y2(n), dx1(n), dx2 = dy;
+    const GeluForward<float> f1{form, x.data(), y1.data()}, f2{form, x.data(), y2.data()};
+    for (std::size_t i = 0; i < n; ++i) f1(static_cast<index_t>(i));
+    f2.host_run(static_cast<index_t>(n));
+    EXPECT_EQ(bits(y1), bits(y2));
+    const GeluBackward<float> b1{form, x.data(), dy.data(), dx1.data()}, b2{form, x.data(), dx2.data(), dx2.data()};
+    for (std::size_t i = 0; i < n; ++i) b1(static_cast<index_t>(i));
+    b2.host_run(static_cast<index_t>(n));
+    EXPECT_EQ(bits(dx1), bits(dx2));
+
+    const std::vector<std::uint16_t> xb = bf16_bits(x), dyb = bf16_bits(dy);
+    std::vector<std::uint16_t> yb1(n), yb2(n), dxb1(n), dxb2(n);
+    const GeluForward<std::uint16_t> g1{form, xb.data(), yb1.data()}, g2{form, xb.data(), yb2.data()};
+    for (std::size_t i = 0; i < n; ++i) g1(static_cast<index_t>(i));
+    g2.host_run(static_cast<index_t>(n));
+    EXPECT_EQ(yb1, yb2);
+    const GeluBackward<std::uint16_t> c1{form, xb.data(), dyb.data(), dxb1.data()},
+        c2{form, xb.data(), dyb.data(), dxb2.data()};
+    for (std::size_t i = 0; i < n; ++i) c1(static_cast<index_t>(i));
+    c2.host_run(static_cast<index_t>(n));
+    EXPECT_EQ(dxb1, dxb2);
+  }
+}
+
 TEST(HostPaths, OptimizerUpdates) {
   const std::size_t n = 301;
   const std::vector<float> grads = random_floats(n, 30), params0 = random_floats(n, 31), buf0 = random_floats(n, 32);
