@@ -7,7 +7,8 @@ what dp's byte-level recipe does with it, for the comparison in docs/transformer
         trains the model on this CPU as `dp_train --model gpt --text FILE --optimizer adamw
         --schedule cosine --decay matrices` trains it (the same corpus, split, windows, model,
         initialisation's distribution, optimizer groups and schedule; torch's own random numbers),
-        and prints the held-out bits per byte.
+        and prints the held-out bits per byte. `--processes N` trains under DistributedDataParallel
+        over N gloo processes on this host (each --threads threads, its slice of the global batch).
     scripts/nanogpt.py check CKPT --text FILE [--context 64 ...]
         loads a dp checkpoint into the torch GPT with strict=True and prints its held-out loss and
         bits per byte, to set beside `dp_train --eval-only --init CKPT`.
@@ -147,30 +148,70 @@ def lr_at(step, args):
 
 
 def train(args):
+    """nanoGPT's training loop on one process, or under DistributedDataParallel over --processes
+    gloo processes on this host (PyTorch's best CPU setup: one process per core, --threads each):
+    every rank draws the same global batch and trains on its slice of it, so the global batch and
+    the averaged gradient are the single process's."""
+    if args.processes < 1 or args.threads < 1:
+        raise ValueError("--processes and --threads take a count of at least 1")
+    if args.batch_size % args.processes:
+        raise ValueError(f"--batch-size {args.batch_size} does not split over --processes {args.processes}")
+    if args.processes == 1:
+        train_rank(0, args, None)
+        return
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(train_rank, args=(args, port), nprocs=args.processes, join=True)
+
+
+def train_rank(rank, args, port):
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     train_part, held_out = read_text(args.text, args.context)
     model = GPT(256, args.context, args.width, args.layers, args.heads)
     gpt2_init(model, args.layers)
+    trained = model
+    if port is not None:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes)
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+    per_rank = args.batch_size // args.processes
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(args.beta1, args.beta2),
                                   eps=1e-8)
     began = time.time()
+    interval_began, interval_first = began, 0
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(len(train_part) - args.context, (args.batch_size,))
+        starts = starts[rank * per_rank:(rank + 1) * per_rank]
         x = torch.stack([train_part[s:s + args.context] for s in starts])
         y = torch.stack([train_part[s + 1:s + 1 + args.context] for s in starts])
-        logits = model(x)
+        logits = trained(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print(f"step {step + 1:6d} loss {float(loss):.6f} lr {lr_at(step, args):.3g} "
-                  f"{(step + 1) * args.batch_size / (time.time() - began):.1f} samples/s", flush=True)
-    print(f"torch: {args.steps} steps in {time.time() - began:.1f} s", flush=True)
-    if args.no_eval:
+            # The global batch's loss (the ranks' slices averaged), and the rate since the last line.
+            shown = loss.detach().clone()
+            if port is not None:
+                torch.distributed.all_reduce(shown)
+                shown /= args.processes
+            now = time.time()
+            if rank == 0:
+                print(f"step {step + 1:6d} loss {float(shown):.6f} lr {lr_at(step, args):.3g} "
+                      f"{(step + 1 - interval_first) * args.batch_size / (now - interval_began):.1f} samples/s",
+                      flush=True)
+            interval_began, interval_first = now, step + 1
+    if rank == 0:
+        print(f"torch: {args.steps} steps in {time.time() - began:.1f} s", flush=True)
+    if port is not None:
+        torch.distributed.destroy_process_group()
+    if args.no_eval or rank != 0:
         return
     loss = held_out_loss(model, held_out, args.context)
     print(f"torch: held-out loss {loss:.6f}, {loss / math.log(2):.4f} bits/byte")
@@ -206,6 +247,8 @@ def main(argv):
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="train: DistributedDataParallel over this many gloo processes on this host")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--no-eval", action="store_true", help="train: skip the held-out evaluation")
     args = parser.parse_args(argv)

@@ -2,7 +2,8 @@
 """A dp GPT checkpoint in PyTorch: dp_train trains a small GPT on a text, saves it, and evaluates it
 (--eval-only); scripts/nanogpt.py loads the file into nanoGPT's GPT with strict=True (lm_head.weight
 included, the tied table written under both names) and gets the same held-out loss on the same
-windows. Exit 77 (ctest: skipped) without torch. Usage: test_gpt_torch.py DP_TRAIN WORK_DIR"""
+windows; nanogpt.py's DDP over two gloo processes trains what one process does. Exit 77 (ctest:
+skipped) without torch. Usage: test_gpt_torch.py DP_TRAIN WORK_DIR"""
 import os
 import re
 import subprocess
@@ -44,6 +45,18 @@ def main():
     print(f"dp {dp_loss:.6f}, torch {torch_loss:.6f}")
     assert abs(dp_loss - torch_loss) <= 2e-6 + 1e-5 * torch_loss, (dp, torch_out)
     assert dp_loss < 4.0, f"30 steps of a 12-word text should learn something: {dp_loss}"
+
+    # nanogpt.py's DDP over two gloo processes trains what one process does: the same global batch,
+    # the averaged gradient, so the same losses up to the order of the gradient's sum.
+    def torch_losses(*extra):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "nanogpt.py"), "train", "--text", text,
+                              *MODEL, "--steps", "6", "--batch-size", "4", "--log-every", "1", "--warmup-steps", "0",
+                              "--no-eval", *extra], check=True, capture_output=True, text=True).stdout
+        return [float(v) for v in re.findall(r"loss ([0-9.]+)", out)]
+    one, two = torch_losses("--threads", "1"), torch_losses("--processes", "2")
+    print(f"torch one process {one}, two {two}")
+    assert len(one) == len(two) == 6, (one, two)
+    assert all(abs(a - b) <= 1e-5 * a for a, b in zip(one, two)), (one, two)
 
 
 if __name__ == "__main__":
