@@ -18,12 +18,14 @@ The data, as dp's (dp/io/text.h): the file's bytes are the tokens, the last 10 %
 the held-out part cut into disjoint windows, every byte after the first predicted once.
 """
 import argparse
+import datetime
 import math
 import os
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -175,8 +177,9 @@ def train_rank(rank, args, port):
     gpt2_init(model, args.layers)
     trained = model
     if port is not None:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes)
+        # A rank that stops answering ends the others' collectives within a minute, not gloo's 30.
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.processes,
+                                timeout=datetime.timedelta(seconds=60))
         trained = torch.nn.parallel.DistributedDataParallel(model)
     per_rank = args.batch_size // args.processes
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(args.beta1, args.beta2),
@@ -199,7 +202,7 @@ def train_rank(rank, args, port):
             # The global batch's loss (the ranks' slices averaged), and the rate since the last line.
             shown = loss.detach().clone()
             if port is not None:
-                torch.distributed.all_reduce(shown)
+                dist.all_reduce(shown)
                 shown /= args.processes
             now = time.time()
             if rank == 0:
@@ -210,7 +213,7 @@ def train_rank(rank, args, port):
     if rank == 0:
         print(f"torch: {args.steps} steps in {time.time() - began:.1f} s", flush=True)
     if port is not None:
-        torch.distributed.destroy_process_group()
+        dist.destroy_process_group()
     if args.no_eval or rank != 0:
         return
     loss = held_out_loss(model, held_out, args.context)

@@ -288,7 +288,6 @@ TEST(HostPaths, Bf16StorageIsWidenComputeRound) {
   }
 }
 
-// Every combination of SGD's options, with the scalars on the host and in (here: host) memory.
 // GELU in both forms, fp32 and bf16 storage, the backward in place too (dx over dy), on values that
 // reach both branches of tanh and erf, their saturation, NaN, infinities and signed zeros.
 TEST(HostPaths, GeluForwardAndBackward) {
@@ -328,6 +327,7 @@ TEST(HostPaths, GeluForwardAndBackward) {
   }
 }
 
+// Every combination of SGD's options, with the scalars on the host and in (here: host) memory.
 TEST(HostPaths, OptimizerUpdates) {
   const std::size_t n = 301;
   const std::vector<float> grads = random_floats(n, 30), params0 = random_floats(n, 31), buf0 = random_floats(n, 32);

@@ -64,7 +64,7 @@ TEST(ReducePlan, ConvNetBatch1024FillsTheGpu) {
 }
 
 TEST(ReducePlan, ShortRowsAndManyRowsAreOneChunkPerRow) {
-  for (const auto& shape : {std::pair<index_t, index_t>{1, 1},
+  for (auto [rows, cols] : {std::pair<index_t, index_t>{1, 1},
                             {5, 0},
                             {1, 4096},
                             {1, 8191},
@@ -72,7 +72,6 @@ TEST(ReducePlan, ShortRowsAndManyRowsAreOneChunkPerRow) {
                             {7, 1},
                             {8192, 100000},
                             {100000, 5000}}) {
-    const index_t rows = shape.first, cols = shape.second;
     const ReducePlan plan = plan_row_reduce(rows, cols);
     expect_valid(plan, rows, cols);
     EXPECT_FALSE(plan.two_stage()) << rows << " x " << cols;
@@ -82,7 +81,7 @@ TEST(ReducePlan, ShortRowsAndManyRowsAreOneChunkPerRow) {
 
 TEST(ReducePlan, LongRowsSplitUpToTheTarget) {
   // N = 1, C = 1, HW % 4 != 0, a prime length, one huge row, rows that leave room for few chunks.
-  for (const auto& shape : {std::pair<index_t, index_t>{1, 8193},
+  for (auto [rows, cols] : {std::pair<index_t, index_t>{1, 8193},
                             {1, 7 * 7},
                             {1, 1000003},
                             {3, 70001},
@@ -90,7 +89,6 @@ TEST(ReducePlan, LongRowsSplitUpToTheTarget) {
                             {4000, 100000},
                             {2, 100003},
                             {1, 33 * 33 * 1024}}) {
-    const index_t rows = shape.first, cols = shape.second;
     const ReducePlan plan = plan_row_reduce(rows, cols);
     expect_valid(plan, rows, cols);
   }

@@ -57,6 +57,12 @@ def main():
     print(f"torch one process {one}, two {two}")
     assert len(one) == len(two) == 6, (one, two)
     assert all(abs(a - b) <= 1e-5 * a for a, b in zip(one, two)), (one, two)
+    # A global batch that does not split over the processes: a message and exit 2, before any work.
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "nanogpt.py"), "train", "--text", text,
+                          *MODEL, "--steps", "1", "--batch-size", "5", "--processes", "2", "--no-eval"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--batch-size 5 does not split over --processes 2" in bad.stderr, bad
+    assert bad.stdout == "", bad.stdout
 
 
 if __name__ == "__main__":
