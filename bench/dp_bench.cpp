@@ -40,10 +40,11 @@ void check_outputs(const Options& o, const dp::tools::Job& job) {
 }
 
 std::unique_ptr<dp::Runtime> open_runtime(const Options& o, dp::tools::Job& job, Setup& setup) {
-  auto rt = make_runtime(o, setup.devices);
+  auto rt = make_runtime(o, setup.devices, !job.several());
   setup.backend = dp::to_string(rt->backend());
   setup.processes = job.processes()->size();
   setup.busy_time_available = records_spans(*rt, o);
+  setup.core_round_trip_ns = core_round_trip_ns(*rt);
   std::vector<int> ids;
   for (int d = 0; d < setup.devices; ++d) {
     setup.device_names.push_back(rt->device(d).name());

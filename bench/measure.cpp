@@ -3,6 +3,7 @@
 #include "measure.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -469,7 +470,7 @@ Recovery measure_recovery(const Options& o, const std::string& model_name, const
   const dp::OptimizerOptions optimizer = bench_optimizer(o);
   const auto one_run = [&](bool disturbed) {
     int count = devices;
-    auto rt = make_runtime(o, count);
+    auto rt = make_runtime(o, count, true);  // one process: dp_bench refuses lose faults in several
     Run run = new_run(o, model_name, kind, devices, 1);
     auto model = model_spec(model_name).build(rt->device(0), model_args(o, model_name), o.seed);
     dp::EngineOptions options = engine_options(o, kind, run, nullptr);
@@ -513,6 +514,54 @@ Recovery measure_recovery(const Options& o, const std::string& model_name, const
                     out.steps, model_name, out.mode));
   out.undisturbed_ms = one_run(false);
   return out;
+}
+
+double core_round_trip_ns(dp::Runtime& rt) {
+  if (rt.backend() != dp::Backend::sim || rt.device_count() < 2) return 0;
+  // Batches of trips, the fastest batch kept: a batch that a preemption or a page fault slowed
+  // says nothing about the cores.
+  constexpr int kBatches = 20, kTrips = 1000;
+  struct alignas(64) Line {
+    std::atomic<int> value{0};
+    std::atomic<bool> gave_up{false};
+  };
+  auto line = std::make_shared<Line>();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+  // Spins until the line holds `want`; false once the deadline passed (both devices on one core
+  // spin in turns of the scheduler's slice, and the peer then stops as well).
+  const auto await = [line, deadline](int want) {
+    for (unsigned spins = 0;; ++spins) {
+      if (line->value.load(std::memory_order_acquire) == want) return true;
+      if (line->gave_up.load(std::memory_order_relaxed)) return false;
+      if (spins % 1024 == 1023 && std::chrono::steady_clock::now() > deadline) {
+        line->gave_up.store(true, std::memory_order_relaxed);
+        return false;
+      }
+    }
+  };
+  auto fastest = std::make_shared<double>(0);
+  auto ping = rt.device(0).submit([line, await, fastest] {
+    int n = 0;
+    for (int batch = 0; batch < kBatches; ++batch) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < kTrips; ++i, ++n) {
+        line->value.store(2 * n + 1, std::memory_order_release);
+        if (!await(2 * n + 2)) return;
+      }
+      const double ns =
+          std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / kTrips;
+      if (*fastest == 0 || ns < *fastest) *fastest = ns;
+    }
+  });
+  auto pong = rt.device(1).submit([line, await] {
+    for (int n = 0; n < kBatches * kTrips; ++n) {
+      if (!await(2 * n + 1)) return;
+      line->value.store(2 * n + 2, std::memory_order_release);
+    }
+  });
+  ping.get();
+  pong.get();
+  return *fastest;
 }
 
 }  // namespace dp_bench

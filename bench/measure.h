@@ -159,6 +159,12 @@ struct Recovery {
 Recovery measure_recovery(const Options& o, const std::string& model_name, const std::string& mode, const Data& data,
                           int devices);
 
+// The round trip of one cache line between the host cores that sim devices 0 and 1 run on (their
+// workers' cores), in ns: the fastest of 20 batches of 1,000 trips (50 ms at most); 0 on cuda or with one
+// device. It is what every byte one simulated device hands another pays, so it explains runs of
+// one build that differ: a VM's two vCPUs on one die or on two (measured 54 ns or 330 ns).
+double core_round_trip_ns(dp::Runtime& rt);
+
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
 // source and output device, DDP's rank 0), picked once as an Engine and driven through it.
 // Under mpirun, ddp spans every process (`processes`), and every device's figures end up on all.

@@ -105,7 +105,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o, const d
   return std::nullopt;
 }
 
-std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
+std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices, bool one_process) {
   std::string backend(dp::tools::to_string(o.backend));
   const int gpus = backend == "sim" ? 0 : dp::Runtime::cuda_device_count();
   if (backend == "auto") backend = gpus > 0 ? "cuda" : "sim";
@@ -113,6 +113,9 @@ std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices) {
   options.backend = backend;
   options.precision = dp::parse_precision(o.precision);
   options.devices_per_gpu = o.devices_per_gpu;
+  // Every process of a job numbers its devices from 0: placed by that number, they would all
+  // crowd the same first cores.
+  options.sim_pin_threads = one_process;
   if (backend == "cuda") {
     if (gpus == 0)
       throw UsageError(dp::Runtime::cuda_compiled() ? "--backend cuda: no usable CUDA device is visible"

@@ -55,7 +55,8 @@ const std::vector<dp::tools::FlagGroup<Options>>& flag_groups();
 std::optional<int> parse_command_line(int argc, char** argv, Options& o, const dp::tools::Job& job);
 
 // The runtime the options ask for, checking the device count against what the backend has.
-std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices);
+// `one_process`: the job has no other process (the sim then keeps each device's threads on a core).
+std::unique_ptr<dp::Runtime> make_runtime(const Options& o, int& devices, bool one_process);
 
 // Whether the measured steps record spans (busy time, GEMM rates, the trace): always on sim; on cuda
 // only when asked (--profile or --trace), since each kernel then records two timing events.

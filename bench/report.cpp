@@ -21,7 +21,8 @@ using json = nlohmann::json;
 // The report's fields that are members of the same name; the others are written below.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Options, devices_per_gpu, batch_size, steps, warmup, bucket_cap_mb, first_bucket_mb,
                                    seed, precision)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Setup, backend, devices, processes, device_names, busy_time_available,
+                                   core_round_trip_ns)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Recovery, model, mode, steps, device, step, devices, rebuild_ms, redone_step_ms,
                                    disturbed_ms, undisturbed_ms)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Run, model, mode, devices, device_ids, batch_per_device, global_batch, param_count,
@@ -191,6 +192,11 @@ void print_run_table(const std::vector<Run>& runs, const Setup& setup) {
         "  sim: {} simulated device(s) share {} host core(s): scaling cannot pass {:.2f}, busy % counts time\n"
         "  a device waits for a core as busy\n",
         setup.devices, cores, std::min(1.0, static_cast<double>(cores) / std::max(1, setup.devices)));
+    if (setup.core_round_trip_ns > 0)
+      fmt::print(
+          "  sim: a cache line's round trip between devices 0 and 1's cores took {:.0f} ns (one L3: ~50-100; a VM\n"
+          "  whose cores sit on two dies pays several hundred in every collective, and its DDP runs are slower)\n",
+          setup.core_round_trip_ns);
   }
 }
 

@@ -19,6 +19,9 @@ struct Setup {
   int processes = 1;
   std::vector<std::string> device_names;
   bool busy_time_available = false;  // records_spans()
+  // sim, two or more devices: one cache line's round trip between the host cores of devices 0 and
+  // 1, in ns (core_round_trip_ns); 0: not measured.
+  double core_round_trip_ns = 0;
 };
 
 // Prints the tables, then writes --trace and --json where asked (process 0 alone calls it). The

@@ -100,6 +100,8 @@ Built build_model(const Options& o, const Checked& checked, const Devices& devic
   dp::RuntimeOptions runtime_options;
   runtime_options.backend = devices.cuda ? "cuda" : "sim";
   runtime_options.sim_devices = devices.highest + 1;
+  // Processes of one job that number their devices alike would all crowd the same first cores.
+  runtime_options.sim_pin_threads = !g_job.several();
   runtime_options.devices_per_gpu = o.devices_per_gpu;
   runtime_options.precision = dp::parse_precision(o.precision);
   Built built;

@@ -4,7 +4,10 @@
 #include <chrono>
 #include <cstring>
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
 #include <thread>
+#include <vector>
 
 #include "dp/kernels/ops.h"
 #include "dp/runtime/collectives.h"
@@ -390,6 +393,71 @@ TEST(Device, SubmitRunsOnOnePersistentWorker) {
   auto failed = rt->device(1).submit([] { throw InvalidArgument("bad task"); });
   EXPECT_THROW(failed.get(), InvalidArgument);
   EXPECT_NO_THROW(rt->device(1).submit([] {}).get()) << "the worker survives a failed task";
+}
+
+// The CPUs a thread may run on, in order.
+std::vector<int> cpus_of_this_thread() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(pthread_getaffinity_np(pthread_self(), sizeof set, &set), 0);
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  return cpus;
+}
+
+// Where a device's two streams and its worker run, and the first stream thread's name.
+struct DeviceThreads {
+  std::vector<int> first_stream, second_stream, worker;
+  std::string name;
+};
+DeviceThreads threads_of(Device& device) {
+  DeviceThreads out;
+  Stream a = device.create_stream(), b = device.create_stream();
+  a.launch_host_func([&] {
+    out.first_stream = cpus_of_this_thread();
+    char name[16] = {};
+    pthread_getname_np(pthread_self(), name, sizeof name);
+    out.name = name;
+  });
+  b.launch_host_func([&] { out.second_stream = cpus_of_this_thread(); });
+  a.synchronize();
+  b.synchronize();
+  device.submit([&] { out.worker = cpus_of_this_thread(); }).get();
+  return out;
+}
+
+// Each simulated device's threads keep to one core, device d on the d-th core the process may use
+// (round robin), so that the OS does not stack two devices on one core while another idles; with
+// one device, or the option off, the threads may run anywhere the process may.
+TEST(Device, EachSimDevicesThreadsKeepToOneCoreWhenThereIsAChoice) {
+  const std::vector<int> allowed = cpus_of_this_thread();
+  if (allowed.size() < 2) GTEST_SKIP() << "needs two or more cores to place devices on";
+  auto rt = test::sim_runtime(3);
+  for (int d = 0; d < 3; ++d) {
+    const DeviceThreads t = threads_of(rt->device(d));
+    const std::vector<int> core = {allowed[static_cast<std::size_t>(d) % allowed.size()]};
+    EXPECT_EQ(t.first_stream, core) << "device " << d;
+    EXPECT_EQ(t.second_stream, core) << "device " << d;
+    EXPECT_EQ(t.worker, core) << "device " << d;
+    EXPECT_EQ(t.name.rfind("sim" + std::to_string(d) + ".stream", 0), 0u) << t.name;
+  }
+  EXPECT_EQ(cpus_of_this_thread(), allowed) << "the host's own thread is not placed";
+
+  const DeviceThreads alone = threads_of(test::sim_runtime(1)->device(0));
+  EXPECT_EQ(alone.first_stream, allowed);
+  EXPECT_EQ(alone.worker, allowed);
+
+  RuntimeOptions off;
+  off.backend = "sim";
+  off.sim_devices = 2;
+  off.sim_pin_threads = false;
+  auto free = Runtime::create(off);
+  for (int d = 0; d < 2; ++d) {
+    const DeviceThreads t = threads_of(free->device(d));
+    EXPECT_EQ(t.first_stream, allowed);
+    EXPECT_EQ(t.worker, allowed);
+  }
 }
 
 TEST(Device, FreeWaitsForQueuedWork) {

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string>
 #include <sys/wait.h>
+#include <thread>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -141,6 +142,17 @@ TEST(Bench, TwoSimDevicesAllModelsAndModes) {
   EXPECT_EQ(report.at("backend"), "sim");
   EXPECT_EQ(report.at("precision"), "strict") << "the default";
   EXPECT_EQ(report.at("devices"), 2);
+  // The round trip of a cache line between the two devices' cores, measured before the runs: from
+  // tens of ns (one L3) to a few us (a loaded or sanitised build), never nothing with two cores.
+  if (std::thread::hardware_concurrency() >= 2) {
+    const double round_trip = report.at("core_round_trip_ns").get<double>();
+    EXPECT_GT(round_trip, 0.0);
+    EXPECT_LT(round_trip, 1e6);
+    EXPECT_NE(
+        r.out.find(fmt::format("a cache line's round trip between devices 0 and 1's cores took {:.0f} ns", round_trip)),
+        std::string::npos)
+        << r.out;
+  }
   ASSERT_EQ(report.at("runs").size(), 6u);
 
   for (const auto& run : report.at("runs")) {
@@ -737,7 +749,10 @@ TEST(Bench, TheGptTakesDpTrainsShapeFlags) {
                                                 "--steps 1 --warmup 0 {} --json '{}'",
                                                 shape, json_path.string()));
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-    return find_run(json::parse(read_file(json_path)), "gpt", "single");
+    EXPECT_EQ(r.out.find("round trip"), std::string::npos) << "one device: nothing to measure";
+    const json report = json::parse(read_file(json_path));
+    EXPECT_EQ(report.at("core_round_trip_ns").get<double>(), 0.0);
+    return find_run(report, "gpt", "single");
   };
   const json small = run_gpt("--context 8 --layers 1 --heads 2 --width 16 --vocab 50 --gelu tanh");
   // wte 128 x 16 (50 padded), wpe 8 x 16, one block (12 C^2 + 13 C), ln_f (2 C).

@@ -203,6 +203,13 @@ struct RuntimeOptions {
   // sim only: number of simulated devices and each one's memory capacity.
   int sim_devices = 2;
   std::size_t sim_capacity_bytes = std::size_t{16} << 30;
+  // sim only: keep each simulated device's threads on one host core (device d on the d-th core the
+  // process may use, round robin) when there are two or more of both; false leaves them to the OS
+  // scheduler, which often stacks two busy devices on one core while another idles. Placement
+  // changes no result, only the speed and how steady it is. Turn it off where several processes
+  // share the host's cores and number their devices alike (dp_train and dp_bench do, in a job of
+  // several processes): they would all crowd the same first cores.
+  bool sim_pin_threads = true;
   // How exact the GPU libraries must be (dp/precision.h); the sim computes the same for both.
   Precision precision = Precision::strict;
   // Several dp devices on one GPU ("virtual devices"), so that every multi-device path runs on a
