@@ -75,6 +75,21 @@ TEST(PortableMath, ExpIsWithinTwoUlpsOfTheTrueValue) {
   EXPECT_TRUE(std::isnan(kernels::exp_portable(NAN)));
 }
 
+// max_portable is fmaxf: a NaN operand gives the other, two NaNs a NaN, infinities order.
+TEST(PortableMath, MaxIsFmaxf) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float values[] = {-inf, -3.5f, -1e-38f, -0.0f, 0.0f, 1e-45f, 2.0f, 3e38f, inf, nan};
+  for (const float a : values)
+    for (const float b : values) {
+      const float want = std::fmax(a, b), got = kernels::max_portable(a, b);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got)) << a << " " << b;
+      } else {
+        EXPECT_EQ(got, want) << a << " " << b;  // +0 == -0: either sign, as fmaxf's
+      }
+    }
+}
+
 TEST(PortableMath, LogIsWithinTwoUlpsOfTheTrueValue) {
   std::int64_t worst = 0;
   for (float x = 1e-30f; x < 1e30f; x *= 1.0173f) {

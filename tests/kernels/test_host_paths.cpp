@@ -403,9 +403,11 @@ TEST(HostPaths, LinearBiasAndRowColumnTerms) {
 
 // The fused attention's three passes, per row (the GPU's form: every dot read where its rows lie)
 // against the host's (each matrix's rows transposed, a tile's dots as independent chains), with
-// and without attn_dropout, T past and not a multiple of the key tile, and T = 1.
+// and without attn_dropout, T past and not a multiple of the key tile (the GPU's, 32, and the host's
+// backward one, 64), and T = 1.
 TEST(HostPaths, FusedAttention) {
-  for (const AttentionShape s : {AttentionShape{2, 45, 2, 8}, AttentionShape{1, 1, 3, 4}, AttentionShape{1, 64, 1, 33}})
+  for (const AttentionShape s : {AttentionShape{2, 45, 2, 8}, AttentionShape{1, 1, 3, 4}, AttentionShape{1, 64, 1, 33},
+                                 AttentionShape{1, 150, 2, 8}})
     for (const double p : {0.0, 0.3}) {
       const index_t c = s.width(), tokens = static_cast<index_t>(s.batch) * s.tokens, rows = attention_fused_rows(s);
       const auto n = static_cast<std::size_t>(tokens * c), r = static_cast<std::size_t>(rows);

@@ -112,6 +112,11 @@ struct CausalSoftmaxBackward {
 
 inline constexpr int kAttentionKeyTile = 32;      // keys per online-softmax update
 inline constexpr int kAttentionMaxHeadDim = 128;  // a row's q and accumulators live in registers
+// The backward passes' tile on the host: their bits do not depend on the tile (each probability is
+// recomputed from its row's log-sum-exp, and every sum runs in key or query order across tiles),
+// so the sim takes longer tiles than a GPU thread's registers hold: fewer tiles a row, longer
+// vector loops (10-13 % faster at T 64). The forward's tile is the online softmax's, part of its bits.
+inline constexpr int kAttentionHostTile = 64;
 
 // Where one (batch, head)'s rows lie in qkv, y and the statistics, and attn_dropout's draw: row r of
 // the launch is query (or key) r % T of matrix r / T = b * H + h.
@@ -140,6 +145,11 @@ struct AttentionRows {
     return dropout_noise(words.v[e % 4], threshold, noise_kept);
   }
 };
+
+// fmaxf's value (a NaN operand gives the other one) as a compare and a select: on the host fmaxf is
+// a libm call, which keeps the tile's loop scalar. Of +0 and -0 either may come back, as from fmaxf;
+// the running max's sign of zero changes neither an exponent's argument nor the log-sum-exp.
+DP_HD inline float max_portable(float a, float b) { return a > b || b != b ? a : b; }
 
 // sum_k a[k] b[k] in feature order, each term one fused multiply-add; a in fp32, b either storage.
 template <class T>
@@ -214,9 +224,9 @@ struct AttentionFusedForward {
       float tile_max = -INFINITY;
       for (int j = 0; j < n; ++j) {
         s[j] = mul_unfused(s[j], rows.scale);
-        tile_max = fmaxf(tile_max, s[j]);
+        tile_max = max_portable(tile_max, s[j]);
       }
-      const float m_new = fmaxf(m, tile_max);
+      const float m_new = max_portable(m, tile_max);
       const float correction = exp_portable(m - m_new);  // 0 for the first tile (m = -inf)
       l = mul_unfused(l, correction);
       for (int k = 0; k < d; ++k) o[k] = mul_unfused(o[k], correction);
@@ -263,7 +273,7 @@ struct AttentionFusedBackwardQuery {
   const T* dy;
   T* dqkv;
   float* delta;
-  template <class Dots>
+  template <int Tile, class Dots>
   DP_HD void row(index_t matrix, int i, const Dots& keys, const Dots& values) const {
     const int d = rows.head_dim;
     const index_t c = rows.width, r = matrix * rows.tokens + i;
@@ -274,10 +284,10 @@ struct AttentionFusedBackwardQuery {
     widen_row(dy + token * c + column, d, g);
     const float dl = dot_in_order(g, y + token * c + column, d);
     const float row_lse = lse[r];
-    float s[kAttentionKeyTile], dp[kAttentionKeyTile];
+    float s[Tile], dp[Tile];
     for (int k = 0; k < d; ++k) dq[k] = 0.0f;
-    for (int start = 0; start <= i; start += kAttentionKeyTile) {
-      const int n = i + 1 - start < kAttentionKeyTile ? i + 1 - start : kAttentionKeyTile;
+    for (int start = 0; start <= i; start += Tile) {
+      const int n = i + 1 - start < Tile ? i + 1 - start : Tile;
       keys(q, start, n, s);
       values(g, start, n, dp);
       for (int j = 0; j < n; ++j) s[j] = attention_probability(mul_unfused(s[j], rows.scale), row_lse);
@@ -296,8 +306,8 @@ struct AttentionFusedBackwardQuery {
   DP_HD void operator()(index_t r) const {
     const index_t matrix = r / rows.tokens, c = rows.width;
     const T* k0 = rows.q(qkv, matrix, 0) + c;
-    row(matrix, static_cast<int>(r % rows.tokens), RowDots<T>{k0, 3 * c, rows.head_dim},
-        RowDots<T>{k0 + c, 3 * c, rows.head_dim});
+    row<kAttentionKeyTile>(matrix, static_cast<int>(r % rows.tokens), RowDots<T>{k0, 3 * c, rows.head_dim},
+                           RowDots<T>{k0 + c, 3 * c, rows.head_dim});
   }
   void host_run(index_t n) const {
     const int t = rows.tokens, d = rows.head_dim;
@@ -306,7 +316,8 @@ struct AttentionFusedBackwardQuery {
     for (index_t matrix = 0; matrix * t < n; ++matrix) {
       transpose_head(rows.q(qkv, matrix, 0) + c, 3 * c, t, d, keys);
       transpose_head(rows.q(qkv, matrix, 0) + 2 * c, 3 * c, t, d, values);
-      for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t, d}, ColumnDots{values.data(), t, d});
+      for (int i = 0; i < t; ++i)
+        row<kAttentionHostTile>(matrix, i, ColumnDots{keys.data(), t, d}, ColumnDots{values.data(), t, d});
     }
   }
 };
@@ -321,7 +332,7 @@ struct AttentionFusedBackwardKey {
   const T* dy;
   const float* delta;
   T* dqkv;
-  template <class Dots>
+  template <int Tile, class Dots>
   DP_HD void row(index_t matrix, int j, const Dots& queries, const Dots& grads) const {
     const int d = rows.head_dim, t = rows.tokens;
     const index_t c = rows.width, first = matrix * t;
@@ -330,10 +341,10 @@ struct AttentionFusedBackwardKey {
     widen_row(head + j * 3 * c + c, d, kj);
     widen_row(head + j * 3 * c + 2 * c, d, vj);
     const T* g0 = dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix);
-    float dk[kAttentionMaxHeadDim], dv[kAttentionMaxHeadDim], s[kAttentionKeyTile], dp[kAttentionKeyTile];
+    float dk[kAttentionMaxHeadDim], dv[kAttentionMaxHeadDim], s[Tile], dp[Tile];
     for (int k = 0; k < d; ++k) dk[k] = dv[k] = 0.0f;
-    for (int start = j; start < t; start += kAttentionKeyTile) {
-      const int n = t - start < kAttentionKeyTile ? t - start : kAttentionKeyTile;
+    for (int start = j; start < t; start += Tile) {
+      const int n = t - start < Tile ? t - start : Tile;
       queries(kj, start, n, s);
       grads(vj, start, n, dp);
       for (int u = 0; u < n; ++u) s[u] = attention_probability(mul_unfused(s[u], rows.scale), lse[first + start + u]);
@@ -363,8 +374,9 @@ struct AttentionFusedBackwardKey {
   }
   DP_HD void operator()(index_t r) const {
     const index_t matrix = r / rows.tokens, c = rows.width;
-    row(matrix, static_cast<int>(r % rows.tokens), RowDots<T>{rows.q(qkv, matrix, 0), 3 * c, rows.head_dim},
-        RowDots<T>{dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, rows.head_dim});
+    row<kAttentionKeyTile>(matrix, static_cast<int>(r % rows.tokens),
+                           RowDots<T>{rows.q(qkv, matrix, 0), 3 * c, rows.head_dim},
+                           RowDots<T>{dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, rows.head_dim});
   }
   void host_run(index_t n) const {
     const int t = rows.tokens, d = rows.head_dim;
@@ -373,7 +385,8 @@ struct AttentionFusedBackwardKey {
     for (index_t matrix = 0; matrix * t < n; ++matrix) {
       transpose_head(rows.q(qkv, matrix, 0), 3 * c, t, d, queries);
       transpose_head(dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, t, d, grads);
-      for (int j = 0; j < t; ++j) row(matrix, j, ColumnDots{queries.data(), t, d}, ColumnDots{grads.data(), t, d});
+      for (int j = 0; j < t; ++j)
+        row<kAttentionHostTile>(matrix, j, ColumnDots{queries.data(), t, d}, ColumnDots{grads.data(), t, d});
     }
   }
 };
