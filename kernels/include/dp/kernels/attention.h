@@ -80,7 +80,7 @@ struct CausalSoftmax {
     const int i = static_cast<int>(row % tokens);
     float* s = scores + row * tokens;
     float m = s[0];
-    for (int j = 1; j <= i; ++j) m = fmaxf(m, s[j]);
+    for (int j = 1; j <= i; ++j) m = max_portable(m, s[j]);
     float sum = 0.0f;
     for (int j = 0; j <= i; ++j) {
       s[j] = exp_portable(s[j] - m);
@@ -145,11 +145,6 @@ struct AttentionRows {
     return dropout_noise(words.v[e % 4], threshold, noise_kept);
   }
 };
-
-// fmaxf's value (a NaN operand gives the other one) as a compare and a select: on the host fmaxf is
-// a libm call, which keeps the tile's loop scalar. Of +0 and -0 either may come back, as from fmaxf;
-// the running max's sign of zero changes neither an exponent's argument nor the log-sum-exp.
-DP_HD inline float max_portable(float a, float b) { return a > b || b != b ? a : b; }
 
 // sum_k a[k] b[k] in feature order, each term one fused multiply-add; a in fp32, b either storage.
 template <class T>

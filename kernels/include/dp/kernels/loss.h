@@ -52,7 +52,7 @@ void cross_entropy_forward_backward(const Stream& stream, int n, int classes, co
 // Row maximum, subtracted before exp so logits of any magnitude (1e4 and beyond) cannot overflow.
 DP_HD inline float row_max(const float* x, int classes) {
   float m = x[0];
-  for (int c = 1; c < classes; ++c) m = fmaxf(m, x[c]);
+  for (int c = 1; c < classes; ++c) m = max_portable(m, x[c]);
   return m;
 }
 

@@ -33,6 +33,12 @@ DP_HD inline float pow2_bits(int n) {
 #endif
 }
 
+// fmaxf's value (a NaN operand gives the other one) as a compare and a select: on the host fmaxf is
+// a libm call per element, which also keeps a loop around it scalar. Of +0 and -0 either may come
+// back, as from fmaxf: a running max's sign of zero changes neither an exponent's argument (x - m)
+// nor a log-sum-exp (m + log(sum), the log >= +0).
+DP_HD inline float max_portable(float a, float b) { return a > b || b != b ? a : b; }
+
 // e^x for fp32 in the same bits on host and device: the platform's expf differs between glibc and
 // CUDA's libdevice in the last bit. Cody-Waite reduction x = n ln2 + r (ln2 split in two so n ln2 is
 // exact), Cephes' degree-6 polynomial for e^r on |r| <= ln2/2 (within 2 ulps of e^x), then e^r 2^n
