@@ -160,9 +160,10 @@ Recovery measure_recovery(const Options& o, const std::string& model_name, const
                           int devices);
 
 // The round trip of one cache line between the host cores that sim devices 0 and 1 run on (their
-// workers' cores), in ns: the fastest of 20 batches of 1,000 trips (50 ms at most); 0 on cuda or with one
-// device. It is what every byte one simulated device hands another pays, so it explains runs of
-// one build that differ: a VM's two vCPUs on one die or on two (measured 54 ns or 330 ns).
+// workers' cores), in ns: the fastest of 20 batches of 1,000 trips, 250 ms at most (a few ms on
+// cores of their own); 0 on cuda or with one device. Every byte one simulated device hands another
+// pays it, so it tells apart runs of one build that differ: a VM's two vCPUs on one die or on two
+// (measured 54 ns or 330 ns).
 double core_round_trip_ns(dp::Runtime& rt);
 
 // One run: `mode` over devices 0..devices-1 (single: device 0 alone), the model on device 0 (DP's
