@@ -18,7 +18,10 @@ overlapping tensors, a non-finite value, a wrong dtype) is refused with a messag
 GPT-2 (L4 NH4 C128, T 64, V 256, dp's initialisation) as an llm.c model file and a text's bytes as its
 token shards, runs train_gpt2.c's 40 steps (AdamW lr 1e-4, B 4, T 64) and dp_train with the same
 settings from the same files, and prints both per-step losses and their largest difference; then
-times both on the same cores in alternation. Without a checkout it says so and exits 0.
+times both on the same cores in alternation, and prints each one's tokens/s, dp's ratio to llm.c and
+the share each reaches of the cores' fp32 GEMM ceiling (dp_microbench's 512 x 512 GEMM on every
+core at once; a token's FLOPs as dp's registry counts them). Without a checkout it says so and
+exits 0.
 """
 import json
 import math
@@ -230,12 +233,43 @@ SMALL = dict(context=64, layers=4, heads=4, width=128, vocab=256)
 LARGE = dict(context=64, layers=6, heads=6, width=384, vocab=256)
 
 
-def dp_train_bin():
-    for candidate in (os.environ.get("DP_TRAIN"), os.path.join(HERE, "..", "build", "bin", "dp_train"),
-                      os.path.join(HERE, "..", "build-sim", "bin", "dp_train")):
+def dp_bin(name, variable):
+    for candidate in (os.environ.get(variable), os.path.join(HERE, "..", "build", "bin", name),
+                      os.path.join(HERE, "..", "build-sim", "bin", name)):
         if candidate and os.access(candidate, os.X_OK):
             return os.path.abspath(candidate)
-    raise Refused("no dp_train: build dp first (scripts/setup.sh) or set DP_TRAIN")
+    raise Refused("no %s: build dp first (scripts/setup.sh) or set %s" % (name, variable))
+
+
+def dp_train_bin():
+    return dp_bin("dp_train", "DP_TRAIN")
+
+
+def flops_per_token(size):
+    """A token's FLOPs in a training step, forward and backward, as dp's registry counts them (its
+    GEMMs and the attention's products): dp_bench's gemm_flops_per_sample over the sample's tokens."""
+    with tempfile.TemporaryDirectory() as work:
+        report = os.path.join(work, "bench.json")
+        shape = [x for k, v in size.items() for x in ("--" + k, str(v))]
+        subprocess.run([dp_bin("dp_bench", "DP_BENCH"), "--backend", "sim", "--models", "gpt", "--modes", "single",
+                        "--devices", "1", "--batch-size", "1", "--steps", "1", "--warmup", "0", "--gelu", "tanh",
+                        "--json", report] + shape, check=True, stdout=subprocess.DEVNULL)
+        with open(report) as f:
+            run = json.load(f)["runs"][0]
+    return run["gemm_flops_per_sample"] / run["tokens_per_sample"]
+
+
+def attainable_gflops(threads):
+    """The cores' fp32 ceiling, measured rather than assumed (a VM reports no clock it can be held
+    to): dp_microbench's 512 x 512 GEMM (OpenBLAS, one thread each) on `threads` devices at once,
+    summed over them."""
+    out = subprocess.run([dp_bin("dp_microbench", "DP_MICROBENCH"), "--backend", "sim", "--devices", str(threads),
+                          "--reps", "20", "--copy-mib", "1", "--allreduce-max-mib", "1", "--allreduce-iters", "1"],
+                         check=True, capture_output=True, text=True).stdout
+    line = re.search(r"^square 512\s+(.*)$", out, re.M)
+    if not line:
+        raise Refused("dp_microbench printed no 'square 512' row")
+    return float(line.group(1).split()[-1]) * threads  # with several devices the last column: all at once
 
 
 def gpt_flags(size):
@@ -349,6 +383,11 @@ def parity(llmc_dir, text):
             a, b, c = tokens / median(llmc_times), tokens / median(single), tokens / median(ddp)
             print("  tokens/s (median step of 3 alternating runs): llm.c %.0f (OMP_NUM_THREADS=%d), dp single %.0f "
                   "(%.2fx), dp ddp over %d sim devices %.0f (%.2fx)" % (a, threads, b, b / a, threads, c, c / a))
+            per_token, peak = flops_per_token(size), attainable_gflops(threads)
+            share = lambda rate: 100.0 * rate * per_token / 1e9 / peak
+            print("  of the %d cores' fp32 GEMM ceiling (%.0f GFLOP/s, dp_microbench; %.1f MFLOP a token): llm.c "
+                  "%.0f %%, dp single %.0f %%, dp ddp %.0f %%" % (threads, peak, per_token / 1e6, share(a), share(b),
+                                                                  share(c)))
     return 0
 
 
