@@ -117,6 +117,7 @@ inline constexpr int kAttentionMaxHeadDim = 128;  // a row's q and accumulators 
 // so the sim takes longer tiles than a GPU thread's registers hold: fewer tiles a row, longer
 // vector loops (10-13 % faster at T 64). The forward's tile is the online softmax's, part of its bits.
 inline constexpr int kAttentionHostTile = 64;
+static_assert(kAttentionKeyTile % 8 == 0 && kAttentionHostTile % 8 == 0, "ColumnDots writes whole blocks of 8");
 
 // Where one (batch, head)'s rows lie in qkv, y and the statistics, and attn_dropout's draw: row r of
 // the launch is query (or key) r % T of matrix r / T = b * H + h.
@@ -163,8 +164,8 @@ DP_HD void widen_row(const T* from, int n, float* to) {
 // The unscaled dots of a (fp32) with rows first..first+n-1 of one matrix's keys (values, queries,
 // dy), into out. RowDots reads each row where it lies, in its storage (on the GPU a warp's threads
 // read the same row at the same time); ColumnDots reads a (D, T) fp32 copy, n independent chains
-// the host vectorises. Both add each dot's terms in feature order, as dot_in_order does: the same
-// bits.
+// the host vectorises, 8 to 32 of them in registers at once. Both add each dot's terms in feature
+// order, as dot_in_order does: the same bits.
 template <class T>
 struct RowDots {
   const T* base;   // row 0
@@ -175,24 +176,46 @@ struct RowDots {
   }
 };
 struct ColumnDots {
-  const float* columns;  // feature k of row j at columns[k * tokens + j]
-  int tokens, d;
-  DP_HD void operator()(const float* a, int first, int n, float* out) const {
-    for (int j = 0; j < n; ++j) out[j] = 0.0f;
+  const float* columns;  // feature k of row j at columns[k * stride + j]: transpose_head's copy
+  int stride, d;         // stride: the tokens and kColumnPadding zeros after them
+  // The dots of blocks of 8 rows, up to four blocks at once, held in registers across the features
+  // (a dot in memory waits on its own store every feature).
+  template <int Blocks>
+  DP_HD void blocks(const float* a, const float* first_column, float* out) const {
+    float acc[8 * Blocks];
+    for (int l = 0; l < 8 * Blocks; ++l) acc[l] = 0.0f;
     for (int k = 0; k < d; ++k) {
       const float ak = a[k];
-      const float* column = columns + static_cast<index_t>(k) * tokens + first;
-      for (int j = 0; j < n; ++j) out[j] = fmaf(ak, column[j], out[j]);
+      const float* column = first_column + static_cast<index_t>(k) * stride;
+      for (int l = 0; l < 8 * Blocks; ++l) acc[l] = fmaf(ak, column[l], acc[l]);
+    }
+    for (int l = 0; l < 8 * Blocks; ++l) out[l] = acc[l];
+  }
+  // out holds n rounded up to 8: the last block's spare lanes are written too (dots with the
+  // padding's zeros or the next rows, never read).
+  DP_HD void operator()(const float* a, int first, int n, float* out) const {
+    int j0 = 0;
+    for (; n - j0 > 32; j0 += 32) blocks<4>(a, columns + first + j0, out + j0);
+    switch ((n - j0 + 7) / 8) {
+      case 4: blocks<4>(a, columns + first + j0, out + j0); break;
+      case 3: blocks<3>(a, columns + first + j0, out + j0); break;
+      case 2: blocks<2>(a, columns + first + j0, out + j0); break;
+      case 1: blocks<1>(a, columns + first + j0, out + j0); break;
+      default: break;
     }
   }
 };
 
 // sim: the (D, T) fp32 copy of one matrix's rows (q, k or v columns of qkv, or dy's), for ColumnDots.
+// Each feature's row holds the tokens and then kColumnPadding zeros, so that ColumnDots' last block
+// of 8 may read past the last token.
+inline constexpr int kColumnPadding = 8;
 template <class T>
 void transpose_head(const T* row0, index_t stride, int tokens, int d, std::vector<float>& columns) {
-  columns.resize(static_cast<std::size_t>(tokens) * d);
+  const std::size_t width = static_cast<std::size_t>(tokens) + kColumnPadding;
+  columns.assign(width * d, 0.0f);
   for (int j = 0; j < tokens; ++j)
-    for (int k = 0; k < d; ++k) columns[static_cast<std::size_t>(k) * tokens + j] = load(row0, j * stride + k);
+    for (int k = 0; k < d; ++k) columns[static_cast<std::size_t>(k) * width + j] = load(row0, j * stride + k);
 }
 
 // One query row: the keys 0..i in tiles, each tile's scores, then the running max m, sum l and
@@ -249,7 +272,7 @@ struct AttentionFusedForward {
     std::vector<float> keys;
     for (index_t matrix = 0; matrix * t < n; ++matrix) {
       transpose_head(rows.q(qkv, matrix, 0) + rows.width, 3 * rows.width, t, d, keys);
-      for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t, d});
+      for (int i = 0; i < t; ++i) row(matrix, i, ColumnDots{keys.data(), t + kColumnPadding, d});
     }
   }
 };
@@ -312,7 +335,8 @@ struct AttentionFusedBackwardQuery {
       transpose_head(rows.q(qkv, matrix, 0) + c, 3 * c, t, d, keys);
       transpose_head(rows.q(qkv, matrix, 0) + 2 * c, 3 * c, t, d, values);
       for (int i = 0; i < t; ++i)
-        row<kAttentionHostTile>(matrix, i, ColumnDots{keys.data(), t, d}, ColumnDots{values.data(), t, d});
+        row<kAttentionHostTile>(matrix, i, ColumnDots{keys.data(), t + kColumnPadding, d},
+                                ColumnDots{values.data(), t + kColumnPadding, d});
     }
   }
 };
@@ -381,7 +405,8 @@ struct AttentionFusedBackwardKey {
       transpose_head(rows.q(qkv, matrix, 0), 3 * c, t, d, queries);
       transpose_head(dy + rows.token_row(matrix, 0) * c + rows.head_column(matrix), c, t, d, grads);
       for (int j = 0; j < t; ++j)
-        row<kAttentionHostTile>(matrix, j, ColumnDots{queries.data(), t, d}, ColumnDots{grads.data(), t, d});
+        row<kAttentionHostTile>(matrix, j, ColumnDots{queries.data(), t + kColumnPadding, d},
+                                ColumnDots{grads.data(), t + kColumnPadding, d});
     }
   }
 };
