@@ -250,10 +250,9 @@ def flops_per_token(size):
     GEMMs and the attention's products): dp_bench's gemm_flops_per_sample over the sample's tokens."""
     with tempfile.TemporaryDirectory() as work:
         report = os.path.join(work, "bench.json")
-        shape = [x for k, v in size.items() for x in ("--" + k, str(v))]
         subprocess.run([dp_bin("dp_bench", "DP_BENCH"), "--backend", "sim", "--models", "gpt", "--modes", "single",
                         "--devices", "1", "--batch-size", "1", "--steps", "1", "--warmup", "0", "--gelu", "tanh",
-                        "--json", report] + shape, check=True, stdout=subprocess.DEVNULL)
+                        "--json", report] + shape_flags(size), check=True, stdout=subprocess.DEVNULL)
         with open(report) as f:
             run = json.load(f)["runs"][0]
     return run["gemm_flops_per_sample"] / run["tokens_per_sample"]
@@ -272,8 +271,12 @@ def attainable_gflops(threads):
     return float(line.group(1).split()[-1]) * threads  # with several devices the last column: all at once
 
 
+def shape_flags(size):
+    return [x for k, v in size.items() for x in ("--" + k, str(v))]
+
+
 def gpt_flags(size):
-    return ["--model", "gpt", "--gelu", "tanh"] + [x for k, v in size.items() for x in ("--" + k, str(v))]
+    return ["--model", "gpt", "--gelu", "tanh"] + shape_flags(size)
 
 
 def make_files(work, size, text, steps):

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sched.h>
 #include <set>
 #include <sstream>
 #include <string>
@@ -760,6 +761,28 @@ TEST(Bench, TheGptTakesDpTrainsShapeFlags) {
   EXPECT_EQ(small.at("tokens_per_sample").get<int>(), 8);
   const json wider = run_gpt("--context 8 --layers 2 --heads 2 --width 16 --vocab 50");
   EXPECT_GT(wider.at("gemm_flops_per_sample").get<double>(), small.at("gemm_flops_per_sample").get<double>());
+}
+
+// Two devices that share one core cannot bounce a cache line between cores: the measurement
+// gives up at its deadline and reports nothing (0, no line), and the runs go on.
+TEST(Bench, DevicesOnOneCoreReportNoRoundTrip) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  int core = 0;
+  while (!CPU_ISSET(core, &allowed)) ++core;
+  TempDir dir("one_core");
+  const fs::path json_path = dir / "report.json";
+  const Result r = run_bench(dir,
+                             fmt::format("--backend sim --devices 2 --models mlp --modes ddp --batch-size 2 "
+                                         "--steps 1 --warmup 0 --json '{}'",
+                                         json_path.string()),
+                             fmt::format("taskset -c {}", core));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(r.out.find("round trip"), std::string::npos) << r.out;
+  const json report = json::parse(read_file(json_path));
+  EXPECT_EQ(report.at("core_round_trip_ns").get<double>(), 0.0);
+  EXPECT_GT(find_run(report, "mlp", "ddp").at("samples_per_s").get<double>(), 0.0);
 }
 
 TEST(Bench, BadFlagsAreClearErrors) {

@@ -329,9 +329,10 @@ class SimRuntime final : public RuntimeImpl {
   explicit SimRuntime(const RuntimeOptions& options);
   ~SimRuntime() override;
   Backend backend() const override { return Backend::sim; }
-  // The host core of device `device`'s threads; -1: left to the OS.
-  int core_of(int device) const {
-    return cores_.empty() ? -1 : cores_[static_cast<std::size_t>(device) % cores_.size()];
+  // What each thread of device `device` runs first: its placement on the device's core, if any.
+  SerialExecutor::Task place_on_start(int device) const {
+    const int core = cores_.empty() ? -1 : cores_[static_cast<std::size_t>(device) % cores_.size()];
+    return [core] { place_this_thread(core); };
   }
   void* allocate_pinned(std::size_t bytes) override {
     refuse_on_capturing_thread(fmt::format("pinned allocation of {} bytes", bytes));
@@ -358,8 +359,7 @@ class SimStream final : public StreamImpl, public std::enable_shared_from_this<S
       : runtime_(runtime),
         device_(index),
         id_(runtime.next_stream_id()),
-        executor_(fmt::format("sim{}.stream{}", index, id_),
-                  [core = runtime.core_of(index)] { place_this_thread(core); }) {}
+        executor_(fmt::format("sim{}.stream{}", index, id_), runtime.place_on_start(index)) {}
 
   int device() const override { return device_; }
   Backend backend() const override { return Backend::sim; }
@@ -635,7 +635,7 @@ class SimDevice final : public DeviceImpl {
         index_(index),
         gpu_memory_(std::move(gpu)),
         memory_(gpu_memory_->capacity()),
-        worker_(fmt::format("sim{}.worker", index), [core = runtime.core_of(index)] { place_this_thread(core); }) {}
+        worker_(fmt::format("sim{}.worker", index), runtime.place_on_start(index)) {}
 
   Backend backend() const override { return Backend::sim; }
   std::string name() const override {

@@ -13,6 +13,7 @@
 // log_portable): cuda and sim give the same bits. The unfused form is the reference it is tested against.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -213,9 +214,11 @@ inline constexpr int kColumnPadding = 8;
 template <class T>
 void transpose_head(const T* row0, index_t stride, int tokens, int d, std::vector<float>& columns) {
   const std::size_t width = static_cast<std::size_t>(tokens) + kColumnPadding;
-  columns.assign(width * d, 0.0f);
+  columns.resize(width * d);
   for (int j = 0; j < tokens; ++j)
     for (int k = 0; k < d; ++k) columns[static_cast<std::size_t>(k) * width + j] = load(row0, j * stride + k);
+  for (int k = 0; k < d; ++k)
+    std::fill_n(columns.begin() + static_cast<std::ptrdiff_t>(k * width + tokens), kColumnPadding, 0.0f);
 }
 
 // One query row: the keys 0..i in tiles, each tile's scores, then the running max m, sum l and
