@@ -21,7 +21,6 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
   const char* op = "layernorm_forward";
   check_layernorm(op, rows, cols);
   if (!(eps >= 0.0f)) checks::fail({op, ": eps must be >= 0, got ", eps});
-  checks::same_storage(op, {x.bf16, y.bf16});
   checks::present(op, {{"x", x.data}, {"gamma", gamma}, {"beta", beta}, {"y", y.data}, {"mean", mean}, {"rstd", rstd}});
   const index_t total = rows * cols;
   with_storage(x.bf16, [&](auto t) {
@@ -33,9 +32,13 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
     launch_row_reduce<SumPair>(stream, "layernorm_variance", rows, cols, LnRowMoments<T>{xs, cols, mean},
                                LnStoreRstd{rstd, static_cast<float>(cols), eps},
                                {operand(xs, total), operand(mean, rows), operand(rstd, rows)});
-    launch_2d(stream, "layernorm_normalize", rows, cols, LnNormalize<T>{cols, xs, mean, rstd, gamma, beta, y.as<T>()},
-              {operand(xs, total), operand(mean, rows), operand(rstd, rows), operand(gamma, cols), operand(beta, cols),
-               operand(y.as<T>(), total)});
+    with_storage(y.bf16, [&](auto u) {
+      using U = decltype(u);
+      launch_2d(stream, "layernorm_normalize", rows, cols,
+                LnNormalize<T, U>{cols, xs, mean, rstd, gamma, beta, y.as<U>()},
+                {operand(xs, total), operand(mean, rows), operand(rstd, rows), operand(gamma, cols),
+                 operand(beta, cols), operand(y.as<U>(), total)});
+    });
   });
 }
 
@@ -44,7 +47,7 @@ void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, 
                         bool accumulate) {
   const char* op = "layernorm_backward";
   check_layernorm(op, rows, cols);
-  checks::same_storage(op, {x.bf16, dy.bf16, dx ? dx.bf16 : x.bf16});
+  checks::same_storage(op, {x.bf16, dx ? dx.bf16 : x.bf16});
   checks::present(op, {{"x", x.data},
                        {"gamma", gamma},
                        {"mean", mean},
@@ -55,23 +58,27 @@ void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, 
                        {"row_sums", row_sums}});
   const index_t total = rows * cols;
   with_storage(x.bf16, [&](auto t) {
-    using T = decltype(t);
-    const T* xs = x.as<T>();
-    const T* dys = dy.as<T>();
-    launch_row_reduce<SumPair>(stream, "layernorm_backward_params", cols, rows,
-                               LnParamTerms<T>{xs, dys, mean, rstd, cols}, LnStoreParamGrads{dgamma, dbeta, accumulate},
-                               {operand(xs, total), operand(dys, total), operand(mean, rows), operand(rstd, rows),
-                                operand(dgamma, cols), operand(dbeta, cols)});
-    if (!dx) return;
-    launch_row_reduce<SumPair>(stream, "layernorm_backward_sums", rows, cols,
-                               LnGradTerms<T>{xs, dys, gamma, mean, rstd, cols}, LnStoreRowSums{rows, row_sums},
-                               {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
-                                operand(rstd, rows), operand(row_sums, 2 * rows)});
-    launch_2d(
-        stream, "layernorm_backward_dx", rows, cols,
-        LnInputGrad<T>{rows, cols, xs, dys, gamma, mean, rstd, row_sums, 1.0f / static_cast<float>(cols), dx.as<T>()},
-        {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows), operand(rstd, rows),
-         operand(row_sums, 2 * rows), operand(dx.as<T>(), total)});
+    with_storage(dy.bf16, [&](auto d) {
+      using T = decltype(t);
+      using D = decltype(d);
+      const T* xs = x.as<T>();
+      const D* dys = dy.as<D>();
+      launch_row_reduce<SumPair>(stream, "layernorm_backward_params", cols, rows,
+                                 LnParamTerms<T, D>{xs, dys, mean, rstd, cols},
+                                 LnStoreParamGrads{dgamma, dbeta, accumulate},
+                                 {operand(xs, total), operand(dys, total), operand(mean, rows), operand(rstd, rows),
+                                  operand(dgamma, cols), operand(dbeta, cols)});
+      if (!dx) return;
+      launch_row_reduce<SumPair>(stream, "layernorm_backward_sums", rows, cols,
+                                 LnGradTerms<T, D>{xs, dys, gamma, mean, rstd, cols}, LnStoreRowSums{rows, row_sums},
+                                 {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
+                                  operand(rstd, rows), operand(row_sums, 2 * rows)});
+      launch_2d(stream, "layernorm_backward_dx", rows, cols,
+                LnInputGrad<T, D>{rows, cols, xs, dys, gamma, mean, rstd, row_sums, 1.0f / static_cast<float>(cols),
+                                  dx.as<T>()},
+                {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
+                 operand(rstd, rows), operand(row_sums, 2 * rows), operand(dx.as<T>(), total)});
+    });
   });
 }
 

@@ -93,35 +93,39 @@ void cross_entropy_backward(const Stream& stream, int n, int classes, const floa
   check_targets_on_sim(stream, op, n, classes, targets);
 }
 
-void cross_entropy_forward_backward(const Stream& stream, int n, int classes, const float* logits,
-                                    const std::int64_t* targets, float* per_sample, float* loss, float dloss,
-                                    int mean_over, float* dlogits, double label_smoothing) {
+void cross_entropy_forward_backward(const Stream& stream, int n, int classes, In logits, const std::int64_t* targets,
+                                    float* per_sample, float* loss, float dloss, int mean_over, Out dlogits,
+                                    double label_smoothing) {
   const char* op = "cross_entropy_forward_backward";
   check_cross_entropy(op, n, classes, mean_over);
   check_label_smoothing(op, label_smoothing);
+  checks::same_storage(op, {logits.bf16, dlogits.bf16});
   const index_t elements = static_cast<index_t>(n) * classes;
   // The factors of both entry points, computed as they compute them.
   const float scale = dloss / static_cast<float>(mean_over);
   const double off = label_smoothing / classes;
   const float target_on = static_cast<float>(1.0 - label_smoothing + off), target_off = static_cast<float>(off);
-  if (label_smoothing == 0.0) {
-    launch_row_reduce<float>(
-        stream, op, 1, n,
-        CrossEntropyForwardBackwardTerm{logits, targets, classes, scale, target_on, target_off, per_sample, dlogits},
-        StoreMean{loss, static_cast<float>(n)},
-        {operand(logits, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1),
-         operand(dlogits, elements)});
-  } else {
-    const float one_minus_eps = static_cast<float>(1.0 - label_smoothing);
-    const float eps_over_classes = static_cast<float>(label_smoothing / classes);
-    launch_row_reduce<SmoothedTerms>(
-        stream, op, 1, n,
-        SmoothedCrossEntropyForwardBackwardTerm{logits, targets, classes, one_minus_eps, eps_over_classes, scale,
-                                                target_on, target_off, per_sample, dlogits},
-        StoreSmoothedMean{loss, static_cast<float>(n), one_minus_eps, eps_over_classes},
-        {operand(logits, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1),
-         operand(dlogits, elements)});
-  }
+  with_storage(logits.bf16, [&](auto storage) {
+    using T = decltype(storage);
+    const T* x = logits.as<T>();
+    T* dx = dlogits.as<T>();
+    if (label_smoothing == 0.0) {
+      launch_row_reduce<float>(
+          stream, op, 1, n,
+          CrossEntropyForwardBackwardTerm<T>{x, targets, classes, scale, target_on, target_off, per_sample, dx},
+          StoreMean{loss, static_cast<float>(n)},
+          {operand(x, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1), operand(dx, elements)});
+    } else {
+      const float one_minus_eps = static_cast<float>(1.0 - label_smoothing);
+      const float eps_over_classes = static_cast<float>(label_smoothing / classes);
+      launch_row_reduce<SmoothedTerms>(
+          stream, op, 1, n,
+          SmoothedCrossEntropyForwardBackwardTerm<T>{x, targets, classes, one_minus_eps, eps_over_classes, scale,
+                                                     target_on, target_off, per_sample, dx},
+          StoreSmoothedMean{loss, static_cast<float>(n), one_minus_eps, eps_over_classes},
+          {operand(x, elements), operand(targets, n), operand(per_sample, n), operand(loss, 1), operand(dx, elements)});
+    }
+  });
   check_targets_on_sim(stream, op, n, classes, targets);
 }
 

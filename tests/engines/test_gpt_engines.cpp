@@ -114,9 +114,12 @@ TEST_P(GptOnBackend, OneStepInEveryEngineIsTorchs) {
       if (run.kind == EngineKind::single) options.device_ids = std::vector<int>{0};
       auto engine = make_engine(*rt, *model, sgd, options);
       const float loss = engine->train_step(data.batches(*engine));
-      // Autocast: the residual stream fp32 as torch's type promotion keeps it (x + bf16 branch); with
-      // the stream in bf16 the loss was 4.2e-4 from torch's, now 8e-5.
-      EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 2e-4 : 2e-6);
+      // Autocast: the residual stream fp32 as torch's type promotion keeps it (x + bf16 branch; in bf16
+      // the loss was 4.2e-4 from torch's). Both heads round their logits to bf16, which magnifies the
+      // attention's difference (torch's explicit one rounds its scores): in torch, hidden states moved
+      // by 1e-4 (relative, at random) move this loss by up to 3.8e-4 through a bf16 head, 2.7e-5
+      // through an fp32 one. dp's is 1.7e-4 from torch's (8e-5 while its head was fp32).
+      EXPECT_NEAR(loss, golden.at(mode + ".loss").to_f32()[0], amp ? 5e-4 : 2e-6);
       engine->synchronize();
       std::vector<float> all;
       int checked = 0;
@@ -136,8 +139,10 @@ TEST_P(GptOnBackend, OneStepInEveryEngineIsTorchs) {
     }
     // One device's step and two replicas' are the same arithmetic on the same rows, but for the order
     // of the gradients' sums; under autocast each replica also rounds its weight gradients to bf16
-    // before they add up (as torch's replicas do), one rounding of the gradient more.
-    const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 5e-5 : 1e-7;
+    // before they add up (as torch's replicas do), one rounding of the gradient more. The tied table's
+    // gradient is the head's, so rounded, plus the embedding's: where the two nearly cancel, that
+    // rounding is most of the sum (one element moves 1e-4 from single's).
+    const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 2e-4 : 1e-7;
     EXPECT_TRUE(test::all_close(results[1], results[0], rtol, atol)) << "dp against single, " << mode;
     EXPECT_TRUE(test::all_close(results[2], results[0], rtol, atol)) << "ddp against single, " << mode;
   }

@@ -128,6 +128,33 @@ TEST_P(FusionTest, CrossEntropyLossForwardBackwardEqualsTheTwoCalls) {
   }
 }
 
+// Autocast's logits: bf16 storage read widened, the loss that of the widened logits, the gradient
+// that loss's fp32 gradient rounded once (torch's fp32 loss on `logits.float()` and the cast's
+// backward), with and without label smoothing, over a GPT-sized row as well.
+TEST_P(FusionTest, CrossEntropyLossOnBf16LogitsIsTheWidenedLossAndItsGradientRounded) {
+  for (const int classes : {10, 1000})
+    for (const double eps : {0.0, 0.2}) {
+      SCOPED_TRACE(testing::Message() << "classes " << classes << " eps " << eps);
+      const int n = 24;
+      const auto bits = test::bf16_bits(
+          test::random_vector(static_cast<std::size_t>(n) * static_cast<std::size_t>(classes), 64, -8.0f, 8.0f));
+      const auto targets = test::random_targets(n, classes, 65);
+      DeviceBuffer d16 = up(bits), d32 = up(test::bf16_values(bits)), dt = up(targets);
+      DeviceBuffer g16 = device_->allocate(bits.size() * 2), g32 = floats(bits.size());
+      CrossEntropyLoss narrow(*device_, eps), wide(*device_, eps);
+      const float* l16 = narrow.forward_backward(stream_, d16.as<std::uint16_t>(), dt.as<std::int64_t>(), n, classes,
+                                                 g16.as<std::uint16_t>(), n + 3, 0.5f, true);
+      const float* l32 = wide.forward_backward(stream_, d32.as<float>(), dt.as<std::int64_t>(), n, classes,
+                                               g32.as<float>(), n + 3, 0.5f);
+      std::vector<float> loss16(1), loss32(1);
+      stream_.copy(loss16.data(), l16, 4);
+      stream_.copy(loss32.data(), l32, 4);
+      stream_.synchronize();
+      EXPECT_TRUE(same_bits(loss16, loss32));
+      EXPECT_EQ(down<std::uint16_t>(g16), test::bf16_bits(down<float>(g32)));
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // BatchNorm + ReLU
 

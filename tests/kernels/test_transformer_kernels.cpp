@@ -268,6 +268,23 @@ TEST_P(TransformerKernels, Bf16StorageIsTheFp32ResultRounded) {
   EXPECT_EQ(down<float>(dg), want.dgamma);
   EXPECT_EQ(down<float>(db), want.dbeta);
 
+  // Mixed: an fp32 x (the residual stream) with a bf16 y and dy (a reader that rounds): y is the
+  // fp32 y rounded, dx the fp32 kernels' on the widened dy, bit for bit.
+  {
+    const auto x32v = test::random_vector(size, 5, -3.0f, 3.0f);
+    const LayerNormResult fp32 = layernorm(rows, cols, x32v, gamma, beta, dy);
+    DeviceBuffer xw = up(x32v), y16 = device_->allocate(size * 2), dxw = floats(size);
+    kernels::layernorm_forward(stream_, rows, cols, xw.as<float>(), g.as<float>(), b.as<float>(),
+                               y16.as<std::uint16_t>(), mean.as<float>(), rstd.as<float>());
+    kernels::layernorm_backward(stream_, rows, cols, xw.as<float>(), g.as<float>(), mean.as<float>(), rstd.as<float>(),
+                                dyd.as<std::uint16_t>(), dxw.as<float>(), dg.as<float>(), db.as<float>(),
+                                sums.as<float>(), false);
+    EXPECT_EQ(down<std::uint16_t>(y16), test::bf16_bits(fp32.y));
+    EXPECT_EQ(down<float>(dxw), fp32.dx);
+    EXPECT_EQ(down<float>(dg), fp32.dgamma);
+    EXPECT_EQ(down<float>(db), fp32.dbeta);
+  }
+
   DeviceBuffer gy = device_->allocate(size * 2), gdx = device_->allocate(size * 2);
   DeviceBuffer x32 = up(x), dy32 = up(dy), gy32 = floats(size), gdx32 = floats(size);
   for (const auto form : {kernels::GeluForm::exact, kernels::GeluForm::tanh}) {

@@ -83,9 +83,9 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
                         static_cast<std::uint64_t>(mine.optimizer->steps()), mine.accumulated_samples});
   mine.accumulated_samples += static_cast<std::uint64_t>(batch.size);
   progress::set_phase("forward");
-  const float* logits = m.forward(mine.compute, inputs, batch.size, Mode::train);
-  const float* loss =
-      mine.loss->forward_backward(mine.compute, logits, targets, rows, sample.classes, grad_output, rows, loss_scale);
+  const Model::Output logits = m.forward_for_loss(mine.compute, inputs, batch.size);
+  const float* loss = mine.loss->forward_backward(mine.compute, logits.data, targets, rows, sample.classes, grad_output,
+                                                  rows, loss_scale, logits.bf16);
   GradientsReady on_ready;
   if (sync) {
     // Not grads_flat(): that would fill in a pending zero_grad the backward is about to overwrite.
@@ -93,7 +93,7 @@ void DistributedDataParallel::enqueue_forward_backward(int r, const Batch& batch
     on_ready = [&](std::size_t offset, std::size_t count) { reducer_->mark_ready(r, offset, count); };
   }
   progress::set_phase("backward");
-  m.backward(mine.compute, grad_output, on_ready);
+  m.backward_from_loss(mine.compute, grad_output, logits.bf16, on_ready);
   if (sync) reducer_->finish(r);
   mine.compute.copy(mine.loss_slot(slot, index, batches_per_rank_), loss, sizeof(float));
   // Captured, a record is a dependency inside the graph: the replay records it after the graph.

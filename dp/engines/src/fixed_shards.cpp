@@ -151,13 +151,13 @@ const float* FixedShards::enqueue_shard(int r, int shard, int shard_size, Inputs
                         static_cast<std::uint64_t>(shard) * static_cast<std::uint64_t>(shard_size)});
   // Each shard its own passes (where a thread stands; DP_FAULT's flip-gemm strikes each pass).
   progress::set_phase("forward");
-  const float* logits = m.forward(mine.compute, inputs, shard_size, Mode::train);
+  const Model::Output logits = m.forward_for_loss(mine.compute, inputs, shard_size);
   after_forward();
-  const float* loss =
-      mine.loss->forward_backward(mine.compute, logits, targets, shard_size * static_cast<int>(sample.targets),
-                                  sample.classes, grad_output, global_batch * static_cast<int>(sample.targets), 1.0f);
+  const float* loss = mine.loss->forward_backward(
+      mine.compute, logits.data, targets, shard_size * static_cast<int>(sample.targets), sample.classes, grad_output,
+      global_batch * static_cast<int>(sample.targets), 1.0f, logits.bf16);
   progress::set_phase("backward");
-  m.backward(mine.compute, grad_output, {});
+  m.backward_from_loss(mine.compute, grad_output, logits.bf16, {});
   return loss;
 }
 

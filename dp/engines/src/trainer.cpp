@@ -61,12 +61,12 @@ void SingleDeviceTrainer::enqueue_step(const std::vector<int>& sizes, int slot) 
     float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * sample.logits);
     model_.set_random_context({step_options_.seed, static_cast<std::uint64_t>(optimizer_->steps()), offset});
     offset += static_cast<std::uint64_t>(batch);
-    const float* logits = model_.forward(stream_, ring.inputs(slot), batch, Mode::train);
+    const Model::Output logits = model_.forward_for_loss(stream_, ring.inputs(slot), batch);
     // torch's accumulation loop: (loss / K).backward(), the gradients adding up in micro-batch order.
-    const float* loss = loss_.forward_backward(stream_, logits, ring.targets(slot), rows, sample.classes, grad_output,
-                                               rows, 1.0f / static_cast<float>(micro));
+    const float* loss = loss_.forward_backward(stream_, logits.data, ring.targets(slot), rows, sample.classes,
+                                               grad_output, rows, 1.0f / static_cast<float>(micro), logits.bf16);
     if (m == 0) model_.zero_grad(stream_);
-    model_.backward(stream_, grad_output);
+    model_.backward_from_loss(stream_, grad_output, logits.bf16);
     // Pinned: asynchronous and capturable; the slot's own floats, so a later step never overwrites them.
     stream_.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + m), loss, sizeof(float));
   }

@@ -24,7 +24,7 @@ Chain::Chain(Layers layers) : layers_(std::move(layers)) {
   }
 }
 
-Chain::Chain(const Chain& other) {
+Chain::Chain(const Chain& other) : reader_rounds_(other.reader_rounds_) {
   for (const auto& layer : other.layers_) layers_.push_back(layer->clone());
 }
 
@@ -74,9 +74,22 @@ void Chain::add_prefix(const std::string& prefix) {
   for (auto& layer : layers_) layer->add_prefix(prefix);
 }
 
+bool Chain::child_output_bf16(std::size_t i, bool input_bf16) const {
+  if (layers_[i]->output_bf16(input_bf16)) return true;
+  if (!layers_[i]->may_round_output()) return false;
+  for (std::size_t j = i + 1; j < layers_.size(); ++j)  // views pass the storage on to the reader
+    if (!layers_[j]->is_view()) return layers_[j]->rounds_input();
+  return reader_rounds_;
+}
+
 bool Chain::output_bf16(bool input_bf16) const {
-  for (const auto& layer : layers_) input_bf16 = layer->output_bf16(input_bf16);
+  for (std::size_t i = 0; i < layers_.size(); ++i) input_bf16 = child_output_bf16(i, input_bf16);
   return input_bf16;
+}
+
+bool Chain::rounds_input() const {
+  const std::size_t first = first_compute();
+  return first < layers_.size() && layers_[first]->rounds_input();
 }
 
 void* Chain::activation(const LayerContext& ctx, std::vector<Scratch>& memory, std::size_t boundary) {
@@ -120,7 +133,7 @@ const void* Chain::forward(const LayerContext& ctx, const void* x, void* y) {
   caller_boundary_ = kNone;
   for (std::size_t i = 0; i < count; ++i) {
     shapes_[i + 1] = layers_[i]->output_shape(shapes_[i]);
-    bf16_[i + 1] = ctx.amp && layers_[i]->output_bf16(bf16_[i]);
+    bf16_[i + 1] = ctx.amp && child_output_bf16(i, bf16_[i]);
     if (layers_[i]->is_view()) {
       outputs_[i + 1] = outputs_[i];
       continue;
@@ -132,7 +145,7 @@ const void* Chain::forward(const LayerContext& ctx, const void* x, void* y) {
     const std::size_t end = fused ? i + 2 : i + 1;
     if (fused) {
       shapes_[i + 2] = layers_[i + 1]->output_shape(shapes_[i + 1]);
-      bf16_[i + 2] = ctx.amp && layers_[i + 1]->output_bf16(bf16_[i + 1]);
+      bf16_[i + 2] = ctx.amp && child_output_bf16(i + 1, bf16_[i + 1]);
     }
     const bool to_caller = end - 1 == last_compute && y;
     void* out = to_caller ? y : activation(ctx, activations_, end);
@@ -150,7 +163,7 @@ void Chain::forward_child(const LayerContext& ctx, std::size_t i, bool fused, vo
   Layer& layer = *layers_[i];
   const std::size_t end = fused ? i + 2 : i + 1;
   const LayerContext child{ctx.stream, ctx.device,           shapes_[i], ctx.mode, ctx.random,
-                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
+                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i], bf16_[end]};
   const float* x = static_cast<const float*>(outputs_[i]);
   auto* y = static_cast<float*>(out);
   const bool ids = layer.input_dtype() == DType::i32;
@@ -199,7 +212,7 @@ void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, c
   // Fused, dy is dL/d(ReLU's output) and outputs_[i + 2] that output.
   const std::size_t end = fused ? i + 2 : i + 1;
   const LayerContext child{ctx.stream, ctx.device,           shapes_[i], Mode::train, ctx.random,
-                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i]};
+                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i],    bf16_[end]};
   const bool ids = layer.input_dtype() == DType::i32;  // no x: the ids are not activations
   const auto* x = ids ? nullptr : static_cast<const float*>(outputs_[i]);
   const auto* y = static_cast<const float*>(outputs_[end]);

@@ -49,8 +49,13 @@ class Chain {
   void add_prefix(const std::string& prefix);
 
   // Whether the output of a chain whose input has the given dtype is bf16 (autocast: after a Linear
-  // or Conv2d).
+  // or Conv2d, or a last child that may_round_output for a reader that rounds).
   bool output_bf16(bool input_bf16) const;
+  // Whether the chain reads its input only as bf16 values (its first computing child does; an
+  // identity chain hands its input to its reader: false).
+  bool rounds_input() const;
+  // The chain's reader rounds its output to bf16 under autocast (a tied head that autocasts).
+  void set_reader_rounds(bool rounds) { reader_rounds_ = rounds; }
 
   // Runs the children on x (shape ctx.in; bf16 storage when ctx.bf16; input_dtype()'s elements). The last child that
   // computes writes into `y` when it is given (a container's output), else into the chain's own activation memory.
@@ -69,6 +74,8 @@ class Chain {
 
  private:
   std::size_t first_compute() const;
+  // Whether the output of child i, given its input's dtype, is bf16 under autocast.
+  bool child_output_bf16(std::size_t i, bool input_bf16) const;
   // One child's forward and backward (index i; `fused`: it and the ReLU after it), from and into
   // the chain's storage: under autocast a leaf gets fp32 tensors widened from bf16 ones.
   void forward_child(const LayerContext& ctx, std::size_t i, bool fused, void* out);
@@ -88,6 +95,7 @@ class Chain {
   std::vector<bool> relu_fused_;
   static constexpr std::size_t kNone = ~std::size_t{0};
   std::size_t caller_boundary_ = kNone;  // the boundary the last forward wrote into the caller's y
+  bool reader_rounds_ = false;
   bool train_forward_done_ = false;
 };
 

@@ -593,6 +593,7 @@ class SequentialLayer final : public detail::Container {
   ActShape output_shape(const ActShape& in) const override { return chain_.output_shape(in); }
   bool is_view() const override { return chain_.is_identity(); }
   bool output_bf16(bool input_bf16) const override { return chain_.output_bf16(input_bf16); }
+  bool rounds_input() const override { return chain_.rounds_input(); }
   void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
   DType input_dtype() const override { return chain_.input_dtype(); }
   void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override { chain_.forward(ctx, ids, y); }
@@ -633,6 +634,8 @@ class Residual final : public detail::Container {
     const bool body = body_.output_bf16(input_bf16);
     return add_ == ResidualAdd::in_place ? body : body && shortcut_.output_bf16(input_bf16);
   }
+  // Both branches read the input (an identity shortcut hands it to the add as it is).
+  bool rounds_input() const override { return body_.rounds_input() && shortcut_.rounds_input(); }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const ActShape out = output_shape(ctx.in);
     const auto n = static_cast<kernels::index_t>(out.numel());

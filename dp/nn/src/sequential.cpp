@@ -19,6 +19,12 @@ void Model::set_autocast(Autocast autocast) {
     throw InvalidArgument(fmt::format("{}: this model does not support autocast {}", name(), to_string(autocast)));
 }
 
+void Model::backward_from_loss(const Stream& stream, const void* grad_output, bool bf16,
+                               const GradientsReady& on_ready) {
+  if (bf16) throw InvalidArgument(fmt::format("{}: gives fp32 outputs, not bf16 gradients", name()));
+  backward(stream, static_cast<const float*>(grad_output), on_ready);
+}
+
 }  // namespace dp
 
 namespace dp::nn {
@@ -150,7 +156,22 @@ std::vector<TensorRef> SequentialModel::buffers() const {
 
 DType SequentialModel::input_dtype() const { return chain_->input_dtype(); }
 
+Model::Output SequentialModel::forward_for_loss(const Stream& stream, Inputs input, int batch) {
+  const void* out = forward_storage(stream, input, batch, Mode::train);
+  return {out, amp_ && chain_->output_bf16(false)};
+}
+
 const float* SequentialModel::forward(const Stream& stream, Inputs input, int batch, Mode mode) {
+  const void* out = forward_storage(stream, input, batch, mode);
+  if (!amp_ || !chain_->output_bf16(false)) return static_cast<const float*>(out);
+  // The loss is fp32: the bf16 logits widened, as `logits.float()`.
+  const auto n = static_cast<kernels::index_t>(batch) * targets_per_sample_ * output_features_;
+  float* logits = logits_.get<float>(device_, static_cast<std::size_t>(n), &amp_->retired);
+  kernels::from_bf16(stream, n, static_cast<const std::uint16_t*>(out), logits);
+  return logits;
+}
+
+const void* SequentialModel::forward_storage(const Stream& stream, Inputs input, int batch, Mode mode) {
   if (batch < 1) throw InvalidArgument(fmt::format("{}: batch size must be at least 1, got {}", name_, batch));
   if (input.dtype() != input_dtype())
     throw InvalidArgument(
@@ -161,28 +182,29 @@ const float* SequentialModel::forward(const Stream& stream, Inputs input, int ba
   release_outgrown(stream);  // what an eval forward outgrew (a training step frees it in its backward)
   // Nothing while capturing: the engine replaying the step uploads it.
   if (mode == Mode::train) upload_random_step(stream, random_.step);
-  const void* out = chain_->forward(
+  return chain_->forward(
       LayerContext{stream, device_, input_act_shape(batch), mode, &random_, sync_, true, amp_.get(), false},
       input.data(), nullptr);
-  if (!amp_ || !chain_->output_bf16(false)) return static_cast<const float*>(out);
-  // The loss is fp32: the bf16 logits widened, as `logits.float()`.
-  const auto n = static_cast<kernels::index_t>(batch) * targets_per_sample_ * output_features_;
-  float* logits = logits_.get<float>(device_, static_cast<std::size_t>(n), &amp_->retired);
-  kernels::from_bf16(stream, n, static_cast<const std::uint16_t*>(out), logits);
-  return logits;
 }
 
 void SequentialModel::backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) {
+  backward_from_loss(stream, grad_output, false, on_ready);
+}
+
+void SequentialModel::backward_from_loss(const Stream& stream, const void* grad_output, bool bf16,
+                                         const GradientsReady& on_ready) {
+  const bool out16 = amp_ && chain_->output_bf16(false);
+  if (bf16 && !out16) throw InvalidArgument(fmt::format("{}: a bf16 gradient of an output that is not bf16", name_));
   // After zero_grad every layer writes its parameter gradients (each one, so nothing the buffer
   // held survives); otherwise they add to what it holds. Slots hold nothing to add to.
   const bool accumulate = !zero_grad_pending_ && !place_.slots;
   try {
     const void* dy = grad_output;
-    if (amp_ && chain_->output_bf16(false)) {
+    if (out16 && !bf16) {
       // The backward of `logits.float()`: the fp32 gradient rounded to bf16.
       const auto n = static_cast<kernels::index_t>(chain_->batch()) * targets_per_sample_ * output_features_;
       auto* bits = grad_output_.get<std::uint16_t>(device_, static_cast<std::size_t>(n), &amp_->retired);
-      kernels::to_bf16(stream, n, grad_output, bits);
+      kernels::to_bf16(stream, n, static_cast<const float*>(grad_output), bits);
       dy = bits;
     }
     // The model's input needs no gradient (dx null): nothing upstream uses it.

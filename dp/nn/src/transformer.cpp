@@ -28,7 +28,9 @@ void check_tokens(const std::string& name, const ActShape& in, int width) {
 }
 
 // torch.nn.LayerNorm(width) (eps 1e-5) over each token's features. torch's autocast runs layer_norm
-// in fp32: its output is fp32 whatever its input (a chain widens a bf16 input for it).
+// in fp32: its output is fp32 whatever its input, unless its reader rounds it to bf16 (a Linear under
+// autocast): then it writes those bf16 values and takes its gradient in bf16 (may_round_output). It
+// reads a bf16 input as it is and writes its gradient in the input's dtype.
 class LayerNorm final : public Layer {
  public:
   LayerNorm(std::string name, int width) : Layer(std::move(name)), width_(width) {
@@ -41,16 +43,20 @@ class LayerNorm final : public Layer {
     return in;
   }
   bool output_bf16(bool) const override { return false; }
+  bool native_bf16() const override { return true; }
+  bool may_round_output() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto rows = token_rows(ctx.in);
     float* stats = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(rows));
-    kernels::layernorm_forward(ctx.stream, rows, width_, x, param(0), param(1), y, stats, stats + rows);
+    kernels::layernorm_forward(ctx.stream, rows, width_, {x, ctx.bf16}, param(0), param(1), {y, ctx.out_bf16}, stats,
+                               stats + rows);
   }
   void backward(const LayerContext& ctx, const float* x, const float*, const float* dy, float* dx) override {
     const auto rows = token_rows(ctx.in);
     float* stats = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(rows));
-    kernels::layernorm_backward(ctx.stream, rows, width_, x, param(0), stats, stats + rows, dy, dx, grad(0), grad(1),
-                                stats + 2 * rows, ctx.accumulate_grads);
+    kernels::layernorm_backward(ctx.stream, rows, width_, {x, ctx.bf16}, param(0), stats, stats + rows,
+                                {dy, ctx.out_bf16}, {dx, ctx.bf16}, grad(0), grad(1), stats + 2 * rows,
+                                ctx.accumulate_grads);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(*this); }
   std::size_t saved_bytes() const override { return saved_.size() / 2; }  // mean and rstd
@@ -224,8 +230,9 @@ class TokenEmbedding final : public Layer {
 // nanoGPT's GPT around its body: TokenEmbedding "transformer", the body (blocks transformer.h.*, then
 // transformer.ln_f), and lm_head tied to wte: logits (N, T, 1, vocab) = x wte^T (no bias); its
 // gradient dlogits^T x is written (or added) to wte's first, the embedding's own added after it,
-// and the embedding reports the table ready last. Unnamed: its children keep their names. fp32
-// (under autocast the blocks' Linears take bf16; the head reads the fp32 output of ln_f).
+// and the embedding reports the table ready last. Unnamed: its children keep their names. Under
+// autocast the head autocasts as nanoGPT's lm_head Linear does: bf16 operands (ln_f's output and the
+// table rounded), bf16 logits and their gradient, the table's gradient rounded to bf16.
 class LanguageModel final : public detail::Container {
  public:
   LanguageModel(int vocab, int context, int width, Layers body, int classes)
@@ -235,6 +242,7 @@ class LanguageModel final : public detail::Container {
         classes_(classes > 0 ? classes : vocab) {
     if (classes_ > vocab)
       throw InvalidArgument(fmt::format("a language model of {} table rows cannot give {} logits", vocab, classes_));
+    chain_.set_reader_rounds(true);  // the head, under autocast
     adopt_children();
   }
   LanguageModel(const LanguageModel&) = default;
@@ -252,7 +260,8 @@ class LanguageModel final : public detail::Container {
   std::vector<std::pair<std::string, std::string>> aliases() const override {
     return {{"lm_head.weight", "transformer.wte.weight"}};
   }
-  bool output_bf16(bool) const override { return false; }
+  // Under autocast the head is a Linear as torch's lm_head is: bf16 logits.
+  bool output_bf16(bool) const override { return true; }
   DType input_dtype() const override { return DType::i32; }
   void forward(const LayerContext&, const float*, float*) override {
     throw InvalidArgument("a language model reads token ids, not activations");
@@ -260,18 +269,54 @@ class LanguageModel final : public detail::Container {
   void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override {
     hidden_ = static_cast<const float*>(chain_.forward(ctx, ids, nullptr));
     const int rows = ctx.in.n * ctx.in.positions(), vocab = classes_;
-    kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, hidden_, width_, embedding().table(), width_,
-                  0.0f, y, vocab);
+    if (!ctx.amp) {
+      kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, hidden_, width_, embedding().table(), width_,
+                    0.0f, y, vocab);
+      return;
+    }
+    // ln_f writes the bf16 its reader rounds to (the chain's reader_rounds); a body that ends
+    // otherwise in fp32 is cast here, once for both passes. The table is cast once a forward too.
+    if (!chain_.output_bf16(false)) {
+      const auto n = static_cast<kernels::index_t>(rows) * width_;
+      auto* cast = hidden_cast_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n));
+      kernels::to_bf16(ctx.stream, n, hidden_, cast);
+      hidden_ = reinterpret_cast<const float*>(cast);
+    }
+    const auto table = static_cast<kernels::index_t>(classes_) * width_;
+    auto* bits = cast_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(table));
+    kernels::to_bf16(ctx.stream, table, embedding().table(), bits);
+    kernels::gemm(ctx.stream, false, true, rows, vocab, width_, 1.0f, kernels::In(hidden_, true), width_, bits, width_,
+                  0.0f, kernels::Out(y, true), vocab);
   }
   void backward_reporting(const LayerContext& ctx, const float*, const float*, const float* dy, float*,
                           const std::function<void(Layer&)>& done) override {
     TokenEmbedding& table = embedding();
     const int rows = ctx.in.n * ctx.in.positions(), vocab = classes_;
-    float* dhidden = dhidden_.get<float>(ctx.device, static_cast<std::size_t>(rows) * width_);
-    kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dy, vocab, table.table(), width_, 0.0f, dhidden,
-                  width_);
-    kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dy, vocab, hidden_, width_,
-                  ctx.accumulate_grads ? 1.0f : 0.0f, table.table_grad(), width_);
+    const auto n_hidden = static_cast<std::size_t>(rows) * width_;
+    void* dhidden = nullptr;
+    if (!ctx.amp) {
+      dhidden = dhidden_.get<float>(ctx.device, n_hidden);
+      kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dy, vocab, table.table(), width_, 0.0f,
+                    static_cast<float*>(dhidden), width_);
+      kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dy, vocab, hidden_, width_,
+                    ctx.accumulate_grads ? 1.0f : 0.0f, table.table_grad(), width_);
+    } else {
+      // bf16 dlogits and operands; the table's gradient made in fp32 scratch and rounded to bf16
+      // into the fp32 buffer, as a Linear's under autocast.
+      const auto n_table = static_cast<kernels::index_t>(classes_) * width_;
+      const auto* bits = cast_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n_table));
+      const kernels::In dlogits(dy, true), hidden(hidden_, true);
+      // In the body's output dtype: bf16 from ln_f, else the fp32 gradient of the cast.
+      const bool hidden16 = chain_.output_bf16(false);
+      dhidden = hidden16 ? static_cast<void*>(dhidden_.get<std::uint16_t>(ctx.device, n_hidden))
+                         : dhidden_.get<float>(ctx.device, n_hidden);
+      kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dlogits, vocab, bits, width_, 0.0f,
+                    kernels::Out(dhidden, hidden16), width_);
+      float* computed = ctx.amp->get<float>(ctx.amp->grad, ctx.device, n_table);
+      kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dlogits, vocab, hidden, width_, 0.0f, computed,
+                    width_);
+      kernels::add_bf16_rounded(ctx.stream, n_table, computed, table.table_grad(), ctx.accumulate_grads);
+    }
     // The padded rows have no logit: a written gradient is 0 there (the embedding adds nothing to them).
     if (!ctx.accumulate_grads && classes_ < table.vocab())
       kernels::fill(ctx.stream, table.table_grad() + static_cast<std::size_t>(classes_) * width_,
@@ -295,8 +340,10 @@ class LanguageModel final : public detail::Container {
   detail::Chain chain_;
   int width_;
   int classes_;                    // the logits per position: the table's first rows
-  const float* hidden_ = nullptr;  // the last forward's ln_f output (the chain's memory)
+  const float* hidden_ = nullptr;  // the last forward's ln_f output (the chain's memory; bf16 under autocast)
   Scratch dhidden_;
+  Scratch cast_;         // autocast: the table's first classes_ rows as bf16, from the forward to its backward
+  Scratch hidden_cast_;  // autocast: an fp32 body output as bf16
 };
 
 }  // namespace

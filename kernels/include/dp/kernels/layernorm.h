@@ -3,7 +3,9 @@
 // gamma and beta), forward and backward, on a (rows, C) row-major tensor: a transformer's (B*T, C)
 // activations. The row statistics, the row sums of the backward and the column sums of the
 // parameter gradients follow the reduction plan (launch_row_reduce, reduce_plan.h): summed in one
-// order on cuda and sim. Activations (x, y, dy, dx) are fp32 or all bf16 storage (storage.h).
+// order on cuda and sim. Activations are fp32 or bf16 storage (storage.h): x and dx share one, y and
+// dy each have their own (under autocast a LayerNorm of the fp32 residual stream whose reader rounds
+// its output to bf16 writes that bf16 directly, and takes its gradient as bf16).
 #pragma once
 
 #include <cmath>
@@ -55,7 +57,7 @@ struct LnStoreRstd {
   }
 };
 
-template <class T>
+template <class T, class U = T>
 struct LnNormalize {
   index_t cols;
   const T* x;
@@ -63,7 +65,7 @@ struct LnNormalize {
   const float* rstd;
   const float* gamma;
   const float* beta;
-  T* y;
+  U* y;
   DP_HD void operator()(index_t row, index_t col) const {
     const index_t i = row * cols + col;
     store(y, i, ln_xhat(x, i, mean, rstd, row) * gamma[col] + beta[col]);
@@ -71,10 +73,10 @@ struct LnNormalize {
 };
 
 // Backward row sums: a = sum(g), b = sum(g * xhat), g = dy * gamma.
-template <class T>
+template <class T, class D = T>
 struct LnGradTerms {
   const T* x;
-  const T* dy;
+  const D* dy;
   const float* gamma;
   const float* mean;
   const float* rstd;
@@ -94,11 +96,11 @@ struct LnStoreRowSums {
   }
 };
 
-template <class T>
+template <class T, class D = T>
 struct LnInputGrad {
   index_t rows, cols;
   const T* x;
-  const T* dy;
+  const D* dy;
   const float* gamma;
   const float* mean;
   const float* rstd;
@@ -114,10 +116,10 @@ struct LnInputGrad {
 };
 
 // Parameter gradients: column c's terms over the rows, a = dy * xhat (dgamma), b = dy (dbeta).
-template <class T>
+template <class T, class D = T>
 struct LnParamTerms {
   const T* x;
-  const T* dy;
+  const D* dy;
   const float* mean;
   const float* rstd;
   index_t cols;

@@ -7,6 +7,7 @@
 
 #include "dp/kernels/platform.h"
 #include "dp/kernels/portable_math.h"
+#include "dp/kernels/storage.h"
 #include "dp/runtime/device.h"
 
 namespace dp::kernels {
@@ -41,25 +42,29 @@ void cross_entropy_backward(const Stream& stream, int n, int classes, const floa
 // (the engines' training step): loss[0] and per_sample exactly as cross_entropy_forward writes
 // them, dlogits exactly as cross_entropy_backward(dloss, mean_over) writes it, bit for bit. The
 // mean's reduction computes each sample's term (its map) and writes that sample's gradient row
-// beside it, so the row max and exp sum are computed once and the logits read once.
-void cross_entropy_forward_backward(const Stream& stream, int n, int classes, const float* logits,
-                                    const std::int64_t* targets, float* per_sample, float* loss, float dloss,
-                                    int mean_over, float* dlogits, double label_smoothing = 0.0);
+// beside it, so the row max and exp sum are computed once and the logits read once. Logits and
+// dlogits may both be bf16 storage (autocast's logits): the fp32 loss of the widened logits, its
+// gradient rounded once, as torch's fp32 loss on `logits.float()` and the cast's backward give them.
+void cross_entropy_forward_backward(const Stream& stream, int n, int classes, In logits, const std::int64_t* targets,
+                                    float* per_sample, float* loss, float dloss, int mean_over, Out dlogits,
+                                    double label_smoothing = 0.0);
 
 // ------------------------------------------------------------------------------------------------
 // functors: one thread per sample; a row of C (10 for the models here) is too short to split.
 
 // Row maximum, subtracted before exp so logits of any magnitude (1e4 and beyond) cannot overflow.
-DP_HD inline float row_max(const float* x, int classes) {
-  float m = x[0];
-  for (int c = 1; c < classes; ++c) m = max_portable(m, x[c]);
+template <class T>
+DP_HD float row_max(const T* x, int classes) {
+  float m = load(x, 0);
+  for (int c = 1; c < classes; ++c) m = max_portable(m, load(x, c));
   return m;
 }
 
 // sum_c exp(x_c - max): in [1, C], so its log is well conditioned.
-DP_HD inline float shifted_exp_sum(const float* x, int classes, float max) {
+template <class T>
+DP_HD float shifted_exp_sum(const T* x, int classes, float max) {
   float s = 0.0f;
-  for (int c = 0; c < classes; ++c) s += exp_portable(x[c] - max);
+  for (int c = 0; c < classes; ++c) s += exp_portable(load(x, c) - max);
   return s;
 }
 
@@ -102,10 +107,11 @@ struct SmoothedTerms {
   DP_HD SmoothedTerms operator+(const SmoothedTerms& o) const { return {nll + o.nll, smooth + o.smooth}; }
 };
 // From the row's max m and log_sum = log(shifted_exp_sum), for a valid target t.
-DP_HD inline SmoothedTerms smoothed_terms_of_row(const float* x, int classes, std::int64_t t, float m, float log_sum) {
+template <class T>
+DP_HD SmoothedTerms smoothed_terms_of_row(const T* x, int classes, std::int64_t t, float m, float log_sum) {
   float smooth = 0.0f;
-  for (int c = 0; c < classes; ++c) smooth += log_sum - (x[c] - m);
-  return {log_sum - (x[t] - m), smooth};
+  for (int c = 0; c < classes; ++c) smooth += log_sum - (load(x, c) - m);
+  return {log_sum - (load(x, t) - m), smooth};
 }
 DP_HD inline SmoothedTerms smoothed_terms(const float* x, int classes, std::int64_t t) {
   if (t < 0 || t >= classes) return {NAN, NAN};
@@ -148,16 +154,19 @@ struct StoreSmoothedMean {
 };
 
 // dx_c = (exp(x_c - m) / s - q_c) * scale for a valid target t: q_c = target_on at t, else target_off.
-DP_HD inline void softmax_grad_row(const float* x, int classes, std::int64_t t, float m, float s, float scale,
-                                   float target_on, float target_off, float* dx) {
-  for (int c = 0; c < classes; ++c) dx[c] = (exp_portable(x[c] - m) / s - (c == t ? target_on : target_off)) * scale;
+template <class T>
+DP_HD void softmax_grad_row(const T* x, int classes, std::int64_t t, float m, float s, float scale, float target_on,
+                            float target_off, T* dx) {
+  for (int c = 0; c < classes; ++c)
+    store(dx, c, (exp_portable(load(x, c) - m) / s - (c == t ? target_on : target_off)) * scale);
 }
 
 // A target outside [0, classes): the row's gradient is NaN instead of an out-of-bounds index (the
 // launchers also report it). Returns whether it was.
-DP_HD inline bool nan_row_if_bad_target(std::int64_t t, int classes, float* dx) {
+template <class T>
+DP_HD bool nan_row_if_bad_target(std::int64_t t, int classes, T* dx) {
   if (t >= 0 && t < classes) return false;
-  for (int c = 0; c < classes; ++c) dx[c] = NAN;
+  for (int c = 0; c < classes; ++c) store(dx, c, NAN);
   return true;
 }
 
@@ -187,17 +196,19 @@ struct CrossEntropyBackwardRow {
 
 // Without label smoothing: CrossEntropyRow's term (returned, and kept in per_sample) and
 // CrossEntropyBackwardRow's row, from one row max and exp sum.
+// Logits and dlogits of T: fp32, or bf16 storage (widened on load, each gradient rounded once).
+template <class T = float>
 struct CrossEntropyForwardBackwardTerm {
-  const float* logits;
+  const T* logits;
   const std::int64_t* targets;
   int classes;
   float scale;
   float target_on, target_off;
   float* per_sample;
-  float* dlogits;
+  T* dlogits;
   DP_HD float operator()(index_t, index_t i) const {
-    const float* x = logits + i * classes;
-    float* dx = dlogits + i * classes;
+    const T* x = logits + i * classes;
+    T* dx = dlogits + i * classes;
     const std::int64_t t = targets[i];
     if (nan_row_if_bad_target(t, classes, dx)) {
       per_sample[i] = NAN;
@@ -205,7 +216,7 @@ struct CrossEntropyForwardBackwardTerm {
     }
     const float m = row_max(x, classes);
     const float s = shifted_exp_sum(x, classes, m);
-    const float term = log_portable(s) - (x[t] - m);
+    const float term = log_portable(s) - (load(x, t) - m);
     softmax_grad_row(x, classes, t, m, s, scale, target_on, target_off, dx);
     per_sample[i] = term;
     return term;
@@ -214,18 +225,19 @@ struct CrossEntropyForwardBackwardTerm {
 
 // With label smoothing: SmoothedTermsOfSample's pair (returned), SmoothedCrossEntropyRow's
 // per_sample term and CrossEntropyBackwardRow's row.
+template <class T = float>
 struct SmoothedCrossEntropyForwardBackwardTerm {
-  const float* logits;
+  const T* logits;
   const std::int64_t* targets;
   int classes;
   float one_minus_eps, eps_over_classes;
   float scale;
   float target_on, target_off;
   float* per_sample;
-  float* dlogits;
+  T* dlogits;
   DP_HD SmoothedTerms operator()(index_t, index_t i) const {
-    const float* x = logits + i * classes;
-    float* dx = dlogits + i * classes;
+    const T* x = logits + i * classes;
+    T* dx = dlogits + i * classes;
     const std::int64_t t = targets[i];
     if (nan_row_if_bad_target(t, classes, dx)) {
       per_sample[i] = NAN;

@@ -92,6 +92,9 @@ struct LayerContext {
   // their float pointers), and a container passes it to its chains.
   AutocastScratch* amp = nullptr;
   bool bf16 = false;
+  // Autocast: the output's storage, bf16 where set: output_bf16(bf16), or bf16 for a layer that
+  // may_round_output() whose reader rounds its input (its gradient dy has the same storage).
+  bool out_bf16 = false;
 };
 
 // Where a model's layers find their parameters' gradients: its flat buffer, or the slots an engine
@@ -158,9 +161,17 @@ class Layer {
   virtual bool is_container() const { return false; }
   virtual bool output_bf16(bool input_bf16) const { return input_bf16 || autocasts(); }
   // A leaf that takes the chain's storage as it is, bf16 bits behind its float pointers where
-  // ctx.bf16 (its output keeps that dtype): its kernels read bf16, compute in fp32 and round once,
+  // ctx.bf16 (its output's: ctx.out_bf16): its kernels read bf16, compute in fp32 and round once,
   // the values of the chain's widening and rounding around it, without the fp32 copies.
   virtual bool native_bf16() const { return false; }
+  // Whether the layer reads its input only as bf16 values under autocast (autocast's cast before a
+  // Linear or Conv2d; a container: every reader of its input does).
+  virtual bool rounds_input() const { return autocasts(); }
+  // A native leaf whose output is fp32 under autocast (torch's rule: LayerNorm), which a chain may
+  // hand bf16 storage for it (ctx.out_bf16) where the next layer rounds_input(): it then writes the
+  // values that rounding would give, and takes its gradient in bf16, as the cast's backward widens
+  // it (the same values, without the fp32 tensor and the cast's passes, forward and backward).
+  virtual bool may_round_output() const { return false; }
   // What a leaf's backward reads besides dy, so that a chain under autocast widens only those.
   virtual bool backward_reads_input() const { return true; }
   virtual bool backward_reads_output() const { return false; }

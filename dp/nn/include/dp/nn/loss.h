@@ -26,9 +26,12 @@ class CrossEntropyLoss {
                 float* dlogits, int mean_over, float dloss = 1.0f);
 
   // forward then backward on the same logits and targets in one kernel (the training step's pair):
-  // the same loss and dlogits, bit for bit, as the two calls; returns forward's pointer.
-  const float* forward_backward(const Stream& stream, const float* logits, const std::int64_t* targets, int n,
-                                int classes, float* dlogits, int mean_over, float dloss = 1.0f);
+  // the same loss and dlogits, bit for bit, as the two calls; returns forward's pointer. `bf16`:
+  // logits and dlogits are bf16 storage (a model's output under autocast, Model::forward_for_loss),
+  // the loss that of the widened logits and dlogits rounded once (torch: the fp32 loss of
+  // `logits.float()`, the cast's backward).
+  const float* forward_backward(const Stream& stream, const void* logits, const std::int64_t* targets, int n,
+                                int classes, void* dlogits, int mean_over, float dloss = 1.0f, bool bf16 = false);
 
  private:
   Device& device_;

@@ -132,6 +132,20 @@ class Model {
   // (as PyTorch accumulates .grad: gradient accumulation, DDP's no_sync).
   virtual void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready = {}) = 0;
 
+  // A train-mode forward for a loss that reads the output as the model made it: fp32 (forward()'s),
+  // or under autocast the bf16 storage of a last Linear (torch's logits under autocast), without
+  // forward()'s widened copy; backward_from_loss then takes dL/doutput in that storage (a bf16
+  // gradient: the rounding the backward of `logits.float()` makes, without backward()'s pass).
+  struct Output {
+    const void* data = nullptr;
+    bool bf16 = false;
+  };
+  virtual Output forward_for_loss(const Stream& stream, Inputs input, int batch) {
+    return {forward(stream, input, batch, Mode::train), false};
+  }
+  virtual void backward_from_loss(const Stream& stream, const void* grad_output, bool bf16,
+                                  const GradientsReady& on_ready = {});
+
   // Note [pending zero_grad]
   // The gradients read as zeros from here on, as after PyTorch's zero_grad(set_to_none=True): the
   // model enqueues nothing (one launch fewer per step) and notes on the host that the zeros are

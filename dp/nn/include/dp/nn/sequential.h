@@ -56,6 +56,9 @@ class SequentialModel final : public Model {
   DType input_dtype() const override;
   const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) override;
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
+  Output forward_for_loss(const Stream& stream, Inputs input, int batch) override;
+  void backward_from_loss(const Stream& stream, const void* grad_output, bool bf16,
+                          const GradientsReady& on_ready) override;
   void zero_grad(const Stream& stream) override;
   void set_random_context(const RandomContext& random) override;
   void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
@@ -71,6 +74,8 @@ class SequentialModel final : public Model {
   std::unique_ptr<Model> replicate(Device& device) const override;
 
  private:
+  // forward()'s chain run: the last layer's output in its storage (bf16 under autocast after a Linear).
+  const void* forward_storage(const Stream& stream, Inputs input, int batch, Mode mode);
   std::vector<TensorRef> views(bool gradients) const;
   ActShape input_act_shape(int batch) const;  // (batch, C, H, W) from input_shape
   // Enqueues the fill a pending zero_grad skipped, on its stream; false when none was pending.
