@@ -95,12 +95,13 @@ TEST(FusionHost, CrossEntropyInvalidTargetGivesNaNRowAndTerm) {
   const std::vector<float> logits = {1.0f, 2.0f, 3.0f};
   for (const std::int64_t t : {std::int64_t{-1}, std::int64_t{3}}) {
     float per_sample = 0.0f, dlogits[3] = {};
-    const kernels::CrossEntropyForwardBackwardTerm plain{logits.data(), &t, 3, 1.0f, 1.0f, 0.0f, &per_sample, dlogits};
+    const kernels::CrossEntropyForwardBackwardTerm<> plain{logits.data(), &t,   3,           1.0f,
+                                                           1.0f,          0.0f, &per_sample, dlogits};
     EXPECT_TRUE(std::isnan(plain(0, 0)));
     EXPECT_TRUE(std::isnan(per_sample));
     for (const float d : dlogits) EXPECT_TRUE(std::isnan(d));
     per_sample = 0.0f;
-    const kernels::SmoothedCrossEntropyForwardBackwardTerm smoothed{
+    const kernels::SmoothedCrossEntropyForwardBackwardTerm<> smoothed{
         logits.data(), &t, 3, 0.9f, 0.1f / 3, 1.0f, 0.9f + 0.1f / 3, 0.1f / 3, &per_sample, dlogits};
     const kernels::SmoothedTerms terms = smoothed(0, 0);
     EXPECT_TRUE(std::isnan(terms.nll) && std::isnan(terms.smooth) && std::isnan(per_sample));
