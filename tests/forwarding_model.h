@@ -1,6 +1,8 @@
 // forwarding_model.h — a test model that wraps another and forwards every dp::Model call to it, so
 // a test model overrides only what it changes (a slow backward, a failing forward, a sync) and new
-// Model methods reach the wrapped model without every test model learning them.
+// Model methods reach the wrapped model without every test model learning them. forward_for_loss
+// and backward_from_loss keep Model's defaults, which call forward and backward, so that a test
+// model's forward and backward see every training step (its logits reach the loss as fp32).
 #pragma once
 
 #include <memory>
@@ -31,6 +33,8 @@ class ForwardingModel : public Model {
   std::vector<std::int64_t> input_shape() const override { return inner_->input_shape(); }
   DType input_dtype() const override { return inner_->input_dtype(); }
   int output_features() const override { return inner_->output_features(); }
+  int targets_per_sample() const override { return inner_->targets_per_sample(); }
+  std::vector<std::pair<std::string, std::string>> aliases() const override { return inner_->aliases(); }
   const float* forward(const Stream& stream, Inputs input, int batch, Mode mode) override {
     return inner_->forward(stream, input, batch, mode);
   }

@@ -17,6 +17,7 @@
 #include "dp/io/safetensors.h"
 #include "dp/models/gpt.h"
 #include "dp/nn/sequential.h"
+#include "forwarding_model.h"
 #include "test_util.h"
 
 namespace dp {
@@ -145,6 +146,52 @@ TEST_P(GptOnBackend, OneStepInEveryEngineIsTorchs) {
     const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 2e-4 : 1e-7;
     EXPECT_TRUE(test::all_close(results[1], results[0], rtol, atol)) << "dp against single, " << mode;
     EXPECT_TRUE(test::all_close(results[2], results[0], rtol, atol)) << "ddp against single, " << mode;
+  }
+}
+
+// The GPT with Model's default forward_for_loss: its logits reach the loss as forward()'s fp32 copy,
+// and their gradient goes back through backward(), which rounds it.
+class WidenedLogits final : public test::ForwardingModel {
+ public:
+  using ForwardingModel::ForwardingModel;
+  std::unique_ptr<Model> replicate(Device& device) const override {
+    return std::make_unique<WidenedLogits>(inner().replicate(device));
+  }
+};
+
+// Under autocast the head's bf16 logits go to the loss as they are (DataParallel gathers and
+// scatters them so): the loss widens each value and rounds its gradient once, so two steps give the
+// bits of the widened copy's, in every engine (and with fixed shards).
+TEST_P(GptOnBackend, Bf16LogitsTrainAsTheirWidenedCopy) {
+  DP_SKIP_WITHOUT_GPU();
+  const auto golden = safetensors::read(test::golden_path("transformer_gpt_train"));
+  const models::GptConfig config = tiny_gpt(golden);
+  const SgdOptions sgd{std::stof(golden.metadata.at("lr")), 0.9f, 0.0f, false};
+  const GoldenTokens data(golden);
+  for (const auto& [run, shards] : {std::pair{EngineRun{EngineKind::single, 1}, 0},
+                                    {EngineRun{EngineKind::dp, 2}, 0},
+                                    {EngineRun{EngineKind::ddp, 2}, 0},
+                                    {EngineRun{EngineKind::ddp, 2}, 2}}) {
+    SCOPED_TRACE(fmt::format("{} on {} device(s), {} shards", to_string(run.kind), run.devices, shards));
+    std::vector<float> losses[2], params[2];
+    for (const bool widened : {false, true}) {
+      auto rt = runtime(run.devices);
+      std::unique_ptr<Model> model = models::make_gpt(rt->device(0), config, 1);
+      const Stream s = rt->device(0).create_stream();
+      load_state_dict(*model, s, golden, "init.");
+      if (widened) model = std::make_unique<WidenedLogits>(std::move(model));
+      EngineOptions options;
+      options.kind = run.kind;
+      options.amp = Autocast::bf16;
+      options.shards = shards;
+      if (run.kind == EngineKind::single) options.device_ids = std::vector<int>{0};
+      auto engine = make_engine(*rt, *model, sgd, options);
+      for (int step = 0; step < 2; ++step) losses[widened].push_back(engine->train_step(data.batches(*engine)));
+      engine->synchronize();
+      params[widened] = test::to_host(s, engine->model().params_flat(), engine->model().param_count());
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+    EXPECT_EQ(params[0], params[1]);
   }
 }
 

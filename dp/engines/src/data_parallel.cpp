@@ -43,7 +43,7 @@ struct DataParallel::Replica {
   std::vector<std::unique_ptr<engines::InputRing>> rings;
   Scratch grad_output;
   DeviceBuffer grad_staging;  // on the SOURCE, for this replica's gradients
-  const float* output = nullptr;
+  Model::Output output;       // fp32, or a training forward's bf16 logits under autocast
 };
 
 DataParallel::DataParallel(Runtime& runtime, Model& module, const OptimizerOptions& optimizer,
@@ -279,7 +279,10 @@ void DataParallel::forward_chunk(int rank, Inputs inputs, Mode mode, int slot, i
   r.model->set_random_context({seed_, static_cast<std::uint64_t>(optimizer_->steps()),
                                static_cast<std::uint64_t>(micro) * static_cast<std::uint64_t>(batch_) +
                                    static_cast<std::uint64_t>(offsets_[static_cast<std::size_t>(rank)])});
-  r.output = r.model->forward(r.stream, chunk_inputs, rows, mode);
+  // Training hands the loss the logits as the model made them (bf16 under autocast: half the
+  // gather's and the gradient's bytes); an evaluation's are fp32 (predict returns floats).
+  r.output = mode == Mode::train ? r.model->forward_for_loss(r.stream, chunk_inputs, rows)
+                                 : Model::Output{r.model->forward(r.stream, chunk_inputs, rows, mode), false};
   r.stream.record(r.forward_done);
 }
 
@@ -296,14 +299,17 @@ void DataParallel::gather_outputs() {
   const int used = static_cast<int>(chunks_.size());
   const std::size_t logits = engines::sample_size(module_).logits;
   Device& out_device = group_.device(output_rank_);
-  float* gathered = gathered_.get<float>(out_device, static_cast<std::size_t>(batch_) * logits);
+  outputs_bf16_ = replicas_[0]->output.bf16;  // every replica's model is the same: the same storage
+  const std::size_t element = outputs_bf16_ ? 2 : sizeof(float);
+  auto* gathered = gathered_.get<std::byte>(out_device, static_cast<std::size_t>(batch_) * logits * sizeof(float));
   Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
   mark(time_phases_, out.stream, gather_start_);
   for (int rank = 0; rank < used; ++rank) {
     const Replica& r = *replicas_[static_cast<std::size_t>(rank)];
     if (rank != output_rank_) out.stream.wait(r.forward_done);
-    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits, r.output,
-                    static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * logits * sizeof(float));
+    out.stream.copy(gathered + static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits * element,
+                    r.output.data,
+                    static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]) * logits * element);
   }
   mark(time_phases_, out.stream, gather_end_);
 }
@@ -499,11 +505,10 @@ void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {
       if (static_cast<int>(rank) != output_rank_) out.stream.wait(replicas_[rank]->backward_done);
   gather_outputs();
   float* grad_output = grad_output_.get<float>(device, static_cast<std::size_t>(batch) * sample.logits);
-  const auto* gathered = static_cast<const float*>(gathered_.data());
   // torch's accumulation loop: (loss / K).backward().
-  const float* loss_value =
-      loss_->forward_backward(out.stream, gathered, targets_rings_[static_cast<std::size_t>(micro)]->targets(slot),
-                              rows, sample.classes, grad_output, rows, 1.0f / static_cast<float>(accumulate_));
+  const float* loss_value = loss_->forward_backward(
+      out.stream, gathered_.data(), targets_rings_[static_cast<std::size_t>(micro)]->targets(slot), rows,
+      sample.classes, grad_output, rows, 1.0f / static_cast<float>(accumulate_), outputs_bf16_);
   // Pinned: asynchronous; the slot's own floats, so a later step never overwrites them.
   out.stream.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + micro), loss_value,
                   sizeof(float));
@@ -516,13 +521,14 @@ void DataParallel::enqueue_backward(int rank, int micro) {
   const std::size_t logits = engines::sample_size(module_).logits;
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
   const std::size_t samples = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
-  const float* slice = static_cast<const float*>(grad_output_.data()) +
-                       static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits;
-  const float* dy = slice;
+  const std::size_t element = outputs_bf16_ ? 2 : sizeof(float);
+  const std::byte* slice = static_cast<const std::byte*>(grad_output_.data()) +
+                           static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits * element;
+  const void* dy = slice;
   if (rank != output_rank_) {
     r.stream.wait(grad_output_ready_);
-    float* local = r.grad_output.get<float>(group_.device(rank), samples * logits);
-    r.stream.copy(local, slice, samples * logits * sizeof(float));
+    auto* local = r.grad_output.get<std::byte>(group_.device(rank), samples * logits * element);
+    r.stream.copy(local, slice, samples * logits * element);
     dy = local;
   }
   mark(time_phases_, r.stream, r.backward_start);
@@ -530,7 +536,7 @@ void DataParallel::enqueue_backward(int rank, int micro) {
   // reduce-added onto them after each one, once the source has read the previous ones.
   if (rank != 0 && micro > 0) r.stream.wait(grads_read_);
   if (rank != 0 || micro == 0) r.model->zero_grad(r.stream);
-  r.model->backward(r.stream, dy);
+  r.model->backward_from_loss(r.stream, dy, outputs_bf16_);
   r.stream.record(r.backward_done);
 }
 
