@@ -1,6 +1,8 @@
 // layernorm.cu — launchers for dp/kernels/layernorm.h: two row reductions for the statistics (mean,
 // then centred moments), one for the backward's row sums, one column reduction for the parameter
-// gradients, and elementwise passes for y and dx.
+// gradients, and elementwise passes for y and dx. Where a row is reduced in one chunk (rows of up to
+// kReduceMinChunk values, or many rows) a row's reductions and its elementwise pass run in one
+// launch (launch_row_fused: the same sums, the row read once).
 #include "checks.h"
 #include "dp/kernels/detail/launch.h"
 #include "dp/kernels/layernorm.h"
@@ -24,18 +26,27 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
   checks::present(op, {{"x", x.data}, {"gamma", gamma}, {"beta", beta}, {"y", y.data}, {"mean", mean}, {"rstd", rstd}});
   const index_t total = rows * cols;
   with_storage(x.bf16, [&](auto t) {
-    using T = decltype(t);
-    const T* xs = x.as<T>();
-    launch_row_reduce<float>(stream, "layernorm_mean", rows, cols, RowElement<T>{xs, cols},
-                             BnStoreMean{mean, 1.0f / static_cast<float>(cols)},
-                             {operand(xs, total), operand(mean, rows)});
-    launch_row_reduce<SumPair>(stream, "layernorm_variance", rows, cols, LnRowMoments<T>{xs, cols, mean},
-                               LnStoreRstd{rstd, static_cast<float>(cols), eps},
-                               {operand(xs, total), operand(mean, rows), operand(rstd, rows)});
     with_storage(y.bf16, [&](auto u) {
+      using T = decltype(t);
       using U = decltype(u);
-      launch_2d(stream, "layernorm_normalize", rows, cols,
-                LnNormalize<T, U>{cols, xs, mean, rstd, gamma, beta, y.as<U>()},
+      const T* xs = x.as<T>();
+      const RowElement<T> sum{xs, cols};
+      const BnStoreMean store_mean{mean, 1.0f / static_cast<float>(cols)};
+      const LnRowMoments<T> moments{xs, cols, mean};
+      const LnStoreRstd store_rstd{rstd, static_cast<float>(cols), eps};
+      const LnNormalize<T, U> normalize{cols, xs, mean, rstd, gamma, beta, y.as<U>()};
+      if (row_fusable(rows, cols)) {  // a row's statistics and outputs in one pass over it
+        launch_row_fused<float, SumPair>(stream, "layernorm_forward", rows, cols, sum, store_mean, moments, store_rstd,
+                                         normalize,
+                                         {operand(xs, total), operand(mean, rows), operand(rstd, rows),
+                                          operand(gamma, cols), operand(beta, cols), operand(y.as<U>(), total)});
+        return;
+      }
+      launch_row_reduce<float>(stream, "layernorm_mean", rows, cols, sum, store_mean,
+                               {operand(xs, total), operand(mean, rows)});
+      launch_row_reduce<SumPair>(stream, "layernorm_variance", rows, cols, moments, store_rstd,
+                                 {operand(xs, total), operand(mean, rows), operand(rstd, rows)});
+      launch_2d(stream, "layernorm_normalize", rows, cols, normalize,
                 {operand(xs, total), operand(mean, rows), operand(rstd, rows), operand(gamma, cols),
                  operand(beta, cols), operand(y.as<U>(), total)});
     });
@@ -43,11 +54,11 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
 }
 
 void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, const float* gamma, const float* mean,
-                        const float* rstd, In dy, Out dx, float* dgamma, float* dbeta, float* row_sums,
-                        bool accumulate) {
+                        const float* rstd, In dy, Out dx, float* dgamma, float* dbeta, float* row_sums, bool accumulate,
+                        In dx_add) {
   const char* op = "layernorm_backward";
   check_layernorm(op, rows, cols);
-  checks::same_storage(op, {x.bf16, dx ? dx.bf16 : x.bf16});
+  checks::same_storage(op, {x.bf16, dx ? dx.bf16 : x.bf16, dx_add ? dx_add.bf16 : x.bf16});
   checks::present(op, {{"x", x.data},
                        {"gamma", gamma},
                        {"mean", mean},
@@ -69,15 +80,25 @@ void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, 
                                  {operand(xs, total), operand(dys, total), operand(mean, rows), operand(rstd, rows),
                                   operand(dgamma, cols), operand(dbeta, cols)});
       if (!dx) return;
-      launch_row_reduce<SumPair>(stream, "layernorm_backward_sums", rows, cols,
-                                 LnGradTerms<T, D>{xs, dys, gamma, mean, rstd, cols}, LnStoreRowSums{rows, row_sums},
+      const LnGradTerms<T, D> terms{xs, dys, gamma, mean, rstd, cols};
+      const LnStoreRowSums store_sums{rows, row_sums};
+      const T* add = dx_add.as<T>();
+      const LnInputGrad<T, D> input_grad{
+          rows, cols, xs, dys, gamma, mean, rstd, row_sums, 1.0f / static_cast<float>(cols), dx.as<T>(), add};
+      if (row_fusable(rows, cols)) {  // a row's sums and its gradient in one pass over it
+        launch_row_fused<SumPair>(
+            stream, "layernorm_backward_input", rows, cols, terms, store_sums, NoRowReduce{}, NoRowReduce{}, input_grad,
+            {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows), operand(rstd, rows),
+             operand(row_sums, 2 * rows), operand(dx.as<T>(), total), operand(add, add ? total : 0)});
+        return;
+      }
+      launch_row_reduce<SumPair>(stream, "layernorm_backward_sums", rows, cols, terms, store_sums,
                                  {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
                                   operand(rstd, rows), operand(row_sums, 2 * rows)});
-      launch_2d(stream, "layernorm_backward_dx", rows, cols,
-                LnInputGrad<T, D>{rows, cols, xs, dys, gamma, mean, rstd, row_sums, 1.0f / static_cast<float>(cols),
-                                  dx.as<T>()},
-                {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
-                 operand(rstd, rows), operand(row_sums, 2 * rows), operand(dx.as<T>(), total)});
+      launch_2d(
+          stream, "layernorm_backward_dx", rows, cols, input_grad,
+          {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows), operand(rstd, rows),
+           operand(row_sums, 2 * rows), operand(dx.as<T>(), total), operand(add, add ? total : 0)});
     });
   });
 }

@@ -7,7 +7,9 @@
 
 #include "dp/kernels/batchnorm.h"
 #include "dp/kernels/conv2d.h"
+#include "dp/kernels/detail/launch.h"
 #include "dp/kernels/detail/reduce_plan.h"
+#include "dp/kernels/layernorm.h"
 #include "dp/kernels/linear.h"
 #include "dp/kernels/loss.h"
 #include "dp/kernels/ops.h"
@@ -269,6 +271,71 @@ TEST_F(ReduceSimTest, CrossEntropyMeanUsesThePlan) {
   auto want = reference_sums(1, n, [&](index_t, index_t i) { return terms[static_cast<std::size_t>(i)]; });
   want[0] = want[0] / static_cast<float>(n);
   EXPECT_TRUE(same_bits(test::download<float>(stream_, loss), want));
+}
+
+// A row's reductions and elementwise pass in one launch (launch_row_fused, LayerNorm's forward and
+// its input gradient) give the bits of the separate launches, which follow the plan: rows of one
+// chunk, a row not a multiple of the lanes, one row, the longest row of one chunk.
+TEST_F(ReduceSimTest, ARowsReductionsAndPassInOneLaunchAreTheSeparateLaunches) {
+  using kernels::SumPair;
+  for (const auto& [rows, cols] :
+       {std::pair<index_t, index_t>{37, 700}, {1, 768}, {3, 1}, {2, kernels::kReduceMinChunk}}) {
+    SCOPED_TRACE(testing::Message() << rows << " x " << cols);
+    ASSERT_TRUE(kernels::row_fusable(rows, cols));
+    const auto n = static_cast<std::size_t>(rows * cols);
+    const auto x = test::random_vector(n, 16, -3.0f, 3.0f), dy = test::random_vector(n, 17);
+    const auto gamma = test::random_vector(static_cast<std::size_t>(cols), 18, 0.5f, 1.5f),
+               beta = test::random_vector(static_cast<std::size_t>(cols), 19);
+    DeviceBuffer xd = test::upload(device_, stream_, x), dyd = test::upload(device_, stream_, dy),
+                 g = test::upload(device_, stream_, gamma), b = test::upload(device_, stream_, beta);
+    std::vector<std::vector<float>> results[2];
+    for (const bool fused : {true, false}) {
+      DeviceBuffer mean = device_.allocate(n / cols * 4), rstd = device_.allocate(n / cols * 4),
+                   y = device_.allocate(n * 4), sums = device_.allocate(2 * n / cols * 4), dx = device_.allocate(n * 4);
+      const float* xs = xd.as<float>();
+      const kernels::RowElement<float> sum{xs, cols};
+      const kernels::BnStoreMean store_mean{mean.as<float>(), 1.0f / static_cast<float>(cols)};
+      const kernels::LnRowMoments<float> moments{xs, cols, mean.as<float>()};
+      const kernels::LnStoreRstd store_rstd{rstd.as<float>(), static_cast<float>(cols), 1e-5f};
+      const kernels::LnNormalize<float, float> normalize{
+          cols, xs, mean.as<float>(), rstd.as<float>(), g.as<float>(), b.as<float>(), y.as<float>()};
+      const kernels::LnGradTerms<float, float> terms{
+          xs, dyd.as<float>(), g.as<float>(), mean.as<float>(), rstd.as<float>(), cols};
+      const kernels::LnStoreRowSums store_sums{rows, sums.as<float>()};
+      const kernels::LnInputGrad<float, float> input_grad{rows,
+                                                          cols,
+                                                          xs,
+                                                          dyd.as<float>(),
+                                                          g.as<float>(),
+                                                          mean.as<float>(),
+                                                          rstd.as<float>(),
+                                                          sums.as<float>(),
+                                                          1.0f / static_cast<float>(cols),
+                                                          dx.as<float>()};
+      if (fused) {
+        kernels::launch_row_fused<float, SumPair>(stream_, "forward", rows, cols, sum, store_mean, moments, store_rstd,
+                                                  normalize, {});
+        kernels::launch_row_fused<SumPair>(stream_, "backward", rows, cols, terms, store_sums, kernels::NoRowReduce{},
+                                           kernels::NoRowReduce{}, input_grad, {});
+      } else {
+        kernels::launch_row_reduce<float>(stream_, "mean", rows, cols, sum, store_mean, {});
+        kernels::launch_row_reduce<SumPair>(stream_, "moments", rows, cols, moments, store_rstd, {});
+        kernels::launch_2d(stream_, "normalize", rows, cols, normalize, {});
+        kernels::launch_row_reduce<SumPair>(stream_, "sums", rows, cols, terms, store_sums, {});
+        kernels::launch_2d(stream_, "dx", rows, cols, input_grad, {});
+      }
+      for (const DeviceBuffer* out : {&mean, &rstd, &y, &sums, &dx})
+        results[fused].push_back(test::download<float>(stream_, *out));
+    }
+    for (std::size_t i = 0; i < results[0].size(); ++i) EXPECT_TRUE(same_bits(results[1][i], results[0][i])) << i;
+  }
+  // A row reduced in two chunks cannot be: the launcher refuses it.
+  const index_t long_row = 2 * kernels::kReduceMinChunk;
+  ASSERT_FALSE(kernels::row_fusable(1, long_row));
+  EXPECT_THROW(kernels::launch_row_fused<float>(
+                   stream_, "long", 1, long_row, kernels::RowElement<float>{nullptr, long_row}, [](index_t, float) {},
+                   kernels::NoRowReduce{}, kernels::NoRowReduce{}, [](index_t, index_t) {}, {}),
+               InvalidArgument);
 }
 
 // clip_grad_norm_ on the sim: a tensor's squared norm is the plan's sum of x^2; the total norm is

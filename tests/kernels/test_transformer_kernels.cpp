@@ -12,6 +12,7 @@
 
 #include "dp/io/safetensors.h"
 #include "dp/kernels/attention.h"
+#include "dp/kernels/detail/reduce_plan.h"
 #include "dp/kernels/dropout.h"
 #include "dp/kernels/embedding.h"
 #include "dp/kernels/gelu.h"
@@ -296,6 +297,39 @@ TEST_P(TransformerKernels, Bf16StorageIsTheFp32ResultRounded) {
     EXPECT_EQ(down<std::uint16_t>(gy), rounded(down<float>(gy32)));
     EXPECT_EQ(down<std::uint16_t>(gdx), rounded(down<float>(gdx32)));
   }
+}
+
+// A residual's shortcut gradient added by LayerNorm's backward (dx_add) gives the bits of the add
+// after it, in fp32 and bf16 storage, for rows reduced in one launch with the pass and apart.
+TEST_P(TransformerKernels, LayerNormAddsTheShortcutsGradientAsTheAddAfterIt) {
+  for (const bool bf16 : {false, true})
+    for (const auto& [rows, cols] : {std::pair<index_t, index_t>{12, 40}, {1, 2 * kernels::kReduceMinChunk + 3}}) {
+      SCOPED_TRACE(testing::Message() << (bf16 ? "bf16 " : "fp32 ") << rows << " x " << cols);
+      const auto size = static_cast<std::size_t>(rows * cols);
+      auto storage = [&](const std::vector<float>& v) { return bf16 ? up(test::bf16_bits(v)) : up(v); };
+      DeviceBuffer x = storage(test::random_vector(size, 21, -3.0f, 3.0f)), dy = storage(test::random_vector(size, 22)),
+                   add = storage(test::random_vector(size, 23));
+      DeviceBuffer g = up(test::random_vector(static_cast<std::size_t>(cols), 24, 0.5f, 1.5f)),
+                   b = up(test::random_vector(static_cast<std::size_t>(cols), 25));
+      const std::size_t element = bf16 ? 2 : 4;
+      DeviceBuffer y = device_->allocate(size * element), mean = floats(rows), rstd = floats(rows), dg = floats(cols),
+                   db = floats(cols), sums = floats(2 * rows);
+      const kernels::In xin(x.data(), bf16), dyin(dy.data(), bf16), addin(add.data(), bf16);
+      kernels::layernorm_forward(stream_, rows, cols, xin, g.as<float>(), b.as<float>(), kernels::Out(y.data(), bf16),
+                                 mean.as<float>(), rstd.as<float>());
+      DeviceBuffer apart = device_->allocate(size * element), together = device_->allocate(size * element);
+      kernels::layernorm_backward(stream_, rows, cols, xin, g.as<float>(), mean.as<float>(), rstd.as<float>(), dyin,
+                                  kernels::Out(apart.data(), bf16), dg.as<float>(), db.as<float>(), sums.as<float>(),
+                                  false);
+      kernels::add(stream_, rows * cols, kernels::In(apart.data(), bf16), addin, kernels::Out(apart.data(), bf16));
+      kernels::layernorm_backward(stream_, rows, cols, xin, g.as<float>(), mean.as<float>(), rstd.as<float>(), dyin,
+                                  kernels::Out(together.data(), bf16), dg.as<float>(), db.as<float>(), sums.as<float>(),
+                                  false, addin);
+      if (bf16)
+        EXPECT_EQ(down<std::uint16_t>(together), down<std::uint16_t>(apart));
+      else
+        EXPECT_EQ(down<float>(together), down<float>(apart));
+    }
 }
 
 // The reductions follow the plan: cuda's LayerNorm statistics, sums and gradients are the sim's bits.

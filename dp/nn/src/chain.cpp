@@ -87,6 +87,11 @@ bool Chain::output_bf16(bool input_bf16) const {
   return input_bf16;
 }
 
+bool Chain::adds_to_dx() const {
+  const std::size_t first = first_compute();
+  return first < layers_.size() && layers_[first]->adds_to_dx();
+}
+
 bool Chain::rounds_input() const {
   const std::size_t first = first_compute();
   return first < layers_.size() && layers_[first]->rounds_input();
@@ -211,8 +216,18 @@ void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, c
   progress::set_phase("backward", layer.name());
   // Fused, dy is dL/d(ReLU's output) and outputs_[i + 2] that output.
   const std::size_t end = fused ? i + 2 : i + 1;
-  const LayerContext child{ctx.stream, ctx.device,           shapes_[i], Mode::train, ctx.random,
-                           ctx.sync,   ctx.accumulate_grads, ctx.amp,    bf16_[i],    bf16_[end]};
+  const bool first = i == first_compute();
+  const LayerContext child{ctx.stream,
+                           ctx.device,
+                           shapes_[i],
+                           Mode::train,
+                           ctx.random,
+                           ctx.sync,
+                           ctx.accumulate_grads,
+                           ctx.amp,
+                           bf16_[i],
+                           bf16_[end],
+                           first && layer.adds_to_dx() ? ctx.dx_add : nullptr};
   const bool ids = layer.input_dtype() == DType::i32;  // no x: the ids are not activations
   const auto* x = ids ? nullptr : static_cast<const float*>(outputs_[i]);
   const auto* y = static_cast<const float*>(outputs_[end]);

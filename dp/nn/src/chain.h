@@ -56,13 +56,15 @@ class Chain {
   bool rounds_input() const;
   // The chain's reader rounds its output to bf16 under autocast (a tied head that autocasts).
   void set_reader_rounds(bool rounds) { reader_rounds_ = rounds; }
+  // Whether backward adds ctx.dx_add to the dx it writes (its first computing child adds_to_dx).
+  bool adds_to_dx() const;
 
   // Runs the children on x (shape ctx.in; bf16 storage when ctx.bf16; input_dtype()'s elements). The last child that
   // computes writes into `y` when it is given (a container's output), else into the chain's own activation memory.
   // Returns the output (bf16 storage when output_bf16(ctx.bf16)): x itself for an identity chain.
   const void* forward(const LayerContext& ctx, const void* x, void* y);
   // Backward of the last forward given dL/d(output) (in the output's dtype): dx (overwritten, in
-  // the input's dtype) unless null, parameter gradients accumulated or written
+  // the input's dtype; plus ctx.dx_add where adds_to_dx()) unless null, parameter gradients accumulated or written
   // (ctx.accumulate_grads, passed on to every child). `after` is called with each layer right after
   // its backward is enqueued, last child first, and inside containers with their children
   // (Layer::backward_reporting). An identity chain copies dy to dx.

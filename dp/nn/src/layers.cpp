@@ -594,6 +594,7 @@ class SequentialLayer final : public detail::Container {
   bool is_view() const override { return chain_.is_identity(); }
   bool output_bf16(bool input_bf16) const override { return chain_.output_bf16(input_bf16); }
   bool rounds_input() const override { return chain_.rounds_input(); }
+  bool adds_to_dx() const override { return chain_.adds_to_dx(); }
   void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
   DType input_dtype() const override { return chain_.input_dtype(); }
   void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override { chain_.forward(ctx, ids, y); }
@@ -662,10 +663,17 @@ class Residual final : public detail::Container {
     }
     // The Add passes dsum to both branches, each in its own dtype where autocast made them differ
     // from the sum's (widened, or rounded as the cast's backward rounds); the input gradient is the
-    // sum of theirs.
+    // sum of theirs. An identity shortcut's part is added by the body's first layer where it can
+    // (a transformer block's LayerNorm: one pass over the stream's gradient fewer).
     const bool body16 = ctx.amp && body_.output_bf16(ctx.bf16);
-    body_.backward(ctx, in_dtype(ctx, n, dsum, out16, body16, body_dsum_), dx, done);
     const bool shortcut16 = ctx.amp && shortcut_.output_bf16(ctx.bf16);
+    if (shortcut_.is_identity() && dx && body_.adds_to_dx()) {
+      LayerContext body = ctx;
+      body.dx_add = in_dtype(ctx, n, dsum, out16, shortcut16, shortcut_dsum_);
+      body_.backward(body, in_dtype(ctx, n, dsum, out16, body16, body_dsum_), dx, done);
+      return;
+    }
+    body_.backward(ctx, in_dtype(ctx, n, dsum, out16, body16, body_dsum_), dx, done);
     dsum = in_dtype(ctx, n, dsum, out16, shortcut16, shortcut_dsum_);
     if (shortcut_.is_identity()) {
       if (dx) accumulate(ctx, n_in, in16, dsum, dx);

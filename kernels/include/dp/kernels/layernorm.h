@@ -25,10 +25,12 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma (overwritten; skipped when
 // null); dgamma (+)= sum over rows of dy * xhat, dbeta (+)= sum of dy (`accumulate`, else stored).
-// row_sums: scratch of 2 * rows floats.
+// row_sums: scratch of 2 * rows floats. `dx_add` (dx's storage, may be null): a gradient added to
+// dx in the same pass, the bits of add(dx, dx_add) after it (a residual's shortcut: the stream's
+// gradient is the block's input gradient plus the sum's).
 void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, const float* gamma, const float* mean,
                         const float* rstd, In dy, Out dx, float* dgamma, float* dbeta, float* row_sums,
-                        bool accumulate = true);
+                        bool accumulate = true, In dx_add = nullptr);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -107,11 +109,19 @@ struct LnInputGrad {
   const float* sums;
   float inv_cols;
   T* dx;
+  const T* add = nullptr;  // added to dx as stored, as a separate add would (null: none)
   DP_HD void operator()(index_t row, index_t col) const {
     const index_t i = row * cols + col;
     const float xhat = ln_xhat(x, i, mean, rstd, row);
     const float g = load(dy, i) * gamma[col];
-    store(dx, i, rstd[row] * (g - sums[row] * inv_cols - xhat * (sums[rows + row] * inv_cols)));
+    const float grad = rstd[row] * (g - sums[row] * inv_cols - xhat * (sums[rows + row] * inv_cols));
+    if (add == nullptr) {
+      store(dx, i, grad);
+      return;
+    }
+    T own[1];  // the gradient as dx would hold it, then the sum as add() forms it
+    store(own, 0, grad);
+    store(dx, i, load(own, 0) + load(add, i));
   }
 };
 

@@ -95,6 +95,9 @@ struct LayerContext {
   // Autocast: the output's storage, bf16 where set: output_bf16(bf16), or bf16 for a layer that
   // may_round_output() whose reader rounds its input (its gradient dy has the same storage).
   bool out_bf16 = false;
+  // Backward: a gradient of dx's storage that a layer which adds_to_dx() adds to what it writes into
+  // dx, in the same pass (a residual's shortcut gradient, into its body's first layer's); null: none.
+  const void* dx_add = nullptr;
 };
 
 // Where a model's layers find their parameters' gradients: its flat buffer, or the slots an engine
@@ -172,6 +175,9 @@ class Layer {
   // values that rounding would give, and takes its gradient in bf16, as the cast's backward widens
   // it (the same values, without the fp32 tensor and the cast's passes, forward and backward).
   virtual bool may_round_output() const { return false; }
+  // Whether the backward adds ctx.dx_add to the dx it writes (bits of a separate add after it); a
+  // container: its first computing child does. A chain hands dx_add to its first child only.
+  virtual bool adds_to_dx() const { return false; }
   // What a leaf's backward reads besides dy, so that a chain under autocast widens only those.
   virtual bool backward_reads_input() const { return true; }
   virtual bool backward_reads_output() const { return false; }

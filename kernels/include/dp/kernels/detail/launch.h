@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <initializer_list>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "dp/kernels/platform.h"
 #include "dp/runtime/detail/kernel_api.h"
 #include "dp/runtime/device.h"
+#include "dp/runtime/error.h"
 
 #if defined(__CUDACC__)
 #include "dp/runtime/detail/cuda_status.h"
@@ -140,6 +143,29 @@ void host_tile_sums(const Map& map, const ReducePlan& plan, const Emit& emit) {
     }
   }
 }
+
+// No second reduction in launch_row_fused.
+struct NoRowReduce {};
+
+// sim: launch_row_fused's rows one after another, each as cuda's block runs it.
+template <class T1, class Map1, class Fin1, class T2, class Map2, class Fin2, class Each>
+struct HostRowFused {
+  index_t rows, cols;
+  Map1 map1;
+  Fin1 finalize1;
+  Map2 map2;
+  Fin2 finalize2;
+  Each each;
+  void operator()() const {
+    const Map1 m1 = map1;
+    const Each e = each;
+    for (index_t row = 0; row < rows; ++row) {
+      finalize1(row, host_block_sum_of_map<T1>(m1, row, 0, cols));
+      if constexpr (!std::is_same_v<Map2, NoRowReduce>) finalize2(row, host_block_sum_of_map<T2>(map2, row, 0, cols));
+      for (index_t col = 0; col < cols; ++col) e(row, col);
+    }
+  }
+};
 
 // sim, stage 1: every chunk's sum, into the partials (two stages) or straight to finalize (one).
 // Blocks run one after another here; each block's sum depends only on its own terms.
@@ -268,6 +294,33 @@ __global__ void __launch_bounds__(kReduceLanes)
   }
 }
 
+// launch_row_fused: block b takes rows b, b + grid, ...; each reduction is stage 1's block of a
+// one-chunk plan (lane = thread, then the lane tree), its finalize on thread 0 and made visible to
+// the block before the next step reads it.
+template <class T1, class Map1, class Fin1, class T2, class Map2, class Fin2, class Each>
+__global__ void __launch_bounds__(kReduceLanes)
+    row_fused_kernel(index_t rows, index_t cols, Map1 map1, Fin1 finalize1, Map2 map2, Fin2 finalize2, Each each) {
+  constexpr std::size_t kLaneBytes = sizeof(T1) > sizeof(T2) ? sizeof(T1) : sizeof(T2);
+  __shared__ alignas(16) unsigned char storage[kReduceLanes * kLaneBytes];
+  for (index_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    T1 sum{};
+#pragma unroll 4
+    for (index_t col = threadIdx.x; col < cols; col += kReduceLanes) sum = sum + map1(row, col);
+    const T1 total = block_lane_tree(sum, reinterpret_cast<T1*>(storage));
+    if (threadIdx.x == 0) finalize1(row, total);
+    __syncthreads();
+    if constexpr (!std::is_same_v<Map2, NoRowReduce>) {
+      T2 sum2{};
+#pragma unroll 4
+      for (index_t col = threadIdx.x; col < cols; col += kReduceLanes) sum2 = sum2 + map2(row, col);
+      const T2 total2 = block_lane_tree(sum2, reinterpret_cast<T2*>(storage));
+      if (threadIdx.x == 0) finalize2(row, total2);
+      __syncthreads();
+    }
+    for (index_t col = threadIdx.x; col < cols; col += kReduceLanes) each(row, col);
+  }
+}
+
 #endif
 
 // ------------------------------------------------------------------------------------------------
@@ -367,6 +420,46 @@ void launch_row_reduce(const Stream& stream, const char* name, index_t rows, ind
     DP_CUDA_CHECK(cudaGetLastError());
     kernel_api::end_launch(stream);
   }
+#else
+  kernel_api::enqueue_host(stream, name, {});
+#endif
+}
+
+// One launch per row (a block a row on cuda) of what launch_row_reduce and launch_2d would do in
+// two or three: finalize1(row, sum of map1(row, ·)), then, unless Map2 is NoRowReduce,
+// finalize2(row, sum of map2(row, ·)), which may read what finalize1 stored for the row, then
+// each(row, col) for every col, which may read both. Each sum has launch_row_reduce's bits: the
+// caller uses it only where plan_row_reduce(rows, cols) is one chunk a row (row_fusable), and
+// keeps the separate launches otherwise. The row's inputs are read from memory once a pass, but
+// counted once (`operands`): on a GPU the row's second and third reads hit the L1/L2 it just filled.
+inline bool row_fusable(index_t rows, index_t cols) { return !plan_row_reduce(rows, cols).two_stage(); }
+
+template <class T1, class T2 = float, class Map1, class Fin1, class Map2, class Fin2, class Each>
+void launch_row_fused(const Stream& stream, const char* name, index_t rows, index_t cols, const Map1& map1,
+                      const Fin1& finalize1, const Map2& map2, const Fin2& finalize2, const Each& each,
+                      std::initializer_list<Operand> operands) {
+  kernel_api::check_extents(name, rows, cols);
+  check_operands(stream, name, operands);
+  if (rows == 0) return;
+  if (!row_fusable(rows, cols))
+    throw InvalidArgument(std::string(name) + ": rows of " + std::to_string(cols) +
+                          " values are reduced in several chunks, not one");
+  kernel_api::count_traffic(stream, name, operands);
+  if (stream.backend() == Backend::sim) {
+    kernel_api::enqueue_host(
+        stream, name,
+        HostRowFused<T1, Map1, Fin1, T2, Map2, Fin2, Each>{rows, cols, map1, finalize1, map2, finalize2, each});
+    return;
+  }
+#if defined(__CUDACC__)
+  constexpr index_t kMaxGrid = index_t{1} << 20;
+  kernel_api::begin_launch(stream, name);
+  row_fused_kernel<T1, Map1, Fin1, T2, Map2, Fin2, Each>
+      <<<static_cast<unsigned>(std::min(rows, kMaxGrid)), kReduceLanes, 0,
+         static_cast<cudaStream_t>(kernel_api::native_handle(stream))>>>(rows, cols, map1, finalize1, map2, finalize2,
+                                                                         each);
+  DP_CUDA_CHECK(cudaGetLastError());
+  kernel_api::end_launch(stream);
 #else
   kernel_api::enqueue_host(stream, name, {});
 #endif
