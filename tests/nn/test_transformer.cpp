@@ -160,22 +160,51 @@ TEST_P(Transformer, APaddedTableGivesTheUnpaddedLogitsAndGradients) {
   const std::vector<std::int32_t> ids(idx.begin(), idx.end());
   const auto dlogits = golden.at("data.dlogits").to_f32();
   DeviceBuffer in = test::upload(*device_, stream_, ids), dl = test::upload(*device_, stream_, dlogits);
-  std::vector<std::vector<float>> logits, grads;
-  for (Model* m : std::initializer_list<Model*>{&plain, &padded}) {
-    ASSERT_EQ(m->output_features(), 32);
-    m->zero_grad(stream_);
-    for (int pass = 0; pass < 2; ++pass) {
-      const float* y = m->forward(stream_, in.as<std::int32_t>(), 3, Mode::train);
-      if (pass == 0) logits.push_back(test::to_host(stream_, y, dlogits.size()));
-      m->backward(stream_, dl.as<float>(), {});
+  // Under autocast too: the head then multiplies the table's first rows in bf16.
+  for (const Autocast amp : {Autocast::off, Autocast::bf16}) {
+    SCOPED_TRACE(to_string(amp));
+    std::vector<std::vector<float>> logits, grads;
+    for (Model* m : std::initializer_list<Model*>{&plain, &padded}) {
+      ASSERT_EQ(m->output_features(), 32);
+      m->set_autocast(amp);
+      m->zero_grad(stream_);
+      for (int pass = 0; pass < 2; ++pass) {
+        const float* y = m->forward(stream_, in.as<std::int32_t>(), 3, Mode::train);
+        if (pass == 0) logits.push_back(test::to_host(stream_, y, dlogits.size()));
+        m->backward(stream_, dl.as<float>(), {});
+      }
+      grads.push_back(test::to_host(stream_, m->grads_flat(), m->param_count()));
     }
-    grads.push_back(test::to_host(stream_, m->grads_flat(), m->param_count()));
+    EXPECT_EQ(logits[0], logits[1]);
+    std::vector<float> expected = grads[0];
+    expected.insert(expected.begin() + 32 * 16, 8 * 16, 0.0f);
+    EXPECT_EQ(grads[1], expected);
   }
-  EXPECT_EQ(logits[0], logits[1]);
-  std::vector<float> expected = grads[0];
-  expected.insert(expected.begin() + 32 * 16, 8 * 16, 0.0f);
-  EXPECT_EQ(grads[1], expected);
   EXPECT_THROW(nn::make_language_model(8, 8, 16, gpt_body(), 9), InvalidArgument);
+}
+
+// Under autocast the tied head's logits are bf16 (torch's lm_head under autocast): forward_for_loss
+// hands them as they are, forward() their widened copy; in fp32 both are the fp32 logits. A bf16
+// gradient is refused by a model whose output is fp32.
+TEST_P(Transformer, UnderAutocastTheHeadsLogitsReachTheLossAsBf16) {
+  Layers layers;
+  layers.push_back(nn::make_language_model(32, 8, 16, gpt_body()));
+  nn::SequentialModel gpt("gpt", *device_, std::move(layers), {6});
+  gpt.initialize(1);
+  DeviceBuffer ids = up(std::vector<std::int32_t>{1, 2, 3, 4, 5, 31});
+  const std::size_t n = 6 * 32;
+  const Model::Output fp32 = gpt.forward_for_loss(stream_, ids.as<std::int32_t>(), 1);
+  EXPECT_FALSE(fp32.bf16);
+  DeviceBuffer grad = up(std::vector<float>(n, 0.01f));
+  EXPECT_THROW(gpt.backward_from_loss(stream_, grad.data(), true), InvalidArgument);
+  gpt.set_autocast(Autocast::bf16);
+  const Model::Output bf16 = gpt.forward_for_loss(stream_, ids.as<std::int32_t>(), 1);
+  ASSERT_TRUE(bf16.bf16);
+  std::vector<std::uint16_t> bits(n);
+  stream_.copy(bits.data(), bf16.data, n * sizeof(std::uint16_t));
+  stream_.synchronize();
+  const float* widened = gpt.forward(stream_, ids.as<std::int32_t>(), 1, Mode::train);
+  EXPECT_EQ(test::to_host(stream_, widened, n), test::bf16_values(bits));
 }
 
 // Token ids are int32 from the batch to the embedding: a language model refuses f32 features, a

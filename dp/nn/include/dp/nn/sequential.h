@@ -58,7 +58,7 @@ class SequentialModel final : public Model {
   void backward(const Stream& stream, const float* grad_output, const GradientsReady& on_ready) override;
   Output forward_for_loss(const Stream& stream, Inputs input, int batch) override;
   void backward_from_loss(const Stream& stream, const void* grad_output, bool bf16,
-                          const GradientsReady& on_ready) override;
+                          const GradientsReady& on_ready = {}) override;
   void zero_grad(const Stream& stream) override;
   void set_random_context(const RandomContext& random) override;
   void set_batchnorm_sync(const BatchNormSync* sync) override { sync_ = sync; }
