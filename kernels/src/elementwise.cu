@@ -34,8 +34,12 @@ void round_to_bf16(const Stream& stream, index_t n, const float* x, float* y) {
   launch(stream, "round_to_bf16", n, RoundToBf16{x, y}, {operand(x, n), operand(y, n)});
 }
 
-void add_bf16_rounded(const Stream& stream, index_t n, const float* x, float* y, bool accumulate) {
-  launch(stream, "add_bf16_rounded", n, AddBf16Rounded{x, y, accumulate}, {operand(x, n), operand(y, n)});
+void add_bf16_rounded(const Stream& stream, index_t n, In x, float* y, bool accumulate) {
+  with_storage(x.bf16, [&](auto t) {
+    using T = decltype(t);
+    launch(stream, "add_bf16_rounded", n, AddBf16Rounded<T>{x.as<T>(), y, accumulate},
+           {operand(x.as<T>(), n), operand(y, n)});
+  });
 }
 
 namespace {

@@ -32,11 +32,12 @@ void linear_forward(const Stream& stream, int n, int in, int out, In x, In weigh
   gemm(stream, false, true, n, out, in, 1.0f, x, std::max(in, 1), weight, std::max(in, 1), beta, y, std::max(out, 1));
 }
 
-void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, Out dx, float* dweight,
+void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, Out dx, Out dweight,
                      float* dbias, bool accumulate) {
   check_linear("linear_backward", n, in, out);
   checks::same_storage("linear_backward", {x.bf16, weight.bf16, dy.bf16});
-  checks::present("linear_backward", {{"dweight", dweight}});
+  checks::present("linear_backward", {{"dweight", dweight.data}});
+  if (dweight.bf16 && accumulate) checks::fail({"linear_backward: a bf16 dweight is written, not accumulated"});
   const int ld_in = std::max(in, 1), ld_out = std::max(out, 1);
   // beta 0 stores the product and the sums as they are; beta 1 adds them to what the gradients
   // hold. Either way the same terms are summed in the same order: 0 + g is g.

@@ -255,6 +255,30 @@ TEST(Bf16ConvolutionReference, ReproducesTheSimAndBoundsAModelledCudnn) {
   EXPECT_GT(outside_two_ulps, 0) << "the two roundings are what the bound must cover";
 }
 
+// Autocast's weight gradient written by its GEMM as bf16 is the fp32 gradient rounded once (cuda may
+// pick another GEMM for a bf16 output: within one bf16 step there); written, never accumulated.
+TEST_P(Bf16Storage, ALinearsBf16WeightGradientIsItsFp32OneRounded) {
+  const int n = 24, in = 40, out = 12;
+  DeviceBuffer x = bf16(test::random_vector(n * in, 31)), w = bf16(test::random_vector(out * in, 32)),
+               dy = bf16(test::random_vector(n * out, 33));
+  DeviceBuffer dw32 = floats(out * in), dw16 = halves(out * in), db = floats(out);
+  const auto backward = [&](kernels::Out dw, bool accumulate) {
+    kernels::linear_backward(stream_, n, in, out, x.as<std::uint16_t>(), w.as<std::uint16_t>(), dy.as<std::uint16_t>(),
+                             nullptr, dw, db.as<float>(), accumulate);
+  };
+  backward(dw32.as<float>(), false);
+  backward(dw16.as<std::uint16_t>(), false);
+  const auto wide = down<float>(dw32);
+  const auto narrow = down<std::uint16_t>(dw16);
+  for (std::size_t i = 0; i < wide.size(); ++i) {
+    if (!cuda())
+      ASSERT_EQ(narrow[i], bf16_from_float(wide[i])) << i;
+    else
+      ASSERT_LE(std::fabs(bf16_to_float(narrow[i]) - wide[i]), bf16_ulp(wide[i])) << i;
+  }
+  EXPECT_THROW(backward(dw16.as<std::uint16_t>(), true), InvalidArgument);
+}
+
 // Memory traffic on bf16 storage: the operands' bf16 bytes (2 each), fp32 where they stay fp32.
 TEST_P(Bf16Storage, TrafficCountsTwoBytesPerBf16Element) {
   const int n = 8, in = 16, out = 4;

@@ -45,10 +45,10 @@ kernels::Out out(const LayerContext& ctx, float* p) { return {p, ctx.bf16}; }
 // ctx says. Under autocast: the parameters cast to bf16, as bf16 storage (bits(): the layer's own
 // copy, made by each forward and read again by the backward that follows it, as torch's autocast
 // keeps its cast weights for the backward) or, for the bias and for a path that takes fp32 words,
-// as fp32 values rounded to bf16; the backward writes the gradients apart and finish() rounds them
-// to bf16 into the fp32 buffer (torch: the bf16 gradient of the bf16 weight, widened by the cast's
-// backward); the GEMMs enqueued meanwhile are marked as taking bf16 values (kernels::Bf16Operands:
-// tensor cores on cuda).
+// as fp32 values rounded to bf16; the backward writes the gradients apart (a Linear's weight
+// gradient as bf16, from its GEMM) and finish() rounds them to bf16 into the fp32 buffer (torch: the bf16 gradient of
+// the bf16 weight, widened by the cast's backward); the GEMMs enqueued meanwhile are marked as taking bf16 values
+// (kernels::Bf16Operands: tensor cores on cuda).
 class LayerParams {
  public:
   // `grads`: null for a forward; `bias_grads`: where the gradients of elements [weights, count)
@@ -80,13 +80,23 @@ class LayerParams {
   }
   // Where the backward kernel writes the weight's and the bias's gradients.
   float* grads() const { return computed_; }
+  // Under autocast, where a GEMM writes the weight's gradient as bf16 (its fp32 result rounded once,
+  // which finish() widens into the buffer: half the bytes of an fp32 gradient rounded after).
+  kernels::Out weight_grads() const {
+    if (!ctx_.amp || !grads_) return grads();
+    weight_bits_ = ctx_.amp->get<std::uint16_t>(ctx_.amp->grad16, ctx_.device, weights_);
+    return kernels::Out(weight_bits_);
+  }
   float* bias_grads() const { return computed_ == grads_ && bias_grads_ ? bias_grads_ : computed_ + weights_; }
   // The backward kernel's `accumulate`: under autocast it writes, finish() adds.
   bool accumulate() const { return !ctx_.amp && ctx_.accumulate_grads; }
   void finish() const {
     if (computed_ == grads_) return;
     // Elementwise: the weight's and the bias's parts apart give the bits of one pass over both.
-    kernels::add_bf16_rounded(ctx_.stream, weights_, computed_, grads_, ctx_.accumulate_grads);
+    if (weight_bits_)
+      kernels::add_bf16_rounded(ctx_.stream, weights_, weight_bits_, grads_, ctx_.accumulate_grads);
+    else
+      kernels::add_bf16_rounded(ctx_.stream, weights_, computed_, grads_, ctx_.accumulate_grads);
     if (weights_ < count_)
       kernels::add_bf16_rounded(ctx_.stream, count_ - weights_, computed_ + weights_, bias_grads_,
                                 ctx_.accumulate_grads);
@@ -114,6 +124,7 @@ class LayerParams {
   Scratch& cast_;
   mutable float* rounded_ = nullptr;
   mutable std::int64_t rounded_from_ = 0;
+  mutable std::uint16_t* weight_bits_ = nullptr;
   std::optional<kernels::Bf16Operands> tensor_cores_;
 };
 
@@ -163,8 +174,8 @@ class Linear final : public Layer {
     }
     const std::int64_t n_in = ctx.in.numel();
     kernels::linear_backward(ctx.stream, rows(ctx.in, in_), in_, out_, bf16_input(ctx, ctx.amp->x, x, n_in), p.bits(),
-                             reinterpret_cast<const std::uint16_t*>(dy), kernels::Out(dx, ctx.bf16 && dx), p.grads(),
-                             p.bias_grads(), p.accumulate());
+                             reinterpret_cast<const std::uint16_t*>(dy), kernels::Out(dx, ctx.bf16 && dx),
+                             p.weight_grads(), p.bias_grads(), p.accumulate());
     p.finish();
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(*this); }

@@ -302,7 +302,7 @@ class LanguageModel final : public detail::Container {
       kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dy, vocab, hidden_, width_,
                     ctx.accumulate_grads ? 1.0f : 0.0f, table.table_grad(), width_);
     } else {
-      // bf16 dlogits and operands; the table's gradient made in fp32 scratch and rounded to bf16
+      // bf16 dlogits and operands; the table's gradient written as bf16 (rounded once) and widened
       // into the fp32 buffer, as a Linear's under autocast.
       const auto n_table = static_cast<kernels::index_t>(classes_) * width_;
       const auto* bits = cast_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n_table));
@@ -313,9 +313,9 @@ class LanguageModel final : public detail::Container {
                          : dhidden_.get<float>(ctx.device, n_hidden);
       kernels::gemm(ctx.stream, false, false, rows, width_, vocab, 1.0f, dlogits, vocab, bits, width_, 0.0f,
                     kernels::Out(dhidden, hidden16), width_);
-      float* computed = ctx.amp->get<float>(ctx.amp->grad, ctx.device, n_table);
-      kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dlogits, vocab, hidden, width_, 0.0f, computed,
-                    width_);
+      auto* computed = ctx.amp->get<std::uint16_t>(ctx.amp->grad16, ctx.device, n_table);
+      kernels::gemm(ctx.stream, true, false, vocab, width_, rows, 1.0f, dlogits, vocab, hidden, width_, 0.0f,
+                    kernels::Out(computed), width_);
       kernels::add_bf16_rounded(ctx.stream, n_table, computed, table.table_grad(), ctx.accumulate_grads);
     }
     // The padded rows have no logit: a written gradient is 0 there (the embedding adds nothing to them).

@@ -74,13 +74,15 @@ struct RoundToBf16 {
 };
 
 // y = float(bf16(x)) (+ y when accumulating): an autocast layer's bf16 parameter gradient widened
-// into the fp32 gradient buffer, as the backward of autocast's fp32 -> bf16 cast accumulates it.
+// into the fp32 gradient buffer, as the backward of autocast's fp32 -> bf16 cast accumulates it. x
+// fp32 (rounded here) or bf16 storage (a GEMM's rounded output: rounding it again changes nothing).
+template <class T = float>
 struct AddBf16Rounded {
-  const float* x;
+  const T* x;
   float* y;
   bool accumulate;
   DP_HD void operator()(index_t i) const {
-    const float g = bf16_to_float(bf16_from_float(x[i]));
+    const float g = bf16_to_float(bf16_from_float(load(x, i)));
     y[i] = accumulate ? y[i] + g : g;
   }
 };

@@ -19,9 +19,10 @@ void linear_forward(const Stream& stream, int n, int in, int out, In x, In weigh
 // (+=), as autograd accumulates into .grad; without, they are overwritten (the first backward after
 // zero_grad, as torch's set_to_none: nothing is read from them, so whatever they held is gone).
 // dx is always overwritten. dx null: not computed (the first layer's input needs no gradient);
-// dbias null: the layer has no bias.
+// dbias null: the layer has no bias. dweight may be bf16 storage where x and dy are (autocast's
+// weight gradient, rounded once; it is then overwritten, never accumulated).
 //   dx = dy · W,  dW (+)= dy^T · x,  db (+)= sum over the batch of dy.
-void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, Out dx, float* dweight,
+void linear_backward(const Stream& stream, int n, int in, int out, In x, In weight, In dy, Out dx, Out dweight,
                      float* dbias, bool accumulate = true);
 
 // ------------------------------------------------------------------------------------------------

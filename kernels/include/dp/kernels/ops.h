@@ -20,7 +20,7 @@ void from_bf16(const Stream& stream, index_t n, const std::uint16_t* x, float* y
 // y = float(bf16(x)); y = float(bf16(x)), added to y when `accumulate`.
 void to_bf16(const Stream& stream, index_t n, const float* x, std::uint16_t* y);
 void round_to_bf16(const Stream& stream, index_t n, const float* x, float* y);
-void add_bf16_rounded(const Stream& stream, index_t n, const float* x, float* y, bool accumulate);
+void add_bf16_rounded(const Stream& stream, index_t n, In x, float* y, bool accumulate);
 // Activations (storage.h): add's and add_relu's operands each fp32 or bf16; relu's all of one type.
 void add(const Stream& stream, index_t n, In a, In b, Out out);
 void relu_forward(const Stream& stream, index_t n, In x, Out y);

@@ -63,7 +63,7 @@ struct TensorDecl {
 // reach the fp32 buffer. `workspace` is the shared path's convolution scratch, only where no library
 // convolves bf16 storage (conv2d_supports_bf16).
 struct AutocastScratch {
-  Scratch x, y, dy, out, dx, weight, grad, workspace;
+  Scratch x, y, dy, out, dx, weight, grad, grad16, workspace;
   // Buffers outgrown during a step: kept until the next forward, since work queued before the
   // growth (maybe waiting on a SyncBatchNorm collective) still reads them.
   std::vector<DeviceBuffer> retired;
