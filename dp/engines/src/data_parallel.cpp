@@ -295,12 +295,15 @@ void DataParallel::broadcast_and_forward(Inputs inputs, int batch, Mode mode) {
   group_.run([&](int rank) { forward_chunk(rank, inputs, mode, 0, 0); }, used);
 }
 
+// Every replica's model is the same, so its outputs' storage is the source's (which always holds a
+// chunk): bf16 logits of a training forward under autocast, else fp32.
+std::size_t DataParallel::output_element_size() const { return replicas_[0]->output.bf16 ? 2 : sizeof(float); }
+
 void DataParallel::gather_outputs() {
   const int used = static_cast<int>(chunks_.size());
   const std::size_t logits = engines::sample_size(module_).logits;
   Device& out_device = group_.device(output_rank_);
-  outputs_bf16_ = replicas_[0]->output.bf16;  // every replica's model is the same: the same storage
-  const std::size_t element = outputs_bf16_ ? 2 : sizeof(float);
+  const std::size_t element = output_element_size();
   auto* gathered = gathered_.get<std::byte>(out_device, static_cast<std::size_t>(batch_) * logits * sizeof(float));
   Replica& out = *replicas_[static_cast<std::size_t>(output_rank_)];
   mark(time_phases_, out.stream, gather_start_);
@@ -508,7 +511,7 @@ void DataParallel::enqueue_loss(int batch, int slot, bool capture, int micro) {
   // torch's accumulation loop: (loss / K).backward().
   const float* loss_value = loss_->forward_backward(
       out.stream, gathered_.data(), targets_rings_[static_cast<std::size_t>(micro)]->targets(slot), rows,
-      sample.classes, grad_output, rows, 1.0f / static_cast<float>(accumulate_), outputs_bf16_);
+      sample.classes, grad_output, rows, 1.0f / static_cast<float>(accumulate_), replicas_[0]->output.bf16);
   // Pinned: asynchronous; the slot's own floats, so a later step never overwrites them.
   out.stream.copy(host_loss_.as<float>() + static_cast<std::size_t>(slot * accumulate_ + micro), loss_value,
                   sizeof(float));
@@ -521,7 +524,7 @@ void DataParallel::enqueue_backward(int rank, int micro) {
   const std::size_t logits = engines::sample_size(module_).logits;
   Replica& r = *replicas_[static_cast<std::size_t>(rank)];
   const std::size_t samples = static_cast<std::size_t>(chunks_[static_cast<std::size_t>(rank)]);
-  const std::size_t element = outputs_bf16_ ? 2 : sizeof(float);
+  const std::size_t element = output_element_size();
   const std::byte* slice = static_cast<const std::byte*>(grad_output_.data()) +
                            static_cast<std::size_t>(offsets_[static_cast<std::size_t>(rank)]) * logits * element;
   const void* dy = slice;
@@ -536,7 +539,7 @@ void DataParallel::enqueue_backward(int rank, int micro) {
   // reduce-added onto them after each one, once the source has read the previous ones.
   if (rank != 0 && micro > 0) r.stream.wait(grads_read_);
   if (rank != 0 || micro == 0) r.model->zero_grad(r.stream);
-  r.model->backward_from_loss(r.stream, dy, outputs_bf16_);
+  r.model->backward_from_loss(r.stream, dy, r.output.bf16);
   r.stream.record(r.backward_done);
 }
 

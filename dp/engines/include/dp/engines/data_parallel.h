@@ -101,6 +101,7 @@ class DataParallel final : public Engine {
   void forward_chunk(int rank, Inputs inputs, Mode mode, int slot, int micro);
   void broadcast_and_forward(Inputs inputs, int batch, Mode mode);
   void gather_outputs();
+  std::size_t output_element_size() const;  // bytes of an output element: 2 for bf16 logits, else 4
   // The step's work as phases on the device workers, on the batch in pipeline slot `slot`;
   // `capture`: recorded into a graph (returned) instead of run.
   Graph enqueue_step(int batch, int slot, bool capture);
@@ -142,7 +143,6 @@ class DataParallel final : public Engine {
   std::optional<std::int64_t> counted_from_;
   Event gather_start_, gather_end_, loss_end_, reduce_start_, reduce_end_, update_end_;
   Scratch gathered_, grad_output_;                // on the output device
-  bool outputs_bf16_ = false;                     // the last gather's: bf16 logits (autocast) or fp32
   PinnedBuffer host_loss_;                        // a float per pipeline slot: the step's loss, without a pageable copy
   std::array<Event, kStepsInFlight> loss_ready_;  // per slot, on the output device: an eager step's loss written
   std::unique_ptr<engines::StepGraphs> graphs_;

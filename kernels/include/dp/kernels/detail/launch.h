@@ -256,6 +256,16 @@ __device__ T block_lane_tree(T value, T* lanes) {
   return total;
 }
 
+// host_block_sum_of_map on a block: lane = thread sums map(row, col) for its columns of [begin, end)
+// in increasing order, then the lane tree. Every thread of the block must call it; all get the sum.
+template <class T, class Map>
+__device__ T block_sum_of_map(const Map& map, index_t row, index_t begin, index_t end, T* lanes) {
+  T sum{};
+#pragma unroll 4
+  for (index_t col = begin + threadIdx.x; col < end; col += kReduceLanes) sum = sum + map(row, col);
+  return block_lane_tree(sum, lanes);
+}
+
 // Stage 1 of the plan: block b sums chunk b (row b / chunks_per_row), lane = thread.
 template <class T, class Map, class Finalize>
 __global__ void __launch_bounds__(kReduceLanes)
@@ -266,10 +276,7 @@ __global__ void __launch_bounds__(kReduceLanes)
     const index_t row = block / plan.chunks_per_row;  // once per block, not per element
     const index_t begin = (block - row * plan.chunks_per_row) * plan.chunk;
     const index_t end = begin + (plan.chunk < plan.cols - begin ? plan.chunk : plan.cols - begin);
-    T sum{};
-#pragma unroll 4
-    for (index_t col = begin + threadIdx.x; col < end; col += kReduceLanes) sum = sum + map(row, col);
-    const T total = block_lane_tree(sum, lanes);
+    const T total = block_sum_of_map<T>(map, row, begin, end, lanes);
     if (threadIdx.x == 0) {
       if (plan.two_stage())
         partials[block] = total;
@@ -303,17 +310,11 @@ __global__ void __launch_bounds__(kReduceLanes)
   constexpr std::size_t kLaneBytes = sizeof(T1) > sizeof(T2) ? sizeof(T1) : sizeof(T2);
   __shared__ alignas(16) unsigned char storage[kReduceLanes * kLaneBytes];
   for (index_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    T1 sum{};
-#pragma unroll 4
-    for (index_t col = threadIdx.x; col < cols; col += kReduceLanes) sum = sum + map1(row, col);
-    const T1 total = block_lane_tree(sum, reinterpret_cast<T1*>(storage));
+    const T1 total = block_sum_of_map<T1>(map1, row, 0, cols, reinterpret_cast<T1*>(storage));
     if (threadIdx.x == 0) finalize1(row, total);
     __syncthreads();
     if constexpr (!std::is_same_v<Map2, NoRowReduce>) {
-      T2 sum2{};
-#pragma unroll 4
-      for (index_t col = threadIdx.x; col < cols; col += kReduceLanes) sum2 = sum2 + map2(row, col);
-      const T2 total2 = block_lane_tree(sum2, reinterpret_cast<T2*>(storage));
+      const T2 total2 = block_sum_of_map<T2>(map2, row, 0, cols, reinterpret_cast<T2*>(storage));
       if (threadIdx.x == 0) finalize2(row, total2);
       __syncthreads();
     }
