@@ -55,10 +55,12 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
 
 void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, const float* gamma, const float* mean,
                         const float* rstd, In dy, Out dx, float* dgamma, float* dbeta, float* row_sums, bool accumulate,
-                        In dx_add) {
+                        In dx_add, Out dx_rounded) {
   const char* op = "layernorm_backward";
   check_layernorm(op, rows, cols);
   checks::same_storage(op, {x.bf16, dx ? dx.bf16 : x.bf16, dx_add ? dx_add.bf16 : x.bf16});
+  if (dx_rounded && (!dx || dx.bf16 || !dx_rounded.bf16))
+    checks::fail({op, ": dx_rounded is a bf16 copy of an fp32 dx"});
   checks::present(op, {{"x", x.data},
                        {"gamma", gamma},
                        {"mean", mean},
@@ -83,22 +85,24 @@ void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, 
       const LnGradTerms<T, D> terms{xs, dys, gamma, mean, rstd, cols};
       const LnStoreRowSums store_sums{rows, row_sums};
       const T* add = dx_add.as<T>();
+      auto* rounded = dx_rounded.as<std::uint16_t>();
       const LnInputGrad<T, D> input_grad{
-          rows, cols, xs, dys, gamma, mean, rstd, row_sums, 1.0f / static_cast<float>(cols), dx.as<T>(), add};
+          rows, cols, xs, dys, gamma, mean, rstd, row_sums, 1.0f / static_cast<float>(cols), dx.as<T>(), add, rounded};
       if (row_fusable(rows, cols)) {  // a row's sums and its gradient in one pass over it
-        launch_row_fused<SumPair>(
-            stream, "layernorm_backward_input", rows, cols, terms, store_sums, NoRowReduce{}, NoRowReduce{}, input_grad,
-            {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows), operand(rstd, rows),
-             operand(row_sums, 2 * rows), operand(dx.as<T>(), total), operand(add, add ? total : 0)});
+        launch_row_fused<SumPair>(stream, "layernorm_backward_input", rows, cols, terms, store_sums, NoRowReduce{},
+                                  NoRowReduce{}, input_grad,
+                                  {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
+                                   operand(rstd, rows), operand(row_sums, 2 * rows), operand(dx.as<T>(), total),
+                                   operand(add, add ? total : 0), operand(rounded, rounded ? total : 0)});
         return;
       }
       launch_row_reduce<SumPair>(stream, "layernorm_backward_sums", rows, cols, terms, store_sums,
                                  {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
                                   operand(rstd, rows), operand(row_sums, 2 * rows)});
-      launch_2d(
-          stream, "layernorm_backward_dx", rows, cols, input_grad,
-          {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows), operand(rstd, rows),
-           operand(row_sums, 2 * rows), operand(dx.as<T>(), total), operand(add, add ? total : 0)});
+      launch_2d(stream, "layernorm_backward_dx", rows, cols, input_grad,
+                {operand(xs, total), operand(dys, total), operand(gamma, cols), operand(mean, rows),
+                 operand(rstd, rows), operand(row_sums, 2 * rows), operand(dx.as<T>(), total),
+                 operand(add, add ? total : 0), operand(rounded, rounded ? total : 0)});
     });
   });
 }

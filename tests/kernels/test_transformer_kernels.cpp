@@ -300,7 +300,8 @@ TEST_P(TransformerKernels, Bf16StorageIsTheFp32ResultRounded) {
 }
 
 // A residual's shortcut gradient added by LayerNorm's backward (dx_add) gives the bits of the add
-// after it, in fp32 and bf16 storage, for rows reduced in one launch with the pass and apart.
+// after it, in fp32 and bf16 storage, for rows reduced in one launch with the pass and apart; an
+// fp32 dx's bf16 copy written in the same pass (dx_rounded) is the bits of to_bf16 after it.
 TEST_P(TransformerKernels, LayerNormAddsTheShortcutsGradientAsTheAddAfterIt) {
   for (const bool bf16 : {false, true})
     for (const auto& [rows, cols] : {std::pair<index_t, index_t>{12, 40}, {1, 2 * kernels::kReduceMinChunk + 3}}) {
@@ -325,10 +326,26 @@ TEST_P(TransformerKernels, LayerNormAddsTheShortcutsGradientAsTheAddAfterIt) {
       kernels::layernorm_backward(stream_, rows, cols, xin, g.as<float>(), mean.as<float>(), rstd.as<float>(), dyin,
                                   kernels::Out(together.data(), bf16), dg.as<float>(), db.as<float>(), sums.as<float>(),
                                   false, addin);
-      if (bf16)
+      if (bf16) {
         EXPECT_EQ(down<std::uint16_t>(together), down<std::uint16_t>(apart));
-      else
-        EXPECT_EQ(down<float>(together), down<float>(apart));
+        EXPECT_THROW(
+            kernels::layernorm_backward(stream_, rows, cols, xin, g.as<float>(), mean.as<float>(), rstd.as<float>(),
+                                        dyin, kernels::Out(together.data(), bf16), dg.as<float>(), db.as<float>(),
+                                        sums.as<float>(), false, addin, kernels::Out(apart.as<std::uint16_t>())),
+            InvalidArgument)
+            << "a bf16 copy of a bf16 dx";
+        continue;
+      }
+      EXPECT_EQ(down<float>(together), down<float>(apart));
+      DeviceBuffer copy = device_->allocate(size * 2), cast = device_->allocate(size * 2);
+      for (const bool with_add : {false, true}) {
+        kernels::layernorm_backward(stream_, rows, cols, xin, g.as<float>(), mean.as<float>(), rstd.as<float>(), dyin,
+                                    kernels::Out(together.data(), bf16), dg.as<float>(), db.as<float>(),
+                                    sums.as<float>(), false, with_add ? addin : kernels::In(),
+                                    kernels::Out(copy.as<std::uint16_t>()));
+        kernels::to_bf16(stream_, rows * cols, together.as<float>(), cast.as<std::uint16_t>());
+        EXPECT_EQ(down<std::uint16_t>(copy), down<std::uint16_t>(cast)) << (with_add ? "with dx_add" : "alone");
+      }
     }
 }
 
@@ -351,14 +368,16 @@ TEST(TransformerKernelsCudaMatchesSim, LayerNorm) {
                  b = test::upload(device, stream, beta), dyd = test::upload(device, stream, dy);
     DeviceBuffer y = device.allocate(size * 4), mean = device.allocate(rows * 4), rstd = device.allocate(rows * 4),
                  dx = device.allocate(size * 4), dg = device.allocate(cols * 4), db = device.allocate(cols * 4),
-                 sums = device.allocate(2 * rows * 4);
+                 sums = device.allocate(2 * rows * 4), copy = device.allocate(size * 2);
     kernels::layernorm_forward(stream, rows, cols, xd.as<float>(), g.as<float>(), b.as<float>(), y.as<float>(),
                                mean.as<float>(), rstd.as<float>());
     kernels::layernorm_backward(stream, rows, cols, xd.as<float>(), g.as<float>(), mean.as<float>(), rstd.as<float>(),
                                 dyd.as<float>(), dx.as<float>(), dg.as<float>(), db.as<float>(), sums.as<float>(),
-                                false);
+                                false, nullptr, kernels::Out(copy.as<std::uint16_t>()));
     for (const DeviceBuffer* buffer : {&y, &mean, &rstd, &dx, &dg, &db})
       results[k].push_back(test::download<float>(stream, *buffer));
+    const auto bits = test::download<std::uint16_t>(stream, copy);
+    results[k].emplace_back(bits.begin(), bits.end());
   }
   for (std::size_t i = 0; i < results[0].size(); ++i) EXPECT_EQ(results[0][i], results[1][i]) << "tensor " << i;
 }

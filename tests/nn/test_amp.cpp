@@ -2,6 +2,7 @@
 // autocast: the MLP, the ConvNet and ResNet-8, one step from the same parameters, single, dp and ddp
 // (tests/golden/make_amp_goldens.py); the autocast kernels' bits on every backend; what autocast
 // keeps in bf16.
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
@@ -427,6 +428,66 @@ TEST_P(AutocastOnBackend, ConversionKernelsGiveTheHostBits) {
       ASSERT_TRUE(same(got_sum[i], base[i] + bf16_to_float(want))) << i;
   }
   EXPECT_EQ(got_bits[4], 0x3f80u);
+}
+
+// Under autocast a transformer's residual stream is fp32 and each branch ends in a bf16 Linear, so
+// the stream's gradient is rounded to bf16 once per branch (the cast's backward). The LayerNorm
+// that writes that gradient (the next branch's first layer, or ln_f) writes the rounding with it:
+// no separate cast in the backward, and the bits of the model whose blocks a Dropout(0) separates
+// (an exact identity that asks for no copy, so every branch rounds the gradient itself).
+TEST_P(AutocastOnBackend, TheStreamsGradientIsRoundedWhereItIsWritten) {
+  const int batch = 2, tokens = 5, width = 16;
+  const auto block = [&](const std::string& name, bool separated) {
+    nn::Layers attn, mlp, branches;
+    attn.push_back(nn::make_layernorm("ln_1", width));
+    attn.push_back(nn::make_linear("attn.c_proj", width, width));
+    mlp.push_back(nn::make_layernorm("ln_2", width));
+    mlp.push_back(nn::make_linear("mlp.c_fc", width, 4 * width));
+    mlp.push_back(nn::make_gelu("mlp.gelu"));
+    mlp.push_back(nn::make_linear("mlp.c_proj", 4 * width, width));
+    branches.push_back(nn::make_residual("", std::move(attn), {}, false, nn::ResidualAdd::promote));
+    if (separated) branches.push_back(nn::make_dropout("apart", 0.0));
+    branches.push_back(nn::make_residual("", std::move(mlp), {}, false, nn::ResidualAdd::promote));
+    return nn::make_sequential(name, std::move(branches));
+  };
+  const auto model = [&](bool separated) {
+    nn::Layers layers;
+    for (int b = 0; b < 2; ++b) {
+      layers.push_back(block(fmt::format("h.{}", b), separated));
+      if (separated) layers.push_back(nn::make_dropout(fmt::format("apart.{}", b), 0.0));
+    }
+    layers.push_back(nn::make_layernorm("ln_f", width));
+    layers.push_back(nn::make_linear("head", width, 7));
+    auto m = std::make_unique<nn::SequentialModel>("stream", *device_, std::move(layers),
+                                                   std::vector<std::int64_t>{tokens, 1, width});
+    m->set_autocast(Autocast::bf16);
+    return m;
+  };
+  const auto x = test::random_vector(static_cast<std::size_t>(batch) * tokens * width, 31, -2.0f, 2.0f);
+  const auto dy = test::random_vector(static_cast<std::size_t>(batch) * tokens * 7, 32);
+  const DeviceBuffer input = up(x), grad_output = up(dy);
+  auto fused = model(false), apart = model(true);
+  ASSERT_EQ(fused->param_count(), apart->param_count());
+  fused->initialize(3);
+  stream_.copy(apart->params_flat(), fused->params_flat(), fused->param_count() * sizeof(float));
+  std::vector<float> grads[2];
+  std::uint64_t casts[2] = {0, 0};
+  nn::SequentialModel* models[2] = {fused.get(), apart.get()};
+  for (int k = 0; k < 2; ++k) {
+    models[k]->forward(stream_, input.as<float>(), batch, Mode::train);
+    models[k]->zero_grad(stream_);
+    (void)traffic();
+    runtime_->reset_memory_traffic();
+    models[k]->backward(stream_, grad_output.as<float>(), {});
+    const auto t = traffic();
+    casts[k] = t.contains("to_bf16") ? t.at("to_bf16").second : 0;
+    grads[k] = test::to_host(stream_, models[k]->grads_flat(), models[k]->param_count());
+  }
+  // One cast is the head's: its bf16 output's fp32 gradient (the backward of `logits.float()`).
+  EXPECT_EQ(casts[0], 1u) << "every rounding of the stream's gradient made where it is written";
+  EXPECT_EQ(casts[1], 5u) << "the separated model: each of its four branches rounds its own";
+  for (std::size_t i = 0; i < grads[0].size(); ++i)
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(grads[0][i]), std::bit_cast<std::uint32_t>(grads[1][i])) << "element " << i;
 }
 
 // Under Bf16Operands a GEMM of bf16 values is their exact products accumulated in fp32: bf16 tensor

@@ -92,6 +92,30 @@ bool Chain::adds_to_dx() const {
   return first < layers_.size() && layers_[first]->adds_to_dx();
 }
 
+bool Chain::copies_dx_bf16() const {
+  const std::size_t first = first_compute();
+  return first < layers_.size() && !(first < relu_fused_.size() && relu_fused_[first]) &&
+         layers_[first]->copies_dx_bf16();
+}
+
+bool Chain::rounds_dy() const {
+  for (std::size_t i = layers_.size(); i-- > 0;) {
+    if (layers_[i]->is_view()) continue;
+    if (i >= bf16_.size() || (i > 0 && relu_fused_[i - 1])) return false;  // no forward yet; a fused ReLU
+    return layers_[i]->rounds_dy(bf16_[i]);
+  }
+  return false;
+}
+
+bool Chain::next_rounds_dy(std::size_t i) const {
+  for (std::size_t j = i; j-- > 0;) {
+    if (layers_[j]->is_view()) continue;
+    if (j > 0 && relu_fused_[j - 1]) return false;  // a ReLU whose gradient its fused layer applies
+    return layers_[j]->rounds_dy(bf16_[j]);
+  }
+  return false;
+}
+
 bool Chain::rounds_input() const {
   const std::size_t first = first_compute();
   return first < layers_.size() && layers_[first]->rounds_input();
@@ -194,6 +218,7 @@ void Chain::backward(const LayerContext& ctx, const void* dy, void* dx, const st
       ctx.stream.copy(dx, dy, static_cast<std::size_t>(shapes_.back().numel()) * element_size(layers_.size()));
     return;
   }
+  const std::uint16_t* dy16 = ctx.dy_bf16;  // the caller's, for the last computing child (rounds_dy)
   for (std::size_t i = layers_.size(); i-- > 0;) {
     Layer& layer = *layers_[i];
     if (layer.is_view()) continue;  // same memory, same gradient
@@ -205,13 +230,26 @@ void Chain::backward(const LayerContext& ctx, const void* dy, void* dx, const st
     // The first computing child writes the chain's input gradient (the caller's dx, maybe null:
     // nothing upstream needs it); the others write activation_grads_[i] = dL/d(input of child i).
     void* child_dx = i == first ? dx : activation(ctx, activation_grads_, i);
-    backward_child(ctx, i, relu_fused_[i], dy, child_dx, after);
+    // Under autocast a LayerNorm that writes the fp32 stream's gradient also writes its bf16
+    // rounding where the residual branch before it would round it (one pass over the gradient
+    // fewer; the same bits): the chain's caller asks for the chain's dx, the chain for the others.
+    std::uint16_t* dx16 = nullptr;
+    if (i == first)
+      dx16 = ctx.dx_bf16;
+    else if (ctx.amp && !bf16_[i] && !relu_fused_[i] && layer.copies_dx_bf16() && next_rounds_dy(i)) {
+      AutocastScratch& amp = *ctx.amp;
+      const std::int64_t n = shapes_[i].numel();
+      dx16 = amp.get<std::uint16_t>(amp.stream_grad16[0], ctx.device, n);
+      if (dx16 == dy16) dx16 = amp.get<std::uint16_t>(amp.stream_grad16[1], ctx.device, n);
+    }
+    backward_child(ctx, i, relu_fused_[i], dy, child_dx, dy16, dx16, after);
     dy = child_dx;
+    dy16 = dx16;
   }
 }
 
 void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, const void* dy, void* dx,
-                           const std::function<void(Layer&)>& after) {
+                           const std::uint16_t* dy16, std::uint16_t* dx16, const std::function<void(Layer&)>& after) {
   Layer& layer = *layers_[i];
   progress::set_phase("backward", layer.name());
   // Fused, dy is dL/d(ReLU's output) and outputs_[i + 2] that output.
@@ -227,7 +265,9 @@ void Chain::backward_child(const LayerContext& ctx, std::size_t i, bool fused, c
                            ctx.amp,
                            bf16_[i],
                            bf16_[end],
-                           first && layer.adds_to_dx() ? ctx.dx_add : nullptr};
+                           first && layer.adds_to_dx() ? ctx.dx_add : nullptr,
+                           dx16,
+                           fused ? nullptr : dy16};
   const bool ids = layer.input_dtype() == DType::i32;  // no x: the ids are not activations
   const auto* x = ids ? nullptr : static_cast<const float*>(outputs_[i]);
   const auto* y = static_cast<const float*>(outputs_[end]);

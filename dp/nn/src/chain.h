@@ -58,6 +58,11 @@ class Chain {
   void set_reader_rounds(bool rounds) { reader_rounds_ = rounds; }
   // Whether backward adds ctx.dx_add to the dx it writes (its first computing child adds_to_dx).
   bool adds_to_dx() const;
+  // Under autocast, after a train forward: whether backward can also write its fp32 dx rounded to
+  // bf16 into ctx.dx_bf16 (the child that writes dx can: Layer::copies_dx_bf16), and whether it
+  // rounds its fp32 dy first and so takes ctx.dy_bf16 (its last computing child does: rounds_dy).
+  bool copies_dx_bf16() const;
+  bool rounds_dy() const;
 
   // Runs the children on x (shape ctx.in; bf16 storage when ctx.bf16; input_dtype()'s elements). The last child that
   // computes writes into `y` when it is given (a container's output), else into the chain's own activation memory.
@@ -81,8 +86,13 @@ class Chain {
   // One child's forward and backward (index i; `fused`: it and the ReLU after it), from and into
   // the chain's storage: under autocast a leaf gets fp32 tensors widened from bf16 ones.
   void forward_child(const LayerContext& ctx, std::size_t i, bool fused, void* out);
+  // `dy16`: dy rounded to bf16 by the layer after it, where child i rounds_dy (else null); `dx16`:
+  // where child i also writes its dx rounded, for the child before it (else null).
   void backward_child(const LayerContext& ctx, std::size_t i, bool fused, const void* dy, void* dx,
-                      const std::function<void(Layer&)>& after);
+                      const std::uint16_t* dy16, std::uint16_t* dx16, const std::function<void(Layer&)>& after);
+  // Whether the child that runs backward after child i (the computing one before it) rounds its
+  // fp32 dy to bf16: then child i, where it copies_dx_bf16, writes that rounding with its dx.
+  bool next_rounds_dy(std::size_t i) const;
   // The boundary's bytes per element.
   std::size_t element_size(std::size_t boundary) const { return bf16_[boundary] ? 2 : 4; }
   void* activation(const LayerContext& ctx, std::vector<Scratch>& memory, std::size_t boundary);

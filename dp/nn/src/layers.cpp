@@ -606,6 +606,8 @@ class SequentialLayer final : public detail::Container {
   bool output_bf16(bool input_bf16) const override { return chain_.output_bf16(input_bf16); }
   bool rounds_input() const override { return chain_.rounds_input(); }
   bool adds_to_dx() const override { return chain_.adds_to_dx(); }
+  bool copies_dx_bf16() const override { return chain_.copies_dx_bf16(); }
+  bool rounds_dy(bool) const override { return chain_.rounds_dy(); }
   void forward(const LayerContext& ctx, const float* x, float* y) override { chain_.forward(ctx, x, y); }
   DType input_dtype() const override { return chain_.input_dtype(); }
   void forward_ids(const LayerContext& ctx, const std::int32_t* ids, float* y) override { chain_.forward(ctx, ids, y); }
@@ -648,6 +650,16 @@ class Residual final : public detail::Container {
   }
   // Both branches read the input (an identity shortcut hands it to the add as it is).
   bool rounds_input() const override { return body_.rounds_input() && shortcut_.rounds_input(); }
+  // The stream's gradient rounded for the body by its first layer (a transformer block's LayerNorm),
+  // which writes the residual's whole dx (dx_add).
+  bool copies_dx_bf16() const override {
+    return shortcut_.is_identity() && body_.adds_to_dx() && body_.copies_dx_bf16();
+  }
+  // An fp32 sum's gradient rounded for a bf16 branch.
+  bool rounds_dy(bool input_bf16) const override {
+    return !relu_after_ && !output_bf16(input_bf16) &&
+           (body_.output_bf16(input_bf16) || shortcut_.output_bf16(input_bf16));
+  }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const ActShape out = output_shape(ctx.in);
     const auto n = static_cast<kernels::index_t>(out.numel());
@@ -678,14 +690,24 @@ class Residual final : public detail::Container {
     // (a transformer block's LayerNorm: one pass over the stream's gradient fewer).
     const bool body16 = ctx.amp && body_.output_bf16(ctx.bf16);
     const bool shortcut16 = ctx.amp && shortcut_.output_bf16(ctx.bf16);
+    // dsum in a branch's dtype; an fp32 one's rounding made by the layer that wrote it (dy_bf16).
+    const std::uint16_t* dsum16 = relu_after_ || out16 ? nullptr : ctx.dy_bf16;
+    const auto branch_dy = [&](bool want16, Scratch& scratch) -> const void* {
+      return want16 && dsum16 ? dsum16 : in_dtype(ctx, n, dsum, out16, want16, scratch);
+    };
+    LayerContext inner = ctx;  // the branches' own: their chains ask for copies themselves
+    inner.dx_bf16 = nullptr;
+    inner.dy_bf16 = nullptr;
     if (shortcut_.is_identity() && dx && body_.adds_to_dx()) {
-      LayerContext body = ctx;
-      body.dx_add = in_dtype(ctx, n, dsum, out16, shortcut16, shortcut_dsum_);
-      body_.backward(body, in_dtype(ctx, n, dsum, out16, body16, body_dsum_), dx, done);
+      LayerContext body = inner;
+      body.dx_add = branch_dy(shortcut16, shortcut_dsum_);
+      body.dx_bf16 = ctx.dx_bf16;  // the body's first layer writes the whole dx (copies_dx_bf16)
+      body_.backward(body, branch_dy(body16, body_dsum_), dx, done);
       return;
     }
-    body_.backward(ctx, in_dtype(ctx, n, dsum, out16, body16, body_dsum_), dx, done);
-    dsum = in_dtype(ctx, n, dsum, out16, shortcut16, shortcut_dsum_);
+    if (ctx.dx_bf16) throw InvalidArgument(fmt::format("{}: asked for a bf16 copy of a dx it adds up", name()));
+    body_.backward(inner, branch_dy(body16, body_dsum_), dx, done);
+    dsum = branch_dy(shortcut16, shortcut_dsum_);
     if (shortcut_.is_identity()) {
       if (dx) accumulate(ctx, n_in, in16, dsum, dx);
       return;
@@ -695,7 +717,7 @@ class Residual final : public detail::Container {
       shortcut_dx =
           in16 ? static_cast<void*>(shortcut_dx_.get<std::uint16_t>(ctx.device, static_cast<std::size_t>(n_in)))
                : shortcut_dx_.get<float>(ctx.device, static_cast<std::size_t>(n_in));
-    shortcut_.backward(ctx, dsum, shortcut_dx, done);
+    shortcut_.backward(inner, dsum, shortcut_dx, done);
     if (dx) accumulate(ctx, n_in, in16, shortcut_dx, dx);
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Residual>(*this); }

@@ -46,6 +46,7 @@ class LayerNorm final : public Layer {
   bool native_bf16() const override { return true; }
   bool may_round_output() const override { return true; }
   bool adds_to_dx() const override { return true; }
+  bool copies_dx_bf16() const override { return true; }
   void forward(const LayerContext& ctx, const float* x, float* y) override {
     const auto rows = token_rows(ctx.in);
     float* stats = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(rows));
@@ -57,7 +58,7 @@ class LayerNorm final : public Layer {
     float* stats = saved_.get<float>(ctx.device, 4 * static_cast<std::size_t>(rows));
     kernels::layernorm_backward(ctx.stream, rows, width_, {x, ctx.bf16}, param(0), stats, stats + rows,
                                 {dy, ctx.out_bf16}, {dx, ctx.bf16}, grad(0), grad(1), stats + 2 * rows,
-                                ctx.accumulate_grads, {ctx.dx_add, ctx.bf16});
+                                ctx.accumulate_grads, {ctx.dx_add, ctx.bf16}, kernels::Out(ctx.dx_bf16));
   }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(*this); }
   std::size_t saved_bytes() const override { return saved_.size() / 2; }  // mean and rstd

@@ -27,10 +27,12 @@ void layernorm_forward(const Stream& stream, index_t rows, index_t cols, In x, c
 // null); dgamma (+)= sum over rows of dy * xhat, dbeta (+)= sum of dy (`accumulate`, else stored).
 // row_sums: scratch of 2 * rows floats. `dx_add` (dx's storage, may be null): a gradient added to
 // dx in the same pass, the bits of add(dx, dx_add) after it (a residual's shortcut: the stream's
-// gradient is the block's input gradient plus the sum's).
+// gradient is the block's input gradient plus the sum's). `dx_rounded` (bf16, may be null; only
+// beside an fp32 dx): dx's values rounded in the same pass, the bits of to_bf16(dx) after it (under
+// autocast the residual stream's gradient, which the branch below rounds for its bf16 Linear).
 void layernorm_backward(const Stream& stream, index_t rows, index_t cols, In x, const float* gamma, const float* mean,
                         const float* rstd, In dy, Out dx, float* dgamma, float* dbeta, float* row_sums,
-                        bool accumulate = true, In dx_add = nullptr);
+                        bool accumulate = true, In dx_add = nullptr, Out dx_rounded = nullptr);
 
 // ------------------------------------------------------------------------------------------------
 // functors
@@ -109,19 +111,18 @@ struct LnInputGrad {
   const float* sums;
   float inv_cols;
   T* dx;
-  const T* add = nullptr;  // added to dx as stored, as a separate add would (null: none)
+  const T* add = nullptr;            // added to dx as stored, as a separate add would (null: none)
+  std::uint16_t* rounded = nullptr;  // dx as stored, rounded to bf16 (null: none)
   DP_HD void operator()(index_t row, index_t col) const {
     const index_t i = row * cols + col;
     const float xhat = ln_xhat(x, i, mean, rstd, row);
     const float g = load(dy, i) * gamma[col];
     const float grad = rstd[row] * (g - sums[row] * inv_cols - xhat * (sums[rows + row] * inv_cols));
-    if (add == nullptr) {
-      store(dx, i, grad);
-      return;
-    }
     T own[1];  // the gradient as dx would hold it, then the sum as add() forms it
     store(own, 0, grad);
-    store(dx, i, load(own, 0) + load(add, i));
+    if (add != nullptr) store(own, 0, load(own, 0) + load(add, i));
+    dx[i] = own[0];
+    if (rounded != nullptr) store(rounded, i, load(own, 0));
   }
 };
 

@@ -64,6 +64,10 @@ struct TensorDecl {
 // convolves bf16 storage (conv2d_supports_bf16).
 struct AutocastScratch {
   Scratch x, y, dy, out, dx, weight, grad, grad16, workspace;
+  // The residual stream's gradient rounded to bf16 by the layer that writes it (LayerContext::
+  // dx_bf16), for the branch that reads it next: two, so that a layer never writes the one its
+  // own backward reads.
+  Scratch stream_grad16[2];
   // Buffers outgrown during a step: kept until the next forward, since work queued before the
   // growth (maybe waiting on a SyncBatchNorm collective) still reads them.
   std::vector<DeviceBuffer> retired;
@@ -98,6 +102,12 @@ struct LayerContext {
   // Backward: a gradient of dx's storage that a layer which adds_to_dx() adds to what it writes into
   // dx, in the same pass (a residual's shortcut gradient, into its body's first layer's); null: none.
   const void* dx_add = nullptr;
+  // Backward under autocast: where a layer that copies_dx_bf16() also writes its fp32 dx rounded to
+  // bf16, in the same pass (the cast the layer before it would make of its dy); null: none.
+  std::uint16_t* dx_bf16 = nullptr;
+  // Backward under autocast: the fp32 dy rounded to bf16 by the layer that wrote dy, for a layer
+  // that rounds_dy() to use instead of rounding it again; null: it rounds dy itself.
+  const std::uint16_t* dy_bf16 = nullptr;
 };
 
 // Where a model's layers find their parameters' gradients: its flat buffer, or the slots an engine
@@ -178,6 +188,13 @@ class Layer {
   // Whether the backward adds ctx.dx_add to the dx it writes (bits of a separate add after it); a
   // container: its first computing child does. A chain hands dx_add to its first child only.
   virtual bool adds_to_dx() const { return false; }
+  // Under autocast, whether the backward can also write its fp32 dx rounded to bf16 into
+  // ctx.dx_bf16 in the pass that writes dx (LayerNorm); a container: the child that writes its dx can.
+  virtual bool copies_dx_bf16() const { return false; }
+  // Under autocast, whether the backward (of an input with the given storage) rounds its fp32 dy to
+  // bf16 before using it, and so takes ctx.dy_bf16 where the layer after it made that copy (a
+  // residual whose bf16 branch joins the fp32 stream); a container: its last computing child does.
+  virtual bool rounds_dy(bool /*input_bf16*/) const { return false; }
   // What a leaf's backward reads besides dy, so that a chain under autocast widens only those.
   virtual bool backward_reads_input() const { return true; }
   virtual bool backward_reads_output() const { return false; }
