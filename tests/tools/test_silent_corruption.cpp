@@ -113,6 +113,24 @@ TEST_F(SilentCorruption, AShadowShardNamesTheDeviceWhoseGemmFlipsAndTheRunKeepsI
   }
 }
 
+// After a device is dropped the survivors hold uneven shares (8 shards on 3 devices: 3, 3, 2): the
+// twin is then the device a shard short, whose recomputation fits in the time the others take
+// (device 0's shard recomputed by device 3, not by the next device, 2, which settles it).
+TEST_F(SilentCorruption, OnUnevenSharesTheTwinIsTheDeviceAShardShort) {
+  const std::string common =
+      "--model mlp --hidden 16 --synthetic 240 --batch-size 2 --mode ddp --devices 4 --shards 8 --steps 7 --seed 5";
+  ASSERT_EQ(train("", common + " --save ref.st").code, 0);
+  const Result r =
+      train("DP_FAULT=flip-gemm@d1:5:backward,flip-gemm@d0:6:backward", common + " --shadow-shards 1 --save shadow.st");
+  ASSERT_EQ(r.code, 0) << r.output;
+  expect_has(r.output, "8 shards go on from step 4 on device(s) [0,2,3], 3 or 2 shards each");
+  expect_has(r.output, "of step 6 computed by device 0 and again by device 3 differs");
+  expect_has(r.output,
+             "device 2 recomputed it as device 3 did: device 0 computes wrong and is dropped before the step's update");
+  expect_has(r.output, "on device(s) [2,3]");
+  expect_same_tensors("ref.st", "shadow.st");
+}
+
 // Two devices: no third to settle a mismatch, so the run ends naming both (exit 8) and writes
 // nothing; a forward's flip is caught as a backward's.
 TEST_F(SilentCorruption, AShadowShardWithNoThirdDeviceNamesBothAndEnds) {

@@ -16,8 +16,9 @@ namespace dp::engines {
 // A replica check (check_replicas) cannot see a wrong result of a step's arithmetic, a flipped bit
 // in a GEMM's output: the wrong gradient is summed into every replica's update alike. Fixed shards
 // make a shard's gradient a function of its samples and the step's parameters alone (Note [fixed
-// shards]), the same bits on any device. So every K steps one shard is computed again by the next
-// device of its owner's process (its twin), after the twin's own shards and before the all-gather,
+// shards]), the same bits on any device. So every K steps one shard is computed again by another
+// device of its owner's process (its twin: the next one, or on uneven shares the next that holds
+// fewer shards than the most), after the twin's own shards and before the all-gather,
 // so that the recompute runs while the other ranks compute theirs; the owner fingerprints its
 // gradient (kernels::fingerprint) as it keeps it for the all-gather, the twin its recomputed one,
 // and the caller compares the two fingerprints and the two losses. Check c = step / K covers global
@@ -60,16 +61,29 @@ bool FixedShards::verifies_step(std::span<const Batch> batches, int slot) {
   const int ranks = comm_->size();
   const int owner = static_cast<int>(check % ranks) - comm_->first_rank();
   if (owner < 0 || owner >= group_.size()) return true;  // another process's check: it learns the verdict
-  const auto at = static_cast<std::size_t>(owner);
-  const int count = (owner + 1 < group_.size() ? first_shard_[at + 1] : batches_per_step()) - first_shard_[at];
+  const int local = group_.size();
+  const auto count = [&](int r) {
+    const auto at = static_cast<std::size_t>(r);
+    return (r + 1 < local ? first_shard_[at + 1] : batches_per_step()) - first_shard_[at];
+  };
   Shadow shadow;
   shadow.step = step;
   shadow.owner = owner;
-  shadow.index = static_cast<int>((check / ranks) % count);
+  shadow.index = static_cast<int>((check / ranks) % count(owner));
   shadow.shard = first_shard_of(owner) + shadow.index;
-  shadow.twin = (owner + 1) % group_.size();
-  shadow.referee = group_.size() >= 3 ? (owner + 2) % group_.size() : -1;
-  shadow.batch = batches[static_cast<std::size_t>(first_shard_[at] + shadow.index)];
+  // The twin: the first device after the owner that holds fewer shards than the first one (the
+  // most), where the layout is uneven (a lost device's survivors): its extra shard then takes no
+  // longer than the others' own. Else the next device; the referee is the next after both.
+  shadow.twin = (owner + 1) % local;
+  for (int k = 1; k < local; ++k)
+    if (const int r = (owner + k) % local; count(r) < count(0)) {
+      shadow.twin = r;
+      break;
+    }
+  shadow.referee = -1;
+  for (int k = 1; k < local && shadow.referee < 0; ++k)
+    if (const int r = (owner + k) % local; r != shadow.twin) shadow.referee = r;
+  shadow.batch = batches[static_cast<std::size_t>(first_shard_[static_cast<std::size_t>(owner)] + shadow.index)];
   push_shadow_batch(shadow.twin, slot, shadow.batch);
   shadow_ = shadow;
   return true;
