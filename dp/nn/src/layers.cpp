@@ -60,13 +60,10 @@ class LayerParams {
         params_(params),
         grads_(grads),
         bias_grads_(bias_grads),
-        computed_(grads),
         count_(count),
         weights_(bias_grads ? weights : count),
         cast_(cast) {
-    if (!ctx.amp) return;
-    tensor_cores_.emplace();
-    if (grads) computed_ = ctx.amp->get<float>(ctx.amp->grad, ctx.device, count);
+    if (ctx.amp) tensor_cores_.emplace();
   }
   // fp32 words: the parameters, or under autocast their bf16 values (rounded on first ask).
   const float* params() const { return rounded(0); }
@@ -78,8 +75,13 @@ class LayerParams {
     if (!grads_) kernels::to_bf16(ctx_.stream, count_, params_, bits);  // a forward casts; its backward reads
     return bits;
   }
-  // Where the backward kernel writes the weight's and the bias's gradients.
-  float* grads() const { return computed_; }
+  // Where the backward kernel writes the weight's gradient (bias_grads(): the bias's); under
+  // autocast the model's fp32 scratch, asked for only by a layer whose kernel writes it fp32.
+  float* grads() const {
+    if (!widens()) return grads_;
+    if (!computed_) computed_ = ctx_.amp->get<float>(ctx_.amp->grad, ctx_.device, weights_);
+    return computed_;
+  }
   // Under autocast, where a GEMM writes the weight's gradient as bf16 (its fp32 result rounded once,
   // which finish() widens into the buffer: half the bytes of an fp32 gradient rounded after).
   kernels::Out weight_grads() const {
@@ -87,19 +89,22 @@ class LayerParams {
     weight_bits_ = ctx_.amp->get<std::uint16_t>(ctx_.amp->grad16, ctx_.device, weights_);
     return kernels::Out(weight_bits_);
   }
-  float* bias_grads() const { return computed_ == grads_ && bias_grads_ ? bias_grads_ : computed_ + weights_; }
+  float* bias_grads() const {
+    if (!widens()) return bias_grads_;
+    if (!computed_bias_) computed_bias_ = ctx_.amp->get<float>(ctx_.amp->grad_bias, ctx_.device, count_ - weights_);
+    return computed_bias_;
+  }
   // The backward kernel's `accumulate`: under autocast it writes, finish() adds.
   bool accumulate() const { return !ctx_.amp && ctx_.accumulate_grads; }
   void finish() const {
-    if (computed_ == grads_) return;
+    if (!widens()) return;
     // Elementwise: the weight's and the bias's parts apart give the bits of one pass over both.
     if (weight_bits_)
       kernels::add_bf16_rounded(ctx_.stream, weights_, weight_bits_, grads_, ctx_.accumulate_grads);
-    else
+    else if (computed_)
       kernels::add_bf16_rounded(ctx_.stream, weights_, computed_, grads_, ctx_.accumulate_grads);
-    if (weights_ < count_)
-      kernels::add_bf16_rounded(ctx_.stream, count_ - weights_, computed_ + weights_, bias_grads_,
-                                ctx_.accumulate_grads);
+    if (computed_bias_)
+      kernels::add_bf16_rounded(ctx_.stream, count_ - weights_, computed_bias_, bias_grads_, ctx_.accumulate_grads);
   }
 
  private:
@@ -114,11 +119,16 @@ class LayerParams {
     return out;
   }
 
+  // A backward under autocast: the kernels' gradients go through scratch, rounded to bf16 on their
+  // way into the buffer.
+  bool widens() const { return ctx_.amp && grads_; }
+
   const LayerContext& ctx_;
   const float* params_;
   float* grads_;
   float* bias_grads_;
-  float* computed_;
+  mutable float* computed_ = nullptr;       // autocast: the weight's gradient, fp32
+  mutable float* computed_bias_ = nullptr;  // autocast: the bias's
   std::int64_t count_;
   std::int64_t weights_;  // elements whose gradients go to grads_ (the rest: bias_grads_)
   Scratch& cast_;

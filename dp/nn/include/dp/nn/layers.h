@@ -59,11 +59,12 @@ struct TensorDecl {
 // arithmetic into `out`/`dx` and rounds that back. Linear and Conv2d take their weights as bf16
 // (as bf16 storage, their own; `weight`: fp32 words holding bf16 values) and multiply them with their bf16
 // inputs in fp32, which is exact (two 8-bit mantissas fit a 24-bit one), so only the accumulation
-// order can differ from torch's; their gradients go through `grad` to be rounded to bf16 before they
-// reach the fp32 buffer. `workspace` is the shared path's convolution scratch, only where no library
+// order can differ from torch's; their gradients go through `grad` (the weight's: fp32, or `grad16`
+// where its GEMM writes it bf16) and `grad_bias` to be rounded to bf16 before they reach the fp32
+// buffer. `workspace` is the shared path's convolution scratch, only where no library
 // convolves bf16 storage (conv2d_supports_bf16).
 struct AutocastScratch {
-  Scratch x, y, dy, out, dx, weight, grad, grad16, workspace;
+  Scratch x, y, dy, out, dx, weight, grad, grad_bias, grad16, workspace;
   // The residual stream's gradient rounded to bf16 by the layer that writes it (LayerContext::
   // dx_bf16), for the branch that reads it next: two, so that a layer never writes the one its
   // own backward reads.
