@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
+#include <functional>
 #include <gtest/gtest.h>
 #include <limits>
 #include <string>
@@ -435,59 +436,96 @@ TEST_P(AutocastOnBackend, ConversionKernelsGiveTheHostBits) {
 // that writes that gradient (the next branch's first layer, or ln_f) writes the rounding with it:
 // no separate cast in the backward, and the bits of the model whose blocks a Dropout(0) separates
 // (an exact identity that asks for no copy, so every branch rounds the gradient itself).
-TEST_P(AutocastOnBackend, TheStreamsGradientIsRoundedWhereItIsWritten) {
-  const int batch = 2, tokens = 5, width = 16;
-  const auto block = [&](const std::string& name, bool separated) {
-    nn::Layers attn, mlp, branches;
-    attn.push_back(nn::make_layernorm("ln_1", width));
-    attn.push_back(nn::make_linear("attn.c_proj", width, width));
-    mlp.push_back(nn::make_layernorm("ln_2", width));
-    mlp.push_back(nn::make_linear("mlp.c_fc", width, 4 * width));
-    mlp.push_back(nn::make_gelu("mlp.gelu"));
-    mlp.push_back(nn::make_linear("mlp.c_proj", 4 * width, width));
-    branches.push_back(nn::make_residual("", std::move(attn), {}, false, nn::ResidualAdd::promote));
-    if (separated) branches.push_back(nn::make_dropout("apart", 0.0));
-    branches.push_back(nn::make_residual("", std::move(mlp), {}, false, nn::ResidualAdd::promote));
-    return nn::make_sequential(name, std::move(branches));
-  };
-  const auto model = [&](bool separated) {
-    nn::Layers layers;
-    for (int b = 0; b < 2; ++b) {
-      layers.push_back(block(fmt::format("h.{}", b), separated));
-      if (separated) layers.push_back(nn::make_dropout(fmt::format("apart.{}", b), 0.0));
-    }
-    layers.push_back(nn::make_layernorm("ln_f", width));
-    layers.push_back(nn::make_linear("head", width, 7));
+class StreamGradientCopy : public AutocastOnBackend {
+ protected:
+  static constexpr int kBatch = 2, kTokens = 5, kWidth = 16, kClasses = 7;
+  // The model `layers(separated)` gives, under autocast, fp32 tokens in.
+  std::unique_ptr<nn::SequentialModel> model(nn::Layers layers) {
     auto m = std::make_unique<nn::SequentialModel>("stream", *device_, std::move(layers),
-                                                   std::vector<std::int64_t>{tokens, 1, width});
+                                                   std::vector<std::int64_t>{kTokens, 1, kWidth});
     m->set_autocast(Autocast::bf16);
     return m;
-  };
-  const auto x = test::random_vector(static_cast<std::size_t>(batch) * tokens * width, 31, -2.0f, 2.0f);
-  const auto dy = test::random_vector(static_cast<std::size_t>(batch) * tokens * 7, 32);
-  const DeviceBuffer input = up(x), grad_output = up(dy);
-  auto fused = model(false), apart = model(true);
-  ASSERT_EQ(fused->param_count(), apart->param_count());
-  fused->initialize(3);
-  stream_.copy(apart->params_flat(), fused->params_flat(), fused->param_count() * sizeof(float));
-  std::vector<float> grads[2];
-  std::uint64_t casts[2] = {0, 0};
-  nn::SequentialModel* models[2] = {fused.get(), apart.get()};
-  for (int k = 0; k < 2; ++k) {
-    models[k]->forward(stream_, input.as<float>(), batch, Mode::train);
-    models[k]->zero_grad(stream_);
-    (void)traffic();
-    runtime_->reset_memory_traffic();
-    models[k]->backward(stream_, grad_output.as<float>(), {});
-    const auto t = traffic();
-    casts[k] = t.contains("to_bf16") ? t.at("to_bf16").second : 0;
-    grads[k] = test::to_host(stream_, models[k]->grads_flat(), models[k]->param_count());
   }
+  // A pre-LayerNorm residual branch: x + Linear(LayerNorm(x)).
+  static std::unique_ptr<nn::Layer> branch(const std::string& name) {
+    nn::Layers body;
+    body.push_back(nn::make_layernorm(name + ".ln", kWidth));
+    body.push_back(nn::make_linear(name + ".fc", kWidth, kWidth));
+    return nn::make_residual(name, std::move(body), {}, false, nn::ResidualAdd::promote);
+  }
+  // One backward of each from the same parameters: every gradient bit for bit the same; returns the
+  // casts (to_bf16 launches) each backward made.
+  std::pair<std::uint64_t, std::uint64_t> expect_same_gradients(const std::function<nn::Layers(bool)>& layers) {
+    const auto x = test::random_vector(static_cast<std::size_t>(kBatch) * kTokens * kWidth, 31, -2.0f, 2.0f);
+    const auto dy = test::random_vector(static_cast<std::size_t>(kBatch) * kTokens * kClasses, 32);
+    const DeviceBuffer input = up(x), grad_output = up(dy);
+    auto fused = model(layers(false)), apart = model(layers(true));
+    EXPECT_EQ(fused->param_count(), apart->param_count());
+    fused->initialize(3);
+    stream_.copy(apart->params_flat(), fused->params_flat(), fused->param_count() * sizeof(float));
+    std::vector<float> grads[2];
+    std::uint64_t casts[2] = {0, 0};
+    nn::SequentialModel* models[2] = {fused.get(), apart.get()};
+    for (int k = 0; k < 2; ++k) {
+      models[k]->forward(stream_, input.as<float>(), kBatch, Mode::train);
+      models[k]->zero_grad(stream_);
+      (void)traffic();
+      runtime_->reset_memory_traffic();
+      models[k]->backward(stream_, grad_output.as<float>(), {});
+      const auto t = traffic();
+      casts[k] = t.contains("to_bf16") ? t.at("to_bf16").second : 0;
+      grads[k] = test::to_host(stream_, models[k]->grads_flat(), models[k]->param_count());
+    }
+    for (std::size_t i = 0; i < grads[0].size(); ++i)
+      if (std::bit_cast<std::uint32_t>(grads[0][i]) != std::bit_cast<std::uint32_t>(grads[1][i])) {
+        ADD_FAILURE() << "gradient element " << i << ": " << grads[0][i] << " against " << grads[1][i];
+        break;
+      }
+    return {casts[0], casts[1]};
+  }
+};
+INSTANTIATE_TEST_SUITE_P(Backends, StreamGradientCopy, ::testing::Values("sim", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+// Two GPT blocks (attention's place taken by a Linear), ln_f and a head.
+TEST_P(StreamGradientCopy, TheStreamsGradientIsRoundedWhereItIsWritten) {
+  const auto [fused, apart] = expect_same_gradients([](bool separated) {
+    nn::Layers layers;
+    for (int b = 0; b < 2; ++b) {
+      nn::Layers mlp, branches;
+      mlp.push_back(nn::make_layernorm("ln_2", kWidth));
+      mlp.push_back(nn::make_linear("mlp.c_fc", kWidth, 4 * kWidth));
+      mlp.push_back(nn::make_gelu("mlp.gelu"));
+      mlp.push_back(nn::make_linear("mlp.c_proj", 4 * kWidth, kWidth));
+      branches.push_back(branch("attn"));
+      if (separated) branches.push_back(nn::make_dropout("apart", 0.0));
+      branches.push_back(nn::make_residual("", std::move(mlp), {}, false, nn::ResidualAdd::promote));
+      layers.push_back(nn::make_sequential(fmt::format("h.{}", b), std::move(branches)));
+      if (separated) layers.push_back(nn::make_dropout(fmt::format("apart.{}", b), 0.0));
+    }
+    layers.push_back(nn::make_layernorm("ln_f", kWidth));
+    layers.push_back(nn::make_linear("head", kWidth, kClasses));
+    return layers;
+  });
   // One cast is the head's: its bf16 output's fp32 gradient (the backward of `logits.float()`).
-  EXPECT_EQ(casts[0], 1u) << "every rounding of the stream's gradient made where it is written";
-  EXPECT_EQ(casts[1], 5u) << "the separated model: each of its four branches rounds its own";
-  for (std::size_t i = 0; i < grads[0].size(); ++i)
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(grads[0][i]), std::bit_cast<std::uint32_t>(grads[1][i])) << "element " << i;
+  EXPECT_EQ(fused, 1u) << "every rounding of the stream's gradient made where it is written";
+  EXPECT_EQ(apart, 5u) << "the separated model: each of its four branches rounds its own";
+}
+
+// A residual whose body holds branches that make copies of their own, and whose projection
+// shortcut reads the rounded gradient after its body's backward: each chain's copies are its own.
+TEST_P(StreamGradientCopy, ANestedResidualsCopiesLeaveItsOwnAlone) {
+  expect_same_gradients([](bool separated) {
+    nn::Layers body, shortcut, layers;
+    body.push_back(branch("a"));
+    body.push_back(branch("b"));
+    shortcut.push_back(nn::make_linear("proj", kWidth, kWidth));
+    layers.push_back(nn::make_residual("outer", std::move(body), std::move(shortcut), false, nn::ResidualAdd::promote));
+    if (separated) layers.push_back(nn::make_dropout("apart", 0.0));
+    layers.push_back(branch("c"));
+    layers.push_back(nn::make_linear("head", kWidth, kClasses));
+    return layers;
+  });
 }
 
 // Under Bf16Operands a GEMM of bf16 values is their exact products accumulated in fp32: bf16 tensor

@@ -232,15 +232,16 @@ void Chain::backward(const LayerContext& ctx, const void* dy, void* dx, const st
     void* child_dx = i == first ? dx : activation(ctx, activation_grads_, i);
     // Under autocast a LayerNorm that writes the fp32 stream's gradient also writes its bf16
     // rounding where the residual branch before it would round it (one pass over the gradient
-    // fewer; the same bits): the chain's caller asks for the chain's dx, the chain for the others.
+    // fewer; the same bits): the chain's caller asks for the chain's dx, the chain for the others,
+    // into its own two buffers taking turns. Its own: a child's dy16 may be read until the child's
+    // backward ends (a residual's shortcut), while chains nested in the child make their copies.
     std::uint16_t* dx16 = nullptr;
     if (i == first)
       dx16 = ctx.dx_bf16;
     else if (ctx.amp && !bf16_[i] && !relu_fused_[i] && layer.copies_dx_bf16() && next_rounds_dy(i)) {
-      AutocastScratch& amp = *ctx.amp;
       const std::int64_t n = shapes_[i].numel();
-      dx16 = amp.get<std::uint16_t>(amp.stream_grad16[0], ctx.device, n);
-      if (dx16 == dy16) dx16 = amp.get<std::uint16_t>(amp.stream_grad16[1], ctx.device, n);
+      dx16 = ctx.amp->get<std::uint16_t>(grad_copies_[0], ctx.device, n);
+      if (dx16 == dy16) dx16 = ctx.amp->get<std::uint16_t>(grad_copies_[1], ctx.device, n);
     }
     backward_child(ctx, i, relu_fused_[i], dy, child_dx, dy16, dx16, after);
     dy = child_dx;

@@ -103,6 +103,7 @@ class Chain {
   std::vector<const void*> outputs_;
   std::vector<bool> bf16_;
   std::vector<Scratch> activations_, activation_grads_;
+  Scratch grad_copies_[2];  // autocast: the bf16 copies of dx its children write for each other
   // relu_fused_[i]: child i ran forward_relu for itself and child i + 1 (a ReLU) in the last forward.
   std::vector<bool> relu_fused_;
   static constexpr std::size_t kNone = ~std::size_t{0};

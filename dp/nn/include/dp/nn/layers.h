@@ -65,10 +65,6 @@ struct TensorDecl {
 // convolves bf16 storage (conv2d_supports_bf16).
 struct AutocastScratch {
   Scratch x, y, dy, out, dx, weight, grad, grad_bias, grad16, workspace;
-  // The residual stream's gradient rounded to bf16 by the layer that writes it (LayerContext::
-  // dx_bf16), for the branch that reads it next: two, so that a layer never writes the one its
-  // own backward reads.
-  Scratch stream_grad16[2];
   // Buffers outgrown during a step: kept until the next forward, since work queued before the
   // growth (maybe waiting on a SyncBatchNorm collective) still reads them.
   std::vector<DeviceBuffer> retired;
