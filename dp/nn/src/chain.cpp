@@ -98,14 +98,7 @@ bool Chain::copies_dx_bf16() const {
          layers_[first]->copies_dx_bf16();
 }
 
-bool Chain::rounds_dy() const {
-  for (std::size_t i = layers_.size(); i-- > 0;) {
-    if (layers_[i]->is_view()) continue;
-    if (i >= bf16_.size() || (i > 0 && relu_fused_[i - 1])) return false;  // no forward yet; a fused ReLU
-    return layers_[i]->rounds_dy(bf16_[i]);
-  }
-  return false;
-}
+bool Chain::rounds_dy() const { return !bf16_.empty() && next_rounds_dy(layers_.size()); }  // after a forward
 
 bool Chain::next_rounds_dy(std::size_t i) const {
   for (std::size_t j = i; j-- > 0;) {

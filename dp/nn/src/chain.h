@@ -91,7 +91,8 @@ class Chain {
   void backward_child(const LayerContext& ctx, std::size_t i, bool fused, const void* dy, void* dx,
                       const std::uint16_t* dy16, std::uint16_t* dx16, const std::function<void(Layer&)>& after);
   // Whether the child that runs backward after child i (the computing one before it) rounds its
-  // fp32 dy to bf16: then child i, where it copies_dx_bf16, writes that rounding with its dx.
+  // fp32 dy to bf16: then child i, where it copies_dx_bf16, writes that rounding with its dx (i =
+  // the child count: whether the last computing child does).
   bool next_rounds_dy(std::size_t i) const;
   // The boundary's bytes per element.
   std::size_t element_size(std::size_t boundary) const { return bf16_[boundary] ? 2 : 4; }

@@ -85,7 +85,7 @@ class LayerParams {
   // Under autocast, where a GEMM writes the weight's gradient as bf16 (its fp32 result rounded once,
   // which finish() widens into the buffer: half the bytes of an fp32 gradient rounded after).
   kernels::Out weight_grads() const {
-    if (!ctx_.amp || !grads_) return grads();
+    if (!widens()) return grads();
     weight_bits_ = ctx_.amp->get<std::uint16_t>(ctx_.amp->grad16, ctx_.device, weights_);
     return kernels::Out(weight_bits_);
   }
